@@ -29,6 +29,25 @@ struct batch_view {
   }
 };
 
+namespace detail {
+/// Entry points accept float and double elements.
+template <class T>
+constexpr void require_float_type() {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
+                "troll: element type must be float or double");
+}
+
+template <class T>
+struct identity {
+  using type = T;
+};
+}  // namespace detail
+
+/// Read-only view whose element type is deduced from another (output) argument, so a mutable
+/// batch_view<T> converts implicitly where an input is expected.
+template <class T>
+using input_view = batch_view<const typename detail::identity<T>::type>;
+
 /// A view of `rows` × `cols` elements at `data`, rows `stride` elements apart (default: packed).
 template <class T>
 TROLL_HOST_DEVICE batch_view<T> make_batch(T* data, std::size_t rows, std::size_t cols,

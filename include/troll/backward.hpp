@@ -1,0 +1,184 @@
+// troll/backward.hpp — derivatives of the projection (math.md §3): the VJP a trainer's backward
+// calls (O(V) per row, no V×V matrix), the JVP, and full Jacobians for small vocabularies.
+// All take the forward's inputs, its output log π* and its per-row statistics.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "batch.hpp"
+#include "config.hpp"
+#include "detail/cpu/backward_kernels.hpp"
+#include "detail/cpu/parallel.hpp"
+#include "detail/cpu/row_kernels.hpp"
+#include "errors.hpp"
+#include "execution.hpp"
+#include "projection_types.hpp"
+
+TROLL_BEGIN_NAMESPACE
+
+namespace detail {
+
+/// First non-finite entry (NaN or ±inf) of a row that must be finite everywhere.
+template <class T>
+row_problem find_nonfinite(const T* z, std::size_t size, const char* operand) {
+  row_problem p;
+  cpu::for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    if (p) return;
+    const cpu::block_array a = cpu::load(z, begin, count);
+    if (((a - a) == 0.0).all()) return;
+    for (Eigen::Index k = 0; k < count; ++k)
+      if (!(a[k] - a[k] == 0.0)) {
+        p.kind = problem_kind::nan_value;
+        p.operand = operand;
+        p.token = begin + std::size_t(k);
+        p.value = a[k];
+        return;
+      }
+  });
+  if (p) p.operand = operand;
+  return p;
+}
+
+inline row_problem check_stats(const projection_stats& s) {
+  row_problem p;
+  p.kind = problem_kind::bad_stats;
+  switch (s.status) {
+    case row_status::inactive:
+    case row_status::restricted:
+      return row_problem{};
+    case row_status::projected:
+      if (!(s.t > 0.0 && s.t <= 1.0)) {
+        p.operand = "t of a projected row is not in (0, 1]";
+      } else if (!(s.sigma2 > 0.0 && s.sigma2 < inf())) {
+        p.operand = "sigma2 of a projected row is not finite and > 0";
+      } else if (!(s.mu - s.mu == 0.0)) {
+        p.operand = "mu of a projected row is not finite";
+      } else {
+        return row_problem{};
+      }
+      return p;
+    default:
+      p.operand = "status is not inactive, projected or restricted";
+      return p;
+  }
+}
+
+/// Shared argument checks of the backward entry points; throws before anything is written.
+template <class T>
+void validate_backward(const char* fn, unsigned threads, batch_view<const T> new_logits,
+                       batch_view<const T> old_logits, batch_view<const T> log_probs,
+                       const projection_stats* stats, batch_view<const T> upstream,
+                       const char* upstream_name, batch_view<const T> upstream_old) {
+  check_view(fn, "new_logits", new_logits);
+  check_view(fn, "old_logits", old_logits);
+  check_view(fn, "log_probs", log_probs);
+  check_same_shape(fn, "new_logits", new_logits, "old_logits", old_logits);
+  check_same_shape(fn, "new_logits", new_logits, "log_probs", log_probs);
+  if (upstream.data != nullptr || upstream.rows != 0) {  // absent for project_jacobian
+    check_view(fn, upstream_name, upstream);
+    check_same_shape(fn, "new_logits", new_logits, upstream_name, upstream);
+  } else if (new_logits.rows != 0 && upstream_name[0] != '\0') {
+    throw_shape(fn, std::string(upstream_name) + " is a null pointer");
+  }
+  if (upstream_old.rows != 0) {
+    check_view(fn, "tangent_old", upstream_old);
+    check_same_shape(fn, "new_logits", new_logits, "tangent_old", upstream_old);
+  }
+  if (new_logits.rows != 0 && stats == nullptr) throw_shape(fn, "stats is a null pointer");
+  const std::size_t size = new_logits.cols;
+  auto problem = [&](std::size_t r) {
+    row_setup setup;
+    row_problem p = cpu::scan_pair(new_logits.row(r), old_logits.row(r), size, setup,
+                                   "new_logits", "old_logits");
+    if (!p) p = check_stats(stats[r]);
+    if (!p && upstream.data != nullptr) p = find_nonfinite(upstream.row(r), size, upstream_name);
+    if (!p && upstream_old.rows != 0) p = find_nonfinite(upstream_old.row(r), size, "tangent_old");
+    return p;
+  };
+  const std::size_t bad = cpu::first_bad_row(threads, new_logits.rows, 3 * size,
+                                             [&](std::size_t r) { return bool(problem(r)); });
+  if (bad != new_logits.rows) throw_problem(fn, bad, problem(bad));
+}
+
+template <class T>
+void check_output(const char* fn, const char* name, batch_view<const T> like, batch_view<T> out) {
+  check_view(fn, name, out);
+  check_same_shape(fn, "new_logits", like, name, out);
+}
+
+}  // namespace detail
+
+/// Vector–Jacobian product of project(): given g = ∂L/∂log π* (rows × V), writes
+///   grad_new = ∂L/∂z̃,  grad_old = ∂L/∂z° (skipped when grad_old is empty),
+///   grad_eps[r] = ∂L/∂ε for row r (skipped when null).
+/// Upstream entries at masked outputs (log π* = −inf) are ignored; masked inputs get 0.
+/// Throws shape_error / domain_error (non-finite g, unusable stats, bad logits) before writing.
+template <class T>
+void project_backward(cpu_policy policy, input_view<T> new_logits, input_view<T> old_logits,
+                      input_view<T> log_probs, const projection_stats* stats,
+                      input_view<T> grad_log_probs, batch_view<T> grad_new,
+                      batch_view<T> grad_old = {}, T* grad_eps = nullptr) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "project_backward";
+  detail::check_output(fn, "grad_new", new_logits, grad_new);
+  if (grad_old.rows != 0) detail::check_output(fn, "grad_old", new_logits, grad_old);
+  detail::validate_backward(fn, policy.threads, new_logits, old_logits, log_probs, stats,
+                            grad_log_probs, "grad_log_probs", input_view<T>{});
+  const std::size_t size = new_logits.cols;
+  const bool want_old = grad_old.rows != 0;
+  detail::cpu::parallel_for(policy.threads, new_logits.rows, 6 * size, [&](std::size_t r) {
+    double row_grad_eps = 0.0;
+    detail::cpu::vjp_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
+                         grad_log_probs.row(r), size, stats[r], grad_new.row(r),
+                         want_old ? grad_old.row(r) : static_cast<T*>(nullptr), &row_grad_eps);
+    if (grad_eps) grad_eps[r] = T(row_grad_eps);
+  });
+}
+
+/// Jacobian–vector product of project(): the directional derivative of log π* along tangents
+/// (tangent_new for z̃, tangent_old for z° — may be empty — and tangent_eps for ε, shared by all
+/// rows). Masked outputs get 0.
+template <class T>
+void project_jvp(cpu_policy policy, input_view<T> new_logits, input_view<T> old_logits,
+                 input_view<T> log_probs, const projection_stats* stats, input_view<T> tangent_new,
+                 input_view<T> tangent_old, double tangent_eps, batch_view<T> tangent_out) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "project_jvp";
+  detail::check_output(fn, "tangent_out", new_logits, tangent_out);
+  if (!(tangent_eps - tangent_eps == 0.0))
+    throw domain_error("troll::project_jvp: tangent_eps is not finite");
+  detail::validate_backward(fn, policy.threads, new_logits, old_logits, log_probs, stats,
+                            tangent_new, "tangent_new", tangent_old);
+  const std::size_t size = new_logits.cols;
+  const bool with_old = tangent_old.rows != 0;
+  detail::cpu::parallel_for(policy.threads, new_logits.rows, 6 * size, [&](std::size_t r) {
+    detail::cpu::jvp_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
+                         tangent_new.row(r), with_old ? tangent_old.row(r) : static_cast<const T*>(nullptr),
+                         tangent_eps, size, stats[r], tangent_out.row(r));
+  });
+}
+
+/// Full Jacobians of project() for small vocabularies: per row a row-major V×V block of
+/// jac_new (∂log π*_i/∂z̃_j), of jac_old (∂log π*_i/∂z°_j; null to skip) and V entries of
+/// jac_eps (∂log π*_i/∂ε; null to skip). Memory is rows·V² elements: meant for V in the
+/// hundreds (tests, analysis), not for LLM vocabularies.
+template <class T>
+void project_jacobian(cpu_policy policy, input_view<T> new_logits, input_view<T> old_logits,
+                      input_view<T> log_probs, const projection_stats* stats, T* jac_new,
+                      T* jac_old = nullptr, T* jac_eps = nullptr) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "project_jacobian";
+  if (new_logits.rows != 0 && jac_new == nullptr) detail::throw_shape(fn, "jac_new is a null pointer");
+  detail::validate_backward(fn, policy.threads, new_logits, old_logits, log_probs, stats,
+                            input_view<T>{}, "", input_view<T>{});
+  const std::size_t size = new_logits.cols;
+  detail::cpu::parallel_for(policy.threads, new_logits.rows, size * size, [&](std::size_t r) {
+    const std::size_t block = size * size;
+    detail::cpu::jacobian_row(new_logits.row(r), old_logits.row(r), log_probs.row(r), size, stats[r],
+                              jac_new + r * block, jac_old ? jac_old + r * block : nullptr,
+                              jac_eps ? jac_eps + r * size : nullptr);
+  });
+}
+
+TROLL_END_NAMESPACE

@@ -1,0 +1,165 @@
+// troll/detail/cpu/backward_kernels.hpp — per-row VJP, JVP and full Jacobian of the projection
+// on the CPU (math.md §3), from the forward inputs, its output log π* and its statistics.
+//
+// With J the tokens where log π* > −inf, d = z̃ − z°, and t, μ, σ² at t*:
+//   ∂log π_i/∂z̃_j = t [δ_ij − π_j − (d_i − μ)(d_j − μ) π_j / σ²]
+//   ∂log π_i/∂z°_j = (1 − t)(δ_ij − π_j) + (d_i − μ) ∂t/∂z°_j,
+//        ∂t/∂z°_j = −[(1 − t) t π_j (d_j − μ) − (π_j − q_j)] / (t σ²)
+//   ∂log π_i/∂ε   = (d_i − μ) / (t σ²)
+// Inactive and restricted rows: ∂log π_i/∂z̃_j = δ_ij − π_j on J, nothing else depends.
+// Entries off J (masked outputs) take no upstream gradient and give none to masked inputs.
+#pragma once
+
+#include <Eigen/Core>
+#include <cstddef>
+
+#include "../../config.hpp"
+#include "../../projection_types.hpp"
+#include "../numeric.hpp"
+#include "row_kernels.hpp"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+namespace cpu {
+
+/// log-normaliser of the old row, log Σ exp(z°), split as (max, log Σ exp(z° − max)).
+struct old_normaliser {
+  double max = 0.0;
+  double log_sum = 0.0;
+};
+template <class T>
+inline old_normaliser normalise_old(const T* zo, std::size_t size) {
+  old_normaliser n;
+  n.max = row_max(zo, size);
+  n.log_sum = log_sum_exp_shifted(zo, size, n.max);
+  return n;
+}
+
+/// Everything the backward formulas need from one row at one block.
+struct backward_block {
+  block_mask on_support;  // J: log π > −inf
+  block_array pi;         // π (0 off J)
+  block_array centred;    // d − μ (0 off J)
+};
+
+template <class T>
+inline void load_backward_block(const T* zn, const T* zo, const T* logp, double mu, std::size_t begin,
+                                Eigen::Index count, backward_block& b) {
+  const block_array lp = load(logp, begin, count);
+  b.on_support = lp > neg_inf();
+  b.pi = lp.exp();
+  b.centred = b.on_support.select(load(zn, begin, count) - load(zo, begin, count) - mu, 0.0);
+}
+
+/// ∂t/∂z°_j on a block (math at the top of this file); 0 where z° = −inf.
+template <class T>
+inline block_array dt_dold_block(const T* zo, const backward_block& b, const projection_stats& s,
+                                 const old_normaliser& on, std::size_t begin, Eigen::Index count) {
+  const double t = s.t;
+  const block_array q = ((load(zo, begin, count) - on.max) - on.log_sum).exp();
+  return -((1.0 - t) * t * b.pi * b.centred - (b.pi - q)) / (t * s.sigma2);
+}
+
+/// VJP of one row. grad_old may be null; grad_eps receives ∂L/∂ε of this row.
+template <class T>
+inline void vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::size_t size,
+                    const projection_stats& s, T* grad_new, T* grad_old, double* grad_eps) {
+  const bool projected = s.status == row_status::projected;
+  const double mu = s.mu;
+  backward_block b;
+  double sum_g = 0.0, sum_gc = 0.0;
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    load_backward_block(zn, zo, logp, mu, begin, count, b);
+    const block_array gb = b.on_support.select(load(g, begin, count), 0.0);
+    sum_g += gb.sum();
+    if (projected) sum_gc += (gb * b.centred).sum();
+  });
+  const double t = projected ? s.t : 1.0;
+  const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
+  const old_normaliser on = (projected && grad_old) ? normalise_old(zo, size) : old_normaliser{};
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    load_backward_block(zn, zo, logp, mu, begin, count, b);
+    const block_array gb = b.on_support.select(load(g, begin, count), 0.0);
+    const block_array explicit_part = gb - b.pi * sum_g;  // 0 off J since g, π are 0 there
+    store(grad_new, begin, count, t * (explicit_part - b.pi * b.centred * h_over_var));
+    if (!grad_old) return;
+    if (!projected) {
+      store(grad_old, begin, count, block_array::Zero(count));
+      return;
+    }
+    store(grad_old, begin, count,
+          (1.0 - t) * explicit_part + sum_gc * dt_dold_block(zo, b, s, on, begin, count));
+  });
+  *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
+}
+
+/// JVP of one row: tangent_old may be null (treated as zero).
+template <class T>
+inline void jvp_row(const T* zn, const T* zo, const T* logp, const T* tn, const T* to, double eps_dot,
+                    std::size_t size, const projection_stats& s, T* out) {
+  const bool projected = s.status == row_status::projected;
+  const double mu = s.mu, t = projected ? s.t : 1.0;
+  const old_normaliser on = (projected && to) ? normalise_old(zo, size) : old_normaliser{};
+  backward_block b;
+  double pi_tn = 0.0, pi_to = 0.0, t_dot = 0.0;
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    load_backward_block(zn, zo, logp, mu, begin, count, b);
+    const block_array un = b.on_support.select(load(tn, begin, count), 0.0);
+    pi_tn += (b.pi * un).sum();
+    if (!projected) return;
+    t_dot -= t / s.sigma2 * (b.pi * b.centred * un).sum();
+    if (!to) return;
+    const block_array uo = (load(zo, begin, count) > neg_inf()).select(load(to, begin, count), 0.0);
+    pi_to += (b.pi * uo).sum();
+    t_dot += (dt_dold_block(zo, b, s, on, begin, count) * uo).sum();
+  });
+  if (projected) t_dot += eps_dot / (t * s.sigma2);
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    load_backward_block(zn, zo, logp, mu, begin, count, b);
+    block_array value = t * (load(tn, begin, count) - pi_tn) + b.centred * t_dot;
+    if (projected && to) value += (1.0 - t) * (load(to, begin, count) - pi_to);
+    store(out, begin, count, b.on_support.select(value, 0.0));
+  });
+}
+
+/// Full Jacobians of one row (row-major V×V): jac_new = ∂log π/∂z̃, jac_old = ∂log π/∂z° (may be
+/// null), jac_eps = ∂log π/∂ε (V entries, may be null). Direct formulas, O(V²).
+template <class T>
+inline void jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t size,
+                         const projection_stats& s, T* jac_new, T* jac_old, T* jac_eps) {
+  const bool projected = s.status == row_status::projected;
+  const double t = projected ? s.t : 1.0;
+  const old_normaliser on = projected ? normalise_old(zo, size) : old_normaliser{};
+  auto on_support = [&](std::size_t i) { return static_cast<double>(logp[i]) > neg_inf(); };
+  auto pi = [&](std::size_t i) { return on_support(i) ? ::exp(static_cast<double>(logp[i])) : 0.0; };
+  auto centred = [&](std::size_t i) {
+    return on_support(i) ? static_cast<double>(zn[i]) - static_cast<double>(zo[i]) - s.mu : 0.0;
+  };
+  auto dt_dold = [&](std::size_t j) {
+    const double zj = static_cast<double>(zo[j]);
+    const double q = zj > neg_inf() ? ::exp((zj - on.max) - on.log_sum) : 0.0;
+    return -((1.0 - t) * t * pi(j) * centred(j) - (pi(j) - q)) / (t * s.sigma2);
+  };
+  for (std::size_t i = 0; i < size; ++i) {
+    const bool row_on = on_support(i);
+    for (std::size_t j = 0; j < size; ++j) {
+      const double delta = i == j ? 1.0 : 0.0;
+      double jn = 0.0, jo = 0.0;
+      if (row_on && on_support(j)) {
+        jn = t * (delta - pi(j));
+        if (projected) {
+          jn -= t * centred(i) * centred(j) * pi(j) / s.sigma2;
+          jo = (1.0 - t) * (delta - pi(j));
+        }
+      }
+      if (row_on && projected) jo += centred(i) * dt_dold(j);
+      jac_new[i * size + j] = T(jn);
+      if (jac_old) jac_old[i * size + j] = T(jo);
+    }
+    if (jac_eps) jac_eps[i] = T(row_on && projected ? centred(i) / (t * s.sigma2) : 0.0);
+  }
+}
+
+}  // namespace cpu
+}  // namespace detail
+TROLL_END_NAMESPACE

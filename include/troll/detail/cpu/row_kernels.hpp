@@ -1,0 +1,227 @@
+// troll/detail/cpu/row_kernels.hpp — the CPU backend's per-row passes, vectorised with Eigen.
+// Each pass walks a row in fixed blocks held on the stack (no heap), widens the elements to
+// double, and feeds the shared host/device maths (lse_state, trust_region_solver).
+#pragma once
+
+#include <Eigen/Core>
+#include <cstddef>
+
+#include "../../config.hpp"
+#include "../../projection_types.hpp"
+#include "../lse_state.hpp"
+#include "../numeric.hpp"
+#include "../row_problem.hpp"
+#include "../trust_region_solver.hpp"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+namespace cpu {
+
+constexpr Eigen::Index block_size = 512;
+using block_array = Eigen::Array<double, Eigen::Dynamic, 1, Eigen::ColMajor, block_size, 1>;
+using block_mask = Eigen::Array<bool, Eigen::Dynamic, 1, Eigen::ColMajor, block_size, 1>;
+
+template <class T>
+using row_map = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+template <class T>
+using row_map_out = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
+
+/// Calls fn(begin, count) for consecutive blocks of [0, size).
+template <class Fn>
+inline void for_each_block(std::size_t size, Fn&& fn) {
+  for (std::size_t begin = 0; begin < size; begin += block_size) {
+    const Eigen::Index count =
+        static_cast<Eigen::Index>(size - begin < std::size_t(block_size) ? size - begin : block_size);
+    fn(begin, count);
+  }
+}
+
+template <class T>
+inline block_array load(const T* p, std::size_t begin, Eigen::Index count) {
+  return row_map<T>(p + begin, count).template cast<double>();
+}
+
+template <class T, class Expr>
+inline void store(T* p, std::size_t begin, Eigen::Index count, const Expr& values) {
+  row_map_out<T>(p + begin, count) = values.template cast<T>();
+}
+
+/// First NaN or +inf of a row, if any.
+template <class T>
+inline row_problem find_bad_value(const T* z, std::size_t size, const char* operand) {
+  row_problem p;
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    if (p) return;
+    const block_array a = load(z, begin, count);
+    if ((a < inf()).all()) return;
+    for (Eigen::Index k = 0; k < count; ++k) {
+      if (!(a[k] < inf())) {
+        p.kind = a[k] != a[k] ? problem_kind::nan_value : problem_kind::pos_inf;
+        p.operand = operand;
+        p.token = begin + std::size_t(k);
+        return;
+      }
+    }
+  });
+  return p;
+}
+
+/// Validates a (new, old) row pair and fills the setup the solver needs. No exponentials.
+/// Problems reported: NaN / +inf entries, a row with no finite entry, disjoint supports.
+template <class T>
+inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_setup& setup,
+                             const char* new_name, const char* old_name) {
+  setup = row_setup{};
+  if (row_problem p = find_bad_value(zn, size, new_name)) return p;
+  if (row_problem p = find_bad_value(zo, size, old_name)) return p;
+  double best_new = neg_inf(), best_old = neg_inf();
+  bool any_new = false, any_old = false;
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    const block_array a = load(zn, begin, count);
+    const block_array b = load(zo, begin, count);
+    const block_mask fin_new = a > neg_inf();
+    const block_mask fin_old = b > neg_inf();
+    any_new = any_new || fin_new.any();
+    any_old = any_old || fin_old.any();
+    setup.old_max = maximum(setup.old_max, b.maxCoeff());
+    Eigen::Index at = 0;
+    if (fin_new.all() && fin_old.all()) {
+      const double vn = a.maxCoeff(&at);
+      if (vn > best_new) best_new = vn, setup.shift_new = a[at] - b[at];
+      const double vo = b.maxCoeff(&at);
+      if (vo > best_old) best_old = vo, setup.shift_old = a[at] - b[at];
+      return;
+    }
+    setup.new_only = setup.new_only || (fin_new && !fin_old).any();
+    setup.old_only = setup.old_only || (!fin_new && fin_old).any();
+    const block_mask joint = fin_new && fin_old;
+    if (!joint.any()) return;
+    const double vn = joint.select(a, neg_inf()).maxCoeff(&at);
+    if (vn > best_new) best_new = vn, setup.shift_new = a[at] - b[at];
+    const double vo = joint.select(b, neg_inf()).maxCoeff(&at);
+    if (vo > best_old) best_old = vo, setup.shift_old = a[at] - b[at];
+  });
+  row_problem p;
+  if (!any_new) {
+    p.kind = problem_kind::all_masked;
+    p.operand = new_name;
+  } else if (!any_old) {
+    p.kind = problem_kind::all_masked;
+    p.operand = old_name;
+  } else if (best_new == neg_inf()) {
+    p.kind = problem_kind::disjoint;
+  }
+  return p;
+}
+
+/// max_i z_i (−inf for an all-masked row).
+template <class T>
+inline double row_max(const T* z, std::size_t size) {
+  return static_cast<double>(row_map<T>(z, Eigen::Index(size)).maxCoeff());
+}
+
+/// log Σ_i exp(z_i − shift) over the row (masked entries add nothing).
+template <class T>
+inline double log_sum_exp_shifted(const T* z, std::size_t size, double shift) {
+  double sum = 0.0;
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    sum += (load(z, begin, count) - shift).exp().sum();
+  });
+  return ::log(sum);
+}
+
+/// The tilted-family reduction of trust_region_solver.hpp over one row (see that header).
+template <class T>
+struct tilt_evaluator {
+  const T* new_logits;
+  const T* old_logits;
+  std::size_t size;
+  double old_max;
+  bool masked;  // some token outside the joint support: take the select path
+
+  /// x = d − c and w = (z° − M°) + t·x on one block; w = −inf outside the joint support.
+  void block(std::size_t begin, Eigen::Index count, double t, double c, block_array& x,
+             block_array& w) const {
+    const block_array a = load(new_logits, begin, count);
+    const block_array b = load(old_logits, begin, count);
+    if (!masked) {
+      x = a - b - c;
+      w = (b - old_max) + t * x;
+      return;
+    }
+    const block_mask joint = (a > neg_inf()) && (b > neg_inf());
+    x = joint.select(a - b - c, 0.0);
+    w = joint.select((b - old_max) + t * x, neg_inf());
+  }
+
+  lse_state operator()(double t, double c) const {
+    lse_state total;
+    block_array x, w, e;
+    for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+      block(begin, count, t, c, x, w);
+      const double m = w.maxCoeff();
+      if (m == neg_inf()) return;
+      e = (w - m).exp();
+      total = merge(total, lse_state{m, e.sum(), (e * x).sum(), (e * x.square()).sum()});
+    });
+    return total;
+  }
+
+  /// out_i = log π_t,i = w_i − log_norm at the evaluated point `p`.
+  void write(const tilt_point& p, T* out) const {
+    block_array x, w;
+    for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+      block(begin, count, p.t, p.shift, x, w);
+      store(out, begin, count, w - p.log_norm);
+    });
+  }
+};
+
+/// out = log_softmax(z); the reference arithmetic for inactive rows: (z_i − M) − log Σ e^{z−M}.
+template <class T>
+inline void log_softmax_row(const T* z, std::size_t size, T* out) {
+  const double m = row_max(z, size);
+  const double log_sum = log_sum_exp_shifted(z, size, m);
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    store(out, begin, count, (load(z, begin, count) - m) - log_sum);
+  });
+}
+
+/// The projection of one validated row: solve, write log π*, return the statistics.
+template <class T>
+inline projection_stats project_row(const T* zn, const T* zo, std::size_t size, const row_setup& setup,
+                                    double eps, const projection_options& opt, T* out) {
+  const bool masked = setup.new_only || setup.old_only;
+  const tilt_evaluator<T> eval{zn, zo, size, setup.old_max, masked};
+  const double old_log_sum = log_sum_exp_shifted(zo, size, setup.old_max);
+  const solve_result r = solve_row(eval, setup, old_log_sum, eps, opt);
+  if (r.status == row_status::inactive) {
+    log_softmax_row(zn, size, out);
+  } else {
+    eval.write(r.point, out);
+  }
+  return make_stats(r);
+}
+
+/// KL(π_0+ ‖ q) = −log q(J): the smallest KL any admissible π reaches (old-only tokens only).
+template <class T>
+inline double min_reachable_kl(const T* zn, const T* zo, std::size_t size, const row_setup& setup) {
+  const tilt_evaluator<T> eval{zn, zo, size, setup.old_max, true};
+  const double old_log_sum = log_sum_exp_shifted(zo, size, setup.old_max);
+  return make_point(eval(0.0, setup.shift_old), 0.0, setup.shift_old, old_log_sum).kl;
+}
+
+/// KL(p ‖ q) of one validated row pair (p as "new", q as "old"), +inf when p has mass where q
+/// has none. The same tilted reduction at t = 1.
+template <class T>
+inline double kl_row(const T* zp, const T* zq, std::size_t size, const row_setup& setup) {
+  if (setup.new_only) return inf();
+  const tilt_evaluator<T> eval{zp, zq, size, setup.old_max, setup.old_only};
+  const double old_log_sum = log_sum_exp_shifted(zq, size, setup.old_max);
+  const tilt_point p = make_point(eval(1.0, setup.shift_new), 1.0, setup.shift_new, old_log_sum);
+  return maximum(p.kl, 0.0);
+}
+
+}  // namespace cpu
+}  // namespace detail
+TROLL_END_NAMESPACE

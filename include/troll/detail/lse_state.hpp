@@ -1,0 +1,63 @@
+// troll/detail/lse_state.hpp — an online, mergeable log-sum-exp with the first two moments of a
+// companion value. One state summarises a set of pairs (w_i, x_i) as
+//     m = max w_i,   s_k = Σ exp(w_i − m) · x_i^k   (k = 0, 1, 2).
+// States merge associatively (blocks, threads, warps, vocabulary shards all reduce the same way).
+#pragma once
+
+#include <cmath>
+
+#include "../config.hpp"
+#include "numeric.hpp"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+
+struct lse_state {
+  double m = neg_inf();
+  double s0 = 0.0;
+  double s1 = 0.0;
+  double s2 = 0.0;
+
+  TROLL_HOST_DEVICE bool empty() const { return m == neg_inf(); }
+  /// log Σ exp(w_i); −inf for an empty set.
+  TROLL_HOST_DEVICE double log_sum() const { return empty() ? neg_inf() : m + ::log(s0); }
+  /// Weighted mean Σ e^{w_i} x_i / Σ e^{w_i}.
+  TROLL_HOST_DEVICE double mean() const { return s1 / s0; }
+  /// Weighted variance, clamped at zero against round-off.
+  TROLL_HOST_DEVICE double variance() const {
+    const double mu = s1 / s0;
+    const double v = s2 / s0 - mu * mu;
+    return v > 0.0 ? v : 0.0;
+  }
+};
+
+/// Adds one pair (w, x); w = −inf contributes nothing.
+TROLL_HOST_DEVICE inline void push(lse_state& st, double w, double x) {
+  if (w == neg_inf()) return;
+  if (w > st.m) {
+    const double scale = ::exp(st.m - w);  // exp(−inf) = 0 on the first push
+    st.s0 = st.s0 * scale + 1.0;
+    st.s1 = st.s1 * scale + x;
+    st.s2 = st.s2 * scale + x * x;
+    st.m = w;
+  } else {
+    const double e = ::exp(w - st.m);
+    st.s0 += e;
+    st.s1 += e * x;
+    st.s2 += e * x * x;
+  }
+}
+
+/// The state of the union of two disjoint sets. Associative and commutative up to round-off.
+TROLL_HOST_DEVICE inline lse_state merge(const lse_state& a, const lse_state& b) {
+  if (a.empty()) return b;
+  if (b.empty()) return a;
+  const bool a_big = a.m >= b.m;
+  const lse_state& hi = a_big ? a : b;
+  const lse_state& lo = a_big ? b : a;
+  const double scale = ::exp(lo.m - hi.m);
+  return lse_state{hi.m, hi.s0 + lo.s0 * scale, hi.s1 + lo.s1 * scale, hi.s2 + lo.s2 * scale};
+}
+
+}  // namespace detail
+TROLL_END_NAMESPACE

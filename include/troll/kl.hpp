@@ -1,0 +1,146 @@
+// troll/kl.hpp — categorical log-softmax and KL divergence between rows of logits, with the
+// gradient of KL w.r.t. both logit rows (math.md §1). −inf logits mark impossible tokens.
+#pragma once
+
+#include <cstddef>
+
+#include "batch.hpp"
+#include "config.hpp"
+#include "detail/cpu/parallel.hpp"
+#include "detail/cpu/row_kernels.hpp"
+#include "errors.hpp"
+#include "execution.hpp"
+
+TROLL_BEGIN_NAMESPACE
+
+namespace detail {
+/// Validates every row pair first (in parallel); throws the problem of the lowest bad row.
+template <class T>
+void validate_pairs(const char* function, unsigned threads, batch_view<const T> a,
+                    batch_view<const T> b, const char* name_a, const char* name_b) {
+  const std::size_t bad = cpu::first_bad_row(threads, a.rows, 2 * a.cols, [&](std::size_t r) {
+    row_setup setup;
+    return bool(cpu::scan_pair(a.row(r), b.row(r), a.cols, setup, name_a, name_b));
+  });
+  if (bad == a.rows) return;
+  row_setup setup;
+  throw_problem(function, bad, cpu::scan_pair(a.row(bad), b.row(bad), a.cols, setup, name_a, name_b));
+}
+
+template <class T>
+void validate_rows(const char* function, unsigned threads, batch_view<const T> a, const char* name) {
+  auto problem = [&](std::size_t r) {
+    row_problem p = cpu::find_bad_value(a.row(r), a.cols, name);
+    if (!p && cpu::row_max(a.row(r), a.cols) == neg_inf()) {
+      p.kind = problem_kind::all_masked;
+      p.operand = name;
+    }
+    return p;
+  };
+  const std::size_t bad =
+      cpu::first_bad_row(threads, a.rows, a.cols, [&](std::size_t r) { return bool(problem(r)); });
+  if (bad != a.rows) throw_problem(function, bad, problem(bad));
+}
+}  // namespace detail
+
+/// out[r] = log_softmax(logits[r]). Throws domain_error for NaN / +inf entries or an all −inf row.
+template <class T>
+void log_softmax(cpu_policy policy, input_view<T> logits, batch_view<T> out) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "log_softmax";
+  detail::check_view(fn, "logits", logits);
+  detail::check_view(fn, "out", out);
+  detail::check_same_shape(fn, "logits", logits, "out", out);
+  detail::validate_rows(fn, policy.threads, logits, "logits");
+  detail::cpu::parallel_for(policy.threads, logits.rows, 3 * logits.cols, [&](std::size_t r) {
+    detail::cpu::log_softmax_row(logits.row(r), logits.cols, out.row(r));
+  });
+}
+
+/// kl_out[r] = KL(softmax(p[r]) ‖ softmax(q[r])) ≥ 0, exactly +inf when p puts mass on a token
+/// that q masks. kl_out holds p.rows entries. Accurate to a few ulps of the row's log-probability
+/// scale (every reduction in double).
+template <class T>
+void kl(cpu_policy policy, input_view<T> p_logits, input_view<T> q_logits, T* kl_out) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "kl";
+  detail::check_view(fn, "p_logits", p_logits);
+  detail::check_view(fn, "q_logits", q_logits);
+  detail::check_same_shape(fn, "p_logits", p_logits, "q_logits", q_logits);
+  if (p_logits.rows != 0 && kl_out == nullptr) detail::throw_shape(fn, "kl_out is a null pointer");
+  detail::validate_pairs(fn, policy.threads, p_logits, q_logits, "p_logits", "q_logits");
+  detail::cpu::parallel_for(policy.threads, p_logits.rows, 4 * p_logits.cols, [&](std::size_t r) {
+    detail::row_setup setup;
+    detail::cpu::scan_pair(p_logits.row(r), q_logits.row(r), p_logits.cols, setup, "", "");
+    kl_out[r] = T(detail::cpu::kl_row(p_logits.row(r), q_logits.row(r), p_logits.cols, setup));
+  });
+}
+
+/// Backward of kl: given upstream g[r] = ∂L/∂KL_r, writes
+///     ∂L/∂p_j = g · p_j (log p_j − log q_j − KL),      ∂L/∂q_j = g · (q_j − p_j).
+/// Either gradient view may be empty (rows == 0) to skip it. Throws domain_error for a row whose
+/// KL is +inf (the gradient does not exist) or a non-finite upstream value.
+template <class T>
+void kl_backward(cpu_policy policy, input_view<T> p_logits, input_view<T> q_logits, const T* grad_kl,
+                 batch_view<T> grad_p, batch_view<T> grad_q) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "kl_backward";
+  detail::check_view(fn, "p_logits", p_logits);
+  detail::check_view(fn, "q_logits", q_logits);
+  detail::check_same_shape(fn, "p_logits", p_logits, "q_logits", q_logits);
+  if (p_logits.rows != 0 && grad_kl == nullptr) detail::throw_shape(fn, "grad_kl is a null pointer");
+  const bool want_p = grad_p.rows != 0, want_q = grad_q.rows != 0;
+  if (want_p) {
+    detail::check_view(fn, "grad_p", grad_p);
+    detail::check_same_shape(fn, "p_logits", p_logits, "grad_p", grad_p);
+  }
+  if (want_q) {
+    detail::check_view(fn, "grad_q", grad_q);
+    detail::check_same_shape(fn, "p_logits", p_logits, "grad_q", grad_q);
+  }
+  detail::validate_pairs(fn, policy.threads, p_logits, q_logits, "p_logits", "q_logits");
+  const std::size_t size = p_logits.cols;
+  auto problem = [&](std::size_t r) {
+    detail::row_problem pr;
+    if (!(grad_kl[r] - grad_kl[r] == 0)) {
+      pr.kind = detail::problem_kind::nan_value;
+      pr.operand = "grad_kl (NaN or infinite)";
+      return pr;
+    }
+    detail::row_setup setup;
+    detail::cpu::scan_pair(p_logits.row(r), q_logits.row(r), size, setup, "", "");
+    if (setup.new_only) {
+      pr.kind = detail::problem_kind::bad_stats;
+      pr.operand = "KL(p||q) is +inf (p has mass where q is -inf): no gradient";
+    }
+    return pr;
+  };
+  const std::size_t bad = detail::cpu::first_bad_row(policy.threads, p_logits.rows, 2 * size,
+                                                      [&](std::size_t r) { return bool(problem(r)); });
+  if (bad != p_logits.rows) detail::throw_problem(fn, bad, problem(bad));
+
+  using detail::cpu::block_array;
+  detail::cpu::parallel_for(policy.threads, p_logits.rows, 6 * size, [&](std::size_t r) {
+    const T* zp = p_logits.row(r);
+    const T* zq = q_logits.row(r);
+    detail::row_setup setup;
+    detail::cpu::scan_pair(zp, zq, size, setup, "", "");
+    const double kl_value = detail::cpu::kl_row(zp, zq, size, setup);
+    const double mp = detail::cpu::row_max(zp, size), mq = setup.old_max;
+    const double sp = detail::cpu::log_sum_exp_shifted(zp, size, mp);
+    const double sq = detail::cpu::log_sum_exp_shifted(zq, size, mq);
+    const double g = static_cast<double>(grad_kl[r]);
+    detail::cpu::for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+      const block_array a = (detail::cpu::load(zp, begin, count) - mp) - sp;  // log p
+      const block_array b = (detail::cpu::load(zq, begin, count) - mq) - sq;  // log q
+      const block_array p = a.exp();
+      if (want_p) {
+        const block_array term = (a > detail::neg_inf()).select(p * (a - b - kl_value), 0.0);
+        detail::cpu::store(grad_p.row(r), begin, count, g * term);
+      }
+      if (want_q) detail::cpu::store(grad_q.row(r), begin, count, g * (b.exp() - p));
+    });
+  });
+}
+
+TROLL_END_NAMESPACE

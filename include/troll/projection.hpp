@@ -1,0 +1,102 @@
+// troll/projection.hpp — the KL trust-region projection of TROLL (math.md §2), and the header
+// users include: it pulls in the KL functions, the backward passes and the gradient checker.
+//
+//   π* = argmin_π KL(π ‖ p̃)  s.t.  KL(π ‖ q) ≤ ε,
+//   log π* = log_softmax(z° + t*·(z̃ − z°)),  t* ∈ (0, 1] the root of KL(π_t ‖ q) = ε.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <string>
+
+#include "backward.hpp"
+#include "batch.hpp"
+#include "config.hpp"
+#include "detail/cpu/parallel.hpp"
+#include "detail/cpu/row_kernels.hpp"
+#include "errors.hpp"
+#include "execution.hpp"
+#include "kl.hpp"
+#include "projection_types.hpp"
+#if __has_include("gradcheck.hpp")
+#include "gradcheck.hpp"
+#endif
+
+TROLL_BEGIN_NAMESPACE
+
+namespace detail {
+inline void check_eps(const char* function, double eps) {
+  if (!(eps > 0.0) || !(eps < inf()))
+    throw domain_error(std::string("troll::") + function +
+                       ": the bound eps must be finite and > 0, got " + std::to_string(eps));
+}
+
+inline void check_options(const char* function, const projection_options& opt) {
+  if (!(opt.rtol >= 0.0) || !(opt.atol >= 0.0) || !(opt.rtol + opt.atol > 0.0) ||
+      opt.max_iterations < 1)
+    throw domain_error(std::string("troll::") + function +
+                       ": projection_options need rtol >= 0, atol >= 0, rtol + atol > 0 and "
+                       "max_iterations >= 1");
+}
+
+/// Validates every (new, old) row before anything is written: values, supports, feasibility.
+template <class T>
+void validate_projection_rows(const char* function, unsigned threads, batch_view<const T> new_logits,
+                              batch_view<const T> old_logits, double eps) {
+  const std::size_t size = new_logits.cols;
+  auto problem = [&](std::size_t r) {
+    row_setup setup;
+    row_problem p = cpu::scan_pair(new_logits.row(r), old_logits.row(r), size, setup,
+                                   "new_logits", "old_logits");
+    if (!p && setup.old_only) {
+      const double floor = cpu::min_reachable_kl(new_logits.row(r), old_logits.row(r), size, setup);
+      if (floor >= eps) {
+        p.kind = problem_kind::infeasible;
+        p.value = floor;
+      }
+    }
+    return p;
+  };
+  const std::size_t bad = cpu::first_bad_row(threads, new_logits.rows, 2 * size,
+                                             [&](std::size_t r) { return bool(problem(r)); });
+  if (bad != new_logits.rows) throw_problem(function, bad, problem(bad));
+}
+}  // namespace detail
+
+/// Projects each row of `new_logits` (z̃) onto the KL ball of radius `eps` around the row of
+/// `old_logits` (z°) and writes the projected log-probabilities log π* to `out_log_probs` and
+/// one projection_stats per row to `stats` (rows entries).
+///
+/// Inactive rows (KL(p̃‖q) ≤ ε) are written as log_softmax(z̃), bit-identical to troll::log_softmax.
+/// Tokens masked (−inf) in either input get log π* = −inf. Guarantee on projected rows:
+/// |KL(π*‖q) − ε| ≤ atol + rtol·ε of the options (see docs/accuracy in docs/api.md).
+///
+/// Throws (before writing anything): shape_error (shapes, null pointers, V = 0), domain_error
+/// (NaN / +inf logits, an all −inf row, eps ≤ 0 or not finite, bad options), infeasible_error
+/// (disjoint supports, or new-side masks that leave no admissible π inside the ball).
+template <class T>
+void project(cpu_policy policy, input_view<T> new_logits, input_view<T> old_logits, double eps,
+             batch_view<T> out_log_probs, projection_stats* stats,
+             const projection_options& options = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "project";
+  detail::check_view(fn, "new_logits", new_logits);
+  detail::check_view(fn, "old_logits", old_logits);
+  detail::check_view(fn, "out_log_probs", out_log_probs);
+  detail::check_same_shape(fn, "new_logits", new_logits, "old_logits", old_logits);
+  detail::check_same_shape(fn, "new_logits", new_logits, "out_log_probs", out_log_probs);
+  if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  detail::check_eps(fn, eps);
+  detail::check_options(fn, options);
+  detail::validate_projection_rows(fn, policy.threads, new_logits, old_logits, eps);
+
+  const std::size_t size = new_logits.cols;
+  detail::cpu::parallel_for(policy.threads, new_logits.rows, 8 * size, [&](std::size_t r) {
+    detail::row_setup setup;
+    detail::cpu::scan_pair(new_logits.row(r), old_logits.row(r), size, setup, "", "");
+    stats[r] = detail::cpu::project_row(new_logits.row(r), old_logits.row(r), size, setup, eps,
+                                        options, out_log_probs.row(r));
+  });
+}
+
+TROLL_END_NAMESPACE
