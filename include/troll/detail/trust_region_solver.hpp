@@ -62,12 +62,22 @@ struct solve_result {
   row_status status = row_status::inactive;
 };
 
-/// Solves one row. `old_log_sum` as in make_point. Never throws; an infeasible row (q's mass on
-/// J is at most e^{−ε}) comes back with status infeasible and the t → 0 end as its point.
+/// Solves one row. The evaluator also provides `double old_log_sum() const` (a separate pass,
+/// called only when some old token is masked in the new row; otherwise the t = 0 evaluation
+/// already sums q over its whole support). Never throws: an infeasible row (q's mass on J is at
+/// most e^{−ε}) comes back with status infeasible and the t → 0 end as its point.
 template <class Eval>
-TROLL_HOST_DEVICE solve_result solve_row(Eval& eval, const row_setup& setup, double old_log_sum,
-                                         double eps, const projection_options& opt) {
+TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setup, double eps,
+                                         const projection_options& opt) {
   solve_result r;
+  // t = 0 first: π_0 = q restricted to J. Its normaliser is log q's (relative to M°) whenever J
+  // covers supp q, and its variance seeds the first Newton guess.
+  const lse_state zero_state = eval(0.0, setup.shift_old);
+  const double old_log_sum = setup.old_only ? eval.old_log_sum() : zero_state.log_sum();
+  tilt_point at_zero = make_point(zero_state, 0.0, setup.shift_old, old_log_sum);
+  // KL(π_0+ ‖ q) = −log q(J): zero unless the new row masks old mass.
+  at_zero.kl = setup.old_only ? maximum(at_zero.kl, 0.0) : 0.0;
+
   const tilt_point at_one = make_point(eval(1.0, setup.shift_new), 1.0, setup.shift_new, old_log_sum);
   const double kl_one = maximum(at_one.kl, 0.0);
   r.kl_before = setup.new_only ? inf() : kl_one;
@@ -77,10 +87,6 @@ TROLL_HOST_DEVICE solve_result solve_row(Eval& eval, const row_setup& setup, dou
     r.point.kl = kl_one;
     return r;
   }
-
-  // Lower end t → 0+: π_0 = q restricted to J; KL there is −log q(J), zero without old-only tokens.
-  tilt_point at_zero = make_point(eval(0.0, setup.shift_old), 0.0, setup.shift_old, old_log_sum);
-  at_zero.kl = setup.old_only ? maximum(at_zero.kl, 0.0) : 0.0;
   if (at_zero.kl >= eps) {
     r.status = row_status::infeasible;
     r.point = at_zero;

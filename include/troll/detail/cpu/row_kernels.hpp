@@ -66,32 +66,45 @@ inline row_problem find_bad_value(const T* z, std::size_t size, const char* oper
   return p;
 }
 
-/// Validates a (new, old) row pair and fills the setup the solver needs. No exponentials.
-/// Problems reported: NaN / +inf entries, a row with no finite entry, disjoint supports.
+/// Validates a (new, old) row pair and fills the setup the solver needs, in one pass and without
+/// exponentials. Problems reported: NaN / +inf entries (the first one), a row with no finite
+/// entry, disjoint supports.
 template <class T>
 inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_setup& setup,
                              const char* new_name, const char* old_name) {
   setup = row_setup{};
-  if (row_problem p = find_bad_value(zn, size, new_name)) return p;
-  if (row_problem p = find_bad_value(zo, size, old_name)) return p;
+  row_problem p;
   double best_new = neg_inf(), best_old = neg_inf();
   bool any_new = false, any_old = false;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    if (p) return;
     const block_array a = load(zn, begin, count);
     const block_array b = load(zo, begin, count);
+    if (!((a < inf()).all() && (b < inf()).all())) {
+      for (Eigen::Index k = 0; k < count && !p; ++k) {
+        const bool bad_new = !(a[k] < inf());
+        if (!bad_new && b[k] < inf()) continue;
+        const double v = bad_new ? a[k] : b[k];
+        p.kind = v != v ? problem_kind::nan_value : problem_kind::pos_inf;
+        p.operand = bad_new ? new_name : old_name;
+        p.token = begin + std::size_t(k);
+      }
+      return;
+    }
     const block_mask fin_new = a > neg_inf();
     const block_mask fin_old = b > neg_inf();
-    any_new = any_new || fin_new.any();
-    any_old = any_old || fin_old.any();
     setup.old_max = maximum(setup.old_max, b.maxCoeff());
     Eigen::Index at = 0;
     if (fin_new.all() && fin_old.all()) {
+      any_new = any_old = true;
       const double vn = a.maxCoeff(&at);
       if (vn > best_new) best_new = vn, setup.shift_new = a[at] - b[at];
       const double vo = b.maxCoeff(&at);
       if (vo > best_old) best_old = vo, setup.shift_old = a[at] - b[at];
       return;
     }
+    any_new = any_new || fin_new.any();
+    any_old = any_old || fin_old.any();
     setup.new_only = setup.new_only || (fin_new && !fin_old).any();
     setup.old_only = setup.old_only || (!fin_new && fin_old).any();
     const block_mask joint = fin_new && fin_old;
@@ -101,7 +114,7 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
     const double vo = joint.select(b, neg_inf()).maxCoeff(&at);
     if (vo > best_old) best_old = vo, setup.shift_old = a[at] - b[at];
   });
-  row_problem p;
+  if (p) return p;
   if (!any_new) {
     p.kind = problem_kind::all_masked;
     p.operand = new_name;
@@ -154,6 +167,9 @@ struct tilt_evaluator {
     w = joint.select((b - old_max) + t * x, neg_inf());
   }
 
+  /// log Σ_i exp(z°_i − M°) over every finite old logit.
+  double old_log_sum() const { return log_sum_exp_shifted(old_logits, size, old_max); }
+
   lse_state operator()(double t, double c) const {
     lse_state total;
     block_array x, w, e;
@@ -193,8 +209,7 @@ inline projection_stats project_row(const T* zn, const T* zo, std::size_t size, 
                                     double eps, const projection_options& opt, T* out) {
   const bool masked = setup.new_only || setup.old_only;
   const tilt_evaluator<T> eval{zn, zo, size, setup.old_max, masked};
-  const double old_log_sum = log_sum_exp_shifted(zo, size, setup.old_max);
-  const solve_result r = solve_row(eval, setup, old_log_sum, eps, opt);
+  const solve_result r = solve_row(eval, setup, eps, opt);
   if (r.status == row_status::inactive) {
     log_softmax_row(zn, size, out);
   } else {
