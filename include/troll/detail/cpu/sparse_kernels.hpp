@@ -1,0 +1,216 @@
+// troll/detail/cpu/sparse_kernels.hpp — the CPU backend's per-row passes of the sparse path:
+// the streaming sparsify scan, the checks of a sparse row, the exact log-sums of a dense row
+// outside a support, the lumped (|U|+1)-category rows the dense maths runs on, and the scatter of
+// a sparse gradient to dense logits. Scratch lives on the stack; nothing allocates.
+#pragma once
+
+#include <Eigen/Core>
+#include <cstddef>
+#include <cstdint>
+
+#include "../../config.hpp"
+#include "../numeric.hpp"
+#include "../sparse_row.hpp"
+#include "row_kernels.hpp"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+namespace cpu {
+
+/// Feeds the tokens [offset, offset + size) of a row (z points at token `offset`) into a
+/// sparsify state, block by block: a vectorised test against the heap's entry threshold sends
+/// the few tokens that can enter the heap through offer(), and the rest into the outside
+/// log-sum-exp as one block summary. Every token lands in exactly one place.
+template <class T>
+inline void sparsify_scan(const T* z, std::size_t size, std::size_t offset, sparsify_state& st) {
+  block_array a;
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    a = load(z, begin, count);
+    const long long first = static_cast<long long>(offset + begin);
+    const long long local_sampled = static_cast<long long>(st.sampled) - first;
+    if (st.sampled >= 0 && local_sampled >= 0 && local_sampled < count) {
+      st.has_sampled = true;
+      st.sampled_logit = a[local_sampled];
+      a[local_sampled] = neg_inf();
+    }
+    const double threshold = entry_threshold(st);
+    if ((a > threshold).any()) {
+      for (Eigen::Index k = 0; k < count; ++k) {
+        if (!(a[k] > threshold)) continue;
+        offer(st, sparse_candidate{a[k], static_cast<sparse_index>(first + k)});
+        a[k] = neg_inf();  // placed: keep it out of the block summary below
+      }
+    }
+    const double m = a.maxCoeff();
+    if (m == neg_inf()) return;
+    push_block(st.outside, m, (a - m).exp().sum());
+  });
+}
+
+/// What can be wrong with one sparse row.
+enum class sparse_problem_kind {
+  none,
+  count_range,         // count < 0, > capacity, > V or > sparse_max_entries (value = count)
+  index_range,         // indices[entry] outside [0, V) (value = index)
+  duplicate,           // indices[entry] repeats an earlier entry (value = index)
+  nan_value,           // log_probs[entry] is NaN (entry = −1: the remainder)
+  above_one,           // log_probs[entry] > 0 (entry = −1: the remainder)
+  remainder_no_tail,   // count = V but the remainder has mass
+  no_mass,             // every log-prob and the remainder are −inf
+  not_aligned,         // an entry of a sparse row is missing from the aligned support
+};
+
+struct sparse_problem {
+  sparse_problem_kind kind = sparse_problem_kind::none;
+  const char* operand = "";
+  long long entry = 0;
+  double value = 0.0;
+
+  explicit operator bool() const { return kind != sparse_problem_kind::none; }
+};
+
+/// Checks one sparse row: count within [0, min(capacity, V, sparse_max_entries)], indices in
+/// [0, V) and distinct, log-probs and log-remainder not NaN and ≤ 0, no remainder mass when the
+/// support covers the vocabulary, some mass somewhere. `scratch` holds sparse_max_entries slots.
+template <class T>
+inline sparse_problem check_sparse_row(const sparse_index* indices, const T* log_probs, long long count,
+                                       T log_remainder, std::size_t capacity, std::size_t vocab,
+                                       const char* operand, index_slot* scratch) {
+  sparse_problem p;
+  p.operand = operand;
+  if (count < 0 || count > static_cast<long long>(capacity) || count > static_cast<long long>(vocab) ||
+      count > sparse_max_entries) {
+    p.kind = sparse_problem_kind::count_range;
+    p.value = double(count);
+    return p;
+  }
+  const int n = static_cast<int>(count);
+  bool any_mass = false;
+  for (int i = 0; i < n; ++i) {
+    const long long index = indices[i];
+    if (index < 0 || index >= static_cast<long long>(vocab)) {
+      p.kind = sparse_problem_kind::index_range;
+      p.entry = i;
+      p.value = double(index);
+      return p;
+    }
+    const double l = static_cast<double>(log_probs[i]);
+    if (l != l) {
+      p.kind = sparse_problem_kind::nan_value;
+      p.entry = i;
+      return p;
+    }
+    if (l > 0.0) {
+      p.kind = sparse_problem_kind::above_one;
+      p.entry = i;
+      p.value = l;
+      return p;
+    }
+    any_mass = any_mass || l > neg_inf();
+    scratch[i] = index_slot{indices[i], i};
+  }
+  const double r = static_cast<double>(log_remainder);
+  if (r != r || r > 0.0) {
+    p.kind = r != r ? sparse_problem_kind::nan_value : sparse_problem_kind::above_one;
+    p.entry = -1;
+    p.value = r;
+    return p;
+  }
+  if (static_cast<std::size_t>(n) == vocab && r > neg_inf()) {
+    p.kind = sparse_problem_kind::remainder_no_tail;
+    p.value = r;
+    return p;
+  }
+  if (!any_mass && !(r > neg_inf())) {
+    p.kind = sparse_problem_kind::no_mass;
+    return p;
+  }
+  sort_by_index(scratch, n);
+  for (int i = 1; i < n; ++i) {
+    if (scratch[i].index == scratch[i - 1].index) {
+      const int later = scratch[i].position > scratch[i - 1].position ? scratch[i].position
+                                                                      : scratch[i - 1].position;
+      p.kind = sparse_problem_kind::duplicate;
+      p.entry = later;
+      p.value = double(scratch[i].index);
+      return p;
+    }
+  }
+  return p;
+}
+
+/// One pass over a dense row: log Σ_j e^{z_j} over all tokens and over the tokens outside a
+/// support given as slots sorted by index. Exact: the tail sum never subtracts.
+template <class T>
+inline void log_sums_outside(const T* z, std::size_t size, const index_slot* sorted, int n,
+                             double& log_total, double& log_tail) {
+  log_sum_state total, tail;
+  block_array a;
+  int next = 0;
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    a = load(z, begin, count);
+    const double m = a.maxCoeff();
+    if (m == neg_inf()) {
+      while (next < n && std::size_t(sorted[next].index) < begin + std::size_t(count)) ++next;
+      return;
+    }
+    push_block(total, m, (a - m).exp().sum());
+    bool touched = false;
+    while (next < n && std::size_t(sorted[next].index) < begin + std::size_t(count)) {
+      a[Eigen::Index(std::size_t(sorted[next].index) - begin)] = neg_inf();
+      touched = true;
+      ++next;
+    }
+    if (!touched) {
+      push_block(tail, m, (a - m).exp().sum());
+      return;
+    }
+    const double mt = a.maxCoeff();
+    if (mt == neg_inf()) return;
+    push_block(tail, mt, (a - mt).exp().sum());
+  });
+  log_total = total.value();
+  log_tail = tail.value();
+}
+
+/// Backward of gathering a sparse row from dense logits (math.md §4): with upstream g on the
+/// support U and g_R on the bucket log-mass log r = log Σ_{k∉U} p_k,
+///     ∂L/∂z_k = [k∈U] g_k + [k∉U] g_R p_k / r − p_k (Σ_U g_i + g_R).
+/// O(V): one pass for the log-sums, one to write. `sorted` holds the support's slots sorted by
+/// index (position = entry in g).
+template <class T>
+inline void sparsify_backward_row(const T* z, std::size_t size, const index_slot* sorted, int n,
+                                  const T* g, double g_remainder, T* out) {
+  double log_total = 0.0, log_tail = 0.0;
+  log_sums_outside(z, size, sorted, n, log_total, log_tail);
+  double sum_g = g_remainder;
+  for (int i = 0; i < n; ++i) sum_g += static_cast<double>(g[i]);
+  const bool tail_mass = log_tail > neg_inf();
+  int next = 0;
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    const block_array a = load(z, begin, count);
+    const block_array p = (a - log_total).exp();
+    block_array value = -sum_g * p;
+    if (tail_mass && g_remainder != 0.0) value += g_remainder * (a - log_tail).exp();
+    while (next < n && std::size_t(sorted[next].index) < begin + std::size_t(count)) {
+      const Eigen::Index k = Eigen::Index(std::size_t(sorted[next].index) - begin);
+      value[k] = static_cast<double>(g[sorted[next].position]) - sum_g * p[k];
+      ++next;
+    }
+    store(out, begin, count, value);
+  });
+}
+
+/// The lumped (|U|+1)-category logits of one aligned side: the support's log-probs, then the
+/// bucket's log-mass (−inf when the tail is empty). Returns |U| + 1.
+template <class T>
+inline int lumped_row(const T* log_probs, int count, T log_remainder, long long tail_count,
+                      double* out) {
+  for (int i = 0; i < count; ++i) out[i] = static_cast<double>(log_probs[i]);
+  out[count] = tail_count > 0 ? static_cast<double>(log_remainder) : neg_inf();
+  return count + 1;
+}
+
+}  // namespace cpu
+}  // namespace detail
+TROLL_END_NAMESPACE

@@ -1,0 +1,376 @@
+// troll/detail/sparse_row.hpp — per-row maths of sparse rows with a remainder bucket (math.md §4),
+// written once for host and device: the running top-K of sparsify, its mergeable partial state
+// (vocabulary shards), the prefix rule that finalises it, and the union-alignment arithmetic.
+// No std containers, exceptions or allocation: scratch arrays are fixed-size members or come in
+// from the caller.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "../config.hpp"
+#include "numeric.hpp"
+
+TROLL_BEGIN_NAMESPACE
+
+/// Index type of sparse supports (token ids; V < 2^31).
+using sparse_index = std::int32_t;
+
+/// Largest K sparsify accepts (a sparse row from sparsify holds at most K + 1 entries: the
+/// sampled token may be added).
+inline constexpr int sparsify_max_k = 256;
+
+/// Largest support any sparse row may hold (an aligned union of two sparsified rows fits).
+inline constexpr int sparse_max_entries = 1024;
+
+namespace detail {
+
+/// log Σ exp(w_i) of a set, as (max, Σ exp(w_i − max)); merges associatively.
+struct log_sum_state {
+  double m = neg_inf();
+  double s = 0.0;
+
+  TROLL_HOST_DEVICE double value() const { return m == neg_inf() ? neg_inf() : m + ::log(s); }
+};
+
+TROLL_HOST_DEVICE inline void push(log_sum_state& st, double w) {
+  if (w == neg_inf()) return;
+  if (w > st.m) {
+    st.s = st.s * ::exp(st.m - w) + 1.0;
+    st.m = w;
+  } else {
+    st.s += ::exp(w - st.m);
+  }
+}
+
+/// Adds a block summary (max m, Σ exp(w − m) = s) to a state.
+TROLL_HOST_DEVICE inline void push_block(log_sum_state& st, double m, double s) {
+  if (m == neg_inf()) return;
+  if (m > st.m) {
+    st.s = st.s * ::exp(st.m - m) + s;
+    st.m = m;
+  } else {
+    st.s += s * ::exp(m - st.m);
+  }
+}
+
+TROLL_HOST_DEVICE inline log_sum_state merge(const log_sum_state& a, const log_sum_state& b) {
+  log_sum_state r = a;
+  push_block(r, b.m, b.s);
+  return r;
+}
+
+/// One token of a running top-K: its logit (widened to double) and its global index.
+struct sparse_candidate {
+  double logit;
+  sparse_index index;
+};
+
+/// The token order of sparsify: larger logit first, ties to the lower index.
+TROLL_HOST_DEVICE inline bool ranks_before(const sparse_candidate& a, const sparse_candidate& b) {
+  return a.logit > b.logit || (a.logit == b.logit && a.index < b.index);
+}
+
+/// Sorts a[0..n) best first (ranks_before) by heapsort: O(n log n), no recursion, no scratch.
+/// The heap's root is the best element; moving it to the back leaves worst-first order, which
+/// is then reversed.
+TROLL_HOST_DEVICE inline void sort_best_first(sparse_candidate* a, int n) {
+  auto swap = [&](int i, int j) {
+    const sparse_candidate tmp = a[i];
+    a[i] = a[j];
+    a[j] = tmp;
+  };
+  auto sift = [&](int root, int size) {
+    for (;;) {
+      int best = root;
+      const int l = 2 * root + 1, r = l + 1;
+      if (l < size && ranks_before(a[l], a[best])) best = l;
+      if (r < size && ranks_before(a[r], a[best])) best = r;
+      if (best == root) return;
+      swap(root, best);
+      root = best;
+    }
+  };
+  for (int i = n / 2 - 1; i >= 0; --i) sift(i, n);
+  for (int end = n - 1; end > 0; --end) {
+    swap(0, end);
+    sift(0, end);
+  }
+  for (int i = 0, j = n - 1; i < j; ++i, --j) swap(i, j);
+}
+
+}  // namespace detail
+
+/// The partial state of sparsify over a set of tokens of one row (a whole row, or one vocabulary
+/// shard of it). Holds the K best tokens seen (a min-heap: the worst kept token at the root), the
+/// log-sum-exp of every other token seen, and the sampled token's logit when it was seen. The
+/// sampled token never enters the heap or the outside sum: it is always kept, so keeping it
+/// apart makes the tail mass exact without any subtraction.
+/// Trivially copyable (about 4 KiB); merging two states of disjoint token sets is associative.
+struct sparsify_state {
+  int k = 0;     ///< heap capacity (the K of sparsify)
+  int size = 0;  ///< tokens in the heap
+  sparse_index sampled = -1;            ///< the row's sampled token (−1: none)
+  bool has_sampled = false;             ///< the sampled token was among the tokens seen
+  double sampled_logit = 0.0;
+  detail::log_sum_state outside;        ///< every token seen that is neither in the heap nor sampled
+  detail::sparse_candidate heap[sparsify_max_k + 1];  ///< one spare slot for finalize
+};
+
+namespace detail {
+
+/// Moves heap[root] down until the min-heap property (worst at the root) holds.
+TROLL_HOST_DEVICE inline void sift_down_worst(sparse_candidate* heap, int size, int root) {
+  for (;;) {
+    int worst = root;
+    const int l = 2 * root + 1, r = l + 1;
+    if (l < size && ranks_before(heap[worst], heap[l])) worst = l;
+    if (r < size && ranks_before(heap[worst], heap[r])) worst = r;
+    if (worst == root) return;
+    const sparse_candidate tmp = heap[root];
+    heap[root] = heap[worst];
+    heap[worst] = tmp;
+    root = worst;
+  }
+}
+
+TROLL_HOST_DEVICE inline void sift_up_worst(sparse_candidate* heap, int at) {
+  while (at > 0) {
+    const int parent = (at - 1) / 2;
+    if (!ranks_before(heap[parent], heap[at])) return;
+    const sparse_candidate tmp = heap[parent];
+    heap[parent] = heap[at];
+    heap[at] = tmp;
+    at = parent;
+  }
+}
+
+/// An empty state for a row with heap capacity k and sampled token `sampled` (−1: none).
+TROLL_HOST_DEVICE inline void reset(sparsify_state& st, int k, sparse_index sampled) {
+  st.k = k;
+  st.size = 0;
+  st.sampled = sampled;
+  st.has_sampled = false;
+  st.sampled_logit = 0.0;
+  st.outside = log_sum_state{};
+}
+
+/// The logit below which (or at which) a token seen *after* every token in the heap cannot enter
+/// it: −inf while the heap has room. Tokens arriving in increasing index order enter iff their
+/// logit is strictly above it.
+TROLL_HOST_DEVICE inline double entry_threshold(const sparsify_state& st) {
+  return st.size < st.k ? neg_inf() : st.heap[0].logit;
+}
+
+/// Offers one token (not the sampled one) to the state: it enters the heap (evicting the worst
+/// into the outside sum) or joins the outside sum.
+TROLL_HOST_DEVICE inline void offer(sparsify_state& st, const sparse_candidate& c) {
+  if (st.size < st.k) {
+    st.heap[st.size] = c;
+    sift_up_worst(st.heap, st.size);
+    ++st.size;
+    return;
+  }
+  if (st.k > 0 && ranks_before(c, st.heap[0])) {
+    push(st.outside, st.heap[0].logit);
+    st.heap[0] = c;
+    sift_down_worst(st.heap, st.size, 0);
+  } else {
+    push(st.outside, c.logit);
+  }
+}
+
+/// Offers any token, routing the sampled one aside.
+TROLL_HOST_DEVICE inline void offer_token(sparsify_state& st, double logit, sparse_index index) {
+  if (index == st.sampled) {
+    st.has_sampled = true;
+    st.sampled_logit = logit;
+    return;
+  }
+  offer(st, sparse_candidate{logit, index});
+}
+
+/// into ← the state of the union of the (disjoint) token sets of `into` and `from`.
+/// Both must have the same k and sampled token.
+TROLL_HOST_DEVICE inline void merge_into(sparsify_state& into, const sparsify_state& from) {
+  for (int i = 0; i < from.size; ++i) offer(into, from.heap[i]);
+  into.outside = merge(into.outside, from.outside);
+  if (from.has_sampled) {
+    into.has_sampled = true;
+    into.sampled_logit = from.sampled_logit;
+  }
+}
+
+/// What finalize found wrong with a state.
+enum class finalize_problem { none, all_masked, sampled_missing };
+
+/// Turns a whole-row state into the sparse row (math.md §4): order the heap and the sampled token
+/// by logit (ties to the lower index), keep the shortest prefix whose mass reaches 1 − δ, at most
+/// K tokens, then the sampled token if missing. Writes `count` entries of indices / log-probs
+/// (normalised over the whole vocabulary) and the log of the exact tail mass,
+///     log r = log Σ_{j∉S} e^{z_j} − log Σ_j e^{z_j},
+/// from merged log-sum-exp states only (never 1 − Σ). `log_delta` = log δ (−inf for δ = 0).
+/// The state's heap is consumed (sorted in place). Returns the problem, writing nothing, when
+/// every logit is −inf or the sampled token was never seen.
+template <class T>
+TROLL_HOST_DEVICE finalize_problem finalize(sparsify_state& st, double log_delta, sparse_index* indices,
+                                            T* log_probs, int& count, T& log_remainder) {
+  if (st.sampled >= 0 && !st.has_sampled) return finalize_problem::sampled_missing;
+  sparse_candidate* list = st.heap;  // heap, then the sampled token, sorted best first
+  int n = st.size;
+  sort_best_first(list, n);
+  int sampled_pos = -1;
+  if (st.has_sampled) {  // insert it in order (the heap has a spare slot)
+    const sparse_candidate s{st.sampled_logit, st.sampled};
+    int at = n;
+    while (at > 0 && ranks_before(s, list[at - 1])) {
+      list[at] = list[at - 1];
+      --at;
+    }
+    list[at] = s;
+    sampled_pos = at;
+    ++n;
+  }
+  log_sum_state total = st.outside;
+  for (int i = 0; i < n; ++i) push(total, list[i].logit);
+  const double log_total = total.value();
+  if (log_total == neg_inf()) return finalize_problem::all_masked;
+
+  // rest(j) = log-mass of everything ranked after the first j tokens (outside ∪ list[j..n)).
+  // Scan backwards, remembering the smallest j ≤ K whose rest is within δ.
+  const int limit = n < st.k ? n : st.k;
+  log_sum_state rest = st.outside;
+  for (int i = n - 1; i >= limit; --i) push(rest, list[i].logit);
+  int keep = limit;
+  for (int j = limit - 1; j >= 1; --j) {
+    push(rest, list[j].logit);  // now rest = rest(j)
+    if (rest.value() - log_total <= log_delta) {
+      keep = j;
+    } else {
+      break;  // rest(j) grows as j falls: no shorter prefix qualifies
+    }
+  }
+  // The tail: rest(keep) without the sampled token when it ranks beyond the prefix.
+  log_sum_state tail = st.outside;
+  for (int i = keep; i < n; ++i)
+    if (i != sampled_pos) push(tail, list[i].logit);
+
+  int c = 0;
+  for (int i = 0; i < keep; ++i) {
+    indices[c] = list[i].index;
+    log_probs[c] = T(list[i].logit - log_total);
+    ++c;
+  }
+  if (sampled_pos >= keep) {
+    indices[c] = list[sampled_pos].index;
+    log_probs[c] = T(list[sampled_pos].logit - log_total);
+    ++c;
+  }
+  count = c;
+  const double log_tail = tail.value();
+  log_remainder = T(log_tail == neg_inf() ? neg_inf() : log_tail - log_total);
+  return finalize_problem::none;
+}
+
+/// log of one tail token's probability under a uniform tail: log(r / m); −inf for an empty tail.
+TROLL_HOST_DEVICE inline double tail_log_value(double log_remainder, long long tail_count) {
+  return tail_count > 0 ? log_remainder - ::log(double(tail_count)) : neg_inf();
+}
+
+/// The remainder after `tail_from − tail_to` uniform tail tokens were moved into the support:
+/// log(r · tail_to / tail_from); −inf when nothing is left of the tail.
+TROLL_HOST_DEVICE inline double shrink_log_remainder(double log_remainder, long long tail_from,
+                                                     long long tail_to) {
+  if (tail_to <= 0 || log_remainder == neg_inf()) return neg_inf();
+  return log_remainder + ::log(double(tail_to) / double(tail_from));
+}
+
+/// (index, position) pair for membership tests by sorted search.
+struct index_slot {
+  sparse_index index;
+  int position;
+};
+
+/// Sorts slots[0..n) by index (heapsort).
+TROLL_HOST_DEVICE inline void sort_by_index(index_slot* a, int n) {
+  auto sift = [&](int root, int size) {
+    for (;;) {
+      int big = root;
+      const int l = 2 * root + 1, r = l + 1;
+      if (l < size && a[l].index > a[big].index) big = l;
+      if (r < size && a[r].index > a[big].index) big = r;
+      if (big == root) return;
+      const index_slot tmp = a[root];
+      a[root] = a[big];
+      a[big] = tmp;
+      root = big;
+    }
+  };
+  for (int i = n / 2 - 1; i >= 0; --i) sift(i, n);
+  for (int end = n - 1; end > 0; --end) {
+    const index_slot tmp = a[0];
+    a[0] = a[end];
+    a[end] = tmp;
+    sift(0, end);
+  }
+}
+
+/// Slot holding `index` in slots[0..n) sorted by index, or −1.
+TROLL_HOST_DEVICE inline int find_slot(const index_slot* slots, int n, sparse_index index) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (slots[mid].index < index) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo < n && slots[lo].index == index ? lo : -1;
+}
+
+/// The union U = S_new ∪ S_old in a fixed order: the new row's entries in its order, then the
+/// old row's entries missing from the new row, in the old row's order. For each u < |U| writes
+/// indices[u], new_position[u] and old_position[u] (the entry's place in either row, −1 where
+/// absent). `scratch` holds old_count slots. Returns |U|.
+TROLL_HOST_DEVICE inline int union_support(const sparse_index* new_indices, int new_count,
+                                           const sparse_index* old_indices, int old_count,
+                                           index_slot* scratch, sparse_index* indices,
+                                           int* new_position, int* old_position) {
+  for (int i = 0; i < old_count; ++i) scratch[i] = index_slot{old_indices[i], i};
+  sort_by_index(scratch, old_count);
+  int u = 0;
+  for (int i = 0; i < new_count; ++i) {
+    indices[u] = new_indices[i];
+    new_position[u] = i;
+    old_position[u] = -1;
+    const int slot = find_slot(scratch, old_count, new_indices[i]);
+    if (slot >= 0) {
+      old_position[u] = scratch[slot].position;
+      scratch[slot].position = -1;  // matched: not old-only
+    }
+    ++u;
+  }
+  for (int i = 0; i < old_count; ++i) {
+    const int slot = find_slot(scratch, old_count, old_indices[i]);
+    if (scratch[slot].position < 0) continue;
+    indices[u] = old_indices[i];
+    new_position[u] = -1;
+    old_position[u] = i;
+    ++u;
+  }
+  return u;
+}
+
+/// |S_a ∪ S_b| without writing the union (`scratch` holds b_count slots).
+TROLL_HOST_DEVICE inline int union_size(const sparse_index* a, int a_count, const sparse_index* b,
+                                        int b_count, index_slot* scratch) {
+  for (int i = 0; i < b_count; ++i) scratch[i] = index_slot{b[i], i};
+  sort_by_index(scratch, b_count);
+  int shared = 0;
+  for (int i = 0; i < a_count; ++i) shared += find_slot(scratch, b_count, a[i]) >= 0 ? 1 : 0;
+  return a_count + b_count - shared;
+}
+
+}  // namespace detail
+TROLL_END_NAMESPACE

@@ -1,0 +1,871 @@
+// troll/sparse.hpp — sparse top-K rows with a remainder bucket (math.md §4) on the CPU: the batch
+// layout, sparsify from dense logits (whole rows or vocabulary shards), alignment of a new and
+// an old row on the union of their supports, and the KL, projection and backward passes, which
+// run the dense row maths on the |U| + 1 lumped categories (the bucket is one category).
+//
+//   sparsify → align → project → (loss) → project_backward → align_backward / sparsify_backward
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <type_traits>
+
+#include "backward.hpp"
+#include "batch.hpp"
+#include "config.hpp"
+#include "detail/cpu/backward_kernels.hpp"
+#include "detail/cpu/parallel.hpp"
+#include "detail/cpu/row_kernels.hpp"
+#include "detail/cpu/sparse_kernels.hpp"
+#include "detail/row_problem.hpp"
+#include "detail/sparse_row.hpp"
+#include "errors.hpp"
+#include "execution.hpp"
+#include "kl.hpp"
+#include "projection_types.hpp"
+
+TROLL_BEGIN_NAMESPACE
+
+namespace detail {
+template <class T, class I>
+using copy_const_t = std::conditional_t<std::is_const<T>::value, const I, I>;
+}  // namespace detail
+
+/// A batch of sparse rows in a padded layout over caller memory (maps 1:1 onto device memory):
+///   indices    rows × k_max   token ids of the support (entries past counts[r] are ignored)
+///   log_probs  rows × k_max   log p_i, normalised over the whole vocabulary
+///   counts     rows           |S_r| ≤ k_max
+///   log_remainder rows        log r = log Σ_{j∉S} p_j (−inf: no tail mass)
+/// with vocabulary size `vocab` = V; row r's tail count is m = V − counts[r] and its tail is taken
+/// as uniform (each tail token r/m). Outputs written by troll pad entries past the count with
+/// index −1 and log-prob −inf.
+template <class T>
+struct sparse_batch_view {
+  using index_type = detail::copy_const_t<T, sparse_index>;
+  index_type* indices = nullptr;
+  T* log_probs = nullptr;
+  index_type* counts = nullptr;
+  T* log_remainder = nullptr;
+  std::size_t rows = 0;
+  std::size_t k_max = 0;
+  std::size_t vocab = 0;
+
+  TROLL_HOST_DEVICE index_type* row_indices(std::size_t r) const { return indices + r * k_max; }
+  TROLL_HOST_DEVICE T* row_log_probs(std::size_t r) const { return log_probs + r * k_max; }
+  TROLL_HOST_DEVICE long long count(std::size_t r) const { return counts[r]; }
+  TROLL_HOST_DEVICE long long tail_count(std::size_t r) const {
+    return static_cast<long long>(vocab) - counts[r];
+  }
+
+  template <class U = T, class = std::enable_if_t<!std::is_const<U>::value>>
+  TROLL_HOST_DEVICE operator sparse_batch_view<const U>() const {
+    return sparse_batch_view<const U>{indices, log_probs, counts, log_remainder, rows, k_max, vocab};
+  }
+};
+
+/// A new and an old row aligned on one support U (math.md §4): shared indices and counts, each
+/// side's log-probabilities on U and each side's bucket over V∖U. Same padded layout as
+/// sparse_batch_view; new_side() / old_side() view one side as a sparse batch.
+template <class T>
+struct aligned_batch_view {
+  using index_type = detail::copy_const_t<T, sparse_index>;
+  index_type* indices = nullptr;
+  index_type* counts = nullptr;
+  T* new_log_probs = nullptr;
+  T* old_log_probs = nullptr;
+  T* new_log_remainder = nullptr;
+  T* old_log_remainder = nullptr;
+  std::size_t rows = 0;
+  std::size_t k_max = 0;
+  std::size_t vocab = 0;
+
+  TROLL_HOST_DEVICE sparse_batch_view<T> new_side() const {
+    return sparse_batch_view<T>{indices, new_log_probs, counts, new_log_remainder, rows, k_max, vocab};
+  }
+  TROLL_HOST_DEVICE sparse_batch_view<T> old_side() const {
+    return sparse_batch_view<T>{indices, old_log_probs, counts, old_log_remainder, rows, k_max, vocab};
+  }
+
+  template <class U = T, class = std::enable_if_t<!std::is_const<U>::value>>
+  TROLL_HOST_DEVICE operator aligned_batch_view<const U>() const {
+    return aligned_batch_view<const U>{indices,           counts,           new_log_probs,
+                                       old_log_probs,     new_log_remainder, old_log_remainder,
+                                       rows,              k_max,            vocab};
+  }
+};
+
+/// Gradients w.r.t. (or upstream of) a sparse batch: rows × k_max values on the support entries
+/// (∂L/∂log p_i, same positions as the primal's log_probs) and one per row for the bucket
+/// (∂L/∂log r). Entries past a row's count are ignored on input and written 0 on output.
+template <class T>
+struct sparse_grad_view {
+  T* log_probs = nullptr;
+  T* log_remainder = nullptr;
+  std::size_t rows = 0;
+  std::size_t k_max = 0;
+
+  TROLL_HOST_DEVICE T* row(std::size_t r) const { return log_probs + r * k_max; }
+  TROLL_HOST_DEVICE bool empty() const { return rows == 0; }
+
+  template <class U = T, class = std::enable_if_t<!std::is_const<U>::value>>
+  TROLL_HOST_DEVICE operator sparse_grad_view<const U>() const {
+    return sparse_grad_view<const U>{log_probs, log_remainder, rows, k_max};
+  }
+};
+
+/// Read-only inputs whose element type is deduced from an output argument.
+template <class T>
+using sparse_input = sparse_batch_view<const typename detail::identity<T>::type>;
+template <class T>
+using aligned_input = aligned_batch_view<const typename detail::identity<T>::type>;
+template <class T>
+using sparse_grad_input = sparse_grad_view<const typename detail::identity<T>::type>;
+
+/// Controls of sparsify: keep the shortest prefix (by logit, ties to the lower index) whose mass
+/// reaches 1 − delta, at most k tokens (1 ≤ k ≤ 256), then the sampled token if missing.
+struct sparsify_options {
+  int k = 64;
+  double delta = 1e-5;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Argument checks (host only; all run before anything is written).
+
+namespace detail {
+
+[[noreturn]] inline void throw_sparse_problem(const char* function, std::size_t row,
+                                              const cpu::sparse_problem& p) {
+  std::ostringstream msg;
+  msg.precision(17);
+  msg << row_prefix(function, row) << p.operand;
+  const auto where = [&]() -> std::string {
+    return p.entry < 0 ? std::string(" log_remainder") : " entry " + std::to_string(p.entry);
+  };
+  switch (p.kind) {
+    case cpu::sparse_problem_kind::count_range:
+      msg << ": count " << p.value << " is negative or exceeds the capacity k_max, the "
+          << "vocabulary or " << sparse_max_entries << " entries";
+      throw shape_error(msg.str(), row);
+    case cpu::sparse_problem_kind::index_range:
+      msg << ": entry " << p.entry << " has token index " << p.value
+          << " outside the vocabulary [0, V)";
+      throw shape_error(msg.str(), row);
+    case cpu::sparse_problem_kind::duplicate:
+      msg << ": entry " << p.entry << " repeats token index " << p.value
+          << " (support indices must be distinct)";
+      throw shape_error(msg.str(), row);
+    case cpu::sparse_problem_kind::nan_value:
+      msg << where() << " is NaN";
+      throw domain_error(msg.str(), row);
+    case cpu::sparse_problem_kind::above_one:
+      msg << where() << " is " << p.value << " > 0 (a probability above 1)";
+      throw domain_error(msg.str(), row);
+    case cpu::sparse_problem_kind::remainder_no_tail:
+      msg << ": the support covers the whole vocabulary but log_remainder is " << p.value
+          << " (the bucket is empty; it must be -inf)";
+      throw domain_error(msg.str(), row);
+    case cpu::sparse_problem_kind::no_mass:
+      msg << ": every log-probability and the remainder are -inf (the row has no mass)";
+      throw domain_error(msg.str(), row);
+    case cpu::sparse_problem_kind::not_aligned:
+      msg << ": entry " << p.entry << " (token " << p.value
+          << ") is missing from the aligned support";
+      throw shape_error(msg.str(), row);
+    case cpu::sparse_problem_kind::none:
+      break;
+  }
+  throw invalid_input(msg.str() + ": unknown problem", row);
+}
+
+template <class T>
+void check_sparse_view(const char* fn, const char* name, const sparse_batch_view<T>& v) {
+  if (v.rows == 0) return;
+  if (!v.indices || !v.log_probs || !v.counts || !v.log_remainder)
+    throw_shape(fn, std::string(name) + " has a null pointer");
+  if (v.vocab == 0) throw_shape(fn, std::string(name) + " has vocabulary size V = 0");
+  if (v.vocab > std::size_t(INT32_MAX))
+    throw_shape(fn, std::string(name) + " has a vocabulary larger than 2^31 - 1 tokens");
+  if (v.k_max == 0) throw_shape(fn, std::string(name) + " has capacity k_max = 0");
+}
+
+template <class T>
+void check_aligned_view(const char* fn, const char* name, const aligned_batch_view<T>& v) {
+  check_sparse_view(fn, name, v.new_side());
+  check_sparse_view(fn, name, v.old_side());
+}
+
+inline void check_same_rows(const char* fn, const char* name_a, std::size_t rows_a, const char* name_b,
+                     std::size_t rows_b) {
+  if (rows_a != rows_b)
+    throw_shape(fn, std::string(name_a) + " has " + std::to_string(rows_a) + " rows but " + name_b +
+                        " has " + std::to_string(rows_b));
+}
+
+inline void check_same_vocab(const char* fn, const char* name_a, std::size_t a, const char* name_b,
+                             std::size_t b) {
+  if (a != b)
+    throw_shape(fn, std::string(name_a) + " has vocabulary " + std::to_string(a) + " but " + name_b +
+                        " has " + std::to_string(b));
+}
+
+template <class T>
+void check_grad_view(const char* fn, const char* name, const sparse_grad_view<T>& g, std::size_t rows,
+                     std::size_t k_max) {
+  if (g.rows != rows || g.k_max < k_max)
+    throw_shape(fn, std::string(name) + " is " + std::to_string(g.rows) + " rows x " +
+                        std::to_string(g.k_max) + " but needs " + std::to_string(rows) + " x " +
+                        std::to_string(k_max));
+  if (rows != 0 && (!g.log_probs || !g.log_remainder))
+    throw_shape(fn, std::string(name) + " has a null pointer");
+}
+
+inline void check_sparse_eps(const char* fn, double eps, const projection_options& opt) {
+  if (!(eps > 0.0) || !(eps < inf()))
+    throw domain_error(std::string("troll::") + fn + ": the bound eps must be finite and > 0, got " +
+                       std::to_string(eps));
+  if (!(opt.rtol >= 0.0) || !(opt.atol >= 0.0) || !(opt.rtol + opt.atol > 0.0) ||
+      opt.max_iterations < 1)
+    throw domain_error(std::string("troll::") + fn +
+                       ": projection_options need rtol >= 0, atol >= 0, rtol + atol > 0 and "
+                       "max_iterations >= 1");
+}
+
+inline void check_sparsify_options(const char* fn, const sparsify_options& o) {
+  if (o.k < 1 || o.k > sparsify_max_k)
+    throw domain_error(std::string("troll::") + fn + ": sparsify_options.k must be in [1, " +
+                       std::to_string(sparsify_max_k) + "], got " + std::to_string(o.k));
+  if (!(o.delta >= 0.0 && o.delta < 1.0))
+    throw domain_error(std::string("troll::") + fn + ": sparsify_options.delta must be in [0, 1), got " +
+                       std::to_string(o.delta));
+}
+
+/// Runs check(r) → sparse_problem over all rows and throws the problem of the lowest bad row.
+template <class Check>
+void first_sparse_problem(const char* fn, unsigned threads, std::size_t rows, std::size_t work,
+                          Check&& check) {
+  const std::size_t bad =
+      cpu::first_bad_row(threads, rows, work, [&](std::size_t r) { return bool(check(r)); });
+  if (bad != rows) throw_sparse_problem(fn, bad, check(bad));
+}
+
+template <class T>
+cpu::sparse_problem check_sparse_row_of(const sparse_batch_view<T>& v, std::size_t r,
+                                        const char* name, index_slot* scratch) {
+  return cpu::check_sparse_row(v.row_indices(r), v.row_log_probs(r), v.count(r), v.log_remainder[r],
+                               v.k_max, v.vocab, name, scratch);
+}
+
+/// Validates every row of a sparse batch (parallel); throws the lowest bad row's problem.
+template <class T>
+void validate_sparse(const char* fn, unsigned threads, const sparse_batch_view<T>& v, const char* name) {
+  first_sparse_problem(fn, threads, v.rows, 4 * std::size_t(sparse_max_entries), [&](std::size_t r) {
+    index_slot scratch[sparse_max_entries];
+    return check_sparse_row_of(v, r, name, scratch);
+  });
+}
+
+/// Sampled tokens must lie in [0, V).
+inline void validate_sampled(const char* fn, const sparse_index* sampled, std::size_t rows,
+                             std::size_t vocab) {
+  if (!sampled) return;
+  for (std::size_t r = 0; r < rows; ++r) {
+    if (sampled[r] < 0 || std::size_t(sampled[r]) >= vocab)
+      throw domain_error(row_prefix(fn, r) + "sampled token " + std::to_string(sampled[r]) +
+                             " is outside the vocabulary [0, " + std::to_string(vocab) + ")",
+                         r);
+  }
+}
+
+/// The lumped (|U|+1)-category rows of aligned row r: new and old logits, n = |U| + 1.
+template <class T>
+int lumped_pair(const aligned_batch_view<const T>& a, std::size_t r, double* zn, double* zo) {
+  const int count = static_cast<int>(a.counts[r]);
+  const long long tail = static_cast<long long>(a.vocab) - count;
+  cpu::lumped_row(a.new_log_probs + r * a.k_max, count, a.new_log_remainder[r], tail, zn);
+  return cpu::lumped_row(a.old_log_probs + r * a.k_max, count, a.old_log_remainder[r], tail, zo);
+}
+
+/// Validates an aligned batch for KL / projection: both sides' sparse checks, then the dense
+/// row checks on the lumped rows (disjoint supports; with eps > 0, infeasibility).
+template <class T>
+void validate_aligned(const char* fn, unsigned threads, const aligned_batch_view<const T>& a,
+                      double eps) {
+  validate_sparse(fn, threads, a.new_side(), "new");
+  validate_sparse(fn, threads, a.old_side(), "old");
+  auto problem = [&](std::size_t r) {
+    double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
+    const int n = lumped_pair(a, r, zn, zo);
+    row_setup setup;
+    row_problem p = cpu::scan_pair(zn, zo, std::size_t(n), setup, "new (lumped)", "old (lumped)");
+    if (!p && eps > 0.0 && setup.old_only) {
+      const double floor = cpu::min_reachable_kl(zn, zo, std::size_t(n), setup);
+      if (floor >= eps) {
+        p.kind = problem_kind::infeasible;
+        p.value = floor;
+      }
+    }
+    return p;
+  };
+  const std::size_t bad = cpu::first_bad_row(threads, a.rows, 4 * std::size_t(sparse_max_entries),
+                                             [&](std::size_t r) { return bool(problem(r)); });
+  if (bad != a.rows) throw_problem(fn, bad, problem(bad));
+}
+
+template <class T>
+void pad_row(sparse_index* indices, T* log_probs, std::size_t from, std::size_t k_max) {
+  for (std::size_t i = from; i < k_max; ++i) {
+    indices[i] = -1;
+    log_probs[i] = T(neg_inf());
+  }
+}
+
+template <class T>
+void check_output_view(const char* fn, const char* name, const sparse_batch_view<T>& out,
+                       std::size_t rows, std::size_t vocab, std::size_t k_needed) {
+  check_sparse_view(fn, name, out);
+  check_same_rows(fn, "the input", rows, name, out.rows);
+  check_same_vocab(fn, "the input", vocab, name, out.vocab);
+  if (rows != 0 && out.k_max < k_needed)
+    throw_shape(fn, std::string(name) + " has capacity k_max = " + std::to_string(out.k_max) +
+                        " but rows may need " + std::to_string(k_needed) + " entries");
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// Sparsify.
+
+/// Sparsifies each row of dense `logits` (rows × V) into `out` (rows, k_max ≥ k + 1 when
+/// `sampled` is given, else ≥ k; out.vocab = V): the shortest prefix of tokens by logit (ties to
+/// the lower index) whose mass reaches 1 − delta, at most k, then sampled[r] if it is missing
+/// (sampled may be null: no sampled token). Entries are written in that order; log_remainder is
+/// the exact log tail mass (a log-sum-exp over the tail, never log(1 − Σ)). One streaming pass
+/// over each row. −inf logits are legal (masked tokens; they never enter the support unless
+/// sampled). Throws before writing: shape_error (shapes, capacity), domain_error (k outside
+/// [1, 256], delta outside [0, 1), NaN / +inf logits, an all −inf row, a sampled token outside
+/// [0, V)), each naming the row where there is one.
+template <class T>
+void sparsify(cpu_policy policy, input_view<T> logits, const sparse_index* sampled,
+              const sparsify_options& options, sparse_batch_view<T> out) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "sparsify";
+  detail::check_view(fn, "logits", logits);
+  detail::check_sparsify_options(fn, options);
+  const std::size_t need = std::size_t(options.k) + (sampled ? 1 : 0);
+  detail::check_output_view(fn, "out", out, logits.rows, logits.cols, need < logits.cols ? need : logits.cols);
+  detail::validate_sampled(fn, sampled, logits.rows, logits.cols);
+  detail::validate_rows(fn, policy.threads, logits, "logits");
+  const double log_delta = options.delta > 0.0 ? std::log(options.delta) : detail::neg_inf();
+  detail::cpu::parallel_for(policy.threads, logits.rows, 2 * logits.cols, [&](std::size_t r) {
+    sparsify_state st;
+    detail::reset(st, options.k, sampled ? sampled[r] : -1);
+    detail::cpu::sparsify_scan(logits.row(r), logits.cols, 0, st);
+    int count = 0;
+    detail::finalize(st, log_delta, out.row_indices(r), out.row_log_probs(r), count,
+                     out.log_remainder[r]);
+    out.counts[r] = count;
+    detail::pad_row(out.row_indices(r), out.row_log_probs(r), std::size_t(count), out.k_max);
+  });
+}
+
+/// Vocabulary shards: fills states[r] (rows entries) with the partial sparsify state of the
+/// tokens [vocab_offset, vocab_offset + shard_logits.cols) of a row of `vocab` tokens. States of
+/// disjoint shards merge with sparsify_merge (associative, any order); sparsify_finalize turns a
+/// state covering the whole row into the same sparse row sparsify writes. `sampled` (global
+/// indices, may be null) and options must be the same for every shard of a row.
+template <class T>
+void sparsify_shard(cpu_policy policy, batch_view<const T> shard_logits, std::size_t vocab_offset,
+                    std::size_t vocab, const sparse_index* sampled, const sparsify_options& options,
+                    sparsify_state* states) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "sparsify_shard";
+  detail::check_view(fn, "shard_logits", shard_logits);
+  detail::check_sparsify_options(fn, options);
+  if (shard_logits.rows != 0 && states == nullptr) detail::throw_shape(fn, "states is a null pointer");
+  if (vocab > std::size_t(INT32_MAX) || vocab_offset + shard_logits.cols > vocab)
+    detail::throw_shape(fn, "the shard [" + std::to_string(vocab_offset) + ", " +
+                                std::to_string(vocab_offset + shard_logits.cols) +
+                                ") does not fit in the vocabulary of " + std::to_string(vocab));
+  detail::validate_sampled(fn, sampled, shard_logits.rows, vocab);
+  // NaN / +inf only (an all −inf shard is fine: another shard may hold the mass).
+  const std::size_t bad = detail::cpu::first_bad_row(
+      policy.threads, shard_logits.rows, shard_logits.cols, [&](std::size_t r) {
+        return bool(detail::cpu::find_bad_value(shard_logits.row(r), shard_logits.cols, "shard_logits"));
+      });
+  if (bad != shard_logits.rows)
+    detail::throw_problem(fn, bad,
+                          detail::cpu::find_bad_value(shard_logits.row(bad), shard_logits.cols, "shard_logits"));
+  detail::cpu::parallel_for(policy.threads, shard_logits.rows, 2 * shard_logits.cols, [&](std::size_t r) {
+    detail::reset(states[r], options.k, sampled ? sampled[r] : -1);
+    detail::cpu::sparsify_scan(shard_logits.row(r), shard_logits.cols, vocab_offset, states[r]);
+  });
+}
+
+/// into[r] ← merge(into[r], from[r]) for rows rows: the state of the union of two disjoint token
+/// sets of the same row. Throws invalid_input when the two states disagree on k or the sampled token.
+inline void sparsify_merge(cpu_policy policy, sparsify_state* into, const sparsify_state* from,
+                           std::size_t rows) {
+  constexpr const char* fn = "sparsify_merge";
+  if (rows != 0 && (!into || !from)) detail::throw_shape(fn, "a state pointer is null");
+  for (std::size_t r = 0; r < rows; ++r) {
+    if (into[r].k != from[r].k || into[r].sampled != from[r].sampled)
+      throw invalid_input(detail::row_prefix(fn, r) +
+                              "the two states were made with different k or sampled tokens",
+                          r);
+  }
+  detail::cpu::parallel_for(policy.threads, rows, 4 * sparsify_max_k,
+                            [&](std::size_t r) { detail::merge_into(into[r], from[r]); });
+}
+
+/// Writes the sparse rows of states that cover whole rows of `out.vocab` tokens (see
+/// sparsify_shard). Throws domain_error for a row whose logits were all −inf or whose sampled
+/// token no shard held, shape_error for a too small out.k_max.
+template <class T>
+void sparsify_finalize(cpu_policy policy, const sparsify_state* states, const sparsify_options& options,
+                       sparse_batch_view<T> out) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "sparsify_finalize";
+  detail::check_sparsify_options(fn, options);
+  detail::check_sparse_view(fn, "out", out);
+  if (out.rows != 0 && !states) detail::throw_shape(fn, "states is a null pointer");
+  for (std::size_t r = 0; r < out.rows; ++r) {
+    if (states[r].k != options.k)
+      throw invalid_input(detail::row_prefix(fn, r) + "the state was made with k = " +
+                              std::to_string(states[r].k) + ", options.k is " + std::to_string(options.k),
+                          r);
+    const std::size_t need = std::size_t(states[r].size) + (states[r].sampled >= 0 ? 1 : 0);
+    if (out.k_max < need)
+      throw shape_error(detail::row_prefix(fn, r) + "out has capacity " + std::to_string(out.k_max) +
+                            " but the row needs " + std::to_string(need),
+                        r);
+    if (states[r].sampled >= 0 && !states[r].has_sampled)
+      throw domain_error(detail::row_prefix(fn, r) + "no shard held the sampled token " +
+                             std::to_string(states[r].sampled),
+                         r);
+    if (states[r].size == 0 && !states[r].has_sampled && states[r].outside.m == detail::neg_inf())
+      throw domain_error(detail::row_prefix(fn, r) + "every logit is -inf (the row has no support)", r);
+  }
+  const double log_delta = options.delta > 0.0 ? std::log(options.delta) : detail::neg_inf();
+  detail::cpu::parallel_for(policy.threads, out.rows, 4 * sparsify_max_k, [&](std::size_t r) {
+    sparsify_state st = states[r];
+    int count = 0;
+    const detail::finalize_problem p = detail::finalize(st, log_delta, out.row_indices(r),
+                                                        out.row_log_probs(r), count, out.log_remainder[r]);
+    (void)p;  // ruled out by the checks above
+    out.counts[r] = count;
+    detail::pad_row(out.row_indices(r), out.row_log_probs(r), std::size_t(count), out.k_max);
+  });
+}
+
+/// Backward of sparsify (and of the new side of align(logits, ...)): scatters an upstream
+/// gradient on a sparse row gathered from `logits` — g on the support of `support` (its indices
+/// and counts are read, its values are not) and g_R on its bucket — to dense logits (math.md §4):
+///     ∂L/∂z_k = [k∈S] g_k + [k∉S] g_R p_k / r − p_k (Σ_S g_i + g_R),   O(V) per row.
+/// Throws before writing: shape_error, domain_error (bad logits, bad support, NaN / inf grads).
+template <class T>
+void sparsify_backward(cpu_policy policy, input_view<T> logits, sparse_input<T> support,
+                       sparse_grad_input<T> grad, batch_view<T> grad_logits) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "sparsify_backward";
+  detail::check_view(fn, "logits", logits);
+  detail::check_view(fn, "grad_logits", grad_logits);
+  detail::check_same_shape(fn, "logits", logits, "grad_logits", grad_logits);
+  detail::check_sparse_view(fn, "support", support);
+  detail::check_same_rows(fn, "logits", logits.rows, "support", support.rows);
+  detail::check_same_vocab(fn, "logits", logits.cols, "support", support.vocab);
+  detail::check_grad_view(fn, "grad", grad, logits.rows, support.k_max);
+  detail::validate_rows(fn, policy.threads, logits, "logits");
+  detail::first_sparse_problem(fn, policy.threads, logits.rows, 4 * std::size_t(sparse_max_entries),
+                               [&](std::size_t r) {
+                                 detail::index_slot scratch[sparse_max_entries];
+                                 detail::cpu::sparse_problem p = detail::cpu::check_sparse_row(
+                                     support.row_indices(r), support.row_log_probs(r), support.count(r),
+                                     T(0), support.k_max, support.vocab, "support", scratch);
+                                 if (p.kind == detail::cpu::sparse_problem_kind::no_mass ||
+                                     p.kind == detail::cpu::sparse_problem_kind::remainder_no_tail)
+                                   p = detail::cpu::sparse_problem{};
+                                 if (p) return p;
+                                 const long long n = support.count(r);
+                                 for (long long i = -1; i < n; ++i) {
+                                   const double g = i < 0 ? double(grad.log_remainder[r])
+                                                          : double(grad.row(r)[i]);
+                                   if (!(g - g == 0.0)) {
+                                     p.kind = detail::cpu::sparse_problem_kind::nan_value;
+                                     p.operand = "grad (NaN or infinite)";
+                                     p.entry = i;
+                                     return p;
+                                   }
+                                 }
+                                 return p;
+                               });
+  detail::cpu::parallel_for(policy.threads, logits.rows, 3 * logits.cols, [&](std::size_t r) {
+    detail::index_slot slots[sparse_max_entries];
+    const int n = static_cast<int>(support.count(r));
+    for (int i = 0; i < n; ++i) slots[i] = detail::index_slot{support.row_indices(r)[i], i};
+    detail::sort_by_index(slots, n);
+    detail::cpu::sparsify_backward_row(logits.row(r), logits.cols, slots, n, grad.row(r),
+                                       double(grad.log_remainder[r]), grad_logits.row(r));
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Alignment.
+
+/// Aligns sparse new and old rows on U = S_new ∪ S_old (math.md §4) into `out` (capacity ≥ |U|
+/// of every row; out.vocab = V): U lists the new row's entries in its order, then the old row's
+/// entries missing from it. A token of U missing from a row gets that row's uniform tail value
+/// log(r/m); each row's bucket shrinks to log(r·(V − |U|)/m). Exact: the aligned pair expands to
+/// the same V-vectors as the inputs. Throws before writing (shape_error / domain_error naming
+/// the row: bad sparse rows, a union larger than out.k_max).
+template <class T>
+void align(cpu_policy policy, sparse_input<T> new_rows, sparse_input<T> old_rows,
+           aligned_batch_view<T> out) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "align";
+  detail::check_sparse_view(fn, "new", new_rows);
+  detail::check_sparse_view(fn, "old", old_rows);
+  detail::check_aligned_view(fn, "out", out);
+  detail::check_same_rows(fn, "new", new_rows.rows, "old", old_rows.rows);
+  detail::check_same_rows(fn, "new", new_rows.rows, "out", out.rows);
+  detail::check_same_vocab(fn, "new", new_rows.vocab, "old", old_rows.vocab);
+  detail::check_same_vocab(fn, "new", new_rows.vocab, "out", out.vocab);
+  detail::validate_sparse(fn, policy.threads, new_rows, "new");
+  detail::validate_sparse(fn, policy.threads, old_rows, "old");
+  const std::size_t cap = out.k_max < std::size_t(sparse_max_entries) ? out.k_max : sparse_max_entries;
+  detail::first_sparse_problem(fn, policy.threads, new_rows.rows, 4 * std::size_t(sparse_max_entries),
+                               [&](std::size_t r) {
+                                 detail::index_slot scratch[sparse_max_entries];
+                                 detail::cpu::sparse_problem p;
+                                 const int u = detail::union_size(
+                                     new_rows.row_indices(r), int(new_rows.count(r)),
+                                     old_rows.row_indices(r), int(old_rows.count(r)), scratch);
+                                 if (std::size_t(u) > cap) {
+                                   p.kind = detail::cpu::sparse_problem_kind::count_range;
+                                   p.operand = "out (the union of the supports)";
+                                   p.value = u;
+                                 }
+                                 return p;
+                               });
+  detail::cpu::parallel_for(policy.threads, out.rows, 8 * std::size_t(sparse_max_entries), [&](std::size_t r) {
+    detail::index_slot scratch[sparse_max_entries];
+    int new_pos[sparse_max_entries], old_pos[sparse_max_entries];
+    const int cn = int(new_rows.count(r)), co = int(old_rows.count(r));
+    const int u = detail::union_support(new_rows.row_indices(r), cn, old_rows.row_indices(r), co,
+                                        scratch, out.indices + r * out.k_max, new_pos, old_pos);
+    const long long vocab = static_cast<long long>(out.vocab);
+    const long long m_new = vocab - cn, m_old = vocab - co, m_u = vocab - u;
+    const double lr_new = double(new_rows.log_remainder[r]), lr_old = double(old_rows.log_remainder[r]);
+    const double tail_new = detail::tail_log_value(lr_new, m_new);
+    const double tail_old = detail::tail_log_value(lr_old, m_old);
+    T* ln = out.new_log_probs + r * out.k_max;
+    T* lo = out.old_log_probs + r * out.k_max;
+    for (int i = 0; i < u; ++i) {
+      ln[i] = new_pos[i] >= 0 ? new_rows.row_log_probs(r)[new_pos[i]] : T(tail_new);
+      lo[i] = old_pos[i] >= 0 ? old_rows.row_log_probs(r)[old_pos[i]] : T(tail_old);
+    }
+    out.counts[r] = u;
+    out.new_log_remainder[r] = T(detail::shrink_log_remainder(lr_new, m_new, m_u));
+    out.old_log_remainder[r] = T(detail::shrink_log_remainder(lr_old, m_old, m_u));
+    detail::pad_row(out.indices + r * out.k_max, ln, std::size_t(u), out.k_max);
+    for (std::size_t i = std::size_t(u); i < out.k_max; ++i) lo[i] = T(detail::neg_inf());
+  });
+}
+
+/// Aligns dense new logits (rows × V) with sparse old rows: U = S ∪ S_old where S is the support
+/// of `new_support` (indices and counts read, values not; pass an empty view, rows = 0, for
+/// U = S_old). The new side gathers exact log-probs z_i − logsumexp(z) on U and its bucket is the
+/// exact log tail mass over V∖U (differentiable w.r.t. every logit: see sparsify_backward, with
+/// support = out.new_side()); the old side is aligned as in align(new, old).
+template <class T>
+void align(cpu_policy policy, input_view<T> new_logits, sparse_input<T> new_support,
+           sparse_input<T> old_rows, aligned_batch_view<T> out) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "align";
+  detail::check_view(fn, "new_logits", new_logits);
+  detail::check_sparse_view(fn, "old", old_rows);
+  detail::check_aligned_view(fn, "out", out);
+  const bool with_support = new_support.rows != 0;
+  if (with_support) {
+    detail::check_sparse_view(fn, "new_support", new_support);
+    detail::check_same_rows(fn, "new_logits", new_logits.rows, "new_support", new_support.rows);
+    detail::check_same_vocab(fn, "new_logits", new_logits.cols, "new_support", new_support.vocab);
+  }
+  detail::check_same_rows(fn, "new_logits", new_logits.rows, "old", old_rows.rows);
+  detail::check_same_rows(fn, "new_logits", new_logits.rows, "out", out.rows);
+  detail::check_same_vocab(fn, "new_logits", new_logits.cols, "old", old_rows.vocab);
+  detail::check_same_vocab(fn, "new_logits", new_logits.cols, "out", out.vocab);
+  detail::validate_rows(fn, policy.threads, new_logits, "new_logits");
+  detail::validate_sparse(fn, policy.threads, old_rows, "old");
+  const std::size_t cap = out.k_max < std::size_t(sparse_max_entries) ? out.k_max : sparse_max_entries;
+  detail::first_sparse_problem(fn, policy.threads, new_logits.rows, 4 * std::size_t(sparse_max_entries),
+                               [&](std::size_t r) {
+                                 detail::index_slot scratch[sparse_max_entries];
+                                 detail::cpu::sparse_problem p;
+                                 if (with_support) {
+                                   p = detail::cpu::check_sparse_row(
+                                       new_support.row_indices(r), new_support.row_log_probs(r),
+                                       new_support.count(r), T(0), new_support.k_max, new_support.vocab,
+                                       "new_support", scratch);
+                                   if (p.kind == detail::cpu::sparse_problem_kind::no_mass ||
+                                       p.kind == detail::cpu::sparse_problem_kind::remainder_no_tail)
+                                     p = detail::cpu::sparse_problem{};
+                                   if (p) return p;
+                                 }
+                                 const int u = with_support
+                                                   ? detail::union_size(new_support.row_indices(r),
+                                                                        int(new_support.count(r)),
+                                                                        old_rows.row_indices(r),
+                                                                        int(old_rows.count(r)), scratch)
+                                                   : int(old_rows.count(r));
+                                 if (std::size_t(u) > cap) {
+                                   p.kind = detail::cpu::sparse_problem_kind::count_range;
+                                   p.operand = "out (the union of the supports)";
+                                   p.value = u;
+                                 }
+                                 return p;
+                               });
+  detail::cpu::parallel_for(policy.threads, out.rows, 2 * new_logits.cols, [&](std::size_t r) {
+    detail::index_slot scratch[sparse_max_entries];
+    int new_pos[sparse_max_entries], old_pos[sparse_max_entries];
+    const int co = int(old_rows.count(r));
+    const int cn = with_support ? int(new_support.count(r)) : 0;
+    sparse_index* indices = out.indices + r * out.k_max;
+    const int u = detail::union_support(with_support ? new_support.row_indices(r) : nullptr, cn,
+                                        old_rows.row_indices(r), co, scratch, indices, new_pos, old_pos);
+    for (int i = 0; i < u; ++i) scratch[i] = detail::index_slot{indices[i], i};
+    detail::sort_by_index(scratch, u);
+    const T* z = new_logits.row(r);
+    double log_total = 0.0, log_tail = 0.0;
+    detail::cpu::log_sums_outside(z, new_logits.cols, scratch, u, log_total, log_tail);
+    const long long vocab = static_cast<long long>(out.vocab);
+    const long long m_old = vocab - co, m_u = vocab - u;
+    const double lr_old = double(old_rows.log_remainder[r]);
+    const double tail_old = detail::tail_log_value(lr_old, m_old);
+    T* ln = out.new_log_probs + r * out.k_max;
+    T* lo = out.old_log_probs + r * out.k_max;
+    for (int i = 0; i < u; ++i) {
+      ln[i] = T(double(z[indices[i]]) - log_total);
+      lo[i] = old_pos[i] >= 0 ? old_rows.row_log_probs(r)[old_pos[i]] : T(tail_old);
+    }
+    out.counts[r] = u;
+    out.new_log_remainder[r] = T(log_tail == detail::neg_inf() ? log_tail : log_tail - log_total);
+    out.old_log_remainder[r] = T(detail::shrink_log_remainder(lr_old, m_old, m_u));
+    detail::pad_row(indices, ln, std::size_t(u), out.k_max);
+    for (std::size_t i = std::size_t(u); i < out.k_max; ++i) lo[i] = T(detail::neg_inf());
+  });
+}
+
+/// Backward of align(new, old) for one side: given the gradient on that side of the aligned rows
+/// (∂L/∂ aligned log-probs and ∂L/∂ aligned log-remainder), writes the gradient w.r.t. the
+/// original sparse row `row` (the new or the old input of align): entries of S pass through;
+/// each token of U∖S had value log r − log m and the bucket log r + log(m_U/m), so
+///     ∂L/∂log r = g_R' + Σ_{u ∈ U∖S} g_u.
+/// Throws shape_error when an entry of `row` is missing from the aligned support.
+template <class T>
+void align_backward(cpu_policy policy, sparse_input<T> row, aligned_input<T> aligned,
+                    sparse_grad_input<T> grad_aligned, sparse_grad_view<T> grad_row) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "align_backward";
+  detail::check_sparse_view(fn, "row", row);
+  detail::check_aligned_view(fn, "aligned", aligned);
+  detail::check_same_rows(fn, "row", row.rows, "aligned", aligned.rows);
+  detail::check_same_vocab(fn, "row", row.vocab, "aligned", aligned.vocab);
+  detail::check_grad_view(fn, "grad_aligned", grad_aligned, aligned.rows, aligned.k_max);
+  detail::check_grad_view(fn, "grad_row", grad_row, row.rows, row.k_max);
+  detail::validate_sparse(fn, policy.threads, row, "row");
+  detail::first_sparse_problem(fn, policy.threads, row.rows, 4 * std::size_t(sparse_max_entries),
+                               [&](std::size_t r) {
+                                 detail::index_slot scratch[sparse_max_entries];
+                                 detail::cpu::sparse_problem p = detail::check_sparse_row_of(
+                                     aligned.new_side(), r, "aligned", scratch);
+                                 if (p) return p;
+                                 const int u = int(aligned.counts[r]);
+                                 for (int i = 0; i < u; ++i)
+                                   scratch[i] = detail::index_slot{aligned.indices[r * aligned.k_max + i], i};
+                                 detail::sort_by_index(scratch, u);
+                                 for (long long i = 0; i < row.count(r); ++i) {
+                                   if (detail::find_slot(scratch, u, row.row_indices(r)[i]) < 0) {
+                                     p.kind = detail::cpu::sparse_problem_kind::not_aligned;
+                                     p.operand = "row";
+                                     p.entry = i;
+                                     p.value = row.row_indices(r)[i];
+                                     return p;
+                                   }
+                                 }
+                                 for (int i = -1; i < u; ++i) {
+                                   const double g = i < 0 ? double(grad_aligned.log_remainder[r])
+                                                          : double(grad_aligned.row(r)[i]);
+                                   if (!(g - g == 0.0)) {
+                                     p.kind = detail::cpu::sparse_problem_kind::nan_value;
+                                     p.operand = "grad_aligned (NaN or infinite)";
+                                     p.entry = i;
+                                     return p;
+                                   }
+                                 }
+                                 return p;
+                               });
+  detail::cpu::parallel_for(policy.threads, row.rows, 8 * std::size_t(sparse_max_entries), [&](std::size_t r) {
+    detail::index_slot slots[sparse_max_entries];
+    const int c = int(row.count(r)), u = int(aligned.counts[r]);
+    for (int i = 0; i < c; ++i) slots[i] = detail::index_slot{row.row_indices(r)[i], i};
+    detail::sort_by_index(slots, c);
+    const T* g = grad_aligned.row(r);
+    T* out = grad_row.row(r);
+    double g_remainder = double(grad_aligned.log_remainder[r]);
+    for (int i = 0; i < c; ++i) out[i] = T(0);
+    for (int i = 0; i < u; ++i) {
+      const int slot = detail::find_slot(slots, c, aligned.indices[r * aligned.k_max + i]);
+      if (slot >= 0) {
+        out[slots[slot].position] = g[i];
+      } else {
+        g_remainder += double(g[i]);
+      }
+    }
+    for (std::size_t i = std::size_t(c); i < grad_row.k_max; ++i) out[i] = T(0);
+    grad_row.log_remainder[r] = T(g_remainder);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// KL, projection and its backward on aligned rows.
+
+/// kl_out[r] = KL(new ‖ old) of aligned rows: the KL of the lumped (|U|+1)-category rows, equal to
+/// the KL of the expanded V-vectors under uniform tails. +inf where new has mass that old lacks.
+template <class T>
+void kl(cpu_policy policy, aligned_input<T> rows, T* kl_out) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "kl";
+  detail::check_aligned_view(fn, "rows", rows);
+  if (rows.rows != 0 && kl_out == nullptr) detail::throw_shape(fn, "kl_out is a null pointer");
+  detail::validate_aligned(fn, policy.threads, rows, 0.0);
+  detail::cpu::parallel_for(policy.threads, rows.rows, 8 * std::size_t(sparse_max_entries), [&](std::size_t r) {
+    double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
+    const int n = detail::lumped_pair(rows, r, zn, zo);
+    detail::row_setup setup;
+    detail::cpu::scan_pair(zn, zo, std::size_t(n), setup, "", "");
+    kl_out[r] = T(detail::cpu::kl_row(zn, zo, std::size_t(n), setup));
+  });
+}
+
+/// The trust-region projection of aligned rows (math.md §2, §4): the dense projection of the
+/// lumped (|U|+1)-category rows (bucket = one category of log-mass log r), which under uniform
+/// tails is exactly the projection of the expanded V-vectors. Writes `out` (indices and counts of
+/// U, log π* on U, the bucket's log π*) and stats (rows entries; μ and σ² over the lumped
+/// categories). Inactive rows (KL ≤ ε) are the log-softmax of the lumped new row (the new row
+/// itself when normalised); only violating rows are solved. Guarantees and throws as the dense
+/// project(), plus the sparse-row checks (shape_error / domain_error naming the row).
+template <class T>
+void project(cpu_policy policy, aligned_input<T> rows, double eps, sparse_batch_view<T> out,
+             projection_stats* stats, const projection_options& options = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "project";
+  detail::check_aligned_view(fn, "rows", rows);
+  detail::check_output_view(fn, "out", out, rows.rows, rows.vocab, 0);
+  if (rows.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  detail::check_sparse_eps(fn, eps, options);
+  detail::validate_aligned(fn, policy.threads, rows, eps);
+  for (std::size_t r = 0; r < rows.rows; ++r) {
+    if (std::size_t(rows.counts[r]) > out.k_max)
+      throw shape_error(detail::row_prefix(fn, r) + "out has capacity " + std::to_string(out.k_max) +
+                            " but the row has " + std::to_string(rows.counts[r]) + " entries",
+                        r);
+  }
+  detail::cpu::parallel_for(policy.threads, rows.rows, 16 * std::size_t(sparse_max_entries), [&](std::size_t r) {
+    double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1];
+    const int n = detail::lumped_pair(rows, r, zn, zo);
+    detail::row_setup setup;
+    detail::cpu::scan_pair(zn, zo, std::size_t(n), setup, "", "");
+    stats[r] = detail::cpu::project_row(zn, zo, std::size_t(n), setup, eps, options, lp);
+    const int count = n - 1;
+    for (int i = 0; i < count; ++i) {
+      out.row_indices(r)[i] = rows.indices[r * rows.k_max + i];
+      out.row_log_probs(r)[i] = T(lp[i]);
+    }
+    out.counts[r] = count;
+    out.log_remainder[r] = T(lp[count]);
+    detail::pad_row(out.row_indices(r), out.row_log_probs(r), std::size_t(count), out.k_max);
+  });
+}
+
+/// VJP of project(aligned): given upstream g on the output (∂L/∂log π* on U and on the bucket),
+/// writes grad_new = ∂L/∂(new aligned log-probs, new log-remainder), grad_old likewise for the old
+/// side (skipped when empty) and grad_eps[r] = ∂L/∂ε (skipped when null) — the dense VJP
+/// (math.md §3) on the lumped categories. Upstream entries at −inf outputs are ignored.
+template <class T>
+void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> log_probs,
+                      const projection_stats* stats, sparse_grad_input<T> grad,
+                      sparse_grad_view<T> grad_new, sparse_grad_view<T> grad_old = {},
+                      T* grad_eps = nullptr) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "project_backward";
+  detail::check_aligned_view(fn, "rows", rows);
+  detail::check_sparse_view(fn, "log_probs", log_probs);
+  detail::check_same_rows(fn, "rows", rows.rows, "log_probs", log_probs.rows);
+  detail::check_same_vocab(fn, "rows", rows.vocab, "log_probs", log_probs.vocab);
+  detail::check_grad_view(fn, "grad", grad, rows.rows, log_probs.k_max);
+  detail::check_grad_view(fn, "grad_new", grad_new, rows.rows, rows.k_max);
+  const bool want_old = !grad_old.empty();
+  if (want_old) detail::check_grad_view(fn, "grad_old", grad_old, rows.rows, rows.k_max);
+  if (rows.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  detail::validate_aligned(fn, policy.threads, rows, 0.0);
+  detail::first_sparse_problem(fn, policy.threads, rows.rows, 4 * std::size_t(sparse_max_entries),
+                               [&](std::size_t r) {
+                                 detail::cpu::sparse_problem p;
+                                 p.operand = "log_probs";
+                                 if (log_probs.counts[r] != rows.counts[r]) {
+                                   p.kind = detail::cpu::sparse_problem_kind::not_aligned;
+                                   p.value = double(log_probs.counts[r]);
+                                   return p;
+                                 }
+                                 for (long long i = -1; i < log_probs.count(r); ++i) {
+                                   const double g = i < 0 ? double(grad.log_remainder[r])
+                                                          : double(grad.row(r)[i]);
+                                   const double l = i < 0 ? double(log_probs.log_remainder[r])
+                                                          : double(log_probs.row_log_probs(r)[i]);
+                                   if (l != l) {
+                                     p.kind = detail::cpu::sparse_problem_kind::nan_value;
+                                     p.entry = i;
+                                     return p;
+                                   }
+                                   if (l > detail::neg_inf() && !(g - g == 0.0)) {
+                                     p.kind = detail::cpu::sparse_problem_kind::nan_value;
+                                     p.operand = "grad (NaN or infinite)";
+                                     p.entry = i;
+                                     return p;
+                                   }
+                                 }
+                                 return p;
+                               });
+  for (std::size_t r = 0; r < rows.rows; ++r) {
+    if (const detail::row_problem p = detail::check_stats(stats[r])) detail::throw_problem(fn, r, p);
+  }
+  detail::cpu::parallel_for(policy.threads, rows.rows, 16 * std::size_t(sparse_max_entries), [&](std::size_t r) {
+    double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1],
+        g[sparse_max_entries + 1], gn[sparse_max_entries + 1], go[sparse_max_entries + 1];
+    const int n = detail::lumped_pair(rows, r, zn, zo);
+    const int count = n - 1;
+    for (int i = 0; i < count; ++i) {
+      lp[i] = double(log_probs.row_log_probs(r)[i]);
+      g[i] = double(grad.row(r)[i]);
+    }
+    lp[count] = double(log_probs.log_remainder[r]);
+    g[count] = double(grad.log_remainder[r]);
+    double row_grad_eps = 0.0;
+    detail::cpu::vjp_row(zn, zo, lp, g, std::size_t(n), stats[r], gn, want_old ? go : nullptr,
+                         &row_grad_eps);
+    for (int i = 0; i < count; ++i) grad_new.row(r)[i] = T(gn[i]);
+    for (std::size_t i = std::size_t(count); i < grad_new.k_max; ++i) grad_new.row(r)[i] = T(0);
+    grad_new.log_remainder[r] = T(gn[count]);
+    if (want_old) {
+      for (int i = 0; i < count; ++i) grad_old.row(r)[i] = T(go[i]);
+      for (std::size_t i = std::size_t(count); i < grad_old.k_max; ++i) grad_old.row(r)[i] = T(0);
+      grad_old.log_remainder[r] = T(go[count]);
+    }
+    if (grad_eps) grad_eps[r] = T(row_grad_eps);
+  });
+}
+
+TROLL_END_NAMESPACE
