@@ -1,0 +1,212 @@
+// troll/cuda.cuh — the CUDA backend of the dense API (nvcc only): log_softmax, kl, project and
+// project_backward under the troll::cuda policy tag, with the CPU overloads' argument lists.
+//
+//   troll::project(troll::cuda.on(stream), new_logits, old_logits, eps, out_log_probs, stats);
+//
+// Every pointer (views, stats, kl_out, grad_eps, reports) is device memory. Work is enqueued on
+// policy.stream; by default nothing allocates and nothing synchronises. Bad input rows are
+// reported on the device (see troll::cuda_checks) instead of thrown, unless the caller asks for
+// the checked mode (troll::cuda_checked), which throws the CPU backend's typed exceptions.
+// Never run on a GPU yet: see docs/cuda.md.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <string>
+
+#include "batch.hpp"
+#include "config.hpp"
+#include "detail/cuda/backward_kernels.cuh"
+#include "detail/cuda/error_check.cuh"
+#include "detail/cuda/forward_kernels.cuh"
+#include "detail/cuda/row_report.cuh"
+#include "errors.hpp"
+#include "execution.hpp"
+#include "projection_types.hpp"
+
+TROLL_BEGIN_NAMESPACE
+
+namespace detail {
+namespace cuda {
+
+// The same argument checks as troll/projection.hpp (which this header does not include, to keep
+// Eigen out of CUDA translation units); the messages are identical.
+inline void check_eps(const char* function, double eps) {
+  if (!(eps > 0.0) || !(eps < inf()))
+    throw domain_error(std::string("troll::") + function +
+                       ": the bound eps must be finite and > 0, got " + std::to_string(eps));
+}
+
+inline void check_options(const char* function, const projection_options& opt) {
+  if (!(opt.rtol >= 0.0) || !(opt.atol >= 0.0) || !(opt.rtol + opt.atol > 0.0) || opt.max_iterations < 1)
+    throw domain_error(std::string("troll::") + function +
+                       ": projection_options need rtol >= 0, atol >= 0, rtol + atol > 0 and "
+                       "max_iterations >= 1");
+}
+
+/// Checked mode: runs `launch` in validate-only mode over all rows, synchronises, and throws the
+/// first rejected row's exception (after re-validating that single row for its report).
+template <class Launch>
+void validate_or_throw(const char* function, cudaStream_t stream, std::size_t rows,
+                       const char* const operand_names[3], const Launch& launch) {
+  struct scratch {
+    unsigned long long first_bad_row;
+    cuda_row_report report;
+  };
+  struct scratch_owner {
+    scratch* memory = nullptr;
+    cudaStream_t stream = nullptr;
+    ~scratch_owner() {
+      if (memory != nullptr) static_cast<void>(cudaFreeAsync(memory, stream));
+    }
+  } owner;
+  owner.stream = stream;
+  check(cudaMallocAsync(reinterpret_cast<void**>(&owner.memory), sizeof(scratch), stream), function,
+        "cudaMallocAsync (checked mode)");
+  scratch* device = owner.memory;
+  check(cudaMemsetAsync(&device->first_bad_row, 0xFF, sizeof(unsigned long long), stream), function,
+        "cudaMemsetAsync");
+  launch(row_range{0, rows}, device_checks{nullptr, &device->first_bad_row, true});
+  check_launch(function);
+  unsigned long long first_bad = no_bad_row;
+  check(cudaMemcpyAsync(&first_bad, &device->first_bad_row, sizeof first_bad, cudaMemcpyDeviceToHost, stream),
+        function, "cudaMemcpyAsync");
+  check(cudaStreamSynchronize(stream), function, "cudaStreamSynchronize (checked mode)");
+  if (first_bad == no_bad_row) return;
+
+  const std::size_t row = static_cast<std::size_t>(first_bad);
+  launch(row_range{row, 1}, device_checks{&device->report, nullptr, true});
+  check_launch(function);
+  cuda_row_report report;
+  check(cudaMemcpyAsync(&report, &device->report, sizeof report, cudaMemcpyDeviceToHost, stream), function,
+        "cudaMemcpyAsync");
+  check(cudaStreamSynchronize(stream), function, "cudaStreamSynchronize (checked mode)");
+  throw_report(function, row, report, operand_names);
+}
+
+/// Enqueues `launch(row_range, device_checks)` over all rows with the caller's checks.
+template <class Launch>
+void run(const char* function, cudaStream_t stream, std::size_t rows, const cuda_checks& checks,
+         const char* const operand_names[3], const Launch& launch) {
+  if (rows == 0) return;
+  if (checks.checked) validate_or_throw(function, stream, rows, operand_names, launch);
+  if (checks.first_bad_row != nullptr)
+    check(cudaMemsetAsync(checks.first_bad_row, 0xFF, sizeof(unsigned long long), stream), function,
+          "cudaMemsetAsync (first_bad_row)");
+  launch(row_range{0, rows}, device_checks{checks.reports, checks.first_bad_row, false});
+  check_launch(function);
+}
+
+}  // namespace cuda
+}  // namespace detail
+
+/// out[r] = log_softmax(logits[r]) on the device. Rejected rows (NaN / +inf entries, all −inf)
+/// are reported through `checks` and written as NaN; with checks.checked they throw
+/// domain_error as on the CPU, before anything is written.
+template <class T>
+void log_softmax(cuda_policy policy, input_view<T> logits, batch_view<T> out, const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "log_softmax";
+  detail::check_view(fn, "logits", logits);
+  detail::check_view(fn, "out", out);
+  detail::check_same_shape(fn, "logits", logits, "out", out);
+  static const char* const names[3] = {"logits", "logits", ""};
+  detail::cuda::run(fn, policy.stream, logits.rows, checks, names,
+                    [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+                      detail::cuda::log_softmax_kernel<T>
+                          <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
+                             policy.stream>>>(logits, out, range, device);
+                    });
+}
+
+/// kl_out[r] = KL(softmax(p[r]) ‖ softmax(q[r])) on the device (kl_out: p.rows device entries),
+/// +inf where p has mass q lacks. Rejected rows as in the CPU kl (NaN / +inf, all −inf,
+/// disjoint supports) give NaN and a report, or throw in checked mode.
+template <class T>
+void kl(cuda_policy policy, input_view<T> p_logits, input_view<T> q_logits, T* kl_out,
+        const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "kl";
+  detail::check_view(fn, "p_logits", p_logits);
+  detail::check_view(fn, "q_logits", q_logits);
+  detail::check_same_shape(fn, "p_logits", p_logits, "q_logits", q_logits);
+  if (p_logits.rows != 0 && kl_out == nullptr) detail::throw_shape(fn, "kl_out is a null pointer");
+  static const char* const names[3] = {"p_logits", "q_logits", ""};
+  detail::cuda::run(fn, policy.stream, p_logits.rows, checks, names,
+                    [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+                      detail::cuda::kl_kernel<T>
+                          <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
+                             policy.stream>>>(p_logits, q_logits, kl_out, range, device);
+                    });
+}
+
+/// The trust-region projection of troll::project(cpu_policy, ...) on the device: log π* to
+/// out_log_probs, one projection_stats per row to `stats` (device memory, rows entries).
+/// Shape, eps and option errors throw on the host before anything is enqueued. Row problems
+/// (NaN / +inf, all −inf, disjoint supports, infeasible) are reported through `checks`; such a
+/// row gets NaN log-probabilities and stats with NaN fields and status infeasible. With
+/// checks.checked the CPU's exceptions are thrown, naming the row, before anything is written.
+template <class T>
+void project(cuda_policy policy, input_view<T> new_logits, input_view<T> old_logits, double eps,
+             batch_view<T> out_log_probs, projection_stats* stats, const projection_options& options = {},
+             const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "project";
+  detail::check_view(fn, "new_logits", new_logits);
+  detail::check_view(fn, "old_logits", old_logits);
+  detail::check_view(fn, "out_log_probs", out_log_probs);
+  detail::check_same_shape(fn, "new_logits", new_logits, "old_logits", old_logits);
+  detail::check_same_shape(fn, "new_logits", new_logits, "out_log_probs", out_log_probs);
+  if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  detail::cuda::check_eps(fn, eps);
+  detail::cuda::check_options(fn, options);
+  static const char* const names[3] = {"new_logits", "old_logits", ""};
+  detail::cuda::run(fn, policy.stream, new_logits.rows, checks, names,
+                    [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+                      detail::cuda::project_kernel<T>
+                          <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
+                             policy.stream>>>(new_logits, old_logits, eps, options, out_log_probs,
+                                              stats, range, device);
+                    });
+}
+
+/// Vector–Jacobian product of project() on the device, as troll::project_backward(cpu_policy,
+/// ...): grad_new = ∂L/∂z̃, grad_old = ∂L/∂z° (skipped when grad_old is empty), grad_eps[r] =
+/// ∂L/∂ε (skipped when null). `stats` is the forward's device array. Rows with bad logits,
+/// unusable stats (including rows the forward rejected) or non-finite upstream entries get NaN
+/// gradients and a report, or throw domain_error / infeasible_error in checked mode.
+template <class T>
+void project_backward(cuda_policy policy, input_view<T> new_logits, input_view<T> old_logits,
+                      input_view<T> log_probs, const projection_stats* stats, input_view<T> grad_log_probs,
+                      batch_view<T> grad_new, batch_view<T> grad_old = {}, T* grad_eps = nullptr,
+                      const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "project_backward";
+  detail::check_view(fn, "grad_new", grad_new);
+  detail::check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
+  if (grad_old.rows != 0) {
+    detail::check_view(fn, "grad_old", grad_old);
+    detail::check_same_shape(fn, "new_logits", new_logits, "grad_old", grad_old);
+  }
+  detail::check_view(fn, "new_logits", new_logits);
+  detail::check_view(fn, "old_logits", old_logits);
+  detail::check_view(fn, "log_probs", log_probs);
+  detail::check_same_shape(fn, "new_logits", new_logits, "old_logits", old_logits);
+  detail::check_same_shape(fn, "new_logits", new_logits, "log_probs", log_probs);
+  if (new_logits.rows != 0 && grad_log_probs.data == nullptr)
+    detail::throw_shape(fn, "grad_log_probs is a null pointer");
+  detail::check_view(fn, "grad_log_probs", grad_log_probs);
+  detail::check_same_shape(fn, "new_logits", new_logits, "grad_log_probs", grad_log_probs);
+  if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  static const char* const names[3] = {"new_logits", "old_logits", "grad_log_probs"};
+  detail::cuda::run(fn, policy.stream, new_logits.rows, checks, names,
+                    [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+                      detail::cuda::project_backward_kernel<T>
+                          <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
+                             policy.stream>>>(new_logits, old_logits, log_probs, stats, grad_log_probs,
+                                              grad_new, grad_old, grad_eps, range, device);
+                    });
+}
+
+TROLL_END_NAMESPACE

@@ -1,0 +1,141 @@
+// troll/detail/cuda/backward_kernels.cuh — the vector–Jacobian product of the projection on the
+// device (math.md §3), one block per row, two passes: (1) validation fused with Σ g and
+// Σ g·(d − μ) over J = {log π* > −inf}; (2) the write of ∂L/∂z̃ and ∂L/∂z°. Same formulas as
+// cpu::vjp_row:
+//   ∂L/∂z̃_j = t [ g_j − π_j Σg − π_j (d_j − μ) Σg(d−μ) / σ² ]
+//   ∂L/∂z°_j = (1 − t)(g_j − π_j Σg) + Σg(d−μ) · ∂t/∂z°_j,
+//        ∂t/∂z°_j = −[(1 − t) t π_j (d_j − μ) − (π_j − q_j)] / (t σ²),    ∂L/∂ε = Σg(d−μ) / (t σ²).
+#pragma once
+
+#include <cstddef>
+
+#include "../../batch.hpp"
+#include "../../config.hpp"
+#include "../../projection_types.hpp"
+#include "../lse_state.hpp"
+#include "../numeric.hpp"
+#include "block_reduce.cuh"
+#include "row_report.cuh"
+#include "row_scan.cuh"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+namespace cuda {
+
+/// Pass 1 of the backward: the pair scan, the first non-finite upstream entry and the two sums.
+struct backward_scan {
+  pair_scan pair;
+  std::size_t first_bad_upstream = no_token;
+  double sum_g = 0.0;
+  double sum_gc = 0.0;  // Σ g (d − μ)
+};
+
+struct merge_backward_scan {
+  __device__ backward_scan operator()(const backward_scan& a, const backward_scan& b) const {
+    backward_scan s;
+    s.pair = merge(a.pair, b.pair);
+    s.first_bad_upstream = a.first_bad_upstream < b.first_bad_upstream ? a.first_bad_upstream : b.first_bad_upstream;
+    s.sum_g = a.sum_g + b.sum_g;
+    s.sum_gc = a.sum_gc + b.sum_gc;
+    return s;
+  }
+};
+
+/// The field of `s` a backward pass cannot use (cuda_row_report::operand for bad_stats), or −1.
+/// Mirrors check_stats of troll/backward.hpp.
+__device__ inline int unusable_stats_field(const projection_stats& s) {
+  switch (s.status) {
+    case row_status::inactive:
+    case row_status::restricted:
+      return -1;
+    case row_status::projected:
+      if (!(s.t > 0.0 && s.t <= 1.0)) return 0;
+      if (!(s.sigma2 > 0.0 && s.sigma2 < inf())) return 1;
+      if (!(s.mu - s.mu == 0.0)) return 2;
+      return -1;
+    default:
+      return 3;
+  }
+}
+
+/// Rows of `range`: grad_new (and grad_old when grad_old.rows != 0, grad_eps when not null) from
+/// the upstream gradient g = ∂L/∂log π*. Rejected rows get NaN gradients.
+template <class T>
+__global__ void __launch_bounds__(block_threads)
+    project_backward_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits,
+                            batch_view<const T> log_probs, const projection_stats* stats,
+                            batch_view<const T> grad_log_probs, batch_view<T> grad_new,
+                            batch_view<T> grad_old, T* grad_eps, row_range range, device_checks checks) {
+  __shared__ reduce_storage<backward_scan> scan_storage;
+  const std::size_t size = new_logits.cols, end = range.begin + range.count;
+  const bool want_old = grad_old.rows != 0;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const T* zn = new_logits.row(r);
+    const T* zo = old_logits.row(r);
+    const T* logp = log_probs.row(r);
+    const T* g = grad_log_probs.row(r);
+    const projection_stats s = stats[r];
+    const double mu = s.mu;
+
+    backward_scan local;
+    for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+      const double a = static_cast<double>(zn[i]), b = static_cast<double>(zo[i]);
+      add(local.pair, i, a, b);
+      const double gi = static_cast<double>(g[i]);
+      if (!(gi - gi == 0.0) && i < local.first_bad_upstream) local.first_bad_upstream = i;
+      if (static_cast<double>(logp[i]) > neg_inf()) {
+        local.sum_g += gi;
+        local.sum_gc += gi * ((a - b) - mu);
+      }
+    }
+    const backward_scan scan = block_all_reduce(scan_storage, local, merge_backward_scan{});
+
+    cuda_row_report report = pair_problem(scan.pair, zn, zo);
+    if (report.error == cuda_row_error::none) {
+      const int field = unusable_stats_field(s);
+      if (field >= 0) report.error = cuda_row_error::bad_stats, report.operand = field;
+    }
+    if (report.error == cuda_row_error::none && scan.first_bad_upstream != no_token)
+      report.error = cuda_row_error::not_finite, report.operand = 2, report.token = scan.first_bad_upstream;
+    if (threadIdx.x == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+
+    T* out_new = grad_new.row(r);
+    T* out_old = want_old ? grad_old.row(r) : nullptr;
+    if (report.error != cuda_row_error::none) {
+      fill_nan(out_new, size);
+      fill_nan(out_old, size);
+      if (threadIdx.x == 0 && grad_eps != nullptr) grad_eps[r] = static_cast<T>(quiet_nan());
+      continue;
+    }
+
+    const bool projected = s.status == row_status::projected;
+    const double t = projected ? s.t : 1.0;
+    const double h_over_var = projected ? scan.sum_gc / s.sigma2 : 0.0;
+    const double old_max = scan.pair.old.lse.m, log_sum_old = old_log_sum(scan.pair);
+    for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+      const double lp = static_cast<double>(logp[i]);
+      const bool on_support = lp > neg_inf();
+      const double pi = ::exp(lp);
+      const double a = static_cast<double>(zn[i]), b = static_cast<double>(zo[i]);
+      const double centred = on_support ? (a - b) - mu : 0.0;
+      const double gb = on_support ? static_cast<double>(g[i]) : 0.0;
+      const double explicit_part = gb - pi * scan.sum_g;
+      out_new[i] = static_cast<T>(t * (explicit_part - pi * centred * h_over_var));
+      if (out_old == nullptr) continue;
+      if (!projected) {
+        out_old[i] = T(0);
+        continue;
+      }
+      const double q = ::exp((b - old_max) - log_sum_old);
+      const double dt_dold = -((1.0 - t) * t * pi * centred - (pi - q)) / (t * s.sigma2);
+      out_old[i] = static_cast<T>((1.0 - t) * explicit_part + scan.sum_gc * dt_dold);
+    }
+    if (threadIdx.x == 0 && grad_eps != nullptr)
+      grad_eps[r] = static_cast<T>(projected ? scan.sum_gc / (s.t * s.sigma2) : 0.0);
+  }
+}
+
+}  // namespace cuda
+}  // namespace detail
+TROLL_END_NAMESPACE

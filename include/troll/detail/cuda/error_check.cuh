@@ -1,0 +1,42 @@
+// troll/detail/cuda/error_check.cuh — CUDA runtime errors become troll::backend_error carrying the
+// runtime's own text, and the one launch shape every troll kernel uses (one block per row).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <string>
+
+#include "../../config.hpp"
+#include "../../errors.hpp"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+namespace cuda {
+
+/// Threads per block. Every kernel gives one row to one block and walks the row with a
+/// block-stride loop, so any V works; 256 keeps eight warps per row busy at V ≈ 10^5.
+constexpr int block_threads = 256;
+
+/// Largest grid: rows beyond it are taken by a grid-stride loop over rows.
+constexpr std::size_t max_grid_rows = 1u << 20;
+
+/// Throws backend_error("troll::<function>: <what> failed: <cudaGetErrorString>") unless ok.
+inline void check(cudaError_t status, const char* function, const char* what) {
+  if (status == cudaSuccess) return;
+  throw backend_error(std::string("troll::") + function + ": " + what + " failed: " +
+                      cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
+}
+
+/// Blocks to launch for `rows` rows.
+inline unsigned grid_for(std::size_t rows) {
+  return static_cast<unsigned>(rows < max_grid_rows ? rows : max_grid_rows);
+}
+
+/// Checks a kernel launch without synchronising (configuration errors only; faults inside the
+/// kernel surface at the caller's next synchronisation).
+inline void check_launch(const char* function) { check(cudaGetLastError(), function, "kernel launch"); }
+
+}  // namespace cuda
+}  // namespace detail
+TROLL_END_NAMESPACE

@@ -1,0 +1,189 @@
+// troll/detail/cuda/forward_kernels.cuh — the forward kernels (log_softmax, KL, projection), one
+// block per row. The projection runs the shared host/device solve_row in every thread of the
+// block at once; its evaluator is a block-wide reduction of lse_state, broadcast to all threads,
+// so every thread sees the same numbers and takes the same Newton path.
+#pragma once
+
+#include <cstddef>
+
+#include "../../batch.hpp"
+#include "../../config.hpp"
+#include "../../projection_types.hpp"
+#include "../lse_state.hpp"
+#include "../numeric.hpp"
+#include "../trust_region_solver.hpp"
+#include "block_reduce.cuh"
+#include "row_report.cuh"
+#include "row_scan.cuh"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+namespace cuda {
+
+/// The tilted-family reduction of trust_region_solver.hpp over one row, by the whole block:
+/// pairs w_i = (z°_i − M°) + t·x_i, x_i = d_i − c over the joint support (see that header).
+template <class T>
+struct block_tilt_evaluator {
+  const T* new_logits;
+  const T* old_logits;
+  std::size_t size;
+  double old_max;
+  double log_sum_old;  // log Σ_i exp(z°_i − M°), from the row scan
+  reduce_storage<lse_state>* storage;
+
+  /// The solver's `old_log_sum()`: already known from the scan, no extra pass.
+  TROLL_HOST_DEVICE double old_log_sum() const { return log_sum_old; }
+
+  // Host-and-device only so that solve_row's host instantiation type-checks; it is only ever
+  // called from device code.
+  TROLL_HOST_DEVICE lse_state operator()(double t, double c) const {
+#ifdef __CUDA_ARCH__
+    lse_state local;
+    for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+      const double a = static_cast<double>(new_logits[i]);
+      const double b = static_cast<double>(old_logits[i]);
+      if (a > neg_inf() && b > neg_inf()) {
+        const double x = (a - b) - c;
+        push(local, (b - old_max) + t * x, x);
+      }
+    }
+    return block_all_reduce(*storage, local, merge_lse{});
+#else
+    (void)t, (void)c;
+    return lse_state{};
+#endif
+  }
+
+  /// out_i = log π_t,i = w_i − log_norm at the evaluated point `p`; −inf off the joint support.
+  __device__ void write(const tilt_point& p, T* out) const {
+    for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+      const double a = static_cast<double>(new_logits[i]);
+      const double b = static_cast<double>(old_logits[i]);
+      double value = neg_inf();
+      if (a > neg_inf() && b > neg_inf()) value = ((b - old_max) + p.t * ((a - b) - p.shift)) - p.log_norm;
+      out[i] = static_cast<T>(value);
+    }
+  }
+};
+
+/// The statistics of a rejected row: every number NaN, status infeasible.
+__device__ inline projection_stats rejected_stats() {
+  projection_stats s;
+  s.eta = s.t = s.kl_before = s.kl_after = s.mu = s.sigma2 = quiet_nan();
+  s.iterations = 0;
+  s.status = row_status::infeasible;
+  return s;
+}
+
+/// out = (z − M) − log Σ e^{z−M} from a finished scan of z.
+template <class T>
+__device__ void write_log_softmax(const T* z, const lse_state& lse, std::size_t size, T* out) {
+  const double log_sum = ::log(lse.s0);
+  for (std::size_t i = threadIdx.x; i < size; i += block_threads)
+    out[i] = static_cast<T>((static_cast<double>(z[i]) - lse.m) - log_sum);
+}
+
+/// Rows of `range`: out = log_softmax(logits).
+template <class T>
+__global__ void __launch_bounds__(block_threads)
+    log_softmax_kernel(batch_view<const T> logits, batch_view<T> out, row_range range,
+                       device_checks checks) {
+  __shared__ reduce_storage<row_scan> scan_storage;
+  const std::size_t size = logits.cols, end = range.begin + range.count;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const T* z = logits.row(r);
+    const row_scan scan = scan_row(z, size, scan_storage);
+    const cuda_row_report report = single_problem(scan, z);
+    if (threadIdx.x == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+    if (report.error != cuda_row_error::none) {
+      fill_nan(out.row(r), size);
+    } else {
+      write_log_softmax(z, scan.lse, size, out.row(r));
+    }
+  }
+}
+
+/// Rows of `range`: kl_out[r] = KL(softmax(p) ‖ softmax(q)), +inf where p has mass q lacks.
+template <class T>
+__global__ void __launch_bounds__(block_threads)
+    kl_kernel(batch_view<const T> p_logits, batch_view<const T> q_logits, T* kl_out, row_range range,
+              device_checks checks) {
+  __shared__ reduce_storage<pair_scan> scan_storage;
+  __shared__ reduce_storage<lse_state> lse_storage;
+  const std::size_t size = p_logits.cols, end = range.begin + range.count;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const T* zp = p_logits.row(r);
+    const T* zq = q_logits.row(r);
+    const pair_scan scan = scan_pair_row(zp, zq, size, scan_storage);
+    const cuda_row_report report = pair_problem(scan, zp, zq);
+    if (threadIdx.x == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+    double value = quiet_nan();
+    if (report.error == cuda_row_error::none) {
+      if (scan.new_only) {
+        value = inf();
+      } else {
+        const block_tilt_evaluator<T> eval{zp, zq, size, scan.old.lse.m, old_log_sum(scan), &lse_storage};
+        const tilt_point p = make_point(eval(1.0, scan.shift_new), 1.0, scan.shift_new, old_log_sum(scan));
+        value = maximum(p.kl, 0.0);
+      }
+    }
+    if (threadIdx.x == 0) kl_out[r] = static_cast<T>(value);
+  }
+}
+
+/// Rows of `range`: the trust-region projection (see troll::project). With
+/// checks.validate_only, only the CPU's pre-write validation runs (including the
+/// infeasibility floor −log q(J) ≥ ε) and nothing is written but the reports.
+template <class T>
+__global__ void __launch_bounds__(block_threads)
+    project_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits, double eps,
+                   projection_options options, batch_view<T> out_log_probs, projection_stats* stats,
+                   row_range range, device_checks checks) {
+  __shared__ reduce_storage<pair_scan> scan_storage;
+  __shared__ reduce_storage<lse_state> lse_storage;
+  const std::size_t size = new_logits.cols, end = range.begin + range.count;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const T* zn = new_logits.row(r);
+    const T* zo = old_logits.row(r);
+    T* out = out_log_probs.row(r);
+    const pair_scan scan = scan_pair_row(zn, zo, size, scan_storage);
+    cuda_row_report report = pair_problem(scan, zn, zo);
+    const row_setup setup = make_setup(scan);
+    const double log_sum_old = old_log_sum(scan);
+    const block_tilt_evaluator<T> eval{zn, zo, size, setup.old_max, log_sum_old, &lse_storage};
+
+    if (checks.validate_only) {
+      if (report.error == cuda_row_error::none && setup.old_only) {
+        const double floor = make_point(eval(0.0, setup.shift_old), 0.0, setup.shift_old, log_sum_old).kl;
+        if (floor >= eps) report.error = cuda_row_error::infeasible, report.value = floor;
+      }
+      if (threadIdx.x == 0) record_row(checks, range, r, report);
+      continue;
+    }
+
+    solve_result result;
+    if (report.error == cuda_row_error::none) {
+      result = solve_row(eval, setup, eps, options);
+      if (result.status == row_status::infeasible)
+        report.error = cuda_row_error::infeasible, report.value = result.point.kl;
+    }
+    if (threadIdx.x == 0) record_row(checks, range, r, report);
+    if (report.error != cuda_row_error::none) {
+      fill_nan(out, size);
+      if (threadIdx.x == 0) stats[r] = rejected_stats();
+      continue;
+    }
+    if (result.status == row_status::inactive) {
+      write_log_softmax(zn, scan.fresh.lse, size, out);
+    } else {
+      eval.write(result.point, out);
+    }
+    if (threadIdx.x == 0) stats[r] = make_stats(result);
+  }
+}
+
+}  // namespace cuda
+}  // namespace detail
+TROLL_END_NAMESPACE
