@@ -279,13 +279,27 @@ inline void validate_sampled(const char* fn, const sparse_index* sampled, std::s
   }
 }
 
-/// The lumped (|U|+1)-category rows of aligned row r: new and old logits, n = |U| + 1.
+/// The lumped (|U|+1)-category rows of aligned row r: new and old logits on the support entries
+/// and the bucket. Categories that are −inf on both sides carry no mass in any π_t and are left
+/// out (the dense row maths wants each token finite on at least one side); slot[j] is the entry
+/// of lumped category j (count = the bucket). Returns the number of categories kept.
 template <class T>
-int lumped_pair(const aligned_batch_view<const T>& a, std::size_t r, double* zn, double* zo) {
+int lumped_pair(const aligned_batch_view<const T>& a, std::size_t r, double* zn, double* zo, int* slot) {
   const int count = static_cast<int>(a.counts[r]);
-  const long long tail = static_cast<long long>(a.vocab) - count;
-  cpu::lumped_row(a.new_log_probs + r * a.k_max, count, a.new_log_remainder[r], tail, zn);
-  return cpu::lumped_row(a.old_log_probs + r * a.k_max, count, a.old_log_remainder[r], tail, zo);
+  const bool tail = static_cast<long long>(a.vocab) > count;
+  int n = 0;
+  for (int i = 0; i <= count; ++i) {
+    const double vn = i < count ? double(a.new_log_probs[r * a.k_max + std::size_t(i)])
+                                : (tail ? double(a.new_log_remainder[r]) : neg_inf());
+    const double vo = i < count ? double(a.old_log_probs[r * a.k_max + std::size_t(i)])
+                                : (tail ? double(a.old_log_remainder[r]) : neg_inf());
+    if (vn == neg_inf() && vo == neg_inf()) continue;
+    zn[n] = vn;
+    zo[n] = vo;
+    slot[n] = i;
+    ++n;
+  }
+  return n;
 }
 
 /// Validates an aligned batch for KL / projection: both sides' sparse checks, then the dense
@@ -297,7 +311,8 @@ void validate_aligned(const char* fn, unsigned threads, const aligned_batch_view
   validate_sparse(fn, threads, a.old_side(), "old");
   auto problem = [&](std::size_t r) {
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
-    const int n = lumped_pair(a, r, zn, zo);
+    int slot[sparse_max_entries + 1];
+    const int n = lumped_pair(a, r, zn, zo, slot);
     row_setup setup;
     row_problem p = cpu::scan_pair(zn, zo, std::size_t(n), setup, "new (lumped)", "old (lumped)");
     if (!p && eps > 0.0 && setup.old_only) {
@@ -743,7 +758,8 @@ void kl(cpu_policy policy, aligned_input<T> rows, T* kl_out) {
   detail::validate_aligned(fn, policy.threads, rows, 0.0);
   detail::cpu::parallel_for(policy.threads, rows.rows, 8 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
-    const int n = detail::lumped_pair(rows, r, zn, zo);
+    int slot[sparse_max_entries + 1];
+    const int n = detail::lumped_pair(rows, r, zn, zo, slot);
     detail::row_setup setup;
     detail::cpu::scan_pair(zn, zo, std::size_t(n), setup, "", "");
     kl_out[r] = T(detail::cpu::kl_row(zn, zo, std::size_t(n), setup));
@@ -775,18 +791,21 @@ void project(cpu_policy policy, aligned_input<T> rows, double eps, sparse_batch_
   }
   detail::cpu::parallel_for(policy.threads, rows.rows, 16 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1];
-    const int n = detail::lumped_pair(rows, r, zn, zo);
+    int slot[sparse_max_entries + 1];
+    const int n = detail::lumped_pair(rows, r, zn, zo, slot);
     detail::row_setup setup;
     detail::cpu::scan_pair(zn, zo, std::size_t(n), setup, "", "");
     stats[r] = detail::cpu::project_row(zn, zo, std::size_t(n), setup, eps, options, lp);
-    const int count = n - 1;
+    const int count = static_cast<int>(rows.counts[r]);
+    T* out_lp = out.row_log_probs(r);
     for (int i = 0; i < count; ++i) {
-      out.row_indices(r)[i] = rows.indices[r * rows.k_max + i];
-      out.row_log_probs(r)[i] = T(lp[i]);
+      out.row_indices(r)[i] = rows.indices[r * rows.k_max + std::size_t(i)];
+      out_lp[i] = T(detail::neg_inf());
     }
+    out.log_remainder[r] = T(detail::neg_inf());
+    for (int j = 0; j < n; ++j) (slot[j] < count ? out_lp[slot[j]] : out.log_remainder[r]) = T(lp[j]);
     out.counts[r] = count;
-    out.log_remainder[r] = T(lp[count]);
-    detail::pad_row(out.row_indices(r), out.row_log_probs(r), std::size_t(count), out.k_max);
+    detail::pad_row(out.row_indices(r), out_lp, std::size_t(count), out.k_max);
   });
 }
 
@@ -845,25 +864,25 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
   detail::cpu::parallel_for(policy.threads, rows.rows, 16 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1],
         g[sparse_max_entries + 1], gn[sparse_max_entries + 1], go[sparse_max_entries + 1];
-    const int n = detail::lumped_pair(rows, r, zn, zo);
-    const int count = n - 1;
-    for (int i = 0; i < count; ++i) {
-      lp[i] = double(log_probs.row_log_probs(r)[i]);
-      g[i] = double(grad.row(r)[i]);
+    int slot[sparse_max_entries + 1];
+    const int n = detail::lumped_pair(rows, r, zn, zo, slot);
+    const int count = static_cast<int>(rows.counts[r]);
+    for (int j = 0; j < n; ++j) {
+      const bool bucket = slot[j] == count;
+      lp[j] = double(bucket ? log_probs.log_remainder[r] : log_probs.row_log_probs(r)[slot[j]]);
+      g[j] = double(bucket ? grad.log_remainder[r] : grad.row(r)[slot[j]]);
     }
-    lp[count] = double(log_probs.log_remainder[r]);
-    g[count] = double(grad.log_remainder[r]);
     double row_grad_eps = 0.0;
     detail::cpu::vjp_row(zn, zo, lp, g, std::size_t(n), stats[r], gn, want_old ? go : nullptr,
                          &row_grad_eps);
-    for (int i = 0; i < count; ++i) grad_new.row(r)[i] = T(gn[i]);
-    for (std::size_t i = std::size_t(count); i < grad_new.k_max; ++i) grad_new.row(r)[i] = T(0);
-    grad_new.log_remainder[r] = T(gn[count]);
-    if (want_old) {
-      for (int i = 0; i < count; ++i) grad_old.row(r)[i] = T(go[i]);
-      for (std::size_t i = std::size_t(count); i < grad_old.k_max; ++i) grad_old.row(r)[i] = T(0);
-      grad_old.log_remainder[r] = T(go[count]);
-    }
+    auto scatter = [&](const double* lumped, sparse_grad_view<T> to) {
+      T* row = to.row(r);
+      for (std::size_t i = 0; i < to.k_max; ++i) row[i] = T(0);
+      to.log_remainder[r] = T(0);
+      for (int j = 0; j < n; ++j) (slot[j] == count ? to.log_remainder[r] : row[slot[j]]) = T(lumped[j]);
+    };
+    scatter(gn, grad_new);
+    if (want_old) scatter(go, grad_old);
     if (grad_eps) grad_eps[r] = T(row_grad_eps);
   });
 }
