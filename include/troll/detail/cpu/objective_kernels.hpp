@@ -1,0 +1,219 @@
+// troll/detail/cpu/objective_kernels.hpp — the CPU backend's per-row passes of the training
+// objectives: TROLL's fused forward (projection, ratio, regression KL) and backward, and the
+// ratio-based baselines (PPO clip, DPPO). Block-vectorised with Eigen like row_kernels.hpp; the
+// scalar maths and the gradient coefficients come from detail/objective_row.hpp.
+#pragma once
+
+#include <Eigen/Core>
+#include <cstddef>
+#include <cstdint>
+
+#include "../../config.hpp"
+#include "../../projection_types.hpp"
+#include "../numeric.hpp"
+#include "../objective_row.hpp"
+#include "row_kernels.hpp"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+namespace cpu {
+
+/// log Σ_i exp(z_i) of a row with at least one finite entry.
+template <class T>
+inline double log_normaliser(const T* z, std::size_t size) {
+  const double m = row_max(z, size);
+  return m + log_sum_exp_shifted(z, size, m);
+}
+
+/// KL(p̃ ‖ π) = Σ_j p̃_j (log p̃_j − log π_j) from new logits (normaliser `log_norm_new`) and a
+/// row of log-probabilities; +inf when p̃ has mass where π has none.
+template <class T>
+inline double kl_logits_to_log_probs(const T* zn, double log_norm_new, const T* log_pi,
+                                     std::size_t size) {
+  double sum = 0.0;
+  bool infinite = false;
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    const block_array lp_new = load(zn, begin, count) - log_norm_new;
+    const block_array lp = load(log_pi, begin, count);
+    const block_array term = lp_new.exp() * (lp_new - lp);
+    if ((term == term).all()) {  // NaN only where p̃_j = 0 (0·(−inf − log π_j)) or p̃_j > 0 = π_j
+      sum += term.sum();
+      return;
+    }
+    for (Eigen::Index j = 0; j < count; ++j) {
+      if (!(lp_new[j] > neg_inf())) continue;
+      if (!(lp[j] > neg_inf())) infinite = true;
+      sum += term[j];
+    }
+  });
+  return infinite ? inf() : maximum(sum, 0.0);
+}
+
+/// What one row of TROLL's forward produced.
+struct troll_row_result {
+  projection_stats stats;
+  double ratio = 0.0;   ///< π*_a / q_a
+  double kl_reg = 0.0;  ///< KL(p̃ ‖ π*)
+  double loss = 0.0;    ///< −ρA + α KL(p̃‖π*)
+};
+
+/// TROLL's forward on one validated row: projects (writing log π* to `out`), then the ratio at
+/// the sampled token and the regression KL. `counted` false (mask 0) skips the loss terms.
+template <class T>
+inline troll_row_result troll_forward_row(const T* zn, const T* zo, std::size_t size, double eps,
+                                          const projection_options& opt, bool counted,
+                                          std::int64_t token, double advantage, double alpha,
+                                          T* out) {
+  troll_row_result r;
+  row_setup setup;
+  scan_pair(zn, zo, size, setup, "", "");
+  r.stats = project_row(zn, zo, size, setup, eps, opt, out);
+  if (!counted) return r;
+  const double log_q_a = static_cast<double>(zo[token]) - log_normaliser(zo, size);
+  r.ratio = ratio_from_logs(static_cast<double>(out[token]), log_q_a);
+  // An inactive row is log_softmax(z̃) bit for bit: KL(p̃‖π*) = 0 exactly.
+  if (r.stats.status != row_status::inactive)
+    r.kl_reg = kl_logits_to_log_probs(zn, log_normaliser(zn, size), out, size);
+  r.loss = troll_token_loss(r.ratio, advantage, alpha, alpha != 0.0 ? r.kl_reg : 0.0);
+  return r;
+}
+
+/// TROLL's fused backward on one row: writes ∂(c·ℓ)/∂z̃ (formula in objective_row.hpp) from the
+/// forward's log π* and statistics. `weight` = c (0 writes zeros).
+template <class T>
+inline void troll_backward_row(const T* zn, const T* zo, const T* log_pi, std::size_t size,
+                               const projection_stats& s, double weight, std::int64_t token,
+                               double advantage, double alpha, T* grad) {
+  if (weight == 0.0) {
+    for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+      store(grad, begin, count, block_array::Zero(count));
+    });
+    return;
+  }
+  const double log_norm_new = log_normaliser(zn, size);
+  const double log_q_a = static_cast<double>(zo[token]) - log_normaliser(zo, size);
+  const double ratio = ratio_from_logs(static_cast<double>(log_pi[token]), log_q_a);
+  const bool with_reg = alpha != 0.0 && s.status != row_status::inactive;
+  const double kl_reg = with_reg ? kl_logits_to_log_probs(zn, log_norm_new, log_pi, size) : 0.0;
+  const double d_a = static_cast<double>(zn[token]) - static_cast<double>(zo[token]);
+  troll_row_coefficients k =
+      troll_coefficients(weight, advantage, ratio, with_reg ? alpha : 0.0, kl_reg, d_a, s);
+  const double ratio_scale = k.ratio_coef * k.t;
+  const double cross = k.centred_a * k.inv_sigma2;
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    const block_array lp = load(log_pi, begin, count);
+    const block_array a = load(zn, begin, count);
+    const block_mask on_support = lp > neg_inf();
+    const block_array pi = lp.exp();
+    block_array g = -ratio_scale * pi;
+    if (cross != 0.0)
+      g -= ratio_scale * cross * pi * on_support.select(a - load(zo, begin, count) - s.mu, 0.0);
+    if (with_reg) {
+      const block_array lp_new = a - log_norm_new;
+      g += (lp_new > neg_inf()).select(k.reg_coef * lp_new.exp() * (lp_new - lp - kl_reg), 0.0);
+    }
+    store(grad, begin, count, g);
+  });
+  grad[token] = T(static_cast<double>(grad[token]) + ratio_scale);
+}
+
+/// The sampled-token quantities of a ratio-based baseline on one row.
+struct ratio_row_result {
+  surrogate_token token;
+  double ratio = 0.0;       ///< p̃_a / q_a
+  double kl = 0.0;          ///< KL(p̃ ‖ q) (when asked for)
+  double divergence = 0.0;  ///< DPPO's divergence estimate
+};
+
+/// Which surrogate a baseline row evaluates.
+struct ratio_objective_spec {
+  enum class kind { ppo_clip, dppo_binary_tv, dppo_binary_kl, dppo_topk_tv, dppo_topk_kl };
+  kind which = kind::ppo_clip;
+  double a = 0.0, b = 0.0, c = 0.0;  ///< ppo: clip_low, clip_high, dual_clip; dppo: δ_low, δ_high
+  int top_k = 0;
+  bool compute_kl = true;
+};
+
+/// Largest K of DPPO's top-K divergences.
+constexpr int dppo_max_top_k = 256;
+
+/// Σ over the old row's top-K tokens of p, q, |p − q| and p log(p/q) (P old, Q new).
+template <class T>
+inline void topk_sums(const T* zn, const T* zo, std::size_t size, double log_norm_new,
+                      double log_norm_old, int k, double& sum_p, double& sum_q, double& sum_abs,
+                      double& sum_plog) {
+  running_top_k<dppo_max_top_k> top(k);
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    const block_array b = load(zo, begin, count);
+    if (!(b.maxCoeff() > top.threshold())) return;
+    for (Eigen::Index j = 0; j < count; ++j) top.push(b[j], std::int64_t(begin) + j);
+  });
+  sum_p = sum_q = sum_abs = sum_plog = 0.0;
+  for (int i = 0; i < top.size; ++i) {
+    const std::int64_t j = top.index[i];
+    const double lp = static_cast<double>(zo[j]) - log_norm_old;
+    const double lq = static_cast<double>(zn[j]) - log_norm_new;
+    const double p = ::exp(lp), q = ::exp(lq);
+    sum_p += p;
+    sum_q += q;
+    sum_abs += p > q ? p - q : q - p;
+    sum_plog += lq > neg_inf() ? p * (lp - lq) : inf();
+  }
+}
+
+/// Forward of PPO clip or DPPO on one validated row (`counted`: mask > 0).
+template <class T>
+inline ratio_row_result ratio_forward_row(const T* zn, const T* zo, std::size_t size,
+                                          const ratio_objective_spec& spec, std::int64_t token,
+                                          double advantage) {
+  using kind = ratio_objective_spec::kind;
+  ratio_row_result r;
+  const double log_norm_new = log_normaliser(zn, size), log_norm_old = log_normaliser(zo, size);
+  const double log_p_a = static_cast<double>(zn[token]) - log_norm_new;
+  const double log_q_a = static_cast<double>(zo[token]) - log_norm_old;
+  r.ratio = ratio_from_logs(log_p_a, log_q_a);
+  if (spec.compute_kl) {
+    row_setup setup;
+    scan_pair(zn, zo, size, setup, "", "");
+    r.kl = kl_row(zn, zo, size, setup);
+  }
+  if (spec.which == kind::ppo_clip) {
+    r.token = ppo_clip_token(r.ratio, advantage, spec.a, spec.b, spec.c);
+    return r;
+  }
+  const double mu = ::exp(log_q_a), pi = ::exp(log_p_a);
+  switch (spec.which) {
+    case kind::dppo_binary_tv:
+      r.divergence = binary_tv(mu, pi);
+      break;
+    case kind::dppo_binary_kl:
+      r.divergence = binary_kl(log_q_a, log_p_a);
+      break;
+    default: {
+      double sum_p, sum_q, sum_abs, sum_plog;
+      topk_sums(zn, zo, size, log_norm_new, log_norm_old, spec.top_k, sum_p, sum_q, sum_abs, sum_plog);
+      r.divergence = spec.which == kind::dppo_topk_tv ? topk_tv(sum_abs, sum_p, sum_q)
+                                                      : topk_kl(sum_plog, sum_p, sum_q);
+    }
+  }
+  r.token = dppo_token(r.ratio, advantage, dppo_keep(advantage, r.divergence, pi, mu, spec.a, spec.b));
+  return r;
+}
+
+/// Backward of a ratio-based loss on one row: ∂(c·ℓ)/∂z̃_j = c·(∂ℓ/∂r)·r·(δ_ja − p̃_j).
+template <class T>
+inline void ratio_backward_row(const T* zn, std::size_t size, double log_norm_new, double coef,
+                               std::int64_t token, T* grad) {
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    if (coef == 0.0) {
+      store(grad, begin, count, block_array::Zero(count));
+      return;
+    }
+    store(grad, begin, count, -coef * (load(zn, begin, count) - log_norm_new).exp());
+  });
+  grad[token] = T(static_cast<double>(grad[token]) + coef);
+}
+
+}  // namespace cpu
+}  // namespace detail
+TROLL_END_NAMESPACE

@@ -1,0 +1,206 @@
+// troll/detail/objective_row.hpp — the per-token maths of the training objectives (math.md §5),
+// written once for host and device: TROLL's ratio and regression terms and their gradient
+// coefficients, PPO's clipped surrogate, DPPO's divergence estimates and directional mask, the
+// running top-K of DPPO's top-K divergences. Scalars only: no std containers, exceptions or
+// allocation. The CPU loops live in detail/cpu/objective_kernels.hpp; a CUDA kernel calls the
+// same functions.
+//
+// Conventions: every objective is reported as a loss ℓ = −J to be minimised. A token's
+// contribution to the batch loss is c · ℓ, c being its aggregation weight (objectives.hpp).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "../config.hpp"
+#include "../projection_types.hpp"
+#include "numeric.hpp"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+
+// ---- TROLL: ℓ = −(π*_a / q_a)·A + α·KL(p̃ ‖ stopgrad(π*)) ----
+
+/// Per-row coefficients of TROLL's fused backward. With c the token's aggregation weight
+/// (times the upstream gradient of the batch loss), ρ = π*_a / q_a, and the statistics of the
+/// projection (t, μ, σ² at t*):
+///   ∂(cℓ)/∂z̃_j = ratio_coef · [δ_ja − π*_j − [projected] π*_j (d_j − μ)(d_a − μ)/σ²] · t
+///               + reg_coef · p̃_j (log p̃_j − log π*_j − KL(p̃‖π*))
+/// where ratio_coef = −c·A·ρ and reg_coef = c·α (math.md §3 for the projection's VJP; the
+/// regression term differentiates p̃ only, π* held constant).
+struct troll_row_coefficients {
+  double ratio_coef = 0.0;  ///< −c·A·ρ: the upstream ∂(cℓ)/∂log π*_a
+  double reg_coef = 0.0;    ///< c·α
+  double t = 1.0;           ///< t* (1 when the row is not projected)
+  double centred_a = 0.0;   ///< d_a − μ (0 when the row is not projected)
+  double inv_sigma2 = 0.0;  ///< 1/σ² (0 when the row is not projected)
+  double kl_reg = 0.0;      ///< KL(p̃ ‖ π*)
+};
+
+/// The ratio ρ = exp(log π*_a − log q_a) of a token.
+TROLL_HOST_DEVICE inline double ratio_from_logs(double log_new, double log_old) {
+  return ::exp(log_new - log_old);
+}
+
+/// TROLL's per-token loss from its parts: −ρ·A + α·KL(p̃‖π*).
+TROLL_HOST_DEVICE inline double troll_token_loss(double ratio, double advantage, double alpha,
+                                                 double kl_reg) {
+  return -ratio * advantage + alpha * kl_reg;
+}
+
+/// The coefficients of one row's backward. `d_a` = z̃_a − z°_a at the sampled token.
+TROLL_HOST_DEVICE inline troll_row_coefficients troll_coefficients(
+    double weight, double advantage, double ratio, double alpha, double kl_reg, double d_a,
+    const projection_stats& s) {
+  troll_row_coefficients k;
+  k.ratio_coef = -weight * advantage * ratio;
+  k.reg_coef = weight * alpha;
+  k.kl_reg = kl_reg;
+  if (s.status == row_status::projected) {
+    k.t = s.t;
+    k.centred_a = d_a - s.mu;
+    k.inv_sigma2 = 1.0 / s.sigma2;
+  }
+  return k;
+}
+
+/// ∂(cℓ)/∂z̃_j for one token j of the row (formula at troll_row_coefficients). `on_support`:
+/// log π*_j > −inf; `on_new`: log p̃_j > −inf; `centred` = d_j − μ (any value off the support).
+TROLL_HOST_DEVICE inline double troll_gradient_entry(const troll_row_coefficients& k, bool is_sampled,
+                                                     bool on_support, bool on_new, double log_pi,
+                                                     double log_p_new, double centred) {
+  double g = 0.0;
+  if (on_support) {
+    const double pi = ::exp(log_pi);
+    g = k.ratio_coef * k.t *
+        ((is_sampled ? 1.0 : 0.0) - pi - pi * centred * k.centred_a * k.inv_sigma2);
+  }
+  if (on_new && k.reg_coef != 0.0) {
+    const double p = ::exp(log_p_new);
+    g += k.reg_coef * p * (log_p_new - log_pi - k.kl_reg);
+  }
+  return g;
+}
+
+// ---- PPO clip: J = min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A), dual clip max(J, c·A) for A < 0 ----
+
+/// One token's value of a ratio-based surrogate and the derivative of its loss w.r.t. r.
+struct surrogate_token {
+  double loss = 0.0;      ///< ℓ = −J
+  double dloss_dr = 0.0;  ///< ∂ℓ/∂r (0 on clipped or masked tokens)
+  bool limited = false;   ///< the clip (or dual clip, or DPPO's mask) took the gradient away
+};
+
+/// PPO's clipped surrogate at ratio r. `dual_clip` > 1 enables the dual clip of Ye et al. (2020)
+/// for negative advantages (J ≥ dual_clip·A); 0 disables it.
+TROLL_HOST_DEVICE inline surrogate_token ppo_clip_token(double ratio, double advantage,
+                                                        double clip_low, double clip_high,
+                                                        double dual_clip) {
+  const double clipped = minimum(maximum(ratio, 1.0 - clip_low), 1.0 + clip_high);
+  const double unclipped_value = ratio * advantage, clipped_value = clipped * advantage;
+  surrogate_token s;
+  double value;
+  if (unclipped_value <= clipped_value) {
+    value = unclipped_value;
+    s.dloss_dr = -advantage;
+  } else {
+    value = clipped_value;
+    s.limited = true;
+  }
+  if (dual_clip > 0.0 && advantage < 0.0 && value < dual_clip * advantage) {
+    value = dual_clip * advantage;
+    s.dloss_dr = 0.0;
+    s.limited = true;
+  }
+  s.loss = -value;
+  return s;
+}
+
+// ---- DPPO: divergence estimates and the directional mask ----
+
+/// Binary total variation between Bernoulli(μ) and Bernoulli(π): |π − μ|.
+TROLL_HOST_DEVICE inline double binary_tv(double mu, double pi) {
+  const double d = pi - mu;
+  return d < 0.0 ? -d : d;
+}
+
+/// x·log(x/y) with 0·log(0/y) = 0 and x·log(x/0) = +inf for x > 0.
+TROLL_HOST_DEVICE inline double xlog_ratio(double x, double y) {
+  if (!(x > 0.0)) return 0.0;
+  if (!(y > 0.0)) return inf();
+  return x * ::log(x / y);
+}
+
+/// Binary KL between Bernoulli(μ) and Bernoulli(π): μ log(μ/π) + (1−μ) log((1−μ)/(1−π)).
+/// Inputs as log-probabilities, so 1 − p is formed as −expm1(log p) without cancellation.
+TROLL_HOST_DEVICE inline double binary_kl(double log_mu, double log_pi) {
+  const double mu = ::exp(log_mu);
+  const double rest_mu = -::expm1(log_mu), rest_pi = -::expm1(log_pi);
+  const double head = mu > 0.0 ? mu * (log_mu - log_pi) : 0.0;
+  return maximum(head + xlog_ratio(rest_mu, rest_pi), 0.0);
+}
+
+/// Lumped top-K divergences from sums over the old row's top-K tokens (P old, Q new):
+///   TV = ½ (Σ_K |p − q| + |rest_p − rest_q|),   KL = Σ_K p (log p − log q) + rest_p log(rest_p/rest_q)
+/// with rest = 1 − Σ_K (clamped at 0).
+TROLL_HOST_DEVICE inline double topk_tv(double sum_abs_diff, double sum_p, double sum_q) {
+  const double rest_p = maximum(1.0 - sum_p, 0.0), rest_q = maximum(1.0 - sum_q, 0.0);
+  const double d = rest_p - rest_q;
+  return 0.5 * (sum_abs_diff + (d < 0.0 ? -d : d));
+}
+TROLL_HOST_DEVICE inline double topk_kl(double sum_plogratio, double sum_p, double sum_q) {
+  const double rest_p = maximum(1.0 - sum_p, 0.0), rest_q = maximum(1.0 - sum_q, 0.0);
+  return maximum(sum_plogratio + xlog_ratio(rest_p, rest_q), 0.0);
+}
+
+/// DPPO's directional mask: a token is dropped (returns false) when A > 0, π > μ and the
+/// divergence exceeds δ_high, or A < 0, π < μ and it exceeds δ_low. Only updates that push the
+/// policy further along the divergent direction are stopped.
+TROLL_HOST_DEVICE inline bool dppo_keep(double advantage, double divergence, double pi, double mu,
+                                        double delta_low, double delta_high) {
+  if (advantage > 0.0 && pi > mu && divergence > delta_high) return false;
+  if (advantage < 0.0 && pi < mu && divergence > delta_low) return false;
+  return true;
+}
+
+/// DPPO's per-token surrogate: ℓ = −M·r·A, M the directional mask (held constant).
+TROLL_HOST_DEVICE inline surrogate_token dppo_token(double ratio, double advantage, bool keep) {
+  surrogate_token s;
+  s.limited = !keep;
+  s.loss = keep ? -ratio * advantage : 0.0;
+  s.dloss_dr = keep ? -advantage : 0.0;
+  return s;
+}
+
+// ---- Running top-K by value (ties: lower index first), fixed capacity ----
+
+/// The K largest (value, index) pairs seen so far, sorted by decreasing value. Capacity is a
+/// template parameter so the state lives on the stack (or in registers / shared memory).
+template <int Capacity>
+struct running_top_k {
+  double value[Capacity];
+  std::int64_t index[Capacity];
+  int k = 0;     // wanted
+  int size = 0;  // held
+
+  TROLL_HOST_DEVICE explicit running_top_k(int wanted) : k(wanted < Capacity ? wanted : Capacity) {}
+
+  /// The smallest value a new entry must beat to enter (−inf while not full).
+  TROLL_HOST_DEVICE double threshold() const { return size < k ? neg_inf() : value[size - 1]; }
+
+  /// Offers (v, i); indices must be offered in increasing order for the tie rule to hold.
+  TROLL_HOST_DEVICE void push(double v, std::int64_t i) {
+    if (k == 0 || !(v > threshold()) || v == neg_inf()) return;
+    int at = size < k ? size++ : size - 1;
+    while (at > 0 && value[at - 1] < v) {
+      value[at] = value[at - 1];
+      index[at] = index[at - 1];
+      --at;
+    }
+    value[at] = v;
+    index[at] = i;
+  }
+};
+
+}  // namespace detail
+TROLL_END_NAMESPACE

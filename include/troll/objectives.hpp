@@ -1,0 +1,587 @@
+// troll/objectives.hpp — training objectives over a batch of sampled tokens (math.md §5): TROLL's
+// trust-region objective with its fused backward, and the baselines it replaces, PPO clip and
+// DPPO. Every objective is returned as a loss (−objective, to be minimised), aggregated over the
+// batch by token mean or sequence mean, with per-batch metrics.
+//
+//   TROLL      ℓ = −(π*_a / q_a)·A + α·KL(p̃ ‖ stopgrad(π*)),   π* = project(p̃, q, ε)
+//   PPO clip   ℓ = −min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A)  [dual clip: −max(·, c·A), A < 0]
+//   DPPO       ℓ = −M·r·A,  M = 0 when the divergence of the update exceeds δ in the direction
+//              the advantage pushes it (binary TV / binary KL / top-K TV / top-K KL)
+//
+// with r = p̃_a / q_a, p̃ = softmax(new logits), q = softmax(old logits), a the sampled token.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "backward.hpp"
+#include "batch.hpp"
+#include "config.hpp"
+#include "detail/cpu/objective_kernels.hpp"
+#include "detail/cpu/parallel.hpp"
+#include "detail/cpu/row_kernels.hpp"
+#include "detail/objective_row.hpp"
+#include "detail/row_problem.hpp"
+#include "errors.hpp"
+#include "execution.hpp"
+#include "projection_types.hpp"
+
+TROLL_BEGIN_NAMESPACE
+
+/// How per-token losses become the batch loss. With w_r the loss mask of row r:
+///   token_mean:     L = Σ_r w_r ℓ_r / Σ_r w_r
+///   sequence_mean:  L = (1/S) Σ_s Σ_{r∈s} w_r ℓ_r / Σ_{r∈s} w_r   (S: sequences with Σ w > 0)
+/// An all-zero mask gives L = 0 and zero gradients.
+enum class loss_aggregation { token_mean, sequence_mean };
+
+/// The per-row data of a batch of sampled tokens (N rows, one per token position), all in caller
+/// memory. Rows whose mask is 0 are not read beyond their logits: their token and advantage may be
+/// anything (an ignore index, NaN padding).
+template <class T>
+struct token_batch {
+  const std::int64_t* tokens = nullptr;  ///< sampled token a_r ∈ [0, V), N entries
+  const T* advantages = nullptr;         ///< A_r, finite, N entries
+  const T* loss_mask = nullptr;          ///< w_r ≥ 0 (1/0 or weights), N entries; null: all 1
+  /// Sequence of each row, N entries, non-decreasing (the rows of a sequence are contiguous);
+  /// needed by sequence_mean only. sequence_ids_from_lengths() builds it from lengths.
+  const std::int64_t* sequence_ids = nullptr;
+  loss_aggregation aggregation = loss_aggregation::token_mean;
+};
+
+/// TROLL's objective: the projection bound ε (KL(π*‖q) ≤ ε per token) and the weight α of the
+/// regression term KL(p̃‖stopgrad(π*)) that keeps the network close to its projection.
+struct trust_region_objective {
+  double eps = 0.05;
+  double alpha = 1.0;
+  projection_options projection{};
+};
+
+/// PPO's clipped surrogate with asymmetric bounds ("clip-higher" when clip_high > clip_low) and
+/// the optional dual clip (dual_clip = c > 1 bounds the loss of negative-advantage tokens by −c·A;
+/// 0 turns it off).
+struct ppo_clip_objective {
+  double clip_low = 0.2;
+  double clip_high = 0.2;
+  double dual_clip = 0.0;
+  bool kl_metrics = true;  ///< also compute KL(p̃‖q) per row for the metrics (one more pass)
+};
+
+/// DPPO's divergence estimates (math.md §5), μ = q_a, π = p̃_a.
+enum class dppo_divergence { binary_tv, binary_kl, topk_tv, topk_kl };
+
+/// DPPO: the surrogate r·A with a token masked when its divergence exceeds delta_high while
+/// A > 0 and π > μ, or delta_low while A < 0 and π < μ. Typical bounds: 0.15 for TV, 0.05 for
+/// KL (what dppo_objective::defaults gives). top_k ≤ 256 for the top-K divergences.
+struct dppo_objective {
+  dppo_divergence divergence = dppo_divergence::binary_tv;
+  double delta_low = 0.15;
+  double delta_high = 0.15;
+  int top_k = 20;
+  bool kl_metrics = true;
+
+  static dppo_objective defaults(dppo_divergence d) {
+    const bool tv = d == dppo_divergence::binary_tv || d == dppo_divergence::topk_tv;
+    dppo_objective o;
+    o.divergence = d;
+    o.delta_low = o.delta_high = tv ? 0.15 : 0.05;
+    return o;
+  }
+};
+
+/// What a forward pass measured over the rows with mask > 0 (unweighted means).
+struct objective_metrics {
+  double loss = 0.0;               ///< the aggregated loss L (what the backward differentiates)
+  std::size_t tokens = 0;          ///< rows with mask > 0
+  std::size_t sequences = 0;       ///< sequences with mask sum > 0 (sequence_mean; else 0)
+  double ratio_mean = 0.0;         ///< mean ratio at the sampled token: π*_a/q_a (TROLL), p̃_a/q_a
+  double kl_before_mean = 0.0;     ///< KL(p̃ ‖ q): the network's step from the old policy
+  double kl_before_max = 0.0;
+  double kl_after_mean = 0.0;      ///< KL(π* ‖ q) for TROLL (≤ ε); = kl_before for the baselines
+  double kl_after_max = 0.0;
+  double regression_kl_mean = 0.0; ///< TROLL: KL(p̃ ‖ π*)
+  double projected_fraction = 0.0; ///< TROLL: rows whose projection was active
+  double eta_mean = 0.0;           ///< TROLL: mean η* (0 on inactive rows)
+  double limited_fraction = 0.0;   ///< PPO: clipped tokens; DPPO: masked tokens
+  double divergence_mean = 0.0;    ///< DPPO: mean divergence estimate
+};
+
+/// ids[r] = index of the sequence row r belongs to, for `count` sequences of the given lengths
+/// laid out one after the other (Σ lengths entries are written). Throws domain_error for a
+/// negative length.
+inline void sequence_ids_from_lengths(const std::int64_t* lengths, std::size_t count,
+                                      std::int64_t* ids) {
+  std::size_t at = 0;
+  for (std::size_t s = 0; s < count; ++s) {
+    if (lengths[s] < 0)
+      throw domain_error("troll::sequence_ids_from_lengths: sequence " + std::to_string(s) +
+                         " has negative length " + std::to_string(lengths[s]));
+    for (std::int64_t k = 0; k < lengths[s]; ++k) ids[at++] = std::int64_t(s);
+  }
+}
+
+namespace detail {
+
+/// What can be wrong with one row of an objective's inputs.
+struct objective_problem {
+  enum class kind {
+    none,
+    logits,            // see `logits`
+    token_range,       // sampled token outside [0, V)
+    advantage,         // NaN or infinite advantage
+    mask,              // NaN, infinite or negative loss mask
+    sequence_order,    // sequence id smaller than the previous row's
+    old_token_masked,  // q_a = 0: the ratio is undefined
+    regression_inf,    // KL(p̃ ‖ π*) = +inf with α > 0
+  };
+  kind what = kind::none;
+  row_problem logits;
+  double value = 0.0;
+  explicit operator bool() const { return what != kind::none; }
+};
+
+[[noreturn]] inline void throw_objective_problem(const char* fn, std::size_t row,
+                                                 const objective_problem& p) {
+  using k = objective_problem::kind;
+  if (p.what == k::logits) throw_problem(fn, row, p.logits);
+  std::ostringstream msg;
+  msg.precision(17);
+  msg << row_prefix(fn, row);
+  switch (p.what) {
+    case k::token_range:
+      msg << "sampled token " << static_cast<long long>(p.value) << " is outside [0, V)";
+      throw domain_error(msg.str(), row);
+    case k::advantage:
+      msg << "advantage is " << p.value << " (must be finite)";
+      throw domain_error(msg.str(), row);
+    case k::mask:
+      msg << "loss mask is " << p.value << " (must be finite and >= 0)";
+      throw domain_error(msg.str(), row);
+    case k::sequence_order:
+      msg << "sequence id " << static_cast<long long>(p.value)
+          << " is smaller than the previous row's (ids must be non-decreasing)";
+      throw domain_error(msg.str(), row);
+    case k::old_token_masked:
+      msg << "old_logits is -inf at the sampled token " << static_cast<long long>(p.value)
+          << ": q_a = 0 and the importance ratio is undefined";
+      throw domain_error(msg.str(), row);
+    case k::regression_inf:
+      msg << "new_logits put mass on tokens the old logits mask (-inf), so KL(p_new || pi*) is "
+             "+inf; use alpha = 0 or mask those tokens in the new logits too";
+      throw domain_error(msg.str(), row);
+    default:
+      break;
+  }
+  throw invalid_input(msg.str() + "unknown problem", row);
+}
+
+/// The per-row part of the checks shared by every objective: mask, token, advantage, sequence
+/// order, the old logit at the sampled token. Logit rows are checked by the caller.
+template <class T>
+objective_problem check_token_row(const token_batch<T>& in, std::size_t r, std::size_t size,
+                                  const T* old_row) {
+  objective_problem p;
+  using k = objective_problem::kind;
+  if (in.aggregation == loss_aggregation::sequence_mean && r > 0 &&
+      in.sequence_ids[r] < in.sequence_ids[r - 1]) {
+    p.what = k::sequence_order;
+    p.value = double(in.sequence_ids[r]);
+    return p;
+  }
+  const double w = in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0;
+  if (!(w >= 0.0 && w < inf())) {
+    p.what = k::mask;
+    p.value = w;
+    return p;
+  }
+  if (w == 0.0) return p;
+  const std::int64_t a = in.tokens[r];
+  if (a < 0 || std::uint64_t(a) >= size) {
+    p.what = k::token_range;
+    p.value = double(a);
+    return p;
+  }
+  const double adv = static_cast<double>(in.advantages[r]);
+  if (!(adv - adv == 0.0)) {
+    p.what = k::advantage;
+    p.value = adv;
+    return p;
+  }
+  if (is_masked(static_cast<double>(old_row[a]))) {
+    p.what = k::old_token_masked;
+    p.value = double(a);
+  }
+  return p;
+}
+
+/// Shape checks of an objective call (before any row is read).
+template <class T>
+void check_objective_shapes(const char* fn, batch_view<const T> new_logits,
+                            batch_view<const T> old_logits, const token_batch<T>& in) {
+  check_view(fn, "new_logits", new_logits);
+  check_view(fn, "old_logits", old_logits);
+  check_same_shape(fn, "new_logits", new_logits, "old_logits", old_logits);
+  if (new_logits.rows == 0) return;
+  if (in.tokens == nullptr) throw_shape(fn, "tokens is a null pointer");
+  if (in.advantages == nullptr) throw_shape(fn, "advantages is a null pointer");
+  if (in.aggregation == loss_aggregation::sequence_mean && in.sequence_ids == nullptr)
+    throw_shape(fn, "sequence_mean aggregation needs sequence_ids (a null pointer was given)");
+}
+
+/// The aggregation weights c_r (times `scale`) of every row, and the number of counted sequences.
+template <class T>
+std::vector<double> aggregation_weights(const token_batch<T>& in, std::size_t rows, double scale,
+                                        std::size_t* sequences) {
+  std::vector<double> c(rows, 0.0);
+  auto mask = [&](std::size_t r) { return in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0; };
+  if (sequences) *sequences = 0;
+  if (in.aggregation == loss_aggregation::token_mean) {
+    double total = 0.0;
+    for (std::size_t r = 0; r < rows; ++r) total += mask(r);
+    if (total > 0.0)
+      for (std::size_t r = 0; r < rows; ++r) c[r] = scale * mask(r) / total;
+    return c;
+  }
+  std::size_t counted = 0;
+  for (std::size_t begin = 0, end; begin < rows; begin = end) {
+    end = begin;
+    while (end < rows && in.sequence_ids[end] == in.sequence_ids[begin]) ++end;
+    double total = 0.0;
+    for (std::size_t r = begin; r < end; ++r) total += mask(r);
+    if (!(total > 0.0)) continue;
+    ++counted;
+    for (std::size_t r = begin; r < end; ++r) c[r] = mask(r) / total;
+  }
+  if (counted > 0)
+    for (double& v : c) v *= scale / double(counted);
+  if (sequences) *sequences = counted;
+  return c;
+}
+
+/// Validates an objective call row by row (in parallel, the lowest bad row reported). `pair_scan`
+/// checks rows as the projection does (values, supports, feasibility at `eps`, and, with
+/// `regression`, that KL(p̃‖π*) is finite); otherwise each row only needs values and some support.
+template <class T>
+void validate_objective(const char* fn, unsigned threads, batch_view<const T> new_logits,
+                        batch_view<const T> old_logits, const token_batch<T>& in, bool pair_scan,
+                        double eps, bool regression) {
+  const std::size_t size = new_logits.cols;
+  auto problem = [&](std::size_t r) {
+    objective_problem p = check_token_row(in, r, size, old_logits.row(r));
+    if (p) return p;
+    row_problem& lp = p.logits;
+    if (pair_scan) {
+      row_setup setup;
+      lp = cpu::scan_pair(new_logits.row(r), old_logits.row(r), size, setup, "new_logits",
+                          "old_logits");
+      if (!lp && setup.old_only) {
+        const double floor = cpu::min_reachable_kl(new_logits.row(r), old_logits.row(r), size, setup);
+        if (floor >= eps) {
+          lp.kind = problem_kind::infeasible;
+          lp.value = floor;
+        }
+      }
+      if (!lp && regression && setup.new_only) p.what = objective_problem::kind::regression_inf;
+    } else {
+      const char* names[2] = {"new_logits", "old_logits"};
+      const T* rows[2] = {new_logits.row(r), old_logits.row(r)};
+      for (int side = 0; side < 2 && !lp; ++side) {
+        lp = cpu::find_bad_value(rows[side], size, names[side]);
+        if (!lp && cpu::row_max(rows[side], size) == neg_inf()) {
+          lp.kind = problem_kind::all_masked;
+          lp.operand = names[side];
+        }
+      }
+    }
+    if (lp) p.what = objective_problem::kind::logits;
+    return p;
+  };
+  const std::size_t bad = cpu::first_bad_row(threads, new_logits.rows, 2 * size,
+                                             [&](std::size_t r) { return bool(problem(r)); });
+  if (bad != new_logits.rows) throw_objective_problem(fn, bad, problem(bad));
+}
+
+inline void check_trust_region(const char* fn, const trust_region_objective& obj) {
+  if (!(obj.eps > 0.0) || !(obj.eps < inf()))
+    throw domain_error(std::string("troll::") + fn + ": eps must be finite and > 0, got " +
+                       std::to_string(obj.eps));
+  if (!(obj.alpha >= 0.0) || !(obj.alpha < inf()))
+    throw domain_error(std::string("troll::") + fn + ": alpha must be finite and >= 0, got " +
+                       std::to_string(obj.alpha));
+  const projection_options& o = obj.projection;
+  if (!(o.rtol >= 0.0) || !(o.atol >= 0.0) || !(o.rtol + o.atol > 0.0) || o.max_iterations < 1)
+    throw domain_error(std::string("troll::") + fn +
+                       ": projection options need rtol >= 0, atol >= 0, rtol + atol > 0 and "
+                       "max_iterations >= 1");
+}
+
+inline cpu::ratio_objective_spec make_spec(const char* fn, const ppo_clip_objective& o) {
+  if (!(o.clip_low >= 0.0 && o.clip_low < 1.0) || !(o.clip_high >= 0.0 && o.clip_high < inf()))
+    throw domain_error(std::string("troll::") + fn +
+                       ": clip_low must lie in [0, 1) and clip_high be finite and >= 0");
+  if (!(o.dual_clip == 0.0 || (o.dual_clip > 1.0 && o.dual_clip < inf())))
+    throw domain_error(std::string("troll::") + fn + ": dual_clip must be 0 (off) or finite and > 1");
+  cpu::ratio_objective_spec s;
+  s.which = cpu::ratio_objective_spec::kind::ppo_clip;
+  s.a = o.clip_low;
+  s.b = o.clip_high;
+  s.c = o.dual_clip;
+  s.compute_kl = o.kl_metrics;
+  return s;
+}
+
+inline cpu::ratio_objective_spec make_spec(const char* fn, const dppo_objective& o) {
+  using kind = cpu::ratio_objective_spec::kind;
+  if (!(o.delta_low >= 0.0 && o.delta_low < inf()) || !(o.delta_high >= 0.0 && o.delta_high < inf()))
+    throw domain_error(std::string("troll::") + fn + ": delta_low and delta_high must be finite and >= 0");
+  cpu::ratio_objective_spec s;
+  switch (o.divergence) {
+    case dppo_divergence::binary_tv: s.which = kind::dppo_binary_tv; break;
+    case dppo_divergence::binary_kl: s.which = kind::dppo_binary_kl; break;
+    case dppo_divergence::topk_tv: s.which = kind::dppo_topk_tv; break;
+    case dppo_divergence::topk_kl: s.which = kind::dppo_topk_kl; break;
+    default: throw domain_error(std::string("troll::") + fn + ": unknown DPPO divergence");
+  }
+  if ((s.which == kind::dppo_topk_tv || s.which == kind::dppo_topk_kl) &&
+      !(o.top_k >= 1 && o.top_k <= cpu::dppo_max_top_k))
+    throw domain_error(std::string("troll::") + fn + ": top_k must lie in [1, 256], got " +
+                       std::to_string(o.top_k));
+  s.a = o.delta_low;
+  s.b = o.delta_high;
+  s.top_k = o.top_k;
+  s.compute_kl = o.kl_metrics;
+  return s;
+}
+
+/// Reduces per-row results to the batch metrics, in row order (deterministic).
+struct metrics_sum {
+  objective_metrics m;
+  double kl_before = 0, kl_after = 0, reg = 0, ratio = 0, eta = 0, limited = 0, projected = 0,
+         divergence = 0;
+  void add(double loss_contribution, double ratio_value, double kb, double ka) {
+    m.loss += loss_contribution;
+    ++m.tokens;
+    ratio += ratio_value;
+    kl_before += kb;
+    kl_after += ka;
+    m.kl_before_max = maximum(m.kl_before_max, kb);
+    m.kl_after_max = maximum(m.kl_after_max, ka);
+  }
+  objective_metrics finish() {
+    if (m.tokens == 0) return m;
+    const double n = double(m.tokens);
+    m.ratio_mean = ratio / n;
+    m.kl_before_mean = kl_before / n;
+    m.kl_after_mean = kl_after / n;
+    m.regression_kl_mean = reg / n;
+    m.eta_mean = eta / n;
+    m.projected_fraction = projected / n;
+    m.limited_fraction = limited / n;
+    m.divergence_mean = divergence / n;
+    return m;
+  }
+};
+
+template <class T>
+objective_metrics ratio_forward(const char* fn, cpu_policy policy, const cpu::ratio_objective_spec& spec,
+                                batch_view<const T> new_logits, batch_view<const T> old_logits,
+                                const token_batch<T>& in, T* token_loss) {
+  check_objective_shapes(fn, new_logits, old_logits, in);
+  validate_objective(fn, policy.threads, new_logits, old_logits, in, false, 0.0, false);
+  const std::size_t rows = new_logits.rows, size = new_logits.cols;
+  metrics_sum sum;
+  const std::vector<double> c = aggregation_weights(in, rows, 1.0, &sum.m.sequences);
+  std::vector<cpu::ratio_row_result> results(rows);
+  std::vector<char> counted(rows, 0);
+  cpu::parallel_for(policy.threads, rows, 4 * size, [&](std::size_t r) {
+    const double w = in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0;
+    if (w == 0.0) return;
+    counted[r] = 1;
+    results[r] = cpu::ratio_forward_row(new_logits.row(r), old_logits.row(r), size, spec,
+                                        in.tokens[r], static_cast<double>(in.advantages[r]));
+  });
+  for (std::size_t r = 0; r < rows; ++r) {
+    if (token_loss) token_loss[r] = T(counted[r] ? results[r].token.loss : 0.0);
+    if (!counted[r]) continue;
+    const cpu::ratio_row_result& x = results[r];
+    sum.add(c[r] * x.token.loss, x.ratio, x.kl, x.kl);
+    sum.limited += x.token.limited ? 1.0 : 0.0;
+    sum.divergence += x.divergence;
+  }
+  return sum.finish();
+}
+
+template <class T>
+void ratio_backward(const char* fn, cpu_policy policy, cpu::ratio_objective_spec spec,
+                    batch_view<const T> new_logits, batch_view<const T> old_logits,
+                    const token_batch<T>& in, batch_view<T> grad_new, double grad_loss) {
+  check_objective_shapes(fn, new_logits, old_logits, in);
+  check_view(fn, "grad_new", grad_new);
+  check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
+  if (!(grad_loss - grad_loss == 0.0))
+    throw domain_error(std::string("troll::") + fn + ": grad_loss is not finite");
+  validate_objective(fn, policy.threads, new_logits, old_logits, in, false, 0.0, false);
+  const std::size_t rows = new_logits.rows, size = new_logits.cols;
+  const std::vector<double> c = aggregation_weights(in, rows, grad_loss, nullptr);
+  spec.compute_kl = false;
+  cpu::parallel_for(policy.threads, rows, 4 * size, [&](std::size_t r) {
+    const T* zn = new_logits.row(r);
+    double coef = 0.0;
+    std::int64_t token = 0;
+    double log_norm_new = 0.0;
+    if (c[r] != 0.0) {
+      token = in.tokens[r];
+      const cpu::ratio_row_result x = cpu::ratio_forward_row(
+          zn, old_logits.row(r), size, spec, token, static_cast<double>(in.advantages[r]));
+      coef = c[r] * x.token.dloss_dr * x.ratio;
+      if (coef != 0.0) log_norm_new = cpu::log_normaliser(zn, size);
+    }
+    cpu::ratio_backward_row(zn, size, log_norm_new, coef, token, grad_new.row(r));
+  });
+}
+
+}  // namespace detail
+
+// ---- TROLL ----
+
+/// Forward of TROLL's objective. Projects every row (log π* to `log_probs`, statistics to
+/// `stats`, N entries — both kept for objective_backward), evaluates the per-token losses
+///   ℓ_r = −(π*_{r,a} / q_{r,a}) A_r + α KL(p̃_r ‖ π*_r),
+/// aggregates them (token_batch::aggregation) and returns the loss with the batch metrics.
+/// `token_loss` (optional, N entries) receives ℓ_r (0 on rows with mask 0).
+/// Throws before writing anything: shape_error, domain_error (NaN / +inf logits, a token outside
+/// [0, V), a non-finite advantage, a negative or non-finite mask, decreasing sequence ids, a
+/// sampled token the old logits mask, a row whose new logits have mass where the old ones mask
+/// while α > 0, bad ε / α / options) and infeasible_error, each naming the row.
+template <class T>
+objective_metrics objective_forward(cpu_policy policy, const trust_region_objective& objective,
+                                    input_view<T> new_logits, input_view<T> old_logits,
+                                    const token_batch<T>& in, batch_view<T> log_probs,
+                                    projection_stats* stats, T* token_loss = nullptr) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "objective_forward";
+  detail::check_trust_region(fn, objective);
+  detail::check_objective_shapes(fn, new_logits, old_logits, in);
+  detail::check_view(fn, "log_probs", log_probs);
+  detail::check_same_shape(fn, "new_logits", new_logits, "log_probs", log_probs);
+  if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  detail::validate_objective(fn, policy.threads, new_logits, old_logits, in, true, objective.eps,
+                             objective.alpha > 0.0);
+
+  const std::size_t rows = new_logits.rows, size = new_logits.cols;
+  detail::metrics_sum sum;
+  const std::vector<double> c = detail::aggregation_weights(in, rows, 1.0, &sum.m.sequences);
+  std::vector<detail::cpu::troll_row_result> results(rows);
+  detail::cpu::parallel_for(policy.threads, rows, 12 * size, [&](std::size_t r) {
+    const double w = in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0;
+    const bool counted = w != 0.0;
+    results[r] = detail::cpu::troll_forward_row(
+        new_logits.row(r), old_logits.row(r), size, objective.eps, objective.projection, counted,
+        counted ? in.tokens[r] : 0, counted ? static_cast<double>(in.advantages[r]) : 0.0,
+        objective.alpha, log_probs.row(r));
+    stats[r] = results[r].stats;
+  });
+  for (std::size_t r = 0; r < rows; ++r) {
+    const double w = in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0;
+    if (token_loss) token_loss[r] = T(w != 0.0 ? results[r].loss : 0.0);
+    if (w == 0.0) continue;
+    const detail::cpu::troll_row_result& x = results[r];
+    sum.add(c[r] * x.loss, x.ratio, x.stats.kl_before, x.stats.kl_after);
+    sum.reg += x.kl_reg;
+    sum.eta += x.stats.active() ? x.stats.eta : 0.0;
+    sum.projected += x.stats.active() ? 1.0 : 0.0;
+  }
+  return sum.finish();
+}
+
+/// Fused backward of TROLL's objective: grad_new = grad_loss · ∂L/∂z̃ for the loss L of
+/// objective_forward, through the projection's VJP (ratio term) and the regression term's
+/// gradient w.r.t. p̃ only (π* held constant), in one pass per row:
+///   ∂ℓ/∂z̃_j = −ρA·t [δ_ja − π*_j − π*_j (d_j − μ)(d_a − μ)/σ²] + α p̃_j (log p̃_j − log π*_j − KL(p̃‖π*)).
+/// `log_probs` and `stats` are objective_forward's outputs for the same inputs. Rows with mask 0
+/// get zero gradients. Throws as objective_forward does, and domain_error for unusable stats or a
+/// non-finite grad_loss, before writing.
+template <class T>
+void objective_backward(cpu_policy policy, const trust_region_objective& objective,
+                        input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
+                        input_view<T> log_probs, const projection_stats* stats,
+                        batch_view<T> grad_new, double grad_loss = 1.0) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "objective_backward";
+  detail::check_trust_region(fn, objective);
+  detail::check_objective_shapes(fn, new_logits, old_logits, in);
+  detail::check_view(fn, "log_probs", log_probs);
+  detail::check_same_shape(fn, "new_logits", new_logits, "log_probs", log_probs);
+  detail::check_view(fn, "grad_new", grad_new);
+  detail::check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
+  if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  if (!(grad_loss - grad_loss == 0.0)) throw domain_error("troll::objective_backward: grad_loss is not finite");
+  detail::validate_objective(fn, policy.threads, new_logits, old_logits, in, true, objective.eps,
+                             objective.alpha > 0.0);
+  for (std::size_t r = 0; r < new_logits.rows; ++r) {
+    const detail::row_problem p = detail::check_stats(stats[r]);
+    if (p) detail::throw_problem(fn, r, p);
+  }
+  const std::size_t rows = new_logits.rows, size = new_logits.cols;
+  const std::vector<double> c = detail::aggregation_weights(in, rows, grad_loss, nullptr);
+  detail::cpu::parallel_for(policy.threads, rows, 8 * size, [&](std::size_t r) {
+    const bool counted = c[r] != 0.0;
+    detail::cpu::troll_backward_row(new_logits.row(r), old_logits.row(r), log_probs.row(r), size,
+                                    stats[r], c[r], counted ? in.tokens[r] : 0,
+                                    counted ? static_cast<double>(in.advantages[r]) : 0.0,
+                                    objective.alpha, grad_new.row(r));
+  });
+}
+
+// ---- Baselines: PPO clip and DPPO (no projection; the ratio is p̃_a / q_a) ----
+
+/// Forward of PPO's clipped surrogate loss (see ppo_clip_objective); returns the aggregated loss
+/// and the metrics (limited_fraction = clipped tokens). `token_loss` (optional, N entries)
+/// receives ℓ_r. Throws as objective_forward does (no projection checks), before writing.
+template <class T>
+objective_metrics objective_forward(cpu_policy policy, const ppo_clip_objective& objective,
+                                    input_view<T> new_logits, input_view<T> old_logits,
+                                    const token_batch<T>& in, T* token_loss = nullptr) {
+  detail::require_float_type<T>();
+  const auto spec = detail::make_spec("objective_forward", objective);
+  return detail::ratio_forward("objective_forward", policy, spec, new_logits, old_logits, in, token_loss);
+}
+
+/// Backward of PPO's clipped surrogate: grad_new = grad_loss · ∂L/∂z̃,
+/// ∂ℓ/∂z̃_j = (∂ℓ/∂r)·r·(δ_ja − p̃_j) with ∂ℓ/∂r = −A on unclipped tokens and 0 on clipped ones.
+template <class T>
+void objective_backward(cpu_policy policy, const ppo_clip_objective& objective,
+                        input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
+                        batch_view<T> grad_new, double grad_loss = 1.0) {
+  detail::require_float_type<T>();
+  const auto spec = detail::make_spec("objective_backward", objective);
+  detail::ratio_backward("objective_backward", policy, spec, new_logits, old_logits, in, grad_new,
+                         grad_loss);
+}
+
+/// Forward of DPPO's masked surrogate loss (see dppo_objective); limited_fraction = masked tokens,
+/// divergence_mean = the mean divergence estimate.
+template <class T>
+objective_metrics objective_forward(cpu_policy policy, const dppo_objective& objective,
+                                    input_view<T> new_logits, input_view<T> old_logits,
+                                    const token_batch<T>& in, T* token_loss = nullptr) {
+  detail::require_float_type<T>();
+  const auto spec = detail::make_spec("objective_forward", objective);
+  return detail::ratio_forward("objective_forward", policy, spec, new_logits, old_logits, in, token_loss);
+}
+
+/// Backward of DPPO's masked surrogate: ∂ℓ/∂z̃_j = −M·A·r·(δ_ja − p̃_j), the mask held constant.
+template <class T>
+void objective_backward(cpu_policy policy, const dppo_objective& objective,
+                        input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
+                        batch_view<T> grad_new, double grad_loss = 1.0) {
+  detail::require_float_type<T>();
+  const auto spec = detail::make_spec("objective_backward", objective);
+  detail::ratio_backward("objective_backward", policy, spec, new_logits, old_logits, in, grad_new,
+                         grad_loss);
+}
+
+TROLL_END_NAMESPACE

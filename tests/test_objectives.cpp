@@ -1,0 +1,679 @@
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+// Tests of troll/objectives.hpp: TROLL's objective and the PPO-clip / DPPO baselines. Gradients
+// are checked with troll's finite-difference checker in double, through the projection; the
+// regression term KL(p̃ ‖ stopgrad(π*)) is differenced with π* frozen at the base point. Values
+// are checked against hand-computed numbers and long-double oracles; masks, aggregation and bad
+// input are covered.
+
+#include <troll/objectives.hpp>
+#include <troll/projection.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "grad_helpers.hpp"
+#include "oracle.hpp"
+
+namespace {
+
+using grad_helpers::neg_inf;
+using grad_helpers::pair_batch;
+namespace oracle = troll_test::oracle;
+
+const double nan_value = std::numeric_limits<double>::quiet_NaN();
+
+/// A batch of token rows with everything an objective reads.
+struct token_case {
+  pair_batch logits;
+  std::vector<std::int64_t> tokens, sequence_ids;
+  std::vector<double> advantages, mask;
+  troll::loss_aggregation aggregation = troll::loss_aggregation::token_mean;
+
+  troll::token_batch<double> batch() const {
+    troll::token_batch<double> b;
+    b.tokens = tokens.data();
+    b.advantages = advantages.data();
+    b.loss_mask = mask.empty() ? nullptr : mask.data();
+    b.sequence_ids = sequence_ids.empty() ? nullptr : sequence_ids.data();
+    b.aggregation = aggregation;
+    return b;
+  }
+  std::size_t rows() const { return logits.rows; }
+  std::size_t cols() const { return logits.cols; }
+};
+
+/// N rows over V tokens: old logits ~ 2·N(0,1); new = old + step_r·N(0,1) with steps cycling
+/// through small (inactive under ε = 0.05) and large (projected) values. Three sequences.
+token_case make_case(std::size_t rows, std::size_t cols, std::uint64_t seed) {
+  grad_helpers::rng g(seed);
+  token_case c;
+  c.logits = pair_batch(rows, cols);
+  const double steps[4] = {0.03, 0.9, 1.6, 0.5};
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t j = 0; j < cols; ++j) {
+      c.logits.old_row(r)[j] = 2.0 * g.normal();
+      c.logits.new_row(r)[j] = c.logits.old_row(r)[j] + steps[r % 4] * g.normal();
+    }
+    c.tokens.push_back(std::int64_t((r * 5 + 3) % cols));
+    c.advantages.push_back(r % 3 == 0 ? -0.8 : 1.1 + 0.1 * double(r));
+    c.mask.push_back(r % 5 == 4 ? 0.0 : (r % 2 ? 1.0 : 0.5));
+    c.sequence_ids.push_back(std::int64_t(r * 3 / rows));
+  }
+  return c;
+}
+
+/// The aggregation weights c_r, computed here from the definition (not by troll).
+std::vector<double> weights_of(const token_case& c) {
+  const std::size_t n = c.rows();
+  std::vector<double> w(n, 0.0);
+  auto m = [&](std::size_t r) { return c.mask.empty() ? 1.0 : c.mask[r]; };
+  if (c.aggregation == troll::loss_aggregation::token_mean) {
+    double total = 0;
+    for (std::size_t r = 0; r < n; ++r) total += m(r);
+    for (std::size_t r = 0; r < n; ++r) w[r] = total > 0 ? m(r) / total : 0.0;
+    return w;
+  }
+  std::vector<std::int64_t> ids;
+  for (std::int64_t id : c.sequence_ids)
+    if (ids.empty() || ids.back() != id) ids.push_back(id);
+  double counted = 0;
+  for (std::int64_t id : ids) {
+    double total = 0;
+    for (std::size_t r = 0; r < n; ++r)
+      if (c.sequence_ids[r] == id) total += m(r);
+    if (total > 0) counted += 1;
+  }
+  for (std::int64_t id : ids) {
+    double total = 0;
+    for (std::size_t r = 0; r < n; ++r)
+      if (c.sequence_ids[r] == id) total += m(r);
+    for (std::size_t r = 0; r < n; ++r)
+      if (c.sequence_ids[r] == id && total > 0) w[r] = m(r) / total / counted;
+  }
+  return w;
+}
+
+troll::trust_region_objective tight_troll(double alpha = 1.0) {
+  troll::trust_region_objective o;
+  o.alpha = alpha;
+  o.projection = grad_helpers::tight_options();
+  return o;
+}
+
+/// TROLL's batch loss at new logits `b`, evaluated independently of objectives.hpp: π* from
+/// troll::project, log p̃ and log q in long double, and the regression term against a *frozen*
+/// π* (`frozen_log_pi`, the projection at the base point): stopgrad as finite differences see it.
+double troll_loss_frozen(const token_case& c, const pair_batch& b, const troll::trust_region_objective& o,
+                         const std::vector<double>& frozen_log_pi) {
+  const grad_helpers::forward_result f = grad_helpers::forward(b, o.eps, o.projection);
+  const std::vector<double> w = weights_of(c);
+  const std::size_t V = b.cols;
+  long double loss = 0;
+  for (std::size_t r = 0; r < b.rows; ++r) {
+    if (w[r] == 0.0) continue;
+    const auto lq = oracle::log_softmax(b.old_logits.data() + r * V, V);
+    const auto lp = oracle::log_softmax(b.new_logits.data() + r * V, V);
+    const std::size_t a = std::size_t(c.tokens[r]);
+    const long double ratio = std::exp((long double)f.log_probs[r * V + a] - lq[a]);
+    long double kl = 0;
+    for (std::size_t j = 0; j < V; ++j)
+      if (oracle::finite_logit(lp[j])) kl += std::exp(lp[j]) * (lp[j] - frozen_log_pi[r * V + j]);
+    loss += w[r] * (-ratio * c.advantages[r] + o.alpha * kl);
+  }
+  return double(loss);
+}
+
+/// Gradient check of TROLL's objective_backward against central differences of
+/// troll_loss_frozen over the finite new logits.
+troll::gradcheck_result check_troll_gradient(const token_case& c, const troll::trust_region_objective& o) {
+  const grad_helpers::packing pack(c.logits, false, false, o.eps);
+  const grad_helpers::forward_result base = grad_helpers::forward(c.logits, o.eps, o.projection);
+  auto loss = [&](const double* x) {
+    pair_batch b;
+    double eps;
+    pack.unpack(x, b, eps);
+    return troll_loss_frozen(c, b, o, base.log_probs);
+  };
+  auto grad = [&](const double* x, double* gx) {
+    pair_batch b;
+    double eps;
+    pack.unpack(x, b, eps);
+    const std::size_t N = b.rows, V = b.cols;
+    std::vector<double> log_probs(N * V), g(N * V);
+    std::vector<troll::projection_stats> stats(N);
+    troll::objective_forward(troll::cpu, o, troll::make_batch(b.new_logits.data(), N, V),
+                             troll::make_batch(b.old_logits.data(), N, V), c.batch(),
+                             troll::make_batch(log_probs.data(), N, V), stats.data());
+    troll::objective_backward(troll::cpu, o, troll::make_batch(b.new_logits.data(), N, V),
+                              troll::make_batch(b.old_logits.data(), N, V), c.batch(),
+                              troll::make_batch(log_probs.data(), N, V), stats.data(),
+                              troll::make_batch(g.data(), N, V));
+    pack.pack_gradient(g, {}, {}, eps, gx);
+  };
+  return troll::check_gradient(loss, grad, pack.x0());
+}
+
+/// Gradient check of a baseline's objective_backward against differences of its forward.
+template <class Objective>
+troll::gradcheck_result check_baseline_gradient(const token_case& c, const Objective& o) {
+  const grad_helpers::packing pack(c.logits, false, false, 0.05);
+  auto loss = [&](const double* x) {
+    pair_batch b;
+    double eps;
+    pack.unpack(x, b, eps);
+    return troll::objective_forward(troll::cpu, o, troll::make_batch(b.new_logits.data(), b.rows, b.cols),
+                                    troll::make_batch(b.old_logits.data(), b.rows, b.cols), c.batch())
+        .loss;
+  };
+  auto grad = [&](const double* x, double* gx) {
+    pair_batch b;
+    double eps;
+    pack.unpack(x, b, eps);
+    std::vector<double> g(b.rows * b.cols);
+    troll::objective_backward(troll::cpu, o, troll::make_batch(b.new_logits.data(), b.rows, b.cols),
+                              troll::make_batch(b.old_logits.data(), b.rows, b.cols), c.batch(),
+                              troll::make_batch(g.data(), b.rows, b.cols));
+    pack.pack_gradient(g, {}, {}, eps, gx);
+  };
+  return troll::check_gradient(loss, grad, pack.x0());
+}
+
+struct troll_run {
+  std::vector<double> log_probs, token_loss, grad;
+  std::vector<troll::projection_stats> stats;
+  troll::objective_metrics metrics;
+};
+
+troll_run run_troll(const token_case& c, const troll::trust_region_objective& o) {
+  const std::size_t N = c.rows(), V = c.cols();
+  troll_run out;
+  out.log_probs.assign(N * V, 0.0);
+  out.token_loss.assign(N, 0.0);
+  out.grad.assign(N * V, 0.0);
+  out.stats.assign(N, {});
+  const auto zn = troll::make_batch(c.logits.new_logits.data(), N, V);
+  const auto zo = troll::make_batch(c.logits.old_logits.data(), N, V);
+  out.metrics = troll::objective_forward(troll::cpu, o, zn, zo, c.batch(),
+                                         troll::make_batch(out.log_probs.data(), N, V),
+                                         out.stats.data(), out.token_loss.data());
+  troll::objective_backward(troll::cpu, o, zn, zo, c.batch(), troll::make_batch(out.log_probs.data(), N, V),
+                            out.stats.data(), troll::make_batch(out.grad.data(), N, V));
+  return out;
+}
+
+/// A one-row case over three tokens with q = (0.5, 0.3, 0.2), p̃ = (p0, p1, p2), token 0 sampled.
+token_case three_token_row(double p0, double p1, double p2, double advantage) {
+  token_case c;
+  c.logits = pair_batch(1, 3);
+  c.logits.set_row(0, {std::log(p0), std::log(p1), std::log(p2)},
+                   {std::log(0.5), std::log(0.3), std::log(0.2)});
+  c.tokens = {0};
+  c.advantages = {advantage};
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("TROLL gradient through the projection, stopgrad(pi*) in the regression term") {
+  for (auto aggregation : {troll::loss_aggregation::token_mean, troll::loss_aggregation::sequence_mean}) {
+    token_case c = make_case(10, 12, 11);
+    c.aggregation = aggregation;
+    CAPTURE(int(aggregation));
+    const troll::gradcheck_result full = check_troll_gradient(c, tight_troll(1.0));
+    INFO(full.report());
+    CHECK(full.ok);
+    // The two parts separately: the ratio term alone (α = 0) and the regression term alone (A = 0).
+    const troll::gradcheck_result ratio_only = check_troll_gradient(c, tight_troll(0.0));
+    INFO(ratio_only.report());
+    CHECK(ratio_only.ok);
+    token_case regression = c;
+    for (double& a : regression.advantages) a = 0.0;
+    const troll::gradcheck_result reg_only = check_troll_gradient(regression, tight_troll(2.5));
+    INFO(reg_only.report());
+    CHECK(reg_only.ok);
+  }
+}
+
+TEST_CASE("TROLL gradient with new-row masks inside the ball") {
+  token_case c = make_case(4, 10, 23);
+  for (std::size_t r = 1; r < 3; ++r) {  // the new row masks a small old mass (projected rows)
+    c.logits.new_row(r)[7] = neg_inf;
+    c.logits.old_row(r)[7] = -6.0;
+  }
+  c.tokens[1] = 4, c.tokens[2] = 3;
+  const troll::gradcheck_result r = check_troll_gradient(c, tight_troll(1.0));
+  INFO(r.report());
+  CHECK(r.ok);
+}
+
+TEST_CASE("TROLL values: loss, projection and metrics against independent evaluation") {
+  token_case c = make_case(12, 16, 5);
+  const troll::trust_region_objective o = tight_troll(0.7);
+  const troll_run run = run_troll(c, o);
+  const std::vector<double> w = weights_of(c);
+  const std::size_t V = c.cols();
+
+  // The loss is Σ c_r ℓ_r with ℓ_r evaluated independently (frozen π* = the forward's own π*
+  // makes no difference to the value).
+  CHECK(run.metrics.loss == doctest::Approx(troll_loss_frozen(c, c.logits, o, run.log_probs)).epsilon(1e-12));
+  double projected = 0, counted = 0, kl_after_max = 0, eta = 0;
+  for (std::size_t r = 0; r < c.rows(); ++r) {
+    if (w[r] == 0.0) {
+      CHECK(run.token_loss[r] == 0.0);
+      continue;
+    }
+    counted += 1;
+    const troll::projection_stats& s = run.stats[r];
+    const double kl_before = oracle::kl_logits(c.logits.new_row(r), c.logits.old_row(r), V);
+    CHECK(s.kl_before == doctest::Approx(kl_before).epsilon(1e-10));
+    if (s.active()) {
+      projected += 1;
+      eta += s.eta;
+      CHECK(kl_before > o.eps);
+    } else {
+      // Inactive: π* = p̃, the loss is −r·A exactly and the regression KL is zero.
+      const auto lp = oracle::log_softmax(c.logits.new_row(r), V);
+      const auto lq = oracle::log_softmax(c.logits.old_row(r), V);
+      const std::size_t a = std::size_t(c.tokens[r]);
+      CHECK(run.token_loss[r] == doctest::Approx(double(-std::exp(lp[a] - lq[a]) * c.advantages[r])).epsilon(1e-12));
+    }
+    // KL(π*‖q) measured independently from the written log π*.
+    std::vector<oracle::real> lpi(run.log_probs.begin() + long(r * V), run.log_probs.begin() + long((r + 1) * V));
+    const double kl_after = double(oracle::kl(lpi, oracle::log_softmax(c.logits.old_row(r), V)));
+    CHECK(kl_after <= o.eps * (1 + 1e-10) + 1e-13);
+    kl_after_max = std::max(kl_after_max, kl_after);
+  }
+  CHECK(projected > 0);
+  CHECK(projected < counted);
+  CHECK(run.metrics.tokens == std::size_t(counted));
+  CHECK(run.metrics.projected_fraction == doctest::Approx(projected / counted));
+  CHECK(run.metrics.eta_mean == doctest::Approx(eta / counted));
+  CHECK(run.metrics.kl_after_max == doctest::Approx(kl_after_max).epsilon(1e-9));
+  CHECK(run.metrics.kl_after_max <= o.eps * (1 + 1e-10) + 1e-13);
+  CHECK(run.metrics.kl_before_max > o.eps);
+}
+
+TEST_CASE("TROLL backward agrees with the scalar host/device reference of objective_row.hpp") {
+  token_case c = make_case(8, 20, 41);
+  c.mask.clear();
+  const troll::trust_region_objective o = tight_troll(1.3);
+  const troll_run run = run_troll(c, o);
+  const std::vector<double> w = weights_of(c);
+  const std::size_t V = c.cols();
+  for (std::size_t r = 0; r < c.rows(); ++r) {
+    const auto lp = oracle::log_softmax(c.logits.new_row(r), V);
+    const auto lq = oracle::log_softmax(c.logits.old_row(r), V);
+    const double* lpi = run.log_probs.data() + r * V;
+    const std::size_t a = std::size_t(c.tokens[r]);
+    const double ratio = std::exp(lpi[a] - double(lq[a]));
+    double kl_reg = 0;
+    for (std::size_t j = 0; j < V; ++j) kl_reg += double(std::exp(lp[j]) * (lp[j] - lpi[j]));
+    const troll::projection_stats& s = run.stats[r];
+    const double reg_alpha = s.active() ? o.alpha : 0.0;
+    const auto k = troll::detail::troll_coefficients(w[r], c.advantages[r], ratio, reg_alpha, kl_reg,
+                                                     c.logits.new_row(r)[a] - c.logits.old_row(r)[a], s);
+    for (std::size_t j = 0; j < V; ++j) {
+      const double centred = c.logits.new_row(r)[j] - c.logits.old_row(r)[j] - s.mu;
+      const double g = troll::detail::troll_gradient_entry(k, j == a, true, true, lpi[j], double(lp[j]), centred);
+      CHECK(run.grad[r * V + j] == doctest::Approx(g).epsilon(1e-9).scale(1e-12));
+    }
+  }
+}
+
+TEST_CASE("TROLL in float agrees with double") {
+  token_case c = make_case(6, 64, 3);
+  const std::size_t N = c.rows(), V = c.cols();
+  const troll_run ref = run_troll(c, troll::trust_region_objective{});
+  std::vector<float> zn(c.logits.new_logits.begin(), c.logits.new_logits.end());
+  std::vector<float> zo(c.logits.old_logits.begin(), c.logits.old_logits.end());
+  std::vector<float> adv(c.advantages.begin(), c.advantages.end()), mask(c.mask.begin(), c.mask.end());
+  std::vector<float> lp(N * V), grad(N * V);
+  std::vector<troll::projection_stats> stats(N);
+  troll::token_batch<float> b;
+  b.tokens = c.tokens.data();
+  b.advantages = adv.data();
+  b.loss_mask = mask.data();
+  const auto m = troll::objective_forward(troll::cpu, troll::trust_region_objective{},
+                                          troll::make_batch(zn.data(), N, V), troll::make_batch(zo.data(), N, V), b,
+                                          troll::make_batch(lp.data(), N, V), stats.data());
+  troll::objective_backward(troll::cpu, troll::trust_region_objective{}, troll::make_batch(zn.data(), N, V),
+                            troll::make_batch(zo.data(), N, V), b, troll::make_batch(lp.data(), N, V),
+                            stats.data(), troll::make_batch(grad.data(), N, V));
+  // Inputs rounded to float move the loss by ~1e-7 relative; the outputs are float.
+  CHECK(m.loss == doctest::Approx(ref.metrics.loss).epsilon(1e-5));
+  double max_grad = 0;
+  for (double g : ref.grad) max_grad = std::max(max_grad, std::fabs(g));
+  for (std::size_t k = 0; k < N * V; ++k) CHECK(std::fabs(grad[k] - ref.grad[k]) <= 1e-5 * max_grad + 1e-7);
+}
+
+TEST_CASE("PPO clip: hand-computed values and gradients") {
+  // q = (0.5, 0.3, 0.2), token 0 sampled. ℓ = −min(rA, clip(r)A); ∂ℓ/∂z̃_j = −A r (δ_j0 − p̃_j)
+  // on unclipped tokens, 0 on clipped ones.
+  struct expect {
+    double p0, p1, p2, advantage, dual, loss;
+    bool clipped;
+  };
+  const expect cases[] = {
+      {0.7, 0.2, 0.1, +1.0, 0.0, -1.2, true},   // r = 1.4 > 1.2, A > 0: clipped at 1 + ε
+      {0.7, 0.2, 0.1, -1.0, 0.0, 1.4, false},   // A < 0: min picks r·A = −1.4, gradient flows
+      {0.25, 0.5, 0.25, +1.0, 0.0, -0.5, false},  // r = 0.5, A > 0: unclipped
+      {0.25, 0.5, 0.25, -1.0, 0.0, 0.8, true},    // r = 0.5, A < 0: clipped at 1 − ε
+      {0.95, 0.03, 0.02, -2.0, 1.5, 3.0, true},   // r = 1.9: r·A = −3.8 < 1.5·A = −3: dual clip
+      {0.55, 0.25, 0.2, -2.0, 3.0, 2.2, false},   // r = 1.1: inside, dual clip inactive
+  };
+  for (const expect& e : cases) {
+    CAPTURE(e.p0);
+    CAPTURE(e.advantage);
+    token_case c = three_token_row(e.p0, e.p1, e.p2, e.advantage);
+    troll::ppo_clip_objective o;
+    o.dual_clip = e.dual;
+    std::vector<double> g(3), token_loss(1);
+    const auto m = troll::objective_forward(troll::cpu, o, troll::make_batch(c.logits.new_logits.data(), 1, 3),
+                                            troll::make_batch(c.logits.old_logits.data(), 1, 3), c.batch(),
+                                            token_loss.data());
+    troll::objective_backward(troll::cpu, o, troll::make_batch(c.logits.new_logits.data(), 1, 3),
+                              troll::make_batch(c.logits.old_logits.data(), 1, 3), c.batch(),
+                              troll::make_batch(g.data(), 1, 3));
+    CHECK(m.loss == doctest::Approx(e.loss).epsilon(1e-12));
+    CHECK(token_loss[0] == doctest::Approx(e.loss).epsilon(1e-12));
+    CHECK(m.limited_fraction == (e.clipped ? 1.0 : 0.0));
+    CHECK(m.ratio_mean == doctest::Approx(e.p0 / 0.5).epsilon(1e-12));
+    const double r = e.p0 / 0.5, p[3] = {e.p0, e.p1, e.p2};
+    for (int j = 0; j < 3; ++j) {
+      const double want = e.clipped ? 0.0 : -e.advantage * r * ((j == 0 ? 1.0 : 0.0) - p[j]);
+      CHECK(g[std::size_t(j)] == doctest::Approx(want).epsilon(1e-12).scale(1e-15));
+    }
+  }
+}
+
+TEST_CASE("DPPO: divergences and the directional mask by hand") {
+  // q = (0.5, 0.3, 0.2), p̃ = (0.7, 0.2, 0.1), token 0: μ = 0.5, π = 0.7, r = 1.4.
+  const double binary_kl = 0.5 * std::log(0.5 / 0.7) + 0.5 * std::log(0.5 / 0.3);
+  const double top2_kl = 0.5 * std::log(0.5 / 0.7) + 0.3 * std::log(0.3 / 0.2) + 0.2 * std::log(0.2 / 0.1);
+  struct expect {
+    troll::dppo_divergence divergence;
+    int k;
+    double delta, divergence_value;
+  };
+  const expect cases[] = {
+      {troll::dppo_divergence::binary_tv, 0, 0.15, 0.2},
+      {troll::dppo_divergence::binary_kl, 0, 0.05, binary_kl},
+      {troll::dppo_divergence::topk_tv, 1, 0.15, 0.5 * (0.2 + 0.2)},
+      {troll::dppo_divergence::topk_tv, 2, 0.15, 0.5 * (0.2 + 0.1 + 0.1)},
+      {troll::dppo_divergence::topk_kl, 1, 0.05, binary_kl},
+      {troll::dppo_divergence::topk_kl, 2, 0.05, top2_kl},
+  };
+  for (const expect& e : cases) {
+    CAPTURE(int(e.divergence));
+    CAPTURE(e.k);
+    for (double advantage : {+1.0, -1.0}) {
+      CAPTURE(advantage);
+      token_case c = three_token_row(0.7, 0.2, 0.1, advantage);
+      troll::dppo_objective o = troll::dppo_objective::defaults(e.divergence);
+      CHECK(o.delta_high == e.delta);
+      if (e.k) o.top_k = e.k;
+      std::vector<double> g(3);
+      const auto m = troll::objective_forward(troll::cpu, o, troll::make_batch(c.logits.new_logits.data(), 1, 3),
+                                              troll::make_batch(c.logits.old_logits.data(), 1, 3), c.batch());
+      troll::objective_backward(troll::cpu, o, troll::make_batch(c.logits.new_logits.data(), 1, 3),
+                                troll::make_batch(c.logits.old_logits.data(), 1, 3), c.batch(),
+                                troll::make_batch(g.data(), 1, 3));
+      CHECK(m.divergence_mean == doctest::Approx(e.divergence_value).epsilon(1e-12));
+      // π > μ: A > 0 pushes further along the divergent direction → masked; A < 0 pulls back → kept.
+      const bool masked = advantage > 0 && e.divergence_value > e.delta;
+      CHECK(masked == (advantage > 0));
+      CHECK(m.limited_fraction == (masked ? 1.0 : 0.0));
+      CHECK(m.loss == doctest::Approx(masked ? 0.0 : -1.4 * advantage).epsilon(1e-12));
+      const double p[3] = {0.7, 0.2, 0.1};
+      for (int j = 0; j < 3; ++j) {
+        const double want = masked ? 0.0 : -advantage * 1.4 * ((j == 0 ? 1.0 : 0.0) - p[j]);
+        CHECK(g[std::size_t(j)] == doctest::Approx(want).epsilon(1e-12).scale(1e-15));
+      }
+    }
+  }
+  // Below the bound nothing is masked: binary TV 0.05 < 0.15.
+  token_case c = three_token_row(0.55, 0.27, 0.18, +1.0);
+  const auto m = troll::objective_forward(troll::cpu, troll::dppo_objective{},
+                                          troll::make_batch(c.logits.new_logits.data(), 1, 3),
+                                          troll::make_batch(c.logits.old_logits.data(), 1, 3), c.batch());
+  CHECK(m.limited_fraction == 0.0);
+  CHECK(m.divergence_mean == doctest::Approx(0.05).epsilon(1e-12));
+}
+
+TEST_CASE("PPO clip and DPPO gradients with the finite-difference checker") {
+  token_case c = make_case(10, 12, 77);
+  troll::ppo_clip_objective ppo;
+  ppo.dual_clip = 3.0;
+  const troll::gradcheck_result r1 = check_baseline_gradient(c, ppo);
+  INFO(r1.report());
+  CHECK(r1.ok);
+  for (auto d : {troll::dppo_divergence::binary_tv, troll::dppo_divergence::binary_kl,
+                 troll::dppo_divergence::topk_tv, troll::dppo_divergence::topk_kl}) {
+    CAPTURE(int(d));
+    troll::dppo_objective o = troll::dppo_objective::defaults(d);
+    o.top_k = 4;
+    token_case s = c;
+    s.aggregation = troll::loss_aggregation::sequence_mean;
+    // Move the sampled tokens clearly (both ways) so some cross the bounds and some do not.
+    for (std::size_t r = 0; r < s.rows(); ++r)
+      s.logits.new_row(r)[std::size_t(s.tokens[r])] += (r % 2 ? 2.5 : -2.5) * double(r % 3);
+    const troll::gradcheck_result r = check_baseline_gradient(s, o);
+    INFO(r.report());
+    CHECK(r.ok);
+    // Some tokens are masked and some are not, so both branches were checked.
+    const auto m = troll::objective_forward(troll::cpu, o, troll::make_batch(s.logits.new_logits.data(), s.rows(), s.cols()),
+                                            troll::make_batch(s.logits.old_logits.data(), s.rows(), s.cols()), s.batch());
+    CHECK(m.limited_fraction > 0.0);
+    CHECK(m.limited_fraction < 1.0);
+  }
+}
+
+TEST_CASE("Masks and aggregation: token mean, sequence mean, zero-mask rows") {
+  token_case c = make_case(9, 10, 8);
+  c.tokens[4] = -100;  // mask 0 on row 4 (r % 5 == 4): an ignore index is allowed there
+  c.advantages[4] = nan_value;
+  for (auto aggregation : {troll::loss_aggregation::token_mean, troll::loss_aggregation::sequence_mean}) {
+    c.aggregation = aggregation;
+    const std::vector<double> w = weights_of(c);
+    const troll_run run = run_troll(c, troll::trust_region_objective{});
+    double expected = 0;
+    for (std::size_t r = 0; r < c.rows(); ++r) expected += w[r] * run.token_loss[r];
+    CHECK(run.metrics.loss == doctest::Approx(expected).epsilon(1e-13));
+    for (std::size_t j = 0; j < c.cols(); ++j) CHECK(run.grad[4 * c.cols() + j] == 0.0);
+    CHECK(run.token_loss[4] == 0.0);
+    CHECK(run.metrics.tokens == 8);  // row 4 is the only masked row of 0..8
+    if (aggregation == troll::loss_aggregation::sequence_mean) CHECK(run.metrics.sequences == 3);
+
+    std::vector<double> token_loss(c.rows());
+    const auto m = troll::objective_forward(troll::cpu, troll::ppo_clip_objective{},
+                                            troll::make_batch(c.logits.new_logits.data(), c.rows(), c.cols()),
+                                            troll::make_batch(c.logits.old_logits.data(), c.rows(), c.cols()),
+                                            c.batch(), token_loss.data());
+    expected = 0;
+    for (std::size_t r = 0; r < c.rows(); ++r) expected += w[r] * token_loss[r];
+    CHECK(m.loss == doctest::Approx(expected).epsilon(1e-13));
+  }
+  // A sequence whose mask is all zero does not count in the sequence mean.
+  c.aggregation = troll::loss_aggregation::sequence_mean;
+  for (std::size_t r = 0; r < c.rows(); ++r)
+    if (c.sequence_ids[r] == 1) c.mask[r] = 0.0;
+  const troll_run run = run_troll(c, troll::trust_region_objective{});
+  CHECK(run.metrics.sequences == 2);
+  const std::vector<double> w = weights_of(c);
+  double expected = 0;
+  for (std::size_t r = 0; r < c.rows(); ++r) expected += w[r] * run.token_loss[r];
+  CHECK(run.metrics.loss == doctest::Approx(expected).epsilon(1e-13));
+  // All masked: loss 0, gradient 0.
+  for (double& m : c.mask) m = 0.0;
+  const troll_run none = run_troll(c, troll::trust_region_objective{});
+  CHECK(none.metrics.loss == 0.0);
+  CHECK(none.metrics.tokens == 0);
+  for (double g : none.grad) CHECK(g == 0.0);
+  // grad_loss scales the gradient.
+  token_case d = make_case(5, 8, 9);
+  const troll_run one = run_troll(d, troll::trust_region_objective{});
+  std::vector<double> scaled(one.grad.size());
+  troll::objective_backward(troll::cpu, troll::trust_region_objective{},
+                            troll::make_batch(d.logits.new_logits.data(), 5, 8),
+                            troll::make_batch(d.logits.old_logits.data(), 5, 8), d.batch(),
+                            troll::make_batch(one.log_probs.data(), 5, 8), one.stats.data(),
+                            troll::make_batch(scaled.data(), 5, 8), -2.0);
+  for (std::size_t k = 0; k < scaled.size(); ++k) CHECK(scaled[k] == doctest::Approx(-2.0 * one.grad[k]));
+}
+
+TEST_CASE("sequence_ids_from_lengths") {
+  const std::int64_t lengths[] = {2, 0, 3, 1};
+  std::int64_t ids[6];
+  troll::sequence_ids_from_lengths(lengths, 4, ids);
+  const std::int64_t want[] = {0, 0, 2, 2, 2, 3};
+  for (int k = 0; k < 6; ++k) CHECK(ids[k] == want[k]);
+  const std::int64_t bad[] = {1, -1};
+  CHECK_THROWS_AS(troll::sequence_ids_from_lengths(bad, 2, ids), troll::domain_error);
+}
+
+namespace {
+
+/// Runs TROLL's forward with outputs pre-filled by a sentinel; expects `E` naming `row` (npos
+/// for no row) and the outputs untouched.
+template <class E>
+void expect_rejected(const token_case& c, const troll::trust_region_objective& o, std::size_t row,
+                     const std::string& fragment, bool baselines_too = true) {
+  const std::size_t N = c.rows(), V = c.cols();
+  std::vector<double> lp(N * V, 42.0), token_loss(N, 42.0), grad(N * V, 42.0);
+  std::vector<troll::projection_stats> stats(N);
+  for (auto& s : stats) s.eta = 42.0;
+  const auto zn = troll::make_batch(c.logits.new_logits.data(), N, V);
+  const auto zo = troll::make_batch(c.logits.old_logits.data(), N, V);
+  bool thrown = false;
+  try {
+    troll::objective_forward(troll::cpu, o, zn, zo, c.batch(), troll::make_batch(lp.data(), N, V), stats.data(),
+                             token_loss.data());
+  } catch (const E& e) {
+    thrown = true;
+    CHECK(e.row() == row);
+    CHECK_MESSAGE(std::string(e.what()).find(fragment) != std::string::npos, e.what());
+  }
+  CHECK(thrown);
+  for (double v : lp) CHECK(v == 42.0);
+  for (double v : token_loss) CHECK(v == 42.0);
+  for (const auto& s : stats) CHECK(s.eta == 42.0);
+  // The baselines and the backward reject the same inputs (when not specific to the projection).
+  thrown = false;
+  try {
+    troll::objective_backward(troll::cpu, troll::ppo_clip_objective{}, zn, zo, c.batch(),
+                              troll::make_batch(grad.data(), N, V));
+  } catch (const troll::invalid_input&) {
+    thrown = true;
+  }
+  CHECK(thrown == baselines_too);
+  if (baselines_too)
+    for (double v : grad) CHECK(v == 42.0);
+}
+
+}  // namespace
+
+TEST_CASE("Bad input is rejected before anything is written, naming the row") {
+  const token_case good = make_case(6, 8, 13);
+  {
+    token_case c = good;
+    c.tokens[2] = 8;
+    expect_rejected<troll::domain_error>(c, {}, 2, "sampled token 8 is outside [0, V)");
+    c.tokens[2] = -1;
+    expect_rejected<troll::domain_error>(c, {}, 2, "outside [0, V)");
+  }
+  {
+    token_case c = good;
+    c.advantages[3] = nan_value;
+    expect_rejected<troll::domain_error>(c, {}, 3, "advantage is nan");
+  }
+  {
+    token_case c = good;
+    c.mask[1] = -0.5;
+    expect_rejected<troll::domain_error>(c, {}, 1, "loss mask");
+  }
+  {
+    token_case c = good;
+    c.aggregation = troll::loss_aggregation::sequence_mean;
+    c.sequence_ids[5] = 0;
+    expect_rejected<troll::domain_error>(c, {}, 5, "non-decreasing");
+  }
+  {
+    token_case c = good;
+    c.logits.old_row(0)[std::size_t(c.tokens[0])] = neg_inf;
+    expect_rejected<troll::domain_error>(c, {}, 0, "q_a = 0");
+  }
+  {
+    token_case c = good;
+    c.logits.new_row(3)[1] = nan_value;
+    expect_rejected<troll::domain_error>(c, {}, 3, "new_logits is NaN at token 1");
+  }
+  {
+    token_case c = good;  // new mass where the old row masks: KL(p̃‖π*) = +inf with α > 0
+    c.logits.old_row(1)[(std::size_t(c.tokens[1]) + 1) % 8] = neg_inf;
+    expect_rejected<troll::domain_error>(c, {}, 1, "KL(p_new || pi*)", false);
+    troll::trust_region_objective no_regression;
+    no_regression.alpha = 0.0;
+    const troll_run run = run_troll(c, no_regression);  // fine without the regression term
+    CHECK(std::isfinite(run.metrics.loss));
+  }
+  {
+    token_case c = good;
+    troll::token_batch<double> b = c.batch();
+    b.tokens = nullptr;
+    std::vector<double> lp(6 * 8);
+    std::vector<troll::projection_stats> stats(6);
+    CHECK_THROWS_AS(troll::objective_forward(troll::cpu, troll::trust_region_objective{},
+                                             troll::make_batch(good.logits.new_logits.data(), 6, 8),
+                                             troll::make_batch(good.logits.old_logits.data(), 6, 8), b,
+                                             troll::make_batch(lp.data(), 6, 8), stats.data()),
+                    troll::shape_error);
+    b = good.batch();
+    b.aggregation = troll::loss_aggregation::sequence_mean;
+    b.sequence_ids = nullptr;
+    CHECK_THROWS_AS(troll::objective_forward(troll::cpu, troll::ppo_clip_objective{},
+                                             troll::make_batch(good.logits.new_logits.data(), 6, 8),
+                                             troll::make_batch(good.logits.old_logits.data(), 6, 8), b),
+                    troll::shape_error);
+  }
+  {
+    troll::trust_region_objective o;
+    o.eps = 0.0;
+    expect_rejected<troll::domain_error>(good, o, troll::invalid_input::npos, "eps must be finite", false);
+    o.eps = 0.05;
+    o.alpha = nan_value;
+    expect_rejected<troll::domain_error>(good, o, troll::invalid_input::npos, "alpha", false);
+  }
+  {
+    troll::ppo_clip_objective o;
+    o.dual_clip = 0.5;
+    CHECK_THROWS_AS(troll::objective_forward(troll::cpu, o, troll::make_batch(good.logits.new_logits.data(), 6, 8),
+                                             troll::make_batch(good.logits.old_logits.data(), 6, 8), good.batch()),
+                    troll::domain_error);
+    troll::dppo_objective d = troll::dppo_objective::defaults(troll::dppo_divergence::topk_kl);
+    d.top_k = 0;
+    CHECK_THROWS_AS(troll::objective_forward(troll::cpu, d, troll::make_batch(good.logits.new_logits.data(), 6, 8),
+                                             troll::make_batch(good.logits.old_logits.data(), 6, 8), good.batch()),
+                    troll::domain_error);
+  }
+  {
+    // Unusable stats in the backward.
+    const troll_run run = run_troll(good, troll::trust_region_objective{});
+    std::vector<troll::projection_stats> stats = run.stats;
+    std::size_t projected_row = 0;
+    while (!stats[projected_row].active()) ++projected_row;
+    stats[projected_row].sigma2 = 0.0;
+    std::vector<double> grad(6 * 8, 42.0);
+    CHECK_THROWS_AS(troll::objective_backward(troll::cpu, troll::trust_region_objective{},
+                                              troll::make_batch(good.logits.new_logits.data(), 6, 8),
+                                              troll::make_batch(good.logits.old_logits.data(), 6, 8), good.batch(),
+                                              troll::make_batch(run.log_probs.data(), 6, 8), stats.data(),
+                                              troll::make_batch(grad.data(), 6, 8)),
+                    troll::domain_error);
+    for (double v : grad) CHECK(v == 42.0);
+  }
+}
