@@ -1,0 +1,85 @@
+# troll-helpers.cmake — how troll's own tests, benchmarks and examples are built.
+# `troll_developer_options` carries the warnings and sanitizers; it is linked to developer
+# targets only, never to `troll` itself, so consumers inherit none of these flags.
+
+include_guard(GLOBAL)
+
+add_library(troll_developer_options INTERFACE)
+
+if(MSVC)
+  target_compile_options(troll_developer_options
+                         INTERFACE $<$<COMPILE_LANGUAGE:CXX>:/W4 /permissive->)
+  if(TROLL_WARNINGS_AS_ERRORS)
+    target_compile_options(troll_developer_options INTERFACE $<$<COMPILE_LANGUAGE:CXX>:/WX>)
+  endif()
+else()
+  target_compile_options(troll_developer_options
+                         INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic>)
+  if(TROLL_WARNINGS_AS_ERRORS)
+    # GCC's -Wmaybe-uninitialized misfires on Eigen's inlined fixed-capacity arrays at -O2/-O3
+    # (reported inside Eigen's headers); it stays a warning, never an error.
+    target_compile_options(
+      troll_developer_options
+      INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-Werror>
+                $<$<COMPILE_LANG_AND_ID:CXX,GNU>:-Wno-error=maybe-uninitialized>)
+  endif()
+  # nvcc's generated host code is not -Wpedantic clean, and its front end warns about Eigen;
+  # CUDA sources get the host warnings, never as errors.
+  target_compile_options(troll_developer_options
+                         INTERFACE $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra>)
+endif()
+
+if(NOT TROLL_SANITIZE STREQUAL "")
+  set(troll_sanitize_flags -fsanitize=${TROLL_SANITIZE} -fno-omit-frame-pointer
+                           -fno-sanitize-recover=all)
+  target_compile_options(troll_developer_options
+                         INTERFACE $<$<COMPILE_LANGUAGE:CXX>:${troll_sanitize_flags}>)
+  target_link_options(troll_developer_options INTERFACE
+                      $<$<LINK_LANGUAGE:CXX>:${troll_sanitize_flags}>)
+endif()
+
+# troll_add_program(<target> <source>): an executable from one .cpp or .cu source, linked to
+# troll and the developer options. CUDA sources compile as C++17 CUDA with relocatable code off.
+function(troll_add_program target source)
+  add_executable(${target} ${source})
+  target_link_libraries(${target} PRIVATE troll::troll troll_developer_options)
+  if(source MATCHES "\\.cu$")
+    target_compile_features(${target} PRIVATE cuda_std_17)
+    set_target_properties(${target} PROPERTIES CUDA_EXTENSIONS OFF)
+  else()
+    set_target_properties(${target} PROPERTIES CXX_EXTENSIONS OFF)
+  endif()
+endfunction()
+
+# troll_add_test(<source>): tests/test_x.cpp (or tests/cuda/test_x.cu) becomes executable and
+# ctest test `test_x`. The file defines its own main (DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN).
+# A test that exits with 77 is reported as skipped (CUDA tests on a machine with no GPU).
+function(troll_add_test source)
+  get_filename_component(name ${source} NAME_WE)
+  troll_add_program(${name} ${source})
+  target_link_libraries(${name} PRIVATE troll_doctest)
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/tests/support)
+  add_test(NAME ${name} COMMAND ${name})
+  set_tests_properties(${name} PROPERTIES SKIP_RETURN_CODE 77)
+  if(source MATCHES "\\.cu$")
+    set_tests_properties(${name} PROPERTIES LABELS cuda)
+  endif()
+endfunction()
+
+# troll_add_bench(<source>): bench/bench_x.cpp (or bench/cuda/bench_x.cu) becomes `bench_x`.
+function(troll_add_bench source)
+  get_filename_component(name ${source} NAME_WE)
+  troll_add_program(${name} ${source})
+  target_link_libraries(${name} PRIVATE benchmark::benchmark)
+endfunction()
+
+# troll_add_example(<source>): examples/x.cpp becomes executable `x`. CPU examples also run as
+# ctest test `example.x` (from the build's examples folder, no arguments) so they cannot rot.
+function(troll_add_example source)
+  get_filename_component(name ${source} NAME_WE)
+  troll_add_program(${name} ${source})
+  if(TROLL_BUILD_TESTS AND NOT source MATCHES "\\.cu$")
+    add_test(NAME example.${name} COMMAND ${name} WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+    set_tests_properties(example.${name} PROPERTIES LABELS example TIMEOUT 300)
+  endif()
+endfunction()

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The full check: install the dependencies, build the release preset (tests, benchmarks,
+# examples; warnings are errors) and run ctest, then build the asan preset (AddressSanitizer +
+# UBSan, tests only) and run ctest again. Exits non-zero at the first failure.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+jobs=$(nproc 2>/dev/null || echo 2)
+started=$SECONDS
+stage() { printf '\n==== [test.sh %4ds] %s ====\n' "$((SECONDS - started))" "$*"; }
+trap 'status=$?; [ $status -eq 0 ] || printf "\n==== test.sh FAILED (exit %d) ====\n" $status >&2' EXIT
+
+stage "dependencies"
+bash scripts/install-deps.sh
+
+stage "release: configure"
+cmake --preset release
+stage "release: build (-j$jobs)"
+cmake --build --preset release -j "$jobs"
+stage "release: ctest"
+ctest --preset release -j "$jobs"
+
+stage "asan: configure"
+cmake --preset asan
+stage "asan: build (-j$jobs)"
+cmake --build --preset asan -j "$jobs"
+stage "asan: ctest"
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --preset asan -j "$jobs"
+
+stage "all stages passed"
