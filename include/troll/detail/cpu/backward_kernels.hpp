@@ -18,6 +18,13 @@
 #include "../numeric.hpp"
 #include "row_kernels.hpp"
 
+// GCC 12 reports -Wmaybe-uninitialized false positives inside Eigen reductions over the
+// fixed-capacity block arrays used below; the arrays are always fully assigned before use.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cpu {
@@ -163,3 +170,7 @@ inline void jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t si
 }  // namespace cpu
 }  // namespace detail
 TROLL_END_NAMESPACE
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif

@@ -13,6 +13,13 @@
 #include "../row_problem.hpp"
 #include "../trust_region_solver.hpp"
 
+// GCC 12 reports -Wmaybe-uninitialized false positives inside Eigen reductions over the
+// fixed-capacity block arrays used below; the arrays are always fully assigned before use.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cpu {
@@ -240,3 +247,7 @@ inline double kl_row(const T* zp, const T* zq, std::size_t size, const row_setup
 }  // namespace cpu
 }  // namespace detail
 TROLL_END_NAMESPACE
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
