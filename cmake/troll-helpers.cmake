@@ -29,6 +29,16 @@ else()
                          INTERFACE $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra>)
 endif()
 
+if(TROLL_NATIVE_ARCH AND NOT MSVC)
+  include(CheckCXXCompilerFlag)
+  check_cxx_compiler_flag(-march=native TROLL_HAVE_MARCH_NATIVE)
+  if(TROLL_HAVE_MARCH_NATIVE)
+    target_compile_options(troll_developer_options
+                           INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-march=native>
+                                     $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-march=native>)
+  endif()
+endif()
+
 if(NOT TROLL_SANITIZE STREQUAL "")
   set(troll_sanitize_flags -fsanitize=${TROLL_SANITIZE} -fno-omit-frame-pointer
                            -fno-sanitize-recover=all)
