@@ -516,6 +516,32 @@ TEST_CASE("device row reports become the CPU's exceptions, message for message")
     CHECK(!cpu_message.empty());
     CHECK(cuda_message == cpu_message);
   }
+  {
+    // A NaN upstream gradient in the backward.
+    troll::projection_stats st;
+    troll::project(troll::cpu, troll::make_batch<const double>(batch.fresh.data(), 1, batch.cols),
+                   troll::make_batch<const double>(batch.old.data(), 1, batch.cols), 0.05,
+                   troll::make_batch(out.data(), 1, batch.cols), &st);
+    std::vector<double> g(batch.cols, 0.5), grad(batch.cols);
+    g[1] = nan_value;
+    std::string cpu_message, cuda_message;
+    try {
+      troll::project_backward(troll::cpu, troll::make_batch<const double>(batch.fresh.data(), 1, batch.cols),
+                              troll::make_batch<const double>(batch.old.data(), 1, batch.cols),
+                              troll::make_batch<const double>(out.data(), 1, batch.cols), &st,
+                              troll::make_batch<const double>(g.data(), 1, batch.cols),
+                              troll::make_batch(grad.data(), 1, batch.cols));
+    } catch (const troll::domain_error& ex) {
+      cpu_message = ex.what();
+    }
+    try {
+      troll::detail::cuda::throw_report("project_backward", 0, {e::not_finite, 2, 1, 0.0}, names);
+    } catch (const troll::domain_error& ex) {
+      cuda_message = ex.what();
+    }
+    CHECK(!cpu_message.empty());
+    CHECK(cuda_message == cpu_message);
+  }
   CHECK_THROWS_AS(troll::detail::cuda::throw_report("project", 1, {e::disjoint, 0, 0, 0.0}, names),
                   troll::infeasible_error);
   CHECK_THROWS_AS(troll::detail::cuda::throw_report("project_backward", 1, {e::not_finite, 2, 7, 0.0}, names),

@@ -120,10 +120,7 @@ __device__ void fill_nan(T* out, std::size_t size) {
       p.kind = problem_kind::bad_stats;
       p.operand = stats_fields[report.operand >= 0 && report.operand < 4 ? report.operand : 3];
       break;
-    case cuda_row_error::not_finite:
-      throw domain_error(row_prefix(function, row) + operand_names[operand] +
-                             " is not finite (NaN or infinite) at token " + std::to_string(p.token),
-                         row);
+    case cuda_row_error::not_finite: p.kind = problem_kind::nan_value; break;  // the CPU's wording
     case cuda_row_error::none:
     default:
       throw invalid_input(row_prefix(function, row) + "unknown device error code " +
