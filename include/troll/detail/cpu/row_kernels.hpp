@@ -83,11 +83,20 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
   row_problem p;
   double best_new = neg_inf(), best_old = neg_inf();
   bool any_new = false, any_old = false;
+  // The first index of `value` in `v` (known to be there): argmax without a scalar visitor pass
+  // over every block, since a block's max rarely beats the running best.
+  auto index_of = [](const block_array& v, double value) {
+    Eigen::Index k = 0;
+    while (v[k] != value) ++k;
+    return k;
+  };
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     if (p) return;
     const block_array a = load(zn, begin, count);
     const block_array b = load(zo, begin, count);
-    if (!((a < inf()).all() && (b < inf()).all())) {
+    const double max_new = a.template maxCoeff<Eigen::PropagateNaN>();
+    const double max_old = b.template maxCoeff<Eigen::PropagateNaN>();
+    if (!(max_new < inf() && max_old < inf())) {  // a NaN or +inf somewhere in this block
       for (Eigen::Index k = 0; k < count && !p; ++k) {
         const bool bad_new = !(a[k] < inf());
         if (!bad_new && b[k] < inf()) continue;
@@ -98,24 +107,28 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
       }
       return;
     }
-    const block_mask fin_new = a > neg_inf();
-    const block_mask fin_old = b > neg_inf();
-    setup.old_max = maximum(setup.old_max, b.maxCoeff());
-    Eigen::Index at = 0;
-    if (fin_new.all() && fin_old.all()) {
+    setup.old_max = maximum(setup.old_max, max_old);
+    if (a.minCoeff() > neg_inf() && b.minCoeff() > neg_inf()) {  // no masked token here
       any_new = any_old = true;
-      const double vn = a.maxCoeff(&at);
-      if (vn > best_new) best_new = vn, setup.shift_new = a[at] - b[at];
-      const double vo = b.maxCoeff(&at);
-      if (vo > best_old) best_old = vo, setup.shift_old = a[at] - b[at];
+      if (max_new > best_new) {
+        const Eigen::Index at = index_of(a, max_new);
+        best_new = max_new, setup.shift_new = a[at] - b[at];
+      }
+      if (max_old > best_old) {
+        const Eigen::Index at = index_of(b, max_old);
+        best_old = max_old, setup.shift_old = a[at] - b[at];
+      }
       return;
     }
+    const block_mask fin_new = a > neg_inf();
+    const block_mask fin_old = b > neg_inf();
     any_new = any_new || fin_new.any();
     any_old = any_old || fin_old.any();
     setup.new_only = setup.new_only || (fin_new && !fin_old).any();
     setup.old_only = setup.old_only || (!fin_new && fin_old).any();
     const block_mask joint = fin_new && fin_old;
     if (!joint.any()) return;
+    Eigen::Index at = 0;
     const double vn = joint.select(a, neg_inf()).maxCoeff(&at);
     if (vn > best_new) best_new = vn, setup.shift_new = a[at] - b[at];
     const double vo = joint.select(b, neg_inf()).maxCoeff(&at);
