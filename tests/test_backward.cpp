@@ -654,3 +654,21 @@ TEST_CASE("masked inputs get exactly zero gradient (docs/api.md)" * doctest::may
   CHECK(go[4] == 0.0);  // masked old logit
   CHECK(gn[4] == 0.0);  // new logit of a token the old row masks: π* has no mass there
 }
+
+TEST_CASE("the checks can fail: slightly wrong derivatives are caught at these tolerances") {
+  const row_case c = small_cases().front();  // projected, ε = 0.05
+  const packing pack(c.batch, true, true, c.eps);
+  const std::size_t n_new = c.batch.cols, n = pack.size();
+  for (int mutation = 0; mutation < 3; ++mutation) {
+    auto wrong_vjp = [&](const double* x, const double* gy, double* gx) {
+      projection_vjp{&pack}(x, gy, gx);
+      if (mutation == 0) gx[n - 1] *= 1.0 + 1e-3;                          // ∂/∂log ε off by 0.1%
+      if (mutation == 1) gx[n_new + 2] += 1e-3 * gx[2];                    // old leaks into new
+      if (mutation == 2) for (std::size_t k = 0; k < n_new; ++k) gx[k] *= 1.0 - 1e-4;  // t off
+    };
+    const troll::gradcheck_result r = troll::check_vjp(projection_function{&pack}, wrong_vjp,
+                                                       pack.x0(), pack.outputs(), opts());
+    INFO("mutation " << mutation << "\n" << r.report());
+    CHECK_FALSE(r.ok);
+  }
+}
