@@ -13,6 +13,14 @@
 #include "../sparse_row.hpp"
 #include "row_kernels.hpp"
 
+// GCC 12 with -march=native reports (maybe-)uninitialized false positives inside Eigen's
+// vectorised exp over the fixed-capacity block arrays below; every block is fully assigned.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cpu {
@@ -214,3 +222,7 @@ inline int lumped_row(const T* log_probs, int count, T log_remainder, long long 
 }  // namespace cpu
 }  // namespace detail
 TROLL_END_NAMESPACE
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
