@@ -40,8 +40,8 @@ std::vector<const row_pair*> rows_of(const corpus_block& block) {
 
 /// Checks troll::kl(p, q) on every row of a block against the oracle; `reverse` swaps the roles
 /// (KL(q‖p̃) is +inf on the rows whose new side masks tokens of old mass).
-/// Rows whose masks are all two-sided hit a known troll bug (NaN; see the may_fail test cases at
-/// the end): the main tests leave them out (`two_sided` false) and the may_fail tests take only
+/// Rows whose masks are all two-sided once hit a troll bug (NaN; see the regression test cases at
+/// the end): the main tests leave them out (`two_sided` false) and the regression tests take only
 /// them (`two_sided` true).
 template <class T>
 bool selected(const T* p, const T* q, std::size_t n, bool two_sided) {
@@ -251,12 +251,12 @@ TEST_CASE_TEMPLATE("kl honours row strides and gives the same bits for any threa
   CHECK(std::memcmp(packed.data(), serial.data(), rows.size() * sizeof(T)) == 0);
 }
 
-// ---- Known bug (troll 0.1): a row pair whose masked tokens are all masked on BOTH sides takes the
-// unmasked fast path, computes (−inf) − (−inf) = NaN and returns KL = NaN. Reproducer:
-//     p = {0, 1, −inf}, q = {0.5, 0, −inf}:  troll::kl gives NaN, the oracle 0.2574.
-// The two tests below run exactly those rows; remove may_fail once the library is fixed. ----
+// ---- Regression: a row pair whose masked tokens are all masked on BOTH sides once took the
+// unmasked fast path, computed (−inf) − (−inf) = NaN and returned KL = NaN for
+//     p = {0, 1, −inf}, q = {0.5, 0, −inf}  (oracle 0.2574).
+// The two tests below run exactly those rows. ----
 
-TEST_CASE("kl with tokens masked in both rows (known bug: NaN)" * doctest::may_fail()) {
+TEST_CASE("kl with tokens masked in both rows (regression: once NaN)") {
   const double ninf = -std::numeric_limits<double>::infinity();
   const double p[3] = {0.0, 1.0, ninf}, q[3] = {0.5, 0.0, ninf};
   double result = -1;
@@ -268,7 +268,7 @@ TEST_CASE("kl with tokens masked in both rows (known bug: NaN)" * doctest::may_f
   }
 }
 
-TEST_CASE_TEMPLATE("kl(p, p) of rows with masked tokens (known bug: NaN)" * doctest::may_fail(), T,
+TEST_CASE_TEMPLATE("kl(p, p) of rows with masked tokens (regression: once NaN)", T,
                    float, double) {
   check_self_kl<T>(true);
 }

@@ -814,14 +814,12 @@ TEST_CASE_TEMPLATE("disjoint supports throw infeasible_error; V = 2 edge cases",
   }
 }
 
-// ---- Known bug (troll 0.1): when every masked token is masked on BOTH sides (no one-sided
-// mask), the row takes the unmasked fast path of tilt_evaluator and computes (−inf) − (−inf) =
-// NaN: troll::project returns status projected, t ≈ 3e-45, kl_before NaN and NaN log-probs.
-// Reproducer: new = {0, 1, −inf}, old = {0.5, 0, −inf}, ε = 0.01. The tests below run exactly
-// those rows; remove may_fail once the library is fixed. ----
+// ---- Regression: rows whose masked tokens are all masked on BOTH sides once took the unmasked
+// fast path of tilt_evaluator and computed (−inf) − (−inf) = NaN (status projected, t ≈ 3e-45,
+// NaN log-probs) for new = {0, 1, −inf}, old = {0.5, 0, −inf}, ε = 0.01. The tests below run
+// exactly those rows. ----
 
-TEST_CASE("two-sided masks: a masked token equals the problem without it (known bug: NaN)" *
-          doctest::may_fail()) {
+TEST_CASE("two-sided masks: a masked token equals the problem without it (regression: once NaN)") {
   const double ninf = -std::numeric_limits<double>::infinity();
   const std::vector<double> zn = {0, 1, ninf}, zo = {0.5, 0, ninf};
   const std::vector<double> zn_small = {0, 1}, zo_small = {0.5, 0};
@@ -839,7 +837,7 @@ TEST_CASE("two-sided masks: a masked token equals the problem without it (known 
   CHECK(out[2] == ninf);
 }
 
-TEST_CASE_TEMPLATE("corpus rows with only two-sided masks (known bug: NaN)" * doctest::may_fail(), T,
+TEST_CASE_TEMPLATE("corpus rows with only two-sided masks (regression: once NaN)", T,
                    float, double) {
   const std::vector<outcome>& results = sweep<T>(true);
   CHECK(!results.empty());

@@ -133,12 +133,16 @@ void kl_backward(cpu_policy policy, input_view<T> p_logits, input_view<T> q_logi
     detail::cpu::for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
       const block_array a = (detail::cpu::load(zp, begin, count) - mp) - sp;  // log p
       const block_array b = (detail::cpu::load(zq, begin, count) - mq) - sq;  // log q
-      const block_array p = a.exp();
+      // Eigen's vectorised exp clamps its argument (exp(−inf) ≈ 1e-308): masked entries select 0.
+      const block_array p = (a > detail::neg_inf()).select(a.exp(), 0.0);
       if (want_p) {
         const block_array term = (a > detail::neg_inf()).select(p * (a - b - kl_value), 0.0);
         detail::cpu::store(grad_p.row(r), begin, count, g * term);
       }
-      if (want_q) detail::cpu::store(grad_q.row(r), begin, count, g * (b.exp() - p));
+      if (want_q) {
+        const block_array q = (b > detail::neg_inf()).select(b.exp(), 0.0);
+        detail::cpu::store(grad_q.row(r), begin, count, g * (q - p));
+      }
     });
   });
 }

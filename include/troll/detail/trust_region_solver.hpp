@@ -26,6 +26,7 @@ struct row_setup {
   double shift_old = 0.0;      // d at argmax_J z°: centres the t = 0 evaluation
   bool new_only = false;       // a token with z̃ finite and z° = −inf (p̃ mass outside supp q)
   bool old_only = false;       // a token with z° finite and z̃ = −inf (q mass outside supp p̃)
+  bool any_masked = false;     // some token is −inf in either row: evaluators must mask
 };
 
 /// One member π_t of the tilted family, summarised.

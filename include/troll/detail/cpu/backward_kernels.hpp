@@ -18,11 +18,13 @@
 #include "../numeric.hpp"
 #include "row_kernels.hpp"
 
-// GCC 12 reports -Wmaybe-uninitialized false positives inside Eigen reductions over the
-// fixed-capacity block arrays used below; the arrays are always fully assigned before use.
+// GCC 12 reports -W(maybe-)uninitialized false positives inside Eigen reductions over the
+// fixed-capacity block arrays used below and inside Eigen's AVX-512 exp; the arrays are always
+// fully assigned before use.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 TROLL_BEGIN_NAMESPACE
@@ -54,7 +56,8 @@ inline void load_backward_block(const T* zn, const T* zo, const T* logp, double 
                                 Eigen::Index count, backward_block& b) {
   const block_array lp = load(logp, begin, count);
   b.on_support = lp > neg_inf();
-  b.pi = lp.exp();
+  // Eigen's vectorised exp clamps its argument, so exp(−inf) would come out ~1e-308: select.
+  b.pi = b.on_support.select(lp.exp(), 0.0);
   b.centred = b.on_support.select(load(zn, begin, count) - load(zo, begin, count) - mu, 0.0);
 }
 
@@ -63,7 +66,9 @@ template <class T>
 inline block_array dt_dold_block(const T* zo, const backward_block& b, const projection_stats& s,
                                  const old_normaliser& on, std::size_t begin, Eigen::Index count) {
   const double t = s.t;
-  const block_array q = ((load(zo, begin, count) - on.max) - on.log_sum).exp();
+  const block_array old_logits = load(zo, begin, count);
+  const block_array q =
+      (old_logits > neg_inf()).select(((old_logits - on.max) - on.log_sum).exp(), 0.0);
   return -((1.0 - t) * t * b.pi * b.centred - (b.pi - q)) / (t * s.sigma2);
 }
 

@@ -13,11 +13,13 @@
 #include "../row_problem.hpp"
 #include "../trust_region_solver.hpp"
 
-// GCC 12 reports -Wmaybe-uninitialized false positives inside Eigen reductions over the
-// fixed-capacity block arrays used below; the arrays are always fully assigned before use.
+// GCC 12 reports -W(maybe-)uninitialized false positives inside Eigen reductions over the
+// fixed-capacity block arrays used below and inside Eigen's AVX-512 exp; the arrays are always
+// fully assigned before use.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 TROLL_BEGIN_NAMESPACE
@@ -120,6 +122,7 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
       }
       return;
     }
+    setup.any_masked = true;
     const block_mask fin_new = a > neg_inf();
     const block_mask fin_old = b > neg_inf();
     any_new = any_new || fin_new.any();
@@ -227,8 +230,7 @@ inline void log_softmax_row(const T* z, std::size_t size, T* out) {
 template <class T>
 inline projection_stats project_row(const T* zn, const T* zo, std::size_t size, const row_setup& setup,
                                     double eps, const projection_options& opt, T* out) {
-  const bool masked = setup.new_only || setup.old_only;
-  const tilt_evaluator<T> eval{zn, zo, size, setup.old_max, masked};
+  const tilt_evaluator<T> eval{zn, zo, size, setup.old_max, setup.any_masked};
   const solve_result r = solve_row(eval, setup, eps, opt);
   if (r.status == row_status::inactive) {
     log_softmax_row(zn, size, out);
@@ -251,7 +253,7 @@ inline double min_reachable_kl(const T* zn, const T* zo, std::size_t size, const
 template <class T>
 inline double kl_row(const T* zp, const T* zq, std::size_t size, const row_setup& setup) {
   if (setup.new_only) return inf();
-  const tilt_evaluator<T> eval{zp, zq, size, setup.old_max, setup.old_only};
+  const tilt_evaluator<T> eval{zp, zq, size, setup.old_max, setup.any_masked};
   const double old_log_sum = log_sum_exp_shifted(zq, size, setup.old_max);
   const tilt_point p = make_point(eval(1.0, setup.shift_new), 1.0, setup.shift_new, old_log_sum);
   return maximum(p.kl, 0.0);
