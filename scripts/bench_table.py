@@ -29,7 +29,8 @@ def load_runs(path):
     """The runs of one file: medians when aggregated, else the plain iteration runs."""
     with open(path) as f:
         data = json.load(f)
-    benches = data.get("benchmarks", [])
+    # Runs that reported an error (e.g. a CUDA benchmark without a device) measured nothing.
+    benches = [b for b in data.get("benchmarks", []) if not b.get("error_occurred")]
     medians = [b for b in benches if b.get("aggregate_name") == "median"]
     if medians:
         cvs = {b["run_name"]: b for b in benches if b.get("aggregate_name") == "cv"}

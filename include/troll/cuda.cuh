@@ -17,6 +17,7 @@
 
 #include "batch.hpp"
 #include "config.hpp"
+#include "detail/arguments.hpp"
 #include "detail/cuda/backward_kernels.cuh"
 #include "detail/cuda/error_check.cuh"
 #include "detail/cuda/forward_kernels.cuh"
@@ -29,21 +30,6 @@ TROLL_BEGIN_NAMESPACE
 
 namespace detail {
 namespace cuda {
-
-// The same argument checks as troll/projection.hpp (which this header does not include, to keep
-// Eigen out of CUDA translation units); the messages are identical.
-inline void check_eps(const char* function, double eps) {
-  if (!(eps > 0.0) || !(eps < inf()))
-    throw domain_error(std::string("troll::") + function +
-                       ": the bound eps must be finite and > 0, got " + std::to_string(eps));
-}
-
-inline void check_options(const char* function, const projection_options& opt) {
-  if (!(opt.rtol >= 0.0) || !(opt.atol >= 0.0) || !(opt.rtol + opt.atol > 0.0) || opt.max_iterations < 1)
-    throw domain_error(std::string("troll::") + function +
-                       ": projection_options need rtol >= 0, atol >= 0, rtol + atol > 0 and "
-                       "max_iterations >= 1");
-}
 
 /// Checked mode: runs `launch` in validate-only mode over all rows, synchronises, and throws the
 /// first rejected row's exception (after re-validating that single row for its report).
@@ -159,8 +145,8 @@ void project(cuda_policy policy, input_view<T> new_logits, input_view<T> old_log
   detail::check_same_shape(fn, "new_logits", new_logits, "old_logits", old_logits);
   detail::check_same_shape(fn, "new_logits", new_logits, "out_log_probs", out_log_probs);
   if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
-  detail::cuda::check_eps(fn, eps);
-  detail::cuda::check_options(fn, options);
+  detail::check_eps(fn, eps);
+  detail::check_options(fn, options);
   static const char* const names[3] = {"new_logits", "old_logits", ""};
   detail::cuda::run(fn, policy.stream, new_logits.rows, checks, names,
                     [&](detail::cuda::row_range range, detail::cuda::device_checks device) {

@@ -12,33 +12,18 @@
 #include "backward.hpp"
 #include "batch.hpp"
 #include "config.hpp"
+#include "detail/arguments.hpp"
 #include "detail/cpu/parallel.hpp"
 #include "detail/cpu/row_kernels.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
 #include "kl.hpp"
 #include "projection_types.hpp"
-#if __has_include("gradcheck.hpp")
 #include "gradcheck.hpp"
-#endif
 
 TROLL_BEGIN_NAMESPACE
 
 namespace detail {
-inline void check_eps(const char* function, double eps) {
-  if (!(eps > 0.0) || !(eps < inf()))
-    throw domain_error(std::string("troll::") + function +
-                       ": the bound eps must be finite and > 0, got " + std::to_string(eps));
-}
-
-inline void check_options(const char* function, const projection_options& opt) {
-  if (!(opt.rtol >= 0.0) || !(opt.atol >= 0.0) || !(opt.rtol + opt.atol > 0.0) ||
-      opt.max_iterations < 1)
-    throw domain_error(std::string("troll::") + function +
-                       ": projection_options need rtol >= 0, atol >= 0, rtol + atol > 0 and "
-                       "max_iterations >= 1");
-}
-
 /// Validates every (new, old) row before anything is written: values, supports, feasibility.
 template <class T>
 void validate_projection_rows(const char* function, unsigned threads, batch_view<const T> new_logits,

@@ -14,6 +14,8 @@ enum class row_status : int {
                    ///< renormalised already satisfies the bound: π* is that restriction (t = 1).
   infeasible = 3,  ///< no reachable π satisfies the bound (see infeasible_error). CPU entry points
                    ///< throw instead of reporting this; it exists for device-side status words.
+  rejected = 4,    ///< the row failed input validation on the device (NaN / +inf logits, an
+                   ///< all −inf row, ...); its outputs are NaN. CPU entry points throw instead.
 };
 
 /// Controls of the scalar root solve. The Newton iteration stops once

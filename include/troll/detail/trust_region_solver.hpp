@@ -67,6 +67,9 @@ struct solve_result {
 /// called only when some old token is masked in the new row; otherwise the t = 0 evaluation
 /// already sums q over its whole support). Never throws: an infeasible row (q's mass on J is at
 /// most e^{−ε}) comes back with status infeasible and the t → 0 end as its point.
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
 template <class Eval>
 TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setup, double eps,
                                          const projection_options& opt) {

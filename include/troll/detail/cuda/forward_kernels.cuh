@@ -66,12 +66,14 @@ struct block_tilt_evaluator {
   }
 };
 
-/// The statistics of a rejected row: every number NaN, status infeasible.
-__device__ inline projection_stats rejected_stats() {
+/// The statistics of a row that was not solved: every number NaN; status infeasible when the
+/// trust region holds no reachable π (disjoint supports, new-side masks), rejected for bad input.
+__device__ inline projection_stats rejected_stats(cuda_row_error error) {
   projection_stats s;
   s.eta = s.t = s.kl_before = s.kl_after = s.mu = s.sigma2 = quiet_nan();
   s.iterations = 0;
-  s.status = row_status::infeasible;
+  const bool no_solution = error == cuda_row_error::disjoint || error == cuda_row_error::infeasible;
+  s.status = no_solution ? row_status::infeasible : row_status::rejected;
   return s;
 }
 
@@ -172,7 +174,7 @@ __global__ void __launch_bounds__(block_threads)
     if (threadIdx.x == 0) record_row(checks, range, r, report);
     if (report.error != cuda_row_error::none) {
       fill_nan(out, size);
-      if (threadIdx.x == 0) stats[r] = rejected_stats();
+      if (threadIdx.x == 0) stats[r] = rejected_stats(report.error);
       continue;
     }
     if (result.status == row_status::inactive) {
