@@ -239,8 +239,11 @@ TEST_CASE("TROLL gradient through the projection, stopgrad(pi*) in the regressio
   }
 }
 
-TEST_CASE("TROLL gradient with new-row masks inside the ball") {
+TEST_CASE("TROLL gradient with masked tokens (both rows, and new-row masks inside the ball)") {
   token_case c = make_case(4, 10, 23);
+  c.logits.new_row(0)[2] = c.logits.old_row(0)[2] = neg_inf;  // masked in both
+  c.logits.new_row(3)[5] = c.logits.old_row(3)[5] = neg_inf;
+  c.tokens[0] = 3;
   for (std::size_t r = 1; r < 3; ++r) {  // the new row masks a small old mass (projected rows)
     c.logits.new_row(r)[7] = neg_inf;
     c.logits.old_row(r)[7] = -6.0;
