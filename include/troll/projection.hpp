@@ -85,3 +85,7 @@ void project(cpu_policy policy, input_view<T> new_logits, input_view<T> old_logi
 }
 
 TROLL_END_NAMESPACE
+
+// The rest of the public API: sparse top-K rows and the training objectives built on project().
+#include "objectives.hpp"
+#include "sparse.hpp"
