@@ -121,6 +121,13 @@ std::vector<row_case> small_cases() {
     zo[6] = -4.0;
     cases.push_back({"masked both sides, inactive", one_row(zn, zo), 0.5, inactive});
   }
+  {  // tokens masked in both rows and nowhere else (vocabulary padding), projected
+    std::vector<double> zo = g.normals(8, 1.0), zn = zo;
+    for (double& z : zn) z += 1.5 * g.normal();
+    zn[0] = zo[0] = neg_inf;
+    zn[6] = zo[6] = neg_inf;
+    cases.push_back({"masked in both rows only, projected", one_row(zn, zo), 0.05, projected});
+  }
   return cases;
 }
 
@@ -607,13 +614,12 @@ TEST_CASE("strided views: backward reads and writes only inside each row") {
   }
 }
 
-// ---- Known library bugs (reported to the lead); may_fail keeps the suite green until fixed ----
+// ---- Regressions of library bugs these tests found (fixed in e8c331b) ----
 
-TEST_CASE("a token masked in both rows, and no one-sided mask, behaves like a shorter row" *
-          doctest::may_fail()) {
-  // Reproducer: z̃ = {0, 1, -inf, 0.5}, z° = {0, 0, -inf, 0.2}. The row must match the V = 3 row
-  // without token 2, with log π*_2 = -inf. (Seen: status projected, kl_before NaN, output NaN,
-  // because the -inf - -inf of the both-masked token enters the unmasked fast path.)
+TEST_CASE("a token masked in both rows, and no one-sided mask, behaves like a shorter row") {
+  // z̃ = {0, 1, -inf, 0.5}, z° = {0, 0, -inf, 0.2} must match the V = 3 row without token 2, with
+  // log π*_2 = -inf. (Was: status projected, kl_before NaN, output NaN — the -inf - -inf of the
+  // both-masked token entered the unmasked fast path.)
   const std::vector<double> zn = {0.0, 1.0, neg_inf, 0.5}, zo = {0.0, 0.0, neg_inf, 0.2};
   const std::vector<double> zn3 = {0.0, 1.0, 0.5}, zo3 = {0.0, 0.0, 0.2};
   for (double eps : {0.5, 0.01}) {
@@ -635,9 +641,9 @@ TEST_CASE("a token masked in both rows, and no one-sided mask, behaves like a sh
   CHECK(r.ok);
 }
 
-TEST_CASE("masked inputs get exactly zero gradient (docs/api.md)" * doctest::may_fail()) {
-  // Reproducer: a projected row with a masked token on each side; the VJP leaves ~1e-308 at the
-  // masked inputs (Eigen's vectorised exp(-inf) is the smallest normal, not 0, so π_masked ≠ 0).
+TEST_CASE("masked inputs get exactly zero gradient (docs/api.md)") {
+  // A projected row with a masked token on each side. (Was: ~1e-308 at the masked inputs without
+  // AVX-512 — Eigen's vectorised exp(-inf) returned the smallest normal, not 0.)
   const std::vector<double> zn = {0.3, -0.2, 2.0, neg_inf, 0.9, -1.0},
                             zo = {0.1, 0.4, -0.5, -2.0, neg_inf, 0.0};
   const pair_batch b = one_row(zn, zo);

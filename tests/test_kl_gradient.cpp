@@ -224,10 +224,10 @@ TEST_CASE("composite: L = KL(p̃ ‖ π*) + Σ w log π*, kl_backward chained in
   check_composite_kl_loss(false);
 }
 
-// ---- Known library bugs (reported to the lead); may_fail keeps the suite green until fixed ----
+// ---- Regressions of library bugs these tests found (fixed in e8c331b), and an open one ----
 
-TEST_CASE("kl: a token masked in both rows, and no other mask, is simply absent" * doctest::may_fail()) {
-  // Reproducer: p = {0, 1, -inf}, q = {0, 0, -inf}: KL must equal KL({0,1} ‖ {0,0}) (seen: NaN).
+TEST_CASE("kl: a token masked in both rows, and no other mask, is simply absent") {
+  // p = {0, 1, -inf}, q = {0, 0, -inf}: KL must equal KL({0,1} ‖ {0,0}). (Was: NaN.)
   const std::vector<double> zp = {0.0, 1.0, neg_inf}, zq = {0.0, 0.0, neg_inf};
   double k = -1.0;
   troll::kl(troll::cpu, troll::make_batch(zp.data(), 1, 3), troll::make_batch(zq.data(), 1, 3), &k);
@@ -244,9 +244,9 @@ TEST_CASE("kl: a token masked in both rows, and no other mask, is simply absent"
   CHECK(gq[2] == 0.0);
 }
 
-TEST_CASE("composite KL(p̃ ‖ π*) loss when the new row masks a token" * doctest::may_fail()) {
+TEST_CASE("composite KL(p̃ ‖ π*) loss when the new row masks a token") {
   // The TROLL regulariser KL(p̃ ‖ π*) on a row whose new logits mask a token: p̃ and π* are then
-  // both −inf there and nothing else is masked, which hits the bug above (the loss is NaN).
+  // both −inf there and nothing else is masked (was NaN, through the bug above).
   check_composite_kl_loss(true);
 }
 
