@@ -42,9 +42,7 @@ int main() {
   int projected = 0;
   for (std::size_t r = 0; r < rows; ++r) {
     const auto& s = stats[r];
-    const char* status = s.status == troll::row_status::inactive    ? "inactive"
-                         : s.status == troll::row_status::projected ? "projected"
-                                                                    : "restricted";
+    const char* status = troll::status_name(s.status);
     projected += s.status == troll::row_status::projected;
     std::printf("%4zu  %-10s  %12.6g  %12.6g  %10.4g  %10.6f  %5d\n", r, status, s.kl_before,
                 s.kl_after, s.eta, s.t, s.iterations);

@@ -250,10 +250,9 @@ TEST_CASE("composite KL(p̃ ‖ π*) loss when the new row masks a token") {
   check_composite_kl_loss(true);
 }
 
-TEST_CASE("kl of disjoint supports is +inf (math.md §1), not an error" * doctest::may_fail()) {
-  // Reproducer: p = {0, -inf}, q = {-inf, 0}. p puts all its mass where q has none, so by the
-  // definition KL(p‖q) = +inf; kl documents +inf for that case. (Seen: troll::infeasible_error,
-  // the projection's error, raised by the shared row scan.)
+TEST_CASE("kl of disjoint supports is +inf (math.md §1), not an error") {
+  // Regression: p = {0, -inf}, q = {-inf, 0}. p puts all its mass where q has none, so by the
+  // definition KL(p‖q) = +inf (troll once raised the projection's infeasible_error here).
   const std::vector<double> zp = {0.0, neg_inf}, zq = {neg_inf, 0.0};
   double k = -1.0;
   CHECK_NOTHROW(troll::kl(troll::cpu, troll::make_batch(zp.data(), 1, 2),

@@ -49,6 +49,7 @@ const char* name(troll::row_status s) {
     case troll::row_status::projected: return "projected";
     case troll::row_status::restricted: return "restricted";
     case troll::row_status::infeasible: return "infeasible";
+    case troll::row_status::rejected: return "rejected";
   }
   return "?";
 }

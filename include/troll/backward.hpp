@@ -54,6 +54,8 @@ inline row_problem check_stats(const projection_stats& s) {
         p.operand = "sigma2 of a projected row is not finite and > 0";
       } else if (!(s.mu - s.mu == 0.0)) {
         p.operand = "mu of a projected row is not finite";
+      } else if (!(s.kl_after >= 0.0 && s.kl_after < inf())) {
+        p.operand = "kl_after of a projected row is not finite and >= 0";
       } else {
         return row_problem{};
       }

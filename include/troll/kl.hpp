@@ -15,16 +15,19 @@ TROLL_BEGIN_NAMESPACE
 
 namespace detail {
 /// Validates every row pair first (in parallel); throws the problem of the lowest bad row.
+/// Disjoint supports are no problem for KL (it is +inf): only value and all-masked errors count.
 template <class T>
 void validate_pairs(const char* function, unsigned threads, batch_view<const T> a,
                     batch_view<const T> b, const char* name_a, const char* name_b) {
-  const std::size_t bad = cpu::first_bad_row(threads, a.rows, 2 * a.cols, [&](std::size_t r) {
+  auto problem = [&](std::size_t r) {
     row_setup setup;
-    return bool(cpu::scan_pair(a.row(r), b.row(r), a.cols, setup, name_a, name_b));
-  });
-  if (bad == a.rows) return;
-  row_setup setup;
-  throw_problem(function, bad, cpu::scan_pair(a.row(bad), b.row(bad), a.cols, setup, name_a, name_b));
+    row_problem p = cpu::scan_pair(a.row(r), b.row(r), a.cols, setup, name_a, name_b);
+    if (p.kind == problem_kind::disjoint) p = row_problem{};
+    return p;
+  };
+  const std::size_t bad =
+      cpu::first_bad_row(threads, a.rows, 2 * a.cols, [&](std::size_t r) { return bool(problem(r)); });
+  if (bad != a.rows) throw_problem(function, bad, problem(bad));
 }
 
 template <class T>

@@ -18,6 +18,18 @@ enum class row_status : int {
                    ///< all −inf row, ...); its outputs are NaN. CPU entry points throw instead.
 };
 
+/// The status as a lower-case word ("inactive", "projected", ...), for logs and reports.
+TROLL_HOST_DEVICE inline const char* status_name(row_status s) {
+  switch (s) {
+    case row_status::inactive: return "inactive";
+    case row_status::projected: return "projected";
+    case row_status::restricted: return "restricted";
+    case row_status::infeasible: return "infeasible";
+    case row_status::rejected: return "rejected";
+  }
+  return "unknown";
+}
+
 /// Controls of the scalar root solve. The Newton iteration stops once
 ///     |KL(π_t ‖ q) − ε| ≤ atol + rtol · ε,
 /// or when the bracket around t* has shrunk to a few ulps (then the feasible end is returned).

@@ -4,7 +4,8 @@
 // With J the tokens where log π* > −inf, d = z̃ − z°, and t, μ, σ² at t*:
 //   ∂log π_i/∂z̃_j = t [δ_ij − π_j − (d_i − μ)(d_j − μ) π_j / σ²]
 //   ∂log π_i/∂z°_j = (1 − t)(δ_ij − π_j) + (d_i − μ) ∂t/∂z°_j,
-//        ∂t/∂z°_j = −[(1 − t) t π_j (d_j − μ) − (π_j − q_j)] / (t σ²)
+//        ∂t/∂z°_j = −[(1 − t) t π_j (d_j − μ) − (π_j − q_j)] / (t σ²),
+//        π_j − q_j = q_j · expm1(t (d_j − μ) + KL(π‖q))   (accurate where π ≈ q)
 //   ∂log π_i/∂ε   = (d_i − μ) / (t σ²)
 // Inactive and restricted rows: ∂log π_i/∂z̃_j = δ_ij − π_j on J, nothing else depends.
 // Entries off J (masked outputs) take no upstream gradient and give none to masked inputs.
@@ -69,7 +70,13 @@ inline block_array dt_dold_block(const T* zo, const backward_block& b, const pro
   const block_array old_logits = load(zo, begin, count);
   const block_array q =
       (old_logits > neg_inf()).select(((old_logits - on.max) - on.log_sum).exp(), 0.0);
-  return -((1.0 - t) * t * b.pi * b.centred - (b.pi - q)) / (t * s.sigma2);
+  // π_j − q_j is ~sqrt(ε)·q_j at small ε: where π ≈ q form it from log(π_j/q_j) =
+  // t(d_j − μ) + KL(π‖q) in double rather than from a π read back from a (float) log π*. Where the
+  // ratio is far from 1 there is no cancellation (and q may underflow while the ratio overflows).
+  const block_array log_ratio = t * b.centred + s.kl_after;
+  const block_array pi_minus_q = b.on_support.select(
+      (log_ratio.abs() < 0.5).select(q * log_ratio.min(0.5).expm1(), b.pi - q), -q);
+  return -((1.0 - t) * t * b.pi * b.centred - pi_minus_q) / (t * s.sigma2);
 }
 
 /// VJP of one row. grad_old may be null; grad_eps receives ∂L/∂ε of this row.
@@ -150,7 +157,10 @@ inline void jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t si
   auto dt_dold = [&](std::size_t j) {
     const double zj = static_cast<double>(zo[j]);
     const double q = zj > neg_inf() ? ::exp((zj - on.max) - on.log_sum) : 0.0;
-    return -((1.0 - t) * t * pi(j) * centred(j) - (pi(j) - q)) / (t * s.sigma2);
+    const double log_ratio = t * centred(j) + s.kl_after;  // log(π_j / q_j), see dt_dold_block
+    const double pi_minus_q =
+        !on_support(j) ? -q : (::fabs(log_ratio) < 0.5 ? q * ::expm1(log_ratio) : pi(j) - q);
+    return -((1.0 - t) * t * pi(j) * centred(j) - pi_minus_q) / (t * s.sigma2);
   };
   for (std::size_t i = 0; i < size; ++i) {
     const bool row_on = on_support(i);
