@@ -31,11 +31,21 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cuda {
 
+/// The default translation of a device report into an exception (dense entry points).
+struct throw_dense_report {
+  [[noreturn]] void operator()(const char* function, std::size_t row, const cuda_row_report& report,
+                               const char* const operand_names[3]) const {
+    throw_report(function, row, report, operand_names);
+  }
+};
+
 /// Checked mode: runs `launch` in validate-only mode over all rows, synchronises, and throws the
-/// first rejected row's exception (after re-validating that single row for its report).
-template <class Launch>
+/// first rejected row's exception (after re-validating that single row for its report) through
+/// `thrower` (called as throw_report is).
+template <class Launch, class Thrower = throw_dense_report>
 void validate_or_throw(const char* function, cudaStream_t stream, std::size_t rows,
-                       const char* const operand_names[3], const Launch& launch) {
+                       const char* const operand_names[3], const Launch& launch,
+                       const Thrower& thrower = {}) {
   struct scratch {
     unsigned long long first_bad_row;
     cuda_row_report report;
@@ -68,15 +78,15 @@ void validate_or_throw(const char* function, cudaStream_t stream, std::size_t ro
   check(cudaMemcpyAsync(&report, &device->report, sizeof report, cudaMemcpyDeviceToHost, stream), function,
         "cudaMemcpyAsync");
   check(cudaStreamSynchronize(stream), function, "cudaStreamSynchronize (checked mode)");
-  throw_report(function, row, report, operand_names);
+  thrower(function, row, report, operand_names);
 }
 
 /// Enqueues `launch(row_range, device_checks)` over all rows with the caller's checks.
-template <class Launch>
+template <class Launch, class Thrower = throw_dense_report>
 void run(const char* function, cudaStream_t stream, std::size_t rows, const cuda_checks& checks,
-         const char* const operand_names[3], const Launch& launch) {
+         const char* const operand_names[3], const Launch& launch, const Thrower& thrower = {}) {
   if (rows == 0) return;
-  if (checks.checked) validate_or_throw(function, stream, rows, operand_names, launch);
+  if (checks.checked) validate_or_throw(function, stream, rows, operand_names, launch, thrower);
   if (checks.first_bad_row != nullptr)
     check(cudaMemsetAsync(checks.first_bad_row, 0xFF, sizeof(unsigned long long), stream), function,
           "cudaMemsetAsync (first_bad_row)");
@@ -196,3 +206,6 @@ void project_backward(cuda_policy policy, input_view<T> new_logits, input_view<T
 }
 
 TROLL_END_NAMESPACE
+
+// The sparse path (sparsify, align, sparse kl / project / backward) under the same policy.
+#include "cuda_sparse.cuh"

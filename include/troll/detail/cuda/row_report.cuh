@@ -28,6 +28,17 @@ enum class cuda_row_error : int {
   infeasible = 5,    ///< the trust region holds no reachable π; `value` is the least KL(π‖q)
   bad_stats = 6,     ///< projection_stats unusable in a backward pass; `operand` says which field
   not_finite = 7,    ///< an upstream gradient is NaN or ±inf in `operand` at `token`
+  // Sparse rows (troll/cuda_sparse.cuh): `token` is the entry (~0: the log-remainder).
+  sparse_count = 8,      ///< count negative or above k_max, V or 1024 (`value`): shape_error
+  sparse_index = 9,      ///< entry `token` holds token id `value` outside [0, V): shape_error
+  sparse_duplicate = 10, ///< entry `token` repeats token id `value`: shape_error
+  sparse_nan = 11,       ///< entry `token` is NaN (of a gradient: NaN or ±inf): domain_error
+  sparse_above_one = 12, ///< entry `token` is `value` > 0: domain_error
+  sparse_no_tail = 13,   ///< the support covers V but the remainder is `value` > −inf: domain_error
+  sparse_no_mass = 14,   ///< every entry and the remainder are −inf: domain_error
+  sparse_not_aligned = 15,  ///< entry `token` (token id `value`) is not in the aligned support: shape_error
+  sparse_capacity = 16,  ///< the output holds `token` entries, the row needs `value`: shape_error
+  bad_sampled = 17,      ///< the sampled token `value` is outside [0, V): domain_error
 };
 
 /// One row's validation outcome, written by every CUDA entry point that is given a report array.

@@ -1,0 +1,313 @@
+// troll/cuda_sparse.cuh — the CUDA backend of the sparse path (math.md §4, troll/sparse.hpp):
+// sparsify (fp32, fp16 or bf16 logits), align (two sparse rows, or dense new logits with sparse
+// old rows), kl, project and project_backward of aligned rows, and sparsify_backward, under the
+// troll::cuda policy tag with the CPU overloads' argument lists plus a trailing cuda_checks.
+//
+//   troll::sparsify(troll::cuda.on(stream), bf16_logits, sampled, options, sparse_out, checks);
+//
+// Every pointer is device memory; work is enqueued on policy.stream; nothing allocates and
+// nothing synchronises unless checks.checked (as in troll/cuda.cuh). Rejected rows are reported
+// through `checks` and written as documented per entry point (NaN values, count 0). Included by
+// troll/cuda.cuh; never run on a GPU yet: see docs/cuda.md.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cmath>
+#include <sstream>
+#include <string>
+#include <type_traits>
+
+#include "batch.hpp"
+#include "config.hpp"
+#include "cuda.cuh"
+#include "detail/cuda/error_check.cuh"
+#include "detail/cuda/row_report.cuh"
+#include "detail/cuda/sparse_dense.cuh"
+#include "detail/cuda/sparse_projection.cuh"
+#include "detail/cuda/sparse_sparsify.cuh"
+#include "detail/cuda/sparse_warp.cuh"
+#include "detail/row_problem.hpp"
+#include "errors.hpp"
+#include "execution.hpp"
+#include "projection_types.hpp"
+#include "sparse_types.hpp"
+
+TROLL_BEGIN_NAMESPACE
+
+namespace detail {
+namespace cuda {
+
+/// Turns a sparse entry point's device report into the CPU backend's exception and message.
+/// names[o] is the CPU's name of operand o (see sparse_operand); `vocab` serves bad_sampled.
+struct sparse_thrower {
+  const char* names[8];
+  std::size_t vocab = 0;
+
+  [[noreturn]] void operator()(const char* function, std::size_t row, const cuda_row_report& report,
+                               const char* const* /*dense names*/) const {
+    const int o = report.operand >= 0 && report.operand < 8 ? report.operand : 0;
+    const char* name = names[o] != nullptr ? names[o] : "";
+    std::ostringstream msg;
+    msg.precision(17);
+    msg << row_prefix(function, row);
+    const long long entry = static_cast<long long>(report.token);
+    const auto where = [&]() { return entry < 0 ? std::string(" log_remainder") : " entry " + std::to_string(entry); };
+    switch (report.error) {
+      case cuda_row_error::sparse_count:
+        msg << name << ": count " << report.value << " is negative or exceeds the capacity k_max, the "
+            << "vocabulary or " << sparse_max_entries << " entries";
+        throw shape_error(msg.str(), row);
+      case cuda_row_error::sparse_index:
+        msg << name << ": entry " << entry << " has token index " << report.value << " outside the vocabulary [0, V)";
+        throw shape_error(msg.str(), row);
+      case cuda_row_error::sparse_duplicate:
+        msg << name << ": entry " << entry << " repeats token index " << report.value
+            << " (support indices must be distinct)";
+        throw shape_error(msg.str(), row);
+      case cuda_row_error::sparse_nan:
+        msg << name << where() << " is NaN";
+        throw domain_error(msg.str(), row);
+      case cuda_row_error::sparse_above_one:
+        msg << name << where() << " is " << report.value << " > 0 (a probability above 1)";
+        throw domain_error(msg.str(), row);
+      case cuda_row_error::sparse_no_tail:
+        msg << name << ": the support covers the whole vocabulary but log_remainder is " << report.value
+            << " (the bucket is empty; it must be -inf)";
+        throw domain_error(msg.str(), row);
+      case cuda_row_error::sparse_no_mass:
+        msg << name << ": every log-probability and the remainder are -inf (the row has no mass)";
+        throw domain_error(msg.str(), row);
+      case cuda_row_error::sparse_not_aligned:
+        msg << name << ": entry " << (entry < 0 ? 0 : entry) << " (token " << report.value
+            << ") is missing from the aligned support";
+        throw shape_error(msg.str(), row);
+      case cuda_row_error::sparse_capacity:
+        msg << "out has capacity " << report.token << " but the row has " << report.value << " entries";
+        throw shape_error(msg.str(), row);
+      case cuda_row_error::bad_sampled:
+        msg << "sampled token " << static_cast<long long>(report.value) << " is outside the vocabulary [0, "
+            << vocab << ")";
+        throw domain_error(msg.str(), row);
+      case cuda_row_error::bad_stats:
+        if (report.operand == 4) {
+          row_problem p;
+          p.kind = problem_kind::bad_stats;
+          p.operand = "kl_after of a projected row is not finite and >= 0";
+          throw_problem(function, row, p);
+        }
+        break;
+      default:
+        break;
+    }
+    const char* dense_names[3] = {name, name, name};
+    throw_report(function, row, report, dense_names);
+  }
+};
+
+/// Launches a warp-per-row kernel: `launch(shape, rows, device_checks)`.
+template <class Launch>
+void run_sparse(const char* function, cudaStream_t stream, std::size_t rows, const cuda_checks& checks,
+                const sparse_thrower& thrower, const Launch& launch) {
+  static const char* const unused[3] = {"", "", ""};
+  run(function, stream, rows, checks, unused, launch, thrower);
+}
+
+inline std::size_t larger(std::size_t a, std::size_t b) { return a < b ? b : a; }
+
+}  // namespace cuda
+}  // namespace detail
+
+/// Sparsifies each row of dense device `logits` (rows × V; float, __half or __nv_bfloat16) into
+/// `out` (float or double), with the semantics of troll::sparsify(cpu_policy, ...): the shortest
+/// prefix by logit (ties to the lower index) reaching 1 − delta, at most k ≤ 256 tokens, then
+/// sampled[r] (device array, may be null) if missing; log_remainder the exact log tail mass.
+/// One streaming pass per row. Host checks as on the CPU (shape_error, domain_error for the
+/// options); row problems (NaN / +inf logits, all −inf, a sampled token outside [0, V)) are
+/// reported through `checks` and give count 0 and a NaN log_remainder, or throw in checked mode.
+template <class L, class T>
+void sparsify(cuda_policy policy, batch_view<L> logits, const sparse_index* sampled, const sparsify_options& options,
+              sparse_batch_view<T> out, const cuda_checks& checks = {}) {
+  using logit_type = std::remove_const_t<L>;
+  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
+                "troll::sparsify (CUDA): logits must be float, __half or __nv_bfloat16");
+  detail::require_float_type<T>();
+  constexpr const char* fn = "sparsify";
+  const batch_view<const logit_type> in{logits.data, logits.rows, logits.cols, logits.stride};
+  detail::check_view(fn, "logits", in);
+  detail::check_sparsify_options(fn, options);
+  const std::size_t need = std::size_t(options.k) + (sampled ? 1 : 0);
+  detail::check_output_view(fn, "out", out, in.rows, in.cols, need < in.cols ? need : in.cols);
+  const double log_delta = options.delta > 0.0 ? std::log(options.delta) : detail::neg_inf();
+  const detail::cuda::sparse_thrower thrower{{"logits"}, in.cols};
+  detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower,
+                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+                             detail::cuda::sparsify_kernel<logit_type, T>
+                                 <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
+                                    policy.stream>>>(in, sampled, options.k, log_delta, out, range, device);
+                           });
+}
+
+/// Aligns sparse new and old device rows on U = S_new ∪ S_old into `out`, as
+/// troll::align(cpu_policy, new, old, out). Rejected rows (bad sparse rows, a union beyond
+/// out.k_max) get count 0 and NaN remainders.
+template <class T>
+void align(cuda_policy policy, sparse_input<T> new_rows, sparse_input<T> old_rows, aligned_batch_view<T> out,
+           const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "align";
+  detail::check_sparse_view(fn, "new", new_rows);
+  detail::check_sparse_view(fn, "old", old_rows);
+  detail::check_aligned_view(fn, "out", out);
+  detail::check_same_rows(fn, "new", new_rows.rows, "old", old_rows.rows);
+  detail::check_same_rows(fn, "new", new_rows.rows, "out", out.rows);
+  detail::check_same_vocab(fn, "new", new_rows.vocab, "old", old_rows.vocab);
+  detail::check_same_vocab(fn, "new", new_rows.vocab, "out", out.vocab);
+  const detail::cuda::sparse_thrower thrower{
+      {"new", "old", nullptr, nullptr, nullptr, nullptr, "out (the union of the supports)", nullptr}, 0};
+  detail::cuda::run_sparse(fn, policy.stream, new_rows.rows, checks, thrower,
+                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+                             const detail::cuda::warp_launch l = detail::cuda::warp_launch_for(
+                                 range.count, detail::cuda::larger(new_rows.k_max, old_rows.k_max), 2);
+                             detail::cuda::align_kernel<T><<<l.grid, l.threads, l.shared_bytes, policy.stream>>>(
+                                 new_rows, old_rows, out, l.slots, range, device);
+                           });
+}
+
+/// Aligns dense new device logits (float, double, __half or __nv_bfloat16) with sparse old rows,
+/// as troll::align(cpu_policy, new_logits, new_support, old, out): U = S ∪ S_old (S the support
+/// of new_support, or empty when new_support.rows == 0), the new side gathered exactly and its
+/// bucket the exact tail mass over V∖U.
+template <class L, class T>
+void align(cuda_policy policy, batch_view<L> new_logits, sparse_input<T> new_support, sparse_input<T> old_rows,
+           aligned_batch_view<T> out, const cuda_checks& checks = {}) {
+  using logit_type = std::remove_const_t<L>;
+  static_assert(detail::cuda::is_device_logit<logit_type>::value,
+                "troll::align (CUDA): logits must be float, double, __half or __nv_bfloat16");
+  detail::require_float_type<T>();
+  constexpr const char* fn = "align";
+  const batch_view<const logit_type> in{new_logits.data, new_logits.rows, new_logits.cols, new_logits.stride};
+  detail::check_view(fn, "new_logits", in);
+  detail::check_sparse_view(fn, "old", old_rows);
+  detail::check_aligned_view(fn, "out", out);
+  const bool with_support = new_support.rows != 0;
+  if (with_support) {
+    detail::check_sparse_view(fn, "new_support", new_support);
+    detail::check_same_rows(fn, "new_logits", in.rows, "new_support", new_support.rows);
+    detail::check_same_vocab(fn, "new_logits", in.cols, "new_support", new_support.vocab);
+  }
+  detail::check_same_rows(fn, "new_logits", in.rows, "old", old_rows.rows);
+  detail::check_same_rows(fn, "new_logits", in.rows, "out", out.rows);
+  detail::check_same_vocab(fn, "new_logits", in.cols, "old", old_rows.vocab);
+  detail::check_same_vocab(fn, "new_logits", in.cols, "out", out.vocab);
+  const detail::cuda::sparse_thrower thrower{
+      {"new_logits", "old", nullptr, nullptr, nullptr, nullptr, "out (the union of the supports)", "new_support"}, 0};
+  const int slots = detail::cuda::sort_slots(
+      detail::cuda::larger(old_rows.k_max, with_support ? new_support.k_max : std::size_t(1)));
+  detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower,
+                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+                             detail::cuda::align_dense_kernel<logit_type, T>
+                                 <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
+                                    policy.stream>>>(in, new_support, old_rows, out, slots, range, device);
+                           });
+}
+
+/// kl_out[r] = KL(new ‖ old) of aligned device rows (the lumped rows), +inf where new has mass old
+/// lacks, as troll::kl(cpu_policy, rows, kl_out). Rejected rows give NaN.
+template <class T>
+void kl(cuda_policy policy, aligned_input<T> rows, T* kl_out, const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "kl";
+  detail::check_aligned_view(fn, "rows", rows);
+  if (rows.rows != 0 && kl_out == nullptr) detail::throw_shape(fn, "kl_out is a null pointer");
+  const detail::cuda::sparse_thrower thrower{{"new", "old", "new (lumped)", "old (lumped)"}, 0};
+  detail::cuda::run_sparse(fn, policy.stream, rows.rows, checks, thrower,
+                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+                             const detail::cuda::warp_launch l = detail::cuda::warp_launch_for(range.count, rows.k_max, 1);
+                             detail::cuda::sparse_kl_kernel<T><<<l.grid, l.threads, l.shared_bytes, policy.stream>>>(
+                                 rows, kl_out, l.slots, range, device);
+                           });
+}
+
+/// The trust-region projection of aligned device rows, as troll::project(cpu_policy, rows, eps,
+/// out, stats, options): the dense projection of the lumped (|U| + 1)-category rows. Rejected rows
+/// (bad sparse rows, disjoint, infeasible, a row beyond out.k_max) get count 0, a NaN remainder
+/// and stats with NaN fields and status infeasible / rejected.
+template <class T>
+void project(cuda_policy policy, aligned_input<T> rows, double eps, sparse_batch_view<T> out, projection_stats* stats,
+             const projection_options& options = {}, const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "project";
+  detail::check_aligned_view(fn, "rows", rows);
+  detail::check_output_view(fn, "out", out, rows.rows, rows.vocab, 0);
+  if (rows.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  detail::check_sparse_eps(fn, eps, options);
+  const detail::cuda::sparse_thrower thrower{{"new", "old", "new (lumped)", "old (lumped)", nullptr, nullptr, "out"}, 0};
+  detail::cuda::run_sparse(fn, policy.stream, rows.rows, checks, thrower,
+                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+                             const detail::cuda::warp_launch l = detail::cuda::warp_launch_for(range.count, rows.k_max, 1);
+                             detail::cuda::sparse_project_kernel<T><<<l.grid, l.threads, l.shared_bytes, policy.stream>>>(
+                                 rows, eps, options, out, stats, l.slots, range, device);
+                           });
+}
+
+/// VJP of the sparse project() on the device, as troll::project_backward(cpu_policy, rows,
+/// log_probs, stats, grad, grad_new, grad_old, grad_eps). Rejected rows get NaN gradients.
+template <class T>
+void project_backward(cuda_policy policy, aligned_input<T> rows, sparse_input<T> log_probs,
+                      const projection_stats* stats, sparse_grad_input<T> grad, sparse_grad_view<T> grad_new,
+                      sparse_grad_view<T> grad_old = {}, T* grad_eps = nullptr, const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "project_backward";
+  detail::check_aligned_view(fn, "rows", rows);
+  detail::check_sparse_view(fn, "log_probs", log_probs);
+  detail::check_same_rows(fn, "rows", rows.rows, "log_probs", log_probs.rows);
+  detail::check_same_vocab(fn, "rows", rows.vocab, "log_probs", log_probs.vocab);
+  detail::check_grad_view(fn, "grad", grad, rows.rows, log_probs.k_max);
+  detail::check_grad_view(fn, "grad_new", grad_new, rows.rows, rows.k_max);
+  if (!grad_old.empty()) detail::check_grad_view(fn, "grad_old", grad_old, rows.rows, rows.k_max);
+  if (rows.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  const detail::cuda::sparse_thrower thrower{
+      {"new", "old", "new (lumped)", "old (lumped)", "log_probs", "grad (NaN or infinite)"}, 0};
+  detail::cuda::run_sparse(fn, policy.stream, rows.rows, checks, thrower,
+                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+                             const detail::cuda::warp_launch l = detail::cuda::warp_launch_for(range.count, rows.k_max, 1);
+                             detail::cuda::sparse_project_backward_kernel<T>
+                                 <<<l.grid, l.threads, l.shared_bytes, policy.stream>>>(
+                                     rows, log_probs, stats, grad, grad_new, grad_old, grad_eps, l.slots, range, device);
+                           });
+}
+
+/// Backward of sparsify (and of align's new side) on the device, as
+/// troll::sparsify_backward(cpu_policy, logits, support, grad, grad_logits): scatters g on the
+/// support of `support` and g_R on its bucket to dense logit gradients (float or double; logits
+/// float, double, __half or __nv_bfloat16). O(V) per row, two passes. Rejected rows get NaN.
+template <class L, class T>
+void sparsify_backward(cuda_policy policy, batch_view<L> logits, sparse_input<T> support, sparse_grad_input<T> grad,
+                       batch_view<T> grad_logits, const cuda_checks& checks = {}) {
+  using logit_type = std::remove_const_t<L>;
+  static_assert(detail::cuda::is_device_logit<logit_type>::value,
+                "troll::sparsify_backward (CUDA): logits must be float, double, __half or __nv_bfloat16");
+  detail::require_float_type<T>();
+  constexpr const char* fn = "sparsify_backward";
+  const batch_view<const logit_type> in{logits.data, logits.rows, logits.cols, logits.stride};
+  detail::check_view(fn, "logits", in);
+  detail::check_view(fn, "grad_logits", grad_logits);
+  detail::check_same_shape(fn, "logits", in, "grad_logits", grad_logits);
+  detail::check_sparse_view(fn, "support", support);
+  detail::check_same_rows(fn, "logits", in.rows, "support", support.rows);
+  detail::check_same_vocab(fn, "logits", in.cols, "support", support.vocab);
+  detail::check_grad_view(fn, "grad", grad, in.rows, support.k_max);
+  const detail::cuda::sparse_thrower thrower{
+      {"logits", nullptr, nullptr, nullptr, nullptr, "grad (NaN or infinite)", nullptr, "support"}, 0};
+  const int slots = detail::cuda::sort_slots(support.k_max);
+  detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower,
+                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+                             detail::cuda::sparsify_backward_kernel<logit_type, T>
+                                 <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
+                                    policy.stream>>>(in, support, grad, grad_logits, slots, range, device);
+                           });
+}
+
+TROLL_END_NAMESPACE

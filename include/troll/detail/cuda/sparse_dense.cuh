@@ -1,0 +1,232 @@
+// troll/detail/cuda/sparse_dense.cuh — the sparse kernels that read dense logits, one 256-thread
+// block per row: align(new_logits, new_support, old) (the new side gathered exactly, its bucket
+// the exact tail mass over V∖U) and sparsify_backward (the scatter of a sparse gradient to dense
+// logits, math.md §4). Warp 0 checks and sorts the supports; then the block walks the row with
+// a per-thread cursor into the sorted support, so the tail log-sum is summed over the tail
+// (never total minus support).
+#pragma once
+
+#include <cstddef>
+
+#include "../../batch.hpp"
+#include "../../config.hpp"
+#include "../../sparse_types.hpp"
+#include "../numeric.hpp"
+#include "../sparse_row.hpp"
+#include "block_reduce.cuh"
+#include "row_report.cuh"
+#include "row_scan.cuh"
+#include "sparse_projection.cuh"
+#include "sparse_sparsify.cuh"
+#include "sparse_warp.cuh"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+namespace cuda {
+
+/// One pass over a dense row split by a sorted support: first NaN / +inf, and the log-sum-exp
+/// of the tokens outside and inside the support.
+struct split_scan {
+  std::size_t first_bad = no_token;
+  log_sum_state tail;
+  log_sum_state support;
+};
+
+struct split_scan_storage {
+  index_slot sorted[sparse_max_entries];
+  index_slot other[sparse_max_entries];
+  cub::Uninitialized<cuda_row_report> report;
+  double sum_g;
+  int count;
+};
+
+#ifdef __CUDACC__
+
+struct merge_split_scan {
+  __device__ split_scan operator()(const split_scan& a, const split_scan& b) const {
+    return split_scan{a.first_bad < b.first_bad ? a.first_bad : b.first_bad, merge(a.tail, b.tail),
+                      merge(a.support, b.support)};
+  }
+};
+
+/// Scans row z (V = size) with the whole block; support membership from sorted[0..n).
+template <class L>
+__device__ split_scan scan_split(const L* z, std::size_t size, const index_slot* sorted, int n,
+                                 reduce_storage<split_scan>& storage) {
+  split_scan local;
+  int cursor = 0;
+  for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+    const double x = to_double(z[i]);
+    if (!(x < inf())) {
+      if (i < local.first_bad) local.first_bad = i;
+      continue;
+    }
+    while (cursor < n && std::size_t(sorted[cursor].index) < i) ++cursor;
+    push(cursor < n && std::size_t(sorted[cursor].index) == i ? local.support : local.tail, x);
+  }
+  return block_all_reduce(storage, local, merge_split_scan{});
+}
+
+/// The report of a dense logits row from its split scan (NaN / +inf, all −inf), or none.
+template <class L>
+__device__ cuda_row_report logits_problem(const split_scan& s, const L* z) {
+  cuda_row_report report;
+  if (s.first_bad != no_token) return bad_value_report(0, s.first_bad, to_double(z[s.first_bad]));
+  if (s.tail.m == neg_inf() && s.support.m == neg_inf()) report.error = cuda_row_error::all_masked;
+  return report;
+}
+
+/// Rows of `range`: grad_logits = ∂L/∂z from g on the support of `support` and g_R on its bucket:
+///     ∂L/∂z_k = [k∈S] g_k + [k∉S] g_R p_k / r − p_k (Σ_S g_i + g_R).
+template <class L, class T>
+__global__ void __launch_bounds__(block_threads)
+    sparsify_backward_kernel(batch_view<const L> logits, sparse_batch_view<const T> support,
+                             sparse_grad_view<const T> grad, batch_view<T> grad_logits, int slots, row_range range,
+                             device_checks checks) {
+  __shared__ split_scan_storage sh;
+  __shared__ reduce_storage<split_scan> scan_storage;
+  const std::size_t size = logits.cols, end = range.begin + range.count;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const L* z = logits.row(r);
+    const T* g = grad.row(r);
+    const double g_r = static_cast<double>(grad.log_remainder[r]);
+    __syncthreads();  // the previous row is done with the shared scratch
+    if (threadIdx.x < warp_lanes) {
+      cuda_row_report report =
+          warp_check_sparse_row(support.row_indices(r), support.row_log_probs(r), support.counts[r], 0.0, support.k_max,
+                                support.vocab, operand_support, false, sh.sorted, slots);
+      const int n = report.error == cuda_row_error::none ? static_cast<int>(support.counts[r]) : 0;
+      double sum_g = 0.0;
+      if (report.error == cuda_row_error::none) {
+        for (int base = -1; base < n; base += warp_lanes) {
+          const int i = base + lane_id();
+          const double gi = i < 0 ? g_r : (i < n ? static_cast<double>(g[i]) : 0.0);
+          const int bad = first_lane(!(gi - gi == 0.0));
+          if (bad >= 0) {
+            report.error = cuda_row_error::sparse_nan, report.operand = operand_grad;
+            report.token = static_cast<unsigned long long>(static_cast<long long>(base + bad));
+            break;
+          }
+          sum_g += gi;
+        }
+        sum_g = warp_all_reduce(sum_g, add_double{});
+      }
+      if (lane_id() == 0) sh.report.Alias() = report, sh.sum_g = sum_g, sh.count = report.error == cuda_row_error::none ? n : 0;
+    }
+    __syncthreads();
+    const int n = sh.count;
+    const split_scan scan = scan_split(z, size, sh.sorted, n, scan_storage);
+    cuda_row_report report = logits_problem(scan, z);
+    if (report.error == cuda_row_error::none) report = sh.report.Alias();
+    if (threadIdx.x == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+    T* out = grad_logits.row(r);
+    if (report.error != cuda_row_error::none) {
+      fill_nan(out, size);
+      continue;
+    }
+    const double log_total = merge(scan.tail, scan.support).value(), log_tail = scan.tail.value();
+    const bool tail_mass = log_tail > neg_inf() && g_r != 0.0;
+    const double sum_g = sh.sum_g;
+    int cursor = 0;
+    for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+      const double x = to_double(z[i]);
+      const double p = ::exp(x - log_total);
+      while (cursor < n && std::size_t(sh.sorted[cursor].index) < i) ++cursor;
+      double value;
+      if (cursor < n && std::size_t(sh.sorted[cursor].index) == i) {
+        value = static_cast<double>(g[sh.sorted[cursor].position]) - sum_g * p;
+      } else {
+        value = -sum_g * p + (tail_mass ? g_r * ::exp(x - log_tail) : 0.0);
+      }
+      out[i] = static_cast<T>(value);
+    }
+  }
+}
+
+/// Rows of `range`: out = align(new_logits, new_support, old_rows) (see troll::align). With no
+/// support (new_support.rows == 0) U = S_old.
+template <class L, class T>
+__global__ void __launch_bounds__(block_threads)
+    align_dense_kernel(batch_view<const L> new_logits, sparse_batch_view<const T> new_support,
+                       sparse_batch_view<const T> old_rows, aligned_batch_view<T> out, int slots, row_range range,
+                       device_checks checks) {
+  __shared__ split_scan_storage sh;
+  __shared__ index_slot union_sorted[sparse_max_entries];
+  __shared__ reduce_storage<split_scan> scan_storage;
+  const std::size_t size = new_logits.cols, end = range.begin + range.count;
+  const bool with_support = new_support.rows != 0;
+  const std::size_t cap = out.k_max < std::size_t(sparse_max_entries) ? out.k_max : std::size_t(sparse_max_entries);
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const L* z = new_logits.row(r);
+    const sparse_index* oi = old_rows.row_indices(r);
+    const double lr_old = static_cast<double>(old_rows.log_remainder[r]);
+    const int co = static_cast<int>(old_rows.counts[r]);
+    sparse_index* indices = out.indices + r * out.k_max;
+    T* ln = out.new_log_probs + r * out.k_max;
+    T* lo = out.old_log_probs + r * out.k_max;
+    const double tail_old = tail_log_value(lr_old, static_cast<long long>(out.vocab) - co);
+    __syncthreads();
+    if (threadIdx.x < warp_lanes) {
+      cuda_row_report report = warp_check_sparse_row(oi, old_rows.row_log_probs(r), co, lr_old, old_rows.k_max,
+                                                     old_rows.vocab, operand_old, true, sh.other, slots);
+      const sparse_index* ni = with_support ? new_support.row_indices(r) : nullptr;
+      const int cn = with_support && report.error == cuda_row_error::none ? static_cast<int>(new_support.counts[r]) : 0;
+      if (report.error == cuda_row_error::none && with_support)
+        report = warp_check_sparse_row(ni, new_support.row_log_probs(r), new_support.counts[r], 0.0,
+                                       new_support.k_max, new_support.vocab, operand_support, false, sh.sorted, slots);
+      int u = 0;
+      if (report.error == cuda_row_error::none) {
+        u = warp_union(ni, cn, oi, co, sh.sorted, sh.other, [](int, sparse_index, int, int) {});
+        if (std::size_t(u) > cap)
+          report.error = cuda_row_error::sparse_count, report.operand = operand_out, report.value = double(u);
+      }
+      if (report.error == cuda_row_error::none && !checks.validate_only) {
+        const T* old_lp = old_rows.row_log_probs(r);
+        warp_union(ni, cn, oi, co, sh.sorted, sh.other, [&](int at, sparse_index token, int, int old_pos) {
+          indices[at] = token;
+          lo[at] = old_pos >= 0 ? old_lp[old_pos] : static_cast<T>(tail_old);
+        });
+        __syncwarp();
+        const int size_u = sort_slots(std::size_t(u));
+        warp_sorted_support(indices, u, union_sorted, size_u);
+      }
+      if (lane_id() == 0) sh.report.Alias() = report, sh.count = report.error == cuda_row_error::none ? u : 0;
+    }
+    __syncthreads();
+    const int u = checks.validate_only ? 0 : sh.count;
+    const split_scan scan = scan_split(z, size, union_sorted, u, scan_storage);
+    cuda_row_report report = logits_problem(scan, z);
+    if (report.error == cuda_row_error::none) report = sh.report.Alias();
+    if (threadIdx.x == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+    if (report.error != cuda_row_error::none) {
+      for (std::size_t i = threadIdx.x; i < out.k_max; i += block_threads) {
+        indices[i] = -1;
+        ln[i] = lo[i] = static_cast<T>(neg_inf());
+      }
+      if (threadIdx.x == 0)
+        out.counts[r] = 0, out.new_log_remainder[r] = out.old_log_remainder[r] = static_cast<T>(quiet_nan());
+      continue;
+    }
+    const double log_total = merge(scan.tail, scan.support).value(), log_tail = scan.tail.value();
+    for (int i = int(threadIdx.x); i < u; i += block_threads)
+      ln[i] = static_cast<T>(to_double(z[indices[i]]) - log_total);
+    for (std::size_t i = std::size_t(u) + threadIdx.x; i < out.k_max; i += block_threads) {
+      indices[i] = -1;
+      ln[i] = lo[i] = static_cast<T>(neg_inf());
+    }
+    if (threadIdx.x == 0) {
+      const long long vocab = static_cast<long long>(out.vocab);
+      out.counts[r] = u;
+      out.new_log_remainder[r] = static_cast<T>(log_tail == neg_inf() ? neg_inf() : log_tail - log_total);
+      out.old_log_remainder[r] = static_cast<T>(shrink_log_remainder(lr_old, vocab - co, vocab - u));
+    }
+  }
+}
+
+#endif  // __CUDACC__
+
+}  // namespace cuda
+}  // namespace detail
+TROLL_END_NAMESPACE

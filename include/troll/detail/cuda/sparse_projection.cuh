@@ -1,0 +1,427 @@
+// troll/detail/cuda/sparse_projection.cuh — the sparse row kernels that never touch dense
+// logits, one warp per row: align two sparse rows on the union of their supports, and the KL,
+// the projection and its VJP of aligned rows. The last three run the shared host/device solver
+// (trust_region_solver.hpp) on the |U| + 1 lumped categories (the bucket is one category, log
+// mass log r when the tail is not empty), exactly as the CPU's lumped_pair + row kernels do;
+// the evaluator is a warp all-reduce of lse_state, identical in every lane.
+#pragma once
+
+#include <cstddef>
+
+#include "../../batch.hpp"
+#include "../../config.hpp"
+#include "../../projection_types.hpp"
+#include "../../sparse_types.hpp"
+#include "../lse_state.hpp"
+#include "../numeric.hpp"
+#include "../sparse_row.hpp"
+#include "../trust_region_solver.hpp"
+#include "backward_kernels.cuh"
+#include "block_reduce.cuh"
+#include "forward_kernels.cuh"
+#include "row_report.cuh"
+#include "row_scan.cuh"
+#include "sparse_warp.cuh"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+namespace cuda {
+
+/// Operand numbers of the sparse entry points' reports (cuda_row_report::operand).
+enum sparse_operand : int {
+  operand_new = 0,          // the new rows (or the new side of aligned rows, or sparsify's logits)
+  operand_old = 1,          // the old rows (or side)
+  operand_new_lumped = 2,   // the lumped (|U| + 1)-category new row
+  operand_old_lumped = 3,   // the lumped old row
+  operand_log_probs = 4,    // project_backward's forward output
+  operand_grad = 5,         // an upstream gradient
+  operand_out = 6,          // an output (capacity)
+  operand_support = 7,      // the support of sparsify_backward / align(new_logits, ...)
+};
+
+/// One aligned row as the lumped categories 0..count (count: the bucket, −inf on both sides when
+/// the tail is empty), read straight from the batch.
+template <class T>
+struct lumped_rows {
+  const T* fresh;
+  const T* old;
+  double bucket_new;
+  double bucket_old;
+  int count;
+
+  __device__ void at(int i, double& a, double& b) const {
+    if (i < count) {
+      a = static_cast<double>(fresh[i]), b = static_cast<double>(old[i]);
+    } else {
+      a = bucket_new, b = bucket_old;
+    }
+  }
+};
+
+template <class T>
+__device__ lumped_rows<T> lumped_row(const aligned_batch_view<const T>& a, std::size_t r) {
+  const int count = static_cast<int>(a.counts[r]);
+  const bool tail = static_cast<long long>(a.vocab) > count;
+  return lumped_rows<T>{a.new_log_probs + r * a.k_max, a.old_log_probs + r * a.k_max,
+                        tail ? static_cast<double>(a.new_log_remainder[r]) : neg_inf(),
+                        tail ? static_cast<double>(a.old_log_remainder[r]) : neg_inf(), count};
+}
+
+/// The tilted-family reduction of trust_region_solver.hpp over one lumped row, by one warp.
+template <class T>
+struct warp_lumped_evaluator {
+  lumped_rows<T> row;
+  double old_max;
+  double log_sum_old;
+
+  TROLL_HOST_DEVICE double old_log_sum() const { return log_sum_old; }
+
+  TROLL_HOST_DEVICE lse_state operator()(double t, double c) const {
+#ifdef __CUDA_ARCH__
+    lse_state local;
+    for (int i = lane_id(); i <= row.count; i += warp_lanes) {
+      double a, b;
+      row.at(i, a, b);
+      if (a > neg_inf() && b > neg_inf()) {
+        const double x = (a - b) - c;
+        push(local, (b - old_max) + t * x, x);
+      }
+    }
+    return warp_all_reduce(local, merge_lse{});
+#else
+    (void)t, (void)c;
+    return lse_state{};
+#endif
+  }
+};
+
+struct merge_pair_scan_op {
+  __device__ pair_scan operator()(const pair_scan& a, const pair_scan& b) const { return merge(a, b); }
+};
+
+/// Checks both sides of aligned row r (the sparse rules; the sides share indices and counts) and
+/// scans its lumped rows: all-masked sides and disjoint supports, as validate_aligned does.
+/// `slots` holds `size` index_slots. Every lane returns the same report and scan.
+template <class T>
+__device__ cuda_row_report check_aligned_row(const aligned_batch_view<const T>& a, std::size_t r, index_slot* slots,
+                                             int size, pair_scan& scan) {
+  cuda_row_report report =
+      warp_check_sparse_row(a.indices + r * a.k_max, a.new_log_probs + r * a.k_max, a.counts[r],
+                            static_cast<double>(a.new_log_remainder[r]), a.k_max, a.vocab, operand_new, true, slots, size);
+  if (report.error != cuda_row_error::none) return report;
+  report = warp_check_sparse_row(a.indices + r * a.k_max, a.old_log_probs + r * a.k_max, a.counts[r],
+                                 static_cast<double>(a.old_log_remainder[r]), a.k_max, a.vocab, operand_old, true,
+                                 slots, size);
+  if (report.error != cuda_row_error::none) return report;
+  const lumped_rows<T> row = lumped_row(a, r);
+  pair_scan local;
+  for (int i = lane_id(); i <= row.count; i += warp_lanes) {
+    double x, y;
+    row.at(i, x, y);
+    if (x == neg_inf() && y == neg_inf()) continue;  // no mass on either side: left out, as on the CPU
+    add(local, std::size_t(i), x, y);
+  }
+  scan = warp_all_reduce(local, merge_pair_scan_op{});
+  if (scan.fresh.lse.empty()) {
+    report.error = cuda_row_error::all_masked, report.operand = operand_new_lumped;
+  } else if (scan.old.lse.empty()) {
+    report.error = cuda_row_error::all_masked, report.operand = operand_old_lumped;
+  } else if (scan.at_new == no_token) {
+    report.error = cuda_row_error::disjoint;
+  }
+  return report;
+}
+
+/// Writes a rejected sparse output row: count 0, padding, NaN remainder (lane-parallel).
+template <class T>
+__device__ void reject_sparse_row(sparse_index* indices, T* log_probs, std::size_t k_max) {
+  for (std::size_t i = std::size_t(lane_id()); i < k_max; i += warp_lanes) {
+    indices[i] = -1;
+    log_probs[i] = static_cast<T>(neg_inf());
+  }
+}
+
+/// Rows of `range`: out = align(new_rows, old_rows) (see troll::align).
+template <class T>
+__global__ void align_kernel(sparse_batch_view<const T> new_rows, sparse_batch_view<const T> old_rows,
+                             aligned_batch_view<T> out, int slots_per_array, row_range range, device_checks checks) {
+  index_slot* new_sorted = warp_scratch(2, slots_per_array);
+  index_slot* old_sorted = new_sorted + slots_per_array;
+  const std::size_t end = range.begin + range.count;
+  const std::size_t cap = out.k_max < std::size_t(sparse_max_entries) ? out.k_max : std::size_t(sparse_max_entries);
+  for (std::size_t r = warp_first_row(range); r < end; r += warp_row_stride()) {
+    const sparse_index* ni = new_rows.row_indices(r);
+    const sparse_index* oi = old_rows.row_indices(r);
+    const double lr_new = static_cast<double>(new_rows.log_remainder[r]);
+    const double lr_old = static_cast<double>(old_rows.log_remainder[r]);
+    cuda_row_report report = warp_check_sparse_row(ni, new_rows.row_log_probs(r), new_rows.counts[r], lr_new,
+                                                   new_rows.k_max, new_rows.vocab, operand_new, true, new_sorted,
+                                                   slots_per_array);
+    if (report.error == cuda_row_error::none)
+      report = warp_check_sparse_row(oi, old_rows.row_log_probs(r), old_rows.counts[r], lr_old, old_rows.k_max,
+                                     old_rows.vocab, operand_old, true, old_sorted, slots_per_array);
+    const int cn = static_cast<int>(new_rows.counts[r]), co = static_cast<int>(old_rows.counts[r]);
+    if (report.error == cuda_row_error::none) {
+      const int u = warp_union(ni, cn, oi, co, new_sorted, old_sorted, [](int, sparse_index, int, int) {});
+      if (std::size_t(u) > cap)
+        report.error = cuda_row_error::sparse_count, report.operand = operand_out, report.value = double(u);
+    }
+    if (lane_id() == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+    sparse_index* indices = out.indices + r * out.k_max;
+    T* ln = out.new_log_probs + r * out.k_max;
+    T* lo = out.old_log_probs + r * out.k_max;
+    if (report.error != cuda_row_error::none) {
+      reject_sparse_row(indices, ln, out.k_max);
+      reject_sparse_row(indices, lo, out.k_max);
+      if (lane_id() == 0)
+        out.counts[r] = 0, out.new_log_remainder[r] = out.old_log_remainder[r] = static_cast<T>(quiet_nan());
+      continue;
+    }
+    const long long vocab = static_cast<long long>(out.vocab);
+    const long long m_new = vocab - cn, m_old = vocab - co;
+    const double tail_new = tail_log_value(lr_new, m_new), tail_old = tail_log_value(lr_old, m_old);
+    const T* new_lp = new_rows.row_log_probs(r);
+    const T* old_lp = old_rows.row_log_probs(r);
+    const int u = warp_union(ni, cn, oi, co, new_sorted, old_sorted,
+                             [&](int at, sparse_index token, int new_pos, int old_pos) {
+                               indices[at] = token;
+                               ln[at] = new_pos >= 0 ? new_lp[new_pos] : static_cast<T>(tail_new);
+                               lo[at] = old_pos >= 0 ? old_lp[old_pos] : static_cast<T>(tail_old);
+                             });
+    for (std::size_t i = std::size_t(u) + std::size_t(lane_id()); i < out.k_max; i += warp_lanes) {
+      indices[i] = -1;
+      ln[i] = lo[i] = static_cast<T>(neg_inf());
+    }
+    if (lane_id() == 0) {
+      const long long m_u = vocab - u;
+      out.counts[r] = u;
+      out.new_log_remainder[r] = static_cast<T>(shrink_log_remainder(lr_new, m_new, m_u));
+      out.old_log_remainder[r] = static_cast<T>(shrink_log_remainder(lr_old, m_old, m_u));
+    }
+  }
+}
+
+/// Rows of `range`: kl_out[r] = KL(new ‖ old) of aligned rows (lumped), +inf where new has mass
+/// old lacks; NaN for a rejected row.
+template <class T>
+__global__ void sparse_kl_kernel(aligned_batch_view<const T> rows, T* kl_out, int slots_per_array, row_range range,
+                                 device_checks checks) {
+  index_slot* slots = warp_scratch(1, slots_per_array);
+  const std::size_t end = range.begin + range.count;
+  for (std::size_t r = warp_first_row(range); r < end; r += warp_row_stride()) {
+    pair_scan scan;
+    const cuda_row_report report = check_aligned_row(rows, r, slots, slots_per_array, scan);
+    if (lane_id() == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+    double value = quiet_nan();
+    if (report.error == cuda_row_error::none) {
+      if (scan.new_only) {
+        value = inf();
+      } else {
+        const warp_lumped_evaluator<T> eval{lumped_row(rows, r), scan.old.lse.m, old_log_sum(scan)};
+        value = maximum(make_point(eval(1.0, scan.shift_new), 1.0, scan.shift_new, old_log_sum(scan)).kl, 0.0);
+      }
+    }
+    if (lane_id() == 0) kl_out[r] = static_cast<T>(value);
+  }
+}
+
+/// Rows of `range`: the projection of aligned rows (see troll::project). With
+/// checks.validate_only only the CPU's pre-write validation runs (infeasibility and out's
+/// capacity included).
+template <class T>
+__global__ void sparse_project_kernel(aligned_batch_view<const T> rows, double eps, projection_options options,
+                                      sparse_batch_view<T> out, projection_stats* stats, int slots_per_array,
+                                      row_range range, device_checks checks) {
+  index_slot* slots = warp_scratch(1, slots_per_array);
+  const std::size_t end = range.begin + range.count;
+  for (std::size_t r = warp_first_row(range); r < end; r += warp_row_stride()) {
+    pair_scan scan;
+    cuda_row_report report = check_aligned_row(rows, r, slots, slots_per_array, scan);
+    const lumped_rows<T> row = lumped_row(rows, r);
+    const row_setup setup = make_setup(scan);
+    const double log_sum_old = old_log_sum(scan);
+    const warp_lumped_evaluator<T> eval{row, setup.old_max, log_sum_old};
+    if (report.error == cuda_row_error::none && std::size_t(row.count) > out.k_max) {
+      report.error = cuda_row_error::sparse_capacity, report.operand = operand_out;
+      report.token = out.k_max, report.value = double(row.count);
+    }
+    if (checks.validate_only) {
+      if (report.error == cuda_row_error::none && setup.old_only) {
+        const double floor = make_point(eval(0.0, setup.shift_old), 0.0, setup.shift_old, log_sum_old).kl;
+        if (floor >= eps) report.error = cuda_row_error::infeasible, report.value = floor;
+      }
+      if (lane_id() == 0) record_row(checks, range, r, report);
+      continue;
+    }
+    solve_result result;
+    if (report.error == cuda_row_error::none) {
+      result = solve_row(eval, setup, eps, options);
+      if (result.status == row_status::infeasible)
+        report.error = cuda_row_error::infeasible, report.value = result.point.kl;
+    }
+    if (lane_id() == 0) record_row(checks, range, r, report);
+    sparse_index* indices = out.row_indices(r);
+    T* lp = out.row_log_probs(r);
+    if (report.error != cuda_row_error::none) {
+      reject_sparse_row(indices, lp, out.k_max);
+      if (lane_id() == 0) {
+        out.counts[r] = 0, out.log_remainder[r] = static_cast<T>(quiet_nan());
+        stats[r] = rejected_stats(report.error);
+      }
+      continue;
+    }
+    const bool inactive = result.status == row_status::inactive;
+    const double new_max = scan.fresh.lse.m, new_log_sum = ::log(scan.fresh.lse.s0);
+    const tilt_point& p = result.point;
+    for (int i = lane_id(); i <= row.count; i += warp_lanes) {
+      double a, b;
+      row.at(i, a, b);
+      double value = neg_inf();
+      if (inactive) {
+        if (a > neg_inf()) value = (a - new_max) - new_log_sum;
+      } else if (a > neg_inf() && b > neg_inf()) {
+        value = ((b - setup.old_max) + p.t * ((a - b) - p.shift)) - p.log_norm;
+      }
+      if (i < row.count) {
+        indices[i] = rows.indices[r * rows.k_max + std::size_t(i)];
+        lp[i] = static_cast<T>(value);
+      } else {
+        out.log_remainder[r] = static_cast<T>(value);
+      }
+    }
+    for (std::size_t i = std::size_t(row.count) + std::size_t(lane_id()); i < out.k_max; i += warp_lanes) {
+      indices[i] = -1;
+      lp[i] = static_cast<T>(neg_inf());
+    }
+    if (lane_id() == 0) {
+      out.counts[r] = row.count;
+      stats[r] = make_stats(result);
+    }
+  }
+}
+
+/// Rows of `range`: the VJP of the sparse projection (see troll::project_backward) on the lumped
+/// categories, with the formulas of cpu::vjp_row (the π − q of ∂t/∂z° from log(π/q) where π ≈ q).
+template <class T>
+__global__ void sparse_project_backward_kernel(aligned_batch_view<const T> rows, sparse_batch_view<const T> log_probs,
+                                               const projection_stats* stats, sparse_grad_view<const T> grad,
+                                               sparse_grad_view<T> grad_new, sparse_grad_view<T> grad_old,
+                                               T* grad_eps, int slots_per_array, row_range range,
+                                               device_checks checks) {
+  index_slot* slots = warp_scratch(1, slots_per_array);
+  const std::size_t end = range.begin + range.count;
+  const bool want_old = !grad_old.empty();
+  for (std::size_t r = warp_first_row(range); r < end; r += warp_row_stride()) {
+    pair_scan scan;
+    cuda_row_report report = check_aligned_row(rows, r, slots, slots_per_array, scan);
+    const lumped_rows<T> row = lumped_row(rows, r);
+    const T* lp_row = log_probs.row_log_probs(r);
+    const T* g_row = grad.row(r);
+    const double lr = static_cast<double>(log_probs.log_remainder[r]);
+    const double g_r = static_cast<double>(grad.log_remainder[r]);
+    if (report.error == cuda_row_error::none && log_probs.counts[r] != rows.counts[r]) {
+      report.error = cuda_row_error::sparse_not_aligned, report.operand = operand_log_probs;
+      report.value = double(log_probs.counts[r]);
+    }
+    if (report.error == cuda_row_error::none) {
+      // Entry −1 (the remainder) first, then the entries in order: NaN log-prob, then a
+      // non-finite upstream value where the log-prob has mass.
+      for (int base = -1; base < row.count; base += warp_lanes) {
+        const int i = base + lane_id();
+        int problem = 0;
+        if (i < row.count) {
+          const double l = i < 0 ? lr : static_cast<double>(lp_row[i]);
+          const double g = i < 0 ? g_r : static_cast<double>(g_row[i]);
+          if (l != l) problem = 1;
+          else if (l > neg_inf() && !(g - g == 0.0)) problem = 2;
+        }
+        const int bad = first_lane(problem != 0);
+        if (bad < 0) continue;
+        const int kind = __shfl_sync(full_warp, problem, bad);
+        report.error = cuda_row_error::sparse_nan;
+        report.operand = kind == 1 ? operand_log_probs : operand_grad;
+        report.token = static_cast<unsigned long long>(static_cast<long long>(base + bad));
+        break;
+      }
+    }
+    const projection_stats s = stats[r];
+    if (report.error == cuda_row_error::none) {
+      int field = unusable_stats_field(s);
+      if (field < 0 && s.status == row_status::projected && !(s.kl_after >= 0.0 && s.kl_after < inf())) field = 4;
+      if (field >= 0) report.error = cuda_row_error::bad_stats, report.operand = field;
+    }
+    if (lane_id() == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+    T* out_new = grad_new.row(r);
+    T* out_old = want_old ? grad_old.row(r) : nullptr;
+    if (report.error != cuda_row_error::none) {
+      for (std::size_t i = std::size_t(lane_id()); i < grad_new.k_max; i += warp_lanes)
+        out_new[i] = static_cast<T>(quiet_nan());
+      for (std::size_t i = std::size_t(lane_id()); want_old && i < grad_old.k_max; i += warp_lanes)
+        out_old[i] = static_cast<T>(quiet_nan());
+      if (lane_id() == 0) {
+        grad_new.log_remainder[r] = static_cast<T>(quiet_nan());
+        if (want_old) grad_old.log_remainder[r] = static_cast<T>(quiet_nan());
+        if (grad_eps != nullptr) grad_eps[r] = static_cast<T>(quiet_nan());
+      }
+      continue;
+    }
+    const bool projected = s.status == row_status::projected;
+    const double mu = s.mu;
+    double_pair sums;
+    for (int i = lane_id(); i <= row.count; i += warp_lanes) {
+      double a, b;
+      row.at(i, a, b);
+      const double l = i < row.count ? static_cast<double>(lp_row[i]) : lr;
+      if (!(l > neg_inf()) || (a == neg_inf() && b == neg_inf())) continue;
+      const double g = i < row.count ? static_cast<double>(g_row[i]) : g_r;
+      sums.first += g;
+      sums.second += g * ((a - b) - mu);
+    }
+    sums = warp_all_reduce(sums, add_pair{});
+    const double t = projected ? s.t : 1.0;
+    const double h_over_var = projected ? sums.second / s.sigma2 : 0.0;
+    const double old_max = scan.old.lse.m, log_sum_old = old_log_sum(scan);
+    for (int i = lane_id(); i <= row.count; i += warp_lanes) {
+      double a, b;
+      row.at(i, a, b);
+      double gn = 0.0, go = 0.0;
+      if (!(a == neg_inf() && b == neg_inf())) {
+        const double l = i < row.count ? static_cast<double>(lp_row[i]) : lr;
+        const bool on_support = l > neg_inf();
+        const double pi = on_support ? ::exp(l) : 0.0;
+        const double centred = on_support ? (a - b) - mu : 0.0;
+        const double gb = on_support ? (i < row.count ? static_cast<double>(g_row[i]) : g_r) : 0.0;
+        const double explicit_part = gb - pi * sums.first;
+        gn = t * (explicit_part - pi * centred * h_over_var);
+        if (projected) {
+          const double q = b > neg_inf() ? ::exp((b - old_max) - log_sum_old) : 0.0;
+          const double log_ratio = t * centred + s.kl_after;
+          const double pi_minus_q = !on_support ? -q : (::fabs(log_ratio) < 0.5 ? q * ::expm1(log_ratio) : pi - q);
+          const double dt_dold = -((1.0 - t) * t * pi * centred - pi_minus_q) / (t * s.sigma2);
+          go = (1.0 - t) * explicit_part + sums.second * dt_dold;
+        }
+      }
+      if (i < row.count) {
+        out_new[i] = static_cast<T>(gn);
+        if (want_old) out_old[i] = static_cast<T>(go);
+      } else {
+        grad_new.log_remainder[r] = static_cast<T>(gn);
+        if (want_old) grad_old.log_remainder[r] = static_cast<T>(go);
+      }
+    }
+    for (std::size_t i = std::size_t(row.count) + std::size_t(lane_id()); i < grad_new.k_max; i += warp_lanes)
+      out_new[i] = T(0);
+    for (std::size_t i = std::size_t(row.count) + std::size_t(lane_id()); want_old && i < grad_old.k_max;
+         i += warp_lanes)
+      out_old[i] = T(0);
+    if (lane_id() == 0 && grad_eps != nullptr)
+      grad_eps[r] = static_cast<T>(projected ? sums.second / (s.t * s.sigma2) : 0.0);
+  }
+}
+
+}  // namespace cuda
+}  // namespace detail
+TROLL_END_NAMESPACE
