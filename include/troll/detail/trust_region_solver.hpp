@@ -124,11 +124,28 @@ TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setu
     } else {
       hi = t;
     }
-    // Newton on g(t) = sqrt(KL(t)) − sqrt(ε), nearly linear in t where KL ≈ t² σ² / 2;
-    // g'(t) = t σ²(t) / (2 sqrt(KL)).
-    const double root_kl = ::sqrt(maximum(point.kl, 1e-300));
-    const double slope = t * point.sigma2 / (2.0 * root_kl);
-    double next = slope > 0.0 ? t - (root_kl - sqrt_eps) / slope : lo;
+    // Two Newton steps on transforms of KL, each exact for one shape of the curve:
+    //   on sqrt(KL) − sqrt(ε), exact where KL ≈ a t² (smooth rows, small t);
+    //   on log(KL) − log(ε),   exact where KL ≈ a e^{bt} (a sharp q whose mode is about to be
+    //   overtaken: KL stays tiny, then rises by orders of magnitude within a short interval).
+    // Near the root the sqrt transform is the flatter one (fewer steps on smooth rows); far above
+    // it (KL > 4ε) the sqrt step crawls along exponential stretches, so the log step leads there.
+    // Whichever leads, the other is the fallback when the first leaves the bracket, and bisection
+    // the last resort. dKL/dt = t σ²(t). (On the test corpus this cut the worst case from 21 to
+    // 16 evaluations and left smooth rows unchanged; docs/iterations.md.)
+    const double kl_pos = maximum(point.kl, 1e-300);
+    const double dkl = t * point.sigma2;
+    double next = lo;
+    if (dkl > 0.0) {
+      const double root_kl = ::sqrt(kl_pos);
+      const double sqrt_step = (root_kl - sqrt_eps) * 2.0 * root_kl / dkl;
+      const double log_step = ::log(kl_pos / eps) * kl_pos / dkl;
+      const bool far_above = point.kl > 4.0 * eps;
+      const double first = far_above ? log_step : sqrt_step;
+      const double second = far_above ? sqrt_step : log_step;
+      next = t - first;
+      if (!(next > lo && next < hi)) next = t - second;
+    }
     if (!(next > lo && next < hi)) {
       next = lo > 0.0 ? (hi > 4.0 * lo ? ::sqrt(lo * hi) : 0.5 * (lo + hi)) : 0.125 * hi;
     }
