@@ -1,0 +1,417 @@
+// tests/cuda/test_cuda_sparse.cu — the CUDA sparse path (troll/cuda_sparse.cuh) against the CPU
+// backend: sparsify from fp32, fp16 and bf16 logits (the CPU fed the same values as float), align
+// (sparse and dense), kl, project, project_backward and sparsify_backward, device reports and
+// the checked mode. Without a CUDA device the "device" suite is skipped as in
+// test_cuda_projection.cu ("SKIPPED: no CUDA device", exit 0). Tolerances: docs/cuda.md.
+#define DOCTEST_CONFIG_IMPLEMENT
+#define EIGEN_NO_CUDA  // Eigen serves the CPU reference only (see test_cuda_projection.cu)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#include <doctest/doctest.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "troll/cuda.cuh"
+#include "troll/sparse.hpp"
+
+namespace {
+
+
+#define CUDA_REQUIRE(call)                                                                            \
+  do {                                                                                                \
+    const cudaError_t cuda_status_ = (call);                                                          \
+    REQUIRE_MESSAGE(cuda_status_ == cudaSuccess, #call, ": ", cudaGetErrorString(cuda_status_));      \
+  } while (false)
+
+template <class T>
+class device_array {
+ public:
+  explicit device_array(std::size_t n) : size_(n) {
+    CUDA_REQUIRE(cudaMalloc(reinterpret_cast<void**>(&data_), std::max<std::size_t>(n, 1) * sizeof(T)));
+  }
+  explicit device_array(const std::vector<T>& host) : device_array(host.size()) {
+    CUDA_REQUIRE(cudaMemcpy(data_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  device_array(const device_array&) = delete;
+  device_array& operator=(const device_array&) = delete;
+  ~device_array() { cudaFree(data_); }
+  T* get() const { return data_; }
+  std::vector<T> download() const {
+    std::vector<T> host(size_);
+    CUDA_REQUIRE(cudaMemcpy(host.data(), data_, size_ * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+  }
+
+ private:
+  T* data_ = nullptr;
+  std::size_t size_;
+};
+
+/// A sparse batch on the host and its device copy (upload / download by hand).
+template <class T>
+struct sparse_pair {
+  std::size_t rows, k_max, vocab;
+  std::vector<troll::sparse_index> indices, counts;
+  std::vector<T> log_probs, log_remainder;
+  device_array<troll::sparse_index> d_indices, d_counts;
+  device_array<T> d_log_probs, d_log_remainder;
+
+  sparse_pair(std::size_t n, std::size_t k, std::size_t v)
+      : rows(n), k_max(k), vocab(v), indices(n * k, -7), counts(n, -7), log_probs(n * k, T(-7)),
+        log_remainder(n, T(-7)), d_indices(n * k), d_counts(n), d_log_probs(n * k), d_log_remainder(n) {}
+  troll::sparse_batch_view<T> host() {
+    return {indices.data(), log_probs.data(), counts.data(), log_remainder.data(), rows, k_max, vocab};
+  }
+  troll::sparse_batch_view<T> device() {
+    return {d_indices.get(), d_log_probs.get(), d_counts.get(), d_log_remainder.get(), rows, k_max, vocab};
+  }
+  void upload() {
+    CUDA_REQUIRE(cudaMemcpy(d_indices.get(), indices.data(), indices.size() * sizeof(troll::sparse_index), cudaMemcpyHostToDevice));
+    CUDA_REQUIRE(cudaMemcpy(d_counts.get(), counts.data(), counts.size() * sizeof(troll::sparse_index), cudaMemcpyHostToDevice));
+    CUDA_REQUIRE(cudaMemcpy(d_log_probs.get(), log_probs.data(), log_probs.size() * sizeof(T), cudaMemcpyHostToDevice));
+    CUDA_REQUIRE(cudaMemcpy(d_log_remainder.get(), log_remainder.data(), log_remainder.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+};
+
+/// |got − want| ≤ atol + rtol·|want|, with equal infinities.
+bool close(double got, double want, double atol, double rtol) {
+  if (std::isinf(want) || std::isinf(got)) return got == want;
+  return std::fabs(got - want) <= atol + rtol * std::fabs(want);
+}
+
+/// LLM-like rows: a Zipf-shaped head over a random permutation, Gaussian noise, a few masked
+/// tokens; values already rounded through the device element type L (so the CPU sees the same).
+template <class L>
+std::vector<float> llm_rows(std::size_t rows, std::size_t vocab, unsigned seed, std::vector<L>& device_values) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> noise(0.0f, 1.0f);
+  std::vector<float> host(rows * vocab);
+  device_values.resize(rows * vocab);
+  std::vector<std::size_t> perm(vocab);
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t i = 0; i < vocab; ++i) perm[i] = i;
+    std::shuffle(perm.begin(), perm.end(), gen);
+    const float sharp = 1.0f + 0.5f * float(r % 4);
+    for (std::size_t i = 0; i < vocab; ++i) {
+      float z = -sharp * 2.0f * std::log(1.0f + float(perm[i])) + 0.3f * noise(gen);
+      if (r % 3 == 1 && i % 97 == 5) z = -std::numeric_limits<float>::infinity();
+      const L stored = L(z);
+      device_values[r * vocab + i] = stored;
+      host[r * vocab + i] = float(stored);
+    }
+  }
+  return host;
+}
+
+struct test_stream {
+  cudaStream_t stream = nullptr;
+  test_stream() { CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
+  ~test_stream() { cudaStreamDestroy(stream); }
+};
+
+/// sparsify on the device (logits of type L) against the CPU on the same values as float.
+template <class L>
+void check_sparsify(std::size_t rows, std::size_t vocab, int k, double delta, bool with_sampled, unsigned seed) {
+  CAPTURE(vocab);
+  CAPTURE(k);
+  CAPTURE(delta);
+  test_stream s;
+  std::vector<L> values;
+  const std::vector<float> host = llm_rows<L>(rows, vocab, seed, values);
+  std::vector<troll::sparse_index> sampled(rows);
+  for (std::size_t r = 0; r < rows; ++r) sampled[r] = troll::sparse_index((r * 7919 + 13) % vocab);
+  const std::size_t k_max = std::size_t(k) + 1;
+  sparse_pair<float> want(rows, k_max, vocab), got(rows, k_max, vocab);
+  const troll::sparsify_options options{k, delta};
+  troll::sparsify(troll::cpu, troll::make_batch(host.data(), rows, vocab), with_sampled ? sampled.data() : nullptr,
+                  options, want.host());
+  device_array<L> d_values(values);
+  device_array<troll::sparse_index> d_sampled(sampled);
+  device_array<troll::cuda_row_report> reports(rows);
+  troll::sparsify(troll::cuda.on(s.stream), troll::make_batch<const L>(d_values.get(), rows, vocab),
+                  with_sampled ? d_sampled.get() : nullptr, options, got.device(), troll::cuda_checks{reports.get()});
+  CUDA_REQUIRE(cudaStreamSynchronize(s.stream));
+  const auto counts = got.d_counts.download();
+  const auto indices = got.d_indices.download();
+  const auto log_probs = got.d_log_probs.download();
+  const auto remainder = got.d_log_remainder.download();
+  const auto rep = reports.download();
+  for (std::size_t r = 0; r < rows; ++r) {
+    CAPTURE(r);
+    REQUIRE(rep[r].error == troll::cuda_row_error::none);
+    REQUIRE(counts[r] == want.counts[r]);
+    for (std::size_t i = 0; i < k_max; ++i) {
+      CHECK(indices[r * k_max + i] == want.indices[r * k_max + i]);
+      CHECK_MESSAGE(close(log_probs[r * k_max + i], want.log_probs[r * k_max + i], 2e-6, 1e-5), "entry ", i);
+    }
+    // Float exp per token, double sums: the tail's log-mass to ~1e-6 relative.
+    CHECK_MESSAGE(close(remainder[r], want.log_remainder[r], 4e-6, 1e-5), remainder[r], " vs ", want.log_remainder[r]);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("cuda sparse: device availability") {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess || count == 0)
+    MESSAGE("SKIPPED: no CUDA device; every case of the \"device\" test suite is skipped");
+}
+
+TEST_CASE("cuda sparse entry points check shapes and options on the host, before any CUDA call") {
+  float* fake = reinterpret_cast<float*>(std::uintptr_t(256));
+  troll::sparse_index* fake_index = reinterpret_cast<troll::sparse_index*>(std::uintptr_t(512));
+  const troll::sparse_batch_view<float> out{fake_index, fake, fake_index, fake, 3, 4, 10};
+  const auto logits = troll::make_batch<const float>(fake, 3, 10);
+  CHECK_THROWS_AS(troll::sparsify(troll::cuda, logits, nullptr, troll::sparsify_options{0, 1e-5}, out),
+                  troll::domain_error);
+  CHECK_THROWS_AS(troll::sparsify(troll::cuda, logits, nullptr, troll::sparsify_options{8, 1e-5}, out),
+                  troll::shape_error);  // k_max 4 < k 8
+  const troll::aligned_batch_view<float> aligned{fake_index, fake_index, fake, fake, fake, fake, 3, 4, 10};
+  CHECK_THROWS_AS(troll::project(troll::cuda, aligned, -1.0, out, reinterpret_cast<troll::projection_stats*>(fake)),
+                  troll::domain_error);
+  const troll::sparse_batch_view<float> other_vocab{fake_index, fake, fake_index, fake, 3, 4, 11};
+  CHECK_THROWS_AS(troll::align(troll::cuda, out, other_vocab, aligned), troll::shape_error);
+}
+
+TEST_CASE("cuda sparse reports become the CPU's exceptions and messages") {
+  troll::detail::cuda::sparse_thrower thrower{{"new", "old"}, 10};
+  troll::cuda_row_report report;
+  report.error = troll::cuda_row_error::sparse_duplicate;
+  report.operand = 1;
+  report.token = 3;
+  report.value = 17;
+  std::string message;
+  try {
+    thrower("align", 2, report, nullptr);
+  } catch (const troll::shape_error& e) {
+    message = e.what();
+    CHECK(e.row() == 2);
+  }
+  CHECK(message.find("old: entry 3 repeats token index 17") != std::string::npos);
+  report.error = troll::cuda_row_error::sparse_nan;
+  report.operand = 0;
+  report.token = ~0ull;
+  CHECK_THROWS_WITH_AS(thrower("align", 0, report, nullptr), doctest::Contains("new log_remainder is NaN"),
+                       troll::domain_error);
+  report.error = troll::cuda_row_error::bad_sampled;
+  report.value = 12;
+  CHECK_THROWS_WITH_AS(thrower("sparsify", 1, report, nullptr), doctest::Contains("sampled token 12 is outside"),
+                       troll::domain_error);
+}
+
+TEST_SUITE("device") {
+  TEST_CASE("cuda sparsify matches the CPU for float, fp16 and bf16 logits") {
+    check_sparsify<float>(12, 1000, 64, 1e-5, true, 1);
+    check_sparsify<float>(6, 5000, 256, 0.0, false, 2);
+    check_sparsify<float>(9, 7, 4, 1e-3, true, 3);
+    check_sparsify<__half>(12, 5000, 64, 1e-5, true, 4);
+    check_sparsify<__nv_bfloat16>(12, 5000, 64, 1e-5, true, 5);  // bf16: many tied logits
+    check_sparsify<__nv_bfloat16>(3, 151936, 64, 1e-5, true, 6);
+  }
+
+  TEST_CASE("cuda align, kl, project, project_backward and sparsify_backward match the CPU") {
+    test_stream s;
+    const std::size_t rows = 16, vocab = 3000, k = 32, k_max = k + 1, u_max = 2 * k_max;
+    std::vector<double> values_new, values_old;
+    const std::vector<float> fn = llm_rows<double>(rows, vocab, 11, values_new);
+    const std::vector<float> fo = llm_rows<double>(rows, vocab, 12, values_old);
+    std::vector<double> zn(fn.begin(), fn.end()), zo(fo.begin(), fo.end());
+    for (std::size_t i = 0; i < zn.size(); ++i) zn[i] = 0.8 * zn[i] + 0.2 * zo[i];  // overlapping supports
+    std::vector<troll::sparse_index> sampled(rows, 3);
+    const troll::sparsify_options options{int(k), 1e-5};
+    sparse_pair<double> sn(rows, k_max, vocab), so(rows, k_max, vocab);
+    troll::sparsify(troll::cpu, troll::make_batch<const double>(zn.data(), rows, vocab), sampled.data(), options, sn.host());
+    troll::sparsify(troll::cpu, troll::make_batch<const double>(zo.data(), rows, vocab), sampled.data(), options, so.host());
+    sn.upload();
+    so.upload();
+
+    // align(sparse, sparse)
+    struct aligned_owner {
+      std::vector<troll::sparse_index> indices, counts;
+      std::vector<double> ln, lo, rn, ro;
+      aligned_owner(std::size_t n, std::size_t kk) : indices(n * kk), counts(n), ln(n * kk), lo(n * kk), rn(n), ro(n) {}
+    };
+    aligned_owner want(rows, u_max);
+    const troll::aligned_batch_view<double> want_view{want.indices.data(), want.counts.data(), want.ln.data(),
+                                                      want.lo.data(), want.rn.data(), want.ro.data(), rows, u_max, vocab};
+    troll::align(troll::cpu, sn.host(), so.host(), want_view);
+    device_array<troll::sparse_index> a_idx(rows * u_max), a_cnt(rows);
+    device_array<double> a_ln(rows * u_max), a_lo(rows * u_max), a_rn(rows), a_ro(rows);
+    const troll::aligned_batch_view<double> got_view{a_idx.get(), a_cnt.get(), a_ln.get(), a_lo.get(),
+                                                     a_rn.get(), a_ro.get(), rows, u_max, vocab};
+    troll::align(troll::cuda.on(s.stream), sn.device(), so.device(), got_view, troll::cuda_checked);
+    CHECK(a_idx.download() == want.indices);
+    CHECK(a_cnt.download() == want.counts);
+    CHECK(a_ln.download() == want.ln);  // copies and the same double arithmetic: exact
+    CHECK(a_lo.download() == want.lo);
+    const auto rn = a_rn.download(), ro = a_ro.download();
+    for (std::size_t r = 0; r < rows; ++r) {
+      CHECK(close(rn[r], want.rn[r], 1e-15, 1e-15));
+      CHECK(close(ro[r], want.ro[r], 1e-15, 1e-15));
+    }
+
+    // align(dense new logits, support, old)
+    aligned_owner want_dense(rows, u_max);
+    const troll::aligned_batch_view<double> want_dense_view{want_dense.indices.data(), want_dense.counts.data(),
+                                                            want_dense.ln.data(), want_dense.lo.data(),
+                                                            want_dense.rn.data(), want_dense.ro.data(), rows, u_max, vocab};
+    troll::align(troll::cpu, troll::make_batch<const double>(zn.data(), rows, vocab), sn.host(), so.host(), want_dense_view);
+    device_array<double> d_zn(zn);
+    troll::align(troll::cuda.on(s.stream), troll::make_batch<const double>(d_zn.get(), rows, vocab), sn.device(),
+                 so.device(), got_view, troll::cuda_checked);
+    CHECK(a_idx.download() == want_dense.indices);
+    {
+      const auto ln = a_ln.download(), rnd = a_rn.download();
+      for (std::size_t i = 0; i < ln.size(); ++i) CHECK(close(ln[i], want_dense.ln[i], 1e-12, 1e-12));
+      for (std::size_t r = 0; r < rows; ++r) CHECK(close(rnd[r], want_dense.rn[r], 1e-12, 1e-12));
+    }
+
+    // kl and project of the (CPU-aligned) rows, uploaded as they are
+    device_array<troll::sparse_index> w_idx(want.indices), w_cnt(want.counts);
+    device_array<double> w_ln(want.ln), w_lo(want.lo), w_rn(want.rn), w_ro(want.ro);
+    const troll::aligned_batch_view<const double> rows_dev{w_idx.get(), w_cnt.get(), w_ln.get(), w_lo.get(),
+                                                           w_rn.get(), w_ro.get(), rows, u_max, vocab};
+    std::vector<double> kl_want(rows);
+    troll::kl(troll::cpu, want_view, kl_want.data());
+    device_array<double> kl_got(rows);
+    troll::kl(troll::cuda.on(s.stream), rows_dev, kl_got.get(), troll::cuda_checked);
+    const auto kl_values = kl_got.download();
+    for (std::size_t r = 0; r < rows; ++r) CHECK(close(kl_values[r], kl_want[r], 1e-13, 1e-10));
+
+    for (const double eps : {0.01, 0.05, 0.5}) {
+      CAPTURE(eps);
+      sparse_pair<double> pw(rows, u_max, vocab), pg(rows, u_max, vocab);
+      std::vector<troll::projection_stats> st_want(rows);
+      troll::project(troll::cpu, want_view, eps, pw.host(), st_want.data());
+      device_array<troll::projection_stats> st_got(rows);
+      troll::project(troll::cuda.on(s.stream), rows_dev, eps, pg.device(), st_got.get(), troll::projection_options{},
+                     troll::cuda_checked);
+      const auto st = st_got.download();
+      const auto lp = pg.d_log_probs.download(), lr = pg.d_log_remainder.download();
+      CHECK(pg.d_indices.download() == pw.indices);
+      for (std::size_t r = 0; r < rows; ++r) {
+        CAPTURE(r);
+        REQUIRE(st[r].status == st_want[r].status);
+        CHECK(close(st[r].t, st_want[r].t, 1e-9, 1e-8));
+        if (st[r].status == troll::row_status::projected) CHECK(std::fabs(st[r].kl_after - eps) <= 1e-13 + 1e-10 * eps);
+        for (std::size_t i = 0; i < u_max; ++i) CHECK(close(lp[r * u_max + i], pw.log_probs[r * u_max + i], 1e-8, 1e-8));
+        CHECK(close(lr[r], pw.log_remainder[r], 1e-8, 1e-8));
+      }
+
+      // backward, fed the CPU forward
+      std::mt19937 gen(7);
+      std::normal_distribution<double> normal;
+      std::vector<double> g(rows * u_max), g_r(rows);
+      for (auto& x : g) x = normal(gen);
+      for (auto& x : g_r) x = normal(gen);
+      std::vector<double> gn_want(rows * u_max), go_want(rows * u_max), gnr_want(rows), gor_want(rows), ge_want(rows);
+      troll::project_backward(troll::cpu, want_view, pw.host(), st_want.data(),
+                              troll::sparse_grad_view<double>{g.data(), g_r.data(), rows, u_max},
+                              troll::sparse_grad_view<double>{gn_want.data(), gnr_want.data(), rows, u_max},
+                              troll::sparse_grad_view<double>{go_want.data(), gor_want.data(), rows, u_max},
+                              ge_want.data());
+      pw.upload();
+      device_array<troll::projection_stats> d_st(st_want);
+      device_array<double> d_g(g), d_gr(g_r), d_gn(rows * u_max), d_gnr(rows), d_go(rows * u_max), d_gor(rows),
+          d_ge(rows);
+      troll::project_backward(troll::cuda.on(s.stream), rows_dev, pw.device(), d_st.get(),
+                              troll::sparse_grad_view<double>{d_g.get(), d_gr.get(), rows, u_max},
+                              troll::sparse_grad_view<double>{d_gn.get(), d_gnr.get(), rows, u_max},
+                              troll::sparse_grad_view<double>{d_go.get(), d_gor.get(), rows, u_max}, d_ge.get(),
+                              troll::cuda_checked);
+      const auto gn = d_gn.download(), go = d_go.download(), gnr = d_gnr.download(), gor = d_gor.download(),
+                 ge = d_ge.download();
+      for (std::size_t i = 0; i < gn.size(); ++i) {
+        CHECK(close(gn[i], gn_want[i], 1e-10, 1e-9));
+        CHECK(close(go[i], go_want[i], 1e-10, 1e-9));
+      }
+      for (std::size_t r = 0; r < rows; ++r) {
+        CHECK(close(gnr[r], gnr_want[r], 1e-10, 1e-9));
+        CHECK(close(gor[r], gor_want[r], 1e-10, 1e-9));
+        CHECK(close(ge[r], ge_want[r], 1e-10, 1e-9));
+      }
+    }
+
+    // sparsify_backward of the new rows' support
+    std::mt19937 gen(9);
+    std::normal_distribution<double> normal;
+    std::vector<double> g(rows * k_max), g_r(rows), dz_want(rows * vocab);
+    for (auto& x : g) x = normal(gen);
+    for (auto& x : g_r) x = normal(gen);
+    troll::sparsify_backward(troll::cpu, troll::make_batch<const double>(zn.data(), rows, vocab), sn.host(),
+                             troll::sparse_grad_view<double>{g.data(), g_r.data(), rows, k_max},
+                             troll::make_batch(dz_want.data(), rows, vocab));
+    device_array<double> d_g(g), d_gr(g_r), d_dz(rows * vocab);
+    troll::sparsify_backward(troll::cuda.on(s.stream), troll::make_batch<const double>(d_zn.get(), rows, vocab),
+                             sn.device(), troll::sparse_grad_view<double>{d_g.get(), d_gr.get(), rows, k_max},
+                             troll::make_batch(d_dz.get(), rows, vocab), troll::cuda_checked);
+    const auto dz = d_dz.download();
+    for (std::size_t i = 0; i < dz.size(); ++i) CHECK(close(dz[i], dz_want[i], 1e-13, 1e-10));
+  }
+
+  TEST_CASE("cuda sparsify reports bad rows and throws the CPU's exception in checked mode") {
+    test_stream s;
+    const std::size_t rows = 4, vocab = 300;
+    std::vector<float> z(rows * vocab, -1.0f);
+    z[2 * vocab + 17] = std::numeric_limits<float>::quiet_NaN();
+    for (std::size_t i = 0; i < vocab; ++i) z[3 * vocab + i] = -std::numeric_limits<float>::infinity();
+    device_array<float> dz(z);
+    sparse_pair<float> out(rows, 8, vocab);
+    device_array<troll::cuda_row_report> reports(rows);
+    device_array<unsigned long long> first_bad(1);
+    const auto view = troll::make_batch<const float>(dz.get(), rows, vocab);
+    troll::sparsify(troll::cuda.on(s.stream), view, nullptr, troll::sparsify_options{8, 1e-5}, out.device(),
+                    troll::cuda_checks{reports.get(), first_bad.get()});
+    const auto rep = reports.download();
+    CHECK(rep[0].error == troll::cuda_row_error::none);
+    CHECK(rep[2].error == troll::cuda_row_error::nan_value);
+    CHECK(rep[2].token == 17);
+    CHECK(rep[3].error == troll::cuda_row_error::all_masked);
+    CHECK(first_bad.download()[0] == 2);
+    CHECK(out.d_counts.download()[2] == 0);
+    std::string cpu_message;
+    try {
+      sparse_pair<float> host_out(rows, 8, vocab);
+      troll::sparsify(troll::cpu, troll::make_batch<const float>(z.data(), rows, vocab), nullptr,
+                      troll::sparsify_options{8, 1e-5}, host_out.host());
+    } catch (const troll::domain_error& e) {
+      cpu_message = e.what();
+    }
+    CHECK_THROWS_WITH_AS(troll::sparsify(troll::cuda.on(s.stream), view, nullptr, troll::sparsify_options{8, 1e-5},
+                                         out.device(), troll::cuda_checked),
+                         cpu_message.c_str(), troll::domain_error);
+  }
+}
+
+int main(int argc, char** argv) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  const bool has_device = status == cudaSuccess && count > 0;
+  cudaGetLastError();
+  doctest::Context context;
+  if (!has_device) {
+    std::printf("SKIPPED: no CUDA device (%s): the \"device\" test suite of %s is skipped; only the "
+                "host-side checks run.\n",
+                status == cudaSuccess ? "0 devices" : cudaGetErrorString(status), __FILE__);
+    context.addFilter("test-suite-exclude", "device");
+  }
+  context.applyCommandLine(argc, argv);
+  const int result = context.run();
+  if (!has_device) std::printf("SKIPPED: no CUDA device; nothing in this binary ran on a GPU.\n");
+  return result;
+}
