@@ -179,7 +179,8 @@ struct objective_problem {
 }
 
 /// The per-row part of the checks shared by every objective: mask, token, advantage, sequence
-/// order, the old logit at the sampled token. Logit rows are checked by the caller.
+/// order, the old logit at the sampled token (skipped when `old_row` is null: sparse old rows
+/// check their own entry). Logit rows are checked by the caller.
 template <class T>
 objective_problem check_token_row(const token_batch<T>& in, std::size_t r, std::size_t size,
                                   const T* old_row) {
@@ -210,7 +211,7 @@ objective_problem check_token_row(const token_batch<T>& in, std::size_t r, std::
     p.value = adv;
     return p;
   }
-  if (is_masked(static_cast<double>(old_row[a]))) {
+  if (old_row != nullptr && is_masked(static_cast<double>(old_row[a]))) {
     p.what = k::old_token_masked;
     p.value = double(a);
   }

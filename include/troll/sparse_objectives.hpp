@@ -1,0 +1,601 @@
+// troll/sparse_objectives.hpp — TROLL's objective on the sparse path that trainers run (math.md
+// §4, §5): dense new logits (N × V) against sparse old rows (top-K + remainder bucket, as stored
+// from the rollout policy). Per row, in one fused pass each way:
+//
+//   forward   U = top-K(z̃) ∪ S_old → gather exact log p̃ on U and the exact tail mass over V∖U
+//             → project the |U|+1 lumped categories → ℓ = −(π*_a / q_a)·A + α·KL(p̃ ‖ stopgrad(π*))
+//   backward  ∂ℓ/∂(lumped log p̃) (objective_row.hpp, as on dense rows) → the §4 scatter to every
+//             dense logit: ∂ℓ/∂z̃_k = [k∈U] g_k + [k∉U] g_R p̃_k/r̃ − p̃_k (Σ_U g_i + g_R)
+//
+// Same batch inputs (token_batch), aggregation and metrics as the dense objective (objectives.hpp).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "batch.hpp"
+#include "config.hpp"
+#include "detail/cpu/objective_kernels.hpp"
+#include "detail/cpu/parallel.hpp"
+#include "detail/cpu/row_kernels.hpp"
+#include "detail/cpu/sparse_kernels.hpp"
+#include "detail/objective_row.hpp"
+#include "detail/row_problem.hpp"
+#include "detail/sparse_row.hpp"
+#include "errors.hpp"
+#include "execution.hpp"
+#include "objectives.hpp"
+#include "projection_types.hpp"
+#include "sparse.hpp"
+
+// GCC 12 reports (maybe-)uninitialized false positives inside Eigen's packet maths over the
+// fixed-capacity block arrays of the row scan below (as in the kernels it calls); every block
+// is fully assigned before use.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
+TROLL_BEGIN_NAMESPACE
+
+/// TROLL's objective on sparse rows: ε, α and the projection options as in
+/// trust_region_objective, plus how the new row's own support joins U. The union is
+///   U = S_new ∪ S_old,  S_new = the sparsify prefix of the new logits (at most new_support.k
+///   tokens, mass ≥ 1 − new_support.delta; k = 0: S_new = ∅ and U = S_old),
+/// so mass the new policy moved onto tokens outside the old support is seen exactly instead of
+/// being lumped into the bucket. S_new is piecewise constant in the logits: no gradient flows
+/// through the choice of support, only through the gathered values.
+struct sparse_trust_region_objective {
+  double eps = 0.05;
+  double alpha = 1.0;
+  projection_options projection{};
+  sparsify_options new_support{};  ///< k = 64, δ = 1e-5; k may be 0 here
+};
+
+namespace detail {
+
+inline trust_region_objective dense_part(const sparse_trust_region_objective& o) {
+  trust_region_objective d;
+  d.eps = o.eps;
+  d.alpha = o.alpha;
+  d.projection = o.projection;
+  return d;
+}
+
+inline void check_sparse_objective(const char* fn, const sparse_trust_region_objective& o) {
+  check_trust_region(fn, dense_part(o));
+  if (o.new_support.k != 0) {
+    check_sparsify_options(fn, o.new_support);
+  } else if (!(o.new_support.delta >= 0.0 && o.new_support.delta < 1.0)) {
+    throw domain_error(std::string("troll::") + fn + ": new_support.delta must be in [0, 1), got " +
+                       std::to_string(o.new_support.delta));
+  }
+}
+
+/// What can be wrong with one row of a sparse objective call.
+struct sparse_objective_problem {
+  enum class kind {
+    none,
+    token,               // `token`: mask, token, advantage, order, new logits, lumped rows, stats
+    sparse,              // `sparse`: a bad sparse row (old, aligned or log_probs)
+    capacity,            // aligned / log_probs cannot hold U (value = entries needed)
+    not_in_support,      // the sampled token is not in the old row's support (value = token)
+    not_in_aligned,      // backward: the sampled token is not in U (value = token)
+    old_token_masked,    // the old log-prob of the sampled token is −inf (value = token)
+    log_probs_mismatch,  // backward: log_probs entry `entry` (−1: its count) differs from U
+  };
+  kind what = kind::none;
+  objective_problem token;
+  cpu::sparse_problem sparse;
+  long long value = 0;
+  long long other = 0;  ///< capacity: the smaller k_max; log_probs_mismatch: U's count or token
+  long long entry = -1;
+  explicit operator bool() const { return what != kind::none; }
+};
+
+[[noreturn]] inline void throw_sparse_objective_problem(const char* fn, std::size_t row,
+                                                        const sparse_objective_problem& p) {
+  using k = sparse_objective_problem::kind;
+  const std::string prefix = row_prefix(fn, row);
+  switch (p.what) {
+    case k::token:
+      throw_objective_problem(fn, row, p.token);
+    case k::sparse:
+      throw_sparse_problem(fn, row, p.sparse);
+    case k::capacity:
+      throw shape_error(
+          prefix + "aligned and log_probs have capacity k_max = " + std::to_string(p.other) +
+              " but the row needs up to min(V, |S_old| + "
+              "new_support.k) = " +
+              std::to_string(p.value) + " entries (at most " + std::to_string(sparse_max_entries) +
+              ")",
+          row);
+    case k::not_in_support:
+      throw domain_error(prefix + "sampled token " + std::to_string(p.value) +
+                             " is not in the old row's support: the ratio needs its exact old "
+                             "log-probability (sparsify the old row with the sampled token; "
+                             "sparsify always keeps it)",
+                         row);
+    case k::not_in_aligned:
+      throw domain_error(prefix + "sampled token " + std::to_string(p.value) +
+                             " is not in the aligned support U (pass the aligned rows that "
+                             "objective_forward wrote)",
+                         row);
+    case k::old_token_masked:
+      throw domain_error(prefix + "the old row's log-probability at the sampled token " +
+                             std::to_string(p.value) +
+                             " is -inf: q_a = 0 and the importance ratio is undefined",
+                         row);
+    case k::log_probs_mismatch:
+      throw shape_error(
+          prefix +
+              (p.entry < 0 ? "log_probs has " + std::to_string(p.value) +
+                                 " entries but the aligned row has " + std::to_string(p.other)
+                           : "log_probs entry " + std::to_string(p.entry) + " holds token " +
+                                 std::to_string(p.value) + " but the aligned row holds token " +
+                                 std::to_string(p.other)) +
+              " (pass the log_probs and aligned rows objective_forward wrote)",
+          row);
+    case k::none:
+      break;
+  }
+  throw invalid_input(prefix + "unknown problem", row);
+}
+
+/// One pass over a dense logit row: its first NaN / +inf, whether it has no finite entry, and
+/// whether any entry is −inf (a masked token).
+struct logit_scan {
+  row_problem problem;
+  bool any_masked = false;
+};
+
+template <class T>
+logit_scan scan_logits(const T* z, std::size_t size, const char* operand) {
+  logit_scan s;
+  bool any_finite = false;
+  cpu::for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    if (s.problem) return;
+    const cpu::block_array a = cpu::load(z, begin, count);
+    const double top = a.template maxCoeff<Eigen::PropagateNaN>();
+    if (!(top < inf())) {
+      s.problem = cpu::find_bad_value(z + begin, std::size_t(count), operand);
+      s.problem.token += begin;
+      return;
+    }
+    any_finite = any_finite || top > neg_inf();
+    s.any_masked = s.any_masked || a.minCoeff() == neg_inf();
+  });
+  if (!s.problem && !any_finite) {
+    s.problem.kind = problem_kind::all_masked;
+    s.problem.operand = operand;
+  }
+  return s;
+}
+
+/// Room for one aligned row on the stack (validation builds rows it must not write).
+template <class T>
+struct aligned_row_buffer {
+  sparse_index indices[sparse_max_entries];
+  T new_log_probs[sparse_max_entries];
+  T old_log_probs[sparse_max_entries];
+  T new_log_remainder;
+  T old_log_remainder;
+  sparse_index count;
+
+  aligned_batch_view<T> view(std::size_t vocab) {
+    return aligned_batch_view<T>{indices,
+                                 &count,
+                                 new_log_probs,
+                                 old_log_probs,
+                                 &new_log_remainder,
+                                 &old_log_remainder,
+                                 1,
+                                 std::size_t(sparse_max_entries),
+                                 vocab};
+  }
+};
+
+/// Writes row `r_out` of `out`: U = S_new ∪ S_old (the new row's sparsify prefix, then the old
+/// entries it lacks, as align orders them), the new side gathered exactly from the dense row z
+/// (log p̃_i = z_i − logsumexp(z), bucket = the exact log tail mass over V∖U), the old side
+/// aligned as in align (uniform tail value on U∖S_old, shrunk bucket). Two passes over z (the
+/// sparsify scan, the log-sums). The caller has validated both rows and out's capacity.
+template <class T>
+void gather_aligned_row(const T* z, std::size_t vocab, const sparse_batch_view<const T>& old_rows,
+                        std::size_t r, int new_k, double log_delta,
+                        const aligned_batch_view<T>& out, std::size_t r_out) {
+  sparse_index new_indices[sparsify_max_k + 1];
+  double new_values[sparsify_max_k + 1];
+  int new_count = 0;
+  if (new_k > 0) {
+    sparsify_state st;
+    reset(st, new_k, -1);
+    cpu::sparsify_scan(z, vocab, 0, st);
+    double unused_remainder = 0.0;
+    finalize(st, log_delta, new_indices, new_values, new_count, unused_remainder);
+  }
+  index_slot scratch[sparse_max_entries];
+  int new_pos[sparse_max_entries], old_pos[sparse_max_entries];
+  const int old_count = int(old_rows.count(r));
+  sparse_index* indices = out.indices + r_out * out.k_max;
+  const int u = union_support(new_indices, new_count, old_rows.row_indices(r), old_count, scratch,
+                              indices, new_pos, old_pos);
+  for (int i = 0; i < u; ++i) scratch[i] = index_slot{indices[i], i};
+  sort_by_index(scratch, u);
+  double log_total = 0.0, log_tail = 0.0;
+  cpu::log_sums_outside(z, vocab, scratch, u, log_total, log_tail);
+  const long long m_old = static_cast<long long>(vocab) - old_count;
+  const long long m_u = static_cast<long long>(vocab) - u;
+  const double lr_old = double(old_rows.log_remainder[r]);
+  const double tail_old = tail_log_value(lr_old, m_old);
+  T* ln = out.new_log_probs + r_out * out.k_max;
+  T* lo = out.old_log_probs + r_out * out.k_max;
+  for (int i = 0; i < u; ++i) {
+    ln[i] = T(double(z[indices[i]]) - log_total);
+    lo[i] = old_pos[i] >= 0 ? old_rows.row_log_probs(r)[old_pos[i]] : T(tail_old);
+  }
+  out.counts[r_out] = u;
+  out.new_log_remainder[r_out] = T(log_tail == neg_inf() ? log_tail : log_tail - log_total);
+  out.old_log_remainder[r_out] = T(shrink_log_remainder(lr_old, m_old, m_u));
+  pad_row(indices, ln, std::size_t(u), out.k_max);
+  for (std::size_t i = std::size_t(u); i < out.k_max; ++i) lo[i] = T(neg_inf());
+}
+
+/// The lumped category (index into lumped_pair's arrays) of token `a` of aligned row r, or −1.
+template <class T>
+int lumped_category_of(const aligned_batch_view<const T>& a, std::size_t r, const int* slot, int n,
+                       std::int64_t token) {
+  const sparse_index* indices = a.indices + r * a.k_max;
+  int position = -1;
+  for (int i = 0; i < int(a.counts[r]); ++i)
+    if (indices[i] == token) position = i;
+  if (position < 0) return -1;
+  for (int j = 0; j < n; ++j)
+    if (slot[j] == position) return j;
+  return -1;
+}
+
+/// The checks the projection and the regression term need on the lumped pair of aligned row r:
+/// disjoint supports, infeasibility at eps (when eps > 0) and, with `regression`, new mass on a
+/// category the old row has none on (KL(p̃ ‖ π*) = +inf).
+template <class T>
+objective_problem check_lumped(const aligned_batch_view<const T>& a, std::size_t r, double eps,
+                               bool regression) {
+  double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
+  int slot[sparse_max_entries + 1];
+  const int n = lumped_pair(a, r, zn, zo, slot);
+  objective_problem p;
+  row_setup setup;
+  p.logits = cpu::scan_pair(zn, zo, std::size_t(n), setup, "new (lumped)", "old (lumped)");
+  if (!p.logits && eps > 0.0 && setup.old_only) {
+    const double floor = cpu::min_reachable_kl(zn, zo, std::size_t(n), setup);
+    if (floor >= eps) {
+      p.logits.kind = problem_kind::infeasible;
+      p.logits.value = floor;
+    }
+  }
+  if (p.logits) {
+    p.what = objective_problem::kind::logits;
+  } else if (regression && setup.new_only) {
+    p.what = objective_problem::kind::regression_inf;
+  }
+  return p;
+}
+
+inline sparse_objective_problem as_token_problem(const objective_problem& t) {
+  sparse_objective_problem p;
+  p.what = sparse_objective_problem::kind::token;
+  p.token = t;
+  return p;
+}
+
+inline sparse_objective_problem as_logit_problem(const row_problem& r) {
+  objective_problem t;
+  t.what = objective_problem::kind::logits;
+  t.logits = r;
+  return as_token_problem(t);
+}
+
+}  // namespace detail
+
+/// Forward of TROLL's objective on sparse old rows. For each row r (V = new_logits.cols):
+///   aligned row r  ← U = S_new ∪ S_old with log p̃ gathered exactly from new_logits and the old
+///                    row aligned on U (see sparse_trust_region_objective, align)
+///   log_probs row r ← log π* on U (same order) and its bucket: the projection of the |U|+1
+///                    lumped categories (as sparse project), stats[r] its statistics
+///   ℓ_r = −(π*_a / q_a)·A_r + α·KL(p̃ ‖ π*)  over the lumped categories, q_a the old row's
+///                    probability of the sampled token a, which must be in S_old
+/// aggregated as token_batch::aggregation says; returns the loss and the metrics of the dense
+/// objective (KL before/after, projected fraction, mean η, ...; all on the lumped categories).
+/// aligned, log_probs and stats are kept for objective_backward. `token_loss` (optional, N
+/// entries) receives ℓ_r (0 on rows with mask 0). Capacity: aligned.k_max and log_probs.k_max ≥
+/// min(V, |S_old,r| + new_support.k) for every row, at most 1024. Cost: three passes over each
+/// new row (a check, the sparsify scan, the log-sums) and O(|U|) for the rest.
+/// Throws before writing anything, naming the row: shape_error (shapes, null pointers, capacity,
+/// bad sparse old rows), domain_error (as the dense objective for the token batch and the new
+/// logits; a sampled token missing from S_old or with old log-prob −inf; new mass where the old
+/// row has none while α > 0; bad ε / α / options), infeasible_error (as project).
+template <class T>
+objective_metrics objective_forward(cpu_policy policy,
+                                    const sparse_trust_region_objective& objective,
+                                    input_view<T> new_logits, sparse_input<T> old_rows,
+                                    const token_batch<T>& in, aligned_batch_view<T> aligned,
+                                    sparse_batch_view<T> log_probs, projection_stats* stats,
+                                    T* token_loss = nullptr) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "objective_forward";
+  detail::check_sparse_objective(fn, objective);
+  detail::check_view(fn, "new_logits", new_logits);
+  detail::check_sparse_view(fn, "old", old_rows);
+  detail::check_aligned_view(fn, "aligned", aligned);
+  detail::check_sparse_view(fn, "log_probs", log_probs);
+  const std::size_t rows = new_logits.rows, vocab = new_logits.cols;
+  detail::check_same_rows(fn, "new_logits", rows, "old", old_rows.rows);
+  detail::check_same_rows(fn, "new_logits", rows, "aligned", aligned.rows);
+  detail::check_same_rows(fn, "new_logits", rows, "log_probs", log_probs.rows);
+  if (rows != 0) {
+    detail::check_same_vocab(fn, "new_logits", vocab, "old", old_rows.vocab);
+    detail::check_same_vocab(fn, "new_logits", vocab, "aligned", aligned.vocab);
+    detail::check_same_vocab(fn, "new_logits", vocab, "log_probs", log_probs.vocab);
+    if (in.tokens == nullptr) detail::throw_shape(fn, "tokens is a null pointer");
+    if (in.advantages == nullptr) detail::throw_shape(fn, "advantages is a null pointer");
+    if (in.aggregation == loss_aggregation::sequence_mean && in.sequence_ids == nullptr)
+      detail::throw_shape(
+          fn, "sequence_mean aggregation needs sequence_ids (a null pointer was given)");
+    if (stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  }
+  const int new_k = objective.new_support.k;
+  const double log_delta =
+      objective.new_support.delta > 0.0 ? std::log(objective.new_support.delta) : detail::neg_inf();
+  const std::size_t capacity =
+      std::min({aligned.k_max, log_probs.k_max, std::size_t(sparse_max_entries)});
+  const bool regression = objective.alpha > 0.0;
+
+  using problem_t = detail::sparse_objective_problem;
+  auto problem = [&](std::size_t r) -> problem_t {
+    problem_t p;
+    const detail::objective_problem token =
+        detail::check_token_row(in, r, vocab, static_cast<const T*>(nullptr));
+    if (token) return detail::as_token_problem(token);
+    const detail::logit_scan scan = detail::scan_logits(new_logits.row(r), vocab, "new_logits");
+    if (scan.problem) return detail::as_logit_problem(scan.problem);
+    detail::index_slot scratch[sparse_max_entries];
+    p.sparse = detail::check_sparse_row_of(old_rows, r, "old", scratch);
+    if (p.sparse) {
+      p.what = problem_t::kind::sparse;
+      return p;
+    }
+    const long long count = old_rows.count(r);
+    const long long need = std::min<long long>(static_cast<long long>(vocab), count + new_k);
+    if (need > static_cast<long long>(capacity)) {
+      p.what = problem_t::kind::capacity;
+      p.value = need;
+      p.other = static_cast<long long>(std::min(aligned.k_max, log_probs.k_max));
+      return p;
+    }
+    const T* old_lp = old_rows.row_log_probs(r);
+    if ((in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0) {
+      const std::int64_t a = in.tokens[r];
+      long long at = -1;
+      for (long long i = 0; i < count; ++i)
+        if (old_rows.row_indices(r)[i] == a) at = i;
+      p.value = a;
+      if (at < 0) {
+        p.what = problem_t::kind::not_in_support;
+        return p;
+      }
+      if (detail::is_masked(static_cast<double>(old_lp[at]))) {
+        p.what = problem_t::kind::old_token_masked;
+        return p;
+      }
+    }
+    // Every lumped category is finite on both sides unless something is −inf: then the rows the
+    // projection will see are built (without writing) and checked as project checks them.
+    bool old_masked = detail::is_masked(static_cast<double>(old_rows.log_remainder[r])) &&
+                      count < static_cast<long long>(vocab);
+    for (long long i = 0; i < count && !old_masked; ++i)
+      old_masked = detail::is_masked(static_cast<double>(old_lp[i]));
+    if (scan.any_masked || old_masked) {
+      detail::aligned_row_buffer<T> buffer;
+      const aligned_batch_view<T> one = buffer.view(vocab);
+      detail::gather_aligned_row(new_logits.row(r), vocab, old_rows, r, new_k, log_delta, one, 0);
+      const detail::objective_problem lumped =
+          detail::check_lumped(aligned_batch_view<const T>(one), 0, objective.eps, regression);
+      if (lumped) return detail::as_token_problem(lumped);
+    }
+    p.what = problem_t::kind::none;
+    return p;
+  };
+  const std::size_t bad = detail::cpu::first_bad_row(
+      policy.threads, rows, 2 * vocab, [&](std::size_t r) { return bool(problem(r)); });
+  if (bad != rows) detail::throw_sparse_objective_problem(fn, bad, problem(bad));
+
+  detail::metrics_sum sum;
+  const std::vector<double> c = detail::aggregation_weights(in, rows, 1.0, &sum.m.sequences);
+  std::vector<detail::cpu::troll_row_result> results(rows);
+  const aligned_batch_view<const T> aligned_in = aligned;
+  detail::cpu::parallel_for(policy.threads, rows, 6 * vocab, [&](std::size_t r) {
+    const bool counted = (in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0;
+    detail::gather_aligned_row(new_logits.row(r), vocab, old_rows, r, new_k, log_delta, aligned, r);
+    double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1];
+    int slot[sparse_max_entries + 1];
+    const int n = detail::lumped_pair(aligned_in, r, zn, zo, slot);
+    const int token =
+        counted ? detail::lumped_category_of(aligned_in, r, slot, n, in.tokens[r]) : 0;
+    results[r] = detail::cpu::troll_forward_row(
+        zn, zo, std::size_t(n), objective.eps, objective.projection, counted, token,
+        counted ? static_cast<double>(in.advantages[r]) : 0.0, objective.alpha, lp);
+    stats[r] = results[r].stats;
+    const int count = static_cast<int>(aligned.counts[r]);
+    T* out_lp = log_probs.row_log_probs(r);
+    for (int i = 0; i < count; ++i) {
+      log_probs.row_indices(r)[i] = aligned.indices[r * aligned.k_max + std::size_t(i)];
+      out_lp[i] = T(detail::neg_inf());
+    }
+    log_probs.log_remainder[r] = T(detail::neg_inf());
+    for (int j = 0; j < n; ++j)
+      (slot[j] < count ? out_lp[slot[j]] : log_probs.log_remainder[r]) = T(lp[j]);
+    log_probs.counts[r] = count;
+    detail::pad_row(log_probs.row_indices(r), out_lp, std::size_t(count), log_probs.k_max);
+  });
+  for (std::size_t r = 0; r < rows; ++r) {
+    const double w = in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0;
+    if (token_loss) token_loss[r] = T(w != 0.0 ? results[r].loss : 0.0);
+    if (w == 0.0) continue;
+    const detail::cpu::troll_row_result& x = results[r];
+    sum.add(c[r] * x.loss, x.ratio, x.stats.kl_before, x.stats.kl_after);
+    sum.reg += x.kl_reg;
+    sum.eta += x.stats.active() ? x.stats.eta : 0.0;
+    sum.projected += x.stats.active() ? 1.0 : 0.0;
+  }
+  return sum.finish();
+}
+
+/// Fused backward of the sparse TROLL objective: grad_new (N × V) = grad_loss · ∂L/∂z̃ for the
+/// loss L of objective_forward, from its outputs `aligned`, `log_probs` and `stats` (same inputs
+/// otherwise; the old rows live on in `aligned`). Per row: the dense objective's gradient w.r.t.
+/// the lumped new log-probs (ratio term through the projection's VJP, regression term w.r.t. p̃
+/// with π* held constant), then the scatter of math.md §4 to every dense logit, O(V). Rows with
+/// mask 0 get zero gradients. Throws before writing, naming the row: as objective_forward, plus
+/// shape_error for log_probs rows that do not match the aligned support, domain_error for a
+/// sampled token missing from U, unusable stats or a non-finite grad_loss.
+template <class T>
+void objective_backward(cpu_policy policy, const sparse_trust_region_objective& objective,
+                        input_view<T> new_logits, aligned_input<T> aligned,
+                        const token_batch<T>& in, sparse_input<T> log_probs,
+                        const projection_stats* stats, batch_view<T> grad_new,
+                        double grad_loss = 1.0) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "objective_backward";
+  detail::check_sparse_objective(fn, objective);
+  detail::check_view(fn, "new_logits", new_logits);
+  detail::check_view(fn, "grad_new", grad_new);
+  detail::check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
+  detail::check_aligned_view(fn, "aligned", aligned);
+  detail::check_sparse_view(fn, "log_probs", log_probs);
+  const std::size_t rows = new_logits.rows, vocab = new_logits.cols;
+  detail::check_same_rows(fn, "new_logits", rows, "aligned", aligned.rows);
+  detail::check_same_rows(fn, "new_logits", rows, "log_probs", log_probs.rows);
+  if (rows != 0) {
+    detail::check_same_vocab(fn, "new_logits", vocab, "aligned", aligned.vocab);
+    detail::check_same_vocab(fn, "new_logits", vocab, "log_probs", log_probs.vocab);
+    if (in.tokens == nullptr) detail::throw_shape(fn, "tokens is a null pointer");
+    if (in.advantages == nullptr) detail::throw_shape(fn, "advantages is a null pointer");
+    if (in.aggregation == loss_aggregation::sequence_mean && in.sequence_ids == nullptr)
+      detail::throw_shape(
+          fn, "sequence_mean aggregation needs sequence_ids (a null pointer was given)");
+    if (stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  }
+  if (!(grad_loss - grad_loss == 0.0))
+    throw domain_error("troll::objective_backward: grad_loss is not finite");
+  const bool regression = objective.alpha > 0.0;
+
+  using problem_t = detail::sparse_objective_problem;
+  auto problem = [&](std::size_t r) -> problem_t {
+    problem_t p;
+    const detail::objective_problem token =
+        detail::check_token_row(in, r, vocab, static_cast<const T*>(nullptr));
+    if (token) return detail::as_token_problem(token);
+    const detail::logit_scan scan = detail::scan_logits(new_logits.row(r), vocab, "new_logits");
+    if (scan.problem) return detail::as_logit_problem(scan.problem);
+    detail::index_slot scratch[sparse_max_entries];
+    p.sparse = detail::check_sparse_row_of(aligned.new_side(), r, "aligned (new side)", scratch);
+    if (!p.sparse)
+      p.sparse = detail::check_sparse_row_of(aligned.old_side(), r, "aligned (old side)", scratch);
+    if (!p.sparse) p.sparse = detail::check_sparse_row_of(log_probs, r, "log_probs", scratch);
+    if (p.sparse) {
+      p.what = problem_t::kind::sparse;
+      return p;
+    }
+    const long long count = aligned.counts[r];
+    if (log_probs.count(r) != count) {
+      p.what = problem_t::kind::log_probs_mismatch;
+      p.value = log_probs.count(r);
+      p.other = count;
+      return p;
+    }
+    for (long long i = 0; i < count; ++i) {
+      const sparse_index index = log_probs.row_indices(r)[i];
+      const sparse_index want = aligned.indices[r * aligned.k_max + std::size_t(i)];
+      if (index != want) {
+        p.what = problem_t::kind::log_probs_mismatch;
+        p.entry = i;
+        p.value = index;
+        p.other = want;
+        return p;
+      }
+    }
+    if ((in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0) {
+      const std::int64_t a = in.tokens[r];
+      long long at = -1;
+      for (long long i = 0; i < count; ++i)
+        if (aligned.indices[r * aligned.k_max + std::size_t(i)] == a) at = i;
+      p.value = a;
+      if (at < 0) {
+        p.what = problem_t::kind::not_in_aligned;
+        return p;
+      }
+      if (detail::is_masked(
+              static_cast<double>(aligned.old_log_probs[r * aligned.k_max + std::size_t(at)]))) {
+        p.what = problem_t::kind::old_token_masked;
+        return p;
+      }
+    }
+    const detail::objective_problem lumped = detail::check_lumped(aligned, r, 0.0, regression);
+    if (lumped) return detail::as_token_problem(lumped);
+    const detail::row_problem s = detail::check_stats(stats[r]);
+    if (s) return detail::as_logit_problem(s);
+    return p;
+  };
+  const std::size_t bad = detail::cpu::first_bad_row(
+      policy.threads, rows, vocab, [&](std::size_t r) { return bool(problem(r)); });
+  if (bad != rows) detail::throw_sparse_objective_problem(fn, bad, problem(bad));
+
+  const std::vector<double> c = detail::aggregation_weights(in, rows, grad_loss, nullptr);
+  detail::cpu::parallel_for(policy.threads, rows, 4 * vocab, [&](std::size_t r) {
+    T* out = grad_new.row(r);
+    if (c[r] == 0.0) {
+      for (std::size_t k = 0; k < vocab; ++k) out[k] = T(0);
+      return;
+    }
+    double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lpi[sparse_max_entries + 1],
+        g[sparse_max_entries + 1];
+    int slot[sparse_max_entries + 1];
+    const int n = detail::lumped_pair(aligned, r, zn, zo, slot);
+    const int count = static_cast<int>(aligned.counts[r]);
+    for (int j = 0; j < n; ++j)
+      lpi[j] = double(slot[j] == count ? log_probs.log_remainder[r]
+                                       : log_probs.row_log_probs(r)[slot[j]]);
+    const int token = detail::lumped_category_of(aligned, r, slot, n, in.tokens[r]);
+    detail::cpu::troll_backward_row(zn, zo, lpi, std::size_t(n), stats[r], c[r], token,
+                                    static_cast<double>(in.advantages[r]), objective.alpha, g);
+    // Upstream of the gather: g on U (0 on categories dropped as −inf on both sides) and g_R.
+    T g_support[sparse_max_entries];
+    double g_remainder = 0.0;
+    for (int i = 0; i < count; ++i) g_support[i] = T(0);
+    for (int j = 0; j < n; ++j) {
+      if (slot[j] == count) {
+        g_remainder = g[j];
+      } else {
+        g_support[slot[j]] = T(g[j]);
+      }
+    }
+    detail::index_slot sorted[sparse_max_entries];
+    for (int i = 0; i < count; ++i)
+      sorted[i] = detail::index_slot{aligned.indices[r * aligned.k_max + std::size_t(i)], i};
+    detail::sort_by_index(sorted, count);
+    detail::cpu::sparsify_backward_row(new_logits.row(r), vocab, sorted, count, g_support,
+                                       g_remainder, out);
+  });
+}
+
+TROLL_END_NAMESPACE
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
