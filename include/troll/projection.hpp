@@ -89,3 +89,4 @@ TROLL_END_NAMESPACE
 // The rest of the public API: sparse top-K rows and the training objectives built on project().
 #include "objectives.hpp"
 #include "sparse.hpp"
+#include "sparse_objectives.hpp"

@@ -32,14 +32,7 @@
 #include "projection_types.hpp"
 #include "sparse.hpp"
 
-// GCC 12 reports (maybe-)uninitialized false positives inside Eigen's packet maths over the
-// fixed-capacity block arrays of the row scan below (as in the kernels it calls); every block
-// is fully assigned before use.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+#include "detail/cpu/eigen_warnings_push.inc"
 
 TROLL_BEGIN_NAMESPACE
 
@@ -596,6 +589,4 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
 
 TROLL_END_NAMESPACE
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "detail/cpu/eigen_warnings_pop.inc"

@@ -19,14 +19,7 @@
 #include "../numeric.hpp"
 #include "row_kernels.hpp"
 
-// GCC 12 reports -W(maybe-)uninitialized false positives inside Eigen reductions over the
-// fixed-capacity block arrays used below and inside Eigen's AVX-512 exp; the arrays are always
-// fully assigned before use.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+#include "eigen_warnings_push.inc"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
@@ -186,6 +179,4 @@ inline void jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t si
 }  // namespace detail
 TROLL_END_NAMESPACE
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "eigen_warnings_pop.inc"

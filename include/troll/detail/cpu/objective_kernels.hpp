@@ -14,14 +14,7 @@
 #include "../objective_row.hpp"
 #include "row_kernels.hpp"
 
-// GCC 12 reports (maybe-)uninitialized false positives inside Eigen's AVX-512 packet maths over
-// the fixed-capacity block arrays used below (the "undefined" pass-through operand of the
-// masked intrinsics); the arrays are always fully assigned before use.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+#include "eigen_warnings_push.inc"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
@@ -227,6 +220,4 @@ inline void ratio_backward_row(const T* zn, std::size_t size, double log_norm_ne
 }  // namespace detail
 TROLL_END_NAMESPACE
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "eigen_warnings_pop.inc"

@@ -22,7 +22,9 @@ namespace cpu {
 template <class Body>
 void parallel_for(unsigned threads, std::size_t n, std::size_t work_per_item, Body&& body) {
   constexpr std::size_t min_work_per_thread = std::size_t(1) << 16;
-  unsigned hw = threads != 0 ? threads : std::max(1u, std::thread::hardware_concurrency());
+  // hardware_concurrency() reads /sys on every call; ask once per process.
+  static const unsigned hardware = std::max(1u, std::thread::hardware_concurrency());
+  const unsigned hw = threads != 0 ? threads : hardware;
   const std::size_t total = n * std::max<std::size_t>(work_per_item, 1);
   const std::size_t useful = std::max<std::size_t>(1, total / min_work_per_thread);
   const unsigned count = static_cast<unsigned>(std::min<std::size_t>({hw, n, useful}));

@@ -13,14 +13,7 @@
 #include "../row_problem.hpp"
 #include "../trust_region_solver.hpp"
 
-// GCC 12 reports -W(maybe-)uninitialized false positives inside Eigen reductions over the
-// fixed-capacity block arrays used below and inside Eigen's AVX-512 exp; the arrays are always
-// fully assigned before use.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+#include "eigen_warnings_push.inc"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
@@ -263,6 +256,4 @@ inline double kl_row(const T* zp, const T* zq, std::size_t size, const row_setup
 }  // namespace detail
 TROLL_END_NAMESPACE
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "eigen_warnings_pop.inc"

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -13,13 +14,7 @@
 #include "../sparse_row.hpp"
 #include "row_kernels.hpp"
 
-// GCC 12 with -march=native reports (maybe-)uninitialized false positives inside Eigen's
-// vectorised exp over the fixed-capacity block arrays below; every block is fully assigned.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+#include "eigen_warnings_push.inc"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
@@ -193,13 +188,25 @@ inline void sparsify_backward_row(const T* z, std::size_t size, const index_slot
   log_sums_outside(z, size, sorted, n, log_total, log_tail);
   double sum_g = g_remainder;
   for (int i = 0; i < n; ++i) sum_g += static_cast<double>(g[i]);
-  const bool tail_mass = log_tail > neg_inf();
+  const bool tail_term = log_tail > neg_inf() && g_remainder != 0.0;
+  // p_k / r = p_k · e^{log_total − log_tail}: one exponential per logit unless r is so small
+  // that the factor would overflow (then exp(z_k − log_tail) directly).
+  const double log_inv_r = log_total - log_tail;
+  const bool scale_tail = log_inv_r < 600.0;
+  const double g_over_r = scale_tail ? g_remainder * std::exp(log_inv_r) : 0.0;
   int next = 0;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     const block_array a = load(z, begin, count);
-    const block_array p = (a - log_total).exp();
+    // Eigen's vectorised exp clamps its argument (exp(−inf) ≈ 1e-308): masked logits select 0.
+    const block_array p = (a > neg_inf()).select((a - log_total).exp(), 0.0);
     block_array value = -sum_g * p;
-    if (tail_mass && g_remainder != 0.0) value += g_remainder * (a - log_tail).exp();
+    if (tail_term) {
+      if (scale_tail) {
+        value += g_over_r * p;
+      } else {
+        value += g_remainder * (a > neg_inf()).select((a - log_tail).exp(), 0.0);
+      }
+    }
     while (next < n && std::size_t(sorted[next].index) < begin + std::size_t(count)) {
       const Eigen::Index k = Eigen::Index(std::size_t(sorted[next].index) - begin);
       value[k] = static_cast<double>(g[sorted[next].position]) - sum_g * p[k];
@@ -223,6 +230,4 @@ inline int lumped_row(const T* log_probs, int count, T log_remainder, long long 
 }  // namespace detail
 TROLL_END_NAMESPACE
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "eigen_warnings_pop.inc"
