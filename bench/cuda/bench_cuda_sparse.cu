@@ -150,8 +150,11 @@ void bm_sparse_project_fwd_bwd(benchmark::State& state) {
   cudaMemset(buffers[6], 0, rows * k_max * sizeof(float));
   const troll::aligned_batch_view<float> aligned{d_idx, d_cnt, buffers[0], buffers[1], buffers[2], buffers[3], rows, k_max,
                                                  151936};
-  troll::sparse_index* out_idx = d_idx;  // projection writes the same indices back
-  const troll::sparse_batch_view<float> out{out_idx, buffers[4], d_cnt, buffers[5], rows, k_max, 151936};
+  // The projection writes its own copy of the support: separate buffers, no aliasing of inputs.
+  troll::sparse_index* out_idx = device_alloc<troll::sparse_index>(rows * k_max);
+  troll::sparse_index* out_cnt = device_alloc<troll::sparse_index>(rows);
+  if (!out_idx || !out_cnt) return state.SkipWithError("cudaMalloc failed");
+  const troll::sparse_batch_view<float> out{out_idx, buffers[4], out_cnt, buffers[5], rows, k_max, 151936};
   const troll::sparse_grad_view<float> upstream{buffers[6], buffers[7], rows, k_max};
   const troll::sparse_grad_view<float> grad_new{buffers[8], buffers[9], rows, k_max};
   cudaMemset(buffers[7], 0, rows * sizeof(float));
@@ -165,6 +168,8 @@ void bm_sparse_project_fwd_bwd(benchmark::State& state) {
   cudaStreamDestroy(stream);
   cudaFree(d_idx);
   cudaFree(d_cnt);
+  cudaFree(out_idx);
+  cudaFree(out_cnt);
   cudaFree(stats);
   for (float* b : buffers) cudaFree(b);
 }
