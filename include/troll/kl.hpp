@@ -136,14 +136,20 @@ void kl_backward(cpu_policy policy, input_view<T> p_logits, input_view<T> q_logi
     detail::cpu::for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
       const block_array a = (detail::cpu::load(zp, begin, count) - mp) - sp;  // log p
       const block_array b = (detail::cpu::load(zq, begin, count) - mq) - sq;  // log q
-      // Eigen's vectorised exp clamps its argument (exp(−inf) ≈ 1e-308): masked entries select 0.
-      const block_array p = (a > detail::neg_inf()).select(a.exp(), 0.0);
+      // Eigen's vectorised exp clamps its argument (exp(−inf) ≈ 1e-308), so masked entries are
+      // zeroed by a select; Eigen 3.4 runs selects one coefficient at a time, so only blocks
+      // that hold a masked token pay for one.
+      const bool p_masked = a.minCoeff() == detail::neg_inf();
+      block_array p = a.exp();
+      if (p_masked) p = (a > detail::neg_inf()).select(p, 0.0);
       if (want_p) {
-        const block_array term = (a > detail::neg_inf()).select(p * (a - b - kl_value), 0.0);
+        block_array term = p * (a - b - kl_value);
+        if (p_masked) term = (a > detail::neg_inf()).select(term, 0.0);
         detail::cpu::store(grad_p.row(r), begin, count, g * term);
       }
       if (want_q) {
-        const block_array q = (b > detail::neg_inf()).select(b.exp(), 0.0);
+        block_array q = b.exp();
+        if (b.minCoeff() == detail::neg_inf()) q = (b > detail::neg_inf()).select(q, 0.0);
         detail::cpu::store(grad_q.row(r), begin, count, g * (q - p));
       }
     });

@@ -38,21 +38,37 @@ inline old_normaliser normalise_old(const T* zo, std::size_t size) {
   return n;
 }
 
-/// Everything the backward formulas need from one row at one block.
+/// Everything the backward formulas need from one row at one block. Blocks without a masked
+/// token (the common case) skip every select: Eigen 3.4 evaluates a select with a boolean
+/// condition one coefficient at a time, which would also de-vectorise the exp inside it.
 struct backward_block {
-  block_mask on_support;  // J: log π > −inf
+  bool full = true;       // every token of the block is on J (log π > −inf)
+  block_mask on_support;  // J within the block; meaningful only when !full
   block_array pi;         // π (0 off J)
   block_array centred;    // d − μ (0 off J)
+
+  /// Zeroes `values` off J.
+  void restrict(block_array& values) const {
+    if (!full) values = on_support.select(values, 0.0);
+  }
+  /// J as a mask, also when the block is full.
+  block_mask support(Eigen::Index count) const {
+    return full ? block_mask::Constant(count, true) : on_support;
+  }
 };
 
 template <class T>
 inline void load_backward_block(const T* zn, const T* zo, const T* logp, double mu, std::size_t begin,
                                 Eigen::Index count, backward_block& b) {
   const block_array lp = load(logp, begin, count);
+  b.pi = lp.exp();
+  b.centred = load(zn, begin, count) - load(zo, begin, count) - mu;
+  b.full = lp.minCoeff() > neg_inf();
+  if (b.full) return;
+  // Off J: Eigen's vectorised exp clamps its argument (exp(−inf) ≈ 1e-308) and d may be NaN.
   b.on_support = lp > neg_inf();
-  // Eigen's vectorised exp clamps its argument, so exp(−inf) would come out ~1e-308: select.
-  b.pi = b.on_support.select(lp.exp(), 0.0);
-  b.centred = b.on_support.select(load(zn, begin, count) - load(zo, begin, count) - mu, 0.0);
+  b.restrict(b.pi);
+  b.restrict(b.centred);
 }
 
 /// ∂t/∂z°_j on a block (math at the top of this file); 0 where z° = −inf.
@@ -67,7 +83,7 @@ inline block_array dt_dold_block(const T* zo, const backward_block& b, const pro
   // t(d_j − μ) + KL(π‖q) in double rather than from a π read back from a (float) log π*. Where the
   // ratio is far from 1 there is no cancellation (and q may underflow while the ratio overflows).
   const block_array log_ratio = t * b.centred + s.kl_after;
-  const block_array pi_minus_q = b.on_support.select(
+  const block_array pi_minus_q = b.support(count).select(
       (log_ratio.abs() < 0.5).select(q * log_ratio.min(0.5).expm1(), b.pi - q), -q);
   return -((1.0 - t) * t * b.pi * b.centred - pi_minus_q) / (t * s.sigma2);
 }
@@ -82,7 +98,8 @@ inline void vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
   double sum_g = 0.0, sum_gc = 0.0;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     load_backward_block(zn, zo, logp, mu, begin, count, b);
-    const block_array gb = b.on_support.select(load(g, begin, count), 0.0);
+    block_array gb = load(g, begin, count);
+    b.restrict(gb);
     sum_g += gb.sum();
     if (projected) sum_gc += (gb * b.centred).sum();
   });
@@ -91,7 +108,8 @@ inline void vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
   const old_normaliser on = (projected && grad_old) ? normalise_old(zo, size) : old_normaliser{};
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     load_backward_block(zn, zo, logp, mu, begin, count, b);
-    const block_array gb = b.on_support.select(load(g, begin, count), 0.0);
+    block_array gb = load(g, begin, count);
+    b.restrict(gb);
     const block_array explicit_part = gb - b.pi * sum_g;  // 0 off J since g, π are 0 there
     store(grad_new, begin, count, t * (explicit_part - b.pi * b.centred * h_over_var));
     if (!grad_old) return;
@@ -116,7 +134,8 @@ inline void jvp_row(const T* zn, const T* zo, const T* logp, const T* tn, const 
   double pi_tn = 0.0, pi_to = 0.0, t_dot = 0.0;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     load_backward_block(zn, zo, logp, mu, begin, count, b);
-    const block_array un = b.on_support.select(load(tn, begin, count), 0.0);
+    block_array un = load(tn, begin, count);
+    b.restrict(un);
     pi_tn += (b.pi * un).sum();
     if (!projected) return;
     t_dot -= t / s.sigma2 * (b.pi * b.centred * un).sum();
@@ -130,7 +149,8 @@ inline void jvp_row(const T* zn, const T* zo, const T* logp, const T* tn, const 
     load_backward_block(zn, zo, logp, mu, begin, count, b);
     block_array value = t * (load(tn, begin, count) - pi_tn) + b.centred * t_dot;
     if (projected && to) value += (1.0 - t) * (load(to, begin, count) - pi_to);
-    store(out, begin, count, b.on_support.select(value, 0.0));
+    b.restrict(value);
+    store(out, begin, count, value);
   });
 }
 

@@ -197,14 +197,19 @@ inline void sparsify_backward_row(const T* z, std::size_t size, const index_slot
   int next = 0;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     const block_array a = load(z, begin, count);
-    // Eigen's vectorised exp clamps its argument (exp(−inf) ≈ 1e-308): masked logits select 0.
-    const block_array p = (a > neg_inf()).select((a - log_total).exp(), 0.0);
+    // Eigen's vectorised exp clamps its argument (exp(−inf) ≈ 1e-308): masked logits get 0.
+    // (A select de-vectorises the whole expression in Eigen 3.4: only blocks with a mask pay.)
+    const bool masked = a.minCoeff() == neg_inf();
+    block_array p = (a - log_total).exp();
+    if (masked) p = (a > neg_inf()).select(p, 0.0);
     block_array value = -sum_g * p;
     if (tail_term) {
       if (scale_tail) {
         value += g_over_r * p;
       } else {
-        value += g_remainder * (a > neg_inf()).select((a - log_tail).exp(), 0.0);
+        block_array scaled = (a - log_tail).exp();
+        if (masked) scaled = (a > neg_inf()).select(scaled, 0.0);
+        value += g_remainder * scaled;
       }
     }
     while (next < n && std::size_t(sorted[next].index) < begin + std::size_t(count)) {
