@@ -65,14 +65,7 @@ void project(cpu_policy policy, input_view<T> new_logits, input_view<T> old_logi
              const projection_options& options = {}) {
   detail::require_float_type<T>();
   constexpr const char* fn = "project";
-  detail::check_view(fn, "new_logits", new_logits);
-  detail::check_view(fn, "old_logits", old_logits);
-  detail::check_view(fn, "out_log_probs", out_log_probs);
-  detail::check_same_shape(fn, "new_logits", new_logits, "old_logits", old_logits);
-  detail::check_same_shape(fn, "new_logits", new_logits, "out_log_probs", out_log_probs);
-  if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
-  detail::check_eps(fn, eps);
-  detail::check_options(fn, options);
+  detail::check_projection_arguments(fn, new_logits, old_logits, out_log_probs, stats, eps, options);
   detail::validate_projection_rows(fn, policy.threads, new_logits, old_logits, eps);
 
   const std::size_t size = new_logits.cols;
