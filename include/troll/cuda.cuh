@@ -202,3 +202,5 @@ TROLL_END_NAMESPACE
 
 // The sparse path (sparsify, align, sparse kl / project / backward) under the same policy.
 #include "cuda_sparse.cuh"
+// TROLL's training objective (forward and fused backward) under the same policy.
+#include "cuda_objectives.cuh"

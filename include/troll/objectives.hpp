@@ -28,155 +28,12 @@
 #include "detail/row_problem.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
+#include "objective_types.hpp"
 #include "projection_types.hpp"
 
 TROLL_BEGIN_NAMESPACE
 
-/// How per-token losses become the batch loss. With w_r the loss mask of row r:
-///   token_mean:     L = Σ_r w_r ℓ_r / Σ_r w_r
-///   sequence_mean:  L = (1/S) Σ_s Σ_{r∈s} w_r ℓ_r / Σ_{r∈s} w_r   (S: sequences with Σ w > 0)
-/// An all-zero mask gives L = 0 and zero gradients.
-enum class loss_aggregation { token_mean, sequence_mean };
-
-/// The per-row data of a batch of sampled tokens (N rows, one per token position), all in caller
-/// memory. Rows whose mask is 0 are not read beyond their logits: their token and advantage may be
-/// anything (an ignore index, NaN padding).
-template <class T>
-struct token_batch {
-  const std::int64_t* tokens = nullptr;  ///< sampled token a_r ∈ [0, V), N entries
-  const T* advantages = nullptr;         ///< A_r, finite, N entries
-  const T* loss_mask = nullptr;          ///< w_r ≥ 0 (1/0 or weights), N entries; null: all 1
-  /// Sequence of each row, N entries, non-decreasing (the rows of a sequence are contiguous);
-  /// needed by sequence_mean only. sequence_ids_from_lengths() builds it from lengths.
-  const std::int64_t* sequence_ids = nullptr;
-  loss_aggregation aggregation = loss_aggregation::token_mean;
-};
-
-/// TROLL's objective: the projection bound ε (KL(π*‖q) ≤ ε per token) and the weight α of the
-/// regression term KL(p̃‖stopgrad(π*)) that keeps the network close to its projection.
-struct trust_region_objective {
-  double eps = 0.05;
-  double alpha = 1.0;
-  projection_options projection{};
-};
-
-/// PPO's clipped surrogate with asymmetric bounds ("clip-higher" when clip_high > clip_low) and
-/// the optional dual clip (dual_clip = c > 1 bounds the loss of negative-advantage tokens by −c·A;
-/// 0 turns it off).
-struct ppo_clip_objective {
-  double clip_low = 0.2;
-  double clip_high = 0.2;
-  double dual_clip = 0.0;
-  bool kl_metrics = true;  ///< also compute KL(p̃‖q) per row for the metrics (one more pass)
-};
-
-/// DPPO's divergence estimates (math.md §5), μ = q_a, π = p̃_a.
-enum class dppo_divergence { binary_tv, binary_kl, topk_tv, topk_kl };
-
-/// DPPO: the surrogate r·A with a token masked when its divergence exceeds delta_high while
-/// A > 0 and π > μ, or delta_low while A < 0 and π < μ. Typical bounds: 0.15 for TV, 0.05 for
-/// KL (what dppo_objective::defaults gives). top_k ≤ 256 for the top-K divergences.
-struct dppo_objective {
-  dppo_divergence divergence = dppo_divergence::binary_tv;
-  double delta_low = 0.15;
-  double delta_high = 0.15;
-  int top_k = 20;
-  bool kl_metrics = true;
-
-  static dppo_objective defaults(dppo_divergence d) {
-    const bool tv = d == dppo_divergence::binary_tv || d == dppo_divergence::topk_tv;
-    dppo_objective o;
-    o.divergence = d;
-    o.delta_low = o.delta_high = tv ? 0.15 : 0.05;
-    return o;
-  }
-};
-
-/// What a forward pass measured over the rows with mask > 0 (unweighted means).
-struct objective_metrics {
-  double loss = 0.0;               ///< the aggregated loss L (what the backward differentiates)
-  std::size_t tokens = 0;          ///< rows with mask > 0
-  std::size_t sequences = 0;       ///< sequences with mask sum > 0 (sequence_mean; else 0)
-  double ratio_mean = 0.0;         ///< mean ratio at the sampled token: π*_a/q_a (TROLL), p̃_a/q_a
-  double kl_before_mean = 0.0;     ///< KL(p̃ ‖ q): the network's step from the old policy
-  double kl_before_max = 0.0;
-  double kl_after_mean = 0.0;      ///< KL(π* ‖ q) for TROLL (≤ ε); = kl_before for the baselines
-  double kl_after_max = 0.0;
-  double regression_kl_mean = 0.0; ///< TROLL: KL(p̃ ‖ π*)
-  double projected_fraction = 0.0; ///< TROLL: rows whose projection was active
-  double eta_mean = 0.0;           ///< TROLL: mean η* (0 on inactive rows)
-  double limited_fraction = 0.0;   ///< PPO: clipped tokens; DPPO: masked tokens
-  double divergence_mean = 0.0;    ///< DPPO: mean divergence estimate
-};
-
-/// ids[r] = index of the sequence row r belongs to, for `count` sequences of the given lengths
-/// laid out one after the other (Σ lengths entries are written). Throws domain_error for a
-/// negative length.
-inline void sequence_ids_from_lengths(const std::int64_t* lengths, std::size_t count,
-                                      std::int64_t* ids) {
-  std::size_t at = 0;
-  for (std::size_t s = 0; s < count; ++s) {
-    if (lengths[s] < 0)
-      throw domain_error("troll::sequence_ids_from_lengths: sequence " + std::to_string(s) +
-                         " has negative length " + std::to_string(lengths[s]));
-    for (std::int64_t k = 0; k < lengths[s]; ++k) ids[at++] = std::int64_t(s);
-  }
-}
-
 namespace detail {
-
-/// What can be wrong with one row of an objective's inputs.
-struct objective_problem {
-  enum class kind {
-    none,
-    logits,            // see `logits`
-    token_range,       // sampled token outside [0, V)
-    advantage,         // NaN or infinite advantage
-    mask,              // NaN, infinite or negative loss mask
-    sequence_order,    // sequence id smaller than the previous row's
-    old_token_masked,  // q_a = 0: the ratio is undefined
-    regression_inf,    // KL(p̃ ‖ π*) = +inf with α > 0
-  };
-  kind what = kind::none;
-  row_problem logits;
-  double value = 0.0;
-  explicit operator bool() const { return what != kind::none; }
-};
-
-[[noreturn]] inline void throw_objective_problem(const char* fn, std::size_t row,
-                                                 const objective_problem& p) {
-  using k = objective_problem::kind;
-  if (p.what == k::logits) throw_problem(fn, row, p.logits);
-  std::ostringstream msg;
-  msg.precision(17);
-  msg << row_prefix(fn, row);
-  switch (p.what) {
-    case k::token_range:
-      msg << "sampled token " << static_cast<long long>(p.value) << " is outside [0, V)";
-      throw domain_error(msg.str(), row);
-    case k::advantage:
-      msg << "advantage is " << p.value << " (must be finite)";
-      throw domain_error(msg.str(), row);
-    case k::mask:
-      msg << "loss mask is " << p.value << " (must be finite and >= 0)";
-      throw domain_error(msg.str(), row);
-    case k::sequence_order:
-      msg << "sequence id " << static_cast<long long>(p.value)
-          << " is smaller than the previous row's (ids must be non-decreasing)";
-      throw domain_error(msg.str(), row);
-    case k::old_token_masked:
-      msg << "old_logits is -inf at the sampled token " << static_cast<long long>(p.value)
-          << ": q_a = 0 and the importance ratio is undefined";
-      throw domain_error(msg.str(), row);
-    case k::regression_inf:
-      msg << "new_logits put mass on tokens the old logits mask (-inf), so KL(p_new || pi*) is "
-             "+inf; use alpha = 0 or mask those tokens in the new logits too";
-      throw domain_error(msg.str(), row);
-    default:
-      break;
-  }
-  throw invalid_input(msg.str() + "unknown problem", row);
-}
 
 /// The per-row part of the checks shared by every objective: mask, token, advantage, sequence
 /// order, the old logit at the sampled token (skipped when `old_row` is null: sparse old rows
@@ -216,20 +73,6 @@ objective_problem check_token_row(const token_batch<T>& in, std::size_t r, std::
     p.value = double(a);
   }
   return p;
-}
-
-/// Shape checks of an objective call (before any row is read).
-template <class T>
-void check_objective_shapes(const char* fn, batch_view<const T> new_logits,
-                            batch_view<const T> old_logits, const token_batch<T>& in) {
-  check_view(fn, "new_logits", new_logits);
-  check_view(fn, "old_logits", old_logits);
-  check_same_shape(fn, "new_logits", new_logits, "old_logits", old_logits);
-  if (new_logits.rows == 0) return;
-  if (in.tokens == nullptr) throw_shape(fn, "tokens is a null pointer");
-  if (in.advantages == nullptr) throw_shape(fn, "advantages is a null pointer");
-  if (in.aggregation == loss_aggregation::sequence_mean && in.sequence_ids == nullptr)
-    throw_shape(fn, "sequence_mean aggregation needs sequence_ids (a null pointer was given)");
 }
 
 /// The aggregation weights c_r (times `scale`) of every row, and the number of counted sequences.
@@ -305,26 +148,8 @@ void validate_objective(const char* fn, unsigned threads, batch_view<const T> ne
   if (bad != new_logits.rows) throw_objective_problem(fn, bad, problem(bad));
 }
 
-inline void check_trust_region(const char* fn, const trust_region_objective& obj) {
-  if (!(obj.eps > 0.0) || !(obj.eps < inf()))
-    throw domain_error(std::string("troll::") + fn + ": eps must be finite and > 0, got " +
-                       std::to_string(obj.eps));
-  if (!(obj.alpha >= 0.0) || !(obj.alpha < inf()))
-    throw domain_error(std::string("troll::") + fn + ": alpha must be finite and >= 0, got " +
-                       std::to_string(obj.alpha));
-  const projection_options& o = obj.projection;
-  if (!(o.rtol >= 0.0) || !(o.atol >= 0.0) || !(o.rtol + o.atol > 0.0) || o.max_iterations < 1)
-    throw domain_error(std::string("troll::") + fn +
-                       ": projection options need rtol >= 0, atol >= 0, rtol + atol > 0 and "
-                       "max_iterations >= 1");
-}
-
 inline cpu::ratio_objective_spec make_spec(const char* fn, const ppo_clip_objective& o) {
-  if (!(o.clip_low >= 0.0 && o.clip_low < 1.0) || !(o.clip_high >= 0.0 && o.clip_high < inf()))
-    throw domain_error(std::string("troll::") + fn +
-                       ": clip_low must lie in [0, 1) and clip_high be finite and >= 0");
-  if (!(o.dual_clip == 0.0 || (o.dual_clip > 1.0 && o.dual_clip < inf())))
-    throw domain_error(std::string("troll::") + fn + ": dual_clip must be 0 (off) or finite and > 1");
+  check_ppo_clip(fn, o);
   cpu::ratio_objective_spec s;
   s.which = cpu::ratio_objective_spec::kind::ppo_clip;
   s.a = o.clip_low;

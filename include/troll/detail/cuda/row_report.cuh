@@ -39,6 +39,12 @@ enum class cuda_row_error : int {
   sparse_not_aligned = 15,  ///< entry `token` (token id `value`) is not in the aligned support: shape_error
   sparse_capacity = 16,  ///< the output holds `token` entries, the row needs `value`: shape_error
   bad_sampled = 17,      ///< the sampled token `value` is outside [0, V): domain_error
+  // Objective rows (troll/cuda_objectives.cuh), mirroring detail::objective_problem.
+  bad_mask = 18,           ///< the loss mask is `value` (NaN, infinite or negative): domain_error
+  bad_advantage = 19,      ///< the advantage is `value` (NaN or infinite): domain_error
+  sequence_order = 20,     ///< sequence id `value` is below the previous row's: domain_error
+  old_token_masked = 21,   ///< old_logits is −inf at the sampled token `value`: domain_error
+  regression_inf = 22,     ///< new logits have mass where old ones mask, α > 0: domain_error
 };
 
 /// One row's validation outcome, written by every CUDA entry point that is given a report array.

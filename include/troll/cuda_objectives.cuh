@@ -1,0 +1,245 @@
+// troll/cuda_objectives.cuh — TROLL's training objective under the troll::cuda policy (nvcc only;
+// reached through <troll/cuda.cuh>): objective_forward and objective_backward for TROLL and PPO
+// clip, with the CPU overloads' arguments plus where the device results go. Never run on a GPU yet:
+// see docs/cuda.md.
+//
+//   std::size_t bytes = troll::objective_workspace_bytes(rows);   // caller allocates once
+//   troll::objective_forward(troll::cuda.on(s), obj, new_logits, old_logits, batch, log_probs,
+//                            stats, token_loss, metrics, workspace);
+//   troll::objective_backward(troll::cuda.on(s), obj, new_logits, old_logits, batch, log_probs,
+//                             stats, grad_new, workspace);
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <string>
+
+#include "batch.hpp"
+#include "config.hpp"
+#include "cuda.cuh"
+#include "detail/cuda/error_check.cuh"
+#include "detail/cuda/objective_kernels.cuh"
+#include "detail/cuda/row_report.cuh"
+#include "errors.hpp"
+#include "execution.hpp"
+#include "objective_types.hpp"
+#include "projection_types.hpp"
+
+TROLL_BEGIN_NAMESPACE
+
+/// Bytes of device workspace objective_forward / objective_backward need for `rows` rows
+/// ((rows + 1) · 40). The caller allocates it (once, for the largest batch) and passes it to both;
+/// its contents need no initialisation and are overwritten by every call.
+constexpr std::size_t objective_workspace_bytes(std::size_t rows) {
+  return detail::cuda::objective_workspace_bytes(rows);
+}
+
+namespace detail {
+namespace cuda {
+
+/// Checked mode: a device report of an objective row becomes the CPU's exception.
+struct throw_objective_report {
+  [[noreturn]] void operator()(const char* function, std::size_t row, const cuda_row_report& report,
+                               const char* const operand_names[3]) const {
+    using k = objective_problem::kind;
+    objective_problem p;
+    p.value = report.value;
+    switch (report.error) {
+      case cuda_row_error::bad_sampled:
+        p.what = k::token_range;
+        break;
+      case cuda_row_error::bad_advantage:
+        p.what = k::advantage;
+        break;
+      case cuda_row_error::bad_mask:
+        p.what = k::mask;
+        break;
+      case cuda_row_error::sequence_order:
+        p.what = k::sequence_order;
+        break;
+      case cuda_row_error::old_token_masked:
+        p.what = k::old_token_masked;
+        break;
+      case cuda_row_error::regression_inf:
+        p.what = k::regression_inf;
+        break;
+      default:
+        throw_report(function, row, report, operand_names);
+    }
+    throw_objective_problem(function, row, p);
+  }
+};
+
+}  // namespace cuda
+}  // namespace detail
+
+/// TROLL's forward on the device (troll::objective_forward(cpu_policy, ...)): log π* to
+/// `log_probs`, one projection_stats per row to `stats`, ℓ_r to `token_loss` (optional, rows
+/// entries, 0 on rows with mask 0), and the aggregated loss with the batch metrics to `*metrics`
+/// (one device objective_metrics, written by a one-block kernel after the rows). Every pointer,
+/// token_batch's included, is device memory; `workspace` holds objective_workspace_bytes(rows).
+/// Nothing allocates or synchronises by default. Shape and parameter errors throw on the host
+/// before anything is enqueued. Bad rows are reported through `checks` and get NaN outputs (so a
+/// counted bad row makes the loss NaN); with checks.checked the CPU's exceptions are thrown, naming
+/// the row, before anything is written.
+template <class T>
+void objective_forward(cuda_policy policy, const trust_region_objective& objective,
+                       input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
+                       batch_view<T> log_probs, projection_stats* stats,
+                       typename detail::identity<T>::type* token_loss, objective_metrics* metrics,
+                       void* workspace, const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "objective_forward";
+  detail::check_trust_region(fn, objective);
+  detail::check_objective_shapes(fn, new_logits, old_logits, in);
+  detail::check_view(fn, "log_probs", log_probs);
+  detail::check_same_shape(fn, "new_logits", new_logits, "log_probs", log_probs);
+  if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  if (metrics == nullptr) detail::throw_shape(fn, "metrics is a null pointer");
+  if (workspace == nullptr) detail::throw_shape(fn, "workspace is a null pointer");
+  using detail::cuda::objective_row_record;
+  objective_row_record* records = static_cast<objective_row_record*>(workspace) + 1;
+  static const char* const names[3] = {"new_logits", "old_logits", ""};
+  detail::cuda::run(
+      fn, policy.stream, new_logits.rows, checks, names,
+      [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+        detail::cuda::troll_forward_kernel<T><<<detail::cuda::grid_for(range.count),
+                                                detail::cuda::block_threads, 0, policy.stream>>>(
+            new_logits, old_logits, in, objective.eps, objective.alpha, objective.projection,
+            log_probs, stats, token_loss, records, range, device);
+      },
+      detail::cuda::throw_objective_report{});
+  detail::cuda::aggregate_kernel<T><<<1, detail::cuda::block_threads, 0, policy.stream>>>(
+      in, new_logits.rows, stats, records, metrics);
+  detail::cuda::check_launch(fn);
+}
+
+/// TROLL's fused backward on the device (troll::objective_backward(cpu_policy, ...)): grad_new =
+/// grad_loss · ∂L/∂z̃ from the forward's `log_probs` and `stats` (device memory). `workspace`
+/// (objective_workspace_bytes(rows)) is scratch for the aggregation weights: it need not hold the
+/// forward's records. Rows with mask 0 get zeros; bad rows (bad logits or token data, unusable
+/// stats) get NaN and a report, or throw in checked mode. grad_loss must be finite (host check).
+template <class T>
+void objective_backward(cuda_policy policy, const trust_region_objective& objective,
+                        input_view<T> new_logits, input_view<T> old_logits,
+                        const token_batch<T>& in, input_view<T> log_probs,
+                        const projection_stats* stats, batch_view<T> grad_new, void* workspace,
+                        double grad_loss = 1.0, const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "objective_backward";
+  detail::check_trust_region(fn, objective);
+  detail::check_objective_shapes(fn, new_logits, old_logits, in);
+  detail::check_view(fn, "log_probs", log_probs);
+  detail::check_same_shape(fn, "new_logits", new_logits, "log_probs", log_probs);
+  detail::check_view(fn, "grad_new", grad_new);
+  detail::check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
+  if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  if (workspace == nullptr) detail::throw_shape(fn, "workspace is a null pointer");
+  if (!(grad_loss - grad_loss == 0.0))
+    throw domain_error("troll::objective_backward: grad_loss is not finite");
+  if (new_logits.rows == 0) return;
+  using detail::cuda::objective_row_record;
+  objective_row_record* header = static_cast<objective_row_record*>(workspace);
+  objective_row_record* records = header + 1;
+  static const char* const names[3] = {"new_logits", "old_logits", ""};
+  // The weights come first: the checked mode's validation launches do not read them.
+  detail::cuda::aggregation_weights_kernel<T>
+      <<<1, detail::cuda::block_threads, 0, policy.stream>>>(in, new_logits.rows, header, records);
+  detail::cuda::check_launch(fn);
+  detail::cuda::run(
+      fn, policy.stream, new_logits.rows, checks, names,
+      [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+        detail::cuda::troll_backward_kernel<T><<<detail::cuda::grid_for(range.count),
+                                                 detail::cuda::block_threads, 0, policy.stream>>>(
+            new_logits, old_logits, in, objective.eps, objective.alpha, log_probs, stats, grad_new,
+            grad_loss, header, records, range, device);
+      },
+      detail::cuda::throw_objective_report{});
+}
+
+// ---- PPO clip (no projection; the ratio is p̃_a / q_a) ----
+
+namespace detail {
+namespace cuda {
+
+inline ppo_parameters make_ppo_parameters(const char* fn, const ppo_clip_objective& o) {
+  check_ppo_clip(fn, o);
+  return ppo_parameters{o.clip_low, o.clip_high, o.dual_clip, o.kl_metrics};
+}
+
+/// The backward's aggregation weights: c_r = grad_loss · weight_r / normaliser, in the workspace.
+template <class T>
+void enqueue_aggregation_weights(const char* fn, cudaStream_t stream, const token_batch<T>& in,
+                                 std::size_t rows, objective_row_record* header) {
+  aggregation_weights_kernel<T><<<1, block_threads, 0, stream>>>(in, rows, header, header + 1);
+  check_launch(fn);
+}
+
+}  // namespace cuda
+}  // namespace detail
+
+/// PPO clip's forward on the device (troll::objective_forward(cpu_policy, ppo_clip_objective,
+/// ...)): ℓ_r to `token_loss` (optional), the aggregated loss and metrics (limited_fraction =
+/// clipped tokens) to `*metrics`. Memory, workspace and validation as TROLL's overload (the
+/// CPU's checks without the projection's: disjoint supports are accepted).
+template <class T>
+void objective_forward(cuda_policy policy, const ppo_clip_objective& objective,
+                       input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
+                       typename detail::identity<T>::type* token_loss, objective_metrics* metrics,
+                       void* workspace, const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "objective_forward";
+  const detail::cuda::ppo_parameters params = detail::cuda::make_ppo_parameters(fn, objective);
+  detail::check_objective_shapes(fn, new_logits, old_logits, in);
+  if (metrics == nullptr) detail::throw_shape(fn, "metrics is a null pointer");
+  if (workspace == nullptr) detail::throw_shape(fn, "workspace is a null pointer");
+  using detail::cuda::objective_row_record;
+  objective_row_record* records = static_cast<objective_row_record*>(workspace) + 1;
+  static const char* const names[3] = {"new_logits", "old_logits", ""};
+  detail::cuda::run(
+      fn, policy.stream, new_logits.rows, checks, names,
+      [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+        detail::cuda::ppo_forward_kernel<T><<<detail::cuda::grid_for(range.count),
+                                              detail::cuda::block_threads, 0, policy.stream>>>(
+            new_logits, old_logits, in, params, token_loss, records, range, device);
+      },
+      detail::cuda::throw_objective_report{});
+  detail::cuda::aggregate_kernel<T><<<1, detail::cuda::block_threads, 0, policy.stream>>>(
+      in, new_logits.rows, nullptr, records, metrics);
+  detail::cuda::check_launch(fn);
+}
+
+/// PPO clip's backward on the device: grad_new = grad_loss · ∂L/∂z̃,
+/// ∂ℓ/∂z̃_j = (∂ℓ/∂r)·r·(δ_ja − p̃_j). `workspace` as TROLL's backward.
+template <class T>
+void objective_backward(cuda_policy policy, const ppo_clip_objective& objective,
+                        input_view<T> new_logits, input_view<T> old_logits,
+                        const token_batch<T>& in, batch_view<T> grad_new, void* workspace,
+                        double grad_loss = 1.0, const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "objective_backward";
+  const detail::cuda::ppo_parameters params = detail::cuda::make_ppo_parameters(fn, objective);
+  detail::check_objective_shapes(fn, new_logits, old_logits, in);
+  detail::check_view(fn, "grad_new", grad_new);
+  detail::check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
+  if (workspace == nullptr) detail::throw_shape(fn, "workspace is a null pointer");
+  if (!(grad_loss - grad_loss == 0.0))
+    throw domain_error("troll::objective_backward: grad_loss is not finite");
+  if (new_logits.rows == 0) return;
+  using detail::cuda::objective_row_record;
+  objective_row_record* header = static_cast<objective_row_record*>(workspace);
+  detail::cuda::enqueue_aggregation_weights(fn, policy.stream, in, new_logits.rows, header);
+  static const char* const names[3] = {"new_logits", "old_logits", ""};
+  detail::cuda::run(
+      fn, policy.stream, new_logits.rows, checks, names,
+      [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+        detail::cuda::ppo_backward_kernel<T>
+            <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
+               policy.stream>>>(new_logits, old_logits, in, params, grad_new, grad_loss, header,
+                                header + 1, range, device);
+      },
+      detail::cuda::throw_objective_report{});
+}
+
+TROLL_END_NAMESPACE

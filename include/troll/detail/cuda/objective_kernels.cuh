@@ -1,0 +1,527 @@
+// troll/detail/cuda/objective_kernels.cuh — TROLL's objective on the device (math.md §5), one
+// block per row as the projection kernels: the row kernel projects, then forms the ratio at the
+// sampled token and the regression KL; a one-block kernel aggregates the rows into the metrics
+// (forward) or the aggregation weights (backward), in a fixed order, so results are reproducible.
+// Per-token maths from detail/objective_row.hpp, shared with the CPU backend.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../../batch.hpp"
+#include "../../config.hpp"
+#include "../../objective_types.hpp"
+#include "../../projection_types.hpp"
+#include "../lse_state.hpp"
+#include "../numeric.hpp"
+#include "../objective_row.hpp"
+#include "../trust_region_solver.hpp"
+#include "backward_kernels.cuh"
+#include "block_reduce.cuh"
+#include "forward_kernels.cuh"
+#include "row_report.cuh"
+#include "row_scan.cuh"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+namespace cuda {
+
+/// One row's slot of the caller's workspace: what the forward's row kernel leaves for the
+/// aggregation (loss, ratio, regression KL), and the backward's unnormalised weight.
+struct objective_row_record {
+  double loss = 0.0;
+  double ratio = 0.0;
+  double kl_reg = 0.0;   ///< TROLL: KL(p̃ ‖ π*); PPO: KL(p̃ ‖ q) (0 without kl_metrics)
+  double limited = 0.0;  ///< PPO: 1 when the clip took the gradient away
+  double weight = 0.0;   ///< backward: w_r (token mean) or w_r / Σ_{seq} w (sequence mean)
+};
+
+/// Workspace layout: one header record (its `weight` holds the normaliser Σ w or S), then one
+/// record per row.
+constexpr std::size_t objective_workspace_bytes(std::size_t rows) {
+  return (rows + 1) * sizeof(objective_row_record);
+}
+
+template <class T>
+__device__ inline double mask_of(const token_batch<T>& in, std::size_t r) {
+  return in.loss_mask != nullptr ? static_cast<double>(in.loss_mask[r]) : 1.0;
+}
+
+/// The device counterpart of check_token_row (same order of checks).
+template <class T>
+__device__ cuda_row_report token_problem(const token_batch<T>& in, std::size_t r, std::size_t size,
+                                         const T* old_row) {
+  cuda_row_report p;
+  if (in.aggregation == loss_aggregation::sequence_mean && r > 0 &&
+      in.sequence_ids[r] < in.sequence_ids[r - 1]) {
+    p.error = cuda_row_error::sequence_order, p.value = double(in.sequence_ids[r]);
+    return p;
+  }
+  const double w = mask_of(in, r);
+  if (!(w >= 0.0 && w < inf())) {
+    p.error = cuda_row_error::bad_mask, p.value = w;
+    return p;
+  }
+  if (w == 0.0) return p;
+  const std::int64_t a = in.tokens[r];
+  if (a < 0 || std::uint64_t(a) >= size) {
+    p.error = cuda_row_error::bad_sampled, p.value = double(a);
+    return p;
+  }
+  const double adv = static_cast<double>(in.advantages[r]);
+  if (!(adv - adv == 0.0)) {
+    p.error = cuda_row_error::bad_advantage, p.value = adv;
+    return p;
+  }
+  if (is_masked(static_cast<double>(old_row[a])))
+    p.error = cuda_row_error::old_token_masked, p.value = double(a);
+  return p;
+}
+
+/// The checks of validate_objective (pair_scan mode) on a scanned row: token data, logits,
+/// regression support, and (when `with_floor`) the infeasibility floor −log q(J) ≥ ε.
+template <class T>
+__device__ cuda_row_report objective_row_problem(const token_batch<T>& in, std::size_t r,
+                                                 std::size_t size, const T* zn, const T* zo,
+                                                 const pair_scan& scan,
+                                                 const block_tilt_evaluator<T>& eval, double eps,
+                                                 double alpha, bool with_floor) {
+  cuda_row_report report = token_problem(in, r, size, zo);
+  if (report.error == cuda_row_error::none) report = pair_problem(scan, zn, zo);
+  const row_setup setup = make_setup(scan);
+  // Uniform across the block: every thread holds the same report and scan.
+  if (with_floor && report.error == cuda_row_error::none && setup.old_only) {
+    const double floor =
+        make_point(eval(0.0, setup.shift_old), 0.0, setup.shift_old, eval.old_log_sum()).kl;
+    if (floor >= eps) report.error = cuda_row_error::infeasible, report.value = floor;
+  }
+  if (report.error == cuda_row_error::none && alpha > 0.0 && setup.new_only)
+    report.error = cuda_row_error::regression_inf;
+  return report;
+}
+
+/// KL(p̃ ‖ π) = Σ_j p̃_j (log p̃_j − log π_j) by the whole block, +inf where p̃ has mass π lacks
+/// (cpu::kl_logits_to_log_probs).
+template <class T>
+__device__ double block_kl_to_log_probs(const T* zn, double log_norm_new, const T* log_pi,
+                                        std::size_t size, reduce_storage<double_pair>& storage) {
+  double_pair local;  // first: the finite sum, second: entries where π_j = 0 < p̃_j
+  for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+    const double lp_new = static_cast<double>(zn[i]) - log_norm_new;
+    if (!(lp_new > neg_inf())) continue;
+    const double lp = static_cast<double>(log_pi[i]);
+    if (!(lp > neg_inf())) {
+      local.second += 1.0;
+      continue;
+    }
+    local.first += ::exp(lp_new) * (lp_new - lp);
+  }
+  const double_pair total = block_all_reduce(storage, local, add_pair{});
+  return total.second > 0.0 ? inf() : maximum(total.first, 0.0);
+}
+
+/// Rows of `range`: TROLL's forward (troll::objective_forward). Writes log π*, stats, the row's
+/// record and token_loss[r] (when not null). With checks.validate_only only the reports.
+template <class T>
+__global__ void __launch_bounds__(block_threads)
+    troll_forward_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits,
+                         token_batch<T> in, double eps, double alpha, projection_options options,
+                         batch_view<T> log_probs, projection_stats* stats, T* token_loss,
+                         objective_row_record* records, row_range range, device_checks checks) {
+  __shared__ reduce_storage<pair_scan> scan_storage;
+  __shared__ reduce_storage<lse_state> lse_storage;
+  __shared__ reduce_storage<double_pair> kl_storage;
+  const std::size_t size = new_logits.cols, end = range.begin + range.count;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const T* zn = new_logits.row(r);
+    const T* zo = old_logits.row(r);
+    T* out = log_probs.row(r);
+    const pair_scan scan = scan_pair_row(zn, zo, size, scan_storage);
+    const row_setup setup = make_setup(scan);
+    const block_tilt_evaluator<T> eval{zn,          zo, size, setup.old_max, old_log_sum(scan),
+                                       &lse_storage};
+    cuda_row_report report =
+        objective_row_problem(in, r, size, zn, zo, scan, eval, eps, alpha, checks.validate_only);
+    if (checks.validate_only) {
+      if (threadIdx.x == 0) record_row(checks, range, r, report);
+      continue;
+    }
+    solve_result result;
+    if (report.error == cuda_row_error::none) {
+      result = solve_row(eval, setup, eps, options);
+      if (result.status == row_status::infeasible)
+        report.error = cuda_row_error::infeasible, report.value = result.point.kl;
+    }
+    if (threadIdx.x == 0) record_row(checks, range, r, report);
+    if (report.error != cuda_row_error::none) {
+      fill_nan(out, size);
+      if (threadIdx.x == 0) {
+        stats[r] = rejected_stats(report.error);
+        records[r] = objective_row_record{quiet_nan(), quiet_nan(), quiet_nan(), 0.0, 0.0};
+        if (token_loss != nullptr) token_loss[r] = static_cast<T>(quiet_nan());
+      }
+      continue;
+    }
+    if (result.status == row_status::inactive) {
+      write_log_softmax(zn, scan.fresh.lse, size, out);
+    } else {
+      eval.write(result.point, out);
+    }
+    const projection_stats s = make_stats(result);
+    const double w = mask_of(in, r);
+    objective_row_record record;
+    if (w != 0.0) {
+      __syncthreads();  // out[a] is written by some other thread of the block
+      const std::int64_t a = in.tokens[r];
+      const double log_q_a = (static_cast<double>(zo[a]) - scan.old.lse.m) - old_log_sum(scan);
+      record.ratio = ratio_from_logs(static_cast<double>(out[a]), log_q_a);
+      // An inactive row is log_softmax(z̃): KL(p̃‖π*) = 0 exactly, as on the CPU.
+      if (s.status != row_status::inactive)
+        record.kl_reg = block_kl_to_log_probs(zn, scan.fresh.lse.log_sum(), out, size, kl_storage);
+      record.loss = troll_token_loss(record.ratio, static_cast<double>(in.advantages[r]), alpha,
+                                     alpha != 0.0 ? record.kl_reg : 0.0);
+    }
+    if (threadIdx.x == 0) {
+      stats[r] = s;
+      records[r] = record;
+      if (token_loss != nullptr) token_loss[r] = static_cast<T>(record.loss);
+    }
+  }
+}
+
+/// The per-thread sums of the aggregation kernels, merged in a fixed order.
+struct objective_sums {
+  double loss = 0.0;        // Σ w ℓ (token mean) or Σ_s (Σ w ℓ / Σ w) (sequence mean)
+  double normaliser = 0.0;  // Σ w (token mean) or S (sequence mean)
+  double tokens = 0.0, ratio = 0.0, kl_before = 0.0, kl_after = 0.0, reg = 0.0, eta = 0.0,
+         projected = 0.0, limited = 0.0;
+  double kl_before_max = 0.0, kl_after_max = 0.0;
+};
+struct merge_objective_sums {
+  __device__ objective_sums operator()(const objective_sums& a, const objective_sums& b) const {
+    objective_sums s;
+    s.loss = a.loss + b.loss;
+    s.normaliser = a.normaliser + b.normaliser;
+    s.tokens = a.tokens + b.tokens;
+    s.ratio = a.ratio + b.ratio;
+    s.kl_before = a.kl_before + b.kl_before;
+    s.kl_after = a.kl_after + b.kl_after;
+    s.reg = a.reg + b.reg;
+    s.eta = a.eta + b.eta;
+    s.projected = a.projected + b.projected;
+    s.limited = a.limited + b.limited;
+    s.kl_before_max = maximum(a.kl_before_max, b.kl_before_max);
+    s.kl_after_max = maximum(a.kl_after_max, b.kl_after_max);
+    return s;
+  }
+};
+
+/// True when row r opens a sequence.
+template <class T>
+__device__ inline bool opens_sequence(const token_batch<T>& in, std::size_t r) {
+  return r == 0 || in.sequence_ids[r] != in.sequence_ids[r - 1];
+}
+
+/// The sums of the normaliser over the rows a thread owns: every row for the token mean, the
+/// sequences it opens for the sequence mean (each walked to its end, so each thread's work is
+/// its sequences' length). `per_row(r, w)` sees every counted row; `per_sequence(begin, end,
+/// total)` every counted sequence.
+template <class T, class PerRow, class PerSequence>
+__device__ void for_owned_rows(const token_batch<T>& in, std::size_t rows, objective_sums& sums,
+                               const PerRow& per_row, const PerSequence& per_sequence) {
+  for (std::size_t r = threadIdx.x; r < rows; r += block_threads) {
+    const double w = mask_of(in, r);
+    if (w != 0.0) per_row(r, w);
+    if (in.aggregation == loss_aggregation::token_mean) {
+      sums.normaliser += w;
+      continue;
+    }
+    if (!opens_sequence(in, r)) continue;
+    std::size_t stop = r;
+    double total = 0.0;
+    while (stop < rows && in.sequence_ids[stop] == in.sequence_ids[r]) total += mask_of(in, stop++);
+    if (!(total > 0.0)) continue;
+    sums.normaliser += 1.0;
+    per_sequence(r, stop, total);
+  }
+}
+
+/// One block: the forward's loss and metrics from the row records and stats (objective_metrics,
+/// token_batch::aggregation). `stats` null: a ratio objective (KL before = after = record.kl_reg).
+template <class T>
+__global__ void __launch_bounds__(block_threads)
+    aggregate_kernel(token_batch<T> in, std::size_t rows, const projection_stats* stats,
+                     const objective_row_record* records, objective_metrics* metrics) {
+  __shared__ reduce_storage<objective_sums> storage;
+  objective_sums local;
+  const bool token_mean = in.aggregation == loss_aggregation::token_mean;
+  for_owned_rows(
+      in, rows, local,
+      [&](std::size_t r, double w) {
+        const objective_row_record& x = records[r];
+        local.tokens += 1.0;
+        local.ratio += x.ratio;
+        local.limited += x.limited;
+        if (token_mean) local.loss += w * x.loss;
+        if (stats == nullptr) {
+          local.kl_before += x.kl_reg;
+          local.kl_after += x.kl_reg;
+          local.kl_before_max = maximum(local.kl_before_max, x.kl_reg);
+          local.kl_after_max = maximum(local.kl_after_max, x.kl_reg);
+          return;
+        }
+        const projection_stats& s = stats[r];
+        local.kl_before += s.kl_before;
+        local.kl_after += s.kl_after;
+        local.kl_before_max = maximum(local.kl_before_max, s.kl_before);
+        local.kl_after_max = maximum(local.kl_after_max, s.kl_after);
+        local.reg += x.kl_reg;
+        const bool active = s.active();
+        local.eta += active ? s.eta : 0.0;
+        local.projected += active ? 1.0 : 0.0;
+      },
+      [&](std::size_t begin, std::size_t stop, double total) {
+        double sum = 0.0;
+        for (std::size_t r = begin; r < stop; ++r) {
+          const double w = mask_of(in, r);
+          if (w != 0.0) sum += w * records[r].loss;
+        }
+        local.loss += sum / total;
+      });
+  const objective_sums total = block_all_reduce(storage, local, merge_objective_sums{});
+  if (threadIdx.x != 0) return;
+  objective_metrics m;
+  m.loss = total.normaliser > 0.0 ? total.loss / total.normaliser : 0.0;
+  m.tokens = static_cast<std::size_t>(total.tokens);
+  m.sequences = token_mean ? 0 : static_cast<std::size_t>(total.normaliser);
+  if (m.tokens != 0) {
+    const double n = total.tokens;
+    m.ratio_mean = total.ratio / n;
+    m.kl_before_mean = total.kl_before / n;
+    m.kl_after_mean = total.kl_after / n;
+    m.regression_kl_mean = total.reg / n;
+    m.eta_mean = total.eta / n;
+    m.projected_fraction = total.projected / n;
+    m.limited_fraction = total.limited / n;
+  }
+  m.kl_before_max = total.kl_before_max;
+  m.kl_after_max = total.kl_after_max;
+  *metrics = m;
+}
+
+/// One block: the backward's weights, records[r].weight = w_r (token mean) or w_r / Σ_{seq} w
+/// (sequence mean, 0 in sequences of mask sum 0), and the normaliser (Σ w or S) in `header`.
+template <class T>
+__global__ void __launch_bounds__(block_threads)
+    aggregation_weights_kernel(token_batch<T> in, std::size_t rows, objective_row_record* header,
+                               objective_row_record* records) {
+  __shared__ reduce_storage<objective_sums> storage;
+  objective_sums local;
+  const bool token_mean = in.aggregation == loss_aggregation::token_mean;
+  for (std::size_t r = threadIdx.x; r < rows; r += block_threads)
+    records[r].weight = token_mean ? mask_of(in, r) : 0.0;
+  for_owned_rows(
+      in, rows, local, [](std::size_t, double) {},
+      [&](std::size_t begin, std::size_t stop, double total) {
+        for (std::size_t r = begin; r < stop; ++r) records[r].weight = mask_of(in, r) / total;
+      });
+  const objective_sums total = block_all_reduce(storage, local, merge_objective_sums{});
+  if (threadIdx.x == 0) header->weight = total.normaliser;
+}
+
+/// Rows of `range`: TROLL's fused backward (troll::objective_backward), c_r = grad_loss ·
+/// weight_r / normaliser from aggregation_weights_kernel. Rejected rows get NaN gradients.
+template <class T>
+__global__ void __launch_bounds__(block_threads)
+    troll_backward_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits,
+                          token_batch<T> in, double eps, double alpha,
+                          batch_view<const T> log_probs, const projection_stats* stats,
+                          batch_view<T> grad_new, double grad_loss,
+                          const objective_row_record* header, const objective_row_record* records,
+                          row_range range, device_checks checks) {
+  __shared__ reduce_storage<pair_scan> scan_storage;
+  __shared__ reduce_storage<lse_state> lse_storage;
+  __shared__ reduce_storage<double_pair> kl_storage;
+  const std::size_t size = new_logits.cols, end = range.begin + range.count;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const T* zn = new_logits.row(r);
+    const T* zo = old_logits.row(r);
+    const T* log_pi = log_probs.row(r);
+    T* grad = grad_new.row(r);
+    const pair_scan scan = scan_pair_row(zn, zo, size, scan_storage);
+    const block_tilt_evaluator<T> eval{zn,          zo, size, scan.old.lse.m, old_log_sum(scan),
+                                       &lse_storage};
+    cuda_row_report report =
+        objective_row_problem(in, r, size, zn, zo, scan, eval, eps, alpha, checks.validate_only);
+    const projection_stats s = stats[r];
+    if (report.error == cuda_row_error::none) {
+      const int field = unusable_stats_field(s);
+      if (field >= 0) report.error = cuda_row_error::bad_stats, report.operand = field;
+    }
+    if (threadIdx.x == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+    if (report.error != cuda_row_error::none) {
+      fill_nan(grad, size);
+      continue;
+    }
+    const double normaliser = header->weight;
+    const double weight = normaliser > 0.0 ? grad_loss * records[r].weight / normaliser : 0.0;
+    if (weight == 0.0) {
+      for (std::size_t i = threadIdx.x; i < size; i += block_threads) grad[i] = T(0);
+      continue;
+    }
+    const std::int64_t a = in.tokens[r];
+    const double log_norm_new = scan.fresh.lse.log_sum();
+    const double log_q_a = (static_cast<double>(zo[a]) - scan.old.lse.m) - old_log_sum(scan);
+    const double ratio = ratio_from_logs(static_cast<double>(log_pi[a]), log_q_a);
+    const bool with_reg = alpha != 0.0 && s.status != row_status::inactive;
+    const double kl_reg =
+        with_reg ? block_kl_to_log_probs(zn, log_norm_new, log_pi, size, kl_storage) : 0.0;
+    const double d_a = static_cast<double>(zn[a]) - static_cast<double>(zo[a]);
+    const troll_row_coefficients k =
+        troll_coefficients(weight, static_cast<double>(in.advantages[r]), ratio,
+                           with_reg ? alpha : 0.0, kl_reg, d_a, s);
+    for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+      const double lp = static_cast<double>(log_pi[i]);
+      const double zn_i = static_cast<double>(zn[i]);
+      const bool on_support = lp > neg_inf();
+      const double centred = on_support && s.status == row_status::projected
+                                 ? (zn_i - static_cast<double>(zo[i])) - s.mu
+                                 : 0.0;
+      const double lp_new = zn_i - log_norm_new;
+      grad[i] = static_cast<T>(troll_gradient_entry(k, std::int64_t(i) == a, on_support,
+                                                    lp_new > neg_inf(), lp, lp_new, centred));
+    }
+  }
+}
+
+// ---- PPO clip: ℓ = −min(r·A, clip(r)·A), r = p̃_a / q_a (no projection) ----
+
+/// PPO clip's parameters as the kernels take them.
+struct ppo_parameters {
+  double clip_low = 0.0, clip_high = 0.0, dual_clip = 0.0;
+  bool kl_metrics = true;
+};
+
+/// The checks of validate_objective without pair_scan: token data, then each side's values and
+/// support (new side first, as the CPU).
+template <class T>
+__device__ cuda_row_report ratio_row_problem(const token_batch<T>& in, std::size_t r,
+                                             std::size_t size, const T* zn, const T* zo,
+                                             const pair_scan& scan) {
+  cuda_row_report report = token_problem(in, r, size, zo);
+  if (report.error != cuda_row_error::none) return report;
+  const row_scan* sides[2] = {&scan.fresh, &scan.old};
+  const T* rows[2] = {zn, zo};
+  for (int side = 0; side < 2; ++side) {
+    if (sides[side]->first_bad != no_token)
+      return bad_value_report(side, sides[side]->first_bad,
+                              static_cast<double>(rows[side][sides[side]->first_bad]));
+    if (sides[side]->lse.empty()) {
+      report.error = cuda_row_error::all_masked, report.operand = side;
+      return report;
+    }
+  }
+  return report;
+}
+
+/// The ratio r = p̃_a / q_a and PPO's surrogate at the sampled token of a scanned row.
+template <class T>
+__device__ surrogate_token ppo_row_token(const T* zn, const T* zo, const pair_scan& scan,
+                                         std::int64_t a, double advantage, const ppo_parameters& p,
+                                         double& ratio) {
+  const double log_p_a = (static_cast<double>(zn[a]) - scan.fresh.lse.m) - ::log(scan.fresh.lse.s0);
+  const double log_q_a = (static_cast<double>(zo[a]) - scan.old.lse.m) - old_log_sum(scan);
+  ratio = ratio_from_logs(log_p_a, log_q_a);
+  return ppo_clip_token(ratio, advantage, p.clip_low, p.clip_high, p.dual_clip);
+}
+
+/// Rows of `range`: PPO clip's forward — the row's record and token_loss[r] (when not null).
+template <class T>
+__global__ void __launch_bounds__(block_threads)
+    ppo_forward_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits,
+                       token_batch<T> in, ppo_parameters params, T* token_loss,
+                       objective_row_record* records, row_range range, device_checks checks) {
+  __shared__ reduce_storage<pair_scan> scan_storage;
+  __shared__ reduce_storage<lse_state> lse_storage;
+  const std::size_t size = new_logits.cols, end = range.begin + range.count;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const T* zn = new_logits.row(r);
+    const T* zo = old_logits.row(r);
+    const pair_scan scan = scan_pair_row(zn, zo, size, scan_storage);
+    const cuda_row_report report = ratio_row_problem(in, r, size, zn, zo, scan);
+    if (threadIdx.x == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+    objective_row_record record;
+    const double w = mask_of(in, r);
+    if (report.error != cuda_row_error::none) {
+      record = objective_row_record{quiet_nan(), quiet_nan(), quiet_nan(), 0.0, 0.0};
+    } else if (w != 0.0) {
+      const surrogate_token token = ppo_row_token(
+          zn, zo, scan, in.tokens[r], static_cast<double>(in.advantages[r]), params, record.ratio);
+      record.loss = token.loss;
+      record.limited = token.limited ? 1.0 : 0.0;
+      if (params.kl_metrics) {  // KL(p̃ ‖ q) as kl_kernel: +inf where p̃ has mass q lacks
+        if (scan.new_only) {
+          record.kl_reg = inf();
+        } else {
+          const block_tilt_evaluator<T> eval{
+              zn, zo, size, scan.old.lse.m, old_log_sum(scan), &lse_storage};
+          record.kl_reg = maximum(
+              make_point(eval(1.0, scan.shift_new), 1.0, scan.shift_new, old_log_sum(scan)).kl,
+              0.0);
+        }
+      }
+    }
+    if (threadIdx.x == 0) {
+      records[r] = record;
+      if (token_loss != nullptr) token_loss[r] = static_cast<T>(record.loss);
+    }
+  }
+}
+
+/// Rows of `range`: PPO clip's backward, ∂(cℓ)/∂z̃_j = c·(∂ℓ/∂r)·r·(δ_ja − p̃_j) with c from
+/// aggregation_weights_kernel. Rejected rows get NaN gradients.
+template <class T>
+__global__ void __launch_bounds__(block_threads)
+    ppo_backward_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits,
+                        token_batch<T> in, ppo_parameters params, batch_view<T> grad_new,
+                        double grad_loss, const objective_row_record* header,
+                        const objective_row_record* records, row_range range,
+                        device_checks checks) {
+  __shared__ reduce_storage<pair_scan> scan_storage;
+  const std::size_t size = new_logits.cols, end = range.begin + range.count;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const T* zn = new_logits.row(r);
+    const T* zo = old_logits.row(r);
+    T* grad = grad_new.row(r);
+    const pair_scan scan = scan_pair_row(zn, zo, size, scan_storage);
+    const cuda_row_report report = ratio_row_problem(in, r, size, zn, zo, scan);
+    if (threadIdx.x == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+    if (report.error != cuda_row_error::none) {
+      fill_nan(grad, size);
+      continue;
+    }
+    const double normaliser = header->weight;
+    const double weight = normaliser > 0.0 ? grad_loss * records[r].weight / normaliser : 0.0;
+    double coef = 0.0;
+    std::int64_t a = -1;
+    if (weight != 0.0) {
+      a = in.tokens[r];
+      double ratio = 0.0;
+      const surrogate_token token =
+          ppo_row_token(zn, zo, scan, a, static_cast<double>(in.advantages[r]), params, ratio);
+      coef = weight * token.dloss_dr * ratio;
+    }
+    const double log_norm_new = scan.fresh.lse.log_sum();
+    for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+      const double p = coef != 0.0 ? ::exp(static_cast<double>(zn[i]) - log_norm_new) : 0.0;
+      grad[i] = static_cast<T>(coef * ((std::int64_t(i) == a ? 1.0 : 0.0) - p));
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace detail
+TROLL_END_NAMESPACE

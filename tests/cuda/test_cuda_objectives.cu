@@ -1,0 +1,561 @@
+// tests/cuda/test_cuda_objectives.cu — TROLL's objective and PPO clip under the CUDA policy
+// (troll/cuda_objectives.cuh) against the CPU objectives: forward (log π*, stats, per-token
+// losses, metrics) and backward, both aggregations, masks; device row reports, the checked
+// mode's exceptions, and the host-side argument checks.
+//
+// Without a CUDA device the "device" test suite is excluded, "SKIPPED: no CUDA device" is
+// printed, the host-only cases still run and the exit code is 0.
+#define DOCTEST_CONFIG_IMPLEMENT
+// As in test_cuda_projection.cu: Eigen serves the CPU reference only, and the CPU backend's host
+// instantiation of the shared solve_row makes nvcc warn (#20011, #20014).
+#define EIGEN_NO_CUDA
+#pragma nv_diag_suppress 20011
+#pragma nv_diag_suppress 20014
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#include <doctest/doctest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "tolerance.hpp"
+#include "troll/cuda.cuh"
+#include "troll/objectives.hpp"
+
+namespace {
+
+using troll_test::tolerance;
+using troll_test::unit_roundoff;
+
+const double nan_value = std::numeric_limits<double>::quiet_NaN();
+
+#define CUDA_REQUIRE(call)                                                                       \
+  do {                                                                                           \
+    const cudaError_t cuda_status_ = (call);                                                     \
+    REQUIRE_MESSAGE(cuda_status_ == cudaSuccess, #call, ": ", cudaGetErrorString(cuda_status_)); \
+  } while (false)
+
+/// Device memory of n elements of E, freed on scope exit.
+template <class E>
+class device_array {
+ public:
+  explicit device_array(std::size_t n) : size_(n) {
+    CUDA_REQUIRE(
+        cudaMalloc(reinterpret_cast<void**>(&data_), std::max<std::size_t>(n, 1) * sizeof(E)));
+  }
+  explicit device_array(const std::vector<E>& host) : device_array(host.size()) {
+    CUDA_REQUIRE(cudaMemcpy(data_, host.data(), host.size() * sizeof(E), cudaMemcpyHostToDevice));
+  }
+  device_array(const device_array&) = delete;
+  device_array& operator=(const device_array&) = delete;
+  ~device_array() { cudaFree(data_); }
+  E* get() const { return data_; }
+  std::vector<E> download() const {
+    std::vector<E> host(size_);
+    CUDA_REQUIRE(cudaMemcpy(host.data(), data_, size_ * sizeof(E), cudaMemcpyDeviceToHost));
+    return host;
+  }
+
+ private:
+  E* data_ = nullptr;
+  std::size_t size_;
+};
+
+/// A stream of its own per case, so the default stream is never relied upon.
+struct test_stream {
+  cudaStream_t stream = nullptr;
+  test_stream() { CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
+  ~test_stream() { cudaStreamDestroy(stream); }
+  void sync() const { CUDA_REQUIRE(cudaStreamSynchronize(stream)); }
+};
+
+/// A host batch of sampled tokens: rows of V logits (old and a perturbed new), masks with zeros
+/// and fractional weights, sequences of uneven length, advantages of both signs. Some rows have
+/// −inf entries on both sides; the new logits move far enough that most rows get projected.
+template <class T>
+struct host_batch {
+  std::size_t rows = 0, cols = 0;
+  std::vector<T> fresh, old, advantages, mask;
+  std::vector<std::int64_t> tokens, sequence_ids;
+
+  host_batch(std::size_t n, std::size_t v, unsigned seed) : rows(n), cols(v) {
+    std::mt19937 gen(seed);
+    std::normal_distribution<double> normal(0.0, 1.0);
+    std::uniform_int_distribution<std::int64_t> pick(0, std::int64_t(v) - 1);
+    fresh.resize(n * v), old.resize(n * v), advantages.resize(n), mask.resize(n), tokens.resize(n),
+        sequence_ids.resize(n);
+    for (std::size_t r = 0; r < n; ++r) {
+      const double step = 0.3 + 0.4 * double(r % 4);
+      for (std::size_t j = 0; j < v; ++j) {
+        const double b = 2.0 * normal(gen);
+        old[r * v + j] = T(b);
+        fresh[r * v + j] = T(b + step * normal(gen));
+      }
+      if (r % 5 == 2)  // a token masked on both sides
+        old[r * v + 1] = fresh[r * v + 1] = T(-std::numeric_limits<double>::infinity());
+      std::int64_t a = pick(gen);
+      if (r % 5 == 2 && a == 1) a = 0;
+      tokens[r] = a;
+      advantages[r] = T(normal(gen));
+      mask[r] = T(r % 7 == 3 ? 0.0 : (r % 3 == 0 ? 0.5 : 1.0));
+      sequence_ids[r] = std::int64_t(r / 4 + (r > 9 ? 1 : 0));
+    }
+  }
+
+  troll::input_view<T> new_view() const {
+    return troll::make_batch<const T>(fresh.data(), rows, cols);
+  }
+  troll::input_view<T> old_view() const {
+    return troll::make_batch<const T>(old.data(), rows, cols);
+  }
+  troll::token_batch<T> tokens_view(troll::loss_aggregation how) const {
+    troll::token_batch<T> in;
+    in.tokens = tokens.data();
+    in.advantages = advantages.data();
+    in.loss_mask = mask.data();
+    in.sequence_ids = sequence_ids.data();
+    in.aggregation = how;
+    return in;
+  }
+};
+
+/// The same batch in device memory.
+template <class T>
+struct device_batch {
+  device_array<T> fresh, old, advantages, mask;
+  device_array<std::int64_t> tokens, sequence_ids;
+  std::size_t rows, cols;
+
+  explicit device_batch(const host_batch<T>& h)
+      : fresh(h.fresh),
+        old(h.old),
+        advantages(h.advantages),
+        mask(h.mask),
+        tokens(h.tokens),
+        sequence_ids(h.sequence_ids),
+        rows(h.rows),
+        cols(h.cols) {}
+
+  troll::input_view<T> new_view() const {
+    return troll::make_batch<const T>(fresh.get(), rows, cols);
+  }
+  troll::input_view<T> old_view() const {
+    return troll::make_batch<const T>(old.get(), rows, cols);
+  }
+  troll::token_batch<T> tokens_view(troll::loss_aggregation how) const {
+    troll::token_batch<T> in;
+    in.tokens = tokens.get();
+    in.advantages = advantages.get();
+    in.loss_mask = mask.get();
+    in.sequence_ids = sequence_ids.get();
+    in.aggregation = how;
+    return in;
+  }
+};
+
+/// The CPU's exception message for a call, or "" when it accepts.
+template <class Call>
+std::string message_of(Call&& call) {
+  try {
+    call();
+  } catch (const troll::invalid_input& e) {
+    return e.what();
+  }
+  return "";
+}
+
+/// Tolerance between the two backends: both reduce in double, the outputs are T.
+template <class T>
+tolerance between_backends() {
+  return tolerance{1e-9 + 64.0 * unit_roundoff<T>(), 1e-9 + 64.0 * unit_roundoff<T>()};
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Host-only cases: they run with or without a device.
+// ---------------------------------------------------------------------------------------------
+
+TEST_CASE("cuda device availability (objectives)") {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess || count == 0)
+    MESSAGE("SKIPPED: no CUDA device; every case of the \"device\" test suite is skipped");
+}
+
+TEST_CASE("objective workspace size: a header and one record per row") {
+  const std::size_t header = troll::objective_workspace_bytes(0);
+  const std::size_t per_row = troll::objective_workspace_bytes(1) - header;
+  CHECK(header > 0);
+  CHECK(per_row >= 4 * sizeof(double));
+  CHECK(troll::objective_workspace_bytes(10) == header + 10 * per_row);
+}
+
+TEST_CASE("cuda objective entry points check their arguments on the host, before any CUDA call") {
+  // Dangling but non-null "device" pointers: none of these calls may touch them.
+  float* fake = reinterpret_cast<float*>(std::uintptr_t(256));
+  const std::int64_t* fake_ids = reinterpret_cast<const std::int64_t*>(std::uintptr_t(512));
+  auto* fake_stats = reinterpret_cast<troll::projection_stats*>(std::uintptr_t(1024));
+  auto* fake_metrics = reinterpret_cast<troll::objective_metrics*>(std::uintptr_t(2048));
+  void* fake_workspace = reinterpret_cast<void*>(std::uintptr_t(4096));
+  const auto z = troll::make_batch<const float>(fake, 4, 8);
+  const auto out = troll::make_batch<float>(fake, 4, 8);
+  const auto narrow = troll::make_batch<float>(fake, 4, 7);
+  troll::token_batch<float> in;
+  in.tokens = fake_ids;
+  in.advantages = fake;
+  const auto policy = troll::cuda.on(nullptr);
+  troll::trust_region_objective objective;
+
+  auto forward = [&](const troll::trust_region_objective& o, troll::batch_view<float> lp,
+                     const troll::token_batch<float>& b, troll::objective_metrics* m, void* w) {
+    troll::objective_forward(policy, o, z, z, b, lp, fake_stats, fake, m, w);
+  };
+  troll::trust_region_objective bad_eps;
+  bad_eps.eps = 0.0;
+  CHECK_THROWS_AS(forward(bad_eps, out, in, fake_metrics, fake_workspace), troll::domain_error);
+  troll::trust_region_objective bad_alpha;
+  bad_alpha.alpha = -1.0;
+  CHECK_THROWS_AS(forward(bad_alpha, out, in, fake_metrics, fake_workspace), troll::domain_error);
+  CHECK_THROWS_AS(forward(objective, narrow, in, fake_metrics, fake_workspace), troll::shape_error);
+  CHECK_THROWS_AS(forward(objective, out, in, nullptr, fake_workspace), troll::shape_error);
+  CHECK_THROWS_AS(forward(objective, out, in, fake_metrics, nullptr), troll::shape_error);
+  troll::token_batch<float> no_tokens = in;
+  no_tokens.tokens = nullptr;
+  CHECK_THROWS_AS(forward(objective, out, no_tokens, fake_metrics, fake_workspace),
+                  troll::shape_error);
+  troll::token_batch<float> no_ids = in;
+  no_ids.aggregation = troll::loss_aggregation::sequence_mean;
+  CHECK_THROWS_AS(forward(objective, out, no_ids, fake_metrics, fake_workspace),
+                  troll::shape_error);
+  CHECK_THROWS_AS(troll::objective_forward(policy, objective, z, z, in, out, nullptr, fake,
+                                           fake_metrics, fake_workspace),
+                  troll::shape_error);
+
+  CHECK_THROWS_AS(troll::objective_backward(policy, objective, z, z, in, z, fake_stats, out,
+                                            fake_workspace, nan_value),
+                  troll::domain_error);
+  CHECK_THROWS_AS(
+      troll::objective_backward(policy, objective, z, z, in, z, fake_stats, narrow, fake_workspace),
+      troll::shape_error);
+  CHECK_THROWS_AS(
+      troll::objective_backward(policy, objective, z, z, in, z, fake_stats, out, nullptr),
+      troll::shape_error);
+  CHECK_THROWS_AS(
+      troll::objective_backward(policy, objective, z, z, in, z, nullptr, out, fake_workspace),
+      troll::shape_error);
+  troll::ppo_clip_objective bad_clip;
+  bad_clip.clip_low = 1.5;
+  CHECK_THROWS_AS(
+      troll::objective_forward(policy, bad_clip, z, z, in, fake, fake_metrics, fake_workspace),
+      troll::domain_error);
+  CHECK_THROWS_AS(troll::objective_forward(policy, troll::ppo_clip_objective{}, z, z, in, fake,
+                                           nullptr, fake_workspace),
+                  troll::shape_error);
+  CHECK_THROWS_AS(troll::objective_backward(policy, troll::ppo_clip_objective{}, z, z, in, narrow,
+                                            fake_workspace),
+                  troll::shape_error);
+  CHECK_THROWS_AS(troll::objective_backward(policy, troll::ppo_clip_objective{}, z, z, in, out,
+                                            fake_workspace, nan_value),
+                  troll::domain_error);
+}
+
+TEST_CASE("device reports of objective rows become the CPU's exceptions, message for message") {
+  using kind = troll::detail::objective_problem::kind;
+  struct pair {
+    troll::cuda_row_error error;
+    kind what;
+    double value;
+  };
+  const pair cases[] = {
+      {troll::cuda_row_error::bad_sampled, kind::token_range, 99.0},
+      {troll::cuda_row_error::bad_advantage, kind::advantage, nan_value},
+      {troll::cuda_row_error::bad_mask, kind::mask, -1.0},
+      {troll::cuda_row_error::sequence_order, kind::sequence_order, 2.0},
+      {troll::cuda_row_error::old_token_masked, kind::old_token_masked, 5.0},
+      {troll::cuda_row_error::regression_inf, kind::regression_inf, 0.0},
+  };
+  static const char* const names[3] = {"new_logits", "old_logits", ""};
+  for (const pair& c : cases) {
+    troll::cuda_row_report report;
+    report.error = c.error;
+    report.value = c.value;
+    troll::detail::objective_problem p;
+    p.what = c.what;
+    p.value = c.value;
+    const std::string want =
+        message_of([&] { troll::detail::throw_objective_problem("objective_forward", 3, p); });
+    const std::string got = message_of([&] {
+      troll::detail::cuda::throw_objective_report{}("objective_forward", 3, report, names);
+    });
+    CHECK(!want.empty());
+    CHECK(got == want);
+  }
+  // Logit problems go through the projection's translation, as the CPU's objective_problem::logits.
+  troll::cuda_row_report report;
+  report.error = troll::cuda_row_error::nan_value;
+  report.operand = 1;
+  report.token = 4;
+  troll::detail::objective_problem p;
+  p.what = kind::logits;
+  p.logits.kind = troll::detail::problem_kind::nan_value;
+  p.logits.operand = "old_logits";
+  p.logits.token = 4;
+  CHECK(message_of([&] {
+          troll::detail::cuda::throw_objective_report{}("objective_forward", 0, report, names);
+        }) ==
+        message_of([&] { troll::detail::throw_objective_problem("objective_forward", 0, p); }));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device cases: skipped (filtered out) without a device.
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+/// Runs TROLL's forward and backward on both backends for one batch and compares everything.
+template <class T>
+void compare_with_cpu(std::size_t rows, std::size_t cols, unsigned seed,
+                      troll::loss_aggregation how, double alpha) {
+  CAPTURE(rows);
+  CAPTURE(cols);
+  CAPTURE(alpha);
+  const host_batch<T> h(rows, cols, seed);
+  troll::trust_region_objective objective;
+  objective.eps = 0.02;
+  objective.alpha = alpha;
+
+  std::vector<T> cpu_log_probs(rows * cols), cpu_loss(rows), cpu_grad(rows * cols);
+  std::vector<troll::projection_stats> cpu_stats(rows);
+  const troll::objective_metrics want = troll::objective_forward(
+      troll::cpu, objective, h.new_view(), h.old_view(), h.tokens_view(how),
+      troll::make_batch(cpu_log_probs.data(), rows, cols), cpu_stats.data(), cpu_loss.data());
+  const double grad_loss = 0.75;
+  troll::objective_backward(troll::cpu, objective, h.new_view(), h.old_view(), h.tokens_view(how),
+                            troll::make_batch<const T>(cpu_log_probs.data(), rows, cols),
+                            cpu_stats.data(), troll::make_batch(cpu_grad.data(), rows, cols),
+                            grad_loss);
+
+  test_stream stream;
+  const device_batch<T> d(h);
+  device_array<T> log_probs(rows * cols), token_loss(rows), grad(rows * cols);
+  device_array<troll::projection_stats> stats(rows);
+  device_array<troll::objective_metrics> metrics(1);
+  device_array<unsigned char> workspace(troll::objective_workspace_bytes(rows));
+  device_array<troll::cuda_row_report> reports(rows);
+  troll::objective_forward(troll::cuda.on(stream.stream), objective, d.new_view(), d.old_view(),
+                           d.tokens_view(how), troll::make_batch(log_probs.get(), rows, cols),
+                           stats.get(), token_loss.get(), metrics.get(), workspace.get(),
+                           troll::cuda_checks{reports.get()});
+  troll::objective_backward(troll::cuda.on(stream.stream), objective, d.new_view(), d.old_view(),
+                            d.tokens_view(how),
+                            troll::make_batch<const T>(log_probs.get(), rows, cols), stats.get(),
+                            troll::make_batch(grad.get(), rows, cols), workspace.get(), grad_loss);
+  stream.sync();
+
+  for (const troll::cuda_row_report& r : reports.download())
+    CHECK(r.error == troll::cuda_row_error::none);
+  const tolerance tol = between_backends<T>();
+  const std::vector<T> got_log_probs = log_probs.download(), got_loss = token_loss.download(),
+                       got_grad = grad.download();
+  const std::vector<troll::projection_stats> got_stats = stats.download();
+  std::size_t projected = 0;
+  for (std::size_t r = 0; r < rows; ++r) {
+    CAPTURE(r);
+    CHECK(got_stats[r].status == cpu_stats[r].status);
+    projected += cpu_stats[r].status == troll::row_status::projected ? 1 : 0;
+    CHECK(tol.scaled(16).accepts(got_stats[r].kl_after, cpu_stats[r].kl_after));
+    CHECK(tol.scaled(16).accepts(got_loss[r], cpu_loss[r]));
+    for (std::size_t j = 0; j < cols; ++j) {
+      CHECK(tol.scaled(16).accepts(got_log_probs[r * cols + j], cpu_log_probs[r * cols + j]));
+      CHECK(tol.scaled(64).accepts(got_grad[r * cols + j], cpu_grad[r * cols + j]));
+    }
+  }
+  CHECK(projected > rows / 4);  // the batch exercises the projected rows' formulas
+
+  const troll::objective_metrics got = metrics.download()[0];
+  CHECK(got.tokens == want.tokens);
+  CHECK(got.sequences == want.sequences);
+  CHECK(tol.scaled(16).accepts(got.loss, want.loss));
+  CHECK(tol.scaled(16).accepts(got.ratio_mean, want.ratio_mean));
+  CHECK(tol.scaled(16).accepts(got.kl_before_mean, want.kl_before_mean));
+  CHECK(tol.scaled(16).accepts(got.kl_before_max, want.kl_before_max));
+  CHECK(tol.scaled(16).accepts(got.kl_after_mean, want.kl_after_mean));
+  CHECK(tol.scaled(16).accepts(got.kl_after_max, want.kl_after_max));
+  CHECK(tol.scaled(16).accepts(got.regression_kl_mean, want.regression_kl_mean));
+  CHECK(tol.scaled(16).accepts(got.eta_mean, want.eta_mean));
+  CHECK(got.projected_fraction == want.projected_fraction);
+}
+
+/// PPO clip on both backends for one batch (dual clip on, asymmetric bounds).
+template <class T>
+void compare_ppo_with_cpu(std::size_t rows, std::size_t cols, unsigned seed,
+                          troll::loss_aggregation how) {
+  CAPTURE(rows);
+  CAPTURE(cols);
+  const host_batch<T> h(rows, cols, seed);
+  troll::ppo_clip_objective objective;
+  objective.clip_low = 0.2;
+  objective.clip_high = 0.28;
+  objective.dual_clip = 3.0;
+  std::vector<T> cpu_loss(rows), cpu_grad(rows * cols);
+  const troll::objective_metrics want = troll::objective_forward(
+      troll::cpu, objective, h.new_view(), h.old_view(), h.tokens_view(how), cpu_loss.data());
+  const double grad_loss = 1.5;
+  troll::objective_backward(troll::cpu, objective, h.new_view(), h.old_view(), h.tokens_view(how),
+                            troll::make_batch(cpu_grad.data(), rows, cols), grad_loss);
+
+  test_stream stream;
+  const device_batch<T> d(h);
+  device_array<T> token_loss(rows), grad(rows * cols);
+  device_array<troll::objective_metrics> metrics(1);
+  device_array<unsigned char> workspace(troll::objective_workspace_bytes(rows));
+  troll::objective_forward(troll::cuda.on(stream.stream), objective, d.new_view(), d.old_view(),
+                           d.tokens_view(how), token_loss.get(), metrics.get(), workspace.get());
+  troll::objective_backward(troll::cuda.on(stream.stream), objective, d.new_view(), d.old_view(),
+                            d.tokens_view(how), troll::make_batch(grad.get(), rows, cols),
+                            workspace.get(), grad_loss);
+  stream.sync();
+
+  const tolerance tol = between_backends<T>();
+  const std::vector<T> got_loss = token_loss.download(), got_grad = grad.download();
+  for (std::size_t r = 0; r < rows; ++r) {
+    CAPTURE(r);
+    CHECK(tol.scaled(16).accepts(got_loss[r], cpu_loss[r]));
+    for (std::size_t j = 0; j < cols; ++j)
+      CHECK(tol.scaled(16).accepts(got_grad[r * cols + j], cpu_grad[r * cols + j]));
+  }
+  const troll::objective_metrics got = metrics.download()[0];
+  CHECK(want.limited_fraction > 0.0);  // the batch exercises the clip
+  CHECK(got.tokens == want.tokens);
+  CHECK(got.sequences == want.sequences);
+  CHECK(got.limited_fraction == want.limited_fraction);
+  CHECK(tol.scaled(16).accepts(got.loss, want.loss));
+  CHECK(tol.scaled(16).accepts(got.ratio_mean, want.ratio_mean));
+  CHECK(tol.scaled(16).accepts(got.kl_before_mean, want.kl_before_mean));
+  CHECK(tol.scaled(16).accepts(got.kl_after_max, want.kl_after_max));
+}
+
+}  // namespace
+
+TEST_SUITE("device") {
+  TEST_CASE_TEMPLATE("PPO clip forward and backward match the CPU objective", T, float, double) {
+    for (const auto how :
+         {troll::loss_aggregation::token_mean, troll::loss_aggregation::sequence_mean}) {
+      CAPTURE(static_cast<int>(how));
+      compare_ppo_with_cpu<T>(24, 257, 21u, how);
+    }
+  }
+
+  TEST_CASE_TEMPLATE("TROLL objective forward and backward match the CPU objective", T, float,
+                     double) {
+    for (const auto how :
+         {troll::loss_aggregation::token_mean, troll::loss_aggregation::sequence_mean}) {
+      CAPTURE(static_cast<int>(how));
+      compare_with_cpu<T>(24, 257, 11u, how, 1.0);
+      compare_with_cpu<T>(9, 1031, 12u, how, 0.0);
+    }
+  }
+
+  TEST_CASE("an all-zero mask gives loss 0, zero metrics and zero gradients") {
+    host_batch<double> h(6, 64, 3u);
+    std::fill(h.mask.begin(), h.mask.end(), 0.0);
+    const device_batch<double> d(h);
+    test_stream stream;
+    device_array<double> log_probs(6 * 64), grad(6 * 64);
+    device_array<troll::projection_stats> stats(6);
+    device_array<troll::objective_metrics> metrics(1);
+    device_array<unsigned char> workspace(troll::objective_workspace_bytes(6));
+    const auto in = d.tokens_view(troll::loss_aggregation::sequence_mean);
+    troll::objective_forward(troll::cuda.on(stream.stream), troll::trust_region_objective{},
+                             d.new_view(), d.old_view(), in,
+                             troll::make_batch(log_probs.get(), 6, 64), stats.get(), nullptr,
+                             metrics.get(), workspace.get());
+    troll::objective_backward(troll::cuda.on(stream.stream), troll::trust_region_objective{},
+                              d.new_view(), d.old_view(), in,
+                              troll::make_batch<const double>(log_probs.get(), 6, 64), stats.get(),
+                              troll::make_batch(grad.get(), 6, 64), workspace.get());
+    stream.sync();
+    const troll::objective_metrics m = metrics.download()[0];
+    CHECK(m.loss == 0.0);
+    CHECK(m.tokens == 0);
+    CHECK(m.sequences == 0);
+    for (double g : grad.download()) CHECK(g == 0.0);
+  }
+
+  TEST_CASE_TEMPLATE(
+      "bad token rows: reports, first_bad_row, NaN outputs; checked mode throws the CPU's error", T,
+      float, double) {
+    host_batch<T> h(8, 64, 5u);
+    h.advantages[5] = T(nan_value);
+    h.tokens[6] = 64;  // outside [0, V)
+    h.mask[6] = T(1);
+    const device_batch<T> d(h);
+    const auto how = troll::loss_aggregation::token_mean;
+    test_stream stream;
+    device_array<T> log_probs(8 * 64), token_loss(8);
+    device_array<troll::projection_stats> stats(8);
+    device_array<troll::objective_metrics> metrics(1);
+    device_array<unsigned char> workspace(troll::objective_workspace_bytes(8));
+    device_array<troll::cuda_row_report> reports(8);
+    device_array<unsigned long long> first_bad(1);
+    troll::objective_forward(troll::cuda.on(stream.stream), troll::trust_region_objective{},
+                             d.new_view(), d.old_view(), d.tokens_view(how),
+                             troll::make_batch(log_probs.get(), 8, 64), stats.get(),
+                             token_loss.get(), metrics.get(), workspace.get(),
+                             troll::cuda_checks{reports.get(), first_bad.get()});
+    stream.sync();
+    const std::vector<troll::cuda_row_report> rep = reports.download();
+    CHECK(rep[5].error == troll::cuda_row_error::bad_advantage);
+    CHECK(rep[6].error == troll::cuda_row_error::bad_sampled);
+    CHECK(first_bad.download()[0] == 5ull);
+    CHECK(std::isnan(static_cast<double>(token_loss.download()[5])));
+    CHECK(std::isnan(metrics.download()[0].loss));
+
+    std::vector<T> cpu_log_probs(8 * 64);
+    std::vector<troll::projection_stats> cpu_stats(8);
+    const std::string want = message_of([&] {
+      troll::objective_forward(troll::cpu, troll::trust_region_objective{}, h.new_view(),
+                               h.old_view(), h.tokens_view(how),
+                               troll::make_batch(cpu_log_probs.data(), 8, 64), cpu_stats.data());
+    });
+    const std::string got = message_of([&] {
+      troll::objective_forward(
+          troll::cuda.on(stream.stream), troll::trust_region_objective{}, d.new_view(),
+          d.old_view(), d.tokens_view(how), troll::make_batch(log_probs.get(), 8, 64), stats.get(),
+          token_loss.get(), metrics.get(), workspace.get(), troll::cuda_checked);
+    });
+    CHECK(!want.empty());
+    CHECK(got == want);
+  }
+}
+
+int main(int argc, char** argv) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  const bool has_device = status == cudaSuccess && count > 0;
+  cudaGetLastError();  // clear a "no device" error so it cannot leak into a later call
+  doctest::Context context;
+  if (!has_device) {
+    std::printf(
+        "SKIPPED: no CUDA device (%s): the \"device\" test suite of %s is skipped; only the "
+        "host-side checks run.\n",
+        status == cudaSuccess ? "0 devices" : cudaGetErrorString(status), __FILE__);
+    context.addFilter("test-suite-exclude", "device");
+  }
+  context.applyCommandLine(argc, argv);
+  const int result = context.run();
+  if (!has_device) std::printf("SKIPPED: no CUDA device; nothing in this binary ran on a GPU.\n");
+  return result;
+}
