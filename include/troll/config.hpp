@@ -11,12 +11,9 @@
 // this marker, free of std containers, exceptions and allocation.
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #  define TROLL_HOST_DEVICE __host__ __device__
-#  define TROLL_DEVICE_COMPILE 1
 #else
 #  define TROLL_HOST_DEVICE
 #endif
-
-#define TROLL_FORCEINLINE inline
 
 // Inline ABI namespace: two troll versions linked into one program never share symbols.
 #define TROLL_BEGIN_NAMESPACE \
