@@ -188,19 +188,8 @@ void align(cuda_policy policy, batch_view<L> new_logits, sparse_input<T> new_sup
   detail::require_float_type<T>();
   constexpr const char* fn = "align";
   const batch_view<const logit_type> in{new_logits.data, new_logits.rows, new_logits.cols, new_logits.stride};
-  detail::check_view(fn, "new_logits", in);
-  detail::check_sparse_view(fn, "old", old_rows);
-  detail::check_aligned_view(fn, "out", out);
+  detail::check_align_arguments(fn, in, new_support, old_rows, out);
   const bool with_support = new_support.rows != 0;
-  if (with_support) {
-    detail::check_sparse_view(fn, "new_support", new_support);
-    detail::check_same_rows(fn, "new_logits", in.rows, "new_support", new_support.rows);
-    detail::check_same_vocab(fn, "new_logits", in.cols, "new_support", new_support.vocab);
-  }
-  detail::check_same_rows(fn, "new_logits", in.rows, "old", old_rows.rows);
-  detail::check_same_rows(fn, "new_logits", in.rows, "out", out.rows);
-  detail::check_same_vocab(fn, "new_logits", in.cols, "old", old_rows.vocab);
-  detail::check_same_vocab(fn, "new_logits", in.cols, "out", out.vocab);
   const detail::cuda::sparse_thrower thrower{
       {"new_logits", "old", nullptr, nullptr, nullptr, nullptr, "out (the union of the supports)", "new_support"}, 0};
   const int slots = detail::cuda::sort_slots(

@@ -425,19 +425,8 @@ void align(cpu_policy policy, input_view<T> new_logits, sparse_input<T> new_supp
            sparse_input<T> old_rows, aligned_batch_view<T> out) {
   detail::require_float_type<T>();
   constexpr const char* fn = "align";
-  detail::check_view(fn, "new_logits", new_logits);
-  detail::check_sparse_view(fn, "old", old_rows);
-  detail::check_aligned_view(fn, "out", out);
+  detail::check_align_arguments(fn, new_logits, new_support, old_rows, out);
   const bool with_support = new_support.rows != 0;
-  if (with_support) {
-    detail::check_sparse_view(fn, "new_support", new_support);
-    detail::check_same_rows(fn, "new_logits", new_logits.rows, "new_support", new_support.rows);
-    detail::check_same_vocab(fn, "new_logits", new_logits.cols, "new_support", new_support.vocab);
-  }
-  detail::check_same_rows(fn, "new_logits", new_logits.rows, "old", old_rows.rows);
-  detail::check_same_rows(fn, "new_logits", new_logits.rows, "out", out.rows);
-  detail::check_same_vocab(fn, "new_logits", new_logits.cols, "old", old_rows.vocab);
-  detail::check_same_vocab(fn, "new_logits", new_logits.cols, "out", out.vocab);
   detail::validate_rows(fn, policy.threads, new_logits, "new_logits");
   detail::validate_sparse(fn, policy.threads, old_rows, "old");
   const std::size_t cap = out.k_max < std::size_t(sparse_max_entries) ? out.k_max : sparse_max_entries;

@@ -195,6 +195,26 @@ void check_output_view(const char* fn, const char* name, const sparse_batch_view
                         " but rows may need " + std::to_string(k_needed) + " entries");
 }
 
+/// The host-side checks of align(new_logits, new_support, old_rows, out) that read no values:
+/// views, row counts and vocabulary sizes (new_support may be empty). Shared by CPU and CUDA.
+template <class L, class T>
+void check_align_arguments(const char* fn, const batch_view<const L>& new_logits,
+                           const sparse_batch_view<const T>& new_support,
+                           const sparse_batch_view<const T>& old_rows, const aligned_batch_view<T>& out) {
+  check_view(fn, "new_logits", new_logits);
+  check_sparse_view(fn, "old", old_rows);
+  check_aligned_view(fn, "out", out);
+  if (new_support.rows != 0) {
+    check_sparse_view(fn, "new_support", new_support);
+    check_same_rows(fn, "new_logits", new_logits.rows, "new_support", new_support.rows);
+    check_same_vocab(fn, "new_logits", new_logits.cols, "new_support", new_support.vocab);
+  }
+  check_same_rows(fn, "new_logits", new_logits.rows, "old", old_rows.rows);
+  check_same_rows(fn, "new_logits", new_logits.rows, "out", out.rows);
+  check_same_vocab(fn, "new_logits", new_logits.cols, "old", old_rows.vocab);
+  check_same_vocab(fn, "new_logits", new_logits.cols, "out", out.vocab);
+}
+
 }  // namespace detail
 
 TROLL_END_NAMESPACE
