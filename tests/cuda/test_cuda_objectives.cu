@@ -30,55 +30,19 @@
 #include <vector>
 
 #include "tolerance.hpp"
+#include "cuda_support.cuh"
 #include "troll/cuda.cuh"
 #include "troll/objectives.hpp"
 
 namespace {
 
+using troll_test::device_array;
+using troll_test::test_stream;
+
 using troll_test::tolerance;
 using troll_test::unit_roundoff;
 
 const double nan_value = std::numeric_limits<double>::quiet_NaN();
-
-#define CUDA_REQUIRE(call)                                                                       \
-  do {                                                                                           \
-    const cudaError_t cuda_status_ = (call);                                                     \
-    REQUIRE_MESSAGE(cuda_status_ == cudaSuccess, #call, ": ", cudaGetErrorString(cuda_status_)); \
-  } while (false)
-
-/// Device memory of n elements of E, freed on scope exit.
-template <class E>
-class device_array {
- public:
-  explicit device_array(std::size_t n) : size_(n) {
-    CUDA_REQUIRE(
-        cudaMalloc(reinterpret_cast<void**>(&data_), std::max<std::size_t>(n, 1) * sizeof(E)));
-  }
-  explicit device_array(const std::vector<E>& host) : device_array(host.size()) {
-    CUDA_REQUIRE(cudaMemcpy(data_, host.data(), host.size() * sizeof(E), cudaMemcpyHostToDevice));
-  }
-  device_array(const device_array&) = delete;
-  device_array& operator=(const device_array&) = delete;
-  ~device_array() { cudaFree(data_); }
-  E* get() const { return data_; }
-  std::vector<E> download() const {
-    std::vector<E> host(size_);
-    CUDA_REQUIRE(cudaMemcpy(host.data(), data_, size_ * sizeof(E), cudaMemcpyDeviceToHost));
-    return host;
-  }
-
- private:
-  E* data_ = nullptr;
-  std::size_t size_;
-};
-
-/// A stream of its own per case, so the default stream is never relied upon.
-struct test_stream {
-  cudaStream_t stream = nullptr;
-  test_stream() { CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
-  ~test_stream() { cudaStreamDestroy(stream); }
-  void sync() const { CUDA_REQUIRE(cudaStreamSynchronize(stream)); }
-};
 
 /// A host batch of sampled tokens: rows of V logits (old and a perturbed new), masks with zeros
 /// and fractional weights, sequences of uneven length, advantages of both signs. Some rows have
@@ -186,13 +150,6 @@ tolerance between_backends() {
 // ---------------------------------------------------------------------------------------------
 // Host-only cases: they run with or without a device.
 // ---------------------------------------------------------------------------------------------
-
-TEST_CASE("cuda device availability (objectives)") {
-  int count = 0;
-  const cudaError_t status = cudaGetDeviceCount(&count);
-  if (status != cudaSuccess || count == 0)
-    MESSAGE("SKIPPED: no CUDA device; every case of the \"device\" test suite is skipped");
-}
 
 TEST_CASE("objective workspace size: a header and one record per row") {
   const std::size_t header = troll::objective_workspace_bytes(0);
@@ -541,21 +498,4 @@ TEST_SUITE("device") {
   }
 }
 
-int main(int argc, char** argv) {
-  int count = 0;
-  const cudaError_t status = cudaGetDeviceCount(&count);
-  const bool has_device = status == cudaSuccess && count > 0;
-  cudaGetLastError();  // clear a "no device" error so it cannot leak into a later call
-  doctest::Context context;
-  if (!has_device) {
-    std::printf(
-        "SKIPPED: no CUDA device (%s): the \"device\" test suite of %s is skipped; only the "
-        "host-side checks run.\n",
-        status == cudaSuccess ? "0 devices" : cudaGetErrorString(status), __FILE__);
-    context.addFilter("test-suite-exclude", "device");
-  }
-  context.applyCommandLine(argc, argv);
-  const int result = context.run();
-  if (!has_device) std::printf("SKIPPED: no CUDA device; nothing in this binary ran on a GPU.\n");
-  return result;
-}
+int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }

@@ -36,51 +36,20 @@
 
 #include "corpus.hpp"
 #include "tolerance.hpp"
+#include "cuda_support.cuh"
 #include "troll/cuda.cuh"
 #include "troll/projection.hpp"
 
 namespace {
+
+using troll_test::device_array;
+using troll_test::test_stream;
 
 using troll_test::tolerance;
 using troll_test::unit_roundoff;
 
 constexpr double minus_inf = -std::numeric_limits<double>::infinity();
 const double nan_value = std::numeric_limits<double>::quiet_NaN();
-
-#define CUDA_REQUIRE(call)                                                  \
-  do {                                                                      \
-    const cudaError_t cuda_status_ = (call);                                \
-    REQUIRE_MESSAGE(cuda_status_ == cudaSuccess, #call, ": ",               \
-                    cudaGetErrorString(cuda_status_));                      \
-  } while (false)
-
-/// Device memory of n elements of T, freed on scope exit.
-template <class T>
-class device_array {
- public:
-  explicit device_array(std::size_t n) : size_(n) {
-    CUDA_REQUIRE(cudaMalloc(reinterpret_cast<void**>(&data_), std::max<std::size_t>(n, 1) * sizeof(T)));
-  }
-  explicit device_array(const std::vector<T>& host) : device_array(host.size()) { upload(host); }
-  device_array(const device_array&) = delete;
-  device_array& operator=(const device_array&) = delete;
-  ~device_array() { cudaFree(data_); }
-
-  T* get() const { return data_; }
-  void upload(const std::vector<T>& host) {
-    CUDA_REQUIRE(cudaMemcpy(data_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  /// Synchronising copy to the host (the device-wide cudaMemcpy waits for every stream).
-  std::vector<T> download() const {
-    std::vector<T> host(size_);
-    CUDA_REQUIRE(cudaMemcpy(host.data(), data_, size_ * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-
- private:
-  T* data_ = nullptr;
-  std::size_t size_;
-};
 
 /// One batch of rows packed with a row stride larger than V; the padding holds NaN so that a
 /// kernel reading past a row's end poisons its result.
@@ -133,12 +102,6 @@ tolerance kl_between_backends(double scale) {
 }
 
 /// A stream of its own for each test case, so the default stream is never relied upon.
-struct test_stream {
-  cudaStream_t stream = nullptr;
-  test_stream() { CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
-  ~test_stream() { cudaStreamDestroy(stream); }
-  void sync() const { CUDA_REQUIRE(cudaStreamSynchronize(stream)); }
-};
 
 // ---------------------------------------------------------------------------------------------
 // Forward comparisons
@@ -425,20 +388,6 @@ struct bad_batch {
 // ---------------------------------------------------------------------------------------------
 // Host-only cases: they run with or without a device.
 // ---------------------------------------------------------------------------------------------
-
-TEST_CASE("cuda device availability") {
-  int count = 0;
-  const cudaError_t status = cudaGetDeviceCount(&count);
-  if (status != cudaSuccess || count == 0) {
-    const std::string why = status == cudaSuccess ? "0 devices" : cudaGetErrorString(status);
-    MESSAGE("SKIPPED: no CUDA device (cudaGetDeviceCount: ", why,
-            "); every case of the \"device\" test suite is skipped");
-  } else {
-    cudaDeviceProp prop{};
-    cudaGetDeviceProperties(&prop, 0);
-    MESSAGE("running on ", prop.name, " (sm_", prop.major, prop.minor, ")");
-  }
-}
 
 TEST_CASE("cuda entry points check shapes, eps and options on the host, before any CUDA call") {
   // Dangling but non-null "device" pointers: none of these calls may touch them.
@@ -753,20 +702,4 @@ TEST_SUITE("device") {
   }
 }
 
-int main(int argc, char** argv) {
-  int count = 0;
-  const cudaError_t status = cudaGetDeviceCount(&count);
-  const bool has_device = status == cudaSuccess && count > 0;
-  cudaGetLastError();  // clear a "no device" error so it cannot leak into a later call
-  doctest::Context context;
-  if (!has_device) {
-    std::printf("SKIPPED: no CUDA device (%s): the \"device\" test suite of %s is skipped; only the "
-                "host-side checks run.\n",
-                status == cudaSuccess ? "0 devices" : cudaGetErrorString(status), __FILE__);
-    context.addFilter("test-suite-exclude", "device");
-  }
-  context.applyCommandLine(argc, argv);
-  const int result = context.run();
-  if (!has_device) std::printf("SKIPPED: no CUDA device; nothing in this binary ran on a GPU.\n");
-  return result;
-}
+int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }

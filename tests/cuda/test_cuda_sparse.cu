@@ -25,41 +25,14 @@
 #include <string>
 #include <vector>
 
+#include "cuda_support.cuh"
 #include "troll/cuda.cuh"
 #include "troll/sparse.hpp"
 
 namespace {
 
-
-#define CUDA_REQUIRE(call)                                                                            \
-  do {                                                                                                \
-    const cudaError_t cuda_status_ = (call);                                                          \
-    REQUIRE_MESSAGE(cuda_status_ == cudaSuccess, #call, ": ", cudaGetErrorString(cuda_status_));      \
-  } while (false)
-
-template <class T>
-class device_array {
- public:
-  explicit device_array(std::size_t n) : size_(n) {
-    CUDA_REQUIRE(cudaMalloc(reinterpret_cast<void**>(&data_), std::max<std::size_t>(n, 1) * sizeof(T)));
-  }
-  explicit device_array(const std::vector<T>& host) : device_array(host.size()) {
-    CUDA_REQUIRE(cudaMemcpy(data_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  device_array(const device_array&) = delete;
-  device_array& operator=(const device_array&) = delete;
-  ~device_array() { cudaFree(data_); }
-  T* get() const { return data_; }
-  std::vector<T> download() const {
-    std::vector<T> host(size_);
-    CUDA_REQUIRE(cudaMemcpy(host.data(), data_, size_ * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-
- private:
-  T* data_ = nullptr;
-  std::size_t size_;
-};
+using troll_test::device_array;
+using troll_test::test_stream;
 
 /// A sparse batch on the host and its device copy (upload / download by hand).
 template <class T>
@@ -117,12 +90,6 @@ std::vector<float> llm_rows(std::size_t rows, std::size_t vocab, unsigned seed, 
   return host;
 }
 
-struct test_stream {
-  cudaStream_t stream = nullptr;
-  test_stream() { CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
-  ~test_stream() { cudaStreamDestroy(stream); }
-};
-
 /// sparsify on the device (logits of type L) against the CPU on the same values as float.
 template <class L>
 void check_sparsify(std::size_t rows, std::size_t vocab, int k, double delta, bool with_sampled, unsigned seed) {
@@ -164,13 +131,6 @@ void check_sparsify(std::size_t rows, std::size_t vocab, int k, double delta, bo
 }
 
 }  // namespace
-
-TEST_CASE("cuda sparse: device availability") {
-  int count = 0;
-  const cudaError_t status = cudaGetDeviceCount(&count);
-  if (status != cudaSuccess || count == 0)
-    MESSAGE("SKIPPED: no CUDA device; every case of the \"device\" test suite is skipped");
-}
 
 TEST_CASE("cuda sparse entry points check shapes and options on the host, before any CUDA call") {
   float* fake = reinterpret_cast<float*>(std::uintptr_t(256));
@@ -398,20 +358,4 @@ TEST_SUITE("device") {
   }
 }
 
-int main(int argc, char** argv) {
-  int count = 0;
-  const cudaError_t status = cudaGetDeviceCount(&count);
-  const bool has_device = status == cudaSuccess && count > 0;
-  cudaGetLastError();
-  doctest::Context context;
-  if (!has_device) {
-    std::printf("SKIPPED: no CUDA device (%s): the \"device\" test suite of %s is skipped; only the "
-                "host-side checks run.\n",
-                status == cudaSuccess ? "0 devices" : cudaGetErrorString(status), __FILE__);
-    context.addFilter("test-suite-exclude", "device");
-  }
-  context.applyCommandLine(argc, argv);
-  const int result = context.run();
-  if (!has_device) std::printf("SKIPPED: no CUDA device; nothing in this binary ran on a GPU.\n");
-  return result;
-}
+int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }

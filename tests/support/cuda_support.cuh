@@ -1,0 +1,104 @@
+// tests/support/cuda_support.cuh — what every CUDA test binary shares: CUDA_REQUIRE, device
+// memory freed on scope exit, a private stream per case, and the main() that skips the "device"
+// test suite cleanly when no CUDA device is present.
+//
+// A binary includes this after <doctest/doctest.h> (with DOCTEST_CONFIG_IMPLEMENT defined) and
+// ends with
+//
+//   int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }
+//
+// Cases that need a device go in TEST_SUITE("device"); everything else (host-side argument
+// checks) runs with or without one. Without a device the binary prints "SKIPPED: no CUDA device",
+// runs the host-only cases and exits with their result.
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#define CUDA_REQUIRE(call)                                                                       \
+  do {                                                                                           \
+    const cudaError_t cuda_status_ = (call);                                                     \
+    REQUIRE_MESSAGE(cuda_status_ == cudaSuccess, #call, ": ", cudaGetErrorString(cuda_status_)); \
+  } while (false)
+
+namespace troll_test {
+
+/// Device memory of n elements of E (at least one element is allocated), freed on scope exit.
+template <class E>
+class device_array {
+ public:
+  explicit device_array(std::size_t n) : size_(n) {
+    CUDA_REQUIRE(cudaMalloc(reinterpret_cast<void**>(&data_), std::max<std::size_t>(n, 1) * sizeof(E)));
+  }
+  explicit device_array(const std::vector<E>& host) : device_array(host.size()) { upload(host); }
+  device_array(const device_array&) = delete;
+  device_array& operator=(const device_array&) = delete;
+  ~device_array() { cudaFree(data_); }
+
+  E* get() const { return data_; }
+  std::size_t size() const { return size_; }
+  void upload(const std::vector<E>& host) {
+    REQUIRE(host.size() <= size_);
+    CUDA_REQUIRE(cudaMemcpy(data_, host.data(), host.size() * sizeof(E), cudaMemcpyHostToDevice));
+  }
+  /// Synchronising copy to the host (the device-wide cudaMemcpy waits for every stream).
+  std::vector<E> download() const {
+    std::vector<E> host(size_);
+    CUDA_REQUIRE(cudaMemcpy(host.data(), data_, size_ * sizeof(E), cudaMemcpyDeviceToHost));
+    return host;
+  }
+
+ private:
+  E* data_ = nullptr;
+  std::size_t size_;
+};
+
+/// A non-blocking stream of its own per case, so the default stream is never relied upon.
+struct test_stream {
+  cudaStream_t stream = nullptr;
+  test_stream() { CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
+  test_stream(const test_stream&) = delete;
+  test_stream& operator=(const test_stream&) = delete;
+  ~test_stream() { cudaStreamDestroy(stream); }
+  void sync() const { CUDA_REQUIRE(cudaStreamSynchronize(stream)); }
+};
+
+/// Whether a CUDA device is usable; `why` says why not ("" when it is).
+inline bool cuda_device_present(std::string* why = nullptr) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  cudaGetLastError();  // clear a "no device" error so it cannot leak into a later call
+  if (why != nullptr) *why = status != cudaSuccess ? cudaGetErrorString(status) : count == 0 ? "0 devices" : "";
+  return status == cudaSuccess && count > 0;
+}
+
+/// The body of every CUDA test binary's main(): runs doctest, excluding the "device" suite (and
+/// saying so) when no device is present. `file` names the binary's source in the messages.
+inline int run_cuda_tests(int argc, char** argv, const char* file) {
+  std::string why;
+  const bool has_device = cuda_device_present(&why);
+  doctest::Context context;
+  if (has_device) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess)
+      std::printf("%s: running on %s (sm_%d%d)\n", file, prop.name, prop.major, prop.minor);
+  } else {
+    std::printf("SKIPPED: no CUDA device (%s): the \"device\" test suite of %s is skipped; only the "
+                "host-side checks run.\n",
+                why.c_str(), file);
+    context.addFilter("test-suite-exclude", "device");
+  }
+  context.applyCommandLine(argc, argv);
+  const int result = context.run();
+  if (!has_device) std::printf("SKIPPED: no CUDA device; nothing in this binary ran on a GPU.\n");
+  return result;
+}
+
+}  // namespace troll_test
