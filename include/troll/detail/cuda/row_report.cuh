@@ -45,6 +45,13 @@ enum class cuda_row_error : int {
   sequence_order = 20,     ///< sequence id `value` is below the previous row's: domain_error
   old_token_masked = 21,   ///< old_logits is −inf at the sampled token `value`: domain_error
   regression_inf = 22,     ///< new logits have mass where old ones mask, α > 0: domain_error
+  // Vocabulary-shard states and align_backward (troll/cuda_sparse.cuh).
+  state_mismatch = 23,     ///< sparsify_merge: the states differ in k or sampled token: invalid_input
+  state_k = 24,            ///< sparsify_finalize: the state's k is `value`, not options.k: invalid_input
+  state_capacity = 25,     ///< sparsify_finalize: out holds `token` entries, the row needs `value`: shape_error
+  sampled_missing = 26,    ///< sparsify_finalize: no shard held the sampled token `value`: domain_error
+  no_support = 27,         ///< sparsify_finalize: every logit of the row is −inf: domain_error
+  bad_state = 28,          ///< a state with k or size (`value`) out of range (a rejected shard row): invalid_input
 };
 
 /// One row's validation outcome, written by every CUDA entry point that is given a report array.
