@@ -52,6 +52,8 @@ enum class cuda_row_error : int {
   sampled_missing = 26,    ///< sparsify_finalize: no shard held the sampled token `value`: domain_error
   no_support = 27,         ///< sparsify_finalize: every logit of the row is −inf: domain_error
   bad_state = 28,          ///< a state with k or size (`value`) out of range (a rejected shard row): invalid_input
+  // Dense derivatives (troll/cuda.cuh: kl_backward, project_jvp, project_jacobian).
+  infinite_kl = 40,        ///< kl_backward: KL(p‖q) is +inf (p has mass where q is −inf), no gradient: domain_error
 };
 
 /// One row's validation outcome, written by every CUDA entry point that is given a report array.
