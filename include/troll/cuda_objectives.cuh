@@ -1,7 +1,7 @@
 // troll/cuda_objectives.cuh — TROLL's training objective under the troll::cuda policy (nvcc only;
-// reached through <troll/cuda.cuh>): objective_forward and objective_backward for TROLL and PPO
-// clip, with the CPU overloads' arguments plus where the device results go. Never run on a GPU yet:
-// see docs/cuda.md.
+// reached through <troll/cuda.cuh>): objective_forward and objective_backward for TROLL, PPO
+// clip and DPPO, with the CPU overloads' arguments plus where the device results go. Never run on
+// a GPU yet: see docs/cuda.md.
 //
 //   std::size_t bytes = troll::objective_workspace_bytes(rows);   // caller allocates once
 //   troll::objective_forward(troll::cuda.on(s), obj, new_logits, old_logits, batch, log_probs,
@@ -29,7 +29,7 @@
 TROLL_BEGIN_NAMESPACE
 
 /// Bytes of device workspace objective_forward / objective_backward need for `rows` rows
-/// ((rows + 1) · 40). The caller allocates it (once, for the largest batch) and passes it to both;
+/// ((rows + 1) · 48). The caller allocates it (once, for the largest batch) and passes it to both;
 /// its contents need no initialisation and are overwritten by every call.
 constexpr std::size_t objective_workspace_bytes(std::size_t rows) {
   return detail::cuda::objective_workspace_bytes(rows);
@@ -158,15 +158,10 @@ void objective_backward(cuda_policy policy, const trust_region_objective& object
       detail::cuda::throw_objective_report{});
 }
 
-// ---- PPO clip (no projection; the ratio is p̃_a / q_a) ----
+// ---- The baselines, PPO clip and DPPO (no projection; the ratio is p̃_a / q_a) ----
 
 namespace detail {
 namespace cuda {
-
-inline ppo_parameters make_ppo_parameters(const char* fn, const ppo_clip_objective& o) {
-  check_ppo_clip(fn, o);
-  return ppo_parameters{o.clip_low, o.clip_high, o.dual_clip, o.kl_metrics};
-}
 
 /// The backward's aggregation weights: c_r = grad_loss · weight_r / normaliser, in the workspace.
 template <class T>
@@ -174,6 +169,56 @@ void enqueue_aggregation_weights(const char* fn, cudaStream_t stream, const toke
                                  std::size_t rows, objective_row_record* header) {
   aggregation_weights_kernel<T><<<1, block_threads, 0, stream>>>(in, rows, header, header + 1);
   check_launch(fn);
+}
+
+/// The forward of a ratio baseline (`spec` built and checked by make_spec).
+template <class T>
+void ratio_forward(const char* fn, cuda_policy policy, const ratio_objective_spec& spec,
+                   input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
+                   T* token_loss, objective_metrics* metrics, void* workspace,
+                   const cuda_checks& checks) {
+  check_objective_shapes(fn, new_logits, old_logits, in);
+  if (metrics == nullptr) throw_shape(fn, "metrics is a null pointer");
+  if (workspace == nullptr) throw_shape(fn, "workspace is a null pointer");
+  objective_row_record* records = static_cast<objective_row_record*>(workspace) + 1;
+  static const char* const names[3] = {"new_logits", "old_logits", ""};
+  run(
+      fn, policy.stream, new_logits.rows, checks, names,
+      [&](row_range range, device_checks device) {
+        ratio_forward_kernel<T><<<grid_for(range.count), block_threads, 0, policy.stream>>>(
+            new_logits, old_logits, in, spec, token_loss, records, range, device);
+      },
+      throw_objective_report{});
+  aggregate_kernel<T><<<1, block_threads, 0, policy.stream>>>(in, new_logits.rows, nullptr,
+                                                               records, metrics);
+  check_launch(fn);
+}
+
+/// The backward of a ratio baseline.
+template <class T>
+void ratio_backward(const char* fn, cuda_policy policy, ratio_objective_spec spec,
+                    input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
+                    batch_view<T> grad_new, void* workspace, double grad_loss,
+                    const cuda_checks& checks) {
+  check_objective_shapes(fn, new_logits, old_logits, in);
+  check_view(fn, "grad_new", grad_new);
+  check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
+  if (workspace == nullptr) throw_shape(fn, "workspace is a null pointer");
+  if (!(grad_loss - grad_loss == 0.0))
+    throw domain_error(std::string("troll::") + fn + ": grad_loss is not finite");
+  if (new_logits.rows == 0) return;
+  spec.compute_kl = false;
+  objective_row_record* header = static_cast<objective_row_record*>(workspace);
+  enqueue_aggregation_weights(fn, policy.stream, in, new_logits.rows, header);
+  static const char* const names[3] = {"new_logits", "old_logits", ""};
+  run(
+      fn, policy.stream, new_logits.rows, checks, names,
+      [&](row_range range, device_checks device) {
+        ratio_backward_kernel<T><<<grid_for(range.count), block_threads, 0, policy.stream>>>(
+            new_logits, old_logits, in, spec, grad_new, grad_loss, header, header + 1, range,
+            device);
+      },
+      throw_objective_report{});
 }
 
 }  // namespace cuda
@@ -190,24 +235,8 @@ void objective_forward(cuda_policy policy, const ppo_clip_objective& objective,
                        void* workspace, const cuda_checks& checks = {}) {
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_forward";
-  const detail::cuda::ppo_parameters params = detail::cuda::make_ppo_parameters(fn, objective);
-  detail::check_objective_shapes(fn, new_logits, old_logits, in);
-  if (metrics == nullptr) detail::throw_shape(fn, "metrics is a null pointer");
-  if (workspace == nullptr) detail::throw_shape(fn, "workspace is a null pointer");
-  using detail::cuda::objective_row_record;
-  objective_row_record* records = static_cast<objective_row_record*>(workspace) + 1;
-  static const char* const names[3] = {"new_logits", "old_logits", ""};
-  detail::cuda::run(
-      fn, policy.stream, new_logits.rows, checks, names,
-      [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-        detail::cuda::ppo_forward_kernel<T><<<detail::cuda::grid_for(range.count),
-                                              detail::cuda::block_threads, 0, policy.stream>>>(
-            new_logits, old_logits, in, params, token_loss, records, range, device);
-      },
-      detail::cuda::throw_objective_report{});
-  detail::cuda::aggregate_kernel<T><<<1, detail::cuda::block_threads, 0, policy.stream>>>(
-      in, new_logits.rows, nullptr, records, metrics);
-  detail::cuda::check_launch(fn);
+  detail::cuda::ratio_forward<T>(fn, policy, detail::make_spec(fn, objective), new_logits, old_logits,
+                              in, token_loss, metrics, workspace, checks);
 }
 
 /// PPO clip's backward on the device: grad_new = grad_loss · ∂L/∂z̃,
@@ -219,27 +248,37 @@ void objective_backward(cuda_policy policy, const ppo_clip_objective& objective,
                         double grad_loss = 1.0, const cuda_checks& checks = {}) {
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_backward";
-  const detail::cuda::ppo_parameters params = detail::cuda::make_ppo_parameters(fn, objective);
-  detail::check_objective_shapes(fn, new_logits, old_logits, in);
-  detail::check_view(fn, "grad_new", grad_new);
-  detail::check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
-  if (workspace == nullptr) detail::throw_shape(fn, "workspace is a null pointer");
-  if (!(grad_loss - grad_loss == 0.0))
-    throw domain_error("troll::objective_backward: grad_loss is not finite");
-  if (new_logits.rows == 0) return;
-  using detail::cuda::objective_row_record;
-  objective_row_record* header = static_cast<objective_row_record*>(workspace);
-  detail::cuda::enqueue_aggregation_weights(fn, policy.stream, in, new_logits.rows, header);
-  static const char* const names[3] = {"new_logits", "old_logits", ""};
-  detail::cuda::run(
-      fn, policy.stream, new_logits.rows, checks, names,
-      [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-        detail::cuda::ppo_backward_kernel<T>
-            <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
-               policy.stream>>>(new_logits, old_logits, in, params, grad_new, grad_loss, header,
-                                header + 1, range, device);
-      },
-      detail::cuda::throw_objective_report{});
+  detail::cuda::ratio_backward<T>(fn, policy, detail::make_spec(fn, objective), new_logits,
+                               old_logits, in, grad_new, workspace, grad_loss, checks);
+}
+
+/// DPPO's forward on the device (troll::objective_forward(cpu_policy, dppo_objective, ...)): ℓ_r
+/// to `token_loss` (optional), the aggregated loss and metrics (limited_fraction = masked
+/// tokens, divergence_mean = the mean divergence estimate) to `*metrics`. Memory, workspace and
+/// validation as PPO clip's overload. The top-K divergences select the old row's K largest
+/// logits on the device with a radix select (a few extra passes over the old row).
+template <class T>
+void objective_forward(cuda_policy policy, const dppo_objective& objective,
+                       input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
+                       typename detail::identity<T>::type* token_loss, objective_metrics* metrics,
+                       void* workspace, const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "objective_forward";
+  detail::cuda::ratio_forward<T>(fn, policy, detail::make_spec(fn, objective), new_logits, old_logits,
+                              in, token_loss, metrics, workspace, checks);
+}
+
+/// DPPO's backward on the device: grad_new = grad_loss · ∂L/∂z̃, ∂ℓ/∂z̃_j = −M·A·r·(δ_ja − p̃_j),
+/// the mask M held constant (recomputed per row, as on the CPU). `workspace` as TROLL's backward.
+template <class T>
+void objective_backward(cuda_policy policy, const dppo_objective& objective,
+                        input_view<T> new_logits, input_view<T> old_logits,
+                        const token_batch<T>& in, batch_view<T> grad_new, void* workspace,
+                        double grad_loss = 1.0, const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "objective_backward";
+  detail::cuda::ratio_backward<T>(fn, policy, detail::make_spec(fn, objective), new_logits,
+                               old_logits, in, grad_new, workspace, grad_loss, checks);
 }
 
 TROLL_END_NAMESPACE

@@ -11,6 +11,7 @@
 #include "batch.hpp"
 #include "config.hpp"
 #include "detail/numeric.hpp"
+#include "detail/objective_row.hpp"
 #include "detail/row_problem.hpp"
 #include "errors.hpp"
 #include "projection_types.hpp"
@@ -199,6 +200,42 @@ inline void check_ppo_clip(const char* fn, const ppo_clip_objective& o) {
   if (!(o.dual_clip == 0.0 || (o.dual_clip > 1.0 && o.dual_clip < inf())))
     throw domain_error(std::string("troll::") + fn +
                        ": dual_clip must be 0 (off) or finite and > 1");
+}
+
+/// The ratio-objective spec of PPO clip (checked: check_ppo_clip), for every backend.
+inline ratio_objective_spec make_spec(const char* fn, const ppo_clip_objective& o) {
+  check_ppo_clip(fn, o);
+  ratio_objective_spec s;
+  s.which = ratio_objective_spec::kind::ppo_clip;
+  s.a = o.clip_low;
+  s.b = o.clip_high;
+  s.c = o.dual_clip;
+  s.compute_kl = o.kl_metrics;
+  return s;
+}
+
+/// The ratio-objective spec of DPPO. Throws domain_error for a negative or non-finite bound, an
+/// unknown divergence, or top_k outside [1, 256] with a top-K divergence.
+inline ratio_objective_spec make_spec(const char* fn, const dppo_objective& o) {
+  using kind = ratio_objective_spec::kind;
+  if (!(o.delta_low >= 0.0 && o.delta_low < inf()) || !(o.delta_high >= 0.0 && o.delta_high < inf()))
+    throw domain_error(std::string("troll::") + fn + ": delta_low and delta_high must be finite and >= 0");
+  ratio_objective_spec s;
+  switch (o.divergence) {
+    case dppo_divergence::binary_tv: s.which = kind::dppo_binary_tv; break;
+    case dppo_divergence::binary_kl: s.which = kind::dppo_binary_kl; break;
+    case dppo_divergence::topk_tv: s.which = kind::dppo_topk_tv; break;
+    case dppo_divergence::topk_kl: s.which = kind::dppo_topk_kl; break;
+    default: throw domain_error(std::string("troll::") + fn + ": unknown DPPO divergence");
+  }
+  if (s.needs_top_k() && !(o.top_k >= 1 && o.top_k <= dppo_max_top_k))
+    throw domain_error(std::string("troll::") + fn + ": top_k must lie in [1, 256], got " +
+                       std::to_string(o.top_k));
+  s.a = o.delta_low;
+  s.b = o.delta_high;
+  s.top_k = o.top_k;
+  s.compute_kl = o.kl_metrics;
+  return s;
 }
 
 }  // namespace detail

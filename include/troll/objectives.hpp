@@ -148,40 +148,6 @@ void validate_objective(const char* fn, unsigned threads, batch_view<const T> ne
   if (bad != new_logits.rows) throw_objective_problem(fn, bad, problem(bad));
 }
 
-inline cpu::ratio_objective_spec make_spec(const char* fn, const ppo_clip_objective& o) {
-  check_ppo_clip(fn, o);
-  cpu::ratio_objective_spec s;
-  s.which = cpu::ratio_objective_spec::kind::ppo_clip;
-  s.a = o.clip_low;
-  s.b = o.clip_high;
-  s.c = o.dual_clip;
-  s.compute_kl = o.kl_metrics;
-  return s;
-}
-
-inline cpu::ratio_objective_spec make_spec(const char* fn, const dppo_objective& o) {
-  using kind = cpu::ratio_objective_spec::kind;
-  if (!(o.delta_low >= 0.0 && o.delta_low < inf()) || !(o.delta_high >= 0.0 && o.delta_high < inf()))
-    throw domain_error(std::string("troll::") + fn + ": delta_low and delta_high must be finite and >= 0");
-  cpu::ratio_objective_spec s;
-  switch (o.divergence) {
-    case dppo_divergence::binary_tv: s.which = kind::dppo_binary_tv; break;
-    case dppo_divergence::binary_kl: s.which = kind::dppo_binary_kl; break;
-    case dppo_divergence::topk_tv: s.which = kind::dppo_topk_tv; break;
-    case dppo_divergence::topk_kl: s.which = kind::dppo_topk_kl; break;
-    default: throw domain_error(std::string("troll::") + fn + ": unknown DPPO divergence");
-  }
-  if ((s.which == kind::dppo_topk_tv || s.which == kind::dppo_topk_kl) &&
-      !(o.top_k >= 1 && o.top_k <= cpu::dppo_max_top_k))
-    throw domain_error(std::string("troll::") + fn + ": top_k must lie in [1, 256], got " +
-                       std::to_string(o.top_k));
-  s.a = o.delta_low;
-  s.b = o.delta_high;
-  s.top_k = o.top_k;
-  s.compute_kl = o.kl_metrics;
-  return s;
-}
-
 /// Reduces per-row results to the batch metrics, in row order (deterministic).
 struct metrics_sum {
   objective_metrics m;

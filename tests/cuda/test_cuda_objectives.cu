@@ -25,108 +25,27 @@
 #include <cstdint>
 #include <cstdio>
 #include <limits>
-#include <random>
 #include <string>
 #include <vector>
 
-#include "tolerance.hpp"
+#include "cuda_objective_batch.cuh"
 #include "cuda_support.cuh"
+#include "objective_batch.hpp"
+#include "tolerance.hpp"
 #include "troll/cuda.cuh"
 #include "troll/objectives.hpp"
 
 namespace {
 
 using troll_test::device_array;
+using troll_test::device_batch;
+using troll_test::host_batch;
 using troll_test::test_stream;
 
 using troll_test::tolerance;
 using troll_test::unit_roundoff;
 
 const double nan_value = std::numeric_limits<double>::quiet_NaN();
-
-/// A host batch of sampled tokens: rows of V logits (old and a perturbed new), masks with zeros
-/// and fractional weights, sequences of uneven length, advantages of both signs. Some rows have
-/// −inf entries on both sides; the new logits move far enough that most rows get projected.
-template <class T>
-struct host_batch {
-  std::size_t rows = 0, cols = 0;
-  std::vector<T> fresh, old, advantages, mask;
-  std::vector<std::int64_t> tokens, sequence_ids;
-
-  host_batch(std::size_t n, std::size_t v, unsigned seed) : rows(n), cols(v) {
-    std::mt19937 gen(seed);
-    std::normal_distribution<double> normal(0.0, 1.0);
-    std::uniform_int_distribution<std::int64_t> pick(0, std::int64_t(v) - 1);
-    fresh.resize(n * v), old.resize(n * v), advantages.resize(n), mask.resize(n), tokens.resize(n),
-        sequence_ids.resize(n);
-    for (std::size_t r = 0; r < n; ++r) {
-      const double step = 0.3 + 0.4 * double(r % 4);
-      for (std::size_t j = 0; j < v; ++j) {
-        const double b = 2.0 * normal(gen);
-        old[r * v + j] = T(b);
-        fresh[r * v + j] = T(b + step * normal(gen));
-      }
-      if (r % 5 == 2)  // a token masked on both sides
-        old[r * v + 1] = fresh[r * v + 1] = T(-std::numeric_limits<double>::infinity());
-      std::int64_t a = pick(gen);
-      if (r % 5 == 2 && a == 1) a = 0;
-      tokens[r] = a;
-      advantages[r] = T(normal(gen));
-      mask[r] = T(r % 7 == 3 ? 0.0 : (r % 3 == 0 ? 0.5 : 1.0));
-      sequence_ids[r] = std::int64_t(r / 4 + (r > 9 ? 1 : 0));
-    }
-  }
-
-  troll::input_view<T> new_view() const {
-    return troll::make_batch<const T>(fresh.data(), rows, cols);
-  }
-  troll::input_view<T> old_view() const {
-    return troll::make_batch<const T>(old.data(), rows, cols);
-  }
-  troll::token_batch<T> tokens_view(troll::loss_aggregation how) const {
-    troll::token_batch<T> in;
-    in.tokens = tokens.data();
-    in.advantages = advantages.data();
-    in.loss_mask = mask.data();
-    in.sequence_ids = sequence_ids.data();
-    in.aggregation = how;
-    return in;
-  }
-};
-
-/// The same batch in device memory.
-template <class T>
-struct device_batch {
-  device_array<T> fresh, old, advantages, mask;
-  device_array<std::int64_t> tokens, sequence_ids;
-  std::size_t rows, cols;
-
-  explicit device_batch(const host_batch<T>& h)
-      : fresh(h.fresh),
-        old(h.old),
-        advantages(h.advantages),
-        mask(h.mask),
-        tokens(h.tokens),
-        sequence_ids(h.sequence_ids),
-        rows(h.rows),
-        cols(h.cols) {}
-
-  troll::input_view<T> new_view() const {
-    return troll::make_batch<const T>(fresh.get(), rows, cols);
-  }
-  troll::input_view<T> old_view() const {
-    return troll::make_batch<const T>(old.get(), rows, cols);
-  }
-  troll::token_batch<T> tokens_view(troll::loss_aggregation how) const {
-    troll::token_batch<T> in;
-    in.tokens = tokens.get();
-    in.advantages = advantages.get();
-    in.loss_mask = mask.get();
-    in.sequence_ids = sequence_ids.get();
-    in.aggregation = how;
-    return in;
-  }
-};
 
 /// The CPU's exception message for a call, or "" when it accepts.
 template <class Call>

@@ -172,6 +172,68 @@ TROLL_HOST_DEVICE inline surrogate_token dppo_token(double ratio, double advanta
   return s;
 }
 
+// ---- The ratio-based baselines as one spec (PPO clip and the four DPPO variants) ----
+
+/// Which surrogate a baseline row evaluates, with its parameters (built and checked on the host
+/// by make_spec in objective_types.hpp; the CPU and CUDA row passes take it as is).
+struct ratio_objective_spec {
+  enum class kind { ppo_clip, dppo_binary_tv, dppo_binary_kl, dppo_topk_tv, dppo_topk_kl };
+  kind which = kind::ppo_clip;
+  double a = 0.0, b = 0.0, c = 0.0;  ///< ppo: clip_low, clip_high, dual_clip; dppo: δ_low, δ_high
+  int top_k = 0;
+  bool compute_kl = true;
+
+  TROLL_HOST_DEVICE bool needs_top_k() const {
+    return which == kind::dppo_topk_tv || which == kind::dppo_topk_kl;
+  }
+};
+
+/// Largest K of DPPO's top-K divergences.
+constexpr int dppo_max_top_k = 256;
+
+/// The sums over the old row's top-K tokens that the top-K divergences lump (P old, Q new):
+/// Σ p, Σ q, Σ |p − q| and Σ p log(p/q) (+inf once q = 0 on one of them).
+struct topk_sums {
+  double p = 0.0, q = 0.0, abs_diff = 0.0, plog = 0.0;
+
+  /// Adds one top-K token from its log-probabilities (old `log_p`, new `log_q`).
+  TROLL_HOST_DEVICE void add(double log_p, double log_q) {
+    const double pv = ::exp(log_p), qv = ::exp(log_q);
+    p += pv;
+    q += qv;
+    abs_diff += pv > qv ? pv - qv : qv - pv;
+    plog += log_q > neg_inf() ? pv * (log_p - log_q) : inf();
+  }
+};
+
+/// One token of a baseline: the surrogate, and DPPO's divergence (0 for PPO) through
+/// `divergence`. `log_p_a`, `log_q_a`: new and old log-probabilities of the sampled token;
+/// `sums`: the top-K sums (read by the top-K divergences only).
+TROLL_HOST_DEVICE inline surrogate_token ratio_token(const ratio_objective_spec& spec, double ratio,
+                                                     double advantage, double log_p_a,
+                                                     double log_q_a, const topk_sums& sums,
+                                                     double& divergence) {
+  using kind = ratio_objective_spec::kind;
+  divergence = 0.0;
+  if (spec.which == kind::ppo_clip) return ppo_clip_token(ratio, advantage, spec.a, spec.b, spec.c);
+  const double mu = ::exp(log_q_a), pi = ::exp(log_p_a);
+  switch (spec.which) {
+    case kind::dppo_binary_tv:
+      divergence = binary_tv(mu, pi);
+      break;
+    case kind::dppo_binary_kl:
+      divergence = binary_kl(log_q_a, log_p_a);
+      break;
+    case kind::dppo_topk_tv:
+      divergence = topk_tv(sums.abs_diff, sums.p, sums.q);
+      break;
+    default:
+      divergence = topk_kl(sums.plog, sums.p, sums.q);
+      break;
+  }
+  return dppo_token(ratio, advantage, dppo_keep(advantage, divergence, pi, mu, spec.a, spec.b));
+}
+
 // ---- Running top-K by value (ties: lower index first), fixed capacity ----
 
 /// The K largest (value, index) pairs seen so far, sorted by decreasing value. Capacity is a

@@ -127,40 +127,27 @@ struct ratio_row_result {
   double divergence = 0.0;  ///< DPPO's divergence estimate
 };
 
-/// Which surrogate a baseline row evaluates.
-struct ratio_objective_spec {
-  enum class kind { ppo_clip, dppo_binary_tv, dppo_binary_kl, dppo_topk_tv, dppo_topk_kl };
-  kind which = kind::ppo_clip;
-  double a = 0.0, b = 0.0, c = 0.0;  ///< ppo: clip_low, clip_high, dual_clip; dppo: δ_low, δ_high
-  int top_k = 0;
-  bool compute_kl = true;
-};
+// The spec, the top-K sums and the per-token surrogate are shared with the CUDA backend
+// (objective_row.hpp).
+using detail::dppo_max_top_k;
+using detail::ratio_objective_spec;
 
-/// Largest K of DPPO's top-K divergences.
-constexpr int dppo_max_top_k = 256;
-
-/// Σ over the old row's top-K tokens of p, q, |p − q| and p log(p/q) (P old, Q new).
+/// The sums over the old row's top-K tokens (by logit, ties to the lower index; P old, Q new).
 template <class T>
-inline void topk_sums(const T* zn, const T* zo, std::size_t size, double log_norm_new,
-                      double log_norm_old, int k, double& sum_p, double& sum_q, double& sum_abs,
-                      double& sum_plog) {
+inline topk_sums gather_topk_sums(const T* zn, const T* zo, std::size_t size, double log_norm_new,
+                                  double log_norm_old, int k) {
   running_top_k<dppo_max_top_k> top(k);
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     const block_array b = load(zo, begin, count);
     if (!(b.maxCoeff() > top.threshold())) return;
     for (Eigen::Index j = 0; j < count; ++j) top.push(b[j], std::int64_t(begin) + j);
   });
-  sum_p = sum_q = sum_abs = sum_plog = 0.0;
+  topk_sums sums;
   for (int i = 0; i < top.size; ++i) {
     const std::int64_t j = top.index[i];
-    const double lp = static_cast<double>(zo[j]) - log_norm_old;
-    const double lq = static_cast<double>(zn[j]) - log_norm_new;
-    const double p = ::exp(lp), q = ::exp(lq);
-    sum_p += p;
-    sum_q += q;
-    sum_abs += p > q ? p - q : q - p;
-    sum_plog += lq > neg_inf() ? p * (lp - lq) : inf();
+    sums.add(static_cast<double>(zo[j]) - log_norm_old, static_cast<double>(zn[j]) - log_norm_new);
   }
+  return sums;
 }
 
 /// Forward of PPO clip or DPPO on one validated row (`counted`: mask > 0).
@@ -168,7 +155,6 @@ template <class T>
 inline ratio_row_result ratio_forward_row(const T* zn, const T* zo, std::size_t size,
                                           const ratio_objective_spec& spec, std::int64_t token,
                                           double advantage) {
-  using kind = ratio_objective_spec::kind;
   ratio_row_result r;
   const double log_norm_new = log_normaliser(zn, size), log_norm_old = log_normaliser(zo, size);
   const double log_p_a = static_cast<double>(zn[token]) - log_norm_new;
@@ -179,26 +165,10 @@ inline ratio_row_result ratio_forward_row(const T* zn, const T* zo, std::size_t 
     scan_pair(zn, zo, size, setup, "", "");
     r.kl = kl_row(zn, zo, size, setup);
   }
-  if (spec.which == kind::ppo_clip) {
-    r.token = ppo_clip_token(r.ratio, advantage, spec.a, spec.b, spec.c);
-    return r;
-  }
-  const double mu = ::exp(log_q_a), pi = ::exp(log_p_a);
-  switch (spec.which) {
-    case kind::dppo_binary_tv:
-      r.divergence = binary_tv(mu, pi);
-      break;
-    case kind::dppo_binary_kl:
-      r.divergence = binary_kl(log_q_a, log_p_a);
-      break;
-    default: {
-      double sum_p, sum_q, sum_abs, sum_plog;
-      topk_sums(zn, zo, size, log_norm_new, log_norm_old, spec.top_k, sum_p, sum_q, sum_abs, sum_plog);
-      r.divergence = spec.which == kind::dppo_topk_tv ? topk_tv(sum_abs, sum_p, sum_q)
-                                                      : topk_kl(sum_plog, sum_p, sum_q);
-    }
-  }
-  r.token = dppo_token(r.ratio, advantage, dppo_keep(advantage, r.divergence, pi, mu, spec.a, spec.b));
+  const topk_sums sums = spec.needs_top_k()
+                             ? gather_topk_sums(zn, zo, size, log_norm_new, log_norm_old, spec.top_k)
+                             : topk_sums{};
+  r.token = ratio_token(spec, r.ratio, advantage, log_p_a, log_q_a, sums, r.divergence);
   return r;
 }
 

@@ -32,8 +32,9 @@ struct objective_row_record {
   double loss = 0.0;
   double ratio = 0.0;
   double kl_reg = 0.0;   ///< TROLL: KL(p̃ ‖ π*); PPO: KL(p̃ ‖ q) (0 without kl_metrics)
-  double limited = 0.0;  ///< PPO: 1 when the clip took the gradient away
+  double limited = 0.0;  ///< PPO / DPPO: 1 when the clip (the mask) took the gradient away
   double weight = 0.0;   ///< backward: w_r (token mean) or w_r / Σ_{seq} w (sequence mean)
+  double divergence = 0.0;  ///< DPPO: the divergence estimate
 };
 
 /// Workspace layout: one header record (its `weight` holds the normaliser Σ w or S), then one
@@ -157,7 +158,7 @@ __global__ void __launch_bounds__(block_threads)
       fill_nan(out, size);
       if (threadIdx.x == 0) {
         stats[r] = rejected_stats(report.error);
-        records[r] = objective_row_record{quiet_nan(), quiet_nan(), quiet_nan(), 0.0, 0.0};
+        records[r] = objective_row_record{quiet_nan(), quiet_nan(), quiet_nan(), 0.0, 0.0, 0.0};
         if (token_loss != nullptr) token_loss[r] = static_cast<T>(quiet_nan());
       }
       continue;
@@ -194,7 +195,7 @@ struct objective_sums {
   double loss = 0.0;        // Σ w ℓ (token mean) or Σ_s (Σ w ℓ / Σ w) (sequence mean)
   double normaliser = 0.0;  // Σ w (token mean) or S (sequence mean)
   double tokens = 0.0, ratio = 0.0, kl_before = 0.0, kl_after = 0.0, reg = 0.0, eta = 0.0,
-         projected = 0.0, limited = 0.0;
+         projected = 0.0, limited = 0.0, divergence = 0.0;
   double kl_before_max = 0.0, kl_after_max = 0.0;
 };
 struct merge_objective_sums {
@@ -210,6 +211,7 @@ struct merge_objective_sums {
     s.eta = a.eta + b.eta;
     s.projected = a.projected + b.projected;
     s.limited = a.limited + b.limited;
+    s.divergence = a.divergence + b.divergence;
     s.kl_before_max = maximum(a.kl_before_max, b.kl_before_max);
     s.kl_after_max = maximum(a.kl_after_max, b.kl_after_max);
     return s;
@@ -262,6 +264,7 @@ __global__ void __launch_bounds__(block_threads)
         local.tokens += 1.0;
         local.ratio += x.ratio;
         local.limited += x.limited;
+        local.divergence += x.divergence;
         if (token_mean) local.loss += w * x.loss;
         if (stats == nullptr) {
           local.kl_before += x.kl_reg;
@@ -303,6 +306,7 @@ __global__ void __launch_bounds__(block_threads)
     m.eta_mean = total.eta / n;
     m.projected_fraction = total.projected / n;
     m.limited_fraction = total.limited / n;
+    m.divergence_mean = total.divergence / n;
   }
   m.kl_before_max = total.kl_before_max;
   m.kl_after_max = total.kl_after_max;
@@ -395,13 +399,136 @@ __global__ void __launch_bounds__(block_threads)
   }
 }
 
-// ---- PPO clip: ℓ = −min(r·A, clip(r)·A), r = p̃_a / q_a (no projection) ----
+// ---- The ratio baselines: PPO clip and DPPO, ℓ from r = p̃_a / q_a (no projection) ----
 
-/// PPO clip's parameters as the kernels take them.
-struct ppo_parameters {
-  double clip_low = 0.0, clip_high = 0.0, dual_clip = 0.0;
-  bool kl_metrics = true;
+/// An order-preserving unsigned key of a double that is not NaN (−0 and +0 share one key, as
+/// they compare equal on the CPU).
+__device__ inline unsigned long long order_key(double x) {
+  const unsigned long long bits = static_cast<unsigned long long>(__double_as_longlong(x == 0.0 ? 0.0 : x));
+  return (bits >> 63) != 0 ? ~bits : bits | (1ull << 63);
+}
+
+/// Shared memory of block_topk_sums.
+struct topk_storage {
+  unsigned int histogram[256];
+  unsigned int warp_counts[block_threads / 32];
+  unsigned long long threshold;  // the key of the K-th largest entry (or a lower bound of it)
+  unsigned int wanted;           // entries still to take among those whose key starts as threshold
+  int state;                     // a topk_selection
+  unsigned long long tie_cut;    // with_ties: the largest index taken among key == threshold
+  reduce_storage<topk_sums> sums;
 };
+
+/// How block_topk_sums chose the top-K set of a row.
+enum topk_selection : int {
+  topk_selecting = 0,
+  topk_all = 1,        // at most K finite entries: all of them
+  topk_at_least = 2,   // exactly the entries with key ≥ threshold
+  topk_with_ties = 3,  // key > threshold, and the `wanted` lowest indices with key == threshold
+};
+
+struct add_topk_sums {
+  __device__ topk_sums operator()(const topk_sums& a, const topk_sums& b) const {
+    topk_sums s;
+    s.p = a.p + b.p;
+    s.q = a.q + b.q;
+    s.abs_diff = a.abs_diff + b.abs_diff;
+    s.plog = a.plog + b.plog;
+    return s;
+  }
+};
+
+/// DPPO's top-K sums (cpu::gather_topk_sums) by the whole block: the K largest old logits (ties
+/// to the lower index, −inf never taken) are found by a radix select on order_key, 8 bits per
+/// pass from the top, stopping as soon as the K-th entry's bin is taken whole (usually after two
+/// or three passes over the row); exact ties at the K-th value are broken by index in one more
+/// pass. log p_j = (z°_j − m_old) − ls_old, log q_j = (z̃_j − m_new) − ls_new. Every thread
+/// returns the sums. Reached by all threads of the block.
+template <class T>
+__device__ topk_sums block_topk_sums(const T* zn, const T* zo, std::size_t size, double m_new,
+                                     double ls_new, double m_old, double ls_old, int k,
+                                     topk_storage& st) {
+  if (threadIdx.x == 0) {
+    st.threshold = 0;
+    st.wanted = static_cast<unsigned int>(k);
+    st.state = topk_selecting;
+    st.tie_cut = 0;
+  }
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 256; b += block_threads) st.histogram[b] = 0;
+    __syncthreads();
+    const unsigned long long high = shift == 56 ? 0ull : ~0ull << (shift + 8);
+    const unsigned long long prefix = st.threshold;
+    for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+      const double x = static_cast<double>(zo[i]);
+      if (!(x > neg_inf())) continue;
+      const unsigned long long key = order_key(x);
+      if ((key & high) == prefix) atomicAdd(&st.histogram[(key >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      if (shift == 56) {
+        unsigned int finite = 0;
+        for (int b = 0; b < 256; ++b) finite += st.histogram[b];
+        if (finite <= st.wanted) st.state = topk_all;
+      }
+      if (st.state == topk_selecting) {
+        // The bins above b hold fewer than `wanted` entries, bin b completes them.
+        unsigned int above = 0;
+        int b = 255;
+        while (above + st.histogram[b] < st.wanted) above += st.histogram[b--];
+        st.threshold = prefix | (static_cast<unsigned long long>(b) << shift);
+        st.wanted -= above;
+        if (st.histogram[b] == st.wanted) {
+          st.state = topk_at_least;
+        } else if (shift == 0) {
+          st.state = topk_with_ties;
+        }
+      }
+    }
+    __syncthreads();
+    if (st.state != topk_selecting) break;
+  }
+  const int state = st.state;
+  const unsigned long long threshold = st.threshold;
+  if (state == topk_with_ties) {  // the `wanted` lowest indices among key == threshold
+    const unsigned int lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const unsigned int wanted = st.wanted;
+    unsigned int taken = 0;
+    for (std::size_t base = 0; base < size; base += block_threads) {
+      const std::size_t i = base + threadIdx.x;
+      const double x = i < size ? static_cast<double>(zo[i]) : neg_inf();
+      const bool tie = x > neg_inf() && order_key(x) == threshold;
+      const unsigned int ballot = __ballot_sync(0xffffffffu, tie);
+      if (lane == 0) st.warp_counts[warp] = static_cast<unsigned int>(__popc(ballot));
+      __syncthreads();
+      unsigned int before = static_cast<unsigned int>(__popc(ballot & ((1u << lane) - 1u)));
+      unsigned int chunk = 0;
+      for (unsigned int w = 0; w < block_threads / 32; ++w) {
+        chunk += st.warp_counts[w];
+        if (w < warp) before += st.warp_counts[w];
+      }
+      if (tie && taken + before + 1 == wanted) st.tie_cut = i;
+      taken += chunk;
+      __syncthreads();
+      if (taken >= wanted) break;
+    }
+  }
+  const unsigned long long tie_cut = st.tie_cut;
+  topk_sums local;
+  for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+    const double x = static_cast<double>(zo[i]);
+    if (!(x > neg_inf())) continue;
+    bool chosen = state == topk_all;
+    if (!chosen) {
+      const unsigned long long key = order_key(x);
+      chosen = key > threshold ||
+               (key == threshold && (state == topk_at_least || i <= tie_cut));
+    }
+    if (chosen) local.add((x - m_old) - ls_old, (static_cast<double>(zn[i]) - m_new) - ls_new);
+  }
+  return block_all_reduce(st.sums, local, add_topk_sums{});
+}
 
 /// The checks of validate_objective without pair_scan: token data, then each side's values and
 /// support (new side first, as the CPU).
@@ -425,25 +552,34 @@ __device__ cuda_row_report ratio_row_problem(const token_batch<T>& in, std::size
   return report;
 }
 
-/// The ratio r = p̃_a / q_a and PPO's surrogate at the sampled token of a scanned row.
+/// The ratio r = p̃_a / q_a, the surrogate at the sampled token of a scanned row and DPPO's
+/// divergence (cpu::ratio_forward_row). Reached by the whole block (top-K divergences reduce).
 template <class T>
-__device__ surrogate_token ppo_row_token(const T* zn, const T* zo, const pair_scan& scan,
-                                         std::int64_t a, double advantage, const ppo_parameters& p,
-                                         double& ratio) {
-  const double log_p_a = (static_cast<double>(zn[a]) - scan.fresh.lse.m) - ::log(scan.fresh.lse.s0);
-  const double log_q_a = (static_cast<double>(zo[a]) - scan.old.lse.m) - old_log_sum(scan);
+__device__ surrogate_token ratio_row_token(const T* zn, const T* zo, std::size_t size,
+                                           const pair_scan& scan, std::int64_t a, double advantage,
+                                           const ratio_objective_spec& spec, topk_storage& topk,
+                                           double& ratio, double& divergence) {
+  const double ls_new = ::log(scan.fresh.lse.s0), ls_old = old_log_sum(scan);
+  const double log_p_a = (static_cast<double>(zn[a]) - scan.fresh.lse.m) - ls_new;
+  const double log_q_a = (static_cast<double>(zo[a]) - scan.old.lse.m) - ls_old;
   ratio = ratio_from_logs(log_p_a, log_q_a);
-  return ppo_clip_token(ratio, advantage, p.clip_low, p.clip_high, p.dual_clip);
+  const topk_sums sums = spec.needs_top_k()
+                             ? block_topk_sums(zn, zo, size, scan.fresh.lse.m, ls_new,
+                                               scan.old.lse.m, ls_old, spec.top_k, topk)
+                             : topk_sums{};
+  return ratio_token(spec, ratio, advantage, log_p_a, log_q_a, sums, divergence);
 }
 
-/// Rows of `range`: PPO clip's forward — the row's record and token_loss[r] (when not null).
+/// Rows of `range`: the forward of PPO clip or DPPO (`spec`) — the row's record and
+/// token_loss[r] (when not null).
 template <class T>
 __global__ void __launch_bounds__(block_threads)
-    ppo_forward_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits,
-                       token_batch<T> in, ppo_parameters params, T* token_loss,
-                       objective_row_record* records, row_range range, device_checks checks) {
+    ratio_forward_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits,
+                         token_batch<T> in, ratio_objective_spec spec, T* token_loss,
+                         objective_row_record* records, row_range range, device_checks checks) {
   __shared__ reduce_storage<pair_scan> scan_storage;
   __shared__ reduce_storage<lse_state> lse_storage;
+  __shared__ topk_storage topk;
   const std::size_t size = new_logits.cols, end = range.begin + range.count;
   for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
     const T* zn = new_logits.row(r);
@@ -455,13 +591,14 @@ __global__ void __launch_bounds__(block_threads)
     objective_row_record record;
     const double w = mask_of(in, r);
     if (report.error != cuda_row_error::none) {
-      record = objective_row_record{quiet_nan(), quiet_nan(), quiet_nan(), 0.0, 0.0};
+      record = objective_row_record{quiet_nan(), quiet_nan(), quiet_nan(), 0.0, 0.0, quiet_nan()};
     } else if (w != 0.0) {
-      const surrogate_token token = ppo_row_token(
-          zn, zo, scan, in.tokens[r], static_cast<double>(in.advantages[r]), params, record.ratio);
+      const surrogate_token token =
+          ratio_row_token(zn, zo, size, scan, in.tokens[r], static_cast<double>(in.advantages[r]),
+                          spec, topk, record.ratio, record.divergence);
       record.loss = token.loss;
       record.limited = token.limited ? 1.0 : 0.0;
-      if (params.kl_metrics) {  // KL(p̃ ‖ q) as kl_kernel: +inf where p̃ has mass q lacks
+      if (spec.compute_kl) {  // KL(p̃ ‖ q) as kl_kernel: +inf where p̃ has mass q lacks
         if (scan.new_only) {
           record.kl_reg = inf();
         } else {
@@ -480,16 +617,18 @@ __global__ void __launch_bounds__(block_threads)
   }
 }
 
-/// Rows of `range`: PPO clip's backward, ∂(cℓ)/∂z̃_j = c·(∂ℓ/∂r)·r·(δ_ja − p̃_j) with c from
-/// aggregation_weights_kernel. Rejected rows get NaN gradients.
+/// Rows of `range`: the backward of PPO clip or DPPO, ∂(cℓ)/∂z̃_j = c·(∂ℓ/∂r)·r·(δ_ja − p̃_j)
+/// with c from aggregation_weights_kernel (DPPO's mask held constant). Rejected rows get NaN
+/// gradients.
 template <class T>
 __global__ void __launch_bounds__(block_threads)
-    ppo_backward_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits,
-                        token_batch<T> in, ppo_parameters params, batch_view<T> grad_new,
-                        double grad_loss, const objective_row_record* header,
-                        const objective_row_record* records, row_range range,
-                        device_checks checks) {
+    ratio_backward_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits,
+                          token_batch<T> in, ratio_objective_spec spec, batch_view<T> grad_new,
+                          double grad_loss, const objective_row_record* header,
+                          const objective_row_record* records, row_range range,
+                          device_checks checks) {
   __shared__ reduce_storage<pair_scan> scan_storage;
+  __shared__ topk_storage topk;
   const std::size_t size = new_logits.cols, end = range.begin + range.count;
   for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
     const T* zn = new_logits.row(r);
@@ -507,11 +646,12 @@ __global__ void __launch_bounds__(block_threads)
     const double weight = normaliser > 0.0 ? grad_loss * records[r].weight / normaliser : 0.0;
     double coef = 0.0;
     std::int64_t a = -1;
-    if (weight != 0.0) {
+    if (weight != 0.0) {  // uniform across the block
       a = in.tokens[r];
-      double ratio = 0.0;
+      double ratio = 0.0, divergence = 0.0;
       const surrogate_token token =
-          ppo_row_token(zn, zo, scan, a, static_cast<double>(in.advantages[r]), params, ratio);
+          ratio_row_token(zn, zo, size, scan, a, static_cast<double>(in.advantages[r]), spec, topk,
+                          ratio, divergence);
       coef = weight * token.dloss_dr * ratio;
     }
     const double log_norm_new = scan.fresh.lse.log_sum();
