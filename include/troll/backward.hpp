@@ -8,6 +8,7 @@
 
 #include "batch.hpp"
 #include "config.hpp"
+#include "detail/arguments.hpp"
 #include "detail/cpu/backward_kernels.hpp"
 #include "detail/cpu/parallel.hpp"
 #include "detail/cpu/row_kernels.hpp"
@@ -72,22 +73,7 @@ void validate_backward(const char* fn, unsigned threads, batch_view<const T> new
                        batch_view<const T> old_logits, batch_view<const T> log_probs,
                        const projection_stats* stats, batch_view<const T> upstream,
                        const char* upstream_name, batch_view<const T> upstream_old) {
-  check_view(fn, "new_logits", new_logits);
-  check_view(fn, "old_logits", old_logits);
-  check_view(fn, "log_probs", log_probs);
-  check_same_shape(fn, "new_logits", new_logits, "old_logits", old_logits);
-  check_same_shape(fn, "new_logits", new_logits, "log_probs", log_probs);
-  if (upstream.data != nullptr || upstream.rows != 0) {  // absent for project_jacobian
-    check_view(fn, upstream_name, upstream);
-    check_same_shape(fn, "new_logits", new_logits, upstream_name, upstream);
-  } else if (new_logits.rows != 0 && upstream_name[0] != '\0') {
-    throw_shape(fn, std::string(upstream_name) + " is a null pointer");
-  }
-  if (upstream_old.rows != 0) {
-    check_view(fn, "tangent_old", upstream_old);
-    check_same_shape(fn, "new_logits", new_logits, "tangent_old", upstream_old);
-  }
-  if (new_logits.rows != 0 && stats == nullptr) throw_shape(fn, "stats is a null pointer");
+  check_backward_views(fn, new_logits, old_logits, log_probs, stats, upstream, upstream_name, upstream_old);
   const std::size_t size = new_logits.cols;
   auto problem = [&](std::size_t r) {
     row_setup setup;
@@ -101,12 +87,6 @@ void validate_backward(const char* fn, unsigned threads, batch_view<const T> new
   const std::size_t bad = cpu::first_bad_row(threads, new_logits.rows, 3 * size,
                                              [&](std::size_t r) { return bool(problem(r)); });
   if (bad != new_logits.rows) throw_problem(fn, bad, problem(bad));
-}
-
-template <class T>
-void check_output(const char* fn, const char* name, batch_view<const T> like, batch_view<T> out) {
-  check_view(fn, name, out);
-  check_same_shape(fn, "new_logits", like, name, out);
 }
 
 }  // namespace detail

@@ -1,5 +1,6 @@
-// troll/cuda.cuh — the CUDA backend of the dense API (nvcc only): log_softmax, kl, project and
-// project_backward under the troll::cuda policy tag, with the CPU overloads' argument lists.
+// troll/cuda.cuh — the CUDA backend of the dense API (nvcc only): log_softmax, kl, kl_backward,
+// project, project_backward, project_jvp and project_jacobian under the troll::cuda policy tag,
+// with the CPU overloads' argument lists (project_jacobian adds a workspace).
 //
 //   troll::project(troll::cuda.on(stream), new_logits, old_logits, eps, out_log_probs, stats);
 //
@@ -13,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "batch.hpp"
@@ -21,6 +23,7 @@
 #include "detail/cuda/backward_kernels.cuh"
 #include "detail/cuda/error_check.cuh"
 #include "detail/cuda/forward_kernels.cuh"
+#include "detail/cuda/gradient_kernels.cuh"
 #include "detail/cuda/row_report.cuh"
 #include "errors.hpp"
 #include "execution.hpp"
@@ -137,6 +140,49 @@ void kl(cuda_policy policy, input_view<T> p_logits, input_view<T> q_logits, T* k
                     });
 }
 
+/// Backward of kl on the device, as troll::kl_backward(cpu_policy, ...): given the upstream
+/// g[r] = ∂L/∂KL_r (grad_kl: p.rows device entries), writes
+///     ∂L/∂p_j = g · p_j (log p_j − log q_j − KL),      ∂L/∂q_j = g · (q_j − p_j).
+/// Either gradient view may be empty (rows == 0) to skip it. Rows with bad logits (NaN / +inf,
+/// all −inf), a non-finite g (report not_finite, operand 2) or an infinite KL (p has mass where q
+/// is −inf, disjoint supports included: report infinite_kl) get NaN gradients, or throw
+/// domain_error in checked mode — bad logits first over all rows, as on the CPU.
+template <class T>
+void kl_backward(cuda_policy policy, input_view<T> p_logits, input_view<T> q_logits, const T* grad_kl,
+                 batch_view<T> grad_p, batch_view<T> grad_q, const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "kl_backward";
+  detail::check_view(fn, "p_logits", p_logits);
+  detail::check_view(fn, "q_logits", q_logits);
+  detail::check_same_shape(fn, "p_logits", p_logits, "q_logits", q_logits);
+  if (p_logits.rows != 0 && grad_kl == nullptr) detail::throw_shape(fn, "grad_kl is a null pointer");
+  if (grad_p.rows != 0) {
+    detail::check_view(fn, "grad_p", grad_p);
+    detail::check_same_shape(fn, "p_logits", p_logits, "grad_p", grad_p);
+  }
+  if (grad_q.rows != 0) {
+    detail::check_view(fn, "grad_q", grad_q);
+    detail::check_same_shape(fn, "p_logits", p_logits, "grad_q", grad_q);
+  }
+  static const char* const names[3] = {"p_logits", "q_logits", "grad_kl (NaN or infinite)"};
+  auto launch = [&](bool pairs_only) {
+    return [&, pairs_only](detail::cuda::row_range range, detail::cuda::device_checks device) {
+      detail::cuda::kl_backward_kernel<T>
+          <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0, policy.stream>>>(
+              p_logits, q_logits, grad_kl, grad_p, grad_q, pairs_only, range, device);
+    };
+  };
+  const detail::cuda::throw_derivative_report thrower;
+  cuda_checks unchecked = checks;
+  if (checks.checked && p_logits.rows != 0) {
+    // The CPU validates every row's logits before any row's g and KL: two checked passes.
+    detail::cuda::validate_or_throw(fn, policy.stream, p_logits.rows, names, launch(true), thrower);
+    detail::cuda::validate_or_throw(fn, policy.stream, p_logits.rows, names, launch(false), thrower);
+    unchecked.checked = false;
+  }
+  detail::cuda::run(fn, policy.stream, p_logits.rows, unchecked, names, launch(false), thrower);
+}
+
 /// The trust-region projection of troll::project(cpu_policy, ...) on the device: log π* to
 /// out_log_probs, one projection_stats per row to `stats` (device memory, rows entries).
 /// Shape, eps and option errors throw on the host before anything is enqueued. Row problems
@@ -196,6 +242,82 @@ void project_backward(cuda_policy policy, input_view<T> new_logits, input_view<T
                              policy.stream>>>(new_logits, old_logits, log_probs, stats, grad_log_probs,
                                               grad_new, grad_old, grad_eps, range, device);
                     });
+}
+
+/// Jacobian–vector product of project() on the device, as troll::project_jvp(cpu_policy, ...):
+/// the directional derivative of log π* along tangent_new (for z̃), tangent_old (for z°; may be
+/// empty) and tangent_eps (for ε, shared by all rows), to tangent_out. Masked outputs get 0.
+/// `stats` is the forward's device array. A non-finite tangent_eps throws domain_error on the
+/// host. Rows with bad logits, unusable stats or non-finite tangent entries (report not_finite:
+/// operand 2 tangent_new, operand 3 tangent_old) get NaN, or throw the CPU's domain_error /
+/// infeasible_error in checked mode.
+template <class T>
+void project_jvp(cuda_policy policy, input_view<T> new_logits, input_view<T> old_logits,
+                 input_view<T> log_probs, const projection_stats* stats, input_view<T> tangent_new,
+                 input_view<T> tangent_old, double tangent_eps, batch_view<T> tangent_out,
+                 const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "project_jvp";
+  detail::check_output(fn, "tangent_out", new_logits, tangent_out);
+  if (!(tangent_eps - tangent_eps == 0.0))
+    throw domain_error("troll::project_jvp: tangent_eps is not finite");
+  detail::check_backward_views(fn, new_logits, old_logits, log_probs, stats, tangent_new, "tangent_new",
+                               tangent_old);
+  static const char* const names[3] = {"new_logits", "old_logits", "tangent_new"};
+  detail::cuda::run(
+      fn, policy.stream, new_logits.rows, checks, names,
+      [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+        detail::cuda::project_jvp_kernel<T>
+            <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0, policy.stream>>>(
+                new_logits, old_logits, log_probs, stats, tangent_new, tangent_old, tangent_eps, tangent_out,
+                range, device);
+      },
+      detail::cuda::throw_derivative_report{});
+}
+
+/// Bytes of device workspace project_jacobian(cuda_policy, ...) needs for `rows` rows of `cols`
+/// tokens (rows · 24; `cols` is for the idiom). The caller allocates it; its contents need no
+/// initialisation and are overwritten by every call.
+constexpr std::size_t project_jacobian_workspace_bytes(std::size_t rows, std::size_t /*cols*/) {
+  return detail::cuda::jacobian_workspace_bytes(rows);
+}
+
+/// Full Jacobians of project() on the device, as troll::project_jacobian(cpu_policy, ...): per row
+/// a row-major V×V block of jac_new (∂log π*_i/∂z̃_j), of jac_old (∂log π*_i/∂z°_j; null to skip)
+/// and V entries of jac_eps (∂log π*_i/∂ε; null to skip). Memory is rows·V² elements: meant for
+/// V in the hundreds. `workspace` (device memory, project_jacobian_workspace_bytes(rows, V),
+/// 8-byte aligned) holds per-row terms; the entries are written by one thrust::for_each_n on
+/// policy.stream (par_nosync: nothing allocates, nothing synchronises). Rows with bad logits or
+/// unusable stats get NaN blocks, or throw the CPU's exception in checked mode.
+template <class T>
+void project_jacobian(cuda_policy policy, input_view<T> new_logits, input_view<T> old_logits,
+                      input_view<T> log_probs, const projection_stats* stats, void* workspace, T* jac_new,
+                      T* jac_old = nullptr, T* jac_eps = nullptr, const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "project_jacobian";
+  if (new_logits.rows != 0 && jac_new == nullptr) detail::throw_shape(fn, "jac_new is a null pointer");
+  detail::check_backward_views(fn, new_logits, old_logits, log_probs, stats, input_view<T>{}, "",
+                               input_view<T>{});
+  using terms = detail::cuda::jacobian_row_terms;
+  if (new_logits.rows != 0 && workspace == nullptr) detail::throw_shape(fn, "workspace is a null pointer");
+  if (reinterpret_cast<std::uintptr_t>(workspace) % alignof(terms) != 0)
+    detail::throw_shape(fn, "workspace is not " + std::to_string(alignof(terms)) + "-byte aligned");
+  terms* row_terms = static_cast<terms*>(workspace);
+  static const char* const names[3] = {"new_logits", "old_logits", ""};
+  detail::cuda::run(
+      fn, policy.stream, new_logits.rows, checks, names,
+      [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+        detail::cuda::jacobian_rows_kernel<T>
+            <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0, policy.stream>>>(
+                new_logits, old_logits, stats, row_terms, range, device);
+        if (device.validate_only) return;
+        detail::cuda::check_launch(fn);
+        detail::cuda::write_jacobian_entries(
+            fn, policy.stream, range,
+            detail::cuda::jacobian_entry<T>{new_logits, old_logits, log_probs, stats, row_terms, jac_new, jac_old,
+                                            jac_eps});
+      },
+      detail::cuda::throw_derivative_report{});
 }
 
 TROLL_END_NAMESPACE

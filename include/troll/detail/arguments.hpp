@@ -1,5 +1,6 @@
-// troll/detail/arguments.hpp — checks of the scalar arguments every backend's projection takes
-// (ε and the solver options). Host-only, Eigen-free, so CPU and CUDA entry points share them.
+// troll/detail/arguments.hpp — the host-side argument checks every backend shares: ε and the
+// solver options of the projection, the views and shapes of its derivatives. Host-only,
+// Eigen-free, so CPU and CUDA entry points throw the same errors before touching any data.
 #pragma once
 
 #include <string>
@@ -44,6 +45,41 @@ void check_projection_arguments(const char* function, batch_view<const T> new_lo
   if (new_logits.rows != 0 && stats == nullptr) throw_shape(function, "stats is a null pointer");
   check_eps(function, eps);
   check_options(function, options);
+}
+
+/// The host-side half of the derivatives' validation (project_backward, project_jvp,
+/// project_jacobian; CPU and CUDA): the views, their shapes and the stats pointer, in this order.
+/// `upstream` (named `upstream_name`) is the VJP's grad_log_probs or the JVP's tangent_new;
+/// project_jacobian has none (an empty view and ""). `upstream_old` is the JVP's tangent_old
+/// (checked only when it has rows).
+template <class T>
+void check_backward_views(const char* fn, batch_view<const T> new_logits, batch_view<const T> old_logits,
+                          batch_view<const T> log_probs, const projection_stats* stats,
+                          batch_view<const T> upstream, const char* upstream_name,
+                          batch_view<const T> upstream_old) {
+  check_view(fn, "new_logits", new_logits);
+  check_view(fn, "old_logits", old_logits);
+  check_view(fn, "log_probs", log_probs);
+  check_same_shape(fn, "new_logits", new_logits, "old_logits", old_logits);
+  check_same_shape(fn, "new_logits", new_logits, "log_probs", log_probs);
+  if (upstream.data != nullptr || upstream.rows != 0) {  // absent for project_jacobian
+    check_view(fn, upstream_name, upstream);
+    check_same_shape(fn, "new_logits", new_logits, upstream_name, upstream);
+  } else if (new_logits.rows != 0 && upstream_name[0] != '\0') {
+    throw_shape(fn, std::string(upstream_name) + " is a null pointer");
+  }
+  if (upstream_old.rows != 0) {
+    check_view(fn, "tangent_old", upstream_old);
+    check_same_shape(fn, "new_logits", new_logits, "tangent_old", upstream_old);
+  }
+  if (new_logits.rows != 0 && stats == nullptr) throw_shape(fn, "stats is a null pointer");
+}
+
+/// Throws shape_error unless `out` is a usable view shaped like `like` (named new_logits).
+template <class T>
+void check_output(const char* fn, const char* name, batch_view<const T> like, batch_view<T> out) {
+  check_view(fn, name, out);
+  check_same_shape(fn, "new_logits", like, name, out);
 }
 
 }  // namespace detail

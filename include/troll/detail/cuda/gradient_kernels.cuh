@@ -1,0 +1,388 @@
+// troll/detail/cuda/gradient_kernels.cuh — the remaining dense derivatives on the device, one
+// block per row: kl_backward, the JVP of the projection, and the per-row pass of its full
+// Jacobian (whose rows·V·V entries are then written by a Thrust for_each, see jacobian_entry).
+// Same formulas as troll/kl.hpp and cpu::jvp_row / cpu::jacobian_row (math.md §1, §3):
+//   ∂L/∂p_j = g · p_j (log p_j − log q_j − KL),      ∂L/∂q_j = g · (q_j − p_j);
+//   JVP_i   = t (u_i − Σ_J π u) + (d_i − μ) ṫ + (1 − t)(v_i − Σ_J π v)        on J,
+//        ṫ  = −t/σ² Σ_J π (d − μ) u + Σ_j ∂t/∂z°_j v_j + ε̇ / (t σ²)      (projected rows);
+//   ∂t/∂z°_j = −[(1 − t) t π_j (d_j − μ) − (π_j − q_j)] / (t σ²),
+//        π_j − q_j = q_j · expm1(t (d_j − μ) + KL(π‖q)) where that exponent is below 1/2.
+#pragma once
+
+#include <cuda/std/functional>
+#include <cuda_runtime.h>
+#include <thrust/for_each.h>
+#include <thrust/iterator/counting_iterator.h>
+#include <thrust/system/cuda/execution_policy.h>
+#include <thrust/system/system_error.h>
+
+#include <cstddef>
+#include <string>
+
+#include "../../batch.hpp"
+#include "../../config.hpp"
+#include "../../errors.hpp"
+#include "../../projection_types.hpp"
+#include "../lse_state.hpp"
+#include "../numeric.hpp"
+#include "../row_problem.hpp"
+#include "../trust_region_solver.hpp"
+#include "backward_kernels.cuh"
+#include "block_reduce.cuh"
+#include "forward_kernels.cuh"
+#include "row_report.cuh"
+#include "row_scan.cuh"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+namespace cuda {
+
+// ---- Reports the derivatives add to those of project_backward ----
+
+/// bad_stats `operand` of a projected row whose kl_after is not finite and ≥ 0 (the derivatives
+/// w.r.t. the old logits read it; the CPU's check_stats tests it after mu).
+constexpr int stats_field_kl_after = 4;
+
+/// not_finite `operand` of project_jvp's tangent_old (operands 0–2: new_logits, old_logits,
+/// tangent_new).
+constexpr int operand_tangent_old = 3;
+
+/// Checked mode of the derivative entry points: their reports become the CPU's exceptions,
+/// including the three the projection's reports do not carry (an infinite KL in kl_backward,
+/// a bad kl_after, a non-finite tangent_old).
+struct throw_derivative_report {
+  [[noreturn]] void operator()(const char* function, std::size_t row, const cuda_row_report& report,
+                               const char* const operand_names[3]) const {
+    row_problem p;
+    if (report.error == cuda_row_error::infinite_kl) {
+      p.kind = problem_kind::bad_stats;
+      p.operand = "KL(p||q) is +inf (p has mass where q is -inf): no gradient";
+      throw_problem(function, row, p);
+    }
+    if (report.error == cuda_row_error::bad_stats && report.operand == stats_field_kl_after) {
+      p.kind = problem_kind::bad_stats;
+      p.operand = "kl_after of a projected row is not finite and >= 0";
+      throw_problem(function, row, p);
+    }
+    if (report.error == cuda_row_error::not_finite && report.operand == operand_tangent_old) {
+      p.kind = problem_kind::nan_value;
+      p.operand = "tangent_old";
+      p.token = static_cast<std::size_t>(report.token);
+      throw_problem(function, row, p);
+    }
+    throw_report(function, row, report, operand_names);
+  }
+};
+
+/// The problem of a row a derivative of project() reads, in the order of the CPU's
+/// validate_backward: the logits pair, then the statistics (t, σ², μ, status, kl_after).
+template <class T>
+__device__ cuda_row_report derivative_problem(const pair_scan& scan, const T* zn, const T* zo,
+                                              const projection_stats& s) {
+  cuda_row_report report = pair_problem(scan, zn, zo);
+  if (report.error != cuda_row_error::none) return report;
+  const int field = unusable_stats_field(s);
+  if (field >= 0) {
+    report.error = cuda_row_error::bad_stats, report.operand = field;
+  } else if (s.status == row_status::projected && !(s.kl_after >= 0.0 && s.kl_after < inf())) {
+    report.error = cuda_row_error::bad_stats, report.operand = stats_field_kl_after;
+  }
+  return report;
+}
+
+/// q_j = exp(z°_j − M° − log Σ e^{z° − M°}), 0 where z°_j = −inf.
+__device__ inline double old_probability(double old_logit, double old_max, double old_log_sum) {
+  return old_logit > neg_inf() ? ::exp((old_logit - old_max) - old_log_sum) : 0.0;
+}
+
+/// ∂t/∂z°_j of a projected row (cpu::dt_dold_block): π_j and d_j − μ are 0 off J.
+__device__ inline double dt_dold(bool on_support, double pi, double centred, double q,
+                                 const projection_stats& s) {
+  const double t = s.t;
+  const double log_ratio = t * centred + s.kl_after;  // log(π_j / q_j) on J
+  const double pi_minus_q = !on_support ? -q : (::fabs(log_ratio) < 0.5 ? q * ::expm1(log_ratio) : pi - q);
+  return -((1.0 - t) * t * pi * centred - pi_minus_q) / (t * s.sigma2);
+}
+
+// ---- kl_backward ----
+
+/// Rows of `range`: grad_p and grad_q (each skipped when its view has no rows) from the upstream
+/// g = grad_kl[r]. With `pairs_only`, only the logits are validated (the CPU's first pass): the
+/// checked mode runs it first so that the lowest row with bad logits wins, as on the CPU.
+/// Disjoint supports are no logits problem here (KL = +inf): they become infinite_kl.
+template <class T>
+__global__ void __launch_bounds__(block_threads)
+    kl_backward_kernel(batch_view<const T> p_logits, batch_view<const T> q_logits, const T* grad_kl,
+                       batch_view<T> grad_p, batch_view<T> grad_q, bool pairs_only, row_range range,
+                       device_checks checks) {
+  __shared__ reduce_storage<pair_scan> scan_storage;
+  __shared__ reduce_storage<lse_state> lse_storage;
+  const std::size_t size = p_logits.cols, end = range.begin + range.count;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const T* zp = p_logits.row(r);
+    const T* zq = q_logits.row(r);
+    const pair_scan scan = scan_pair_row(zp, zq, size, scan_storage);
+    cuda_row_report report = pair_problem(scan, zp, zq);
+    if (report.error == cuda_row_error::disjoint) report = cuda_row_report{};
+    const double g = static_cast<double>(grad_kl[r]);
+    if (!pairs_only && report.error == cuda_row_error::none) {
+      if (!(g - g == 0.0)) {
+        report.error = cuda_row_error::not_finite, report.operand = 2, report.token = 0;
+      } else if (scan.new_only) {
+        report.error = cuda_row_error::infinite_kl;
+      }
+    }
+    if (threadIdx.x == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+
+    T* out_p = grad_p.rows != 0 ? grad_p.row(r) : nullptr;
+    T* out_q = grad_q.rows != 0 ? grad_q.row(r) : nullptr;
+    if (report.error != cuda_row_error::none) {
+      fill_nan(out_p, size);
+      fill_nan(out_q, size);
+      continue;
+    }
+    const double log_sum_q = old_log_sum(scan);
+    const block_tilt_evaluator<T> eval{zp, zq, size, scan.old.lse.m, log_sum_q, &lse_storage};
+    const double kl = maximum(make_point(eval(1.0, scan.shift_new), 1.0, scan.shift_new, log_sum_q).kl, 0.0);
+    const double max_p = scan.fresh.lse.m, log_sum_p = ::log(scan.fresh.lse.s0);
+    const double max_q = scan.old.lse.m;
+    for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+      const double log_p = (static_cast<double>(zp[i]) - max_p) - log_sum_p;
+      const double log_q = (static_cast<double>(zq[i]) - max_q) - log_sum_q;
+      const bool p_on = log_p > neg_inf();
+      const double p = p_on ? ::exp(log_p) : 0.0;
+      if (out_p != nullptr) out_p[i] = static_cast<T>(g * (p_on ? p * (log_p - log_q - kl) : 0.0));
+      if (out_q != nullptr) {
+        const double q = log_q > neg_inf() ? ::exp(log_q) : 0.0;
+        out_q[i] = static_cast<T>(g * (q - p));
+      }
+    }
+  }
+}
+
+// ---- project_jvp ----
+
+/// Pass 1 of the JVP: the pair scan, the first non-finite tangent entries and the sums over J.
+struct jvp_scan {
+  pair_scan pair;
+  std::size_t first_bad_new = no_token;  // tangent_new
+  std::size_t first_bad_old = no_token;  // tangent_old
+  double pi_tn = 0.0;                    // Σ_J π u
+  double pi_centred_tn = 0.0;            // Σ_J π (d − μ) u
+  double pi_to = 0.0;                    // Σ_J π v
+};
+
+struct merge_jvp_scan {
+  __device__ jvp_scan operator()(const jvp_scan& a, const jvp_scan& b) const {
+    jvp_scan s;
+    s.pair = merge(a.pair, b.pair);
+    s.first_bad_new = a.first_bad_new < b.first_bad_new ? a.first_bad_new : b.first_bad_new;
+    s.first_bad_old = a.first_bad_old < b.first_bad_old ? a.first_bad_old : b.first_bad_old;
+    s.pi_tn = a.pi_tn + b.pi_tn;
+    s.pi_centred_tn = a.pi_centred_tn + b.pi_centred_tn;
+    s.pi_to = a.pi_to + b.pi_to;
+    return s;
+  }
+};
+
+/// Rows of `range`: tangent_out = the directional derivative of log π* along (tangent_new,
+/// tangent_old — absent when its view has no rows — and eps_dot). Rejected rows get NaN.
+template <class T>
+__global__ void __launch_bounds__(block_threads)
+    project_jvp_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits,
+                       batch_view<const T> log_probs, const projection_stats* stats,
+                       batch_view<const T> tangent_new, batch_view<const T> tangent_old, double eps_dot,
+                       batch_view<T> tangent_out, row_range range, device_checks checks) {
+  __shared__ reduce_storage<jvp_scan> scan_storage;
+  __shared__ reduce_storage<double> sum_storage;
+  const std::size_t size = new_logits.cols, end = range.begin + range.count;
+  const bool with_old = tangent_old.rows != 0;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const T* zn = new_logits.row(r);
+    const T* zo = old_logits.row(r);
+    const T* logp = log_probs.row(r);
+    const T* tn = tangent_new.row(r);
+    const T* to = with_old ? tangent_old.row(r) : nullptr;
+    const projection_stats s = stats[r];
+    const double mu = s.mu;
+
+    jvp_scan local;
+    for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+      const double a = static_cast<double>(zn[i]), b = static_cast<double>(zo[i]);
+      add(local.pair, i, a, b);
+      const double u = static_cast<double>(tn[i]);
+      if (!(u - u == 0.0) && i < local.first_bad_new) local.first_bad_new = i;
+      const double v = to != nullptr ? static_cast<double>(to[i]) : 0.0;
+      if (!(v - v == 0.0) && i < local.first_bad_old) local.first_bad_old = i;
+      const double lp = static_cast<double>(logp[i]);
+      if (lp > neg_inf()) {
+        const double pi = ::exp(lp);
+        local.pi_tn += pi * u;
+        local.pi_centred_tn += pi * ((a - b) - mu) * u;
+        local.pi_to += pi * v;
+      }
+    }
+    const jvp_scan scan = block_all_reduce(scan_storage, local, merge_jvp_scan{});
+
+    cuda_row_report report = derivative_problem(scan.pair, zn, zo, s);
+    if (report.error == cuda_row_error::none && scan.first_bad_new != no_token)
+      report.error = cuda_row_error::not_finite, report.operand = 2, report.token = scan.first_bad_new;
+    if (report.error == cuda_row_error::none && scan.first_bad_old != no_token)
+      report.error = cuda_row_error::not_finite, report.operand = operand_tangent_old,
+      report.token = scan.first_bad_old;
+    if (threadIdx.x == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+
+    T* out = tangent_out.row(r);
+    if (report.error != cuda_row_error::none) {
+      fill_nan(out, size);
+      continue;
+    }
+
+    const bool projected = s.status == row_status::projected;
+    const double t = projected ? s.t : 1.0;
+    double t_dot = 0.0;
+    if (projected) {
+      t_dot = -t / s.sigma2 * scan.pi_centred_tn;
+      if (to != nullptr) {
+        // Σ_j ∂t/∂z°_j v_j over every token z° gives mass to (off J too: there π_j − q_j = −q_j).
+        const double old_max = scan.pair.old.lse.m, log_sum_old = old_log_sum(scan.pair);
+        double partial = 0.0;
+        for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+          const double b = static_cast<double>(zo[i]);
+          if (!(b > neg_inf())) continue;
+          const double lp = static_cast<double>(logp[i]);
+          const bool on_support = lp > neg_inf();
+          const double pi = on_support ? ::exp(lp) : 0.0;
+          const double centred = on_support ? (static_cast<double>(zn[i]) - b) - mu : 0.0;
+          const double q = old_probability(b, old_max, log_sum_old);
+          partial += dt_dold(on_support, pi, centred, q, s) * static_cast<double>(to[i]);
+        }
+        t_dot += block_all_reduce(sum_storage, partial, ::cuda::std::plus<double>{});
+      }
+      t_dot += eps_dot / (t * s.sigma2);
+    }
+    const bool old_term = projected && to != nullptr;
+    for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+      double value = 0.0;
+      if (static_cast<double>(logp[i]) > neg_inf()) {
+        const double centred = (static_cast<double>(zn[i]) - static_cast<double>(zo[i])) - mu;
+        value = t * (static_cast<double>(tn[i]) - scan.pi_tn) + centred * t_dot;
+        if (old_term) value += (1.0 - t) * (static_cast<double>(to[i]) - scan.pi_to);
+      }
+      out[i] = static_cast<T>(value);
+    }
+  }
+}
+
+// ---- project_jacobian ----
+
+/// What the Jacobian's entries need of one row beyond its stats: the old normaliser, and
+/// whether the row was rejected. One per row in the caller's workspace.
+struct jacobian_row_terms {
+  double old_max;
+  double old_log_sum;
+  int rejected;
+};
+
+/// Rows of `range`: validation (as the CPU's validate_backward without an upstream) and the
+/// row's jacobian_row_terms (not written with checks.validate_only).
+template <class T>
+__global__ void __launch_bounds__(block_threads)
+    jacobian_rows_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits,
+                         const projection_stats* stats, jacobian_row_terms* terms, row_range range,
+                         device_checks checks) {
+  __shared__ reduce_storage<pair_scan> scan_storage;
+  const std::size_t size = new_logits.cols, end = range.begin + range.count;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const T* zn = new_logits.row(r);
+    const T* zo = old_logits.row(r);
+    const pair_scan scan = scan_pair_row(zn, zo, size, scan_storage);
+    const cuda_row_report report = derivative_problem(scan, zn, zo, stats[r]);
+    if (threadIdx.x != 0) continue;
+    record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+    const bool rejected = report.error != cuda_row_error::none;
+    terms[r] = jacobian_row_terms{rejected ? 0.0 : scan.old.lse.m, rejected ? 0.0 : old_log_sum(scan),
+                                  rejected ? 1 : 0};
+  }
+}
+
+/// One entry (row r, output i, input j) of the Jacobians, as cpu::jacobian_row computes it; the
+/// entry with j = 0 also writes jac_eps[r·V + i]. Applied by thrust::for_each_n over the
+/// flattened index k = (r·V + i)·V + j. Rejected rows get NaN everywhere.
+template <class T>
+struct jacobian_entry {
+  batch_view<const T> new_logits;
+  batch_view<const T> old_logits;
+  batch_view<const T> log_probs;
+  const projection_stats* stats;
+  const jacobian_row_terms* terms;
+  T* jac_new;
+  T* jac_old;  // may be null
+  T* jac_eps;  // may be null
+
+  __device__ void operator()(std::size_t k) const {
+    const std::size_t size = new_logits.cols;
+    const std::size_t j = k % size, ri = k / size, i = ri % size, r = ri / size;
+    const jacobian_row_terms row = terms[r];
+    if (row.rejected != 0) {
+      const T nan = static_cast<T>(quiet_nan());
+      jac_new[k] = nan;
+      if (jac_old != nullptr) jac_old[k] = nan;
+      if (jac_eps != nullptr && j == 0) jac_eps[ri] = nan;
+      return;
+    }
+    const projection_stats s = stats[r];
+    const bool projected = s.status == row_status::projected;
+    const double t = projected ? s.t : 1.0;
+    const T* zn = new_logits.row(r);
+    const T* zo = old_logits.row(r);
+    const T* logp = log_probs.row(r);
+    const double lp_i = static_cast<double>(logp[i]), lp_j = static_cast<double>(logp[j]);
+    const bool on_i = lp_i > neg_inf(), on_j = lp_j > neg_inf();
+    const double pi_j = on_j ? ::exp(lp_j) : 0.0;
+    const double centred_i = on_i ? (static_cast<double>(zn[i]) - static_cast<double>(zo[i])) - s.mu : 0.0;
+    const double centred_j = on_j ? (static_cast<double>(zn[j]) - static_cast<double>(zo[j])) - s.mu : 0.0;
+    const double delta = i == j ? 1.0 : 0.0;
+    double jn = 0.0, jo = 0.0;
+    if (on_i && on_j) {
+      jn = t * (delta - pi_j);
+      if (projected) {
+        jn -= t * centred_i * centred_j * pi_j / s.sigma2;
+        jo = (1.0 - t) * (delta - pi_j);
+      }
+    }
+    if (on_i && projected && jac_old != nullptr) {
+      const double q_j = old_probability(static_cast<double>(zo[j]), row.old_max, row.old_log_sum);
+      jo += centred_i * dt_dold(on_j, pi_j, centred_j, q_j, s);
+    }
+    jac_new[k] = static_cast<T>(jn);
+    if (jac_old != nullptr) jac_old[k] = static_cast<T>(jo);
+    if (jac_eps != nullptr && j == 0)
+      jac_eps[ri] = static_cast<T>(on_i && projected ? centred_i / (t * s.sigma2) : 0.0);
+  }
+};
+
+/// Writes every entry of the Jacobians of rows `range` (whose terms the row kernel left) with one
+/// thrust::for_each_n over a counting iterator, enqueued on `stream` under par_nosync: no
+/// allocation, no synchronisation. A failed launch becomes backend_error.
+template <class T>
+void write_jacobian_entries(const char* function, cudaStream_t stream, row_range range,
+                            const jacobian_entry<T>& entry) {
+  const std::size_t block = entry.new_logits.cols * entry.new_logits.cols;
+  try {
+    thrust::for_each_n(thrust::cuda::par_nosync.on(stream),
+                       thrust::counting_iterator<std::size_t>(range.begin * block), range.count * block, entry);
+  } catch (const thrust::system_error& e) {
+    throw backend_error(std::string("troll::") + function + ": thrust::for_each_n failed: " + e.what());
+  }
+}
+
+/// Bytes of the workspace project_jacobian needs: one jacobian_row_terms per row.
+constexpr std::size_t jacobian_workspace_bytes(std::size_t rows) { return rows * sizeof(jacobian_row_terms); }
+
+}  // namespace cuda
+}  // namespace detail
+TROLL_END_NAMESPACE
