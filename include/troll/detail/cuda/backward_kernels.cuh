@@ -4,7 +4,8 @@
 // cpu::vjp_row:
 //   ∂L/∂z̃_j = t [ g_j − π_j Σg − π_j (d_j − μ) Σg(d−μ) / σ² ]
 //   ∂L/∂z°_j = (1 − t)(g_j − π_j Σg) + Σg(d−μ) · ∂t/∂z°_j,
-//        ∂t/∂z°_j = −[(1 − t) t π_j (d_j − μ) − (π_j − q_j)] / (t σ²),    ∂L/∂ε = Σg(d−μ) / (t σ²).
+//        ∂t/∂z°_j = −[(1 − t) t π_j (d_j − μ) − (π_j − q_j)] / (t σ²),    ∂L/∂ε = Σg(d−μ) / (t σ²),
+//        π_j − q_j = q_j · expm1(t (d_j − μ) + KL(π‖q)) where π ≈ q (the CPU's dt_dold_block).
 #pragma once
 
 #include <cstddef>
@@ -41,8 +42,8 @@ struct merge_backward_scan {
   }
 };
 
-/// The field of `s` a backward pass cannot use (cuda_row_report::operand for bad_stats), or −1.
-/// Mirrors check_stats of troll/backward.hpp.
+/// The field of `s` a backward pass cannot use (cuda_row_report::operand for bad_stats: 0 t,
+/// 1 sigma2, 2 mu, 3 status, 4 kl_after), or −1. Mirrors check_stats of troll/backward.hpp.
 __device__ inline int unusable_stats_field(const projection_stats& s) {
   switch (s.status) {
     case row_status::inactive:
@@ -52,10 +53,27 @@ __device__ inline int unusable_stats_field(const projection_stats& s) {
       if (!(s.t > 0.0 && s.t <= 1.0)) return 0;
       if (!(s.sigma2 > 0.0 && s.sigma2 < inf())) return 1;
       if (!(s.mu - s.mu == 0.0)) return 2;
+      if (!(s.kl_after >= 0.0 && s.kl_after < inf())) return 4;
       return -1;
     default:
       return 3;
   }
+}
+
+/// q_j = exp(z°_j − M° − log Σ e^{z° − M°}), 0 where z°_j = −inf.
+__device__ inline double old_probability(double old_logit, double old_max, double old_log_sum) {
+  return old_logit > neg_inf() ? ::exp((old_logit - old_max) - old_log_sum) : 0.0;
+}
+
+/// ∂t/∂z°_j of a projected row (cpu::dt_dold_block): π_j and d_j − μ are 0 off J. Where π ≈ q,
+/// π_j − q_j comes from log(π_j/q_j) = t(d_j − μ) + KL(π‖q) through expm1, not from a π read
+/// back from a (float) log π*.
+__device__ inline double dt_dold(bool on_support, double pi, double centred, double q,
+                                 const projection_stats& s) {
+  const double t = s.t;
+  const double log_ratio = t * centred + s.kl_after;  // log(π_j / q_j) on J
+  const double pi_minus_q = !on_support ? -q : (::fabs(log_ratio) < 0.5 ? q * ::expm1(log_ratio) : pi - q);
+  return -((1.0 - t) * t * pi * centred - pi_minus_q) / (t * s.sigma2);
 }
 
 /// Rows of `range`: grad_new (and grad_old when grad_old.rows != 0, grad_eps when not null) from
@@ -127,9 +145,8 @@ __global__ void __launch_bounds__(block_threads)
         out_old[i] = T(0);
         continue;
       }
-      const double q = ::exp((b - old_max) - log_sum_old);
-      const double dt_dold = -((1.0 - t) * t * pi * centred - (pi - q)) / (t * s.sigma2);
-      out_old[i] = static_cast<T>((1.0 - t) * explicit_part + scan.sum_gc * dt_dold);
+      const double q = old_probability(b, old_max, log_sum_old);
+      out_old[i] = static_cast<T>((1.0 - t) * explicit_part + scan.sum_gc * dt_dold(on_support, pi, centred, q, s));
     }
     if (threadIdx.x == 0 && grad_eps != nullptr)
       grad_eps[r] = static_cast<T>(projected ? scan.sum_gc / (s.t * s.sigma2) : 0.0);

@@ -39,10 +39,6 @@ namespace cuda {
 
 // ---- Reports the derivatives add to those of project_backward ----
 
-/// bad_stats `operand` of a projected row whose kl_after is not finite and ≥ 0 (the derivatives
-/// w.r.t. the old logits read it; the CPU's check_stats tests it after mu).
-constexpr int stats_field_kl_after = 4;
-
 /// not_finite `operand` of project_jvp's tangent_old (operands 0–2: new_logits, old_logits,
 /// tangent_new).
 constexpr int operand_tangent_old = 3;
@@ -57,11 +53,6 @@ struct throw_derivative_report {
     if (report.error == cuda_row_error::infinite_kl) {
       p.kind = problem_kind::bad_stats;
       p.operand = "KL(p||q) is +inf (p has mass where q is -inf): no gradient";
-      throw_problem(function, row, p);
-    }
-    if (report.error == cuda_row_error::bad_stats && report.operand == stats_field_kl_after) {
-      p.kind = problem_kind::bad_stats;
-      p.operand = "kl_after of a projected row is not finite and >= 0";
       throw_problem(function, row, p);
     }
     if (report.error == cuda_row_error::not_finite && report.operand == operand_tangent_old) {
@@ -82,26 +73,8 @@ __device__ cuda_row_report derivative_problem(const pair_scan& scan, const T* zn
   cuda_row_report report = pair_problem(scan, zn, zo);
   if (report.error != cuda_row_error::none) return report;
   const int field = unusable_stats_field(s);
-  if (field >= 0) {
-    report.error = cuda_row_error::bad_stats, report.operand = field;
-  } else if (s.status == row_status::projected && !(s.kl_after >= 0.0 && s.kl_after < inf())) {
-    report.error = cuda_row_error::bad_stats, report.operand = stats_field_kl_after;
-  }
+  if (field >= 0) report.error = cuda_row_error::bad_stats, report.operand = field;
   return report;
-}
-
-/// q_j = exp(z°_j − M° − log Σ e^{z° − M°}), 0 where z°_j = −inf.
-__device__ inline double old_probability(double old_logit, double old_max, double old_log_sum) {
-  return old_logit > neg_inf() ? ::exp((old_logit - old_max) - old_log_sum) : 0.0;
-}
-
-/// ∂t/∂z°_j of a projected row (cpu::dt_dold_block): π_j and d_j − μ are 0 off J.
-__device__ inline double dt_dold(bool on_support, double pi, double centred, double q,
-                                 const projection_stats& s) {
-  const double t = s.t;
-  const double log_ratio = t * centred + s.kl_after;  // log(π_j / q_j) on J
-  const double pi_minus_q = !on_support ? -q : (::fabs(log_ratio) < 0.5 ? q * ::expm1(log_ratio) : pi - q);
-  return -((1.0 - t) * t * pi * centred - pi_minus_q) / (t * s.sigma2);
 }
 
 // ---- kl_backward ----

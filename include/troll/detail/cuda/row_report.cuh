@@ -59,7 +59,7 @@ enum class cuda_row_error : int {
 /// One row's validation outcome, written by every CUDA entry point that is given a report array.
 /// `operand` indexes the entry point's arguments: 0 the first logits argument (logits, p_logits
 /// or new_logits), 1 the second (q_logits or old_logits), 2 the upstream gradient. For bad_stats
-/// it names the field instead: 0 t, 1 sigma2, 2 mu, 3 status.
+/// it names the field instead: 0 t, 1 sigma2, 2 mu, 3 status, 4 kl_after.
 struct cuda_row_report {
   cuda_row_error error = cuda_row_error::none;
   int operand = 0;
@@ -128,9 +128,10 @@ __device__ void fill_nan(T* out, std::size_t size) {
 /// `operand_names` holds the names of operands 0, 1 and 2 of the calling entry point.
 [[noreturn]] inline void throw_report(const char* function, std::size_t row, const cuda_row_report& report,
                                       const char* const operand_names[3]) {
-  static const char* const stats_fields[4] = {
+  static const char* const stats_fields[5] = {
       "t of a projected row is not in (0, 1]", "sigma2 of a projected row is not finite and > 0",
-      "mu of a projected row is not finite", "status is not inactive, projected or restricted"};
+      "mu of a projected row is not finite", "status is not inactive, projected or restricted",
+      "kl_after of a projected row is not finite and >= 0"};
   const int operand = report.operand >= 0 && report.operand < 3 ? report.operand : 0;
   row_problem p;
   p.operand = operand_names[operand];
@@ -144,7 +145,7 @@ __device__ void fill_nan(T* out, std::size_t size) {
     case cuda_row_error::infeasible: p.kind = problem_kind::infeasible; break;
     case cuda_row_error::bad_stats:
       p.kind = problem_kind::bad_stats;
-      p.operand = stats_fields[report.operand >= 0 && report.operand < 4 ? report.operand : 3];
+      p.operand = stats_fields[report.operand >= 0 && report.operand < 5 ? report.operand : 3];
       break;
     case cuda_row_error::not_finite: p.kind = problem_kind::nan_value; break;  // the CPU's wording
     case cuda_row_error::none:
