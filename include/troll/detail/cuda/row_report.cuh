@@ -54,6 +54,11 @@ enum class cuda_row_error : int {
   bad_state = 28,          ///< a state with k or size (`value`) out of range (a rejected shard row): invalid_input
   // Dense derivatives (troll/cuda.cuh: kl_backward, project_jvp, project_jacobian).
   infinite_kl = 40,        ///< kl_backward: KL(p‖q) is +inf (p has mass where q is −inf), no gradient: domain_error
+  // The sparse objective (troll/cuda_sparse_objectives.cuh), mirroring detail::sparse_objective_problem.
+  objective_capacity = 46,    ///< aligned / log_probs hold fewer than min(V, |S_old| + new_k) = `value` entries: shape_error
+  not_in_support = 47,        ///< the sampled token `value` is not in the old row's support: domain_error
+  not_in_aligned = 48,        ///< backward: the sampled token `value` is not in U: domain_error
+  log_probs_mismatch = 49,    ///< backward: log_probs entry `token` (~0: its count) is `value`, aligned has `operand`: shape_error
 };
 
 /// One row's validation outcome, written by every CUDA entry point that is given a report array.
