@@ -31,44 +31,13 @@
 #include "objectives.hpp"
 #include "projection_types.hpp"
 #include "sparse.hpp"
+#include "sparse_objective_types.hpp"
 
 #include "detail/cpu/eigen_warnings_push.inc"
 
 TROLL_BEGIN_NAMESPACE
 
-/// TROLL's objective on sparse rows: ε, α and the projection options as in
-/// trust_region_objective, plus how the new row's own support joins U. The union is
-///   U = S_new ∪ S_old,  S_new = the sparsify prefix of the new logits (at most new_support.k
-///   tokens, mass ≥ 1 − new_support.delta; k = 0: S_new = ∅ and U = S_old),
-/// so mass the new policy moved onto tokens outside the old support is seen exactly instead of
-/// being lumped into the bucket. S_new is piecewise constant in the logits: no gradient flows
-/// through the choice of support, only through the gathered values.
-struct sparse_trust_region_objective {
-  double eps = 0.05;
-  double alpha = 1.0;
-  projection_options projection{};
-  sparsify_options new_support{};  ///< k = 64, δ = 1e-5; k may be 0 here
-};
-
 namespace detail {
-
-inline trust_region_objective dense_part(const sparse_trust_region_objective& o) {
-  trust_region_objective d;
-  d.eps = o.eps;
-  d.alpha = o.alpha;
-  d.projection = o.projection;
-  return d;
-}
-
-inline void check_sparse_objective(const char* fn, const sparse_trust_region_objective& o) {
-  check_trust_region(fn, dense_part(o));
-  if (o.new_support.k != 0) {
-    check_sparsify_options(fn, o.new_support);
-  } else if (!(o.new_support.delta >= 0.0 && o.new_support.delta < 1.0)) {
-    throw domain_error(std::string("troll::") + fn + ": new_support.delta must be in [0, 1), got " +
-                       std::to_string(o.new_support.delta));
-  }
-}
 
 /// What can be wrong with one row of a sparse objective call.
 struct sparse_objective_problem {
@@ -101,39 +70,15 @@ struct sparse_objective_problem {
     case k::sparse:
       throw_sparse_problem(fn, row, p.sparse);
     case k::capacity:
-      throw shape_error(
-          prefix + "aligned and log_probs have capacity k_max = " + std::to_string(p.other) +
-              " but the row needs up to min(V, |S_old| + "
-              "new_support.k) = " +
-              std::to_string(p.value) + " entries (at most " + std::to_string(sparse_max_entries) +
-              ")",
-          row);
+      throw_objective_capacity(fn, row, p.value, p.other);
     case k::not_in_support:
-      throw domain_error(prefix + "sampled token " + std::to_string(p.value) +
-                             " is not in the old row's support: the ratio needs its exact old "
-                             "log-probability (sparsify the old row with the sampled token; "
-                             "sparsify always keeps it)",
-                         row);
+      throw_not_in_support(fn, row, p.value);
     case k::not_in_aligned:
-      throw domain_error(prefix + "sampled token " + std::to_string(p.value) +
-                             " is not in the aligned support U (pass the aligned rows that "
-                             "objective_forward wrote)",
-                         row);
+      throw_not_in_aligned(fn, row, p.value);
     case k::old_token_masked:
-      throw domain_error(prefix + "the old row's log-probability at the sampled token " +
-                             std::to_string(p.value) +
-                             " is -inf: q_a = 0 and the importance ratio is undefined",
-                         row);
+      throw_old_entry_masked(fn, row, p.value);
     case k::log_probs_mismatch:
-      throw shape_error(
-          prefix +
-              (p.entry < 0 ? "log_probs has " + std::to_string(p.value) +
-                                 " entries but the aligned row has " + std::to_string(p.other)
-                           : "log_probs entry " + std::to_string(p.entry) + " holds token " +
-                                 std::to_string(p.value) + " but the aligned row holds token " +
-                                 std::to_string(p.other)) +
-              " (pass the log_probs and aligned rows objective_forward wrote)",
-          row);
+      throw_log_probs_mismatch(fn, row, p.entry, p.value, p.other);
     case k::none:
       break;
   }
@@ -322,26 +267,9 @@ objective_metrics objective_forward(cpu_policy policy,
                                     T* token_loss = nullptr) {
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_forward";
-  detail::check_sparse_objective(fn, objective);
-  detail::check_view(fn, "new_logits", new_logits);
-  detail::check_sparse_view(fn, "old", old_rows);
-  detail::check_aligned_view(fn, "aligned", aligned);
-  detail::check_sparse_view(fn, "log_probs", log_probs);
+  detail::check_sparse_forward_arguments<T>(fn, objective, new_logits, old_rows, in, aligned,
+                                            log_probs, stats);
   const std::size_t rows = new_logits.rows, vocab = new_logits.cols;
-  detail::check_same_rows(fn, "new_logits", rows, "old", old_rows.rows);
-  detail::check_same_rows(fn, "new_logits", rows, "aligned", aligned.rows);
-  detail::check_same_rows(fn, "new_logits", rows, "log_probs", log_probs.rows);
-  if (rows != 0) {
-    detail::check_same_vocab(fn, "new_logits", vocab, "old", old_rows.vocab);
-    detail::check_same_vocab(fn, "new_logits", vocab, "aligned", aligned.vocab);
-    detail::check_same_vocab(fn, "new_logits", vocab, "log_probs", log_probs.vocab);
-    if (in.tokens == nullptr) detail::throw_shape(fn, "tokens is a null pointer");
-    if (in.advantages == nullptr) detail::throw_shape(fn, "advantages is a null pointer");
-    if (in.aggregation == loss_aggregation::sequence_mean && in.sequence_ids == nullptr)
-      detail::throw_shape(
-          fn, "sequence_mean aggregation needs sequence_ids (a null pointer was given)");
-    if (stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
-  }
   const int new_k = objective.new_support.k;
   const double log_delta =
       objective.new_support.delta > 0.0 ? std::log(objective.new_support.delta) : detail::neg_inf();
@@ -465,27 +393,9 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
                         double grad_loss = 1.0) {
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_backward";
-  detail::check_sparse_objective(fn, objective);
-  detail::check_view(fn, "new_logits", new_logits);
-  detail::check_view(fn, "grad_new", grad_new);
-  detail::check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
-  detail::check_aligned_view(fn, "aligned", aligned);
-  detail::check_sparse_view(fn, "log_probs", log_probs);
+  detail::check_sparse_backward_arguments<T>(fn, objective, new_logits, aligned, in, log_probs,
+                                             stats, grad_new, grad_loss);
   const std::size_t rows = new_logits.rows, vocab = new_logits.cols;
-  detail::check_same_rows(fn, "new_logits", rows, "aligned", aligned.rows);
-  detail::check_same_rows(fn, "new_logits", rows, "log_probs", log_probs.rows);
-  if (rows != 0) {
-    detail::check_same_vocab(fn, "new_logits", vocab, "aligned", aligned.vocab);
-    detail::check_same_vocab(fn, "new_logits", vocab, "log_probs", log_probs.vocab);
-    if (in.tokens == nullptr) detail::throw_shape(fn, "tokens is a null pointer");
-    if (in.advantages == nullptr) detail::throw_shape(fn, "advantages is a null pointer");
-    if (in.aggregation == loss_aggregation::sequence_mean && in.sequence_ids == nullptr)
-      detail::throw_shape(
-          fn, "sequence_mean aggregation needs sequence_ids (a null pointer was given)");
-    if (stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
-  }
-  if (!(grad_loss - grad_loss == 0.0))
-    throw domain_error("troll::objective_backward: grad_loss is not finite");
   const bool regression = objective.alpha > 0.0;
 
   using problem_t = detail::sparse_objective_problem;
