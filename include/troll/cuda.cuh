@@ -326,3 +326,5 @@ TROLL_END_NAMESPACE
 #include "cuda_sparse.cuh"
 // TROLL's training objective (forward and fused backward) under the same policy.
 #include "cuda_objectives.cuh"
+// TROLL's objective on sparse old rows (forward and fused backward) under the same policy.
+#include "cuda_sparse_objectives.cuh"
