@@ -1,7 +1,9 @@
 // troll/cuda_sparse.cuh — the CUDA backend of the sparse path (math.md §4, troll/sparse.hpp):
-// sparsify (fp32, fp16 or bf16 logits), align (two sparse rows, or dense new logits with sparse
-// old rows), kl, project and project_backward of aligned rows, and sparsify_backward, under the
-// troll::cuda policy tag with the CPU overloads' argument lists plus a trailing cuda_checks.
+// sparsify (fp32, fp16, bf16 or double logits; whole rows or vocabulary shards with
+// sparsify_shard / sparsify_merge / sparsify_finalize), align (two sparse rows, or dense new
+// logits with sparse old rows) and align_backward, kl, project and project_backward of aligned
+// rows, and sparsify_backward, under the troll::cuda policy tag with the CPU overloads' argument
+// lists plus a trailing cuda_checks.
 //
 //   troll::sparsify(troll::cuda.on(stream), bf16_logits, sampled, options, sparse_out, checks);
 //
@@ -26,6 +28,7 @@
 #include "detail/cuda/row_report.cuh"
 #include "detail/cuda/sparse_dense.cuh"
 #include "detail/cuda/sparse_projection.cuh"
+#include "detail/cuda/sparse_shards.cuh"
 #include "detail/cuda/sparse_sparsify.cuh"
 #include "detail/cuda/sparse_warp.cuh"
 #include "detail/row_problem.hpp"
@@ -90,6 +93,27 @@ struct sparse_thrower {
         msg << "sampled token " << static_cast<long long>(report.value) << " is outside the vocabulary [0, "
             << vocab << ")";
         throw domain_error(msg.str(), row);
+      case cuda_row_error::state_mismatch:
+        msg << "the two states were made with different k or sampled tokens";
+        throw invalid_input(msg.str(), row);
+      case cuda_row_error::state_k:
+        msg << "the state was made with k = " << static_cast<long long>(report.value) << ", options.k is "
+            << report.token;
+        throw invalid_input(msg.str(), row);
+      case cuda_row_error::state_capacity:
+        msg << "out has capacity " << report.token << " but the row needs " << static_cast<long long>(report.value);
+        throw shape_error(msg.str(), row);
+      case cuda_row_error::sampled_missing:
+        msg << "no shard held the sampled token " << static_cast<long long>(report.value);
+        throw domain_error(msg.str(), row);
+      case cuda_row_error::no_support:
+        msg << "every logit is -inf (the row has no support)";
+        throw domain_error(msg.str(), row);
+      case cuda_row_error::bad_state:
+        msg << name << ": the state has k = " << static_cast<long long>(report.value) << " and size = " << entry
+            << " (k must be in [1, " << sparsify_max_k << "] and size in [0, k]: a row sparsify_shard rejected, or "
+            << "not a sparsify_state)";
+        throw invalid_input(msg.str(), row);
       case cuda_row_error::bad_stats:
         if (report.operand == 4) {
           row_problem p;
@@ -119,8 +143,9 @@ inline std::size_t larger(std::size_t a, std::size_t b) { return a < b ? b : a; 
 }  // namespace cuda
 }  // namespace detail
 
-/// Sparsifies each row of dense device `logits` (rows × V; float, __half or __nv_bfloat16) into
-/// `out` (float or double), with the semantics of troll::sparsify(cpu_policy, ...): the shortest
+/// Sparsifies each row of dense device `logits` (rows × V; float, double, __half or
+/// __nv_bfloat16) into `out` (float or double), with the semantics of troll::sparsify(cpu_policy,
+/// ...): tokens ranked in the logits' precision (float for fp16 / bf16), the shortest
 /// prefix by logit (ties to the lower index) reaching 1 − delta, at most k ≤ 256 tokens, then
 /// sampled[r] (device array, may be null) if missing; log_remainder the exact log tail mass.
 /// One streaming pass per row. Host checks as on the CPU (shape_error, domain_error for the
@@ -131,7 +156,7 @@ void sparsify(cuda_policy policy, batch_view<L> logits, const sparse_index* samp
               sparse_batch_view<T> out, const cuda_checks& checks = {}) {
   using logit_type = std::remove_const_t<L>;
   static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
-                "troll::sparsify (CUDA): logits must be float, __half or __nv_bfloat16");
+                "troll::sparsify (CUDA): logits must be float, double, __half or __nv_bfloat16");
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify";
   const batch_view<const logit_type> in{logits.data, logits.rows, logits.cols, logits.stride};
@@ -146,6 +171,72 @@ void sparsify(cuda_policy policy, batch_view<L> logits, const sparse_index* samp
                              detail::cuda::sparsify_kernel<logit_type, T>
                                  <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
                                     policy.stream>>>(in, sampled, options.k, log_delta, out, range, device);
+                           });
+}
+
+/// Vocabulary shards on the device, as troll::sparsify_shard(cpu_policy, ...): fills states[r]
+/// (device memory, rows entries) with the partial sparsify state of the tokens [vocab_offset,
+/// vocab_offset + shard_logits.cols) of a row of `vocab` tokens (logits float, double, __half or
+/// __nv_bfloat16; `sampled` a device array of global ids, may be null). The states are the CPU's
+/// struct: copied to the host they merge with CPU shard states, and back. Row problems (NaN /
+/// +inf logits, a sampled token outside [0, vocab)) are reported through `checks` and leave an
+/// invalid state (k = 0) that sparsify_merge and sparsify_finalize reject; an all −inf shard is
+/// fine (another shard may hold the mass).
+template <class L>
+void sparsify_shard(cuda_policy policy, batch_view<L> shard_logits, std::size_t vocab_offset, std::size_t vocab,
+                    const sparse_index* sampled, const sparsify_options& options, sparsify_state* states,
+                    const cuda_checks& checks = {}) {
+  using logit_type = std::remove_const_t<L>;
+  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
+                "troll::sparsify_shard (CUDA): logits must be float, double, __half or __nv_bfloat16");
+  constexpr const char* fn = "sparsify_shard";
+  const batch_view<const logit_type> in{shard_logits.data, shard_logits.rows, shard_logits.cols, shard_logits.stride};
+  detail::check_sparsify_shard_arguments(fn, in, vocab_offset, vocab, options, states);
+  const detail::cuda::sparse_thrower thrower{{"shard_logits"}, vocab};
+  detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower,
+                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+                             detail::cuda::sparsify_shard_kernel<logit_type>
+                                 <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
+                                    policy.stream>>>(in, vocab_offset, vocab, sampled, options.k, states, range,
+                                                     device);
+                           });
+}
+
+/// into[r] ← merge(into[r], from[r]) for `rows` device states, as troll::sparsify_merge(cpu_policy,
+/// ...) (associative and commutative; the shared detail::merge_into). A row whose states differ
+/// in k or sampled token (invalid_input in checked mode, as on the CPU), or where either state is
+/// invalid (k outside [1, 256], size outside [0, k]), is reported and leaves into[r] invalid.
+inline void sparsify_merge(cuda_policy policy, sparsify_state* into, const sparsify_state* from, std::size_t rows,
+                           const cuda_checks& checks = {}) {
+  constexpr const char* fn = "sparsify_merge";
+  detail::check_sparsify_merge_arguments(fn, into, from, rows);
+  const detail::cuda::sparse_thrower thrower{{"into", "from"}, 0};
+  detail::cuda::run_sparse(fn, policy.stream, rows, checks, thrower,
+                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+                             const detail::cuda::warp_launch l = detail::cuda::state_launch_for(range.count);
+                             detail::cuda::sparsify_merge_kernel<sparsify_state><<<l.grid, l.threads, 0, policy.stream>>>(
+                                 into, from, range, device);
+                           });
+}
+
+/// Writes the sparse rows of whole-row device states into `out`, as
+/// troll::sparsify_finalize(cpu_policy, ...) (the shared detail::finalize). Row checks as on the
+/// CPU, in its order: the state's k is options.k (invalid_input), out.k_max holds the row
+/// (shape_error), some shard held the sampled token, some logit is finite (domain_error); a
+/// rejected row gets count 0, padding and a NaN log_remainder.
+template <class T>
+void sparsify_finalize(cuda_policy policy, const sparsify_state* states, const sparsify_options& options,
+                       sparse_batch_view<T> out, const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "sparsify_finalize";
+  detail::check_sparsify_finalize_arguments(fn, states, options, out);
+  const double log_delta = options.delta > 0.0 ? std::log(options.delta) : detail::neg_inf();
+  const detail::cuda::sparse_thrower thrower{{"states"}, 0};
+  detail::cuda::run_sparse(fn, policy.stream, out.rows, checks, thrower,
+                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+                             const detail::cuda::warp_launch l = detail::cuda::state_launch_for(range.count);
+                             detail::cuda::sparsify_finalize_kernel<T><<<l.grid, l.threads, 0, policy.stream>>>(
+                                 states, options.k, log_delta, out, range, device);
                            });
 }
 
@@ -199,6 +290,27 @@ void align(cuda_policy policy, batch_view<L> new_logits, sparse_input<T> new_sup
                              detail::cuda::align_dense_kernel<logit_type, T>
                                  <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
                                     policy.stream>>>(in, new_support, old_rows, out, slots, range, device);
+                           });
+}
+
+/// Backward of align(new, old) for one side on the device, as troll::align_backward(cpu_policy,
+/// row, aligned, grad_aligned, grad_row): entries of `row` pass their aligned gradient through,
+/// and ∂L/∂log r = g_R + Σ_{u ∈ U∖S} g_u. Rejected rows (a bad `row` or aligned new side, an entry
+/// of `row` missing from U, a NaN / infinite gradient) get NaN gradients.
+template <class T>
+void align_backward(cuda_policy policy, sparse_input<T> row, aligned_input<T> aligned,
+                    sparse_grad_input<T> grad_aligned, sparse_grad_view<T> grad_row, const cuda_checks& checks = {}) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "align_backward";
+  detail::check_align_backward_arguments(fn, row, aligned, grad_aligned, grad_row);
+  const detail::cuda::sparse_thrower thrower{
+      {"row", "aligned", nullptr, nullptr, nullptr, "grad_aligned (NaN or infinite)", nullptr, nullptr}, 0};
+  detail::cuda::run_sparse(fn, policy.stream, row.rows, checks, thrower,
+                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
+                             const detail::cuda::warp_launch l = detail::cuda::warp_launch_for(
+                                 range.count, detail::cuda::larger(row.k_max, aligned.k_max), 2);
+                             detail::cuda::align_backward_kernel<T><<<l.grid, l.threads, l.shared_bytes, policy.stream>>>(
+                                 row, aligned, grad_aligned, grad_row, l.slots, range, device);
                            });
 }
 

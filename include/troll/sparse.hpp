@@ -223,13 +223,7 @@ void sparsify_shard(cpu_policy policy, batch_view<const T> shard_logits, std::si
                     sparsify_state* states) {
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_shard";
-  detail::check_view(fn, "shard_logits", shard_logits);
-  detail::check_sparsify_options(fn, options);
-  if (shard_logits.rows != 0 && states == nullptr) detail::throw_shape(fn, "states is a null pointer");
-  if (vocab > std::size_t(INT32_MAX) || vocab_offset + shard_logits.cols > vocab)
-    detail::throw_shape(fn, "the shard [" + std::to_string(vocab_offset) + ", " +
-                                std::to_string(vocab_offset + shard_logits.cols) +
-                                ") does not fit in the vocabulary of " + std::to_string(vocab));
+  detail::check_sparsify_shard_arguments(fn, shard_logits, vocab_offset, vocab, options, states);
   detail::validate_sampled(fn, sampled, shard_logits.rows, vocab);
   // NaN / +inf only (an all −inf shard is fine: another shard may hold the mass).
   const std::size_t bad = detail::cpu::first_bad_row(
@@ -250,7 +244,7 @@ void sparsify_shard(cpu_policy policy, batch_view<const T> shard_logits, std::si
 inline void sparsify_merge(cpu_policy policy, sparsify_state* into, const sparsify_state* from,
                            std::size_t rows) {
   constexpr const char* fn = "sparsify_merge";
-  if (rows != 0 && (!into || !from)) detail::throw_shape(fn, "a state pointer is null");
+  detail::check_sparsify_merge_arguments(fn, into, from, rows);
   for (std::size_t r = 0; r < rows; ++r) {
     if (into[r].k != from[r].k || into[r].sampled != from[r].sampled)
       throw invalid_input(detail::row_prefix(fn, r) +
@@ -269,9 +263,7 @@ void sparsify_finalize(cpu_policy policy, const sparsify_state* states, const sp
                        sparse_batch_view<T> out) {
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_finalize";
-  detail::check_sparsify_options(fn, options);
-  detail::check_sparse_view(fn, "out", out);
-  if (out.rows != 0 && !states) detail::throw_shape(fn, "states is a null pointer");
+  detail::check_sparsify_finalize_arguments(fn, states, options, out);
   for (std::size_t r = 0; r < out.rows; ++r) {
     if (states[r].k != options.k)
       throw invalid_input(detail::row_prefix(fn, r) + "the state was made with k = " +
@@ -499,12 +491,7 @@ void align_backward(cpu_policy policy, sparse_input<T> row, aligned_input<T> ali
                     sparse_grad_input<T> grad_aligned, sparse_grad_view<T> grad_row) {
   detail::require_float_type<T>();
   constexpr const char* fn = "align_backward";
-  detail::check_sparse_view(fn, "row", row);
-  detail::check_aligned_view(fn, "aligned", aligned);
-  detail::check_same_rows(fn, "row", row.rows, "aligned", aligned.rows);
-  detail::check_same_vocab(fn, "row", row.vocab, "aligned", aligned.vocab);
-  detail::check_grad_view(fn, "grad_aligned", grad_aligned, aligned.rows, aligned.k_max);
-  detail::check_grad_view(fn, "grad_row", grad_row, row.rows, row.k_max);
+  detail::check_align_backward_arguments(fn, row, aligned, grad_aligned, grad_row);
   detail::validate_sparse(fn, policy.threads, row, "row");
   detail::first_sparse_problem(fn, policy.threads, row.rows, 4 * std::size_t(sparse_max_entries),
                                [&](std::size_t r) {

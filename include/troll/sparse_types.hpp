@@ -215,6 +215,51 @@ void check_align_arguments(const char* fn, const batch_view<const L>& new_logits
   check_same_vocab(fn, "new_logits", new_logits.cols, "out", out.vocab);
 }
 
+/// The host-side checks of align_backward(row, aligned, grad_aligned, grad_row) that read no
+/// values: views, row counts, vocabulary sizes and gradient shapes. Shared by CPU and CUDA.
+template <class T>
+void check_align_backward_arguments(const char* fn, const sparse_batch_view<const T>& row,
+                                    const aligned_batch_view<const T>& aligned,
+                                    const sparse_grad_view<const T>& grad_aligned, const sparse_grad_view<T>& grad_row) {
+  check_sparse_view(fn, "row", row);
+  check_aligned_view(fn, "aligned", aligned);
+  check_same_rows(fn, "row", row.rows, "aligned", aligned.rows);
+  check_same_vocab(fn, "row", row.vocab, "aligned", aligned.vocab);
+  check_grad_view(fn, "grad_aligned", grad_aligned, aligned.rows, aligned.k_max);
+  check_grad_view(fn, "grad_row", grad_row, row.rows, row.k_max);
+}
+
+/// The host-side checks of sparsify_shard that read no values: the shard view, the options, the
+/// states pointer, and the shard [vocab_offset, vocab_offset + cols) inside a vocabulary of
+/// `vocab` < 2^31 tokens. Shared by CPU and CUDA.
+template <class L>
+void check_sparsify_shard_arguments(const char* fn, const batch_view<const L>& shard_logits, std::size_t vocab_offset,
+                                    std::size_t vocab, const sparsify_options& options, const sparsify_state* states) {
+  check_view(fn, "shard_logits", shard_logits);
+  check_sparsify_options(fn, options);
+  if (shard_logits.rows != 0 && states == nullptr) throw_shape(fn, "states is a null pointer");
+  if (vocab > std::size_t(INT32_MAX) || vocab_offset + shard_logits.cols > vocab)
+    throw_shape(fn, "the shard [" + std::to_string(vocab_offset) + ", " +
+                        std::to_string(vocab_offset + shard_logits.cols) + ") does not fit in the vocabulary of " +
+                        std::to_string(vocab));
+}
+
+/// The host-side check of sparsify_merge: both state pointers set when rows > 0.
+inline void check_sparsify_merge_arguments(const char* fn, const sparsify_state* into, const sparsify_state* from,
+                                           std::size_t rows) {
+  if (rows != 0 && (!into || !from)) throw_shape(fn, "a state pointer is null");
+}
+
+/// The host-side checks of sparsify_finalize that read no values: options, out, the states
+/// pointer. Shared by CPU and CUDA.
+template <class T>
+void check_sparsify_finalize_arguments(const char* fn, const sparsify_state* states, const sparsify_options& options,
+                                       const sparse_batch_view<T>& out) {
+  check_sparsify_options(fn, options);
+  check_sparse_view(fn, "out", out);
+  if (out.rows != 0 && !states) throw_shape(fn, "states is a null pointer");
+}
+
 }  // namespace detail
 
 TROLL_END_NAMESPACE

@@ -202,6 +202,74 @@ __global__ void align_kernel(sparse_batch_view<const T> new_rows, sparse_batch_v
   }
 }
 
+/// Rows of `range`: grad_row = the gradient on sparse row `row` of align(new, old) given the
+/// gradient on one side of the aligned rows (see troll::align_backward): entries of S pass
+/// through, ∂L/∂log r = g_R + Σ_{u ∈ U∖S} g_u. Row checks in the CPU's order: `row` (operand 0),
+/// the aligned new side (operand 1), every entry of `row` in U, finite gradients (operand 5).
+/// A rejected row gets NaN gradients.
+template <class T>
+__global__ void align_backward_kernel(sparse_batch_view<const T> row, aligned_batch_view<const T> aligned,
+                                      sparse_grad_view<const T> grad_aligned, sparse_grad_view<T> grad_row,
+                                      int slots_per_array, row_range range, device_checks checks) {
+  index_slot* row_sorted = warp_scratch(2, slots_per_array);
+  index_slot* aligned_sorted = row_sorted + slots_per_array;
+  const std::size_t end = range.begin + range.count;
+  for (std::size_t r = warp_first_row(range); r < end; r += warp_row_stride()) {
+    const sparse_index* ri = row.row_indices(r);
+    const sparse_index* ai = aligned.indices + r * aligned.k_max;
+    const T* g = grad_aligned.row(r);
+    const double g_r = static_cast<double>(grad_aligned.log_remainder[r]);
+    cuda_row_report report =
+        warp_check_sparse_row(ri, row.row_log_probs(r), row.counts[r], static_cast<double>(row.log_remainder[r]),
+                              row.k_max, row.vocab, operand_new, true, row_sorted, slots_per_array);
+    if (report.error == cuda_row_error::none)
+      report = warp_check_sparse_row(ai, aligned.new_log_probs + r * aligned.k_max, aligned.counts[r],
+                                     static_cast<double>(aligned.new_log_remainder[r]), aligned.k_max, aligned.vocab,
+                                     operand_old, true, aligned_sorted, slots_per_array);
+    const int c = report.error == cuda_row_error::none ? static_cast<int>(row.counts[r]) : 0;
+    const int u = report.error == cuda_row_error::none ? static_cast<int>(aligned.counts[r]) : 0;
+    for (int base = 0; report.error == cuda_row_error::none && base < c; base += warp_lanes) {
+      const int i = base + lane_id();
+      const int bad = first_lane(i < c && find_slot(aligned_sorted, u, ri[i]) < 0);
+      if (bad < 0) continue;
+      report.error = cuda_row_error::sparse_not_aligned, report.operand = operand_new;
+      report.token = static_cast<unsigned long long>(base + bad);
+      report.value = double(ri[base + bad]);
+    }
+    for (int base = -1; report.error == cuda_row_error::none && base < u; base += warp_lanes) {
+      const int i = base + lane_id();
+      const double gi = i < 0 ? g_r : (i < u ? static_cast<double>(g[i]) : 0.0);
+      const int bad = first_lane(!(gi - gi == 0.0));
+      if (bad < 0) continue;
+      report.error = cuda_row_error::sparse_nan, report.operand = operand_grad;
+      report.token = static_cast<unsigned long long>(static_cast<long long>(base + bad));
+    }
+    if (lane_id() == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+    T* out = grad_row.row(r);
+    if (report.error != cuda_row_error::none) {
+      for (std::size_t i = std::size_t(lane_id()); i < grad_row.k_max; i += warp_lanes)
+        out[i] = static_cast<T>(quiet_nan());
+      if (lane_id() == 0) grad_row.log_remainder[r] = static_cast<T>(quiet_nan());
+      continue;
+    }
+    // Every entry of `row` is in U (checked), so the scatter writes out[0..c) exactly once.
+    double outside = 0.0;
+    for (int i = lane_id(); i < u; i += warp_lanes) {
+      const int slot = find_slot(row_sorted, c, ai[i]);
+      if (slot >= 0) {
+        out[row_sorted[slot].position] = g[i];
+      } else {
+        outside += static_cast<double>(g[i]);
+      }
+    }
+    outside = warp_all_reduce(outside, add_double{});
+    for (std::size_t i = std::size_t(c) + std::size_t(lane_id()); i < grad_row.k_max; i += warp_lanes)
+      out[i] = T(0);
+    if (lane_id() == 0) grad_row.log_remainder[r] = static_cast<T>(g_r + outside);
+  }
+}
+
 /// Rows of `range`: kl_out[r] = KL(new ‖ old) of aligned rows (lumped), +inf where new has mass
 /// old lacks; NaN for a rejected row.
 template <class T>

@@ -1,0 +1,147 @@
+// troll/detail/cuda/sparse_shards.cuh — the vocabulary-shard states on the device: merging two
+// sparsify_states of disjoint token sets and finalising a whole-row state into a sparse row. One
+// warp per row; the warp copies the state into shared memory and one lane runs the shared
+// host/device code (detail::merge_into, detail::finalize) on it. States are the same struct on
+// the host and the device, so CPU and GPU shard states mix freely.
+#pragma once
+
+#include <cstddef>
+
+#include <cub/util_type.cuh>
+
+#include "../../config.hpp"
+#include "../../sparse_types.hpp"
+#include "../numeric.hpp"
+#include "../sparse_row.hpp"
+#include "row_report.cuh"
+#include "sparse_warp.cuh"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+namespace cuda {
+
+/// Rows (warps) per block of the state kernels: 4 states of ~4 KiB in shared memory.
+constexpr int state_warps = 4;
+
+/// Launch shape of a state kernel over `rows` rows.
+inline warp_launch state_launch_for(std::size_t rows) {
+  warp_launch l;
+  l.threads = unsigned(state_warps * warp_lanes);
+  const std::size_t blocks = (rows + state_warps - 1) / state_warps;
+  l.grid = unsigned(blocks < max_grid_rows ? blocks : max_grid_rows);
+  return l;
+}
+
+#ifdef __CUDACC__
+
+/// Copies a state by the lanes of one warp (8-byte words), then syncs the warp.
+__device__ inline void warp_copy_state(sparsify_state& to, const sparsify_state& from) {
+  static_assert(sizeof(sparsify_state) % sizeof(unsigned long long) == 0, "sparsify_state: whole 8-byte words");
+  constexpr int words = int(sizeof(sparsify_state) / sizeof(unsigned long long));
+  auto* dst = reinterpret_cast<unsigned long long*>(&to);
+  const auto* src = reinterpret_cast<const unsigned long long*>(&from);
+  for (int i = lane_id(); i < words; i += warp_lanes) dst[i] = src[i];
+  __syncwarp();
+}
+
+/// A state the shared code can work on: 1 ≤ k ≤ sparsify_max_k and 0 ≤ size ≤ k (sparsify_shard
+/// marks a rejected row with k = 0). `value` is k, `token` the size.
+__device__ inline cuda_row_report check_state(const sparsify_state& st, int operand) {
+  cuda_row_report report;
+  if (st.k < 1 || st.k > sparsify_max_k || st.size < 0 || st.size > st.k) {
+    report.error = cuda_row_error::bad_state, report.operand = operand;
+    report.value = double(st.k);
+    report.token = static_cast<unsigned long long>(static_cast<long long>(st.size));
+  }
+  return report;
+}
+
+/// Rows of `range`: into[r] ← merge(into[r], from[r]) (detail::merge_into). A rejected row (the
+/// states disagree on k or the sampled token, or one is invalid) leaves into[r] invalid (k = 0).
+/// A template (State = sparsify_state) only so that the header-only kernel may be defined in
+/// every translation unit.
+template <class State>
+__global__ void __launch_bounds__(state_warps * warp_lanes)
+    sparsify_merge_kernel(State* into, const State* from, row_range range, device_checks checks) {
+  __shared__ cub::Uninitialized<State> scratch[state_warps];
+  State& st = scratch[threadIdx.x / warp_lanes].Alias();
+  const std::size_t end = range.begin + range.count;
+  for (std::size_t r = warp_first_row(range); r < end; r += warp_row_stride()) {
+    const State& a = into[r];
+    const State& b = from[r];
+    cuda_row_report report;
+    if (a.k != b.k || a.sampled != b.sampled) {
+      report.error = cuda_row_error::state_mismatch;
+    } else {
+      report = check_state(a, 0);
+      if (report.error == cuda_row_error::none) report = check_state(b, 1);
+    }
+    if (lane_id() == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+    if (report.error != cuda_row_error::none) {
+      __syncwarp();  // every lane has read into[r] before lane 0 marks it
+      if (lane_id() == 0) into[r].k = 0, into[r].size = 0;
+      continue;
+    }
+    warp_copy_state(st, a);
+    if (lane_id() == 0) merge_into(st, b);
+    __syncwarp();
+    warp_copy_state(into[r], st);
+  }
+}
+
+/// Rows of `range`: the sparse row of whole-row state states[r] (detail::finalize), padded to
+/// out.k_max. Row checks in the CPU's order (k, capacity, sampled token, support); a rejected
+/// row gets count 0, padding and a NaN log-remainder.
+template <class T>
+__global__ void __launch_bounds__(state_warps * warp_lanes)
+    sparsify_finalize_kernel(const sparsify_state* states, int k, double log_delta, sparse_batch_view<T> out,
+                             row_range range, device_checks checks) {
+  __shared__ cub::Uninitialized<sparsify_state> scratch[state_warps];
+  sparsify_state& st = scratch[threadIdx.x / warp_lanes].Alias();
+  const std::size_t end = range.begin + range.count;
+  for (std::size_t r = warp_first_row(range); r < end; r += warp_row_stride()) {
+    const sparsify_state& s = states[r];
+    cuda_row_report report;
+    const std::size_t need = std::size_t(s.size < 0 ? 0 : s.size) + (s.sampled >= 0 ? 1 : 0);
+    if (s.k != k) {
+      report.error = cuda_row_error::state_k, report.value = double(s.k);
+      report.token = static_cast<unsigned long long>(k);
+    } else {
+      report = check_state(s, 0);
+    }
+    if (report.error == cuda_row_error::none) {
+      if (out.k_max < need) {
+        report.error = cuda_row_error::state_capacity, report.token = out.k_max, report.value = double(need);
+      } else if (s.sampled >= 0 && !s.has_sampled) {
+        report.error = cuda_row_error::sampled_missing, report.value = double(s.sampled);
+      } else if (s.size == 0 && !s.has_sampled && s.outside.m == neg_inf()) {
+        report.error = cuda_row_error::no_support;
+      }
+    }
+    if (lane_id() == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+    sparse_index* indices = out.row_indices(r);
+    T* log_probs = out.row_log_probs(r);
+    int count = 0;
+    if (report.error == cuda_row_error::none) {
+      warp_copy_state(st, s);
+      if (lane_id() == 0) finalize(st, log_delta, indices, log_probs, count, out.log_remainder[r]);
+      count = __shfl_sync(full_warp, count, 0);
+    } else if (lane_id() == 0) {
+      out.log_remainder[r] = static_cast<T>(quiet_nan());
+    }
+    for (std::size_t i = std::size_t(count) + std::size_t(lane_id()); i < out.k_max; i += warp_lanes) {
+      indices[i] = -1;
+      log_probs[i] = static_cast<T>(neg_inf());
+    }
+    if (lane_id() == 0) out.counts[r] = count;
+    __syncwarp();  // the shared state is reused by the next row
+  }
+}
+
+#endif  // __CUDACC__
+
+}  // namespace cuda
+}  // namespace detail
+TROLL_END_NAMESPACE

@@ -1,0 +1,627 @@
+// tests/cuda/test_cuda_sparse_more.cu — the rest of the CUDA sparse path against the CPU backend:
+// sparsify from double logits, vocabulary shards (sparsify_shard / sparsify_merge /
+// sparsify_finalize, GPU states merged with each other and with CPU states) and align_backward,
+// with device reports and the checked mode giving the CPU's exceptions and messages. Host-side
+// argument checks and the report→exception translation run without a device; the "device" suite
+// is skipped without one ("SKIPPED: no CUDA device", exit 0).
+//
+// Tolerances (double): indices and counts exact; log-probs and log-remainders to 1e-12 absolute
+// + relative (the device sums the same terms in another order); align_backward entries exact
+// (copies), its remainder to 1e-13.
+#define DOCTEST_CONFIG_IMPLEMENT
+#define EIGEN_NO_CUDA  // Eigen serves the CPU reference only (see test_cuda_projection.cu)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#include <doctest/doctest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda_sparse_batch.cuh"
+#include "cuda_support.cuh"
+#include "troll/cuda.cuh"
+#include "troll/sparse.hpp"
+
+namespace {
+
+using troll_test::close;
+using troll_test::device_array;
+using troll_test::sparse_pair;
+using troll_test::test_stream;
+
+constexpr double inf = std::numeric_limits<double>::infinity();
+
+/// The message of the exception `call` throws (empty when it throws none of type E).
+template <class E, class Call>
+std::string message_of(Call&& call) {
+  try {
+    call();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return {};
+}
+
+/// Double logits shaped like an LLM's (llm_rows widened, plus a double-only jitter so that many
+/// values are not floats), with rows that stress the ranking: exact ties, distinct doubles within
+/// one float ulp of each other, a row of one finite token, a near-uniform row.
+std::vector<double> double_rows(std::size_t rows, std::size_t vocab, unsigned seed) {
+  std::vector<float> unused;
+  const std::vector<float> base = troll_test::llm_rows<float>(rows, vocab, seed, unused);
+  std::mt19937 gen(seed + 1000);
+  std::uniform_real_distribution<double> jitter(-1e-9, 1e-9);
+  std::vector<double> z(base.begin(), base.end());
+  for (std::size_t r = 0; r < rows; ++r) {
+    double* row = z.data() + r * vocab;
+    switch (r % 5) {
+      case 0:  // plain, with double-only digits
+        for (std::size_t i = 0; i < vocab; ++i)
+          if (std::isfinite(row[i])) row[i] += jitter(gen);
+        break;
+      case 1:  // exact ties: a coarse grid of values
+        for (std::size_t i = 0; i < vocab; ++i)
+          if (std::isfinite(row[i])) row[i] = std::round(row[i] * 2.0) / 2.0;
+        break;
+      case 2:  // the head within one float ulp: distinct doubles, equal as floats
+        for (std::size_t i = 0; i < vocab; ++i) row[i] = 3.0 + 1e-12 * double((i * 7919) % 4093) - (i % 3 == 0 ? 30.0 : 0.0);
+        break;
+      case 3:  // a single finite token
+        for (std::size_t i = 0; i < vocab; ++i) row[i] = i == vocab / 2 ? 0.25 : -inf;
+        break;
+      default:  // near uniform
+        for (std::size_t i = 0; i < vocab; ++i) row[i] = 1e-3 * double(i % 11);
+        break;
+    }
+  }
+  return z;
+}
+
+/// Device sparse rows (downloaded) equal the CPU's: indices and counts exactly, values closely.
+void require_same_rows(sparse_pair<double>& got, const sparse_pair<double>& want, double tol) {
+  got.download();
+  for (std::size_t r = 0; r < want.rows; ++r) {
+    CAPTURE(r);
+    REQUIRE(got.counts[r] == want.counts[r]);
+    for (std::size_t i = 0; i < want.k_max; ++i) {
+      CAPTURE(i);
+      CHECK(got.indices[r * want.k_max + i] == want.indices[r * want.k_max + i]);
+      CHECK(close(got.log_probs[r * want.k_max + i], want.log_probs[r * want.k_max + i], tol, tol));
+    }
+    CHECK_MESSAGE(close(got.log_remainder[r], want.log_remainder[r], tol, tol), got.log_remainder[r], " vs ",
+                  want.log_remainder[r]);
+  }
+}
+
+std::vector<troll::sparse_index> sampled_tokens(std::size_t rows, std::size_t vocab) {
+  std::vector<troll::sparse_index> sampled(rows);
+  for (std::size_t r = 0; r < rows; ++r) sampled[r] = troll::sparse_index((r * 7919 + 13) % vocab);
+  return sampled;
+}
+
+void check_double_sparsify(std::size_t rows, std::size_t vocab, int k, double delta, bool with_sampled,
+                           unsigned seed) {
+  CAPTURE(vocab);
+  CAPTURE(k);
+  CAPTURE(delta);
+  CAPTURE(with_sampled);
+  test_stream s;
+  const std::vector<double> z = double_rows(rows, vocab, seed);
+  const std::vector<troll::sparse_index> sampled = sampled_tokens(rows, vocab);
+  const std::size_t k_max = std::size_t(k) + 1;
+  sparse_pair<double> want(rows, k_max, vocab), got(rows, k_max, vocab);
+  const troll::sparsify_options options{k, delta};
+  troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), with_sampled ? sampled.data() : nullptr,
+                  options, want.host());
+  device_array<double> d_z(z);
+  device_array<troll::sparse_index> d_sampled(sampled);
+  device_array<troll::cuda_row_report> reports(rows);
+  troll::sparsify(troll::cuda.on(s.stream), troll::make_batch<const double>(d_z.get(), rows, vocab),
+                  with_sampled ? d_sampled.get() : nullptr, options, got.device(), troll::cuda_checks{reports.get()});
+  s.sync();
+  const auto rep = reports.download();
+  for (std::size_t r = 0; r < rows; ++r) REQUIRE(rep[r].error == troll::cuda_row_error::none);
+  require_same_rows(got, want, 1e-12);
+  for (std::size_t r = 0; with_sampled && r < rows; ++r) {
+    const auto* begin = got.indices.data() + r * k_max;
+    CHECK(std::find(begin, begin + got.counts[r], sampled[r]) != begin + got.counts[r]);
+  }
+}
+
+/// Cut points 0 = c_0 < c_1 < … < c_shards = vocab (random, each shard non-empty).
+std::vector<std::size_t> shard_cuts(std::size_t vocab, std::size_t shards, std::mt19937& gen) {
+  std::vector<std::size_t> cuts{0, vocab};
+  std::uniform_int_distribution<std::size_t> pick(1, vocab - 1);
+  while (cuts.size() < shards + 1) {
+    const std::size_t c = pick(gen);
+    if (std::find(cuts.begin(), cuts.end(), c) == cuts.end()) cuts.push_back(c);
+  }
+  std::sort(cuts.begin(), cuts.end());
+  return cuts;
+}
+
+/// Whole rows via 1..4 shards: GPU shard states merged on the GPU (a left fold and its mirror),
+/// finalised on the GPU; and the same shards with every other one made on the CPU, merged and
+/// finalised on the CPU and on the GPU. Every result equals the CPU's whole-row sparsify.
+void check_shards(std::size_t rows, std::size_t vocab, int k, bool with_sampled, unsigned seed) {
+  CAPTURE(vocab);
+  CAPTURE(k);
+  CAPTURE(with_sampled);
+  test_stream s;
+  const std::vector<double> z = double_rows(rows, vocab, seed);
+  const std::vector<troll::sparse_index> sampled = sampled_tokens(rows, vocab);
+  const troll::sparse_index* h_sampled = with_sampled ? sampled.data() : nullptr;
+  const troll::sparsify_options options{k, 1e-5};
+  const std::size_t k_max = std::size_t(k) + 1;
+  sparse_pair<double> want(rows, k_max, vocab);
+  troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), h_sampled, options, want.host());
+
+  device_array<double> d_z(z);
+  device_array<troll::sparse_index> d_sampled_array(sampled);
+  const troll::sparse_index* d_sampled = with_sampled ? d_sampled_array.get() : nullptr;
+  std::mt19937 gen(seed);
+  for (std::size_t shards = 1; shards <= 4 && shards <= vocab; ++shards) {
+    CAPTURE(shards);
+    const std::vector<std::size_t> cuts = shard_cuts(vocab, shards, gen);
+    std::vector<std::unique_ptr<device_array<troll::sparsify_state>>> gpu;  // one state array per shard
+    std::vector<std::vector<troll::sparsify_state>> cpu(shards, std::vector<troll::sparsify_state>(rows));
+    for (std::size_t j = 0; j < shards; ++j) {
+      const std::size_t width = cuts[j + 1] - cuts[j];
+      gpu.push_back(std::make_unique<device_array<troll::sparsify_state>>(rows));
+      troll::sparsify_shard(troll::cuda.on(s.stream),
+                            troll::make_batch<const double>(d_z.get() + cuts[j], rows, width, vocab), cuts[j], vocab,
+                            d_sampled, options, gpu[j]->get(), troll::cuda_checked);
+      troll::sparsify_shard(troll::cpu, troll::make_batch<const double>(z.data() + cuts[j], rows, width, vocab),
+                            cuts[j], vocab, h_sampled, options, cpu[j].data());
+    }
+    // GPU only: into = shard 0, then 1, 2, … merged in.
+    for (std::size_t j = 1; j < shards; ++j)
+      troll::sparsify_merge(troll::cuda.on(s.stream), gpu[0]->get(), gpu[j]->get(), rows, troll::cuda_checked);
+    sparse_pair<double> got(rows, k_max, vocab);
+    troll::sparsify_finalize(troll::cuda.on(s.stream), gpu[0]->get(), options, got.device(), troll::cuda_checked);
+    require_same_rows(got, want, 1e-12);
+
+    // Mixed: even shards from the GPU (fresh states), odd ones from the CPU, merged right to left.
+    std::vector<std::vector<troll::sparsify_state>> mixed(shards);
+    for (std::size_t j = 0; j < shards; ++j) {
+      if (j % 2 == 1) {
+        mixed[j] = cpu[j];
+        continue;
+      }
+      const std::size_t width = cuts[j + 1] - cuts[j];
+      troll::sparsify_shard(troll::cuda.on(s.stream),
+                            troll::make_batch<const double>(d_z.get() + cuts[j], rows, width, vocab), cuts[j], vocab,
+                            d_sampled, options, gpu[j]->get());
+      mixed[j] = gpu[j]->download();
+    }
+    std::vector<troll::sparsify_state> host_into = mixed[shards - 1];
+    for (std::size_t j = shards - 1; j-- > 0;) troll::sparsify_merge(troll::cpu, host_into.data(), mixed[j].data(), rows);
+    sparse_pair<double> on_cpu(rows, k_max, vocab);
+    troll::sparsify_finalize(troll::cpu, host_into.data(), options, on_cpu.host());
+    CHECK(on_cpu.indices == want.indices);
+    CHECK(on_cpu.counts == want.counts);
+    for (std::size_t i = 0; i < want.log_probs.size(); ++i) CHECK(close(on_cpu.log_probs[i], want.log_probs[i], 1e-12, 1e-12));
+    for (std::size_t r = 0; r < rows; ++r) CHECK(close(on_cpu.log_remainder[r], want.log_remainder[r], 1e-12, 1e-12));
+
+    // The same mixed states merged and finalised on the GPU.
+    device_array<troll::sparsify_state> d_into(mixed[0]), d_from(rows);
+    for (std::size_t j = 1; j < shards; ++j) {
+      d_from.upload(mixed[j]);
+      troll::sparsify_merge(troll::cuda.on(s.stream), d_into.get(), d_from.get(), rows, troll::cuda_checked);
+    }
+    sparse_pair<double> mixed_gpu(rows, k_max, vocab);
+    troll::sparsify_finalize(troll::cuda.on(s.stream), d_into.get(), options, mixed_gpu.device(),
+                             troll::cuda_checked);
+    require_same_rows(mixed_gpu, want, 1e-12);
+  }
+}
+
+/// float logits through GPU shards against the CPU's float sparsify (the states hold the same
+/// float values widened).
+void check_float_shards(std::size_t rows, std::size_t vocab, int k, unsigned seed) {
+  test_stream s;
+  std::vector<float> values;
+  const std::vector<float> z = troll_test::llm_rows<float>(rows, vocab, seed, values);
+  const std::vector<troll::sparse_index> sampled = sampled_tokens(rows, vocab);
+  const troll::sparsify_options options{k, 1e-5};
+  const std::size_t k_max = std::size_t(k) + 1;
+  sparse_pair<float> want(rows, k_max, vocab);
+  troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), sampled.data(), options, want.host());
+  device_array<float> d_z(z);
+  device_array<troll::sparse_index> d_sampled(sampled);
+  const std::size_t half = vocab / 2;
+  device_array<troll::sparsify_state> a(rows), b(rows);
+  troll::sparsify_shard(troll::cuda.on(s.stream), troll::make_batch<const float>(d_z.get(), rows, half, vocab), 0,
+                        vocab, d_sampled.get(), options, a.get());
+  troll::sparsify_shard(troll::cuda.on(s.stream),
+                        troll::make_batch<const float>(d_z.get() + half, rows, vocab - half, vocab), half, vocab,
+                        d_sampled.get(), options, b.get());
+  troll::sparsify_merge(troll::cuda.on(s.stream), b.get(), a.get(), rows);
+  sparse_pair<float> got(rows, k_max, vocab);
+  troll::sparsify_finalize(troll::cuda.on(s.stream), b.get(), options, got.device(), troll::cuda_checked);
+  got.download();
+  CHECK(got.indices == want.indices);
+  CHECK(got.counts == want.counts);
+  for (std::size_t i = 0; i < want.log_probs.size(); ++i) CHECK(close(got.log_probs[i], want.log_probs[i], 2e-6, 1e-5));
+  for (std::size_t r = 0; r < rows; ++r) CHECK(close(got.log_remainder[r], want.log_remainder[r], 4e-6, 1e-5));
+}
+
+/// Aligned rows on the host and the device (owner of both copies).
+struct aligned_pair {
+  std::size_t rows, k_max, vocab;
+  std::vector<troll::sparse_index> indices, counts;
+  std::vector<double> ln, lo, rn, ro;
+  aligned_pair(std::size_t n, std::size_t k, std::size_t v)
+      : rows(n), k_max(k), vocab(v), indices(n * k), counts(n), ln(n * k), lo(n * k), rn(n), ro(n) {}
+  troll::aligned_batch_view<double> host() {
+    return {indices.data(), counts.data(), ln.data(), lo.data(), rn.data(), ro.data(), rows, k_max, vocab};
+  }
+};
+
+/// A device copy of an aligned_pair's rows.
+struct aligned_device {
+  device_array<troll::sparse_index> indices, counts;
+  device_array<double> ln, lo, rn, ro;
+  std::size_t rows, k_max, vocab;
+  explicit aligned_device(const aligned_pair& a)
+      : indices(a.indices), counts(a.counts), ln(a.ln), lo(a.lo), rn(a.rn), ro(a.ro), rows(a.rows), k_max(a.k_max),
+        vocab(a.vocab) {}
+  troll::aligned_batch_view<const double> view() const {
+    return {indices.get(), counts.get(), ln.get(), lo.get(), rn.get(), ro.get(), rows, k_max, vocab};
+  }
+};
+
+/// New and old sparse rows (CPU sparsify of overlapping logits) and their CPU alignment.
+struct align_fixture {
+  static constexpr std::size_t rows = 12, vocab = 2000, k = 24, k_max = k + 1, u_max = 2 * k_max;
+  sparse_pair<double> fresh{rows, k_max, vocab}, old{rows, k_max, vocab};
+  aligned_pair aligned{rows, u_max, vocab};
+  std::vector<double> g, g_r;
+
+  align_fixture() {
+    std::vector<float> unused;
+    const std::vector<float> fn = troll_test::llm_rows<float>(rows, vocab, 21, unused);
+    const std::vector<float> fo = troll_test::llm_rows<float>(rows, vocab, 22, unused);
+    std::vector<double> zn(fn.begin(), fn.end()), zo(fo.begin(), fo.end());
+    for (std::size_t i = 0; i < zn.size(); ++i) zn[i] = 0.7 * zn[i] + 0.3 * zo[i];
+    const std::vector<troll::sparse_index> sampled(rows, 5);
+    const troll::sparsify_options options{int(k), 1e-5};
+    troll::sparsify(troll::cpu, troll::make_batch<const double>(zn.data(), rows, vocab), sampled.data(), options,
+                    fresh.host());
+    troll::sparsify(troll::cpu, troll::make_batch<const double>(zo.data(), rows, vocab), sampled.data(), options,
+                    old.host());
+    fresh.upload();
+    old.upload();
+    troll::align(troll::cpu, fresh.host(), old.host(), aligned.host());
+    std::mt19937 gen(23);
+    std::normal_distribution<double> normal;
+    g.resize(rows * u_max);
+    g_r.resize(rows);
+    for (auto& x : g) x = normal(gen);
+    for (auto& x : g_r) x = normal(gen);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("cuda shard, merge, finalize, align_backward and double sparsify check arguments on the host") {
+  float* fake = reinterpret_cast<float*>(std::uintptr_t(256));
+  double* fake_double = reinterpret_cast<double*>(std::uintptr_t(256));
+  troll::sparse_index* fake_index = reinterpret_cast<troll::sparse_index*>(std::uintptr_t(512));
+  troll::sparsify_state* fake_states = reinterpret_cast<troll::sparsify_state*>(std::uintptr_t(1024));
+  const troll::sparsify_options options{8, 1e-5};
+
+  // sparsify from double logits: options and capacity.
+  const troll::sparse_batch_view<double> out{fake_index, fake_double, fake_index, fake_double, 3, 4, 10};
+  const auto logits = troll::make_batch<const double>(fake_double, 3, 10);
+  CHECK_THROWS_AS(troll::sparsify(troll::cuda, logits, nullptr, troll::sparsify_options{0, 1e-5}, out),
+                  troll::domain_error);
+  CHECK_THROWS_AS(troll::sparsify(troll::cuda, logits, nullptr, options, out), troll::shape_error);
+
+  // sparsify_shard: the shard must fit the vocabulary; options; states.
+  const auto shard = troll::make_batch<const float>(fake, 3, 6, 10);
+  CHECK_THROWS_WITH_AS(troll::sparsify_shard(troll::cuda, shard, 5, 10, nullptr, options, fake_states),
+                       doctest::Contains("the shard [5, 11) does not fit in the vocabulary of 10"), troll::shape_error);
+  CHECK_THROWS_AS(troll::sparsify_shard(troll::cuda, shard, 0, 10, nullptr, troll::sparsify_options{8, 1.5},
+                                        fake_states),
+                  troll::domain_error);
+  CHECK_THROWS_AS(troll::sparsify_shard(troll::cuda, shard, 0, 10, nullptr, options, nullptr), troll::shape_error);
+  // The CPU and CUDA overloads share the checks: the same message.
+  std::vector<float> host_logits(30, 0.0f);
+  std::vector<troll::sparsify_state> host_states(3);
+  const std::string cpu_shard = message_of<troll::shape_error>([&] {
+    troll::sparsify_shard(troll::cpu, troll::make_batch<const float>(host_logits.data(), 3, 6, 10), 5, 10, nullptr,
+                          options, host_states.data());
+  });
+  CHECK(cpu_shard == message_of<troll::shape_error>([&] {
+          troll::sparsify_shard(troll::cuda, shard, 5, 10, nullptr, options, fake_states);
+        }));
+
+  // sparsify_merge and sparsify_finalize: pointers, options.
+  CHECK_THROWS_AS(troll::sparsify_merge(troll::cuda, nullptr, fake_states, 2), troll::shape_error);
+  CHECK_THROWS_AS(troll::sparsify_merge(troll::cuda, fake_states, nullptr, 2), troll::shape_error);
+  troll::sparsify_merge(troll::cuda, nullptr, nullptr, 0);  // nothing to do: no CUDA call
+  const troll::sparse_batch_view<float> out_float{fake_index, fake, fake_index, fake, 3, 9, 10};
+  CHECK_THROWS_AS(troll::sparsify_finalize(troll::cuda, nullptr, options, out_float), troll::shape_error);
+  CHECK_THROWS_AS(troll::sparsify_finalize(troll::cuda, fake_states, troll::sparsify_options{300, 0.0}, out_float),
+                  troll::domain_error);
+
+  // align_backward: rows, vocabularies, gradient shapes.
+  const troll::sparse_batch_view<const double> row{fake_index, fake_double, fake_index, fake_double, 3, 4, 10};
+  const troll::aligned_batch_view<const double> aligned{fake_index,  fake_index,  fake_double, fake_double, fake_double,
+                                                        fake_double, 3,           8,           10};
+  const troll::aligned_batch_view<const double> other_vocab{fake_index,  fake_index,  fake_double, fake_double,
+                                                            fake_double, fake_double, 3,           8,
+                                                            11};
+  const troll::sparse_grad_view<const double> grad_aligned{fake_double, fake_double, 3, 8};
+  const troll::sparse_grad_view<double> grad_row{fake_double, fake_double, 3, 4};
+  const troll::sparse_grad_view<double> small_grad_row{fake_double, fake_double, 3, 3};
+  CHECK_THROWS_AS(troll::align_backward(troll::cuda, row, other_vocab, grad_aligned, grad_row), troll::shape_error);
+  CHECK_THROWS_AS(troll::align_backward(troll::cuda, row, aligned, grad_aligned, small_grad_row), troll::shape_error);
+  CHECK_THROWS_AS(troll::align_backward(troll::cuda, row, aligned,
+                                        troll::sparse_grad_view<const double>{fake_double, fake_double, 2, 8}, grad_row),
+                  troll::shape_error);
+}
+
+TEST_CASE("cuda shard-state and align_backward reports become the CPU's exceptions and messages") {
+  const troll::sparsify_options options{4, 1e-5};
+  std::vector<float> z(2 * 10);
+  for (std::size_t i = 0; i < z.size(); ++i) z[i] = float(i % 10) * 0.5f;
+  std::vector<troll::sparsify_state> a(2), b(2);
+  troll::sparsify_shard(troll::cpu, troll::make_batch<const float>(z.data(), 2, 5, 10), 0, 10, nullptr, options,
+                        a.data());
+  troll::sparsify_shard(troll::cpu, troll::make_batch<const float>(z.data() + 5, 2, 5, 10), 5, 10, nullptr,
+                        troll::sparsify_options{5, 1e-5}, b.data());
+  troll::cuda_row_report report;
+
+  // merge: different k
+  const troll::detail::cuda::sparse_thrower merge_thrower{{"into", "from"}, 0};
+  const std::string cpu_merge =
+      message_of<troll::invalid_input>([&] { troll::sparsify_merge(troll::cpu, a.data(), b.data(), 2); });
+  REQUIRE(!cpu_merge.empty());
+  report.error = troll::cuda_row_error::state_mismatch;
+  CHECK(message_of<troll::invalid_input>([&] { merge_thrower("sparsify_merge", 0, report, nullptr); }) == cpu_merge);
+
+  // finalize: k, capacity, sampled token missing, no support
+  const troll::detail::cuda::sparse_thrower finalize_thrower{{"states"}, 0};
+  std::vector<troll::sparse_index> indices(2 * 8), counts(2);
+  std::vector<float> log_probs(2 * 8), remainder(2);
+  const troll::sparse_batch_view<float> out{indices.data(), log_probs.data(), counts.data(), remainder.data(), 2, 8, 10};
+  const auto cpu_finalize = [&](std::vector<troll::sparsify_state> states, const troll::sparse_batch_view<float>& o) {
+    return [states, o, options]() mutable { troll::sparsify_finalize(troll::cpu, states.data(), options, o); };
+  };
+  std::vector<troll::sparsify_state> wrong_k = b;
+  report = troll::cuda_row_report{};
+  report.error = troll::cuda_row_error::state_k, report.value = 5, report.token = 4;
+  CHECK(message_of<troll::invalid_input>(cpu_finalize(wrong_k, out)) ==
+        message_of<troll::invalid_input>([&] { finalize_thrower("sparsify_finalize", 0, report, nullptr); }));
+
+  const troll::sparse_batch_view<float> small{indices.data(), log_probs.data(), counts.data(), remainder.data(), 2, 3, 10};
+  report = troll::cuda_row_report{};
+  report.error = troll::cuda_row_error::state_capacity, report.token = 3, report.value = 4;
+  const std::string cpu_capacity = message_of<troll::shape_error>(cpu_finalize(a, small));
+  REQUIRE(!cpu_capacity.empty());
+  CHECK(cpu_capacity ==
+        message_of<troll::shape_error>([&] { finalize_thrower("sparsify_finalize", 0, report, nullptr); }));
+
+  std::vector<troll::sparsify_state> missing(2);
+  const troll::sparse_index sampled[2] = {7, 7};
+  troll::sparsify_shard(troll::cpu, troll::make_batch<const float>(z.data(), 2, 5, 10), 0, 10, sampled, options,
+                        missing.data());
+  report = troll::cuda_row_report{};
+  report.error = troll::cuda_row_error::sampled_missing, report.value = 7;
+  const std::string cpu_missing = message_of<troll::domain_error>(cpu_finalize(missing, out));
+  REQUIRE(!cpu_missing.empty());
+  CHECK(cpu_missing == message_of<troll::domain_error>([&] { finalize_thrower("sparsify_finalize", 0, report, nullptr); }));
+
+  std::vector<float> masked(2 * 10, -std::numeric_limits<float>::infinity());
+  std::vector<troll::sparsify_state> empty(2);
+  troll::sparsify_shard(troll::cpu, troll::make_batch<const float>(masked.data(), 2, 10), 0, 10, nullptr, options,
+                        empty.data());
+  report = troll::cuda_row_report{};
+  report.error = troll::cuda_row_error::no_support;
+  const std::string cpu_empty = message_of<troll::domain_error>(cpu_finalize(empty, out));
+  REQUIRE(!cpu_empty.empty());
+  CHECK(cpu_empty == message_of<troll::domain_error>([&] { finalize_thrower("sparsify_finalize", 0, report, nullptr); }));
+
+  report = troll::cuda_row_report{};
+  report.error = troll::cuda_row_error::bad_state, report.operand = 1, report.value = 0, report.token = 0;
+  CHECK_THROWS_WITH_AS(merge_thrower("sparsify_merge", 1, report, nullptr),
+                       doctest::Contains("from: the state has k = 0 and size = 0"), troll::invalid_input);
+
+  // align_backward: an entry of row missing from the aligned support; a NaN gradient
+  const troll::detail::cuda::sparse_thrower align_thrower{
+      {"row", "aligned", nullptr, nullptr, nullptr, "grad_aligned (NaN or infinite)", nullptr, nullptr}, 0};
+  std::vector<troll::sparse_index> ri{3, 4}, rc{2}, ai{3, 5, -1}, ac{2};
+  std::vector<double> rl{-1.0, -2.0}, rr{-0.5}, al{-1.0, -2.0, -inf}, ar{-0.5}, arr{-0.5};
+  std::vector<double> g{1.0, 2.0, 0.0}, gr{0.5}, out_g(2), out_r(1);
+  const troll::sparse_batch_view<const double> row{ri.data(), rl.data(), rc.data(), rr.data(), 1, 2, 10};
+  const troll::aligned_batch_view<const double> aligned{ai.data(), ac.data(), al.data(), al.data(), ar.data(),
+                                                        arr.data(), 1, 3, 10};
+  const troll::sparse_grad_view<const double> grad{g.data(), gr.data(), 1, 3};
+  const troll::sparse_grad_view<double> grad_row{out_g.data(), out_r.data(), 1, 2};
+  const std::string cpu_not_aligned =
+      message_of<troll::shape_error>([&] { troll::align_backward(troll::cpu, row, aligned, grad, grad_row); });
+  REQUIRE(!cpu_not_aligned.empty());
+  report = troll::cuda_row_report{};
+  report.error = troll::cuda_row_error::sparse_not_aligned, report.operand = 0, report.token = 1, report.value = 4;
+  CHECK(cpu_not_aligned ==
+        message_of<troll::shape_error>([&] { align_thrower("align_backward", 0, report, nullptr); }));
+  ai[1] = 4;
+  gr[0] = std::numeric_limits<double>::quiet_NaN();
+  const std::string cpu_nan =
+      message_of<troll::domain_error>([&] { troll::align_backward(troll::cpu, row, aligned, grad, grad_row); });
+  REQUIRE(!cpu_nan.empty());
+  report = troll::cuda_row_report{};
+  report.error = troll::cuda_row_error::sparse_nan, report.operand = 5, report.token = ~0ull;
+  CHECK(cpu_nan == message_of<troll::domain_error>([&] { align_thrower("align_backward", 0, report, nullptr); }));
+}
+
+TEST_SUITE("device") {
+  TEST_CASE("cuda sparsify from double logits matches the CPU's double sparsify") {
+    check_double_sparsify(10, 7, 4, 1e-3, true, 1);
+    check_double_sparsify(10, 1000, 1, 1e-5, true, 2);
+    check_double_sparsify(10, 1000, 64, 1e-5, false, 3);
+    check_double_sparsify(10, 5000, 256, 0.0, true, 4);
+    check_double_sparsify(10, 5000, 256, 1e-12, false, 5);
+    check_double_sparsify(5, 151936, 64, 1e-5, true, 6);
+    check_double_sparsify(5, 151936, 256, 1e-5, true, 7);
+    check_double_sparsify(3, 151936, 1, 0.0, false, 8);
+  }
+
+  TEST_CASE("cuda vocabulary shards (GPU, and GPU mixed with CPU) equal the whole-row sparsify") {
+    check_shards(10, 9, 4, true, 11);
+    check_shards(10, 3000, 64, true, 12);
+    check_shards(10, 3000, 256, false, 13);
+    check_shards(5, 151936, 64, true, 14);
+    check_float_shards(8, 5000, 64, 15);
+  }
+
+  TEST_CASE("cuda align_backward matches the CPU for both sides") {
+    test_stream s;
+    align_fixture f;
+    const std::size_t rows = f.rows, u_max = f.u_max, k_max = f.k_max;
+    const aligned_device d_aligned(f.aligned);
+    device_array<double> d_g(f.g), d_gr(f.g_r);
+    for (sparse_pair<double>* side : {&f.fresh, &f.old}) {
+      // The same upstream gradient routed to either input row (the support U is shared).
+      std::vector<double> want(rows * k_max), want_r(rows);
+      troll::align_backward(troll::cpu, side->host(), f.aligned.host(),
+                            troll::sparse_grad_view<const double>{f.g.data(), f.g_r.data(), rows, u_max},
+                            troll::sparse_grad_view<double>{want.data(), want_r.data(), rows, k_max});
+      device_array<double> got(rows * k_max), got_r(rows);
+      device_array<troll::cuda_row_report> reports(rows);
+      troll::align_backward(troll::cuda.on(s.stream), side->device(), d_aligned.view(),
+                            troll::sparse_grad_view<const double>{d_g.get(), d_gr.get(), rows, u_max},
+                            troll::sparse_grad_view<double>{got.get(), got_r.get(), rows, k_max},
+                            troll::cuda_checks{reports.get()});
+      s.sync();
+      for (const auto& rep : reports.download()) CHECK(rep.error == troll::cuda_row_error::none);
+      CHECK(got.download() == want);  // copies of upstream entries and exact zeros
+      const auto r_values = got_r.download();
+      for (std::size_t r = 0; r < rows; ++r) CHECK(close(r_values[r], want_r[r], 1e-13, 1e-13));
+    }
+  }
+
+  TEST_CASE("cuda align_backward and the shard functions report bad rows; checked mode throws the CPU's error") {
+    test_stream s;
+    align_fixture f;
+    const std::size_t rows = f.rows, u_max = f.u_max, k_max = f.k_max;
+    // Row 3: an entry of the new row replaced by a token outside the aligned support. Row 7: a
+    // NaN upstream gradient on the bucket.
+    std::vector<troll::sparse_index> used(f.aligned.indices.begin() + 3 * u_max,
+                                          f.aligned.indices.begin() + 3 * u_max + f.aligned.counts[3]);
+    troll::sparse_index stranger = 0;
+    while (std::find(used.begin(), used.end(), stranger) != used.end()) ++stranger;
+    f.fresh.indices[3 * k_max + 1] = stranger;
+    f.fresh.upload();
+    f.g_r[7] = std::numeric_limits<double>::quiet_NaN();
+    const aligned_device d_aligned(f.aligned);
+    device_array<double> d_g(f.g), d_gr(f.g_r), got(rows * k_max), got_r(rows);
+    device_array<troll::cuda_row_report> reports(rows);
+    device_array<unsigned long long> first_bad(1);
+    const troll::sparse_grad_view<const double> grad{d_g.get(), d_gr.get(), rows, u_max};
+    const troll::sparse_grad_view<double> grad_row{got.get(), got_r.get(), rows, k_max};
+    troll::align_backward(troll::cuda.on(s.stream), f.fresh.device(), d_aligned.view(), grad, grad_row,
+                          troll::cuda_checks{reports.get(), first_bad.get()});
+    const auto rep = reports.download();
+    CHECK(rep[3].error == troll::cuda_row_error::sparse_not_aligned);
+    CHECK(rep[3].token == 1);
+    CHECK(rep[7].error == troll::cuda_row_error::sparse_nan);
+    CHECK(rep[0].error == troll::cuda_row_error::none);
+    CHECK(first_bad.download()[0] == 3);
+    CHECK(std::isnan(got_r.download()[3]));
+    std::vector<double> h_out(rows * k_max), h_out_r(rows);
+    const std::string cpu_message = message_of<troll::shape_error>([&] {
+      troll::align_backward(troll::cpu, f.fresh.host(), f.aligned.host(),
+                            troll::sparse_grad_view<const double>{f.g.data(), f.g_r.data(), rows, u_max},
+                            troll::sparse_grad_view<double>{h_out.data(), h_out_r.data(), rows, k_max});
+    });
+    REQUIRE(!cpu_message.empty());
+    CHECK_THROWS_WITH_AS(troll::align_backward(troll::cuda.on(s.stream), f.fresh.device(), d_aligned.view(), grad,
+                                               grad_row, troll::cuda_checked),
+                         cpu_message.c_str(), troll::shape_error);
+
+    // Shards: a NaN logit (row 1) and a masked shard row (row 2, fine); a k mismatch at merge.
+    const std::size_t vocab = 300, n = 4;
+    std::vector<double> z(n * vocab, -1.0);
+    z[1 * vocab + 17] = std::numeric_limits<double>::quiet_NaN();
+    for (std::size_t i = 0; i < vocab; ++i) z[2 * vocab + i] = -inf;
+    device_array<double> d_z(z);
+    const troll::sparsify_options options{8, 1e-5};
+    device_array<troll::sparsify_state> states(n), other(n);
+    device_array<troll::cuda_row_report> shard_reports(n);
+    const auto shard = troll::make_batch<const double>(d_z.get(), n, 100, vocab);
+    troll::sparsify_shard(troll::cuda.on(s.stream), shard, 0, vocab, nullptr, options, states.get(),
+                          troll::cuda_checks{shard_reports.get()});
+    const auto shard_rep = shard_reports.download();
+    CHECK(shard_rep[1].error == troll::cuda_row_error::nan_value);
+    CHECK(shard_rep[1].token == 17);
+    CHECK(shard_rep[2].error == troll::cuda_row_error::none);
+    CHECK(states.download()[1].k == 0);  // rejected: an invalid state
+    std::vector<troll::sparsify_state> host_states(n);
+    const std::string cpu_shard = message_of<troll::domain_error>([&] {
+      troll::sparsify_shard(troll::cpu, troll::make_batch<const double>(z.data(), n, 100, vocab), 0, vocab, nullptr,
+                            options, host_states.data());
+    });
+    REQUIRE(!cpu_shard.empty());
+    CHECK_THROWS_WITH_AS(troll::sparsify_shard(troll::cuda.on(s.stream), shard, 0, vocab, nullptr, options,
+                                               states.get(), troll::cuda_checked),
+                         cpu_shard.c_str(), troll::domain_error);
+
+    // Merge with states of another k: state_mismatch, the CPU's invalid_input in checked mode.
+    const auto tail = troll::make_batch<const double>(d_z.get() + 100, n, 200, vocab);
+    troll::sparsify_shard(troll::cuda.on(s.stream), tail, 100, vocab, nullptr, troll::sparsify_options{9, 1e-5},
+                          other.get());
+    device_array<troll::cuda_row_report> merge_reports(n);
+    troll::sparsify_merge(troll::cuda.on(s.stream), states.get(), other.get(), n,
+                          troll::cuda_checks{merge_reports.get()});
+    const auto merge_rep = merge_reports.download();
+    CHECK(merge_rep[0].error == troll::cuda_row_error::state_mismatch);
+    CHECK(merge_rep[1].error == troll::cuda_row_error::state_mismatch);  // k 0 vs 9: the CPU's first test
+    std::vector<troll::sparsify_state> host_other = other.download();
+    std::vector<troll::sparsify_state> host_into = states.download();
+    const std::string cpu_merge = message_of<troll::invalid_input>(
+        [&] { troll::sparsify_merge(troll::cpu, host_into.data(), host_other.data(), n); });
+    REQUIRE(!cpu_merge.empty());
+    CHECK_THROWS_WITH_AS(
+        troll::sparsify_merge(troll::cuda.on(s.stream), states.get(), other.get(), n, troll::cuda_checked),
+        cpu_merge.c_str(), troll::invalid_input);
+
+    // Finalize of a shard that did not see the sampled token: domain_error, count 0 and NaN.
+    const std::vector<troll::sparse_index> sampled(n, 250);
+    device_array<troll::sparse_index> d_sampled(sampled);
+    troll::sparsify_shard(troll::cuda.on(s.stream), troll::make_batch<const double>(d_z.get(), n, 100, vocab), 0, vocab,
+                          d_sampled.get(), options, states.get());
+    sparse_pair<double> out(n, 9, vocab);
+    device_array<troll::cuda_row_report> final_reports(n);
+    troll::sparsify_finalize(troll::cuda.on(s.stream), states.get(), options, out.device(),
+                             troll::cuda_checks{final_reports.get()});
+    const auto final_rep = final_reports.download();
+    CHECK(final_rep[0].error == troll::cuda_row_error::sampled_missing);
+    CHECK(final_rep[1].error == troll::cuda_row_error::state_k);  // the rejected NaN row's invalid state
+    out.download();
+    CHECK(out.counts[0] == 0);
+    CHECK(std::isnan(out.log_remainder[0]));
+    const std::vector<troll::sparsify_state> sampled_states = states.download();
+    sparse_pair<double> host_out(n, 9, vocab);
+    const std::string cpu_final = message_of<troll::domain_error>(
+        [&] { troll::sparsify_finalize(troll::cpu, sampled_states.data(), options, host_out.host()); });
+    REQUIRE(!cpu_final.empty());  // row 0: no shard held the sampled token
+    CHECK_THROWS_WITH_AS(troll::sparsify_finalize(troll::cuda.on(s.stream), states.get(), options, out.device(),
+                                                  troll::cuda_checked),
+                         cpu_final.c_str(), troll::domain_error);
+  }
+}
+
+int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }
