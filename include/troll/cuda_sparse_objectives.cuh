@@ -25,8 +25,6 @@
 #include "batch.hpp"
 #include "config.hpp"
 #include "cuda.cuh"
-#include "cuda_objectives.cuh"
-#include "cuda_sparse.cuh"
 #include "detail/cuda/error_check.cuh"
 #include "detail/cuda/objective_kernels.cuh"
 #include "detail/cuda/row_report.cuh"
@@ -57,8 +55,14 @@ constexpr std::size_t sparse_objective_workspace_bytes(std::size_t rows, std::si
 namespace detail {
 namespace cuda {
 
+// troll/cuda_sparse.cuh's translation of sparse-row reports. cuda.cuh includes this header at its
+// end, so a translation unit that starts with cuda_sparse.cuh reaches here before that header's
+// body: the thrower below names it through a template parameter, complete where it is used.
+struct sparse_thrower;
+
 /// Checked mode: a device report of a sparse objective row becomes the CPU's exception.
 /// `capacity` is min(aligned.k_max, log_probs.k_max) (the forward's capacity message).
+template <class Sparse = sparse_thrower>
 struct throw_sparse_objective_report {
   bool backward = false;
   long long capacity = 0;
@@ -105,7 +109,7 @@ struct throw_sparse_objective_report {
         throw_report(function, row, report, names);
       }
       default: {
-        const sparse_thrower sparse{{backward ? "aligned (new side)" : "new_logits",
+        const Sparse sparse{{backward ? "aligned (new side)" : "new_logits",
                                      backward ? "aligned (old side)" : "old", "new (lumped)", "old (lumped)",
                                      "log_probs", nullptr, nullptr, nullptr},
                                     0};
@@ -161,12 +165,13 @@ void objective_forward(cuda_policy policy, const sparse_trust_region_objective& 
   const sparse_batch_view<const T> support_in = support;
   const aligned_batch_view<const T> aligned_in = aligned;
   const int old_slots = dc::sort_slots(old_rows.k_max);
-  const int align_slots = dc::sort_slots(dc::larger(old_rows.k_max, new_k > 0 ? std::size_t(new_k) : 1));
+  const std::size_t new_cap = new_k > 0 ? std::size_t(new_k) : 1;
+  const int align_slots = dc::sort_slots(old_rows.k_max < new_cap ? new_cap : old_rows.k_max);
   const double eps = objective.eps, alpha = objective.alpha;
   const projection_options options = objective.projection;
   cudaStream_t stream = policy.stream;
   const dc::device_checks quiet{nullptr, nullptr, false};
-  const dc::throw_sparse_objective_report thrower{false, static_cast<long long>(capacity_k)};
+  const dc::throw_sparse_objective_report<> thrower{false, static_cast<long long>(capacity_k)};
   static const char* const names[3] = {"new_logits", "old", ""};
   dc::run(
       fn, stream, rows, checks, names,
@@ -215,13 +220,14 @@ void objective_backward(cuda_policy policy, const sparse_trust_region_objective&
   const dc::sparse_objective_workspace ws = dc::split_workspace(workspace, rows);
   const sparse_grad_view<T> upstream = dc::upstream_in<T>(ws, rows, aligned.k_max);
   const sparse_grad_view<const T> upstream_in = upstream;
-  const int check_slots = dc::sort_slots(dc::larger(aligned.k_max, log_probs.k_max));
+  const int check_slots = dc::sort_slots(aligned.k_max < log_probs.k_max ? log_probs.k_max : aligned.k_max);
   const int scatter_slots = dc::sort_slots(aligned.k_max);
   const double alpha = objective.alpha;
   cudaStream_t stream = policy.stream;
   const dc::device_checks quiet{nullptr, nullptr, false};
   // The weights come first: the checked mode's validation launches do not read them.
-  dc::enqueue_aggregation_weights(fn, stream, in, rows, ws.header);
+  dc::aggregation_weights_kernel<T><<<1, dc::block_threads, 0, stream>>>(in, rows, ws.header, ws.records);
+  dc::check_launch(fn);
   static const char* const names[3] = {"new_logits", "", ""};
   dc::run(
       fn, stream, rows, checks, names,
@@ -234,7 +240,7 @@ void objective_backward(cuda_policy policy, const sparse_trust_region_objective&
         dc::sparsify_backward_kernel<T, T><<<grid, dc::block_threads, 0, stream>>>(
             new_logits, aligned.new_side(), upstream_in, grad_new, scatter_slots, range, quiet);
       },
-      dc::throw_sparse_objective_report{true, 0});
+      dc::throw_sparse_objective_report<>{true, 0});
 }
 
 TROLL_END_NAMESPACE

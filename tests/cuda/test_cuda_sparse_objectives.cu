@@ -414,7 +414,7 @@ TEST_CASE("device reports of sparse objective rows become the CPU's exceptions, 
     CAPTURE(static_cast<int>(c.report.error));
     const std::string want = message_of([&] { troll::detail::throw_sparse_objective_problem(fn, 3, c.want); });
     const std::string got = message_of([&] {
-      troll::detail::cuda::throw_sparse_objective_report{c.backward, capacity}(fn, 3, c.report, nullptr);
+      troll::detail::cuda::throw_sparse_objective_report<>{c.backward, capacity}(fn, 3, c.report, nullptr);
     });
     CHECK(!want.empty());
     CHECK(got == want);
@@ -425,7 +425,7 @@ TEST_CASE("device reports of sparse objective rows become the CPU's exceptions, 
   bad.t = 2.0;
   troll::cuda_row_report stats_report = report(e::bad_stats, 0.0, 0);
   CHECK(message_of([&] {
-          troll::detail::cuda::throw_sparse_objective_report{true, 0}("objective_backward", 1, stats_report, nullptr);
+          troll::detail::cuda::throw_sparse_objective_report<>{true, 0}("objective_backward", 1, stats_report, nullptr);
         }) == message_of([&] {
           troll::detail::throw_sparse_objective_problem("objective_backward", 1,
                                                         troll::detail::as_logit_problem(troll::detail::check_stats(bad)));

@@ -248,9 +248,11 @@ __global__ void sparse_objective_rows_kernel(aligned_batch_view<T> aligned, toke
     pair_scan scan;
     if (report.error == cuda_row_error::none) {
       report = lumped_problem(rows, r, eps, alpha > 0.0, slots, slots_per_array, scan);
-      if (!checks.validate_only && report.error == cuda_row_error::none && !stats[r].active() &&
-          stats[r].status != row_status::inactive)
-        report.error = cuda_row_error::infeasible, report.value = quiet_nan();  // the solver gave up
+      if (!checks.validate_only && report.error == cuda_row_error::none) {
+        const row_status status = stats[r].status;
+        if (status != row_status::inactive && status != row_status::projected && status != row_status::restricted)
+          report.error = cuda_row_error::infeasible, report.value = quiet_nan();  // the solver gave up
+      }
       if (lane_id() == 0) record_row(checks, range, r, report);
     }
     if (checks.validate_only) continue;
