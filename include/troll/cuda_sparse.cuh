@@ -114,15 +114,7 @@ struct sparse_thrower {
             << " (k must be in [1, " << sparsify_max_k << "] and size in [0, k]: a row sparsify_shard rejected, or "
             << "not a sparsify_state)";
         throw invalid_input(msg.str(), row);
-      case cuda_row_error::bad_stats:
-        if (report.operand == 4) {
-          row_problem p;
-          p.kind = problem_kind::bad_stats;
-          p.operand = "kl_after of a projected row is not finite and >= 0";
-          throw_problem(function, row, p);
-        }
-        break;
-      default:
+      default:  // bad_stats (every field, kl_after included) and the dense codes
         break;
     }
     const char* dense_names[3] = {name, name, name};

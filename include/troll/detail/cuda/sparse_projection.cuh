@@ -416,8 +416,7 @@ __global__ void sparse_project_backward_kernel(aligned_batch_view<const T> rows,
     }
     const projection_stats s = stats[r];
     if (report.error == cuda_row_error::none) {
-      int field = unusable_stats_field(s);
-      if (field < 0 && s.status == row_status::projected && !(s.kl_after >= 0.0 && s.kl_after < inf())) field = 4;
+      const int field = unusable_stats_field(s);  // kl_after included, as check_stats
       if (field >= 0) report.error = cuda_row_error::bad_stats, report.operand = field;
     }
     if (lane_id() == 0) record_row(checks, range, r, report);
