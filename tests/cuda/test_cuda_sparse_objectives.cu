@@ -60,11 +60,13 @@ std::string message_of(Call&& call) {
   return "";
 }
 
-/// Tolerance between the two backends: both reduce in double, the outputs are T (the CUDA
-/// ratio and KL read π* back as T where the CPU keeps it in double).
+/// Tolerance between the two backends: both reduce in double (in different orders, and the
+/// solver's stopping test may fall an iteration apart, as in test_cuda_sparse.cu's 1e-8 for the
+/// projection), the outputs are T, and the CUDA ratio and KL read π* back as T where the CPU
+/// keeps it in double.
 template <class T>
 tolerance between_backends() {
-  return tolerance{1e-9 + 256.0 * unit_roundoff<T>(), 1e-9 + 256.0 * unit_roundoff<T>()};
+  return tolerance{1e-8 + 256.0 * unit_roundoff<T>(), 1e-8 + 256.0 * unit_roundoff<T>()};
 }
 
 /// Aligned rows on the host and their device copy.
