@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "sparse_oracle.hpp"
@@ -163,6 +165,36 @@ TEST_CASE("vocabulary shards: 1..8 shards, any merge order, give the whole-row r
         CHECK(out.log_probs[i] == doctest::Approx(whole.log_probs[i]).epsilon(1e-6));
       for (std::size_t r = 0; r < rows; ++r)
         CHECK(out.log_remainder[r] == doctest::Approx(whole.log_remainder[r]).epsilon(1e-6));
+    }
+  }
+}
+
+TEST_CASE("shards of a row with no finite logit are rejected as the whole row is, sampled token or not") {
+  const std::size_t vocab = 64, rows = 2;
+  const double m = -std::numeric_limits<double>::infinity();
+  std::vector<double> z(rows * vocab, m);
+  for (std::size_t j = 0; j < vocab; ++j) z[j] = -0.1 * double(j);  // row 0 is fine; row 1 all −inf
+  const troll::sparsify_options opt{4, 0.0};
+  for (const troll::sparse_index token : {troll::sparse_index(-1), troll::sparse_index(9)}) {
+    CAPTURE(token);
+    const std::vector<troll::sparse_index> sampled{3, token};
+    const troll::sparse_index* s = token < 0 ? nullptr : sampled.data();
+    sparse_rows<double> whole(rows, 5, vocab);
+    CHECK_THROWS_AS(troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), s, opt, whole.view()),
+                    troll::domain_error);
+    std::vector<troll::sparsify_state> left(rows), right(rows);
+    troll::sparsify_shard(troll::cpu, troll::batch_view<const double>{z.data(), rows, 40, vocab}, 0, vocab, s, opt,
+                          left.data());
+    troll::sparsify_shard(troll::cpu, troll::batch_view<const double>{z.data() + 40, rows, vocab - 40, vocab}, 40,
+                          vocab, s, opt, right.data());
+    troll::sparsify_merge(troll::cpu, left.data(), right.data(), rows);
+    sparse_rows<double> out(rows, 5, vocab);
+    try {
+      troll::sparsify_finalize(troll::cpu, left.data(), opt, out.view());
+      FAIL("sparsify_finalize accepted a row with no finite logit");
+    } catch (const troll::domain_error& e) {
+      CHECK(e.row() == 1);
+      CHECK(std::string(e.what()).find("no support") != std::string::npos);
     }
   }
 }

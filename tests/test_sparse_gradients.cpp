@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstddef>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "sparse_oracle.hpp"
@@ -219,6 +220,32 @@ TEST_CASE("project_backward on aligned rows: full Jacobian in new, old and eps")
   const troll::gradcheck_result res = troll::check_vjp(f, vjp, x0, m);
   INFO(res.report());
   CHECK(res.ok);
+}
+
+TEST_CASE("project_backward rejects log_probs whose count exceeds their own capacity, reading nothing past it") {
+  fixture fx(11);
+  sparse_rows<double> sn(1, 7, vocab);
+  troll::sparsify(troll::cpu, troll::make_batch(fx.x0.data(), 1, vocab), nullptr, {6, 1e-3}, sn.view());
+  aligned_rows<double> al(1, 14, vocab);
+  troll::align(troll::cpu, sn.view(), fx.so.view(), al.view());
+  const int u = al.counts[0];
+  REQUIRE(u >= 2);
+  sparse_rows<double> out(1, 14, vocab);
+  troll::projection_stats st;
+  troll::project(troll::cpu, al.view(), fx.eps, out.view(), &st);
+  // The same row through a view one entry narrower than its count (as if k_max were wrong).
+  const troll::sparse_batch_view<const double> narrow{out.indices.data(), out.log_probs.data(), out.counts.data(),
+                                                      out.log_remainder.data(), 1, std::size_t(u) - 1, vocab};
+  sparse_grads<double> g(1, 14), gn(1, 14);
+  std::fill(gn.log_probs.begin(), gn.log_probs.end(), 7.0);
+  try {
+    troll::project_backward(troll::cpu, al.view(), narrow, &st, g.view(), gn.view());
+    FAIL("project_backward read log_probs past their capacity");
+  } catch (const troll::shape_error& e) {
+    CHECK(e.row() == 0);
+    CHECK(std::string(e.what()).find("log_probs: count") != std::string::npos);
+  }
+  CHECK(std::all_of(gn.log_probs.begin(), gn.log_probs.end(), [](double v) { return v == 7.0; }));
 }
 
 TEST_CASE("align_backward and sparsify_backward: full Jacobians") {

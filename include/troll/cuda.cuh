@@ -120,8 +120,8 @@ void log_softmax(cuda_policy policy, input_view<T> logits, batch_view<T> out, co
 }
 
 /// kl_out[r] = KL(softmax(p[r]) ‖ softmax(q[r])) on the device (kl_out: p.rows device entries),
-/// +inf where p has mass q lacks. Rejected rows as in the CPU kl (NaN / +inf, all −inf,
-/// disjoint supports) give NaN and a report, or throw in checked mode.
+/// +inf where p has mass q lacks (disjoint supports included, as on the CPU). Rejected rows as
+/// in the CPU kl (NaN / +inf, all −inf) give NaN and a report, or throw in checked mode.
 template <class T>
 void kl(cuda_policy policy, input_view<T> p_logits, input_view<T> q_logits, T* kl_out,
         const cuda_checks& checks = {}) {
@@ -299,9 +299,8 @@ void project_jacobian(cuda_policy policy, input_view<T> new_logits, input_view<T
   detail::check_backward_views(fn, new_logits, old_logits, log_probs, stats, input_view<T>{}, "",
                                input_view<T>{});
   using terms = detail::cuda::jacobian_row_terms;
-  if (new_logits.rows != 0 && workspace == nullptr) detail::throw_shape(fn, "workspace is a null pointer");
-  if (reinterpret_cast<std::uintptr_t>(workspace) % alignof(terms) != 0)
-    detail::throw_shape(fn, "workspace is not " + std::to_string(alignof(terms)) + "-byte aligned");
+  static_assert(alignof(terms) <= alignof(double), "check_workspace checks double alignment");
+  detail::cuda::check_workspace(fn, workspace, new_logits.rows != 0);
   terms* row_terms = static_cast<terms*>(workspace);
   static const char* const names[3] = {"new_logits", "old_logits", ""};
   detail::cuda::run(

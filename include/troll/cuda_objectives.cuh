@@ -97,7 +97,7 @@ void objective_forward(cuda_policy policy, const trust_region_objective& objecti
   detail::check_same_shape(fn, "new_logits", new_logits, "log_probs", log_probs);
   if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
   if (metrics == nullptr) detail::throw_shape(fn, "metrics is a null pointer");
-  if (workspace == nullptr) detail::throw_shape(fn, "workspace is a null pointer");
+  detail::cuda::check_workspace(fn, workspace);
   using detail::cuda::objective_row_record;
   objective_row_record* records = static_cast<objective_row_record*>(workspace) + 1;
   static const char* const names[3] = {"new_logits", "old_logits", ""};
@@ -135,7 +135,7 @@ void objective_backward(cuda_policy policy, const trust_region_objective& object
   detail::check_view(fn, "grad_new", grad_new);
   detail::check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
   if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
-  if (workspace == nullptr) detail::throw_shape(fn, "workspace is a null pointer");
+  detail::cuda::check_workspace(fn, workspace);
   if (!(grad_loss - grad_loss == 0.0))
     throw domain_error("troll::objective_backward: grad_loss is not finite");
   if (new_logits.rows == 0) return;
@@ -147,15 +147,24 @@ void objective_backward(cuda_policy policy, const trust_region_objective& object
   detail::cuda::aggregation_weights_kernel<T>
       <<<1, detail::cuda::block_threads, 0, policy.stream>>>(in, new_logits.rows, header, records);
   detail::cuda::check_launch(fn);
-  detail::cuda::run(
-      fn, policy.stream, new_logits.rows, checks, names,
-      [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-        detail::cuda::troll_backward_kernel<T><<<detail::cuda::grid_for(range.count),
-                                                 detail::cuda::block_threads, 0, policy.stream>>>(
-            new_logits, old_logits, in, objective.eps, objective.alpha, log_probs, stats, grad_new,
-            grad_loss, header, records, range, device);
-      },
-      detail::cuda::throw_objective_report{});
+  auto launch = [&](const projection_stats* row_stats) {
+    return [&, row_stats](detail::cuda::row_range range, detail::cuda::device_checks device) {
+      detail::cuda::troll_backward_kernel<T><<<detail::cuda::grid_for(range.count),
+                                               detail::cuda::block_threads, 0, policy.stream>>>(
+          new_logits, old_logits, in, objective.eps, objective.alpha, log_probs, row_stats, grad_new,
+          grad_loss, header, records, range, device);
+    };
+  };
+  const detail::cuda::throw_objective_report thrower;
+  cuda_checks unchecked = checks;
+  if (checks.checked) {
+    // The CPU checks every row's logits and token data before any row's stats: two passes, so
+    // that the same row is thrown.
+    detail::cuda::validate_or_throw(fn, policy.stream, new_logits.rows, names, launch(nullptr), thrower);
+    detail::cuda::validate_or_throw(fn, policy.stream, new_logits.rows, names, launch(stats), thrower);
+    unchecked.checked = false;
+  }
+  detail::cuda::run(fn, policy.stream, new_logits.rows, unchecked, names, launch(stats), thrower);
 }
 
 // ---- The baselines, PPO clip and DPPO (no projection; the ratio is p̃_a / q_a) ----
@@ -179,7 +188,7 @@ void ratio_forward(const char* fn, cuda_policy policy, const ratio_objective_spe
                    const cuda_checks& checks) {
   check_objective_shapes(fn, new_logits, old_logits, in);
   if (metrics == nullptr) throw_shape(fn, "metrics is a null pointer");
-  if (workspace == nullptr) throw_shape(fn, "workspace is a null pointer");
+  cuda::check_workspace(fn, workspace);
   objective_row_record* records = static_cast<objective_row_record*>(workspace) + 1;
   static const char* const names[3] = {"new_logits", "old_logits", ""};
   run(
@@ -203,7 +212,7 @@ void ratio_backward(const char* fn, cuda_policy policy, ratio_objective_spec spe
   check_objective_shapes(fn, new_logits, old_logits, in);
   check_view(fn, "grad_new", grad_new);
   check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
-  if (workspace == nullptr) throw_shape(fn, "workspace is a null pointer");
+  cuda::check_workspace(fn, workspace);
   if (!(grad_loss - grad_loss == 0.0))
     throw domain_error(std::string("troll::") + fn + ": grad_loss is not finite");
   if (new_logits.rows == 0) return;

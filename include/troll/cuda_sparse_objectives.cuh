@@ -120,12 +120,6 @@ struct throw_sparse_objective_report {
   }
 };
 
-inline void check_sparse_workspace(const char* fn, const void* workspace) {
-  if (workspace == nullptr) throw_shape(fn, "workspace is a null pointer");
-  if (reinterpret_cast<std::uintptr_t>(workspace) % alignof(double) != 0)
-    throw_shape(fn, "workspace is not " + std::to_string(alignof(double)) + "-byte aligned");
-}
-
 }  // namespace cuda
 }  // namespace detail
 
@@ -151,7 +145,7 @@ void objective_forward(cuda_policy policy, const sparse_trust_region_objective& 
   constexpr const char* fn = "objective_forward";
   detail::check_sparse_forward_arguments<T>(fn, objective, new_logits, old_rows, in, aligned, log_probs, stats);
   if (metrics == nullptr) detail::throw_shape(fn, "metrics is a null pointer");
-  detail::cuda::check_sparse_workspace(fn, workspace);
+  detail::cuda::check_workspace(fn, workspace);
   namespace dc = detail::cuda;
   const std::size_t rows = new_logits.rows, vocab = new_logits.cols;
   const int new_k = objective.new_support.k;
@@ -213,7 +207,7 @@ void objective_backward(cuda_policy policy, const sparse_trust_region_objective&
   constexpr const char* fn = "objective_backward";
   detail::check_sparse_backward_arguments<T>(fn, objective, new_logits, aligned, in, log_probs, stats, grad_new,
                                              grad_loss);
-  detail::cuda::check_sparse_workspace(fn, workspace);
+  detail::cuda::check_workspace(fn, workspace);
   namespace dc = detail::cuda;
   const std::size_t rows = new_logits.rows;
   if (rows == 0) return;

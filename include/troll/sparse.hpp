@@ -278,7 +278,7 @@ void sparsify_finalize(cpu_policy policy, const sparsify_state* states, const sp
       throw domain_error(detail::row_prefix(fn, r) + "no shard held the sampled token " +
                              std::to_string(states[r].sampled),
                          r);
-    if (states[r].size == 0 && !states[r].has_sampled && states[r].outside.m == detail::neg_inf())
+    if (detail::state_has_no_support(states[r]))
       throw domain_error(detail::row_prefix(fn, r) + "every logit is -inf (the row has no support)", r);
   }
   const double log_delta = options.delta > 0.0 ? std::log(options.delta) : detail::neg_inf();
@@ -636,6 +636,12 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
                                [&](std::size_t r) {
                                  detail::cpu::sparse_problem p;
                                  p.operand = "log_probs";
+                                 // Its own capacity first: the entries below are read up to count.
+                                 if (log_probs.counts[r] < 0 || std::size_t(log_probs.counts[r]) > log_probs.k_max) {
+                                   p.kind = detail::cpu::sparse_problem_kind::count_range;
+                                   p.value = double(log_probs.counts[r]);
+                                   return p;
+                                 }
                                  if (log_probs.counts[r] != rows.counts[r]) {
                                    p.kind = detail::cpu::sparse_problem_kind::not_aligned;
                                    p.value = double(log_probs.counts[r]);

@@ -700,6 +700,30 @@ TEST_SUITE("device") {
     CHECK(st[0].status == troll::row_status::projected);
     CHECK(troll_test::projection_guarantee<double>().accepts(kl_values[0], 0.05));
   }
+
+  TEST_CASE("kl of rows with disjoint supports is +inf, as on the CPU, and no error") {
+    // Row 0: p on tokens {0, 1}, q on {2, 3}; row 1: p's support inside q's (finite KL).
+    const double m = minus_inf;
+    const std::vector<double> p = {0.0, 1.0, m, m, 0.5, m, 1.0, 2.0};
+    const std::vector<double> q = {m, m, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0};
+    std::vector<double> want(2);
+    troll::kl(troll::cpu, troll::make_batch(p.data(), 2, 4), troll::make_batch(q.data(), 2, 4), want.data());
+    REQUIRE(std::isinf(want[0]));
+    test_stream s;
+    device_array<double> dp(p), dq(q), kl_out(2);
+    device_array<troll::cuda_row_report> reports(2);
+    troll::kl(troll::cuda.on(s.stream), troll::make_batch<const double>(dp.get(), 2, 4),
+              troll::make_batch<const double>(dq.get(), 2, 4), kl_out.get(), troll::cuda_checks{reports.get()});
+    const std::vector<double> got = kl_out.download();
+    const std::vector<troll::cuda_row_report> rep = reports.download();
+    CHECK(rep[0].error == troll::cuda_row_error::none);
+    CHECK(rep[1].error == troll::cuda_row_error::none);
+    CHECK(std::isinf(got[0]));
+    CHECK(got[0] > 0.0);
+    CHECK(got[1] == doctest::Approx(want[1]).epsilon(1e-12));
+    CHECK_NOTHROW(troll::kl(troll::cuda.on(s.stream), troll::make_batch<const double>(dp.get(), 2, 4),
+                            troll::make_batch<const double>(dq.get(), 2, 4), kl_out.get(), troll::cuda_checked));
+  }
 }
 
 int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }

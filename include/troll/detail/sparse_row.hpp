@@ -119,6 +119,13 @@ struct sparsify_state {
 
 namespace detail {
 
+/// A merged state of a row whose every logit is −inf: no candidate, an empty outside sum, and no
+/// finite sampled token (a sampled token of logit −inf is held but gives no support). finalize
+/// cannot make a distribution of it; sparsify_finalize rejects it as sparsify rejects the row.
+TROLL_HOST_DEVICE inline bool state_has_no_support(const sparsify_state& s) {
+  return s.size == 0 && s.outside.m == neg_inf() && !(s.has_sampled && s.sampled_logit > neg_inf());
+}
+
 /// Moves heap[root] down until the min-heap property (worst at the root) holds.
 TROLL_HOST_DEVICE inline void sift_down_worst(sparse_candidate* heap, int size, int root) {
   for (;;) {

@@ -118,7 +118,9 @@ __global__ void __launch_bounds__(block_threads)
     const T* zp = p_logits.row(r);
     const T* zq = q_logits.row(r);
     const pair_scan scan = scan_pair_row(zp, zq, size, scan_storage);
-    const cuda_row_report report = pair_problem(scan, zp, zq);
+    cuda_row_report report = pair_problem(scan, zp, zq);
+    // Disjoint supports are no error for kl (the CPU's validate_pairs clears it): KL = +inf.
+    if (report.error == cuda_row_error::disjoint) report = cuda_row_report{};
     if (threadIdx.x == 0) record_row(checks, range, r, report);
     if (checks.validate_only) continue;
     double value = quiet_nan();

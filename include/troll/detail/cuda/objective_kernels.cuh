@@ -294,7 +294,8 @@ __global__ void __launch_bounds__(block_threads)
   const objective_sums total = block_all_reduce(storage, local, merge_objective_sums{});
   if (threadIdx.x != 0) return;
   objective_metrics m;
-  m.loss = total.normaliser > 0.0 ? total.loss / total.normaliser : 0.0;
+  // 0 for an empty batch; NaN (not 0) when a rejected row's NaN mask reached the normaliser.
+  m.loss = total.normaliser == 0.0 ? 0.0 : total.loss / total.normaliser;
   m.tokens = static_cast<std::size_t>(total.tokens);
   m.sequences = token_mean ? 0 : static_cast<std::size_t>(total.normaliser);
   if (m.tokens != 0) {
@@ -324,6 +325,8 @@ __global__ void __launch_bounds__(block_threads)
   const bool token_mean = in.aggregation == loss_aggregation::token_mean;
   for (std::size_t r = threadIdx.x; r < rows; r += block_threads)
     records[r].weight = token_mean ? mask_of(in, r) : 0.0;
+  // A thread that opens a sequence writes the weights of rows other threads zeroed above.
+  __syncthreads();
   for_owned_rows(
       in, rows, local, [](std::size_t, double) {},
       [&](std::size_t begin, std::size_t stop, double total) {
@@ -357,8 +360,11 @@ __global__ void __launch_bounds__(block_threads)
                                        &lse_storage};
     cuda_row_report report =
         objective_row_problem(in, r, size, zn, zo, scan, eval, eps, alpha, checks.validate_only);
-    const projection_stats s = stats[r];
-    if (report.error == cuda_row_error::none) {
+    // stats null: a checked-mode pass over the logits and token data alone (the CPU validates
+    // those for every row before any row's stats); never in a computing launch.
+    projection_stats s;
+    if (stats != nullptr) s = stats[r];
+    if (report.error == cuda_row_error::none && stats != nullptr) {
       const int field = unusable_stats_field(s);
       if (field >= 0) report.error = cuda_row_error::bad_stats, report.operand = field;
     }
@@ -369,7 +375,7 @@ __global__ void __launch_bounds__(block_threads)
       continue;
     }
     const double normaliser = header->weight;
-    const double weight = normaliser > 0.0 ? grad_loss * records[r].weight / normaliser : 0.0;
+    const double weight = normaliser == 0.0 ? 0.0 : grad_loss * records[r].weight / normaliser;
     if (weight == 0.0) {
       for (std::size_t i = threadIdx.x; i < size; i += block_threads) grad[i] = T(0);
       continue;
@@ -643,7 +649,7 @@ __global__ void __launch_bounds__(block_threads)
       continue;
     }
     const double normaliser = header->weight;
-    const double weight = normaliser > 0.0 ? grad_loss * records[r].weight / normaliser : 0.0;
+    const double weight = normaliser == 0.0 ? 0.0 : grad_loss * records[r].weight / normaliser;
     double coef = 0.0;
     std::int64_t a = -1;
     if (weight != 0.0) {  // uniform across the block

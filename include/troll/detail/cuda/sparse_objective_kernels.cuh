@@ -368,8 +368,10 @@ __global__ void __launch_bounds__(block_threads)
       if (!checks.validate_only) {
         T* g = upstream.row(r);
         const double normaliser = header->weight;
-        const double weight = normaliser > 0.0 ? grad_loss * records[r].weight / normaliser : 0.0;
+        const double weight = normaliser == 0.0 ? 0.0 : grad_loss * records[r].weight / normaliser;
         if (report.error != cuda_row_error::none) {
+          // The whole slot row (the count may be the bad part): the scatter reads no unwritten g.
+          for (std::size_t i = lane_id(); i < upstream.k_max; i += warp_lanes) g[i] = static_cast<T>(quiet_nan());
           if (lane_id() == 0) upstream.log_remainder[r] = static_cast<T>(quiet_nan());
         } else if (weight == 0.0) {
           for (int i = lane_id(); i < int(count); i += warp_lanes) g[i] = T(0);

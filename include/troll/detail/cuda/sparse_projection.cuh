@@ -389,9 +389,14 @@ __global__ void sparse_project_backward_kernel(aligned_batch_view<const T> rows,
     const T* g_row = grad.row(r);
     const double lr = static_cast<double>(log_probs.log_remainder[r]);
     const double g_r = static_cast<double>(grad.log_remainder[r]);
-    if (report.error == cuda_row_error::none && log_probs.counts[r] != rows.counts[r]) {
+    const long long lp_count = log_probs.counts[r];
+    if (report.error == cuda_row_error::none && (lp_count < 0 || std::size_t(lp_count) > log_probs.k_max)) {
+      // Its own capacity first: lp_row is read up to the count (the CPU's order).
+      report.error = cuda_row_error::sparse_count, report.operand = operand_log_probs;
+      report.value = double(lp_count);
+    } else if (report.error == cuda_row_error::none && lp_count != rows.counts[r]) {
       report.error = cuda_row_error::sparse_not_aligned, report.operand = operand_log_probs;
-      report.value = double(log_probs.counts[r]);
+      report.value = double(lp_count);
     }
     if (report.error == cuda_row_error::none) {
       // Entry −1 (the remainder) first, then the entries in order: NaN log-prob, then a

@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(state_warps * warp_lanes)
         report.error = cuda_row_error::state_capacity, report.token = out.k_max, report.value = double(need);
       } else if (s.sampled >= 0 && !s.has_sampled) {
         report.error = cuda_row_error::sampled_missing, report.value = double(s.sampled);
-      } else if (s.size == 0 && !s.has_sampled && s.outside.m == neg_inf()) {
+      } else if (state_has_no_support(s)) {
         report.error = cuda_row_error::no_support;
       }
     }

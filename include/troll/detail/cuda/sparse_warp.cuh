@@ -86,6 +86,7 @@ __device__ inline void warp_sort_slots(index_slot* slots, int size) {
 
 /// Loads entries [0, count) of a support as slots, pads to `size`, sorts by index.
 __device__ inline void warp_sorted_support(const sparse_index* indices, int count, index_slot* slots, int size) {
+  __syncwarp();  // every lane's reads of the previous sort (a binary search, a duplicate scan) are done
   for (int i = lane_id(); i < size; i += warp_lanes)
     slots[i] = i < count ? index_slot{indices[i], i} : index_slot{index_padding, i};
   __syncwarp();
