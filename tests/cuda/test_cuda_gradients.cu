@@ -6,16 +6,7 @@
 // Without a CUDA device the "device" test suite is excluded, "SKIPPED: no CUDA device" is printed
 // and only the host-side cases run. The device cases compare with the CPU backend entry by entry;
 // the bounds are round-off of the same double formulas summed in another order (see each helper).
-#define DOCTEST_CONFIG_IMPLEMENT
-// Eigen serves the CPU reference only (see test_cuda_projection.cu for these suppressions).
-#define EIGEN_NO_CUDA
-#pragma nv_diag_suppress 20011
-#pragma nv_diag_suppress 20014
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-#include <doctest/doctest.h>
+#include "cuda_support.cuh"  // first: doctest's main, EIGEN_NO_CUDA, warning suppressions
 
 #include <cuda_runtime.h>
 
@@ -29,7 +20,6 @@
 
 #include "corpus.hpp"
 #include "tolerance.hpp"
-#include "cuda_support.cuh"
 #include "troll/cuda.cuh"
 #include "troll/projection.hpp"
 

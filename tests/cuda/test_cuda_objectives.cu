@@ -5,17 +5,7 @@
 //
 // Without a CUDA device the "device" test suite is excluded, "SKIPPED: no CUDA device" is
 // printed, the host-only cases still run and the exit code is 0.
-#define DOCTEST_CONFIG_IMPLEMENT
-// As in test_cuda_projection.cu: Eigen serves the CPU reference only, and the CPU backend's host
-// instantiation of the shared solve_row makes nvcc warn (#20011, #20014).
-#define EIGEN_NO_CUDA
-#pragma nv_diag_suppress 20011
-#pragma nv_diag_suppress 20014
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-#include <doctest/doctest.h>
+#include "cuda_support.cuh"  // first: doctest's main, EIGEN_NO_CUDA, warning suppressions
 
 #include <cuda_runtime.h>
 
@@ -29,7 +19,6 @@
 #include <vector>
 
 #include "cuda_objective_batch.cuh"
-#include "cuda_support.cuh"
 #include "objective_batch.hpp"
 #include "tolerance.hpp"
 #include "troll/cuda.cuh"

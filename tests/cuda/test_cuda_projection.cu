@@ -5,23 +5,7 @@
 // Without a CUDA device the "device" test suite is excluded (doctest counts it as skipped), a
 // line "SKIPPED: no CUDA device" is printed, the host-only cases still run and the exit code is
 // 0. Tolerances against the CPU are documented in docs/cuda.md ("How the tests compare").
-#define DOCTEST_CONFIG_IMPLEMENT
-// Eigen serves the CPU reference only: without this, nvcc sees Eigen's __host__ __device__
-// annotations and warns about them (#20012, #20015).
-#define EIGEN_NO_CUDA
-// The CPU backend instantiates the shared __host__ __device__ solve_row with its host-only
-// evaluator; nvcc warns (#20011, #20014) although that instantiation only ever runs on the host.
-// The fix belongs in trust_region_solver.hpp (an exec-check-disable pragma); see docs/cuda.md.
-#pragma nv_diag_suppress 20011
-#pragma nv_diag_suppress 20014
-// GCC 12 false positives inside Eigen (see tests/support/grad_helpers.hpp): -Wmaybe-uninitialized
-// in the CPU backward kernels' packet loads, and with -march=native on AVX-512 -Wuninitialized
-// in _mm512_undefined_pd (GCC bug 105593).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-#include <doctest/doctest.h>
+#include "cuda_support.cuh"  // first: doctest's main, EIGEN_NO_CUDA, warning suppressions
 
 #include <cuda_runtime.h>
 
@@ -36,7 +20,6 @@
 
 #include "corpus.hpp"
 #include "tolerance.hpp"
-#include "cuda_support.cuh"
 #include "troll/cuda.cuh"
 #include "troll/projection.hpp"
 

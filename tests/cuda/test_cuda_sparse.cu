@@ -3,13 +3,7 @@
 // (sparse and dense), kl, project, project_backward and sparsify_backward, device reports and
 // the checked mode. Without a CUDA device the "device" suite is skipped as in
 // test_cuda_projection.cu ("SKIPPED: no CUDA device", exit 0). Tolerances: docs/cuda.md.
-#define DOCTEST_CONFIG_IMPLEMENT
-#define EIGEN_NO_CUDA  // Eigen serves the CPU reference only (see test_cuda_projection.cu)
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-#include <doctest/doctest.h>
+#include "cuda_support.cuh"  // first: doctest's main, EIGEN_NO_CUDA, warning suppressions
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -26,7 +20,6 @@
 #include <vector>
 
 #include "cuda_sparse_batch.cuh"
-#include "cuda_support.cuh"
 #include "troll/cuda.cuh"
 #include "troll/sparse.hpp"
 

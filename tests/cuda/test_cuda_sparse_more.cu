@@ -8,13 +8,7 @@
 // Tolerances (double): indices and counts exact; log-probs and log-remainders to 1e-12 absolute
 // + relative (the device sums the same terms in another order); align_backward entries exact
 // (copies), its remainder to 1e-13.
-#define DOCTEST_CONFIG_IMPLEMENT
-#define EIGEN_NO_CUDA  // Eigen serves the CPU reference only (see test_cuda_projection.cu)
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-#include <doctest/doctest.h>
+#include "cuda_support.cuh"  // first: doctest's main, EIGEN_NO_CUDA, warning suppressions
 
 #include <cuda_runtime.h>
 
@@ -29,7 +23,6 @@
 #include <vector>
 
 #include "cuda_sparse_batch.cuh"
-#include "cuda_support.cuh"
 #include "troll/cuda.cuh"
 #include "troll/sparse.hpp"
 
