@@ -48,7 +48,8 @@ __device__ inline double mask_of(const token_batch<T>& in, std::size_t r) {
   return in.loss_mask != nullptr ? static_cast<double>(in.loss_mask[r]) : 1.0;
 }
 
-/// The device counterpart of check_token_row (same order of checks).
+/// The device counterpart of check_token_row (same order of checks). `old_row` null: sparse old
+/// rows, which check the old entry at the sampled token themselves.
 template <class T>
 __device__ cuda_row_report token_problem(const token_batch<T>& in, std::size_t r, std::size_t size,
                                          const T* old_row) {
@@ -74,7 +75,7 @@ __device__ cuda_row_report token_problem(const token_batch<T>& in, std::size_t r
     p.error = cuda_row_error::bad_advantage, p.value = adv;
     return p;
   }
-  if (is_masked(static_cast<double>(old_row[a])))
+  if (old_row != nullptr && is_masked(static_cast<double>(old_row[a])))
     p.error = cuda_row_error::old_token_masked, p.value = double(a);
   return p;
 }

@@ -92,31 +92,6 @@ sparse_grad_view<T> upstream_in(const sparse_objective_workspace& w, std::size_t
 
 #ifdef __CUDACC__
 
-/// check_token_row without the old logit at the sampled token (sparse old rows check their own
-/// entry): sequence order, mask, token range, advantage. Same order as the CPU.
-template <class T>
-__device__ cuda_row_report sparse_token_problem(const token_batch<T>& in, std::size_t r, std::size_t size) {
-  cuda_row_report p;
-  if (in.aggregation == loss_aggregation::sequence_mean && r > 0 && in.sequence_ids[r] < in.sequence_ids[r - 1]) {
-    p.error = cuda_row_error::sequence_order, p.value = double(in.sequence_ids[r]);
-    return p;
-  }
-  const double w = mask_of(in, r);
-  if (!(w >= 0.0 && w < inf())) {
-    p.error = cuda_row_error::bad_mask, p.value = w;
-    return p;
-  }
-  if (w == 0.0) return p;
-  const std::int64_t a = in.tokens[r];
-  if (a < 0 || std::uint64_t(a) >= size) {
-    p.error = cuda_row_error::bad_sampled, p.value = double(a);
-    return p;
-  }
-  const double adv = static_cast<double>(in.advantages[r]);
-  if (!(adv - adv == 0.0)) p.error = cuda_row_error::bad_advantage, p.value = adv;
-  return p;
-}
-
 /// Shared memory of the block-per-row check kernels.
 struct sparse_objective_shared {
   index_slot sorted[sparse_max_entries];
@@ -137,7 +112,7 @@ __global__ void __launch_bounds__(block_threads)
   const std::size_t size = new_logits.cols, end = range.begin + range.count;
   for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
     const T* z = new_logits.row(r);
-    cuda_row_report report = sparse_token_problem(in, r, size);
+    cuda_row_report report = token_problem<T>(in, r, size, nullptr);
     const split_scan scan = scan_split(z, size, sh.sorted, 0, scan_storage);
     if (report.error == cuda_row_error::none) report = logits_problem(scan, z);
     if (threadIdx.x < warp_lanes) {  // uniform: every thread holds the same report
@@ -314,7 +289,7 @@ __global__ void __launch_bounds__(block_threads)
   const std::size_t size = new_logits.cols, end = range.begin + range.count;
   for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
     const T* z = new_logits.row(r);
-    cuda_row_report report = sparse_token_problem(in, r, size);
+    cuda_row_report report = token_problem<T>(in, r, size, nullptr);
     const split_scan dense = scan_split(z, size, sh.sorted, 0, scan_storage);
     if (report.error == cuda_row_error::none) report = logits_problem(dense, z);
     if (threadIdx.x < warp_lanes) {  // uniform: every thread holds the same report
