@@ -152,18 +152,7 @@ void kl_backward(cuda_policy policy, input_view<T> p_logits, input_view<T> q_log
                  batch_view<T> grad_p, batch_view<T> grad_q, const cuda_checks& checks = {}) {
   detail::require_float_type<T>();
   constexpr const char* fn = "kl_backward";
-  detail::check_view(fn, "p_logits", p_logits);
-  detail::check_view(fn, "q_logits", q_logits);
-  detail::check_same_shape(fn, "p_logits", p_logits, "q_logits", q_logits);
-  if (p_logits.rows != 0 && grad_kl == nullptr) detail::throw_shape(fn, "grad_kl is a null pointer");
-  if (grad_p.rows != 0) {
-    detail::check_view(fn, "grad_p", grad_p);
-    detail::check_same_shape(fn, "p_logits", p_logits, "grad_p", grad_p);
-  }
-  if (grad_q.rows != 0) {
-    detail::check_view(fn, "grad_q", grad_q);
-    detail::check_same_shape(fn, "p_logits", p_logits, "grad_q", grad_q);
-  }
+  detail::check_kl_backward_arguments(fn, p_logits, q_logits, grad_kl, grad_p, grad_q);
   static const char* const names[3] = {"p_logits", "q_logits", "grad_kl (NaN or infinite)"};
   auto launch = [&](bool pairs_only) {
     return [&, pairs_only](detail::cuda::row_range range, detail::cuda::device_checks device) {
@@ -218,22 +207,11 @@ void project_backward(cuda_policy policy, input_view<T> new_logits, input_view<T
                       const cuda_checks& checks = {}) {
   detail::require_float_type<T>();
   constexpr const char* fn = "project_backward";
-  detail::check_view(fn, "grad_new", grad_new);
-  detail::check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
-  if (grad_old.rows != 0) {
-    detail::check_view(fn, "grad_old", grad_old);
-    detail::check_same_shape(fn, "new_logits", new_logits, "grad_old", grad_old);
-  }
-  detail::check_view(fn, "new_logits", new_logits);
-  detail::check_view(fn, "old_logits", old_logits);
-  detail::check_view(fn, "log_probs", log_probs);
-  detail::check_same_shape(fn, "new_logits", new_logits, "old_logits", old_logits);
-  detail::check_same_shape(fn, "new_logits", new_logits, "log_probs", log_probs);
-  if (new_logits.rows != 0 && grad_log_probs.data == nullptr)
-    detail::throw_shape(fn, "grad_log_probs is a null pointer");
-  detail::check_view(fn, "grad_log_probs", grad_log_probs);
-  detail::check_same_shape(fn, "new_logits", new_logits, "grad_log_probs", grad_log_probs);
-  if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  // The CPU overload's checks, in its order.
+  detail::check_output(fn, "grad_new", new_logits, grad_new);
+  if (grad_old.rows != 0) detail::check_output(fn, "grad_old", new_logits, grad_old);
+  detail::check_backward_views(fn, new_logits, old_logits, log_probs, stats, grad_log_probs, "grad_log_probs",
+                               input_view<T>{});
   static const char* const names[3] = {"new_logits", "old_logits", "grad_log_probs"};
   detail::cuda::run(fn, policy.stream, new_logits.rows, checks, names,
                     [&](detail::cuda::row_range range, detail::cuda::device_checks device) {

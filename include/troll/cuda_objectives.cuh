@@ -144,9 +144,7 @@ void objective_backward(cuda_policy policy, const trust_region_objective& object
   objective_row_record* records = header + 1;
   static const char* const names[3] = {"new_logits", "old_logits", ""};
   // The weights come first: the checked mode's validation launches do not read them.
-  detail::cuda::aggregation_weights_kernel<T>
-      <<<1, detail::cuda::block_threads, 0, policy.stream>>>(in, new_logits.rows, header, records);
-  detail::cuda::check_launch(fn);
+  detail::cuda::enqueue_aggregation_weights(fn, policy.stream, in, new_logits.rows, header);
   auto launch = [&](const projection_stats* row_stats) {
     return [&, row_stats](detail::cuda::row_range range, detail::cuda::device_checks device) {
       detail::cuda::troll_backward_kernel<T><<<detail::cuda::grid_for(range.count),
@@ -171,14 +169,6 @@ void objective_backward(cuda_policy policy, const trust_region_objective& object
 
 namespace detail {
 namespace cuda {
-
-/// The backward's aggregation weights: c_r = grad_loss · weight_r / normaliser, in the workspace.
-template <class T>
-void enqueue_aggregation_weights(const char* fn, cudaStream_t stream, const token_batch<T>& in,
-                                 std::size_t rows, objective_row_record* header) {
-  aggregation_weights_kernel<T><<<1, block_threads, 0, stream>>>(in, rows, header, header + 1);
-  check_launch(fn);
-}
 
 /// The forward of a ratio baseline (`spec` built and checked by make_spec).
 template <class T>

@@ -152,10 +152,7 @@ void sparsify(cuda_policy policy, batch_view<L> logits, const sparse_index* samp
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify";
   const batch_view<const logit_type> in{logits.data, logits.rows, logits.cols, logits.stride};
-  detail::check_view(fn, "logits", in);
-  detail::check_sparsify_options(fn, options);
-  const std::size_t need = std::size_t(options.k) + (sampled ? 1 : 0);
-  detail::check_output_view(fn, "out", out, in.rows, in.cols, need < in.cols ? need : in.cols);
+  detail::check_sparsify_arguments(fn, in, sampled != nullptr, options, out);
   const double log_delta = options.delta > 0.0 ? std::log(options.delta) : detail::neg_inf();
   const detail::cuda::sparse_thrower thrower{{"logits"}, in.cols};
   detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower,
@@ -332,10 +329,7 @@ void project(cuda_policy policy, aligned_input<T> rows, double eps, sparse_batch
              const projection_options& options = {}, const cuda_checks& checks = {}) {
   detail::require_float_type<T>();
   constexpr const char* fn = "project";
-  detail::check_aligned_view(fn, "rows", rows);
-  detail::check_output_view(fn, "out", out, rows.rows, rows.vocab, 0);
-  if (rows.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
-  detail::check_sparse_eps(fn, eps, options);
+  detail::check_sparse_project_arguments(fn, rows, eps, out, stats, options);
   const detail::cuda::sparse_thrower thrower{{"new", "old", "new (lumped)", "old (lumped)", nullptr, nullptr, "out"}, 0};
   detail::cuda::run_sparse(fn, policy.stream, rows.rows, checks, thrower,
                            [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
@@ -353,14 +347,7 @@ void project_backward(cuda_policy policy, aligned_input<T> rows, sparse_input<T>
                       sparse_grad_view<T> grad_old = {}, T* grad_eps = nullptr, const cuda_checks& checks = {}) {
   detail::require_float_type<T>();
   constexpr const char* fn = "project_backward";
-  detail::check_aligned_view(fn, "rows", rows);
-  detail::check_sparse_view(fn, "log_probs", log_probs);
-  detail::check_same_rows(fn, "rows", rows.rows, "log_probs", log_probs.rows);
-  detail::check_same_vocab(fn, "rows", rows.vocab, "log_probs", log_probs.vocab);
-  detail::check_grad_view(fn, "grad", grad, rows.rows, log_probs.k_max);
-  detail::check_grad_view(fn, "grad_new", grad_new, rows.rows, rows.k_max);
-  if (!grad_old.empty()) detail::check_grad_view(fn, "grad_old", grad_old, rows.rows, rows.k_max);
-  if (rows.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  detail::check_sparse_project_backward_arguments(fn, rows, log_probs, stats, grad, grad_new, grad_old);
   const detail::cuda::sparse_thrower thrower{
       {"new", "old", "new (lumped)", "old (lumped)", "log_probs", "grad (NaN or infinite)"}, 0};
   detail::cuda::run_sparse(fn, policy.stream, rows.rows, checks, thrower,
@@ -385,13 +372,7 @@ void sparsify_backward(cuda_policy policy, batch_view<L> logits, sparse_input<T>
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_backward";
   const batch_view<const logit_type> in{logits.data, logits.rows, logits.cols, logits.stride};
-  detail::check_view(fn, "logits", in);
-  detail::check_view(fn, "grad_logits", grad_logits);
-  detail::check_same_shape(fn, "logits", in, "grad_logits", grad_logits);
-  detail::check_sparse_view(fn, "support", support);
-  detail::check_same_rows(fn, "logits", in.rows, "support", support.rows);
-  detail::check_same_vocab(fn, "logits", in.cols, "support", support.vocab);
-  detail::check_grad_view(fn, "grad", grad, in.rows, support.k_max);
+  detail::check_sparsify_backward_arguments(fn, in, support, grad, grad_logits);
   const detail::cuda::sparse_thrower thrower{
       {"logits", nullptr, nullptr, nullptr, nullptr, "grad (NaN or infinite)", nullptr, "support"}, 0};
   const int slots = detail::cuda::sort_slots(support.k_max);

@@ -220,8 +220,7 @@ void objective_backward(cuda_policy policy, const sparse_trust_region_objective&
   cudaStream_t stream = policy.stream;
   const dc::device_checks quiet{nullptr, nullptr, false};
   // The weights come first: the checked mode's validation launches do not read them.
-  dc::aggregation_weights_kernel<T><<<1, dc::block_threads, 0, stream>>>(in, rows, ws.header, ws.records);
-  dc::check_launch(fn);
+  dc::enqueue_aggregation_weights(fn, stream, in, rows, ws.header);
   static const char* const names[3] = {"new_logits", "", ""};
   dc::run(
       fn, stream, rows, checks, names,

@@ -6,6 +6,7 @@
 
 #include "batch.hpp"
 #include "config.hpp"
+#include "detail/arguments.hpp"
 #include "detail/cpu/parallel.hpp"
 #include "detail/cpu/row_kernels.hpp"
 #include "errors.hpp"
@@ -88,19 +89,8 @@ void kl_backward(cpu_policy policy, input_view<T> p_logits, input_view<T> q_logi
                  batch_view<T> grad_p, batch_view<T> grad_q) {
   detail::require_float_type<T>();
   constexpr const char* fn = "kl_backward";
-  detail::check_view(fn, "p_logits", p_logits);
-  detail::check_view(fn, "q_logits", q_logits);
-  detail::check_same_shape(fn, "p_logits", p_logits, "q_logits", q_logits);
-  if (p_logits.rows != 0 && grad_kl == nullptr) detail::throw_shape(fn, "grad_kl is a null pointer");
+  detail::check_kl_backward_arguments(fn, p_logits, q_logits, grad_kl, grad_p, grad_q);
   const bool want_p = grad_p.rows != 0, want_q = grad_q.rows != 0;
-  if (want_p) {
-    detail::check_view(fn, "grad_p", grad_p);
-    detail::check_same_shape(fn, "p_logits", p_logits, "grad_p", grad_p);
-  }
-  if (want_q) {
-    detail::check_view(fn, "grad_q", grad_q);
-    detail::check_same_shape(fn, "p_logits", p_logits, "grad_q", grad_q);
-  }
   detail::validate_pairs(fn, policy.threads, p_logits, q_logits, "p_logits", "q_logits");
   const std::size_t size = p_logits.cols;
   auto problem = [&](std::size_t r) {

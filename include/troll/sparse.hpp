@@ -193,10 +193,7 @@ void sparsify(cpu_policy policy, input_view<T> logits, const sparse_index* sampl
               const sparsify_options& options, sparse_batch_view<T> out) {
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify";
-  detail::check_view(fn, "logits", logits);
-  detail::check_sparsify_options(fn, options);
-  const std::size_t need = std::size_t(options.k) + (sampled ? 1 : 0);
-  detail::check_output_view(fn, "out", out, logits.rows, logits.cols, need < logits.cols ? need : logits.cols);
+  detail::check_sparsify_arguments(fn, logits, sampled != nullptr, options, out);
   detail::validate_sampled(fn, sampled, logits.rows, logits.cols);
   detail::validate_rows(fn, policy.threads, logits, "logits");
   const double log_delta = options.delta > 0.0 ? std::log(options.delta) : detail::neg_inf();
@@ -303,13 +300,7 @@ void sparsify_backward(cpu_policy policy, input_view<T> logits, sparse_input<T> 
                        sparse_grad_input<T> grad, batch_view<T> grad_logits) {
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_backward";
-  detail::check_view(fn, "logits", logits);
-  detail::check_view(fn, "grad_logits", grad_logits);
-  detail::check_same_shape(fn, "logits", logits, "grad_logits", grad_logits);
-  detail::check_sparse_view(fn, "support", support);
-  detail::check_same_rows(fn, "logits", logits.rows, "support", support.rows);
-  detail::check_same_vocab(fn, "logits", logits.cols, "support", support.vocab);
-  detail::check_grad_view(fn, "grad", grad, logits.rows, support.k_max);
+  detail::check_sparsify_backward_arguments(fn, logits, support, grad, grad_logits);
   detail::validate_rows(fn, policy.threads, logits, "logits");
   detail::first_sparse_problem(fn, policy.threads, logits.rows, 4 * std::size_t(sparse_max_entries),
                                [&](std::size_t r) {
@@ -580,10 +571,7 @@ void project(cpu_policy policy, aligned_input<T> rows, double eps, sparse_batch_
              projection_stats* stats, const projection_options& options = {}) {
   detail::require_float_type<T>();
   constexpr const char* fn = "project";
-  detail::check_aligned_view(fn, "rows", rows);
-  detail::check_output_view(fn, "out", out, rows.rows, rows.vocab, 0);
-  if (rows.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
-  detail::check_sparse_eps(fn, eps, options);
+  detail::check_sparse_project_arguments(fn, rows, eps, out, stats, options);
   detail::validate_aligned(fn, policy.threads, rows, eps);
   for (std::size_t r = 0; r < rows.rows; ++r) {
     if (std::size_t(rows.counts[r]) > out.k_max)
@@ -622,15 +610,8 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
                       T* grad_eps = nullptr) {
   detail::require_float_type<T>();
   constexpr const char* fn = "project_backward";
-  detail::check_aligned_view(fn, "rows", rows);
-  detail::check_sparse_view(fn, "log_probs", log_probs);
-  detail::check_same_rows(fn, "rows", rows.rows, "log_probs", log_probs.rows);
-  detail::check_same_vocab(fn, "rows", rows.vocab, "log_probs", log_probs.vocab);
-  detail::check_grad_view(fn, "grad", grad, rows.rows, log_probs.k_max);
-  detail::check_grad_view(fn, "grad_new", grad_new, rows.rows, rows.k_max);
+  detail::check_sparse_project_backward_arguments(fn, rows, log_probs, stats, grad, grad_new, grad_old);
   const bool want_old = !grad_old.empty();
-  if (want_old) detail::check_grad_view(fn, "grad_old", grad_old, rows.rows, rows.k_max);
-  if (rows.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
   detail::validate_aligned(fn, policy.threads, rows, 0.0);
   detail::first_sparse_problem(fn, policy.threads, rows.rows, 4 * std::size_t(sparse_max_entries),
                                [&](std::size_t r) {

@@ -215,6 +215,60 @@ void check_align_arguments(const char* fn, const batch_view<const L>& new_logits
   check_same_vocab(fn, "new_logits", new_logits.cols, "out", out.vocab);
 }
 
+/// The host-side checks of sparsify that read no values: the logits view, the options, and an
+/// `out` that holds min(k + 1 for a sampled token, V) entries a row. Shared by CPU and CUDA.
+template <class L, class T>
+void check_sparsify_arguments(const char* fn, const batch_view<const L>& logits, bool with_sampled,
+                              const sparsify_options& options, const sparse_batch_view<T>& out) {
+  check_view(fn, "logits", logits);
+  check_sparsify_options(fn, options);
+  const std::size_t need = std::size_t(options.k) + (with_sampled ? 1 : 0);
+  check_output_view(fn, "out", out, logits.rows, logits.cols, need < logits.cols ? need : logits.cols);
+}
+
+/// The host-side checks of project(aligned rows) that read no values. Shared by CPU and CUDA.
+template <class T>
+void check_sparse_project_arguments(const char* fn, const aligned_batch_view<const T>& rows, double eps,
+                                    const sparse_batch_view<T>& out, const projection_stats* stats,
+                                    const projection_options& options) {
+  check_aligned_view(fn, "rows", rows);
+  check_output_view(fn, "out", out, rows.rows, rows.vocab, 0);
+  if (rows.rows != 0 && stats == nullptr) throw_shape(fn, "stats is a null pointer");
+  check_sparse_eps(fn, eps, options);
+}
+
+/// The host-side checks of project_backward(aligned rows) that read no values: views, row
+/// counts, vocabularies, gradient shapes (grad_old only when not empty), stats. Shared by CPU and
+/// CUDA.
+template <class T>
+void check_sparse_project_backward_arguments(const char* fn, const aligned_batch_view<const T>& rows,
+                                             const sparse_batch_view<const T>& log_probs,
+                                             const projection_stats* stats, const sparse_grad_view<const T>& grad,
+                                             const sparse_grad_view<T>& grad_new, const sparse_grad_view<T>& grad_old) {
+  check_aligned_view(fn, "rows", rows);
+  check_sparse_view(fn, "log_probs", log_probs);
+  check_same_rows(fn, "rows", rows.rows, "log_probs", log_probs.rows);
+  check_same_vocab(fn, "rows", rows.vocab, "log_probs", log_probs.vocab);
+  check_grad_view(fn, "grad", grad, rows.rows, log_probs.k_max);
+  check_grad_view(fn, "grad_new", grad_new, rows.rows, rows.k_max);
+  if (!grad_old.empty()) check_grad_view(fn, "grad_old", grad_old, rows.rows, rows.k_max);
+  if (rows.rows != 0 && stats == nullptr) throw_shape(fn, "stats is a null pointer");
+}
+
+/// The host-side checks of sparsify_backward that read no values. Shared by CPU and CUDA.
+template <class L, class T>
+void check_sparsify_backward_arguments(const char* fn, const batch_view<const L>& logits,
+                                       const sparse_batch_view<const T>& support,
+                                       const sparse_grad_view<const T>& grad, const batch_view<T>& grad_logits) {
+  check_view(fn, "logits", logits);
+  check_view(fn, "grad_logits", grad_logits);
+  check_same_shape(fn, "logits", logits, "grad_logits", grad_logits);
+  check_sparse_view(fn, "support", support);
+  check_same_rows(fn, "logits", logits.rows, "support", support.rows);
+  check_same_vocab(fn, "logits", logits.cols, "support", support.vocab);
+  check_grad_view(fn, "grad", grad, logits.rows, support.k_max);
+}
+
 /// The host-side checks of align_backward(row, aligned, grad_aligned, grad_row) that read no
 /// values: views, row counts, vocabulary sizes and gradient shapes. Shared by CPU and CUDA.
 template <class T>

@@ -75,6 +75,25 @@ void check_backward_views(const char* fn, batch_view<const T> new_logits, batch_
   if (new_logits.rows != 0 && stats == nullptr) throw_shape(fn, "stats is a null pointer");
 }
 
+/// The host-side checks of kl_backward (CPU and CUDA): the logits pair, grad_kl, and each
+/// gradient view that has rows (an empty one is skipped).
+template <class T>
+void check_kl_backward_arguments(const char* fn, batch_view<const T> p_logits, batch_view<const T> q_logits,
+                                 const T* grad_kl, batch_view<T> grad_p, batch_view<T> grad_q) {
+  check_view(fn, "p_logits", p_logits);
+  check_view(fn, "q_logits", q_logits);
+  check_same_shape(fn, "p_logits", p_logits, "q_logits", q_logits);
+  if (p_logits.rows != 0 && grad_kl == nullptr) throw_shape(fn, "grad_kl is a null pointer");
+  if (grad_p.rows != 0) {
+    check_view(fn, "grad_p", grad_p);
+    check_same_shape(fn, "p_logits", p_logits, "grad_p", grad_p);
+  }
+  if (grad_q.rows != 0) {
+    check_view(fn, "grad_q", grad_q);
+    check_same_shape(fn, "p_logits", p_logits, "grad_q", grad_q);
+  }
+}
+
 /// Throws shape_error unless `out` is a usable view shaped like `like` (named new_logits).
 template <class T>
 void check_output(const char* fn, const char* name, batch_view<const T> like, batch_view<T> out) {

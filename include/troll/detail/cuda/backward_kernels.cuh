@@ -60,6 +60,18 @@ __device__ inline int unusable_stats_field(const projection_stats& s) {
   }
 }
 
+/// The problem of a row a derivative of project() reads, in the order of the CPU's
+/// validate_backward: the logits pair, then the statistics (t, σ², μ, status, kl_after).
+template <class T>
+__device__ cuda_row_report derivative_problem(const pair_scan& scan, const T* zn, const T* zo,
+                                              const projection_stats& s) {
+  cuda_row_report report = pair_problem(scan, zn, zo);
+  if (report.error != cuda_row_error::none) return report;
+  const int field = unusable_stats_field(s);
+  if (field >= 0) report.error = cuda_row_error::bad_stats, report.operand = field;
+  return report;
+}
+
 /// q_j = exp(z°_j − M° − log Σ e^{z° − M°}), 0 where z°_j = −inf.
 __device__ inline double old_probability(double old_logit, double old_max, double old_log_sum) {
   return old_logit > neg_inf() ? ::exp((old_logit - old_max) - old_log_sum) : 0.0;
@@ -108,11 +120,7 @@ __global__ void __launch_bounds__(block_threads)
     }
     const backward_scan scan = block_all_reduce(scan_storage, local, merge_backward_scan{});
 
-    cuda_row_report report = pair_problem(scan.pair, zn, zo);
-    if (report.error == cuda_row_error::none) {
-      const int field = unusable_stats_field(s);
-      if (field >= 0) report.error = cuda_row_error::bad_stats, report.operand = field;
-    }
+    cuda_row_report report = derivative_problem(scan.pair, zn, zo, s);
     if (report.error == cuda_row_error::none && scan.first_bad_upstream != no_token)
       report.error = cuda_row_error::not_finite, report.operand = 2, report.token = scan.first_bad_upstream;
     if (threadIdx.x == 0) record_row(checks, range, r, report);

@@ -44,8 +44,8 @@ namespace cuda {
 constexpr int operand_tangent_old = 3;
 
 /// Checked mode of the derivative entry points: their reports become the CPU's exceptions,
-/// including the three the projection's reports do not carry (an infinite KL in kl_backward,
-/// a bad kl_after, a non-finite tangent_old).
+/// including the two the projection's reports do not carry (an infinite KL in kl_backward, a
+/// non-finite tangent_old).
 struct throw_derivative_report {
   [[noreturn]] void operator()(const char* function, std::size_t row, const cuda_row_report& report,
                                const char* const operand_names[3]) const {
@@ -64,18 +64,6 @@ struct throw_derivative_report {
     throw_report(function, row, report, operand_names);
   }
 };
-
-/// The problem of a row a derivative of project() reads, in the order of the CPU's
-/// validate_backward: the logits pair, then the statistics (t, σ², μ, status, kl_after).
-template <class T>
-__device__ cuda_row_report derivative_problem(const pair_scan& scan, const T* zn, const T* zo,
-                                              const projection_stats& s) {
-  cuda_row_report report = pair_problem(scan, zn, zo);
-  if (report.error != cuda_row_error::none) return report;
-  const int field = unusable_stats_field(s);
-  if (field >= 0) report.error = cuda_row_error::bad_stats, report.operand = field;
-  return report;
-}
 
 // ---- kl_backward ----
 

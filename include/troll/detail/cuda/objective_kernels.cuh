@@ -337,6 +337,15 @@ __global__ void __launch_bounds__(block_threads)
   if (threadIdx.x == 0) header->weight = total.normaliser;
 }
 
+/// Enqueues aggregation_weights_kernel (one block) for `rows` rows: the weights to header + 1…,
+/// the normaliser to header->weight. Every backward of a token objective starts with it.
+template <class T>
+void enqueue_aggregation_weights(const char* fn, cudaStream_t stream, const token_batch<T>& in, std::size_t rows,
+                                 objective_row_record* header) {
+  aggregation_weights_kernel<T><<<1, block_threads, 0, stream>>>(in, rows, header, header + 1);
+  check_launch(fn);
+}
+
 /// Rows of `range`: TROLL's fused backward (troll::objective_backward), c_r = grad_loss ·
 /// weight_r / normaliser from aggregation_weights_kernel. Rejected rows get NaN gradients.
 template <class T>
