@@ -53,17 +53,8 @@ void validate_or_throw(const char* function, cudaStream_t stream, std::size_t ro
     unsigned long long first_bad_row;
     cuda_row_report report;
   };
-  struct scratch_owner {
-    scratch* memory = nullptr;
-    cudaStream_t stream = nullptr;
-    ~scratch_owner() {
-      if (memory != nullptr) static_cast<void>(cudaFreeAsync(memory, stream));
-    }
-  } owner;
-  owner.stream = stream;
-  check(cudaMallocAsync(reinterpret_cast<void**>(&owner.memory), sizeof(scratch), stream), function,
-        "cudaMallocAsync (checked mode)");
-  scratch* device = owner.memory;
+  const stream_allocation memory(function, sizeof(scratch), stream);
+  scratch* device = static_cast<scratch*>(memory.get());
   check(cudaMemsetAsync(&device->first_bad_row, 0xFF, sizeof(unsigned long long), stream), function,
         "cudaMemsetAsync");
   launch(row_range{0, rows}, device_checks{nullptr, &device->first_bad_row, true});

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "batch.hpp"
@@ -133,8 +134,9 @@ struct throw_sparse_objective_report {
 /// before anything is enqueued. Bad rows are reported through `checks` (the CPU's order of
 /// checks) and get count 0 with NaN remainders in `aligned` and `log_probs`, stats with NaN
 /// fields, a NaN token loss (so a counted bad row makes the loss NaN). With checks.checked the
-/// CPU's exceptions are thrown, naming the row, before log_probs, stats, token_loss or metrics
-/// are written (the lumped rows are checked where they are built, in `aligned`).
+/// CPU's exceptions are thrown, naming the row, before any output is written: the validation
+/// pass builds the lumped rows in a stream-ordered allocation of its own (cudaMallocAsync of
+/// aligned's size, freed before return), the one allocation of this entry point.
 template <class T>
 void objective_forward(cuda_policy policy, const sparse_trust_region_objective& objective,
                        input_view<T> new_logits, sparse_input<T> old_rows, const token_batch<T>& in,
@@ -166,10 +168,19 @@ void objective_forward(cuda_policy policy, const sparse_trust_region_objective& 
   cudaStream_t stream = policy.stream;
   const dc::device_checks quiet{nullptr, nullptr, false};
   const dc::throw_sparse_objective_report<> thrower{false, static_cast<long long>(capacity_k)};
+  // Checked mode validates on lumped rows built in its own allocation (freed on return), so a
+  // throw leaves `aligned` as the caller passed it.
+  std::unique_ptr<dc::stream_allocation> check_memory;
+  aligned_batch_view<T> check_aligned;
+  if (checks.checked && rows > 0) {
+    check_memory.reset(new dc::stream_allocation(fn, dc::aligned_batch_bytes<T>(rows, aligned.k_max), stream));
+    check_aligned = dc::aligned_batch_in<T>(check_memory->get(), rows, aligned.k_max, vocab);
+  }
   static const char* const names[3] = {"new_logits", "old", ""};
   dc::run(
       fn, stream, rows, checks, names,
       [&](dc::row_range range, dc::device_checks device) {
+        const aligned_batch_view<T> lumped = device.validate_only ? check_aligned : aligned;
         const unsigned grid = dc::grid_for(range.count);
         dc::sparse_objective_check_kernel<T><<<grid, dc::block_threads, 0, stream>>>(
             new_logits, old_rows, in, new_k, capacity, old_slots, ws.outcome, range, device);
@@ -177,13 +188,13 @@ void objective_forward(cuda_policy policy, const sparse_trust_region_objective& 
           dc::sparsify_kernel<T, T><<<grid, dc::block_threads, 0, stream>>>(new_logits, nullptr, new_k, log_delta,
                                                                             support, range, quiet);
         dc::align_dense_kernel<T, T><<<grid, dc::block_threads, 0, stream>>>(new_logits, support_in, old_rows,
-                                                                             aligned, align_slots, range, quiet);
+                                                                             lumped, align_slots, range, quiet);
         const dc::warp_launch l = dc::warp_launch_for(range.count, aligned.k_max, 1);
         if (!device.validate_only)
           dc::sparse_project_kernel<T><<<l.grid, l.threads, l.shared_bytes, stream>>>(
               aligned_in, eps, options, log_probs, stats, l.slots, range, quiet);
         dc::sparse_objective_rows_kernel<T><<<l.grid, l.threads, l.shared_bytes, stream>>>(
-            aligned, in, eps, alpha, log_probs, stats, token_loss, ws.records, ws.outcome, l.slots, range, device);
+            lumped, in, eps, alpha, log_probs, stats, token_loss, ws.records, ws.outcome, l.slots, range, device);
       },
       thrower);
   dc::aggregate_kernel<T><<<1, dc::block_threads, 0, stream>>>(in, rows, stats, ws.records, metrics);

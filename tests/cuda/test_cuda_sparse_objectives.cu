@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -535,6 +536,45 @@ TEST_SUITE("device") {
         got = e.what();
       }
       CHECK(got == want);
+    }
+    // When it throws, no output has been written: the caller's buffers keep their sentinels.
+    {
+      sparse_batch<T> b(rows, 150, 23u, 3);
+      b.host.advantages[6] = T(nan_value);
+      test_stream s;
+      device_batch<T> d(b.host);
+      aligned_pair<T> aligned(b.rows, b.k_max, b.vocab);
+      sparse_pair<T> lp(b.rows, b.k_max, b.vocab);
+      aligned.d_indices.upload(aligned.indices), aligned.d_counts.upload(aligned.counts);
+      aligned.d_fresh.upload(aligned.fresh), aligned.d_old.upload(aligned.old);
+      aligned.d_fresh_r.upload(aligned.fresh_r), aligned.d_old_r.upload(aligned.old_r);
+      lp.upload();
+      const std::vector<T> sentinel(b.rows, T(-7));
+      device_array<T> token_loss(sentinel);
+      device_array<troll::projection_stats> stats(b.rows);
+      device_array<troll::objective_metrics> metrics(1);
+      const std::vector<troll::projection_stats> stats_before = stats.download();
+      const std::size_t bytes = troll::sparse_objective_workspace_bytes(b.rows, b.k_max, o.new_support.k);
+      device_array<double> workspace((bytes + sizeof(double) - 1) / sizeof(double));
+      CHECK_THROWS_AS(troll::objective_forward(troll::cuda.on(s.stream), o, d.new_view(),
+                                               troll::sparse_input<T>(b.old.device()), d.tokens_view(how),
+                                               aligned.device(), lp.device(), stats.get(), token_loss.get(),
+                                               metrics.get(), workspace.get(), troll::cuda_checked),
+                      troll::invalid_input);
+      s.sync();
+      const std::vector<troll::sparse_index> indices = aligned.d_indices.download(), counts = aligned.d_counts.download();
+      CHECK(indices == aligned.indices);
+      CHECK(counts == aligned.counts);
+      CHECK(aligned.d_fresh.download() == aligned.fresh);
+      CHECK(aligned.d_old.download() == aligned.old);
+      CHECK(aligned.d_fresh_r.download() == aligned.fresh_r);
+      CHECK(aligned.d_old_r.download() == aligned.old_r);
+      const std::vector<T> lp_before = lp.log_probs;
+      lp.download();
+      CHECK(lp.log_probs == lp_before);
+      CHECK(token_loss.download() == sentinel);
+      const std::vector<troll::projection_stats> stats_after = stats.download();
+      CHECK(std::memcmp(stats_after.data(), stats_before.data(), stats_after.size() * sizeof(stats_after[0])) == 0);
     }
     // A clean batch passes the checked mode and gives the default mode's results.
     sparse_batch<T> b(rows, 150, 22u, 3);

@@ -49,6 +49,26 @@ inline void check_workspace(const char* function, const void* workspace, bool re
     throw_shape(function, "workspace is not " + std::to_string(alignof(double)) + "-byte aligned");
 }
 
+/// Stream-ordered device memory owned for the length of one checked-mode call (cudaMallocAsync,
+/// released with cudaFreeAsync on the same stream, also when the call throws). Only checked mode
+/// allocates: the hot path runs in the caller's workspace.
+class stream_allocation {
+ public:
+  stream_allocation(const char* function, std::size_t bytes, cudaStream_t stream) : stream_(stream) {
+    check(cudaMallocAsync(&memory_, bytes == 0 ? 1 : bytes, stream), function, "cudaMallocAsync (checked mode)");
+  }
+  stream_allocation(const stream_allocation&) = delete;
+  stream_allocation& operator=(const stream_allocation&) = delete;
+  ~stream_allocation() {
+    if (memory_ != nullptr) static_cast<void>(cudaFreeAsync(memory_, stream_));
+  }
+  void* get() const { return memory_; }
+
+ private:
+  void* memory_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+};
+
 }  // namespace cuda
 }  // namespace detail
 TROLL_END_NAMESPACE

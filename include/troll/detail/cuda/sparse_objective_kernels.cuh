@@ -90,6 +90,31 @@ sparse_grad_view<T> upstream_in(const sparse_objective_workspace& w, std::size_t
   return sparse_grad_view<T>{values, remainders, rows, k_max};
 }
 
+/// Bytes of an aligned batch of rows × k_max (both sides' values, remainders, indices, counts).
+template <class T>
+constexpr std::size_t aligned_batch_bytes(std::size_t rows, std::size_t k_max) {
+  return rows * (k_max + 1) * (2 * sizeof(T) + sizeof(sparse_index));
+}
+
+/// An aligned batch laid out in `memory` (aligned_batch_bytes<T>(rows, k_max) bytes, aligned for
+/// T): the checked forward's validation pass builds the lumped rows here, not in the caller's
+/// output, so that a throw leaves every output untouched.
+template <class T>
+aligned_batch_view<T> aligned_batch_in(void* memory, std::size_t rows, std::size_t k_max, std::size_t vocab) {
+  T* values = static_cast<T*>(memory);
+  aligned_batch_view<T> v;
+  v.new_log_probs = values;
+  v.old_log_probs = values + rows * k_max;
+  v.new_log_remainder = values + 2 * rows * k_max;
+  v.old_log_remainder = values + 2 * rows * k_max + rows;
+  v.indices = reinterpret_cast<sparse_index*>(values + 2 * rows * (k_max + 1));
+  v.counts = v.indices + rows * k_max;
+  v.rows = rows;
+  v.k_max = k_max;
+  v.vocab = vocab;
+  return v;
+}
+
 #ifdef __CUDACC__
 
 /// Shared memory of the block-per-row check kernels.
