@@ -5,6 +5,7 @@
 
 #include <Eigen/Core>
 #include <cstddef>
+#include <limits>
 
 #include "../../config.hpp"
 #include "../../projection_types.hpp"
@@ -48,17 +49,27 @@ inline void store(T* p, std::size_t begin, Eigen::Index count, const Expr& value
   row_map_out<T>(p + begin, count) = values.template cast<T>();
 }
 
+/// Whether every entry of z[0..n) is below +inf (no NaN, no +inf): a plain loop with an integer
+/// OR-reduction, which the compiler vectorises in T (Eigen's all() visits one coefficient at a
+/// time).
+template <class T>
+inline bool all_below_inf(const T* z, std::size_t n) {
+  constexpr T bound = std::numeric_limits<T>::infinity();
+  int bad = 0;
+  for (std::size_t k = 0; k < n; ++k) bad |= !(z[k] < bound);
+  return bad == 0;
+}
+
 /// First NaN or +inf of a row, if any.
 template <class T>
 inline row_problem find_bad_value(const T* z, std::size_t size, const char* operand) {
   row_problem p;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-    if (p) return;
-    const block_array a = load(z, begin, count);
-    if ((a < inf()).all()) return;
+    if (p || all_below_inf(z + begin, std::size_t(count))) return;
     for (Eigen::Index k = 0; k < count; ++k) {
-      if (!(a[k] < inf())) {
-        p.kind = a[k] != a[k] ? problem_kind::nan_value : problem_kind::pos_inf;
+      const double x = static_cast<double>(z[begin + std::size_t(k)]);
+      if (!(x < inf())) {
+        p.kind = x != x ? problem_kind::nan_value : problem_kind::pos_inf;
         p.operand = operand;
         p.token = begin + std::size_t(k);
         return;

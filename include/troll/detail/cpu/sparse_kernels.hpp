@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #include "../../config.hpp"
 #include "../numeric.hpp"
@@ -20,33 +21,72 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cpu {
 
+/// The arithmetic of sparsify's block scan: float logits are compared, maximised and
+/// exponentiated in float (eight lanes of AVX2 where double has four; the same choice as the
+/// device kernel), every sum is still taken in double. Double logits stay in double.
+template <class T>
+using scan_block = Eigen::Array<T, Eigen::Dynamic, 1, Eigen::ColMajor, block_size, 1>;
+
+/// The largest value of type V not above the double x (x itself when V is double): a token of
+/// type V beats x exactly when it beats this bound, or ties it and is then offered to the heap,
+/// whose exact comparison in double sends it to the outside sum.
+template <class V>
+inline V threshold_below(double x) {
+  V v = static_cast<V>(x);
+  if (static_cast<double>(v) > x) v = std::nextafter(v, static_cast<V>(neg_inf()));
+  return v;
+}
+
+/// Σ x[0..count) in double, in eight interleaved partial sums the compiler vectorises without
+/// reassociating anything (each lane's order is fixed).
+template <class T>
+inline double sum_in_double(const T* x, Eigen::Index count) {
+  constexpr int lanes = 8;
+  double part[lanes] = {};
+  Eigen::Index k = 0;
+  for (; k + lanes <= count; k += lanes)
+    for (int j = 0; j < lanes; ++j) part[j] += static_cast<double>(x[k + j]);
+  double total = 0.0;
+  for (; k < count; ++k) total += static_cast<double>(x[k]);
+  for (int j = 0; j < lanes; ++j) total += part[j];
+  return total;
+}
+
 /// Feeds the tokens [offset, offset + size) of a row (z points at token `offset`) into a
 /// sparsify state, block by block: a vectorised test against the heap's entry threshold sends
 /// the few tokens that can enter the heap through offer(), and the rest into the outside
-/// log-sum-exp as one block summary. Every token lands in exactly one place.
+/// log-sum-exp as one block summary (exponentials in T, the block sum in double). Every token
+/// lands in exactly one place.
 template <class T>
 inline void sparsify_scan(const T* z, std::size_t size, std::size_t offset, sparsify_state& st) {
-  block_array a;
+  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  scan_block<T> a;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-    a = load(z, begin, count);
+    a = row_map<T>(z + begin, count);
     const long long first = static_cast<long long>(offset + begin);
     const long long local_sampled = static_cast<long long>(st.sampled) - first;
     if (st.sampled >= 0 && local_sampled >= 0 && local_sampled < count) {
       st.has_sampled = true;
-      st.sampled_logit = a[local_sampled];
-      a[local_sampled] = neg_inf();
+      st.sampled_logit = static_cast<double>(a[local_sampled]);
+      a[local_sampled] = minus_inf;
     }
-    const double threshold = entry_threshold(st);
-    if ((a > threshold).any()) {
-      for (Eigen::Index k = 0; k < count; ++k) {
+    // Candidates: a vectorised max per chunk of 64 tokens; only a chunk that beats the heap's
+    // entry threshold is walked token by token (a few chunks of a row once the heap is full).
+    constexpr Eigen::Index chunk = 64;
+    for (Eigen::Index c = 0; c < count; c += chunk) {
+      const Eigen::Index n = count - c < chunk ? count - c : chunk;
+      const T threshold = threshold_below<T>(entry_threshold(st));
+      if (!(a.segment(c, n).maxCoeff() > threshold)) continue;
+      for (Eigen::Index k = c; k < c + n; ++k) {
         if (!(a[k] > threshold)) continue;
-        offer(st, sparse_candidate{a[k], static_cast<sparse_index>(first + k)});
-        a[k] = neg_inf();  // placed: keep it out of the block summary below
+        offer(st, sparse_candidate{static_cast<double>(a[k]), static_cast<sparse_index>(first + k)});
+        a[k] = minus_inf;  // placed: keep it out of the block summary below
       }
     }
-    const double m = a.maxCoeff();
-    if (m == neg_inf()) return;
-    push_block(st.outside, m, (a - m).exp().sum());
+    const T m = a.maxCoeff();
+    if (m == minus_inf) return;
+    a = (a - m).exp();  // evaluated on its own: a cast in the same expression would de-vectorise it
+    push_block(st.outside, static_cast<double>(m), sum_in_double(a.data(), count));
   });
 }
 
