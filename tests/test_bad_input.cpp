@@ -496,6 +496,16 @@ TEST_CASE("mismatched shapes, V = 0, null pointers, strides below V") {
   }
 }
 
+TEST_CASE("project_jacobian: rows * V^2 entries past the address space are a shape_error, nothing read") {
+  // Views that claim 2^20 rows of 2^22 tokens over a single element: only the sizes are looked at.
+  double one = 0.0;
+  const std::size_t rows = std::size_t(1) << 20, vocab = std::size_t(1) << 22;
+  const troll::batch_view<const double> huge{&one, rows, vocab, vocab};
+  troll::projection_stats stats;
+  CHECK_THROWS_WITH_AS(troll::project_jacobian(troll::cpu, huge, huge, huge, &stats, &one),
+                       doctest::Contains("overflow"), troll::shape_error);
+}
+
 TEST_CASE_TEMPLATE("kl_backward of an infinite KL (p has mass where q is -inf)", T, float, double) {
   fixture<T> fx;
   set_value(fx, false, 2, 1, -inf_value);

@@ -265,6 +265,7 @@ void project_jacobian(cuda_policy policy, input_view<T> new_logits, input_view<T
   detail::require_float_type<T>();
   constexpr const char* fn = "project_jacobian";
   if (new_logits.rows != 0 && jac_new == nullptr) detail::throw_shape(fn, "jac_new is a null pointer");
+  detail::check_jacobian_size(fn, new_logits.rows, new_logits.cols, sizeof(T));
   detail::check_backward_views(fn, new_logits, old_logits, log_probs, stats, input_view<T>{}, "",
                                input_view<T>{});
   using terms = detail::cuda::jacobian_row_terms;

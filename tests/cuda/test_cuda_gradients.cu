@@ -548,6 +548,9 @@ TEST_CASE("cuda kl_backward, project_jvp and project_jacobian check their argume
                [&] { troll::project_jacobian<float>(troll::cuda, a, a, a, fake_stats, fake_workspace, nullptr); });
   same_message([&] { troll::project_jacobian(troll::cpu, a, a, a, nullptr, fake); },
                [&] { troll::project_jacobian(troll::cuda, a, a, a, nullptr, fake_workspace, fake); });
+  const troll::batch_view<const float> huge{fake, std::size_t(1) << 20, std::size_t(1) << 22, std::size_t(1) << 22};
+  same_message([&] { troll::project_jacobian(troll::cpu, huge, huge, huge, fake_stats, fake); },
+               [&] { troll::project_jacobian(troll::cuda, huge, huge, huge, fake_stats, fake_workspace, fake); });
 
   // An empty batch enqueues nothing (and so needs no device), checked mode included.
   const auto empty = troll::make_batch<const float>(nullptr, 0, 5);

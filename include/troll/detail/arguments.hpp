@@ -3,6 +3,7 @@
 // Eigen-free, so CPU and CUDA entry points throw the same errors before touching any data.
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 #include "../batch.hpp"
@@ -28,6 +29,16 @@ inline void check_options(const char* function, const projection_options& opt) {
     throw domain_error(std::string("troll::") + function +
                        ": projection_options need rtol >= 0, atol >= 0, rtol + atol > 0 and "
                        "max_iterations >= 1");
+}
+
+/// project_jacobian's output size: rows · V² entries of `element` bytes must be addressable
+/// (a size_t byte count); throws shape_error naming the shape otherwise. Shared by both backends.
+inline void check_jacobian_size(const char* function, std::size_t rows, std::size_t cols, std::size_t element) {
+  const std::size_t most = ~std::size_t(0);
+  if (rows == 0 || cols == 0) return;
+  if (cols > most / cols || cols * cols > most / element / rows)
+    throw_shape(function, "rows * V^2 Jacobian entries overflow the address space (rows = " + std::to_string(rows) +
+                              ", V = " + std::to_string(cols) + ")");
 }
 
 /// Every host-side check of project()'s arguments that does not read the logits: the views,

@@ -261,12 +261,14 @@ __global__ void __launch_bounds__(block_threads)
     const T* zo = old_logits.row(r);
     const pair_scan scan = scan_pair_row(zn, zo, size, scan_storage);
     const cuda_row_report report = derivative_problem(scan, zn, zo, stats[r]);
-    if (threadIdx.x != 0) continue;
-    record_row(checks, range, r, report);
-    if (checks.validate_only) continue;
-    const bool rejected = report.error != cuda_row_error::none;
-    terms[r] = jacobian_row_terms{rejected ? 0.0 : scan.old.lse.m, rejected ? 0.0 : old_log_sum(scan),
-                                  rejected ? 1 : 0};
+    if (threadIdx.x == 0) {  // not `continue`: a barrier added below must still see every thread
+      record_row(checks, range, r, report);
+      if (!checks.validate_only) {
+        const bool rejected = report.error != cuda_row_error::none;
+        terms[r] = jacobian_row_terms{rejected ? 0.0 : scan.old.lse.m, rejected ? 0.0 : old_log_sum(scan),
+                                      rejected ? 1 : 0};
+      }
+    }
   }
 }
 
