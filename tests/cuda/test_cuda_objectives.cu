@@ -29,29 +29,14 @@ namespace {
 using troll_test::device_array;
 using troll_test::device_batch;
 using troll_test::host_batch;
+using troll_test::message_of;
+using troll_test::objective_between_backends;
 using troll_test::test_stream;
 
 using troll_test::tolerance;
 using troll_test::unit_roundoff;
 
 const double nan_value = std::numeric_limits<double>::quiet_NaN();
-
-/// The CPU's exception message for a call, or "" when it accepts.
-template <class Call>
-std::string message_of(Call&& call) {
-  try {
-    call();
-  } catch (const troll::invalid_input& e) {
-    return e.what();
-  }
-  return "";
-}
-
-/// Tolerance between the two backends: both reduce in double, the outputs are T.
-template <class T>
-tolerance between_backends() {
-  return tolerance{1e-9 + 64.0 * unit_roundoff<T>(), 1e-9 + 64.0 * unit_roundoff<T>()};
-}
 
 }  // namespace
 
@@ -231,7 +216,7 @@ void compare_with_cpu(std::size_t rows, std::size_t cols, unsigned seed,
 
   for (const troll::cuda_row_report& r : reports.download())
     CHECK(r.error == troll::cuda_row_error::none);
-  const tolerance tol = between_backends<T>();
+  const tolerance tol = objective_between_backends<T>();
   const std::vector<T> got_log_probs = log_probs.download(), got_loss = token_loss.download(),
                        got_grad = grad.download();
   const std::vector<troll::projection_stats> got_stats = stats.download();
@@ -293,7 +278,7 @@ void compare_ppo_with_cpu(std::size_t rows, std::size_t cols, unsigned seed,
                             workspace.get(), grad_loss);
   stream.sync();
 
-  const tolerance tol = between_backends<T>();
+  const tolerance tol = objective_between_backends<T>();
   const std::vector<T> got_loss = token_loss.download(), got_grad = grad.download();
   for (std::size_t r = 0; r < rows; ++r) {
     CAPTURE(r);

@@ -30,29 +30,14 @@ namespace {
 using troll_test::device_array;
 using troll_test::device_batch;
 using troll_test::host_batch;
+using troll_test::message_of;
+using troll_test::objective_between_backends;
 using troll_test::test_stream;
 using troll_test::tolerance;
 using troll_test::unit_roundoff;
 
 const double nan_value = std::numeric_limits<double>::quiet_NaN();
 const double inf_value = std::numeric_limits<double>::infinity();
-
-/// The CPU's exception message for a call, or "" when it accepts.
-template <class Call>
-std::string message_of(Call&& call) {
-  try {
-    call();
-  } catch (const troll::invalid_input& e) {
-    return e.what();
-  }
-  return "";
-}
-
-/// Tolerance between the two backends: both reduce in double, the outputs are T.
-template <class T>
-tolerance between_backends() {
-  return tolerance{1e-9 + 64.0 * unit_roundoff<T>(), 1e-9 + 64.0 * unit_roundoff<T>()};
-}
 
 /// Every odd row samples the old row's most likely token, so that μ = q_a is large enough for
 /// the binary divergences to cross their bounds.
@@ -257,7 +242,7 @@ void compare_dppo_with_cpu(const host_batch<T>& h, const troll::dppo_objective& 
 
   for (const troll::cuda_row_report& r : reports.download())
     CHECK(r.error == troll::cuda_row_error::none);
-  const tolerance tol = between_backends<T>();
+  const tolerance tol = objective_between_backends<T>();
   const std::vector<T> got_loss = token_loss.download(), got_grad = grad.download();
   for (std::size_t r = 0; r < rows; ++r) {
     CAPTURE(r);
@@ -336,7 +321,7 @@ TEST_SUITE("device") {
                              nullptr, metrics.get(), workspace.get());
     stream.sync();
     const troll::objective_metrics got = metrics.download()[0];
-    const tolerance tol = between_backends<double>();
+    const tolerance tol = objective_between_backends<double>();
     CHECK(got.tokens == h.rows);
     CHECK(got.tokens == want.tokens);
     CHECK(got.kl_before_mean == 0.0);

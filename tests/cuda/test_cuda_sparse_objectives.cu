@@ -31,6 +31,7 @@ namespace {
 using troll_test::device_array;
 using troll_test::device_batch;
 using troll_test::host_batch;
+using troll_test::message_of;
 using troll_test::sparse_pair;
 using troll_test::test_stream;
 using troll_test::tolerance;
@@ -38,17 +39,6 @@ using troll_test::unit_roundoff;
 
 const double nan_value = std::numeric_limits<double>::quiet_NaN();
 const double inf_value = std::numeric_limits<double>::infinity();
-
-/// The CPU's exception message for a call, or "" when it accepts.
-template <class Call>
-std::string message_of(Call&& call) {
-  try {
-    call();
-  } catch (const troll::invalid_input& e) {
-    return e.what();
-  }
-  return "";
-}
 
 /// Tolerance between the two backends: both reduce in double (in different orders, and the
 /// solver's stopping test may fall an iteration apart, as in test_cuda_sparse.cu's 1e-8 for the

@@ -7,10 +7,17 @@
 
 #include "cuda_support.cuh"
 #include "objective_batch.hpp"
+#include "tolerance.hpp"
 #include "troll/batch.hpp"
 #include "troll/objective_types.hpp"
 
 namespace troll_test {
+
+/// Tolerance between the two backends' objective outputs: both reduce in double, the outputs are T.
+template <class T>
+tolerance objective_between_backends() {
+  return tolerance{1e-9 + 64.0 * unit_roundoff<T>(), 1e-9 + 64.0 * unit_roundoff<T>()};
+}
 
 /// The same batch in device memory.
 template <class T>

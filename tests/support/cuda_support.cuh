@@ -40,6 +40,8 @@
 #include <string>
 #include <vector>
 
+#include "troll/errors.hpp"
+
 #define CUDA_REQUIRE(call)                                                                       \
   do {                                                                                           \
     const cudaError_t cuda_status_ = (call);                                                     \
@@ -77,6 +79,18 @@ class device_array {
   E* data_ = nullptr;
   std::size_t size_;
 };
+
+/// The message of the troll::invalid_input a call throws, or "" when it accepts: how the CUDA
+/// tests compare a device entry point's exception with the CPU's, message for message.
+template <class Call>
+std::string message_of(Call&& call) {
+  try {
+    call();
+  } catch (const troll::invalid_input& e) {
+    return e.what();
+  }
+  return "";
+}
 
 /// A non-blocking stream of its own per case, so the default stream is never relied upon.
 struct test_stream {
