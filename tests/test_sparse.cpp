@@ -84,6 +84,67 @@ TEST_CASE("sparsify matches the long-double sort-everything oracle") {
   sparsify_matches_oracle<float>(4000, 16, 0.2, true, 7);
 }
 
+TEST_CASE("float sparsify selects what double sparsify selects on the same values, to an ulp") {
+  // The float scan compares, maximises and exponentiates in float against a threshold rounded
+  // down from the heap's double logit. On float-representable values it must pick exactly the
+  // double path's tokens — ties across 64-token chunks and 512-token blocks, masked tokens, the
+  // sampled token anywhere, logits one ulp apart — and write log-probs within an ulp or two of
+  // the float value.
+  std::mt19937_64 rng(11);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  for (const std::size_t vocab : {std::size_t(63), std::size_t(513), std::size_t(1000), std::size_t(4099)}) {
+    for (int kind = 0; kind < 5; ++kind) {
+      CAPTURE(vocab);
+      CAPTURE(kind);
+      const std::size_t rows = 4;
+      std::vector<float> zf(rows * vocab);
+      for (std::size_t i = 0; i < zf.size(); ++i) {
+        const double g = normal(rng);
+        double x = kind == 0 ? std::round(4.0 * g) / 4.0                       // many exact ties
+                   : kind == 1 ? 3.0 * g                                      // flat
+                   : kind == 2 ? -30.0 * std::fabs(g) + (i % vocab == 7 ? 60.0 : 0.0)  // sharp
+                               : -1.1 * std::log1p(double(i % vocab)) + 0.5 * g;   // Zipf-like
+        if (unit(rng) < 0.05) x = minus_inf;  // masked tokens
+        zf[i] = float(x);
+        if (kind == 4) {  // adjacent floats: a threshold off by one ulp picks different tokens
+          float y = 1.0f;
+          for (int step = int(8.0 * unit(rng)); step > 0; --step) y = std::nextafter(y, 2.0f);
+          zf[i] = y;
+        }
+      }
+      for (std::size_t r = 0; r < rows; ++r) zf[r * vocab + (r * 131) % vocab] = 0.5f;  // never all masked
+      const std::vector<double> zd(zf.begin(), zf.end());
+      std::vector<troll::sparse_index> sampled(rows);
+      for (std::size_t r = 0; r < rows; ++r) sampled[r] = troll::sparse_index((r * 977 + 5) % vocab);
+      for (const int k : {1, 7, 64, 256}) {
+        CAPTURE(k);
+        const std::size_t k_max = std::size_t(k) + 1;
+        sparse_rows<float> f(rows, k_max, vocab);
+        sparse_rows<double> d(rows, k_max, vocab);
+        troll::sparsify(troll::cpu, troll::make_batch(zf.data(), rows, vocab), sampled.data(), {k, 1e-6}, f.view());
+        troll::sparsify(troll::cpu, troll::make_batch(zd.data(), rows, vocab), sampled.data(), {k, 1e-6}, d.view());
+        CHECK(f.indices == d.indices);
+        CHECK(f.counts == d.counts);
+        auto within_ulps = [](float got, double want) {
+          if (double(got) == want) return true;
+          const float w = float(want);
+          const double ulp = double(std::nextafter(std::fabs(w), std::numeric_limits<float>::infinity())) - std::fabs(w);
+          return std::fabs(double(got) - want) <= 2.0 * ulp;
+        };
+        for (std::size_t i = 0; i < f.log_probs.size(); ++i) {
+          CAPTURE(i);
+          CHECK(within_ulps(f.log_probs[i], d.log_probs[i]));
+        }
+        for (std::size_t r = 0; r < rows; ++r) {
+          CAPTURE(r);
+          CHECK(within_ulps(f.log_remainder[r], d.log_remainder[r]));
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("sparsify: ties go to the lower index; masked tokens never enter; the sampled token is kept") {
   std::vector<double> z(100, 0.0);
   z[50] = -std::numeric_limits<double>::infinity();
