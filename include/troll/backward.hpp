@@ -25,17 +25,17 @@ template <class T>
 row_problem find_nonfinite(const T* z, std::size_t size, const char* operand) {
   row_problem p;
   cpu::for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-    if (p) return;
-    const cpu::block_array a = cpu::load(z, begin, count);
-    if (((a - a) == 0.0).all()) return;
-    for (Eigen::Index k = 0; k < count; ++k)
-      if (!(a[k] - a[k] == 0.0)) {
+    if (p || cpu::all_finite(z + begin, std::size_t(count))) return;
+    for (Eigen::Index k = 0; k < count; ++k) {
+      const double x = static_cast<double>(z[begin + std::size_t(k)]);
+      if (!(x - x == 0.0)) {
         p.kind = problem_kind::nan_value;
         p.operand = operand;
         p.token = begin + std::size_t(k);
-        p.value = a[k];
+        p.value = x;
         return;
       }
+    }
   });
   if (p) p.operand = operand;
   return p;

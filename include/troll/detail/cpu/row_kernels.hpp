@@ -60,6 +60,14 @@ inline bool all_below_inf(const T* z, std::size_t n) {
   return bad == 0;
 }
 
+/// Whether every entry of z[0..n) is finite (no NaN, no ±inf), vectorised the same way.
+template <class T>
+inline bool all_finite(const T* z, std::size_t n) {
+  int bad = 0;
+  for (std::size_t k = 0; k < n; ++k) bad |= !(z[k] - z[k] == T(0));
+  return bad == 0;
+}
+
 /// First NaN or +inf of a row, if any.
 template <class T>
 inline row_problem find_bad_value(const T* z, std::size_t size, const char* operand) {
