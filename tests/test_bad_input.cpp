@@ -504,6 +504,11 @@ TEST_CASE("project_jacobian: rows * V^2 entries past the address space are a sha
   troll::projection_stats stats;
   CHECK_THROWS_WITH_AS(troll::project_jacobian(troll::cpu, huge, huge, huge, &stats, &one),
                        doctest::Contains("overflow"), troll::shape_error);
+  // 2^21 rows of V = 2^21: 2^63 entries fit a size_t, their 2^66 bytes do not.
+  const std::size_t wide = std::size_t(1) << 21;
+  const troll::batch_view<const double> bytes_only{&one, wide, wide, wide};
+  CHECK_THROWS_WITH_AS(troll::project_jacobian(troll::cpu, bytes_only, bytes_only, bytes_only, &stats, &one),
+                       doctest::Contains("overflow"), troll::shape_error);
 }
 
 TEST_CASE_TEMPLATE("kl_backward of an infinite KL (p has mass where q is -inf)", T, float, double) {

@@ -84,12 +84,38 @@ TEST_CASE("sparsify matches the long-double sort-everything oracle") {
   sparsify_matches_oracle<float>(4000, 16, 0.2, true, 7);
 }
 
+TEST_CASE("threshold_below: the largest float not above a double, so that y > x iff y > bound") {
+  using troll::detail::cpu::threshold_below;
+  const float below_one = std::nextafter(1.0f, 0.0f);
+  const float fmax = std::numeric_limits<float>::max();
+  CHECK(threshold_below<float>(1.0) == 1.0f);
+  CHECK(threshold_below<float>(1.0 + 1e-12) == 1.0f);                        // rounds down, not to nearest
+  CHECK(threshold_below<float>(std::nextafter(1.0, 0.0)) == below_one);     // not up to 1.0f
+  CHECK(threshold_below<float>(-1.0 - 1e-12) == std::nextafter(-1.0f, -2.0f));
+  CHECK(threshold_below<float>(minus_inf) == -std::numeric_limits<float>::infinity());
+  CHECK(threshold_below<float>(-minus_inf) == std::numeric_limits<float>::infinity());
+  CHECK(threshold_below<float>(1e300) == fmax);
+  CHECK(threshold_below<float>(-1e300) == -std::numeric_limits<float>::infinity());
+  CHECK(std::isnan(threshold_below<float>(std::nan(""))));
+  CHECK(threshold_below<double>(0.1) == 0.1);
+  // The defining property on a sweep of doubles between and on float values.
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<double> u(-4.0, 4.0);
+  for (int i = 0; i < 2000; ++i) {
+    const double x = i % 2 == 0 ? u(rng) : double(float(u(rng)));
+    const float bound = threshold_below<float>(x);
+    CHECK(double(bound) <= x);
+    for (const float y : {bound, std::nextafter(bound, 8.0f), std::nextafter(std::nextafter(bound, 8.0f), 8.0f)})
+      CHECK((double(y) > x) == (y > bound));
+  }
+}
+
 TEST_CASE("float sparsify selects what double sparsify selects on the same values, to an ulp") {
   // The float scan compares, maximises and exponentiates in float against a threshold rounded
   // down from the heap's double logit. On float-representable values it must pick exactly the
   // double path's tokens — ties across 64-token chunks and 512-token blocks, masked tokens, the
   // sampled token anywhere, logits one ulp apart — and write log-probs within an ulp or two of
-  // the float value.
+  // the float value. (Its adjacent floats catch a bound that is one ulp too high.)
   std::mt19937_64 rng(11);
   std::normal_distribution<double> normal(0.0, 1.0);
   std::uniform_real_distribution<double> unit(0.0, 1.0);

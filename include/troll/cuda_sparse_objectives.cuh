@@ -136,7 +136,9 @@ struct throw_sparse_objective_report {
 /// fields, a NaN token loss (so a counted bad row makes the loss NaN). With checks.checked the
 /// CPU's exceptions are thrown, naming the row, before any output is written: the validation
 /// pass builds the lumped rows in a stream-ordered allocation of its own (cudaMallocAsync of
-/// aligned's size, freed before return), the one allocation of this entry point.
+/// aligned's size; its cudaFreeAsync is enqueued on the stream before the call returns or
+/// throws). Checked mode is the only mode that allocates (this and the few bytes every checked
+/// entry point takes for its row report).
 template <class T>
 void objective_forward(cuda_policy policy, const sparse_trust_region_objective& objective,
                        input_view<T> new_logits, sparse_input<T> old_rows, const token_batch<T>& in,

@@ -546,11 +546,14 @@ TEST_SUITE("device") {
       const std::vector<troll::projection_stats> stats_before = stats.download();
       const std::size_t bytes = troll::sparse_objective_workspace_bytes(b.rows, b.k_max, o.new_support.k);
       device_array<double> workspace((bytes + sizeof(double) - 1) / sizeof(double));
-      CHECK_THROWS_AS(troll::objective_forward(troll::cuda.on(s.stream), o, d.new_view(),
-                                               troll::sparse_input<T>(b.old.device()), d.tokens_view(how),
-                                               aligned.device(), lp.device(), stats.get(), token_loss.get(),
-                                               metrics.get(), workspace.get(), troll::cuda_checked),
-                      troll::invalid_input);
+      const std::string want = message_of([&] { run_cpu(b, o, how, 1.0); });
+      REQUIRE(!want.empty());
+      const std::string got = message_of([&] {
+        troll::objective_forward(troll::cuda.on(s.stream), o, d.new_view(), troll::sparse_input<T>(b.old.device()),
+                                 d.tokens_view(how), aligned.device(), lp.device(), stats.get(), token_loss.get(),
+                                 metrics.get(), workspace.get(), troll::cuda_checked);
+      });
+      CHECK(got == want);
       s.sync();
       const std::vector<troll::sparse_index> indices = aligned.d_indices.download(), counts = aligned.d_counts.download();
       CHECK(indices == aligned.indices);
@@ -559,9 +562,13 @@ TEST_SUITE("device") {
       CHECK(aligned.d_old.download() == aligned.old);
       CHECK(aligned.d_fresh_r.download() == aligned.fresh_r);
       CHECK(aligned.d_old_r.download() == aligned.old_r);
-      const std::vector<T> lp_before = lp.log_probs;
+      const std::vector<troll::sparse_index> lp_indices = lp.indices, lp_counts = lp.counts;
+      const std::vector<T> lp_values = lp.log_probs, lp_remainders = lp.log_remainder;  // the uploaded sentinels
       lp.download();
-      CHECK(lp.log_probs == lp_before);
+      CHECK(lp.indices == lp_indices);
+      CHECK(lp.counts == lp_counts);
+      CHECK(lp.log_probs == lp_values);
+      CHECK(lp.log_remainder == lp_remainders);
       CHECK(token_loss.download() == sentinel);
       const std::vector<troll::projection_stats> stats_after = stats.download();
       CHECK(std::memcmp(stats_after.data(), stats_before.data(), stats_after.size() * sizeof(stats_after[0])) == 0);

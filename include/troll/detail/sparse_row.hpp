@@ -163,10 +163,12 @@ TROLL_HOST_DEVICE inline void reset(sparsify_state& st, int k, sparse_index samp
 }
 
 /// The logit below which (or at which) a token seen *after* every token in the heap cannot enter
-/// it: −inf while the heap has room. Tokens arriving in increasing index order enter iff their
-/// logit is strictly above it.
+/// it: −inf while the heap has room, +inf for a heap of no slots (k = 0, which the public entry
+/// points reject). Tokens arriving in increasing index order enter iff their logit is strictly
+/// above it.
 TROLL_HOST_DEVICE inline double entry_threshold(const sparsify_state& st) {
-  return st.size < st.k ? neg_inf() : st.heap[0].logit;
+  if (st.size < st.k) return neg_inf();
+  return st.k > 0 ? st.heap[0].logit : inf();
 }
 
 /// Offers one token (not the sampled one) to the state: it enters the heap (evicting the worst

@@ -38,8 +38,11 @@ inline double kl_logits_to_log_probs(const T* zn, double log_norm_new, const T* 
     const block_array lp_new = load(zn, begin, count) - log_norm_new;
     const block_array lp = load(log_pi, begin, count);
     const block_array term = lp_new.exp() * (lp_new - lp);
-    if ((term == term).all()) {  // NaN only where p̃_j = 0 (0·(−inf − log π_j)) or p̃_j > 0 = π_j
-      sum += term.sum();
+    // NaN only where p̃_j = 0 (0·(−inf − log π_j)) or p̃_j > 0 = π_j; a NaN term makes the
+    // (vectorised) block sum NaN, and only then is the block walked term by term.
+    const double block_sum = term.sum();
+    if (block_sum == block_sum) {
+      sum += block_sum;
       return;
     }
     for (Eigen::Index j = 0; j < count; ++j) {

@@ -27,13 +27,19 @@ namespace cpu {
 template <class T>
 using scan_block = Eigen::Array<T, Eigen::Dynamic, 1, Eigen::ColMajor, block_size, 1>;
 
-/// The largest value of type V not above the double x (x itself when V is double): a token of
-/// type V beats x exactly when it beats this bound, or ties it and is then offered to the heap,
-/// whose exact comparison in double sends it to the outside sum.
+/// The largest value of type V not above the double x: for every V value y, y > x exactly when
+/// y > threshold_below<V>(x), so the scan's test in V selects what the double test would. (Every
+/// caller passes a heap logit that came from a V, which converts exactly; the rounding and the
+/// range cases keep the equivalence for any double.) NaN stays NaN: nothing beats it.
 template <class V>
 inline V threshold_below(double x) {
+  constexpr V most = std::numeric_limits<V>::max();
+  constexpr V infinity = std::numeric_limits<V>::infinity();
+  if (!(x == x)) return static_cast<V>(x);
+  if (x > static_cast<double>(most)) return x == static_cast<double>(infinity) ? infinity : most;
+  if (x < -static_cast<double>(most)) return -infinity;
   V v = static_cast<V>(x);
-  if (static_cast<double>(v) > x) v = std::nextafter(v, static_cast<V>(neg_inf()));
+  if (static_cast<double>(v) > x) v = std::nextafter(v, -infinity);
   return v;
 }
 
