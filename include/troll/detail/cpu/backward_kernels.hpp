@@ -77,8 +77,8 @@ inline block_array dt_dold_block(const T* zo, const backward_block& b, const pro
                                  const old_normaliser& on, std::size_t begin, Eigen::Index count) {
   const double t = s.t;
   const block_array old_logits = load(zo, begin, count);
-  const block_array q =
-      (old_logits > neg_inf()).select(((old_logits - on.max) - on.log_sum).exp(), 0.0);
+  block_array q = ((old_logits - on.max) - on.log_sum).exp();  // vectorised: not inside the select
+  if (old_logits.minCoeff() == neg_inf()) q = (old_logits > neg_inf()).select(q, 0.0);
   // π_j − q_j is ~sqrt(ε)·q_j at small ε: where π ≈ q form it from log(π_j/q_j) =
   // t(d_j − μ) + KL(π‖q) in double rather than from a π read back from a (float) log π*. Where the
   // ratio is far from 1 there is no cancellation (and q may underflow while the ratio overflows).
