@@ -407,6 +407,98 @@ TEST_CASE("project_backward matches the closed-form VJP of math.md §3 (long dou
   }
 }
 
+/// Long-double oracle of one projected row at the reported t: π_t and q from the logits, μ, σ².
+struct tilt_oracle {
+  std::vector<long double> pi, q, d;
+  long double t = 0, mu = 0, var = 0;
+  tilt_oracle(const std::vector<double>& zn, const std::vector<double>& zo, long double t_) : t(t_) {
+    const std::size_t v = zn.size();
+    pi.resize(v), q.resize(v), d.resize(v);
+    long double zmax = -INFINITY, omax = -INFINITY, zs = 0, os = 0;
+    for (std::size_t j = 0; j < v; ++j) {
+      d[j] = (long double)zn[j] - zo[j];
+      zmax = std::max(zmax, (long double)zo[j] + t * d[j]);
+      omax = std::max(omax, (long double)zo[j]);
+    }
+    for (std::size_t j = 0; j < v; ++j) {
+      pi[j] = std::exp((long double)zo[j] + t * d[j] - zmax), zs += pi[j];
+      q[j] = std::exp((long double)zo[j] - omax), os += q[j];
+    }
+    for (std::size_t j = 0; j < v; ++j) pi[j] /= zs, q[j] /= os, mu += pi[j] * d[j];
+    for (std::size_t j = 0; j < v; ++j) var += pi[j] * (d[j] - mu) * (d[j] - mu);
+  }
+  /// ∂t/∂z°_j = −[(1 − t) t π_j (d_j − μ) − (π_j − q_j)] / (t σ²)
+  long double dt_dold(std::size_t j) const {
+    return -((1 - t) * t * pi[j] * (d[j] - mu) - (pi[j] - q[j])) / (t * var);
+  }
+};
+
+/// max_j |∂t/∂z°_j − oracle| / max_j |oracle| for one row projected at eps in type T: the
+/// internal block the VJP, JVP and Jacobian all use, against tilt_oracle.
+template <class T>
+double dt_dold_error(const std::vector<double>& zn, const std::vector<double>& zo, double eps) {
+  const std::size_t v = zn.size();
+  const std::vector<T> n(zn.begin(), zn.end()), o(zo.begin(), zo.end());
+  std::vector<T> lp(v);
+  troll::projection_stats st;
+  troll::project(troll::cpu, troll::make_batch(n.data(), 1, v), troll::make_batch(o.data(), 1, v), eps,
+                 troll::make_batch(lp.data(), 1, v), &st);
+  REQUIRE(st.status == troll::row_status::projected);
+  const tilt_oracle oracle(std::vector<double>(n.begin(), n.end()), std::vector<double>(o.begin(), o.end()), st.t);
+  namespace dc = troll::detail::cpu;
+  const dc::old_normaliser on = dc::normalise_old(o.data(), v);
+  dc::backward_block blk;
+  dc::load_backward_block(n.data(), o.data(), lp.data(), st.mu, 0, Eigen::Index(v), blk);
+  const dc::block_array got = dc::dt_dold_block(o.data(), blk, st, on, 0, Eigen::Index(v));
+  double worst = 0, scale = 0;
+  for (std::size_t j = 0; j < v; ++j) scale = std::max(scale, double(std::fabs(oracle.dt_dold(j))));
+  for (std::size_t j = 0; j < v; ++j)
+    worst = std::max(worst, std::fabs(double(oracle.dt_dold(j)) - got[Eigen::Index(j)]) / scale);
+  return worst;
+}
+
+TEST_CASE("grad_old and dt/dz-old at small eps against a long-double oracle") {
+  // ∂L/∂z°_j = (1 − t)(g_j − π_j Σg) + Σ_i g_i (d_i − μ) · ∂t/∂z°_j. At small ε the bracket of
+  // ∂t/∂z°_j nearly cancels (π_j − q_j ≈ t π_j (d_j − μ), the bracket is O(t²)), so π_j − q_j
+  // has to be formed from log(π_j/q_j) = t(d_j − μ) + KL in double: a π read back from a float
+  // log π* carries 6e-8 of itself, which would be ~6e-8 / t² of ∂t/∂z° (~3% at ε = 1e-6).
+  rng g(17);
+  const std::size_t v = 64;
+  for (const double eps : {1e-10, 1e-6, 0.05}) {
+    CAPTURE(eps);
+    pair_batch b = gaussian_row(g, v, 0.8);
+    const forward_result f = forward(b, eps);
+    REQUIRE(f.stats[0].status == troll::row_status::projected);
+    const tilt_oracle o(b.new_logits, b.old_logits, f.stats[0].t);
+    std::vector<double> up = g.normals(v, 1.0), gn(v), go(v), ge(1);
+    troll::project_backward(troll::cpu, troll::make_batch(b.new_logits.data(), 1, v),
+                            troll::make_batch(b.old_logits.data(), 1, v),
+                            troll::make_batch(f.log_probs.data(), 1, v), f.stats.data(),
+                            troll::make_batch(up.data(), 1, v), troll::make_batch(gn.data(), 1, v),
+                            troll::make_batch(go.data(), 1, v), ge.data());
+    long double sum_g = 0, sum_gc = 0;
+    for (std::size_t j = 0; j < v; ++j) sum_g += up[j], sum_gc += up[j] * (o.d[j] - o.mu);
+    double worst = 0, scale = 0;
+    std::vector<long double> want(v);
+    for (std::size_t j = 0; j < v; ++j) {
+      want[j] = (1 - o.t) * (up[j] - o.pi[j] * sum_g) + sum_gc * o.dt_dold(j);
+      scale = std::max(scale, double(std::fabs(want[j])));
+    }
+    for (std::size_t j = 0; j < v; ++j) worst = std::max(worst, std::fabs(double(want[j]) - go[j]) / scale);
+    CHECK(worst < 1e-10);
+    // ∂t/∂z° itself, relative to its own size. In double the KL's ~1e-16 absolute rounding bounds
+    // it by ~1e-16 / t² (2e-6 at ε = 1e-10, t ≈ 1.5e-5).
+    CHECK(dt_dold_error<double>(b.new_logits, b.old_logits, eps) < (eps < 1e-8 ? 1e-5 : 1e-9));
+  }
+  // Float rows: the case the log-ratio form exists for (π_j from the float log π* in the first
+  // term of the bracket left 4e-5 of ∂t/∂z° at ε = 1e-6 before π_j was formed as q_j + (π_j − q_j)).
+  for (const double eps : {1e-6, 1e-4, 0.05}) {
+    CAPTURE(eps);
+    pair_batch b = gaussian_row(g, v, 0.8);
+    CHECK(dt_dold_error<float>(b.new_logits, b.old_logits, eps) < 2e-6);  // was 4e-5 at ε = 1e-6
+  }
+}
+
 TEST_CASE("inactive and restricted rows: plain log-softmax backward, no old or eps gradient") {
   rng g(31);
   const std::size_t v = 11;

@@ -5,7 +5,7 @@
 //   ∂L/∂z̃_j = t [ g_j − π_j Σg − π_j (d_j − μ) Σg(d−μ) / σ² ]
 //   ∂L/∂z°_j = (1 − t)(g_j − π_j Σg) + Σg(d−μ) · ∂t/∂z°_j,
 //        ∂t/∂z°_j = −[(1 − t) t π_j (d_j − μ) − (π_j − q_j)] / (t σ²),    ∂L/∂ε = Σg(d−μ) / (t σ²),
-//        π_j − q_j = q_j · expm1(t (d_j − μ) + KL(π‖q)) where π ≈ q (the CPU's dt_dold_block).
+//        (detail::dt_dold, troll/detail/tilt_derivatives.hpp: π_j − q_j from the log-ratio)
 #pragma once
 
 #include <cstddef>
@@ -15,6 +15,7 @@
 #include "../../projection_types.hpp"
 #include "../lse_state.hpp"
 #include "../numeric.hpp"
+#include "../tilt_derivatives.hpp"
 #include "block_reduce.cuh"
 #include "row_report.cuh"
 #include "row_scan.cuh"
@@ -75,17 +76,6 @@ __device__ cuda_row_report derivative_problem(const pair_scan& scan, const T* zn
 /// q_j = exp(z°_j − M° − log Σ e^{z° − M°}), 0 where z°_j = −inf.
 __device__ inline double old_probability(double old_logit, double old_max, double old_log_sum) {
   return old_logit > neg_inf() ? ::exp((old_logit - old_max) - old_log_sum) : 0.0;
-}
-
-/// ∂t/∂z°_j of a projected row (cpu::dt_dold_block): π_j and d_j − μ are 0 off J. Where π ≈ q,
-/// π_j − q_j comes from log(π_j/q_j) = t(d_j − μ) + KL(π‖q) through expm1, not from a π read
-/// back from a (float) log π*.
-__device__ inline double dt_dold(bool on_support, double pi, double centred, double q,
-                                 const projection_stats& s) {
-  const double t = s.t;
-  const double log_ratio = t * centred + s.kl_after;  // log(π_j / q_j) on J
-  const double pi_minus_q = !on_support ? -q : (::fabs(log_ratio) < 0.5 ? q * ::expm1(log_ratio) : pi - q);
-  return -((1.0 - t) * t * pi * centred - pi_minus_q) / (t * s.sigma2);
 }
 
 /// Rows of `range`: grad_new (and grad_old when grad_old.rows != 0, grad_eps when not null) from

@@ -26,6 +26,7 @@
 #include "../lse_state.hpp"
 #include "../numeric.hpp"
 #include "../row_problem.hpp"
+#include "../tilt_derivatives.hpp"
 #include "../trust_region_solver.hpp"
 #include "backward_kernels.cuh"
 #include "block_reduce.cuh"

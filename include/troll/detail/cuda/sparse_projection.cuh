@@ -15,6 +15,7 @@
 #include "../lse_state.hpp"
 #include "../numeric.hpp"
 #include "../sparse_row.hpp"
+#include "../tilt_derivatives.hpp"
 #include "../trust_region_solver.hpp"
 #include "backward_kernels.cuh"
 #include "block_reduce.cuh"
@@ -470,10 +471,7 @@ __global__ void sparse_project_backward_kernel(aligned_batch_view<const T> rows,
         gn = t * (explicit_part - pi * centred * h_over_var);
         if (projected) {
           const double q = b > neg_inf() ? ::exp((b - old_max) - log_sum_old) : 0.0;
-          const double log_ratio = t * centred + s.kl_after;
-          const double pi_minus_q = !on_support ? -q : (::fabs(log_ratio) < 0.5 ? q * ::expm1(log_ratio) : pi - q);
-          const double dt_dold = -((1.0 - t) * t * pi * centred - pi_minus_q) / (t * s.sigma2);
-          go = (1.0 - t) * explicit_part + sums.second * dt_dold;
+          go = (1.0 - t) * explicit_part + sums.second * dt_dold(on_support, pi, centred, q, s);
         }
       }
       if (i < row.count) {
