@@ -26,22 +26,12 @@
 namespace {
 
 using troll_test::device_array;
+using troll_test::message_of;
 using troll_test::test_stream;
 using troll_test::unit_roundoff;
 
 constexpr double minus_inf = -std::numeric_limits<double>::infinity();
 const double nan_value = std::numeric_limits<double>::quiet_NaN();
-
-/// The CPU backend's exception message for a call, or "" when it accepts the call.
-template <class Call>
-std::string cpu_rejection(Call&& call) {
-  try {
-    call();
-  } catch (const troll::invalid_input& e) {
-    return e.what();
-  }
-  return "";
-}
 
 /// Message and row of the troll exception a call throws ("" when none).
 struct thrown {
@@ -136,7 +126,7 @@ void check_kl_backward(const pair_batch<T>& b, cudaStream_t stream) {
   std::vector<T> want_p(cols), want_q(cols);
   for (std::size_t r = 0; r < rows; ++r) {
     CAPTURE(b.labels[r]);
-    const std::string cpu_error = cpu_rejection([&] {
+    const std::string cpu_error = message_of([&] {
       troll::kl_backward(troll::cpu.with_threads(1), troll::make_batch(b.new_row(r), 1, cols),
                          troll::make_batch(b.old_row(r), 1, cols), &g[r], troll::make_batch(want_p.data(), 1, cols),
                          troll::make_batch(want_q.data(), 1, cols));
@@ -247,7 +237,7 @@ forward_batch<T> cpu_forward(const std::vector<const troll_test::row_pair*>& can
     const std::vector<T> zn = troll_test::pack<T>({pair}, true, cols), zo = troll_test::pack<T>({pair}, false, cols);
     std::vector<T> out(cols);
     troll::projection_stats st;
-    const std::string err = cpu_rejection([&] {
+    const std::string err = message_of([&] {
       troll::project(troll::cpu.with_threads(1), troll::make_batch(zn.data(), 1, cols),
                      troll::make_batch(zo.data(), 1, cols), eps, troll::make_batch(out.data(), 1, cols), &st);
     });

@@ -26,8 +26,8 @@
 namespace {
 
 using troll_test::device_array;
+using troll_test::message_of;
 using troll_test::test_stream;
-
 using troll_test::tolerance;
 using troll_test::unit_roundoff;
 
@@ -67,17 +67,6 @@ double finite_scale(const T* z, std::size_t size) {
   return s;
 }
 
-/// The CPU backend's exception message for a call on one row, or "" when it accepts the row.
-template <class Call>
-std::string cpu_rejection(Call&& call) {
-  try {
-    call();
-  } catch (const troll::invalid_input& e) {
-    return e.what();
-  }
-  return "";
-}
-
 /// KL tolerance of one row pair between two backends that both reduce in double.
 template <class T>
 tolerance kl_between_backends(double scale) {
@@ -103,7 +92,7 @@ void check_log_softmax_block(const troll_test::corpus_block& block, cudaStream_t
   std::vector<T> want(b.cols);
   for (std::size_t r = 0; r < b.rows; ++r) {
     CAPTURE(block.rows[r].label());
-    const std::string cpu_error = cpu_rejection([&] {
+    const std::string cpu_error = message_of([&] {
       troll::log_softmax(troll::cpu.with_threads(1), troll::make_batch(b.new_row(r), 1, b.cols),
                          troll::make_batch(want.data(), 1, b.cols));
     });
@@ -137,7 +126,7 @@ void check_kl_block(const troll_test::corpus_block& block, cudaStream_t stream) 
   for (std::size_t r = 0; r < b.rows; ++r) {
     CAPTURE(block.rows[r].label());
     T want = T(0);
-    const std::string cpu_error = cpu_rejection([&] {
+    const std::string cpu_error = message_of([&] {
       troll::kl(troll::cpu.with_threads(1), troll::make_batch(b.new_row(r), 1, b.cols),
                 troll::make_batch(b.old_row(r), 1, b.cols), &want);
     });
@@ -178,7 +167,7 @@ void check_project_block(const troll_test::corpus_block& block, double eps, cuda
     CAPTURE(block.rows[r].label());
     CAPTURE(eps);
     troll::projection_stats want_stats;
-    const std::string cpu_error = cpu_rejection([&] {
+    const std::string cpu_error = message_of([&] {
       troll::project(troll::cpu.with_threads(1), troll::make_batch(b.new_row(r), 1, b.cols),
                      troll::make_batch(b.old_row(r), 1, b.cols), eps, troll::make_batch(want.data(), 1, b.cols),
                      &want_stats);
@@ -245,7 +234,7 @@ void check_backward_block(const troll_test::corpus_block& block, double eps, cud
   for (std::size_t r = 0; r < b.rows; ++r) {
     std::vector<T> scratch(b.cols);
     troll::projection_stats st;
-    const std::string err = cpu_rejection([&] {
+    const std::string err = message_of([&] {
       troll::project(troll::cpu.with_threads(1), troll::make_batch(b.new_row(r), 1, b.cols),
                      troll::make_batch(b.old_row(r), 1, b.cols), eps, troll::make_batch(scratch.data(), 1, b.cols),
                      &st);
