@@ -20,24 +20,22 @@ TROLL_BEGIN_NAMESPACE
 
 namespace detail {
 
-/// First non-finite entry (NaN or ±inf) of a row that must be finite everywhere.
+/// First non-finite entry (NaN or ±inf) of a row that must be finite everywhere (one vectorised
+/// scan; a bad row is then walked).
 template <class T>
 row_problem find_nonfinite(const T* z, std::size_t size, const char* operand) {
   row_problem p;
-  cpu::for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-    if (p || cpu::all_finite(z + begin, std::size_t(count))) return;
-    for (Eigen::Index k = 0; k < count; ++k) {
-      const double x = static_cast<double>(z[begin + std::size_t(k)]);
-      if (!(x - x == 0.0)) {
-        p.kind = problem_kind::nan_value;
-        p.operand = operand;
-        p.token = begin + std::size_t(k);
-        p.value = x;
-        return;
-      }
+  if (cpu::all_finite(z, size)) return p;
+  for (std::size_t k = 0; k < size; ++k) {
+    const double x = static_cast<double>(z[k]);
+    if (!(x - x == 0.0)) {
+      p.kind = problem_kind::nan_value;
+      p.operand = operand;
+      p.token = k;
+      p.value = x;
+      return p;
     }
-  });
-  if (p) p.operand = operand;
+  }
   return p;
 }
 

@@ -14,8 +14,6 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
-#include <cstdint>
-#include <string>
 
 #include "batch.hpp"
 #include "config.hpp"

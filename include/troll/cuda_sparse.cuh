@@ -263,7 +263,7 @@ template <class L, class T>
 void align(cuda_policy policy, batch_view<L> new_logits, sparse_input<T> new_support, sparse_input<T> old_rows,
            aligned_batch_view<T> out, const cuda_checks& checks = {}) {
   using logit_type = std::remove_const_t<L>;
-  static_assert(detail::cuda::is_device_logit<logit_type>::value,
+  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
                 "troll::align (CUDA): logits must be float, double, __half or __nv_bfloat16");
   detail::require_float_type<T>();
   constexpr const char* fn = "align";
@@ -367,7 +367,7 @@ template <class L, class T>
 void sparsify_backward(cuda_policy policy, batch_view<L> logits, sparse_input<T> support, sparse_grad_input<T> grad,
                        batch_view<T> grad_logits, const cuda_checks& checks = {}) {
   using logit_type = std::remove_const_t<L>;
-  static_assert(detail::cuda::is_device_logit<logit_type>::value,
+  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
                 "troll::sparsify_backward (CUDA): logits must be float, double, __half or __nv_bfloat16");
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_backward";

@@ -30,21 +30,11 @@ namespace {
 
 using troll_test::close;
 using troll_test::device_array;
+using troll_test::message_of;
 using troll_test::sparse_pair;
 using troll_test::test_stream;
 
 constexpr double inf = std::numeric_limits<double>::infinity();
-
-/// The message of the exception `call` throws (empty when it throws none of type E).
-template <class E, class Call>
-std::string message_of(Call&& call) {
-  try {
-    call();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return {};
-}
 
 /// Double logits shaped like an LLM's (llm_rows widened, plus a double-only jitter so that many
 /// values are not floats), with rows that stress the ranking: exact ties, distinct doubles within

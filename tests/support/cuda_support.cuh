@@ -80,13 +80,14 @@ class device_array {
   std::size_t size_;
 };
 
-/// The message of the troll::invalid_input a call throws, or "" when it accepts: how the CUDA
-/// tests compare a device entry point's exception with the CPU's, message for message.
-template <class Call>
+/// The message of the exception of type E (by default any troll::invalid_input) a call throws,
+/// or "" when it throws none: how the CUDA tests compare a device entry point's exception with
+/// the CPU's, message for message.
+template <class E = troll::invalid_input, class Call>
 std::string message_of(Call&& call) {
   try {
     call();
-  } catch (const troll::invalid_input& e) {
+  } catch (const E& e) {
     return e.what();
   }
   return "";

@@ -92,17 +92,16 @@ inline block_array dt_dold_block(const T* zo, const backward_block& b, const pro
                                  const old_normaliser& on, std::size_t begin, Eigen::Index count) {
   const double t = s.t;
   const block_array old_logits = load(zo, begin, count);
-  block_array q = ((old_logits - on.max) - on.log_sum).exp();  // vectorised: not inside the select
-  if (old_logits.minCoeff() == neg_inf()) q = (old_logits > neg_inf()).select(q, 0.0);
-  // π_j − q_j is ~sqrt(ε)·q_j at small ε: where π ≈ q form it from log(π_j/q_j) =
-  // t(d_j − μ) + KL(π‖q) in double rather than from a π read back from a (float) log π*. Where the
-  // ratio is far from 1 there is no cancellation (and q may underflow while the ratio overflows).
-  // detail::dt_dold in block form: where |log π_j/q_j| < 1/2, π_j − q_j and π_j itself come from
-  // the log-ratio (troll/detail/tilt_derivatives.hpp says why).
+  block_array q = ((old_logits - on.max) - on.log_sum).exp();
+  zero_where_masked(old_logits, q);
+  // detail::dt_dold in block form (troll/detail/tilt_derivatives.hpp says why): where
+  // |log π_j/q_j| < 1/2, π_j − q_j and π_j come from the log-ratio t(d_j − μ) + KL(π‖q); elsewhere
+  // there is no cancellation (and q may underflow while the ratio overflows).
   const block_array log_ratio = t * b.centred + s.kl_after;
   const block_array near = q * expm1_near_zero(log_ratio.max(-0.5).min(0.5));  // used where |ratio| < 1/2
-  const block_mask close = b.support(count) && (log_ratio.abs() < 0.5);
-  const block_array pi_minus_q = close.select(near, b.support(count).select(b.pi - q, -q));
+  const block_mask support = b.support(count);
+  const block_mask close = support && (log_ratio.abs() < 0.5);
+  const block_array pi_minus_q = close.select(near, support.select(b.pi - q, -q));
   const block_array pi = close.select(q + near, b.pi);
   return -((1.0 - t) * t * pi * b.centred - pi_minus_q) / (t * s.sigma2);
 }

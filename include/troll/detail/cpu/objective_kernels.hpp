@@ -106,23 +106,21 @@ inline void troll_backward_row(const T* zn, const T* zo, const T* log_pi, std::s
   const double ratio_scale = k.ratio_coef * k.t;
   const double cross = k.centred_a * k.inv_sigma2;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-    // Eigen 3.4 evaluates a select one coefficient at a time, exponentials inside it included:
-    // every exp below is evaluated on its own, and the selects that zero masked entries run only
-    // on blocks that hold one.
+    // Every exp is evaluated on its own, outside the selects of zero_where_masked.
     const block_array lp = load(log_pi, begin, count);
     const block_array a = load(zn, begin, count);
     const block_array pi = lp.exp();
     block_array g = -ratio_scale * pi;
     if (cross != 0.0) {
       block_array centred = a - load(zo, begin, count) - s.mu;
-      if (lp.minCoeff() == neg_inf()) centred = (lp > neg_inf()).select(centred, 0.0);
+      zero_where_masked(lp, centred);
       g -= ratio_scale * cross * pi * centred;
     }
     if (with_reg) {
       const block_array lp_new = a - log_norm_new;
       block_array reg = lp_new.exp();
       reg = k.reg_coef * reg * (lp_new - lp - kl_reg);
-      if (lp_new.minCoeff() == neg_inf()) reg = (lp_new > neg_inf()).select(reg, 0.0);
+      zero_where_masked(lp_new, reg);
       g += reg;
     }
     store(grad, begin, count, g);

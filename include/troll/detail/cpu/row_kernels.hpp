@@ -49,6 +49,12 @@ inline void store(T* p, std::size_t begin, Eigen::Index count, const Expr& value
   row_map_out<T>(p + begin, count) = values.template cast<T>();
 }
 
+/// Zeroes `values` where `logits` is −inf. Eigen 3.4 runs a select one coefficient at a time, so
+/// only a block that holds a masked entry pays for it; evaluate exponentials before, not inside.
+inline void zero_where_masked(const block_array& logits, block_array& values) {
+  if (logits.minCoeff() == neg_inf()) values = (logits > neg_inf()).select(values, 0.0);
+}
+
 /// Whether every entry of z[0..n) is below +inf (no NaN, no +inf): a plain loop with an integer
 /// OR-reduction, which the compiler vectorises in T (Eigen's all() visits one coefficient at a
 /// time).
@@ -68,22 +74,20 @@ inline bool all_finite(const T* z, std::size_t n) {
   return bad == 0;
 }
 
-/// First NaN or +inf of a row, if any.
+/// First NaN or +inf of a row, if any (one vectorised scan; a bad row is then walked).
 template <class T>
 inline row_problem find_bad_value(const T* z, std::size_t size, const char* operand) {
   row_problem p;
-  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-    if (p || all_below_inf(z + begin, std::size_t(count))) return;
-    for (Eigen::Index k = 0; k < count; ++k) {
-      const double x = static_cast<double>(z[begin + std::size_t(k)]);
-      if (!(x < inf())) {
-        p.kind = x != x ? problem_kind::nan_value : problem_kind::pos_inf;
-        p.operand = operand;
-        p.token = begin + std::size_t(k);
-        return;
-      }
+  if (all_below_inf(z, size)) return p;
+  for (std::size_t k = 0; k < size; ++k) {
+    const double x = static_cast<double>(z[k]);
+    if (!(x < inf())) {
+      p.kind = x != x ? problem_kind::nan_value : problem_kind::pos_inf;
+      p.operand = operand;
+      p.token = k;
+      return p;
     }
-  });
+  }
   return p;
 }
 

@@ -118,9 +118,7 @@ __global__ void __launch_bounds__(block_threads)
     const T* zp = p_logits.row(r);
     const T* zq = q_logits.row(r);
     const pair_scan scan = scan_pair_row(zp, zq, size, scan_storage);
-    cuda_row_report report = pair_problem(scan, zp, zq);
-    // Disjoint supports are no error for kl (the CPU's validate_pairs clears it): KL = +inf.
-    if (report.error == cuda_row_error::disjoint) report = cuda_row_report{};
+    const cuda_row_report report = kl_pair_problem(scan, zp, zq);
     if (threadIdx.x == 0) record_row(checks, range, r, report);
     if (checks.validate_only) continue;
     double value = quiet_nan();

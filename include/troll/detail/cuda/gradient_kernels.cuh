@@ -84,8 +84,7 @@ __global__ void __launch_bounds__(block_threads)
     const T* zp = p_logits.row(r);
     const T* zq = q_logits.row(r);
     const pair_scan scan = scan_pair_row(zp, zq, size, scan_storage);
-    cuda_row_report report = pair_problem(scan, zp, zq);
-    if (report.error == cuda_row_error::disjoint) report = cuda_row_report{};
+    cuda_row_report report = kl_pair_problem(scan, zp, zq);
     const double g = static_cast<double>(grad_kl[r]);
     if (!pairs_only && report.error == cuda_row_error::none) {
       if (!(g - g == 0.0)) {

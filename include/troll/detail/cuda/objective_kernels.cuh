@@ -37,6 +37,13 @@ struct objective_row_record {
   double divergence = 0.0;  ///< DPPO: the divergence estimate
 };
 
+/// c_r = grad_loss · w_r / Σ w of the backward (0 when no token counts), from the aggregation
+/// header and the row's record.
+TROLL_HOST_DEVICE inline double backward_row_weight(double grad_loss, const objective_row_record& header,
+                                                    const objective_row_record& row) {
+  return header.weight == 0.0 ? 0.0 : grad_loss * row.weight / header.weight;
+}
+
 /// Workspace layout: one header record (its `weight` holds the normaliser Σ w or S), then one
 /// record per row.
 constexpr std::size_t objective_workspace_bytes(std::size_t rows) {
@@ -384,8 +391,7 @@ __global__ void __launch_bounds__(block_threads)
       fill_nan(grad, size);
       continue;
     }
-    const double normaliser = header->weight;
-    const double weight = normaliser == 0.0 ? 0.0 : grad_loss * records[r].weight / normaliser;
+    const double weight = backward_row_weight(grad_loss, *header, records[r]);
     if (weight == 0.0) {
       for (std::size_t i = threadIdx.x; i < size; i += block_threads) grad[i] = T(0);
       continue;
@@ -658,8 +664,7 @@ __global__ void __launch_bounds__(block_threads)
       fill_nan(grad, size);
       continue;
     }
-    const double normaliser = header->weight;
-    const double weight = normaliser == 0.0 ? 0.0 : grad_loss * records[r].weight / normaliser;
+    const double weight = backward_row_weight(grad_loss, *header, records[r]);
     double coef = 0.0;
     std::int64_t a = -1;
     if (weight != 0.0) {  // uniform across the block

@@ -128,6 +128,14 @@ __device__ cuda_row_report pair_problem(const pair_scan& s, const T* zn, const T
   return r;
 }
 
+/// pair_problem for kl and kl_backward: disjoint supports are no error there (KL = +inf), as the
+/// CPU's validate_pairs has it.
+template <class T>
+__device__ cuda_row_report kl_pair_problem(const pair_scan& s, const T* zp, const T* zq) {
+  const cuda_row_report r = pair_problem(s, zp, zq);
+  return r.error == cuda_row_error::disjoint ? cuda_row_report{} : r;
+}
+
 /// The solver's view of a scanned pair.
 __device__ inline row_setup make_setup(const pair_scan& s) {
   row_setup setup;

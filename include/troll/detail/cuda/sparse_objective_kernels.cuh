@@ -367,8 +367,7 @@ __global__ void __launch_bounds__(block_threads)
       if (lane_id() == 0) record_row(checks, range, r, report);
       if (!checks.validate_only) {
         T* g = upstream.row(r);
-        const double normaliser = header->weight;
-        const double weight = normaliser == 0.0 ? 0.0 : grad_loss * records[r].weight / normaliser;
+        const double weight = backward_row_weight(grad_loss, *header, records[r]);
         if (report.error != cuda_row_error::none) {
           // The whole slot row (the count may be the bad part): the scatter reads no unwritten g.
           for (std::size_t i = lane_id(); i < upstream.k_max; i += warp_lanes) g[i] = static_cast<T>(quiet_nan());

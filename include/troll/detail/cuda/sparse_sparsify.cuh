@@ -37,7 +37,8 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cuda {
 
-/// Logit element types sparsify reads on the device.
+/// Element types of dense logits the sparse kernels read on the device (sparsify, shards, align,
+/// sparsify_backward).
 template <class L>
 struct is_sparsify_logit : std::false_type {};
 template <>
@@ -48,10 +49,6 @@ template <>
 struct is_sparsify_logit<__half> : std::true_type {};
 template <>
 struct is_sparsify_logit<__nv_bfloat16> : std::true_type {};
-
-/// Element types of dense logits the sparse kernels read (sparsify_backward, align).
-template <class L>
-struct is_device_logit : is_sparsify_logit<L> {};
 
 /// A candidate key of a double logit: `high` the logit's order bits, `low` the index part (32
 /// bits); compared as the 96-bit number high·2³² + low. No initialisers: it lives in __shared__.
