@@ -3,7 +3,7 @@
 # and CMake but perhaps no package manager (run scripts/gpu-bundle.sh first on a Debian machine
 # and bring .gpu-deps/ along; without it the system's Eigen / doctest / Benchmark are used).
 #
-#   bash scripts/gpu-verify.sh [stage ...]      stages: build test sanitize bench (default: all)
+#   bash scripts/gpu-verify.sh [stage ...]      stages: build test sanitize bench peer (default: all but peer)
 #
 # build     configures build/gpu (Release, CUDA on, CMAKE_CUDA_ARCHITECTURES from
 #           TROLL_GPU_ARCH, default "native") and builds every CUDA test, benchmark and example;
@@ -12,6 +12,13 @@
 # sanitize  compute-sanitizer memcheck, racecheck, synccheck and initcheck on each test binary
 #           (TROLL_SANITIZE_FILTER: a doctest -tc filter to keep racecheck short).
 # bench     the CUDA benchmarks, console and JSON.
+# peer      the plain-PyTorch peers of the benchmarks (bench/torch/peer_gpu.py; needs torch).
+#
+# TROLL_GPU_PREBUILT=DIR: use the binaries already in DIR/{tests,bench,examples} (built on another
+# machine for the device's architecture, e.g. by `scripts/gpu-verify.sh build` with
+# TROLL_GPU_ARCH=90, and carried along) instead of configuring and building.
+# TROLL_TEST_TIMEOUT: seconds one test, sanitizer or benchmark run may take (default 600).
+# TROLL_SANITIZE_JOBS: how many compute-sanitizer runs share the GPU at once (default 4).
 #
 # Logs and JSON go to $OUT when set (the device tool's output folder), else build/gpu/out.
 # Exits non-zero when a stage fails; the remaining stages still run and a summary is printed.
@@ -20,7 +27,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 out=${OUT:-build/gpu/out}
 mkdir -p "$out"
-build=build/gpu
+build=${TROLL_GPU_PREBUILT:-build/gpu}
 jobs=$(nproc 2>/dev/null || echo 4)
 arch=${TROLL_GPU_ARCH:-native}
 stages=("$@")
@@ -43,6 +50,12 @@ cuda_benches() { for f in bench/cuda/bench_*.cu; do basename "$f" .cu; done; }
 built=0
 do_build() {
   [ $built -eq 1 ] && return 0
+  if [ -n "${TROLL_GPU_PREBUILT:-}" ]; then
+    for t in $(cuda_tests); do [ -x "$build/tests/$t" ] || { log "prebuilt: $build/tests/$t missing"; return 1; }; done
+    log "device: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'nvidia-smi not available')"
+    built=1
+    return 0
+  fi
   log "device: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'nvidia-smi not available')"
   log "nvcc: $(nvcc --version 2>/dev/null | tail -n 1)"
   cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DTROLL_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" \
@@ -55,50 +68,79 @@ do_build() {
   log "build: ok ($(cuda_tests | wc -l) test binaries, $(cuda_benches | wc -l) benchmarks)"
 }
 
+# One test binary: writes <binary>.log and a verdict line.
+test_one() {
+  local t=$1
+  if timeout "${TROLL_TEST_TIMEOUT:-600}" "$build/tests/$t" >"$out/$t.log" 2>&1 && ! grep -q "SKIPPED: no CUDA device" "$out/$t.log"; then
+    log "test $t: passed ($(grep -m1 'test cases:' "$out/$t.log" | tr -s ' '))"
+  else
+    log "test $t: FAILED (see $t.log)"
+    return 1
+  fi
+}
+
+# Every test binary at once (they share the GPU; the CPU references use the other cores).
 do_test() {
-  local status=0
+  local status=0 pids=()
   for t in $(cuda_tests); do
-    if "$build/tests/$t" >"$out/$t.log" 2>&1 && ! grep -q "SKIPPED: no CUDA device" "$out/$t.log"; then
-      log "test $t: passed ($(grep -m1 'test cases:' "$out/$t.log" | tr -s ' '))"
-    else
-      log "test $t: FAILED (see $t.log)"
-      status=1
-    fi
+    test_one "$t" &
+    pids+=($!)
   done
+  for p in "${pids[@]}"; do wait "$p" || status=1; done
   "$build/examples/quickstart_cuda" >"$out/quickstart_cuda.log" 2>&1 && log "quickstart_cuda: ok" ||
     { log "quickstart_cuda: FAILED"; status=1; }
   return $status
 }
 
-do_sanitize() {
-  local status=0 filter=()
+# One compute-sanitizer run: tool, binary. Writes sanitize-<tool>-<binary>.log and a verdict line.
+sanitize_one() {
+  local tool=$1 t=$2 filter=()
   [ -n "${TROLL_SANITIZE_FILTER:-}" ] && filter=(-tc="$TROLL_SANITIZE_FILTER")
+  local extra=()
+  [ "$tool" = initcheck ] && extra=(--track-unused-memory no)
+  if timeout "${TROLL_TEST_TIMEOUT:-600}" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 99 "$build/tests/$t" "${filter[@]}" \
+    >"$out/sanitize-$tool-$t.log" 2>&1; then
+    log "compute-sanitizer $tool $t: clean ($(grep -m1 'ERROR SUMMARY' "$out/sanitize-$tool-$t.log"))"
+  else
+    log "compute-sanitizer $tool $t: FAILED (see sanitize-$tool-$t.log)"
+    return 1
+  fi
+}
+
+do_sanitize() {
+  local status=0 jobs=${TROLL_SANITIZE_JOBS:-4} pids=()
   for tool in memcheck racecheck synccheck initcheck; do
     for t in $(cuda_tests); do
-      if compute-sanitizer --tool "$tool" --error-exitcode 99 "$build/tests/$t" "${filter[@]}" \
-        >"$out/sanitize-$tool-$t.log" 2>&1; then
-        log "compute-sanitizer $tool $t: clean ($(grep -m1 'ERROR SUMMARY' "$out/sanitize-$tool-$t.log"))"
-      else
-        log "compute-sanitizer $tool $t: FAILED (see sanitize-$tool-$t.log)"
-        status=1
+      sanitize_one "$tool" "$t" &
+      pids+=($!)
+      if [ ${#pids[@]} -ge "$jobs" ]; then
+        wait "${pids[0]}" || status=1
+        pids=("${pids[@]:1}")
       fi
     done
   done
+  for p in "${pids[@]}"; do wait "$p" || status=1; done
   return $status
 }
 
 do_bench() {
   local status=0
   for b in $(cuda_benches); do
-    "$build/bench/$b" --benchmark_out="$out/$b.json" --benchmark_out_format=json >"$out/$b.log" 2>&1 &&
+    timeout "${TROLL_TEST_TIMEOUT:-600}" "$build/bench/$b" --benchmark_out="$out/$b.json" --benchmark_out_format=json >"$out/$b.log" 2>&1 &&
       log "bench $b: ok" || { log "bench $b: FAILED"; status=1; }
   done
   return $status
 }
 
+do_peer() {
+  PYTHONUNBUFFERED=1 python3 bench/torch/peer_gpu.py --json "$out/peer_gpu.json" >"$out/peer_gpu.log" 2>&1 &&
+    log "peer: ok" || { log "peer: FAILED (see peer_gpu.log)"; return 1; }
+}
+
 for stage in "${stages[@]}"; do
   case "$stage" in
     build) do_build || failed+=(build) ;;
+    peer) do_peer || failed+=(peer) ;;
     test | sanitize | bench)
       if ! do_build; then
         failed+=("$stage")
@@ -107,7 +149,7 @@ for stage in "${stages[@]}"; do
       "do_$stage" || failed+=("$stage")
       ;;
     *)
-      echo "gpu-verify: unknown stage '$stage' (build, test, sanitize, bench)" >&2
+      echo "gpu-verify: unknown stage '$stage' (build, test, sanitize, bench, peer)" >&2
       exit 2
       ;;
   esac
