@@ -43,16 +43,7 @@ const std::vector<corpus_block>& corpus() {
   return blocks;
 }
 
-const char* name(troll::row_status s) {
-  switch (s) {
-    case troll::row_status::inactive: return "inactive";
-    case troll::row_status::projected: return "projected";
-    case troll::row_status::restricted: return "restricted";
-    case troll::row_status::infeasible: return "infeasible";
-    case troll::row_status::rejected: return "rejected";
-  }
-  return "?";
-}
+const char* name(troll::row_status s) { return troll::status_name(s); }
 
 troll::row_status expected_status(oracle::status s) {
   switch (s) {

@@ -10,6 +10,7 @@
 
 #include "batch.hpp"
 #include "config.hpp"
+#include "detail/arguments.hpp"
 #include "detail/numeric.hpp"
 #include "detail/objective_row.hpp"
 #include "detail/row_problem.hpp"
@@ -184,11 +185,7 @@ inline void check_trust_region(const char* fn, const trust_region_objective& obj
   if (!(obj.alpha >= 0.0) || !(obj.alpha < inf()))
     throw domain_error(std::string("troll::") + fn + ": alpha must be finite and >= 0, got " +
                        std::to_string(obj.alpha));
-  const projection_options& o = obj.projection;
-  if (!(o.rtol >= 0.0) || !(o.atol >= 0.0) || !(o.rtol + o.atol > 0.0) || o.max_iterations < 1)
-    throw domain_error(std::string("troll::") + fn +
-                       ": projection options need rtol >= 0, atol >= 0, rtol + atol > 0 and "
-                       "max_iterations >= 1");
+  detail::check_options(fn, obj.projection);
 }
 
 /// Throws domain_error unless 0 ≤ clip_low < 1, 0 ≤ clip_high < inf and dual_clip is 0 or in (1,

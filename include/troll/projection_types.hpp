@@ -16,6 +16,10 @@ enum class row_status : int {
                    ///< throw instead of reporting this; it exists for device-side status words.
   rejected = 4,    ///< the row failed input validation on the device (NaN / +inf logits, an
                    ///< all −inf row, ...); its outputs are NaN. CPU entry points throw instead.
+  not_converged = 5,  ///< the solver stopped (max_iterations, or t* resolved to adjacent doubles)
+                      ///< before |KL(π‖q) − ε| ≤ atol + rtol·ε: the row holds its best feasible
+                      ///< member (KL(π‖q) < ε, so the trust region holds) but is not π*. Every
+                      ///< backward rejects it.
 };
 
 /// The status as a lower-case word ("inactive", "projected", ...), for logs and reports.
@@ -26,19 +30,22 @@ TROLL_HOST_DEVICE inline const char* status_name(row_status s) {
     case row_status::restricted: return "restricted";
     case row_status::infeasible: return "infeasible";
     case row_status::rejected: return "rejected";
+    case row_status::not_converged: return "not_converged";
   }
   return "unknown";
 }
 
-/// Controls of the scalar root solve. The Newton iteration stops once
+/// Controls of the scalar root solve. A row is `projected` once
 ///     |KL(π_t ‖ q) − ε| ≤ atol + rtol · ε,
-/// or when the bracket around t* has shrunk to a few ulps (then the feasible end is returned).
-/// The defaults sit well inside troll's documented guarantee (rtol 1e-10, atol 1e-13 in double)
-/// because every reduction runs in double, for float inputs too.
+/// with KL evaluated in double (for float inputs too) and, where the closed form would cancel,
+/// by a sum of non-negative terms; otherwise it is `not_converged`. The defaults give
+/// KL(π*‖q) ∈ ε·[1 − 1e-10, 1 + 1e-10] with a margin (docs/api.md, "Accuracy"): atol = 0, so the
+/// tolerance is relative down to the smallest ε. rtol and atol must be finite and ≥ 0 with a
+/// positive sum, max_iterations ≥ 1.
 struct projection_options {
-  double rtol = 1e-12;
-  double atol = 1e-15;
-  int max_iterations = 50;
+  double rtol = 1e-11;
+  double atol = 0.0;
+  int max_iterations = 100;
 };
 
 /// Per-row results of the forward projection, consumed by the backward passes.
@@ -56,6 +63,10 @@ struct projection_stats {
   row_status status = row_status::inactive;
 
   TROLL_HOST_DEVICE bool active() const { return status != row_status::inactive; }
+  /// Whether the row holds the exact projection (inactive, projected or restricted).
+  TROLL_HOST_DEVICE bool solved() const {
+    return status == row_status::inactive || status == row_status::projected || status == row_status::restricted;
+  }
 };
 
 TROLL_END_NAMESPACE

@@ -11,6 +11,7 @@
 
 #include "batch.hpp"
 #include "config.hpp"
+#include "detail/arguments.hpp"
 #include "detail/numeric.hpp"
 #include "detail/sparse_row.hpp"
 #include "errors.hpp"
@@ -168,11 +169,7 @@ inline void check_sparse_eps(const char* fn, double eps, const projection_option
   if (!(eps > 0.0) || !(eps < inf()))
     throw domain_error(std::string("troll::") + fn + ": the bound eps must be finite and > 0, got " +
                        std::to_string(eps));
-  if (!(opt.rtol >= 0.0) || !(opt.atol >= 0.0) || !(opt.rtol + opt.atol > 0.0) ||
-      opt.max_iterations < 1)
-    throw domain_error(std::string("troll::") + fn +
-                       ": projection_options need rtol >= 0, atol >= 0, rtol + atol > 0 and "
-                       "max_iterations >= 1");
+  check_options(fn, opt);
 }
 
 inline void check_sparsify_options(const char* fn, const sparsify_options& o) {

@@ -22,13 +22,20 @@ inline void check_eps(const char* function, double eps) {
                        ": the bound eps must be finite and > 0, got " + std::to_string(eps));
 }
 
-/// Throws domain_error unless rtol, atol ≥ 0 with a positive sum and max_iterations ≥ 1.
+/// Throws domain_error unless rtol and atol are finite and ≥ 0 with a positive sum and
+/// max_iterations ≥ 1 (projection_options, and the same fields of the objectives' options).
+inline void check_solver_options(const char* function, double rtol, double atol, int max_iterations,
+                                 const char* type = "projection_options") {
+  if (!(rtol >= 0.0 && rtol < inf()) || !(atol >= 0.0 && atol < inf()) || !(rtol + atol > 0.0) ||
+      max_iterations < 1)
+    throw domain_error(std::string("troll::") + function + ": " + type +
+                       " need finite rtol >= 0 and atol >= 0 with rtol + atol > 0, and "
+                       "max_iterations >= 1 (got rtol = " + std::to_string(rtol) + ", atol = " +
+                       std::to_string(atol) + ", max_iterations = " + std::to_string(max_iterations) + ")");
+}
+
 inline void check_options(const char* function, const projection_options& opt) {
-  if (!(opt.rtol >= 0.0) || !(opt.atol >= 0.0) || !(opt.rtol + opt.atol > 0.0) ||
-      opt.max_iterations < 1)
-    throw domain_error(std::string("troll::") + function +
-                       ": projection_options need rtol >= 0, atol >= 0, rtol + atol > 0 and "
-                       "max_iterations >= 1");
+  check_solver_options(function, opt.rtol, opt.atol, opt.max_iterations);
 }
 
 /// project_jacobian's output size: rows · V² entries of `element` bytes must be addressable

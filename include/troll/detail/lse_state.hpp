@@ -38,13 +38,14 @@ TROLL_HOST_DEVICE inline void push(lse_state& st, double w, double x) {
     const double scale = ::exp(st.m - w);  // exp(−inf) = 0 on the first push
     st.s0 = st.s0 * scale + 1.0;
     st.s1 = st.s1 * scale + x;
-    st.s2 = st.s2 * scale + x * x;
+    st.s2 = st.s2 * scale + x * x;  // weight 1: x² overflows only if x itself is ~1e154+
     st.m = w;
   } else {
     const double e = ::exp(w - st.m);
+    const double ex = e * x;  // (e·x)·x: a zero weight never meets an x² that overflowed
     st.s0 += e;
-    st.s1 += e * x;
-    st.s2 += e * x * x;
+    st.s1 += ex;
+    st.s2 += ex * x;
   }
 }
 

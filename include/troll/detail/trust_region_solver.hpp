@@ -1,12 +1,14 @@
 // troll/detail/trust_region_solver.hpp — the scalar part of the projection, written once for
-// host and device: the tilted-family moments at a given t and the safeguarded Newton solve for
-// t* ∈ (0, 1] with KL(π_t* ‖ q) = ε (math.md §2).
+// host and device: the safeguarded Newton solve for t* ∈ (0, 1] with KL(π_t* ‖ q) = ε
+// (math.md §2; docs/math.md "Convergence").
 //
-// A row is seen only through an evaluator `lse_state eval(double t, double c)` that reduces, over
-// the joint support J = {i : z̃_i > −inf and z°_i > −inf}, the pairs
-//     w_i = (z°_i − M°) + t · (d_i − c),   x_i = d_i − c,      d_i = z̃_i − z°_i,
-// where M° = max z° and c is a free centring shift. KL is invariant under c; choosing c ≈ μ(t)
-// keeps t·μ and log Σ from cancelling and keeps the variance formula s2/s0 − μ² accurate.
+// A row is seen only through an evaluator with
+//     lse_state operator()(tilt_param u, double c)   the reduction over J of the pairs
+//                                                     (w_i, x_i = d_i − c), tilt_family.hpp;
+//     double exact_kl(const tilt_point& p)            Σ_i kl_term at an evaluated point;
+//     double old_log_sum()                            log Σ_i exp(z°_i − M°) (all old tokens).
+// c is a free centring shift: KL does not depend on it, and c ≈ μ(t) keeps the moments and
+// t·E[d − c] free of cancellation.
 #pragma once
 
 #include <cmath>
@@ -15,6 +17,7 @@
 #include "../projection_types.hpp"
 #include "lse_state.hpp"
 #include "numeric.hpp"
+#include "tilt_family.hpp"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
@@ -29,33 +32,6 @@ struct row_setup {
   bool any_masked = false;     // some token is −inf in either row: evaluators must mask
 };
 
-/// One member π_t of the tilted family, summarised.
-struct tilt_point {
-  double t = 0.0;
-  double shift = 0.0;     // the c used for this evaluation
-  double log_norm = 0.0;  // log Σ_J exp(w_i): log π_i = w_i − log_norm on J
-  double mu = 0.0;        // E_πt[d] (absolute)
-  double sigma2 = 0.0;    // Var_πt[d]
-  double kl = 0.0;        // KL(π_t ‖ q)
-};
-
-/// Turns an evaluator's reduction at (t, c) into a tilt_point. `old_log_sum` is
-/// log Σ_i exp(z°_i − M°) over all tokens, so log q_i = z°_i − M° − old_log_sum.
-TROLL_HOST_DEVICE inline tilt_point make_point(const lse_state& st, double t, double c,
-                                               double old_log_sum) {
-  tilt_point p;
-  p.t = t;
-  p.shift = c;
-  p.log_norm = st.log_sum();
-  const double mu_c = st.mean();
-  p.mu = mu_c + c;
-  p.sigma2 = st.variance();
-  // A_c(t) = log Σ_J q_i exp(t (d_i − c)); KL(π_t‖q) = t·E[d − c] − A_c(t).
-  const double a_c = st.m + (::log(st.s0) - old_log_sum);
-  p.kl = t * mu_c - a_c;
-  return p;
-}
-
 struct solve_result {
   tilt_point point;  // the evaluated member the row is written from
   double kl_before = 0.0;
@@ -63,10 +39,89 @@ struct solve_result {
   row_status status = row_status::inactive;
 };
 
-/// Solves one row. The evaluator also provides `double old_log_sum() const` (a separate pass,
-/// called only when some old token is masked in the new row; otherwise the t = 0 evaluation
-/// already sums q over its whole support). Never throws: an infeasible row (q's mass on J is at
-/// most e^{−ε}) comes back with status infeasible and the t → 0 end as its point.
+/// Evaluates the member at (u, c) for the solve towards KL = ε within ±tol. The closed-form KL
+/// is kept where its rounding bound is well inside the tolerance, or where it is far enough from
+/// ε (and from 0) to decide the bracket side and to steer a Newton step; otherwise (tiny ε,
+/// near the root, a KL that has underflowed) it is replaced by the cancellation-free sum.
+template <class Eval>
+TROLL_HOST_DEVICE tilt_point evaluate(const Eval& eval, const tilt_param& u, double c, double old_log_sum,
+                                      double eps, double tol) {
+  tilt_point p = make_point(eval(u, c), u, c, old_log_sum);
+  const bool fine = p.kl_error <= 0.25 * tol;
+  const bool decided = ::fabs(p.kl - eps) > tol + p.kl_error && p.kl > 1e3 * p.kl_error;
+  if (!(fine || decided)) {
+    p.kl = eval.exact_kl(p);
+    p.kl_error = 0.0;
+  }
+  return p;
+}
+
+/// KL(π_1 ‖ q) = KL(p̃ ‖ q) to 1e-13 relative (the t = 1 member; p̃ restricted to J when the
+/// old row masks some of its tokens).
+template <class Eval>
+TROLL_HOST_DEVICE tilt_point evaluate_at_one(const Eval& eval, const row_setup& setup, double old_log_sum) {
+  tilt_point p = make_point(eval(tilt_at(1.0), setup.shift_new), tilt_at(1.0), setup.shift_new, old_log_sum);
+  if (!(p.kl_error <= 1e-13 * p.kl)) p.kl = eval.exact_kl(p);
+  p.kl = maximum(p.kl, 0.0);
+  return p;
+}
+
+/// KL(π_0+ ‖ q) = −log q(J), the least KL any admissible π reaches (0 unless the new row masks
+/// old mass), to 1e-13 relative.
+template <class Eval>
+TROLL_HOST_DEVICE tilt_point evaluate_at_zero(const Eval& eval, const row_setup& setup, double old_log_sum) {
+  tilt_point p = make_point(eval(tilt_at(0.0), setup.shift_old), tilt_at(0.0), setup.shift_old, old_log_sum);
+  if (!setup.old_only) {
+    p.kl = 0.0;
+  } else if (!(p.kl_error <= 1e-13 * p.kl)) {
+    p.kl = eval.exact_kl(p);
+  }
+  p.kl = maximum(p.kl, 0.0);
+  return p;
+}
+
+/// Orders members by t (ties, which only occur near t = 1, by s).
+TROLL_HOST_DEVICE inline bool tilt_less(const tilt_param& a, const tilt_param& b) {
+  return a.t < b.t || (a.t == b.t && a.s > b.s);
+}
+
+/// u moved to t − δ, keeping exact whichever of t and s ends up the small one.
+TROLL_HOST_DEVICE inline tilt_param tilt_step(const tilt_param& u, double delta) {
+  if (u.t <= 0.5) {
+    const double t = u.t - delta;
+    return t <= 0.5 ? tilt_at(t) : tilt_near_one(u.s + delta);
+  }
+  const double s = u.s + delta;
+  return s <= 0.5 ? tilt_near_one(s) : tilt_at(u.t - delta);
+}
+
+/// The bisection point of the bracket (lo, hi): arithmetic in t (both ends in the lower half)
+/// or in s (both in the upper half), geometric where the ends are more than a factor 4 apart,
+/// and squaring towards an end at exactly 0 or 1, so that a root at t ~ 1e-300 or 1 − 1e-300
+/// is bracketed in a few dozen halvings of the exponent.
+TROLL_HOST_DEVICE inline tilt_param tilt_bisect(const tilt_param& lo, const tilt_param& hi) {
+  if (hi.t <= 0.5) {
+    if (lo.t == 0.0) return tilt_at(hi.t * minimum(0.125, hi.t));
+    return tilt_at(hi.t > 4.0 * lo.t ? ::sqrt(lo.t * hi.t) : 0.5 * (lo.t + hi.t));
+  }
+  if (lo.t >= 0.5) {
+    if (hi.s == 0.0) return tilt_near_one(lo.s * minimum(0.125, lo.s));
+    return tilt_near_one(lo.s > 4.0 * hi.s ? ::sqrt(lo.s * hi.s) : 0.5 * (lo.s + hi.s));
+  }
+  return tilt_at(0.5);
+}
+
+/// Solves one row. Never throws: an infeasible row (q's mass on J is at most e^{−ε}) comes back
+/// with status infeasible and the t → 0 end as its point; a row not brought within the
+/// tolerance |KL − ε| ≤ atol + rtol·ε comes back not_converged with its best feasible member
+/// (KL < ε) as the point.
+///
+/// Each iteration evaluates one member (one pass over the row, two where the closed-form KL is
+/// too coarse for the decision at hand) and keeps a bracket lo < t* < hi. The next member is a
+/// Newton step on a transform of KL (below) when that lands inside the bracket and is at most
+/// half the step before last (the rtsafe rule), otherwise the bisection point: so the bracket
+/// shrinks at least geometrically, and a stall (steps that shrink slowly, a KL that underflows
+/// to 0 on the far side of a steep rise) turns into bisection within two iterations.
 #ifdef __CUDACC__
 #pragma nv_exec_check_disable
 #endif
@@ -76,19 +131,20 @@ TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setu
   solve_result r;
   // t = 0 first: π_0 = q restricted to J. Its normaliser is log q's (relative to M°) whenever J
   // covers supp q, and its variance seeds the first Newton guess.
-  const lse_state zero_state = eval(0.0, setup.shift_old);
+  const lse_state zero_state = eval(tilt_at(0.0), setup.shift_old);
   const double old_log_sum = setup.old_only ? eval.old_log_sum() : zero_state.log_sum();
-  tilt_point at_zero = make_point(zero_state, 0.0, setup.shift_old, old_log_sum);
-  // KL(π_0+ ‖ q) = −log q(J): zero unless the new row masks old mass.
-  at_zero.kl = setup.old_only ? maximum(at_zero.kl, 0.0) : 0.0;
+  tilt_point at_zero = make_point(zero_state, tilt_at(0.0), setup.shift_old, old_log_sum);
+  if (!setup.old_only) {
+    at_zero.kl = 0.0;
+  } else if (!(at_zero.kl_error <= 1e-13 * at_zero.kl)) {
+    at_zero.kl = maximum(eval.exact_kl(at_zero), 0.0);
+  }
 
-  const tilt_point at_one = make_point(eval(1.0, setup.shift_new), 1.0, setup.shift_new, old_log_sum);
-  const double kl_one = maximum(at_one.kl, 0.0);
-  r.kl_before = setup.new_only ? inf() : kl_one;
+  const tilt_point at_one = evaluate_at_one(eval, setup, old_log_sum);
+  r.kl_before = setup.new_only ? inf() : at_one.kl;
   r.point = at_one;
-  if (kl_one <= eps) {
+  if (at_one.kl <= eps) {
     r.status = setup.new_only ? row_status::restricted : row_status::inactive;
-    r.point.kl = kl_one;
     return r;
   }
   if (at_zero.kl >= eps) {
@@ -96,65 +152,86 @@ TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setu
     r.point = at_zero;
     return r;
   }
-  r.status = row_status::projected;
 
-  // Bracket [lo, hi] with KL(lo) < ε < KL(hi). Near t = 0, KL ≈ KL0 + t² σ0² / 2.
-  double lo = 0.0, hi = 1.0;
-  tilt_point best_lo = at_zero, point = at_one;
-  double t = at_zero.sigma2 > 0.0 ? ::sqrt(2.0 * (eps - at_zero.kl) / at_zero.sigma2) : 0.5;
-  if (!(t > 0.0 && t < 1.0)) t = 0.5;
-  // μ(t) grows with t (dμ/dt = σ²); predict it for the centring shift.
-  double c = minimum(at_zero.mu + t * at_zero.sigma2, at_one.mu);
   const double tol = opt.atol + opt.rtol * eps;
   const double sqrt_eps = ::sqrt(eps);
-  const double ulp = 2.220446049250313e-16;
+  // μ(t) rises from μ(0) to μ(1) (dμ/dt = σ²): the centring shift stays in that range.
+  const double mu_lo = minimum(at_zero.mu, at_one.mu), mu_hi = maximum(at_zero.mu, at_one.mu);
+  auto centre = [&](double c) { return c >= mu_lo ? (c <= mu_hi ? c : mu_hi) : mu_lo; };
+
+  tilt_param lo = tilt_at(0.0), hi = tilt_at(1.0);
+  tilt_point best_lo = at_zero, point = at_one;
+  // Near t = 0, KL ≈ KL0 + t² σ0² / 2.
+  double t0 = at_zero.sigma2 > 0.0 ? ::sqrt(2.0 * (eps - at_zero.kl) / at_zero.sigma2) : 0.5;
+  if (!(t0 > 0.0 && t0 < 1.0)) t0 = 0.5;
+  tilt_param u = t0 <= 0.5 ? tilt_at(t0) : tilt_near_one(1.0 - t0);
+  double c = centre(at_zero.mu + t0 * at_zero.sigma2);
+  double step_last = inf(), step_before = inf();
   bool converged = false;
 
   for (int it = 1; it <= opt.max_iterations; ++it) {
-    point = make_point(eval(t, c), t, c, old_log_sum);
+    // The closed form decides whenever its error is well inside the tolerance or far from it.
+    point = evaluate(eval, u, c, old_log_sum, eps, tol);
     r.iterations = it;
-    const double f = point.kl - eps;
-    if (f <= tol && f >= -tol) {
+    const double g = point.kl - eps;
+#ifdef TROLL_DEBUG_SOLVE
+    printf("it %d t %.17g s %.17g kl %.17g err %.3g sigma2 %.6g c %.6g\n", it, u.t, u.s, point.kl, point.kl_error, point.sigma2, c);
+#endif
+    if (g <= tol && g >= -tol) {
       converged = true;
       break;
     }
-    if (f < 0.0) {
-      lo = t;
+    if (g < 0.0) {
+      lo = u;
       best_lo = point;
     } else {
-      hi = t;
+      hi = u;
     }
     // Two Newton steps on transforms of KL, each exact for one shape of the curve:
     //   on sqrt(KL) − sqrt(ε), exact where KL ≈ a t² (smooth rows, small t);
     //   on log(KL) − log(ε),   exact where KL ≈ a e^{bt} (a sharp q whose mode is about to be
     //   overtaken: KL stays tiny, then rises by orders of magnitude within a short interval).
-    // Near the root the sqrt transform is the flatter one (fewer steps on smooth rows); far above
-    // it (KL > 4ε) the sqrt step crawls along exponential stretches, so the log step leads there.
-    // Whichever leads, the other is the fallback when the first leaves the bracket, and bisection
-    // the last resort. dKL/dt = t σ²(t). (On the test corpus this cut the worst case from 21 to
-    // 16 evaluations and left smooth rows unchanged; docs/iterations.md.)
-    const double kl_pos = maximum(point.kl, 1e-300);
-    const double dkl = t * point.sigma2;
-    double next = lo;
-    if (dkl > 0.0) {
-      const double root_kl = ::sqrt(kl_pos);
+    // Near the root the sqrt transform is the flatter one; far above it (KL > 4ε) the log step
+    // leads. Whichever leads, the other is the fallback when the first leaves the bracket.
+    // dKL/dt = t σ²(t). A KL that is 0 (underflow) or a slope that is 0 or not finite gives no
+    // step: bisection.
+    const double dkl = u.t * point.sigma2;
+    tilt_param next = u;
+    bool newton = false;
+    if (point.kl > 0.0 && dkl > 0.0 && dkl < inf()) {
+      const double root_kl = ::sqrt(point.kl);
       const double sqrt_step = (root_kl - sqrt_eps) * 2.0 * root_kl / dkl;
-      const double log_step = ::log(kl_pos / eps) * kl_pos / dkl;
+      const double log_step = ::log(point.kl / eps) * point.kl / dkl;
       const bool far_above = point.kl > 4.0 * eps;
-      const double first = far_above ? log_step : sqrt_step;
-      const double second = far_above ? sqrt_step : log_step;
-      next = t - first;
-      if (!(next > lo && next < hi)) next = t - second;
+      const double steps[2] = {far_above ? log_step : sqrt_step, far_above ? sqrt_step : log_step};
+      for (const double delta : steps) {
+        if (!(::fabs(delta) <= 0.5 * step_before)) continue;  // not shrinking fast enough
+        const tilt_param candidate = tilt_step(u, delta);
+        if (tilt_less(lo, candidate) && tilt_less(candidate, hi)) {
+          next = candidate;
+          newton = true;
+          break;
+        }
+      }
     }
-    if (!(next > lo && next < hi)) {
-      next = lo > 0.0 ? (hi > 4.0 * lo ? ::sqrt(lo * hi) : 0.5 * (lo + hi)) : 0.125 * hi;
+    if (!newton) {
+      next = tilt_bisect(lo, hi);
+      if (!(tilt_less(lo, next) && tilt_less(next, hi))) break;  // bracket exhausted at this precision
     }
-    if (hi - lo <= 4.0 * ulp * hi || next == t) break;  // bracket exhausted at this precision
-    c = point.mu + (next - t) * point.sigma2;
-    t = next;
+    // |Δt| of this step, measured on whichever of t and s is exact.
+    const double step = next.t <= 0.5 && u.t <= 0.5 ? ::fabs(next.t - u.t) : ::fabs(next.s - u.s);
+    step_before = step_last;
+    step_last = step;
+    c = centre(point.mu + (next.t - u.t) * point.sigma2);
+    u = next;
   }
-  if (!converged && point.kl > eps && lo > 0.0) point = best_lo;  // stalled: keep the feasible end
-  r.point = point;
+  if (converged) {
+    r.status = row_status::projected;
+    r.point = point;
+  } else {
+    r.status = row_status::not_converged;
+    r.point = best_lo;  // feasible: KL(π‖q) < ε
+  }
   return r;
 }
 
@@ -163,7 +240,7 @@ TROLL_HOST_DEVICE inline projection_stats make_stats(const solve_result& r) {
   projection_stats s;
   s.status = r.status;
   s.t = r.point.t;
-  s.eta = r.point.t > 0.0 ? (1.0 - r.point.t) / r.point.t : inf();
+  s.eta = r.point.t > 0.0 ? r.point.s / r.point.t : inf();
   s.kl_before = r.kl_before;
   s.kl_after = r.status == row_status::inactive ? r.kl_before : maximum(r.point.kl, 0.0);
   s.mu = r.point.mu;

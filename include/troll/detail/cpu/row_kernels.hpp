@@ -12,6 +12,7 @@
 #include "../lse_state.hpp"
 #include "../numeric.hpp"
 #include "../row_problem.hpp"
+#include "../tilt_family.hpp"
 #include "../trust_region_solver.hpp"
 
 #include "eigen_warnings_push.inc"
@@ -182,7 +183,7 @@ inline double log_sum_exp_shifted(const T* z, std::size_t size, double shift) {
   return ::log(sum);
 }
 
-/// The tilted-family reduction of trust_region_solver.hpp over one row (see that header).
+/// The tilted-family reduction of trust_region_solver.hpp over one row (tilt_family.hpp).
 template <class T>
 struct tilt_evaluator {
   const T* new_logits;
@@ -191,46 +192,65 @@ struct tilt_evaluator {
   double old_max;
   bool masked;  // some token outside the joint support: take the select path
 
-  /// x = d − c and w = (z° − M°) + t·x on one block; w = −inf outside the joint support.
-  void block(std::size_t begin, Eigen::Index count, double t, double c, block_array& x,
+  /// x = d − c (clamped) and w (tilt_weight's two forms, tilt_family.hpp) on one block; w = −inf
+  /// outside the joint support.
+  void block(std::size_t begin, Eigen::Index count, const tilt_param& u, double c, block_array& x,
              block_array& w) const {
     const block_array a = load(new_logits, begin, count);
     const block_array b = load(old_logits, begin, count);
-    if (!masked) {
-      x = a - b - c;
-      w = (b - old_max) + t * x;
-      return;
+    x = (a - b - c).max(-max_centred()).min(max_centred());
+    if (u.t <= 0.5) {
+      w = (b - old_max) + u.t * x;
+    } else {
+      w = ((a - old_max) - c) - u.s * x;
     }
+    if (!masked) return;
     const block_mask joint = (a > neg_inf()) && (b > neg_inf());
-    x = joint.select(a - b - c, 0.0);
-    w = joint.select((b - old_max) + t * x, neg_inf());
+    x = joint.select(x, 0.0);
+    w = joint.select(w, neg_inf());
   }
 
   /// log Σ_i exp(z°_i − M°) over every finite old logit.
   double old_log_sum() const { return log_sum_exp_shifted(old_logits, size, old_max); }
 
-  lse_state operator()(double t, double c) const {
+  lse_state operator()(const tilt_param& u, double c) const {
     lse_state total;
-    block_array x, w, e;
+    block_array x, w, e, ex;
     for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-      block(begin, count, t, c, x, w);
+      block(begin, count, u, c, x, w);
       const double m = w.maxCoeff();
       if (m == neg_inf()) return;
       e = (w - m).exp();
-      total = merge(total, lse_state{m, e.sum(), (e * x).sum(), (e * x.square()).sum()});
+      ex = e * x;  // (e·x)·x: a zero weight never meets an x² that overflowed
+      total = merge(total, lse_state{m, e.sum(), ex.sum(), (ex * x).sum()});
     });
     return total;
+  }
+
+  /// KL(π‖q) at an evaluated point as the sum of non-negative kl_terms (no cancellation).
+  double exact_kl(const tilt_point& p) const {
+    const kl_frame f = make_frame(p, old_max);
+    double sum = 0.0;
+    for (std::size_t i = 0; i < size; ++i)
+      sum += kl_term(static_cast<double>(new_logits[i]), static_cast<double>(old_logits[i]), f);
+    return sum;
   }
 
   /// out_i = log π_t,i = w_i − log_norm at the evaluated point `p`.
   void write(const tilt_point& p, T* out) const {
     block_array x, w;
     for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-      block(begin, count, p.t, p.shift, x, w);
+      block(begin, count, tilt_param{p.t, p.s}, p.shift, x, w);
       store(out, begin, count, w - p.log_norm);
     });
   }
 };
+
+/// The evaluator of a validated row pair.
+template <class T>
+inline tilt_evaluator<T> make_evaluator(const T* zn, const T* zo, std::size_t size, const row_setup& setup) {
+  return tilt_evaluator<T>{zn, zo, size, setup.old_max, setup.any_masked};
+}
 
 /// out = log_softmax(z); the reference arithmetic for inactive rows: (z_i − M) − log Σ e^{z−M}.
 template <class T>
@@ -246,7 +266,7 @@ inline void log_softmax_row(const T* z, std::size_t size, T* out) {
 template <class T>
 inline projection_stats project_row(const T* zn, const T* zo, std::size_t size, const row_setup& setup,
                                     double eps, const projection_options& opt, T* out) {
-  const tilt_evaluator<T> eval{zn, zo, size, setup.old_max, setup.any_masked};
+  const tilt_evaluator<T> eval = make_evaluator(zn, zo, size, setup);
   const solve_result r = solve_row(eval, setup, eps, opt);
   if (r.status == row_status::inactive) {
     log_softmax_row(zn, size, out);
@@ -259,9 +279,8 @@ inline projection_stats project_row(const T* zn, const T* zo, std::size_t size, 
 /// KL(π_0+ ‖ q) = −log q(J): the smallest KL any admissible π reaches (old-only tokens only).
 template <class T>
 inline double min_reachable_kl(const T* zn, const T* zo, std::size_t size, const row_setup& setup) {
-  const tilt_evaluator<T> eval{zn, zo, size, setup.old_max, true};
-  const double old_log_sum = log_sum_exp_shifted(zo, size, setup.old_max);
-  return make_point(eval(0.0, setup.shift_old), 0.0, setup.shift_old, old_log_sum).kl;
+  const tilt_evaluator<T> eval = make_evaluator(zn, zo, size, setup);
+  return evaluate_at_zero(eval, setup, eval.old_log_sum()).kl;
 }
 
 /// KL(p ‖ q) of one validated row pair (p as "new", q as "old"), +inf when p has mass where q
@@ -269,10 +288,8 @@ inline double min_reachable_kl(const T* zn, const T* zo, std::size_t size, const
 template <class T>
 inline double kl_row(const T* zp, const T* zq, std::size_t size, const row_setup& setup) {
   if (setup.new_only) return inf();
-  const tilt_evaluator<T> eval{zp, zq, size, setup.old_max, setup.any_masked};
-  const double old_log_sum = log_sum_exp_shifted(zq, size, setup.old_max);
-  const tilt_point p = make_point(eval(1.0, setup.shift_new), 1.0, setup.shift_new, old_log_sum);
-  return maximum(p.kl, 0.0);
+  const tilt_evaluator<T> eval = make_evaluator(zp, zq, size, setup);
+  return evaluate_at_one(eval, setup, eval.old_log_sum()).kl;
 }
 
 }  // namespace cpu

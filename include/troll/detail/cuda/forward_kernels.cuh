@@ -36,31 +36,48 @@ struct block_tilt_evaluator {
 
   // Host-and-device only so that solve_row's host instantiation type-checks; it is only ever
   // called from device code.
-  TROLL_HOST_DEVICE lse_state operator()(double t, double c) const {
+  TROLL_HOST_DEVICE lse_state operator()(const tilt_param& u, double c) const {
 #ifdef __CUDA_ARCH__
     lse_state local;
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       const double a = static_cast<double>(new_logits[i]);
       const double b = static_cast<double>(old_logits[i]);
       if (a > neg_inf() && b > neg_inf()) {
-        const double x = (a - b) - c;
-        push(local, (b - old_max) + t * x, x);
+        const double x = clamp_centred((a - b) - c);
+        push(local, tilt_weight(a, b, x, old_max, c, u), x);
       }
     }
     return block_all_reduce(*storage, local, merge_lse{});
 #else
-    (void)t, (void)c;
+    (void)u, (void)c;
     return lse_state{};
+#endif
+  }
+
+  /// KL(π‖q) at an evaluated point as a block sum of non-negative kl_terms (tilt_family.hpp).
+  /// The sum travels through the lse_state reduction as s0 of states with m = 0.
+  TROLL_HOST_DEVICE double exact_kl(const tilt_point& p) const {
+#ifdef __CUDA_ARCH__
+    const kl_frame f = make_frame(p, old_max);
+    double sum = 0.0;
+    for (std::size_t i = threadIdx.x; i < size; i += block_threads)
+      sum += kl_term(static_cast<double>(new_logits[i]), static_cast<double>(old_logits[i]), f);
+    return block_all_reduce(*storage, lse_state{0.0, sum, 0.0, 0.0}, merge_lse{}).s0;
+#else
+    (void)p;
+    return 0.0;
 #endif
   }
 
   /// out_i = log π_t,i = w_i − log_norm at the evaluated point `p`; −inf off the joint support.
   __device__ void write(const tilt_point& p, T* out) const {
+    const tilt_param u{p.t, p.s};
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       const double a = static_cast<double>(new_logits[i]);
       const double b = static_cast<double>(old_logits[i]);
       double value = neg_inf();
-      if (a > neg_inf() && b > neg_inf()) value = ((b - old_max) + p.t * ((a - b) - p.shift)) - p.log_norm;
+      if (a > neg_inf() && b > neg_inf())
+        value = tilt_weight(a, b, clamp_centred((a - b) - p.shift), old_max, p.shift, u) - p.log_norm;
       out[i] = static_cast<T>(value);
     }
   }
@@ -127,8 +144,7 @@ __global__ void __launch_bounds__(block_threads)
         value = inf();
       } else {
         const block_tilt_evaluator<T> eval{zp, zq, size, scan.old.lse.m, old_log_sum(scan), &lse_storage};
-        const tilt_point p = make_point(eval(1.0, scan.shift_new), 1.0, scan.shift_new, old_log_sum(scan));
-        value = maximum(p.kl, 0.0);
+        value = evaluate_at_one(eval, make_setup(scan), old_log_sum(scan)).kl;
       }
     }
     if (threadIdx.x == 0) kl_out[r] = static_cast<T>(value);
@@ -158,7 +174,7 @@ __global__ void __launch_bounds__(block_threads)
 
     if (checks.validate_only) {
       if (report.error == cuda_row_error::none && setup.old_only) {
-        const double floor = make_point(eval(0.0, setup.shift_old), 0.0, setup.shift_old, log_sum_old).kl;
+        const double floor = evaluate_at_zero(eval, setup, log_sum_old).kl;
         if (floor >= eps) report.error = cuda_row_error::infeasible, report.value = floor;
       }
       if (threadIdx.x == 0) record_row(checks, range, r, report);

@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(block_threads)
     }
     const double log_sum_q = old_log_sum(scan);
     const block_tilt_evaluator<T> eval{zp, zq, size, scan.old.lse.m, log_sum_q, &lse_storage};
-    const double kl = maximum(make_point(eval(1.0, scan.shift_new), 1.0, scan.shift_new, log_sum_q).kl, 0.0);
+    const double kl = evaluate_at_one(eval, make_setup(scan), log_sum_q).kl;
     const double max_p = scan.fresh.lse.m, log_sum_p = ::log(scan.fresh.lse.s0);
     const double max_q = scan.old.lse.m;
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {

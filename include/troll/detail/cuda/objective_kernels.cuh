@@ -100,8 +100,7 @@ __device__ cuda_row_report objective_row_problem(const token_batch<T>& in, std::
   const row_setup setup = make_setup(scan);
   // Uniform across the block: every thread holds the same report and scan.
   if (with_floor && report.error == cuda_row_error::none && setup.old_only) {
-    const double floor =
-        make_point(eval(0.0, setup.shift_old), 0.0, setup.shift_old, eval.old_log_sum()).kl;
+    const double floor = evaluate_at_zero(eval, setup, eval.old_log_sum()).kl;
     if (floor >= eps) report.error = cuda_row_error::infeasible, report.value = floor;
   }
   if (report.error == cuda_row_error::none && alpha > 0.0 && setup.new_only)
@@ -626,9 +625,7 @@ __global__ void __launch_bounds__(block_threads)
         } else {
           const block_tilt_evaluator<T> eval{
               zn, zo, size, scan.old.lse.m, old_log_sum(scan), &lse_storage};
-          record.kl_reg = maximum(
-              make_point(eval(1.0, scan.shift_new), 1.0, scan.shift_new, old_log_sum(scan)).kl,
-              0.0);
+          record.kl_reg = evaluate_at_one(eval, make_setup(scan), old_log_sum(scan)).kl;
         }
       }
     }

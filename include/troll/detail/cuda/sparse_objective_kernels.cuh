@@ -187,7 +187,7 @@ __device__ cuda_row_report lumped_problem(const aligned_batch_view<const T>& a, 
   if (eps > 0.0 && setup.old_only) {
     const double log_sum_old = old_log_sum(scan);
     const warp_lumped_evaluator<T> eval{lumped_row(a, r), setup.old_max, log_sum_old};
-    const double floor = make_point(eval(0.0, setup.shift_old), 0.0, setup.shift_old, log_sum_old).kl;
+    const double floor = evaluate_at_zero(eval, setup, log_sum_old).kl;
     if (floor >= eps) {
       report.error = cuda_row_error::infeasible, report.value = floor;
       return report;

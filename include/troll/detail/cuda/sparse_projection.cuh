@@ -77,21 +77,38 @@ struct warp_lumped_evaluator {
 
   TROLL_HOST_DEVICE double old_log_sum() const { return log_sum_old; }
 
-  TROLL_HOST_DEVICE lse_state operator()(double t, double c) const {
+  TROLL_HOST_DEVICE lse_state operator()(const tilt_param& u, double c) const {
 #ifdef __CUDA_ARCH__
     lse_state local;
     for (int i = lane_id(); i <= row.count; i += warp_lanes) {
       double a, b;
       row.at(i, a, b);
       if (a > neg_inf() && b > neg_inf()) {
-        const double x = (a - b) - c;
-        push(local, (b - old_max) + t * x, x);
+        const double x = clamp_centred((a - b) - c);
+        push(local, tilt_weight(a, b, x, old_max, c, u), x);
       }
     }
     return warp_all_reduce(local, merge_lse{});
 #else
-    (void)t, (void)c;
+    (void)u, (void)c;
     return lse_state{};
+#endif
+  }
+
+  /// KL(π‖q) at an evaluated point as a warp sum of non-negative kl_terms (tilt_family.hpp).
+  TROLL_HOST_DEVICE double exact_kl(const tilt_point& p) const {
+#ifdef __CUDA_ARCH__
+    const kl_frame f = make_frame(p, old_max);
+    double sum = 0.0;
+    for (int i = lane_id(); i <= row.count; i += warp_lanes) {
+      double a, b;
+      row.at(i, a, b);
+      sum += kl_term(a, b, f);
+    }
+    return warp_all_reduce(lse_state{0.0, sum, 0.0, 0.0}, merge_lse{}).s0;
+#else
+    (void)p;
+    return 0.0;
 #endif
   }
 };
@@ -289,7 +306,7 @@ __global__ void sparse_kl_kernel(aligned_batch_view<const T> rows, T* kl_out, in
         value = inf();
       } else {
         const warp_lumped_evaluator<T> eval{lumped_row(rows, r), scan.old.lse.m, old_log_sum(scan)};
-        value = maximum(make_point(eval(1.0, scan.shift_new), 1.0, scan.shift_new, old_log_sum(scan)).kl, 0.0);
+        value = evaluate_at_one(eval, make_setup(scan), old_log_sum(scan)).kl;
       }
     }
     if (lane_id() == 0) kl_out[r] = static_cast<T>(value);
@@ -318,7 +335,7 @@ __global__ void sparse_project_kernel(aligned_batch_view<const T> rows, double e
     }
     if (checks.validate_only) {
       if (report.error == cuda_row_error::none && setup.old_only) {
-        const double floor = make_point(eval(0.0, setup.shift_old), 0.0, setup.shift_old, log_sum_old).kl;
+        const double floor = evaluate_at_zero(eval, setup, log_sum_old).kl;
         if (floor >= eps) report.error = cuda_row_error::infeasible, report.value = floor;
       }
       if (lane_id() == 0) record_row(checks, range, r, report);
@@ -351,7 +368,8 @@ __global__ void sparse_project_kernel(aligned_batch_view<const T> rows, double e
       if (inactive) {
         if (a > neg_inf()) value = (a - new_max) - new_log_sum;
       } else if (a > neg_inf() && b > neg_inf()) {
-        value = ((b - setup.old_max) + p.t * ((a - b) - p.shift)) - p.log_norm;
+        value = tilt_weight(a, b, clamp_centred((a - b) - p.shift), setup.old_max, p.shift, tilt_param{p.t, p.s}) -
+                p.log_norm;
       }
       if (i < row.count) {
         indices[i] = rows.indices[r * rows.k_max + std::size_t(i)];
