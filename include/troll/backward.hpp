@@ -59,6 +59,10 @@ inline row_problem check_stats(const projection_stats& s) {
         return row_problem{};
       }
       return p;
+    case row_status::not_converged:
+      p.operand = "status is not_converged (the forward solve stopped before the tolerance; see "
+                  "projection_options)";
+      return p;
     default:
       p.operand = "status is not inactive, projected or restricted";
       return p;

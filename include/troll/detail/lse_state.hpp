@@ -2,6 +2,8 @@
 // companion value. One state summarises a set of pairs (w_i, x_i) as
 //     m = max w_i,   s_k = Σ exp(w_i − m) · x_i^k   (k = 0, 1, 2).
 // States merge associatively (blocks, threads, warps, vocabulary shards all reduce the same way).
+// The tilted-family reduction also keeps the (z̃, z°) pair of the element that attains m, the
+// reference its next evaluation is written relative to (tilt_family.hpp).
 #pragma once
 
 #include <cmath>
@@ -17,6 +19,8 @@ struct lse_state {
   double s0 = 0.0;
   double s1 = 0.0;
   double s2 = 0.0;
+  double ref_new = 0.0;  // z̃ of the pair attaining m (push_pair only)
+  double ref_old = 0.0;  // z° of that pair
 
   TROLL_HOST_DEVICE bool empty() const { return m == neg_inf(); }
   /// log Σ exp(w_i); −inf for an empty set.
@@ -49,6 +53,13 @@ TROLL_HOST_DEVICE inline void push(lse_state& st, double w, double x) {
   }
 }
 
+/// push() of the tilted-family pair of a token with logits (z̃, z°) = (zn, zo), which it records
+/// as the reference when w is a new maximum.
+TROLL_HOST_DEVICE inline void push_pair(lse_state& st, double w, double x, double zn, double zo) {
+  if (w > st.m) st.ref_new = zn, st.ref_old = zo;
+  push(st, w, x);
+}
+
 /// The state of the union of two disjoint sets. Associative and commutative up to round-off.
 TROLL_HOST_DEVICE inline lse_state merge(const lse_state& a, const lse_state& b) {
   if (a.empty()) return b;
@@ -57,7 +68,7 @@ TROLL_HOST_DEVICE inline lse_state merge(const lse_state& a, const lse_state& b)
   const lse_state& hi = a_big ? a : b;
   const lse_state& lo = a_big ? b : a;
   const double scale = ::exp(lo.m - hi.m);
-  return lse_state{hi.m, hi.s0 + lo.s0 * scale, hi.s1 + lo.s1 * scale, hi.s2 + lo.s2 * scale};
+  return lse_state{hi.m, hi.s0 + lo.s0 * scale, hi.s1 + lo.s1 * scale, hi.s2 + lo.s2 * scale, hi.ref_new, hi.ref_old};
 }
 
 }  // namespace detail

@@ -3,12 +3,13 @@
 // (math.md §2; docs/math.md "Convergence").
 //
 // A row is seen only through an evaluator with
-//     lse_state operator()(tilt_param u, double c)   the reduction over J of the pairs
-//                                                     (w_i, x_i = d_i − c), tilt_family.hpp;
-//     double exact_kl(const tilt_point& p)            Σ_i kl_term at an evaluated point;
-//     double old_log_sum()                            log Σ_i exp(z°_i − M°) (all old tokens).
-// c is a free centring shift: KL does not depend on it, and c ≈ μ(t) keeps the moments and
-// t·E[d − c] free of cancellation.
+//     lse_state operator()(tilt_param u, tilt_ref r)  the reduction over J of the pairs (w_i, x_i)
+//                                                      of tilt_family.hpp, by push_pair;
+//     double exact_kl(const tilt_point& p)             Σ_i kl_term at an evaluated point;
+//     double old_log_sum()                             log Σ_i exp(z°_i − M°) (all old tokens).
+// The reference r is a token of J: the arg-max of z° at t = 0, of z̃ at t = 1, and the mode of
+// the last evaluation in between, so that every w and x stays the size of the row's logit
+// differences around its mode.
 #pragma once
 
 #include <cmath>
@@ -25,8 +26,8 @@ namespace detail {
 /// What a row's preliminary scan found (computed without exponentials).
 struct row_setup {
   double old_max = neg_inf();  // M° = max_i z°_i
-  double shift_new = 0.0;      // d at argmax_J z̃: centres the t = 1 evaluation
-  double shift_old = 0.0;      // d at argmax_J z°: centres the t = 0 evaluation
+  tilt_ref new_top;            // (z̃, z°) at argmax_J z̃ (lowest token on ties): t = 1's reference
+  tilt_ref old_top;            // (z̃, z°) at argmax_J z°: t = 0's reference
   bool new_only = false;       // a token with z̃ finite and z° = −inf (p̃ mass outside supp q)
   bool old_only = false;       // a token with z° finite and z̃ = −inf (q mass outside supp p̃)
   bool any_masked = false;     // some token is −inf in either row: evaluators must mask
@@ -39,14 +40,25 @@ struct solve_result {
   row_status status = row_status::inactive;
 };
 
-/// Evaluates the member at (u, c) for the solve towards KL = ε within ±tol. The closed-form KL
-/// is kept where its rounding bound is well inside the tolerance, or where it is far enough from
-/// ε (and from 0) to decide the bracket side and to steer a Newton step; otherwise (tiny ε,
+/// Evaluates the member at (u, ref) for the solve towards KL = ε within ±tol. The closed-form
+/// KL is kept where its rounding bound is well inside the tolerance, or where it is far enough
+/// from ε (and from 0) to decide the bracket side and to steer a Newton step; otherwise (tiny ε,
 /// near the root, a KL that has underflowed) it is replaced by the cancellation-free sum.
+///
+/// The reference should be the mode of π_u (then w ≤ 0 with w = 0 at the mode). Where it is
+/// far from it (the largest w exceeds 64: the mode moved by orders of magnitude since the last
+/// evaluation, as at the steep rise of a token one row masks with a huge finite value), w and
+/// the KL would be differences of huge numbers, so the member is evaluated again relative to
+/// the mode just found.
 template <class Eval>
-TROLL_HOST_DEVICE tilt_point evaluate(const Eval& eval, const tilt_param& u, double c, double old_log_sum,
-                                      double eps, double tol) {
-  tilt_point p = make_point(eval(u, c), u, c, old_log_sum);
+TROLL_HOST_DEVICE tilt_point evaluate(const Eval& eval, const tilt_param& u, tilt_ref ref, double old_max,
+                                      double old_log_sum, double eps, double tol) {
+  lse_state st = eval(u, ref);
+  if (st.m > 64.0) {
+    ref = tilt_ref{st.ref_new, st.ref_old};
+    st = eval(u, ref);
+  }
+  tilt_point p = make_point(st, u, ref, old_max, old_log_sum);
   const bool fine = p.kl_error <= 0.25 * tol;
   const bool decided = ::fabs(p.kl - eps) > tol + p.kl_error && p.kl > 1e3 * p.kl_error;
   if (!(fine || decided)) {
@@ -56,13 +68,23 @@ TROLL_HOST_DEVICE tilt_point evaluate(const Eval& eval, const tilt_param& u, dou
   return p;
 }
 
+/// Replaces p.kl by the cancellation-free sum unless the closed form is good to 1e-13 relative.
+template <class Eval>
+TROLL_HOST_DEVICE void settle_kl(const Eval& eval, tilt_point& p) {
+  if (!(p.kl_error <= 1e-13 * p.kl)) {
+    p.kl = eval.exact_kl(p);
+    p.kl_error = 0.0;
+  }
+  p.kl = maximum(p.kl, 0.0);
+}
+
 /// KL(π_1 ‖ q) = KL(p̃ ‖ q) to 1e-13 relative (the t = 1 member; p̃ restricted to J when the
 /// old row masks some of its tokens).
 template <class Eval>
 TROLL_HOST_DEVICE tilt_point evaluate_at_one(const Eval& eval, const row_setup& setup, double old_log_sum) {
-  tilt_point p = make_point(eval(tilt_at(1.0), setup.shift_new), tilt_at(1.0), setup.shift_new, old_log_sum);
-  if (!(p.kl_error <= 1e-13 * p.kl)) p.kl = eval.exact_kl(p);
-  p.kl = maximum(p.kl, 0.0);
+  tilt_point p = make_point(eval(tilt_at(1.0), setup.new_top), tilt_at(1.0), setup.new_top, setup.old_max,
+                            old_log_sum);
+  settle_kl(eval, p);
   return p;
 }
 
@@ -70,13 +92,13 @@ TROLL_HOST_DEVICE tilt_point evaluate_at_one(const Eval& eval, const row_setup& 
 /// old mass), to 1e-13 relative.
 template <class Eval>
 TROLL_HOST_DEVICE tilt_point evaluate_at_zero(const Eval& eval, const row_setup& setup, double old_log_sum) {
-  tilt_point p = make_point(eval(tilt_at(0.0), setup.shift_old), tilt_at(0.0), setup.shift_old, old_log_sum);
-  if (!setup.old_only) {
+  tilt_point p = make_point(eval(tilt_at(0.0), setup.old_top), tilt_at(0.0), setup.old_top, setup.old_max,
+                            old_log_sum);
+  if (setup.old_only) {
+    settle_kl(eval, p);
+  } else {
     p.kl = 0.0;
-  } else if (!(p.kl_error <= 1e-13 * p.kl)) {
-    p.kl = eval.exact_kl(p);
   }
-  p.kl = maximum(p.kl, 0.0);
   return p;
 }
 
@@ -95,18 +117,30 @@ TROLL_HOST_DEVICE inline tilt_param tilt_step(const tilt_param& u, double delta)
   return s <= 0.5 ? tilt_near_one(s) : tilt_at(u.t - delta);
 }
 
+/// A point strictly between 0 and v > 0, far towards 0: v·min(1/8, v) (squaring, so that a
+/// root at 1e-300 is reached in a few steps), then v·2^-64, then the smallest subnormal.
+TROLL_HOST_DEVICE inline double towards_zero(double v) {
+  double next = v * minimum(0.125, v);
+  if (!(next > 0.0)) next = v * 5.421010862427522e-20;
+  if (!(next > 0.0)) next = 4.9406564584124654e-324;
+  return next;
+}
+
+/// sqrt(a·b) without underflow for subnormal a, b.
+TROLL_HOST_DEVICE inline double geometric_mean(double a, double b) { return ::sqrt(a) * ::sqrt(b); }
+
 /// The bisection point of the bracket (lo, hi): arithmetic in t (both ends in the lower half)
 /// or in s (both in the upper half), geometric where the ends are more than a factor 4 apart,
-/// and squaring towards an end at exactly 0 or 1, so that a root at t ~ 1e-300 or 1 − 1e-300
-/// is bracketed in a few dozen halvings of the exponent.
+/// and towards_zero from an end at exactly t = 0 or s = 0, so that a root at t ~ 1e-300 or
+/// 1 − 1e-300 is bracketed in a few dozen halvings of the exponent.
 TROLL_HOST_DEVICE inline tilt_param tilt_bisect(const tilt_param& lo, const tilt_param& hi) {
   if (hi.t <= 0.5) {
-    if (lo.t == 0.0) return tilt_at(hi.t * minimum(0.125, hi.t));
-    return tilt_at(hi.t > 4.0 * lo.t ? ::sqrt(lo.t * hi.t) : 0.5 * (lo.t + hi.t));
+    if (lo.t == 0.0) return tilt_at(towards_zero(hi.t));
+    return tilt_at(hi.t > 4.0 * lo.t ? geometric_mean(lo.t, hi.t) : 0.5 * (lo.t + hi.t));
   }
   if (lo.t >= 0.5) {
-    if (hi.s == 0.0) return tilt_near_one(lo.s * minimum(0.125, lo.s));
-    return tilt_near_one(lo.s > 4.0 * hi.s ? ::sqrt(lo.s * hi.s) : 0.5 * (lo.s + hi.s));
+    if (hi.s == 0.0) return tilt_near_one(towards_zero(lo.s));
+    return tilt_near_one(lo.s > 4.0 * hi.s ? geometric_mean(lo.s, hi.s) : 0.5 * (lo.s + hi.s));
   }
   return tilt_at(0.5);
 }
@@ -131,13 +165,14 @@ TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setu
   solve_result r;
   // t = 0 first: π_0 = q restricted to J. Its normaliser is log q's (relative to M°) whenever J
   // covers supp q, and its variance seeds the first Newton guess.
-  const lse_state zero_state = eval(tilt_at(0.0), setup.shift_old);
-  const double old_log_sum = setup.old_only ? eval.old_log_sum() : zero_state.log_sum();
-  tilt_point at_zero = make_point(zero_state, tilt_at(0.0), setup.shift_old, old_log_sum);
-  if (!setup.old_only) {
+  const lse_state zero_state = eval(tilt_at(0.0), setup.old_top);
+  const double old_log_sum =
+      setup.old_only ? eval.old_log_sum() : zero_state.log_sum() + (setup.old_top.zo - setup.old_max);
+  tilt_point at_zero = make_point(zero_state, tilt_at(0.0), setup.old_top, setup.old_max, old_log_sum);
+  if (setup.old_only) {
+    settle_kl(eval, at_zero);
+  } else {
     at_zero.kl = 0.0;
-  } else if (!(at_zero.kl_error <= 1e-13 * at_zero.kl)) {
-    at_zero.kl = maximum(eval.exact_kl(at_zero), 0.0);
   }
 
   const tilt_point at_one = evaluate_at_one(eval, setup, old_log_sum);
@@ -155,28 +190,21 @@ TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setu
 
   const double tol = opt.atol + opt.rtol * eps;
   const double sqrt_eps = ::sqrt(eps);
-  // μ(t) rises from μ(0) to μ(1) (dμ/dt = σ²): the centring shift stays in that range.
-  const double mu_lo = minimum(at_zero.mu, at_one.mu), mu_hi = maximum(at_zero.mu, at_one.mu);
-  auto centre = [&](double c) { return c >= mu_lo ? (c <= mu_hi ? c : mu_hi) : mu_lo; };
-
   tilt_param lo = tilt_at(0.0), hi = tilt_at(1.0);
   tilt_point best_lo = at_zero, point = at_one;
   // Near t = 0, KL ≈ KL0 + t² σ0² / 2.
   double t0 = at_zero.sigma2 > 0.0 ? ::sqrt(2.0 * (eps - at_zero.kl) / at_zero.sigma2) : 0.5;
   if (!(t0 > 0.0 && t0 < 1.0)) t0 = 0.5;
   tilt_param u = t0 <= 0.5 ? tilt_at(t0) : tilt_near_one(1.0 - t0);
-  double c = centre(at_zero.mu + t0 * at_zero.sigma2);
+  tilt_ref ref = t0 <= 0.5 ? at_zero.mode : at_one.mode;
   double step_last = inf(), step_before = inf();
   bool converged = false;
 
   for (int it = 1; it <= opt.max_iterations; ++it) {
     // The closed form decides whenever its error is well inside the tolerance or far from it.
-    point = evaluate(eval, u, c, old_log_sum, eps, tol);
+    point = evaluate(eval, u, ref, setup.old_max, old_log_sum, eps, tol);
     r.iterations = it;
     const double g = point.kl - eps;
-#ifdef TROLL_DEBUG_SOLVE
-    printf("it %d t %.17g s %.17g kl %.17g err %.3g sigma2 %.6g c %.6g\n", it, u.t, u.s, point.kl, point.kl_error, point.sigma2, c);
-#endif
     if (g <= tol && g >= -tol) {
       converged = true;
       break;
@@ -222,7 +250,7 @@ TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setu
     const double step = next.t <= 0.5 && u.t <= 0.5 ? ::fabs(next.t - u.t) : ::fabs(next.s - u.s);
     step_before = step_last;
     step_last = step;
-    c = centre(point.mu + (next.t - u.t) * point.sigma2);
+    ref = point.mode;
     u = next;
   }
   if (converged) {

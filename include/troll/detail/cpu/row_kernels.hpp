@@ -131,11 +131,11 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
       any_new = any_old = true;
       if (max_new > best_new) {
         const Eigen::Index at = index_of(a, max_new);
-        best_new = max_new, setup.shift_new = a[at] - b[at];
+        best_new = max_new, setup.new_top = tilt_ref{a[at], b[at]};
       }
       if (max_old > best_old) {
         const Eigen::Index at = index_of(b, max_old);
-        best_old = max_old, setup.shift_old = a[at] - b[at];
+        best_old = max_old, setup.old_top = tilt_ref{a[at], b[at]};
       }
       return;
     }
@@ -150,9 +150,9 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
     if (!joint.any()) return;
     Eigen::Index at = 0;
     const double vn = joint.select(a, neg_inf()).maxCoeff(&at);
-    if (vn > best_new) best_new = vn, setup.shift_new = a[at] - b[at];
+    if (vn > best_new) best_new = vn, setup.new_top = tilt_ref{a[at], b[at]};
     const double vo = joint.select(b, neg_inf()).maxCoeff(&at);
-    if (vo > best_old) best_old = vo, setup.shift_old = a[at] - b[at];
+    if (vo > best_old) best_old = vo, setup.old_top = tilt_ref{a[at], b[at]};
   });
   if (p) return p;
   if (!any_new) {
@@ -192,17 +192,16 @@ struct tilt_evaluator {
   double old_max;
   bool masked;  // some token outside the joint support: take the select path
 
-  /// x = d − c (clamped) and w (tilt_weight's two forms, tilt_family.hpp) on one block; w = −inf
-  /// outside the joint support.
-  void block(std::size_t begin, Eigen::Index count, const tilt_param& u, double c, block_array& x,
-             block_array& w) const {
-    const block_array a = load(new_logits, begin, count);
-    const block_array b = load(old_logits, begin, count);
-    x = (a - b - c).max(-max_centred()).min(max_centred());
+  /// x and w (tilt_family.hpp) on one block; w = −inf outside the joint support.
+  void block(std::size_t begin, Eigen::Index count, const tilt_param& u, const tilt_ref& ref, block_array& a,
+             block_array& b, block_array& x, block_array& w) const {
+    a = load(new_logits, begin, count);
+    b = load(old_logits, begin, count);
+    x = ((a - b).max(-max_difference()).min(max_difference()) - ref.d()).max(-max_difference()).min(max_difference());
     if (u.t <= 0.5) {
-      w = (b - old_max) + u.t * x;
+      w = (b - ref.zo) + u.t * x;
     } else {
-      w = ((a - old_max) - c) - u.s * x;
+      w = (a - ref.zn) - u.s * x;
     }
     if (!masked) return;
     const block_mask joint = (a > neg_inf()) && (b > neg_inf());
@@ -213,34 +212,39 @@ struct tilt_evaluator {
   /// log Σ_i exp(z°_i − M°) over every finite old logit.
   double old_log_sum() const { return log_sum_exp_shifted(old_logits, size, old_max); }
 
-  lse_state operator()(const tilt_param& u, double c) const {
+  lse_state operator()(const tilt_param& u, const tilt_ref& ref) const {
     lse_state total;
-    block_array x, w, e, ex;
+    block_array a, b, x, w, e, ex;
     for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-      block(begin, count, u, c, x, w);
+      block(begin, count, u, ref, a, b, x, w);
       const double m = w.maxCoeff();
       if (m == neg_inf()) return;
       e = (w - m).exp();
       ex = e * x;  // (e·x)·x: a zero weight never meets an x² that overflowed
-      total = merge(total, lse_state{m, e.sum(), ex.sum(), (ex * x).sum()});
+      lse_state part{m, e.sum(), ex.sum(), (ex * x).sum()};
+      if (m > total.m) {  // this block holds the mode so far: record its token as the reference
+        Eigen::Index k = 0;
+        while (!(w[k] == m)) ++k;
+        part.ref_new = a[k], part.ref_old = b[k];
+      }
+      total = merge(total, part);
     });
     return total;
   }
 
   /// KL(π‖q) at an evaluated point as the sum of non-negative kl_terms (no cancellation).
   double exact_kl(const tilt_point& p) const {
-    const kl_frame f = make_frame(p, old_max);
     double sum = 0.0;
     for (std::size_t i = 0; i < size; ++i)
-      sum += kl_term(static_cast<double>(new_logits[i]), static_cast<double>(old_logits[i]), f);
+      sum += kl_term(static_cast<double>(new_logits[i]), static_cast<double>(old_logits[i]), p);
     return sum;
   }
 
   /// out_i = log π_t,i = w_i − log_norm at the evaluated point `p`.
   void write(const tilt_point& p, T* out) const {
-    block_array x, w;
+    block_array a, b, x, w;
     for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-      block(begin, count, tilt_param{p.t, p.s}, p.shift, x, w);
+      block(begin, count, tilt_param{p.t, p.s}, p.ref, a, b, x, w);
       store(out, begin, count, w - p.log_norm);
     });
   }

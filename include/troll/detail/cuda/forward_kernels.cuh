@@ -36,20 +36,20 @@ struct block_tilt_evaluator {
 
   // Host-and-device only so that solve_row's host instantiation type-checks; it is only ever
   // called from device code.
-  TROLL_HOST_DEVICE lse_state operator()(const tilt_param& u, double c) const {
+  TROLL_HOST_DEVICE lse_state operator()(const tilt_param& u, const tilt_ref& ref) const {
 #ifdef __CUDA_ARCH__
     lse_state local;
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       const double a = static_cast<double>(new_logits[i]);
       const double b = static_cast<double>(old_logits[i]);
       if (a > neg_inf() && b > neg_inf()) {
-        const double x = clamp_centred((a - b) - c);
-        push(local, tilt_weight(a, b, x, old_max, c, u), x);
+        const double x = tilt_centred(a, b, ref);
+        push_pair(local, tilt_weight(a, b, x, ref, u), x, a, b);
       }
     }
     return block_all_reduce(*storage, local, merge_lse{});
 #else
-    (void)u, (void)c;
+    (void)u, (void)ref;
     return lse_state{};
 #endif
   }
@@ -58,11 +58,12 @@ struct block_tilt_evaluator {
   /// The sum travels through the lse_state reduction as s0 of states with m = 0.
   TROLL_HOST_DEVICE double exact_kl(const tilt_point& p) const {
 #ifdef __CUDA_ARCH__
-    const kl_frame f = make_frame(p, old_max);
     double sum = 0.0;
     for (std::size_t i = threadIdx.x; i < size; i += block_threads)
-      sum += kl_term(static_cast<double>(new_logits[i]), static_cast<double>(old_logits[i]), f);
-    return block_all_reduce(*storage, lse_state{0.0, sum, 0.0, 0.0}, merge_lse{}).s0;
+      sum += kl_term(static_cast<double>(new_logits[i]), static_cast<double>(old_logits[i]), p);
+    lse_state part;
+    part.m = 0.0, part.s0 = sum;
+    return block_all_reduce(*storage, part, merge_lse{}).s0;
 #else
     (void)p;
     return 0.0;
@@ -76,8 +77,7 @@ struct block_tilt_evaluator {
       const double a = static_cast<double>(new_logits[i]);
       const double b = static_cast<double>(old_logits[i]);
       double value = neg_inf();
-      if (a > neg_inf() && b > neg_inf())
-        value = tilt_weight(a, b, clamp_centred((a - b) - p.shift), old_max, p.shift, u) - p.log_norm;
+      if (a > neg_inf() && b > neg_inf()) value = tilt_weight(a, b, tilt_centred(a, b, p.ref), p.ref, u) - p.log_norm;
       out[i] = static_cast<T>(value);
     }
   }

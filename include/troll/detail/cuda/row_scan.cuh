@@ -51,10 +51,10 @@ struct pair_scan {
   bool old_only = false;
   double best_new = neg_inf();
   std::size_t at_new = no_token;
-  double shift_new = 0.0;
+  double partner_new = 0.0;  // z° at the arg-max of z̃ over J
   double best_old = neg_inf();
   std::size_t at_old = no_token;
-  double shift_old = 0.0;
+  double partner_old = 0.0;  // z̃ at the arg-max of z° over J
 };
 
 __device__ inline void add(pair_scan& s, std::size_t token, double a, double b) {
@@ -65,8 +65,8 @@ __device__ inline void add(pair_scan& s, std::size_t token, double a, double b) 
   s.old_only = s.old_only || (!finite_new && finite_old);
   if (!(finite_new && finite_old)) return;
   // Tokens arrive in increasing order within a thread: strict > keeps the lowest on ties.
-  if (a > s.best_new) s.best_new = a, s.at_new = token, s.shift_new = a - b;
-  if (b > s.best_old) s.best_old = b, s.at_old = token, s.shift_old = a - b;
+  if (a > s.best_new) s.best_new = a, s.at_new = token, s.partner_new = b;
+  if (b > s.best_old) s.best_old = b, s.at_old = token, s.partner_old = a;
 }
 
 /// Larger value wins, the lower token on ties (the CPU's first-occurrence arg-max).
@@ -81,9 +81,9 @@ __device__ inline pair_scan merge(const pair_scan& a, const pair_scan& b) {
   s.new_only = a.new_only || b.new_only;
   s.old_only = a.old_only || b.old_only;
   const pair_scan& n = wins(a.best_new, a.at_new, b.best_new, b.at_new) ? a : b;
-  s.best_new = n.best_new, s.at_new = n.at_new, s.shift_new = n.shift_new;
+  s.best_new = n.best_new, s.at_new = n.at_new, s.partner_new = n.partner_new;
   const pair_scan& o = wins(a.best_old, a.at_old, b.best_old, b.at_old) ? a : b;
-  s.best_old = o.best_old, s.at_old = o.at_old, s.shift_old = o.shift_old;
+  s.best_old = o.best_old, s.at_old = o.at_old, s.partner_old = o.partner_old;
   return s;
 }
 
@@ -140,8 +140,8 @@ __device__ cuda_row_report kl_pair_problem(const pair_scan& s, const T* zp, cons
 __device__ inline row_setup make_setup(const pair_scan& s) {
   row_setup setup;
   setup.old_max = s.old.lse.m;
-  setup.shift_new = s.shift_new;
-  setup.shift_old = s.shift_old;
+  setup.new_top = tilt_ref{s.best_new, s.partner_new};
+  setup.old_top = tilt_ref{s.partner_old, s.best_old};
   setup.new_only = s.new_only;
   setup.old_only = s.old_only;
   return setup;

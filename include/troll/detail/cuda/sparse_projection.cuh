@@ -77,20 +77,20 @@ struct warp_lumped_evaluator {
 
   TROLL_HOST_DEVICE double old_log_sum() const { return log_sum_old; }
 
-  TROLL_HOST_DEVICE lse_state operator()(const tilt_param& u, double c) const {
+  TROLL_HOST_DEVICE lse_state operator()(const tilt_param& u, const tilt_ref& ref) const {
 #ifdef __CUDA_ARCH__
     lse_state local;
     for (int i = lane_id(); i <= row.count; i += warp_lanes) {
       double a, b;
       row.at(i, a, b);
       if (a > neg_inf() && b > neg_inf()) {
-        const double x = clamp_centred((a - b) - c);
-        push(local, tilt_weight(a, b, x, old_max, c, u), x);
+        const double x = tilt_centred(a, b, ref);
+        push_pair(local, tilt_weight(a, b, x, ref, u), x, a, b);
       }
     }
     return warp_all_reduce(local, merge_lse{});
 #else
-    (void)u, (void)c;
+    (void)u, (void)ref;
     return lse_state{};
 #endif
   }
@@ -98,14 +98,15 @@ struct warp_lumped_evaluator {
   /// KL(π‖q) at an evaluated point as a warp sum of non-negative kl_terms (tilt_family.hpp).
   TROLL_HOST_DEVICE double exact_kl(const tilt_point& p) const {
 #ifdef __CUDA_ARCH__
-    const kl_frame f = make_frame(p, old_max);
     double sum = 0.0;
     for (int i = lane_id(); i <= row.count; i += warp_lanes) {
       double a, b;
       row.at(i, a, b);
-      sum += kl_term(a, b, f);
+      sum += kl_term(a, b, p);
     }
-    return warp_all_reduce(lse_state{0.0, sum, 0.0, 0.0}, merge_lse{}).s0;
+    lse_state part;
+    part.m = 0.0, part.s0 = sum;
+    return warp_all_reduce(part, merge_lse{}).s0;
 #else
     (void)p;
     return 0.0;
@@ -368,8 +369,7 @@ __global__ void sparse_project_kernel(aligned_batch_view<const T> rows, double e
       if (inactive) {
         if (a > neg_inf()) value = (a - new_max) - new_log_sum;
       } else if (a > neg_inf() && b > neg_inf()) {
-        value = tilt_weight(a, b, clamp_centred((a - b) - p.shift), setup.old_max, p.shift, tilt_param{p.t, p.s}) -
-                p.log_norm;
+        value = tilt_weight(a, b, tilt_centred(a, b, p.ref), p.ref, tilt_param{p.t, p.s}) - p.log_norm;
       }
       if (i < row.count) {
         indices[i] = rows.indices[r * rows.k_max + std::size_t(i)];
