@@ -1,0 +1,351 @@
+// python/src/objectives.cpp — troll's training objectives (docs/objectives.md) for Python:
+// TROLL's trust-region loss against dense or sparse old rows, PPO clip and DPPO, each a forward
+// that returns the aggregated loss with its metrics and a fused backward to the new logits.
+// The token batch travels as a tuple (tokens, advantages, loss_mask | None, sequence_ids | None,
+// aggregation) and sparse rows as in sparse.cpp.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <optional>
+#include <string>
+
+#include "sparse_views.hpp"
+
+namespace troll_py {
+namespace {
+
+/// The token batch of `rows` rows, its arrays held for the call.
+template <class T>
+struct token_rows {
+  in_array tokens, advantages, mask, sequence_ids;
+  troll::token_batch<T> batch;
+
+  token_rows(const char* fn, nb::handle h, std::size_t rows) {
+    const nb::tuple t = as_tuple(fn, "batch", h, 5);
+    tokens = item<in_array>(fn, "batch", t, 0);
+    advantages = item<in_array>(fn, "batch", t, 1);
+    batch.tokens = as_rows<const std::int64_t>(fn, "tokens", tokens, rows);
+    batch.advantages = as_rows<const T>(fn, "advantages", advantages, rows);
+    if (!t[2].is_none()) {
+      mask = item<in_array>(fn, "batch", t, 2);
+      batch.loss_mask = as_rows<const T>(fn, "mask", mask, rows);
+    }
+    if (!t[3].is_none()) {
+      sequence_ids = item<in_array>(fn, "batch", t, 3);
+      batch.sequence_ids = as_rows<const std::int64_t>(fn, "sequence_ids", sequence_ids, rows);
+    }
+    const std::string aggregation = nb::cast<std::string>(t[4]);
+    if (aggregation == "token_mean") {
+      batch.aggregation = troll::loss_aggregation::token_mean;
+    } else if (aggregation == "sequence_mean") {
+      batch.aggregation = troll::loss_aggregation::sequence_mean;
+    } else {
+      throw troll::domain_error(std::string("troll.") + fn + ": aggregation must be 'token_mean' or "
+                                "'sequence_mean', got '" + aggregation + "'");
+    }
+  }
+};
+
+troll::cpu_policy policy(unsigned threads) { return troll::cpu.with_threads(threads); }
+
+nb::dict metrics_dict(const troll::objective_metrics& m) {
+  nb::dict d;
+  d["loss"] = m.loss;
+  d["tokens"] = m.tokens;
+  d["sequences"] = m.sequences;
+  d["ratio_mean"] = m.ratio_mean;
+  d["kl_before_mean"] = m.kl_before_mean;
+  d["kl_before_max"] = m.kl_before_max;
+  d["kl_after_mean"] = m.kl_after_mean;
+  d["kl_after_max"] = m.kl_after_max;
+  d["regression_kl_mean"] = m.regression_kl_mean;
+  d["projected_fraction"] = m.projected_fraction;
+  d["eta_mean"] = m.eta_mean;
+  d["limited_fraction"] = m.limited_fraction;
+  d["divergence_mean"] = m.divergence_mean;
+  return d;
+}
+
+troll::trust_region_objective trust_region(double eps, double alpha, double rtol, double atol,
+                                           int max_iterations) {
+  troll::trust_region_objective o;
+  o.eps = eps;
+  o.alpha = alpha;
+  o.projection.rtol = rtol;
+  o.projection.atol = atol;
+  o.projection.max_iterations = max_iterations;
+  return o;
+}
+
+troll::dppo_divergence divergence_of(const std::string& name) {
+  if (name == "binary_tv") return troll::dppo_divergence::binary_tv;
+  if (name == "binary_kl") return troll::dppo_divergence::binary_kl;
+  if (name == "topk_tv") return troll::dppo_divergence::topk_tv;
+  if (name == "topk_kl") return troll::dppo_divergence::topk_kl;
+  throw troll::domain_error("troll.dppo_loss: divergence must be binary_tv, binary_kl, topk_tv or "
+                            "topk_kl, got '" + name + "'");
+}
+
+/// The dense views every dense objective call shares: new and old logits of one shape.
+template <class T>
+struct dense_pair {
+  troll::batch_view<const T> new_logits, old_logits;
+  dense_pair(const char* fn, const in_array& n, const in_array& o)
+      : new_logits((require_same_shape(fn, "old_logits", o, "new_logits", n),
+                    as_batch<const T>(fn, "new_logits", n))),
+        old_logits(as_batch<const T>(fn, "old_logits", o)) {}
+};
+
+/// A (..., V) gradient output shaped like new_logits and disjoint from the inputs.
+template <class T>
+troll::batch_view<T> grad_output(const char* fn, const out_array& g, const in_array& n,
+                                 const troll::batch_view<const T>& nv) {
+  require_same_shape(fn, "grad_new", g, "new_logits", n);
+  const auto gv = as_batch<T>(fn, "grad_new", g);
+  require_disjoint(fn, "grad_new", gv, "new_logits", nv);
+  return gv;
+}
+
+/// Calls `body` with T the dtype of `probe` and returns its metrics as a dict.
+template <class F>
+nb::dict with_metrics(const char* fn, const in_array& probe, F&& body) {
+  troll::objective_metrics m;
+  dispatch_float(fn, "new_logits", probe, [&](auto tag) { m = body(tag); });
+  return metrics_dict(m);
+}
+
+nb::dict trust_region_forward(const in_array& n, const in_array& o, nb::handle batch, double eps,
+                              double alpha, double rtol, double atol, int max_iterations,
+                              const out_array& log_probs, const out_array& stats_values,
+                              const out_array& stats_counters,
+                              const std::optional<out_array>& token_loss, unsigned threads) {
+  constexpr const char* fn = "trust_region_loss";
+  return with_metrics(fn, n, [&](auto tag) {
+    using T = decltype(tag);
+    const dense_pair<T> d(fn, n, o);
+    const token_rows<T> in(fn, batch, d.new_logits.rows);
+    require_same_shape(fn, "log_probs", log_probs, "new_logits", n);
+    const auto lp = as_batch<T>(fn, "log_probs", log_probs);
+    require_disjoint(fn, "log_probs", lp, "new_logits", d.new_logits);
+    require_disjoint(fn, "log_probs", lp, "old_logits", d.old_logits);
+    const stats_out st(fn, stats_values, stats_counters, d.new_logits.rows);
+    T* tl = token_loss ? as_rows<T>(fn, "token_loss", *token_loss, d.new_logits.rows) : nullptr;
+    std::vector<troll::projection_stats> stats(d.new_logits.rows);
+    troll::objective_metrics m;
+    {
+      nb::gil_scoped_release release;
+      m = troll::objective_forward(policy(threads), trust_region(eps, alpha, rtol, atol, max_iterations),
+                                   d.new_logits, d.old_logits, in.batch, lp, stats.data(), tl);
+    }
+    st.write(stats);
+    return m;
+  });
+}
+
+void trust_region_backward(const in_array& n, const in_array& o, nb::handle batch, double eps,
+                           double alpha, double rtol, double atol, int max_iterations,
+                           const in_array& log_probs, const in_array& stats_values,
+                           const in_array& stats_counters, const out_array& grad_new,
+                           double grad_loss, unsigned threads) {
+  constexpr const char* fn = "trust_region_loss_backward";
+  dispatch_float(fn, "new_logits", n, [&](auto tag) {
+    using T = decltype(tag);
+    const dense_pair<T> d(fn, n, o);
+    const token_rows<T> in(fn, batch, d.new_logits.rows);
+    require_same_shape(fn, "log_probs", log_probs, "new_logits", n);
+    const auto lp = as_batch<const T>(fn, "log_probs", log_probs);
+    const auto g = grad_output<T>(fn, grad_new, n, d.new_logits);
+    require_disjoint(fn, "grad_new", g, "old_logits", d.old_logits);
+    require_disjoint(fn, "grad_new", g, "log_probs", lp);
+    const auto stats = read_stats(fn, stats_values, stats_counters, d.new_logits.rows);
+    nb::gil_scoped_release release;
+    troll::objective_backward(policy(threads), trust_region(eps, alpha, rtol, atol, max_iterations),
+                              d.new_logits, d.old_logits, in.batch, lp, stats.data(), g, grad_loss);
+  });
+}
+
+/// PPO clip and DPPO share one forward and one backward: `objective` is built per call.
+template <class Objective>
+nb::dict ratio_forward(const char* fn, const Objective& objective, const in_array& n,
+                       const in_array& o, nb::handle batch,
+                       const std::optional<out_array>& token_loss, unsigned threads) {
+  return with_metrics(fn, n, [&](auto tag) {
+    using T = decltype(tag);
+    const dense_pair<T> d(fn, n, o);
+    const token_rows<T> in(fn, batch, d.new_logits.rows);
+    T* tl = token_loss ? as_rows<T>(fn, "token_loss", *token_loss, d.new_logits.rows) : nullptr;
+    nb::gil_scoped_release release;
+    return troll::objective_forward(policy(threads), objective, d.new_logits, d.old_logits,
+                                    in.batch, tl);
+  });
+}
+
+template <class Objective>
+void ratio_backward(const char* fn, const Objective& objective, const in_array& n,
+                    const in_array& o, nb::handle batch, const out_array& grad_new,
+                    double grad_loss, unsigned threads) {
+  dispatch_float(fn, "new_logits", n, [&](auto tag) {
+    using T = decltype(tag);
+    const dense_pair<T> d(fn, n, o);
+    const token_rows<T> in(fn, batch, d.new_logits.rows);
+    const auto g = grad_output<T>(fn, grad_new, n, d.new_logits);
+    require_disjoint(fn, "grad_new", g, "old_logits", d.old_logits);
+    nb::gil_scoped_release release;
+    troll::objective_backward(policy(threads), objective, d.new_logits, d.old_logits, in.batch, g,
+                              grad_loss);
+  });
+}
+
+troll::ppo_clip_objective ppo_clip(double clip_low, double clip_high, double dual_clip,
+                                   bool kl_metrics) {
+  troll::ppo_clip_objective p;
+  p.clip_low = clip_low;
+  p.clip_high = clip_high;
+  p.dual_clip = dual_clip;
+  p.kl_metrics = kl_metrics;
+  return p;
+}
+
+troll::dppo_objective dppo(const std::string& divergence, double delta_low, double delta_high,
+                           int top_k, bool kl_metrics) {
+  troll::dppo_objective p;
+  p.divergence = divergence_of(divergence);
+  p.delta_low = delta_low;
+  p.delta_high = delta_high;
+  p.top_k = top_k;
+  p.kl_metrics = kl_metrics;
+  return p;
+}
+
+troll::sparse_trust_region_objective sparse_trust_region(double eps, double alpha, double rtol,
+                                                         double atol, int max_iterations,
+                                                         int new_k, double new_delta) {
+  troll::sparse_trust_region_objective o;
+  o.eps = eps;
+  o.alpha = alpha;
+  o.projection.rtol = rtol;
+  o.projection.atol = atol;
+  o.projection.max_iterations = max_iterations;
+  o.new_support.k = new_k;
+  o.new_support.delta = new_delta;
+  return o;
+}
+
+nb::dict sparse_trust_region_forward(const in_array& n, nb::handle old_rows, nb::handle batch,
+                                     double eps, double alpha, double rtol, double atol,
+                                     int max_iterations, int new_k, double new_delta,
+                                     nb::handle aligned, nb::handle log_probs,
+                                     const out_array& stats_values, const out_array& stats_counters,
+                                     const std::optional<out_array>& token_loss, unsigned threads) {
+  constexpr const char* fn = "trust_region_loss";
+  return with_metrics(fn, n, [&](auto tag) {
+    using T = decltype(tag);
+    const auto nv = as_batch<const T>(fn, "new_logits", n);
+    const sparse_rows<const T> old(fn, "old", old_rows);
+    const token_rows<T> in(fn, batch, nv.rows);
+    const aligned_rows<T> al(fn, "aligned", aligned);
+    const sparse_rows<T> lp(fn, "log_probs", log_probs);
+    const stats_out st(fn, stats_values, stats_counters, nv.rows);
+    T* tl = token_loss ? as_rows<T>(fn, "token_loss", *token_loss, nv.rows) : nullptr;
+    std::vector<troll::projection_stats> stats(nv.rows);
+    troll::objective_metrics m;
+    {
+      nb::gil_scoped_release release;
+      m = troll::objective_forward(
+          policy(threads), sparse_trust_region(eps, alpha, rtol, atol, max_iterations, new_k, new_delta),
+          nv, old.view, in.batch, al.view, lp.view, stats.data(), tl);
+    }
+    st.write(stats);
+    return m;
+  });
+}
+
+void sparse_trust_region_backward(const in_array& n, nb::handle aligned, nb::handle batch,
+                                  double eps, double alpha, double rtol, double atol,
+                                  int max_iterations, int new_k, double new_delta,
+                                  nb::handle log_probs, const in_array& stats_values,
+                                  const in_array& stats_counters, const out_array& grad_new,
+                                  double grad_loss, unsigned threads) {
+  constexpr const char* fn = "trust_region_loss_backward";
+  dispatch_float(fn, "new_logits", n, [&](auto tag) {
+    using T = decltype(tag);
+    const auto nv = as_batch<const T>(fn, "new_logits", n);
+    const aligned_rows<const T> al(fn, "aligned", aligned);
+    const token_rows<T> in(fn, batch, nv.rows);
+    const sparse_rows<const T> lp(fn, "log_probs", log_probs);
+    const auto g = grad_output<T>(fn, grad_new, n, nv);
+    const auto stats = read_stats(fn, stats_values, stats_counters, nv.rows);
+    nb::gil_scoped_release release;
+    troll::objective_backward(
+        policy(threads), sparse_trust_region(eps, alpha, rtol, atol, max_iterations, new_k, new_delta),
+        nv, al.view, in.batch, lp.view, stats.data(), g, grad_loss);
+  });
+}
+
+}  // namespace
+
+void bind_objectives(nb::module_& m) {
+  using namespace nb::literals;
+  m.def("trust_region_forward", &trust_region_forward, "new_logits"_a, "old_logits"_a, "batch"_a,
+        "eps"_a, "alpha"_a, "rtol"_a, "atol"_a, "max_iterations"_a, "log_probs"_a,
+        "stats_values"_a, "stats_counters"_a, "token_loss"_a.none(), "threads"_a = 0,
+        "TROLL's objective against dense old logits: the loss and metrics (a dict).");
+  m.def("trust_region_backward", &trust_region_backward, "new_logits"_a, "old_logits"_a, "batch"_a,
+        "eps"_a, "alpha"_a, "rtol"_a, "atol"_a, "max_iterations"_a, "log_probs"_a,
+        "stats_values"_a, "stats_counters"_a, "grad_new"_a, "grad_loss"_a, "threads"_a = 0,
+        "The fused backward of trust_region_forward to the new logits.");
+  m.def("sparse_trust_region_forward", &sparse_trust_region_forward, "new_logits"_a, "old"_a,
+        "batch"_a, "eps"_a, "alpha"_a, "rtol"_a, "atol"_a, "max_iterations"_a, "new_k"_a,
+        "new_delta"_a, "aligned"_a, "log_probs"_a, "stats_values"_a, "stats_counters"_a,
+        "token_loss"_a.none(), "threads"_a = 0,
+        "TROLL's objective against sparse old rows: the loss and metrics (a dict).");
+  m.def("sparse_trust_region_backward", &sparse_trust_region_backward, "new_logits"_a,
+        "aligned"_a, "batch"_a, "eps"_a, "alpha"_a, "rtol"_a, "atol"_a, "max_iterations"_a,
+        "new_k"_a, "new_delta"_a, "log_probs"_a, "stats_values"_a, "stats_counters"_a,
+        "grad_new"_a, "grad_loss"_a, "threads"_a = 0,
+        "The fused backward of sparse_trust_region_forward to the dense new logits.");
+  m.def(
+      "ppo_clip_forward",
+      [](const in_array& n, const in_array& o, nb::handle batch, double clip_low, double clip_high,
+         double dual_clip, bool kl_metrics, const std::optional<out_array>& token_loss,
+         unsigned threads) {
+        return ratio_forward("ppo_clip_loss", ppo_clip(clip_low, clip_high, dual_clip, kl_metrics),
+                             n, o, batch, token_loss, threads);
+      },
+      "new_logits"_a, "old_logits"_a, "batch"_a, "clip_low"_a, "clip_high"_a, "dual_clip"_a,
+      "kl_metrics"_a, "token_loss"_a.none(), "threads"_a = 0, "PPO's clipped surrogate loss.");
+  m.def(
+      "ppo_clip_backward",
+      [](const in_array& n, const in_array& o, nb::handle batch, double clip_low, double clip_high,
+         double dual_clip, const out_array& grad_new, double grad_loss, unsigned threads) {
+        ratio_backward("ppo_clip_loss_backward", ppo_clip(clip_low, clip_high, dual_clip, false),
+                       n, o, batch, grad_new, grad_loss, threads);
+      },
+      "new_logits"_a, "old_logits"_a, "batch"_a, "clip_low"_a, "clip_high"_a, "dual_clip"_a,
+      "grad_new"_a, "grad_loss"_a, "threads"_a = 0, "Backward of ppo_clip_forward.");
+  m.def(
+      "dppo_forward",
+      [](const in_array& n, const in_array& o, nb::handle batch, const std::string& divergence,
+         double delta_low, double delta_high, int top_k, bool kl_metrics,
+         const std::optional<out_array>& token_loss, unsigned threads) {
+        return ratio_forward("dppo_loss", dppo(divergence, delta_low, delta_high, top_k, kl_metrics),
+                             n, o, batch, token_loss, threads);
+      },
+      "new_logits"_a, "old_logits"_a, "batch"_a, "divergence"_a, "delta_low"_a, "delta_high"_a,
+      "top_k"_a, "kl_metrics"_a, "token_loss"_a.none(), "threads"_a = 0,
+      "DPPO's masked surrogate loss.");
+  m.def(
+      "dppo_backward",
+      [](const in_array& n, const in_array& o, nb::handle batch, const std::string& divergence,
+         double delta_low, double delta_high, int top_k, const out_array& grad_new,
+         double grad_loss, unsigned threads) {
+        ratio_backward("dppo_loss_backward", dppo(divergence, delta_low, delta_high, top_k, false),
+                       n, o, batch, grad_new, grad_loss, threads);
+      },
+      "new_logits"_a, "old_logits"_a, "batch"_a, "divergence"_a, "delta_low"_a, "delta_high"_a,
+      "top_k"_a, "grad_new"_a, "grad_loss"_a, "threads"_a = 0, "Backward of dppo_forward.");
+}
+
+}  // namespace troll_py

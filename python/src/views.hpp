@@ -1,0 +1,256 @@
+// python/src/views.hpp — how the binding turns DLPack arrays into troll views: dtype and device
+// checks, (..., V) arrays flattened to rows × V with their row stride, per-row arrays, and the
+// projection statistics packed as two small arrays. No maths here: every check that reads values
+// is troll's own. Problems are thrown as troll::shape_error, so Python sees troll.ShapeError.
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <troll/projection.hpp>
+
+namespace troll_py {
+
+namespace nb = nanobind;
+
+/// An input array (read-only arrays accepted) and an output array (must be writable).
+using in_array = nb::ndarray<nb::ro>;
+using out_array = nb::ndarray<>;
+
+[[noreturn]] inline void fail(const char* fn, const std::string& what) {
+  throw troll::shape_error(std::string("troll.") + fn + ": " + what);
+}
+
+/// "(2, 3, 5)" for error messages.
+template <class A>
+std::string shape_text(const A& a) {
+  std::string s = "(";
+  for (std::size_t i = 0; i < a.ndim(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(a.shape(i));
+  }
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+template <class T>
+const char* dtype_name() {
+  if (std::is_same<T, float>::value) return "float32";
+  if (std::is_same<T, double>::value) return "float64";
+  if (std::is_same<T, std::int32_t>::value) return "int32";
+  return "int64";
+}
+
+template <class A>
+std::string dtype_text(const A& a) {
+  const nb::dlpack::dtype d = a.dtype();
+  const char* kind = d.code == uint8_t(nb::dlpack::dtype_code::Float)   ? "float"
+                     : d.code == uint8_t(nb::dlpack::dtype_code::Int)   ? "int"
+                     : d.code == uint8_t(nb::dlpack::dtype_code::UInt)  ? "uint"
+                     : d.code == uint8_t(nb::dlpack::dtype_code::Bfloat) ? "bfloat"
+                     : d.code == uint8_t(nb::dlpack::dtype_code::Bool)  ? "bool"
+                                                                        : "other";
+  return kind + std::to_string(int(d.bits));
+}
+
+/// Throws unless `a` lives in host memory and holds elements of type T.
+template <class T, class A>
+void require_host_dtype(const char* fn, const char* name, const A& a) {
+  if (a.device_type() != nb::device::cpu::value)
+    fail(fn, std::string(name) + " is not in host memory (device type " +
+                 std::to_string(a.device_type()) +
+                 "); this troll build runs on the CPU only: see docs/python.md for the CUDA build");
+  if (!(a.dtype() == nb::dtype<T>()))
+    fail(fn, std::string(name) + " has dtype " + dtype_text(a) + " but " + dtype_name<T>() +
+                 " is needed here");
+}
+
+/// The shape of `a` without its last dimension (the rows), as a vector.
+template <class A>
+std::vector<std::size_t> leading_shape(const A& a) {
+  std::vector<std::size_t> s;
+  for (std::size_t i = 0; i + 1 < a.ndim(); ++i) s.push_back(a.shape(i));
+  return s;
+}
+
+template <class A>
+std::int64_t element_stride(const A& a, std::size_t i) {
+  // DLPack allows null strides for a compact row-major array.
+  if (a.stride_ptr() != nullptr) return a.stride(i);
+  std::int64_t s = 1;
+  for (std::size_t k = i + 1; k < a.ndim(); ++k) s *= std::int64_t(a.shape(k));
+  return s;
+}
+
+/// The single stride between consecutive rows of the dimensions [0, dims) of `a`, flattened in
+/// row-major order, or throws when they do not flatten to one stride (a transposed or sliced
+/// batch). Dimensions of extent 1 may have any stride. `fallback` is returned when no dimension
+/// has extent > 1.
+template <class A>
+std::size_t flat_stride(const char* fn, const char* name, const A& a, std::size_t dims,
+                        std::size_t fallback) {
+  std::size_t stride = fallback, span = 0;  // span: stride × extent of the dimensions seen
+  bool seen = false;
+  for (std::size_t i = dims; i-- > 0;) {
+    const std::size_t extent = a.shape(i);
+    if (extent <= 1) continue;
+    const std::int64_t s = element_stride(a, i);
+    if (s < 0) fail(fn, std::string(name) + " has a negative stride");
+    if (!seen) {
+      stride = std::size_t(s);
+      seen = true;
+    } else if (std::size_t(s) != span) {
+      fail(fn, std::string(name) + " of shape " + shape_text(a) +
+                   ": its leading dimensions do not flatten to one row stride (make it "
+                   ".contiguous() or reshape it first; troll never copies behind your back)");
+    }
+    span = std::size_t(s) * extent;
+  }
+  return stride;
+}
+
+/// A (..., V) array as a rows × V batch view: unit stride along V, leading dimensions flattened
+/// to one row stride (padded rows are fine).
+template <class T, class A>
+troll::batch_view<T> as_batch(const char* fn, const char* name, const A& a) {
+  require_host_dtype<std::remove_const_t<T>>(fn, name, a);
+  if (a.ndim() == 0) fail(fn, std::string(name) + " is a scalar; a (..., V) array is needed");
+  const std::size_t last = a.ndim() - 1, cols = a.shape(last);
+  std::size_t rows = 1;
+  for (std::size_t i = 0; i < last; ++i) rows *= a.shape(i);
+  if (cols > 1 && rows > 0 && element_stride(a, last) != 1)
+    fail(fn, std::string(name) + " of shape " + shape_text(a) +
+                 " is strided along its last dimension; the vocabulary must be contiguous");
+  const std::size_t stride = rows == 0 ? cols : flat_stride(fn, name, a, last, cols);
+  return troll::batch_view<T>{static_cast<T*>(a.data()), rows, cols, stride};
+}
+
+/// As as_batch, and the rows must be packed (row stride = V), as troll's sparse layouts need.
+template <class T, class A>
+troll::batch_view<T> as_packed(const char* fn, const char* name, const A& a) {
+  troll::batch_view<T> v = as_batch<T>(fn, name, a);
+  if (v.rows > 1 && v.stride != v.cols)
+    fail(fn, std::string(name) + " must be packed (row stride " + std::to_string(v.stride) +
+                 " != " + std::to_string(v.cols) + "); make it .contiguous()");
+  v.stride = v.cols;
+  return v;
+}
+
+/// A per-row array (shape = the rows' leading shape, any layout that flattens to unit stride) as a
+/// pointer to `rows` elements of T.
+template <class T, class A>
+T* as_rows(const char* fn, const char* name, const A& a, std::size_t rows) {
+  require_host_dtype<std::remove_const_t<T>>(fn, name, a);
+  if (a.size() != rows)
+    fail(fn, std::string(name) + " has shape " + shape_text(a) + " (" + std::to_string(a.size()) +
+                 " entries) but one entry per row is needed (" + std::to_string(rows) + " rows)");
+  if (rows > 1 && flat_stride(fn, name, a, a.ndim(), 1) != 1)
+    fail(fn, std::string(name) + " must be contiguous");
+  return static_cast<T*>(a.data());
+}
+
+/// Throws unless `a` has exactly the shape of `ref` (not just the same number of rows).
+template <class A, class B>
+void require_same_shape(const char* fn, const char* name, const A& a, const char* ref_name,
+                        const B& ref) {
+  bool same = a.ndim() == ref.ndim();
+  for (std::size_t i = 0; same && i < a.ndim(); ++i) same = a.shape(i) == ref.shape(i);
+  if (!same)
+    fail(fn, std::string(name) + " has shape " + shape_text(a) + " but " + ref_name + " has " +
+                 shape_text(ref));
+}
+
+/// The bytes [begin, end) a batch view spans.
+template <class T>
+std::pair<const char*, const char*> byte_span(const troll::batch_view<T>& v) {
+  if (v.rows == 0 || v.cols == 0) return {nullptr, nullptr};
+  const char* begin = reinterpret_cast<const char*>(v.data);
+  return {begin, begin + ((v.rows - 1) * v.stride + v.cols) * sizeof(T)};
+}
+
+/// Throws when an output overlaps an input: troll reads its inputs while it writes.
+template <class T, class U>
+void require_disjoint(const char* fn, const char* out_name, const troll::batch_view<T>& out,
+                      const char* in_name, const troll::batch_view<U>& in) {
+  const auto a = byte_span(out), b = byte_span(in);
+  if (a.first && b.first && a.first < b.second && b.first < a.second)
+    fail(fn, std::string(out_name) + " overlaps " + in_name +
+                 " (troll does not compute in place; pass a separate out= buffer)");
+}
+
+/// The columns of the packed statistics: `values` is (..., 6) float64, `counters` (..., 2) int32.
+enum stats_column { st_t, st_eta, st_kl_before, st_kl_after, st_mu, st_sigma2, st_values };
+enum stats_counter { st_iterations, st_status, st_counters };
+
+/// Reads `rows` projection_stats from the packed arrays (the backward's input).
+inline std::vector<troll::projection_stats> read_stats(const char* fn, const in_array& values,
+                                                       const in_array& counters, std::size_t rows) {
+  const auto v = as_batch<const double>(fn, "stats.values", values);
+  const auto c = as_batch<const std::int32_t>(fn, "stats.counters", counters);
+  if (v.rows != rows || v.cols != st_values || c.rows != rows || c.cols != st_counters)
+    fail(fn, "stats do not match the batch (" + std::to_string(rows) +
+                 " rows): pass the stats project() returned for these logits");
+  std::vector<troll::projection_stats> s(rows);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const double* x = v.row(r);
+    s[r].t = x[st_t];
+    s[r].eta = x[st_eta];
+    s[r].kl_before = x[st_kl_before];
+    s[r].kl_after = x[st_kl_after];
+    s[r].mu = x[st_mu];
+    s[r].sigma2 = x[st_sigma2];
+    s[r].iterations = c.row(r)[st_iterations];
+    s[r].status = static_cast<troll::row_status>(c.row(r)[st_status]);
+  }
+  return s;
+}
+
+/// Checks the packed output arrays for `rows` statistics (before any work).
+struct stats_out {
+  troll::batch_view<double> values;
+  troll::batch_view<std::int32_t> counters;
+
+  stats_out(const char* fn, const out_array& v, const out_array& c, std::size_t rows)
+      : values(as_batch<double>(fn, "stats.values", v)),
+        counters(as_batch<std::int32_t>(fn, "stats.counters", c)) {
+    if (values.rows != rows || values.cols != st_values || counters.rows != rows ||
+        counters.cols != st_counters)
+      fail(fn, "the stats buffers must be (rows, 6) float64 and (rows, 2) int32 for " +
+                   std::to_string(rows) + " rows");
+  }
+
+  void write(const std::vector<troll::projection_stats>& s) const {
+    for (std::size_t r = 0; r < s.size(); ++r) {
+      double* x = values.row(r);
+      x[st_t] = s[r].t;
+      x[st_eta] = s[r].eta;
+      x[st_kl_before] = s[r].kl_before;
+      x[st_kl_after] = s[r].kl_after;
+      x[st_mu] = s[r].mu;
+      x[st_sigma2] = s[r].sigma2;
+      counters.row(r)[st_iterations] = s[r].iterations;
+      counters.row(r)[st_status] = static_cast<std::int32_t>(s[r].status);
+    }
+  }
+};
+
+/// Calls f.template operator()<T>() with T the element type of `a` (float32 or float64).
+template <class F, class A>
+decltype(auto) dispatch_float(const char* fn, const char* name, const A& a, F&& f) {
+  if (a.dtype() == nb::dtype<float>()) return f(float{});
+  if (a.dtype() == nb::dtype<double>()) return f(double{});
+  throw nb::type_error((std::string("troll.") + fn + ": " + name + " has dtype " + dtype_text(a) +
+                        "; troll computes on float32 and float64 arrays")
+                           .c_str());
+}
+
+/// The module's sections.
+void bind_dense(nb::module_& m);
+void bind_sparse(nb::module_& m);
+void bind_objectives(nb::module_& m);
+
+}  // namespace troll_py

@@ -1,0 +1,49 @@
+"""troll: TROLL's exact KL trust-region projection of LLM next-token distributions.
+
+Arrays in (any DLPack array: torch, NumPy, ...), arrays of the same framework out, no copies.
+``troll.torch`` holds the autograd functions and training losses for PyTorch. See
+docs/python.md."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._errors import BackendError, DomainError, InfeasibleError, InvalidInput, ShapeError
+from . import _troll
+from ._core import (
+    INACTIVE,
+    PROJECTED,
+    RESTRICTED,
+    STATUS_NAMES,
+    AlignedRows,
+    ProjectionStats,
+    SparseRows,
+    align,
+    kl,
+    kl_backward,
+    kl_sparse,
+    log_softmax,
+    project,
+    project_backward,
+    project_sparse,
+    sparsify,
+)
+
+__version__: str = _troll.__version__
+
+__all__ = [
+    "InvalidInput", "ShapeError", "DomainError", "InfeasibleError", "BackendError",
+    "INACTIVE", "PROJECTED", "RESTRICTED", "STATUS_NAMES",
+    "ProjectionStats", "SparseRows", "AlignedRows",
+    "log_softmax", "kl", "kl_backward", "project", "project_backward",
+    "sparsify", "align", "project_sparse", "kl_sparse",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # troll.torch imports torch: loaded on first use, so troll works without torch installed.
+    if name == "torch":
+        import importlib
+
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module 'troll' has no attribute {name!r}")

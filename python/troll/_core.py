@@ -1,0 +1,248 @@
+"""The framework-agnostic API: any DLPack array in, arrays of the same framework out. Outputs are
+allocated here (or passed as ``out=``) and filled by the extension, which calls troll's C++ entry
+points with the GIL released. No maths here: see include/troll/ and docs/python.md."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Tuple
+
+from . import _troll
+from ._arrays import Framework, arg, leading_shape, require_shape
+from ._errors import ShapeError
+
+#: Row status values of ``ProjectionStats.status`` (troll::row_status).
+INACTIVE, PROJECTED, RESTRICTED = 0, 1, 2
+STATUS_NAMES = {0: "inactive", 1: "projected", 2: "restricted", 3: "infeasible", 4: "rejected"}
+
+
+class ProjectionStats:
+    """Per-row statistics of a projection, each an array of the rows' leading shape:
+    ``t``, ``eta``, ``kl_before`` (KL(p_new || q)), ``kl_after`` (KL(pi* || q)), ``mu``,
+    ``sigma2`` (float64), ``iterations`` and ``status`` (int32; INACTIVE, PROJECTED, RESTRICTED).
+    They are views of two packed buffers, ``values`` (..., 6) float64 and ``counters`` (..., 2)
+    int32, which is what the backward passes read."""
+
+    __slots__ = ("values", "counters")
+
+    def __init__(self, values: Any, counters: Any) -> None:
+        self.values = values
+        self.counters = counters
+
+    @classmethod
+    def empty(cls, frame: Framework, rows_shape: tuple) -> "ProjectionStats":
+        return cls(frame.empty(rows_shape + (6,), "float64"), frame.empty(rows_shape + (2,), "int32"))
+
+    t = property(lambda self: self.values[..., 0])
+    eta = property(lambda self: self.values[..., 1])
+    kl_before = property(lambda self: self.values[..., 2])
+    kl_after = property(lambda self: self.values[..., 3])
+    mu = property(lambda self: self.values[..., 4])
+    sigma2 = property(lambda self: self.values[..., 5])
+    iterations = property(lambda self: self.counters[..., 0])
+    status = property(lambda self: self.counters[..., 1])
+
+    def __repr__(self) -> str:
+        return f"ProjectionStats(rows={tuple(self.values.shape[:-1])})"
+
+
+class SparseRows(NamedTuple):
+    """Sparse rows (docs/sparse.md): ``indices`` (..., k_max) int32 token ids, ``log_probs``
+    (..., k_max) their log-probabilities over the whole vocabulary, ``counts`` (...) int32 entries
+    used per row, ``log_remainder`` (...) the log-mass of the other tokens, ``vocab`` = V.
+    Entries past a row's count are index -1 and log-prob -inf."""
+
+    indices: Any
+    log_probs: Any
+    counts: Any
+    log_remainder: Any
+    vocab: int
+
+
+class AlignedRows(NamedTuple):
+    """A new and an old row on one support U (docs/sparse.md, Alignment)."""
+
+    indices: Any
+    counts: Any
+    new_log_probs: Any
+    old_log_probs: Any
+    new_log_remainder: Any
+    old_log_remainder: Any
+    vocab: int
+
+    def new_side(self) -> SparseRows:
+        return SparseRows(self.indices, self.new_log_probs, self.counts, self.new_log_remainder, self.vocab)
+
+    def old_side(self) -> SparseRows:
+        return SparseRows(self.indices, self.old_log_probs, self.counts, self.old_log_remainder, self.vocab)
+
+
+def _out(frame: Framework, out: Any, shape: tuple, dtype: str, name: str) -> Any:
+    if out is None:
+        return frame.empty(shape, dtype)
+    require_shape(out, shape, name, "this call")
+    return out
+
+
+def _float_dtype(frame: Framework, x: Any) -> str:
+    dtype = frame.dtype_name(x)
+    if dtype not in ("float32", "float64"):
+        raise TypeError(f"troll: logits have dtype {dtype}; troll computes on float32 and float64")
+    return dtype
+
+
+def log_softmax(logits: Any, *, out: Any = None, threads: int = 0) -> Any:
+    """log_softmax over the last dimension, into ``out`` when given."""
+    frame = Framework(logits)
+    dtype = _float_dtype(frame, logits)
+    y = _out(frame, out, tuple(logits.shape), dtype, "out")
+    _troll.log_softmax(arg(logits), y, threads)
+    return frame.result(y)
+
+
+def kl(p_logits: Any, q_logits: Any, *, out: Any = None, threads: int = 0) -> Any:
+    """Per-row KL(softmax(p) || softmax(q)) over the last dimension: an array of shape
+    ``p_logits.shape[:-1]`` (+inf where p has mass that q masks with -inf)."""
+    frame = Framework(p_logits)
+    dtype = _float_dtype(frame, p_logits)
+    y = _out(frame, out, leading_shape(p_logits, "p_logits"), dtype, "out")
+    _troll.kl(arg(p_logits), arg(q_logits), y, threads)
+    return frame.result(y)
+
+
+def kl_backward(p_logits: Any, q_logits: Any, grad_kl: Any, *, threads: int = 0) -> Tuple[Any, Any]:
+    """Gradients of sum(grad_kl * kl(p, q)) w.r.t. p_logits and q_logits."""
+    frame = Framework(p_logits)
+    dtype = _float_dtype(frame, p_logits)
+    gp = frame.empty(tuple(p_logits.shape), dtype)
+    gq = frame.empty(tuple(p_logits.shape), dtype)
+    _troll.kl_backward(arg(p_logits), arg(q_logits), arg(grad_kl), gp, gq, threads)
+    return frame.result(gp), frame.result(gq)
+
+
+def project(
+    new_logits: Any,
+    old_logits: Any,
+    eps: float,
+    *,
+    out: Any = None,
+    stats: Optional[ProjectionStats] = None,
+    rtol: float = 1e-12,
+    atol: float = 1e-15,
+    max_iterations: int = 50,
+    threads: int = 0,
+) -> Tuple[Any, ProjectionStats]:
+    """The KL trust-region projection of each row of ``new_logits`` (shape (..., V)) onto the
+    ball KL(pi || q) <= eps around the row of ``old_logits``. Returns ``(log_probs, stats)``:
+    log pi* of the new logits' shape and dtype, and the per-row ProjectionStats. ``out`` and
+    ``stats`` may be given to write in place. Raises troll.InvalidInput subclasses (naming the
+    row) before writing anything."""
+    frame = Framework(new_logits)
+    dtype = _float_dtype(frame, new_logits)
+    rows = leading_shape(new_logits, "new_logits")
+    y = _out(frame, out, tuple(new_logits.shape), dtype, "out")
+    st = stats if stats is not None else ProjectionStats.empty(frame, rows)
+    _troll.project(arg(new_logits), arg(old_logits), float(eps), y, st.values, st.counters,
+                   rtol, atol, max_iterations, threads)
+    return frame.result(y), ProjectionStats(frame.result(st.values), frame.result(st.counters))
+
+
+def project_backward(
+    new_logits: Any,
+    old_logits: Any,
+    log_probs: Any,
+    stats: ProjectionStats,
+    grad_log_probs: Any,
+    *,
+    old: bool = False,
+    eps: bool = False,
+    threads: int = 0,
+) -> Tuple[Any, Optional[Any], Optional[Any]]:
+    """The projection's vector-Jacobian product: given grad_log_probs = dL/dlog pi*, returns
+    (dL/dnew_logits, dL/dold_logits or None, per-row dL/deps or None)."""
+    frame = Framework(new_logits)
+    dtype = _float_dtype(frame, new_logits)
+    shape = tuple(new_logits.shape)
+    grad_new = frame.empty(shape, dtype)
+    grad_old = frame.empty(shape, dtype) if old else None
+    grad_eps = frame.empty(shape[:-1], dtype) if eps else None
+    _troll.project_backward(arg(new_logits), arg(old_logits), arg(log_probs), arg(stats.values),
+                            arg(stats.counters), arg(grad_log_probs), grad_new, grad_old, grad_eps,
+                            threads)
+    return (frame.result(grad_new),
+            None if grad_old is None else frame.result(grad_old),
+            None if grad_eps is None else frame.result(grad_eps))
+
+
+# ---- Sparse rows ----
+
+
+def sparse_empty(frame: Framework, rows: tuple, k_max: int, vocab: int, dtype: str) -> SparseRows:
+    return SparseRows(frame.empty(rows + (k_max,), "int32"), frame.empty(rows + (k_max,), dtype),
+                      frame.empty(rows, "int32"), frame.empty(rows, dtype), int(vocab))
+
+
+def sparsify(logits: Any, k: int = 64, delta: float = 1e-5, sampled: Any = None, *,
+             threads: int = 0) -> SparseRows:
+    """Top-k + remainder rows of dense logits (..., V): per row the shortest prefix of tokens
+    by logit whose mass reaches 1 - delta, at most k, then the ``sampled`` token (int32, one a
+    row) if missing. Capacity k_max = min(k + 1 with sampled, V)."""
+    frame = Framework(logits)
+    dtype = _float_dtype(frame, logits)
+    rows = leading_shape(logits, "logits")
+    vocab = int(logits.shape[-1])
+    k_max = max(1, min(int(k) + (sampled is not None), vocab))
+    out = sparse_empty(frame, rows, k_max, vocab, dtype)
+    _troll.sparsify(arg(logits), None if sampled is None else arg(sampled), int(k), float(delta),
+                    out, threads)
+    return SparseRows(*(frame.result(a) for a in out[:4]), vocab)
+
+
+def align(new_logits: Any, old: SparseRows, new_support: Optional[SparseRows] = None, *,
+          threads: int = 0) -> AlignedRows:
+    """Aligns dense new logits with sparse old rows on U = S_new | S_old (S_new: the support of
+    ``new_support``, none when None)."""
+    frame = Framework(new_logits)
+    dtype = _float_dtype(frame, new_logits)
+    rows = leading_shape(new_logits, "new_logits")
+    vocab = int(new_logits.shape[-1])
+    extra = 0 if new_support is None else int(new_support.indices.shape[-1])
+    k_max = max(1, min(int(old.indices.shape[-1]) + extra, vocab, _troll.SPARSE_MAX_ENTRIES))
+    out = AlignedRows(frame.empty(rows + (k_max,), "int32"), frame.empty(rows, "int32"),
+                      frame.empty(rows + (k_max,), dtype), frame.empty(rows + (k_max,), dtype),
+                      frame.empty(rows, dtype), frame.empty(rows, dtype), vocab)
+    _troll.align(arg(new_logits), None if new_support is None else _sparse_arg(new_support),
+                 _sparse_arg(old), out, threads)
+    return AlignedRows(*(frame.result(a) for a in out[:6]), vocab)
+
+
+def _sparse_arg(rows: Any) -> tuple:
+    return tuple(arg(a) for a in rows[:-1]) + (int(rows[-1]),)
+
+
+def project_sparse(rows: AlignedRows, eps: float, *, rtol: float = 1e-12, atol: float = 1e-15,
+                   max_iterations: int = 50, threads: int = 0) -> Tuple[SparseRows, ProjectionStats]:
+    """The projection of aligned rows (the |U| + 1 lumped categories): log pi* on U and the
+    bucket as SparseRows, with the per-row ProjectionStats."""
+    frame = Framework(rows.new_log_probs)
+    dtype = _float_dtype(frame, rows.new_log_probs)
+    lead = tuple(rows.counts.shape)
+    out = sparse_empty(frame, lead, int(rows.indices.shape[-1]), rows.vocab, dtype)
+    st = ProjectionStats.empty(frame, lead)
+    _troll.project_sparse(_sparse_arg(rows), float(eps), out, st.values, st.counters, rtol, atol,
+                          max_iterations, threads)
+    return (SparseRows(*(frame.result(a) for a in out[:4]), rows.vocab),
+            ProjectionStats(frame.result(st.values), frame.result(st.counters)))
+
+
+def kl_sparse(rows: AlignedRows, *, threads: int = 0) -> Any:
+    """Per-row KL(new || old) of aligned rows (their lumped categories)."""
+    frame = Framework(rows.new_log_probs)
+    dtype = _float_dtype(frame, rows.new_log_probs)
+    y = frame.empty(tuple(rows.counts.shape), dtype)
+    _troll.kl_sparse(_sparse_arg(rows), y, threads)
+    return frame.result(y)
+
+
+def check_sparse_rows(rows: Any, name: str) -> None:
+    if not isinstance(rows, tuple) or len(rows) != 5:
+        raise ShapeError(f"troll: {name} must be SparseRows (indices, log_probs, counts, log_remainder, vocab)")

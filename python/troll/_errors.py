@@ -1,0 +1,30 @@
+"""troll's exceptions. The C++ exceptions of the same names become these (see python/src/module.cpp)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class InvalidInput(ValueError):
+    """An argument troll cannot use. ``row`` is the lowest offending row (of the flattened
+    leading dimensions), or None when no single row is at fault. Nothing was written."""
+
+    def __init__(self, message: str, row: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.row = row
+
+
+class ShapeError(InvalidInput):
+    """Shapes, dtypes of index arrays, strides, devices or capacities do not fit."""
+
+
+class DomainError(InvalidInput):
+    """A value is outside the domain: NaN or +inf logits, an all -inf row, eps <= 0, ..."""
+
+
+class InfeasibleError(InvalidInput):
+    """No distribution the new row can reach lies inside the trust region."""
+
+
+class BackendError(RuntimeError):
+    """A backend (CUDA) call failed."""

@@ -1,0 +1,291 @@
+"""troll for PyTorch: the projection, the sparse path and the training losses as
+``torch.autograd.Function``s whose backward passes are troll's analytic ones (C++), on CPU
+tensors of dtype float32 or float64 with shape (..., V). Nothing is copied on the way in; the
+GIL is released while troll runs."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Union
+
+import torch
+
+from . import _core, _troll
+from ._core import AlignedRows, ProjectionStats, SparseRows
+
+__all__ = [
+    "project",
+    "sparsify",
+    "project_sparse",
+    "trust_region_loss",
+    "ppo_clip_loss",
+    "dppo_loss",
+    "SparseRows",
+    "ProjectionStats",
+]
+
+
+def _eps_value(eps: Union[float, torch.Tensor]) -> float:
+    if isinstance(eps, torch.Tensor):
+        if eps.numel() != 1:
+            raise _core.ShapeError("troll: eps must be a number or a one-element tensor (one bound for all rows)")
+        return float(eps.detach().reshape(()).item())
+    return float(eps)
+
+
+def _grad_in(g: torch.Tensor) -> torch.Tensor:
+    # Upstream gradients often arrive expanded (stride 0, e.g. from .sum()); troll reads rows.
+    return g.contiguous()
+
+
+class _Project(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, new_logits, old_logits, eps, options, info):  # type: ignore[override]
+        new_logits, old_logits = new_logits.detach(), old_logits.detach()
+        log_probs, stats = _core.project(new_logits, old_logits, _eps_value(eps), **options)
+        ctx.save_for_backward(new_logits, old_logits, log_probs, stats.values, stats.counters)
+        ctx.eps_shape = eps.shape if isinstance(eps, torch.Tensor) else None
+        ctx.threads = options.get("threads", 0)
+        info["stats"] = stats
+        return log_probs
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        new_logits, old_logits, log_probs, values, counters = ctx.saved_tensors
+        want_old = ctx.needs_input_grad[1]
+        want_eps = ctx.eps_shape is not None and ctx.needs_input_grad[2]
+        grad_new, grad_old, grad_eps = _core.project_backward(
+            new_logits, old_logits, log_probs, ProjectionStats(values, counters), _grad_in(grad),
+            old=want_old, eps=want_eps, threads=ctx.threads)
+        if grad_eps is not None:
+            grad_eps = grad_eps.sum().reshape(ctx.eps_shape)
+        return grad_new, grad_old, grad_eps, None, None
+
+
+def project(new_logits: torch.Tensor, old_logits: torch.Tensor, eps: Union[float, torch.Tensor],
+            *, return_stats: bool = False, rtol: float = 1e-12, atol: float = 1e-15,
+            max_iterations: int = 50, threads: int = 0):
+    """log pi* of the KL trust-region projection (see troll.project), differentiable w.r.t.
+    ``new_logits``, ``old_logits`` and ``eps`` when it is a one-element tensor. With
+    ``return_stats=True`` returns ``(log_probs, ProjectionStats)``."""
+    options = dict(rtol=rtol, atol=atol, max_iterations=max_iterations, threads=threads)
+    info: Dict[str, Any] = {}
+    log_probs = _Project.apply(new_logits, old_logits, eps, options, info)
+    return (log_probs, info["stats"]) if return_stats else log_probs
+
+
+def _sampled_index(sampled: Optional[torch.Tensor], rows: tuple) -> Optional[torch.Tensor]:
+    if sampled is None:
+        return None
+    sampled = torch.as_tensor(sampled)
+    if tuple(sampled.shape) != rows:
+        raise _core.ShapeError(f"troll: sampled has shape {tuple(sampled.shape)} but the logits' rows are {rows}")
+    return sampled.to(torch.int32).contiguous()
+
+
+def sparsify(logits: torch.Tensor, k: int = 64, delta: float = 1e-5,
+             sampled: Optional[torch.Tensor] = None, *, threads: int = 0) -> SparseRows:
+    """Sparse rows (top-k tokens by logit whose mass reaches 1 - delta, plus the ``sampled``
+    token of each row, and the exact log-mass of the rest) for storing the old policy compactly
+    at rollout time. Not differentiable (the old policy is a constant)."""
+    logits = logits.detach()
+    return _core.sparsify(logits, k, delta, _sampled_index(sampled, tuple(logits.shape[:-1])),
+                          threads=threads)
+
+
+class _ProjectSparse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, new_logits, eps, old, support, options, info):  # type: ignore[override]
+        new_logits = new_logits.detach()
+        threads = options["threads"]
+        aligned = _core.align(new_logits, old, support, threads=threads)
+        out, stats = _core.project_sparse(aligned, _eps_value(eps), **options)
+        ctx.save_for_backward(new_logits)
+        ctx.aligned, ctx.out, ctx.stats, ctx.threads = aligned, out, stats, threads
+        ctx.eps_shape = eps.shape if isinstance(eps, torch.Tensor) else None
+        ctx.mark_non_differentiable(out.indices, out.counts)
+        info["stats"] = stats
+        return out.indices, out.log_probs, out.counts, out.log_remainder
+
+    @staticmethod
+    def backward(ctx, _g_indices, g_log_probs, _g_counts, g_log_remainder):  # type: ignore[override]
+        (new_logits,) = ctx.saved_tensors
+        aligned: AlignedRows = ctx.aligned
+        lead, k_max = tuple(aligned.counts.shape), int(aligned.indices.shape[-1])
+        want_eps = ctx.eps_shape is not None and ctx.needs_input_grad[1]
+        g = (_grad_in(g_log_probs), _grad_in(g_log_remainder))
+        dtype = new_logits.dtype
+        grad_aligned = (torch.empty(lead + (k_max,), dtype=dtype), torch.empty(lead, dtype=dtype))
+        grad_eps = torch.empty(lead, dtype=dtype) if want_eps else None
+        _troll.project_sparse_backward(_core._sparse_arg(aligned), _core._sparse_arg(ctx.out),
+                                       ctx.stats.values, ctx.stats.counters, g, grad_aligned, None,
+                                       grad_eps, ctx.threads)
+        grad_new = torch.empty(new_logits.shape, dtype=dtype)
+        _troll.sparsify_backward(new_logits, _core._sparse_arg(aligned.new_side()), grad_aligned,
+                                 grad_new, ctx.threads)
+        if grad_eps is not None:
+            grad_eps = grad_eps.sum().reshape(ctx.eps_shape)
+        return grad_new, grad_eps, None, None, None, None
+
+
+def project_sparse(new_logits: torch.Tensor, old_sparse: SparseRows, eps: Union[float, torch.Tensor],
+                   sampled: Optional[torch.Tensor] = None, *, new_k: int = 64, new_delta: float = 1e-5,
+                   return_stats: bool = False, rtol: float = 1e-12, atol: float = 1e-15,
+                   max_iterations: int = 50, threads: int = 0):
+    """The projection of dense new logits (..., V) against sparse old rows (from
+    troll.torch.sparsify): on U = S_new | S_old, S_new the new row's own top-``new_k`` prefix
+    (mass 1 - ``new_delta``, plus ``sampled``; ``new_k=0``: U = S_old), with the rest of the
+    vocabulary lumped into one bucket. Returns SparseRows of log pi* (U and the bucket),
+    differentiable w.r.t. ``new_logits`` (the scatter of docs/sparse.md) and ``eps`` (tensor)."""
+    _core.check_sparse_rows(old_sparse, "old_sparse")
+    support = None
+    if new_k > 0:
+        support = _core.sparsify(new_logits.detach(), new_k, new_delta,
+                                 _sampled_index(sampled, tuple(new_logits.shape[:-1])), threads=threads)
+    options = dict(rtol=rtol, atol=atol, max_iterations=max_iterations, threads=threads)
+    info: Dict[str, Any] = {}
+    result = _ProjectSparse.apply(new_logits, eps, old_sparse, support, options, info)
+    rows = SparseRows(*result, int(old_sparse.vocab))
+    return (rows, info["stats"]) if return_stats else rows
+
+
+# ---- Losses ----
+
+
+def _token_batch(new_logits: torch.Tensor, tokens, advantages, mask, sequence_ids, aggregation) -> tuple:
+    rows = tuple(new_logits.shape[:-1])
+    dtype = new_logits.dtype
+
+    def per_row(x, name, kind):
+        x = torch.as_tensor(x)
+        if tuple(x.shape) != rows:
+            raise _core.ShapeError(f"troll: {name} has shape {tuple(x.shape)} but the logits' rows are {rows}")
+        return x.detach().to(kind).contiguous()
+
+    return (per_row(tokens, "tokens", torch.int64),
+            per_row(advantages, "advantages", dtype),
+            None if mask is None else per_row(mask, "mask", dtype),
+            None if sequence_ids is None else per_row(sequence_ids, "sequence_ids", torch.int64),
+            str(aggregation))
+
+
+class _TrustRegionLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, new_logits, old, batch, params, info):  # type: ignore[override]
+        new_logits = new_logits.detach()
+        frame = _core.Framework(new_logits)
+        lead = tuple(new_logits.shape[:-1])
+        stats = ProjectionStats.empty(frame, lead)
+        common = (params["eps"], params["alpha"], params["rtol"], params["atol"], params["max_iterations"])
+        if isinstance(old, torch.Tensor):
+            log_probs = torch.empty(new_logits.shape, dtype=new_logits.dtype)
+            metrics = _troll.trust_region_forward(new_logits, old.detach(), batch, *common, log_probs,
+                                                  stats.values, stats.counters, None, params["threads"])
+            ctx.save_for_backward(new_logits, old.detach(), log_probs)
+        else:
+            vocab = int(new_logits.shape[-1])
+            k_max = min(int(old.indices.shape[-1]) + params["new_k"], vocab, _troll.SPARSE_MAX_ENTRIES)
+            dtype = _core._float_dtype(frame, new_logits)
+            aligned = AlignedRows(frame.empty(lead + (k_max,), "int32"), frame.empty(lead, "int32"),
+                                  frame.empty(lead + (k_max,), dtype), frame.empty(lead + (k_max,), dtype),
+                                  frame.empty(lead, dtype), frame.empty(lead, dtype), vocab)
+            log_probs = _core.sparse_empty(frame, lead, k_max, vocab, dtype)
+            metrics = _troll.sparse_trust_region_forward(
+                new_logits, _core._sparse_arg(old), batch, *common, params["new_k"], params["new_delta"],
+                aligned, log_probs, stats.values, stats.counters, None, params["threads"])
+            ctx.save_for_backward(new_logits)
+            ctx.aligned, ctx.sparse_log_probs = aligned, log_probs
+        ctx.dense = isinstance(old, torch.Tensor)
+        ctx.batch, ctx.params, ctx.stats = batch, params, stats
+        info["metrics"], info["stats"] = metrics, stats
+        return torch.tensor(metrics["loss"], dtype=new_logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # type: ignore[override]
+        p = ctx.params
+        common = (p["eps"], p["alpha"], p["rtol"], p["atol"], p["max_iterations"])
+        new_logits = ctx.saved_tensors[0]
+        grad_new = torch.empty(new_logits.shape, dtype=new_logits.dtype)
+        if ctx.dense:
+            _, old, log_probs = ctx.saved_tensors
+            _troll.trust_region_backward(new_logits, old, ctx.batch, *common, log_probs, ctx.stats.values,
+                                         ctx.stats.counters, grad_new, float(grad_loss), p["threads"])
+        else:
+            _troll.sparse_trust_region_backward(
+                new_logits, _core._sparse_arg(ctx.aligned), ctx.batch, *common, p["new_k"], p["new_delta"],
+                _core._sparse_arg(ctx.sparse_log_probs), ctx.stats.values, ctx.stats.counters, grad_new,
+                float(grad_loss), p["threads"])
+        return grad_new, None, None, None, None
+
+
+def trust_region_loss(new_logits: torch.Tensor, old: Union[torch.Tensor, SparseRows], tokens: torch.Tensor,
+                      advantages: torch.Tensor, eps: float = 0.05, alpha: float = 1.0,
+                      mask: Optional[torch.Tensor] = None, *, sequence_ids: Optional[torch.Tensor] = None,
+                      aggregation: str = "token_mean", new_k: int = 64, new_delta: float = 1e-5,
+                      return_metrics: bool = False, rtol: float = 1e-12, atol: float = 1e-15,
+                      max_iterations: int = 50, threads: int = 0):
+    """TROLL's objective (docs/objectives.md): per token ``-(pi*_a / q_a) A + alpha KL(p_new ||
+    stopgrad(pi*))`` with pi* the projection of the new logits onto KL(pi || q) <= eps,
+    aggregated by ``aggregation`` ('token_mean' or 'sequence_mean' with ``sequence_ids``) over
+    the rows weighted by ``mask``. ``old`` is the old policy's dense logits or its SparseRows
+    (troll.torch.sparsify with the sampled tokens). Returns the scalar loss (and the metrics dict
+    with ``return_metrics=True``); its gradient w.r.t. ``new_logits`` is troll's fused backward."""
+    if not isinstance(old, torch.Tensor):
+        _core.check_sparse_rows(old, "old")
+    batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation)
+    params = dict(eps=float(eps), alpha=float(alpha), rtol=rtol, atol=atol, max_iterations=max_iterations,
+                  new_k=int(new_k), new_delta=float(new_delta), threads=threads)
+    info: Dict[str, Any] = {}
+    loss = _TrustRegionLoss.apply(new_logits, old, batch, params, info)
+    return (loss, info["metrics"]) if return_metrics else loss
+
+
+class _RatioLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, new_logits, old_logits, batch, forward, backward, args, threads, info):  # type: ignore[override]
+        new_logits, old_logits = new_logits.detach(), old_logits.detach()
+        metrics = forward(new_logits, old_logits, batch, *args, True, None, threads)
+        ctx.save_for_backward(new_logits, old_logits)
+        ctx.batch, ctx.backward_fn, ctx.args, ctx.threads = batch, backward, args, threads
+        info["metrics"] = metrics
+        return torch.tensor(metrics["loss"], dtype=new_logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # type: ignore[override]
+        new_logits, old_logits = ctx.saved_tensors
+        grad_new = torch.empty(new_logits.shape, dtype=new_logits.dtype)
+        ctx.backward_fn(new_logits, old_logits, ctx.batch, *ctx.args, grad_new, float(grad_loss), ctx.threads)
+        return grad_new, None, None, None, None, None, None, None
+
+
+def ppo_clip_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: torch.Tensor,
+                  advantages: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
+                  dual_clip: float = 0.0, mask: Optional[torch.Tensor] = None, *,
+                  sequence_ids: Optional[torch.Tensor] = None, aggregation: str = "token_mean",
+                  return_metrics: bool = False, threads: int = 0):
+    """PPO's clipped surrogate loss ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` with
+    r = p_new(a) / q(a) (and the dual clip when ``dual_clip`` > 1), troll's forward and backward."""
+    batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation)
+    args = (float(clip_low), float(clip_high), float(dual_clip))
+    info: Dict[str, Any] = {}
+    loss = _RatioLoss.apply(new_logits, old_logits, batch, _troll.ppo_clip_forward,
+                            _troll.ppo_clip_backward, args, threads, info)
+    return (loss, info["metrics"]) if return_metrics else loss
+
+
+def dppo_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: torch.Tensor,
+              advantages: torch.Tensor, divergence: str = "binary_tv", delta_low: Optional[float] = None,
+              delta_high: Optional[float] = None, top_k: int = 20, mask: Optional[torch.Tensor] = None, *,
+              sequence_ids: Optional[torch.Tensor] = None, aggregation: str = "token_mean",
+              return_metrics: bool = False, threads: int = 0):
+    """DPPO's masked surrogate ``-M r A`` (docs/objectives.md): a token is dropped when its
+    ``divergence`` ('binary_tv', 'binary_kl', 'topk_tv', 'topk_kl') exceeds ``delta_high``
+    (A > 0, moved up) or ``delta_low`` (A < 0, moved down); the bounds default to 0.15 for TV
+    and 0.05 for KL."""
+    default = 0.15 if divergence.endswith("tv") else 0.05
+    batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation)
+    args = (str(divergence), float(default if delta_low is None else delta_low),
+            float(default if delta_high is None else delta_high), int(top_k))
+    info: Dict[str, Any] = {}
+    loss = _RatioLoss.apply(new_logits, old_logits, batch, _troll.dppo_forward, _troll.dppo_backward,
+                            args, threads, info)
+    return (loss, info["metrics"]) if return_metrics else loss

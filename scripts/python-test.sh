@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The Python package's check: a virtual environment this repository owns (build/venv, reused
+# between runs; pip's cache is reused too), the pinned build and test dependencies and CPU-usable
+# torch (python/requirements-test.txt), `pip install ./python` (the CPU extension), then pytest on
+# python/tests. Exits non-zero on any failure, and when pytest collects no tests.
+#   TROLL_PYTHON_VENV   where the environment lives (default build/venv)
+#   TROLL_TORCH_VERSION the torch release to install (default below)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+venv=${TROLL_PYTHON_VENV:-build/venv}
+torch_version=${TROLL_TORCH_VERSION:-2.15.0}
+python=${PYTHON:-python3}
+started=$SECONDS
+step() { printf '\n---- [python-test.sh %4ds] %s ----\n' "$((SECONDS - started))" "$*"; }
+
+step "venv: $venv"
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+
+step "dependencies (pinned; cached wheels are reused)"
+"${pip[@]}" install -q -r python/requirements-test.txt
+# PyPI's torch is the CUDA build; without --no-deps pip would fetch the whole CUDA toolkit.
+"${pip[@]}" install -q --no-deps "torch==$torch_version"
+"$venv/bin/python" -c "import torch; torch.zeros(1)"
+
+step "pip install ./python (CPU extension)"
+# Build isolation off: the pinned scikit-build-core and nanobind above are the build backend.
+"${pip[@]}" install -q --no-build-isolation -Ccmake.define.CMAKE_BUILD_PARALLEL_LEVEL=2 ./python
+
+step "pytest python/tests"
+status=0
+(cd python && "../$venv/bin/pytest" -q tests) || status=$?
+if [ "$status" -eq 5 ]; then
+  echo "python-test.sh: pytest collected no tests" >&2
+  exit 1
+fi
+[ "$status" -eq 0 ] || exit "$status"
+step "python tests passed"
