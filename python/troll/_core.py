@@ -12,7 +12,7 @@ from ._errors import ShapeError
 
 #: Row status values of ``ProjectionStats.status`` (troll::row_status).
 INACTIVE, PROJECTED, RESTRICTED = 0, 1, 2
-STATUS_NAMES = {0: "inactive", 1: "projected", 2: "restricted", 3: "infeasible", 4: "rejected"}
+STATUS_NAMES = {0: "inactive", 1: "projected", 2: "restricted", 3: "infeasible", 4: "rejected", 5: "not_converged"}
 
 
 class ProjectionStats:

@@ -44,15 +44,17 @@ TROLL_HOST_DEVICE inline double clamp_difference(double x) {
   return minimum(maximum(x, -max_difference()), max_difference());
 }
 
-/// x_i = d_i − d_r of one token on J.
+/// x_i = d_i − d_r of one token on J, formed as (z̃_i − z̃_r) − (z°_i − z°_r): two differences of
+/// logits of one row, which round only at the size of the row's spread (z̃_i − z°_i could be
+/// ~1e3 on rows shifted by a constant and round at that size).
 TROLL_HOST_DEVICE inline double tilt_centred(double zn, double zo, const tilt_ref& ref) {
-  return clamp_difference(clamp_difference(zn - zo) - ref.d());
+  return clamp_difference(clamp_difference(zn - ref.zn) - clamp_difference(zo - ref.zo));
 }
 
 /// w_i of one token on J at u, from its x (see the header comment).
 TROLL_HOST_DEVICE inline double tilt_weight(double zn, double zo, double x, const tilt_ref& ref,
                                             const tilt_param& u) {
-  return u.t <= 0.5 ? (zo - ref.zo) + u.t * x : (zn - ref.zn) - u.s * x;
+  return u.t <= 0.5 ? clamp_difference(zo - ref.zo) + u.t * x : clamp_difference(zn - ref.zn) - u.s * x;
 }
 
 /// One evaluated member, summarised.
@@ -76,8 +78,8 @@ struct tilt_point {
 ///
 /// That difference cancels when KL is small against the log-sums it is formed from (tiny ε,
 /// rows with a large log V), so `kl_error` bounds its rounding error: 16 ulps of every term that
-/// enters (the two logarithms carry an ulp of their arguments, which are ≥ 1, hence the 4), the
-/// moments' terms weighted by the size of the exponents. Where that is too coarse the caller
+/// enters (the two logarithms carry an ulp of their arguments, which are ≥ 1, hence the 4), and
+/// of t·E[x] (its weights' exponents are within a few units of 0 where they carry mass). Where that is too coarse the caller
 /// asks the evaluator for the cancellation-free sum (kl_term below).
 TROLL_HOST_DEVICE inline tilt_point make_point(const lse_state& st, const tilt_param& u, const tilt_ref& ref,
                                                double old_max, double old_log_sum) {
@@ -100,7 +102,7 @@ TROLL_HOST_DEVICE inline tilt_point make_point(const lse_state& st, const tilt_p
   const double spread = st.s2 > 0.0 ? ::sqrt(st.s2 / st.s0) : 0.0;
   p.kl_error = 16.0 * ulp *
                (4.0 + ::fabs(st.m) + ::fabs(log_s0) + ::fabs(ref_offset) + ::fabs(old_log_sum) +
-                u.t * spread * (64.0 + ::fabs(st.m)));
+                u.t * spread * (4.0 + ::fabs(st.m)));
   return p;
 }
 

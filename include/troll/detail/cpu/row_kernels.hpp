@@ -197,11 +197,23 @@ struct tilt_evaluator {
              block_array& b, block_array& x, block_array& w) const {
     a = load(new_logits, begin, count);
     b = load(old_logits, begin, count);
-    x = ((a - b).max(-max_difference()).min(max_difference()) - ref.d()).max(-max_difference()).min(max_difference());
-    if (u.t <= 0.5) {
-      w = (b - ref.zo) + u.t * x;
+    // x = (z̃ − z̃_r) − (z° − z°_r) and w from the same two differences (tilt_family.hpp); float
+    // logits cannot overflow them, double ones are clamped to ±DBL_MAX.
+    if (sizeof(T) < sizeof(double)) {
+      x = (a - ref.zn) - (b - ref.zo);
+      if (u.t <= 0.5) {
+        w = (b - ref.zo) + u.t * x;
+      } else {
+        w = (a - ref.zn) - u.s * x;
+      }
     } else {
-      w = (a - ref.zn) - u.s * x;
+      const double big = max_difference();
+      x = ((a - ref.zn).max(-big).min(big) - (b - ref.zo).max(-big).min(big)).max(-big).min(big);
+      if (u.t <= 0.5) {
+        w = (b - ref.zo).max(-big).min(big) + u.t * x;
+      } else {
+        w = (a - ref.zn).max(-big).min(big) - u.s * x;
+      }
     }
     if (!masked) return;
     const block_mask joint = (a > neg_inf()) && (b > neg_inf());
@@ -214,14 +226,14 @@ struct tilt_evaluator {
 
   lse_state operator()(const tilt_param& u, const tilt_ref& ref) const {
     lse_state total;
-    block_array a, b, x, w, e, ex;
+    block_array a, b, x, w, e;
     for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
       block(begin, count, u, ref, a, b, x, w);
       const double m = w.maxCoeff();
       if (m == neg_inf()) return;
       e = (w - m).exp();
-      ex = e * x;  // (e·x)·x: a zero weight never meets an x² that overflowed
-      lse_state part{m, e.sum(), ex.sum(), (ex * x).sum()};
+      // (e·x)·x: a zero weight never meets an x² that overflowed.
+      lse_state part{m, e.sum(), (e * x).sum(), ((e * x) * x).sum()};
       if (m > total.m) {  // this block holds the mode so far: record its token as the reference
         Eigen::Index k = 0;
         while (!(w[k] == m)) ++k;
