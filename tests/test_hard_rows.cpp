@@ -284,3 +284,41 @@ TEST_CASE("double lowest() masks: solved to the tolerance, or reported not_conve
   }
   MESSAGE(solved << " solved, " << unsolved << " not_converged");
 }
+
+TEST_CASE("TROLL objective: a sampled token masked in the new logits has a zero ratio gradient, never NaN") {
+  // π*_a ≡ 0 when z̃_a = −inf: the ratio term is 0 and stays 0 under any finite perturbation, so
+  // with α = 0 the whole gradient is 0; with α = 1 it is the regression term's alone, which does
+  // not depend on the advantage.
+  const std::size_t V = 6;
+  std::vector<double> zn = {1.5, -0.5, 2.0, -std::numeric_limits<double>::infinity(), 0.3, -1.0};
+  std::vector<double> zo = {0.0, 0.4, -0.8, -6.0, 1.1, -0.2};  // q_3 small: feasible
+  const std::vector<std::int64_t> tokens = {3};
+  for (const double alpha : {0.0, 1.0}) {
+    std::vector<double> grads[2];
+    for (int k = 0; k < 2; ++k) {
+      const std::vector<double> advantages = {k == 0 ? 1.0 : -3.0};
+      troll::token_batch<double> in;
+      in.tokens = tokens.data();
+      in.advantages = advantages.data();
+      troll::trust_region_objective o;
+      o.eps = 0.05;
+      o.alpha = alpha;
+      std::vector<double> log_probs(V), grad(V);
+      troll::projection_stats stats;
+      const troll::objective_metrics m =
+          troll::objective_forward(troll::cpu, o, troll::make_batch<const double>(zn.data(), 1, V),
+                                   troll::make_batch<const double>(zo.data(), 1, V), in,
+                                   troll::make_batch(log_probs.data(), 1, V), &stats);
+      CHECK(std::isfinite(m.loss));
+      troll::objective_backward(troll::cpu, o, troll::make_batch<const double>(zn.data(), 1, V),
+                                troll::make_batch<const double>(zo.data(), 1, V), in,
+                                troll::make_batch<const double>(log_probs.data(), 1, V), &stats,
+                                troll::make_batch(grad.data(), 1, V));
+      for (double g : grad) CHECK(!std::isnan(g));
+      if (alpha == 0.0)
+        for (double g : grad) CHECK(g == 0.0);
+      grads[k] = grad;
+    }
+    for (std::size_t j = 0; j < V; ++j) CHECK(grads[0][j] == doctest::Approx(grads[1][j]).epsilon(1e-14));
+  }
+}

@@ -56,7 +56,9 @@ TROLL_HOST_DEVICE inline troll_row_coefficients troll_coefficients(
   k.ratio_coef = -weight * advantage * ratio;
   k.reg_coef = weight * alpha;
   k.kl_reg = kl_reg;
-  if (s.status == row_status::projected) {
+  // ρ = 0: the sampled token is masked in the new logits, so π*_a ≡ 0 for every finite
+  // perturbation and the ratio term has no gradient (d_a = −inf must not reach it).
+  if (s.status == row_status::projected && ratio > 0.0) {
     k.t = s.t;
     k.centred_a = d_a - s.mu;
     k.inv_sigma2 = 1.0 / s.sigma2;
