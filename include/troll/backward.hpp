@@ -77,6 +77,7 @@ void validate_backward(const char* fn, unsigned threads, batch_view<const T> new
     row_setup setup;
     row_problem p = cpu::scan_pair(new_logits.row(r), old_logits.row(r), size, setup,
                                    "new_logits", "old_logits");
+    if (!p) p = cpu::find_bad_value(log_probs.row(r), size, "log_probs");  // NaN or +inf
     if (!p) p = check_stats(stats[r]);
     if (!p && upstream.data != nullptr) p = find_nonfinite(upstream.row(r), size, upstream_name);
     if (!p && upstream_old.rows != 0) p = find_nonfinite(upstream_old.row(r), size, "tangent_old");
@@ -93,7 +94,8 @@ void validate_backward(const char* fn, unsigned threads, batch_view<const T> new
 ///   grad_new = ∂L/∂z̃,  grad_old = ∂L/∂z° (skipped when grad_old is empty),
 ///   grad_eps[r] = ∂L/∂ε for row r (skipped when null).
 /// Upstream entries at masked outputs (log π* = −inf) are ignored; masked inputs get 0.
-/// Throws shape_error / domain_error (non-finite g, unusable stats, bad logits) before writing.
+/// Throws shape_error / domain_error (non-finite g, NaN / +inf log_probs, unusable stats, bad
+/// logits) before writing.
 template <class T>
 void project_backward(cpu_policy policy, input_view<T> new_logits, input_view<T> old_logits,
                       input_view<T> log_probs, const projection_stats* stats,
