@@ -23,7 +23,7 @@ eigen_dir=$(pkg-config --cflags-only-I eigen3 2>/dev/null | sed 's/^-I//; s/ .*/
 work=build/fuzz
 mkdir -p "$work/corpus"
 "$cxx" -std=c++17 -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined \
-  -fno-sanitize-recover=undefined -Iinclude -isystem "$eigen_dir" \
+  -fno-sanitize-recover=undefined ${FUZZ_FLAGS:-} -Iinclude -isystem "$eigen_dir" \
   tests/fuzz/fuzz_sparse.cpp -o "$work/fuzz_sparse"
 
 # -timeout: one input may take at most 10 s; -rss_limit_mb bounds memory; the scratch corpus

@@ -111,6 +111,22 @@ TEST_CASE("dense project_backward, project_jvp and project_jacobian reject NaN, 
         2, what);
     for (double v : jac) CHECK(v == 42.0);
   }
+  // A finite log π* where the new logits mask the token: not the projection of these logits.
+  {
+    std::vector<double> masked_new = zn, lp = log_probs;
+    masked_new[1 * vocab + 4] = minus_inf;
+    lp[1 * vocab + 4] = -3.0;
+    std::vector<double> grad_new(rows * vocab, 42.0);
+    expect_rejected<troll::domain_error>(
+        [&] {
+          troll::project_backward(troll::cpu, troll::make_batch(masked_new.data(), rows, vocab),
+                                  troll::make_batch(zo.data(), rows, vocab), troll::make_batch(lp.data(), rows, vocab),
+                                  stats.data(), troll::make_batch(upstream.data(), rows, vocab),
+                                  troll::make_batch(grad_new.data(), rows, vocab));
+        },
+        1, "log_probs is -3 at token 4, which the new or old logits mask");
+    for (double v : grad_new) CHECK(v == 42.0);
+  }
   // −inf is a masked output, not an error (the row's own masked tokens are −inf already).
   std::vector<double> grad_new(rows * vocab, 42.0);
   troll::project_backward(troll::cpu, troll::make_batch(zn.data(), rows, vocab), troll::make_batch(zo.data(), rows, vocab),

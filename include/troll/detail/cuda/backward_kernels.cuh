@@ -64,7 +64,8 @@ __device__ inline int unusable_stats_field(const projection_stats& s) {
 }
 
 /// The problem of a row a derivative of project() reads, in the order of the CPU's
-/// validate_backward: the logits pair, log_probs (not ≤ 0 at `first_bad_log_prob`; no_token
+/// validate_backward: the logits pair, log_probs (find_bad_log_prob's rules, first failing at
+/// `first_bad_log_prob`; no_token
 /// where the caller has no log_probs), then the statistics (t, σ², μ, status, kl_after).
 template <class T>
 __device__ cuda_row_report derivative_problem(const pair_scan& scan, const T* zn, const T* zo,
@@ -86,14 +87,17 @@ struct min_token {
   __device__ std::size_t operator()(std::size_t a, std::size_t b) const { return a < b ? a : b; }
 };
 
-/// The first token at which log_probs is not ≤ 0 — NaN, +inf or above 0 (no_token: none), by the
-/// whole block.
+/// The first token at which log_probs cannot be the forward's log π* — NaN, +inf, above 0, or
+/// above −inf where a logit is −inf (no_token: none), by the whole block.
 template <class T>
-__device__ std::size_t block_first_bad_log_prob(const T* log_probs, std::size_t size,
-                                                reduce_storage<std::size_t>& storage) {
+__device__ std::size_t block_first_bad_log_prob(const T* log_probs, const T* new_logits, const T* old_logits,
+                                                std::size_t size, reduce_storage<std::size_t>& storage) {
   std::size_t first = no_token;
-  for (std::size_t i = threadIdx.x; i < size && first == no_token; i += block_threads)
-    if (!(static_cast<double>(log_probs[i]) <= 0.0)) first = i;
+  for (std::size_t i = threadIdx.x; i < size && first == no_token; i += block_threads) {
+    const double lp = static_cast<double>(log_probs[i]);
+    const bool open = static_cast<double>(new_logits[i]) > neg_inf() && static_cast<double>(old_logits[i]) > neg_inf();
+    if (!(lp <= 0.0 && (open || lp == neg_inf()))) first = i;
+  }
   return block_all_reduce(storage, first, min_token{});
 }
 
@@ -128,7 +132,8 @@ __global__ void __launch_bounds__(block_threads)
       const double gi = static_cast<double>(g[i]);
       if (!(gi - gi == 0.0) && i < local.first_bad_upstream) local.first_bad_upstream = i;
       const double lp = static_cast<double>(logp[i]);
-      if (!(lp <= 0.0) && i < local.first_bad_log_prob) local.first_bad_log_prob = i;
+      if (!(lp <= 0.0 && ((a > neg_inf() && b > neg_inf()) || lp == neg_inf())) && i < local.first_bad_log_prob)
+        local.first_bad_log_prob = i;
       if (lp > neg_inf()) {
         local.sum_g += gi;
         local.sum_gc += gi * ((a - b) - mu);

@@ -179,7 +179,8 @@ __global__ void __launch_bounds__(block_threads)
       const double v = to != nullptr ? static_cast<double>(to[i]) : 0.0;
       if (!(v - v == 0.0) && i < local.first_bad_old) local.first_bad_old = i;
       const double lp = static_cast<double>(logp[i]);
-      if (!(lp <= 0.0) && i < local.first_bad_log_prob) local.first_bad_log_prob = i;
+      if (!(lp <= 0.0 && ((a > neg_inf() && b > neg_inf()) || lp == neg_inf())) && i < local.first_bad_log_prob)
+        local.first_bad_log_prob = i;
       if (lp > neg_inf()) {
         const double pi = ::exp(lp);
         local.pi_tn += pi * u;

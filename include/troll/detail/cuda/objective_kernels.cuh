@@ -383,7 +383,7 @@ __global__ void __launch_bounds__(block_threads)
     projection_stats s;
     if (stats != nullptr) s = stats[r];
     if (report.error == cuda_row_error::none && stats != nullptr) {  // block-uniform
-      const std::size_t bad = block_first_bad_log_prob(log_pi, size, token_storage);
+      const std::size_t bad = block_first_bad_log_prob(log_pi, zn, zo, size, token_storage);
       if (bad != no_token) {
         report.error = cuda_row_error::bad_log_probs, report.token = bad;
         report.value = static_cast<double>(log_pi[bad]);

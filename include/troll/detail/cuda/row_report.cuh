@@ -52,7 +52,8 @@ enum class cuda_row_error : int {
   sampled_missing = 26,    ///< sparsify_finalize: no shard held the sampled token `value`: domain_error
   no_support = 27,         ///< sparsify_finalize: every logit of the row is −inf: domain_error
   bad_state = 28,          ///< a state with k or size (`value`) out of range (a rejected shard row): invalid_input
-  bad_log_probs = 29,      ///< a derivative's log_probs is `value` (NaN, +inf or > 0) at `token`: domain_error
+  bad_log_probs = 29,      ///< a derivative's log_probs is `value` at `token`: NaN, +inf, > 0, or finite where
+                           ///< a logit is −inf: domain_error
   state_invalid = 30,      ///< sparsify_merge / _finalize: detail::state_problem_kind `operand` % 32 of state
                            ///< `operand` / 32 (0 into / states, 1 from), entry `token`, `value`: throw_state_problem
   sparse_mass = 31,        ///< Σ_S p + r is `value`, beyond sparse_mass_tolerance<T> (`token` = sizeof(T)): domain_error
@@ -161,7 +162,8 @@ __device__ void fill_nan(T* out, std::size_t size) {
     case cuda_row_error::bad_log_probs:
       p.kind = report.value != report.value ? problem_kind::nan_value
                : report.value == inf()      ? problem_kind::pos_inf
-                                            : problem_kind::above_zero;
+               : report.value > 0.0         ? problem_kind::above_zero
+                                            : problem_kind::masked_mass;
       p.operand = "log_probs";
       break;
     case cuda_row_error::none:
