@@ -314,7 +314,7 @@ TEST_CASE("cuda shard, merge, finalize, align_backward and double sparsify check
   // sparsify_shard: the shard must fit the vocabulary; options; states.
   const auto shard = troll::make_batch<const float>(fake, 3, 6, 10);
   CHECK_THROWS_WITH_AS(troll::sparsify_shard(troll::cuda, shard, 5, 10, nullptr, options, fake_states),
-                       doctest::Contains("the shard [5, 11) does not fit in the vocabulary of 10"), troll::shape_error);
+                       doctest::Contains("the shard of 6 tokens at offset 5 does not fit in the vocabulary [0, 10)"), troll::shape_error);
   CHECK_THROWS_AS(troll::sparsify_shard(troll::cuda, shard, 0, 10, nullptr, troll::sparsify_options{8, 1.5},
                                         fake_states),
                   troll::domain_error);
@@ -363,7 +363,7 @@ TEST_CASE("cuda mass, log_probs-id and dense log_probs reports become the CPU's 
   for (const bool single : {true, false}) {
     CAPTURE(single);
     troll::cuda_row_report report;
-    report.error = troll::cuda_row_error::sparse_mass, report.operand = 1, report.value = 1.5;
+    report.error = troll::cuda_row_error::sparse_mass, report.operand = 1;
     report.token = single ? sizeof(float) : sizeof(double);
     std::string cpu;
     if (single) {
@@ -371,6 +371,8 @@ TEST_CASE("cuda mass, log_probs-id and dense log_probs reports become the CPU's 
           bad_r{std::log(0.75f)};
       std::vector<troll::sparse_index> oi(4), oc(1);
       std::vector<float> a(4), b(4), ar(1), br(1);
+      // The mass as the device sums it: the remainder, then the entries, in double.
+      report.value = std::exp(double(bad_r[0])) + std::exp(double(bad[0])) + std::exp(double(bad[1]));
       cpu = message_of<troll::domain_error>([&] {
         troll::align(troll::cpu, troll::sparse_batch_view<const float>{idx.data(), lp.data(), cnt.data(), lr.data(), 1, 2, 4},
                      troll::sparse_batch_view<const float>{idx.data(), bad.data(), cnt.data(), bad_r.data(), 1, 2, 4},
@@ -381,13 +383,14 @@ TEST_CASE("cuda mass, log_probs-id and dense log_probs reports become the CPU's 
           bad_r{std::log(0.75)};
       std::vector<troll::sparse_index> oi(4), oc(1);
       std::vector<double> a(4), b(4), ar(1), br(1);
+      report.value = std::exp(bad_r[0]) + std::exp(bad[0]) + std::exp(bad[1]);
       cpu = message_of<troll::domain_error>([&] {
         troll::align(troll::cpu, troll::sparse_batch_view<const double>{idx.data(), lp.data(), cnt.data(), lr.data(), 1, 2, 4},
                      troll::sparse_batch_view<const double>{idx.data(), bad.data(), cnt.data(), bad_r.data(), 1, 2, 4},
                      troll::aligned_batch_view<double>{oi.data(), oc.data(), a.data(), b.data(), ar.data(), br.data(), 1, 4, 4});
       });
     }
-    REQUIRE(cpu.find("sum to 1.5") != std::string::npos);
+    REQUIRE(cpu.find("the probabilities sum to 1.") != std::string::npos);
     CHECK(cpu == message_of<troll::domain_error>([&] { align_thrower("align", 0, report, nullptr); }));
   }
   // project_backward(aligned): log_probs entry 1 holds token 9 where the aligned rows hold 4.
@@ -516,7 +519,9 @@ TEST_CASE("cuda shard-state and align_backward reports become the CPU's exceptio
   const troll::detail::cuda::sparse_thrower align_thrower{
       {"row", "aligned", nullptr, nullptr, nullptr, "grad_aligned (NaN or infinite)", nullptr, nullptr}, 0};
   std::vector<troll::sparse_index> ri{3, 4}, rc{2}, ai{3, 5, -1}, ac{2};
-  std::vector<double> rl{-1.0, -2.0}, rr{-0.5}, al{-1.0, -2.0, -inf}, ar{-0.5}, arr{-0.5};
+  // Normalised rows (mass 0.3 + 0.2 + 0.5).
+  std::vector<double> rl{std::log(0.3), std::log(0.2)}, rr{std::log(0.5)}, al{std::log(0.3), std::log(0.2), -inf},
+      ar{std::log(0.5)}, arr{std::log(0.5)};
   std::vector<double> g{1.0, 2.0, 0.0}, gr{0.5}, out_g(2), out_r(1);
   const troll::sparse_batch_view<const double> row{ri.data(), rl.data(), rc.data(), rr.data(), 1, 2, 10};
   const troll::aligned_batch_view<const double> aligned{ai.data(), ac.data(), al.data(), al.data(), ar.data(),
