@@ -4,7 +4,8 @@
 # when that exists. gnuplot-nox (for the plots in docs/) is optional.
 set -euo pipefail
 
-required=(build-essential cmake libeigen3-dev doctest-dev libbenchmark-dev)
+# clang + libclang-rt-14-dev: libFuzzer and the sanitizer runtimes for scripts/fuzz.sh.
+required=(build-essential cmake libeigen3-dev doctest-dev libbenchmark-dev clang libclang-rt-14-dev)
 optional=(gnuplot-nox)
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q '^install ok installed$'; }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The full check: install the dependencies, build the release preset (tests, benchmarks,
 # examples; warnings are errors) and run ctest, then build the asan preset (AddressSanitizer +
-# UBSan, tests only) and run ctest again, and last the Python package (scripts/python-test.sh:
+# UBSan, tests only) and run ctest again, then run the libFuzzer target for ~60 s
+# (scripts/fuzz.sh; FUZZ_SECONDS overrides), and last the Python package (scripts/python-test.sh:
 # a venv under build/, pip install ./python, pytest). Exits non-zero at the first failure.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -36,6 +37,9 @@ cmake --build --preset asan -j "$jobs"
 stage "asan: ctest"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --preset asan -j "$jobs"
+
+stage "fuzz: libFuzzer + ASan + UBSan over sparse rows, alignment and shard states (${FUZZ_SECONDS:-60} s)"
+bash scripts/fuzz.sh
 
 stage "python: venv, pip install ./python, pytest"
 bash scripts/python-test.sh

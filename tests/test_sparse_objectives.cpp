@@ -622,7 +622,7 @@ void expect_forward_rejected(const sparse_case& c, const troll::sparse_trust_reg
   } catch (const E& e) {
     thrown = true;
     CHECK(e.row() == row);
-    CHECK_MESSAGE(std::string(e.what()).find(fragment) != std::string::npos, e.what());
+    CHECK_MESSAGE(std::string(e.what()).find(fragment) != std::string::npos, std::string(e.what()));
   }
   CHECK(thrown);
   CHECK(al.indices == al0.indices);
@@ -670,7 +670,10 @@ TEST_CASE("sparse TROLL forward rejects bad input before writing, naming the row
   }
   {
     sparse_case c = good;
-    c.old.log_probs[sampled_entry(c, 2)] = minus_inf;
+    // The sampled token's mass moves to the remainder: the row stays normalised.
+    double& sampled_log_prob = c.old.log_probs[sampled_entry(c, 2)];
+    c.old.log_remainder[2] = std::log(std::exp(c.old.log_remainder[2]) + std::exp(sampled_log_prob));
+    sampled_log_prob = minus_inf;
     expect_forward_rejected<troll::domain_error>(c, o, 2, "log-probability at the sampled token");
   }
   {
@@ -713,6 +716,8 @@ TEST_CASE("sparse TROLL forward rejects bad input before writing, naming the row
   {
     // The old row claims no tail mass, the new row has some: KL(p̃ ‖ π*) = +inf with α > 0.
     sparse_case c = good;
+    const double kept_mass = -std::expm1(c.old.log_remainder[4]);  // the support renormalised
+    for (int i = 0; i < c.old.counts[4]; ++i) c.old.log_probs[4 * c.old.k_max + std::size_t(i)] -= std::log(kept_mass);
     c.old.log_remainder[4] = minus_inf;
     c.mask[4] = 1.0;
     expect_forward_rejected<troll::domain_error>(c, o, 4, "KL(p_new || pi*)");
@@ -776,7 +781,7 @@ TEST_CASE("sparse TROLL backward rejects bad input before writing, naming the ro
     } catch (const troll::invalid_input& e) {
       thrown = true;
       CHECK(e.row() == row);
-      CHECK_MESSAGE(std::string(e.what()).find(fragment) != std::string::npos, e.what());
+      CHECK_MESSAGE(std::string(e.what()).find(fragment) != std::string::npos, std::string(e.what()));
     }
     CHECK(thrown);
     for (double v : grad) CHECK(v == 42.0);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <limits>
 #include <string>
 
 #include "batch.hpp"
@@ -35,6 +36,36 @@ row_problem find_nonfinite(const T* z, std::size_t size, const char* operand) {
       p.value = x;
       return p;
     }
+  }
+  return p;
+}
+
+/// First entry of a row of log-probabilities (the forward's log π*) that cannot be one: NaN,
+/// +inf, a finite value above 0 (a probability above 1), or a value above −inf where the new or
+/// the old logits are −inf (π* ≪ p̃ and π* ≪ q for every status). −inf (a masked output) is fine.
+/// One vectorised scan; a bad row is then walked.
+template <class T>
+row_problem find_bad_log_prob(const T* log_probs, const T* new_logits, const T* old_logits, std::size_t size,
+                              const char* operand) {
+  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  row_problem p;
+  unsigned char all_fine = 1;
+  for (std::size_t k = 0; k < size; ++k)
+    all_fine &= static_cast<unsigned char>(log_probs[k] <= T(0) && ((new_logits[k] > minus_inf && old_logits[k] > minus_inf) ||
+                                                                    log_probs[k] == minus_inf));
+  if (all_fine) return p;
+  for (std::size_t k = 0; k < size; ++k) {
+    const double x = static_cast<double>(log_probs[k]);
+    const bool masked = !(static_cast<double>(new_logits[k]) > neg_inf() && static_cast<double>(old_logits[k]) > neg_inf());
+    if (x <= 0.0 && !(masked && x > neg_inf())) continue;
+    p.kind = x != x ? problem_kind::nan_value
+             : x == inf() ? problem_kind::pos_inf
+             : x > 0.0    ? problem_kind::above_zero
+                          : problem_kind::masked_mass;
+    p.operand = operand;
+    p.token = k;
+    p.value = x;
+    return p;
   }
   return p;
 }
@@ -81,6 +112,7 @@ void validate_backward(const char* fn, unsigned threads, batch_view<const T> new
     row_setup setup;
     row_problem p = cpu::scan_pair(new_logits.row(r), old_logits.row(r), size, setup,
                                    "new_logits", "old_logits");
+    if (!p) p = find_bad_log_prob(log_probs.row(r), new_logits.row(r), old_logits.row(r), size, "log_probs");
     if (!p) p = check_stats(stats[r]);
     if (!p && upstream.data != nullptr) p = find_nonfinite(upstream.row(r), size, upstream_name);
     if (!p && upstream_old.rows != 0) p = find_nonfinite(upstream_old.row(r), size, "tangent_old");
@@ -97,7 +129,8 @@ void validate_backward(const char* fn, unsigned threads, batch_view<const T> new
 ///   grad_new = ∂L/∂z̃,  grad_old = ∂L/∂z° (skipped when grad_old is empty),
 ///   grad_eps[r] = ∂L/∂ε for row r (skipped when null).
 /// Upstream entries at masked outputs (log π* = −inf) are ignored; masked inputs get 0.
-/// Throws shape_error / domain_error (non-finite g, unusable stats, bad logits) before writing.
+/// Throws shape_error / domain_error (non-finite g, log_probs NaN, +inf, above 0 or finite where
+/// a logit is −inf, unusable stats, bad logits) before writing.
 template <class T>
 void project_backward(cpu_policy policy, input_view<T> new_logits, input_view<T> old_logits,
                       input_view<T> log_probs, const projection_stats* stats,

@@ -50,7 +50,9 @@ struct sparse_thrower {
 
   [[noreturn]] void operator()(const char* function, std::size_t row, const cuda_row_report& report,
                                const char* const* /*dense names*/) const {
-    const int o = report.operand >= 0 && report.operand < 8 ? report.operand : 0;
+    const int o = report.operand >= 0 && report.operand < 8 && report.error != cuda_row_error::sparse_wrong_token
+                      ? report.operand
+                      : 0;
     const char* name = names[o] != nullptr ? names[o] : "";
     std::ostringstream msg;
     msg.precision(17);
@@ -114,6 +116,23 @@ struct sparse_thrower {
             << " (k must be in [1, " << sparsify_max_k << "] and size in [0, k]: a row sparsify_shard rejected, or "
             << "not a sparsify_state)";
         throw invalid_input(msg.str(), row);
+      case cuda_row_error::state_invalid: {
+        const int which = report.operand / 32 == 1 ? 1 : 0;
+        state_problem p;
+        p.kind = static_cast<state_problem_kind>(report.operand % 32);
+        p.entry = entry;
+        p.value = report.value;
+        throw_state_problem(function, row, names[which] != nullptr ? names[which] : "", p);
+      }
+      case cuda_row_error::sparse_mass:
+        msg << name << ": the probabilities sum to " << report.value << " (support plus remainder), more than "
+            << (report.token == sizeof(float) ? sparse_mass_tolerance<float>() : sparse_mass_tolerance<double>())
+            << " from 1: not a normalised row";
+        throw domain_error(msg.str(), row);
+      case cuda_row_error::sparse_wrong_token:
+        msg << "log_probs: entry " << entry << " holds token " << report.value << " where the aligned rows hold token "
+            << report.operand << " (log_probs must be project()'s output for these rows)";
+        throw shape_error(msg.str(), row);
       default:  // bad_stats (every field, kl_after included) and the dense codes
         break;
     }

@@ -294,8 +294,9 @@ objective_metrics objective_forward(cpu_policy policy, const trust_region_object
 /// gradient w.r.t. p̃ only (π* held constant), in one pass per row:
 ///   ∂ℓ/∂z̃_j = −ρA·t [δ_ja − π*_j − π*_j (d_j − μ)(d_a − μ)/σ²] + α p̃_j (log p̃_j − log π*_j − KL(p̃‖π*)).
 /// `log_probs` and `stats` are objective_forward's outputs for the same inputs. Rows with mask 0
-/// get zero gradients. Throws as objective_forward does, and domain_error for unusable stats or a
-/// non-finite grad_loss, before writing.
+/// get zero gradients. Throws as objective_forward does, and domain_error for log_probs NaN, +inf,
+/// above 0 or finite where a logit is −inf, unusable stats or a non-finite grad_loss, before
+/// writing.
 template <class T>
 void objective_backward(cpu_policy policy, const trust_region_objective& objective,
                         input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
@@ -313,6 +314,15 @@ void objective_backward(cpu_policy policy, const trust_region_objective& objecti
   if (!(grad_loss - grad_loss == 0.0)) throw domain_error("troll::objective_backward: grad_loss is not finite");
   detail::validate_objective(fn, policy.threads, new_logits, old_logits, in, true, objective.eps,
                              objective.alpha > 0.0);
+  const std::size_t bad_log_probs =
+      detail::cpu::first_bad_row(policy.threads, log_probs.rows, log_probs.cols, [&](std::size_t r) {
+        return bool(detail::find_bad_log_prob(log_probs.row(r), new_logits.row(r), old_logits.row(r), log_probs.cols,
+                                              "log_probs"));
+      });
+  if (bad_log_probs != log_probs.rows)
+    detail::throw_problem(fn, bad_log_probs,
+                          detail::find_bad_log_prob(log_probs.row(bad_log_probs), new_logits.row(bad_log_probs),
+                                                    old_logits.row(bad_log_probs), log_probs.cols, "log_probs"));
   for (std::size_t r = 0; r < new_logits.rows; ++r) {
     const detail::row_problem p = detail::check_stats(stats[r]);
     if (p) detail::throw_problem(fn, r, p);

@@ -73,6 +73,19 @@ namespace detail {
       msg << ": entry " << p.entry << " (token " << p.value
           << ") is missing from the aligned support";
       throw shape_error(msg.str(), row);
+    case cpu::sparse_problem_kind::masked_mass:
+      msg << where() << " is " << p.value
+          << " where the new or old side is -inf: not the projection's output for these rows";
+      throw domain_error(msg.str(), row);
+    case cpu::sparse_problem_kind::wrong_token:
+      msg << ": entry " << p.entry << " holds token " << p.value << " where the aligned rows hold token "
+          << p.other << " (log_probs must be project()'s output for these rows)";
+      throw shape_error(msg.str(), row);
+    case cpu::sparse_problem_kind::mass:
+      msg << ": the probabilities sum to " << p.value << " (support plus remainder), more than "
+          << p.other
+          << " from 1: not a normalised row";
+      throw domain_error(msg.str(), row);
     case cpu::sparse_problem_kind::none:
       break;
   }
@@ -199,7 +212,8 @@ void sparsify(cpu_policy policy, input_view<T> logits, const sparse_index* sampl
   const double log_delta = options.delta > 0.0 ? std::log(options.delta) : detail::neg_inf();
   detail::cpu::parallel_for(policy.threads, logits.rows, 2 * logits.cols, [&](std::size_t r) {
     sparsify_state st;
-    detail::reset(st, options.k, sampled ? sampled[r] : -1);
+    const auto vocab = static_cast<sparse_index>(logits.cols);
+    detail::reset(st, options.k, sampled ? sampled[r] : -1, vocab, 0, vocab);
     detail::cpu::sparsify_scan(logits.row(r), logits.cols, 0, st);
     int count = 0;
     detail::finalize(st, log_delta, out.row_indices(r), out.row_log_probs(r), count,
@@ -213,7 +227,11 @@ void sparsify(cpu_policy policy, input_view<T> logits, const sparse_index* sampl
 /// tokens [vocab_offset, vocab_offset + shard_logits.cols) of a row of `vocab` tokens. States of
 /// disjoint shards merge with sparsify_merge (associative, any order); sparsify_finalize turns a
 /// state covering the whole row into the same sparse row sparsify writes. `sampled` (global
-/// indices, may be null) and options must be the same for every shard of a row.
+/// indices, may be null) and options must be the same for every shard of a row. Each state
+/// records V and the range it covers, so merge and finalize can check what they are given.
+/// Throws before writing: shape_error (the shard does not fit in [0, V) — computed without
+/// wrap-around — or V is not in [1, 2^31)), domain_error (options, NaN / +inf logits, a sampled
+/// token outside [0, V)).
 template <class T>
 void sparsify_shard(cpu_policy policy, batch_view<const T> shard_logits, std::size_t vocab_offset,
                     std::size_t vocab, const sparse_index* sampled, const sparsify_options& options,
@@ -231,50 +249,75 @@ void sparsify_shard(cpu_policy policy, batch_view<const T> shard_logits, std::si
     detail::throw_problem(fn, bad,
                           detail::cpu::find_bad_value(shard_logits.row(bad), shard_logits.cols, "shard_logits"));
   detail::cpu::parallel_for(policy.threads, shard_logits.rows, 2 * shard_logits.cols, [&](std::size_t r) {
-    detail::reset(states[r], options.k, sampled ? sampled[r] : -1);
+    const auto begin = static_cast<sparse_index>(vocab_offset);
+    detail::reset(states[r], options.k, sampled ? sampled[r] : -1, static_cast<sparse_index>(vocab), begin,
+                  static_cast<sparse_index>(vocab_offset + shard_logits.cols));
     detail::cpu::sparsify_scan(shard_logits.row(r), shard_logits.cols, vocab_offset, states[r]);
   });
 }
 
 /// into[r] ← merge(into[r], from[r]) for rows rows: the state of the union of two disjoint token
-/// sets of the same row. Throws invalid_input when the two states disagree on k or the sampled token.
+/// sets of the same row. Every state is validated first (detail::check_state: k, size, V, covered
+/// ranges, heap entries, sums), then each pair (same k, sampled token and V; coverages that do
+/// not overlap and whose union fits in sparsify_max_ranges ranges). Throws before writing
+/// (detail::throw_state_problem lists the exception per problem; merging the same shard twice is
+/// invalid_input naming the first token both cover).
 inline void sparsify_merge(cpu_policy policy, sparsify_state* into, const sparsify_state* from,
                            std::size_t rows) {
   constexpr const char* fn = "sparsify_merge";
   detail::check_sparsify_merge_arguments(fn, into, from, rows);
-  for (std::size_t r = 0; r < rows; ++r) {
-    if (into[r].k != from[r].k || into[r].sampled != from[r].sampled)
-      throw invalid_input(detail::row_prefix(fn, r) +
-                              "the two states were made with different k or sampled tokens",
-                          r);
+  auto problem = [&](std::size_t r, const char*& name) {
+    detail::index_slot scratch[sparsify_max_k];
+    name = "into";
+    detail::state_problem p = detail::check_state(into[r], scratch);
+    if (p) return p;
+    name = "from";
+    p = detail::check_state(from[r], scratch);
+    if (p) return p;
+    name = "from";
+    return detail::check_merge(into[r], from[r]);
+  };
+  const std::size_t bad = detail::cpu::first_bad_row(policy.threads, rows, 4 * sparsify_max_k, [&](std::size_t r) {
+    const char* name = "";
+    return bool(problem(r, name));
+  });
+  if (bad != rows) {
+    const char* name = "";
+    const detail::state_problem p = problem(bad, name);
+    detail::throw_state_problem(fn, bad, name, p);
   }
   detail::cpu::parallel_for(policy.threads, rows, 4 * sparsify_max_k,
                             [&](std::size_t r) { detail::merge_into(into[r], from[r]); });
 }
 
 /// Writes the sparse rows of states that cover whole rows of `out.vocab` tokens (see
-/// sparsify_shard). Throws domain_error for a row whose logits were all −inf or whose sampled
-/// token no shard held, shape_error for a too small out.k_max.
+/// sparsify_shard). Throws before writing: the state problems of detail::throw_state_problem (a
+/// malformed state, k other than options.k, a state made for another V, a state that does not
+/// cover all of [0, V) — a shard never merged), shape_error for a too small out.k_max, and
+/// domain_error for a row whose logits were all −inf.
 template <class T>
 void sparsify_finalize(cpu_policy policy, const sparsify_state* states, const sparsify_options& options,
                        sparse_batch_view<T> out) {
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_finalize";
   detail::check_sparsify_finalize_arguments(fn, states, options, out);
+  const std::size_t bad = detail::cpu::first_bad_row(policy.threads, out.rows, 4 * sparsify_max_k, [&](std::size_t r) {
+    detail::index_slot scratch[sparsify_max_k];
+    return bool(detail::check_state(states[r], scratch)) ||
+           bool(detail::check_whole_row(states[r], options.k, static_cast<long long>(out.vocab)));
+  });
   for (std::size_t r = 0; r < out.rows; ++r) {
-    if (states[r].k != options.k)
-      throw invalid_input(detail::row_prefix(fn, r) + "the state was made with k = " +
-                              std::to_string(states[r].k) + ", options.k is " + std::to_string(options.k),
-                          r);
+    if (r == bad) {
+      detail::index_slot scratch[sparsify_max_k];
+      detail::state_problem p = detail::check_state(states[r], scratch);
+      if (!p) p = detail::check_whole_row(states[r], options.k, static_cast<long long>(out.vocab));
+      detail::throw_state_problem(fn, r, "states", p);
+    }
     const std::size_t need = std::size_t(states[r].size) + (states[r].sampled >= 0 ? 1 : 0);
     if (out.k_max < need)
       throw shape_error(detail::row_prefix(fn, r) + "out has capacity " + std::to_string(out.k_max) +
                             " but the row needs " + std::to_string(need),
                         r);
-    if (states[r].sampled >= 0 && !states[r].has_sampled)
-      throw domain_error(detail::row_prefix(fn, r) + "no shard held the sampled token " +
-                             std::to_string(states[r].sampled),
-                         r);
     if (detail::state_has_no_support(states[r]))
       throw domain_error(detail::row_prefix(fn, r) + "every logit is -inf (the row has no support)", r);
   }
@@ -309,7 +352,8 @@ void sparsify_backward(cpu_policy policy, input_view<T> logits, sparse_input<T> 
                                      support.row_indices(r), support.row_log_probs(r), support.count(r),
                                      T(0), support.k_max, support.vocab, "support", scratch);
                                  if (p.kind == detail::cpu::sparse_problem_kind::no_mass ||
-                                     p.kind == detail::cpu::sparse_problem_kind::remainder_no_tail)
+                                     p.kind == detail::cpu::sparse_problem_kind::remainder_no_tail ||
+                                     p.kind == detail::cpu::sparse_problem_kind::mass)
                                    p = detail::cpu::sparse_problem{};
                                  if (p) return p;
                                  const long long n = support.count(r);
@@ -423,7 +467,8 @@ void align(cpu_policy policy, input_view<T> new_logits, sparse_input<T> new_supp
                                        new_support.count(r), T(0), new_support.k_max, new_support.vocab,
                                        "new_support", scratch);
                                    if (p.kind == detail::cpu::sparse_problem_kind::no_mass ||
-                                       p.kind == detail::cpu::sparse_problem_kind::remainder_no_tail)
+                                       p.kind == detail::cpu::sparse_problem_kind::remainder_no_tail ||
+                                       p.kind == detail::cpu::sparse_problem_kind::mass)
                                      p = detail::cpu::sparse_problem{};
                                    if (p) return p;
                                  }
@@ -633,9 +678,37 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
                                                           : double(grad.row(r)[i]);
                                    const double l = i < 0 ? double(log_probs.log_remainder[r])
                                                           : double(log_probs.row_log_probs(r)[i]);
+                                   // project() writes the aligned support in its order: any other
+                                   // id (permuted, negative, out of range) is not its output.
+                                   if (i >= 0 && log_probs.row_indices(r)[i] != rows.indices[r * rows.k_max + std::size_t(i)]) {
+                                     p.kind = detail::cpu::sparse_problem_kind::wrong_token;
+                                     p.entry = i;
+                                     p.value = double(log_probs.row_indices(r)[i]);
+                                     p.other = double(rows.indices[r * rows.k_max + std::size_t(i)]);
+                                     return p;
+                                   }
                                    if (l != l) {
                                      p.kind = detail::cpu::sparse_problem_kind::nan_value;
                                      p.entry = i;
+                                     return p;
+                                   }
+                                   if (l > 0.0) {  // +inf included
+                                     p.kind = detail::cpu::sparse_problem_kind::above_one;
+                                     p.entry = i;
+                                     p.value = l;
+                                     return p;
+                                   }
+                                   const bool tail = rows.vocab > std::size_t(rows.counts[r]);
+                                   const std::size_t at = r * rows.k_max + std::size_t(i < 0 ? 0 : i);
+                                   const double new_side = i < 0 ? (tail ? double(rows.new_log_remainder[r]) : detail::neg_inf())
+                                                                 : double(rows.new_log_probs[at]);
+                                   const double old_side = i < 0 ? (tail ? double(rows.old_log_remainder[r]) : detail::neg_inf())
+                                                                 : double(rows.old_log_probs[at]);
+                                   // π* ≪ p̃ and π* ≪ q for every status.
+                                   if (l > detail::neg_inf() && (new_side == detail::neg_inf() || old_side == detail::neg_inf())) {
+                                     p.kind = detail::cpu::sparse_problem_kind::masked_mass;
+                                     p.entry = i;
+                                     p.value = l;
                                      return p;
                                    }
                                    if (l > detail::neg_inf() && !(g - g == 0.0)) {

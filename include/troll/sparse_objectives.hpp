@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "batch.hpp"
@@ -152,7 +153,7 @@ void gather_aligned_row(const T* z, std::size_t vocab, const sparse_batch_view<c
   int new_count = 0;
   if (new_k > 0) {
     sparsify_state st;
-    reset(st, new_k, -1);
+    reset(st, new_k, -1, static_cast<sparse_index>(vocab), 0, static_cast<sparse_index>(vocab));
     cpu::sparsify_scan(z, vocab, 0, st);
     double unused_remainder = 0.0;
     finalize(st, log_delta, new_indices, new_values, new_count, unused_remainder);
@@ -410,7 +411,9 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
     p.sparse = detail::check_sparse_row_of(aligned.new_side(), r, "aligned (new side)", scratch);
     if (!p.sparse)
       p.sparse = detail::check_sparse_row_of(aligned.old_side(), r, "aligned (old side)", scratch);
+    detail::cpu::sparse_problem log_probs_mass;  // reported after the support match below
     if (!p.sparse) p.sparse = detail::check_sparse_row_of(log_probs, r, "log_probs", scratch);
+    if (p.sparse.kind == detail::cpu::sparse_problem_kind::mass) std::swap(p.sparse, log_probs_mass);
     if (p.sparse) {
       p.what = problem_t::kind::sparse;
       return p;
@@ -432,6 +435,11 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
         p.other = want;
         return p;
       }
+    }
+    if (log_probs_mass) {
+      p.sparse = log_probs_mass;
+      p.what = problem_t::kind::sparse;
+      return p;
     }
     if ((in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0) {
       const std::int64_t a = in.tokens[r];

@@ -314,7 +314,7 @@ TEST_CASE("cuda shard, merge, finalize, align_backward and double sparsify check
   // sparsify_shard: the shard must fit the vocabulary; options; states.
   const auto shard = troll::make_batch<const float>(fake, 3, 6, 10);
   CHECK_THROWS_WITH_AS(troll::sparsify_shard(troll::cuda, shard, 5, 10, nullptr, options, fake_states),
-                       doctest::Contains("the shard [5, 11) does not fit in the vocabulary of 10"), troll::shape_error);
+                       doctest::Contains("the shard of 6 tokens at offset 5 does not fit in the vocabulary [0, 10)"), troll::shape_error);
   CHECK_THROWS_AS(troll::sparsify_shard(troll::cuda, shard, 0, 10, nullptr, troll::sparsify_options{8, 1.5},
                                         fake_states),
                   troll::domain_error);
@@ -356,6 +356,66 @@ TEST_CASE("cuda shard, merge, finalize, align_backward and double sparsify check
                   troll::shape_error);
 }
 
+TEST_CASE("cuda mass, log_probs-id and dense log_probs reports become the CPU's exceptions and messages") {
+  // A sparse row of mass 1.5 (float and double tolerances), as align(cpu) words it.
+  const troll::detail::cuda::sparse_thrower align_thrower{{"new", "old"}, 0};
+  std::vector<troll::sparse_index> idx{0, 1}, cnt{2};
+  for (const bool single : {true, false}) {
+    CAPTURE(single);
+    troll::cuda_row_report report;
+    report.error = troll::cuda_row_error::sparse_mass, report.operand = 1;
+    report.token = single ? sizeof(float) : sizeof(double);
+    std::string cpu;
+    if (single) {
+      std::vector<float> lp{std::log(0.5f), std::log(0.25f)}, lr{std::log(0.25f)}, bad{std::log(0.5f), std::log(0.25f)},
+          bad_r{std::log(0.75f)};
+      std::vector<troll::sparse_index> oi(4), oc(1);
+      std::vector<float> a(4), b(4), ar(1), br(1);
+      // The mass as the device sums it: the remainder, then the entries, in double.
+      report.value = std::exp(double(bad_r[0])) + std::exp(double(bad[0])) + std::exp(double(bad[1]));
+      cpu = message_of<troll::domain_error>([&] {
+        troll::align(troll::cpu, troll::sparse_batch_view<const float>{idx.data(), lp.data(), cnt.data(), lr.data(), 1, 2, 4},
+                     troll::sparse_batch_view<const float>{idx.data(), bad.data(), cnt.data(), bad_r.data(), 1, 2, 4},
+                     troll::aligned_batch_view<float>{oi.data(), oc.data(), a.data(), b.data(), ar.data(), br.data(), 1, 4, 4});
+      });
+    } else {
+      std::vector<double> lp{std::log(0.5), std::log(0.25)}, lr{std::log(0.25)}, bad{std::log(0.5), std::log(0.25)},
+          bad_r{std::log(0.75)};
+      std::vector<troll::sparse_index> oi(4), oc(1);
+      std::vector<double> a(4), b(4), ar(1), br(1);
+      report.value = std::exp(bad_r[0]) + std::exp(bad[0]) + std::exp(bad[1]);
+      cpu = message_of<troll::domain_error>([&] {
+        troll::align(troll::cpu, troll::sparse_batch_view<const double>{idx.data(), lp.data(), cnt.data(), lr.data(), 1, 2, 4},
+                     troll::sparse_batch_view<const double>{idx.data(), bad.data(), cnt.data(), bad_r.data(), 1, 2, 4},
+                     troll::aligned_batch_view<double>{oi.data(), oc.data(), a.data(), b.data(), ar.data(), br.data(), 1, 4, 4});
+      });
+    }
+    REQUIRE(cpu.find("the probabilities sum to 1.") != std::string::npos);
+    CHECK(cpu == message_of<troll::domain_error>([&] { align_thrower("align", 0, report, nullptr); }));
+  }
+  // project_backward(aligned): log_probs entry 1 holds token 9 where the aligned rows hold 4.
+  const troll::detail::cuda::sparse_thrower backward_thrower{
+      {"new", "old", "new (lumped)", "old (lumped)", "log_probs", "grad (NaN or infinite)"}, 0};
+  troll::cuda_row_report wrong;
+  wrong.error = troll::cuda_row_error::sparse_wrong_token, wrong.token = 1, wrong.value = 9, wrong.operand = 4;
+  CHECK_THROWS_WITH_AS(backward_thrower("project_backward", 2, wrong, nullptr),
+                       "troll::project_backward: row 2: log_probs: entry 1 holds token 9 where the aligned rows hold "
+                       "token 4 (log_probs must be project()'s output for these rows)",
+                       troll::shape_error);
+  // Dense derivatives: +inf / NaN in log_probs, as validate_backward words it.
+  const char* const names[3] = {"new_logits", "old_logits", "grad_log_probs"};
+  troll::cuda_row_report dense;
+  dense.error = troll::cuda_row_error::bad_log_probs, dense.token = 5;
+  dense.value = std::numeric_limits<double>::infinity();
+  CHECK_THROWS_WITH_AS(troll::detail::cuda::throw_report("project_backward", 3, dense, names),
+                       "troll::project_backward: row 3: log_probs is +inf at token 5 (only -inf, a masked token, is "
+                       "allowed)",
+                       troll::domain_error);
+  dense.value = std::numeric_limits<double>::quiet_NaN();
+  CHECK_THROWS_WITH_AS(troll::detail::cuda::throw_report("project_jvp", 0, dense, names),
+                       "troll::project_jvp: row 0: log_probs is NaN at token 5", troll::domain_error);
+}
+
 TEST_CASE("cuda shard-state and align_backward reports become the CPU's exceptions and messages") {
   const troll::sparsify_options options{4, 1e-5};
   std::vector<float> z(2 * 10);
@@ -372,8 +432,17 @@ TEST_CASE("cuda shard-state and align_backward reports become the CPU's exceptio
   const std::string cpu_merge =
       message_of<troll::invalid_input>([&] { troll::sparsify_merge(troll::cpu, a.data(), b.data(), 2); });
   REQUIRE(!cpu_merge.empty());
-  report.error = troll::cuda_row_error::state_mismatch;
+  report.error = troll::cuda_row_error::state_invalid;
+  report.operand = 32 + int(troll::detail::state_problem_kind::k_mismatch), report.value = 5;
   CHECK(message_of<troll::invalid_input>([&] { merge_thrower("sparsify_merge", 0, report, nullptr); }) == cpu_merge);
+  // The same shard merged twice: both states cover token 0.
+  const std::string cpu_twice =
+      message_of<troll::invalid_input>([&] { troll::sparsify_merge(troll::cpu, a.data(), a.data(), 2); });
+  REQUIRE(cpu_twice.find("both states cover token 0") != std::string::npos);
+  report = troll::cuda_row_report{};
+  report.error = troll::cuda_row_error::state_invalid;
+  report.operand = 32 + int(troll::detail::state_problem_kind::overlap), report.value = 0;
+  CHECK(message_of<troll::invalid_input>([&] { merge_thrower("sparsify_merge", 0, report, nullptr); }) == cpu_twice);
 
   // finalize: k, capacity, sampled token missing, no support
   const troll::detail::cuda::sparse_thrower finalize_thrower{{"states"}, 0};
@@ -385,24 +454,48 @@ TEST_CASE("cuda shard-state and align_backward reports become the CPU's exceptio
   };
   std::vector<troll::sparsify_state> wrong_k = b;
   report = troll::cuda_row_report{};
-  report.error = troll::cuda_row_error::state_k, report.value = 5, report.token = 4;
+  report.error = troll::cuda_row_error::state_invalid;
+  report.operand = int(troll::detail::state_problem_kind::k_mismatch), report.value = 5;
   CHECK(message_of<troll::invalid_input>(cpu_finalize(wrong_k, out)) ==
         message_of<troll::invalid_input>([&] { finalize_thrower("sparsify_finalize", 0, report, nullptr); }));
+  // A state of half the row; a state with a NaN heap logit.
+  report = troll::cuda_row_report{};
+  report.error = troll::cuda_row_error::state_invalid;
+  report.operand = int(troll::detail::state_problem_kind::incomplete), report.token = 5, report.value = 5;
+  const std::string cpu_half = message_of<troll::invalid_input>(cpu_finalize(a, out));
+  REQUIRE(cpu_half.find("token 5 is missing") != std::string::npos);
+  CHECK(cpu_half == message_of<troll::invalid_input>([&] { finalize_thrower("sparsify_finalize", 0, report, nullptr); }));
+  std::vector<troll::sparsify_state> whole(2);
+  troll::sparsify_shard(troll::cpu, troll::make_batch<const float>(z.data(), 2, 10, 10), 0, 10, nullptr, options,
+                        whole.data());
+  std::vector<troll::sparsify_state> nan_heap = whole;
+  nan_heap[0].heap[1].logit = std::numeric_limits<double>::quiet_NaN();
+  report = troll::cuda_row_report{};
+  report.error = troll::cuda_row_error::state_invalid;
+  report.operand = int(troll::detail::state_problem_kind::heap_logit), report.token = 1;
+  report.value = std::numeric_limits<double>::quiet_NaN();
+  const std::string cpu_nan_heap = message_of<troll::domain_error>(cpu_finalize(nan_heap, out));
+  REQUIRE(!cpu_nan_heap.empty());
+  CHECK(cpu_nan_heap ==
+        message_of<troll::domain_error>([&] { finalize_thrower("sparsify_finalize", 0, report, nullptr); }));
 
   const troll::sparse_batch_view<float> small{indices.data(), log_probs.data(), counts.data(), remainder.data(), 2, 3, 10};
   report = troll::cuda_row_report{};
   report.error = troll::cuda_row_error::state_capacity, report.token = 3, report.value = 4;
-  const std::string cpu_capacity = message_of<troll::shape_error>(cpu_finalize(a, small));
+  const std::string cpu_capacity = message_of<troll::shape_error>(cpu_finalize(whole, small));
   REQUIRE(!cpu_capacity.empty());
   CHECK(cpu_capacity ==
         message_of<troll::shape_error>([&] { finalize_thrower("sparsify_finalize", 0, report, nullptr); }));
 
+  // A whole-row state that covers the sampled token but does not hold it (corrupted).
   std::vector<troll::sparsify_state> missing(2);
   const troll::sparse_index sampled[2] = {7, 7};
-  troll::sparsify_shard(troll::cpu, troll::make_batch<const float>(z.data(), 2, 5, 10), 0, 10, sampled, options,
+  troll::sparsify_shard(troll::cpu, troll::make_batch<const float>(z.data(), 2, 10, 10), 0, 10, sampled, options,
                         missing.data());
+  missing[0].has_sampled = false;
   report = troll::cuda_row_report{};
-  report.error = troll::cuda_row_error::sampled_missing, report.value = 7;
+  report.error = troll::cuda_row_error::state_invalid;
+  report.operand = int(troll::detail::state_problem_kind::sampled_unseen), report.value = 7;
   const std::string cpu_missing = message_of<troll::domain_error>(cpu_finalize(missing, out));
   REQUIRE(!cpu_missing.empty());
   CHECK(cpu_missing == message_of<troll::domain_error>([&] { finalize_thrower("sparsify_finalize", 0, report, nullptr); }));
@@ -426,7 +519,9 @@ TEST_CASE("cuda shard-state and align_backward reports become the CPU's exceptio
   const troll::detail::cuda::sparse_thrower align_thrower{
       {"row", "aligned", nullptr, nullptr, nullptr, "grad_aligned (NaN or infinite)", nullptr, nullptr}, 0};
   std::vector<troll::sparse_index> ri{3, 4}, rc{2}, ai{3, 5, -1}, ac{2};
-  std::vector<double> rl{-1.0, -2.0}, rr{-0.5}, al{-1.0, -2.0, -inf}, ar{-0.5}, arr{-0.5};
+  // Normalised rows (mass 0.3 + 0.2 + 0.5).
+  std::vector<double> rl{std::log(0.3), std::log(0.2)}, rr{std::log(0.5)}, al{std::log(0.3), std::log(0.2), -inf},
+      ar{std::log(0.5)}, arr{std::log(0.5)};
   std::vector<double> g{1.0, 2.0, 0.0}, gr{0.5}, out_g(2), out_r(1);
   const troll::sparse_batch_view<const double> row{ri.data(), rl.data(), rc.data(), rr.data(), 1, 2, 10};
   const troll::aligned_batch_view<const double> aligned{ai.data(), ac.data(), al.data(), al.data(), ar.data(),
@@ -570,8 +665,11 @@ TEST_SUITE("device") {
     troll::sparsify_merge(troll::cuda.on(s.stream), states.get(), other.get(), n,
                           troll::cuda_checks{merge_reports.get()});
     const auto merge_rep = merge_reports.download();
-    CHECK(merge_rep[0].error == troll::cuda_row_error::state_mismatch);
-    CHECK(merge_rep[1].error == troll::cuda_row_error::state_mismatch);  // k 0 vs 9: the CPU's first test
+    // Row 0: k 8 vs 9; row 1: the rejected NaN row's invalid state (k = 0), found first, as on the CPU.
+    CHECK(merge_rep[0].error == troll::cuda_row_error::state_invalid);
+    CHECK(merge_rep[0].operand == 32 + int(troll::detail::state_problem_kind::k_mismatch));
+    CHECK(merge_rep[1].error == troll::cuda_row_error::state_invalid);
+    CHECK(merge_rep[1].operand == int(troll::detail::state_problem_kind::bad_k));
     std::vector<troll::sparsify_state> host_other = other.download();
     std::vector<troll::sparsify_state> host_into = states.download();
     const std::string cpu_merge = message_of<troll::invalid_input>(
@@ -581,7 +679,7 @@ TEST_SUITE("device") {
         troll::sparsify_merge(troll::cuda.on(s.stream), states.get(), other.get(), n, troll::cuda_checked),
         cpu_merge.c_str(), troll::invalid_input);
 
-    // Finalize of a shard that did not see the sampled token: domain_error, count 0 and NaN.
+    // Finalize of one shard of the row (a shard never merged): invalid_input, count 0 and NaN.
     const std::vector<troll::sparse_index> sampled(n, 250);
     device_array<troll::sparse_index> d_sampled(sampled);
     troll::sparsify_shard(troll::cuda.on(s.stream), troll::make_batch<const double>(d_z.get(), n, 100, vocab), 0, vocab,
@@ -591,19 +689,22 @@ TEST_SUITE("device") {
     troll::sparsify_finalize(troll::cuda.on(s.stream), states.get(), options, out.device(),
                              troll::cuda_checks{final_reports.get()});
     const auto final_rep = final_reports.download();
-    CHECK(final_rep[0].error == troll::cuda_row_error::sampled_missing);
-    CHECK(final_rep[1].error == troll::cuda_row_error::state_k);  // the rejected NaN row's invalid state
+    CHECK(final_rep[0].error == troll::cuda_row_error::state_invalid);
+    CHECK(final_rep[0].operand == int(troll::detail::state_problem_kind::incomplete));
+    CHECK(final_rep[0].value == 100.0);  // the first token no shard covered
+    CHECK(final_rep[1].error == troll::cuda_row_error::state_invalid);  // the rejected NaN row's invalid state
+    CHECK(final_rep[1].operand == int(troll::detail::state_problem_kind::bad_k));
     out.download();
     CHECK(out.counts[0] == 0);
     CHECK(std::isnan(out.log_remainder[0]));
     const std::vector<troll::sparsify_state> sampled_states = states.download();
     sparse_pair<double> host_out(n, 9, vocab);
-    const std::string cpu_final = message_of<troll::domain_error>(
+    const std::string cpu_final = message_of<troll::invalid_input>(
         [&] { troll::sparsify_finalize(troll::cpu, sampled_states.data(), options, host_out.host()); });
-    REQUIRE(!cpu_final.empty());  // row 0: no shard held the sampled token
+    REQUIRE(cpu_final.find("token 100 is missing") != std::string::npos);  // row 0: shards missing
     CHECK_THROWS_WITH_AS(troll::sparsify_finalize(troll::cuda.on(s.stream), states.get(), options, out.device(),
                                                   troll::cuda_checked),
-                         cpu_final.c_str(), troll::domain_error);
+                         cpu_final.c_str(), troll::invalid_input);
   }
 }
 

@@ -20,6 +20,8 @@ enum class problem_kind {
   disjoint,      // no token has both logits finite
   infeasible,    // masked new tokens hold too much old mass: KL(π‖q) ≥ `value` ≥ ε for all π
   bad_stats,     // forward statistics unusable (backward only)
+  above_zero,    // a log-probability in `operand` at `token` is `value` > 0 (backward only)
+  masked_mass,   // `operand` is `value` > −inf at `token`, where a logit is −inf (backward only)
 };
 
 struct row_problem {
@@ -58,6 +60,13 @@ struct row_problem {
       throw infeasible_error(msg.str(), row);
     case problem_kind::bad_stats:
       msg << "forward statistics are unusable: " << p.operand;
+      throw domain_error(msg.str(), row);
+    case problem_kind::above_zero:
+      msg << p.operand << " is " << p.value << " > 0 at token " << p.token << " (a probability above 1)";
+      throw domain_error(msg.str(), row);
+    case problem_kind::masked_mass:
+      msg << p.operand << " is " << p.value << " at token " << p.token
+          << ", which the new or old logits mask (-inf): not the projection's output for these logits";
       throw domain_error(msg.str(), row);
     case problem_kind::none:
       break;

@@ -23,7 +23,35 @@ inline constexpr int sparsify_max_k = 256;
 /// Largest support any sparse row may hold (an aligned union of two sparsified rows fits).
 inline constexpr int sparse_max_entries = 1024;
 
+/// Most disjoint token ranges one sparsify_state records. Merging adjacent shards coalesces their
+/// ranges, so a row split into n shards needs at most ⌈n / 2⌉ whatever the merge order.
+inline constexpr int sparsify_max_ranges = 32;
+
+/// A half-open range [begin, end) of token ids.
+struct sparse_token_range {
+  sparse_index begin;
+  sparse_index end;
+};
+
+/// How far from 1 the total mass Σ_S p_i + r of a sparse row may be (float rows 1e-4, double rows
+/// 1e-6): far above what rounding the log-probs of a normalised row to T gives (about 1e-7 for
+/// float, 1e-16 for double; 1e-6 lets double rows come from float computations), far below any
+/// real error. Rows inside it are used as given (the maths renormalises the lumped row); rows
+/// outside it are rejected.
+template <class T>
+TROLL_HOST_DEVICE constexpr double sparse_mass_tolerance() {
+  return sizeof(T) < sizeof(double) ? 1e-4 : 1e-6;
+}
+
 namespace detail {
+
+/// Σ_i exp(log_probs[i]) + exp(log_remainder) over count entries, in double.
+template <class T>
+TROLL_HOST_DEVICE inline double sparse_row_mass(const T* log_probs, int count, double log_remainder) {
+  double mass = ::exp(log_remainder);
+  for (int i = 0; i < count; ++i) mass += ::exp(static_cast<double>(log_probs[i]));
+  return mass;
+}
 
 /// log Σ exp(w_i) of a set, as (max, Σ exp(w_i − max)); merges associatively.
 struct log_sum_state {
@@ -107,6 +135,11 @@ TROLL_HOST_DEVICE inline void sort_best_first(sparse_candidate* a, int n) {
 /// sampled token never enters the heap or the outside sum: it is always kept, so keeping it
 /// apart makes the tail mass exact without any subtraction.
 /// Trivially copyable (about 4 KiB); merging two states of disjoint token sets is associative.
+/// The state also says which tokens it has seen: `vocab` (the row's V) and `covered`, the
+/// sorted, disjoint, non-adjacent ranges of token ids seen so far. sparsify_merge refuses states
+/// whose ranges overlap (a shard merged twice) and sparsify_finalize refuses a state that does not
+/// cover exactly [0, V); both validate every field first (detail::check_state), so a corrupted
+/// state is a typed error, never an out-of-bounds access.
 struct sparsify_state {
   int k = 0;     ///< heap capacity (the K of sparsify)
   int size = 0;  ///< tokens in the heap
@@ -114,6 +147,9 @@ struct sparsify_state {
   bool has_sampled = false;             ///< the sampled token was among the tokens seen
   double sampled_logit = 0.0;
   detail::log_sum_state outside;        ///< every token seen that is neither in the heap nor sampled
+  sparse_index vocab = 0;               ///< V of the row (0: not a state sparsify_shard made)
+  int range_count = 0;                  ///< entries of `covered` in use
+  sparse_token_range covered[sparsify_max_ranges];   ///< the token ids seen
   detail::sparse_candidate heap[sparsify_max_k + 1];  ///< one spare slot for finalize
 };
 
@@ -152,14 +188,20 @@ TROLL_HOST_DEVICE inline void sift_up_worst(sparse_candidate* heap, int at) {
   }
 }
 
-/// An empty state for a row with heap capacity k and sampled token `sampled` (−1: none).
-TROLL_HOST_DEVICE inline void reset(sparsify_state& st, int k, sparse_index sampled) {
+/// An empty state for a row of `vocab` tokens with heap capacity k and sampled token `sampled`
+/// (−1: none) that will see the tokens [begin, end) (empty until they are scanned).
+TROLL_HOST_DEVICE inline void reset(sparsify_state& st, int k, sparse_index sampled, sparse_index vocab,
+                                    sparse_index begin, sparse_index end) {
   st.k = k;
   st.size = 0;
   st.sampled = sampled;
   st.has_sampled = false;
   st.sampled_logit = 0.0;
   st.outside = log_sum_state{};
+  st.vocab = vocab;
+  st.range_count = 1;
+  st.covered[0] = sparse_token_range{begin, end};
+  for (int i = 1; i < sparsify_max_ranges; ++i) st.covered[i] = sparse_token_range{0, 0};
 }
 
 /// The logit below which (or at which) a token seen *after* every token in the heap cannot enter
@@ -199,8 +241,32 @@ TROLL_HOST_DEVICE inline void offer_token(sparsify_state& st, double logit, spar
   offer(st, sparse_candidate{logit, index});
 }
 
-/// into ← the state of the union of the (disjoint) token sets of `into` and `from`.
-/// Both must have the same k and sampled token.
+/// The union of the covered ranges of a and b into out (2 · sparsify_max_ranges slots), sorted
+/// and coalesced. Returns the number of ranges, or −1 when the two overlap (then `overlap` is
+/// the first token both cover).
+TROLL_HOST_DEVICE inline int union_coverage(const sparsify_state& a, const sparsify_state& b,
+                                            sparse_token_range* out, long long& overlap) {
+  int i = 0, j = 0, n = 0;
+  const int na = a.range_count, nb = b.range_count;
+  while (i < na || j < nb) {
+    const bool take_a = j >= nb || (i < na && a.covered[i].begin < b.covered[j].begin);
+    const sparse_token_range next = take_a ? a.covered[i++] : b.covered[j++];
+    if (n > 0 && next.begin < out[n - 1].end) {
+      overlap = next.begin;
+      return -1;
+    }
+    if (n > 0 && next.begin == out[n - 1].end) {
+      out[n - 1].end = next.end;
+    } else {
+      out[n++] = next;
+    }
+  }
+  return n;
+}
+
+/// into ← the state of the union of the (disjoint) token sets of `into` and `from`. Both must be
+/// valid (check_state), with the same k, sampled token and vocabulary, and coverages whose union
+/// fits in sparsify_max_ranges ranges (check_merge).
 TROLL_HOST_DEVICE inline void merge_into(sparsify_state& into, const sparsify_state& from) {
   for (int i = 0; i < from.size; ++i) offer(into, from.heap[i]);
   into.outside = merge(into.outside, from.outside);
@@ -208,7 +274,61 @@ TROLL_HOST_DEVICE inline void merge_into(sparsify_state& into, const sparsify_st
     into.has_sampled = true;
     into.sampled_logit = from.sampled_logit;
   }
+  sparse_token_range ranges[2 * sparsify_max_ranges];
+  long long overlap = 0;
+  const int n = union_coverage(into, from, ranges, overlap);
+  into.range_count = n;
+  for (int i = 0; i < sparsify_max_ranges; ++i) into.covered[i] = i < n ? ranges[i] : sparse_token_range{0, 0};
 }
+
+/// What can be wrong with a sparsify_state, alone (check_state), with the state it is merged
+/// with (check_merge), or as a whole row (check_whole_row). `entry` and `value` as commented.
+enum class state_problem_kind : int {
+  none = 0,
+  bad_k,            // k outside [1, sparsify_max_k] (value = k; 0: a row sparsify_shard rejected)
+  bad_size,         // size outside [0, k] or above the tokens covered (value = size)
+  bad_vocab,        // vocab outside [1, 2^31) (value = vocab)
+  bad_ranges,       // covered[entry] malformed: count outside [1, max], empty, past V, unsorted or adjacent
+  bad_sampled,      // the sampled id (value) is outside [−1, V), or held but not covered
+  sampled_logit,    // the held sampled token's logit (value) is NaN or +inf
+  sampled_unseen,   // the state covers the sampled token (value) but does not hold it
+  heap_logit,       // heap[entry]'s logit (value) is not finite
+  heap_index,       // heap[entry]'s token id (value) is not covered by the state, or is the sampled one
+  heap_duplicate,   // heap[entry] repeats token id `value`
+  heap_order,       // heap[entry]'s parent ranks before it (the heap's worst-at-root order is broken)
+  bad_outside,      // the outside log-sum (value = its max) is NaN, +inf, has a bad scale, or is not below the heap
+  k_mismatch,       // merge: the states' k differ (value = the other k)
+  sampled_mismatch, // merge: the states' sampled tokens differ (value = the other one)
+  vocab_mismatch,   // merge / finalize: vocabularies differ (value = the other V)
+  overlap,          // merge: both states cover token `value` (the same shard merged twice?)
+  too_many_ranges,  // merge: the union needs more than sparsify_max_ranges ranges (value = its count)
+  incomplete,       // finalize: token `value` is not covered (entry = tokens covered)
+};
+
+struct state_problem {
+  state_problem_kind kind = state_problem_kind::none;
+  long long entry = 0;
+  double value = 0.0;
+
+  TROLL_HOST_DEVICE explicit operator bool() const { return kind != state_problem_kind::none; }
+};
+
+TROLL_HOST_DEVICE inline state_problem make_state_problem(state_problem_kind kind, long long entry, double value) {
+  state_problem p;
+  p.kind = kind;
+  p.entry = entry;
+  p.value = value;
+  return p;
+}
+
+/// Whether token `index` lies in one of the state's covered ranges (which must be valid).
+TROLL_HOST_DEVICE inline bool covers(const sparsify_state& s, long long index) {
+  for (int i = 0; i < s.range_count; ++i)
+    if (index >= s.covered[i].begin && index < s.covered[i].end) return true;
+  return false;
+}
+
+
 
 /// What finalize found wrong with a state.
 enum class finalize_problem { none, all_masked, sampled_missing };
@@ -379,6 +499,86 @@ TROLL_HOST_DEVICE inline int union_size(const sparse_index* a, int a_count, cons
   int shared = 0;
   for (int i = 0; i < a_count; ++i) shared += find_slot(scratch, b_count, a[i]) >= 0 ? 1 : 0;
   return a_count + b_count - shared;
+}
+
+
+/// Every field of one state, in this order: k, vocab, covered ranges, size, sampled token, heap
+/// entries (finite logit, covered id other than the sampled one, worst-at-root order, distinct
+/// ids), the outside sum (m not NaN or +inf; s = 0 when m = −inf, else finite and > 0; tokens go
+/// outside only once the heap is full, and none ranks before the heap's worst). Reads nothing
+/// beyond the struct. `scratch` holds sparsify_max_k slots.
+TROLL_HOST_DEVICE inline state_problem check_state(const sparsify_state& s, index_slot* scratch) {
+  using kind = state_problem_kind;
+  if (s.k < 1 || s.k > sparsify_max_k) return make_state_problem(kind::bad_k, 0, double(s.k));
+  if (s.vocab < 1) return make_state_problem(kind::bad_vocab, 0, double(s.vocab));
+  if (s.range_count < 1 || s.range_count > sparsify_max_ranges)
+    return make_state_problem(kind::bad_ranges, -1, double(s.range_count));
+  long long seen = 0;
+  for (int i = 0; i < s.range_count; ++i) {
+    const sparse_token_range c = s.covered[i];
+    const bool sorted = i == 0 || c.begin > s.covered[i - 1].end;  // disjoint and not adjacent
+    if (c.begin < 0 || c.begin >= c.end || c.end > s.vocab || !sorted)
+      return make_state_problem(kind::bad_ranges, i, double(c.begin));
+    seen += static_cast<long long>(c.end) - c.begin;
+  }
+  if (s.size < 0 || s.size > s.k || s.size > seen) return make_state_problem(kind::bad_size, 0, double(s.size));
+  if (s.sampled < -1 || s.sampled >= s.vocab || (s.has_sampled && (s.sampled < 0 || !covers(s, s.sampled))))
+    return make_state_problem(kind::bad_sampled, 0, double(s.sampled));
+  if (s.has_sampled && !(s.sampled_logit < inf()))
+    return make_state_problem(kind::sampled_logit, 0, s.sampled_logit);
+  if (!s.has_sampled && s.sampled >= 0 && covers(s, s.sampled))
+    return make_state_problem(kind::sampled_unseen, 0, double(s.sampled));
+  for (int i = 0; i < s.size; ++i) {
+    const sparse_candidate c = s.heap[i];
+    if (!(c.logit > neg_inf() && c.logit < inf())) return make_state_problem(kind::heap_logit, i, c.logit);
+    if (c.index == s.sampled || !covers(s, c.index)) return make_state_problem(kind::heap_index, i, double(c.index));
+    if (i > 0 && ranks_before(s.heap[(i - 1) / 2], s.heap[i]))  // a parent better than its child
+      return make_state_problem(kind::heap_order, i, double(c.index));
+    scratch[i] = index_slot{c.index, i};
+  }
+  sort_by_index(scratch, s.size);
+  for (int i = 1; i < s.size; ++i) {
+    if (scratch[i].index == scratch[i - 1].index) {
+      const int later = scratch[i].position > scratch[i - 1].position ? scratch[i].position : scratch[i - 1].position;
+      return make_state_problem(kind::heap_duplicate, later, double(scratch[i].index));
+    }
+  }
+  const log_sum_state o = s.outside;
+  const bool scale_ok = o.m == neg_inf() ? o.s == 0.0 : (o.s > 0.0 && o.s < inf());
+  const bool below_heap = o.m == neg_inf() || (s.size == s.k && !(o.m > s.heap[0].logit));
+  if (o.m != o.m || !(o.m < inf()) || !scale_ok || !below_heap)
+    return make_state_problem(kind::bad_outside, 0, o.m);
+  return state_problem{};
+}
+
+/// What keeps two valid states from merging: k, sampled token, vocabulary, overlapping coverage,
+/// or a union of more than sparsify_max_ranges ranges.
+TROLL_HOST_DEVICE inline state_problem check_merge(const sparsify_state& into, const sparsify_state& from) {
+  using kind = state_problem_kind;
+  if (into.k != from.k) return make_state_problem(kind::k_mismatch, 0, double(from.k));
+  if (into.sampled != from.sampled) return make_state_problem(kind::sampled_mismatch, 0, double(from.sampled));
+  if (into.vocab != from.vocab) return make_state_problem(kind::vocab_mismatch, 0, double(from.vocab));
+  sparse_token_range ranges[2 * sparsify_max_ranges];
+  long long overlap = 0;
+  const int n = union_coverage(into, from, ranges, overlap);
+  if (n < 0) return make_state_problem(kind::overlap, 0, double(overlap));
+  if (n > sparsify_max_ranges) return make_state_problem(kind::too_many_ranges, 0, double(n));
+  return state_problem{};
+}
+
+/// What keeps a valid state from being finalised into a row of `vocab` tokens with heap capacity
+/// k: a different k, a different vocabulary, or tokens it has not seen (the first one).
+TROLL_HOST_DEVICE inline state_problem check_whole_row(const sparsify_state& s, int k, long long vocab) {
+  using kind = state_problem_kind;
+  if (s.k != k) return make_state_problem(kind::k_mismatch, 0, double(s.k));
+  if (s.vocab != vocab) return make_state_problem(kind::vocab_mismatch, 0, double(s.vocab));
+  long long seen = 0;
+  for (int i = 0; i < s.range_count; ++i) seen += static_cast<long long>(s.covered[i].end) - s.covered[i].begin;
+  if (seen != vocab) {
+    const long long first = s.covered[0].begin > 0 ? 0 : s.covered[0].end;
+    return make_state_problem(kind::incomplete, seen, double(first));
+  }
+  return state_problem{};
 }
 
 }  // namespace detail

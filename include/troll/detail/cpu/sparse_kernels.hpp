@@ -107,6 +107,9 @@ enum class sparse_problem_kind {
   remainder_no_tail,   // count = V but the remainder has mass
   no_mass,             // every log-prob and the remainder are −inf
   not_aligned,         // an entry of a sparse row is missing from the aligned support
+  mass,                // Σ_S p_i + r is `value`, off 1 by more than sparse_mass_tolerance<T>()
+  wrong_token,         // entry holds token id `value` where the aligned rows hold `other`
+  masked_mass,         // log π* at entry is `value` > −inf where a side is −inf (backward)
 };
 
 struct sparse_problem {
@@ -114,13 +117,16 @@ struct sparse_problem {
   const char* operand = "";
   long long entry = 0;
   double value = 0.0;
+  double other = 0.0;  // mass: the tolerance the row missed; wrong_token: the expected id
 
   explicit operator bool() const { return kind != sparse_problem_kind::none; }
 };
 
 /// Checks one sparse row: count within [0, min(capacity, V, sparse_max_entries)], indices in
 /// [0, V) and distinct, log-probs and log-remainder not NaN and ≤ 0, no remainder mass when the
-/// support covers the vocabulary, some mass somewhere. `scratch` holds sparse_max_entries slots.
+/// support covers the vocabulary, some mass somewhere, and last a total mass Σ_S p_i + r within
+/// sparse_mass_tolerance<T>() of 1 (callers that read only the support drop the value problems).
+/// `scratch` holds sparse_max_entries slots.
 template <class T>
 inline sparse_problem check_sparse_row(const sparse_index* indices, const T* log_probs, long long count,
                                        T log_remainder, std::size_t capacity, std::size_t vocab,
@@ -184,6 +190,13 @@ inline sparse_problem check_sparse_row(const sparse_index* indices, const T* log
       p.value = double(scratch[i].index);
       return p;
     }
+  }
+  const double mass = sparse_row_mass(log_probs, n, r);
+  if (!(mass >= 1.0 - sparse_mass_tolerance<T>() && mass <= 1.0 + sparse_mass_tolerance<T>())) {
+    p.kind = sparse_problem_kind::mass;
+    p.entry = -1;
+    p.value = mass;
+    p.other = sparse_mass_tolerance<T>();
   }
   return p;
 }

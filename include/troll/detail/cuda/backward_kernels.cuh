@@ -28,6 +28,7 @@ namespace cuda {
 struct backward_scan {
   pair_scan pair;
   std::size_t first_bad_upstream = no_token;
+  std::size_t first_bad_log_prob = no_token;  // log_probs NaN, +inf or above 0
   double sum_g = 0.0;
   double sum_gc = 0.0;  // Σ g (d − μ)
 };
@@ -37,6 +38,7 @@ struct merge_backward_scan {
     backward_scan s;
     s.pair = merge(a.pair, b.pair);
     s.first_bad_upstream = a.first_bad_upstream < b.first_bad_upstream ? a.first_bad_upstream : b.first_bad_upstream;
+    s.first_bad_log_prob = a.first_bad_log_prob < b.first_bad_log_prob ? a.first_bad_log_prob : b.first_bad_log_prob;
     s.sum_g = a.sum_g + b.sum_g;
     s.sum_gc = a.sum_gc + b.sum_gc;
     return s;
@@ -62,15 +64,41 @@ __device__ inline int unusable_stats_field(const projection_stats& s) {
 }
 
 /// The problem of a row a derivative of project() reads, in the order of the CPU's
-/// validate_backward: the logits pair, then the statistics (t, σ², μ, status, kl_after).
+/// validate_backward: the logits pair, log_probs (find_bad_log_prob's rules, first failing at
+/// `first_bad_log_prob`; no_token
+/// where the caller has no log_probs), then the statistics (t, σ², μ, status, kl_after).
 template <class T>
 __device__ cuda_row_report derivative_problem(const pair_scan& scan, const T* zn, const T* zo,
-                                              const projection_stats& s) {
+                                              const projection_stats& s, const T* log_probs = nullptr,
+                                              std::size_t first_bad_log_prob = no_token) {
   cuda_row_report report = pair_problem(scan, zn, zo);
   if (report.error != cuda_row_error::none) return report;
+  if (first_bad_log_prob != no_token) {
+    report.error = cuda_row_error::bad_log_probs, report.token = first_bad_log_prob;
+    report.value = static_cast<double>(log_probs[first_bad_log_prob]);
+    return report;
+  }
   const int field = unusable_stats_field(s);
   if (field >= 0) report.error = cuda_row_error::bad_stats, report.operand = field;
   return report;
+}
+
+struct min_token {
+  __device__ std::size_t operator()(std::size_t a, std::size_t b) const { return a < b ? a : b; }
+};
+
+/// The first token at which log_probs cannot be the forward's log π* — NaN, +inf, above 0, or
+/// above −inf where a logit is −inf (no_token: none), by the whole block.
+template <class T>
+__device__ std::size_t block_first_bad_log_prob(const T* log_probs, const T* new_logits, const T* old_logits,
+                                                std::size_t size, reduce_storage<std::size_t>& storage) {
+  std::size_t first = no_token;
+  for (std::size_t i = threadIdx.x; i < size && first == no_token; i += block_threads) {
+    const double lp = static_cast<double>(log_probs[i]);
+    const bool open = static_cast<double>(new_logits[i]) > neg_inf() && static_cast<double>(old_logits[i]) > neg_inf();
+    if (!(lp <= 0.0 && (open || lp == neg_inf()))) first = i;
+  }
+  return block_all_reduce(storage, first, min_token{});
 }
 
 /// q_j = exp(z°_j − M° − log Σ e^{z° − M°}), 0 where z°_j = −inf.
@@ -103,14 +131,17 @@ __global__ void __launch_bounds__(block_threads)
       add(local.pair, i, a, b);
       const double gi = static_cast<double>(g[i]);
       if (!(gi - gi == 0.0) && i < local.first_bad_upstream) local.first_bad_upstream = i;
-      if (static_cast<double>(logp[i]) > neg_inf()) {
+      const double lp = static_cast<double>(logp[i]);
+      if (!(lp <= 0.0 && ((a > neg_inf() && b > neg_inf()) || lp == neg_inf())) && i < local.first_bad_log_prob)
+        local.first_bad_log_prob = i;
+      if (lp > neg_inf()) {
         local.sum_g += gi;
         local.sum_gc += gi * ((a - b) - mu);
       }
     }
     const backward_scan scan = block_all_reduce(scan_storage, local, merge_backward_scan{});
 
-    cuda_row_report report = derivative_problem(scan.pair, zn, zo, s);
+    cuda_row_report report = derivative_problem(scan.pair, zn, zo, s, logp, scan.first_bad_log_prob);
     if (report.error == cuda_row_error::none && scan.first_bad_upstream != no_token)
       report.error = cuda_row_error::not_finite, report.operand = 2, report.token = scan.first_bad_upstream;
     if (threadIdx.x == 0) record_row(checks, range, r, report);

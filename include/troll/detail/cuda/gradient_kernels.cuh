@@ -129,6 +129,7 @@ struct jvp_scan {
   pair_scan pair;
   std::size_t first_bad_new = no_token;  // tangent_new
   std::size_t first_bad_old = no_token;  // tangent_old
+  std::size_t first_bad_log_prob = no_token;  // log_probs NaN, +inf or above 0
   double pi_tn = 0.0;                    // Σ_J π u
   double pi_centred_tn = 0.0;            // Σ_J π (d − μ) u
   double pi_to = 0.0;                    // Σ_J π v
@@ -140,6 +141,7 @@ struct merge_jvp_scan {
     s.pair = merge(a.pair, b.pair);
     s.first_bad_new = a.first_bad_new < b.first_bad_new ? a.first_bad_new : b.first_bad_new;
     s.first_bad_old = a.first_bad_old < b.first_bad_old ? a.first_bad_old : b.first_bad_old;
+    s.first_bad_log_prob = a.first_bad_log_prob < b.first_bad_log_prob ? a.first_bad_log_prob : b.first_bad_log_prob;
     s.pi_tn = a.pi_tn + b.pi_tn;
     s.pi_centred_tn = a.pi_centred_tn + b.pi_centred_tn;
     s.pi_to = a.pi_to + b.pi_to;
@@ -177,6 +179,8 @@ __global__ void __launch_bounds__(block_threads)
       const double v = to != nullptr ? static_cast<double>(to[i]) : 0.0;
       if (!(v - v == 0.0) && i < local.first_bad_old) local.first_bad_old = i;
       const double lp = static_cast<double>(logp[i]);
+      if (!(lp <= 0.0 && ((a > neg_inf() && b > neg_inf()) || lp == neg_inf())) && i < local.first_bad_log_prob)
+        local.first_bad_log_prob = i;
       if (lp > neg_inf()) {
         const double pi = ::exp(lp);
         local.pi_tn += pi * u;
@@ -186,7 +190,7 @@ __global__ void __launch_bounds__(block_threads)
     }
     const jvp_scan scan = block_all_reduce(scan_storage, local, merge_jvp_scan{});
 
-    cuda_row_report report = derivative_problem(scan.pair, zn, zo, s);
+    cuda_row_report report = derivative_problem(scan.pair, zn, zo, s, logp, scan.first_bad_log_prob);
     if (report.error == cuda_row_error::none && scan.first_bad_new != no_token)
       report.error = cuda_row_error::not_finite, report.operand = 2, report.token = scan.first_bad_new;
     if (report.error == cuda_row_error::none && scan.first_bad_old != no_token)

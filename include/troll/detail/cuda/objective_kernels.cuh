@@ -365,6 +365,7 @@ __global__ void __launch_bounds__(block_threads)
   __shared__ reduce_storage<pair_scan> scan_storage;
   __shared__ reduce_storage<lse_state> lse_storage;
   __shared__ reduce_storage<double_pair> kl_storage;
+  __shared__ reduce_storage<std::size_t> token_storage;
   const std::size_t size = new_logits.cols, end = range.begin + range.count;
   for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
     const T* zn = new_logits.row(r);
@@ -380,6 +381,13 @@ __global__ void __launch_bounds__(block_threads)
     // those for every row before any row's stats); never in a computing launch.
     projection_stats s;
     if (stats != nullptr) s = stats[r];
+    if (report.error == cuda_row_error::none && stats != nullptr) {  // block-uniform
+      const std::size_t bad = block_first_bad_log_prob(log_pi, zn, zo, size, token_storage);
+      if (bad != no_token) {
+        report.error = cuda_row_error::bad_log_probs, report.token = bad;
+        report.value = static_cast<double>(log_pi[bad]);
+      }
+    }
     if (report.error == cuda_row_error::none && stats != nullptr) {
       const int field = unusable_stats_field(s);
       if (field >= 0) report.error = cuda_row_error::bad_stats, report.operand = field;

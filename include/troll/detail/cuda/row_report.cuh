@@ -52,6 +52,12 @@ enum class cuda_row_error : int {
   sampled_missing = 26,    ///< sparsify_finalize: no shard held the sampled token `value`: domain_error
   no_support = 27,         ///< sparsify_finalize: every logit of the row is −inf: domain_error
   bad_state = 28,          ///< a state with k or size (`value`) out of range (a rejected shard row): invalid_input
+  bad_log_probs = 29,      ///< a derivative's log_probs is `value` at `token`: NaN, +inf, > 0, or finite where
+                           ///< a logit is −inf: domain_error
+  state_invalid = 30,      ///< sparsify_merge / _finalize: detail::state_problem_kind `operand` % 32 of state
+                           ///< `operand` / 32 (0 into / states, 1 from), entry `token`, `value`: throw_state_problem
+  sparse_mass = 31,        ///< Σ_S p + r is `value`, beyond sparse_mass_tolerance<T> (`token` = sizeof(T)): domain_error
+  sparse_wrong_token = 32, ///< log_probs entry `token` holds token id `value`, the aligned rows `operand`: shape_error
   // Dense derivatives (troll/cuda.cuh: kl_backward, project_jvp, project_jacobian).
   infinite_kl = 40,        ///< kl_backward: KL(p‖q) is +inf (p has mass where q is −inf), no gradient: domain_error
   // The sparse objective (troll/cuda_sparse_objectives.cuh), mirroring detail::sparse_objective_problem.
@@ -153,6 +159,13 @@ __device__ void fill_nan(T* out, std::size_t size) {
       p.operand = stats_fields[report.operand >= 0 && report.operand < 5 ? report.operand : 3];
       break;
     case cuda_row_error::not_finite: p.kind = problem_kind::nan_value; break;  // the CPU's wording
+    case cuda_row_error::bad_log_probs:
+      p.kind = report.value != report.value ? problem_kind::nan_value
+               : report.value == inf()      ? problem_kind::pos_inf
+               : report.value > 0.0         ? problem_kind::above_zero
+                                            : problem_kind::masked_mass;
+      p.operand = "log_probs";
+      break;
     case cuda_row_error::none:
     default:
       throw invalid_input(row_prefix(function, row) + "unknown device error code " +

@@ -418,23 +418,39 @@ __global__ void sparse_project_backward_kernel(aligned_batch_view<const T> rows,
       report.value = double(lp_count);
     }
     if (report.error == cuda_row_error::none) {
-      // Entry −1 (the remainder) first, then the entries in order: NaN log-prob, then a
+      // Entry −1 (the remainder) first, then the entries in order, as the CPU: a token id other
+      // than the aligned one, a NaN log-prob, a log-prob above 0 (+inf included), then a
       // non-finite upstream value where the log-prob has mass.
+      const sparse_index* lp_indices = log_probs.row_indices(r);
+      const sparse_index* aligned_indices = rows.indices + r * rows.k_max;
       for (int base = -1; base < row.count; base += warp_lanes) {
         const int i = base + lane_id();
         int problem = 0;
+        double l = 0.0;
         if (i < row.count) {
-          const double l = i < 0 ? lr : static_cast<double>(lp_row[i]);
+          l = i < 0 ? lr : static_cast<double>(lp_row[i]);
           const double g = i < 0 ? g_r : static_cast<double>(g_row[i]);
-          if (l != l) problem = 1;
+          if (i >= 0 && lp_indices[i] != aligned_indices[i]) problem = 3;
+          else if (l != l) problem = 1;
+          else if (l > 0.0) problem = 4;
           else if (l > neg_inf() && !(g - g == 0.0)) problem = 2;
         }
         const int bad = first_lane(problem != 0);
         if (bad < 0) continue;
         const int kind = __shfl_sync(full_warp, problem, bad);
-        report.error = cuda_row_error::sparse_nan;
-        report.operand = kind == 1 ? operand_log_probs : operand_grad;
-        report.token = static_cast<unsigned long long>(static_cast<long long>(base + bad));
+        const int at = base + bad;
+        report.token = static_cast<unsigned long long>(static_cast<long long>(at));
+        if (kind == 3) {
+          report.error = cuda_row_error::sparse_wrong_token;
+          report.value = double(lp_indices[at]);
+          report.operand = int(aligned_indices[at]);
+        } else if (kind == 4) {
+          report.error = cuda_row_error::sparse_above_one, report.operand = operand_log_probs;
+          report.value = __shfl_sync(full_warp, l, bad);
+        } else {
+          report.error = cuda_row_error::sparse_nan;
+          report.operand = kind == 1 ? operand_log_probs : operand_grad;
+        }
         break;
       }
     }

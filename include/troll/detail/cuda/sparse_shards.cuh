@@ -44,22 +44,31 @@ __device__ inline void warp_copy_state(sparsify_state& to, const sparsify_state&
   __syncwarp();
 }
 
-/// A state the shared code can work on: 1 ≤ k ≤ sparsify_max_k and 0 ≤ size ≤ k (sparsify_shard
-/// marks a rejected row with k = 0). `value` is k, `token` the size.
-__device__ inline cuda_row_report check_state(const sparsify_state& st, int operand) {
+/// A state problem (detail::check_state, check_merge, check_whole_row) as a row report; `which`
+/// names the state (0: into / states, 1: from). See cuda_row_error::state_invalid.
+__device__ inline cuda_row_report state_report(const state_problem& p, int which) {
   cuda_row_report report;
-  if (st.k < 1 || st.k > sparsify_max_k || st.size < 0 || st.size > st.k) {
-    report.error = cuda_row_error::bad_state, report.operand = operand;
-    report.value = double(st.k);
-    report.token = static_cast<unsigned long long>(static_cast<long long>(st.size));
-  }
+  if (!p) return report;
+  report.error = cuda_row_error::state_invalid;
+  report.operand = static_cast<int>(p.kind) + 32 * which;
+  report.token = static_cast<unsigned long long>(p.entry);
+  report.value = p.value;
   return report;
 }
 
-/// Rows of `range`: into[r] ← merge(into[r], from[r]) (detail::merge_into). A rejected row (the
-/// states disagree on k or the sampled token, or one is invalid) leaves into[r] invalid (k = 0).
-/// A template (State = sparsify_state) only so that the header-only kernel may be defined in
-/// every translation unit.
+/// Lane 0's report, in every lane of the warp.
+__device__ inline cuda_row_report broadcast_report(cuda_row_report report) {
+  report.error = static_cast<cuda_row_error>(__shfl_sync(full_warp, static_cast<int>(report.error), 0));
+  report.operand = __shfl_sync(full_warp, report.operand, 0);
+  report.token = __shfl_sync(full_warp, report.token, 0);
+  report.value = __shfl_sync(full_warp, report.value, 0);
+  return report;
+}
+
+/// Rows of `range`: into[r] ← merge(into[r], from[r]) (detail::merge_into). Lane 0 validates both
+/// states and the pair as the CPU does (check_state, check_merge); a rejected row leaves into[r]
+/// invalid (k = 0). A template (State = sparsify_state) only so that the header-only kernel may
+/// be defined in every translation unit.
 template <class State>
 __global__ void __launch_bounds__(state_warps * warp_lanes)
     sparsify_merge_kernel(State* into, const State* from, row_range range, device_checks checks) {
@@ -70,12 +79,15 @@ __global__ void __launch_bounds__(state_warps * warp_lanes)
     const State& a = into[r];
     const State& b = from[r];
     cuda_row_report report;
-    if (a.k != b.k || a.sampled != b.sampled) {
-      report.error = cuda_row_error::state_mismatch;
-    } else {
-      report = check_state(a, 0);
-      if (report.error == cuda_row_error::none) report = check_state(b, 1);
+    if (lane_id() == 0) {
+      index_slot slots[sparsify_max_k];
+      state_problem p = check_state(a, slots);
+      int which = 0;
+      if (!p) p = check_state(b, slots), which = 1;
+      if (!p) p = check_merge(a, b), which = 1;
+      report = state_report(p, which);
     }
+    report = broadcast_report(report);
     if (lane_id() == 0) record_row(checks, range, r, report);
     if (checks.validate_only) continue;
     if (report.error != cuda_row_error::none) {
@@ -91,8 +103,8 @@ __global__ void __launch_bounds__(state_warps * warp_lanes)
 }
 
 /// Rows of `range`: the sparse row of whole-row state states[r] (detail::finalize), padded to
-/// out.k_max. Row checks in the CPU's order (k, capacity, sampled token, support); a rejected
-/// row gets count 0, padding and a NaN log-remainder.
+/// out.k_max. Row checks in the CPU's order (the state and its coverage of out.vocab with k,
+/// capacity, support); a rejected row gets count 0, padding and a NaN log-remainder.
 template <class T>
 __global__ void __launch_bounds__(state_warps * warp_lanes)
     sparsify_finalize_kernel(const sparsify_state* states, int k, double log_delta, sparse_batch_view<T> out,
@@ -103,22 +115,21 @@ __global__ void __launch_bounds__(state_warps * warp_lanes)
   for (std::size_t r = warp_first_row(range); r < end; r += warp_row_stride()) {
     const sparsify_state& s = states[r];
     cuda_row_report report;
-    const std::size_t need = std::size_t(s.size < 0 ? 0 : s.size) + (s.sampled >= 0 ? 1 : 0);
-    if (s.k != k) {
-      report.error = cuda_row_error::state_k, report.value = double(s.k);
-      report.token = static_cast<unsigned long long>(k);
-    } else {
-      report = check_state(s, 0);
-    }
-    if (report.error == cuda_row_error::none) {
-      if (out.k_max < need) {
-        report.error = cuda_row_error::state_capacity, report.token = out.k_max, report.value = double(need);
-      } else if (s.sampled >= 0 && !s.has_sampled) {
-        report.error = cuda_row_error::sampled_missing, report.value = double(s.sampled);
-      } else if (state_has_no_support(s)) {
-        report.error = cuda_row_error::no_support;
+    if (lane_id() == 0) {
+      index_slot slots[sparsify_max_k];
+      state_problem p = check_state(s, slots);
+      if (!p) p = check_whole_row(s, k, static_cast<long long>(out.vocab));
+      report = state_report(p, 0);
+      if (report.error == cuda_row_error::none) {
+        const std::size_t need = std::size_t(s.size) + (s.sampled >= 0 ? 1 : 0);
+        if (out.k_max < need) {
+          report.error = cuda_row_error::state_capacity, report.token = out.k_max, report.value = double(need);
+        } else if (state_has_no_support(s)) {
+          report.error = cuda_row_error::no_support;
+        }
       }
     }
+    report = broadcast_report(report);
     if (lane_id() == 0) record_row(checks, range, r, report);
     if (checks.validate_only) continue;
     sparse_index* indices = out.row_indices(r);

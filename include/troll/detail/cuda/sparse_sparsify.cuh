@@ -556,9 +556,9 @@ __global__ void __launch_bounds__(block_threads)
     if (checks.validate_only) continue;
     sparsify_state& st = states[r];
     if (report.error != cuda_row_error::none) {
-      if (tid == 0) {
-        st.k = 0, st.size = 0, st.sampled = static_cast<sparse_index>(sampled_token);
-        st.has_sampled = false, st.sampled_logit = 0.0, st.outside = log_sum_state{};
+      if (tid == 0) {  // k = 0: a state merge and finalize reject
+        reset(st, 0, static_cast<sparse_index>(sampled_token), static_cast<sparse_index>(vocab),
+              static_cast<sparse_index>(offset), static_cast<sparse_index>(offset + size));
       }
       __syncthreads();  // the shared keys are reused by the next row
       continue;
@@ -570,7 +570,9 @@ __global__ void __launch_bounds__(block_threads)
     for (int j = tid; j < kept; j += block_threads)
       st.heap[kept - 1 - j] = sparse_candidate{static_cast<double>(key_logit(sh.keys[j])), key_index(sh.keys[j])};
     if (tid == 0) {
-      st.k = k, st.size = kept, st.sampled = static_cast<sparse_index>(sampled_token);
+      reset(st, k, static_cast<sparse_index>(sampled_token), static_cast<sparse_index>(vocab),
+            static_cast<sparse_index>(offset), static_cast<sparse_index>(offset + size));
+      st.size = kept;
       st.has_sampled = stream.has_sampled;
       st.sampled_logit = stream.has_sampled ? stream.sampled_logit : 0.0;
       st.outside = stream.summary.outside;

@@ -106,8 +106,9 @@ __device__ inline int first_lane(bool flag) {
 
 /// The device counterpart of cpu::check_sparse_row, by one warp: count range, then entry by entry
 /// (token id in [0, V), not NaN, ≤ 0), then the remainder (not NaN, ≤ 0), no remainder when the
-/// support covers V, some mass, distinct token ids. `remainder_rules` = false skips the last
-/// three (a support whose values are not read). Sorts the support into `slots` (`size` slots)
+/// support covers V, some mass, distinct token ids, a total mass within sparse_mass_tolerance<T>
+/// of 1. `remainder_rules` = false skips the remainder and mass rules (a support whose values are
+/// not read). Sorts the support into `slots` (`size` slots)
 /// when the entry checks pass. Every lane returns the same report; `operand` is copied into it.
 template <class T>
 __device__ cuda_row_report warp_check_sparse_row(const sparse_index* indices, const T* log_probs, long long count,
@@ -194,6 +195,16 @@ __device__ cuda_row_report warp_check_sparse_row(const sparse_index* indices, co
     report.token = static_cast<unsigned long long>(second);
     report.value = double(index);
     return report;
+  }
+  if (remainder_rules) {  // last, as cpu::check_sparse_row: Σ_S p_i + r within the tolerance of 1
+    double mass = 0.0;
+    for (int i = lane_id(); i < n; i += warp_lanes) mass += ::exp(static_cast<double>(log_probs[i]));
+    mass = warp_all_reduce(mass, add_double{}) + ::exp(log_remainder);
+    if (!(mass >= 1.0 - sparse_mass_tolerance<T>() && mass <= 1.0 + sparse_mass_tolerance<T>())) {
+      report.error = cuda_row_error::sparse_mass;
+      report.token = sizeof(T);
+      report.value = mass;
+    }
   }
   return report;
 }
