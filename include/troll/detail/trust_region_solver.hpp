@@ -31,6 +31,7 @@ struct row_setup {
   bool new_only = false;       // a token with z̃ finite and z° = −inf (p̃ mass outside supp q)
   bool old_only = false;       // a token with z° finite and z̃ = −inf (q mass outside supp p̃)
   bool any_masked = false;     // some token is −inf in either row: evaluators must mask
+  double spread = inf();       // max − min over the logits of both rows (CPU scan; +inf: unknown)
 };
 
 struct solve_result {

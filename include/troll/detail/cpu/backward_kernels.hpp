@@ -63,7 +63,7 @@ template <class T>
 inline void load_backward_block(const T* zn, const T* zo, const T* logp, double mu, std::size_t begin,
                                 Eigen::Index count, backward_block& b) {
   const block_array lp = load(logp, begin, count);
-  b.pi = lp.exp();
+  b.pi = exact_exp(lp);
   b.centred = load(zn, begin, count) - load(zo, begin, count) - mu;
   b.full = lp.minCoeff() > neg_inf();
   if (b.full) return;
@@ -92,7 +92,7 @@ inline block_array dt_dold_block(const T* zo, const backward_block& b, const pro
                                  const old_normaliser& on, std::size_t begin, Eigen::Index count) {
   const double t = s.t;
   const block_array old_logits = load(zo, begin, count);
-  block_array q = ((old_logits - on.max) - on.log_sum).exp();
+  block_array q = exact_exp((old_logits - on.max) - on.log_sum);
   zero_where_masked(old_logits, q);
   // detail::dt_dold in block form (troll/detail/tilt_derivatives.hpp says why): where
   // |log π_j/q_j| < 1/2, π_j − q_j and π_j come from the log-ratio t(d_j − μ) + KL(π‖q); elsewhere

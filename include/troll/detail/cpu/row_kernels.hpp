@@ -50,6 +50,20 @@ inline void store(T* p, std::size_t begin, Eigen::Index count, const Expr& value
   row_map_out<T>(p + begin, count) = values.template cast<T>();
 }
 
+/// exp of a block with a correct underflow. Eigen 3.4's vectorised exp returns ~5.6e-309 for
+/// every argument below about −709.8 (−inf included) instead of the subnormal or 0 it should;
+/// a weight of that size times a centred difference of ~1e290 (a huge finite mask) is not
+/// negligible. Blocks that hold such arguments (masked or nearly masked tokens only) redo those
+/// entries with std::exp.
+inline block_array exact_exp(const block_array& x) {
+  block_array e = x.exp();
+  if (x.minCoeff() < -709.0) {
+    for (Eigen::Index k = 0; k < x.size(); ++k)
+      if (x[k] < -709.0) e[k] = std::exp(x[k]);
+  }
+  return e;
+}
+
 /// Zeroes `values` where `logits` is −inf. Eigen 3.4 runs a select one coefficient at a time, so
 /// only a block that holds a masked entry pays for it; evaluate exponentials before, not inside.
 inline void zero_where_masked(const block_array& logits, block_array& values) {
@@ -101,6 +115,7 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
   setup = row_setup{};
   row_problem p;
   double best_new = neg_inf(), best_old = neg_inf();
+  double lowest = inf(), highest = neg_inf();  // over both rows, −inf included
   bool any_new = false, any_old = false;
   // The first index of `value` in `v` (known to be there): argmax without a scalar visitor pass
   // over every block, since a block's max rarely beats the running best.
@@ -127,7 +142,10 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
       return;
     }
     setup.old_max = maximum(setup.old_max, max_old);
-    if (a.minCoeff() > neg_inf() && b.minCoeff() > neg_inf()) {  // no masked token here
+    const double min_new = a.minCoeff(), min_old = b.minCoeff();
+    lowest = minimum(lowest, minimum(min_new, min_old));
+    highest = maximum(highest, maximum(max_new, max_old));
+    if (min_new > neg_inf() && min_old > neg_inf()) {  // no masked token here
       any_new = any_old = true;
       if (max_new > best_new) {
         const Eigen::Index at = index_of(a, max_new);
@@ -155,6 +173,7 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
     if (vo > best_old) best_old = vo, setup.old_top = tilt_ref{a[at], b[at]};
   });
   if (p) return p;
+  setup.spread = highest - lowest;
   if (!any_new) {
     p.kind = problem_kind::all_masked;
     p.operand = new_name;
@@ -191,6 +210,7 @@ struct tilt_evaluator {
   std::size_t size;
   double old_max;
   bool masked;  // some token outside the joint support: take the select path
+  double spread;  // max − min over both rows' logits (+inf with a masked token)
 
   /// x and w (tilt_family.hpp) on one block; w = −inf outside the joint support.
   void block(std::size_t begin, Eigen::Index count, const tilt_param& u, const tilt_ref& ref, block_array& a,
@@ -225,13 +245,16 @@ struct tilt_evaluator {
   double old_log_sum() const { return log_sum_exp_shifted(old_logits, size, old_max); }
 
   lse_state operator()(const tilt_param& u, const tilt_ref& ref) const {
+    // Exponents below −709 (where Eigen's exp is wrong, see exact_exp) need a logit spread
+    // beyond 700 in one of the rows, or a masked token.
+    const bool wide = masked || !(spread <= 700.0);
     lse_state total;
     block_array a, b, x, w, e;
     for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
       block(begin, count, u, ref, a, b, x, w);
       const double m = w.maxCoeff();
       if (m == neg_inf()) return;
-      e = (w - m).exp();
+      e = wide ? exact_exp(w - m) : block_array((w - m).exp());
       // (e·x)·x: a zero weight never meets an x² that overflowed.
       lse_state part{m, e.sum(), (e * x).sum(), ((e * x) * x).sum()};
       if (m > total.m) {  // this block holds the mode so far: record its token as the reference
@@ -265,7 +288,7 @@ struct tilt_evaluator {
 /// The evaluator of a validated row pair.
 template <class T>
 inline tilt_evaluator<T> make_evaluator(const T* zn, const T* zo, std::size_t size, const row_setup& setup) {
-  return tilt_evaluator<T>{zn, zo, size, setup.old_max, setup.any_masked};
+  return tilt_evaluator<T>{zn, zo, size, setup.old_max, setup.any_masked, setup.spread};
 }
 
 /// out = log_softmax(z); the reference arithmetic for inactive rows: (z_i − M) − log Σ e^{z−M}.
