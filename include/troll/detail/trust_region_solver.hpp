@@ -89,18 +89,24 @@ TROLL_HOST_DEVICE tilt_point evaluate_at_one(const Eval& eval, const row_setup& 
   return p;
 }
 
-/// KL(π_0+ ‖ q) = −log q(J), the least KL any admissible π reaches (0 unless the new row masks
-/// old mass), to 1e-11 relative.
+/// The t = 0 member (π_0 = q restricted to J) from its reduction, with KL(π_0+ ‖ q) = −log q(J),
+/// the least KL any admissible π reaches (0 unless the new row masks old mass), to 1e-11
+/// relative.
 template <class Eval>
-TROLL_HOST_DEVICE tilt_point evaluate_at_zero(const Eval& eval, const row_setup& setup, double old_log_sum) {
-  tilt_point p = make_point(eval(tilt_at(0.0), setup.old_top), tilt_at(0.0), setup.old_top, setup.old_max,
-                            old_log_sum);
+TROLL_HOST_DEVICE tilt_point zero_point(const Eval& eval, const row_setup& setup, const lse_state& state,
+                                        double old_log_sum) {
+  tilt_point p = make_point(state, tilt_at(0.0), setup.old_top, setup.old_max, old_log_sum);
   if (setup.old_only) {
     settle_kl(eval, p);
   } else {
     p.kl = 0.0;
   }
   return p;
+}
+
+template <class Eval>
+TROLL_HOST_DEVICE tilt_point evaluate_at_zero(const Eval& eval, const row_setup& setup, double old_log_sum) {
+  return zero_point(eval, setup, eval(tilt_at(0.0), setup.old_top), old_log_sum);
 }
 
 /// Orders members by t (ties, which only occur near t = 1, by s).
@@ -169,12 +175,7 @@ TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setu
   const lse_state zero_state = eval(tilt_at(0.0), setup.old_top);
   const double old_log_sum =
       setup.old_only ? eval.old_log_sum() : zero_state.log_sum() + (setup.old_top.zo - setup.old_max);
-  tilt_point at_zero = make_point(zero_state, tilt_at(0.0), setup.old_top, setup.old_max, old_log_sum);
-  if (setup.old_only) {
-    settle_kl(eval, at_zero);
-  } else {
-    at_zero.kl = 0.0;
-  }
+  const tilt_point at_zero = zero_point(eval, setup, zero_state, old_log_sum);
 
   const tilt_point at_one = evaluate_at_one(eval, setup, old_log_sum);
   r.kl_before = setup.new_only ? inf() : at_one.kl;
