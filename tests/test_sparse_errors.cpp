@@ -16,27 +16,16 @@
 #include <string>
 #include <vector>
 
+#include "expect_error.hpp"
 #include "sparse_oracle.hpp"
+
+using troll_test::expect_row_error;
 
 using namespace sparse_test;
 
 namespace {
 
 const double nan_value = std::numeric_limits<double>::quiet_NaN();
-
-/// Runs `call`, expects an exception of type E naming `row` (in row() and in the message).
-template <class E, class F>
-void expect_row_error(F&& call, std::size_t row) {
-  bool thrown = false;
-  try {
-    call();
-  } catch (const E& e) {
-    thrown = true;
-    CHECK(e.row() == row);
-    CHECK(std::string(e.what()).find("row " + std::to_string(row)) != std::string::npos);
-  }
-  CHECK(thrown);
-}
 
 struct valid_pair {
   static constexpr std::size_t vocab = 200, rows = 4, k = 9;

@@ -20,7 +20,10 @@
 #include <string>
 #include <vector>
 
+#include "expect_error.hpp"
 #include "sparse_oracle.hpp"
+
+using troll_test::expect_rejected;
 
 namespace {
 
@@ -31,21 +34,6 @@ using sparse_test::sparse_rows;
 const double nan_value = std::numeric_limits<double>::quiet_NaN();
 const double plus_inf = std::numeric_limits<double>::infinity();
 const double minus_inf = -plus_inf;
-
-/// Runs `call`; expects exception E (exactly that class or a subclass) naming `row` with
-/// `fragment` in its message.
-template <class E, class Call>
-void expect_rejected(Call&& call, std::size_t row, const std::string& fragment) {
-  bool thrown = false;
-  try {
-    call();
-  } catch (const E& e) {
-    thrown = true;
-    CHECK(e.row() == row);
-    CHECK_MESSAGE(std::string(e.what()).find(fragment) != std::string::npos, std::string(e.what()));
-  }
-  CHECK_MESSAGE(thrown, fragment);
-}
 
 std::vector<double> random_logits(std::size_t n, double scale, std::mt19937_64& rng) {
   std::normal_distribution<double> normal(0.0, scale);
