@@ -3,7 +3,7 @@
 // double, and feeds the shared host/device maths (lse_state, trust_region_solver).
 #pragma once
 
-#include <Eigen/Core>
+#include "eigen.hpp"
 #include <cstddef>
 #include <limits>
 

@@ -4,7 +4,7 @@
 // check, which names the problem (so a batch of good rows never sorts anything).
 #pragma once
 
-#include <Eigen/Core>
+#include "eigen.hpp"
 #include <cstddef>
 #include <cstdint>
 
