@@ -151,15 +151,27 @@ template <class T>
 int lumped_pair(const aligned_batch_view<const T>& a, std::size_t r, double* zn, double* zo, int* slot) {
   const int count = static_cast<int>(a.counts[r]);
   const bool tail = static_cast<long long>(a.vocab) > count;
+  const T* new_lp = a.new_log_probs + r * a.k_max;
+  const T* old_lp = a.old_log_probs + r * a.k_max;
+  // Widen every entry (a loop the compiler vectorises), then drop the categories masked on both
+  // sides, which are rare, in a second pass only when there are any.
+  int both_masked = 0;
+  for (int i = 0; i < count; ++i) {
+    zn[i] = double(new_lp[i]);
+    zo[i] = double(old_lp[i]);
+    slot[i] = i;
+    both_masked |= int(zn[i] == neg_inf()) & int(zo[i] == neg_inf());
+  }
+  zn[count] = tail ? double(a.new_log_remainder[r]) : neg_inf();
+  zo[count] = tail ? double(a.old_log_remainder[r]) : neg_inf();
+  slot[count] = count;
+  both_masked |= int(zn[count] == neg_inf()) & int(zo[count] == neg_inf());
+  if (both_masked == 0) return count + 1;
   int n = 0;
   for (int i = 0; i <= count; ++i) {
-    const double vn = i < count ? double(a.new_log_probs[r * a.k_max + std::size_t(i)])
-                                : (tail ? double(a.new_log_remainder[r]) : neg_inf());
-    const double vo = i < count ? double(a.old_log_probs[r * a.k_max + std::size_t(i)])
-                                : (tail ? double(a.old_log_remainder[r]) : neg_inf());
-    if (vn == neg_inf() && vo == neg_inf()) continue;
-    zn[n] = vn;
-    zo[n] = vo;
+    if (zn[i] == neg_inf() && zo[i] == neg_inf()) continue;
+    zn[n] = zn[i];
+    zo[n] = zo[i];
     slot[n] = i;
     ++n;
   }
