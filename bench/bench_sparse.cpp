@@ -163,12 +163,14 @@ void sparse_project(benchmark::State& state, bool backward) {
   }
   state.SetItemsProcessed(std::int64_t(state.iterations()) * std::int64_t(n));
   state.counters["rows/s"] = benchmark::Counter(double(state.iterations()) * double(n), benchmark::Counter::kIsRate);
-  std::size_t active = 0, entries = 0;
+  std::size_t active = 0, entries = 0, iterations = 0;
   for (std::size_t r = 0; r < n; ++r) {
     active += st[r].active() ? 1 : 0;
     entries += std::size_t(a.counts[r]);
+    iterations += std::size_t(st[r].iterations);
   }
   state.counters["active_fraction"] = double(active) / double(n);
+  state.counters["newton_iters"] = active ? double(iterations) / double(active) : 0.0;
   state.counters["mean_union"] = double(entries) / double(n);
 }
 
