@@ -3,8 +3,9 @@ bench/bench_sparse.cpp and bench/bench_dense.cpp, so that troll's rates can be s
 
     python3 bench/torch/peers_cpu.py [--threads 1] [--quick] [--json out.json]
 
-Workloads (wall-clock medians of interleaved repetitions after a warm-up; every buffer a peer
-allocates is allocated once in the warm-up and reused, so its page faults are not timed):
+Workloads (medians of repetitions after a warm-up, in process CPU time on one thread, wall-clock
+time on more; the peers' temporaries are kept in the heap between calls, so page faults of fresh
+allocations are not timed):
 
 * read          — x.sum() over 64 x 151,936 float32: the single-core read bandwidth of torch;
 * sparsify      — top-64 of 64 x 151,936 float32 logits plus the log of the tail mass
@@ -44,12 +45,15 @@ VOCAB = 151936
 
 
 def timed(fn, reps):
+    """Median seconds per call: process CPU time with one thread (robust on a shared machine, and
+    what Google Benchmark reports for troll's serial benchmarks), else wall-clock time."""
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     fn()  # warm-up: allocations, lazy initialisation
     times = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
