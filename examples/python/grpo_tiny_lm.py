@@ -187,18 +187,24 @@ def plot(path_csv: str, out_dir: str, eps: float) -> None:
         it = [int(r["iteration"]) for r in last]
         axes[0, 0].plot(it, [float(r["reward"]) for r in last], colour, label=objective)
         step = range(len(sel))
-        axes[0, 1].plot(step, [float(r["kl_max"]) for r in sel], colour, label=f"{objective} max (network)")
-        axes[0, 1].plot(step, [float(r["kl_mean"]) for r in sel], colour, ls=":", label=f"{objective} mean")
+
+        def per_iteration(key, reduce):  # over the epochs of each iteration's batch
+            return [reduce(float(r[key]) for r in sel if int(r["iteration"]) == i) for i in it]
+
+        axes[0, 1].plot(it, per_iteration("kl_max", max), colour, label=f"{objective} max (network)")
+        means = [sum(v) / len(v) for v in ([float(r["kl_mean"]) for r in sel if int(r["iteration"]) == i] for i in it)]
+        axes[0, 1].plot(it, means, colour, ls=":", label=f"{objective} mean (network)")
         if objective == "troll":
-            axes[0, 1].plot(step, [float(r["kl_surrogate_max"]) for r in sel], colour, ls="--",
+            axes[0, 1].plot(it, per_iteration("kl_surrogate_max", max), "k", ls="--", lw=1.2,
                             label="troll max KL(pi* || old)")
         axes[1, 0].plot(it, [float(r["entropy"]) for r in last], colour, label=objective)
         axes[1, 1].plot(step, [float(r["limited_fraction"]) for r in sel], colour,
                         label={"troll": "troll: projected", "ppo_clip": "ppo: clipped", "dppo": "dppo: masked"}[objective])
-    axes[0, 1].axhline(eps, color="k", lw=0.8, label="eps")
+    axes[0, 1].axhline(eps, color="r", lw=0.8, label="eps")
     axes[0, 1].set_yscale("log")
+    axes[0, 1].set_ylim(bottom=1e-4)
     for ax, title, xl in ((axes[0, 0], "mean reward", "iteration"),
-                          (axes[0, 1], "per-token KL to the old policy", "update"),
+                          (axes[0, 1], "per-token KL to the old policy (max over a batch's epochs)", "iteration"),
                           (axes[1, 0], "mean entropy (completion tokens)", "iteration"),
                           (axes[1, 1], "fraction of tokens projected / clipped / masked", "update")):
         ax.set_title(title)

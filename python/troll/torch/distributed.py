@@ -6,7 +6,7 @@ rows of the whole vocabulary, without anyone gathering the full logits.
     all ranks: all_gather(states) over the group  ->  merge in rank order, finalize
     backward: the gradient w.r.t. each rank's own shard, computed locally (no communication)
 
-The exchanged states are fixed-size (``troll.sparsify_state_bytes(k)`` bytes a row: 1,320 for
+The exchanged states are fixed-size (``troll.sparsify_state_bytes(k)`` bytes a row: 1,328 for
 k = 64) whatever the vocabulary; the collective is the process group's own ``all_gather`` (gloo
 for CPU tensors, NCCL for CUDA). Every rank ends with identical rows. See docs/python.md."""
 
