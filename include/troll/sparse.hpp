@@ -809,6 +809,7 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
   for (std::size_t r = 0; r < rows.rows; ++r) {
     if (const detail::row_problem p = detail::check_stats(stats[r])) detail::throw_problem(fn, r, p);
   }
+  std::vector<char> overflowed(rows.rows, 0);
   detail::cpu::parallel_for(policy.threads, rows.rows, 16 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1],
         g[sparse_max_entries + 1], gn[sparse_max_entries + 1], go[sparse_max_entries + 1];
@@ -821,8 +822,8 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
       g[j] = double(bucket ? grad.log_remainder[r] : grad.row(r)[slot[j]]);
     }
     double row_grad_eps = 0.0;
-    detail::cpu::vjp_row(zn, zo, lp, g, std::size_t(n), stats[r], gn, want_old ? go : nullptr,
-                         &row_grad_eps);
+    overflowed[r] = !detail::cpu::vjp_row(zn, zo, lp, g, std::size_t(n), stats[r], gn,
+                                          want_old ? go : nullptr, &row_grad_eps);
     auto scatter = [&](const double* lumped, sparse_grad_view<T> to) {
       T* row = to.row(r);
       for (std::size_t i = 0; i < to.k_max; ++i) row[i] = T(0);
@@ -833,6 +834,7 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
     if (want_old) scatter(go, grad_old);
     if (grad_eps) grad_eps[r] = T(row_grad_eps);
   });
+  detail::throw_overflowed<T>(fn, overflowed);
 }
 
 TROLL_END_NAMESPACE
