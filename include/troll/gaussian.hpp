@@ -184,3 +184,5 @@ void kl_diag(cpu_policy policy, batch_view<const T> mean, batch_view<const T> st
 
 }  // namespace gaussian
 TROLL_END_NAMESPACE
+
+#include "gaussian_backward.hpp"

@@ -22,6 +22,7 @@ namespace cpu {
 
 using gaussian_matrix = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 using gaussian_vector = Eigen::VectorXd;
+using gaussian_array = Eigen::ArrayXd;
 
 /// A row pair in the whitened eigenbasis: x = μ° + W y with W = L°V (full) or diag(σ°) (diag).
 struct gaussian_basis {
