@@ -29,8 +29,13 @@ namespace detail {
 TROLL_HOST_DEVICE inline double gaussian_psi(double sigma) {
   if (::fabs(sigma) < 1.0) {
     const double x = -sigma;
-    double acc = 1.0;  // 1 + x/3 (1 + x/4 (1 + ... (1 + x/21))) = Σ_{n≥2} x^{n−2} 2/n!
-    for (int n = 21; n >= 3; --n) acc = 1.0 + x * acc / n;
+    // 1 + x/3 (1 + x/4 (1 + ... (1 + x/21))) = Σ_{n≥2} x^{n−2} 2/n!, by reciprocals.
+    constexpr double inverse[22] = {0.0,        1.0,        1.0 / 2,    1.0 / 3,    1.0 / 4,    1.0 / 5,
+                                    1.0 / 6,    1.0 / 7,    1.0 / 8,    1.0 / 9,    1.0 / 10,   1.0 / 11,
+                                    1.0 / 12,   1.0 / 13,   1.0 / 14,   1.0 / 15,   1.0 / 16,   1.0 / 17,
+                                    1.0 / 18,   1.0 / 19,   1.0 / 20,   1.0 / 21};
+    double acc = 1.0;
+    for (int n = 21; n >= 3; --n) acc = 1.0 + x * acc * inverse[n];
     return 0.5 * x * x * acc;
   }
   return ::expm1(-sigma) + sigma;
