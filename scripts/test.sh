@@ -44,4 +44,7 @@ bash scripts/fuzz.sh
 stage "python: venv, pip install ./python, pytest"
 bash scripts/python-test.sh
 
+stage "python: TRL GRPO with troll's loss, the tiny-LM run (--quick)"
+bash scripts/python-trl-test.sh
+
 stage "all stages passed"

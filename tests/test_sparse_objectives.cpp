@@ -826,3 +826,26 @@ TEST_CASE("sparse TROLL backward rejects bad input before writing, naming the ro
   expect_rejected(c, run.aligned, run.log_probs, run.stats, nan_value, troll::invalid_input::npos,
                   "grad_loss");
 }
+
+TEST_CASE("sparse TROLL: a sampled token far in the old row's tail overflows with a typed error") {
+  // Row 2's sampled token gets old log-prob −1e6 (its mass moves to the remainder): ρ = π*_a/q_a
+  // ≈ e^(1e6·t*) overflows double. The forward names the row before writing a token loss; rows
+  // whose ratio fits are unaffected (row 1, with −300, runs).
+  sparse_case c = make_case(4, 40, 77);
+  c.mask = {1.0, 1.0, 1.0, 1.0};
+  auto push_to_tail = [&](std::size_t r, double log_prob) {
+    const std::size_t at = sampled_entry(c, r);
+    REQUIRE(at != std::size_t(-1));
+    const double moved = std::exp(c.old.log_probs[at]);
+    c.old.log_probs[at] = log_prob;
+    c.old.log_remainder[r] = std::log(std::exp(c.old.log_remainder[r]) + moved);
+  };
+  push_to_tail(1, -300.0);
+  push_to_tail(2, -1e6);
+  const troll::sparse_trust_region_objective o = objective(0.0);
+  expect_forward_rejected<troll::domain_error>(c, o, 2, "overflows double");
+  c.mask[2] = 0.0;  // a row with mask 0 is never asked for its ratio
+  const sparse_run<double> run = run_sparse(c, o);
+  CHECK(std::isfinite(run.metrics.loss));
+  for (double g : run.grad) CHECK(std::isfinite(g));
+}

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <vector>
 #include <limits>
 #include <string>
 
@@ -100,6 +101,21 @@ inline row_problem check_stats(const projection_stats& s) {
   }
 }
 
+/// The last guard of a derivative pass: the lowest row whose outputs do not fit T (the true
+/// derivative overflows, as with a sizeable upstream gradient on a token the row all but masks)
+/// throws domain_error. The outputs are then unspecified; every other problem is found before
+/// anything is written.
+template <class T>
+void throw_overflowed(const char* fn, const std::vector<char>& overflowed) {
+  for (std::size_t r = 0; r < overflowed.size(); ++r)
+    if (overflowed[r])
+      throw domain_error(row_prefix(fn, r) + "a derivative does not fit " +
+                             (sizeof(T) == sizeof(float) ? "float" : "double") +
+                             " (its true value overflows: an upstream gradient on a token of "
+                             "near-zero probability, with a tiny variance sigma2)",
+                         r);
+}
+
 /// Shared argument checks of the backward entry points; throws before anything is written.
 template <class T>
 void validate_backward(const char* fn, unsigned threads, batch_view<const T> new_logits,
@@ -144,13 +160,15 @@ void project_backward(cpu_policy policy, input_view<T> new_logits, input_view<T>
                             grad_log_probs, "grad_log_probs", input_view<T>{});
   const std::size_t size = new_logits.cols;
   const bool want_old = grad_old.rows != 0;
+  std::vector<char> overflowed(new_logits.rows, 0);
   detail::cpu::parallel_for(policy.threads, new_logits.rows, 6 * size, [&](std::size_t r) {
     double row_grad_eps = 0.0;
-    detail::cpu::vjp_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
-                         grad_log_probs.row(r), size, stats[r], grad_new.row(r),
-                         want_old ? grad_old.row(r) : static_cast<T*>(nullptr), &row_grad_eps);
+    overflowed[r] = !detail::cpu::vjp_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
+                                          grad_log_probs.row(r), size, stats[r], grad_new.row(r),
+                                          want_old ? grad_old.row(r) : static_cast<T*>(nullptr), &row_grad_eps);
     if (grad_eps) grad_eps[r] = T(row_grad_eps);
   });
+  detail::throw_overflowed<T>(fn, overflowed);
 }
 
 /// Jacobian–vector product of project(): the directional derivative of log π* along tangents
@@ -169,11 +187,13 @@ void project_jvp(cpu_policy policy, input_view<T> new_logits, input_view<T> old_
                             tangent_new, "tangent_new", tangent_old);
   const std::size_t size = new_logits.cols;
   const bool with_old = tangent_old.rows != 0;
+  std::vector<char> overflowed(new_logits.rows, 0);
   detail::cpu::parallel_for(policy.threads, new_logits.rows, 6 * size, [&](std::size_t r) {
-    detail::cpu::jvp_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
+    overflowed[r] = !detail::cpu::jvp_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
                          tangent_new.row(r), with_old ? tangent_old.row(r) : static_cast<const T*>(nullptr),
                          tangent_eps, size, stats[r], tangent_out.row(r));
   });
+  detail::throw_overflowed<T>(fn, overflowed);
 }
 
 /// Full Jacobians of project() for small vocabularies: per row a row-major V×V block of

@@ -64,6 +64,9 @@ struct throw_objective_report {
       case cuda_row_error::regression_inf:
         p.what = k::regression_inf;
         break;
+      case cuda_row_error::objective_overflow:
+        p = overflow_problem(report.operand, report.value, static_cast<std::int64_t>(report.token));
+        break;
       default:
         throw_report(function, row, report, operand_names);
     }

@@ -80,6 +80,9 @@ struct throw_sparse_objective_report {
       case cuda_row_error::bad_mask: p.what = k::mask; break;
       case cuda_row_error::sequence_order: p.what = k::sequence_order; break;
       case cuda_row_error::regression_inf: p.what = k::regression_inf; break;
+      case cuda_row_error::objective_overflow:
+        throw_objective_problem(function, row,
+                                overflow_problem(report.operand, report.value, static_cast<std::int64_t>(report.token)));
       case cuda_row_error::old_token_masked: throw_old_entry_masked(function, row, value);
       case cuda_row_error::objective_capacity: throw_objective_capacity(function, row, value, capacity);
       case cuda_row_error::not_in_support: throw_not_in_support(function, row, value);

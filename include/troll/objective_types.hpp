@@ -3,6 +3,7 @@
 // backend shares. Eigen-free, so the CUDA entry points (troll/cuda_objectives.cuh) use it too.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <sstream>
@@ -122,10 +123,14 @@ struct objective_problem {
     sequence_order,    // sequence id smaller than the previous row's
     old_token_masked,  // q_a = 0: the ratio is undefined
     regression_inf,    // KL(p̃ ‖ π*) = +inf with α > 0
+    overflow,          // the ratio (double), the token's loss or its gradient overflows
   };
   kind what = kind::none;
   row_problem logits;
-  double value = 0.0;
+  double value = 0.0;           ///< token_range, advantage, mask, ...; overflow: log ρ
+  double token = 0.0;           ///< overflow: the sampled token
+  const char* quantity = "";    ///< overflow: what overflowed ("importance ratio", "loss", ...)
+  const char* type_name = "";   ///< overflow: the element type it overflows
   explicit operator bool() const { return what != kind::none; }
 };
 
@@ -154,6 +159,14 @@ struct objective_problem {
       msg << "old_logits is -inf at the sampled token " << static_cast<long long>(p.value)
           << ": q_a = 0 and the importance ratio is undefined";
       throw domain_error(msg.str(), row);
+    case k::overflow:
+      msg << "the " << p.quantity << " at sampled token " << static_cast<long long>(p.token)
+          << " overflows " << p.type_name;
+      if (p.value == p.value)
+        msg << ": its importance ratio is exp(" << p.value
+            << ") (log pi_new - log q_old); a token this unlikely under the old policy was not "
+               "sampled from it (check the tokens and the old logits)";
+      throw domain_error(msg.str(), row);
     case k::regression_inf:
       msg << "new_logits put mass on tokens the old logits mask (-inf), so KL(p_new || pi*) is "
              "+inf; use alpha = 0 or mask those tokens in the new logits too";
@@ -162,6 +175,47 @@ struct objective_problem {
       break;
   }
   throw invalid_input(msg.str() + "unknown problem", row);
+}
+
+/// The overflow problem of a counted token from its operand code (objective_row.hpp), log ρ
+/// (NaN: unknown) and the sampled token.
+inline objective_problem overflow_problem(int operand, double log_ratio, std::int64_t token) {
+  static const char* const names[4] = {"importance ratio", "loss", "weighted loss", "gradient"};
+  objective_problem p;
+  p.what = objective_problem::kind::overflow;
+  p.quantity = names[operand % 4];
+  p.type_name = operand >= 4 ? "float" : "double";
+  p.value = log_ratio;
+  p.token = static_cast<double>(token);
+  return p;
+}
+
+/// The forward's check of a counted token: ρ (double), ℓ (T) and c·ℓ (double) fit.
+template <class T>
+objective_problem check_token_result(double ratio, double log_ratio, double loss, double weight,
+                                     std::int64_t token) {
+  int operand = forward_overflow<T>(ratio, loss);
+  if (operand < 0 && !fits_in<double>(weight * loss))
+    operand = overflow_operand<double>(overflow_quantity::weighted_loss);
+  return operand < 0 ? objective_problem{} : overflow_problem(operand, log_ratio, token);
+}
+
+/// The backward's check of a counted token: ρ (double) and the sampled token's term (T) fit.
+template <class T>
+objective_problem check_token_gradient(double ratio, double log_ratio, double scale, std::int64_t token) {
+  const int operand = backward_overflow<T>(ratio, scale);
+  return operand < 0 ? objective_problem{} : overflow_problem(operand, log_ratio, token);
+}
+
+/// Whether a counted token's ratio term might not fit: ρ = π_a / q_a ≤ 1 / q_a, so only a token
+/// with −log q_a ≥ `neg_log_q` near log(T's largest) can overflow (ρ in double, ρA in T). Such
+/// rows (far in the old row's tail; none in ordinary use) are computed once more, without
+/// writing, before a forward writes anything.
+template <class T>
+bool ratio_may_overflow(double neg_log_q, double advantage) {
+  const double a = advantage < 0.0 ? -advantage : advantage;
+  const double headroom = std::log(largest_finite<T>()) - 2.0;
+  return !(neg_log_q + std::log(a > 1.0 ? a : 1.0) < headroom);
 }
 
 /// Shape checks of an objective call (before any row is read).

@@ -196,6 +196,12 @@ objective_metrics ratio_forward(const char* fn, cpu_policy policy, const cpu::ra
                                         in.tokens[r], static_cast<double>(in.advantages[r]));
   });
   for (std::size_t r = 0; r < rows; ++r) {
+    if (!counted[r]) continue;
+    const objective_problem p = check_token_result<T>(results[r].ratio, results[r].log_ratio,
+                                                      results[r].token.loss, c[r], in.tokens[r]);
+    if (p) throw_objective_problem(fn, r, p);
+  }
+  for (std::size_t r = 0; r < rows; ++r) {
     if (token_loss) token_loss[r] = T(counted[r] ? results[r].token.loss : 0.0);
     if (!counted[r]) continue;
     const cpu::ratio_row_result& x = results[r];
@@ -219,19 +225,25 @@ void ratio_backward(const char* fn, cpu_policy policy, cpu::ratio_objective_spec
   const std::size_t rows = new_logits.rows, size = new_logits.cols;
   const std::vector<double> c = aggregation_weights(in, rows, grad_loss, nullptr);
   spec.compute_kl = false;
+  // Every row's coefficient c·(∂ℓ/∂r)·r first: a row whose gradient overflows T is reported
+  // before anything is written (the entries are bounded by |coef|).
+  std::vector<double> coef(rows, 0.0), log_norm_new(rows, 0.0);
+  std::vector<objective_problem> problems(rows);
   cpu::parallel_for(policy.threads, rows, 4 * size, [&](std::size_t r) {
+    if (c[r] == 0.0) return;
+    const std::int64_t token = in.tokens[r];
     const T* zn = new_logits.row(r);
-    double coef = 0.0;
-    std::int64_t token = 0;
-    double log_norm_new = 0.0;
-    if (c[r] != 0.0) {
-      token = in.tokens[r];
-      const cpu::ratio_row_result x = cpu::ratio_forward_row(
-          zn, old_logits.row(r), size, spec, token, static_cast<double>(in.advantages[r]));
-      coef = c[r] * x.token.dloss_dr * x.ratio;
-      if (coef != 0.0) log_norm_new = cpu::log_normaliser(zn, size);
-    }
-    cpu::ratio_backward_row(zn, size, log_norm_new, coef, token, grad_new.row(r));
+    const cpu::ratio_row_result x = cpu::ratio_forward_row(
+        zn, old_logits.row(r), size, spec, token, static_cast<double>(in.advantages[r]));
+    coef[r] = c[r] * x.token.dloss_dr * x.ratio;
+    problems[r] = check_token_gradient<T>(x.ratio, x.log_ratio, coef[r], token);
+    if (coef[r] != 0.0) log_norm_new[r] = cpu::log_normaliser(zn, size);
+  });
+  for (std::size_t r = 0; r < rows; ++r)
+    if (problems[r]) throw_objective_problem(fn, r, problems[r]);
+  cpu::parallel_for(policy.threads, rows, 2 * size, [&](std::size_t r) {
+    cpu::ratio_backward_row(new_logits.row(r), size, log_norm_new[r], coef[r],
+                            coef[r] != 0.0 ? in.tokens[r] : 0, grad_new.row(r));
   });
 }
 
@@ -262,8 +274,26 @@ objective_metrics objective_forward(cpu_policy policy, const trust_region_object
   if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
   detail::validate_objective(fn, policy.threads, new_logits, old_logits, in, true, objective.eps,
                              objective.alpha > 0.0);
-
   const std::size_t rows = new_logits.rows, size = new_logits.cols;
+  // A counted token far in the old row's tail (−log q_a ≤ max z° − z°_a + log V) is projected
+  // once into scratch memory first, so that a ratio or loss that overflows is reported before
+  // anything is written.
+  auto overflow_of = [&](std::size_t r) -> detail::objective_problem {
+    if ((in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) == 0.0) return {};
+    const T* zo = old_logits.row(r);
+    const std::int64_t a = in.tokens[r];
+    const double bound = detail::cpu::row_max(zo, size) - static_cast<double>(zo[a]) + std::log(double(size));
+    if (!detail::ratio_may_overflow<T>(bound, static_cast<double>(in.advantages[r]))) return {};
+    std::vector<T> scratch(size);
+    const detail::cpu::troll_row_result x = detail::cpu::troll_forward_row(
+        new_logits.row(r), zo, size, objective.eps, objective.projection, true, a,
+        static_cast<double>(in.advantages[r]), objective.alpha, scratch.data());
+    return detail::check_token_result<T>(x.ratio, x.log_ratio, x.loss, 1.0, a);
+  };
+  const std::size_t overflowing = detail::cpu::first_bad_row(
+      policy.threads, rows, size, [&](std::size_t r) { return bool(overflow_of(r)); });
+  if (overflowing != rows) detail::throw_objective_problem(fn, overflowing, overflow_of(overflowing));
+
   detail::metrics_sum sum;
   const std::vector<double> c = detail::aggregation_weights(in, rows, 1.0, &sum.m.sequences);
   std::vector<detail::cpu::troll_row_result> results(rows);
@@ -276,6 +306,13 @@ objective_metrics objective_forward(cpu_policy policy, const trust_region_object
         objective.alpha, log_probs.row(r));
     stats[r] = results[r].stats;
   });
+  // The weighted losses c·ℓ (the rows above fit): checked before any token loss is written.
+  for (std::size_t r = 0; r < rows; ++r) {
+    if ((in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) == 0.0) continue;
+    const detail::objective_problem p = detail::check_token_result<T>(
+        results[r].ratio, results[r].log_ratio, results[r].loss, c[r], in.tokens[r]);
+    if (p) detail::throw_objective_problem(fn, r, p);
+  }
   for (std::size_t r = 0; r < rows; ++r) {
     const double w = in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0;
     if (token_loss) token_loss[r] = T(w != 0.0 ? results[r].loss : 0.0);
@@ -329,13 +366,35 @@ void objective_backward(cpu_policy policy, const trust_region_objective& objecti
   }
   const std::size_t rows = new_logits.rows, size = new_logits.cols;
   const std::vector<double> c = detail::aggregation_weights(in, rows, grad_loss, nullptr);
-  detail::cpu::parallel_for(policy.threads, rows, 8 * size, [&](std::size_t r) {
-    const bool counted = c[r] != 0.0;
-    detail::cpu::troll_backward_row(new_logits.row(r), old_logits.row(r), log_probs.row(r), size,
-                                    stats[r], c[r], counted ? in.tokens[r] : 0,
-                                    counted ? static_cast<double>(in.advantages[r]) : 0.0,
-                                    objective.alpha, grad_new.row(r));
+  // Every row's coefficients first, so that a ratio term that overflows T (the sampled token's
+  // entry is about c·A·ρ·t) is reported before anything is written.
+  std::vector<detail::cpu::troll_backward_plan> plans(rows);
+  std::vector<detail::objective_problem> problems(rows);
+  detail::cpu::parallel_for(policy.threads, rows, 4 * size, [&](std::size_t r) {
+    if (c[r] == 0.0) return;
+    const std::int64_t token = in.tokens[r];
+    plans[r] = detail::cpu::troll_backward_prepare(
+        new_logits.row(r), old_logits.row(r), log_probs.row(r), size, stats[r], c[r], token,
+        static_cast<double>(in.advantages[r]), objective.alpha);
+    problems[r] = detail::check_token_gradient<T>(plans[r].ratio, plans[r].log_ratio, plans[r].ratio_scale(), token);
   });
+  for (std::size_t r = 0; r < rows; ++r)
+    if (problems[r]) detail::throw_objective_problem(fn, r, problems[r]);
+  // A last guard: an entry beyond the sampled token's that overflows (a huge regression term or
+  // cross term) is reported after the pass; grad_new then holds unspecified values.
+  std::vector<char> overflowed(rows, 0);
+  detail::cpu::parallel_for(policy.threads, rows, 4 * size, [&](std::size_t r) {
+    const bool counted = c[r] != 0.0;
+    overflowed[r] = !detail::cpu::troll_backward_write(new_logits.row(r), old_logits.row(r),
+                                                       log_probs.row(r), size, stats[r],
+                                                       counted ? &plans[r] : nullptr,
+                                                       counted ? in.tokens[r] : 0, grad_new.row(r));
+  });
+  for (std::size_t r = 0; r < rows; ++r)
+    if (overflowed[r])
+      detail::throw_objective_problem(
+          fn, r, detail::overflow_problem(detail::overflow_operand<T>(detail::overflow_quantity::gradient),
+                                   plans[r].log_ratio, in.tokens[r]));
 }
 
 // ---- Baselines: PPO clip and DPPO (no projection; the ratio is p̃_a / q_a) ----

@@ -332,10 +332,11 @@ inline void sparsify_merge(cpu_policy policy, sparsify_state* into, const sparsi
 /// sparsify_shard). Throws before writing: the state problems of detail::throw_state_problem (a
 /// malformed state, k other than options.k, a state made for another V, a state that does not
 /// cover all of [0, V) — a shard never merged), shape_error for a too small out.k_max, and
-/// domain_error for a row whose logits were all −inf.
+/// domain_error for a row whose logits were all −inf. `log_sums` (rows × 2 doubles, may be null)
+/// receives each row's {log Σ_j e^{z_j}, log Σ_{j∉S} e^{z_j}}, which sparsify_shard_backward takes.
 template <class T>
 void sparsify_finalize(cpu_policy policy, const sparsify_state* states, const sparsify_options& options,
-                       sparse_batch_view<T> out) {
+                       sparse_batch_view<T> out, double* log_sums = nullptr) {
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_finalize";
   detail::check_sparsify_finalize_arguments(fn, states, options, out);
@@ -363,8 +364,9 @@ void sparsify_finalize(cpu_policy policy, const sparsify_state* states, const sp
   detail::cpu::parallel_for(policy.threads, out.rows, 4 * sparsify_max_k, [&](std::size_t r) {
     sparsify_state st = states[r];
     int count = 0;
-    const detail::finalize_problem p = detail::finalize(st, log_delta, out.row_indices(r),
-                                                        out.row_log_probs(r), count, out.log_remainder[r]);
+    const detail::finalize_problem p =
+        detail::finalize(st, log_delta, out.row_indices(r), out.row_log_probs(r), count, out.log_remainder[r],
+                         log_sums ? log_sums + 2 * r : nullptr);
     (void)p;  // ruled out by the checks above
     out.counts[r] = count;
     detail::pad_row(out.row_indices(r), out.row_log_probs(r), std::size_t(count), out.k_max);
@@ -414,6 +416,90 @@ void sparsify_backward(cpu_policy policy, input_view<T> logits, sparse_input<T> 
     detail::sort_by_index(slots, n);
     detail::cpu::sparsify_backward_row(logits.row(r), logits.cols, slots, n, grad.row(r),
                                        double(grad.log_remainder[r]), grad_logits.row(r));
+  });
+}
+
+/// Backward of sparsify over vocabulary shards: the rows of `support` were finalised from the
+/// merged states of every shard (sparsify_finalize, which also wrote `log_sums`); this writes the
+/// gradient w.r.t. one shard's logits (the tokens [vocab_offset, vocab_offset + cols) of rows of
+/// support.vocab tokens), the columns of what sparsify_backward writes for the whole row:
+///     ∂L/∂z_k = [k∈S] g_k + [k∉S] g_R p_k / r − p_k (Σ_S g_i + g_R),  p_k = e^{z_k − log_sums[2r]},
+///     r = e^{log_sums[2r+1] − log_sums[2r]}.
+/// Needs no communication: every rank holds the whole sparse row, its upstream gradient and the
+/// row's two log-sums. O(cols) per row. Throws before writing: shape_error (shapes, a shard that
+/// does not fit in [0, V), bad support indices), domain_error (NaN / +inf logits, NaN / infinite
+/// gradients, log-sums that are NaN, not finite in total, or a tail above the total).
+template <class T>
+void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std::size_t vocab_offset,
+                             sparse_input<T> support, sparse_grad_input<T> grad, const double* log_sums,
+                             batch_view<T> grad_shard) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "sparsify_shard_backward";
+  detail::check_view(fn, "shard_logits", shard_logits);
+  detail::check_view(fn, "grad_shard", grad_shard);
+  detail::check_same_shape(fn, "shard_logits", shard_logits, "grad_shard", grad_shard);
+  detail::check_sparse_view(fn, "support", support);
+  detail::check_same_rows(fn, "shard_logits", shard_logits.rows, "support", support.rows);
+  detail::check_grad_view(fn, "grad", grad, shard_logits.rows, support.k_max);
+  if (shard_logits.rows != 0 && log_sums == nullptr) detail::throw_shape(fn, "log_sums is a null pointer");
+  if (shard_logits.rows != 0 &&
+      (vocab_offset > support.vocab || shard_logits.cols > support.vocab - vocab_offset))
+    detail::throw_shape(fn, "the shard of " + std::to_string(shard_logits.cols) + " tokens at offset " +
+                                std::to_string(vocab_offset) + " does not fit in the vocabulary [0, " +
+                                std::to_string(support.vocab) + ")");
+  const std::size_t bad = detail::cpu::first_bad_row(
+      policy.threads, shard_logits.rows, shard_logits.cols, [&](std::size_t r) {
+        return bool(detail::cpu::find_bad_value(shard_logits.row(r), shard_logits.cols, "shard_logits"));
+      });
+  if (bad != shard_logits.rows)
+    detail::throw_problem(fn, bad,
+                          detail::cpu::find_bad_value(shard_logits.row(bad), shard_logits.cols, "shard_logits"));
+  for (std::size_t r = 0; r < shard_logits.rows; ++r) {
+    const double total = log_sums[2 * r], tail = log_sums[2 * r + 1];
+    if (!(total - total == 0.0) || tail != tail || tail > total)
+      throw domain_error(detail::row_prefix(fn, r) + "log_sums {" + std::to_string(total) + ", " +
+                             std::to_string(tail) +
+                             "} are not a finite total and a tail not above it (sparsify_finalize's log_sums)",
+                         r);
+  }
+  detail::first_sparse_problem(fn, policy.threads, shard_logits.rows, 4 * std::size_t(sparse_max_entries),
+                               [&](std::size_t r) {
+                                 detail::index_slot scratch[sparse_max_entries];
+                                 detail::cpu::sparse_problem p = detail::cpu::check_sparse_row(
+                                     support.row_indices(r), support.row_log_probs(r), support.count(r),
+                                     T(0), support.k_max, support.vocab, "support", scratch);
+                                 if (p.kind == detail::cpu::sparse_problem_kind::no_mass ||
+                                     p.kind == detail::cpu::sparse_problem_kind::remainder_no_tail ||
+                                     p.kind == detail::cpu::sparse_problem_kind::mass)
+                                   p = detail::cpu::sparse_problem{};
+                                 if (p) return p;
+                                 for (long long i = -1; i < support.count(r); ++i) {
+                                   const double g = i < 0 ? double(grad.log_remainder[r])
+                                                          : double(grad.row(r)[i]);
+                                   if (!(g - g == 0.0)) {
+                                     p.kind = detail::cpu::sparse_problem_kind::nan_value;
+                                     p.operand = "grad (NaN or infinite)";
+                                     p.entry = i;
+                                     return p;
+                                   }
+                                 }
+                                 return p;
+                               });
+  const std::size_t end = vocab_offset + shard_logits.cols;
+  detail::cpu::parallel_for(policy.threads, shard_logits.rows, 3 * shard_logits.cols, [&](std::size_t r) {
+    detail::index_slot slots[sparse_max_entries];
+    const int count = static_cast<int>(support.count(r));
+    double sum_g = double(grad.log_remainder[r]);
+    int n = 0;
+    for (int i = 0; i < count; ++i) {
+      const sparse_index token = support.row_indices(r)[i];
+      sum_g += double(grad.row(r)[i]);
+      if (std::size_t(token) >= vocab_offset && std::size_t(token) < end) slots[n++] = detail::index_slot{token, i};
+    }
+    detail::sort_by_index(slots, n);
+    detail::cpu::sparse_scatter_row(shard_logits.row(r), shard_logits.cols, vocab_offset, slots, n, grad.row(r),
+                                    double(grad.log_remainder[r]), sum_g, log_sums[2 * r], log_sums[2 * r + 1],
+                                    grad_shard.row(r));
   });
 }
 
@@ -761,6 +847,7 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
   for (std::size_t r = 0; r < rows.rows; ++r) {
     if (const detail::row_problem p = detail::check_stats(stats[r])) detail::throw_problem(fn, r, p);
   }
+  std::vector<char> overflowed(rows.rows, 0);
   detail::cpu::parallel_for(policy.threads, rows.rows, 16 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1],
         g[sparse_max_entries + 1], gn[sparse_max_entries + 1], go[sparse_max_entries + 1];
@@ -773,8 +860,8 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
       g[j] = double(bucket ? grad.log_remainder[r] : grad.row(r)[slot[j]]);
     }
     double row_grad_eps = 0.0;
-    detail::cpu::vjp_row(zn, zo, lp, g, std::size_t(n), stats[r], gn, want_old ? go : nullptr,
-                         &row_grad_eps);
+    overflowed[r] = !detail::cpu::vjp_row(zn, zo, lp, g, std::size_t(n), stats[r], gn,
+                                          want_old ? go : nullptr, &row_grad_eps);
     auto scatter = [&](const double* lumped, sparse_grad_view<T> to) {
       T* row = to.row(r);
       for (std::size_t i = 0; i < to.k_max; ++i) row[i] = T(0);
@@ -785,6 +872,7 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
     if (want_old) scatter(go, grad_old);
     if (grad_eps) grad_eps[r] = T(row_grad_eps);
   });
+  detail::throw_overflowed<T>(fn, overflowed);
 }
 
 TROLL_END_NAMESPACE

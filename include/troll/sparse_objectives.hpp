@@ -315,6 +315,26 @@ objective_metrics objective_forward(cpu_policy policy,
         p.what = problem_t::kind::old_token_masked;
         return p;
       }
+      // A token far in the old row's tail: its ratio and loss, from a projection into scratch
+      // memory, must fit before anything is written.
+      if (detail::ratio_may_overflow<T>(-static_cast<double>(old_lp[at]), static_cast<double>(in.advantages[r]))) {
+        detail::aligned_row_buffer<T> buffer;
+        const aligned_batch_view<T> one = buffer.view(vocab);
+        detail::gather_aligned_row(new_logits.row(r), vocab, old_rows, r, new_k, log_delta, one, 0);
+        const detail::objective_problem lumped =
+            detail::check_lumped(aligned_batch_view<const T>(one), 0, objective.eps, regression);
+        if (lumped) return detail::as_token_problem(lumped);
+        double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1];
+        int slot[sparse_max_entries + 1];
+        const aligned_batch_view<const T> one_in = one;
+        const int n = detail::lumped_pair(one_in, 0, zn, zo, slot);
+        const int token = detail::lumped_category_of(one_in, 0, slot, n, a);
+        const detail::cpu::troll_row_result x = detail::cpu::troll_forward_row(
+            zn, zo, std::size_t(n), objective.eps, objective.projection, true, token,
+            static_cast<double>(in.advantages[r]), objective.alpha, lp);
+        const detail::objective_problem overflow = detail::check_token_result<T>(x.ratio, x.log_ratio, x.loss, 1.0, a);
+        if (overflow) return detail::as_token_problem(overflow);
+      }
     }
     // Every lumped category is finite on both sides unless something is −inf: then the rows the
     // projection will see are built (without writing) and checked as project checks them.
@@ -365,6 +385,13 @@ objective_metrics objective_forward(cpu_policy policy,
     log_probs.counts[r] = count;
     detail::pad_row(log_probs.row_indices(r), out_lp, std::size_t(count), log_probs.k_max);
   });
+  // The weighted losses c·ℓ (the rows above fit): checked before any token loss is written.
+  for (std::size_t r = 0; r < rows; ++r) {
+    if ((in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) == 0.0) continue;
+    const detail::objective_problem p = detail::check_token_result<T>(
+        results[r].ratio, results[r].log_ratio, results[r].loss, c[r], in.tokens[r]);
+    if (p) detail::throw_sparse_objective_problem(fn, r, detail::as_token_problem(p));
+  }
   for (std::size_t r = 0; r < rows; ++r) {
     const double w = in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0;
     if (token_loss) token_loss[r] = T(w != 0.0 ? results[r].loss : 0.0);
@@ -468,23 +495,51 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
   if (bad != rows) detail::throw_sparse_objective_problem(fn, bad, problem(bad));
 
   const std::vector<double> c = detail::aggregation_weights(in, rows, grad_loss, nullptr);
+  // One row's lumped pair (new, old and π* over the categories of U and the remainder).
+  struct lumped_row {
+    double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lpi[sparse_max_entries + 1];
+    int slot[sparse_max_entries + 1];
+    int n = 0, count = 0, token = 0;
+  };
+  auto lump = [&](std::size_t r, lumped_row& row) {
+    row.n = detail::lumped_pair(aligned, r, row.zn, row.zo, row.slot);
+    row.count = static_cast<int>(aligned.counts[r]);
+    for (int j = 0; j < row.n; ++j)
+      row.lpi[j] = double(row.slot[j] == row.count ? log_probs.log_remainder[r]
+                                                   : log_probs.row_log_probs(r)[row.slot[j]]);
+    row.token = detail::lumped_category_of(aligned, r, row.slot, row.n, in.tokens[r]);
+  };
+  // Every row's ratio term first (O(|U|) each), so that a gradient that overflows T is
+  // reported before anything is written.
+  std::vector<detail::objective_problem> problems(rows);
+  detail::cpu::parallel_for(policy.threads, rows, 64, [&](std::size_t r) {
+    if (c[r] == 0.0) return;
+    lumped_row row;
+    lump(r, row);
+    const detail::cpu::troll_backward_plan plan = detail::cpu::troll_backward_prepare(
+        row.zn, row.zo, row.lpi, std::size_t(row.n), stats[r], c[r], row.token,
+        static_cast<double>(in.advantages[r]), objective.alpha);
+    problems[r] = detail::check_token_gradient<T>(plan.ratio, plan.log_ratio, plan.ratio_scale(), in.tokens[r]);
+  });
+  for (std::size_t r = 0; r < rows; ++r)
+    if (problems[r]) detail::throw_sparse_objective_problem(fn, r, detail::as_token_problem(problems[r]));
+  std::vector<char> overflowed(rows, 0);
   detail::cpu::parallel_for(policy.threads, rows, 4 * vocab, [&](std::size_t r) {
     T* out = grad_new.row(r);
     if (c[r] == 0.0) {
       for (std::size_t k = 0; k < vocab; ++k) out[k] = T(0);
       return;
     }
-    double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lpi[sparse_max_entries + 1],
-        g[sparse_max_entries + 1];
-    int slot[sparse_max_entries + 1];
-    const int n = detail::lumped_pair(aligned, r, zn, zo, slot);
-    const int count = static_cast<int>(aligned.counts[r]);
-    for (int j = 0; j < n; ++j)
-      lpi[j] = double(slot[j] == count ? log_probs.log_remainder[r]
-                                       : log_probs.row_log_probs(r)[slot[j]]);
-    const int token = detail::lumped_category_of(aligned, r, slot, n, in.tokens[r]);
-    detail::cpu::troll_backward_row(zn, zo, lpi, std::size_t(n), stats[r], c[r], token,
-                                    static_cast<double>(in.advantages[r]), objective.alpha, g);
+    lumped_row row;
+    lump(r, row);
+    double g[sparse_max_entries + 1];
+    const int n = row.n, count = row.count;
+    const int* slot = row.slot;
+    bool fits = detail::cpu::troll_backward_row(row.zn, row.zo, row.lpi, std::size_t(n), stats[r], c[r],
+                                                row.token, static_cast<double>(in.advantages[r]),
+                                                objective.alpha, g);
+    for (int j = 0; j < n; ++j) fits = fits && detail::fits_in<T>(g[j]);
+    overflowed[r] = !fits;
     // Upstream of the gather: g on U (0 on categories dropped as −inf on both sides) and g_R.
     T g_support[sparse_max_entries];
     double g_remainder = 0.0;
@@ -503,6 +558,12 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
     detail::cpu::sparsify_backward_row(new_logits.row(r), vocab, sorted, count, g_support,
                                        g_remainder, out);
   });
+  // A last guard (an entry beyond the sampled token's overflows): grad_new is then unspecified.
+  for (std::size_t r = 0; r < rows; ++r)
+    if (overflowed[r])
+      detail::throw_sparse_objective_problem(
+          fn, r, detail::as_token_problem(detail::overflow_problem(
+                        detail::overflow_operand<T>(detail::overflow_quantity::gradient), detail::quiet_nan(), in.tokens[r])));
 }
 
 TROLL_END_NAMESPACE

@@ -7,7 +7,12 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "sparse_views.hpp"
 
@@ -132,6 +137,111 @@ void project_aligned_backward(nb::handle rows, nb::handle log_probs, const in_ar
   });
 }
 
+// ---- Vocabulary shards (troll::sparsify_shard / merge / finalize / sparsify_shard_backward) ----
+//
+// A sparsify_state travels between processes as `packed_state_bytes(k)` bytes: the state's fields
+// before its heap, then its first k heap entries (a state holds at most k; the spare slot is
+// finalize's). Packing is a byte copy of the trivially copyable struct; sparsify_merge and
+// sparsify_finalize validate every field of what they unpack, so a torn or foreign buffer is a
+// typed error, never an out-of-bounds read.
+
+constexpr std::size_t state_header = offsetof(troll::sparsify_state, heap);
+
+std::size_t packed_state_bytes(int k) {
+  if (k < 1 || k > troll::sparsify_max_k)
+    throw troll::domain_error("troll.sparsify_state_bytes: k must be in [1, " +
+                              std::to_string(troll::sparsify_max_k) + "], got " + std::to_string(k));
+  return state_header + sizeof(troll::detail::sparse_candidate) * std::size_t(k);
+}
+
+void pack_state(const troll::sparsify_state& st, std::uint8_t* to, std::size_t bytes) {
+  std::memcpy(to, &st, bytes);
+}
+
+void unpack_state(const std::uint8_t* from, std::size_t bytes, troll::sparsify_state& st) {
+  std::memcpy(&st, from, bytes);
+}
+
+void sparsify_shard(const in_array& shard_logits, std::size_t vocab_offset, std::size_t vocab,
+                    const std::optional<in_array>& sampled, int k, double delta, const out_array& states,
+                    unsigned threads) {
+  constexpr const char* fn = "sparsify_shard";
+  const std::size_t bytes = packed_state_bytes(k);
+  dispatch_float(fn, "shard_logits", shard_logits, [&](auto tag) {
+    using T = decltype(tag);
+    const auto x = as_batch<const T>(fn, "shard_logits", shard_logits);
+    const sparse_index* s = sampled ? as_rows<const sparse_index>(fn, "sampled", *sampled, x.rows) : nullptr;
+    const auto out = as_packed<std::uint8_t>(fn, "states", states);
+    if (out.rows != x.rows || out.cols != bytes)
+      fail(fn, "states has shape " + shape_text(states) + " but needs " + std::to_string(x.rows) + " rows of " +
+                   std::to_string(bytes) + " bytes");
+    troll::sparsify_options options;
+    options.k = k;
+    options.delta = delta;
+    nb::gil_scoped_release release;
+    std::vector<troll::sparsify_state> st(x.rows);
+    troll::sparsify_shard(policy(threads), x, vocab_offset, vocab, s, options, st.data());
+    for (std::size_t r = 0; r < x.rows; ++r) pack_state(st[r], out.data + r * bytes, bytes);
+  });
+}
+
+void sparsify_finalize(const in_array& states, int k, double delta, nb::handle out,
+                       const std::optional<out_array>& log_sums, unsigned threads) {
+  constexpr const char* fn = "sparsify_finalize";
+  const std::size_t bytes = packed_state_bytes(k);
+  if (states.ndim() < 2) fail(fn, "states must have shape (shards, ..., bytes)");
+  const auto all = as_packed<const std::uint8_t>(fn, "states", states);
+  const std::size_t shards = states.shape(0);
+  if (all.cols != bytes || shards == 0 || all.rows % shards != 0)
+    fail(fn, "states has shape " + shape_text(states) + ": (shards >= 1, ..., " + std::to_string(bytes) +
+                 " bytes) is needed for k = " + std::to_string(k));
+  const std::size_t rows = all.rows / shards;
+  const nb::tuple t = as_tuple(fn, "out", out, 5);
+  const out_array probe = item<out_array>(fn, "out", t, 1);
+  dispatch_float(fn, "out.log_probs", probe, [&](auto tag) {
+    using T = decltype(tag);
+    const sparse_rows<T> o(fn, "out", out);
+    if (o.view.rows != rows)
+      fail(fn, "out has " + std::to_string(o.view.rows) + " rows but states hold " + std::to_string(rows));
+    double* sums = nullptr;
+    if (log_sums) {
+      const auto ls = as_packed<double>(fn, "log_sums", *log_sums);
+      if (ls.rows != rows || ls.cols != 2) fail(fn, "log_sums must have shape (..., 2), one pair a row");
+      sums = ls.data;
+    }
+    troll::sparsify_options options;
+    options.k = k;
+    options.delta = delta;
+    nb::gil_scoped_release release;
+    std::vector<troll::sparsify_state> merged(rows), next(rows);
+    for (std::size_t r = 0; r < rows; ++r) unpack_state(all.data + r * bytes, bytes, merged[r]);
+    for (std::size_t s = 1; s < shards; ++s) {
+      for (std::size_t r = 0; r < rows; ++r) unpack_state(all.data + (s * rows + r) * bytes, bytes, next[r]);
+      troll::sparsify_merge(policy(threads), merged.data(), next.data(), rows);
+    }
+    troll::sparsify_finalize(policy(threads), merged.data(), options, o.view, sums);
+  });
+}
+
+void sparsify_shard_backward(const in_array& shard_logits, std::size_t vocab_offset, nb::handle support,
+                             nb::handle grad, const in_array& log_sums, const out_array& grad_shard,
+                             unsigned threads) {
+  constexpr const char* fn = "sparsify_shard_backward";
+  dispatch_float(fn, "shard_logits", shard_logits, [&](auto tag) {
+    using T = decltype(tag);
+    require_same_shape(fn, "grad_shard", grad_shard, "shard_logits", shard_logits);
+    const auto x = as_batch<const T>(fn, "shard_logits", shard_logits);
+    const auto gx = as_batch<T>(fn, "grad_shard", grad_shard);
+    require_disjoint(fn, "grad_shard", gx, "shard_logits", x);
+    const sparse_rows<const T> s(fn, "support", support);
+    const sparse_grad<const T> g(fn, "grad", grad);
+    const auto ls = as_packed<const double>(fn, "log_sums", log_sums);
+    if (ls.rows != x.rows || ls.cols != 2) fail(fn, "log_sums must have shape (..., 2), one pair a row");
+    nb::gil_scoped_release release;
+    troll::sparsify_shard_backward(policy(threads), x, vocab_offset, s.view, g.view, ls.data, gx);
+  });
+}
+
 }  // namespace
 
 void bind_sparse(nb::module_& m) {
@@ -154,6 +264,18 @@ void bind_sparse(nb::module_& m) {
         "stats_values"_a, "stats_counters"_a, "grad"_a, "grad_new"_a, "grad_old"_a.none(),
         "grad_eps"_a.none(), "threads"_a = 0,
         "VJP of project_sparse w.r.t. the aligned new (and old) log-probs and buckets, and eps.");
+  m.def("sparsify_state_bytes", &packed_state_bytes, "k"_a,
+        "Bytes of one packed sparsify state (one row of one vocabulary shard) for top-k.");
+  m.def("sparsify_shard", &sparsify_shard, "shard_logits"_a, "vocab_offset"_a, "vocab"_a, "sampled"_a.none(),
+        "k"_a, "delta"_a, "states"_a, "threads"_a = 0,
+        "Packed sparsify states (rows x sparsify_state_bytes(k) uint8) of one vocabulary shard.");
+  m.def("sparsify_finalize", &sparsify_finalize, "states"_a, "k"_a, "delta"_a, "out"_a, "log_sums"_a.none(),
+        "threads"_a = 0,
+        "Merges packed states (shards, ..., bytes) in shard order and writes the sparse rows (and the "
+        "rows' log-sums for sparsify_shard_backward).");
+  m.def("sparsify_shard_backward", &sparsify_shard_backward, "shard_logits"_a, "vocab_offset"_a, "support"_a,
+        "grad"_a, "log_sums"_a, "grad_shard"_a, "threads"_a = 0,
+        "The gradient w.r.t. one vocabulary shard's logits of a loss on sparse rows finalised from all shards.");
 }
 
 }  // namespace troll_py

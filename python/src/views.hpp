@@ -42,6 +42,7 @@ const char* dtype_name() {
   if (std::is_same<T, float>::value) return "float32";
   if (std::is_same<T, double>::value) return "float64";
   if (std::is_same<T, std::int32_t>::value) return "int32";
+  if (std::is_same<T, std::uint8_t>::value) return "uint8";
   return "int64";
 }
 

@@ -27,6 +27,10 @@ from ._core import (
     project_backward,
     project_sparse,
     sparsify,
+    sparsify_finalize,
+    sparsify_shard,
+    sparsify_shard_backward,
+    sparsify_state_bytes,
 )
 
 __version__: str = _troll.__version__
@@ -37,6 +41,7 @@ __all__ = [
     "ProjectionStats", "SparseRows", "AlignedRows",
     "log_softmax", "kl", "kl_backward", "project", "project_backward",
     "sparsify", "align", "project_sparse", "kl_sparse",
+    "sparsify_shard", "sparsify_finalize", "sparsify_shard_backward", "sparsify_state_bytes",
 ]
 
 

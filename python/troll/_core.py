@@ -246,3 +246,54 @@ def kl_sparse(rows: AlignedRows, *, threads: int = 0) -> Any:
 def check_sparse_rows(rows: Any, name: str) -> None:
     if not isinstance(rows, tuple) or len(rows) != 5:
         raise ShapeError(f"troll: {name} must be SparseRows (indices, log_probs, counts, log_remainder, vocab)")
+
+
+# ---- Vocabulary shards ----
+
+
+def sparsify_state_bytes(k: int) -> int:
+    """Bytes of one packed sparsify state (one row of one vocabulary shard) for top-``k``."""
+    return int(_troll.sparsify_state_bytes(int(k)))
+
+
+def sparsify_shard(shard_logits: Any, vocab_offset: int, vocab: int, k: int = 64, delta: float = 1e-5,
+                   sampled: Any = None, *, threads: int = 0) -> Any:
+    """The partial sparsify states of one vocabulary shard: ``shard_logits`` (..., V_shard) are
+    the tokens [vocab_offset, vocab_offset + V_shard) of rows of ``vocab`` tokens; ``sampled``
+    holds global token ids (int32, one a row). Returns uint8 (..., sparsify_state_bytes(k)):
+    fixed-size, to be exchanged between processes and merged by ``sparsify_finalize``."""
+    frame = Framework(shard_logits)
+    _float_dtype(frame, shard_logits)
+    rows = leading_shape(shard_logits, "shard_logits")
+    states = frame.empty(rows + (sparsify_state_bytes(k),), "uint8")
+    _troll.sparsify_shard(arg(shard_logits), int(vocab_offset), int(vocab),
+                          None if sampled is None else arg(sampled), int(k), float(delta), states, threads)
+    return frame.result(states)
+
+
+def sparsify_finalize(states: Any, vocab: int, k: int = 64, delta: float = 1e-5, *, sampled: bool = False,
+                      dtype: str = "float32", threads: int = 0) -> Tuple[SparseRows, Any]:
+    """The sparse rows of a stack of shard states (shards, ..., bytes) that together cover the
+    vocabulary: merged in stack order (exact, order-independent supports), then finalised as
+    ``sparsify`` would finalise the whole rows. ``sampled`` says whether the states were made with
+    sampled tokens (capacity k + 1). Returns ``(SparseRows, log_sums)``, log_sums (..., 2)
+    float64 = {log sum_j e^z_j, log sum_{j not in S} e^z_j} per row (for the shards' backward)."""
+    frame = Framework(states)
+    rows = tuple(states.shape[1:-1])
+    k_max = max(1, min(int(k) + bool(sampled), int(vocab)))
+    out = sparse_empty(frame, rows, k_max, vocab, dtype)
+    log_sums = frame.empty(rows + (2,), "float64")
+    _troll.sparsify_finalize(arg(states), int(k), float(delta), out, log_sums, threads)
+    return SparseRows(*(frame.result(a) for a in out[:4]), int(vocab)), frame.result(log_sums)
+
+
+def sparsify_shard_backward(shard_logits: Any, vocab_offset: int, support: SparseRows, grad: Tuple[Any, Any],
+                            log_sums: Any, *, threads: int = 0) -> Any:
+    """The gradient w.r.t. one shard's logits of a loss whose gradient on the sparse rows
+    (finalised from every shard) is ``grad`` = (d/dlog_probs, d/dlog_remainder)."""
+    frame = Framework(shard_logits)
+    dtype = _float_dtype(frame, shard_logits)
+    out = frame.empty(tuple(shard_logits.shape), dtype)
+    _troll.sparsify_shard_backward(arg(shard_logits), int(vocab_offset), _sparse_arg(support),
+                                   (arg(grad[0]), arg(grad[1])), arg(log_sums), out, threads)
+    return frame.result(out)

@@ -20,6 +20,18 @@ TROLL_HOST_DEVICE constexpr bool is_masked(double x) { return x == neg_inf(); }
 TROLL_HOST_DEVICE inline double maximum(double a, double b) { return a < b ? b : a; }
 TROLL_HOST_DEVICE inline double minimum(double a, double b) { return b < a ? b : a; }
 
+/// The largest finite value of an output element type (float or double), as a double.
+template <class T>
+TROLL_HOST_DEVICE constexpr double largest_finite() {
+  return sizeof(T) == sizeof(float) ? 3.4028234663852886e38 : 1.7976931348623157e308;
+}
+
+/// Whether v is a finite value that rounds to a finite T (|v| ≤ T's largest; false for NaN).
+template <class T>
+TROLL_HOST_DEVICE constexpr bool fits_in(double v) {
+  return v <= largest_finite<T>() && v >= -largest_finite<T>();
+}
+
 /// Every row-level reduction runs in double, whatever the element type: float inputs are widened
 /// on load and results rounded once on store. (float sums over 10^5 entries lose ~1e-5.)
 template <class T>

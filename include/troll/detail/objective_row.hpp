@@ -42,6 +42,34 @@ TROLL_HOST_DEVICE inline double ratio_from_logs(double log_new, double log_old) 
   return ::exp(log_new - log_old);
 }
 
+/// What a counted token's results must fit: ρ in double (the metrics average it), the loss in
+/// the output type T (token_loss), the sampled token's gradient term in T. A token this far in
+/// the old policy's tail (log q_a ≈ −709 in double, −88 in float) is reported, not rounded to
+/// ±inf or NaN. The CUDA reports carry which one as `overflow_operand` (quantity + 4 for float).
+enum class overflow_quantity : int { ratio = 0, loss = 1, weighted_loss = 2, gradient = 3 };
+
+template <class T>
+TROLL_HOST_DEVICE inline int overflow_operand(overflow_quantity q) {
+  return static_cast<int>(q) + (sizeof(T) == sizeof(float) ? 4 : 0);
+}
+
+/// The first quantity of a forward token that does not fit (−1: all fit).
+template <class T>
+TROLL_HOST_DEVICE inline int forward_overflow(double ratio, double loss) {
+  if (!fits_in<double>(ratio)) return overflow_operand<double>(overflow_quantity::ratio);
+  if (!fits_in<T>(loss)) return overflow_operand<T>(overflow_quantity::loss);
+  return -1;
+}
+
+/// The first quantity of a backward token that does not fit (−1: all fit); `scale` is the
+/// sampled token's gradient term (c·A·ρ·t for TROLL, c·∂ℓ/∂r·r for the baselines).
+template <class T>
+TROLL_HOST_DEVICE inline int backward_overflow(double ratio, double scale) {
+  if (!fits_in<double>(ratio)) return overflow_operand<double>(overflow_quantity::ratio);
+  if (!fits_in<T>(scale)) return overflow_operand<T>(overflow_quantity::gradient);
+  return -1;
+}
+
 /// TROLL's per-token loss from its parts: −ρ·A + α·KL(p̃‖π*).
 TROLL_HOST_DEVICE inline double troll_token_loss(double ratio, double advantage, double alpha,
                                                  double kl_reg) {

@@ -340,10 +340,13 @@ enum class finalize_problem { none, all_masked, sampled_missing };
 ///     log r = log Σ_{j∉S} e^{z_j} − log Σ_j e^{z_j},
 /// from merged log-sum-exp states only (never 1 − Σ). `log_delta` = log δ (−inf for δ = 0).
 /// The state's heap is consumed (sorted in place). Returns the problem, writing nothing, when
-/// every logit is −inf or the sampled token was never seen.
+/// every logit is −inf or the sampled token was never seen. When `log_sums` is given it receives
+/// the two sums in double, {log Σ_j e^{z_j}, log Σ_{j∉S} e^{z_j}} (what the backward of
+/// vocabulary shards needs: troll::sparsify_shard_backward).
 template <class T>
 TROLL_HOST_DEVICE finalize_problem finalize(sparsify_state& st, double log_delta, sparse_index* indices,
-                                            T* log_probs, int& count, T& log_remainder) {
+                                            T* log_probs, int& count, T& log_remainder,
+                                            double* log_sums = nullptr) {
   if (st.sampled >= 0 && !st.has_sampled) return finalize_problem::sampled_missing;
   sparse_candidate* list = st.heap;  // heap, then the sampled token, sorted best first
   int n = st.size;
@@ -398,6 +401,10 @@ TROLL_HOST_DEVICE finalize_problem finalize(sparsify_state& st, double log_delta
   count = c;
   const double log_tail = tail.value();
   log_remainder = T(log_tail == neg_inf() ? neg_inf() : log_tail - log_total);
+  if (log_sums) {
+    log_sums[0] = log_total;
+    log_sums[1] = log_tail;
+  }
   return finalize_problem::none;
 }
 

@@ -1,6 +1,6 @@
-// troll/detail/trust_region_solver.hpp — the scalar part of the projection, written once for
-// host and device: the safeguarded Newton solve for t* ∈ (0, 1] with KL(π_t* ‖ q) = ε
-// (math.md §2; docs/math.md "Convergence").
+// troll/detail/trust_region_solver.hpp — the scalar part of the categorical projection, written
+// once for host and device: a row as a family of the safeguarded Newton solve for t* ∈ (0, 1]
+// with KL(π_t* ‖ q) = ε (family_solver.hpp; math.md §2; docs/math.md "Convergence").
 //
 // A row is seen only through an evaluator with
 //     lse_state operator()(tilt_param u, tilt_ref r)  the reduction over J of the pairs (w_i, x_i)
@@ -16,6 +16,7 @@
 
 #include "../config.hpp"
 #include "../projection_types.hpp"
+#include "family_solver.hpp"
 #include "lse_state.hpp"
 #include "numeric.hpp"
 #include "tilt_family.hpp"
@@ -109,60 +110,27 @@ TROLL_HOST_DEVICE tilt_point evaluate_at_zero(const Eval& eval, const row_setup&
   return zero_point(eval, setup, eval(tilt_at(0.0), setup.old_top), old_log_sum);
 }
 
-/// Orders members by t (ties, which only occur near t = 1, by s).
-TROLL_HOST_DEVICE inline bool tilt_less(const tilt_param& a, const tilt_param& b) {
-  return a.t < b.t || (a.t == b.t && a.s > b.s);
-}
-
-/// u moved to t − δ, keeping exact whichever of t and s ends up the small one.
-TROLL_HOST_DEVICE inline tilt_param tilt_step(const tilt_param& u, double delta) {
-  if (u.t <= 0.5) {
-    const double t = u.t - delta;
-    return t <= 0.5 ? tilt_at(t) : tilt_near_one(u.s + delta);
+/// A categorical row as a family of solve_bracketed: each member relative to the mode of the
+/// member evaluated before it, dKL/dt = t·Var_πt[d].
+template <class Eval>
+struct categorical_family {
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
+  const Eval& eval;
+  double old_max;
+  double old_log_sum;
+  TROLL_HOST_DEVICE tilt_point evaluate(const tilt_param& u, const tilt_point& near, double eps, double tol) const {
+    return detail::evaluate(eval, u, near.mode, old_max, old_log_sum, eps, tol);
   }
-  const double s = u.s + delta;
-  return s <= 0.5 ? tilt_near_one(s) : tilt_at(u.t - delta);
-}
-
-/// A point strictly between 0 and v > 0, far towards 0: v·min(1/8, v) (squaring, so that a
-/// root at 1e-300 is reached in a few steps), then v·2^-64, then the smallest subnormal.
-TROLL_HOST_DEVICE inline double towards_zero(double v) {
-  double next = v * minimum(0.125, v);
-  if (!(next > 0.0)) next = v * 5.421010862427522e-20;
-  if (!(next > 0.0)) next = 4.9406564584124654e-324;
-  return next;
-}
-
-/// sqrt(a·b) without underflow for subnormal a, b.
-TROLL_HOST_DEVICE inline double geometric_mean(double a, double b) { return ::sqrt(a) * ::sqrt(b); }
-
-/// The bisection point of the bracket (lo, hi): arithmetic in t (both ends in the lower half)
-/// or in s (both in the upper half), geometric where the ends are more than a factor 4 apart,
-/// and towards_zero from an end at exactly t = 0 or s = 0, so that a root at t ~ 1e-300 or
-/// 1 − 1e-300 is bracketed in a few dozen halvings of the exponent.
-TROLL_HOST_DEVICE inline tilt_param tilt_bisect(const tilt_param& lo, const tilt_param& hi) {
-  if (hi.t <= 0.5) {
-    if (lo.t == 0.0) return tilt_at(towards_zero(hi.t));
-    return tilt_at(hi.t > 4.0 * lo.t ? geometric_mean(lo.t, hi.t) : 0.5 * (lo.t + hi.t));
-  }
-  if (lo.t >= 0.5) {
-    if (hi.s == 0.0) return tilt_near_one(towards_zero(lo.s));
-    return tilt_near_one(lo.s > 4.0 * hi.s ? geometric_mean(lo.s, hi.s) : 0.5 * (lo.s + hi.s));
-  }
-  return tilt_at(0.5);
-}
+};
 
 /// Solves one row. Never throws: an infeasible row (q's mass on J is at most e^{−ε}) comes back
 /// with status infeasible and the t → 0 end as its point; a row not brought within the
 /// tolerance |KL − ε| ≤ atol + rtol·ε comes back not_converged with its best feasible member
-/// (KL < ε) as the point.
-///
-/// Each iteration evaluates one member (one pass over the row, two where the closed-form KL is
-/// too coarse for the decision at hand) and keeps a bracket lo < t* < hi. The next member is a
-/// Newton step on a transform of KL (below) when that lands inside the bracket and is at most
-/// half the step before last (the rtsafe rule), otherwise the bisection point: so the bracket
-/// shrinks at least geometrically, and a stall (steps that shrink slowly, a KL that underflows
-/// to 0 on the far side of a steep rise) turns into bisection within two iterations.
+/// (KL < ε) as the point. The ends t = 0 and t = 1 are evaluated here; the bracketed Newton
+/// solve between them is family_solver.hpp's, each member one pass over the row (two where the
+/// closed-form KL is too coarse for the decision at hand).
 #ifdef __CUDACC__
 #pragma nv_exec_check_disable
 #endif
@@ -190,78 +158,11 @@ TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setu
     return r;
   }
 
-  const double tol = opt.atol + opt.rtol * eps;
-  const double sqrt_eps = ::sqrt(eps);
-  tilt_param lo = tilt_at(0.0), hi = tilt_at(1.0);
-  tilt_point best_lo = at_zero, point = at_one;
-  // Near t = 0, KL ≈ KL0 + t² σ0² / 2.
-  double t0 = at_zero.sigma2 > 0.0 ? ::sqrt(2.0 * (eps - at_zero.kl) / at_zero.sigma2) : 0.5;
-  if (!(t0 > 0.0 && t0 < 1.0)) t0 = 0.5;
-  tilt_param u = t0 <= 0.5 ? tilt_at(t0) : tilt_near_one(1.0 - t0);
-  tilt_ref ref = t0 <= 0.5 ? at_zero.mode : at_one.mode;
-  double step_last = inf(), step_before = inf();
-  bool converged = false;
-
-  for (int it = 1; it <= opt.max_iterations; ++it) {
-    // The closed form decides whenever its error is well inside the tolerance or far from it.
-    point = evaluate(eval, u, ref, setup.old_max, old_log_sum, eps, tol);
-    r.iterations = it;
-    const double g = point.kl - eps;
-    if (g <= tol && g >= -tol) {
-      converged = true;
-      break;
-    }
-    if (g < 0.0) {
-      lo = u;
-      best_lo = point;
-    } else {
-      hi = u;
-    }
-    // Two Newton steps on transforms of KL, each exact for one shape of the curve:
-    //   on sqrt(KL) − sqrt(ε), exact where KL ≈ a t² (smooth rows, small t);
-    //   on log(KL) − log(ε),   exact where KL ≈ a e^{bt} (a sharp q whose mode is about to be
-    //   overtaken: KL stays tiny, then rises by orders of magnitude within a short interval).
-    // Near the root the sqrt transform is the flatter one; far above it (KL > 4ε) the log step
-    // leads. Whichever leads, the other is the fallback when the first leaves the bracket.
-    // dKL/dt = t σ²(t). A KL that is 0 (underflow) or a slope that is 0 or not finite gives no
-    // step: bisection.
-    const double dkl = u.t * point.sigma2;
-    tilt_param next = u;
-    bool newton = false;
-    if (point.kl > 0.0 && dkl > 0.0 && dkl < inf()) {
-      const double root_kl = ::sqrt(point.kl);
-      const double sqrt_step = (root_kl - sqrt_eps) * 2.0 * root_kl / dkl;
-      const double log_step = ::log(point.kl / eps) * point.kl / dkl;
-      const bool far_above = point.kl > 4.0 * eps;
-      const double steps[2] = {far_above ? log_step : sqrt_step, far_above ? sqrt_step : log_step};
-      for (const double delta : steps) {
-        if (!(::fabs(delta) <= 0.5 * step_before)) continue;  // not shrinking fast enough
-        const tilt_param candidate = tilt_step(u, delta);
-        if (tilt_less(lo, candidate) && tilt_less(candidate, hi)) {
-          next = candidate;
-          newton = true;
-          break;
-        }
-      }
-    }
-    if (!newton) {
-      next = tilt_bisect(lo, hi);
-      if (!(tilt_less(lo, next) && tilt_less(next, hi))) break;  // bracket exhausted at this precision
-    }
-    // |Δt| of this step, measured on whichever of t and s is exact.
-    const double step = next.t <= 0.5 && u.t <= 0.5 ? ::fabs(next.t - u.t) : ::fabs(next.s - u.s);
-    step_before = step_last;
-    step_last = step;
-    ref = point.mode;
-    u = next;
-  }
-  if (converged) {
-    r.status = row_status::projected;
-    r.point = point;
-  } else {
-    r.status = row_status::not_converged;
-    r.point = best_lo;  // feasible: KL(π‖q) < ε
-  }
+  const bracket_solution<tilt_point> solved =
+      solve_bracketed(categorical_family<Eval>{eval, setup.old_max, old_log_sum}, at_zero, at_one, eps, opt);
+  r.point = solved.point;
+  r.iterations = solved.iterations;
+  r.status = solved.converged ? row_status::projected : row_status::not_converged;
   return r;
 }
 

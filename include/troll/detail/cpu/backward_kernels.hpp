@@ -106,9 +106,11 @@ inline block_array dt_dold_block(const T* zo, const backward_block& b, const pro
   return -((1.0 - t) * t * pi * b.centred - pi_minus_q) / (t * s.sigma2);
 }
 
-/// VJP of one row. grad_old may be null; grad_eps receives ∂L/∂ε of this row.
+/// VJP of one row. grad_old may be null; grad_eps receives ∂L/∂ε of this row. Returns false when
+/// an output does not fit T (an upstream gradient on a token the row all but masks, with a tiny
+/// σ², can make the true derivative overflow): the caller reports the row.
 template <class T>
-inline void vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::size_t size,
+inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::size_t size,
                     const projection_stats& s, T* grad_new, T* grad_old, double* grad_eps) {
   const bool projected = s.status == row_status::projected;
   const double mu = s.mu;
@@ -124,26 +126,32 @@ inline void vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
   const double t = projected ? s.t : 1.0;
   const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
   const old_normaliser on = (projected && grad_old) ? normalise_old(zo, size) : old_normaliser{};
+  double largest = 0.0;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     load_backward_block(zn, zo, logp, mu, begin, count, b);
     block_array gb = load(g, begin, count);
     b.restrict(gb);
     const block_array explicit_part = gb - b.pi * sum_g;  // 0 off J since g, π are 0 there
-    store(grad_new, begin, count, t * (explicit_part - b.pi * b.centred * h_over_var));
+    const block_array gn = t * (explicit_part - b.pi * b.centred * h_over_var);
+    largest = maximum(largest, gn.abs().template maxCoeff<Eigen::PropagateNaN>());
+    store(grad_new, begin, count, gn);
     if (!grad_old) return;
     if (!projected) {
       store(grad_old, begin, count, block_array::Zero(count));
       return;
     }
-    store(grad_old, begin, count,
-          (1.0 - t) * explicit_part + sum_gc * dt_dold_block(zo, b, s, on, begin, count));
+    const block_array go = (1.0 - t) * explicit_part + sum_gc * dt_dold_block(zo, b, s, on, begin, count);
+    largest = maximum(largest, go.abs().template maxCoeff<Eigen::PropagateNaN>());
+    store(grad_old, begin, count, go);
   });
   *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
+  return fits_in<T>(largest) && fits_in<T>(*grad_eps);
 }
 
-/// JVP of one row: tangent_old may be null (treated as zero).
+/// JVP of one row: tangent_old may be null (treated as zero). Returns false when an output does
+/// not fit T.
 template <class T>
-inline void jvp_row(const T* zn, const T* zo, const T* logp, const T* tn, const T* to, double eps_dot,
+inline bool jvp_row(const T* zn, const T* zo, const T* logp, const T* tn, const T* to, double eps_dot,
                     std::size_t size, const projection_stats& s, T* out) {
   const bool projected = s.status == row_status::projected;
   const double mu = s.mu, t = projected ? s.t : 1.0;
@@ -163,13 +171,16 @@ inline void jvp_row(const T* zn, const T* zo, const T* logp, const T* tn, const 
     t_dot += (dt_dold_block(zo, b, s, on, begin, count) * uo).sum();
   });
   if (projected) t_dot += eps_dot / (t * s.sigma2);
+  double largest = 0.0;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     load_backward_block(zn, zo, logp, mu, begin, count, b);
     block_array value = t * (load(tn, begin, count) - pi_tn) + b.centred * t_dot;
     if (projected && to) value += (1.0 - t) * (load(to, begin, count) - pi_to);
     b.restrict(value);
+    largest = maximum(largest, value.abs().template maxCoeff<Eigen::PropagateNaN>());
     store(out, begin, count, value);
   });
+  return fits_in<T>(largest);
 }
 
 /// Full Jacobians of one row (row-major V×V): jac_new = ∂log π/∂z̃, jac_old = ∂log π/∂z° (may be

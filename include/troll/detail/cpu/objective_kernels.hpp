@@ -57,9 +57,10 @@ inline double kl_logits_to_log_probs(const T* zn, double log_norm_new, const T* 
 /// What one row of TROLL's forward produced.
 struct troll_row_result {
   projection_stats stats;
-  double ratio = 0.0;   ///< π*_a / q_a
-  double kl_reg = 0.0;  ///< KL(p̃ ‖ π*)
-  double loss = 0.0;    ///< −ρA + α KL(p̃‖π*)
+  double ratio = 0.0;      ///< ρ = π*_a / q_a (+inf where it overflows double)
+  double log_ratio = 0.0;  ///< log π*_a − log q_a
+  double kl_reg = 0.0;     ///< KL(p̃ ‖ π*)
+  double loss = 0.0;       ///< −ρA + α KL(p̃‖π*)
 };
 
 /// TROLL's forward on one validated row: projects (writing log π* to `out`), then the ratio at
@@ -75,7 +76,8 @@ inline troll_row_result troll_forward_row(const T* zn, const T* zo, std::size_t 
   r.stats = project_row(zn, zo, size, setup, eps, opt, out);
   if (!counted) return r;
   const double log_q_a = static_cast<double>(zo[token]) - log_normaliser(zo, size);
-  r.ratio = ratio_from_logs(static_cast<double>(out[token]), log_q_a);
+  r.log_ratio = static_cast<double>(out[token]) - log_q_a;
+  r.ratio = ::exp(r.log_ratio);
   // An inactive row is log_softmax(z̃) bit for bit: KL(p̃‖π*) = 0 exactly.
   if (r.stats.status != row_status::inactive)
     r.kl_reg = kl_logits_to_log_probs(zn, log_normaliser(zn, size), out, size);
@@ -83,28 +85,51 @@ inline troll_row_result troll_forward_row(const T* zn, const T* zo, std::size_t 
   return r;
 }
 
-/// TROLL's fused backward on one row: writes ∂(c·ℓ)/∂z̃ (formula in objective_row.hpp) from the
-/// forward's log π* and statistics. `weight` = c (0 writes zeros).
+/// What TROLL's backward needs of one row before it writes: the coefficients of
+/// objective_row.hpp and the new row's log-normaliser. Computed for every row first, so that a
+/// row whose gradient overflows is reported before anything is written.
+struct troll_backward_plan {
+  troll_row_coefficients k;
+  double log_norm_new = 0.0;
+  double ratio = 0.0, log_ratio = 0.0;
+  bool with_reg = false;
+  /// The size of the sampled token's ratio term, |c·A·ρ·t|: what must fit the output type.
+  double ratio_scale() const { return k.ratio_coef * k.t; }
+};
+
+/// The plan of one row from the forward's log π* and statistics. `weight` = c (≠ 0).
 template <class T>
-inline void troll_backward_row(const T* zn, const T* zo, const T* log_pi, std::size_t size,
-                               const projection_stats& s, double weight, std::int64_t token,
-                               double advantage, double alpha, T* grad) {
-  if (weight == 0.0) {
+inline troll_backward_plan troll_backward_prepare(const T* zn, const T* zo, const T* log_pi, std::size_t size,
+                                                  const projection_stats& s, double weight,
+                                                  std::int64_t token, double advantage, double alpha) {
+  troll_backward_plan plan;
+  plan.log_norm_new = log_normaliser(zn, size);
+  const double log_q_a = static_cast<double>(zo[token]) - log_normaliser(zo, size);
+  plan.log_ratio = static_cast<double>(log_pi[token]) - log_q_a;
+  plan.ratio = ::exp(plan.log_ratio);
+  plan.with_reg = alpha != 0.0 && s.status != row_status::inactive;
+  const double kl_reg = plan.with_reg ? kl_logits_to_log_probs(zn, plan.log_norm_new, log_pi, size) : 0.0;
+  const double d_a = static_cast<double>(zn[token]) - static_cast<double>(zo[token]);
+  plan.k = troll_coefficients(weight, advantage, plan.ratio, plan.with_reg ? alpha : 0.0, kl_reg, d_a, s);
+  return plan;
+}
+
+/// Writes ∂(c·ℓ)/∂z̃ of one row (formula in objective_row.hpp) from its plan; `plan` null (mask
+/// 0) writes zeros. Returns false when an entry does not fit T (the row's gradient overflows).
+template <class T>
+inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std::size_t size,
+                                 const projection_stats& s, const troll_backward_plan* plan,
+                                 std::int64_t token, T* grad) {
+  if (plan == nullptr) {
     for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
       store(grad, begin, count, block_array::Zero(count));
     });
-    return;
+    return true;
   }
-  const double log_norm_new = log_normaliser(zn, size);
-  const double log_q_a = static_cast<double>(zo[token]) - log_normaliser(zo, size);
-  const double ratio = ratio_from_logs(static_cast<double>(log_pi[token]), log_q_a);
-  const bool with_reg = alpha != 0.0 && s.status != row_status::inactive;
-  const double kl_reg = with_reg ? kl_logits_to_log_probs(zn, log_norm_new, log_pi, size) : 0.0;
-  const double d_a = static_cast<double>(zn[token]) - static_cast<double>(zo[token]);
-  troll_row_coefficients k =
-      troll_coefficients(weight, advantage, ratio, with_reg ? alpha : 0.0, kl_reg, d_a, s);
-  const double ratio_scale = k.ratio_coef * k.t;
+  const troll_row_coefficients& k = plan->k;
+  const double ratio_scale = plan->ratio_scale();
   const double cross = k.centred_a * k.inv_sigma2;
+  double largest = 0.0;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     // Every exp is evaluated on its own, outside the selects of zero_where_masked.
     const block_array lp = load(log_pi, begin, count);
@@ -116,22 +141,38 @@ inline void troll_backward_row(const T* zn, const T* zo, const T* log_pi, std::s
       zero_where_masked(lp, centred);
       g -= ratio_scale * cross * pi * centred;
     }
-    if (with_reg) {
-      const block_array lp_new = a - log_norm_new;
+    if (plan->with_reg) {
+      const block_array lp_new = a - plan->log_norm_new;
       block_array reg = lp_new.exp();
-      reg = k.reg_coef * reg * (lp_new - lp - kl_reg);
+      reg = k.reg_coef * reg * (lp_new - lp - k.kl_reg);
       zero_where_masked(lp_new, reg);
       g += reg;
     }
+    largest = maximum(largest, g.abs().template maxCoeff<Eigen::PropagateNaN>());
     store(grad, begin, count, g);
   });
-  grad[token] = T(static_cast<double>(grad[token]) + ratio_scale);
+  const double at_token = static_cast<double>(grad[token]) + ratio_scale;
+  grad[token] = T(at_token);
+  return fits_in<T>(largest) && fits_in<T>(at_token);
+}
+
+/// TROLL's fused backward on one row (prepare, then write); `weight` = c (0 writes zeros).
+/// Returns false when the gradient overflows T.
+template <class T>
+inline bool troll_backward_row(const T* zn, const T* zo, const T* log_pi, std::size_t size,
+                               const projection_stats& s, double weight, std::int64_t token,
+                               double advantage, double alpha, T* grad) {
+  if (weight == 0.0) return troll_backward_write(zn, zo, log_pi, size, s, nullptr, token, grad);
+  const troll_backward_plan plan =
+      troll_backward_prepare(zn, zo, log_pi, size, s, weight, token, advantage, alpha);
+  return troll_backward_write(zn, zo, log_pi, size, s, &plan, token, grad);
 }
 
 /// The sampled-token quantities of a ratio-based baseline on one row.
 struct ratio_row_result {
   surrogate_token token;
-  double ratio = 0.0;       ///< p̃_a / q_a
+  double ratio = 0.0;       ///< p̃_a / q_a (+inf where it overflows double)
+  double log_ratio = 0.0;   ///< log p̃_a − log q_a
   double kl = 0.0;          ///< KL(p̃ ‖ q) (when asked for)
   double divergence = 0.0;  ///< DPPO's divergence estimate
 };
@@ -168,7 +209,8 @@ inline ratio_row_result ratio_forward_row(const T* zn, const T* zo, std::size_t 
   const double log_norm_new = log_normaliser(zn, size), log_norm_old = log_normaliser(zo, size);
   const double log_p_a = static_cast<double>(zn[token]) - log_norm_new;
   const double log_q_a = static_cast<double>(zo[token]) - log_norm_old;
-  r.ratio = ratio_from_logs(log_p_a, log_q_a);
+  r.log_ratio = log_p_a - log_q_a;
+  r.ratio = ::exp(r.log_ratio);
   if (spec.compute_kl) {
     row_setup setup;
     scan_pair(zn, zo, size, setup, "", "");

@@ -237,16 +237,15 @@ inline void log_sums_outside(const T* z, std::size_t size, const index_slot* sor
 
 /// Backward of gathering a sparse row from dense logits (math.md §4): with upstream g on the
 /// support U and g_R on the bucket log-mass log r = log Σ_{k∉U} p_k,
-///     ∂L/∂z_k = [k∈U] g_k + [k∉U] g_R p_k / r − p_k (Σ_U g_i + g_R).
-/// O(V): one pass for the log-sums, one to write. `sorted` holds the support's slots sorted by
-/// index (position = entry in g).
+///     ∂L/∂z_k = [k∈U] g_k + [k∉U] g_R p_k / r − p_k (Σ_U g_i + g_R),
+/// written for the tokens [first, first + size) of the row (z and out point at token `first`)
+/// given the row's log-sums log_total = log Σ_j e^{z_j} and log_tail = log Σ_{j∉U} e^{z_j} and
+/// sum_g = Σ_U g_i + g_R. `sorted` holds the slots of the support tokens inside that range,
+/// sorted by (global) index (position = entry in g). O(size), one pass.
 template <class T>
-inline void sparsify_backward_row(const T* z, std::size_t size, const index_slot* sorted, int n,
-                                  const T* g, double g_remainder, T* out) {
-  double log_total = 0.0, log_tail = 0.0;
-  log_sums_outside(z, size, sorted, n, log_total, log_tail);
-  double sum_g = g_remainder;
-  for (int i = 0; i < n; ++i) sum_g += static_cast<double>(g[i]);
+inline void sparse_scatter_row(const T* z, std::size_t size, std::size_t first, const index_slot* sorted, int n,
+                               const T* g, double g_remainder, double sum_g, double log_total, double log_tail,
+                               T* out) {
   const bool tail_term = log_tail > neg_inf() && g_remainder != 0.0;
   // p_k / r = p_k · e^{log_total − log_tail}: one exponential per logit unless r is so small
   // that the factor would overflow (then exp(z_k − log_tail) directly).
@@ -271,13 +270,24 @@ inline void sparsify_backward_row(const T* z, std::size_t size, const index_slot
         value += g_remainder * scaled;
       }
     }
-    while (next < n && std::size_t(sorted[next].index) < begin + std::size_t(count)) {
-      const Eigen::Index k = Eigen::Index(std::size_t(sorted[next].index) - begin);
+    while (next < n && std::size_t(sorted[next].index) - first < begin + std::size_t(count)) {
+      const Eigen::Index k = Eigen::Index(std::size_t(sorted[next].index) - first - begin);
       value[k] = static_cast<double>(g[sorted[next].position]) - sum_g * p[k];
       ++next;
     }
     store(out, begin, count, value);
   });
+}
+
+/// sparse_scatter_row over a whole row (first = 0), its log-sums taken in one pass first. O(V).
+template <class T>
+inline void sparsify_backward_row(const T* z, std::size_t size, const index_slot* sorted, int n,
+                                  const T* g, double g_remainder, T* out) {
+  double log_total = 0.0, log_tail = 0.0;
+  log_sums_outside(z, size, sorted, n, log_total, log_tail);
+  double sum_g = g_remainder;
+  for (int i = 0; i < n; ++i) sum_g += static_cast<double>(g[i]);
+  sparse_scatter_row(z, size, 0, sorted, n, g, g_remainder, sum_g, log_total, log_tail, out);
 }
 
 /// The lumped (|U|+1)-category logits of one aligned side: the support's log-probs, then the

@@ -188,6 +188,12 @@ __global__ void __launch_bounds__(block_threads)
         record.kl_reg = block_kl_to_log_probs(zn, scan.fresh.lse.log_sum(), out, size, kl_storage);
       record.loss = troll_token_loss(record.ratio, static_cast<double>(in.advantages[r]), alpha,
                                      alpha != 0.0 ? record.kl_reg : 0.0);
+      const int overflow = forward_overflow<T>(record.ratio, record.loss);
+      if (overflow >= 0) {  // uniform across the block; log π* and the stats stand
+        if (threadIdx.x == 0)
+          record_row(checks, range, r, overflow_report(overflow, static_cast<double>(out[a]) - log_q_a, a));
+        record = objective_row_record{quiet_nan(), quiet_nan(), quiet_nan(), 0.0, 0.0, 0.0};
+      }
     }
     if (threadIdx.x == 0) {
       stats[r] = s;
@@ -414,6 +420,13 @@ __global__ void __launch_bounds__(block_threads)
     const troll_row_coefficients k =
         troll_coefficients(weight, static_cast<double>(in.advantages[r]), ratio,
                            with_reg ? alpha : 0.0, kl_reg, d_a, s);
+    const int overflow = backward_overflow<T>(ratio, k.ratio_coef * k.t);
+    if (overflow >= 0) {  // uniform across the block
+      if (threadIdx.x == 0)
+        record_row(checks, range, r, overflow_report(overflow, static_cast<double>(log_pi[a]) - log_q_a, a));
+      fill_nan(grad, size);
+      continue;
+    }
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       const double lp = static_cast<double>(log_pi[i]);
       const double zn_i = static_cast<double>(zn[i]);
@@ -627,6 +640,11 @@ __global__ void __launch_bounds__(block_threads)
                           spec, topk, record.ratio, record.divergence);
       record.loss = token.loss;
       record.limited = token.limited ? 1.0 : 0.0;
+      const int overflow = forward_overflow<T>(record.ratio, record.loss);
+      if (overflow >= 0) {  // uniform across the block
+        if (threadIdx.x == 0) record_row(checks, range, r, overflow_report(overflow, ::log(record.ratio), in.tokens[r]));
+        record = objective_row_record{quiet_nan(), quiet_nan(), quiet_nan(), 0.0, 0.0, quiet_nan()};
+      }
       if (spec.compute_kl) {  // KL(p̃ ‖ q) as kl_kernel: +inf where p̃ has mass q lacks
         if (scan.new_only) {
           record.kl_reg = inf();
@@ -670,15 +688,21 @@ __global__ void __launch_bounds__(block_threads)
       continue;
     }
     const double weight = backward_row_weight(grad_loss, *header, records[r]);
-    double coef = 0.0;
+    double coef = 0.0, ratio = 0.0;
     std::int64_t a = -1;
     if (weight != 0.0) {  // uniform across the block
       a = in.tokens[r];
-      double ratio = 0.0, divergence = 0.0;
+      double divergence = 0.0;
       const surrogate_token token =
           ratio_row_token(zn, zo, size, scan, a, static_cast<double>(in.advantages[r]), spec, topk,
                           ratio, divergence);
       coef = weight * token.dloss_dr * ratio;
+      const int overflow = backward_overflow<T>(ratio, coef);
+      if (overflow >= 0) {
+        if (threadIdx.x == 0) record_row(checks, range, r, overflow_report(overflow, ::log(ratio), a));
+        fill_nan(grad, size);
+        continue;
+      }
     }
     const double log_norm_new = scan.fresh.lse.log_sum();
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {

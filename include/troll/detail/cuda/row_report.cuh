@@ -65,6 +65,8 @@ enum class cuda_row_error : int {
   not_in_support = 47,        ///< the sampled token `value` is not in the old row's support: domain_error
   not_in_aligned = 48,        ///< backward: the sampled token `value` is not in U: domain_error
   log_probs_mismatch = 49,    ///< backward: log_probs entry `token` (~0: its count) is `value`, aligned has `operand`: shape_error
+  objective_overflow = 50,    ///< the ratio / loss / gradient at the sampled token `token` overflows (`value` = log ρ,
+                              ///< `operand` = detail::overflow_operand): domain_error
 };
 
 /// One row's validation outcome, written by every CUDA entry point that is given a report array.
@@ -125,6 +127,17 @@ __device__ inline void record_row(const device_checks& checks, const row_range& 
   if (checks.reports != nullptr) checks.reports[row - range.begin] = report;
   if (report.error != cuda_row_error::none && checks.first_bad_row != nullptr)
     atomicMin(checks.first_bad_row, static_cast<unsigned long long>(row));
+}
+
+/// The report of a counted token whose importance ratio, loss or gradient overflows
+/// (detail::forward_overflow / backward_overflow give `operand`).
+__device__ inline cuda_row_report overflow_report(int operand, double log_ratio, std::int64_t token) {
+  cuda_row_report report;
+  report.error = cuda_row_error::objective_overflow;
+  report.operand = operand;
+  report.value = log_ratio;
+  report.token = static_cast<std::size_t>(token);
+  return report;
 }
 
 /// A rejected row's output: NaN everywhere (called by the whole block; `out` may be null).

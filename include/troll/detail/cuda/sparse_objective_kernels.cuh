@@ -287,6 +287,13 @@ __global__ void sparse_objective_rows_kernel(aligned_batch_view<T> aligned, toke
                                        scan.fresh.lse.log_sum());
       record.loss = troll_token_loss(record.ratio, static_cast<double>(in.advantages[r]), alpha,
                                      alpha != 0.0 ? record.kl_reg : 0.0);
+      const int overflow = forward_overflow<T>(record.ratio, record.loss);
+      if (overflow >= 0) {  // uniform across the warp; the rows, log π* and stats stand
+        if (lane_id() == 0)
+          record_row(checks, range, r,
+                     overflow_report(overflow, static_cast<double>(lp_row[at]) - log_q_a, in.tokens[r]));
+        record = objective_row_record{quiet_nan(), quiet_nan(), quiet_nan(), 0.0, 0.0, 0.0};
+      }
     }
     if (lane_id() == 0) {
       records[r] = record;
@@ -389,6 +396,10 @@ __global__ void __launch_bounds__(block_threads)
           const troll_row_coefficients k = troll_coefficients(weight, static_cast<double>(in.advantages[r]), ratio,
                                                               with_reg ? alpha : 0.0, kl_reg, d_a, s);
           const bool projected = s.status == row_status::projected;
+          const int overflow = backward_overflow<T>(ratio, k.ratio_coef * k.t);
+          if (overflow >= 0 && lane_id() == 0)  // uniform across the warp: NaN upstream below
+            record_row(checks, range, r,
+                       overflow_report(overflow, static_cast<double>(lp_row[at]) - log_q_a, in.tokens[r]));
           for (int i = lane_id(); i <= row.count; i += warp_lanes) {
             double x, y;
             row.at(i, x, y);
@@ -400,6 +411,7 @@ __global__ void __launch_bounds__(block_threads)
               const double lp_new = x - log_norm_new;
               value = troll_gradient_entry(k, i == at, on_support, lp_new > neg_inf(), lp, lp_new, centred);
             }
+            if (overflow >= 0) value = quiet_nan();
             (i < row.count ? g[i] : upstream.log_remainder[r]) = static_cast<T>(value);
           }
         }

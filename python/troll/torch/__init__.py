@@ -9,8 +9,8 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
-from . import _core, _troll
-from ._core import AlignedRows, ProjectionStats, SparseRows
+from .. import _core, _troll
+from .._core import AlignedRows, ProjectionStats, SparseRows
 
 __all__ = [
     "project",
@@ -289,3 +289,6 @@ def dppo_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: torch.
     loss = _RatioLoss.apply(new_logits, old_logits, batch, _troll.dppo_forward, _troll.dppo_backward,
                             args, threads, info)
     return (loss, info["metrics"]) if return_metrics else loss
+
+
+from . import distributed  # noqa: E402  (troll.torch.distributed: vocabulary-parallel sparsify)

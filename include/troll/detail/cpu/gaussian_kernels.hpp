@@ -1,0 +1,154 @@
+// troll/detail/cpu/gaussian_kernels.hpp — the CPU backend's Gaussian rows: the one
+// factorisation per row that puts a (new, old) pair in the basis of gaussian_family.hpp, and
+// the write-back of the projected member. Full covariances as row-major d×d lower-triangular
+// Cholesky factors, diagonal ones as standard deviations; arithmetic in double.
+#pragma once
+
+#include <Eigen/Cholesky>
+#include <Eigen/Core>
+#include <Eigen/Eigenvalues>
+#include <cmath>
+#include <cstddef>
+
+#include "../../config.hpp"
+#include "../gaussian_family.hpp"
+#include "../numeric.hpp"
+
+#include "eigen_warnings_push.inc"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+namespace cpu {
+
+using gaussian_matrix = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using gaussian_vector = Eigen::VectorXd;
+using gaussian_array = Eigen::ArrayXd;
+
+/// A row pair in the whitened eigenbasis: x = μ° + W y with W = L°V (full) or diag(σ°) (diag).
+struct gaussian_basis {
+  bool full = true;
+  gaussian_matrix old_factor;  // L° (full)
+  gaussian_matrix vectors;     // V, orthonormal (full)
+  gaussian_vector old_scale;   // σ° (diag)
+  gaussian_vector g;           // γ_i − 1
+  gaussian_vector b;           // W⁻¹(μ̃ − μ°)
+  gaussian_spectrum spectrum(bool with_mean) const {
+    return gaussian_spectrum{g.data(), b.data(), static_cast<int>(g.size()), with_mean};
+  }
+};
+
+template <class T>
+inline gaussian_vector load_vector(const T* x, std::size_t d) {
+  gaussian_vector v(static_cast<Eigen::Index>(d));
+  for (std::size_t i = 0; i < d; ++i) v[static_cast<Eigen::Index>(i)] = static_cast<double>(x[i]);
+  return v;
+}
+
+template <class T>
+inline gaussian_matrix load_factor(const T* x, std::size_t d) {
+  const auto n = static_cast<Eigen::Index>(d);
+  gaussian_matrix m(n, n);
+  for (Eigen::Index i = 0; i < n; ++i)
+    for (Eigen::Index j = 0; j < n; ++j) m(i, j) = j <= i ? static_cast<double>(x[i * n + j]) : 0.0;
+  return m;
+}
+
+/// γ − 1 from λ − 1, λ = 1/γ an eigenvalue of the whitened new covariance: g = −(λ − 1)/λ.
+/// A λ that rounding put at or below 0 (a new covariance singular to working precision against
+/// the old one) is taken as the smallest normal double.
+inline double gain_from_excess(double excess) {
+  const double lambda = maximum(1.0 + excess, 2.2250738585072014e-308);
+  return -excess / lambda;
+}
+
+/// Full covariances: with E = L°⁻¹(L̃ − L°), the whitened new covariance is
+/// S = (I + E)(I + E)ᵀ = I + D, D = E + Eᵀ + EEᵀ, and D = V diag(λ − 1) Vᵀ. Forming D from the
+/// difference of the factors keeps λ − 1 accurate relative to itself when the covariances are
+/// nearly equal. One triangular solve and one symmetric eigendecomposition: O(d³).
+template <class T>
+inline void factor_full(const T* mean, const T* chol, const T* old_mean, const T* old_chol, std::size_t d,
+                        gaussian_basis& out) {
+  out.full = true;
+  out.old_factor = load_factor(old_chol, d);
+  const auto lower = out.old_factor.triangularView<Eigen::Lower>();
+  const gaussian_matrix e = lower.solve(load_factor(chol, d) - out.old_factor);
+  gaussian_matrix excess = e + e.transpose();
+  excess.noalias() += e * e.transpose();
+  Eigen::SelfAdjointEigenSolver<gaussian_matrix> eig(excess);
+  out.vectors = eig.eigenvectors();
+  out.g.resize(eig.eigenvalues().size());
+  for (Eigen::Index i = 0; i < out.g.size(); ++i) out.g[i] = gain_from_excess(eig.eigenvalues()[i]);
+  const gaussian_vector delta = lower.solve(load_vector(mean, d) - load_vector(old_mean, d));
+  out.b = out.vectors.transpose() * delta;
+}
+
+/// Diagonal covariances: λ_i = r_i² with r = σ̃/σ°, λ − 1 = (r − 1)(r + 1), r − 1 = (σ̃ − σ°)/σ°.
+template <class T>
+inline void factor_diag(const T* mean, const T* std_dev, const T* old_mean, const T* old_std, std::size_t d,
+                        gaussian_basis& out) {
+  out.full = false;
+  const auto n = static_cast<Eigen::Index>(d);
+  out.old_scale.resize(n);
+  out.g.resize(n);
+  out.b.resize(n);
+  for (Eigen::Index i = 0; i < n; ++i) {
+    const double so = static_cast<double>(old_std[i]);
+    const double r_minus_one = (static_cast<double>(std_dev[i]) - so) / so;
+    out.old_scale[i] = so;
+    out.g[i] = gain_from_excess(r_minus_one * (r_minus_one + 2.0));
+    out.b[i] = (static_cast<double>(mean[i]) - static_cast<double>(old_mean[i])) / so;
+  }
+}
+
+/// The member at t in the eigenbasis: a_i = 1 + t g_i and, with the mean, m_i = t γ_i b_i / a_i.
+struct gaussian_member_coords {
+  gaussian_vector a;
+  gaussian_vector m;
+};
+inline gaussian_member_coords member_coords(const gaussian_basis& basis, double t) {
+  gaussian_member_coords c;
+  c.a = (1.0 + t * basis.g.array()).matrix();
+  c.m = (t * (1.0 + basis.g.array()) * basis.b.array() / c.a.array()).matrix();
+  return c;
+}
+
+/// W y for a vector y of eigenbasis coordinates.
+inline gaussian_vector to_original(const gaussian_basis& basis, const gaussian_vector& y) {
+  if (!basis.full) return (basis.old_scale.array() * y.array()).matrix();
+  return basis.old_factor.triangularView<Eigen::Lower>() * (basis.vectors * y);
+}
+
+template <class T>
+inline void store_vector(const gaussian_vector& v, T* out) {
+  for (Eigen::Index i = 0; i < v.size(); ++i) out[i] = static_cast<T>(v[i]);
+}
+
+/// Writes μ° + W m(t) (joint: the member's mean).
+template <class T>
+inline void write_member_mean(const gaussian_basis& basis, const gaussian_member_coords& c, const T* old_mean,
+                              T* out) {
+  const gaussian_vector shift = to_original(basis, c.m);
+  for (Eigen::Index i = 0; i < shift.size(); ++i) out[i] = static_cast<T>(static_cast<double>(old_mean[i]) + shift[i]);
+}
+
+/// Writes the member's covariance factor: σ°/sqrt(a) (diag), or L°·chol(V diag(1/a) Vᵀ) (full;
+/// a product of lower-triangular factors with positive diagonals, so the Cholesky factor).
+template <class T>
+inline void write_member_cov(const gaussian_basis& basis, const gaussian_member_coords& c, T* out) {
+  const Eigen::Index n = c.a.size();
+  if (!basis.full) {
+    for (Eigen::Index i = 0; i < n; ++i) out[i] = static_cast<T>(basis.old_scale[i] / ::sqrt(c.a[i]));
+    return;
+  }
+  const gaussian_matrix inner = basis.vectors * c.a.cwiseInverse().asDiagonal() * basis.vectors.transpose();
+  const gaussian_matrix inner_factor = Eigen::LLT<gaussian_matrix>(inner).matrixL();
+  const gaussian_matrix factor = basis.old_factor.triangularView<Eigen::Lower>() * inner_factor;
+  for (Eigen::Index i = 0; i < n; ++i)
+    for (Eigen::Index j = 0; j < n; ++j) out[i * n + j] = j <= i ? static_cast<T>(factor(i, j)) : T(0);
+}
+
+}  // namespace cpu
+}  // namespace detail
+TROLL_END_NAMESPACE
+
+#include "eigen_warnings_pop.inc"

@@ -1,0 +1,163 @@
+// troll/detail/family_solver.hpp — the safeguarded Newton solve for t* ∈ (0, 1] with
+// KL(π_t* ‖ q) = ε, written once for every exponential family troll projects onto (the
+// categorical rows, dense and sparse, and the Gaussians), on host and device.
+//
+// Along the natural-parameter path θ_t = θ° + t(θ̃ − θ°), KL(π_t ‖ q) rises from KL(π_0 ‖ q)
+// to KL(p̃ ‖ q) with dKL/dt = t·I(t), where I(t) ≥ 0 is the Fisher information of the family
+// along the path (Var_πt[d] for a categorical row). A family is seen only through
+//     Point evaluate(const tilt_param& u, const Point& near, double eps, double tol) const
+// which returns the member at u (near: the member evaluated last, a hint for where π_u's mass
+// sits), with KL(π_u ‖ q) good to well inside tol where it is within tol of ε; and a Point
+// holds at least
+//     double t, s;     the parameter (s = 1 − t, the exact one of the pair where it is small)
+//     double kl;       KL(π_u ‖ q)
+//     double sigma2;   I(t): dKL/dt = t·sigma2
+#pragma once
+
+#include <cmath>
+
+#include "../config.hpp"
+#include "../projection_types.hpp"
+#include "numeric.hpp"
+#include "tilt_family.hpp"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+
+/// Orders members by t (ties, which only occur near t = 1, by s).
+TROLL_HOST_DEVICE inline bool tilt_less(const tilt_param& a, const tilt_param& b) {
+  return a.t < b.t || (a.t == b.t && a.s > b.s);
+}
+
+/// u moved to t − δ, keeping exact whichever of t and s ends up the small one.
+TROLL_HOST_DEVICE inline tilt_param tilt_step(const tilt_param& u, double delta) {
+  if (u.t <= 0.5) {
+    const double t = u.t - delta;
+    return t <= 0.5 ? tilt_at(t) : tilt_near_one(u.s + delta);
+  }
+  const double s = u.s + delta;
+  return s <= 0.5 ? tilt_near_one(s) : tilt_at(u.t - delta);
+}
+
+/// A point strictly between 0 and v > 0, far towards 0: v·min(1/8, v) (squaring, so that a
+/// root at 1e-300 is reached in a few steps), then v·2^-64, then the smallest subnormal.
+TROLL_HOST_DEVICE inline double towards_zero(double v) {
+  double next = v * minimum(0.125, v);
+  if (!(next > 0.0)) next = v * 5.421010862427522e-20;
+  if (!(next > 0.0)) next = 4.9406564584124654e-324;
+  return next;
+}
+
+/// sqrt(a·b) without underflow for subnormal a, b.
+TROLL_HOST_DEVICE inline double geometric_mean(double a, double b) { return ::sqrt(a) * ::sqrt(b); }
+
+/// The bisection point of the bracket (lo, hi): arithmetic in t (both ends in the lower half)
+/// or in s (both in the upper half), geometric where the ends are more than a factor 4 apart,
+/// and towards_zero from an end at exactly t = 0 or s = 0, so that a root at t ~ 1e-300 or
+/// 1 − 1e-300 is bracketed in a few dozen halvings of the exponent.
+TROLL_HOST_DEVICE inline tilt_param tilt_bisect(const tilt_param& lo, const tilt_param& hi) {
+  if (hi.t <= 0.5) {
+    if (lo.t == 0.0) return tilt_at(towards_zero(hi.t));
+    return tilt_at(hi.t > 4.0 * lo.t ? geometric_mean(lo.t, hi.t) : 0.5 * (lo.t + hi.t));
+  }
+  if (lo.t >= 0.5) {
+    if (hi.s == 0.0) return tilt_near_one(towards_zero(lo.s));
+    return tilt_near_one(lo.s > 4.0 * hi.s ? geometric_mean(lo.s, hi.s) : 0.5 * (lo.s + hi.s));
+  }
+  return tilt_at(0.5);
+}
+
+/// How a bracketed solve ended: the member to write (the converged one, else the best feasible
+/// one, KL < ε) and the number of members evaluated.
+template <class Point>
+struct bracket_solution {
+  Point point;
+  int iterations = 0;
+  bool converged = false;
+};
+
+/// Solves KL(π_t ‖ q) = ε on the bracket (0, 1), given the two ends with
+/// at_zero.kl < ε < at_one.kl. Converged once |KL − ε| ≤ atol + rtol·ε; otherwise (after
+/// max_iterations, or once t* is resolved to adjacent doubles) the best member below ε.
+///
+/// Each iteration evaluates one member and keeps a bracket lo < t* < hi. The next member is a
+/// Newton step on a transform of KL (below) when that lands inside the bracket and is at most
+/// half the step before last (the rtsafe rule), otherwise the bisection point: so the bracket
+/// shrinks at least geometrically, and a stall (steps that shrink slowly, a KL that underflows
+/// to 0 on the far side of a steep rise) turns into bisection within two iterations.
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
+template <class Family, class Point>
+TROLL_HOST_DEVICE bracket_solution<Point> solve_bracketed(const Family& family, const Point& at_zero,
+                                                          const Point& at_one, double eps,
+                                                          const projection_options& opt) {
+  bracket_solution<Point> r;
+  const double tol = opt.atol + opt.rtol * eps;
+  const double sqrt_eps = ::sqrt(eps);
+  tilt_param lo = tilt_at(0.0), hi = tilt_at(1.0);
+  Point best_lo = at_zero, point = at_one;
+  // Near t = 0, KL ≈ KL0 + t² I(0) / 2.
+  double t0 = at_zero.sigma2 > 0.0 ? ::sqrt(2.0 * (eps - at_zero.kl) / at_zero.sigma2) : 0.5;
+  if (!(t0 > 0.0 && t0 < 1.0)) t0 = 0.5;
+  tilt_param u = t0 <= 0.5 ? tilt_at(t0) : tilt_near_one(1.0 - t0);
+  const Point& first_near = t0 <= 0.5 ? at_zero : at_one;
+  double step_last = inf(), step_before = inf();
+
+  for (int it = 1; it <= opt.max_iterations; ++it) {
+    point = family.evaluate(u, it == 1 ? first_near : point, eps, tol);
+    r.iterations = it;
+    const double g = point.kl - eps;
+    if (g <= tol && g >= -tol) {
+      r.converged = true;
+      break;
+    }
+    if (g < 0.0) {
+      lo = u;
+      best_lo = point;
+    } else {
+      hi = u;
+    }
+    // Two Newton steps on transforms of KL, each exact for one shape of the curve:
+    //   on sqrt(KL) − sqrt(ε), exact where KL ≈ a t² (smooth rows, small t);
+    //   on log(KL) − log(ε),   exact where KL ≈ a e^{bt} (a sharp q whose mode is about to be
+    //   overtaken: KL stays tiny, then rises by orders of magnitude within a short interval).
+    // Near the root the sqrt transform is the flatter one; far above it (KL > 4ε) the log step
+    // leads. Whichever leads, the other is the fallback when the first leaves the bracket.
+    // dKL/dt = t I(t). A KL that is 0 (underflow) or a slope that is 0 or not finite gives no
+    // step: bisection.
+    const double dkl = u.t * point.sigma2;
+    tilt_param next = u;
+    bool newton = false;
+    if (point.kl > 0.0 && dkl > 0.0 && dkl < inf()) {
+      const double root_kl = ::sqrt(point.kl);
+      const double sqrt_step = (root_kl - sqrt_eps) * 2.0 * root_kl / dkl;
+      const double log_step = ::log(point.kl / eps) * point.kl / dkl;
+      const bool far_above = point.kl > 4.0 * eps;
+      const double steps[2] = {far_above ? log_step : sqrt_step, far_above ? sqrt_step : log_step};
+      for (const double delta : steps) {
+        if (!(::fabs(delta) <= 0.5 * step_before)) continue;  // not shrinking fast enough
+        const tilt_param candidate = tilt_step(u, delta);
+        if (tilt_less(lo, candidate) && tilt_less(candidate, hi)) {
+          next = candidate;
+          newton = true;
+          break;
+        }
+      }
+    }
+    if (!newton) {
+      next = tilt_bisect(lo, hi);
+      if (!(tilt_less(lo, next) && tilt_less(next, hi))) break;  // bracket exhausted at this precision
+    }
+    // |Δt| of this step, measured on whichever of t and s is exact.
+    const double step = next.t <= 0.5 && u.t <= 0.5 ? ::fabs(next.t - u.t) : ::fabs(next.s - u.s);
+    step_before = step_last;
+    step_last = step;
+    u = next;
+  }
+  r.point = r.converged ? point : best_lo;  // not converged: feasible, KL(π‖q) < ε
+  return r;
+}
+
+}  // namespace detail
+TROLL_END_NAMESPACE

@@ -1,0 +1,118 @@
+// troll/detail/gaussian_checks.hpp — the host-side checks of the Gaussian projections' arguments:
+// the views and their shapes, then every row's values, before anything is written.
+#pragma once
+
+#include <cstddef>
+#include <sstream>
+#include <string>
+
+#include "../batch.hpp"
+#include "../config.hpp"
+#include "../errors.hpp"
+#include "cpu/parallel.hpp"
+#include "numeric.hpp"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+
+/// Which Gaussian entry point runs: its name for messages, the covariance layout (full:
+/// N × d² Cholesky factors; else N × d standard deviations), the bound (joint or split), and d
+/// (filled in by check_gaussian_arguments).
+struct gaussian_call {
+  const char* function = "";
+  bool full = true;
+  bool split = false;
+  std::size_t dim = 0;
+};
+
+/// Checks the views: means N × d with d ≥ 1, covariances N × d² (full) or N × d, outputs alike.
+/// Returns the call with d set. Throws shape_error.
+template <class T, class U>
+gaussian_call check_gaussian_arguments(gaussian_call call, batch_view<const T> mean, batch_view<const T> cov,
+                                       batch_view<const T> old_mean, batch_view<const T> old_cov,
+                                       batch_view<U> out_mean, batch_view<U> out_cov) {
+  const char* fn = call.function;
+  const char* cov_name = call.full ? "cov_chol" : "std_dev";
+  const std::string old_cov_name = std::string("old_") + cov_name;
+  const std::string out_cov_name = std::string("out_") + cov_name;
+  check_view(fn, "mean", mean);
+  check_view(fn, cov_name, cov);
+  check_view(fn, "old_mean", old_mean);
+  check_view(fn, old_cov_name.c_str(), old_cov);
+  check_view(fn, "out_mean", out_mean);
+  check_view(fn, out_cov_name.c_str(), out_cov);
+  check_same_shape(fn, "mean", mean, "old_mean", old_mean);
+  check_same_shape(fn, "mean", mean, "out_mean", out_mean);
+  check_same_shape(fn, cov_name, cov, old_cov_name.c_str(), old_cov);
+  check_same_shape(fn, cov_name, cov, out_cov_name.c_str(), out_cov);
+  call.dim = mean.cols;
+  if (mean.rows != cov.rows)
+    throw_shape(fn, std::string("mean has ") + std::to_string(mean.rows) + " rows but " + cov_name + " has " +
+                        std::to_string(cov.rows));
+  const std::size_t want = call.full ? call.dim * call.dim : call.dim;
+  if (mean.rows != 0 && cov.cols != want)
+    throw_shape(fn, std::string(cov_name) + " has " + std::to_string(cov.cols) + " columns but d = " +
+                        std::to_string(call.dim) + " needs " + std::to_string(want) +
+                        (call.full ? " (a row-major d x d factor)" : ""));
+  return call;
+}
+
+/// The first problem of one row's operand, as a message ("" when fine): a non-finite entry, a
+/// standard deviation or factor diagonal ≤ 0, a non-zero entry above a factor's diagonal.
+template <class T>
+std::string gaussian_operand_problem(const gaussian_call& call, const T* mean, const T* cov, bool old) {
+  const std::size_t d = call.dim;
+  const char* prefix = old ? "old_" : "";
+  auto message = [&](const char* operand, double x, const std::string& where, const char* why) {
+    std::ostringstream msg;
+    msg.precision(17);
+    msg << prefix << operand << " is " << x << " at " << where << why;
+    return msg.str();
+  };
+  for (std::size_t i = 0; i < d; ++i) {
+    const double x = static_cast<double>(mean[i]);
+    if (!(x - x == 0.0)) return message("mean", x, "entry " + std::to_string(i), " (must be finite)");
+  }
+  if (!call.full) {
+    for (std::size_t i = 0; i < d; ++i) {
+      const double x = static_cast<double>(cov[i]);
+      if (!(x > 0.0 && x < inf()))
+        return message("std_dev", x, "entry " + std::to_string(i), " (must be finite and > 0)");
+    }
+    return std::string();
+  }
+  for (std::size_t i = 0; i < d; ++i) {
+    for (std::size_t j = 0; j < d; ++j) {
+      const double x = static_cast<double>(cov[i * d + j]);
+      const char* why = nullptr;
+      if (!(x - x == 0.0)) {
+        why = " (must be finite)";
+      } else if (j > i && x != 0.0) {
+        why = " above the diagonal (a Cholesky factor is lower-triangular)";
+      } else if (j == i && !(x > 0.0)) {
+        why = " on the diagonal (a Cholesky factor has a positive diagonal)";
+      }
+      if (why != nullptr)
+        return message("cov_chol", x, "(" + std::to_string(i) + ", " + std::to_string(j) + ")", why);
+    }
+  }
+  return std::string();
+}
+
+/// Throws domain_error naming the first bad row (the smallest index, whatever the threads).
+template <class T>
+void validate_gaussian_rows(unsigned threads, const gaussian_call& call, batch_view<const T> mean,
+                            batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov) {
+  auto problem = [&](std::size_t r) {
+    std::string p = gaussian_operand_problem(call, mean.row(r), cov.row(r), false);
+    if (p.empty()) p = gaussian_operand_problem(call, old_mean.row(r), old_cov.row(r), true);
+    return p;
+  };
+  const std::size_t work = 2 * (call.full ? call.dim * call.dim : call.dim);
+  const std::size_t bad =
+      cpu::first_bad_row(threads, mean.rows, work, [&](std::size_t r) { return !problem(r).empty(); });
+  if (bad != mean.rows) throw domain_error(row_prefix(call.function, bad) + problem(bad), bad);
+}
+
+}  // namespace detail
+TROLL_END_NAMESPACE

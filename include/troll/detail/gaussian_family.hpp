@@ -1,0 +1,126 @@
+// troll/detail/gaussian_family.hpp — a Gaussian row as a family of the shared solve
+// (family_solver.hpp), written once for host and device (math.md §6; docs/gaussian.md).
+//
+// In the basis y = W⁻¹(x − μ°) with W = L°V, which whitens Σ° and diagonalises Σ̃, the old
+// Gaussian is N(0, I) and the new one N(b, diag(1/γ)); γ_i are the generalised eigenvalues of
+// Λ̃ against Λ°, kept as g_i = γ_i − 1 so that nearly equal covariances lose no digits. Along
+// θ_t = θ° + t(θ̃ − θ°) the member is N(m(t), diag(1/a)) with
+//     a_i = 1 + t g_i,   m_i(t) = t γ_i b_i / a_i,
+//     KL(π_t ‖ q) = ½ Σ_i [ψ(log a_i) + m_i²],   ψ(σ) = e^{−σ} − 1 + σ ≥ 0,
+//     dKL/dt = t · I(t),   I(t) = Σ_i [½ g_i²/a_i² + γ_i² b_i²/a_i³],
+// every evaluation O(d). Without the mean terms (the split projection's covariance part) the
+// same sums with b = 0.
+#pragma once
+
+#include <cmath>
+
+#include "../config.hpp"
+#include "../projection_types.hpp"
+#include "family_solver.hpp"
+#include "numeric.hpp"
+#include "tilt_family.hpp"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+
+/// ψ(σ) = e^{−σ} − 1 + σ = Σ_{n≥2} (−σ)^n / n!, without cancellation: the series (20 terms,
+/// Horner; the tail is below 1e-19 relative) for |σ| < 1, the closed form (no cancellation
+/// beyond a factor of e) elsewhere.
+TROLL_HOST_DEVICE inline double gaussian_psi(double sigma) {
+  if (::fabs(sigma) < 1.0) {
+    const double x = -sigma;
+    // 1 + x/3 (1 + x/4 (1 + ... (1 + x/21))) = Σ_{n≥2} x^{n−2} 2/n!, by reciprocals.
+    constexpr double inverse[22] = {0.0,        1.0,        1.0 / 2,    1.0 / 3,    1.0 / 4,    1.0 / 5,
+                                    1.0 / 6,    1.0 / 7,    1.0 / 8,    1.0 / 9,    1.0 / 10,   1.0 / 11,
+                                    1.0 / 12,   1.0 / 13,   1.0 / 14,   1.0 / 15,   1.0 / 16,   1.0 / 17,
+                                    1.0 / 18,   1.0 / 19,   1.0 / 20,   1.0 / 21};
+    double acc = 1.0;
+    for (int n = 21; n >= 3; --n) acc = 1.0 + x * acc * inverse[n];
+    return 0.5 * x * x * acc;
+  }
+  return ::expm1(-sigma) + sigma;
+}
+
+/// One row in the basis of the header comment: `dim` coordinates g_i = γ_i − 1 and b_i (b is
+/// read only when with_mean).
+struct gaussian_spectrum {
+  const double* g = nullptr;
+  const double* b = nullptr;
+  int dim = 0;
+  bool with_mean = true;
+};
+
+/// One evaluated member: the point type of solve_bracketed (sigma2 = I(t)).
+struct gaussian_point {
+  double t = 0.0;
+  double s = 1.0;
+  double kl = 0.0;
+  double sigma2 = 0.0;
+};
+
+/// The member at u: KL(π_u ‖ q) and I(t), one pass over the coordinates.
+TROLL_HOST_DEVICE inline gaussian_point gaussian_member(const gaussian_spectrum& r, const tilt_param& u) {
+  double kl = 0.0, info = 0.0;
+  for (int i = 0; i < r.dim; ++i) {
+    const double g = r.g[i];
+    const double tg = u.t * g;
+    const double a = 1.0 + tg;
+    const double ratio = g / a;
+    kl += gaussian_psi(::log1p(tg));
+    info += 0.5 * ratio * ratio;
+    if (r.with_mean) {
+      const double gamma_b = (1.0 + g) * r.b[i];
+      const double m = u.t * gamma_b / a;
+      kl += m * m;
+      info += gamma_b * gamma_b / (a * a * a);
+    }
+  }
+  gaussian_point p;
+  p.t = u.t;
+  p.s = u.s;
+  p.kl = 0.5 * kl;
+  p.sigma2 = info;
+  return p;
+}
+
+/// A Gaussian row as a family of solve_bracketed (every member exact to a few ulps: no
+/// cancellation to guard against, so `near`, ε and tol are not needed).
+struct gaussian_family {
+  gaussian_spectrum row;
+  TROLL_HOST_DEVICE gaussian_point evaluate(const tilt_param& u, const gaussian_point&, double, double) const {
+    return gaussian_member(row, u);
+  }
+};
+
+struct gaussian_solve_result {
+  gaussian_point point;  // the member to write (t = 1 for an inactive row)
+  double kl_before = 0.0;
+  int iterations = 0;
+  row_status status = row_status::inactive;
+};
+
+/// Solves one row for KL(π_t ‖ q) = ε: inactive (t = 1) when KL(p̃ ‖ q) ≤ ε, else projected, or
+/// not_converged with the best member below ε. Never infeasible: KL(π_0 ‖ q) = 0 < ε.
+TROLL_HOST_DEVICE inline gaussian_solve_result solve_gaussian(const gaussian_spectrum& row, double eps,
+                                                              const projection_options& opt) {
+  gaussian_solve_result r;
+  const gaussian_point at_one = gaussian_member(row, tilt_near_one(0.0));
+  r.kl_before = at_one.kl;
+  r.point = at_one;
+  if (at_one.kl <= eps) return r;
+  const gaussian_point at_zero = gaussian_member(row, tilt_at(0.0));
+  const bracket_solution<gaussian_point> solved = solve_bracketed(gaussian_family{row}, at_zero, at_one, eps, opt);
+  r.point = solved.point;
+  r.iterations = solved.iterations;
+  r.status = solved.converged ? row_status::projected : row_status::not_converged;
+  return r;
+}
+
+/// The split projection's mean step: with m = ½ (μ̃ − μ°)ᵀ Σ°⁻¹ (μ̃ − μ°) (= ½ Σ b_i²), the mean
+/// moves to μ° + κ(μ̃ − μ°), κ = min(1, sqrt(ε_μ / m)) = 1/(1 + ω).
+TROLL_HOST_DEVICE inline double split_mean_scale(double m, double eps_mean) {
+  return m > eps_mean ? ::sqrt(eps_mean / m) : 1.0;
+}
+
+}  // namespace detail
+TROLL_END_NAMESPACE

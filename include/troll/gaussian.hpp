@@ -1,0 +1,188 @@
+// troll/gaussian.hpp — the trust-region projection for Gaussians (math.md §6, docs/gaussian.md),
+// the second family of troll's one solver: for a batch of N pairs (new N(μ̃, Σ̃), old N(μ°, Σ°))
+// of dimension d,
+//   joint:  π* = argmin KL(π ‖ p̃) s.t. KL(π ‖ q) ≤ ε, the natural-parameter interpolation
+//           Λ* = tΛ̃ + (1 − t)Λ°, h* = t h̃ + (1 − t) h°, t the root of KL(π_t ‖ q) = ε;
+//   split:  the mean μ* = (μ̃ + ω μ°)/(1 + ω) against ε_μ in closed form, the covariance
+//           Λ* = tΛ̃ + (1 − t)Λ° against ε_Σ (the trust-region layers of Otto et al., 2021).
+// Covariances come as row-major d×d lower-triangular Cholesky factors (N × d² views) or, in the
+// _diag variants, as standard deviations (N × d). Policy first, like troll::project:
+//   troll::gaussian::project_joint(troll::cpu, mean, chol, old_mean, old_chol, eps, out_mean,
+//                                  out_chol, stats);
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "batch.hpp"
+#include "config.hpp"
+#include "detail/arguments.hpp"
+#include "detail/cpu/gaussian_kernels.hpp"
+#include "detail/cpu/parallel.hpp"
+#include "detail/gaussian_checks.hpp"
+#include "errors.hpp"
+#include "execution.hpp"
+#include "gaussian_types.hpp"
+#include "projection_types.hpp"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+
+/// The projection of one validated Gaussian row pair: factorise, solve, write, return the stats.
+template <class T>
+gaussian::gaussian_stats project_gaussian_row(const gaussian_call& call, const T* mean, const T* cov,
+                                              const T* old_mean, const T* old_cov, double eps_mean,
+                                              double eps_cov, const projection_options& opt, T* out_mean,
+                                              T* out_cov) {
+  const std::size_t d = call.dim;
+  cpu::gaussian_basis basis;
+  if (call.full) {
+    cpu::factor_full(mean, cov, old_mean, old_cov, d, basis);
+  } else {
+    cpu::factor_diag(mean, cov, old_mean, old_cov, d, basis);
+  }
+  gaussian::gaussian_stats stats;
+  if (call.split) {
+    const double m = 0.5 * basis.b.squaredNorm();
+    const double kappa = split_mean_scale(m, eps_mean);
+    stats.mean_kl_before = m;
+    stats.mean_kl_after = kappa < 1.0 ? eps_mean : m;
+    stats.omega = kappa < 1.0 ? 1.0 / kappa - 1.0 : 0.0;
+    for (std::size_t i = 0; i < d; ++i) {
+      const double mo = static_cast<double>(old_mean[i]);
+      out_mean[i] = kappa < 1.0 ? static_cast<T>(mo + kappa * (static_cast<double>(mean[i]) - mo)) : mean[i];
+    }
+  }
+  const gaussian_solve_result r = solve_gaussian(basis.spectrum(!call.split), call.split ? eps_cov : eps_mean, opt);
+  stats.status = r.status;
+  stats.kl_before = r.kl_before;
+  stats.iterations = r.iterations;
+  if (r.status == row_status::inactive) {
+    stats.kl_after = r.kl_before;
+    const std::size_t cov_size = call.full ? d * d : d;
+    for (std::size_t i = 0; i < cov_size; ++i) out_cov[i] = cov[i];
+    if (!call.split)
+      for (std::size_t i = 0; i < d; ++i) out_mean[i] = mean[i];
+    return stats;
+  }
+  stats.t = r.point.t;
+  stats.eta = r.point.s / r.point.t;
+  stats.kl_after = r.point.kl;
+  stats.fisher = r.point.sigma2;
+  const cpu::gaussian_member_coords coords = cpu::member_coords(basis, r.point.t);
+  cpu::write_member_cov(basis, coords, out_cov);
+  if (!call.split) cpu::write_member_mean(basis, coords, old_mean, out_mean);
+  return stats;
+}
+
+template <class T>
+void project_gaussian(cpu_policy policy, const gaussian_call& call, batch_view<const T> mean,
+                      batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
+                      double eps_mean, double eps_cov, batch_view<T> out_mean, batch_view<T> out_cov,
+                      gaussian::gaussian_stats* stats, const projection_options& opt) {
+  require_float_type<T>();
+  const gaussian_call c = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov);
+  if (stats == nullptr && mean.rows != 0) throw_shape(c.function, "stats is a null pointer");
+  check_eps(c.function, eps_mean);
+  if (c.split) check_eps(c.function, eps_cov);
+  check_options(c.function, opt);
+  validate_gaussian_rows(policy.threads, c, mean, cov, old_mean, old_cov);
+  const std::size_t work = c.full ? 40 * c.dim * c.dim * c.dim : 40 * c.dim;
+  cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
+    stats[r] = project_gaussian_row(c, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), eps_mean,
+                                    eps_cov, opt, out_mean.row(r), out_cov.row(r));
+  });
+}
+
+template <class T>
+void gaussian_kl(cpu_policy policy, const gaussian_call& call, batch_view<const T> mean, batch_view<const T> cov,
+                 batch_view<const T> old_mean, batch_view<const T> old_cov, double* out) {
+  require_float_type<T>();
+  const gaussian_call c = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, mean, cov);
+  if (out == nullptr && mean.rows != 0) throw_shape(c.function, "out is a null pointer");
+  validate_gaussian_rows(policy.threads, c, mean, cov, old_mean, old_cov);
+  const std::size_t work = c.full ? 40 * c.dim * c.dim * c.dim : 40 * c.dim;
+  cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
+    cpu::gaussian_basis basis;
+    if (c.full) {
+      cpu::factor_full(mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), c.dim, basis);
+    } else {
+      cpu::factor_diag(mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), c.dim, basis);
+    }
+    out[r] = gaussian_member(basis.spectrum(true), tilt_near_one(0.0)).kl;
+  });
+}
+
+}  // namespace detail
+
+namespace gaussian {
+
+/// Projects each new Gaussian N(mean, LLᵀ) onto the ball KL(· ‖ N(old_mean, L°L°ᵀ)) ≤ eps (joint
+/// bound) and writes the projected mean and Cholesky factor, and one gaussian_stats per row.
+/// Rows already inside the ball are copied bit for bit. Projected rows satisfy
+/// |KL(π* ‖ q) − ε| ≤ atol + rtol·ε of the options, KL evaluated in double on the factorised row.
+///
+/// Shapes: means N × d, factors N × d² (row-major, lower-triangular: the strict upper triangle
+/// must be 0 and the diagonal > 0). Throws, before writing anything: shape_error (shapes, null
+/// pointers, d = 0), domain_error (a non-finite entry, a factor that is not lower-triangular
+/// with a positive diagonal, naming the row and entry; eps ≤ 0 or not finite; bad options).
+template <class T>
+void project_joint(cpu_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
+                   input_view<T> old_cov_chol, double eps, batch_view<T> out_mean, batch_view<T> out_cov_chol,
+                   gaussian_stats* stats, const projection_options& options = {}) {
+  detail::project_gaussian(policy, detail::gaussian_call{"gaussian::project_joint", true, false}, mean, cov_chol,
+                           old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol, stats, options);
+}
+
+/// The split projection: the mean against eps_mean (closed form, Σ°'s metric), the covariance
+/// against eps_cov (½[tr(Σ°⁻¹Σ) − d + log det Σ° − log det Σ] ≤ ε_Σ, by the solve). Shapes and
+/// errors as project_joint.
+template <class T>
+void project_split(cpu_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
+                   input_view<T> old_cov_chol, double eps_mean, double eps_cov, batch_view<T> out_mean,
+                   batch_view<T> out_cov_chol, gaussian_stats* stats, const projection_options& options = {}) {
+  detail::project_gaussian(policy, detail::gaussian_call{"gaussian::project_split", true, true}, mean, cov_chol,
+                           old_mean, old_cov_chol, eps_mean, eps_cov, out_mean, out_cov_chol, stats, options);
+}
+
+/// project_joint for diagonal covariances given as standard deviations (N × d, all > 0): O(d)
+/// per row.
+template <class T>
+void project_joint_diag(cpu_policy policy, input_view<T> mean, input_view<T> std_dev, input_view<T> old_mean,
+                        input_view<T> old_std_dev, double eps, batch_view<T> out_mean, batch_view<T> out_std_dev,
+                        gaussian_stats* stats, const projection_options& options = {}) {
+  detail::project_gaussian(policy, detail::gaussian_call{"gaussian::project_joint_diag", false, false}, mean,
+                           std_dev, old_mean, old_std_dev, eps, eps, out_mean, out_std_dev, stats, options);
+}
+
+/// project_split for diagonal covariances given as standard deviations.
+template <class T>
+void project_split_diag(cpu_policy policy, input_view<T> mean, input_view<T> std_dev, input_view<T> old_mean,
+                        input_view<T> old_std_dev, double eps_mean, double eps_cov, batch_view<T> out_mean,
+                        batch_view<T> out_std_dev, gaussian_stats* stats, const projection_options& options = {}) {
+  detail::project_gaussian(policy, detail::gaussian_call{"gaussian::project_split_diag", false, true}, mean,
+                           std_dev, old_mean, old_std_dev, eps_mean, eps_cov, out_mean, out_std_dev, stats,
+                           options);
+}
+
+/// KL(N(mean, LLᵀ) ‖ N(old_mean, L°L°ᵀ)) per row, into out[r] (double), from the same
+/// factorisation as the projection (O(d³) per row).
+template <class T>
+void kl(cpu_policy policy, batch_view<const T> mean, batch_view<const T> cov_chol, batch_view<const T> old_mean,
+        batch_view<const T> old_cov_chol, double* out) {
+  detail::gaussian_kl(policy, detail::gaussian_call{"gaussian::kl", true, false}, mean, cov_chol, old_mean,
+                      old_cov_chol, out);
+}
+
+/// kl for diagonal covariances given as standard deviations.
+template <class T>
+void kl_diag(cpu_policy policy, batch_view<const T> mean, batch_view<const T> std_dev,
+             batch_view<const T> old_mean, batch_view<const T> old_std_dev, double* out) {
+  detail::gaussian_kl(policy, detail::gaussian_call{"gaussian::kl_diag", false, false}, mean, std_dev, old_mean,
+                      old_std_dev, out);
+}
+
+}  // namespace gaussian
+TROLL_END_NAMESPACE
+
+#include "gaussian_backward.hpp"

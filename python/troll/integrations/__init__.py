@@ -1,0 +1,1 @@
+"""Adapters of troll for RL trainers (TRL: troll.integrations.trl)."""

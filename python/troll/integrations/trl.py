@@ -1,0 +1,176 @@
+"""TRL's GRPO with troll's losses: a ``GRPOTrainer`` subclass that, at generation time, stores the
+old policy's sparse top-K rows instead of only the sampled token's log-prob, and computes the
+policy loss with ``troll.torch.trust_region_loss`` (or troll's PPO clip / DPPO, for comparison).
+
+Tested against trl 1.16.0 / transformers 5.23.0 (python/requirements-trl.txt). It overrides two
+GRPOTrainer methods and nothing else:
+
+* ``_generate_and_score_completions(inputs)``: TRL's own (generation, rewards, group advantages),
+  then one no-grad forward of the current model — the policy that sampled — over prompt +
+  completion, in chunks of ``per_device_train_batch_size`` sequences, whose completion logits
+  (divided by ``temperature``) are turned into the stored old policy right away:
+    objective="troll":    troll.torch.sparsify(logits, k, delta, sampled=completion tokens) —
+                          (k + 1) x (4 + 4) + 4 + 4 bytes per token (indices int32, log-probs
+                          float32, count, log remainder): 528 bytes for k = 64, whatever V;
+    objective="ppo_clip" / "dppo": the dense logits, 4 V bytes per token (comparison runs).
+  The dense logits of the whole generation batch are never held at once.
+* ``_compute_loss(model, inputs)``: the model's logits on the completion tokens (one forward with
+  grad, ``logits_to_keep``), divided by ``temperature``, then
+    troll:    troll.torch.trust_region_loss(logits, old_sparse, tokens, advantages, eps, alpha, mask)
+    ppo_clip: troll.torch.ppo_clip_loss(..., clip_low=args.epsilon, clip_high=args.epsilon_high)
+    dppo:     troll.torch.dppo_loss(..., divergence, delta_low, delta_high)
+  averaged over the micro-batch's completion tokens (TRL's "bnpo" normalisation) and divided by the
+  gradient-accumulation steps as TRL does; TRL's k3 KL to the reference model is added when
+  ``beta`` != 0. troll's metrics (kl_before_max, kl_after_max, projected_fraction, ...) are logged
+  under ``troll/``.
+
+Turning it on in a GRPO script::
+
+    from troll.integrations.trl import TrollConfig, TrollGRPOTrainer
+    trainer = TrollGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
+                               train_dataset=..., troll=TrollConfig(eps=0.05))
+
+troll's extension runs on CPU tensors; on a GPU the logits are moved to the host for the loss
+(correct, not fast) until troll's CUDA extension lands (docs/python.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+from trl import GRPOTrainer
+
+from .. import torch as troll_torch
+from .._core import SparseRows
+
+__all__ = ["TrollConfig", "TrollGRPOTrainer"]
+
+_OLD_SPARSE = ("troll_old_indices", "troll_old_log_probs", "troll_old_counts", "troll_old_log_remainder")
+_OLD_DENSE = "troll_old_logits"
+
+
+@dataclass
+class TrollConfig:
+    """What the adapter computes. ``objective``: "troll" (the trust-region loss on the stored
+    sparse rows), "ppo_clip" or "dppo" (troll's implementations on stored dense logits, for
+    comparison; PPO's clip range is GRPOConfig's ``epsilon`` / ``epsilon_high``)."""
+
+    objective: str = "troll"
+    eps: float = 0.05  #: the KL bound of every token's next-token distribution
+    alpha: float = 1.0  #: weight of TROLL's regression term KL(p_new || stopgrad(pi*))
+    k: int = 64  #: old rows: at most k tokens by probability ...
+    delta: float = 1e-5  #: ... whose mass reaches 1 - delta, plus the sampled token
+    new_k: int = 64  #: the new row's own top tokens added to the support U
+    new_delta: float = 1e-5
+    dppo_divergence: str = "binary_tv"
+    dppo_delta_low: Optional[float] = None
+    dppo_delta_high: Optional[float] = None
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.objective not in ("troll", "ppo_clip", "dppo"):
+            raise ValueError(f"TrollConfig.objective must be 'troll', 'ppo_clip' or 'dppo', not {self.objective!r}")
+
+    def bytes_per_token(self, vocab: int) -> int:
+        """Bytes the old policy costs per completion token (besides TRL's own tensors)."""
+        if self.objective == "troll":
+            return (self.k + 1) * 8 + 8
+        return 4 * int(vocab)
+
+
+class TrollGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose policy loss is troll's (see the module docstring). Takes GRPOTrainer's
+    arguments plus ``troll``, a TrollConfig (default: TROLL with eps = 0.05)."""
+
+    def __init__(self, *args: Any, troll: Optional[TrollConfig] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.troll = troll if troll is not None else TrollConfig()
+
+    # ---- the model's completion logits ----
+
+    def _completion_logits(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        keep = completion_ids.size(1)
+        # logits[:, t] predicts token t + 1: the last keep + 1 positions, less the final one.
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep + 1).logits
+        logits = logits[:, -keep - 1:-1, :].float() / self.temperature
+        return logits.to("cpu")
+
+    # ---- override 1: store the old policy at generation time ----
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        prompt_ids, prompt_mask = output["prompt_ids"], output["prompt_mask"]
+        completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
+        chunk = max(1, int(self.args.per_device_train_batch_size))
+        parts = []
+        with torch.no_grad():
+            for start in range(0, completion_ids.size(0), chunk):
+                end = start + chunk
+                logits = self._completion_logits(self.model, prompt_ids[start:end], prompt_mask[start:end],
+                                                 completion_ids[start:end], completion_mask[start:end])
+                if self.troll.objective == "troll":
+                    parts.append(troll_torch.sparsify(logits, self.troll.k, self.troll.delta,
+                                                      sampled=completion_ids[start:end].to("cpu"),
+                                                      threads=self.troll.threads))
+                else:
+                    parts.append(logits)
+        device = completion_ids.device
+        if self.troll.objective == "troll":
+            for j, name in enumerate(_OLD_SPARSE):
+                output[name] = torch.cat([p[j] for p in parts]).to(device)
+        else:
+            output[_OLD_DENSE] = torch.cat(parts).to(device)
+        return output
+
+    # ---- override 2: troll's loss ----
+
+    def _compute_loss(self, model, inputs):
+        cfg = self.troll
+        mode = "train" if self.model.training else "eval"
+        completion_ids = inputs["completion_ids"]
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        logits = self._completion_logits(model, inputs["prompt_ids"], inputs["prompt_mask"], completion_ids,
+                                         inputs["completion_mask"])
+        tokens = completion_ids.to("cpu")
+        mask_cpu = mask.to("cpu", torch.float32)
+        advantages = inputs["advantages"].to("cpu", torch.float32)
+        if advantages.dim() == 1:
+            advantages = advantages[:, None]
+        advantages = advantages.expand(tokens.shape)
+        if cfg.objective == "troll":
+            old = SparseRows(*(inputs[n].to("cpu") for n in _OLD_SPARSE), int(logits.size(-1)))
+            loss, metrics = troll_torch.trust_region_loss(
+                logits, old, tokens, advantages, eps=cfg.eps, alpha=cfg.alpha, mask=mask_cpu, new_k=cfg.new_k,
+                new_delta=cfg.new_delta, return_metrics=True, threads=cfg.threads)
+        elif cfg.objective == "ppo_clip":
+            loss, metrics = troll_torch.ppo_clip_loss(
+                logits, inputs[_OLD_DENSE].to("cpu"), tokens, advantages, clip_low=self.epsilon_low,
+                clip_high=self.epsilon_high, mask=mask_cpu, return_metrics=True, threads=cfg.threads)
+        else:
+            loss, metrics = troll_torch.dppo_loss(
+                logits, inputs[_OLD_DENSE].to("cpu"), tokens, advantages, divergence=cfg.dppo_divergence,
+                delta_low=cfg.dppo_delta_low, delta_high=cfg.dppo_delta_high, mask=mask_cpu,
+                return_metrics=True, threads=cfg.threads)
+        loss = loss.to(completion_ids.device)
+        if self.beta != 0.0:
+            # TRL's k3 estimator of KL(pi_theta || pi_ref) on the sampled tokens, same mean.
+            logps = torch.log_softmax(logits, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+            ref = inputs["ref_per_token_logps"].to("cpu", logps.dtype)
+            per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
+            kl = (per_token_kl * mask_cpu).sum() / mask_cpu.sum().clamp(min=1.0)
+            loss = loss + self.beta * kl.to(loss.device)
+            self._metrics[mode]["kl"].append(float(kl.detach()))
+        self._log_troll_metrics(mode, metrics)
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        return loss / normalizer
+
+    def _log_troll_metrics(self, mode: str, metrics: Dict[str, float]) -> None:
+        for name in ("kl_before_mean", "kl_before_max", "kl_after_mean", "kl_after_max", "projected_fraction",
+                     "limited_fraction", "ratio_mean"):
+            if name in metrics:
+                self._metrics[mode][f"troll/{name}"].append(float(metrics[name]))

@@ -1,0 +1,97 @@
+"""Vocabulary-parallel sparse rows over ``torch.distributed``: each tensor-parallel rank holds the
+logits of its slice of the vocabulary (a Megatron-style sharded LM head) and gets the exact sparse
+rows of the whole vocabulary, without anyone gathering the full logits.
+
+    rank r: sparsify_shard(its logits)  ->  states (rows x sparsify_state_bytes(k) bytes)
+    all ranks: all_gather(states) over the group  ->  merge in rank order, finalize
+    backward: the gradient w.r.t. each rank's own shard, computed locally (no communication)
+
+The exchanged states are fixed-size (``troll.sparsify_state_bytes(k)`` bytes a row: 1,328 for
+k = 64) whatever the vocabulary; the collective is the process group's own ``all_gather`` (gloo
+for CPU tensors, NCCL for CUDA). Every rank ends with identical rows. See docs/python.md."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import _core
+from .._core import SparseRows
+
+__all__ = ["sparsify", "sparsify_state_bytes"]
+
+sparsify_state_bytes = _core.sparsify_state_bytes
+
+
+def _comm_device(group: Any, like: torch.Tensor) -> torch.device:
+    """Where the states travel: NCCL moves CUDA tensors only; gloo and others take host ones."""
+    if dist.get_backend(group) == "nccl":
+        return like.device if like.is_cuda else torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _ShardedSparsify(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local_logits, sampled, params, info):  # type: ignore[override]
+        # troll's extension runs on the host (docs/python.md, CUDA): device shards are read there.
+        device = local_logits.device
+        x = local_logits.detach().to("cpu")
+        k, delta, vocab, offset, group, threads = (params[n] for n in
+                                                   ("k", "delta", "vocab", "offset", "group", "threads"))
+        states = _core.sparsify_shard(x, offset, vocab, k, delta, sampled, threads=threads)
+        comm = _comm_device(group, local_logits)
+        mine = states.to(comm)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        stacked = torch.stack(gathered).to("cpu")
+        dtype = str(x.dtype).replace("torch.", "")
+        rows, log_sums = _core.sparsify_finalize(stacked, vocab, k, delta, sampled=sampled is not None,
+                                                 dtype=dtype, threads=threads)
+        ctx.save_for_backward(x, rows.indices, rows.log_probs, rows.counts, rows.log_remainder, log_sums)
+        ctx.offset, ctx.vocab, ctx.threads, ctx.device = offset, vocab, threads, device
+        out = tuple(t.to(device) for t in rows[:4])
+        ctx.mark_non_differentiable(out[0], out[2])
+        info["log_sums"] = log_sums
+        return out
+
+    @staticmethod
+    def backward(ctx, _g_indices, g_log_probs, _g_counts, g_log_remainder):  # type: ignore[override]
+        x, indices, log_probs, counts, log_remainder, log_sums = ctx.saved_tensors
+        support = SparseRows(indices, log_probs, counts, log_remainder, ctx.vocab)
+        g = (g_log_probs.to("cpu").contiguous(), g_log_remainder.to("cpu").contiguous())
+        grad = _core.sparsify_shard_backward(x, ctx.offset, support, g, log_sums, threads=ctx.threads)
+        return grad.to(ctx.device), None, None, None
+
+
+def sparsify(local_logits: torch.Tensor, vocab_offset: int, vocab_size: int, k: int = 64, delta: float = 1e-5,
+             sampled: Optional[torch.Tensor] = None, group: Any = None, *, threads: int = 0,
+             return_log_sums: bool = False):
+    """``troll.torch.sparsify`` of rows whose vocabulary is split over the ranks of ``group``.
+
+    ``local_logits`` (..., V_r) are this rank's tokens [vocab_offset, vocab_offset + V_r) of rows
+    of ``vocab_size`` tokens; the ranks' slices must be disjoint and cover the vocabulary (any
+    widths, any order of offsets over ranks), and every rank passes the same leading shape, ``k``,
+    ``delta`` and ``sampled`` (global token ids, one a row, or None). Collective: every rank of
+    ``group`` must call it. Returns the same ``SparseRows`` on every rank — the rows
+    ``troll.torch.sparsify`` gives for the gathered logits (supports identical; values equal up to
+    the order of the floating-point sums: within one float32 ulp) — differentiable w.r.t.
+    ``local_logits``: the backward returns this rank's columns of the whole-row gradient,
+    computed locally. With ``return_log_sums=True`` also returns the rows' (..., 2) float64
+    {log sum_j e^z_j, log sum_{j not in S} e^z_j}."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("troll.torch.distributed.sparsify: torch.distributed is not initialised")
+    rows = tuple(local_logits.shape[:-1])
+    sampled_i32 = None
+    if sampled is not None:
+        sampled_i32 = torch.as_tensor(sampled)
+        if tuple(sampled_i32.shape) != rows:
+            raise _core.ShapeError(f"troll: sampled has shape {tuple(sampled_i32.shape)} but the logits' rows are {rows}")
+        sampled_i32 = sampled_i32.detach().to(device="cpu", dtype=torch.int32).contiguous()
+    params = dict(k=int(k), delta=float(delta), vocab=int(vocab_size), offset=int(vocab_offset), group=group,
+                  threads=threads)
+    info: Dict[str, Any] = {}
+    out = _ShardedSparsify.apply(local_logits, sampled_i32, params, info)
+    result = SparseRows(*out, int(vocab_size))
+    return (result, info["log_sums"]) if return_log_sums else result

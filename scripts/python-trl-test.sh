@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# troll inside real trainers: TRL's GRPO with troll's loss (python/tests/test_trl.py) and the
+# tiny-LM run TROLL vs PPO clip vs DPPO (examples/python/grpo_tiny_lm.py --quick). Runs after
+# scripts/python-test.sh, in its venv: adds the pinned TRL / Hugging Face stack and matplotlib of
+# python/requirements-trl.txt with --no-deps (pip never resolves torch or the CUDA toolkit).
+# No hub access anywhere: the model and tokenizer are built locally, HF_HUB_OFFLINE=1.
+#   TROLL_PYTHON_VENV   the environment python-test.sh made (default build/venv)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+venv=${TROLL_PYTHON_VENV:-build/venv}
+started=$SECONDS
+step() { printf '\n---- [python-trl-test.sh %4ds] %s ----\n' "$((SECONDS - started))" "$*"; }
+
+if ! "$venv/bin/python" -c "import troll.torch" 2>/dev/null; then
+  step "no troll in $venv: scripts/python-test.sh first"
+  bash scripts/python-test.sh
+fi
+
+step "dependencies (python/requirements-trl.txt, --no-deps; cached wheels are reused)"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r python/requirements-trl.txt
+"$venv/bin/python" -c "import torch, trl, transformers; print('torch', torch.__version__, 'trl', trl.__version__, 'transformers', transformers.__version__)"
+
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+step "pytest python/tests/test_trl.py (TRL GRPOTrainer + troll, tiny local model)"
+(cd python && "../$venv/bin/pytest" -q -p no:cacheprovider tests/test_trl.py)
+
+step "examples/python/grpo_tiny_lm.py --quick"
+"$venv/bin/python" examples/python/grpo_tiny_lm.py --quick --out build/grpo_tiny_lm
+test -s build/grpo_tiny_lm/metrics.csv
+test -s build/grpo_tiny_lm/grpo_tiny_lm.png
+step "trl tests and the tiny-LM run passed"
