@@ -6,7 +6,7 @@
 // once). scripts/bench_table.py turns the JSON output into the tables of docs/performance.md.
 #include <benchmark/benchmark.h>
 
-#include <Eigen/Core>
+#include "troll/detail/cpu/eigen.hpp"  // Eigen, with GCC 12's AVX-512 headers warning-free
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>

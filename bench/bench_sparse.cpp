@@ -136,18 +136,26 @@ const aligned_inputs& aligned() {
   return a;
 }
 
+/// The first `rows` rows of the tiled batch (all of it when rows = 0).
+troll::aligned_batch_view<const float> first_rows(const aligned_inputs& a, std::size_t rows) {
+  troll::aligned_batch_view<const float> v = a.view();
+  if (rows != 0) v.rows = std::min(rows, v.rows);
+  return v;
+}
+
 void sparse_project(benchmark::State& state, bool backward) {
   const aligned_inputs& a = aligned();
   const int parallel = int(state.range(0));
-  const std::size_t n = a.rows;
+  const troll::aligned_batch_view<const float> view = first_rows(a, std::size_t(state.range(1)));
+  const std::size_t n = view.rows;
   std::vector<troll::sparse_index> oi(n * 130), oc(n);
   std::vector<float> ol(n * 130), orr(n), g(n * 130, 0.5f), gr(n, -0.25f), gn(n * 130), gnr(n);
   std::vector<troll::projection_stats> st(n);
   troll::sparse_batch_view<float> out{oi.data(), ol.data(), oc.data(), orr.data(), n, 130, vocab};
   for (auto _ : state) {
-    troll::project(policy(parallel), a.view(), 0.05, out, st.data());
+    troll::project(policy(parallel), view, 0.05, out, st.data());
     if (backward)
-      troll::project_backward(policy(parallel), a.view(), troll::sparse_batch_view<const float>(out), st.data(),
+      troll::project_backward(policy(parallel), view, troll::sparse_batch_view<const float>(out), st.data(),
                               troll::sparse_grad_view<const float>{g.data(), gr.data(), n, 130},
                               troll::sparse_grad_view<float>{gn.data(), gnr.data(), n, 130});
     benchmark::DoNotOptimize(ol.data());
@@ -155,12 +163,14 @@ void sparse_project(benchmark::State& state, bool backward) {
   }
   state.SetItemsProcessed(std::int64_t(state.iterations()) * std::int64_t(n));
   state.counters["rows/s"] = benchmark::Counter(double(state.iterations()) * double(n), benchmark::Counter::kIsRate);
-  std::size_t active = 0, entries = 0;
+  std::size_t active = 0, entries = 0, iterations = 0;
   for (std::size_t r = 0; r < n; ++r) {
     active += st[r].active() ? 1 : 0;
     entries += std::size_t(a.counts[r]);
+    iterations += std::size_t(st[r].iterations);
   }
   state.counters["active_fraction"] = double(active) / double(n);
+  state.counters["newton_iters"] = active ? double(iterations) / double(active) : 0.0;
   state.counters["mean_union"] = double(entries) / double(n);
 }
 
@@ -171,7 +181,8 @@ void sparse_forward_backward(benchmark::State& state) { sparse_project(state, tr
 
 BENCHMARK(plain_read)->Name("read/float/V:151936/rows:64")->ArgName("parallel")->Arg(0)->Arg(1)->UseRealTime();
 BENCHMARK(sparsify_float)->Name("sparsify/float/K:64/V:151936/rows:64")->ArgName("parallel")->Arg(0)->Arg(1)->UseRealTime();
-BENCHMARK(sparse_forward)->Name("project_sparse/float/K:64/rows:4096")->ArgName("parallel")->Arg(0)->Arg(1)->UseRealTime();
-BENCHMARK(sparse_forward_backward)->Name("project_sparse+backward/float/K:64/rows:4096")->ArgName("parallel")->Arg(0)->Arg(1)->UseRealTime();
+BENCHMARK(sparse_forward)->Name("project_sparse/float/K:64")->ArgNames({"parallel", "rows"})->ArgsProduct({{0, 1}, {4096}})->UseRealTime();
+// rows:256 is a small batch: one call takes ~1 ms, where starting threads per call would show.
+BENCHMARK(sparse_forward_backward)->Name("project_sparse+backward/float/K:64")->ArgNames({"parallel", "rows"})->ArgsProduct({{0, 1}, {256, 4096}})->UseRealTime();
 
 BENCHMARK_MAIN();

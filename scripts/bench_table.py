@@ -198,12 +198,9 @@ def machine_section(context, cache_path="build/release/CMakeCache.txt"):
     flags = " ".join(x for x in (cache.get("CMAKE_CXX_FLAGS", ""),
                                  cache.get(f"CMAKE_CXX_FLAGS_{cache.get('CMAKE_BUILD_TYPE', 'RELEASE').upper()}", ""))
                      if x)
-    # TROLL_NATIVE_ARCH adds -march=native to troll's own targets (and -mno-avx512f on GCC < 13).
+    # TROLL_NATIVE_ARCH adds -march=native (AVX-512 included) to troll's own targets.
     if cache.get("TROLL_NATIVE_ARCH", "OFF").upper() in ("ON", "1", "TRUE", "YES"):
-        gcc_major = re.search(r"\) (\d+)\.", version[0]) if version else None
         flags += " -march=native"
-        if gcc_major and int(gcc_major.group(1)) < 13 and "clang" not in (version[0] if version else ""):
-            flags += " -mno-avx512f"
     cpu_flags = set(command_output(["sh", "-c", "grep -m1 '^flags' /proc/cpuinfo"]).split())
     isa = next((x for x in ("avx512f", "avx2", "avx", "sse4_2") if x in cpu_flags), "")
     caches = ", ".join(f"L{c['level']} {c['type'].lower()} {c['size'] // 1024} KiB ×{c['num_sharing'] and context.get('num_cpus', 1) // c['num_sharing']}"

@@ -41,8 +41,9 @@ void validate_rows(const char* function, unsigned threads, batch_view<const T> a
     }
     return p;
   };
+  // One fused pass per row; problem() names what is wrong with the first bad row.
   const std::size_t bad =
-      cpu::first_bad_row(threads, a.rows, a.cols, [&](std::size_t r) { return bool(problem(r)); });
+      cpu::first_bad_row(threads, a.rows, a.cols, [&](std::size_t r) { return !cpu::row_values_fine(a.row(r), a.cols); });
   if (bad != a.rows) throw_problem(function, bad, problem(bad));
 }
 }  // namespace detail

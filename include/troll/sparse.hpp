@@ -19,6 +19,7 @@
 #include "detail/cpu/backward_kernels.hpp"
 #include "detail/cpu/parallel.hpp"
 #include "detail/cpu/row_kernels.hpp"
+#include "detail/cpu/sparse_fast_checks.hpp"
 #include "detail/cpu/sparse_kernels.hpp"
 #include "detail/row_problem.hpp"
 #include "detail/sparse_row.hpp"
@@ -108,9 +109,22 @@ cpu::sparse_problem check_sparse_row_of(const sparse_batch_view<T>& v, std::size
                                v.k_max, v.vocab, name, scratch);
 }
 
-/// Validates every row of a sparse batch (parallel); throws the lowest bad row's problem.
+/// Whether row r of a sparse batch passes check_sparse_row (the fast yes/no checks).
+template <class T>
+bool sparse_row_fine(const sparse_batch_view<T>& v, std::size_t r, sparse_index* table) {
+  return cpu::sparse_indices_fine(v.row_indices(r), v.count(r), v.k_max, v.vocab, table) &&
+         cpu::sparse_values_fine(v.row_log_probs(r), v.count(r), v.log_remainder[r], v.vocab);
+}
+
+/// Validates every row of a sparse batch (parallel); throws the lowest bad row's problem. One
+/// fast pass; only a batch with a bad row runs the full checks, which name it.
 template <class T>
 void validate_sparse(const char* fn, unsigned threads, const sparse_batch_view<T>& v, const char* name) {
+  const std::size_t bad = cpu::first_bad_row(threads, v.rows, 4 * std::size_t(v.k_max) + 64, [&](std::size_t r) {
+    sparse_index table[cpu::distinct_table_slots];
+    return !sparse_row_fine(v, r, table);
+  });
+  if (bad == v.rows) return;
   first_sparse_problem(fn, threads, v.rows, 4 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     index_slot scratch[sparse_max_entries];
     return check_sparse_row_of(v, r, name, scratch);
@@ -137,15 +151,27 @@ template <class T>
 int lumped_pair(const aligned_batch_view<const T>& a, std::size_t r, double* zn, double* zo, int* slot) {
   const int count = static_cast<int>(a.counts[r]);
   const bool tail = static_cast<long long>(a.vocab) > count;
+  const T* new_lp = a.new_log_probs + r * a.k_max;
+  const T* old_lp = a.old_log_probs + r * a.k_max;
+  // Widen every entry (a loop the compiler vectorises), then drop the categories masked on both
+  // sides, which are rare, in a second pass only when there are any.
+  int both_masked = 0;
+  for (int i = 0; i < count; ++i) {
+    zn[i] = double(new_lp[i]);
+    zo[i] = double(old_lp[i]);
+    slot[i] = i;
+    both_masked |= int(zn[i] == neg_inf()) & int(zo[i] == neg_inf());
+  }
+  zn[count] = tail ? double(a.new_log_remainder[r]) : neg_inf();
+  zo[count] = tail ? double(a.old_log_remainder[r]) : neg_inf();
+  slot[count] = count;
+  both_masked |= int(zn[count] == neg_inf()) & int(zo[count] == neg_inf());
+  if (both_masked == 0) return count + 1;
   int n = 0;
   for (int i = 0; i <= count; ++i) {
-    const double vn = i < count ? double(a.new_log_probs[r * a.k_max + std::size_t(i)])
-                                : (tail ? double(a.new_log_remainder[r]) : neg_inf());
-    const double vo = i < count ? double(a.old_log_probs[r * a.k_max + std::size_t(i)])
-                                : (tail ? double(a.old_log_remainder[r]) : neg_inf());
-    if (vn == neg_inf() && vo == neg_inf()) continue;
-    zn[n] = vn;
-    zo[n] = vo;
+    if (zn[i] == neg_inf() && zo[i] == neg_inf()) continue;
+    zn[n] = zn[i];
+    zo[n] = zo[i];
     slot[n] = i;
     ++n;
   }
@@ -157,8 +183,6 @@ int lumped_pair(const aligned_batch_view<const T>& a, std::size_t r, double* zn,
 template <class T>
 void validate_aligned(const char* fn, unsigned threads, const aligned_batch_view<const T>& a,
                       double eps) {
-  validate_sparse(fn, threads, a.new_side(), "new");
-  validate_sparse(fn, threads, a.old_side(), "old");
   auto problem = [&](std::size_t r) {
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
     int slot[sparse_max_entries + 1];
@@ -174,6 +198,20 @@ void validate_aligned(const char* fn, unsigned threads, const aligned_batch_view
     }
     return p;
   };
+  // One fast pass over both sides and the lumped rows; a batch with a bad row then runs the
+  // checks in their documented order (every row's new side, then old, then the lumped rows).
+  const sparse_batch_view<const T> new_side = a.new_side(), old_side = a.old_side();
+  const std::size_t any_bad =
+      cpu::first_bad_row(threads, a.rows, 16 * std::size_t(a.k_max) + 64, [&](std::size_t r) {
+        sparse_index table[cpu::distinct_table_slots];
+        return !sparse_row_fine(new_side, r, table) ||
+               !cpu::sparse_values_fine(old_side.row_log_probs(r), old_side.count(r),
+                                        old_side.log_remainder[r], old_side.vocab) ||
+               bool(problem(r));
+      });
+  if (any_bad == a.rows) return;
+  validate_sparse(fn, threads, new_side, "new");
+  validate_sparse(fn, threads, old_side, "old");
   const std::size_t bad = cpu::first_bad_row(threads, a.rows, 4 * std::size_t(sparse_max_entries),
                                              [&](std::size_t r) { return bool(problem(r)); });
   if (bad != a.rows) throw_problem(fn, bad, problem(bad));

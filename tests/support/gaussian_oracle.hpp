@@ -3,8 +3,8 @@
 // formula, t* by plain bisection. Shares no code with troll's factorised solve.
 #pragma once
 
+#include "troll/detail/cpu/eigen.hpp"  // Eigen/Core first, AVX-512-clean on GCC 12
 #include <Eigen/Cholesky>
-#include <Eigen/Core>
 #include <cmath>
 #include <cstddef>
 #include <random>

@@ -12,7 +12,7 @@
 // Entries off J (masked outputs) take no upstream gradient and give none to masked inputs.
 #pragma once
 
-#include <Eigen/Core>
+#include "eigen.hpp"
 #include <cstddef>
 
 #include "../../config.hpp"

@@ -10,7 +10,7 @@
 // projection is the same with the mean terms dropped; its mean step is differentiated directly.
 #pragma once
 
-#include <Eigen/Core>
+#include "eigen.hpp"
 #include <cmath>
 #include <cstddef>
 

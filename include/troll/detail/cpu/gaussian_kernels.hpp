@@ -4,8 +4,8 @@
 // Cholesky factors, diagonal ones as standard deviations; arithmetic in double.
 #pragma once
 
+#include "eigen.hpp"  // first: Eigen/Core with GCC 12's AVX-512 headers warning-free
 #include <Eigen/Cholesky>
-#include <Eigen/Core>
 #include <Eigen/Eigenvalues>
 #include <cmath>
 #include <cstddef>

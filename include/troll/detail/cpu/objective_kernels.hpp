@@ -4,7 +4,7 @@
 // scalar maths and the gradient coefficients come from detail/objective_row.hpp.
 #pragma once
 
-#include <Eigen/Core>
+#include "eigen.hpp"
 #include <cstddef>
 #include <cstdint>
 

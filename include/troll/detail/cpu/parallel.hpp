@@ -1,14 +1,19 @@
-// troll/detail/cpu/parallel.hpp — a minimal parallel loop over rows for the CPU backend.
-// Threads are started per call (no pool, no global state); small batches run inline.
+// troll/detail/cpu/parallel.hpp — the parallel loop over rows of the CPU backend, on a pool of
+// worker threads started once per process (on the first call that wants more than one thread)
+// and parked between calls, so that small batches do not pay for starting threads.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <exception>
 #include <mutex>
 #include <thread>
 #include <vector>
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
 
 #include "../../config.hpp"
 
@@ -16,22 +21,110 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cpu {
 
+/// Parked worker threads that run one job at a time: run(helpers, job) has `helpers` workers
+/// call job() while the caller calls it too, and returns when all have returned. One caller at a
+/// time: a second caller (another thread, or a job that itself calls parallel_for) gets false
+/// from try_run and runs its loop alone, as does a process forked from the one that made the
+/// pool. Workers are added on demand and joined at exit.
+class worker_pool {
+ public:
+  static worker_pool& instance() {
+    static worker_pool pool;
+    return pool;
+  }
+
+  worker_pool() = default;
+  worker_pool(const worker_pool&) = delete;
+  worker_pool& operator=(const worker_pool&) = delete;
+  ~worker_pool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+
+  /// Runs job() on the caller and on `helpers` workers; false (nothing run) when the pool is busy.
+  /// job must not throw.
+  template <class Job>
+  bool try_run(unsigned helpers, Job& job) {
+    if (forked()) return false;  // a child process has none of the parent's threads
+    bool idle = false;
+    if (!busy_.compare_exchange_strong(idle, true)) return false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      while (workers_.size() < helpers) {
+        const unsigned id = static_cast<unsigned>(workers_.size());
+        workers_.emplace_back([this, id] { work(id); });
+      }
+      job_ = &job;
+      call_ = [](void* j) { (*static_cast<Job*>(j))(); };
+      helpers_ = helpers;
+      pending_ = helpers;
+      ++generation_;
+    }
+    wake_.notify_all();
+    job();
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return pending_ == 0; });
+    job_ = nullptr;
+    busy_.store(false);
+    return true;
+  }
+
+ private:
+  void work(unsigned id) {
+    unsigned long long seen = 0;
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [&] { return stopping_ || generation_ != seen; });
+      if (stopping_) return;
+      seen = generation_;
+      if (id >= helpers_) continue;  // not needed for this job
+      void* job = job_;
+      void (*call)(void*) = call_;
+      lock.unlock();
+      call(job);
+      lock.lock();
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+#if defined(__unix__) || defined(__APPLE__)
+  bool forked() const { return ::getpid() != owner_pid_; }
+  const pid_t owner_pid_ = ::getpid();
+#else
+  bool forked() const { return false; }
+#endif
+  std::atomic<bool> busy_{false};  // set while one caller's job runs
+  std::mutex mutex_;  // guards everything below
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> workers_;
+  void* job_ = nullptr;
+  void (*call_)(void*) = nullptr;
+  unsigned helpers_ = 0;
+  unsigned pending_ = 0;
+  unsigned long long generation_ = 0;
+  bool stopping_ = false;
+};
+
 /// Calls body(i) for i in [0, n). `work_per_item` (≈ elements touched) decides whether threads
 /// pay off; `threads == 0` uses every hardware thread. Rows are handed out in small chunks so
-/// uneven rows balance. An exception from body is rethrown in the caller after all threads join.
+/// uneven rows balance. An exception from body is rethrown in the caller after all threads stop.
 template <class Body>
 void parallel_for(unsigned threads, std::size_t n, std::size_t work_per_item, Body&& body) {
-  constexpr std::size_t min_work_per_thread = std::size_t(1) << 16;
+  constexpr std::size_t min_work_per_thread = std::size_t(1) << 15;
   // hardware_concurrency() reads /sys on every call; ask once per process.
   static const unsigned hardware = std::max(1u, std::thread::hardware_concurrency());
   const unsigned hw = threads != 0 ? threads : hardware;
   const std::size_t total = n * std::max<std::size_t>(work_per_item, 1);
   const std::size_t useful = std::max<std::size_t>(1, total / min_work_per_thread);
   const unsigned count = static_cast<unsigned>(std::min<std::size_t>({hw, n, useful}));
-  if (count <= 1) {
+  auto serial = [&] {
     for (std::size_t i = 0; i < n; ++i) body(i);
-    return;
-  }
+  };
+  if (count <= 1) return serial();
   const std::size_t chunk = std::max<std::size_t>(1, n / (std::size_t(count) * 8));
   std::atomic<std::size_t> next{0};
   std::exception_ptr failure;
@@ -50,11 +143,7 @@ void parallel_for(unsigned threads, std::size_t n, std::size_t work_per_item, Bo
       next.store(n);
     }
   };
-  std::vector<std::thread> pool;
-  pool.reserve(count - 1);
-  for (unsigned k = 1; k < count; ++k) pool.emplace_back(worker);
-  worker();
-  for (auto& th : pool) th.join();
+  if (!worker_pool::instance().try_run(count - 1, worker)) return serial();
   if (failure) std::rethrow_exception(failure);
 }
 

@@ -3,9 +3,10 @@
 // double, and feeds the shared host/device maths (lse_state, trust_region_solver).
 #pragma once
 
-#include <Eigen/Core>
+#include "eigen.hpp"
 #include <cstddef>
 #include <limits>
+#include <type_traits>
 
 #include "../../config.hpp"
 #include "../../projection_types.hpp"
@@ -89,6 +90,19 @@ inline bool all_finite(const T* z, std::size_t n) {
   return bad == 0;
 }
 
+/// Whether a row passes validate_rows: no NaN or +inf and some entry above −inf. One pass, two
+/// integer OR-reductions the compiler vectorises in T.
+template <class T>
+inline bool row_values_fine(const T* z, std::size_t n) {
+  constexpr T bound = std::numeric_limits<T>::infinity();
+  int bad = 0, some = 0;
+  for (std::size_t k = 0; k < n; ++k) {
+    bad |= !(z[k] < bound);
+    some |= z[k] > -bound;
+  }
+  return bad == 0 && some != 0;
+}
+
 /// First NaN or +inf of a row, if any (one vectorised scan; a bad row is then walked).
 template <class T>
 inline row_problem find_bad_value(const T* z, std::size_t size, const char* operand) {
@@ -119,15 +133,13 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
   bool any_new = false, any_old = false;
   // The first index of `value` in `v` (known to be there): argmax without a scalar visitor pass
   // over every block, since a block's max rarely beats the running best.
-  auto index_of = [](const block_array& v, double value) {
+  auto index_of = [](const auto& v, double value) {
     Eigen::Index k = 0;
     while (v[k] != value) ++k;
     return k;
   };
-  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-    if (p) return;
-    const block_array a = load(zn, begin, count);
-    const block_array b = load(zo, begin, count);
+  // One block: double rows are read in place, float rows widened first.
+  auto scan_block = [&](const auto& a, const auto& b, std::size_t begin, Eigen::Index count) {
     const double max_new = a.template maxCoeff<Eigen::PropagateNaN>();
     const double max_old = b.template maxCoeff<Eigen::PropagateNaN>();
     if (!(max_new < inf() && max_old < inf())) {  // a NaN or +inf somewhere in this block
@@ -171,6 +183,14 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
     if (vn > best_new) best_new = vn, setup.new_top = tilt_ref{a[at], b[at]};
     const double vo = joint.select(b, neg_inf()).maxCoeff(&at);
     if (vo > best_old) best_old = vo, setup.old_top = tilt_ref{a[at], b[at]};
+  };
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    if (p) return;
+    if constexpr (std::is_same<T, double>::value) {
+      scan_block(row_map<double>(zn + begin, count), row_map<double>(zo + begin, count), begin, count);
+    } else {
+      scan_block(load(zn, begin, count), load(zo, begin, count), begin, count);
+    }
   });
   if (p) return p;
   setup.spread = highest - lowest;
@@ -212,11 +232,23 @@ struct tilt_evaluator {
   bool masked;  // some token outside the joint support: take the select path
   double spread;  // max − min over both rows' logits (+inf with a masked token)
 
-  /// x and w (tilt_family.hpp) on one block; w = −inf outside the joint support.
+  /// x and w (tilt_family.hpp) on one block; w = −inf outside the joint support. Double rows are
+  /// read in place, float rows widened into `a` and `b` first.
   void block(std::size_t begin, Eigen::Index count, const tilt_param& u, const tilt_ref& ref, block_array& a,
              block_array& b, block_array& x, block_array& w) const {
-    a = load(new_logits, begin, count);
-    b = load(old_logits, begin, count);
+    if constexpr (std::is_same<T, double>::value) {
+      tilt_block(row_map<double>(new_logits + begin, count), row_map<double>(old_logits + begin, count), u, ref,
+                 x, w);
+    } else {
+      a = load(new_logits, begin, count);
+      b = load(old_logits, begin, count);
+      tilt_block(a, b, u, ref, x, w);
+    }
+  }
+
+  template <class A, class B>
+  void tilt_block(const A& a, const B& b, const tilt_param& u, const tilt_ref& ref, block_array& x,
+                  block_array& w) const {
     // x = (z̃ − z̃_r) − (z° − z°_r) and w from the same two differences (tilt_family.hpp); float
     // logits cannot overflow them, double ones are clamped to ±DBL_MAX.
     if (sizeof(T) < sizeof(double)) {
@@ -260,7 +292,8 @@ struct tilt_evaluator {
       if (m > total.m) {  // this block holds the mode so far: record its token as the reference
         Eigen::Index k = 0;
         while (!(w[k] == m)) ++k;
-        part.ref_new = a[k], part.ref_old = b[k];
+        part.ref_new = static_cast<double>(new_logits[begin + std::size_t(k)]);
+        part.ref_old = static_cast<double>(old_logits[begin + std::size_t(k)]);
       }
       total = merge(total, part);
     });

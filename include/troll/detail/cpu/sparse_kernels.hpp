@@ -4,7 +4,7 @@
 // a sparse gradient to dense logits. Scratch lives on the stack; nothing allocates.
 #pragma once
 
-#include <Eigen/Core>
+#include "eigen.hpp"
 #include <cmath>
 #include <cstddef>
 #include <cstdint>

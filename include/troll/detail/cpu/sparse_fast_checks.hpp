@@ -1,0 +1,84 @@
+// troll/detail/cpu/sparse_fast_checks.hpp — yes/no versions of the sparse row checks for the CPU
+// backend's first pass over a batch: O(|S|) per row, vectorised, no sort. They accept exactly the
+// rows check_sparse_row (sparse_kernels.hpp) accepts; a row they refuse is handed to the full
+// check, which names the problem (so a batch of good rows never sorts anything).
+#pragma once
+
+#include "eigen.hpp"
+#include <cstddef>
+#include <cstdint>
+
+#include "../../config.hpp"
+#include "../numeric.hpp"
+#include "../sparse_row.hpp"
+
+#include "eigen_warnings_push.inc"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+namespace cpu {
+
+/// Slots of the hash table sparse_indices_fine needs: twice the largest support.
+inline constexpr int distinct_table_slots = 2 * sparse_max_entries;
+
+/// Whether count lies in [0, min(capacity, V, sparse_max_entries)] and indices[0..count) are
+/// distinct ids in [0, V): one pass through an open-addressed hash set in `table`
+/// (distinct_table_slots entries, of which the first power of two ≥ 2·count, at least 16, are
+/// used), in place of check_sparse_row's sort.
+inline bool sparse_indices_fine(const sparse_index* indices, long long count, std::size_t capacity,
+                                std::size_t vocab, sparse_index* table) {
+  if (count < 0 || count > static_cast<long long>(capacity) || count > static_cast<long long>(vocab) ||
+      count > sparse_max_entries)
+    return false;
+  const int n = static_cast<int>(count);
+  int bits = 4;
+  while ((1 << bits) < 2 * n) ++bits;
+  const std::uint32_t mask = (std::uint32_t(1) << bits) - 1;
+  for (std::uint32_t i = 0; i <= mask; ++i) table[i] = -1;
+  for (int i = 0; i < n; ++i) {
+    const sparse_index v = indices[i];
+    if (v < 0 || static_cast<std::size_t>(v) >= vocab) return false;
+    std::uint32_t h = (static_cast<std::uint32_t>(v) * 2654435761u) >> (32 - bits);  // Knuth's multiplier
+    while (table[h] >= 0) {
+      if (table[h] == v) return false;
+      h = (h + 1) & mask;
+    }
+    table[h] = v;
+  }
+  return true;
+}
+
+/// Whether the values of a sparse row with distinct in-range indices pass check_sparse_row:
+/// log-probs and log-remainder not NaN and ≤ 0, no remainder mass when count = V, some mass, and
+/// Σ p_i + r within sparse_mass_tolerance<T>() of 1. The sum is taken with vectorised
+/// exponentials; where it lands within 1e-9 of the tolerance's edge (or outside) the scalar sum
+/// of check_sparse_row decides, so both accept the same rows.
+template <class T>
+inline bool sparse_values_fine(const T* log_probs, long long count, T log_remainder, std::size_t vocab) {
+  const int n = static_cast<int>(count);
+  double widened[sparse_max_entries];
+  int bad = 0;
+  double most = neg_inf();
+  for (int i = 0; i < n; ++i) {
+    const double l = static_cast<double>(log_probs[i]);
+    bad |= !(l <= 0.0);
+    widened[i] = l;
+    most = l > most ? l : most;
+  }
+  const double r = static_cast<double>(log_remainder);
+  if (bad != 0 || !(r <= 0.0)) return false;
+  if (static_cast<std::size_t>(n) == vocab && r > neg_inf()) return false;
+  if (!(most > neg_inf()) && !(r > neg_inf())) return false;
+  // Eigen's vectorised exp gives ~5.6e-309 for −inf (row_kernels.hpp, exact_exp): ≤ 1e-305 in all.
+  const double mass = Eigen::Map<const Eigen::ArrayXd>(widened, n).exp().sum() + ::exp(r);
+  const double tol = sparse_mass_tolerance<T>();
+  if (mass >= 1.0 - tol + 1e-9 && mass <= 1.0 + tol - 1e-9) return true;
+  const double exact = sparse_row_mass(log_probs, n, r);
+  return exact >= 1.0 - tol && exact <= 1.0 + tol;
+}
+
+}  // namespace cpu
+}  // namespace detail
+TROLL_END_NAMESPACE
+
+#include "eigen_warnings_pop.inc"
