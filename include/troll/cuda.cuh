@@ -276,7 +276,7 @@ void project_jacobian(cuda_policy policy, input_view<T> new_logits, input_view<T
       [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
         detail::cuda::jacobian_rows_kernel<T>
             <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0, policy.stream>>>(
-                new_logits, old_logits, stats, row_terms, range, device);
+                new_logits, old_logits, log_probs, stats, row_terms, range, device);
         if (device.validate_only) return;
         detail::cuda::check_launch(fn);
         detail::cuda::write_jacobian_entries(

@@ -129,6 +129,10 @@ struct sparse_thrower {
             << (report.token == sizeof(float) ? sparse_mass_tolerance<float>() : sparse_mass_tolerance<double>())
             << " from 1: not a normalised row";
         throw domain_error(msg.str(), row);
+      case cuda_row_error::sparse_masked_mass:
+        msg << name << where() << " is " << report.value
+            << " where the new or old side is -inf: not the projection's output for these rows";
+        throw domain_error(msg.str(), row);
       case cuda_row_error::sparse_wrong_token:
         msg << "log_probs: entry " << entry << " holds token " << report.value << " where the aligned rows hold token "
             << report.operand << " (log_probs must be project()'s output for these rows)";

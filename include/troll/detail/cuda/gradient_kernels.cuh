@@ -256,15 +256,25 @@ struct jacobian_row_terms {
 template <class T>
 __global__ void __launch_bounds__(block_threads)
     jacobian_rows_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits,
-                         const projection_stats* stats, jacobian_row_terms* terms, row_range range,
-                         device_checks checks) {
+                         batch_view<const T> log_probs, const projection_stats* stats,
+                         jacobian_row_terms* terms, row_range range, device_checks checks) {
   __shared__ reduce_storage<pair_scan> scan_storage;
+  __shared__ reduce_storage<std::size_t> token_storage;
   const std::size_t size = new_logits.cols, end = range.begin + range.count;
   for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
     const T* zn = new_logits.row(r);
     const T* zo = old_logits.row(r);
     const pair_scan scan = scan_pair_row(zn, zo, size, scan_storage);
-    const cuda_row_report report = derivative_problem(scan, zn, zo, stats[r]);
+    cuda_row_report report = derivative_problem(scan, zn, zo, stats[r]);
+    // log_probs after the logits and before the stats, as the CPU checks them (block-uniform).
+    if (report.error == cuda_row_error::none || report.error == cuda_row_error::bad_stats) {
+      const std::size_t bad = block_first_bad_log_prob(log_probs.row(r), zn, zo, size, token_storage);
+      if (bad != no_token) {
+        report = cuda_row_report{};
+        report.error = cuda_row_error::bad_log_probs, report.token = bad;
+        report.value = static_cast<double>(log_probs.row(r)[bad]);
+      }
+    }
     if (threadIdx.x == 0) {  // not `continue`: a barrier added below must still see every thread
       record_row(checks, range, r, report);
       if (!checks.validate_only) {

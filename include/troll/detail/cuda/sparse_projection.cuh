@@ -430,9 +430,12 @@ __global__ void sparse_project_backward_kernel(aligned_batch_view<const T> rows,
         if (i < row.count) {
           l = i < 0 ? lr : static_cast<double>(lp_row[i]);
           const double g = i < 0 ? g_r : static_cast<double>(g_row[i]);
+          double side_new, side_old;  // the lumped category's (new, old) log-probs
+          row.at(i < 0 ? row.count : i, side_new, side_old);
           if (i >= 0 && lp_indices[i] != aligned_indices[i]) problem = 3;
           else if (l != l) problem = 1;
           else if (l > 0.0) problem = 4;
+          else if (l > neg_inf() && (side_new == neg_inf() || side_old == neg_inf())) problem = 5;
           else if (l > neg_inf() && !(g - g == 0.0)) problem = 2;
         }
         const int bad = first_lane(problem != 0);
@@ -446,6 +449,9 @@ __global__ void sparse_project_backward_kernel(aligned_batch_view<const T> rows,
           report.operand = int(aligned_indices[at]);
         } else if (kind == 4) {
           report.error = cuda_row_error::sparse_above_one, report.operand = operand_log_probs;
+          report.value = __shfl_sync(full_warp, l, bad);
+        } else if (kind == 5) {
+          report.error = cuda_row_error::sparse_masked_mass, report.operand = operand_log_probs;
           report.value = __shfl_sync(full_warp, l, bad);
         } else {
           report.error = cuda_row_error::sparse_nan;
