@@ -301,6 +301,7 @@ objective_metrics objective_forward(cpu_policy policy,
       return p;
     }
     const T* old_lp = old_rows.row_log_probs(r);
+    bool may_overflow = false;
     if ((in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0) {
       const std::int64_t a = in.tokens[r];
       long long at = -1;
@@ -316,25 +317,9 @@ objective_metrics objective_forward(cpu_policy policy,
         return p;
       }
       // A token far in the old row's tail: its ratio and loss, from a projection into scratch
-      // memory, must fit before anything is written.
-      if (detail::ratio_may_overflow<T>(-static_cast<double>(old_lp[at]), static_cast<double>(in.advantages[r]))) {
-        detail::aligned_row_buffer<T> buffer;
-        const aligned_batch_view<T> one = buffer.view(vocab);
-        detail::gather_aligned_row(new_logits.row(r), vocab, old_rows, r, new_k, log_delta, one, 0);
-        const detail::objective_problem lumped =
-            detail::check_lumped(aligned_batch_view<const T>(one), 0, objective.eps, regression);
-        if (lumped) return detail::as_token_problem(lumped);
-        double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1];
-        int slot[sparse_max_entries + 1];
-        const aligned_batch_view<const T> one_in = one;
-        const int n = detail::lumped_pair(one_in, 0, zn, zo, slot);
-        const int token = detail::lumped_category_of(one_in, 0, slot, n, a);
-        const detail::cpu::troll_row_result x = detail::cpu::troll_forward_row(
-            zn, zo, std::size_t(n), objective.eps, objective.projection, true, token,
-            static_cast<double>(in.advantages[r]), objective.alpha, lp);
-        const detail::objective_problem overflow = detail::check_token_result<T>(x.ratio, x.log_ratio, x.loss, 1.0, a);
-        if (overflow) return detail::as_token_problem(overflow);
-      }
+      // memory (below), must fit before anything is written.
+      may_overflow = detail::ratio_may_overflow<T>(-static_cast<double>(old_lp[at]),
+                                                   static_cast<double>(in.advantages[r]));
     }
     // Every lumped category is finite on both sides unless something is −inf: then the rows the
     // projection will see are built (without writing) and checked as project checks them.
@@ -342,13 +327,24 @@ objective_metrics objective_forward(cpu_policy policy,
                       count < static_cast<long long>(vocab);
     for (long long i = 0; i < count && !old_masked; ++i)
       old_masked = detail::is_masked(static_cast<double>(old_lp[i]));
-    if (scan.any_masked || old_masked) {
+    if (scan.any_masked || old_masked || may_overflow) {
       detail::aligned_row_buffer<T> buffer;
-      const aligned_batch_view<T> one = buffer.view(vocab);
-      detail::gather_aligned_row(new_logits.row(r), vocab, old_rows, r, new_k, log_delta, one, 0);
-      const detail::objective_problem lumped =
-          detail::check_lumped(aligned_batch_view<const T>(one), 0, objective.eps, regression);
+      const aligned_batch_view<const T> one = buffer.view(vocab);
+      detail::gather_aligned_row(new_logits.row(r), vocab, old_rows, r, new_k, log_delta, buffer.view(vocab), 0);
+      const detail::objective_problem lumped = detail::check_lumped(one, 0, objective.eps, regression);
       if (lumped) return detail::as_token_problem(lumped);
+      if (may_overflow) {
+        double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1];
+        int slot[sparse_max_entries + 1];
+        const int n = detail::lumped_pair(one, 0, zn, zo, slot);
+        const detail::cpu::troll_row_result x = detail::cpu::troll_forward_row(
+            zn, zo, std::size_t(n), objective.eps, objective.projection, true,
+            detail::lumped_category_of(one, 0, slot, n, in.tokens[r]), static_cast<double>(in.advantages[r]),
+            objective.alpha, lp);
+        const detail::objective_problem overflow =
+            detail::check_token_result<T>(x.ratio, x.log_ratio, x.loss, 1.0, in.tokens[r]);
+        if (overflow) return detail::as_token_problem(overflow);
+      }
     }
     p.what = problem_t::kind::none;
     return p;
