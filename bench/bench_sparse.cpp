@@ -73,9 +73,10 @@ void plain_read(benchmark::State& state) {
 void sparsify_float(benchmark::State& state) {
   const std::vector<float>& z = logits();
   const int parallel = int(state.range(0));
-  std::vector<troll::sparse_index> indices(batch * 65), counts(batch), sampled(batch);
+  std::vector<troll::sparse_index> indices(batch * 65), counts(batch);
+  std::vector<troll::token_id> sampled(batch);
   std::vector<float> log_probs(batch * 65), log_remainder(batch);
-  for (std::size_t r = 0; r < batch; ++r) sampled[r] = troll::sparse_index((r * 7919) % vocab);
+  for (std::size_t r = 0; r < batch; ++r) sampled[r] = troll::token_id((r * 7919) % vocab);
   troll::sparse_batch_view<float> out{indices.data(), log_probs.data(), counts.data(),
                                       log_remainder.data(), batch, 65, vocab};
   for (auto _ : state) {

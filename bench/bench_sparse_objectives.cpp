@@ -39,7 +39,7 @@ const inputs& data() {
   static const inputs in = [] {
     inputs d;
     d.dense = troll_bench::make_token_rows(max_rows, vocab);
-    const std::vector<troll::sparse_index> sampled(d.dense.tokens.begin(), d.dense.tokens.end());
+    const std::vector<troll::token_id> sampled(d.dense.tokens.begin(), d.dense.tokens.end());
     const std::size_t k_max = std::size_t(old_k) + 1;
     d.old_indices.resize(max_rows * k_max);
     d.old_log_probs.resize(max_rows * k_max);

@@ -52,8 +52,8 @@ void sparsify_matches_oracle(std::size_t vocab, int k, double delta, bool with_s
     const std::vector<T> row = zipf_logits<T>(vocab, 1.0 + 0.4 * double(r), 0.3, rng);
     z.insert(z.end(), row.begin(), row.end());
   }
-  std::vector<troll::sparse_index> sampled(rows);
-  for (std::size_t r = 0; r < rows; ++r) sampled[r] = troll::sparse_index((r * 7919 + seed) % vocab);
+  std::vector<troll::token_id> sampled(rows);
+  for (std::size_t r = 0; r < rows; ++r) sampled[r] = troll::token_id((r * 7919 + seed) % vocab);
   sparse_rows<T> out(rows, std::size_t(k) + 1, vocab);
   troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab),
                   with_sampled ? sampled.data() : nullptr, {k, delta}, out.view());
@@ -141,8 +141,8 @@ TEST_CASE("float sparsify selects what double sparsify selects on the same value
       }
       for (std::size_t r = 0; r < rows; ++r) zf[r * vocab + (r * 131) % vocab] = 0.5f;  // never all masked
       const std::vector<double> zd(zf.begin(), zf.end());
-      std::vector<troll::sparse_index> sampled(rows);
-      for (std::size_t r = 0; r < rows; ++r) sampled[r] = troll::sparse_index((r * 977 + 5) % vocab);
+      std::vector<troll::token_id> sampled(rows);
+      for (std::size_t r = 0; r < rows; ++r) sampled[r] = troll::token_id((r * 977 + 5) % vocab);
       for (const int k : {1, 7, 64, 256}) {
         CAPTURE(k);
         const std::size_t k_max = std::size_t(k) + 1;
@@ -175,7 +175,7 @@ TEST_CASE("sparsify: ties go to the lower index; masked tokens never enter; the 
   std::vector<double> z(100, 0.0);
   z[50] = -std::numeric_limits<double>::infinity();
   sparse_rows<double> out(1, 5, 100);
-  const troll::sparse_index sampled = 50;
+  const troll::token_id sampled = 50;
   troll::sparsify(troll::cpu, troll::make_batch(z.data(), 1, 100), &sampled, {4, 0.0}, out.view());
   REQUIRE(out.counts[0] == 5);
   CHECK(out.indices[0] == 0);
@@ -208,7 +208,7 @@ TEST_CASE("vocabulary shards: 1..8 shards, any merge order, give the whole-row r
     for (std::size_t i = 0; i < vocab; i += 97) row[i] = row[(i * 31) % vocab];  // ties across shards
     z.insert(z.end(), row.begin(), row.end());
   }
-  const std::vector<troll::sparse_index> sampled{17, 4000, 5002};
+  const std::vector<troll::token_id> sampled{17, 4000, 5002};
   const troll::sparsify_options opt{32, 1e-4};
   sparse_rows<float> whole(rows, 33, vocab);
   troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), sampled.data(), opt, whole.view());
@@ -264,8 +264,8 @@ TEST_CASE("shards of a row with no finite logit are rejected as the whole row is
   const troll::sparsify_options opt{4, 0.0};
   for (const troll::sparse_index token : {troll::sparse_index(-1), troll::sparse_index(9)}) {
     CAPTURE(token);
-    const std::vector<troll::sparse_index> sampled{3, token};
-    const troll::sparse_index* s = token < 0 ? nullptr : sampled.data();
+    const std::vector<troll::token_id> sampled{3, token};
+    const troll::token_id* s = token < 0 ? nullptr : sampled.data();
     sparse_rows<double> whole(rows, 5, vocab);
     CHECK_THROWS_AS(troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), s, opt, whole.view()),
                     troll::domain_error);

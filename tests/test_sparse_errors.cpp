@@ -122,7 +122,7 @@ TEST_CASE("sparsify: bad options, sampled tokens and logits") {
   for (std::size_t i = 0; i < z.size(); ++i) z[i] = std::sin(double(i));
   sparse_rows<double> out(rows, 10, vocab);
   const sparse_rows<double> before = out;
-  auto call = [&](troll::sparsify_options o, const troll::sparse_index* sampled) {
+  auto call = [&](troll::sparsify_options o, const troll::token_id* sampled) {
     troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), sampled, o, out.view());
   };
   CHECK_THROWS_AS(call({0, 1e-5}, nullptr), troll::domain_error);
@@ -130,7 +130,7 @@ TEST_CASE("sparsify: bad options, sampled tokens and logits") {
   CHECK_THROWS_AS(call({4, -1e-9}, nullptr), troll::domain_error);
   CHECK_THROWS_AS(call({4, 1.0}, nullptr), troll::domain_error);
   CHECK_THROWS_AS(call({4, nan_value}, nullptr), troll::domain_error);
-  std::vector<troll::sparse_index> sampled{1, 50, 2};
+  std::vector<troll::token_id> sampled{1, 50, 2};
   sampled[1] = 5;
   CHECK_THROWS_AS(call({10, 1e-5}, sampled.data()), troll::shape_error);  // needs k_max >= 11
   sampled[1] = 50;

@@ -43,7 +43,7 @@ struct fixture {
   std::vector<double> weight;  // loss weight per token id
   double weight_bucket = 0.7;
   double eps = 0.02;
-  troll::sparse_index sampled = 0;
+  troll::token_id sampled = 0;
 
   explicit fixture(unsigned seed) : so(1, 7, vocab), weight(vocab) {
     std::mt19937_64 rng(seed);
@@ -56,7 +56,7 @@ struct fixture {
     std::vector<std::size_t> order(vocab);
     std::iota(order.begin(), order.end(), std::size_t(0));
     std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return x0[a] > x0[b]; });
-    sampled = troll::sparse_index(order[vocab - 5]);
+    sampled = troll::token_id(order[vocab - 5]);
   }
 
   double loss_of(const sparse_rows<double>& out) const {
@@ -375,7 +375,7 @@ void shard_backward_matches_whole_row(std::size_t big, std::size_t shards, doubl
       for (std::size_t j = 0; j < big; j += 3) row[j] = -std::numeric_limits<T>::infinity();  // masked tokens
     z.insert(z.end(), row.begin(), row.end());
   }
-  const std::vector<troll::sparse_index> sampled{3, troll::sparse_index(big - 1), 1, troll::sparse_index(big / 2)};
+  const std::vector<troll::token_id> sampled{3, troll::token_id(big - 1), 1, troll::token_id(big / 2)};
   std::vector<std::vector<troll::sparsify_state>> states(shards, std::vector<troll::sparsify_state>(rows));
   for (std::size_t s = 0; s < shards; ++s) {
     const std::size_t begin = shard_cut(s, shards, big), end = shard_cut(s + 1, shards, big);

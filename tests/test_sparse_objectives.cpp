@@ -67,7 +67,7 @@ struct sparse_case {
   /// (Re)builds the sparse old rows from old_logits with the sampled tokens kept.
   void sparsify_old(const troll::sparsify_options& options) {
     old = sparse_rows<double>(rows, std::size_t(options.k) + 1, vocab);
-    std::vector<troll::sparse_index> sampled(tokens.begin(), tokens.end());
+    std::vector<troll::token_id> sampled(tokens.begin(), tokens.end());
     troll::sparsify(cpu, troll::make_batch(old_logits.data(), rows, vocab), sampled.data(), options,
                     old.view());
   }

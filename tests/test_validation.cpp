@@ -246,7 +246,7 @@ struct shard_case {
   static constexpr std::size_t rows = 2, vocab = 300, cut = 170;
   const troll::sparsify_options options{8, 1e-4};
   std::vector<double> z;
-  std::vector<troll::sparse_index> sampled{5, 250};
+  std::vector<troll::token_id> sampled{5, 250};
   std::vector<troll::sparsify_state> left = std::vector<troll::sparsify_state>(rows);
   std::vector<troll::sparsify_state> right = std::vector<troll::sparsify_state>(rows);
 

@@ -72,11 +72,11 @@ int main() {
 
   const auto in = [&](const float* p) { return troll::make_batch(p, rows, vocab); };
   const auto out = [&](float* p) { return troll::make_batch(p, rows, vocab); };
-  const troll::cuda_checks checks{d_reports, d_first_bad};
+  // The policy carries the stream and where per-row reports go; the arguments are the CPU's.
+  const troll::cuda_policy policy = troll::cuda.on(stream).reporting(d_reports, d_first_bad);
 
   // Forward: log π* and per-row statistics, enqueued on `stream` (no synchronisation inside).
-  troll::project(troll::cuda.on(stream), in(d_new), in(d_old), eps, out(d_log_probs), d_stats,
-                 troll::projection_options{}, checks);
+  troll::project(policy, in(d_new), in(d_old), eps, out(d_log_probs), d_stats);
 
   // Backward of L = log π*[0][0] (the first token of row 0): upstream gradient e_0 in row 0.
   const float one = 1.0f;

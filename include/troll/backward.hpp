@@ -16,6 +16,8 @@
 #include "detail/cpu/row_kernels.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
+#include "detail/workspace.hpp"
+#include "workspace.hpp"
 #include "projection_types.hpp"
 
 TROLL_BEGIN_NAMESPACE
@@ -106,8 +108,8 @@ inline row_problem check_stats(const projection_stats& s) {
 /// throws domain_error. The outputs are then unspecified; every other problem is found before
 /// anything is written.
 template <class T>
-void throw_overflowed(const char* fn, const std::vector<char>& overflowed) {
-  for (std::size_t r = 0; r < overflowed.size(); ++r)
+void throw_overflowed(const char* fn, const unsigned char* overflowed, std::size_t rows) {
+  for (std::size_t r = 0; r < rows; ++r)
     if (overflowed[r])
       throw domain_error(row_prefix(fn, r) + "a derivative does not fit " +
                              (sizeof(T) == sizeof(float) ? "float" : "double") +
@@ -160,7 +162,8 @@ void project_backward(cpu_policy policy, input_view<T> new_logits, input_view<T>
                             grad_log_probs, "grad_log_probs", input_view<T>{});
   const std::size_t size = new_logits.cols;
   const bool want_old = grad_old.rows != 0;
-  std::vector<char> overflowed(new_logits.rows, 0);
+  const detail::host_scratch scratch(fn, policy.workspace, workspace_bytes(policy, op::project_backward{}, new_logits.rows));
+  unsigned char* overflowed = scratch.data();
   detail::cpu::parallel_for(policy.threads, new_logits.rows, 6 * size, [&](std::size_t r) {
     double row_grad_eps = 0.0;
     overflowed[r] = !detail::cpu::vjp_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
@@ -168,7 +171,7 @@ void project_backward(cpu_policy policy, input_view<T> new_logits, input_view<T>
                                           want_old ? grad_old.row(r) : static_cast<T*>(nullptr), &row_grad_eps);
     if (grad_eps) grad_eps[r] = T(row_grad_eps);
   });
-  detail::throw_overflowed<T>(fn, overflowed);
+  detail::throw_overflowed<T>(fn, overflowed, new_logits.rows);
 }
 
 /// Jacobian–vector product of project(): the directional derivative of log π* along tangents
@@ -187,13 +190,14 @@ void project_jvp(cpu_policy policy, input_view<T> new_logits, input_view<T> old_
                             tangent_new, "tangent_new", tangent_old);
   const std::size_t size = new_logits.cols;
   const bool with_old = tangent_old.rows != 0;
-  std::vector<char> overflowed(new_logits.rows, 0);
+  const detail::host_scratch scratch(fn, policy.workspace, workspace_bytes(policy, op::project_jvp{}, new_logits.rows));
+  unsigned char* overflowed = scratch.data();
   detail::cpu::parallel_for(policy.threads, new_logits.rows, 6 * size, [&](std::size_t r) {
     overflowed[r] = !detail::cpu::jvp_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
                          tangent_new.row(r), with_old ? tangent_old.row(r) : static_cast<const T*>(nullptr),
                          tangent_eps, size, stats[r], tangent_out.row(r));
   });
-  detail::throw_overflowed<T>(fn, overflowed);
+  detail::throw_overflowed<T>(fn, overflowed, new_logits.rows);
 }
 
 /// Full Jacobians of project() for small vocabularies: per row a row-major V×V block of

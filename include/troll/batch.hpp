@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <type_traits>
 
@@ -11,6 +12,10 @@
 #include "errors.hpp"
 
 TROLL_BEGIN_NAMESPACE
+
+/// The type of a token id the caller passes: sampled tokens (token_batch::tokens, sparsify's and
+/// sparsify_shard's `sampled`), the same on every backend.
+using token_id = std::int64_t;
 
 template <class T>
 struct batch_view {

@@ -25,6 +25,8 @@
 #include "detail/cuda/row_report.cuh"
 #include "errors.hpp"
 #include "execution.hpp"
+#include "detail/workspace.hpp"
+#include "workspace.hpp"
 #include "projection_types.hpp"
 
 TROLL_BEGIN_NAMESPACE
@@ -93,7 +95,8 @@ void run(const char* function, cudaStream_t stream, std::size_t rows, const cuda
 /// are reported through `checks` and written as NaN; with checks.checked they throw
 /// domain_error as on the CPU, before anything is written.
 template <class T>
-void log_softmax(cuda_policy policy, input_view<T> logits, batch_view<T> out, const cuda_checks& checks = {}) {
+void log_softmax(cuda_policy policy, input_view<T> logits, batch_view<T> out) {
+  const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "log_softmax";
   detail::check_view(fn, "logits", logits);
@@ -112,8 +115,8 @@ void log_softmax(cuda_policy policy, input_view<T> logits, batch_view<T> out, co
 /// +inf where p has mass q lacks (disjoint supports included, as on the CPU). Rejected rows as
 /// in the CPU kl (NaN / +inf, all −inf) give NaN and a report, or throw in checked mode.
 template <class T>
-void kl(cuda_policy policy, input_view<T> p_logits, input_view<T> q_logits, T* kl_out,
-        const cuda_checks& checks = {}) {
+void kl(cuda_policy policy, input_view<T> p_logits, input_view<T> q_logits, T* kl_out) {
+  const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "kl";
   detail::check_view(fn, "p_logits", p_logits);
@@ -138,7 +141,8 @@ void kl(cuda_policy policy, input_view<T> p_logits, input_view<T> q_logits, T* k
 /// domain_error in checked mode — bad logits first over all rows, as on the CPU.
 template <class T>
 void kl_backward(cuda_policy policy, input_view<T> p_logits, input_view<T> q_logits, const T* grad_kl,
-                 batch_view<T> grad_p, batch_view<T> grad_q, const cuda_checks& checks = {}) {
+                 batch_view<T> grad_p, batch_view<T> grad_q) {
+  const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "kl_backward";
   detail::check_kl_backward_arguments(fn, p_logits, q_logits, grad_kl, grad_p, grad_q);
@@ -169,8 +173,8 @@ void kl_backward(cuda_policy policy, input_view<T> p_logits, input_view<T> q_log
 /// checks.checked the CPU's exceptions are thrown, naming the row, before anything is written.
 template <class T>
 void project(cuda_policy policy, input_view<T> new_logits, input_view<T> old_logits, double eps,
-             batch_view<T> out_log_probs, projection_stats* stats, const projection_options& options = {},
-             const cuda_checks& checks = {}) {
+             batch_view<T> out_log_probs, projection_stats* stats, const projection_options& options = {}) {
+  const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "project";
   detail::check_projection_arguments(fn, new_logits, old_logits, out_log_probs, stats, eps, options);
@@ -192,8 +196,8 @@ void project(cuda_policy policy, input_view<T> new_logits, input_view<T> old_log
 template <class T>
 void project_backward(cuda_policy policy, input_view<T> new_logits, input_view<T> old_logits,
                       input_view<T> log_probs, const projection_stats* stats, input_view<T> grad_log_probs,
-                      batch_view<T> grad_new, batch_view<T> grad_old = {}, T* grad_eps = nullptr,
-                      const cuda_checks& checks = {}) {
+                      batch_view<T> grad_new, batch_view<T> grad_old = {}, T* grad_eps = nullptr) {
+  const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "project_backward";
   // The CPU overload's checks, in its order.
@@ -221,8 +225,8 @@ void project_backward(cuda_policy policy, input_view<T> new_logits, input_view<T
 template <class T>
 void project_jvp(cuda_policy policy, input_view<T> new_logits, input_view<T> old_logits,
                  input_view<T> log_probs, const projection_stats* stats, input_view<T> tangent_new,
-                 input_view<T> tangent_old, double tangent_eps, batch_view<T> tangent_out,
-                 const cuda_checks& checks = {}) {
+                 input_view<T> tangent_old, double tangent_eps, batch_view<T> tangent_out) {
+  const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "project_jvp";
   detail::check_output(fn, "tangent_out", new_logits, tangent_out);
@@ -242,13 +246,6 @@ void project_jvp(cuda_policy policy, input_view<T> new_logits, input_view<T> old
       detail::cuda::throw_derivative_report{});
 }
 
-/// Bytes of device workspace project_jacobian(cuda_policy, ...) needs for `rows` rows of `cols`
-/// tokens (rows · 24; `cols` is for the idiom). The caller allocates it; its contents need no
-/// initialisation and are overwritten by every call.
-constexpr std::size_t project_jacobian_workspace_bytes(std::size_t rows, std::size_t /*cols*/) {
-  return detail::cuda::jacobian_workspace_bytes(rows);
-}
-
 /// Full Jacobians of project() on the device, as troll::project_jacobian(cpu_policy, ...): per row
 /// a row-major V×V block of jac_new (∂log π*_i/∂z̃_j), of jac_old (∂log π*_i/∂z°_j; null to skip)
 /// and V entries of jac_eps (∂log π*_i/∂ε; null to skip). Memory is rows·V² elements: meant for
@@ -258,8 +255,9 @@ constexpr std::size_t project_jacobian_workspace_bytes(std::size_t rows, std::si
 /// unusable stats get NaN blocks, or throw the CPU's exception in checked mode.
 template <class T>
 void project_jacobian(cuda_policy policy, input_view<T> new_logits, input_view<T> old_logits,
-                      input_view<T> log_probs, const projection_stats* stats, void* workspace, T* jac_new,
-                      T* jac_old = nullptr, T* jac_eps = nullptr, const cuda_checks& checks = {}) {
+                      input_view<T> log_probs, const projection_stats* stats, T* jac_new,
+                      T* jac_old = nullptr, T* jac_eps = nullptr) {
+  const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "project_jacobian";
   if (new_logits.rows != 0 && jac_new == nullptr) detail::throw_shape(fn, "jac_new is a null pointer");
@@ -267,9 +265,10 @@ void project_jacobian(cuda_policy policy, input_view<T> new_logits, input_view<T
   detail::check_backward_views(fn, new_logits, old_logits, log_probs, stats, input_view<T>{}, "",
                                input_view<T>{});
   using terms = detail::cuda::jacobian_row_terms;
-  static_assert(alignof(terms) <= alignof(double), "check_workspace checks double alignment");
-  detail::cuda::check_workspace(fn, workspace, new_logits.rows != 0);
-  terms* row_terms = static_cast<terms*>(workspace);
+  static_assert(alignof(terms) <= detail::workspace_alignment, "check_workspace checks double alignment");
+  detail::check_workspace(fn, policy.workspace,
+                          workspace_bytes(policy, op::project_jacobian{}, new_logits.rows, new_logits.cols));
+  terms* row_terms = static_cast<terms*>(policy.workspace.data);
   static const char* const names[3] = {"new_logits", "old_logits", ""};
   detail::cuda::run(
       fn, policy.stream, new_logits.rows, checks, names,

@@ -18,6 +18,7 @@
 #include "batch.hpp"
 #include "config.hpp"
 #include "cuda.cuh"
+#include "detail/workspace.hpp"
 #include "detail/cuda/error_check.cuh"
 #include "detail/cuda/objective_kernels.cuh"
 #include "detail/cuda/row_report.cuh"
@@ -27,13 +28,6 @@
 #include "projection_types.hpp"
 
 TROLL_BEGIN_NAMESPACE
-
-/// Bytes of device workspace objective_forward / objective_backward need for `rows` rows
-/// ((rows + 1) · 48). The caller allocates it (once, for the largest batch) and passes it to both;
-/// its contents need no initialisation and are overwritten by every call.
-constexpr std::size_t objective_workspace_bytes(std::size_t rows) {
-  return detail::cuda::objective_workspace_bytes(rows);
-}
 
 namespace detail {
 namespace cuda {
@@ -90,8 +84,8 @@ template <class T>
 void objective_forward(cuda_policy policy, const trust_region_objective& objective,
                        input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
                        batch_view<T> log_probs, projection_stats* stats,
-                       typename detail::identity<T>::type* token_loss, objective_metrics* metrics,
-                       void* workspace, const cuda_checks& checks = {}) {
+                       typename detail::identity<T>::type* token_loss, objective_metrics* metrics) {
+  const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_forward";
   detail::check_trust_region(fn, objective);
@@ -100,7 +94,8 @@ void objective_forward(cuda_policy policy, const trust_region_objective& objecti
   detail::check_same_shape(fn, "new_logits", new_logits, "log_probs", log_probs);
   if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
   if (metrics == nullptr) detail::throw_shape(fn, "metrics is a null pointer");
-  detail::cuda::check_workspace(fn, workspace);
+  detail::check_workspace(fn, policy.workspace, detail::cuda::objective_workspace_bytes(new_logits.rows));
+  void* const workspace = policy.workspace.data;
   using detail::cuda::objective_row_record;
   objective_row_record* records = static_cast<objective_row_record*>(workspace) + 1;
   static const char* const names[3] = {"new_logits", "old_logits", ""};
@@ -127,8 +122,9 @@ template <class T>
 void objective_backward(cuda_policy policy, const trust_region_objective& objective,
                         input_view<T> new_logits, input_view<T> old_logits,
                         const token_batch<T>& in, input_view<T> log_probs,
-                        const projection_stats* stats, batch_view<T> grad_new, void* workspace,
-                        double grad_loss = 1.0, const cuda_checks& checks = {}) {
+                        const projection_stats* stats, batch_view<T> grad_new,
+                        double grad_loss = 1.0) {
+  const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_backward";
   detail::check_trust_region(fn, objective);
@@ -138,7 +134,8 @@ void objective_backward(cuda_policy policy, const trust_region_objective& object
   detail::check_view(fn, "grad_new", grad_new);
   detail::check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
   if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
-  detail::cuda::check_workspace(fn, workspace);
+  detail::check_workspace(fn, policy.workspace, detail::cuda::objective_workspace_bytes(new_logits.rows));
+  void* const workspace = policy.workspace.data;
   if (!(grad_loss - grad_loss == 0.0))
     throw domain_error("troll::objective_backward: grad_loss is not finite");
   if (new_logits.rows == 0) return;
@@ -177,11 +174,12 @@ namespace cuda {
 template <class T>
 void ratio_forward(const char* fn, cuda_policy policy, const ratio_objective_spec& spec,
                    input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
-                   T* token_loss, objective_metrics* metrics, void* workspace,
-                   const cuda_checks& checks) {
+                   T* token_loss, objective_metrics* metrics) {
   check_objective_shapes(fn, new_logits, old_logits, in);
   if (metrics == nullptr) throw_shape(fn, "metrics is a null pointer");
-  cuda::check_workspace(fn, workspace);
+  check_workspace(fn, policy.workspace, cuda::objective_workspace_bytes(new_logits.rows));
+  void* const workspace = policy.workspace.data;
+  const cuda_checks& checks = policy.checks;
   objective_row_record* records = static_cast<objective_row_record*>(workspace) + 1;
   static const char* const names[3] = {"new_logits", "old_logits", ""};
   run(
@@ -200,12 +198,13 @@ void ratio_forward(const char* fn, cuda_policy policy, const ratio_objective_spe
 template <class T>
 void ratio_backward(const char* fn, cuda_policy policy, ratio_objective_spec spec,
                     input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
-                    batch_view<T> grad_new, void* workspace, double grad_loss,
-                    const cuda_checks& checks) {
+                    batch_view<T> grad_new, double grad_loss) {
   check_objective_shapes(fn, new_logits, old_logits, in);
   check_view(fn, "grad_new", grad_new);
   check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
-  cuda::check_workspace(fn, workspace);
+  check_workspace(fn, policy.workspace, cuda::objective_workspace_bytes(new_logits.rows));
+  void* const workspace = policy.workspace.data;
+  const cuda_checks& checks = policy.checks;
   if (!(grad_loss - grad_loss == 0.0))
     throw domain_error(std::string("troll::") + fn + ": grad_loss is not finite");
   if (new_logits.rows == 0) return;
@@ -233,12 +232,11 @@ void ratio_backward(const char* fn, cuda_policy policy, ratio_objective_spec spe
 template <class T>
 void objective_forward(cuda_policy policy, const ppo_clip_objective& objective,
                        input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
-                       typename detail::identity<T>::type* token_loss, objective_metrics* metrics,
-                       void* workspace, const cuda_checks& checks = {}) {
+                       typename detail::identity<T>::type* token_loss, objective_metrics* metrics) {
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_forward";
   detail::cuda::ratio_forward<T>(fn, policy, detail::make_spec(fn, objective), new_logits, old_logits,
-                              in, token_loss, metrics, workspace, checks);
+                              in, token_loss, metrics);
 }
 
 /// PPO clip's backward on the device: grad_new = grad_loss · ∂L/∂z̃,
@@ -246,12 +244,12 @@ void objective_forward(cuda_policy policy, const ppo_clip_objective& objective,
 template <class T>
 void objective_backward(cuda_policy policy, const ppo_clip_objective& objective,
                         input_view<T> new_logits, input_view<T> old_logits,
-                        const token_batch<T>& in, batch_view<T> grad_new, void* workspace,
-                        double grad_loss = 1.0, const cuda_checks& checks = {}) {
+                        const token_batch<T>& in, batch_view<T> grad_new,
+                        double grad_loss = 1.0) {
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_backward";
   detail::cuda::ratio_backward<T>(fn, policy, detail::make_spec(fn, objective), new_logits,
-                               old_logits, in, grad_new, workspace, grad_loss, checks);
+                               old_logits, in, grad_new, grad_loss);
 }
 
 /// DPPO's forward on the device (troll::objective_forward(cpu_policy, dppo_objective, ...)): ℓ_r
@@ -262,12 +260,11 @@ void objective_backward(cuda_policy policy, const ppo_clip_objective& objective,
 template <class T>
 void objective_forward(cuda_policy policy, const dppo_objective& objective,
                        input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
-                       typename detail::identity<T>::type* token_loss, objective_metrics* metrics,
-                       void* workspace, const cuda_checks& checks = {}) {
+                       typename detail::identity<T>::type* token_loss, objective_metrics* metrics) {
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_forward";
   detail::cuda::ratio_forward<T>(fn, policy, detail::make_spec(fn, objective), new_logits, old_logits,
-                              in, token_loss, metrics, workspace, checks);
+                              in, token_loss, metrics);
 }
 
 /// DPPO's backward on the device: grad_new = grad_loss · ∂L/∂z̃, ∂ℓ/∂z̃_j = −M·A·r·(δ_ja − p̃_j),
@@ -275,12 +272,12 @@ void objective_forward(cuda_policy policy, const dppo_objective& objective,
 template <class T>
 void objective_backward(cuda_policy policy, const dppo_objective& objective,
                         input_view<T> new_logits, input_view<T> old_logits,
-                        const token_batch<T>& in, batch_view<T> grad_new, void* workspace,
-                        double grad_loss = 1.0, const cuda_checks& checks = {}) {
+                        const token_batch<T>& in, batch_view<T> grad_new,
+                        double grad_loss = 1.0) {
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_backward";
   detail::cuda::ratio_backward<T>(fn, policy, detail::make_spec(fn, objective), new_logits,
-                               old_logits, in, grad_new, workspace, grad_loss, checks);
+                               old_logits, in, grad_new, grad_loss);
 }
 
 TROLL_END_NAMESPACE

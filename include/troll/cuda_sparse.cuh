@@ -167,8 +167,9 @@ inline std::size_t larger(std::size_t a, std::size_t b) { return a < b ? b : a; 
 /// options); row problems (NaN / +inf logits, all −inf, a sampled token outside [0, V)) are
 /// reported through `checks` and give count 0 and a NaN log_remainder, or throw in checked mode.
 template <class L, class T>
-void sparsify(cuda_policy policy, batch_view<L> logits, const sparse_index* sampled, const sparsify_options& options,
-              sparse_batch_view<T> out, const cuda_checks& checks = {}) {
+void sparsify(cuda_policy policy, batch_view<L> logits, const token_id* sampled, const sparsify_options& options,
+              sparse_batch_view<T> out) {
+  const cuda_checks& checks = policy.checks;
   using logit_type = std::remove_const_t<L>;
   static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
                 "troll::sparsify (CUDA): logits must be float, double, __half or __nv_bfloat16");
@@ -196,8 +197,8 @@ void sparsify(cuda_policy policy, batch_view<L> logits, const sparse_index* samp
 /// fine (another shard may hold the mass).
 template <class L>
 void sparsify_shard(cuda_policy policy, batch_view<L> shard_logits, std::size_t vocab_offset, std::size_t vocab,
-                    const sparse_index* sampled, const sparsify_options& options, sparsify_state* states,
-                    const cuda_checks& checks = {}) {
+                    const token_id* sampled, const sparsify_options& options, sparsify_state* states) {
+  const cuda_checks& checks = policy.checks;
   using logit_type = std::remove_const_t<L>;
   static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
                 "troll::sparsify_shard (CUDA): logits must be float, double, __half or __nv_bfloat16");
@@ -218,8 +219,8 @@ void sparsify_shard(cuda_policy policy, batch_view<L> shard_logits, std::size_t 
 /// ...) (associative and commutative; the shared detail::merge_into). A row whose states differ
 /// in k or sampled token (invalid_input in checked mode, as on the CPU), or where either state is
 /// invalid (k outside [1, 256], size outside [0, k]), is reported and leaves into[r] invalid.
-inline void sparsify_merge(cuda_policy policy, sparsify_state* into, const sparsify_state* from, std::size_t rows,
-                           const cuda_checks& checks = {}) {
+inline void sparsify_merge(cuda_policy policy, sparsify_state* into, const sparsify_state* from, std::size_t rows) {
+  const cuda_checks& checks = policy.checks;
   constexpr const char* fn = "sparsify_merge";
   detail::check_sparsify_merge_arguments(fn, into, from, rows);
   const detail::cuda::sparse_thrower thrower{{"into", "from"}, 0};
@@ -238,7 +239,8 @@ inline void sparsify_merge(cuda_policy policy, sparsify_state* into, const spars
 /// rejected row gets count 0, padding and a NaN log_remainder.
 template <class T>
 void sparsify_finalize(cuda_policy policy, const sparsify_state* states, const sparsify_options& options,
-                       sparse_batch_view<T> out, const cuda_checks& checks = {}) {
+                       sparse_batch_view<T> out) {
+  const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_finalize";
   detail::check_sparsify_finalize_arguments(fn, states, options, out);
@@ -256,8 +258,8 @@ void sparsify_finalize(cuda_policy policy, const sparsify_state* states, const s
 /// troll::align(cpu_policy, new, old, out). Rejected rows (bad sparse rows, a union beyond
 /// out.k_max) get count 0 and NaN remainders.
 template <class T>
-void align(cuda_policy policy, sparse_input<T> new_rows, sparse_input<T> old_rows, aligned_batch_view<T> out,
-           const cuda_checks& checks = {}) {
+void align(cuda_policy policy, sparse_input<T> new_rows, sparse_input<T> old_rows, aligned_batch_view<T> out) {
+  const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "align";
   detail::check_sparse_view(fn, "new", new_rows);
@@ -284,7 +286,8 @@ void align(cuda_policy policy, sparse_input<T> new_rows, sparse_input<T> old_row
 /// bucket the exact tail mass over V∖U.
 template <class L, class T>
 void align(cuda_policy policy, batch_view<L> new_logits, sparse_input<T> new_support, sparse_input<T> old_rows,
-           aligned_batch_view<T> out, const cuda_checks& checks = {}) {
+           aligned_batch_view<T> out) {
+  const cuda_checks& checks = policy.checks;
   using logit_type = std::remove_const_t<L>;
   static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
                 "troll::align (CUDA): logits must be float, double, __half or __nv_bfloat16");
@@ -311,7 +314,8 @@ void align(cuda_policy policy, batch_view<L> new_logits, sparse_input<T> new_sup
 /// of `row` missing from U, a NaN / infinite gradient) get NaN gradients.
 template <class T>
 void align_backward(cuda_policy policy, sparse_input<T> row, aligned_input<T> aligned,
-                    sparse_grad_input<T> grad_aligned, sparse_grad_view<T> grad_row, const cuda_checks& checks = {}) {
+                    sparse_grad_input<T> grad_aligned, sparse_grad_view<T> grad_row) {
+  const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "align_backward";
   detail::check_align_backward_arguments(fn, row, aligned, grad_aligned, grad_row);
@@ -329,7 +333,8 @@ void align_backward(cuda_policy policy, sparse_input<T> row, aligned_input<T> al
 /// kl_out[r] = KL(new ‖ old) of aligned device rows (the lumped rows), +inf where new has mass old
 /// lacks, as troll::kl(cpu_policy, rows, kl_out). Rejected rows give NaN.
 template <class T>
-void kl(cuda_policy policy, aligned_input<T> rows, T* kl_out, const cuda_checks& checks = {}) {
+void kl(cuda_policy policy, aligned_input<T> rows, T* kl_out) {
+  const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "kl";
   detail::check_aligned_view(fn, "rows", rows);
@@ -349,7 +354,8 @@ void kl(cuda_policy policy, aligned_input<T> rows, T* kl_out, const cuda_checks&
 /// and stats with NaN fields and status infeasible / rejected.
 template <class T>
 void project(cuda_policy policy, aligned_input<T> rows, double eps, sparse_batch_view<T> out, projection_stats* stats,
-             const projection_options& options = {}, const cuda_checks& checks = {}) {
+             const projection_options& options = {}) {
+  const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "project";
   detail::check_sparse_project_arguments(fn, rows, eps, out, stats, options);
@@ -367,7 +373,8 @@ void project(cuda_policy policy, aligned_input<T> rows, double eps, sparse_batch
 template <class T>
 void project_backward(cuda_policy policy, aligned_input<T> rows, sparse_input<T> log_probs,
                       const projection_stats* stats, sparse_grad_input<T> grad, sparse_grad_view<T> grad_new,
-                      sparse_grad_view<T> grad_old = {}, T* grad_eps = nullptr, const cuda_checks& checks = {}) {
+                      sparse_grad_view<T> grad_old = {}, T* grad_eps = nullptr) {
+  const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "project_backward";
   detail::check_sparse_project_backward_arguments(fn, rows, log_probs, stats, grad, grad_new, grad_old);
@@ -388,7 +395,8 @@ void project_backward(cuda_policy policy, aligned_input<T> rows, sparse_input<T>
 /// float, double, __half or __nv_bfloat16). O(V) per row, two passes. Rejected rows get NaN.
 template <class L, class T>
 void sparsify_backward(cuda_policy policy, batch_view<L> logits, sparse_input<T> support, sparse_grad_input<T> grad,
-                       batch_view<T> grad_logits, const cuda_checks& checks = {}) {
+                       batch_view<T> grad_logits) {
+  const cuda_checks& checks = policy.checks;
   using logit_type = std::remove_const_t<L>;
   static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
                 "troll::sparsify_backward (CUDA): logits must be float, double, __half or __nv_bfloat16");

@@ -26,6 +26,8 @@
 #include "batch.hpp"
 #include "config.hpp"
 #include "cuda.cuh"
+#include "detail/workspace.hpp"
+#include "workspace.hpp"
 #include "detail/cuda/error_check.cuh"
 #include "detail/cuda/objective_kernels.cuh"
 #include "detail/cuda/row_report.cuh"
@@ -43,15 +45,6 @@
 #include "sparse_types.hpp"
 
 TROLL_BEGIN_NAMESPACE
-
-/// Bytes of device workspace the sparse objective_forward / objective_backward need for `rows`
-/// rows, aligned rows of capacity `k_max` (aligned.k_max) and new_k = objective.new_support.k:
-/// (rows + 1) · 48 + rows · 24 + max(rows · (12 · new_k + 16), rows · (k_max + 1) · 8). The
-/// caller allocates it (8-byte aligned, once, for the largest batch) and passes it to both; its
-/// contents need no initialisation and are overwritten by every call.
-constexpr std::size_t sparse_objective_workspace_bytes(std::size_t rows, std::size_t k_max, int new_k) {
-  return detail::cuda::sparse_objective_bytes(rows, k_max, new_k > 0 ? std::size_t(new_k) : 0);
-}
 
 namespace detail {
 namespace cuda {
@@ -146,13 +139,15 @@ template <class T>
 void objective_forward(cuda_policy policy, const sparse_trust_region_objective& objective,
                        input_view<T> new_logits, sparse_input<T> old_rows, const token_batch<T>& in,
                        aligned_batch_view<T> aligned, sparse_batch_view<T> log_probs, projection_stats* stats,
-                       typename detail::identity<T>::type* token_loss, objective_metrics* metrics,
-                       void* workspace, const cuda_checks& checks = {}) {
+                       typename detail::identity<T>::type* token_loss, objective_metrics* metrics) {
+  const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_forward";
   detail::check_sparse_forward_arguments<T>(fn, objective, new_logits, old_rows, in, aligned, log_probs, stats);
   if (metrics == nullptr) detail::throw_shape(fn, "metrics is a null pointer");
-  detail::cuda::check_workspace(fn, workspace);
+  detail::check_workspace(fn, policy.workspace,
+                          workspace_bytes(policy, op::objective_forward{}, objective, new_logits.rows, new_logits.cols, aligned.k_max));
+  void* const workspace = policy.workspace.data;
   namespace dc = detail::cuda;
   const std::size_t rows = new_logits.rows, vocab = new_logits.cols;
   const int new_k = objective.new_support.k;
@@ -218,12 +213,15 @@ template <class T>
 void objective_backward(cuda_policy policy, const sparse_trust_region_objective& objective,
                         input_view<T> new_logits, aligned_input<T> aligned, const token_batch<T>& in,
                         sparse_input<T> log_probs, const projection_stats* stats, batch_view<T> grad_new,
-                        void* workspace, double grad_loss = 1.0, const cuda_checks& checks = {}) {
+                        double grad_loss = 1.0) {
+  const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_backward";
   detail::check_sparse_backward_arguments<T>(fn, objective, new_logits, aligned, in, log_probs, stats, grad_new,
                                              grad_loss);
-  detail::cuda::check_workspace(fn, workspace);
+  detail::check_workspace(fn, policy.workspace,
+                          workspace_bytes(policy, op::objective_backward{}, objective, new_logits.rows, new_logits.cols, aligned.k_max));
+  void* const workspace = policy.workspace.data;
   namespace dc = detail::cuda;
   const std::size_t rows = new_logits.rows;
   if (rows == 0) return;

@@ -1,10 +1,15 @@
-// troll/execution.hpp — execution policy tags. Entry points take the policy first:
-//   troll::project(troll::cpu, ...);  troll::project(troll::cuda.on(stream), ...);
+// troll/execution.hpp — execution policies. Every entry point takes the policy first and the same
+// arguments under both backends; what differs between backends travels in the policy object:
+//   troll::project(troll::cpu.with_threads(4), ...);
+//   troll::project(troll::cuda.on(stream).checked(), ...);
+// Scratch memory is the caller's, passed with its size (.with_workspace(data, bytes)); the size an
+// entry point needs comes from troll::workspace_bytes (troll/workspace.hpp).
 #pragma once
 
 #include <cstddef>
 
 #include "config.hpp"
+#include "cuda_report.hpp"
 
 // Forward declaration of the CUDA runtime's stream type so this header needs no CUDA headers;
 // cudaStream_t is `CUstream_st*`.
@@ -12,34 +17,81 @@ struct CUstream_st;
 
 TROLL_BEGIN_NAMESPACE
 
-/// CPU backend (Eigen for the per-row vector work, std::thread across rows).
-/// `threads == 0` means "use std::thread::hardware_concurrency()"; 1 forces a serial run.
-struct cpu_policy {
-  unsigned threads = 0;
-  constexpr cpu_policy with_threads(unsigned n) const { return cpu_policy{n}; }
+/// Caller-owned scratch memory: `bytes` bytes at `data` (host memory for cpu_policy, device memory
+/// for cuda_policy). troll checks the size and the 16-byte alignment before writing anything and
+/// never keeps a pointer past the call; the contents need no initialisation.
+struct scratch_memory {
+  void* data = nullptr;
+  std::size_t bytes = 0;
 };
 
-/// CUDA backend: device pointers in and out, work enqueued on `stream` (nullptr = default
-/// stream). Declared here so the API is stable; the kernels live in troll/cuda.cuh.
+/// CPU backend (Eigen for the per-row vector work, a worker pool across rows).
+///
+/// * `threads`: 0 means "use std::thread::hardware_concurrency()"; 1 forces a serial run.
+/// * `workspace`: scratch for the entry points whose workspace_bytes is non-zero. When it is
+///   empty (the default) such an entry point allocates its scratch itself; when it is given it
+///   must hold workspace_bytes(...) bytes, else shape_error before anything is written.
+struct cpu_policy {
+  unsigned threads = 0;
+  scratch_memory workspace{};
+
+  constexpr cpu_policy with_threads(unsigned n) const {
+    cpu_policy p = *this;
+    p.threads = n;
+    return p;
+  }
+  constexpr cpu_policy with_workspace(void* data, std::size_t bytes) const {
+    cpu_policy p = *this;
+    p.workspace = scratch_memory{data, bytes};
+    return p;
+  }
+};
+
+/// CUDA backend: device pointers in and out, work enqueued on `stream` (nullptr = default stream);
+/// the kernels live in troll/cuda.cuh.
+///
+/// * `checks`: what happens to a rejected row (see cuda_checks): by default NaN outputs and no
+///   synchronisation; `.reporting(reports, first_bad_row)` records per-row reports and the lowest
+///   bad row in device memory; `.checked()` validates first and throws the CPU's exception.
+/// * `workspace`: device scratch for the entry points whose workspace_bytes is non-zero (the
+///   objectives, project_jacobian): required there, checked for size and alignment (shape_error).
 struct cuda_policy {
   CUstream_st* stream = nullptr;
-  constexpr cuda_policy on(CUstream_st* s) const { return cuda_policy{s}; }
+  cuda_checks checks{};
+  scratch_memory workspace{};
+
+  constexpr cuda_policy on(CUstream_st* s) const {
+    cuda_policy p = *this;
+    p.stream = s;
+    return p;
+  }
+  /// Validate first, synchronise, and throw the CPU backend's exception for the lowest bad row.
+  constexpr cuda_policy checked(bool on = true) const {
+    cuda_policy p = *this;
+    p.checks.checked = on;
+    return p;
+  }
+  /// Per-row reports (`reports`: rows device entries, may be null) and the lowest bad row
+  /// (`first_bad_row`: one device word, may be null), stream-ordered, nothing synchronises.
+  constexpr cuda_policy reporting(cuda_row_report* reports, unsigned long long* first_bad_row = nullptr) const {
+    cuda_policy p = *this;
+    p.checks.reports = reports;
+    p.checks.first_bad_row = first_bad_row;
+    return p;
+  }
+  constexpr cuda_policy with_checks(const cuda_checks& c) const {
+    cuda_policy p = *this;
+    p.checks = c;
+    return p;
+  }
+  constexpr cuda_policy with_workspace(void* data, std::size_t bytes) const {
+    cuda_policy p = *this;
+    p.workspace = scratch_memory{data, bytes};
+    return p;
+  }
 };
 
 inline constexpr cpu_policy cpu{};
 inline constexpr cuda_policy cuda{};
-
-template <class P>
-struct is_execution_policy {
-  static constexpr bool value = false;
-};
-template <>
-struct is_execution_policy<cpu_policy> {
-  static constexpr bool value = true;
-};
-template <>
-struct is_execution_policy<cuda_policy> {
-  static constexpr bool value = true;
-};
 
 TROLL_END_NAMESPACE

@@ -30,7 +30,7 @@ enum class loss_aggregation { token_mean, sequence_mean };
 /// anything (an ignore index, NaN padding).
 template <class T>
 struct token_batch {
-  const std::int64_t* tokens = nullptr;  ///< sampled token a_r ∈ [0, V), N entries
+  const token_id* tokens = nullptr;      ///< sampled token a_r ∈ [0, V), N entries
   const T* advantages = nullptr;         ///< A_r, finite, N entries
   const T* loss_mask = nullptr;          ///< w_r ≥ 0 (1/0 or weights), N entries; null: all 1
   /// Sequence of each row, N entries, non-decreasing (the rows of a sequence are contiguous);

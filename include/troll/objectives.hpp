@@ -326,6 +326,17 @@ objective_metrics objective_forward(cpu_policy policy, const trust_region_object
   return sum.finish();
 }
 
+/// The same forward with the result written to `*metrics` (host memory): the argument list of the
+/// CUDA overload, so one call serves both policies. Throws shape_error for a null `metrics`.
+template <class T>
+void objective_forward(cpu_policy policy, const trust_region_objective& objective, input_view<T> new_logits,
+                       input_view<T> old_logits, const token_batch<T>& in, batch_view<T> log_probs,
+                       projection_stats* stats, typename detail::identity<T>::type* token_loss,
+                       objective_metrics* metrics) {
+  if (metrics == nullptr) detail::throw_shape("objective_forward", "metrics is a null pointer");
+  *metrics = objective_forward(policy, objective, new_logits, old_logits, in, log_probs, stats, token_loss);
+}
+
 /// Fused backward of TROLL's objective: grad_new = grad_loss · ∂L/∂z̃ for the loss L of
 /// objective_forward, through the projection's VJP (ratio term) and the regression term's
 /// gradient w.r.t. p̃ only (π* held constant), in one pass per row:
@@ -411,6 +422,15 @@ objective_metrics objective_forward(cpu_policy policy, const ppo_clip_objective&
   return detail::ratio_forward("objective_forward", policy, spec, new_logits, old_logits, in, token_loss);
 }
 
+/// The same forward with the result written to `*metrics` (host memory), as the CUDA overload.
+template <class T>
+void objective_forward(cpu_policy policy, const ppo_clip_objective& objective, input_view<T> new_logits,
+                       input_view<T> old_logits, const token_batch<T>& in,
+                       typename detail::identity<T>::type* token_loss, objective_metrics* metrics) {
+  if (metrics == nullptr) detail::throw_shape("objective_forward", "metrics is a null pointer");
+  *metrics = objective_forward(policy, objective, new_logits, old_logits, in, token_loss);
+}
+
 /// Backward of PPO's clipped surrogate: grad_new = grad_loss · ∂L/∂z̃,
 /// ∂ℓ/∂z̃_j = (∂ℓ/∂r)·r·(δ_ja − p̃_j) with ∂ℓ/∂r = −A on unclipped tokens and 0 on clipped ones.
 template <class T>
@@ -432,6 +452,15 @@ objective_metrics objective_forward(cpu_policy policy, const dppo_objective& obj
   detail::require_float_type<T>();
   const auto spec = detail::make_spec("objective_forward", objective);
   return detail::ratio_forward("objective_forward", policy, spec, new_logits, old_logits, in, token_loss);
+}
+
+/// The same forward with the result written to `*metrics` (host memory), as the CUDA overload.
+template <class T>
+void objective_forward(cpu_policy policy, const dppo_objective& objective, input_view<T> new_logits,
+                       input_view<T> old_logits, const token_batch<T>& in,
+                       typename detail::identity<T>::type* token_loss, objective_metrics* metrics) {
+  if (metrics == nullptr) detail::throw_shape("objective_forward", "metrics is a null pointer");
+  *metrics = objective_forward(policy, objective, new_logits, old_logits, in, token_loss);
 }
 
 /// Backward of DPPO's masked surrogate: ∂ℓ/∂z̃_j = −M·A·r·(δ_ja − p̃_j), the mask held constant.

@@ -25,6 +25,8 @@
 #include "detail/sparse_row.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
+#include "detail/workspace.hpp"
+#include "workspace.hpp"
 #include "kl.hpp"
 #include "projection_types.hpp"
 #include "sparse_types.hpp"
@@ -132,7 +134,7 @@ void validate_sparse(const char* fn, unsigned threads, const sparse_batch_view<T
 }
 
 /// Sampled tokens must lie in [0, V).
-inline void validate_sampled(const char* fn, const sparse_index* sampled, std::size_t rows,
+inline void validate_sampled(const char* fn, const token_id* sampled, std::size_t rows,
                              std::size_t vocab) {
   if (!sampled) return;
   for (std::size_t r = 0; r < rows; ++r) {
@@ -240,7 +242,7 @@ void pad_row(sparse_index* indices, T* log_probs, std::size_t from, std::size_t 
 /// [1, 256], delta outside [0, 1), NaN / +inf logits, an all −inf row, a sampled token outside
 /// [0, V)), each naming the row where there is one.
 template <class T>
-void sparsify(cpu_policy policy, input_view<T> logits, const sparse_index* sampled,
+void sparsify(cpu_policy policy, input_view<T> logits, const token_id* sampled,
               const sparsify_options& options, sparse_batch_view<T> out) {
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify";
@@ -251,7 +253,7 @@ void sparsify(cpu_policy policy, input_view<T> logits, const sparse_index* sampl
   detail::cpu::parallel_for(policy.threads, logits.rows, 2 * logits.cols, [&](std::size_t r) {
     sparsify_state st;
     const auto vocab = static_cast<sparse_index>(logits.cols);
-    detail::reset(st, options.k, sampled ? sampled[r] : -1, vocab, 0, vocab);
+    detail::reset(st, options.k, sampled ? static_cast<sparse_index>(sampled[r]) : -1, vocab, 0, vocab);
     detail::cpu::sparsify_scan(logits.row(r), logits.cols, 0, st);
     int count = 0;
     detail::finalize(st, log_delta, out.row_indices(r), out.row_log_probs(r), count,
@@ -272,7 +274,7 @@ void sparsify(cpu_policy policy, input_view<T> logits, const sparse_index* sampl
 /// token outside [0, V)).
 template <class T>
 void sparsify_shard(cpu_policy policy, batch_view<const T> shard_logits, std::size_t vocab_offset,
-                    std::size_t vocab, const sparse_index* sampled, const sparsify_options& options,
+                    std::size_t vocab, const token_id* sampled, const sparsify_options& options,
                     sparsify_state* states) {
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_shard";
@@ -288,7 +290,7 @@ void sparsify_shard(cpu_policy policy, batch_view<const T> shard_logits, std::si
                           detail::cpu::find_bad_value(shard_logits.row(bad), shard_logits.cols, "shard_logits"));
   detail::cpu::parallel_for(policy.threads, shard_logits.rows, 2 * shard_logits.cols, [&](std::size_t r) {
     const auto begin = static_cast<sparse_index>(vocab_offset);
-    detail::reset(states[r], options.k, sampled ? sampled[r] : -1, static_cast<sparse_index>(vocab), begin,
+    detail::reset(states[r], options.k, sampled ? static_cast<sparse_index>(sampled[r]) : -1, static_cast<sparse_index>(vocab), begin,
                   static_cast<sparse_index>(vocab_offset + shard_logits.cols));
     detail::cpu::sparsify_scan(shard_logits.row(r), shard_logits.cols, vocab_offset, states[r]);
   });
@@ -847,7 +849,8 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
   for (std::size_t r = 0; r < rows.rows; ++r) {
     if (const detail::row_problem p = detail::check_stats(stats[r])) detail::throw_problem(fn, r, p);
   }
-  std::vector<char> overflowed(rows.rows, 0);
+  const detail::host_scratch scratch(fn, policy.workspace, workspace_bytes(policy, op::project_backward{}, rows.rows));
+  unsigned char* overflowed = scratch.data();
   detail::cpu::parallel_for(policy.threads, rows.rows, 16 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1],
         g[sparse_max_entries + 1], gn[sparse_max_entries + 1], go[sparse_max_entries + 1];
@@ -872,7 +875,7 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
     if (want_old) scatter(go, grad_old);
     if (grad_eps) grad_eps[r] = T(row_grad_eps);
   });
-  detail::throw_overflowed<T>(fn, overflowed);
+  detail::throw_overflowed<T>(fn, overflowed, rows.rows);
 }
 
 TROLL_END_NAMESPACE

@@ -401,6 +401,17 @@ objective_metrics objective_forward(cpu_policy policy,
   return sum.finish();
 }
 
+/// The same forward with the result written to `*metrics` (host memory): the argument list of the
+/// CUDA overload, so one call serves both policies. Throws shape_error for a null `metrics`.
+template <class T>
+void objective_forward(cpu_policy policy, const sparse_trust_region_objective& objective,
+                       input_view<T> new_logits, sparse_input<T> old_rows, const token_batch<T>& in,
+                       aligned_batch_view<T> aligned, sparse_batch_view<T> log_probs, projection_stats* stats,
+                       typename detail::identity<T>::type* token_loss, objective_metrics* metrics) {
+  if (metrics == nullptr) detail::throw_shape("objective_forward", "metrics is a null pointer");
+  *metrics = objective_forward(policy, objective, new_logits, old_rows, in, aligned, log_probs, stats, token_loss);
+}
+
 /// Fused backward of the sparse TROLL objective: grad_new (N × V) = grad_loss · ∂L/∂z̃ for the
 /// loss L of objective_forward, from its outputs `aligned`, `log_probs` and `stats` (same inputs
 /// otherwise; the old rows live on in `aligned`). Per row: the dense objective's gradient w.r.t.

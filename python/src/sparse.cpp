@@ -21,14 +21,21 @@ namespace {
 
 troll::cpu_policy policy(unsigned threads) { return troll::cpu.with_threads(threads); }
 
+/// The sampled tokens (int32 from Python) as troll::token_id, the API's token type.
+std::vector<troll::token_id> sampled_ids(const char* fn, const std::optional<in_array>& sampled, std::size_t rows) {
+  if (!sampled) return {};
+  const sparse_index* s = as_rows<const sparse_index>(fn, "sampled", *sampled, rows);
+  return std::vector<troll::token_id>(s, s + rows);
+}
+
 void sparsify(const in_array& logits, const std::optional<in_array>& sampled, int k, double delta,
               nb::handle out, unsigned threads) {
   constexpr const char* fn = "sparsify";
   dispatch_float(fn, "logits", logits, [&](auto tag) {
     using T = decltype(tag);
     const auto x = as_batch<const T>(fn, "logits", logits);
-    const sparse_index* s =
-        sampled ? as_rows<const sparse_index>(fn, "sampled", *sampled, x.rows) : nullptr;
+    const std::vector<troll::token_id> ids = sampled_ids(fn, sampled, x.rows);
+    const troll::token_id* s = sampled ? ids.data() : nullptr;
     const sparse_rows<T> o(fn, "out", out);
     troll::sparsify_options options;
     options.k = k;
@@ -170,7 +177,8 @@ void sparsify_shard(const in_array& shard_logits, std::size_t vocab_offset, std:
   dispatch_float(fn, "shard_logits", shard_logits, [&](auto tag) {
     using T = decltype(tag);
     const auto x = as_batch<const T>(fn, "shard_logits", shard_logits);
-    const sparse_index* s = sampled ? as_rows<const sparse_index>(fn, "sampled", *sampled, x.rows) : nullptr;
+    const std::vector<troll::token_id> ids = sampled_ids(fn, sampled, x.rows);
+    const troll::token_id* s = sampled ? ids.data() : nullptr;
     const auto out = as_packed<std::uint8_t>(fn, "states", states);
     if (out.rows != x.rows || out.cols != bytes)
       fail(fn, "states has shape " + shape_text(states) + " but needs " + std::to_string(x.rows) + " rows of " +

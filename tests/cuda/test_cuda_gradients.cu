@@ -115,10 +115,9 @@ void check_kl_backward(const pair_batch<T>& b, cudaStream_t stream) {
   for (T& value : g) value = static_cast<T>(gen.normal());
   device_array<T> zp(b.fresh), zq(b.old), d_g(g), gp(rows * stride), gq(rows * stride);
   device_array<troll::cuda_row_report> reports(rows);
-  troll::kl_backward(troll::cuda.on(stream), troll::make_batch<const T>(zp.get(), rows, cols, stride),
+  troll::kl_backward(troll::cuda.on(stream).with_checks(troll::cuda_checks{reports.get()}), troll::make_batch<const T>(zp.get(), rows, cols, stride),
                      troll::make_batch<const T>(zq.get(), rows, cols, stride), d_g.get(),
-                     troll::make_batch(gp.get(), rows, cols, stride), troll::make_batch(gq.get(), rows, cols, stride),
-                     troll::cuda_checks{reports.get()});
+                     troll::make_batch(gp.get(), rows, cols, stride), troll::make_batch(gq.get(), rows, cols, stride));
   const std::vector<T> got_p = gp.download(), got_q = gq.download();
   const std::vector<troll::cuda_row_report> rep = reports.download();
 
@@ -299,9 +298,9 @@ void check_jvp(const forward_batch<T>& f, bool with_old, double tangent_eps, cud
   device_array<T> d_out(rows * stride);
   device_array<troll::cuda_row_report> reports(rows);
   const auto dview = [&](const device_array<T>& a) { return troll::make_batch<const T>(a.get(), rows, cols, stride); };
-  troll::project_jvp(troll::cuda.on(stream), dview(d_zn), dview(d_zo), dview(d_logp), d_stats.get(), dview(d_tn),
+  troll::project_jvp(troll::cuda.on(stream).with_checks(troll::cuda_checks{reports.get()}), dview(d_zn), dview(d_zo), dview(d_logp), d_stats.get(), dview(d_tn),
                      with_old ? dview(d_to) : troll::batch_view<const T>{}, tangent_eps,
-                     troll::make_batch(d_out.get(), rows, cols, stride), troll::cuda_checks{reports.get()});
+                     troll::make_batch(d_out.get(), rows, cols, stride));
   const std::vector<T> got = d_out.download();
   const std::vector<troll::cuda_row_report> rep = reports.download();
 
@@ -369,9 +368,8 @@ void check_jacobian(const forward_batch<T>& f, bool with_old, bool with_eps, cud
   device_array<unsigned char> workspace(troll::project_jacobian_workspace_bytes(rows, cols));
   device_array<troll::cuda_row_report> reports(rows);
   const auto dview = [&](const device_array<T>& a) { return troll::make_batch<const T>(a.get(), rows, cols, stride); };
-  troll::project_jacobian(troll::cuda.on(stream), dview(d_zn), dview(d_zo), dview(d_logp), d_stats.get(),
-                          workspace.get(), d_new.get(), with_old ? d_old.get() : nullptr,
-                          with_eps ? d_eps.get() : nullptr, troll::cuda_checks{reports.get()});
+  troll::project_jacobian(troll::cuda.on(stream).with_workspace(workspace.get(), workspace.bytes()).with_checks(troll::cuda_checks{reports.get()}), dview(d_zn), dview(d_zo), dview(d_logp), d_stats.get(), d_new.get(), with_old ? d_old.get() : nullptr,
+                          with_eps ? d_eps.get() : nullptr);
   const std::vector<T> got_new = d_new.download(), got_old = d_old.download(), got_eps = d_eps.download();
   const std::vector<troll::cuda_row_report> rep = reports.download();
 
@@ -506,10 +504,10 @@ TEST_CASE("cuda kl_backward, project_jvp and project_jacobian check their argume
   CHECK_THROWS_AS(troll::project_jvp(troll::cuda, a, a, a, nullptr, a, a, 0.0, out), troll::shape_error);
   CHECK_THROWS_AS(troll::project_jvp(troll::cuda, a, a, narrow, fake_stats, a, a, 0.0, out), troll::shape_error);
   // project_jacobian
-  CHECK_THROWS_AS(troll::project_jacobian<float>(troll::cuda, a, a, a, fake_stats, fake_workspace, nullptr),
+  CHECK_THROWS_AS(troll::project_jacobian<float>(troll::cuda.with_workspace(fake_workspace, std::size_t(1) << 30), a, a, a, fake_stats, nullptr),
                   troll::shape_error);
-  CHECK_THROWS_AS(troll::project_jacobian(troll::cuda, a, a, a, nullptr, fake_workspace, fake), troll::shape_error);
-  CHECK_THROWS_AS(troll::project_jacobian(troll::cuda, a, narrow, a, fake_stats, fake_workspace, fake),
+  CHECK_THROWS_AS(troll::project_jacobian(troll::cuda.with_workspace(fake_workspace, std::size_t(1) << 30), a, a, a, nullptr, fake), troll::shape_error);
+  CHECK_THROWS_AS(troll::project_jacobian(troll::cuda.with_workspace(fake_workspace, std::size_t(1) << 30), a, narrow, a, fake_stats, fake),
                   troll::shape_error);
   CHECK_THROWS_AS(troll::project_jacobian(troll::cuda, a, a, a, fake_stats, nullptr, fake), troll::shape_error);
   CHECK_THROWS_AS(troll::project_jacobian(troll::cuda, a, a, a, fake_stats,
@@ -535,17 +533,17 @@ TEST_CASE("cuda kl_backward, project_jvp and project_jacobian check their argume
   same_message([&] { troll::project_jvp(troll::cpu, a, a, a, fake_stats, a, troll::make_batch<const float>(fake, 2, 5), 0.0, out); },
                [&] { troll::project_jvp(troll::cuda, a, a, a, fake_stats, a, troll::make_batch<const float>(fake, 2, 5), 0.0, out); });
   same_message([&] { troll::project_jacobian<float>(troll::cpu, a, a, a, fake_stats, nullptr); },
-               [&] { troll::project_jacobian<float>(troll::cuda, a, a, a, fake_stats, fake_workspace, nullptr); });
+               [&] { troll::project_jacobian<float>(troll::cuda.with_workspace(fake_workspace, std::size_t(1) << 30), a, a, a, fake_stats, nullptr); });
   same_message([&] { troll::project_jacobian(troll::cpu, a, a, a, nullptr, fake); },
-               [&] { troll::project_jacobian(troll::cuda, a, a, a, nullptr, fake_workspace, fake); });
+               [&] { troll::project_jacobian(troll::cuda.with_workspace(fake_workspace, std::size_t(1) << 30), a, a, a, nullptr, fake); });
   const troll::batch_view<const float> huge{fake, std::size_t(1) << 20, std::size_t(1) << 22, std::size_t(1) << 22};
   same_message([&] { troll::project_jacobian(troll::cpu, huge, huge, huge, fake_stats, fake); },
-               [&] { troll::project_jacobian(troll::cuda, huge, huge, huge, fake_stats, fake_workspace, fake); });
+               [&] { troll::project_jacobian(troll::cuda.with_workspace(fake_workspace, std::size_t(1) << 30), huge, huge, huge, fake_stats, fake); });
 
   // An empty batch enqueues nothing (and so needs no device), checked mode included.
   const auto empty = troll::make_batch<const float>(nullptr, 0, 5);
   const auto empty_out = troll::make_batch<float>(nullptr, 0, 5);
-  CHECK_NOTHROW(troll::kl_backward<float>(troll::cuda, empty, empty, nullptr, empty_out, empty_out, troll::cuda_checked));
+  CHECK_NOTHROW(troll::kl_backward<float>(troll::cuda.checked(), empty, empty, nullptr, empty_out, empty_out));
   CHECK_NOTHROW(troll::project_jvp(troll::cuda, empty, empty, empty, nullptr, empty, empty, 0.0, empty_out));
   CHECK_NOTHROW(troll::project_jacobian<float>(troll::cuda, empty, empty, empty, nullptr, nullptr, nullptr));
 }
@@ -664,9 +662,9 @@ TEST_SUITE("device") {
     device_array<T> zp(batch.p), zq(batch.q), g(batch.g), gp(rows * cols), gq(rows * cols);
     device_array<troll::cuda_row_report> reports(rows);
     device_array<unsigned long long> first_bad(1);
-    troll::kl_backward(troll::cuda.on(s.stream), troll::make_batch<const T>(zp.get(), rows, cols),
+    troll::kl_backward(troll::cuda.on(s.stream).with_checks(troll::cuda_checks{reports.get(), first_bad.get()}), troll::make_batch<const T>(zp.get(), rows, cols),
                        troll::make_batch<const T>(zq.get(), rows, cols), g.get(), troll::make_batch(gp.get(), rows, cols),
-                       troll::make_batch(gq.get(), rows, cols), troll::cuda_checks{reports.get(), first_bad.get()});
+                       troll::make_batch(gq.get(), rows, cols));
     s.sync();
     const std::vector<troll::cuda_row_report> rep = reports.download();
     const std::vector<T> got_p = gp.download(), got_q = gq.download();
@@ -719,10 +717,9 @@ TEST_SUITE("device") {
       const std::vector<T> sentinel(rows * cols, T(7));
       device_array<T> gp(sentinel), gq(sentinel);
       const thrown cuda = catch_invalid([&] {
-        troll::kl_backward(troll::cuda.on(s.stream), troll::make_batch<const T>(zp.get(), rows, cols),
+        troll::kl_backward(troll::cuda.on(s.stream).checked(), troll::make_batch<const T>(zp.get(), rows, cols),
                            troll::make_batch<const T>(zq.get(), rows, cols), d_g.get(),
-                           troll::make_batch(gp.get(), rows, cols), troll::make_batch(gq.get(), rows, cols),
-                           troll::cuda_checked);
+                           troll::make_batch(gp.get(), rows, cols), troll::make_batch(gq.get(), rows, cols));
       });
       CAPTURE(cpu.message);
       CHECK(cuda.message == cpu.message);
@@ -732,9 +729,9 @@ TEST_SUITE("device") {
     }
     // A clean batch passes through the checked mode and is computed.
     device_array<T> zp(batch.p), zq(batch.q), g(batch.g), gp(cols);
-    CHECK_NOTHROW(troll::kl_backward(troll::cuda.on(s.stream), troll::make_batch<const T>(zp.get(), 1, cols),
+    CHECK_NOTHROW(troll::kl_backward(troll::cuda.on(s.stream).checked(), troll::make_batch<const T>(zp.get(), 1, cols),
                                      troll::make_batch<const T>(zq.get(), 1, cols), g.get(),
-                                     troll::make_batch(gp.get(), 1, cols), troll::batch_view<T>{}, troll::cuda_checked));
+                                     troll::make_batch(gp.get(), 1, cols), troll::batch_view<T>{}));
     CHECK(std::isfinite(double(gp.download()[0])));
   }
 
@@ -786,8 +783,8 @@ TEST_SUITE("device") {
     device_array<troll::cuda_row_report> reports(rows);
     device_array<unsigned long long> first_bad(1);
     const auto view = [&](const device_array<T>& a) { return troll::make_batch<const T>(a.get(), rows, cols); };
-    troll::project_jvp(troll::cuda.on(s.stream), view(zn), view(zo), view(logp), stats.get(), view(tn), view(to), 0.5,
-                       troll::make_batch(out.get(), rows, cols), troll::cuda_checks{reports.get(), first_bad.get()});
+    troll::project_jvp(troll::cuda.on(s.stream).with_checks(troll::cuda_checks{reports.get(), first_bad.get()}), view(zn), view(zo), view(logp), stats.get(), view(tn), view(to), 0.5,
+                       troll::make_batch(out.get(), rows, cols));
     s.sync();
     std::vector<troll::cuda_row_report> rep = reports.download();
     const std::vector<T> got = out.download();
@@ -813,8 +810,8 @@ TEST_SUITE("device") {
     // The Jacobian has no tangents: rows 6 and 7 are fine there.
     device_array<T> jac_new(rows * cols * cols), jac_old(rows * cols * cols), jac_eps(rows * cols);
     device_array<unsigned char> workspace(troll::project_jacobian_workspace_bytes(rows, cols));
-    troll::project_jacobian(troll::cuda.on(s.stream), view(zn), view(zo), view(logp), stats.get(), workspace.get(),
-                            jac_new.get(), jac_old.get(), jac_eps.get(), troll::cuda_checks{reports.get(), first_bad.get()});
+    troll::project_jacobian(troll::cuda.on(s.stream).with_workspace(workspace.get(), workspace.bytes()).with_checks(troll::cuda_checks{reports.get(), first_bad.get()}), view(zn), view(zo), view(logp), stats.get(),
+                            jac_new.get(), jac_old.get(), jac_eps.get());
     s.sync();
     rep = reports.download();
     const std::vector<T> jn = jac_new.download(), jo = jac_old.download(), je = jac_eps.download();
@@ -863,8 +860,8 @@ TEST_SUITE("device") {
       const std::vector<T> sentinel(rows * cols, T(7)), jac_sentinel(rows * cols * cols, T(7));
       device_array<T> out(sentinel), jac(jac_sentinel);
       const thrown cuda = catch_invalid([&] {
-        troll::project_jvp(troll::cuda.on(s.stream), dev(d_zn), dev(d_zo), dev(d_logp), d_stats.get(), dev(d_tn),
-                           dev(d_to), 0.5, troll::make_batch(out.get(), rows, cols), troll::cuda_checked);
+        troll::project_jvp(troll::cuda.on(s.stream).checked(), dev(d_zn), dev(d_zo), dev(d_logp), d_stats.get(), dev(d_tn),
+                           dev(d_to), 0.5, troll::make_batch(out.get(), rows, cols));
       });
       CAPTURE(cpu.message);
       CHECK(cuda.message == cpu.message);
@@ -876,9 +873,7 @@ TEST_SUITE("device") {
       });
       device_array<unsigned char> workspace(troll::project_jacobian_workspace_bytes(rows, cols));
       const thrown cuda_jac_error = catch_invalid([&] {
-        troll::project_jacobian(troll::cuda.on(s.stream), dev(d_zn), dev(d_zo), dev(d_logp), d_stats.get(),
-                                workspace.get(), jac.get(), static_cast<T*>(nullptr), static_cast<T*>(nullptr),
-                                troll::cuda_checked);
+        troll::project_jacobian(troll::cuda.on(s.stream).with_workspace(workspace.get(), workspace.bytes()).checked(), dev(d_zn), dev(d_zo), dev(d_logp), d_stats.get(), jac.get(), static_cast<T*>(nullptr), static_cast<T*>(nullptr));
       });
       CHECK(cuda_jac_error.message == cpu_jac_error.message);
       CHECK(cuda_jac_error.row == cpu_jac_error.row);

@@ -70,7 +70,7 @@ TEST_CASE("cuda objective entry points check their arguments on the host, before
 
   auto forward = [&](const troll::trust_region_objective& o, troll::batch_view<float> lp,
                      const troll::token_batch<float>& b, troll::objective_metrics* m, void* w) {
-    troll::objective_forward(policy, o, z, z, b, lp, fake_stats, fake, m, w);
+    troll::objective_forward(policy.with_workspace(w, std::size_t(1) << 30), o, z, z, b, lp, fake_stats, fake, m);
   };
   troll::trust_region_objective bad_eps;
   bad_eps.eps = 0.0;
@@ -89,35 +89,32 @@ TEST_CASE("cuda objective entry points check their arguments on the host, before
   no_ids.aggregation = troll::loss_aggregation::sequence_mean;
   CHECK_THROWS_AS(forward(objective, out, no_ids, fake_metrics, fake_workspace),
                   troll::shape_error);
-  CHECK_THROWS_AS(troll::objective_forward(policy, objective, z, z, in, out, nullptr, fake,
-                                           fake_metrics, fake_workspace),
+  CHECK_THROWS_AS(troll::objective_forward(policy.with_workspace(fake_workspace, std::size_t(1) << 30), objective, z, z, in, out, nullptr, fake,
+                                           fake_metrics),
                   troll::shape_error);
 
-  CHECK_THROWS_AS(troll::objective_backward(policy, objective, z, z, in, z, fake_stats, out,
-                                            fake_workspace, nan_value),
+  CHECK_THROWS_AS(troll::objective_backward(policy.with_workspace(fake_workspace, std::size_t(1) << 30), objective, z, z, in, z, fake_stats, out, nan_value),
                   troll::domain_error);
   CHECK_THROWS_AS(
-      troll::objective_backward(policy, objective, z, z, in, z, fake_stats, narrow, fake_workspace),
+      troll::objective_backward(policy.with_workspace(fake_workspace, std::size_t(1) << 30), objective, z, z, in, z, fake_stats, narrow),
       troll::shape_error);
   CHECK_THROWS_AS(
-      troll::objective_backward(policy, objective, z, z, in, z, fake_stats, out, nullptr),
+      troll::objective_backward(policy, objective, z, z, in, z, fake_stats, out),
       troll::shape_error);
   CHECK_THROWS_AS(
-      troll::objective_backward(policy, objective, z, z, in, z, nullptr, out, fake_workspace),
+      troll::objective_backward(policy.with_workspace(fake_workspace, std::size_t(1) << 30), objective, z, z, in, z, nullptr, out),
       troll::shape_error);
   troll::ppo_clip_objective bad_clip;
   bad_clip.clip_low = 1.5;
   CHECK_THROWS_AS(
-      troll::objective_forward(policy, bad_clip, z, z, in, fake, fake_metrics, fake_workspace),
+      troll::objective_forward(policy.with_workspace(fake_workspace, std::size_t(1) << 30), bad_clip, z, z, in, fake, fake_metrics),
       troll::domain_error);
-  CHECK_THROWS_AS(troll::objective_forward(policy, troll::ppo_clip_objective{}, z, z, in, fake,
-                                           nullptr, fake_workspace),
+  CHECK_THROWS_AS(troll::objective_forward(policy.with_workspace(fake_workspace, std::size_t(1) << 30), troll::ppo_clip_objective{}, z, z, in, fake,
+                                           nullptr),
                   troll::shape_error);
-  CHECK_THROWS_AS(troll::objective_backward(policy, troll::ppo_clip_objective{}, z, z, in, narrow,
-                                            fake_workspace),
+  CHECK_THROWS_AS(troll::objective_backward(policy.with_workspace(fake_workspace, std::size_t(1) << 30), troll::ppo_clip_objective{}, z, z, in, narrow),
                   troll::shape_error);
-  CHECK_THROWS_AS(troll::objective_backward(policy, troll::ppo_clip_objective{}, z, z, in, out,
-                                            fake_workspace, nan_value),
+  CHECK_THROWS_AS(troll::objective_backward(policy.with_workspace(fake_workspace, std::size_t(1) << 30), troll::ppo_clip_objective{}, z, z, in, out, nan_value),
                   troll::domain_error);
 }
 
@@ -204,14 +201,13 @@ void compare_with_cpu(std::size_t rows, std::size_t cols, unsigned seed,
   device_array<troll::objective_metrics> metrics(1);
   device_array<unsigned char> workspace(troll::objective_workspace_bytes(rows));
   device_array<troll::cuda_row_report> reports(rows);
-  troll::objective_forward(troll::cuda.on(stream.stream), objective, d.new_view(), d.old_view(),
+  troll::objective_forward(troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes()).with_checks(troll::cuda_checks{reports.get()}), objective, d.new_view(), d.old_view(),
                            d.tokens_view(how), troll::make_batch(log_probs.get(), rows, cols),
-                           stats.get(), token_loss.get(), metrics.get(), workspace.get(),
-                           troll::cuda_checks{reports.get()});
-  troll::objective_backward(troll::cuda.on(stream.stream), objective, d.new_view(), d.old_view(),
+                           stats.get(), token_loss.get(), metrics.get());
+  troll::objective_backward(troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes()), objective, d.new_view(), d.old_view(),
                             d.tokens_view(how),
                             troll::make_batch<const T>(log_probs.get(), rows, cols), stats.get(),
-                            troll::make_batch(grad.get(), rows, cols), workspace.get(), grad_loss);
+                            troll::make_batch(grad.get(), rows, cols), grad_loss);
   stream.sync();
 
   for (const troll::cuda_row_report& r : reports.download())
@@ -271,11 +267,10 @@ void compare_ppo_with_cpu(std::size_t rows, std::size_t cols, unsigned seed,
   device_array<T> token_loss(rows), grad(rows * cols);
   device_array<troll::objective_metrics> metrics(1);
   device_array<unsigned char> workspace(troll::objective_workspace_bytes(rows));
-  troll::objective_forward(troll::cuda.on(stream.stream), objective, d.new_view(), d.old_view(),
-                           d.tokens_view(how), token_loss.get(), metrics.get(), workspace.get());
-  troll::objective_backward(troll::cuda.on(stream.stream), objective, d.new_view(), d.old_view(),
-                            d.tokens_view(how), troll::make_batch(grad.get(), rows, cols),
-                            workspace.get(), grad_loss);
+  troll::objective_forward(troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes()), objective, d.new_view(), d.old_view(),
+                           d.tokens_view(how), token_loss.get(), metrics.get());
+  troll::objective_backward(troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes()), objective, d.new_view(), d.old_view(),
+                            d.tokens_view(how), troll::make_batch(grad.get(), rows, cols), grad_loss);
   stream.sync();
 
   const tolerance tol = objective_between_backends<T>();
@@ -328,14 +323,14 @@ TEST_SUITE("device") {
     device_array<troll::objective_metrics> metrics(1);
     device_array<unsigned char> workspace(troll::objective_workspace_bytes(6));
     const auto in = d.tokens_view(troll::loss_aggregation::sequence_mean);
-    troll::objective_forward(troll::cuda.on(stream.stream), troll::trust_region_objective{},
+    troll::objective_forward(troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes()), troll::trust_region_objective{},
                              d.new_view(), d.old_view(), in,
                              troll::make_batch(log_probs.get(), 6, 64), stats.get(), nullptr,
-                             metrics.get(), workspace.get());
-    troll::objective_backward(troll::cuda.on(stream.stream), troll::trust_region_objective{},
+                             metrics.get());
+    troll::objective_backward(troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes()), troll::trust_region_objective{},
                               d.new_view(), d.old_view(), in,
                               troll::make_batch<const double>(log_probs.get(), 6, 64), stats.get(),
-                              troll::make_batch(grad.get(), 6, 64), workspace.get());
+                              troll::make_batch(grad.get(), 6, 64));
     stream.sync();
     const troll::objective_metrics m = metrics.download()[0];
     CHECK(m.loss == 0.0);
@@ -360,11 +355,10 @@ TEST_SUITE("device") {
     device_array<unsigned char> workspace(troll::objective_workspace_bytes(8));
     device_array<troll::cuda_row_report> reports(8);
     device_array<unsigned long long> first_bad(1);
-    troll::objective_forward(troll::cuda.on(stream.stream), troll::trust_region_objective{},
+    troll::objective_forward(troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes()).with_checks(troll::cuda_checks{reports.get(), first_bad.get()}), troll::trust_region_objective{},
                              d.new_view(), d.old_view(), d.tokens_view(how),
                              troll::make_batch(log_probs.get(), 8, 64), stats.get(),
-                             token_loss.get(), metrics.get(), workspace.get(),
-                             troll::cuda_checks{reports.get(), first_bad.get()});
+                             token_loss.get(), metrics.get());
     stream.sync();
     const std::vector<troll::cuda_row_report> rep = reports.download();
     CHECK(rep[5].error == troll::cuda_row_error::bad_advantage);
@@ -382,9 +376,9 @@ TEST_SUITE("device") {
     });
     const std::string got = message_of([&] {
       troll::objective_forward(
-          troll::cuda.on(stream.stream), troll::trust_region_objective{}, d.new_view(),
+          troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes()).checked(), troll::trust_region_objective{}, d.new_view(),
           d.old_view(), d.tokens_view(how), troll::make_batch(log_probs.get(), 8, 64), stats.get(),
-          token_loss.get(), metrics.get(), workspace.get(), troll::cuda_checked);
+          token_loss.get(), metrics.get());
     });
     CHECK(!want.empty());
     CHECK(got == want);

@@ -121,11 +121,11 @@ TEST_CASE("cuda DPPO entry points check their arguments on the host, before any 
 
   auto forward = [&](const troll::dppo_objective& o, troll::input_view<float> old_view,
                      const troll::token_batch<float>& b, troll::objective_metrics* m, void* w) {
-    troll::objective_forward(policy, o, z, old_view, b, fake, m, w);
+    troll::objective_forward(policy.with_workspace(w, std::size_t(1) << 30), o, z, old_view, b, fake, m);
   };
   auto backward = [&](const troll::dppo_objective& o, troll::batch_view<float> g, void* w,
                       double grad_loss) {
-    troll::objective_backward(policy, o, z, z, in, g, w, grad_loss);
+    troll::objective_backward(policy.with_workspace(w, std::size_t(1) << 30), o, z, z, in, g, grad_loss);
   };
 
   troll::dppo_objective bad = good;
@@ -175,9 +175,9 @@ TEST_CASE("cuda DPPO entry points check their arguments on the host, before any 
   // A binary divergence ignores top_k, as on the CPU; zero rows enqueue nothing.
   troll::dppo_objective binary = troll::dppo_objective::defaults(troll::dppo_divergence::binary_kl);
   binary.top_k = 0;
-  CHECK_NOTHROW(troll::objective_backward(policy, binary, troll::make_batch<const float>(fake, 0, 8),
+  CHECK_NOTHROW(troll::objective_backward(policy.with_workspace(fake_workspace, std::size_t(1) << 30), binary, troll::make_batch<const float>(fake, 0, 8),
                                           troll::make_batch<const float>(fake, 0, 8), in,
-                                          troll::make_batch<float>(fake, 0, 8), fake_workspace));
+                                          troll::make_batch<float>(fake, 0, 8)));
 }
 
 TEST_CASE_TEMPLATE("the DPPO test batches mask tokens in both directions on the CPU", T, float,
@@ -232,12 +232,10 @@ void compare_dppo_with_cpu(const host_batch<T>& h, const troll::dppo_objective& 
   device_array<troll::objective_metrics> metrics(1);
   device_array<unsigned char> workspace(troll::objective_workspace_bytes(rows));
   device_array<troll::cuda_row_report> reports(rows);
-  troll::objective_forward(troll::cuda.on(stream.stream), objective, d.new_view(), d.old_view(),
-                           d.tokens_view(how), token_loss.get(), metrics.get(), workspace.get(),
-                           troll::cuda_checks{reports.get()});
-  troll::objective_backward(troll::cuda.on(stream.stream), objective, d.new_view(), d.old_view(),
-                            d.tokens_view(how), troll::make_batch(grad.get(), rows, cols),
-                            workspace.get(), grad_loss);
+  troll::objective_forward(troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes()).with_checks(troll::cuda_checks{reports.get()}), objective, d.new_view(), d.old_view(),
+                           d.tokens_view(how), token_loss.get(), metrics.get());
+  troll::objective_backward(troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes()), objective, d.new_view(), d.old_view(),
+                            d.tokens_view(how), troll::make_batch(grad.get(), rows, cols), grad_loss);
   stream.sync();
 
   for (const troll::cuda_row_report& r : reports.download())
@@ -317,8 +315,8 @@ TEST_SUITE("device") {
     test_stream stream;
     device_array<troll::objective_metrics> metrics(1);
     device_array<unsigned char> workspace(troll::objective_workspace_bytes(h.rows));
-    troll::objective_forward(troll::cuda.on(stream.stream), o, d.new_view(), d.old_view(), din,
-                             nullptr, metrics.get(), workspace.get());
+    troll::objective_forward(troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes()), o, d.new_view(), d.old_view(), din,
+                             nullptr, metrics.get());
     stream.sync();
     const troll::objective_metrics got = metrics.download()[0];
     const tolerance tol = objective_between_backends<double>();
@@ -340,10 +338,10 @@ TEST_SUITE("device") {
     device_array<unsigned char> workspace(troll::objective_workspace_bytes(6));
     const auto in = d.tokens_view(troll::loss_aggregation::sequence_mean);
     const auto o = troll::dppo_objective::defaults(troll::dppo_divergence::topk_kl);
-    troll::objective_forward(troll::cuda.on(stream.stream), o, d.new_view(), d.old_view(), in,
-                             nullptr, metrics.get(), workspace.get());
-    troll::objective_backward(troll::cuda.on(stream.stream), o, d.new_view(), d.old_view(), in,
-                              troll::make_batch(grad.get(), 6, 64), workspace.get());
+    troll::objective_forward(troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes()), o, d.new_view(), d.old_view(), in,
+                             nullptr, metrics.get());
+    troll::objective_backward(troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes()), o, d.new_view(), d.old_view(), in,
+                              troll::make_batch(grad.get(), 6, 64));
     stream.sync();
     const troll::objective_metrics m = metrics.download()[0];
     CHECK(m.loss == 0.0);
@@ -371,9 +369,8 @@ TEST_SUITE("device") {
     device_array<unsigned char> workspace(troll::objective_workspace_bytes(8));
     device_array<troll::cuda_row_report> reports(8);
     device_array<unsigned long long> first_bad(1);
-    troll::objective_forward(troll::cuda.on(stream.stream), o, d.new_view(), d.old_view(),
-                             d.tokens_view(how), token_loss.get(), metrics.get(), workspace.get(),
-                             troll::cuda_checks{reports.get(), first_bad.get()});
+    troll::objective_forward(troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes()).with_checks(troll::cuda_checks{reports.get(), first_bad.get()}), o, d.new_view(), d.old_view(),
+                             d.tokens_view(how), token_loss.get(), metrics.get());
     stream.sync();
     const std::vector<troll::cuda_row_report> rep = reports.download();
     CHECK(rep[3].error == troll::cuda_row_error::all_masked);
@@ -388,9 +385,8 @@ TEST_SUITE("device") {
     CHECK(!std::isnan(static_cast<double>(losses[0])));
     CHECK(std::isnan(metrics.download()[0].loss));
 
-    troll::objective_backward(troll::cuda.on(stream.stream), o, d.new_view(), d.old_view(),
-                              d.tokens_view(how), troll::make_batch(grad.get(), 8, 64),
-                              workspace.get(), 1.0, troll::cuda_checks{reports.get()});
+    troll::objective_backward(troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes()).with_checks(troll::cuda_checks{reports.get()}), o, d.new_view(), d.old_view(),
+                              d.tokens_view(how), troll::make_batch(grad.get(), 8, 64), 1.0);
     stream.sync();
     const std::vector<T> g = grad.download();
     CHECK(std::isnan(static_cast<double>(g[3 * 64])));
@@ -401,9 +397,8 @@ TEST_SUITE("device") {
       troll::objective_forward(troll::cpu, o, h.new_view(), h.old_view(), h.tokens_view(how));
     });
     const std::string got_forward = message_of([&] {
-      troll::objective_forward(troll::cuda.on(stream.stream), o, d.new_view(), d.old_view(),
-                               d.tokens_view(how), token_loss.get(), metrics.get(),
-                               workspace.get(), troll::cuda_checked);
+      troll::objective_forward(troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes()).checked(), o, d.new_view(), d.old_view(),
+                               d.tokens_view(how), token_loss.get(), metrics.get());
     });
     CHECK(!want_forward.empty());
     CHECK(got_forward == want_forward);
@@ -413,9 +408,8 @@ TEST_SUITE("device") {
                                 troll::make_batch(cpu_grad.data(), 8, 64));
     });
     const std::string got_backward = message_of([&] {
-      troll::objective_backward(troll::cuda.on(stream.stream), o, d.new_view(), d.old_view(),
-                                d.tokens_view(how), troll::make_batch(grad.get(), 8, 64),
-                                workspace.get(), 1.0, troll::cuda_checked);
+      troll::objective_backward(troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes()).checked(), o, d.new_view(), d.old_view(),
+                                d.tokens_view(how), troll::make_batch(grad.get(), 8, 64), 1.0);
     });
     CHECK(!want_backward.empty());
     CHECK(got_backward == want_backward);

@@ -85,8 +85,8 @@ void check_log_softmax_block(const troll_test::corpus_block& block, cudaStream_t
   const packed_batch<T> b = pack_block<T>(block);
   device_array<T> z(b.fresh), out(b.rows * b.stride);
   device_array<troll::cuda_row_report> reports(b.rows);
-  troll::log_softmax(troll::cuda.on(stream), troll::make_batch<const T>(z.get(), b.rows, b.cols, b.stride),
-                     troll::make_batch(out.get(), b.rows, b.cols, b.stride), troll::cuda_checks{reports.get()});
+  troll::log_softmax(troll::cuda.on(stream).with_checks(troll::cuda_checks{reports.get()}), troll::make_batch<const T>(z.get(), b.rows, b.cols, b.stride),
+                     troll::make_batch(out.get(), b.rows, b.cols, b.stride));
   const std::vector<T> got = out.download();
   const std::vector<troll::cuda_row_report> rep = reports.download();
   std::vector<T> want(b.cols);
@@ -118,9 +118,8 @@ void check_kl_block(const troll_test::corpus_block& block, cudaStream_t stream) 
   const packed_batch<T> b = pack_block<T>(block);
   device_array<T> zp(b.fresh), zq(b.old), out(b.rows);
   device_array<troll::cuda_row_report> reports(b.rows);
-  troll::kl(troll::cuda.on(stream), troll::make_batch<const T>(zp.get(), b.rows, b.cols, b.stride),
-            troll::make_batch<const T>(zq.get(), b.rows, b.cols, b.stride), out.get(),
-            troll::cuda_checks{reports.get()});
+  troll::kl(troll::cuda.on(stream).with_checks(troll::cuda_checks{reports.get()}), troll::make_batch<const T>(zp.get(), b.rows, b.cols, b.stride),
+            troll::make_batch<const T>(zq.get(), b.rows, b.cols, b.stride), out.get());
   const std::vector<T> got = out.download();
   const std::vector<troll::cuda_row_report> rep = reports.download();
   for (std::size_t r = 0; r < b.rows; ++r) {
@@ -153,10 +152,9 @@ void check_project_block(const troll_test::corpus_block& block, double eps, cuda
   device_array<T> zn(b.fresh), zo(b.old), out(b.rows * b.stride);
   device_array<troll::projection_stats> stats(b.rows);
   device_array<troll::cuda_row_report> reports(b.rows);
-  troll::project(troll::cuda.on(stream), troll::make_batch<const T>(zn.get(), b.rows, b.cols, b.stride),
+  troll::project(troll::cuda.on(stream).with_checks(troll::cuda_checks{reports.get()}), troll::make_batch<const T>(zn.get(), b.rows, b.cols, b.stride),
                  troll::make_batch<const T>(zo.get(), b.rows, b.cols, b.stride), eps,
-                 troll::make_batch(out.get(), b.rows, b.cols, b.stride), stats.get(), troll::projection_options{},
-                 troll::cuda_checks{reports.get()});
+                 troll::make_batch(out.get(), b.rows, b.cols, b.stride), stats.get(), troll::projection_options{});
   const std::vector<T> got = out.download();
   const std::vector<troll::projection_stats> got_stats = stats.download();
   const std::vector<troll::cuda_row_report> rep = reports.download();
@@ -266,13 +264,12 @@ void check_backward_block(const troll_test::corpus_block& block, double eps, cud
   device_array<troll::projection_stats> d_st(st);
   device_array<T> d_new(rows * stride), d_old(rows * stride), d_eps(rows);
   device_array<troll::cuda_row_report> reports(rows);
-  troll::project_backward(troll::cuda.on(stream), troll::make_batch<const T>(d_zn.get(), rows, cols, stride),
+  troll::project_backward(troll::cuda.on(stream).with_checks(troll::cuda_checks{reports.get()}), troll::make_batch<const T>(d_zn.get(), rows, cols, stride),
                           troll::make_batch<const T>(d_zo.get(), rows, cols, stride),
                           troll::make_batch<const T>(d_logp.get(), rows, cols, stride), d_st.get(),
                           troll::make_batch<const T>(d_g.get(), rows, cols, stride),
                           troll::make_batch(d_new.get(), rows, cols, stride),
-                          troll::make_batch(d_old.get(), rows, cols, stride), d_eps.get(),
-                          troll::cuda_checks{reports.get()});
+                          troll::make_batch(d_old.get(), rows, cols, stride), d_eps.get());
   const std::vector<T> got_new = d_new.download(), got_old = d_old.download(), got_eps = d_eps.download();
   const std::vector<troll::cuda_row_report> rep = reports.download();
 
@@ -533,10 +530,9 @@ TEST_SUITE("device") {
     device_array<float> d_zn(zn), d_zo(zo), d_out(rows * cols);
     device_array<troll::projection_stats> d_stats(rows);
     device_array<unsigned long long> first_bad(1);
-    troll::project(troll::cuda.on(s.stream), troll::make_batch<const float>(d_zn.get(), rows, cols),
+    troll::project(troll::cuda.on(s.stream).with_checks(troll::cuda_checks{nullptr, first_bad.get()}), troll::make_batch<const float>(d_zn.get(), rows, cols),
                    troll::make_batch<const float>(d_zo.get(), rows, cols), 0.05,
-                   troll::make_batch(d_out.get(), rows, cols), d_stats.get(), troll::projection_options{},
-                   troll::cuda_checks{nullptr, first_bad.get()});
+                   troll::make_batch(d_out.get(), rows, cols), d_stats.get(), troll::projection_options{});
     s.sync();
     CHECK(first_bad.download()[0] == ~0ull);
     const std::vector<troll::projection_stats> got_stats = d_stats.download();
@@ -563,9 +559,9 @@ TEST_SUITE("device") {
     device_array<troll::projection_stats> stats(rows);
     device_array<troll::cuda_row_report> reports(rows);
     device_array<unsigned long long> first_bad(1);
-    troll::project(troll::cuda.on(s.stream), troll::make_batch<const T>(zn.get(), rows, cols),
+    troll::project(troll::cuda.on(s.stream).with_checks(troll::cuda_checks{reports.get(), first_bad.get()}), troll::make_batch<const T>(zn.get(), rows, cols),
                    troll::make_batch<const T>(zo.get(), rows, cols), 0.05, troll::make_batch(out.get(), rows, cols),
-                   stats.get(), troll::projection_options{}, troll::cuda_checks{reports.get(), first_bad.get()});
+                   stats.get(), troll::projection_options{});
     s.sync();
     const std::vector<troll::cuda_row_report> rep = reports.download();
     const std::vector<troll::projection_stats> st = stats.download();
@@ -595,11 +591,10 @@ TEST_SUITE("device") {
       CHECK(static_cast<double>(got[k]) == doctest::Approx(static_cast<double>(want[k])).epsilon(1e-5));
     // The backward rejects the forward's rejected rows through their stats.
     device_array<T> g(std::vector<T>(rows * cols, T(1))), grad(rows * cols);
-    troll::project_backward(troll::cuda.on(s.stream), troll::make_batch<const T>(zn.get(), rows, cols),
+    troll::project_backward(troll::cuda.on(s.stream).with_checks(troll::cuda_checks{reports.get()}), troll::make_batch<const T>(zn.get(), rows, cols),
                             troll::make_batch<const T>(zo.get(), rows, cols), troll::make_batch<const T>(out.get(), rows, cols),
                             stats.get(), troll::make_batch<const T>(g.get(), rows, cols),
-                            troll::make_batch(grad.get(), rows, cols), {}, static_cast<T*>(nullptr),
-                            troll::cuda_checks{reports.get()});
+                            troll::make_batch(grad.get(), rows, cols), {}, static_cast<T*>(nullptr));
     s.sync();
     const std::vector<troll::cuda_row_report> back = reports.download();
     CHECK(back[0].error == troll::cuda_row_error::none);
@@ -640,9 +635,9 @@ TEST_SUITE("device") {
       std::string cuda_message;
       std::size_t cuda_row = 0;
       try {
-        troll::project(troll::cuda.on(s.stream), troll::make_batch<const T>(zn.get(), rows, cols),
+        troll::project(troll::cuda.on(s.stream).checked(), troll::make_batch<const T>(zn.get(), rows, cols),
                        troll::make_batch<const T>(zo.get(), rows, cols), 0.05, troll::make_batch(out.get(), rows, cols),
-                       stats.get(), troll::projection_options{}, troll::cuda_checked);
+                       stats.get(), troll::projection_options{});
       } catch (const troll::invalid_input& ex) {
         cuda_message = ex.what();
         cuda_row = ex.row();
@@ -661,12 +656,11 @@ TEST_SUITE("device") {
     device_array<double> zo(std::vector<double>(batch.old.begin(), batch.old.begin() + rows * cols));
     device_array<double> out(rows * cols), kl_out(rows);
     device_array<troll::projection_stats> stats(rows);
-    CHECK_NOTHROW(troll::project(troll::cuda.on(s.stream), troll::make_batch<const double>(zn.get(), rows, cols),
+    CHECK_NOTHROW(troll::project(troll::cuda.on(s.stream).checked(), troll::make_batch<const double>(zn.get(), rows, cols),
                                  troll::make_batch<const double>(zo.get(), rows, cols), 0.05,
-                                 troll::make_batch(out.get(), rows, cols), stats.get(), troll::projection_options{},
-                                 troll::cuda_checked));
-    CHECK_NOTHROW(troll::kl(troll::cuda.on(s.stream), troll::make_batch<const double>(out.get(), rows, cols),
-                            troll::make_batch<const double>(zo.get(), rows, cols), kl_out.get(), troll::cuda_checked));
+                                 troll::make_batch(out.get(), rows, cols), stats.get(), troll::projection_options{}));
+    CHECK_NOTHROW(troll::kl(troll::cuda.on(s.stream).checked(), troll::make_batch<const double>(out.get(), rows, cols),
+                            troll::make_batch<const double>(zo.get(), rows, cols), kl_out.get()));
     const std::vector<double> kl_values = kl_out.download();
     const std::vector<troll::projection_stats> st = stats.download();
     CHECK(st[0].status == troll::row_status::projected);
@@ -684,8 +678,8 @@ TEST_SUITE("device") {
     test_stream s;
     device_array<double> dp(p), dq(q), kl_out(2);
     device_array<troll::cuda_row_report> reports(2);
-    troll::kl(troll::cuda.on(s.stream), troll::make_batch<const double>(dp.get(), 2, 4),
-              troll::make_batch<const double>(dq.get(), 2, 4), kl_out.get(), troll::cuda_checks{reports.get()});
+    troll::kl(troll::cuda.on(s.stream).with_checks(troll::cuda_checks{reports.get()}), troll::make_batch<const double>(dp.get(), 2, 4),
+              troll::make_batch<const double>(dq.get(), 2, 4), kl_out.get());
     const std::vector<double> got = kl_out.download();
     const std::vector<troll::cuda_row_report> rep = reports.download();
     CHECK(rep[0].error == troll::cuda_row_error::none);
@@ -693,8 +687,8 @@ TEST_SUITE("device") {
     CHECK(std::isinf(got[0]));
     CHECK(got[0] > 0.0);
     CHECK(got[1] == doctest::Approx(want[1]).epsilon(1e-12));
-    CHECK_NOTHROW(troll::kl(troll::cuda.on(s.stream), troll::make_batch<const double>(dp.get(), 2, 4),
-                            troll::make_batch<const double>(dq.get(), 2, 4), kl_out.get(), troll::cuda_checked));
+    CHECK_NOTHROW(troll::kl(troll::cuda.on(s.stream).checked(), troll::make_batch<const double>(dp.get(), 2, 4),
+                            troll::make_batch<const double>(dq.get(), 2, 4), kl_out.get()));
   }
 }
 

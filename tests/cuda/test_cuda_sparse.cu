@@ -40,18 +40,18 @@ void check_sparsify(std::size_t rows, std::size_t vocab, int k, double delta, bo
   test_stream s;
   std::vector<L> values;
   const std::vector<float> host = llm_rows<L>(rows, vocab, seed, values);
-  std::vector<troll::sparse_index> sampled(rows);
-  for (std::size_t r = 0; r < rows; ++r) sampled[r] = troll::sparse_index((r * 7919 + 13) % vocab);
+  std::vector<troll::token_id> sampled(rows);
+  for (std::size_t r = 0; r < rows; ++r) sampled[r] = troll::token_id((r * 7919 + 13) % vocab);
   const std::size_t k_max = std::size_t(k) + 1;
   sparse_pair<float> want(rows, k_max, vocab), got(rows, k_max, vocab);
   const troll::sparsify_options options{k, delta};
   troll::sparsify(troll::cpu, troll::make_batch(host.data(), rows, vocab), with_sampled ? sampled.data() : nullptr,
                   options, want.host());
   device_array<L> d_values(values);
-  device_array<troll::sparse_index> d_sampled(sampled);
+  device_array<troll::token_id> d_sampled(sampled);
   device_array<troll::cuda_row_report> reports(rows);
-  troll::sparsify(troll::cuda.on(s.stream), troll::make_batch<const L>(d_values.get(), rows, vocab),
-                  with_sampled ? d_sampled.get() : nullptr, options, got.device(), troll::cuda_checks{reports.get()});
+  troll::sparsify(troll::cuda.on(s.stream).with_checks(troll::cuda_checks{reports.get()}), troll::make_batch<const L>(d_values.get(), rows, vocab),
+                  with_sampled ? d_sampled.get() : nullptr, options, got.device());
   CUDA_REQUIRE(cudaStreamSynchronize(s.stream));
   const auto counts = got.d_counts.download();
   const auto indices = got.d_indices.download();
@@ -133,7 +133,7 @@ TEST_SUITE("device") {
     const std::vector<float> fo = llm_rows<double>(rows, vocab, 12, values_old);
     std::vector<double> zn(fn.begin(), fn.end()), zo(fo.begin(), fo.end());
     for (std::size_t i = 0; i < zn.size(); ++i) zn[i] = 0.8 * zn[i] + 0.2 * zo[i];  // overlapping supports
-    std::vector<troll::sparse_index> sampled(rows, 3);
+    std::vector<troll::token_id> sampled(rows, 3);
     const troll::sparsify_options options{int(k), 1e-5};
     sparse_pair<double> sn(rows, k_max, vocab), so(rows, k_max, vocab);
     troll::sparsify(troll::cpu, troll::make_batch<const double>(zn.data(), rows, vocab), sampled.data(), options, sn.host());
@@ -155,7 +155,7 @@ TEST_SUITE("device") {
     device_array<double> a_ln(rows * u_max), a_lo(rows * u_max), a_rn(rows), a_ro(rows);
     const troll::aligned_batch_view<double> got_view{a_idx.get(), a_cnt.get(), a_ln.get(), a_lo.get(),
                                                      a_rn.get(), a_ro.get(), rows, u_max, vocab};
-    troll::align(troll::cuda.on(s.stream), sn.device(), so.device(), got_view, troll::cuda_checked);
+    troll::align(troll::cuda.on(s.stream).checked(), sn.device(), so.device(), got_view);
     CHECK(a_idx.download() == want.indices);
     CHECK(a_cnt.download() == want.counts);
     CHECK(a_ln.download() == want.ln);  // copies and the same double arithmetic: exact
@@ -173,8 +173,8 @@ TEST_SUITE("device") {
                                                             want_dense.rn.data(), want_dense.ro.data(), rows, u_max, vocab};
     troll::align(troll::cpu, troll::make_batch<const double>(zn.data(), rows, vocab), sn.host(), so.host(), want_dense_view);
     device_array<double> d_zn(zn);
-    troll::align(troll::cuda.on(s.stream), troll::make_batch<const double>(d_zn.get(), rows, vocab), sn.device(),
-                 so.device(), got_view, troll::cuda_checked);
+    troll::align(troll::cuda.on(s.stream).checked(), troll::make_batch<const double>(d_zn.get(), rows, vocab), sn.device(),
+                 so.device(), got_view);
     CHECK(a_idx.download() == want_dense.indices);
     {
       const auto ln = a_ln.download(), rnd = a_rn.download();
@@ -190,7 +190,7 @@ TEST_SUITE("device") {
     std::vector<double> kl_want(rows);
     troll::kl(troll::cpu, want_view, kl_want.data());
     device_array<double> kl_got(rows);
-    troll::kl(troll::cuda.on(s.stream), rows_dev, kl_got.get(), troll::cuda_checked);
+    troll::kl(troll::cuda.on(s.stream).checked(), rows_dev, kl_got.get());
     const auto kl_values = kl_got.download();
     for (std::size_t r = 0; r < rows; ++r) CHECK(close(kl_values[r], kl_want[r], 1e-13, 1e-10));
 
@@ -200,8 +200,7 @@ TEST_SUITE("device") {
       std::vector<troll::projection_stats> st_want(rows);
       troll::project(troll::cpu, want_view, eps, pw.host(), st_want.data());
       device_array<troll::projection_stats> st_got(rows);
-      troll::project(troll::cuda.on(s.stream), rows_dev, eps, pg.device(), st_got.get(), troll::projection_options{},
-                     troll::cuda_checked);
+      troll::project(troll::cuda.on(s.stream).checked(), rows_dev, eps, pg.device(), st_got.get(), troll::projection_options{});
       const auto st = st_got.download();
       const auto lp = pg.d_log_probs.download(), lr = pg.d_log_remainder.download();
       CHECK(pg.d_indices.download() == pw.indices);
@@ -230,11 +229,10 @@ TEST_SUITE("device") {
       device_array<troll::projection_stats> d_st(st_want);
       device_array<double> d_g(g), d_gr(g_r), d_gn(rows * u_max), d_gnr(rows), d_go(rows * u_max), d_gor(rows),
           d_ge(rows);
-      troll::project_backward(troll::cuda.on(s.stream), rows_dev, pw.device(), d_st.get(),
+      troll::project_backward(troll::cuda.on(s.stream).checked(), rows_dev, pw.device(), d_st.get(),
                               troll::sparse_grad_view<double>{d_g.get(), d_gr.get(), rows, u_max},
                               troll::sparse_grad_view<double>{d_gn.get(), d_gnr.get(), rows, u_max},
-                              troll::sparse_grad_view<double>{d_go.get(), d_gor.get(), rows, u_max}, d_ge.get(),
-                              troll::cuda_checked);
+                              troll::sparse_grad_view<double>{d_go.get(), d_gor.get(), rows, u_max}, d_ge.get());
       const auto gn = d_gn.download(), go = d_go.download(), gnr = d_gnr.download(), gor = d_gor.download(),
                  ge = d_ge.download();
       for (std::size_t i = 0; i < gn.size(); ++i) {
@@ -258,9 +256,9 @@ TEST_SUITE("device") {
                              troll::sparse_grad_view<double>{g.data(), g_r.data(), rows, k_max},
                              troll::make_batch(dz_want.data(), rows, vocab));
     device_array<double> d_g(g), d_gr(g_r), d_dz(rows * vocab);
-    troll::sparsify_backward(troll::cuda.on(s.stream), troll::make_batch<const double>(d_zn.get(), rows, vocab),
+    troll::sparsify_backward(troll::cuda.on(s.stream).checked(), troll::make_batch<const double>(d_zn.get(), rows, vocab),
                              sn.device(), troll::sparse_grad_view<double>{d_g.get(), d_gr.get(), rows, k_max},
-                             troll::make_batch(d_dz.get(), rows, vocab), troll::cuda_checked);
+                             troll::make_batch(d_dz.get(), rows, vocab));
     const auto dz = d_dz.download();
     for (std::size_t i = 0; i < dz.size(); ++i) CHECK(close(dz[i], dz_want[i], 1e-13, 1e-10));
   }
@@ -276,8 +274,7 @@ TEST_SUITE("device") {
     device_array<troll::cuda_row_report> reports(rows);
     device_array<unsigned long long> first_bad(1);
     const auto view = troll::make_batch<const float>(dz.get(), rows, vocab);
-    troll::sparsify(troll::cuda.on(s.stream), view, nullptr, troll::sparsify_options{8, 1e-5}, out.device(),
-                    troll::cuda_checks{reports.get(), first_bad.get()});
+    troll::sparsify(troll::cuda.on(s.stream).with_checks(troll::cuda_checks{reports.get(), first_bad.get()}), view, nullptr, troll::sparsify_options{8, 1e-5}, out.device());
     const auto rep = reports.download();
     CHECK(rep[0].error == troll::cuda_row_error::none);
     CHECK(rep[2].error == troll::cuda_row_error::nan_value);
@@ -293,8 +290,8 @@ TEST_SUITE("device") {
     } catch (const troll::domain_error& e) {
       cpu_message = e.what();
     }
-    CHECK_THROWS_WITH_AS(troll::sparsify(troll::cuda.on(s.stream), view, nullptr, troll::sparsify_options{8, 1e-5},
-                                         out.device(), troll::cuda_checked),
+    CHECK_THROWS_WITH_AS(troll::sparsify(troll::cuda.on(s.stream).checked(), view, nullptr, troll::sparsify_options{8, 1e-5},
+                                         out.device()),
                          cpu_message.c_str(), troll::domain_error);
   }
 }

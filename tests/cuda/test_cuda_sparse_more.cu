@@ -86,9 +86,9 @@ void require_same_rows(sparse_pair<double>& got, const sparse_pair<double>& want
   }
 }
 
-std::vector<troll::sparse_index> sampled_tokens(std::size_t rows, std::size_t vocab) {
-  std::vector<troll::sparse_index> sampled(rows);
-  for (std::size_t r = 0; r < rows; ++r) sampled[r] = troll::sparse_index((r * 7919 + 13) % vocab);
+std::vector<troll::token_id> sampled_tokens(std::size_t rows, std::size_t vocab) {
+  std::vector<troll::token_id> sampled(rows);
+  for (std::size_t r = 0; r < rows; ++r) sampled[r] = troll::token_id((r * 7919 + 13) % vocab);
   return sampled;
 }
 
@@ -100,17 +100,17 @@ void check_double_sparsify(std::size_t rows, std::size_t vocab, int k, double de
   CAPTURE(with_sampled);
   test_stream s;
   const std::vector<double> z = double_rows(rows, vocab, seed);
-  const std::vector<troll::sparse_index> sampled = sampled_tokens(rows, vocab);
+  const std::vector<troll::token_id> sampled = sampled_tokens(rows, vocab);
   const std::size_t k_max = std::size_t(k) + 1;
   sparse_pair<double> want(rows, k_max, vocab), got(rows, k_max, vocab);
   const troll::sparsify_options options{k, delta};
   troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), with_sampled ? sampled.data() : nullptr,
                   options, want.host());
   device_array<double> d_z(z);
-  device_array<troll::sparse_index> d_sampled(sampled);
+  device_array<troll::token_id> d_sampled(sampled);
   device_array<troll::cuda_row_report> reports(rows);
-  troll::sparsify(troll::cuda.on(s.stream), troll::make_batch<const double>(d_z.get(), rows, vocab),
-                  with_sampled ? d_sampled.get() : nullptr, options, got.device(), troll::cuda_checks{reports.get()});
+  troll::sparsify(troll::cuda.on(s.stream).with_checks(troll::cuda_checks{reports.get()}), troll::make_batch<const double>(d_z.get(), rows, vocab),
+                  with_sampled ? d_sampled.get() : nullptr, options, got.device());
   s.sync();
   const auto rep = reports.download();
   for (std::size_t r = 0; r < rows; ++r) REQUIRE(rep[r].error == troll::cuda_row_error::none);
@@ -142,16 +142,16 @@ void check_shards(std::size_t rows, std::size_t vocab, int k, bool with_sampled,
   CAPTURE(with_sampled);
   test_stream s;
   const std::vector<double> z = double_rows(rows, vocab, seed);
-  const std::vector<troll::sparse_index> sampled = sampled_tokens(rows, vocab);
-  const troll::sparse_index* h_sampled = with_sampled ? sampled.data() : nullptr;
+  const std::vector<troll::token_id> sampled = sampled_tokens(rows, vocab);
+  const troll::token_id* h_sampled = with_sampled ? sampled.data() : nullptr;
   const troll::sparsify_options options{k, 1e-5};
   const std::size_t k_max = std::size_t(k) + 1;
   sparse_pair<double> want(rows, k_max, vocab);
   troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), h_sampled, options, want.host());
 
   device_array<double> d_z(z);
-  device_array<troll::sparse_index> d_sampled_array(sampled);
-  const troll::sparse_index* d_sampled = with_sampled ? d_sampled_array.get() : nullptr;
+  device_array<troll::token_id> d_sampled_array(sampled);
+  const troll::token_id* d_sampled = with_sampled ? d_sampled_array.get() : nullptr;
   std::mt19937 gen(seed);
   for (std::size_t shards = 1; shards <= 4 && shards <= vocab; ++shards) {
     CAPTURE(shards);
@@ -161,17 +161,17 @@ void check_shards(std::size_t rows, std::size_t vocab, int k, bool with_sampled,
     for (std::size_t j = 0; j < shards; ++j) {
       const std::size_t width = cuts[j + 1] - cuts[j];
       gpu.push_back(std::make_unique<device_array<troll::sparsify_state>>(rows));
-      troll::sparsify_shard(troll::cuda.on(s.stream),
+      troll::sparsify_shard(troll::cuda.on(s.stream).checked(),
                             troll::make_batch<const double>(d_z.get() + cuts[j], rows, width, vocab), cuts[j], vocab,
-                            d_sampled, options, gpu[j]->get(), troll::cuda_checked);
+                            d_sampled, options, gpu[j]->get());
       troll::sparsify_shard(troll::cpu, troll::make_batch<const double>(z.data() + cuts[j], rows, width, vocab),
                             cuts[j], vocab, h_sampled, options, cpu[j].data());
     }
     // GPU only: into = shard 0, then 1, 2, … merged in.
     for (std::size_t j = 1; j < shards; ++j)
-      troll::sparsify_merge(troll::cuda.on(s.stream), gpu[0]->get(), gpu[j]->get(), rows, troll::cuda_checked);
+      troll::sparsify_merge(troll::cuda.on(s.stream).checked(), gpu[0]->get(), gpu[j]->get(), rows);
     sparse_pair<double> got(rows, k_max, vocab);
-    troll::sparsify_finalize(troll::cuda.on(s.stream), gpu[0]->get(), options, got.device(), troll::cuda_checked);
+    troll::sparsify_finalize(troll::cuda.on(s.stream).checked(), gpu[0]->get(), options, got.device());
     require_same_rows(got, want, 1e-12);
 
     // Mixed: even shards from the GPU (fresh states), odd ones from the CPU, merged right to left.
@@ -200,11 +200,10 @@ void check_shards(std::size_t rows, std::size_t vocab, int k, bool with_sampled,
     device_array<troll::sparsify_state> d_into(mixed[0]), d_from(rows);
     for (std::size_t j = 1; j < shards; ++j) {
       d_from.upload(mixed[j]);
-      troll::sparsify_merge(troll::cuda.on(s.stream), d_into.get(), d_from.get(), rows, troll::cuda_checked);
+      troll::sparsify_merge(troll::cuda.on(s.stream).checked(), d_into.get(), d_from.get(), rows);
     }
     sparse_pair<double> mixed_gpu(rows, k_max, vocab);
-    troll::sparsify_finalize(troll::cuda.on(s.stream), d_into.get(), options, mixed_gpu.device(),
-                             troll::cuda_checked);
+    troll::sparsify_finalize(troll::cuda.on(s.stream).checked(), d_into.get(), options, mixed_gpu.device());
     require_same_rows(mixed_gpu, want, 1e-12);
   }
 }
@@ -215,13 +214,13 @@ void check_float_shards(std::size_t rows, std::size_t vocab, int k, unsigned see
   test_stream s;
   std::vector<float> values;
   const std::vector<float> z = troll_test::llm_rows<float>(rows, vocab, seed, values);
-  const std::vector<troll::sparse_index> sampled = sampled_tokens(rows, vocab);
+  const std::vector<troll::token_id> sampled = sampled_tokens(rows, vocab);
   const troll::sparsify_options options{k, 1e-5};
   const std::size_t k_max = std::size_t(k) + 1;
   sparse_pair<float> want(rows, k_max, vocab);
   troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), sampled.data(), options, want.host());
   device_array<float> d_z(z);
-  device_array<troll::sparse_index> d_sampled(sampled);
+  device_array<troll::token_id> d_sampled(sampled);
   const std::size_t half = vocab / 2;
   device_array<troll::sparsify_state> a(rows), b(rows);
   troll::sparsify_shard(troll::cuda.on(s.stream), troll::make_batch<const float>(d_z.get(), rows, half, vocab), 0,
@@ -231,7 +230,7 @@ void check_float_shards(std::size_t rows, std::size_t vocab, int k, unsigned see
                         d_sampled.get(), options, b.get());
   troll::sparsify_merge(troll::cuda.on(s.stream), b.get(), a.get(), rows);
   sparse_pair<float> got(rows, k_max, vocab);
-  troll::sparsify_finalize(troll::cuda.on(s.stream), b.get(), options, got.device(), troll::cuda_checked);
+  troll::sparsify_finalize(troll::cuda.on(s.stream).checked(), b.get(), options, got.device());
   got.download();
   CHECK(got.indices == want.indices);
   CHECK(got.counts == want.counts);
@@ -277,7 +276,7 @@ struct align_fixture {
     const std::vector<float> fo = troll_test::llm_rows<float>(rows, vocab, 22, unused);
     std::vector<double> zn(fn.begin(), fn.end()), zo(fo.begin(), fo.end());
     for (std::size_t i = 0; i < zn.size(); ++i) zn[i] = 0.7 * zn[i] + 0.3 * zo[i];
-    const std::vector<troll::sparse_index> sampled(rows, 5);
+    const std::vector<troll::token_id> sampled(rows, 5);
     const troll::sparsify_options options{int(k), 1e-5};
     troll::sparsify(troll::cpu, troll::make_batch<const double>(zn.data(), rows, vocab), sampled.data(), options,
                     fresh.host());
@@ -489,7 +488,7 @@ TEST_CASE("cuda shard-state and align_backward reports become the CPU's exceptio
 
   // A whole-row state that covers the sampled token but does not hold it (corrupted).
   std::vector<troll::sparsify_state> missing(2);
-  const troll::sparse_index sampled[2] = {7, 7};
+  const troll::token_id sampled[2] = {7, 7};
   troll::sparsify_shard(troll::cpu, troll::make_batch<const float>(z.data(), 2, 10, 10), 0, 10, sampled, options,
                         missing.data());
   missing[0].has_sampled = false;
@@ -579,10 +578,9 @@ TEST_SUITE("device") {
                             troll::sparse_grad_view<double>{want.data(), want_r.data(), rows, k_max});
       device_array<double> got(rows * k_max), got_r(rows);
       device_array<troll::cuda_row_report> reports(rows);
-      troll::align_backward(troll::cuda.on(s.stream), side->device(), d_aligned.view(),
+      troll::align_backward(troll::cuda.on(s.stream).with_checks(troll::cuda_checks{reports.get()}), side->device(), d_aligned.view(),
                             troll::sparse_grad_view<const double>{d_g.get(), d_gr.get(), rows, u_max},
-                            troll::sparse_grad_view<double>{got.get(), got_r.get(), rows, k_max},
-                            troll::cuda_checks{reports.get()});
+                            troll::sparse_grad_view<double>{got.get(), got_r.get(), rows, k_max});
       s.sync();
       for (const auto& rep : reports.download()) CHECK(rep.error == troll::cuda_row_error::none);
       CHECK(got.download() == want);  // copies of upstream entries and exact zeros
@@ -610,8 +608,7 @@ TEST_SUITE("device") {
     device_array<unsigned long long> first_bad(1);
     const troll::sparse_grad_view<const double> grad{d_g.get(), d_gr.get(), rows, u_max};
     const troll::sparse_grad_view<double> grad_row{got.get(), got_r.get(), rows, k_max};
-    troll::align_backward(troll::cuda.on(s.stream), f.fresh.device(), d_aligned.view(), grad, grad_row,
-                          troll::cuda_checks{reports.get(), first_bad.get()});
+    troll::align_backward(troll::cuda.on(s.stream).with_checks(troll::cuda_checks{reports.get(), first_bad.get()}), f.fresh.device(), d_aligned.view(), grad, grad_row);
     const auto rep = reports.download();
     CHECK(rep[3].error == troll::cuda_row_error::sparse_not_aligned);
     CHECK(rep[3].token == 1);
@@ -626,8 +623,8 @@ TEST_SUITE("device") {
                             troll::sparse_grad_view<double>{h_out.data(), h_out_r.data(), rows, k_max});
     });
     REQUIRE(!cpu_message.empty());
-    CHECK_THROWS_WITH_AS(troll::align_backward(troll::cuda.on(s.stream), f.fresh.device(), d_aligned.view(), grad,
-                                               grad_row, troll::cuda_checked),
+    CHECK_THROWS_WITH_AS(troll::align_backward(troll::cuda.on(s.stream).checked(), f.fresh.device(), d_aligned.view(), grad,
+                                               grad_row),
                          cpu_message.c_str(), troll::shape_error);
 
     // Shards: a NaN logit (row 1) and a masked shard row (row 2, fine); a k mismatch at merge.
@@ -640,8 +637,7 @@ TEST_SUITE("device") {
     device_array<troll::sparsify_state> states(n), other(n);
     device_array<troll::cuda_row_report> shard_reports(n);
     const auto shard = troll::make_batch<const double>(d_z.get(), n, 100, vocab);
-    troll::sparsify_shard(troll::cuda.on(s.stream), shard, 0, vocab, nullptr, options, states.get(),
-                          troll::cuda_checks{shard_reports.get()});
+    troll::sparsify_shard(troll::cuda.on(s.stream).with_checks(troll::cuda_checks{shard_reports.get()}), shard, 0, vocab, nullptr, options, states.get());
     const auto shard_rep = shard_reports.download();
     CHECK(shard_rep[1].error == troll::cuda_row_error::nan_value);
     CHECK(shard_rep[1].token == 17);
@@ -653,8 +649,8 @@ TEST_SUITE("device") {
                             options, host_states.data());
     });
     REQUIRE(!cpu_shard.empty());
-    CHECK_THROWS_WITH_AS(troll::sparsify_shard(troll::cuda.on(s.stream), shard, 0, vocab, nullptr, options,
-                                               states.get(), troll::cuda_checked),
+    CHECK_THROWS_WITH_AS(troll::sparsify_shard(troll::cuda.on(s.stream).checked(), shard, 0, vocab, nullptr, options,
+                                               states.get()),
                          cpu_shard.c_str(), troll::domain_error);
 
     // Merge with states of another k: state_mismatch, the CPU's invalid_input in checked mode.
@@ -662,8 +658,7 @@ TEST_SUITE("device") {
     troll::sparsify_shard(troll::cuda.on(s.stream), tail, 100, vocab, nullptr, troll::sparsify_options{9, 1e-5},
                           other.get());
     device_array<troll::cuda_row_report> merge_reports(n);
-    troll::sparsify_merge(troll::cuda.on(s.stream), states.get(), other.get(), n,
-                          troll::cuda_checks{merge_reports.get()});
+    troll::sparsify_merge(troll::cuda.on(s.stream).with_checks(troll::cuda_checks{merge_reports.get()}), states.get(), other.get(), n);
     const auto merge_rep = merge_reports.download();
     // Row 0: k 8 vs 9; row 1: the rejected NaN row's invalid state (k = 0), found first, as on the CPU.
     CHECK(merge_rep[0].error == troll::cuda_row_error::state_invalid);
@@ -676,18 +671,17 @@ TEST_SUITE("device") {
         [&] { troll::sparsify_merge(troll::cpu, host_into.data(), host_other.data(), n); });
     REQUIRE(!cpu_merge.empty());
     CHECK_THROWS_WITH_AS(
-        troll::sparsify_merge(troll::cuda.on(s.stream), states.get(), other.get(), n, troll::cuda_checked),
+        troll::sparsify_merge(troll::cuda.on(s.stream).checked(), states.get(), other.get(), n),
         cpu_merge.c_str(), troll::invalid_input);
 
     // Finalize of one shard of the row (a shard never merged): invalid_input, count 0 and NaN.
-    const std::vector<troll::sparse_index> sampled(n, 250);
-    device_array<troll::sparse_index> d_sampled(sampled);
+    const std::vector<troll::token_id> sampled(n, 250);
+    device_array<troll::token_id> d_sampled(sampled);
     troll::sparsify_shard(troll::cuda.on(s.stream), troll::make_batch<const double>(d_z.get(), n, 100, vocab), 0, vocab,
                           d_sampled.get(), options, states.get());
     sparse_pair<double> out(n, 9, vocab);
     device_array<troll::cuda_row_report> final_reports(n);
-    troll::sparsify_finalize(troll::cuda.on(s.stream), states.get(), options, out.device(),
-                             troll::cuda_checks{final_reports.get()});
+    troll::sparsify_finalize(troll::cuda.on(s.stream).with_checks(troll::cuda_checks{final_reports.get()}), states.get(), options, out.device());
     const auto final_rep = final_reports.download();
     CHECK(final_rep[0].error == troll::cuda_row_error::state_invalid);
     CHECK(final_rep[0].operand == int(troll::detail::state_problem_kind::incomplete));
@@ -702,8 +696,7 @@ TEST_SUITE("device") {
     const std::string cpu_final = message_of<troll::invalid_input>(
         [&] { troll::sparsify_finalize(troll::cpu, sampled_states.data(), options, host_out.host()); });
     REQUIRE(cpu_final.find("token 100 is missing") != std::string::npos);  // row 0: shards missing
-    CHECK_THROWS_WITH_AS(troll::sparsify_finalize(troll::cuda.on(s.stream), states.get(), options, out.device(),
-                                                  troll::cuda_checked),
+    CHECK_THROWS_WITH_AS(troll::sparsify_finalize(troll::cuda.on(s.stream).checked(), states.get(), options, out.device()),
                          cpu_final.c_str(), troll::invalid_input);
   }
 }

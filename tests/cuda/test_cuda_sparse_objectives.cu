@@ -92,7 +92,7 @@ struct sparse_batch {
     resparsify();
   }
   void resparsify() {
-    std::vector<troll::sparse_index> sampled(host.tokens.begin(), host.tokens.end());
+    std::vector<troll::token_id> sampled(host.tokens.begin(), host.tokens.end());
     troll::sparsify(troll::cpu, host.old_view(), sampled.data(), troll::sparsify_options{8, 1e-3}, old.host());
     old.upload();
   }
@@ -153,13 +153,11 @@ run_result<T> run_cuda(sparse_batch<T>& b, const troll::sparse_trust_region_obje
   device_array<double> workspace((bytes + sizeof(double) - 1) / sizeof(double));
   const troll::token_batch<T> in = d.tokens_view(how);
   const auto policy = troll::cuda.on(s.stream);
-  troll::objective_forward(policy, o, d.new_view(), troll::sparse_input<T>(b.old.device()), in, aligned.device(),
-                           lp.device(), stats.get(), token_loss.get(), metrics.get(), workspace.get(),
-                           forward_checks);
-  troll::objective_backward(policy, o, d.new_view(), troll::aligned_input<T>(aligned.device()), in,
+  troll::objective_forward(policy.with_workspace(workspace.get(), workspace.bytes()).with_checks(forward_checks), o, d.new_view(), troll::sparse_input<T>(b.old.device()), in, aligned.device(),
+                           lp.device(), stats.get(), token_loss.get(), metrics.get());
+  troll::objective_backward(policy.with_workspace(workspace.get(), workspace.bytes()).with_checks(backward_checks), o, d.new_view(), troll::aligned_input<T>(aligned.device()), in,
                             troll::sparse_input<T>(lp.device()), stats.get(),
-                            troll::make_batch(grad.get(), b.rows, b.vocab), workspace.get(), grad_loss,
-                            backward_checks);
+                            troll::make_batch(grad.get(), b.rows, b.vocab), grad_loss);
   s.sync();
   CUDA_REQUIRE(cudaGetLastError());
   run_result<T> r;
@@ -271,7 +269,7 @@ TEST_CASE("cuda sparse objective entry points check their arguments on the host,
   auto forward = [&](const troll::sparse_trust_region_objective& o, troll::sparse_batch_view<float> old,
                      troll::sparse_batch_view<float> lp, const troll::token_batch<float>& b,
                      troll::projection_stats* st, troll::objective_metrics* m, void* w) {
-    troll::objective_forward(policy, o, z, troll::sparse_input<float>(old), b, aligned, lp, st, fake, m, w);
+    troll::objective_forward(policy.with_workspace(w, std::size_t(1) << 30), o, z, troll::sparse_input<float>(old), b, aligned, lp, st, fake, m);
   };
   auto cpu_message = [&](const troll::sparse_trust_region_objective& o) {
     return message_of([&] {
@@ -313,8 +311,8 @@ TEST_CASE("cuda sparse objective entry points check their arguments on the host,
 
   auto backward = [&](troll::sparse_batch_view<float> lp, troll::batch_view<float> g, const troll::projection_stats* st,
                       void* w, double grad_loss) {
-    troll::objective_backward(policy, objective, z, troll::aligned_input<float>(aligned), in,
-                              troll::sparse_input<float>(lp), st, g, w, grad_loss);
+    troll::objective_backward(policy.with_workspace(w, std::size_t(1) << 30), objective, z, troll::aligned_input<float>(aligned), in,
+                              troll::sparse_input<float>(lp), st, g, grad_loss);
   };
   CHECK_THROWS_AS(backward(sparse, grad, fake_stats, fake_workspace, nan_value), troll::domain_error);
   CHECK(message_of([&] { backward(sparse, grad, fake_stats, fake_workspace, nan_value); }) ==
@@ -549,9 +547,9 @@ TEST_SUITE("device") {
       const std::string want = message_of([&] { run_cpu(b, o, how, 1.0); });
       REQUIRE(!want.empty());
       const std::string got = message_of([&] {
-        troll::objective_forward(troll::cuda.on(s.stream), o, d.new_view(), troll::sparse_input<T>(b.old.device()),
+        troll::objective_forward(troll::cuda.on(s.stream).with_workspace(workspace.get(), workspace.bytes()).checked(), o, d.new_view(), troll::sparse_input<T>(b.old.device()),
                                  d.tokens_view(how), aligned.device(), lp.device(), stats.get(), token_loss.get(),
-                                 metrics.get(), workspace.get(), troll::cuda_checked);
+                                 metrics.get());
       });
       CHECK(got == want);
       s.sync();

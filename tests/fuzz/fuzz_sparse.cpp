@@ -238,9 +238,9 @@ void fuzz_shards(reader& in) {
   const troll::sparsify_options options{1 + int(in.below(12)), in.byte() % 2 ? 0.0 : 1e-3};
   std::vector<double> z(rows * vocab);
   for (double& x : z) x = in.byte() % 32 == 0 ? -std::numeric_limits<double>::infinity() : double(int(in.byte()) - 128) / 16.0;
-  std::vector<troll::sparse_index> sampled(rows);
+  std::vector<troll::token_id> sampled(rows);
   const bool with_sampled = in.byte() % 2 == 0;
-  for (auto& s : sampled) s = troll::sparse_index(in.below(vocab + 1));  // V itself is out of range
+  for (auto& s : sampled) s = troll::token_id(in.below(vocab + 1));  // V itself is out of range
 
   // Up to four shards with fuzzed cuts; one may get a raw (possibly wrapping) offset.
   const std::size_t shards = 1 + in.below(4);

@@ -64,6 +64,7 @@ class device_array {
 
   E* get() const { return data_; }
   std::size_t size() const { return size_; }
+  std::size_t bytes() const { return size_ * sizeof(E); }
   void upload(const std::vector<E>& host) {
     REQUIRE(host.size() <= size_);
     CUDA_REQUIRE(cudaMemcpy(data_, host.data(), host.size() * sizeof(E), cudaMemcpyHostToDevice));

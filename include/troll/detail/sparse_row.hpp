@@ -13,7 +13,7 @@
 
 TROLL_BEGIN_NAMESPACE
 
-/// Index type of sparse supports (token ids; V < 2^31).
+/// Index type stored in sparse supports (token ids of a sparse row, compact; V < 2^31).
 using sparse_index = std::int32_t;
 
 /// Largest K sparsify accepts (a sparse row from sparsify holds at most K + 1 entries: the

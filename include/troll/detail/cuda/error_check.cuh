@@ -38,17 +38,6 @@ inline unsigned grid_for(std::size_t rows) {
 /// kernel surface at the caller's next synchronisation).
 inline void check_launch(const char* function) { check(cudaGetLastError(), function, "kernel launch"); }
 
-/// The host check of a caller's device workspace: not null (unless `required` is false) and
-/// aligned for the doubles the kernels keep there. Throws shape_error.
-inline void check_workspace(const char* function, const void* workspace, bool required = true) {
-  if (workspace == nullptr) {
-    if (required) throw_shape(function, "workspace is a null pointer");
-    return;
-  }
-  if (reinterpret_cast<std::uintptr_t>(workspace) % alignof(double) != 0)
-    throw_shape(function, "workspace is not " + std::to_string(alignof(double)) + "-byte aligned");
-}
-
 /// Stream-ordered device memory owned for the length of one checked-mode call (cudaMallocAsync,
 /// released with cudaFreeAsync on the same stream, also when the call throws). Only checked mode
 /// allocates: the hot path runs in the caller's workspace.

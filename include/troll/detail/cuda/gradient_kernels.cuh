@@ -28,6 +28,7 @@
 #include "../row_problem.hpp"
 #include "../tilt_derivatives.hpp"
 #include "../trust_region_solver.hpp"
+#include "../workspace_layout.hpp"
 #include "backward_kernels.cuh"
 #include "block_reduce.cuh"
 #include "forward_kernels.cuh"
@@ -243,14 +244,6 @@ __global__ void __launch_bounds__(block_threads)
 
 // ---- project_jacobian ----
 
-/// What the Jacobian's entries need of one row beyond its stats: the old normaliser, and
-/// whether the row was rejected. One per row in the caller's workspace.
-struct jacobian_row_terms {
-  double old_max;
-  double old_log_sum;
-  int rejected;
-};
-
 /// Rows of `range`: validation (as the CPU's validate_backward without an upstream) and the
 /// row's jacobian_row_terms (not written with checks.validate_only).
 template <class T>
@@ -358,7 +351,6 @@ void write_jacobian_entries(const char* function, cudaStream_t stream, row_range
 }
 
 /// Bytes of the workspace project_jacobian needs: one jacobian_row_terms per row.
-constexpr std::size_t jacobian_workspace_bytes(std::size_t rows) { return rows * sizeof(jacobian_row_terms); }
 
 }  // namespace cuda
 }  // namespace detail

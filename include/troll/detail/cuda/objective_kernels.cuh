@@ -16,6 +16,7 @@
 #include "../numeric.hpp"
 #include "../objective_row.hpp"
 #include "../trust_region_solver.hpp"
+#include "../workspace_layout.hpp"
 #include "backward_kernels.cuh"
 #include "block_reduce.cuh"
 #include "forward_kernels.cuh"
@@ -25,30 +26,6 @@
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cuda {
-
-/// One row's slot of the caller's workspace: what the forward's row kernel leaves for the
-/// aggregation (loss, ratio, regression KL), and the backward's unnormalised weight.
-struct objective_row_record {
-  double loss = 0.0;
-  double ratio = 0.0;
-  double kl_reg = 0.0;   ///< TROLL: KL(p̃ ‖ π*); PPO: KL(p̃ ‖ q) (0 without kl_metrics)
-  double limited = 0.0;  ///< PPO / DPPO: 1 when the clip (the mask) took the gradient away
-  double weight = 0.0;   ///< backward: w_r (token mean) or w_r / Σ_{seq} w (sequence mean)
-  double divergence = 0.0;  ///< DPPO: the divergence estimate
-};
-
-/// c_r = grad_loss · w_r / Σ w of the backward (0 when no token counts), from the aggregation
-/// header and the row's record.
-TROLL_HOST_DEVICE inline double backward_row_weight(double grad_loss, const objective_row_record& header,
-                                                    const objective_row_record& row) {
-  return header.weight == 0.0 ? 0.0 : grad_loss * row.weight / header.weight;
-}
-
-/// Workspace layout: one header record (its `weight` holds the normaliser Σ w or S), then one
-/// record per row.
-constexpr std::size_t objective_workspace_bytes(std::size_t rows) {
-  return (rows + 1) * sizeof(objective_row_record);
-}
 
 template <class T>
 __device__ inline double mask_of(const token_batch<T>& in, std::size_t r) {

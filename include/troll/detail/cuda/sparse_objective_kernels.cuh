@@ -18,6 +18,7 @@
 #include "../objective_row.hpp"
 #include "../sparse_row.hpp"
 #include "../trust_region_solver.hpp"
+#include "../workspace_layout.hpp"
 #include "backward_kernels.cuh"
 #include "block_reduce.cuh"
 #include "forward_kernels.cuh"
@@ -31,28 +32,6 @@
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cuda {
-
-/// Workspace of the sparse objective (8-byte aligned pieces, in this order):
-///   records   (rows + 1) objective_row_record   the dense objective's header and row records
-///   outcome   rows cuda_row_report              forward: each row's pre-alignment check
-///   scratch   forward: the new rows' sparsify prefix (rows × new_k values and indices, rows
-///             remainders and counts); backward: the upstream gradient on the aligned rows
-///             (rows × k_max values, rows remainders). Values are sized as doubles.
-TROLL_HOST_DEVICE constexpr std::size_t sparse_objective_fixed_bytes(std::size_t rows) {
-  return (rows + 1) * sizeof(objective_row_record) + rows * sizeof(cuda_row_report);
-}
-TROLL_HOST_DEVICE constexpr std::size_t sparse_support_bytes(std::size_t rows, std::size_t new_k) {
-  return rows * new_k * (sizeof(double) + sizeof(sparse_index)) + rows * (sizeof(double) + sizeof(double));
-}
-TROLL_HOST_DEVICE constexpr std::size_t sparse_upstream_bytes(std::size_t rows, std::size_t k_max) {
-  return rows * (k_max + 1) * sizeof(double);
-}
-TROLL_HOST_DEVICE constexpr std::size_t sparse_objective_bytes(std::size_t rows, std::size_t k_max,
-                                                               std::size_t new_k) {
-  return sparse_objective_fixed_bytes(rows) + (sparse_support_bytes(rows, new_k) > sparse_upstream_bytes(rows, k_max)
-                                                   ? sparse_support_bytes(rows, new_k)
-                                                   : sparse_upstream_bytes(rows, k_max));
-}
 
 /// The pieces of a caller's workspace (see sparse_objective_bytes).
 struct sparse_objective_workspace {

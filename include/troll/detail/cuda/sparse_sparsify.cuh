@@ -427,7 +427,7 @@ __device__ stream_result stream_row(sparsify_shared<Keys>& sh, reduce_storage<st
 /// log-remainder and padding.
 template <class L, class T>
 __global__ void __launch_bounds__(block_threads)
-    sparsify_kernel(batch_view<const L> logits, const sparse_index* sampled, int k, double log_delta,
+    sparsify_kernel(batch_view<const L> logits, const token_id* sampled, int k, double log_delta,
                     sparse_batch_view<T> out, row_range range, device_checks checks) {
   using Keys = sparsify_keys<L>;
   using key_type = typename Keys::key_type;
@@ -533,7 +533,7 @@ __global__ void __launch_bounds__(block_threads)
 template <class L>
 __global__ void __launch_bounds__(block_threads)
     sparsify_shard_kernel(batch_view<const L> logits, std::size_t offset, std::size_t vocab,
-                          const sparse_index* sampled, int k, sparsify_state* states, row_range range,
+                          const token_id* sampled, int k, sparsify_state* states, row_range range,
                           device_checks checks) {
   using Keys = sparsify_keys<L>;
   using key_type = typename Keys::key_type;

@@ -1,0 +1,129 @@
+// troll/workspace.hpp — how much scratch memory an entry point needs (CUB's temp_storage_bytes
+// idiom). One query for every entry point and both policies:
+//
+//   std::size_t bytes = troll::workspace_bytes(policy, troll::op::project_jacobian{}, rows, V);
+//   auto p = policy.with_workspace(memory, bytes);          // host memory for cpu, device for cuda
+//   troll::project_jacobian(p, new_logits, old_logits, log_probs, stats, jac_new);
+//
+//   std::size_t b = troll::workspace_bytes(policy, troll::op::objective_forward{}, objective, rows, V,
+//                                          aligned.k_max);   // objectives name the objective
+//
+// 0 means the entry point needs none (most of them). The memory must be 8-byte aligned; a
+// workspace that is null, misaligned or smaller than the query's answer throws shape_error before
+// anything is written. A cpu_policy without a workspace lets the CPU entry points allocate their
+// scratch themselves; a cuda_policy must carry one wherever the answer is non-zero.
+#pragma once
+
+#include <cstddef>
+#include <type_traits>
+
+#include "config.hpp"
+#include "detail/workspace_layout.hpp"
+#include "execution.hpp"
+#include "objective_types.hpp"
+#include "sparse_objective_types.hpp"
+
+TROLL_BEGIN_NAMESPACE
+
+/// Tags naming the entry points, for workspace_bytes.
+namespace op {
+struct log_softmax {};
+struct kl {};
+struct kl_backward {};
+struct project {};
+struct project_backward {};
+struct project_jvp {};
+struct project_jacobian {};
+struct sparsify {};
+struct sparsify_shard {};
+struct sparsify_merge {};
+struct sparsify_finalize {};
+struct sparsify_backward {};
+struct sparsify_shard_backward {};
+struct align {};
+struct align_backward {};
+struct objective_forward {};
+struct objective_backward {};
+}  // namespace op
+
+namespace detail {
+template <class Op>
+struct is_objective_op : std::integral_constant<bool, std::is_same<Op, op::objective_forward>::value ||
+                                                          std::is_same<Op, op::objective_backward>::value> {};
+
+constexpr std::size_t objective_scratch(const cpu_policy&, const trust_region_objective&, std::size_t, std::size_t) {
+  return 0;
+}
+constexpr std::size_t objective_scratch(const cpu_policy&, const ppo_clip_objective&, std::size_t, std::size_t) {
+  return 0;
+}
+constexpr std::size_t objective_scratch(const cpu_policy&, const dppo_objective&, std::size_t, std::size_t) {
+  return 0;
+}
+constexpr std::size_t objective_scratch(const cpu_policy&, const sparse_trust_region_objective&, std::size_t,
+                                        std::size_t) {
+  return 0;
+}
+constexpr std::size_t objective_scratch(const cuda_policy&, const trust_region_objective&, std::size_t rows,
+                                        std::size_t) {
+  return cuda::objective_workspace_bytes(rows);
+}
+constexpr std::size_t objective_scratch(const cuda_policy&, const ppo_clip_objective&, std::size_t rows,
+                                        std::size_t) {
+  return cuda::objective_workspace_bytes(rows);
+}
+constexpr std::size_t objective_scratch(const cuda_policy&, const dppo_objective&, std::size_t rows, std::size_t) {
+  return cuda::objective_workspace_bytes(rows);
+}
+constexpr std::size_t objective_scratch(const cuda_policy&, const sparse_trust_region_objective& objective,
+                                        std::size_t rows, std::size_t k_max) {
+  return cuda::sparse_objective_bytes(rows, k_max,
+                                      objective.new_support.k > 0 ? std::size_t(objective.new_support.k) : 0);
+}
+}  // namespace detail
+
+/// Bytes of scratch `Op` needs under `policy` for `rows` rows of `cols` tokens (`k_max`: the
+/// capacity of the sparse rows involved, for the sparse entry points). 0 for every entry point
+/// not listed below:
+///   cpu  project_backward, project_jvp: rows (one overflow flag per row)
+///   cuda project_jacobian: rows · 24 (per-row terms)
+template <class Policy, class Op, std::enable_if_t<!detail::is_objective_op<Op>::value, int> = 0>
+constexpr std::size_t workspace_bytes(const Policy&, Op, std::size_t = 0, std::size_t = 0, std::size_t = 0) {
+  return 0;
+}
+constexpr std::size_t workspace_bytes(const cpu_policy&, op::project_backward, std::size_t rows, std::size_t = 0,
+                                      std::size_t = 0) {
+  return rows;
+}
+constexpr std::size_t workspace_bytes(const cpu_policy&, op::project_jvp, std::size_t rows, std::size_t = 0,
+                                      std::size_t = 0) {
+  return rows;
+}
+constexpr std::size_t workspace_bytes(const cuda_policy&, op::project_jacobian, std::size_t rows, std::size_t = 0,
+                                      std::size_t = 0) {
+  return detail::cuda::jacobian_workspace_bytes(rows);
+}
+
+/// Bytes of scratch objective_forward / objective_backward need for `objective` (its type picks
+/// the overload: trust_region_objective, ppo_clip_objective, dppo_objective,
+/// sparse_trust_region_objective) on `rows` rows of `cols` tokens; `k_max` is aligned.k_max for
+/// the sparse objective. CUDA: (rows + 1) · 48 for the dense objectives, and for the sparse one
+/// (rows + 1) · 48 + rows · 24 + max(rows · (12 · new_k + 16), rows · (k_max + 1) · 8) with
+/// new_k = objective.new_support.k. CPU: 0 (the CPU objectives allocate their scratch).
+/// forward and backward need the same; one allocation serves both.
+template <class Policy, class Op, class Objective, std::enable_if_t<detail::is_objective_op<Op>::value, int> = 0>
+constexpr std::size_t workspace_bytes(const Policy& policy, Op, const Objective& objective, std::size_t rows,
+                                      std::size_t = 0, std::size_t k_max = 0) {
+  return detail::objective_scratch(policy, objective, rows, k_max);
+}
+
+/// The CUDA sizes under their earlier names (kept; equal to workspace_bytes(troll::cuda, ...)).
+constexpr std::size_t objective_workspace_bytes(std::size_t rows) { return detail::cuda::objective_workspace_bytes(rows); }
+constexpr std::size_t sparse_objective_workspace_bytes(std::size_t rows, std::size_t k_max, int new_k) {
+  return detail::cuda::sparse_objective_bytes(rows, k_max, new_k > 0 ? std::size_t(new_k) : 0);
+}
+constexpr std::size_t project_jacobian_workspace_bytes(std::size_t rows, std::size_t /*cols*/) {
+  return detail::cuda::jacobian_workspace_bytes(rows);
+}
+
+TROLL_END_NAMESPACE

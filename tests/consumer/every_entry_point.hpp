@@ -1,0 +1,255 @@
+// tests/consumer/every_entry_point.hpp — a trainer's step written once, as a function template over
+// the execution policy, calling every entry point that both backends run. It is instantiated for
+// troll::cpu (and run) by tests/test_one_api.cpp and the consumer project, and for troll::cuda
+// (compiled; run where a GPU is present) by tests/cuda/test_cuda_one_api.cu. Only the memory helper
+// `space<Policy>` knows where the bytes live.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include <troll/projection.hpp>
+#include <troll/workspace.hpp>
+
+namespace consumer {
+
+/// Where a policy's arrays live. The CPU's: std::vector. tests/cuda/test_cuda_one_api.cu adds the
+/// CUDA one (cudaMalloc, upload, download).
+template <class Policy>
+struct space;
+
+template <>
+struct space<troll::cpu_policy> {
+  template <class E>
+  class array {
+   public:
+    explicit array(std::size_t n) : host_(n == 0 ? 1 : n) {}
+    explicit array(const std::vector<E>& host) : host_(host) {}
+    E* get() { return host_.data(); }
+    std::size_t bytes() const { return host_.size() * sizeof(E); }
+    std::vector<E> download() const { return host_; }
+
+   private:
+    std::vector<E> host_;
+  };
+  static void sync(const troll::cpu_policy&) {}
+};
+
+/// What the step hands back to the host, for the caller to check.
+struct step_results {
+  std::vector<double> log_softmax, kl, project, project_stats_kl, grad_new, jvp, jacobian;
+  std::vector<double> sparse_log_probs, sparse_kl, sparse_grad;
+  std::vector<int> sparse_counts;
+  double troll_loss = 0.0, ppo_loss = 0.0, dppo_loss = 0.0, sparse_troll_loss = 0.0;
+};
+
+/// rows × cols logits with one −inf-free, deterministic pattern per seed.
+inline std::vector<double> logits(std::size_t rows, std::size_t cols, double seed) {
+  std::vector<double> z(rows * cols);
+  for (std::size_t i = 0; i < z.size(); ++i) z[i] = std::sin(seed * double(i + 1)) * 2.0;
+  return z;
+}
+
+template <class E>
+std::vector<double> as_double(const std::vector<E>& v) {
+  return std::vector<double>(v.begin(), v.end());
+}
+
+/// One training step's worth of calls: every entry point, the same argument lists on every policy.
+template <class Policy>
+step_results run_every_entry_point(Policy policy) {
+  using T = double;
+  using S = space<Policy>;
+  constexpr std::size_t rows = 2, V = 8, k_max = V;
+  const double eps = 0.05;
+  step_results out;
+
+  // ---- Dense rows ----
+  typename S::template array<T> z_new(logits(rows, V, 0.7)), z_old(logits(rows, V, 1.3));
+  const auto new_in = troll::make_batch<const T>(z_new.get(), rows, V);
+  const auto old_in = troll::make_batch<const T>(z_old.get(), rows, V);
+  typename S::template array<T> lsm(rows * V), kl_out(rows), log_probs(rows * V);
+  typename S::template array<troll::projection_stats> stats(rows);
+  troll::log_softmax(policy, new_in, troll::make_batch(lsm.get(), rows, V));
+  troll::kl(policy, new_in, old_in, kl_out.get());
+  typename S::template array<T> grad_kl(std::vector<T>(rows, 1.0)), grad_p(rows * V), grad_q(rows * V);
+  troll::kl_backward(policy, new_in, old_in, grad_kl.get(), troll::make_batch(grad_p.get(), rows, V),
+                     troll::make_batch(grad_q.get(), rows, V));
+  troll::project(policy, new_in, old_in, eps, troll::make_batch(log_probs.get(), rows, V), stats.get(),
+                 troll::projection_options{});
+  const auto lp_in = troll::make_batch<const T>(log_probs.get(), rows, V);
+
+  std::vector<T> upstream_host(rows * V);
+  for (std::size_t i = 0; i < upstream_host.size(); ++i) upstream_host[i] = 0.1 * double(i % 5) - 0.2;
+  typename S::template array<T> upstream(upstream_host), grad_new(rows * V), grad_old(rows * V), grad_eps(rows);
+  const auto upstream_in = troll::make_batch<const T>(upstream.get(), rows, V);
+  {
+    const std::size_t bytes = troll::workspace_bytes(policy, troll::op::project_backward{}, rows, V);
+    typename S::template array<double> scratch(bytes / sizeof(double) + 1);
+    troll::project_backward(policy.with_workspace(scratch.get(), bytes), new_in, old_in, lp_in, stats.get(),
+                            upstream_in, troll::make_batch(grad_new.get(), rows, V),
+                            troll::make_batch(grad_old.get(), rows, V), grad_eps.get());
+  }
+  typename S::template array<T> tangent_out(rows * V);
+  troll::project_jvp(policy, new_in, old_in, lp_in, stats.get(), upstream_in, upstream_in, 0.5,
+                     troll::make_batch(tangent_out.get(), rows, V));
+  typename S::template array<T> jac_new(rows * V * V), jac_old(rows * V * V), jac_eps(rows * V);
+  {
+    const std::size_t bytes = troll::workspace_bytes(policy, troll::op::project_jacobian{}, rows, V);
+    typename S::template array<double> scratch(bytes / sizeof(double) + 1);
+    troll::project_jacobian(policy.with_workspace(scratch.get(), bytes), new_in, old_in, lp_in, stats.get(),
+                            jac_new.get(), jac_old.get(), jac_eps.get());
+  }
+
+  // ---- Objectives on dense rows ----
+  typename S::template array<troll::token_id> tokens(std::vector<troll::token_id>{2, 5});
+  typename S::template array<T> advantages(std::vector<T>{1.0, -0.5}), token_loss(rows);
+  typename S::template array<troll::objective_metrics> metrics(1);
+  troll::token_batch<T> batch;
+  batch.tokens = tokens.get();
+  batch.advantages = advantages.get();
+  typename S::template array<T> grad_objective(rows * V);
+  const auto grad_objective_view = troll::make_batch(grad_objective.get(), rows, V);
+  {
+    const troll::trust_region_objective objective;
+    const std::size_t bytes = troll::workspace_bytes(policy, troll::op::objective_forward{}, objective, rows, V);
+    typename S::template array<double> scratch(bytes / sizeof(double) + 1);
+    const Policy p = policy.with_workspace(scratch.get(), bytes);
+    troll::objective_forward(p, objective, new_in, old_in, batch, troll::make_batch(log_probs.get(), rows, V),
+                             stats.get(), token_loss.get(), metrics.get());
+    S::sync(p);
+    out.troll_loss = metrics.download()[0].loss;
+    troll::objective_backward(p, objective, new_in, old_in, batch, lp_in, stats.get(), grad_objective_view, 1.0);
+  }
+  {
+    const troll::ppo_clip_objective objective;
+    const std::size_t bytes = troll::workspace_bytes(policy, troll::op::objective_forward{}, objective, rows, V);
+    typename S::template array<double> scratch(bytes / sizeof(double) + 1);
+    const Policy p = policy.with_workspace(scratch.get(), bytes);
+    troll::objective_forward(p, objective, new_in, old_in, batch, token_loss.get(), metrics.get());
+    S::sync(p);
+    out.ppo_loss = metrics.download()[0].loss;
+    troll::objective_backward(p, objective, new_in, old_in, batch, grad_objective_view, 1.0);
+  }
+  {
+    const troll::dppo_objective objective;
+    const std::size_t bytes = troll::workspace_bytes(policy, troll::op::objective_backward{}, objective, rows, V);
+    typename S::template array<double> scratch(bytes / sizeof(double) + 1);
+    const Policy p = policy.with_workspace(scratch.get(), bytes);
+    troll::objective_forward(p, objective, new_in, old_in, batch, token_loss.get(), metrics.get());
+    S::sync(p);
+    out.dppo_loss = metrics.download()[0].loss;
+    troll::objective_backward(p, objective, new_in, old_in, batch, grad_objective_view, 1.0);
+  }
+
+  // ---- Sparse rows ----
+  troll::sparsify_options options;
+  options.k = 3;
+  options.delta = 1e-6;
+  const std::size_t sparse_k = std::size_t(options.k) + 1;
+  struct sparse_arrays {
+    typename S::template array<troll::sparse_index> indices, counts;
+    typename S::template array<T> values, remainder;
+    std::size_t k;
+    sparse_arrays(std::size_t r, std::size_t k_) : indices(r * k_), counts(r), values(r * k_), remainder(r), k(k_) {}
+    troll::sparse_batch_view<T> view(std::size_t r, std::size_t vocab) {
+      return troll::sparse_batch_view<T>{indices.get(), values.get(), counts.get(), remainder.get(), r, k, vocab};
+    }
+  };
+  sparse_arrays new_rows(rows, sparse_k), old_rows(rows, sparse_k), finalized(rows, sparse_k);
+  troll::sparsify(policy, new_in, tokens.get(), options, new_rows.view(rows, V));
+  troll::sparsify(policy, old_in, tokens.get(), options, old_rows.view(rows, V));
+
+  typename S::template array<troll::sparsify_state> states(rows), other(rows);
+  const std::size_t half = V / 2;
+  troll::sparsify_shard(policy, troll::make_batch<const T>(z_new.get(), rows, half, V), 0, V, tokens.get(), options,
+                        states.get());
+  troll::sparsify_shard(policy, troll::make_batch<const T>(z_new.get() + half, rows, V - half, V), half, V,
+                        tokens.get(), options, other.get());
+  troll::sparsify_merge(policy, states.get(), other.get(), rows);
+  troll::sparsify_finalize(policy, states.get(), options, finalized.view(rows, V));
+
+  typename S::template array<T> g_values(std::vector<T>(rows * sparse_k, 0.05)), g_remainder(std::vector<T>(rows, 0.01)), grad_logits(rows * V);
+  const troll::sparse_grad_view<T> g{g_values.get(), g_remainder.get(), rows, sparse_k};
+  troll::sparsify_backward(policy, new_in, troll::sparse_input<T>(new_rows.view(rows, V)), troll::sparse_grad_input<T>(g),
+                           troll::make_batch(grad_logits.get(), rows, V));
+
+  struct aligned_arrays {
+    typename S::template array<troll::sparse_index> indices, counts;
+    typename S::template array<T> new_values, old_values, new_remainder, old_remainder;
+    std::size_t k;
+    aligned_arrays(std::size_t r, std::size_t k_)
+        : indices(r * k_), counts(r), new_values(r * k_), old_values(r * k_), new_remainder(r), old_remainder(r), k(k_) {}
+    troll::aligned_batch_view<T> view(std::size_t r, std::size_t vocab) {
+      return troll::aligned_batch_view<T>{indices.get(),       counts.get(),        new_values.get(), old_values.get(),
+                                          new_remainder.get(), old_remainder.get(), r,                k,
+                                          vocab};
+    }
+  };
+  aligned_arrays aligned(rows, k_max), aligned_dense(rows, k_max);
+  troll::align(policy, troll::sparse_input<T>(new_rows.view(rows, V)), troll::sparse_input<T>(old_rows.view(rows, V)),
+               aligned.view(rows, V));
+  troll::align(policy, new_in, troll::sparse_input<T>(new_rows.view(rows, V)),
+               troll::sparse_input<T>(old_rows.view(rows, V)), aligned_dense.view(rows, V));
+  const troll::aligned_input<T> aligned_in = aligned.view(rows, V);
+
+  typename S::template array<T> ga_values(std::vector<T>(rows * k_max, 0.02)), ga_remainder(std::vector<T>(rows, 0.03));
+  typename S::template array<T> gr_values(rows * sparse_k), gr_remainder(rows);
+  troll::align_backward(policy, troll::sparse_input<T>(new_rows.view(rows, V)), aligned_in,
+                        troll::sparse_grad_input<T>(troll::sparse_grad_view<T>{ga_values.get(), ga_remainder.get(), rows, k_max}),
+                        troll::sparse_grad_view<T>{gr_values.get(), gr_remainder.get(), rows, sparse_k});
+
+  typename S::template array<T> sparse_kl(rows);
+  troll::kl(policy, aligned_in, sparse_kl.get());
+  sparse_arrays projected(rows, k_max);
+  typename S::template array<troll::projection_stats> sparse_stats(rows);
+  troll::project(policy, aligned_in, eps, projected.view(rows, V), sparse_stats.get(), troll::projection_options{});
+  typename S::template array<T> gn_values(rows * k_max), gn_remainder(rows), go_values(rows * k_max),
+      go_remainder(rows), sparse_grad_eps(rows);
+  const std::size_t sparse_bytes = troll::workspace_bytes(policy, troll::op::project_backward{}, rows, V, k_max);
+  typename S::template array<double> sparse_scratch(sparse_bytes / sizeof(double) + 1);
+  troll::project_backward(policy.with_workspace(sparse_scratch.get(), sparse_bytes), aligned_in,
+                          troll::sparse_input<T>(projected.view(rows, V)), sparse_stats.get(),
+                          troll::sparse_grad_input<T>(troll::sparse_grad_view<T>{ga_values.get(), ga_remainder.get(), rows, k_max}),
+                          troll::sparse_grad_view<T>{gn_values.get(), gn_remainder.get(), rows, k_max},
+                          troll::sparse_grad_view<T>{go_values.get(), go_remainder.get(), rows, k_max},
+                          sparse_grad_eps.get());
+
+  // ---- The sparse objective ----
+  {
+    troll::sparse_trust_region_objective objective;
+    objective.new_support = options;
+    const std::size_t bytes =
+        troll::workspace_bytes(policy, troll::op::objective_forward{}, objective, rows, V, k_max);
+    typename S::template array<double> scratch(bytes / sizeof(double) + 1);
+    const Policy p = policy.with_workspace(scratch.get(), bytes);
+    aligned_arrays objective_aligned(rows, k_max);
+    sparse_arrays objective_log_probs(rows, k_max);
+    troll::objective_forward(p, objective, new_in, troll::sparse_input<T>(old_rows.view(rows, V)), batch,
+                             objective_aligned.view(rows, V), objective_log_probs.view(rows, V), sparse_stats.get(),
+                             token_loss.get(), metrics.get());
+    S::sync(p);
+    out.sparse_troll_loss = metrics.download()[0].loss;
+    troll::objective_backward(p, objective, new_in, troll::aligned_input<T>(objective_aligned.view(rows, V)), batch,
+                              troll::sparse_input<T>(objective_log_probs.view(rows, V)), sparse_stats.get(),
+                              grad_objective_view, 1.0);
+  }
+
+  S::sync(policy);
+  out.log_softmax = as_double(lsm.download());
+  out.kl = as_double(kl_out.download());
+  out.project = as_double(log_probs.download());
+  for (const troll::projection_stats& s : stats.download()) out.project_stats_kl.push_back(s.kl_after);
+  out.grad_new = as_double(grad_new.download());
+  out.jvp = as_double(tangent_out.download());
+  out.jacobian = as_double(jac_new.download());
+  out.sparse_log_probs = as_double(projected.values.download());
+  for (troll::sparse_index c : projected.counts.download()) out.sparse_counts.push_back(int(c));
+  out.sparse_kl = as_double(sparse_kl.download());
+  out.sparse_grad = as_double(grad_logits.download());
+  return out;
+}
+
+}  // namespace consumer

@@ -1,0 +1,69 @@
+// tests/cuda/test_cuda_one_api.cu — the one-API consumer (tests/consumer/every_entry_point.hpp)
+// instantiated for troll::cuda: compiling this file is the check that every entry point takes the
+// same arguments under both policies. With a GPU, the device run is compared with the CPU's.
+#include "cuda_support.cuh"  // first: doctest's main, EIGEN_NO_CUDA, warning suppressions
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstddef>
+#include <vector>
+
+#include "../consumer/every_entry_point.hpp"
+#include "troll/cuda.cuh"
+
+namespace consumer {
+
+/// Device arrays for the CUDA policy: cudaMalloc'd, filled from the host, read back synchronously.
+template <>
+struct space<troll::cuda_policy> {
+  template <class E>
+  class array {
+   public:
+    explicit array(std::size_t n) : memory_(n == 0 ? 1 : n) {}
+    explicit array(const std::vector<E>& host) : memory_(host.size() == 0 ? 1 : host.size()) {
+      memory_.upload(host);
+    }
+    E* get() { return memory_.get(); }
+    std::size_t bytes() const { return memory_.bytes(); }
+    std::vector<E> download() const { return memory_.download(); }
+
+   private:
+    troll_test::device_array<E> memory_;
+  };
+  static void sync(const troll::cuda_policy& p) { CUDA_REQUIRE(cudaStreamSynchronize(p.stream)); }
+};
+
+}  // namespace consumer
+
+/// The instantiation is the compile check; a no-device build still names it.
+template consumer::step_results consumer::run_every_entry_point<troll::cuda_policy>(troll::cuda_policy);
+
+TEST_SUITE("device") {
+  TEST_CASE("every entry point runs under troll::cuda from the CPU's function template") {
+    troll_test::test_stream s;
+    const consumer::step_results gpu = consumer::run_every_entry_point(troll::cuda.on(s.stream).checked());
+    const consumer::step_results cpu = consumer::run_every_entry_point(troll::cpu);
+    auto close = [](const std::vector<double>& a, const std::vector<double>& b) {
+      REQUIRE(a.size() == b.size());
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        if (std::isinf(a[i]) || std::isinf(b[i])) {
+          CHECK(a[i] == b[i]);
+          continue;
+        }
+        CHECK(std::abs(a[i] - b[i]) <= 1e-9 + 1e-9 * std::abs(b[i]));
+      }
+    };
+    close(gpu.log_softmax, cpu.log_softmax);
+    close(gpu.kl, cpu.kl);
+    close(gpu.project, cpu.project);
+    close(gpu.grad_new, cpu.grad_new);
+    close(gpu.jacobian, cpu.jacobian);
+    close(gpu.sparse_kl, cpu.sparse_kl);
+    CHECK(gpu.sparse_counts == cpu.sparse_counts);
+    CHECK(std::abs(gpu.troll_loss - cpu.troll_loss) <= 1e-9 + 1e-9 * std::abs(cpu.troll_loss));
+    CHECK(std::abs(gpu.sparse_troll_loss - cpu.sparse_troll_loss) <= 1e-9 + 1e-9 * std::abs(cpu.sparse_troll_loss));
+  }
+}
+
+int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, "test_cuda_one_api.cu"); }
