@@ -1,13 +1,12 @@
 // troll/cuda_objectives.cuh — TROLL's training objective under the troll::cuda policy (nvcc only;
 // reached through <troll/cuda.cuh>): objective_forward and objective_backward for TROLL, PPO
-// clip and DPPO, with the CPU overloads' arguments plus where the device results go. Never run on
-// a GPU yet: see docs/cuda.md.
+// clip and DPPO, with the CPU overloads' arguments (metrics to a device objective_metrics*).
+// Never run on a GPU yet: see docs/cuda.md.
 //
-//   std::size_t bytes = troll::objective_workspace_bytes(rows);   // caller allocates once
-//   troll::objective_forward(troll::cuda.on(s), obj, new_logits, old_logits, batch, log_probs,
-//                            stats, token_loss, metrics, workspace);
-//   troll::objective_backward(troll::cuda.on(s), obj, new_logits, old_logits, batch, log_probs,
-//                             stats, grad_new, workspace);
+//   std::size_t bytes = troll::workspace_bytes(troll::cuda, troll::op::objective_forward{}, obj, rows, V);
+//   auto p = troll::cuda.on(s).with_workspace(workspace, bytes);   // caller allocates once
+//   troll::objective_forward(p, obj, new_logits, old_logits, batch, log_probs, stats, token_loss, metrics);
+//   troll::objective_backward(p, obj, new_logits, old_logits, batch, log_probs, stats, grad_new);
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,10 +16,11 @@
 
 #include "batch.hpp"
 #include "config.hpp"
-#include "cuda.cuh"
 #include "detail/workspace.hpp"
 #include "detail/cuda/error_check.cuh"
+#include "detail/cuda/launch.cuh"
 #include "detail/cuda/objective_kernels.cuh"
+#include "detail/cuda/objective_launch.cuh"
 #include "detail/cuda/row_report.cuh"
 #include "errors.hpp"
 #include "execution.hpp"
@@ -29,47 +29,6 @@
 
 TROLL_BEGIN_NAMESPACE
 
-namespace detail {
-namespace cuda {
-
-/// Checked mode: a device report of an objective row becomes the CPU's exception.
-struct throw_objective_report {
-  [[noreturn]] void operator()(const char* function, std::size_t row, const cuda_row_report& report,
-                               const char* const operand_names[3]) const {
-    using k = objective_problem::kind;
-    objective_problem p;
-    p.value = report.value;
-    switch (report.error) {
-      case cuda_row_error::bad_sampled:
-        p.what = k::token_range;
-        break;
-      case cuda_row_error::bad_advantage:
-        p.what = k::advantage;
-        break;
-      case cuda_row_error::bad_mask:
-        p.what = k::mask;
-        break;
-      case cuda_row_error::sequence_order:
-        p.what = k::sequence_order;
-        break;
-      case cuda_row_error::old_token_masked:
-        p.what = k::old_token_masked;
-        break;
-      case cuda_row_error::regression_inf:
-        p.what = k::regression_inf;
-        break;
-      case cuda_row_error::objective_overflow:
-        p = overflow_problem(report.operand, report.value, static_cast<std::int64_t>(report.token));
-        break;
-      default:
-        throw_report(function, row, report, operand_names);
-    }
-    throw_objective_problem(function, row, p);
-  }
-};
-
-}  // namespace cuda
-}  // namespace detail
 
 /// TROLL's forward on the device (troll::objective_forward(cpu_policy, ...)): log π* to
 /// `log_probs`, one projection_stats per row to `stats`, ℓ_r to `token_loss` (optional, rows
@@ -167,63 +126,6 @@ void objective_backward(cuda_policy policy, const trust_region_objective& object
 
 // ---- The baselines, PPO clip and DPPO (no projection; the ratio is p̃_a / q_a) ----
 
-namespace detail {
-namespace cuda {
-
-/// The forward of a ratio baseline (`spec` built and checked by make_spec).
-template <class T>
-void ratio_forward(const char* fn, cuda_policy policy, const ratio_objective_spec& spec,
-                   input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
-                   T* token_loss, objective_metrics* metrics) {
-  check_objective_shapes(fn, new_logits, old_logits, in);
-  if (metrics == nullptr) throw_shape(fn, "metrics is a null pointer");
-  check_workspace(fn, policy.workspace, cuda::objective_workspace_bytes(new_logits.rows));
-  void* const workspace = policy.workspace.data;
-  const cuda_checks& checks = policy.checks;
-  objective_row_record* records = static_cast<objective_row_record*>(workspace) + 1;
-  static const char* const names[3] = {"new_logits", "old_logits", ""};
-  run(
-      fn, policy.stream, new_logits.rows, checks, names,
-      [&](row_range range, device_checks device) {
-        ratio_forward_kernel<T><<<grid_for(range.count), block_threads, 0, policy.stream>>>(
-            new_logits, old_logits, in, spec, token_loss, records, range, device);
-      },
-      throw_objective_report{});
-  aggregate_kernel<T><<<1, block_threads, 0, policy.stream>>>(in, new_logits.rows, nullptr,
-                                                               records, metrics);
-  check_launch(fn);
-}
-
-/// The backward of a ratio baseline.
-template <class T>
-void ratio_backward(const char* fn, cuda_policy policy, ratio_objective_spec spec,
-                    input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
-                    batch_view<T> grad_new, double grad_loss) {
-  check_objective_shapes(fn, new_logits, old_logits, in);
-  check_view(fn, "grad_new", grad_new);
-  check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
-  check_workspace(fn, policy.workspace, cuda::objective_workspace_bytes(new_logits.rows));
-  void* const workspace = policy.workspace.data;
-  const cuda_checks& checks = policy.checks;
-  if (!(grad_loss - grad_loss == 0.0))
-    throw domain_error(std::string("troll::") + fn + ": grad_loss is not finite");
-  if (new_logits.rows == 0) return;
-  spec.compute_kl = false;
-  objective_row_record* header = static_cast<objective_row_record*>(workspace);
-  enqueue_aggregation_weights(fn, policy.stream, in, new_logits.rows, header);
-  static const char* const names[3] = {"new_logits", "old_logits", ""};
-  run(
-      fn, policy.stream, new_logits.rows, checks, names,
-      [&](row_range range, device_checks device) {
-        ratio_backward_kernel<T><<<grid_for(range.count), block_threads, 0, policy.stream>>>(
-            new_logits, old_logits, in, spec, grad_new, grad_loss, header, header + 1, range,
-            device);
-      },
-      throw_objective_report{});
-}
-
-}  // namespace cuda
-}  // namespace detail
 
 /// PPO clip's forward on the device (troll::objective_forward(cpu_policy, ppo_clip_objective,
 /// ...)): ℓ_r to `token_loss` (optional), the aggregated loss and metrics (limited_fraction =

@@ -1,13 +1,13 @@
 // troll/cuda_sparse_objectives.cuh — TROLL's objective on sparse old rows under the troll::cuda
 // policy (nvcc only; reached through <troll/cuda.cuh>): objective_forward and objective_backward
-// with the CPU overloads' arguments (troll/sparse_objectives.hpp) plus where the device results
-// go. Never run on a GPU yet: see docs/cuda.md.
+// with the CPU overloads' arguments (troll/sparse_objectives.hpp). Never run on a GPU yet: see
+// docs/cuda.md.
 //
-//   std::size_t bytes = troll::sparse_objective_workspace_bytes(rows, aligned.k_max, obj.new_support.k);
-//   troll::objective_forward(troll::cuda.on(s), obj, new_logits, old_rows, batch, aligned, log_probs,
-//                            stats, token_loss, metrics, workspace);
-//   troll::objective_backward(troll::cuda.on(s), obj, new_logits, aligned, batch, log_probs, stats,
-//                             grad_new, workspace);
+//   std::size_t bytes = troll::workspace_bytes(troll::cuda, troll::op::objective_forward{}, obj, rows, V,
+//                                              aligned.k_max);
+//   auto p = troll::cuda.on(s).with_workspace(workspace, bytes);
+//   troll::objective_forward(p, obj, new_logits, old_rows, batch, aligned, log_probs, stats, token_loss, metrics);
+//   troll::objective_backward(p, obj, new_logits, aligned, batch, log_probs, stats, grad_new);
 //
 // A composition of the sparse path's kernels (sparsify for S_new, align from the dense new
 // logits, project, sparsify_backward for the scatter to the dense logits) with the dense
@@ -25,14 +25,15 @@
 
 #include "batch.hpp"
 #include "config.hpp"
-#include "cuda.cuh"
 #include "detail/workspace.hpp"
 #include "workspace.hpp"
 #include "detail/cuda/error_check.cuh"
 #include "detail/cuda/objective_kernels.cuh"
 #include "detail/cuda/row_report.cuh"
 #include "detail/cuda/sparse_dense.cuh"
+#include "detail/cuda/launch.cuh"
 #include "detail/cuda/sparse_objective_kernels.cuh"
+#include "detail/cuda/sparse_objective_report.cuh"
 #include "detail/cuda/sparse_projection.cuh"
 #include "detail/cuda/sparse_sparsify.cuh"
 #include "detail/cuda/sparse_warp.cuh"
@@ -46,79 +47,6 @@
 
 TROLL_BEGIN_NAMESPACE
 
-namespace detail {
-namespace cuda {
-
-// troll/cuda_sparse.cuh's translation of sparse-row reports. cuda.cuh includes this header at its
-// end, so a translation unit that starts with cuda_sparse.cuh reaches here before that header's
-// body: the thrower below names it through a template parameter, complete where it is used.
-struct sparse_thrower;
-
-/// Checked mode: a device report of a sparse objective row becomes the CPU's exception.
-/// `capacity` is min(aligned.k_max, log_probs.k_max) (the forward's capacity message).
-template <class Sparse = sparse_thrower>
-struct throw_sparse_objective_report {
-  bool backward = false;
-  long long capacity = 0;
-
-  [[noreturn]] void operator()(const char* function, std::size_t row, const cuda_row_report& report,
-                               const char* const* /*operand names*/) const {
-    using k = objective_problem::kind;
-    const long long value = static_cast<long long>(report.value);
-    objective_problem p;
-    p.value = report.value;
-    switch (report.error) {
-      case cuda_row_error::bad_sampled: p.what = k::token_range; break;
-      case cuda_row_error::bad_advantage: p.what = k::advantage; break;
-      case cuda_row_error::bad_mask: p.what = k::mask; break;
-      case cuda_row_error::sequence_order: p.what = k::sequence_order; break;
-      case cuda_row_error::regression_inf: p.what = k::regression_inf; break;
-      case cuda_row_error::objective_overflow:
-        throw_objective_problem(function, row,
-                                overflow_problem(report.operand, report.value, static_cast<std::int64_t>(report.token)));
-      case cuda_row_error::old_token_masked: throw_old_entry_masked(function, row, value);
-      case cuda_row_error::objective_capacity: throw_objective_capacity(function, row, value, capacity);
-      case cuda_row_error::not_in_support: throw_not_in_support(function, row, value);
-      case cuda_row_error::not_in_aligned: throw_not_in_aligned(function, row, value);
-      case cuda_row_error::log_probs_mismatch:
-        throw_log_probs_mismatch(function, row, report.token == ~0ull ? -1 : static_cast<long long>(report.token),
-                                 value, report.operand);
-      case cuda_row_error::nan_value:
-      case cuda_row_error::pos_inf:
-      case cuda_row_error::all_masked:
-      case cuda_row_error::disjoint:
-      case cuda_row_error::infeasible: {
-        // Operand 0: the dense new logits; 2 and 3: the lumped rows (sparse_operand).
-        static const char* const names[4] = {"new_logits", "new_logits", "new (lumped)", "old (lumped)"};
-        row_problem q;
-        q.kind = report.error == cuda_row_error::nan_value  ? problem_kind::nan_value
-                 : report.error == cuda_row_error::pos_inf  ? problem_kind::pos_inf
-                 : report.error == cuda_row_error::disjoint ? problem_kind::disjoint
-                 : report.error == cuda_row_error::infeasible ? problem_kind::infeasible
-                                                              : problem_kind::all_masked;
-        q.operand = names[report.operand >= 0 && report.operand < 4 ? report.operand : 0];
-        q.token = static_cast<std::size_t>(report.token);
-        q.value = report.value;
-        throw_problem(function, row, q);
-      }
-      case cuda_row_error::bad_stats: {
-        static const char* const names[3] = {"", "", ""};
-        throw_report(function, row, report, names);
-      }
-      default: {
-        const Sparse sparse{{backward ? "aligned (new side)" : "new_logits",
-                                     backward ? "aligned (old side)" : "old", "new (lumped)", "old (lumped)",
-                                     "log_probs", nullptr, nullptr, nullptr},
-                                    0};
-        sparse(function, row, report, nullptr);
-      }
-    }
-    throw_objective_problem(function, row, p);
-  }
-};
-
-}  // namespace cuda
-}  // namespace detail
 
 /// The sparse TROLL forward on the device (troll::objective_forward(cpu_policy,
 /// sparse_trust_region_objective, ...)): U = S_new ∪ S_old and the aligned rows to `aligned`,

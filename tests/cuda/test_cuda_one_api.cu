@@ -9,8 +9,8 @@
 #include <cstddef>
 #include <vector>
 
+#include "troll/cuda.cuh"  // first: the template's qualified calls see the overloads declared before it
 #include "../consumer/every_entry_point.hpp"
-#include "troll/cuda.cuh"
 
 namespace consumer {
 

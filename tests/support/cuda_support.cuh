@@ -40,7 +40,9 @@
 #include <string>
 #include <vector>
 
+#include "backend.hpp"
 #include "troll/errors.hpp"
+#include "troll/execution.hpp"
 
 #define CUDA_REQUIRE(call)                                                                       \
   do {                                                                                           \
@@ -134,5 +136,24 @@ inline int run_cuda_tests(int argc, char** argv, const char* file) {
   if (!has_device) std::printf("SKIPPED: no CUDA device; nothing in this binary ran on a GPU.\n");
   return result;
 }
+
+/// The CUDA backend of the one-test-body pattern (backend.hpp): the checked policy on the default
+/// stream (a bad row throws the CPU's exception) and device buffers filled from the host; download()
+/// synchronises.
+template <>
+struct backend<troll::cuda_policy> {
+  static troll::cuda_policy policy() { return troll::cuda.checked(); }
+  template <class E>
+  class buffer {
+   public:
+    explicit buffer(std::size_t n) : memory_(n) {}
+    explicit buffer(const std::vector<E>& host) : memory_(host) {}
+    E* get() { return memory_.get(); }
+    std::vector<E> download() const { return memory_.download(); }
+
+   private:
+    device_array<E> memory_;
+  };
+};
 
 }  // namespace troll_test

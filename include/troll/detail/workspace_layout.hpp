@@ -7,7 +7,7 @@
 
 #include "../config.hpp"
 #include "../cuda_report.hpp"
-#include "sparse_row.hpp"
+#include "../sparsify_state.hpp"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {

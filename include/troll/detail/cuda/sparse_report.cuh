@@ -1,0 +1,139 @@
+// troll/detail/cuda/sparse_report.cuh — the translation of a sparse entry point's device report into
+// the CPU backend's exception and message, and the launch helper of the sparse entry points.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <sstream>
+#include <string>
+
+#include "../../config.hpp"
+#include "../../cuda_report.hpp"
+#include "../../errors.hpp"
+#include "../row_problem.hpp"
+#include "../sparse_row.hpp"
+#include "../../sparse_types.hpp"
+#include "launch.cuh"
+#include "row_report.cuh"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+namespace cuda {
+
+/// Turns a sparse entry point's device report into the CPU backend's exception and message.
+/// names[o] is the CPU's name of operand o (see sparse_operand); `vocab` serves bad_sampled.
+struct sparse_thrower {
+  const char* names[8];
+  std::size_t vocab = 0;
+
+  [[noreturn]] void operator()(const char* function, std::size_t row, const cuda_row_report& report,
+                               const char* const* /*dense names*/) const {
+    const int o = report.operand >= 0 && report.operand < 8 && report.error != cuda_row_error::sparse_wrong_token
+                      ? report.operand
+                      : 0;
+    const char* name = names[o] != nullptr ? names[o] : "";
+    std::ostringstream msg;
+    msg.precision(17);
+    msg << row_prefix(function, row);
+    const long long entry = static_cast<long long>(report.token);
+    const auto where = [&]() { return entry < 0 ? std::string(" log_remainder") : " entry " + std::to_string(entry); };
+    switch (report.error) {
+      case cuda_row_error::sparse_count:
+        msg << name << ": count " << report.value << " is negative or exceeds the capacity k_max, the "
+            << "vocabulary or " << sparse_max_entries << " entries";
+        throw shape_error(msg.str(), row);
+      case cuda_row_error::sparse_index:
+        msg << name << ": entry " << entry << " has token index " << report.value << " outside the vocabulary [0, V)";
+        throw shape_error(msg.str(), row);
+      case cuda_row_error::sparse_duplicate:
+        msg << name << ": entry " << entry << " repeats token index " << report.value
+            << " (support indices must be distinct)";
+        throw shape_error(msg.str(), row);
+      case cuda_row_error::sparse_nan:
+        msg << name << where() << " is NaN";
+        throw domain_error(msg.str(), row);
+      case cuda_row_error::sparse_above_one:
+        msg << name << where() << " is " << report.value << " > 0 (a probability above 1)";
+        throw domain_error(msg.str(), row);
+      case cuda_row_error::sparse_no_tail:
+        msg << name << ": the support covers the whole vocabulary but log_remainder is " << report.value
+            << " (the bucket is empty; it must be -inf)";
+        throw domain_error(msg.str(), row);
+      case cuda_row_error::sparse_no_mass:
+        msg << name << ": every log-probability and the remainder are -inf (the row has no mass)";
+        throw domain_error(msg.str(), row);
+      case cuda_row_error::sparse_not_aligned:
+        msg << name << ": entry " << (entry < 0 ? 0 : entry) << " (token " << report.value
+            << ") is missing from the aligned support";
+        throw shape_error(msg.str(), row);
+      case cuda_row_error::sparse_capacity:
+        msg << "out has capacity " << report.token << " but the row has " << report.value << " entries";
+        throw shape_error(msg.str(), row);
+      case cuda_row_error::bad_sampled:
+        msg << "sampled token " << static_cast<long long>(report.value) << " is outside the vocabulary [0, "
+            << vocab << ")";
+        throw domain_error(msg.str(), row);
+      case cuda_row_error::state_mismatch:
+        msg << "the two states were made with different k or sampled tokens";
+        throw invalid_input(msg.str(), row);
+      case cuda_row_error::state_k:
+        msg << "the state was made with k = " << static_cast<long long>(report.value) << ", options.k is "
+            << report.token;
+        throw invalid_input(msg.str(), row);
+      case cuda_row_error::state_capacity:
+        msg << "out has capacity " << report.token << " but the row needs " << static_cast<long long>(report.value);
+        throw shape_error(msg.str(), row);
+      case cuda_row_error::sampled_missing:
+        msg << "no shard held the sampled token " << static_cast<long long>(report.value);
+        throw domain_error(msg.str(), row);
+      case cuda_row_error::no_support:
+        msg << "every logit is -inf (the row has no support)";
+        throw domain_error(msg.str(), row);
+      case cuda_row_error::bad_state:
+        msg << name << ": the state has k = " << static_cast<long long>(report.value) << " and size = " << entry
+            << " (k must be in [1, " << sparsify_max_k << "] and size in [0, k]: a row sparsify_shard rejected, or "
+            << "not a sparsify_state)";
+        throw invalid_input(msg.str(), row);
+      case cuda_row_error::state_invalid: {
+        const int which = report.operand / 32 == 1 ? 1 : 0;
+        state_problem p;
+        p.kind = static_cast<state_problem_kind>(report.operand % 32);
+        p.entry = entry;
+        p.value = report.value;
+        throw_state_problem(function, row, names[which] != nullptr ? names[which] : "", p);
+      }
+      case cuda_row_error::sparse_mass:
+        msg << name << ": the probabilities sum to " << report.value << " (support plus remainder), more than "
+            << (report.token == sizeof(float) ? sparse_mass_tolerance<float>() : sparse_mass_tolerance<double>())
+            << " from 1: not a normalised row";
+        throw domain_error(msg.str(), row);
+      case cuda_row_error::sparse_masked_mass:
+        msg << name << where() << " is " << report.value
+            << " where the new or old side is -inf: not the projection's output for these rows";
+        throw domain_error(msg.str(), row);
+      case cuda_row_error::sparse_wrong_token:
+        msg << "log_probs: entry " << entry << " holds token " << report.value << " where the aligned rows hold token "
+            << report.operand << " (log_probs must be project()'s output for these rows)";
+        throw shape_error(msg.str(), row);
+      default:  // bad_stats (every field, kl_after included) and the dense codes
+        break;
+    }
+    const char* dense_names[3] = {name, name, name};
+    throw_report(function, row, report, dense_names);
+  }
+};
+
+/// Launches a warp-per-row kernel: `launch(shape, rows, device_checks)`.
+template <class Launch>
+void run_sparse(const char* function, cudaStream_t stream, std::size_t rows, const cuda_checks& checks,
+                const sparse_thrower& thrower, const Launch& launch) {
+  static const char* const unused[3] = {"", "", ""};
+  run(function, stream, rows, checks, unused, launch, thrower);
+}
+
+inline std::size_t larger(std::size_t a, std::size_t b) { return a < b ? b : a; }
+
+}  // namespace cuda
+}  // namespace detail
+TROLL_END_NAMESPACE
