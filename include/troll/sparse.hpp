@@ -22,6 +22,7 @@
 #include "detail/cpu/sparse_fast_checks.hpp"
 #include "detail/cpu/sparse_kernels.hpp"
 #include "detail/row_problem.hpp"
+#include "detail/sparse_problem.hpp"
 #include "detail/sparse_row.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
@@ -37,63 +38,6 @@ TROLL_BEGIN_NAMESPACE
 // Argument checks (host only; all run before anything is written).
 
 namespace detail {
-
-[[noreturn]] inline void throw_sparse_problem(const char* function, std::size_t row,
-                                              const cpu::sparse_problem& p) {
-  std::ostringstream msg;
-  msg.precision(17);
-  msg << row_prefix(function, row) << p.operand;
-  const auto where = [&]() -> std::string {
-    return p.entry < 0 ? std::string(" log_remainder") : " entry " + std::to_string(p.entry);
-  };
-  switch (p.kind) {
-    case cpu::sparse_problem_kind::count_range:
-      msg << ": count " << p.value << " is negative or exceeds the capacity k_max, the "
-          << "vocabulary or " << sparse_max_entries << " entries";
-      throw shape_error(msg.str(), row);
-    case cpu::sparse_problem_kind::index_range:
-      msg << ": entry " << p.entry << " has token index " << p.value
-          << " outside the vocabulary [0, V)";
-      throw shape_error(msg.str(), row);
-    case cpu::sparse_problem_kind::duplicate:
-      msg << ": entry " << p.entry << " repeats token index " << p.value
-          << " (support indices must be distinct)";
-      throw shape_error(msg.str(), row);
-    case cpu::sparse_problem_kind::nan_value:
-      msg << where() << " is NaN";
-      throw domain_error(msg.str(), row);
-    case cpu::sparse_problem_kind::above_one:
-      msg << where() << " is " << p.value << " > 0 (a probability above 1)";
-      throw domain_error(msg.str(), row);
-    case cpu::sparse_problem_kind::remainder_no_tail:
-      msg << ": the support covers the whole vocabulary but log_remainder is " << p.value
-          << " (the bucket is empty; it must be -inf)";
-      throw domain_error(msg.str(), row);
-    case cpu::sparse_problem_kind::no_mass:
-      msg << ": every log-probability and the remainder are -inf (the row has no mass)";
-      throw domain_error(msg.str(), row);
-    case cpu::sparse_problem_kind::not_aligned:
-      msg << ": entry " << p.entry << " (token " << p.value
-          << ") is missing from the aligned support";
-      throw shape_error(msg.str(), row);
-    case cpu::sparse_problem_kind::masked_mass:
-      msg << where() << " is " << p.value
-          << " where the new or old side is -inf: not the projection's output for these rows";
-      throw domain_error(msg.str(), row);
-    case cpu::sparse_problem_kind::wrong_token:
-      msg << ": entry " << p.entry << " holds token " << p.value << " where the aligned rows hold token "
-          << p.other << " (log_probs must be project()'s output for these rows)";
-      throw shape_error(msg.str(), row);
-    case cpu::sparse_problem_kind::mass:
-      msg << ": the probabilities sum to " << p.value << " (support plus remainder), more than "
-          << p.other
-          << " from 1: not a normalised row";
-      throw domain_error(msg.str(), row);
-    case cpu::sparse_problem_kind::none:
-      break;
-  }
-  throw invalid_input(msg.str() + ": unknown problem", row);
-}
 
 /// Runs check(r) → sparse_problem over all rows and throws the problem of the lowest bad row.
 template <class Check>

@@ -12,6 +12,7 @@
 
 #include "../../config.hpp"
 #include "../numeric.hpp"
+#include "../sparse_problem.hpp"
 #include "../sparse_row.hpp"
 #include "row_kernels.hpp"
 
@@ -95,32 +96,6 @@ inline void sparsify_scan(const T* z, std::size_t size, std::size_t offset, spar
     push_block(st.outside, static_cast<double>(m), sum_in_double(a.data(), count));
   });
 }
-
-/// What can be wrong with one sparse row.
-enum class sparse_problem_kind {
-  none,
-  count_range,         // count < 0, > capacity, > V or > sparse_max_entries (value = count)
-  index_range,         // indices[entry] outside [0, V) (value = index)
-  duplicate,           // indices[entry] repeats an earlier entry (value = index)
-  nan_value,           // log_probs[entry] is NaN (entry = −1: the remainder)
-  above_one,           // log_probs[entry] > 0 (entry = −1: the remainder)
-  remainder_no_tail,   // count = V but the remainder has mass
-  no_mass,             // every log-prob and the remainder are −inf
-  not_aligned,         // an entry of a sparse row is missing from the aligned support
-  mass,                // Σ_S p_i + r is `value`, off 1 by more than sparse_mass_tolerance<T>()
-  wrong_token,         // entry holds token id `value` where the aligned rows hold `other`
-  masked_mass,         // log π* at entry is `value` > −inf where a side is −inf (backward)
-};
-
-struct sparse_problem {
-  sparse_problem_kind kind = sparse_problem_kind::none;
-  const char* operand = "";
-  long long entry = 0;
-  double value = 0.0;
-  double other = 0.0;  // mass: the tolerance the row missed; wrong_token: the expected id
-
-  explicit operator bool() const { return kind != sparse_problem_kind::none; }
-};
 
 /// Checks one sparse row: count within [0, min(capacity, V, sparse_max_entries)], indices in
 /// [0, V) and distinct, log-probs and log-remainder not NaN and ≤ 0, no remainder mass when the

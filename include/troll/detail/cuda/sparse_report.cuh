@@ -12,6 +12,7 @@
 #include "../../cuda_report.hpp"
 #include "../../errors.hpp"
 #include "../row_problem.hpp"
+#include "../sparse_problem.hpp"
 #include "../sparse_row.hpp"
 #include "../../sparse_types.hpp"
 #include "launch.cuh"
@@ -20,6 +21,40 @@
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cuda {
+
+/// The sparse_problem of a device report of a sparse-row check (codes sparse_count ... sparse_mass,
+/// sparse_masked_mass, sparse_wrong_token): `token` is the entry (~0: the log-remainder).
+inline sparse_problem as_sparse_problem(const cuda_row_report& report, const char* name) {
+  sparse_problem p;
+  p.operand = name;
+  p.entry = static_cast<long long>(report.token);
+  p.value = report.value;
+  switch (report.error) {
+    case cuda_row_error::sparse_count: p.kind = sparse_problem_kind::count_range; break;
+    case cuda_row_error::sparse_index: p.kind = sparse_problem_kind::index_range; break;
+    case cuda_row_error::sparse_duplicate: p.kind = sparse_problem_kind::duplicate; break;
+    case cuda_row_error::sparse_nan: p.kind = sparse_problem_kind::nan_value; break;
+    case cuda_row_error::sparse_above_one: p.kind = sparse_problem_kind::above_one; break;
+    case cuda_row_error::sparse_no_tail: p.kind = sparse_problem_kind::remainder_no_tail; break;
+    case cuda_row_error::sparse_no_mass: p.kind = sparse_problem_kind::no_mass; break;
+    case cuda_row_error::sparse_not_aligned:
+      p.kind = sparse_problem_kind::not_aligned;
+      if (p.entry < 0) p.entry = 0;
+      break;
+    case cuda_row_error::sparse_mass:
+      p.kind = sparse_problem_kind::mass;
+      p.other = report.token == sizeof(float) ? sparse_mass_tolerance<float>() : sparse_mass_tolerance<double>();
+      break;
+    case cuda_row_error::sparse_masked_mass: p.kind = sparse_problem_kind::masked_mass; break;
+    case cuda_row_error::sparse_wrong_token:
+      p.kind = sparse_problem_kind::wrong_token;
+      p.operand = "log_probs";
+      p.other = static_cast<double>(report.operand);
+      break;
+    default: break;
+  }
+  return p;
+}
 
 /// Turns a sparse entry point's device report into the CPU backend's exception and message.
 /// names[o] is the CPU's name of operand o (see sparse_operand); `vocab` serves bad_sampled.
@@ -37,36 +72,20 @@ struct sparse_thrower {
     msg.precision(17);
     msg << row_prefix(function, row);
     const long long entry = static_cast<long long>(report.token);
-    const auto where = [&]() { return entry < 0 ? std::string(" log_remainder") : " entry " + std::to_string(entry); };
     switch (report.error) {
+      // Sparse-row problems: the CPU's record and message table (detail/sparse_problem.hpp).
       case cuda_row_error::sparse_count:
-        msg << name << ": count " << report.value << " is negative or exceeds the capacity k_max, the "
-            << "vocabulary or " << sparse_max_entries << " entries";
-        throw shape_error(msg.str(), row);
       case cuda_row_error::sparse_index:
-        msg << name << ": entry " << entry << " has token index " << report.value << " outside the vocabulary [0, V)";
-        throw shape_error(msg.str(), row);
       case cuda_row_error::sparse_duplicate:
-        msg << name << ": entry " << entry << " repeats token index " << report.value
-            << " (support indices must be distinct)";
-        throw shape_error(msg.str(), row);
       case cuda_row_error::sparse_nan:
-        msg << name << where() << " is NaN";
-        throw domain_error(msg.str(), row);
       case cuda_row_error::sparse_above_one:
-        msg << name << where() << " is " << report.value << " > 0 (a probability above 1)";
-        throw domain_error(msg.str(), row);
       case cuda_row_error::sparse_no_tail:
-        msg << name << ": the support covers the whole vocabulary but log_remainder is " << report.value
-            << " (the bucket is empty; it must be -inf)";
-        throw domain_error(msg.str(), row);
       case cuda_row_error::sparse_no_mass:
-        msg << name << ": every log-probability and the remainder are -inf (the row has no mass)";
-        throw domain_error(msg.str(), row);
       case cuda_row_error::sparse_not_aligned:
-        msg << name << ": entry " << (entry < 0 ? 0 : entry) << " (token " << report.value
-            << ") is missing from the aligned support";
-        throw shape_error(msg.str(), row);
+      case cuda_row_error::sparse_mass:
+      case cuda_row_error::sparse_masked_mass:
+      case cuda_row_error::sparse_wrong_token:
+        throw_sparse_problem(function, row, as_sparse_problem(report, name));
       case cuda_row_error::sparse_capacity:
         msg << "out has capacity " << report.token << " but the row has " << report.value << " entries";
         throw shape_error(msg.str(), row);
@@ -103,19 +122,6 @@ struct sparse_thrower {
         p.value = report.value;
         throw_state_problem(function, row, names[which] != nullptr ? names[which] : "", p);
       }
-      case cuda_row_error::sparse_mass:
-        msg << name << ": the probabilities sum to " << report.value << " (support plus remainder), more than "
-            << (report.token == sizeof(float) ? sparse_mass_tolerance<float>() : sparse_mass_tolerance<double>())
-            << " from 1: not a normalised row";
-        throw domain_error(msg.str(), row);
-      case cuda_row_error::sparse_masked_mass:
-        msg << name << where() << " is " << report.value
-            << " where the new or old side is -inf: not the projection's output for these rows";
-        throw domain_error(msg.str(), row);
-      case cuda_row_error::sparse_wrong_token:
-        msg << "log_probs: entry " << entry << " holds token " << report.value << " where the aligned rows hold token "
-            << report.operand << " (log_probs must be project()'s output for these rows)";
-        throw shape_error(msg.str(), row);
       default:  // bad_stats (every field, kl_after included) and the dense codes
         break;
     }

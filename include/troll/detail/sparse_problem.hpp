@@ -1,0 +1,109 @@
+// troll/detail/sparse_problem.hpp — what can be wrong with one sparse row and the one message table
+// for it: the CPU checks fill a sparse_problem, the CUDA backend's checked mode turns a device report
+// into one (detail/cuda/sparse_report.cuh), and both throw through throw_sparse_problem, so the two
+// backends' messages cannot drift apart. Host-only, no Eigen.
+#pragma once
+
+#include <cstddef>
+#include <sstream>
+#include <string>
+
+#include "../config.hpp"
+#include "../errors.hpp"
+#include "../sparsify_state.hpp"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+
+/// What can be wrong with one sparse row.
+enum class sparse_problem_kind {
+  none,
+  count_range,         // count < 0, > capacity, > V or > sparse_max_entries (value = count)
+  index_range,         // indices[entry] outside [0, V) (value = index)
+  duplicate,           // indices[entry] repeats an earlier entry (value = index)
+  nan_value,           // log_probs[entry] is NaN (entry = −1: the remainder)
+  above_one,           // log_probs[entry] > 0 (entry = −1: the remainder)
+  remainder_no_tail,   // count = V but the remainder has mass
+  no_mass,             // every log-prob and the remainder are −inf
+  not_aligned,         // an entry of a sparse row is missing from the aligned support
+  mass,                // Σ_S p_i + r is `value`, off 1 by more than sparse_mass_tolerance<T>()
+  wrong_token,         // entry holds token id `value` where the aligned rows hold `other`
+  masked_mass,         // log π* at entry is `value` > −inf where a side is −inf (backward)
+};
+
+struct sparse_problem {
+  sparse_problem_kind kind = sparse_problem_kind::none;
+  const char* operand = "";
+  long long entry = 0;
+  double value = 0.0;
+  double other = 0.0;  // mass: the tolerance the row missed; wrong_token: the expected id
+
+  explicit operator bool() const { return kind != sparse_problem_kind::none; }
+};
+
+/// The exception of a sparse-row problem, naming the row, the operand and the entry.
+[[noreturn]] inline void throw_sparse_problem(const char* function, std::size_t row,
+                                              const sparse_problem& p) {
+  std::ostringstream msg;
+  msg.precision(17);
+  msg << row_prefix(function, row) << p.operand;
+  const auto where = [&]() -> std::string {
+    return p.entry < 0 ? std::string(" log_remainder") : " entry " + std::to_string(p.entry);
+  };
+  switch (p.kind) {
+    case sparse_problem_kind::count_range:
+      msg << ": count " << p.value << " is negative or exceeds the capacity k_max, the "
+          << "vocabulary or " << sparse_max_entries << " entries";
+      throw shape_error(msg.str(), row);
+    case sparse_problem_kind::index_range:
+      msg << ": entry " << p.entry << " has token index " << p.value
+          << " outside the vocabulary [0, V)";
+      throw shape_error(msg.str(), row);
+    case sparse_problem_kind::duplicate:
+      msg << ": entry " << p.entry << " repeats token index " << p.value
+          << " (support indices must be distinct)";
+      throw shape_error(msg.str(), row);
+    case sparse_problem_kind::nan_value:
+      msg << where() << " is NaN";
+      throw domain_error(msg.str(), row);
+    case sparse_problem_kind::above_one:
+      msg << where() << " is " << p.value << " > 0 (a probability above 1)";
+      throw domain_error(msg.str(), row);
+    case sparse_problem_kind::remainder_no_tail:
+      msg << ": the support covers the whole vocabulary but log_remainder is " << p.value
+          << " (the bucket is empty; it must be -inf)";
+      throw domain_error(msg.str(), row);
+    case sparse_problem_kind::no_mass:
+      msg << ": every log-probability and the remainder are -inf (the row has no mass)";
+      throw domain_error(msg.str(), row);
+    case sparse_problem_kind::not_aligned:
+      msg << ": entry " << p.entry << " (token " << p.value
+          << ") is missing from the aligned support";
+      throw shape_error(msg.str(), row);
+    case sparse_problem_kind::masked_mass:
+      msg << where() << " is " << p.value
+          << " where the new or old side is -inf: not the projection's output for these rows";
+      throw domain_error(msg.str(), row);
+    case sparse_problem_kind::wrong_token:
+      msg << ": entry " << p.entry << " holds token " << p.value << " where the aligned rows hold token "
+          << p.other << " (log_probs must be project()'s output for these rows)";
+      throw shape_error(msg.str(), row);
+    case sparse_problem_kind::mass:
+      msg << ": the probabilities sum to " << p.value << " (support plus remainder), more than "
+          << p.other
+          << " from 1: not a normalised row";
+      throw domain_error(msg.str(), row);
+    case sparse_problem_kind::none:
+      break;
+  }
+  throw invalid_input(msg.str() + ": unknown problem", row);
+}
+
+/// The CPU kernels' names for the same types (detail::cpu::sparse_problem, ...).
+namespace cpu {
+using detail::sparse_problem;
+using detail::sparse_problem_kind;
+}  // namespace cpu
+
+}  // namespace detail
+TROLL_END_NAMESPACE
