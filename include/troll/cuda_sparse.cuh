@@ -119,10 +119,12 @@ inline void sparsify_merge(cuda_policy policy, sparsify_state* into, const spars
 /// troll::sparsify_finalize(cpu_policy, ...) (the shared detail::finalize). Row checks as on the
 /// CPU, in its order: the state's k is options.k (invalid_input), out.k_max holds the row
 /// (shape_error), some shard held the sampled token, some logit is finite (domain_error); a
-/// rejected row gets count 0, padding and a NaN log_remainder.
+/// rejected row gets count 0, padding and a NaN log_remainder. `log_sums` (device, rows × 2
+/// doubles, may be null) receives what the CPU overload writes there (NaN on rejected rows).
 template <class T>
 void sparsify_finalize(cuda_policy policy, const sparsify_state* states, const sparsify_options& options,
-                       sparse_batch_view<T> out) {
+                       sparse_batch_view<T> out,
+                       double* log_sums = nullptr) {
   const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_finalize";
@@ -133,7 +135,7 @@ void sparsify_finalize(cuda_policy policy, const sparsify_state* states, const s
                            [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
                              const detail::cuda::warp_launch l = detail::cuda::state_launch_for(range.count);
                              detail::cuda::sparsify_finalize_kernel<T><<<l.grid, l.threads, 0, policy.stream>>>(
-                                 states, options.k, log_delta, out, range, device);
+                                 states, options.k, log_delta, out, log_sums, range, device);
                            });
 }
 

@@ -169,7 +169,8 @@ step_results run_every_entry_point(Policy policy) {
   troll::sparsify_shard(policy, troll::make_batch<const T>(z_new.get() + half, rows, V - half, V), half, V,
                         tokens.get(), options, other.get());
   troll::sparsify_merge(policy, states.get(), other.get(), rows);
-  troll::sparsify_finalize(policy, states.get(), options, finalized.view(rows, V));
+  typename S::template array<double> log_sums(2 * rows);
+  troll::sparsify_finalize(policy, states.get(), options, finalized.view(rows, V), log_sums.get());
 
   typename S::template array<T> g_values(std::vector<T>(rows * sparse_k, 0.05)), g_remainder(std::vector<T>(rows, 0.01)), grad_logits(rows * V);
   const troll::sparse_grad_view<T> g{g_values.get(), g_remainder.get(), rows, sparse_k};

@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(state_warps * warp_lanes)
 template <class T>
 __global__ void __launch_bounds__(state_warps * warp_lanes)
     sparsify_finalize_kernel(const sparsify_state* states, int k, double log_delta, sparse_batch_view<T> out,
-                             row_range range, device_checks checks) {
+                             double* log_sums, row_range range, device_checks checks) {
   __shared__ cub::Uninitialized<sparsify_state> scratch[state_warps];
   sparsify_state& st = scratch[threadIdx.x / warp_lanes].Alias();
   const std::size_t end = range.begin + range.count;
@@ -137,10 +137,13 @@ __global__ void __launch_bounds__(state_warps * warp_lanes)
     int count = 0;
     if (report.error == cuda_row_error::none) {
       warp_copy_state(st, s);
-      if (lane_id() == 0) finalize(st, log_delta, indices, log_probs, count, out.log_remainder[r]);
+      if (lane_id() == 0)
+        finalize(st, log_delta, indices, log_probs, count, out.log_remainder[r],
+                 log_sums != nullptr ? log_sums + 2 * r : nullptr);
       count = __shfl_sync(full_warp, count, 0);
     } else if (lane_id() == 0) {
       out.log_remainder[r] = static_cast<T>(quiet_nan());
+      if (log_sums != nullptr) log_sums[2 * r] = log_sums[2 * r + 1] = quiet_nan();
     }
     for (std::size_t i = std::size_t(count) + std::size_t(lane_id()); i < out.k_max; i += warp_lanes) {
       indices[i] = -1;
