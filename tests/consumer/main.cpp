@@ -1,8 +1,13 @@
 // A consumer of the installed (or vendored) troll: it includes the public header, names a
-// policy and prints the version. With find_package, the package version must match the header.
+// policy, prints the version and runs a training step written once over the policy
+// (every_entry_point.hpp) under troll::cpu. With find_package, the package version must match the
+// header.
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <troll/projection.hpp>
+
+#include "every_entry_point.hpp"
 
 int main() {
   constexpr troll::cpu_policy policy = troll::cpu;
@@ -17,5 +22,9 @@ int main() {
     return 1;
   }
 #endif
+  const consumer::step_results step = consumer::run_every_entry_point(policy);
+  std::printf("one step over every entry point: TROLL loss %.6f, sparse TROLL loss %.6f\n", step.troll_loss,
+              step.sparse_troll_loss);
+  if (!std::isfinite(step.troll_loss) || !std::isfinite(step.sparse_troll_loss)) return 1;
   return 0;
 }
