@@ -25,6 +25,14 @@ TEST_CASE("every entry point runs under troll::cpu from one function template") 
   CHECK(std::isfinite(serial.sparse_troll_loss));
   for (double g : serial.grad_new) CHECK(std::isfinite(g));
   for (int c : serial.sparse_counts) CHECK(c > 0);
+  // The first shard's gradient is the first columns of the whole row's (same support, same g).
+  const std::size_t rows = 2, V = 8, half = V / 2;
+  REQUIRE(serial.sparse_shard_grad.size() == rows * half);
+  for (std::size_t r = 0; r < rows; ++r)
+    for (std::size_t j = 0; j < half; ++j) {
+      const double whole = serial.sparse_grad[r * V + j], shard = serial.sparse_shard_grad[r * half + j];
+      CHECK(std::abs(shard - whole) <= 1e-14 + 1e-12 * std::abs(whole));
+    }
 }
 
 TEST_CASE("workspace_bytes: defined for every entry point and both policies") {

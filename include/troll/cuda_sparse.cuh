@@ -300,4 +300,42 @@ void sparsify_backward(cuda_policy policy, batch_view<L> logits, sparse_input<T>
                            });
 }
 
+/// Backward of sparsify over vocabulary shards on the device, as
+/// troll::sparsify_shard_backward(cpu_policy, ...): grad_shard = the columns [vocab_offset,
+/// vocab_offset + cols) of sparsify_backward's gradient, from `log_sums` (device, rows × 2, what
+/// sparsify_finalize wrote). One pass per row, no communication. Host checks as on the CPU; rejected
+/// rows (NaN / +inf shard logits, unusable log_sums, a bad support row, a NaN / infinite gradient)
+/// get NaN, or throw the CPU's exception in checked mode (three validation passes, in the CPU's
+/// order over all rows).
+template <class L, class T>
+void sparsify_shard_backward(cuda_policy policy, batch_view<L> shard_logits, std::size_t vocab_offset,
+                             sparse_input<T> support, sparse_grad_input<T> grad, const double* log_sums,
+                             batch_view<T> grad_shard) {
+  using logit_type = std::remove_const_t<L>;
+  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
+                "troll::sparsify_shard_backward (CUDA): logits must be float, double, __half or __nv_bfloat16");
+  detail::require_float_type<T>();
+  constexpr const char* fn = "sparsify_shard_backward";
+  const batch_view<const logit_type> in{shard_logits.data, shard_logits.rows, shard_logits.cols, shard_logits.stride};
+  detail::check_sparsify_shard_backward_arguments(fn, in, vocab_offset, support, grad, log_sums, grad_shard);
+  const detail::cuda::sparse_thrower thrower{
+      {"shard_logits", nullptr, nullptr, nullptr, nullptr, "grad (NaN or infinite)", nullptr, "support"}, 0};
+  const int slots = detail::cuda::sort_slots(support.k_max);
+  auto launch = [&](int stage) {
+    return [&, stage](detail::cuda::row_range range, detail::cuda::device_checks device) {
+      detail::cuda::sparsify_shard_backward_kernel<logit_type, T>
+          <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0, policy.stream>>>(
+              in, vocab_offset, support, grad, log_sums, grad_shard, slots, stage, range, device);
+    };
+  };
+  cuda_checks checks = policy.checks;
+  if (checks.checked && in.rows != 0) {
+    static const char* const unused[3] = {"", "", ""};
+    for (int stage = 0; stage < 3; ++stage)
+      detail::cuda::validate_or_throw(fn, policy.stream, in.rows, unused, launch(stage), thrower);
+    checks.checked = false;
+  }
+  detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower, launch(2));
+}
+
 TROLL_END_NAMESPACE

@@ -381,18 +381,8 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
                              batch_view<T> grad_shard) {
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_shard_backward";
-  detail::check_view(fn, "shard_logits", shard_logits);
-  detail::check_view(fn, "grad_shard", grad_shard);
-  detail::check_same_shape(fn, "shard_logits", shard_logits, "grad_shard", grad_shard);
-  detail::check_sparse_view(fn, "support", support);
-  detail::check_same_rows(fn, "shard_logits", shard_logits.rows, "support", support.rows);
-  detail::check_grad_view(fn, "grad", grad, shard_logits.rows, support.k_max);
-  if (shard_logits.rows != 0 && log_sums == nullptr) detail::throw_shape(fn, "log_sums is a null pointer");
-  if (shard_logits.rows != 0 &&
-      (vocab_offset > support.vocab || shard_logits.cols > support.vocab - vocab_offset))
-    detail::throw_shape(fn, "the shard of " + std::to_string(shard_logits.cols) + " tokens at offset " +
-                                std::to_string(vocab_offset) + " does not fit in the vocabulary [0, " +
-                                std::to_string(support.vocab) + ")");
+  detail::check_sparsify_shard_backward_arguments(fn, shard_logits, vocab_offset, support, grad, log_sums,
+                                                  grad_shard);
   const std::size_t bad = detail::cpu::first_bad_row(
       policy.threads, shard_logits.rows, shard_logits.cols, [&](std::size_t r) {
         return bool(detail::cpu::find_bad_value(shard_logits.row(r), shard_logits.cols, "shard_logits"));
@@ -401,12 +391,8 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
     detail::throw_problem(fn, bad,
                           detail::cpu::find_bad_value(shard_logits.row(bad), shard_logits.cols, "shard_logits"));
   for (std::size_t r = 0; r < shard_logits.rows; ++r) {
-    const double total = log_sums[2 * r], tail = log_sums[2 * r + 1];
-    if (!(total - total == 0.0) || tail != tail || tail > total)
-      throw domain_error(detail::row_prefix(fn, r) + "log_sums {" + std::to_string(total) + ", " +
-                             std::to_string(tail) +
-                             "} are not a finite total and a tail not above it (sparsify_finalize's log_sums)",
-                         r);
+    if (!detail::log_sums_usable(log_sums[2 * r], log_sums[2 * r + 1]))
+      detail::throw_bad_log_sums(fn, r, log_sums[2 * r], log_sums[2 * r + 1]);
   }
   detail::first_sparse_problem(fn, policy.threads, shard_logits.rows, 4 * std::size_t(sparse_max_entries),
                                [&](std::size_t r) {

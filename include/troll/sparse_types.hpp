@@ -165,6 +165,25 @@ void check_grad_view(const char* fn, const char* name, const sparse_grad_view<T>
     throw_shape(fn, std::string(name) + " has a null pointer");
 }
 
+/// Host checks of sparsify_shard_backward (both backends), in the CPU's order.
+template <class L, class T>
+void check_sparsify_shard_backward_arguments(const char* fn, const batch_view<const L>& shard_logits,
+                                             std::size_t vocab_offset, const sparse_batch_view<const T>& support,
+                                             const sparse_grad_view<const T>& grad, const double* log_sums,
+                                             const batch_view<T>& grad_shard) {
+  check_view(fn, "shard_logits", shard_logits);
+  check_view(fn, "grad_shard", grad_shard);
+  check_same_shape(fn, "shard_logits", shard_logits, "grad_shard", grad_shard);
+  check_sparse_view(fn, "support", support);
+  check_same_rows(fn, "shard_logits", shard_logits.rows, "support", support.rows);
+  check_grad_view(fn, "grad", grad, shard_logits.rows, support.k_max);
+  if (shard_logits.rows != 0 && log_sums == nullptr) throw_shape(fn, "log_sums is a null pointer");
+  if (shard_logits.rows != 0 && (vocab_offset > support.vocab || shard_logits.cols > support.vocab - vocab_offset))
+    throw_shape(fn, "the shard of " + std::to_string(shard_logits.cols) + " tokens at offset " +
+                        std::to_string(vocab_offset) + " does not fit in the vocabulary [0, " +
+                        std::to_string(support.vocab) + ")");
+}
+
 inline void check_sparse_eps(const char* fn, double eps, const projection_options& opt) {
   if (!(eps > 0.0) || !(eps < inf()))
     throw domain_error(std::string("troll::") + fn + ": the bound eps must be finite and > 0, got " +

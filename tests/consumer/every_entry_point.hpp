@@ -40,7 +40,7 @@ struct space<troll::cpu_policy> {
 /// What the step hands back to the host, for the caller to check.
 struct step_results {
   std::vector<double> log_softmax, kl, project, project_stats_kl, grad_new, jvp, jacobian;
-  std::vector<double> sparse_log_probs, sparse_kl, sparse_grad;
+  std::vector<double> sparse_log_probs, sparse_kl, sparse_grad, sparse_shard_grad;
   std::vector<int> sparse_counts;
   double troll_loss = 0.0, ppo_loss = 0.0, dppo_loss = 0.0, sparse_troll_loss = 0.0;
 };
@@ -176,6 +176,10 @@ step_results run_every_entry_point(Policy policy) {
   const troll::sparse_grad_view<T> g{g_values.get(), g_remainder.get(), rows, sparse_k};
   troll::sparsify_backward(policy, new_in, troll::sparse_input<T>(new_rows.view(rows, V)), troll::sparse_grad_input<T>(g),
                            troll::make_batch(grad_logits.get(), rows, V));
+  typename S::template array<T> grad_shard(rows * half);
+  troll::sparsify_shard_backward(policy, troll::make_batch<const T>(z_new.get(), rows, half, V), 0,
+                                 troll::sparse_input<T>(finalized.view(rows, V)), troll::sparse_grad_input<T>(g),
+                                 log_sums.get(), troll::make_batch(grad_shard.get(), rows, half));
 
   struct aligned_arrays {
     typename S::template array<troll::sparse_index> indices, counts;
@@ -250,6 +254,7 @@ step_results run_every_entry_point(Policy policy) {
   for (troll::sparse_index c : projected.counts.download()) out.sparse_counts.push_back(int(c));
   out.sparse_kl = as_double(sparse_kl.download());
   out.sparse_grad = as_double(grad_logits.download());
+  out.sparse_shard_grad = as_double(grad_shard.download());
   return out;
 }
 

@@ -60,6 +60,8 @@ TEST_SUITE("device") {
     close(gpu.grad_new, cpu.grad_new);
     close(gpu.jacobian, cpu.jacobian);
     close(gpu.sparse_kl, cpu.sparse_kl);
+    close(gpu.sparse_grad, cpu.sparse_grad);
+    close(gpu.sparse_shard_grad, cpu.sparse_shard_grad);
     CHECK(gpu.sparse_counts == cpu.sparse_counts);
     CHECK(std::abs(gpu.troll_loss - cpu.troll_loss) <= 1e-9 + 1e-9 * std::abs(cpu.troll_loss));
     CHECK(std::abs(gpu.sparse_troll_loss - cpu.sparse_troll_loss) <= 1e-9 + 1e-9 * std::abs(cpu.sparse_troll_loss));

@@ -99,6 +99,19 @@ struct sparse_problem {
   throw invalid_input(msg.str() + ": unknown problem", row);
 }
 
+/// Whether sparsify_finalize's log-sums of a row are usable by sparsify_shard_backward: a finite
+/// total and a tail that is not NaN and not above it.
+TROLL_HOST_DEVICE inline bool log_sums_usable(double total, double tail) {
+  return total - total == 0.0 && tail == tail && !(tail > total);
+}
+
+/// The exception of a row whose log-sums are not usable (sparsify_shard_backward, both backends).
+[[noreturn]] inline void throw_bad_log_sums(const char* function, std::size_t row, double total, double tail) {
+  throw domain_error(row_prefix(function, row) + "log_sums {" + std::to_string(total) + ", " + std::to_string(tail) +
+                         "} are not a finite total and a tail not above it (sparsify_finalize's log_sums)",
+                     row);
+}
+
 /// The CPU kernels' names for the same types (detail::cpu::sparse_problem, ...).
 namespace cpu {
 using detail::sparse_problem;

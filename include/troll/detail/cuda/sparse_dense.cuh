@@ -12,6 +12,7 @@
 #include "../../config.hpp"
 #include "../../sparse_types.hpp"
 #include "../numeric.hpp"
+#include "../sparse_problem.hpp"
 #include "../sparse_row.hpp"
 #include "block_reduce.cuh"
 #include "row_report.cuh"
@@ -139,6 +140,89 @@ __global__ void __launch_bounds__(block_threads)
       } else {
         value = -sum_g * p + (tail_mass ? g_r * ::exp(x - log_tail) : 0.0);
       }
+      out[i] = static_cast<T>(value);
+    }
+  }
+}
+
+/// Rows of `range`: grad_shard = the columns [offset, offset + cols) of sparsify_backward's
+/// gradient, from the row's log-sums {log Σ_V e^z, log Σ_{V∖S} e^z} (sparsify_finalize's log_sums):
+///     ∂L/∂z_k = [k∈S] g_k + [k∉S] g_R p_k / r − p_k (Σ_S g_i + g_R),  p_k = e^{z_k − total}.
+/// `stage` limits the checks, in the CPU's order: 0 the shard logits (NaN / +inf), 1 and the
+/// log-sums, 2 and the support and the gradient (checked mode runs 0, 1, 2 over all rows).
+template <class L, class T>
+__global__ void __launch_bounds__(block_threads)
+    sparsify_shard_backward_kernel(batch_view<const L> shard_logits, std::size_t offset,
+                                   sparse_batch_view<const T> support, sparse_grad_view<const T> grad,
+                                   const double* log_sums, batch_view<T> grad_shard, int slots, int stage,
+                                   row_range range, device_checks checks) {
+  __shared__ split_scan_storage sh;
+  __shared__ reduce_storage<split_scan> scan_storage;
+  const std::size_t size = shard_logits.cols, end = range.begin + range.count;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const L* z = shard_logits.row(r);
+    const T* g = grad.row(r);
+    const double g_r = static_cast<double>(grad.log_remainder[r]);
+    __syncthreads();  // the previous row is done with the shared scratch
+    if (threadIdx.x < warp_lanes) {
+      cuda_row_report report;
+      int n = 0;
+      double sum_g = 0.0;
+      if (stage >= 2) {
+        report = warp_check_sparse_row(support.row_indices(r), support.row_log_probs(r), support.counts[r], 0.0,
+                                       support.k_max, support.vocab, operand_support, false, sh.sorted, slots);
+        n = report.error == cuda_row_error::none ? static_cast<int>(support.counts[r]) : 0;
+        if (report.error == cuda_row_error::none) {
+          for (int base = -1; base < n; base += warp_lanes) {
+            const int i = base + lane_id();
+            const double gi = i < 0 ? g_r : (i < n ? static_cast<double>(g[i]) : 0.0);
+            const int bad = first_lane(!(gi - gi == 0.0));
+            if (bad >= 0) {
+              report.error = cuda_row_error::sparse_nan, report.operand = operand_grad;
+              report.token = static_cast<unsigned long long>(static_cast<long long>(base + bad));
+              break;
+            }
+            sum_g += gi;
+          }
+          sum_g = warp_all_reduce(sum_g, add_double{});
+        }
+      }
+      if (lane_id() == 0) sh.report.Alias() = report, sh.sum_g = sum_g, sh.count = report.error == cuda_row_error::none ? n : 0;
+    }
+    __syncthreads();
+    const int n = sh.count;
+    const split_scan scan = scan_split(z, size, sh.sorted, 0, scan_storage);
+    cuda_row_report report;
+    if (scan.first_bad != no_token) report = bad_value_report(0, scan.first_bad, to_double(z[scan.first_bad]));
+    const double total = log_sums[2 * r], tail = log_sums[2 * r + 1];
+    if (report.error == cuda_row_error::none && stage >= 1 && !log_sums_usable(total, tail)) {
+      report.error = cuda_row_error::bad_log_sums;
+      report.value = total;
+      memcpy(&report.token, &tail, sizeof tail);
+    }
+    if (report.error == cuda_row_error::none) report = sh.report.Alias();
+    if (threadIdx.x == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+    T* out = grad_shard.row(r);
+    if (report.error != cuda_row_error::none) {
+      fill_nan(out, size);
+      continue;
+    }
+    const double sum_g = sh.sum_g;
+    const bool tail_term = tail > neg_inf() && g_r != 0.0;
+    const double log_inv_r = total - tail;
+    const bool scale_tail = log_inv_r < 600.0;
+    const double g_over_r = scale_tail ? g_r * ::exp(log_inv_r) : 0.0;
+    int cursor = 0;
+    for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+      const double x = to_double(z[i]);
+      const double p = x == neg_inf() ? 0.0 : ::exp(x - total);
+      const std::size_t token = offset + i;
+      while (cursor < n && std::size_t(sh.sorted[cursor].index) < token) ++cursor;
+      double value = -sum_g * p;
+      if (tail_term) value += scale_tail ? g_over_r * p : (x == neg_inf() ? 0.0 : g_r * ::exp(x - tail));
+      if (cursor < n && std::size_t(sh.sorted[cursor].index) == token)
+        value = static_cast<double>(g[sh.sorted[cursor].position]) - sum_g * p;
       out[i] = static_cast<T>(value);
     }
   }

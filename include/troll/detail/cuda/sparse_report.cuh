@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstring>
 #include <sstream>
 #include <string>
 
@@ -86,6 +87,11 @@ struct sparse_thrower {
       case cuda_row_error::sparse_masked_mass:
       case cuda_row_error::sparse_wrong_token:
         throw_sparse_problem(function, row, as_sparse_problem(report, name));
+      case cuda_row_error::bad_log_sums: {
+        double tail = 0.0;
+        std::memcpy(&tail, &report.token, sizeof tail);
+        throw_bad_log_sums(function, row, report.value, tail);
+      }
       case cuda_row_error::sparse_capacity:
         msg << "out has capacity " << report.token << " but the row has " << report.value << " entries";
         throw shape_error(msg.str(), row);
