@@ -509,10 +509,17 @@ TEST_CASE("cuda kl_backward, project_jvp and project_jacobian check their argume
   CHECK_THROWS_AS(troll::project_jacobian(troll::cuda.with_workspace(fake_workspace, std::size_t(1) << 30), a, a, a, nullptr, fake), troll::shape_error);
   CHECK_THROWS_AS(troll::project_jacobian(troll::cuda.with_workspace(fake_workspace, std::size_t(1) << 30), a, narrow, a, fake_stats, fake),
                   troll::shape_error);
-  CHECK_THROWS_AS(troll::project_jacobian(troll::cuda, a, a, a, fake_stats, nullptr, fake), troll::shape_error);
-  CHECK_THROWS_AS(troll::project_jacobian(troll::cuda, a, a, a, fake_stats,
-                                          reinterpret_cast<void*>(std::uintptr_t(1028)), fake),
+  CHECK_THROWS_AS(troll::project_jacobian(troll::cuda, a, a, a, fake_stats, fake), troll::shape_error);  // no workspace
+  CHECK_THROWS_AS(troll::project_jacobian(troll::cuda.with_workspace(reinterpret_cast<void*>(std::uintptr_t(1028)),
+                                                                     std::size_t(1) << 30),
+                                          a, a, a, fake_stats, fake),
                   troll::shape_error);
+  // An undersized workspace is refused on the host, naming both sizes, before anything is enqueued.
+  const std::size_t need = troll::workspace_bytes(troll::cuda, troll::op::project_jacobian{}, 3, 5);
+  CHECK(message_of([&] {
+          troll::project_jacobian(troll::cuda.with_workspace(fake_workspace, need - 1), a, a, a, fake_stats, fake);
+        }) == "troll::project_jacobian: workspace holds " + std::to_string(need - 1) + " bytes but the call needs " +
+                  std::to_string(need) + " (troll::workspace_bytes)");
   static_assert(troll::project_jacobian_workspace_bytes(0, 7) == 0, "no rows, no workspace");
   CHECK(troll::project_jacobian_workspace_bytes(3, 5) >= 3 * (2 * sizeof(double) + sizeof(int)));
 
