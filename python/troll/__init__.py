@@ -30,6 +30,7 @@ from ._core import (
     sparsify_finalize,
     sparsify_shard,
     sparsify_shard_backward,
+    sparsify_tail_sums,
     sparsify_state_bytes,
 )
 
@@ -41,7 +42,7 @@ __all__ = [
     "ProjectionStats", "SparseRows", "AlignedRows",
     "log_softmax", "kl", "kl_backward", "project", "project_backward",
     "sparsify", "align", "project_sparse", "kl_sparse",
-    "sparsify_shard", "sparsify_finalize", "sparsify_shard_backward", "sparsify_state_bytes",
+    "sparsify_shard", "sparsify_finalize", "sparsify_tail_sums", "sparsify_shard_backward", "sparsify_state_bytes",
 ]
 
 

@@ -272,19 +272,42 @@ def sparsify_shard(shard_logits: Any, vocab_offset: int, vocab: int, k: int = 64
 
 
 def sparsify_finalize(states: Any, vocab: int, k: int = 64, delta: float = 1e-5, *, sampled: bool = False,
-                      dtype: str = "float32", threads: int = 0) -> Tuple[SparseRows, Any]:
+                      dtype: str = "float32", tail_sums: Any = None, return_tail_max: bool = False,
+                      threads: int = 0) -> Tuple[Any, ...]:
     """The sparse rows of a stack of shard states (shards, ..., bytes) that together cover the
     vocabulary: merged in stack order (exact, order-independent supports), then finalised as
     ``sparsify`` would finalise the whole rows. ``sampled`` says whether the states were made with
     sampled tokens (capacity k + 1). Returns ``(SparseRows, log_sums)``, log_sums (..., 2)
-    float64 = {log sum_j e^z_j, log sum_{j not in S} e^z_j} per row (for the shards' backward)."""
+    float64 = {log sum_j e^z_j, log sum_{j not in S} e^z_j} per row (for the shards' backward),
+    and with ``return_tail_max=True`` also tail_max (...) float64, the largest logit outside each
+    row's support.
+
+    Two stages give ``sparsify``'s rows bit for bit: without ``tail_sums`` the supports are exact
+    and the values come from the merged running sums (a few ulps off); every shard then computes
+    ``sparsify_tail_sums(its logits, offset, rows, tail_max)``, and a second call given those
+    sums stacked (shards, ..., 2) writes the canonical values."""
     frame = Framework(states)
     rows = tuple(states.shape[1:-1])
     k_max = max(1, min(int(k) + bool(sampled), int(vocab)))
     out = sparse_empty(frame, rows, k_max, vocab, dtype)
     log_sums = frame.empty(rows + (2,), "float64")
-    _troll.sparsify_finalize(arg(states), int(k), float(delta), out, log_sums, threads)
-    return SparseRows(*(frame.result(a) for a in out[:4]), int(vocab)), frame.result(log_sums)
+    tail_max = frame.empty(rows, "float64") if return_tail_max else None
+    _troll.sparsify_finalize(arg(states), int(k), float(delta), out, log_sums, tail_max,
+                             None if tail_sums is None else arg(tail_sums), threads)
+    result = (SparseRows(*(frame.result(a) for a in out[:4]), int(vocab)), frame.result(log_sums))
+    return result + (frame.result(tail_max),) if return_tail_max else result
+
+
+def sparsify_tail_sums(shard_logits: Any, vocab_offset: int, rows: SparseRows, tail_max: Any, *,
+                       threads: int = 0) -> Any:
+    """One shard's share of the exact tail sums (sparsify_finalize's second stage): (..., 2)
+    float64, the unevaluated pair hi + lo of sum exp(z_j - tail_max) over the shard's tokens j
+    outside each row's support."""
+    frame = Framework(shard_logits)
+    _float_dtype(frame, shard_logits)
+    out = frame.empty(leading_shape(shard_logits, "shard_logits") + (2,), "float64")
+    _troll.sparsify_tail_sums(arg(shard_logits), int(vocab_offset), _sparse_arg(rows), arg(tail_max), out, threads)
+    return frame.result(out)
 
 
 def sparsify_shard_backward(shard_logits: Any, vocab_offset: int, support: SparseRows, grad: Tuple[Any, Any],

@@ -47,8 +47,17 @@ class _ShardedSparsify(torch.autograd.Function):
         dist.all_gather(gathered, mine, group=group)
         stacked = torch.stack(gathered).to("cpu")
         dtype = str(x.dtype).replace("torch.", "")
-        rows, log_sums = _core.sparsify_finalize(stacked, vocab, k, delta, sampled=sampled is not None,
-                                                 dtype=dtype, threads=threads)
+        has_sampled = sampled is not None
+        # Stage 1: the exact supports and each row's largest logit outside its support.
+        rows, _, tail_max = _core.sparsify_finalize(stacked, vocab, k, delta, sampled=has_sampled, dtype=dtype,
+                                                    return_tail_max=True, threads=threads)
+        # Stage 2: every rank's exact share of the tail sums, gathered; the canonical values (the
+        # bits of troll.torch.sparsify on the whole rows, and the normalisers of its backward).
+        part = _core.sparsify_tail_sums(x, offset, rows, tail_max, threads=threads).to(comm)
+        parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, part, group=group)
+        rows, log_sums = _core.sparsify_finalize(stacked, vocab, k, delta, sampled=has_sampled, dtype=dtype,
+                                                 tail_sums=torch.stack(parts).to("cpu"), threads=threads)
         ctx.save_for_backward(x, rows.indices, rows.log_probs, rows.counts, rows.log_remainder, log_sums)
         ctx.offset, ctx.vocab, ctx.threads, ctx.device = offset, vocab, threads, device
         out = tuple(t.to(device) for t in rows[:4])
