@@ -21,48 +21,46 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cpu {
 
-/// out[i] = e^{x[i] − shift} for i < count, every entry through the same packet exponential
-/// (a partial last packet is padded), so an entry's value does not depend on its position.
-/// Arguments below −709 (where Eigen 3.4's vectorised exp returns ~5.6e-309, −inf included) are
-/// redone with std::exp, which gives the subnormal or 0.
-inline void packet_exp(const double* x, Eigen::Index count, double shift, double* out) {
-  using packet = Eigen::internal::packet_traits<double>::type;
-  constexpr Eigen::Index lanes = Eigen::internal::packet_traits<double>::size;
+/// out[i] = e^{x[i] − shift} for i < count, in V (float or double), every entry through the same
+/// packet exponential (a partial last packet is padded), so an entry's value does not depend on
+/// its position. Arguments below the packet exp's range (where Eigen 3.4's vectorised exp
+/// returns a tiny constant, −inf included) are redone with std::exp, which gives the subnormal
+/// or 0; only a block that holds one pays.
+template <class V>
+inline void packet_exp(const V* x, Eigen::Index count, V shift, V* out) {
+  using packet = typename Eigen::internal::packet_traits<V>::type;
+  constexpr Eigen::Index lanes = Eigen::internal::packet_traits<V>::size;
+  constexpr V lowest = sizeof(V) == sizeof(double) ? V(-709.0) : V(-87.0);
   const packet s = Eigen::internal::pset1<packet>(shift);
   Eigen::Index i = 0;
   for (; i + lanes <= count; i += lanes)
     Eigen::internal::pstoreu(out + i, Eigen::internal::pexp(Eigen::internal::psub(Eigen::internal::ploadu<packet>(x + i), s)));
   if (i < count) {
-    double in[lanes], res[lanes];
+    V in[lanes], res[lanes];
     for (Eigen::Index j = 0; j < lanes; ++j) in[j] = i + j < count ? x[i + j] : shift;
     Eigen::internal::pstoreu(res, Eigen::internal::pexp(Eigen::internal::psub(Eigen::internal::ploadu<packet>(in), s)));
     for (Eigen::Index j = 0; i + j < count; ++j) out[i + j] = res[j];
   }
-  for (Eigen::Index k = 0; k < count; ++k)
-    if (!(x[k] - shift >= -709.0)) out[k] = std::exp(x[k] - shift);
-}
-
-/// The block [begin, begin + count) of a range of tokens (z points at token `first`) widened to
-/// double into x, with the support's tokens set to −inf. `sorted` holds the support's slots
-/// inside the range, by index; `next` walks them.
-template <class T>
-inline void load_outside(const T* z, std::size_t first, std::size_t begin, Eigen::Index count,
-                         const index_slot* sorted, int n, int& next, double* x) {
-  for (Eigen::Index k = 0; k < count; ++k) x[k] = static_cast<double>(z[begin + std::size_t(k)]);
-  while (next < n && std::size_t(sorted[next].index) - first < begin + std::size_t(count)) {
-    x[std::size_t(sorted[next].index) - first - begin] = neg_inf();
-    ++next;
+  using map = Eigen::Map<const Eigen::Array<V, Eigen::Dynamic, 1>>;
+  if (count > 0 && map(x, count).minCoeff() - shift < lowest) {
+    for (Eigen::Index k = 0; k < count; ++k)
+      if (!(x[k] - shift >= lowest)) out[k] = std::exp(x[k] - shift);
   }
 }
 
-/// max z_j over the tokens [first, first + size) outside the support (−inf when none).
+/// max z_j over the tokens [first, first + size) outside the support (−inf when none); z points
+/// at token `first`, `sorted` holds the support's slots inside the range, by index.
 template <class T>
 inline double tail_max(const T* z, std::size_t size, std::size_t first, const index_slot* sorted, int n) {
   alignas(64) double x[block_size];
   double m = neg_inf();
   int next = 0;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-    load_outside(z, first, begin, count, sorted, n, next, x);
+    for (Eigen::Index k = 0; k < count; ++k) x[k] = static_cast<double>(z[begin + std::size_t(k)]);
+    while (next < n && std::size_t(sorted[next].index) - first < begin + std::size_t(count)) {
+      x[std::size_t(sorted[next].index) - first - begin] = neg_inf();
+      ++next;
+    }
     const double b = Eigen::Map<const Eigen::ArrayXd>(x, count).maxCoeff();
     if (b > m) m = b;
   });
@@ -70,25 +68,37 @@ inline double tail_max(const T* z, std::size_t size, std::size_t first, const in
 }
 
 /// Σ e^{z_j − m} over the tokens [first, first + size) outside the support, as an exact_sum
-/// (eight interleaved TwoSum accumulators, merged at the end). m = −inf gives an empty sum.
+/// (eight interleaved TwoSum accumulators, merged at the end). The exponentials are taken in T
+/// (float rows: eight or sixteen lanes, as sparsify's scan), the sum in double. m = −inf (or a
+/// tail of masked tokens only) gives an empty sum.
 template <class T>
 inline exact_sum tail_exp_sum(const T* z, std::size_t size, std::size_t first, const index_slot* sorted, int n,
                               double m) {
   constexpr int lanes = 8;
-  exact_sum part[lanes];
-  if (m == neg_inf()) return part[0];
-  alignas(64) double x[block_size], e[block_size];
+  using lane_array = Eigen::Array<double, lanes, 1>;
+  lane_array hi = lane_array::Zero(), lo = lane_array::Zero();
+  exact_sum total;
+  if (m == neg_inf()) return total;
+  const T shift = static_cast<T>(m);  // m is one of the row's logits: exact in T
+  alignas(64) T e[block_size];
   int next = 0;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-    load_outside(z, first, begin, count, sorted, n, next, x);
-    packet_exp(x, count, m, e);
+    packet_exp(z + begin, count, shift, e);
+    while (next < n && std::size_t(sorted[next].index) - first < begin + std::size_t(count)) {
+      e[std::size_t(sorted[next].index) - first - begin] = T(0);  // the support's own terms
+      ++next;
+    }
     Eigen::Index k = 0;
-    for (; k + lanes <= count; k += lanes)
-      for (int j = 0; j < lanes; ++j) exact_add(part[j], e[k + j]);
-    for (; k < count; ++k) exact_add(part[0], e[k]);
+    for (; k + lanes <= count; k += lanes) {  // TwoSum, lane by lane
+      const lane_array v = Eigen::Map<const Eigen::Array<T, lanes, 1>>(e + k).template cast<double>();
+      const lane_array t = hi + v;
+      const lane_array b = t - hi;
+      lo += (hi - (t - b)) + (v - b);
+      hi = t;
+    }
+    for (; k < count; ++k) exact_add(total, static_cast<double>(e[k]));
   });
-  exact_sum total;
-  for (int j = 0; j < lanes; ++j) total = exact_add(total, part[j]);
+  for (int j = 0; j < lanes; ++j) total = exact_add(total, exact_sum{hi[j], lo[j]});
   return total;
 }
 
