@@ -3,7 +3,9 @@ logits of its slice of the vocabulary (a Megatron-style sharded LM head) and get
 rows of the whole vocabulary, without anyone gathering the full logits.
 
     rank r: sparsify_shard(its logits)  ->  states (rows x sparsify_state_bytes(k) bytes)
-    all ranks: all_gather(states) over the group  ->  merge in rank order, finalize
+    all ranks: all_gather(states) over the group  ->  merge in rank order, finalize (supports)
+    rank r: sparsify_tail_sums(its logits)  ->  exact tail sums (16 bytes a row)
+    all ranks: all_gather(tail sums)  ->  finalize again: the values, bit for bit the unsharded ones
     backward: the gradient w.r.t. each rank's own shard, computed locally (no communication)
 
 The exchanged states are fixed-size (``troll.sparsify_state_bytes(k)`` bytes a row: 1,328 for
@@ -84,8 +86,8 @@ def sparsify(local_logits: torch.Tensor, vocab_offset: int, vocab_size: int, k: 
     widths, any order of offsets over ranks), and every rank passes the same leading shape, ``k``,
     ``delta`` and ``sampled`` (global token ids, one a row, or None). Collective: every rank of
     ``group`` must call it. Returns the same ``SparseRows`` on every rank — the rows
-    ``troll.torch.sparsify`` gives for the gathered logits (supports identical; values equal up to
-    the order of the floating-point sums: within one float32 ulp) — differentiable w.r.t.
+    ``troll.torch.sparsify`` gives for the gathered logits (supports and values identical, bit for
+    bit: both use troll's canonical exact sums) — differentiable w.r.t.
     ``local_logits``: the backward returns this rank's columns of the whole-row gradient,
     computed locally. With ``return_log_sums=True`` also returns the rows' (..., 2) float64
     {log sum_j e^z_j, log sum_{j not in S} e^z_j}."""
