@@ -245,3 +245,150 @@ TEST_CASE("the backward rejects unsolved rows") {
                                                           in(up_mean), in(up_cov), grads),
                   troll::domain_error);
 }
+
+// ---- JVP (forward mode) ----
+
+namespace {
+
+/// A direction in the space of every input: one entry per input value, and the bounds'.
+struct direction {
+  std::vector<double> mean, cov, old_mean, old_cov;
+  double eps = 0, eps_cov = 0;
+};
+
+direction random_direction(const problem& p, gauss::generator& gen) {
+  direction v;
+  auto fill = [&](const std::vector<double>& like, bool is_cov) {
+    std::vector<double> out(like.size());
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      const bool above = is_cov && p.full && i % p.d > i / p.d;
+      out[i] = above ? 0.0 : gen.normal01() * (is_cov ? std::fabs(like[i]) + 0.1 : 1.0);
+    }
+    return out;
+  };
+  v.mean = fill(p.mean, false);
+  v.cov = fill(p.cov, true);
+  v.old_mean = fill(p.old_mean, false);
+  v.old_cov = fill(p.old_cov, true);
+  v.eps = gen.normal01() * p.eps;
+  v.eps_cov = gen.normal01() * p.eps_cov;
+  return v;
+}
+
+problem moved(const problem& p, const direction& v, double h) {
+  problem q = p;
+  for (std::size_t i = 0; i < p.d; ++i) {
+    q.mean[i] += h * v.mean[i];
+    q.old_mean[i] += h * v.old_mean[i];
+  }
+  for (std::size_t i = 0; i < p.cov_size(); ++i) {
+    q.cov[i] += h * v.cov[i];
+    q.old_cov[i] += h * v.old_cov[i];
+  }
+  q.eps += h * v.eps;
+  q.eps_cov += h * v.eps_cov;
+  return q;
+}
+
+/// troll's JVP along v, flattened like the output (mean then factor / std devs).
+std::vector<double> troll_jvp(const problem& p, const direction& v) {
+  const forward f = troll_forward(p);
+  std::vector<double> tm(p.d), tc(p.cov_size());
+  auto in = [](const std::vector<double>& x) { return troll::make_batch(x.data(), 1, x.size()); };
+  auto out = [](std::vector<double>& x) { return troll::make_batch(x.data(), 1, x.size()); };
+  troll::gaussian::gaussian_tangents<double> tan{in(v.mean), in(v.cov), in(v.old_mean), in(v.old_cov), 0.0, 0.0};
+  // The problem's eps is the joint bound or ε_μ (split); eps_cov is ε_Σ.
+  tan.eps = p.split ? v.eps_cov : v.eps;
+  tan.eps_mean = p.split ? v.eps : 0.0;
+  namespace g = troll::gaussian;
+  if (p.full && !p.split)
+    g::project_joint_jvp(troll::cpu, in(p.mean), in(p.cov), in(p.old_mean), in(p.old_cov), p.eps, in(f.mean),
+                         in(f.cov), &f.stats, tan, out(tm), out(tc));
+  if (p.full && p.split)
+    g::project_split_jvp(troll::cpu, in(p.mean), in(p.cov), in(p.old_mean), in(p.old_cov), p.eps, p.eps_cov,
+                         in(f.mean), in(f.cov), &f.stats, tan, out(tm), out(tc));
+  if (!p.full && !p.split)
+    g::project_joint_diag_jvp(troll::cpu, in(p.mean), in(p.cov), in(p.old_mean), in(p.old_cov), p.eps, in(f.mean),
+                              in(f.cov), &f.stats, tan, out(tm), out(tc));
+  if (!p.full && p.split)
+    g::project_split_diag_jvp(troll::cpu, in(p.mean), in(p.cov), in(p.old_mean), in(p.old_cov), p.eps, p.eps_cov,
+                              in(f.mean), in(f.cov), &f.stats, tan, out(tm), out(tc));
+  tm.insert(tm.end(), tc.begin(), tc.end());
+  return tm;
+}
+
+/// J v against the central difference of the output along v, entry by entry (atol + rtol·scale,
+/// scale the largest entry of the difference).
+void check_jvp_fd(const problem& p, const std::function<std::vector<real>(const problem&)>& output, double h,
+                  double rtol, gauss::generator& gen, const std::string& what) {
+  INFO(what, " d=", p.d, " full=", p.full, " split=", p.split, " eps=", p.eps);
+  const direction v = random_direction(p, gen);
+  const std::vector<double> jv = troll_jvp(p, v);
+  const std::vector<real> plus = output(moved(p, v, h)), minus = output(moved(p, v, -h));
+  double scale = 0;
+  std::vector<double> numeric(jv.size());
+  for (std::size_t i = 0; i < jv.size(); ++i) {
+    numeric[i] = double((plus[i] - minus[i]) / (2 * static_cast<real>(h)));
+    scale = std::max(scale, std::fabs(numeric[i]));
+  }
+  for (std::size_t i = 0; i < jv.size(); ++i) {
+    INFO("entry ", i, ": jvp ", jv[i], " numeric ", numeric[i]);
+    CHECK(std::fabs(jv[i] - numeric[i]) <= rtol * (1.0 + scale));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("JVP against finite differences of the long-double oracle") {
+  gauss::generator gen(47);
+  for (const bool full : {true, false})
+    for (const bool split : {false, true})
+      for (const std::size_t d : {std::size_t(1), std::size_t(3)})
+        for (const double eps : {1e-3, 0.1, 1e4}) check_jvp_fd(random_problem(gen, d, full, split, eps), oracle_output,
+                                                              1e-6, 1e-6, gen, "oracle");
+}
+
+TEST_CASE("JVP against finite differences of troll's forward at larger d") {
+  gauss::generator gen(53);
+  for (const bool full : {true, false})
+    for (const bool split : {false, true})
+      for (const std::size_t d : {std::size_t(12), std::size_t(48)})
+        check_jvp_fd(random_problem(gen, d, full, split, 0.2), troll_output, 1e-6, 1e-5, gen, "troll forward");
+}
+
+TEST_CASE("JVP and VJP are adjoint: <u, J v> = <J^T u, v>") {
+  gauss::generator gen(59);
+  for (const bool full : {true, false})
+    for (const bool split : {false, true})
+      for (const std::size_t d : {std::size_t(1), std::size_t(5), std::size_t(32)})
+        for (const double eps : {1e-3, 0.3, 1e4}) {
+          const problem p = random_problem(gen, d, full, split, eps);
+          INFO("d=", d, " full=", full, " split=", split, " eps=", eps);
+          const direction v = random_direction(p, gen);
+          std::vector<double> u(p.d + p.cov_size());
+          for (std::size_t i = 0; i < u.size(); ++i) {
+            const bool above = p.full && i >= p.d && (i - p.d) % p.d > (i - p.d) / p.d;
+            u[i] = above ? 0.0 : gen.normal01();
+          }
+          const std::vector<double> jv = troll_jvp(p, v);
+          const gradients g = troll_backward(p, u);
+          double left = 0, right = 0, magnitude = 0;
+          for (std::size_t i = 0; i < u.size(); ++i) {
+            left += u[i] * jv[i];
+            magnitude += std::fabs(u[i] * jv[i]);
+          }
+          auto dot = [&](const std::vector<double>& a, const std::vector<double>& b) {
+            for (std::size_t i = 0; i < a.size(); ++i) {
+              right += a[i] * b[i];
+              magnitude += std::fabs(a[i] * b[i]);
+            }
+          };
+          dot(g.mean, v.mean);
+          dot(g.cov, v.cov);
+          dot(g.old_mean, v.old_mean);
+          dot(g.old_cov, v.old_cov);
+          right += g.eps * v.eps + (p.split ? g.eps_mean * v.eps_cov : 0.0);
+          INFO("<u, Jv> = ", left, ", <J^T u, v> = ", right);
+          CHECK(std::fabs(left - right) <= 1e-10 * (1.0 + magnitude));
+        }
+}
