@@ -58,29 +58,39 @@ struct gaussian_point {
   double sigma2 = 0.0;
 };
 
-/// The member at u: KL(π_u ‖ q) and I(t), one pass over the coordinates.
-TROLL_HOST_DEVICE inline gaussian_point gaussian_member(const gaussian_spectrum& r, const tilt_param& u) {
-  double kl = 0.0, info = 0.0;
-  for (int i = 0; i < r.dim; ++i) {
-    const double g = r.g[i];
-    const double tg = u.t * g;
-    const double a = 1.0 + tg;
-    const double ratio = g / a;
-    kl += gaussian_psi(::log1p(tg));
-    info += 0.5 * ratio * ratio;
-    if (r.with_mean) {
-      const double gamma_b = (1.0 + g) * r.b[i];
-      const double m = u.t * gamma_b / a;
-      kl += m * m;
-      info += gamma_b * gamma_b / (a * a * a);
-    }
+/// One coordinate's terms of the member at t: adds ψ(log a) (+ m² with the mean) to *kl2 (twice
+/// the KL) and ½ g²/a² (+ γ²b²/a³) to *info. Shared by the host loop below and the device's
+/// warp-parallel sums.
+TROLL_HOST_DEVICE inline void gaussian_coordinate(double g, double b, double t, bool with_mean, double* kl2,
+                                                  double* info) {
+  const double tg = t * g;
+  const double a = 1.0 + tg;
+  const double ratio = g / a;
+  *kl2 += gaussian_psi(::log1p(tg));
+  *info += 0.5 * ratio * ratio;
+  if (with_mean) {
+    const double gamma_b = (1.0 + g) * b;
+    const double m = t * gamma_b / a;
+    *kl2 += m * m;
+    *info += gamma_b * gamma_b / (a * a * a);
   }
+}
+
+/// The point of the sums of gaussian_coordinate at u.
+TROLL_HOST_DEVICE inline gaussian_point gaussian_point_at(const tilt_param& u, double kl2, double info) {
   gaussian_point p;
   p.t = u.t;
   p.s = u.s;
-  p.kl = 0.5 * kl;
+  p.kl = 0.5 * kl2;
   p.sigma2 = info;
   return p;
+}
+
+/// The member at u: KL(π_u ‖ q) and I(t), one pass over the coordinates.
+TROLL_HOST_DEVICE inline gaussian_point gaussian_member(const gaussian_spectrum& r, const tilt_param& u) {
+  double kl2 = 0.0, info = 0.0;
+  for (int i = 0; i < r.dim; ++i) gaussian_coordinate(r.g[i], r.with_mean ? r.b[i] : 0.0, u.t, r.with_mean, &kl2, &info);
+  return gaussian_point_at(u, kl2, info);
 }
 
 /// A Gaussian row as a family of solve_bracketed (every member exact to a few ulps: no
@@ -99,21 +109,48 @@ struct gaussian_solve_result {
   row_status status = row_status::inactive;
 };
 
-/// Solves one row for KL(π_t ‖ q) = ε: inactive (t = 1) when KL(p̃ ‖ q) ≤ ε, else projected, or
-/// not_converged with the best member below ε. Never infeasible: KL(π_0 ‖ q) = 0 < ε.
-TROLL_HOST_DEVICE inline gaussian_solve_result solve_gaussian(const gaussian_spectrum& row, double eps,
+/// Solves one row for KL(π_t ‖ q) = ε with any Gaussian family (its evaluate gives the member
+/// at u): inactive (t = 1) when KL(p̃ ‖ q) ≤ ε, else projected, or not_converged with the best
+/// member below ε. Never infeasible: KL(π_0 ‖ q) = 0 < ε.
+template <class Family>
+TROLL_HOST_DEVICE gaussian_solve_result solve_gaussian_family(const Family& family, double eps,
                                                               const projection_options& opt) {
   gaussian_solve_result r;
-  const gaussian_point at_one = gaussian_member(row, tilt_near_one(0.0));
+  const gaussian_point none;
+  const gaussian_point at_one = family.evaluate(tilt_near_one(0.0), none, eps, 0.0);
   r.kl_before = at_one.kl;
   r.point = at_one;
   if (at_one.kl <= eps) return r;
-  const gaussian_point at_zero = gaussian_member(row, tilt_at(0.0));
-  const bracket_solution<gaussian_point> solved = solve_bracketed(gaussian_family{row}, at_zero, at_one, eps, opt);
+  const gaussian_point at_zero = family.evaluate(tilt_at(0.0), none, eps, 0.0);
+  const bracket_solution<gaussian_point> solved = solve_bracketed(family, at_zero, at_one, eps, opt);
   r.point = solved.point;
   r.iterations = solved.iterations;
   r.status = solved.converged ? row_status::projected : row_status::not_converged;
   return r;
+}
+
+/// solve_gaussian_family on one row's spectrum (the host path).
+TROLL_HOST_DEVICE inline gaussian_solve_result solve_gaussian(const gaussian_spectrum& row, double eps,
+                                                              const projection_options& opt) {
+  return solve_gaussian_family(gaussian_family{row}, eps, opt);
+}
+
+/// γ − 1 from λ − 1, λ = 1/γ an eigenvalue of the whitened new covariance: g = −(λ − 1)/λ.
+/// A λ that rounding put at or below 0 (a new covariance singular to working precision against
+/// the old one) is taken as the smallest normal double (docs/gaussian.md, Accuracy).
+TROLL_HOST_DEVICE inline double gaussian_gain(double excess) {
+  const double lambda = maximum(1.0 + excess, 2.2250738585072014e-308);
+  return -excess / lambda;
+}
+
+/// One coordinate of a diagonal row pair in the basis: λ = r², r = σ̃/σ°, formed as
+/// λ − 1 = (r − 1)(r + 1) with r − 1 = (σ̃ − σ°)/σ° (no digits lost for nearly equal scales);
+/// g = gaussian_gain(λ − 1) and b = (μ̃ − μ°)/σ°. Shared by the CPU and device factorisations.
+TROLL_HOST_DEVICE inline void gaussian_diag_coordinate(double mean, double std_dev, double old_mean, double old_std,
+                                                       double* g, double* b) {
+  const double r_minus_one = (std_dev - old_std) / old_std;
+  *g = gaussian_gain(r_minus_one * (r_minus_one + 2.0));
+  *b = (mean - old_mean) / old_std;
 }
 
 /// The split projection's mean step: with m = ½ (μ̃ − μ°)ᵀ Σ°⁻¹ (μ̃ − μ°) (= ½ Σ b_i²), the mean
