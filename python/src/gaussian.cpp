@@ -1,6 +1,6 @@
 // python/src/gaussian.cpp — troll's Gaussian trust regions (troll/gaussian.hpp, docs/gaussian.md)
 // for Python: the four projections (joint / split bound, Cholesky factors / standard deviations),
-// their backward passes and the Gaussian KL. Means are (..., d) arrays, Cholesky factors
+// their backward passes (VJP) and JVPs, and the Gaussian KL. Means are (..., d) arrays, Cholesky factors
 // (..., d, d) (each d × d matrix row-major and contiguous), standard deviations (..., d). The
 // statistics travel packed, as for the categorical projection: values (..., 8) float64 and
 // counters (..., 2) int32 (troll/gaussian.py names the columns). No maths here.
@@ -241,6 +241,72 @@ void project_backward(const in_array& mean, const in_array& cov, const in_array&
   });
 }
 
+void project_jvp(const in_array& mean, const in_array& cov, const in_array& old_mean, const in_array& old_cov,
+                 double eps_mean, double eps_cov, bool full, bool split, const in_array& out_mean,
+                 const in_array& out_cov, const in_array& stats_values, const in_array& stats_counters,
+                 const std::optional<in_array>& tangent_mean, const std::optional<in_array>& tangent_cov,
+                 const std::optional<in_array>& tangent_old_mean, const std::optional<in_array>& tangent_old_cov,
+                 double tangent_eps, double tangent_eps_mean, const out_array& tangent_out_mean,
+                 const out_array& tangent_out_cov, unsigned threads) {
+  const char* fn = project_name(full, split);
+  dispatch_float(fn, "mean", mean, [&](auto tag) {
+    using T = decltype(tag);
+    const gaussian_operands<T> in(fn, full, mean, cov, old_mean, old_cov);
+    require_same_shape(fn, "out_mean", out_mean, "mean", mean);
+    require_same_shape(fn, "out_cov", out_cov, "cov", cov);
+    const auto ym = as_batch<const T>(fn, "out_mean", out_mean);
+    const auto yc = as_cov<const T>(fn, "out_cov", out_cov, mean, full);
+    troll::gaussian::gaussian_tangents<T> tangents;
+    tangents.eps = tangent_eps;
+    tangents.eps_mean = tangent_eps_mean;
+    if (tangent_mean) {
+      require_same_shape(fn, "tangent_mean", *tangent_mean, "mean", mean);
+      tangents.mean = as_batch<const T>(fn, "tangent_mean", *tangent_mean);
+    }
+    if (tangent_old_mean) {
+      require_same_shape(fn, "tangent_old_mean", *tangent_old_mean, "mean", mean);
+      tangents.old_mean = as_batch<const T>(fn, "tangent_old_mean", *tangent_old_mean);
+    }
+    if (tangent_cov) {
+      require_same_shape(fn, "tangent_cov", *tangent_cov, "cov", cov);
+      tangents.cov = as_cov<const T>(fn, "tangent_cov", *tangent_cov, mean, full);
+    }
+    if (tangent_old_cov) {
+      require_same_shape(fn, "tangent_old_cov", *tangent_old_cov, "cov", cov);
+      tangents.old_cov = as_cov<const T>(fn, "tangent_old_cov", *tangent_old_cov, mean, full);
+    }
+    require_same_shape(fn, "tangent_out_mean", tangent_out_mean, "mean", mean);
+    require_same_shape(fn, "tangent_out_cov", tangent_out_cov, "cov", cov);
+    const auto tm = as_batch<T>(fn, "tangent_out_mean", tangent_out_mean);
+    const auto tc = as_cov<T>(fn, "tangent_out_cov", tangent_out_cov, mean, full);
+    for (const troll::batch_view<T>* w : {&tm, &tc}) {
+      in.require_disjoint_from(fn, "a tangent output", *w);
+      require_disjoint(fn, "a tangent output", *w, "out_mean", ym);
+      require_disjoint(fn, "a tangent output", *w, "out_cov", yc);
+      for (const troll::batch_view<const T>* t : {&tangents.mean, &tangents.cov, &tangents.old_mean, &tangents.old_cov})
+        require_disjoint(fn, "a tangent output", *w, "a tangent", *t);
+    }
+    require_disjoint(fn, "tangent_out_mean", tm, "tangent_out_cov", tc);
+    const auto stats = read_gaussian_stats(fn, stats_values, stats_counters, in.mean.rows);
+    nb::gil_scoped_release release;
+    namespace g = troll::gaussian;
+    const auto p = policy(threads);
+    if (full && split) {
+      g::project_split_jvp(p, in.mean, in.cov, in.old_mean, in.old_cov, eps_mean, eps_cov, ym, yc, stats.data(),
+                           tangents, tm, tc);
+    } else if (full) {
+      g::project_joint_jvp(p, in.mean, in.cov, in.old_mean, in.old_cov, eps_mean, ym, yc, stats.data(), tangents,
+                           tm, tc);
+    } else if (split) {
+      g::project_split_diag_jvp(p, in.mean, in.cov, in.old_mean, in.old_cov, eps_mean, eps_cov, ym, yc,
+                                stats.data(), tangents, tm, tc);
+    } else {
+      g::project_joint_diag_jvp(p, in.mean, in.cov, in.old_mean, in.old_cov, eps_mean, ym, yc, stats.data(),
+                                tangents, tm, tc);
+    }
+  });
+}
+
 void kl(const in_array& mean, const in_array& cov, const in_array& old_mean, const in_array& old_cov, bool full,
         const out_array& out, unsigned threads) {
   const char* fn = full ? "gaussian.kl" : "gaussian.kl_diag";
@@ -273,6 +339,12 @@ void bind_gaussian(nb::module_& m) {
         "threads"_a = 0,
         "The vector-Jacobian product of gaussian_project w.r.t. the inputs named by non-None outputs "
         "(grad_eps: the joint bound or eps_cov; per-row float64).");
+  m.def("gaussian_project_jvp", &project_jvp, "mean"_a, "cov"_a, "old_mean"_a, "old_cov"_a, "eps_mean"_a,
+        "eps_cov"_a, "full"_a, "split"_a, "out_mean"_a, "out_cov"_a, "stats_values"_a, "stats_counters"_a,
+        "tangent_mean"_a.none(), "tangent_cov"_a.none(), "tangent_old_mean"_a.none(), "tangent_old_cov"_a.none(),
+        "tangent_eps"_a, "tangent_eps_mean"_a, "tangent_out_mean"_a, "tangent_out_cov"_a, "threads"_a = 0,
+        "The Jacobian-vector product of gaussian_project along the given input tangents (None: 0) and bound "
+        "tangents (tangent_eps: the joint bound or eps_cov; tangent_eps_mean: split only).");
   m.def("gaussian_kl", &kl, "mean"_a, "cov"_a, "old_mean"_a, "old_cov"_a, "full"_a, "out"_a, "threads"_a = 0,
         "out[r] = KL(N(mean, cov) || N(old_mean, old_cov)) per row, float64.");
 }

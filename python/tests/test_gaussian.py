@@ -248,3 +248,54 @@ def test_bad_std_eps_and_shapes(gen):
                                      torch.diag_embed(old_std), 0.1)  # column-major factors
     with pytest.raises(TypeError):
         troll.gaussian.project_joint_diag(mean.long(), std, old_mean, old_std, 0.1)
+
+
+# ---- forward mode ----
+
+
+@pytest.mark.parametrize("full", [True, False])
+@pytest.mark.parametrize("name,split", VARIANTS)
+def test_forward_mode_matches_reverse_mode(full, name, split, gen):
+    """<u, J v> by forward-mode AD (troll's JVP) equals <J^T u, v> by reverse mode (troll's VJP),
+    and J v matches a central difference."""
+    import torch.autograd.forward_ad as fwAD
+
+    args = problem(6, 3, gen) if full else diag_problem(6, 3, gen)
+    tangents = [torch.randn(x.shape, dtype=torch.float64, generator=gen) for x in args]
+    if full:
+        tangents[1], tangents[3] = torch.tril(tangents[1]), torch.tril(tangents[3])
+    eps_mean = torch.tensor(0.05, dtype=torch.float64)
+    eps_cov = torch.tensor(0.02, dtype=torch.float64)
+    t_eps = [torch.tensor(0.01, dtype=torch.float64), torch.tensor(-0.004, dtype=torch.float64)]
+    fn = {(True, False): tg.project_joint, (True, True): tg.project_split,
+          (False, False): tg.project_joint_diag, (False, True): tg.project_split_diag}[(full, split)]
+
+    def f(xs, em, ec):
+        return fn(*xs, em, ec) if split else fn(*xs, em)
+
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(x, t) for x, t in zip(args, tangents)]
+        dem, dec = fwAD.make_dual(eps_mean, t_eps[0]), fwAD.make_dual(eps_cov, t_eps[1])
+        outs = f(duals, dem, dec)
+        jv = [fwAD.unpack_dual(o).tangent for o in outs]
+    h = 1e-6
+
+    def moved(s):
+        xs = [x + s * t for x, t in zip(args, tangents)]
+        return f(xs, eps_mean + s * t_eps[0], eps_cov + s * t_eps[1])
+
+    plus, minus = moved(h), moved(-h)
+    for j, p_, m_ in zip(jv, plus, minus):
+        torch.testing.assert_close(j, (p_ - m_) / (2 * h), atol=1e-6, rtol=1e-5)
+    u = [torch.randn(o.shape, dtype=torch.float64, generator=gen) for o in outs]
+    if full:
+        u[1] = torch.tril(u[1])
+    xs = [x.clone().requires_grad_(True) for x in args]
+    em, ec = eps_mean.clone().requires_grad_(True), eps_cov.clone().requires_grad_(True)
+    outs = f(xs, em, ec)
+    sum((o * w).sum() for o, w in zip(outs, u)).backward()
+    left = sum((j * w).sum() for j, w in zip(jv, u))
+    right = sum((x.grad * t).sum() for x, t in zip(xs, tangents)) + em.grad * t_eps[0]
+    if split:
+        right = right + ec.grad * t_eps[1]
+    torch.testing.assert_close(left, right, atol=1e-10, rtol=1e-9)

@@ -18,7 +18,7 @@ from ._errors import ShapeError
 __all__ = [
     "GaussianStats", "INACTIVE", "PROJECTED", "STATUS_NAMES",
     "project_joint", "project_split", "project_joint_diag", "project_split_diag",
-    "project_backward", "kl", "kl_diag",
+    "project_backward", "project_jvp", "kl", "kl_diag",
 ]
 
 
@@ -157,6 +157,25 @@ def project_backward(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean:
     res = frame.result
     return (res(gm), res(gc), None if gom is None else res(gom), None if goc is None else res(goc),
             None if ge is None else res(ge), None if gem is None else res(gem))
+
+
+def project_jvp(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: float, eps_cov: float,
+                out_mean: Any, out_cov: Any, stats: GaussianStats, tangent_mean: Any = None,
+                tangent_cov: Any = None, tangent_old_mean: Any = None, tangent_old_cov: Any = None,
+                tangent_eps: float = 0.0, tangent_eps_mean: float = 0.0, *, full: bool, split: bool,
+                threads: int = 0) -> Tuple[Any, Any]:
+    """The Jacobian-vector product (forward-mode derivative) of a Gaussian projection: the tangents
+    of (mean*, cov*) along tangents of the inputs (None: zero; factor tangents: lower triangle
+    read) and of the bounds (``tangent_eps``: joint eps or eps_cov; ``tangent_eps_mean``: split
+    only; one number for all rows). Factor tangents come back lower-triangular."""
+    frame = Framework(mean)
+    dtype = _dtype(frame, mean)
+    tm, tc = frame.empty(tuple(mean.shape), dtype), frame.empty(tuple(cov.shape), dtype)
+    opt = [None if x is None else arg(x) for x in (tangent_mean, tangent_cov, tangent_old_mean, tangent_old_cov)]
+    _troll.gaussian_project_jvp(arg(mean), arg(cov), arg(old_mean), arg(old_cov), float(eps_mean), float(eps_cov),
+                                full, split, arg(out_mean), arg(out_cov), arg(stats.values), arg(stats.counters),
+                                *opt, float(tangent_eps), float(tangent_eps_mean), tm, tc, threads)
+    return frame.result(tm), frame.result(tc)
 
 
 def _kl(mean: Any, cov: Any, old_mean: Any, old_cov: Any, full: bool, threads: int) -> Any:

@@ -2,7 +2,8 @@
 ``torch.autograd.Function``s whose backward is troll's analytic one (implicit function theorem,
 C++), w.r.t. the new and old means, the new and old covariance factors (or standard deviations)
 and the bounds when they are given as one-element tensors. CPU tensors, float32 or float64.
-Factor gradients are lower-triangular (entries above the diagonal do not enter the maths)."""
+Factor gradients are lower-triangular (entries above the diagonal do not enter the maths).
+Forward-mode AD (torch.autograd.forward_ad) uses troll's analytic JVP."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class _Project(torch.autograd.Function):
         out_mean, out_cov, stats = _g._project(*inputs, em, ec, cfg["full"], cfg["split"], None, None,
                                                cfg["rtol"], cfg["atol"], cfg["max_iterations"], cfg["threads"])
         ctx.save_for_backward(*inputs, out_mean, out_cov, stats.values, stats.counters)
+        ctx.save_for_forward(*inputs, out_mean, out_cov, stats.values, stats.counters)
         ctx.cfg, ctx.eps = cfg, (em, ec)
         ctx.eps_shapes = tuple(e.shape if isinstance(e, torch.Tensor) else None for e in (eps_mean, eps_cov))
         info["stats"] = stats
@@ -61,6 +63,26 @@ class _Project(torch.autograd.Function):
             if cfg["split"] and shapes[1] is not None and needs[5]:
                 grad_eps_cov = bound_grads[1].sum().to(mean.dtype).reshape(shapes[1])
         return grad_in[0], grad_in[1], grad_in[2], grad_in[3], grad_eps_mean, grad_eps_cov, None, None
+
+
+    @staticmethod
+    def jvp(ctx, t_mean, t_cov, t_old_mean, t_old_cov, t_eps_mean, t_eps_cov, _cfg, _info):  # type: ignore[override]
+        mean, cov, old_mean, old_cov, out_mean, out_cov, values, counters = ctx.saved_tensors
+        cfg = ctx.cfg
+
+        def bound(t):
+            return 0.0 if t is None else float(t.detach().reshape(()).item())
+
+        def tangent(t):
+            return None if t is None else t.detach().contiguous()
+
+        # Joint: the one bound sits in the eps_mean slot; split: eps_cov is ε_Σ, eps_mean is ε_μ.
+        t_eps = bound(t_eps_cov) if cfg["split"] else bound(t_eps_mean)
+        t_eps_mean = bound(t_eps_mean) if cfg["split"] else 0.0
+        return _g.project_jvp(mean, cov, old_mean, old_cov, ctx.eps[0], ctx.eps[1], out_mean, out_cov,
+                              GaussianStats(values, counters), tangent(t_mean), tangent(t_cov), tangent(t_old_mean),
+                              tangent(t_old_cov), t_eps, t_eps_mean, full=cfg["full"], split=cfg["split"],
+                              threads=cfg["threads"])
 
 
 def _apply(mean, cov, old_mean, old_cov, eps_mean, eps_cov, full, split, return_stats, rtol, atol,
