@@ -4,7 +4,7 @@ ICLR 2021, with troll.torch.gaussian doing the projection), from the same seeds,
 build/gaussian_bandit/metrics.csv and build/gaussian_bandit/gaussian_bandit.png (reward and
 KL-to-the-old-policy curves) and prints whether the projected policies stayed inside the bound.
 
-    python examples/python/gaussian_bandit.py            # the full run (~1 minute on 2 cores)
+    python examples/python/gaussian_bandit.py            # the full run (~35 s on 2 shared cores)
     python examples/python/gaussian_bandit.py --quick    # CI's smoke run (well under 30 s)
 
 The task: a context c ~ U[-1, 1]² names a goal g(c) in the plane; the policy N(μ(c), diag σ(c)²)
