@@ -115,6 +115,18 @@ inline bool finite_extremes(const double* zn, const double* zo, long count, pair
   return odd == 0.0;
 }
 
+/// Lane by lane: where value > most, most ← value and most_at ← at (ties keep the earlier one).
+template <class Packet>
+inline void keep_first_max(const Packet& value, const Packet& at, Packet& most, Packet& most_at) {
+  using namespace Eigen::internal;
+  const Packet above = pcmp_lt(most, value);
+  most = pselect(above, value, most);
+  most_at = pselect(above, at, most_at);
+}
+inline void keep_first_max(double value, double at, double& most, double& most_at) {
+  if (most < value) most = value, most_at = at;
+}
+
 /// The lse_state of the pairs (w_i, x_i), i < count, of the finite logits zn, zo at (u, ref), with
 /// the (z̃, z°) of the first token of largest w as its reference. `x` and `w` are scratch of
 /// `count` doubles rounded up to a whole packet (block_size holds any block). Precondition: every
@@ -130,7 +142,9 @@ inline lse_state tilt_reduce_finite(const double* zn, const double* zo, long cou
   const bool low = u.t <= 0.5;
   const double slope = low ? u.t : -u.s;
   const packet rn = pset1<packet>(ref.zn), ro = pset1<packet>(ref.zo), ps = pset1<packet>(slope);
-  packet most = pset1<packet>(neg_inf());
+  // Each lane keeps its largest w and the first token that has it (the token ids as doubles).
+  packet most = pset1<packet>(neg_inf()), most_at = pset1<packet>(0.0), token = plset<packet>(0.0);
+  const packet step = pset1<packet>(double(lanes));
   for (long k = 0; k < whole; k += lanes) {
     const packet dn = psub(ploadu<packet>(zn + k), rn);
     const packet dold = psub(ploadu<packet>(zo + k), ro);
@@ -138,14 +152,22 @@ inline lse_state tilt_reduce_finite(const double* zn, const double* zo, long cou
     const packet wk = padd(low ? dold : dn, pmul(ps, xk));
     pstoreu(x + k, xk);
     pstoreu(w + k, wk);
-    most = pmax(most, wk);
+    keep_first_max(wk, token, most, most_at);
+    token = padd(token, step);
   }
-  double m = predux_max(most);
+  double lane_most[lanes], lane_at[lanes];
+  pstoreu(lane_most, most);
+  pstoreu(lane_at, most_at);
+  double m = neg_inf();
+  long at = 0;
+  for (long j = 0; j < lanes; ++j) {  // the largest w, and the first token of it
+    if (lane_most[j] > m || (lane_most[j] == m && long(lane_at[j]) < at)) m = lane_most[j], at = long(lane_at[j]);
+  }
   for (long k = whole; k < count; ++k) {
     const double dn = zn[k] - ref.zn, dold = zo[k] - ref.zo;
     x[k] = dn - dold;
     w[k] = (low ? dold : dn) + slope * x[k];
-    m = w[k] > m ? w[k] : m;
+    if (w[k] > m) m = w[k], at = k;
   }
   lse_state st;
   if (count == 0) return st;
@@ -167,8 +189,6 @@ inline lse_state tilt_reduce_finite(const double* zn, const double* zo, long cou
   st.s0 = predux(s0);
   st.s1 = predux(s1);
   st.s2 = predux(s2);
-  long at = 0;
-  while (!(w[at] == m)) ++at;
   st.ref_new = zn[at];
   st.ref_old = zo[at];
   return st;
