@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Python package's check: a virtual environment this repository owns (build/venv, reused
 # between runs; pip's cache is reused too), the pinned build and test dependencies and CPU-usable
-# torch (python/requirements-test.txt), `pip install ./python` (the CPU extension), then pytest on
+# torch (python/requirements-test.txt), `pip install ./python` (the CPU extension, and the CUDA
+# extension where nvcc is present), then pytest on
 # python/tests. Exits non-zero on any failure, and when pytest collects no tests.
 #   TROLL_PYTHON_VENV   where the environment lives (default build/venv)
 #   TROLL_TORCH_VERSION the torch release to install (default below)
@@ -26,9 +27,20 @@ step "dependencies (pinned; cached wheels are reused)"
 "${pip[@]}" install -q --no-deps "torch==$torch_version"
 "$venv/bin/python" -c "import torch; torch.zeros(1)"
 
-step "pip install ./python (CPU extension)"
+# The CUDA extension (troll._troll_cuda) is compiled too where nvcc is present (about 1.5 min on
+# 2 cores, one architecture); its tests skip without a GPU. TROLL_PYTHON_CUDA=0 skips it.
+cuda_defines=()
+nvcc=${CUDACXX:-/usr/local/cuda/bin/nvcc}
+if [ "${TROLL_PYTHON_CUDA:-1}" != 0 ] && [ -x "$nvcc" ]; then
+  cuda_defines=(-Ccmake.define.TROLL_ENABLE_CUDA=ON "-Ccmake.define.CMAKE_CUDA_COMPILER=$nvcc"
+                "-Ccmake.define.CMAKE_CUDA_ARCHITECTURES=${TROLL_PYTHON_CUDA_ARCHITECTURES:-90}")
+else
+  cuda_defines=(-Ccmake.define.TROLL_ENABLE_CUDA=OFF)
+fi
+
+step "pip install ./python (CPU extension${cuda_defines[1]:+ and CUDA extension})"
 # Build isolation off: the pinned scikit-build-core and nanobind above are the build backend.
-"${pip[@]}" install -q --no-build-isolation -Ccmake.define.CMAKE_BUILD_PARALLEL_LEVEL=2 ./python
+"${pip[@]}" install -q --no-build-isolation -Ccmake.define.CMAKE_BUILD_PARALLEL_LEVEL=2 "${cuda_defines[@]}" ./python
 
 step "pytest python/tests"
 status=0

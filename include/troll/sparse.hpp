@@ -261,9 +261,20 @@ void sparsify(cpu_policy policy, input_view<T> logits, const sparse_index* sampl
     const auto vocab = static_cast<sparse_index>(logits.cols);
     detail::reset(st, options.k, sampled ? sampled[r] : -1, vocab, 0, vocab);
     detail::cpu::sparsify_scan(logits.row(r), logits.cols, 0, st);
+    // The scan picks the support; its values come from the canonical sums (exact_log_sums): the
+    // tail's max from the state, the tail's exact sum from a second pass over the row.
+    const sparsify_state scanned = st;
     int count = 0;
-    detail::finalize(st, log_delta, out.row_indices(r), out.row_log_probs(r), count,
-                     out.log_remainder[r]);
+    double m_tail = 0.0;
+    detail::finalize(st, log_delta, out.row_indices(r), out.row_log_probs(r), count, out.log_remainder[r],
+                     nullptr, &m_tail);
+    detail::index_slot slots[sparsify_max_k + 1];
+    for (int i = 0; i < count; ++i) slots[i] = detail::index_slot{out.row_indices(r)[i], i};
+    detail::sort_by_index(slots, count);
+    const detail::exact_sum tail = detail::cpu::tail_exp_sum(logits.row(r), logits.cols, 0, slots, count, m_tail);
+    st = scanned;
+    detail::finalize(st, log_delta, out.row_indices(r), out.row_log_probs(r), count, out.log_remainder[r],
+                     nullptr, nullptr, &tail);
     out.counts[r] = count;
     detail::pad_row(out.row_indices(r), out.row_log_probs(r), std::size_t(count), out.k_max);
   });
@@ -337,14 +348,20 @@ inline void sparsify_merge(cpu_policy policy, sparsify_state* into, const sparsi
 }
 
 /// Writes the sparse rows of states that cover whole rows of `out.vocab` tokens (see
-/// sparsify_shard). Throws before writing: the state problems of detail::throw_state_problem (a
+/// sparsify_shard). Two stages make them equal, bit for bit, to sparsify's rows of the whole
+/// vocabulary: a first call picks each row's support and writes `tail_max` (rows doubles, may be
+/// null: the largest logit outside the support); every shard then adds up its tail with
+/// sparsify_tail_sums, and a second call given those sums (`tail_sums`: tail_shards blocks of
+/// rows × 2 doubles, any order) writes the canonical values (detail::exact_log_sums). Without
+/// `tail_sums` the values come from the merged states' running sums (within a few ulps). Throws before writing: the state problems of detail::throw_state_problem (a
 /// malformed state, k other than options.k, a state made for another V, a state that does not
 /// cover all of [0, V) — a shard never merged), shape_error for a too small out.k_max, and
 /// domain_error for a row whose logits were all −inf. `log_sums` (rows × 2 doubles, may be null)
 /// receives each row's {log Σ_j e^{z_j}, log Σ_{j∉S} e^{z_j}}, which sparsify_shard_backward takes.
 template <class T>
 void sparsify_finalize(cpu_policy policy, const sparsify_state* states, const sparsify_options& options,
-                       sparse_batch_view<T> out, double* log_sums = nullptr) {
+                       sparse_batch_view<T> out, double* log_sums = nullptr, double* tail_max = nullptr,
+                       const double* tail_sums = nullptr, std::size_t tail_shards = 0) {
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_finalize";
   detail::check_sparsify_finalize_arguments(fn, states, options, out);
@@ -372,12 +389,82 @@ void sparsify_finalize(cpu_policy policy, const sparsify_state* states, const sp
   detail::cpu::parallel_for(policy.threads, out.rows, 4 * sparsify_max_k, [&](std::size_t r) {
     sparsify_state st = states[r];
     int count = 0;
+    detail::exact_sum tail;
+    for (std::size_t s = 0; s < tail_shards; ++s) {
+      const double* part = tail_sums + 2 * (s * out.rows + r);
+      tail = detail::exact_add(tail, detail::exact_sum{part[0], part[1]});
+    }
     const detail::finalize_problem p =
         detail::finalize(st, log_delta, out.row_indices(r), out.row_log_probs(r), count, out.log_remainder[r],
-                         log_sums ? log_sums + 2 * r : nullptr);
+                         log_sums ? log_sums + 2 * r : nullptr, tail_max ? tail_max + r : nullptr,
+                         tail_sums ? &tail : nullptr);
     (void)p;  // ruled out by the checks above
     out.counts[r] = count;
     detail::pad_row(out.row_indices(r), out.row_log_probs(r), std::size_t(count), out.k_max);
+  });
+}
+
+/// One vocabulary shard's share of the exact tail sums of rows finalised from merged states
+/// (sparsify_finalize's first stage): sums[2r], sums[2r + 1] = Σ e^{z_j − tail_max[r]} over the
+/// shard's tokens j (the tokens [vocab_offset, vocab_offset + cols) of rows of support.vocab
+/// tokens) outside row r's support, as an unevaluated pair hi + lo (detail::exact_sum: the same
+/// whatever the split of the row). Only the support's indices and counts are read. O(cols) a row.
+/// Throws before writing: shape_error (shapes, a shard that does not fit in [0, V), bad support
+/// indices), domain_error (NaN / +inf logits, a NaN or +inf tail_max).
+template <class T>
+void sparsify_tail_sums(cpu_policy policy, input_view<T> shard_logits, std::size_t vocab_offset,
+                        sparse_input<T> support, const double* tail_max, double* sums) {
+  detail::require_float_type<T>();
+  constexpr const char* fn = "sparsify_tail_sums";
+  detail::check_view(fn, "shard_logits", shard_logits);
+  detail::check_sparse_view(fn, "support", support);
+  detail::check_same_rows(fn, "shard_logits", shard_logits.rows, "support", support.rows);
+  if (shard_logits.rows != 0 && (tail_max == nullptr || sums == nullptr))
+    detail::throw_shape(fn, "tail_max or sums is a null pointer");
+  if (shard_logits.rows != 0 &&
+      (vocab_offset > support.vocab || shard_logits.cols > support.vocab - vocab_offset))
+    detail::throw_shape(fn, "the shard of " + std::to_string(shard_logits.cols) + " tokens at offset " +
+                                std::to_string(vocab_offset) + " does not fit in the vocabulary [0, " +
+                                std::to_string(support.vocab) + ")");
+  const std::size_t bad = detail::cpu::first_bad_row(
+      policy.threads, shard_logits.rows, shard_logits.cols, [&](std::size_t r) {
+        return bool(detail::cpu::find_bad_value(shard_logits.row(r), shard_logits.cols, "shard_logits"));
+      });
+  if (bad != shard_logits.rows)
+    detail::throw_problem(fn, bad,
+                          detail::cpu::find_bad_value(shard_logits.row(bad), shard_logits.cols, "shard_logits"));
+  for (std::size_t r = 0; r < shard_logits.rows; ++r) {
+    if (!(tail_max[r] < detail::inf()))
+      throw domain_error(detail::row_prefix(fn, r) + "tail_max is NaN or +inf (sparsify_finalize's tail_max)", r);
+  }
+  detail::first_sparse_problem(fn, policy.threads, shard_logits.rows, 4 * std::size_t(sparse_max_entries),
+                               [&](std::size_t r) {
+                                 detail::index_slot scratch[sparse_max_entries];
+                                 detail::cpu::sparse_problem p = detail::cpu::check_sparse_row(
+                                     support.row_indices(r), support.row_log_probs(r), support.count(r),
+                                     T(0), support.k_max, support.vocab, "support", scratch);
+                                 if (p.kind == detail::cpu::sparse_problem_kind::no_mass ||
+                                     p.kind == detail::cpu::sparse_problem_kind::remainder_no_tail ||
+                                     p.kind == detail::cpu::sparse_problem_kind::mass ||
+                                     p.kind == detail::cpu::sparse_problem_kind::nan_value ||
+                                     p.kind == detail::cpu::sparse_problem_kind::above_one)
+                                   p = detail::cpu::sparse_problem{};
+                                 return p;
+                               });
+  const std::size_t end = vocab_offset + shard_logits.cols;
+  detail::cpu::parallel_for(policy.threads, shard_logits.rows, 2 * shard_logits.cols, [&](std::size_t r) {
+    detail::index_slot slots[sparse_max_entries];
+    int n = 0;
+    for (long long i = 0; i < support.count(r); ++i) {
+      const sparse_index token = support.row_indices(r)[i];
+      if (std::size_t(token) >= vocab_offset && std::size_t(token) < end)
+        slots[n++] = detail::index_slot{token, int(i)};
+    }
+    detail::sort_by_index(slots, n);
+    const detail::exact_sum s =
+        detail::cpu::tail_exp_sum(shard_logits.row(r), shard_logits.cols, vocab_offset, slots, n, tail_max[r]);
+    sums[2 * r] = s.hi;
+    sums[2 * r + 1] = s.lo;
   });
 }
 

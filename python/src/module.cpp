@@ -9,43 +9,11 @@
 
 #include <optional>
 
+#include "errors.hpp"
 #include "views.hpp"
 
 namespace troll_py {
 namespace {
-
-/// The Python exception classes of troll/_errors.py, looked up once at import.
-struct error_classes {
-  PyObject* invalid_input = nullptr;
-  PyObject* shape_error = nullptr;
-  PyObject* domain_error = nullptr;
-  PyObject* infeasible_error = nullptr;
-  PyObject* backend_error = nullptr;
-};
-error_classes errors;
-
-void raise(PyObject* cls, const char* message, std::size_t row) {
-  nb::object row_object = nb::none();
-  if (row != troll::invalid_input::npos) row_object = nb::int_(row);
-  nb::object instance = nb::borrow(cls)(nb::str(message), row_object);
-  PyErr_SetObject(cls, instance.ptr());
-}
-
-void translate(const std::exception_ptr& p, void*) {
-  try {
-    std::rethrow_exception(p);
-  } catch (const troll::shape_error& e) {
-    raise(errors.shape_error, e.what(), e.row());
-  } catch (const troll::infeasible_error& e) {
-    raise(errors.infeasible_error, e.what(), e.row());
-  } catch (const troll::domain_error& e) {
-    raise(errors.domain_error, e.what(), e.row());
-  } catch (const troll::invalid_input& e) {
-    raise(errors.invalid_input, e.what(), e.row());
-  } catch (const troll::backend_error& e) {
-    raise(errors.backend_error, e.what(), troll::invalid_input::npos);
-  }
-}
 
 troll::cpu_policy policy(unsigned threads) { return troll::cpu.with_threads(threads); }
 
@@ -195,15 +163,7 @@ void bind_dense(nb::module_& m) {
 
 NB_MODULE(_troll, m) {
   namespace nb = nanobind;
-  nb::module_ err = nb::module_::import_("troll._errors");
-  // Held for the life of the process (translators may run during interpreter shutdown).
-  troll_py::errors.invalid_input = nb::object(err.attr("InvalidInput")).release().ptr();
-  troll_py::errors.shape_error = nb::object(err.attr("ShapeError")).release().ptr();
-  troll_py::errors.domain_error = nb::object(err.attr("DomainError")).release().ptr();
-  troll_py::errors.infeasible_error = nb::object(err.attr("InfeasibleError")).release().ptr();
-  troll_py::errors.backend_error = nb::object(err.attr("BackendError")).release().ptr();
-  nb::register_exception_translator(&troll_py::translate);
-
+  troll_py::register_errors();
   m.attr("__version__") = std::to_string(troll::version.major) + "." +
                           std::to_string(troll::version.minor) + "." +
                           std::to_string(troll::version.patch);

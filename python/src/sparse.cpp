@@ -186,7 +186,8 @@ void sparsify_shard(const in_array& shard_logits, std::size_t vocab_offset, std:
 }
 
 void sparsify_finalize(const in_array& states, int k, double delta, nb::handle out,
-                       const std::optional<out_array>& log_sums, unsigned threads) {
+                       const std::optional<out_array>& log_sums, const std::optional<out_array>& tail_max,
+                       const std::optional<in_array>& tail_sums, unsigned threads) {
   constexpr const char* fn = "sparsify_finalize";
   const std::size_t bytes = packed_state_bytes(k);
   if (states.ndim() < 2) fail(fn, "states must have shape (shards, ..., bytes)");
@@ -209,6 +210,17 @@ void sparsify_finalize(const in_array& states, int k, double delta, nb::handle o
       if (ls.rows != rows || ls.cols != 2) fail(fn, "log_sums must have shape (..., 2), one pair a row");
       sums = ls.data;
     }
+    double* tmax = tail_max ? as_rows<double>(fn, "tail_max", *tail_max, rows) : nullptr;
+    const double* tsums = nullptr;
+    std::size_t tail_shards = 0;
+    if (tail_sums) {
+      const auto ts = as_packed<const double>(fn, "tail_sums", *tail_sums);
+      if (tail_sums->ndim() < 2 || ts.cols != 2 || ts.rows % (rows == 0 ? 1 : rows) != 0 ||
+          (rows != 0 && ts.rows / rows == 0))
+        fail(fn, "tail_sums has shape " + shape_text(*tail_sums) + ": (shards >= 1, ..., 2) is needed");
+      tsums = ts.data;
+      tail_shards = rows == 0 ? 0 : ts.rows / rows;
+    }
     troll::sparsify_options options;
     options.k = k;
     options.delta = delta;
@@ -219,7 +231,22 @@ void sparsify_finalize(const in_array& states, int k, double delta, nb::handle o
       for (std::size_t r = 0; r < rows; ++r) unpack_state(all.data + (s * rows + r) * bytes, bytes, next[r]);
       troll::sparsify_merge(policy(threads), merged.data(), next.data(), rows);
     }
-    troll::sparsify_finalize(policy(threads), merged.data(), options, o.view, sums);
+    troll::sparsify_finalize(policy(threads), merged.data(), options, o.view, sums, tmax, tsums, tail_shards);
+  });
+}
+
+void sparsify_tail_sums(const in_array& shard_logits, std::size_t vocab_offset, nb::handle support,
+                        const in_array& tail_max, const out_array& sums, unsigned threads) {
+  constexpr const char* fn = "sparsify_tail_sums";
+  dispatch_float(fn, "shard_logits", shard_logits, [&](auto tag) {
+    using T = decltype(tag);
+    const auto x = as_batch<const T>(fn, "shard_logits", shard_logits);
+    const sparse_rows<const T> s(fn, "support", support);
+    const double* tm = as_rows<const double>(fn, "tail_max", tail_max, x.rows);
+    const auto o = as_packed<double>(fn, "sums", sums);
+    if (o.rows != x.rows || o.cols != 2) fail(fn, "sums must have shape (..., 2), one pair a row");
+    nb::gil_scoped_release release;
+    troll::sparsify_tail_sums<T>(policy(threads), x, vocab_offset, s.view, tm, o.data);
   });
 }
 
@@ -270,9 +297,13 @@ void bind_sparse(nb::module_& m) {
         "k"_a, "delta"_a, "states"_a, "threads"_a = 0,
         "Packed sparsify states (rows x sparsify_state_bytes(k) uint8) of one vocabulary shard.");
   m.def("sparsify_finalize", &sparsify_finalize, "states"_a, "k"_a, "delta"_a, "out"_a, "log_sums"_a.none(),
-        "threads"_a = 0,
+        "tail_max"_a.none() = nb::none(), "tail_sums"_a.none() = nb::none(), "threads"_a = 0,
         "Merges packed states (shards, ..., bytes) in shard order and writes the sparse rows (and the "
-        "rows' log-sums for sparsify_shard_backward).");
+        "rows' log-sums for sparsify_shard_backward, the tails' max); given the shards' tail_sums "
+        "(shards, ..., 2), the exact values.");
+  m.def("sparsify_tail_sums", &sparsify_tail_sums, "shard_logits"_a, "vocab_offset"_a, "support"_a, "tail_max"_a,
+        "sums"_a, "threads"_a = 0,
+        "One shard's exact sum (hi, lo) of exp(z - tail_max) over its tokens outside each row's support.");
   m.def("sparsify_shard_backward", &sparsify_shard_backward, "shard_logits"_a, "vocab_offset"_a, "support"_a,
         "grad"_a, "log_sums"_a, "grad_shard"_a, "threads"_a = 0,
         "The gradient w.r.t. one vocabulary shard's logits of a loss on sparse rows finalised from all shards.");

@@ -58,13 +58,24 @@ std::string dtype_text(const A& a) {
   return kind + std::to_string(int(d.bits));
 }
 
-/// Throws unless `a` lives in host memory and holds elements of type T.
+/// Where this module's arrays live: host memory for troll._troll, CUDA device memory for
+/// troll._troll_cuda (its translation unit defines TROLL_PY_CUDA).
+#ifdef TROLL_PY_CUDA
+constexpr std::int32_t module_device = nb::device::cuda::value;
+constexpr const char* module_device_text =
+    "is not in CUDA device memory; troll._troll_cuda takes CUDA arrays (host arrays go to troll._troll)";
+#else
+constexpr std::int32_t module_device = nb::device::cpu::value;
+constexpr const char* module_device_text =
+    "is not in host memory; troll._troll takes host arrays (CUDA arrays go to troll._troll_cuda: "
+    "see docs/python.md, CUDA)";
+#endif
+
+/// Throws unless `a` lives where this module computes and holds elements of type T.
 template <class T, class A>
 void require_host_dtype(const char* fn, const char* name, const A& a) {
-  if (a.device_type() != nb::device::cpu::value)
-    fail(fn, std::string(name) + " is not in host memory (device type " +
-                 std::to_string(a.device_type()) +
-                 "); this troll build runs on the CPU only: see docs/python.md for the CUDA build");
+  if (a.device_type() != module_device)
+    fail(fn, std::string(name) + " (device type " + std::to_string(a.device_type()) + ") " + module_device_text);
   if (!(a.dtype() == nb::dtype<T>()))
     fail(fn, std::string(name) + " has dtype " + dtype_text(a) + " but " + dtype_name<T>() +
                  " is needed here");
@@ -116,9 +127,10 @@ std::size_t flat_stride(const char* fn, const char* name, const A& a, std::size_
 
 /// A (..., V) array as a rows × V batch view: unit stride along V, leading dimensions flattened
 /// to one row stride (padded rows are fine).
+/// The layout alone (the caller checked device and dtype; T only sizes nothing: strides are in
+/// elements).
 template <class T, class A>
-troll::batch_view<T> as_batch(const char* fn, const char* name, const A& a) {
-  require_host_dtype<std::remove_const_t<T>>(fn, name, a);
+troll::batch_view<T> as_layout(const char* fn, const char* name, const A& a) {
   if (a.ndim() == 0) fail(fn, std::string(name) + " is a scalar; a (..., V) array is needed");
   const std::size_t last = a.ndim() - 1, cols = a.shape(last);
   std::size_t rows = 1;
@@ -128,6 +140,13 @@ troll::batch_view<T> as_batch(const char* fn, const char* name, const A& a) {
                  " is strided along its last dimension; the vocabulary must be contiguous");
   const std::size_t stride = rows == 0 ? cols : flat_stride(fn, name, a, last, cols);
   return troll::batch_view<T>{static_cast<T*>(a.data()), rows, cols, stride};
+}
+
+/// As as_layout, after checking the device and that the elements are T.
+template <class T, class A>
+troll::batch_view<T> as_batch(const char* fn, const char* name, const A& a) {
+  require_host_dtype<std::remove_const_t<T>>(fn, name, a);
+  return as_layout<T>(fn, name, a);
 }
 
 /// As as_batch, and the rows must be packed (row stride = V), as troll's sparse layouts need.

@@ -19,6 +19,7 @@ from ._core import (
     ProjectionStats,
     SparseRows,
     align,
+    cuda_available,
     kl,
     kl_backward,
     kl_sparse,
@@ -30,6 +31,7 @@ from ._core import (
     sparsify_finalize,
     sparsify_shard,
     sparsify_shard_backward,
+    sparsify_tail_sums,
     sparsify_state_bytes,
 )
 
@@ -39,9 +41,9 @@ __all__ = [
     "InvalidInput", "ShapeError", "DomainError", "InfeasibleError", "BackendError",
     "INACTIVE", "PROJECTED", "RESTRICTED", "STATUS_NAMES",
     "ProjectionStats", "SparseRows", "AlignedRows",
-    "log_softmax", "kl", "kl_backward", "project", "project_backward",
+    "log_softmax", "kl", "kl_backward", "project", "project_backward", "cuda_available",
     "sparsify", "align", "project_sparse", "kl_sparse",
-    "sparsify_shard", "sparsify_finalize", "sparsify_shard_backward", "sparsify_state_bytes",
+    "sparsify_shard", "sparsify_finalize", "sparsify_tail_sums", "sparsify_shard_backward", "sparsify_state_bytes",
 ]
 
 

@@ -10,6 +10,43 @@ from . import _troll
 from ._arrays import Framework, arg, leading_shape, require_shape
 from ._errors import ShapeError
 
+try:  # the CUDA extension, built where nvcc was present (docs/python.md, CUDA)
+    from . import _troll_cuda
+except ImportError:  # pragma: no cover - a CPU-only build
+    _troll_cuda = None
+
+#: Whether CUDA calls run in troll's checked mode: bad rows raise the CPU's exceptions (naming
+#: the row) at the cost of a synchronisation. False: bad rows get NaN outputs and nothing
+#: synchronises (docs/cuda.md, validation without a host synchronisation).
+CUDA_CHECKED = True
+
+_DLPACK_CUDA = 2  # DLDeviceType kDLCUDA
+
+
+def cuda_available() -> bool:
+    """Whether this build has the CUDA extension and a CUDA device is visible."""
+    return _troll_cuda is not None and _troll_cuda.device_count() > 0
+
+
+def _on_cuda(x: Any) -> bool:
+    """Whether an array lives in CUDA device memory (DLPack's device type)."""
+    device = getattr(x, "__dlpack_device__", None)
+    return device is not None and int(device()[0]) == _DLPACK_CUDA
+
+
+def _cuda_call(frame: Framework, x: Any, name: str) -> Tuple[Any, int]:
+    """The CUDA module and the caller's current stream for an array in device memory."""
+    if _troll_cuda is None:
+        raise ShapeError(f"troll.{name}: the array is in CUDA memory but this troll was built without the "
+                         "CUDA extension (pip install ./python -Ccmake.define.TROLL_ENABLE_CUDA=ON; docs/python.md)")
+    if frame.name == "torch":
+        stream = frame._torch.cuda.current_stream(x.device).cuda_stream
+    elif frame.name == "cupy":
+        stream = frame._cupy.cuda.get_current_stream().ptr
+    else:
+        stream = 0  # the legacy default stream
+    return _troll_cuda, int(stream)
+
 #: Row status values of ``ProjectionStats.status`` (troll::row_status).
 INACTIVE, PROJECTED, RESTRICTED = 0, 1, 2
 STATUS_NAMES = {0: "inactive", 1: "projected", 2: "restricted", 3: "infeasible", 4: "rejected", 5: "not_converged"}
@@ -95,7 +132,11 @@ def log_softmax(logits: Any, *, out: Any = None, threads: int = 0) -> Any:
     frame = Framework(logits)
     dtype = _float_dtype(frame, logits)
     y = _out(frame, out, tuple(logits.shape), dtype, "out")
-    _troll.log_softmax(arg(logits), y, threads)
+    if _on_cuda(logits):
+        cuda, stream = _cuda_call(frame, logits, "log_softmax")
+        cuda.log_softmax(arg(logits), y, stream, CUDA_CHECKED)
+    else:
+        _troll.log_softmax(arg(logits), y, threads)
     return frame.result(y)
 
 
@@ -105,7 +146,11 @@ def kl(p_logits: Any, q_logits: Any, *, out: Any = None, threads: int = 0) -> An
     frame = Framework(p_logits)
     dtype = _float_dtype(frame, p_logits)
     y = _out(frame, out, leading_shape(p_logits, "p_logits"), dtype, "out")
-    _troll.kl(arg(p_logits), arg(q_logits), y, threads)
+    if _on_cuda(p_logits):
+        cuda, stream = _cuda_call(frame, p_logits, "kl")
+        cuda.kl(arg(p_logits), arg(q_logits), y, stream, CUDA_CHECKED)
+    else:
+        _troll.kl(arg(p_logits), arg(q_logits), y, threads)
     return frame.result(y)
 
 
@@ -141,8 +186,13 @@ def project(
     rows = leading_shape(new_logits, "new_logits")
     y = _out(frame, out, tuple(new_logits.shape), dtype, "out")
     st = stats if stats is not None else ProjectionStats.empty(frame, rows)
-    _troll.project(arg(new_logits), arg(old_logits), float(eps), y, st.values, st.counters,
-                   rtol, atol, max_iterations, threads)
+    if _on_cuda(new_logits):
+        cuda, stream = _cuda_call(frame, new_logits, "project")
+        cuda.project(arg(new_logits), arg(old_logits), float(eps), y, st.values, st.counters,
+                     rtol, atol, max_iterations, stream, CUDA_CHECKED)
+    else:
+        _troll.project(arg(new_logits), arg(old_logits), float(eps), y, st.values, st.counters,
+                       rtol, atol, max_iterations, threads)
     return frame.result(y), ProjectionStats(frame.result(st.values), frame.result(st.counters))
 
 
@@ -165,9 +215,13 @@ def project_backward(
     grad_new = frame.empty(shape, dtype)
     grad_old = frame.empty(shape, dtype) if old else None
     grad_eps = frame.empty(shape[:-1], dtype) if eps else None
-    _troll.project_backward(arg(new_logits), arg(old_logits), arg(log_probs), arg(stats.values),
-                            arg(stats.counters), arg(grad_log_probs), grad_new, grad_old, grad_eps,
-                            threads)
+    args = (arg(new_logits), arg(old_logits), arg(log_probs), arg(stats.values), arg(stats.counters),
+            arg(grad_log_probs), grad_new, grad_old, grad_eps)
+    if _on_cuda(new_logits):
+        cuda, stream = _cuda_call(frame, new_logits, "project_backward")
+        cuda.project_backward(*args, stream, CUDA_CHECKED)
+    else:
+        _troll.project_backward(*args, threads)
     return (frame.result(grad_new),
             None if grad_old is None else frame.result(grad_old),
             None if grad_eps is None else frame.result(grad_eps))
@@ -185,15 +239,24 @@ def sparsify(logits: Any, k: int = 64, delta: float = 1e-5, sampled: Any = None,
              threads: int = 0) -> SparseRows:
     """Top-k + remainder rows of dense logits (..., V): per row the shortest prefix of tokens
     by logit whose mass reaches 1 - delta, at most k, then the ``sampled`` token (int32, one a
-    row) if missing. Capacity k_max = min(k + 1 with sampled, V)."""
+    row) if missing. Capacity k_max = min(k + 1 with sampled, V). CUDA logits may also be
+    float16 / bfloat16 (ranked in float, rows in float32)."""
     frame = Framework(logits)
-    dtype = _float_dtype(frame, logits)
+    on_cuda = _on_cuda(logits)
+    if on_cuda and frame.dtype_name(logits) in ("float16", "bfloat16"):
+        dtype = "float32"  # the CUDA sparsify reads 16-bit logits; the rows are float32
+    else:
+        dtype = _float_dtype(frame, logits)
     rows = leading_shape(logits, "logits")
     vocab = int(logits.shape[-1])
     k_max = max(1, min(int(k) + (sampled is not None), vocab))
     out = sparse_empty(frame, rows, k_max, vocab, dtype)
-    _troll.sparsify(arg(logits), None if sampled is None else arg(sampled), int(k), float(delta),
-                    out, threads)
+    sampled_arg = None if sampled is None else arg(sampled)
+    if on_cuda:
+        cuda, stream = _cuda_call(frame, logits, "sparsify")
+        cuda.sparsify(arg(logits), sampled_arg, int(k), float(delta), out, stream, CUDA_CHECKED)
+    else:
+        _troll.sparsify(arg(logits), sampled_arg, int(k), float(delta), out, threads)
     return SparseRows(*(frame.result(a) for a in out[:4]), vocab)
 
 
@@ -272,19 +335,42 @@ def sparsify_shard(shard_logits: Any, vocab_offset: int, vocab: int, k: int = 64
 
 
 def sparsify_finalize(states: Any, vocab: int, k: int = 64, delta: float = 1e-5, *, sampled: bool = False,
-                      dtype: str = "float32", threads: int = 0) -> Tuple[SparseRows, Any]:
+                      dtype: str = "float32", tail_sums: Any = None, return_tail_max: bool = False,
+                      threads: int = 0) -> Tuple[Any, ...]:
     """The sparse rows of a stack of shard states (shards, ..., bytes) that together cover the
     vocabulary: merged in stack order (exact, order-independent supports), then finalised as
     ``sparsify`` would finalise the whole rows. ``sampled`` says whether the states were made with
     sampled tokens (capacity k + 1). Returns ``(SparseRows, log_sums)``, log_sums (..., 2)
-    float64 = {log sum_j e^z_j, log sum_{j not in S} e^z_j} per row (for the shards' backward)."""
+    float64 = {log sum_j e^z_j, log sum_{j not in S} e^z_j} per row (for the shards' backward),
+    and with ``return_tail_max=True`` also tail_max (...) float64, the largest logit outside each
+    row's support.
+
+    Two stages give ``sparsify``'s rows bit for bit: without ``tail_sums`` the supports are exact
+    and the values come from the merged running sums (a few ulps off); every shard then computes
+    ``sparsify_tail_sums(its logits, offset, rows, tail_max)``, and a second call given those
+    sums stacked (shards, ..., 2) writes the canonical values."""
     frame = Framework(states)
     rows = tuple(states.shape[1:-1])
     k_max = max(1, min(int(k) + bool(sampled), int(vocab)))
     out = sparse_empty(frame, rows, k_max, vocab, dtype)
     log_sums = frame.empty(rows + (2,), "float64")
-    _troll.sparsify_finalize(arg(states), int(k), float(delta), out, log_sums, threads)
-    return SparseRows(*(frame.result(a) for a in out[:4]), int(vocab)), frame.result(log_sums)
+    tail_max = frame.empty(rows, "float64") if return_tail_max else None
+    _troll.sparsify_finalize(arg(states), int(k), float(delta), out, log_sums, tail_max,
+                             None if tail_sums is None else arg(tail_sums), threads)
+    result = (SparseRows(*(frame.result(a) for a in out[:4]), int(vocab)), frame.result(log_sums))
+    return result + (frame.result(tail_max),) if return_tail_max else result
+
+
+def sparsify_tail_sums(shard_logits: Any, vocab_offset: int, rows: SparseRows, tail_max: Any, *,
+                       threads: int = 0) -> Any:
+    """One shard's share of the exact tail sums (sparsify_finalize's second stage): (..., 2)
+    float64, the unevaluated pair hi + lo of sum exp(z_j - tail_max) over the shard's tokens j
+    outside each row's support."""
+    frame = Framework(shard_logits)
+    _float_dtype(frame, shard_logits)
+    out = frame.empty(leading_shape(shard_logits, "shard_logits") + (2,), "float64")
+    _troll.sparsify_tail_sums(arg(shard_logits), int(vocab_offset), _sparse_arg(rows), arg(tail_max), out, threads)
+    return frame.result(out)
 
 
 def sparsify_shard_backward(shard_logits: Any, vocab_offset: int, support: SparseRows, grad: Tuple[Any, Any],

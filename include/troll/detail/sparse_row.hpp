@@ -88,6 +88,65 @@ TROLL_HOST_DEVICE inline log_sum_state merge(const log_sum_state& a, const log_s
   return r;
 }
 
+/// A sum of non-negative terms kept as an unevaluated pair hi + lo (double-double, TwoSum).
+/// Summing n terms this way is within n²·eps² of the exact sum whatever their order, so the
+/// double it rounds to (value()) does not depend on how the terms were split or ordered — what
+/// makes the sums of vocabulary shards equal to those of the whole row (exact_log_sums).
+struct exact_sum {
+  double hi = 0.0;
+  double lo = 0.0;
+
+  TROLL_HOST_DEVICE double value() const { return hi + lo; }
+};
+
+/// s ← s + x with the rounding error of the addition kept in s.lo (Knuth's TwoSum: no
+/// multiplication, so nothing for the compiler to contract into an FMA).
+TROLL_HOST_DEVICE inline void exact_add(exact_sum& s, double x) {
+  const double t = s.hi + x;
+  const double b = t - s.hi;
+  s.lo += (s.hi - (t - b)) + (x - b);
+  s.hi = t;
+}
+
+TROLL_HOST_DEVICE inline exact_sum exact_add(exact_sum a, const exact_sum& b) {
+  exact_add(a, b.hi);
+  a.lo += b.lo;
+  const double hi = a.hi + a.lo;  // renormalise (Fast2Sum)
+  a.lo = a.lo - (hi - a.hi);
+  a.hi = hi;
+  return a;
+}
+
+/// The canonical log-sums of a sparse row gathered from dense logits z, from its support's
+/// logits `support_z` (n of them, any order; −inf entries carry no mass) and its tail — the
+/// tokens outside the support — given as m_tail = max_{j∉S} z_j and tail = Σ_{j∉S} e^{z_j − m_tail}
+/// (an exact_sum; m_tail = −inf for an empty or massless tail):
+///     log_tail  = m_tail + log(tail),
+///     log_total = m + log(Σ_S e^{z_i − m} + tail · e^{m_tail − m}),  m = max(z_S, m_tail).
+/// Every input is a function of the row's values and its support alone, never of how the row
+/// was split into shards or scanned, and the support's terms are summed exactly too: the sparse
+/// rows of sparsify, of merged vocabulary shards, and the normalisers of their backward passes
+/// (log_sums_outside) agree to the last bit (up to a tie in the final rounding, ~n²·eps² away).
+template <class Z>
+TROLL_HOST_DEVICE inline void exact_log_sums(const Z& support_z, int n, double m_tail, const exact_sum& tail,
+                                             double& log_total, double& log_tail) {
+  const double t = tail.value();
+  const bool has_tail = m_tail > neg_inf() && t > 0.0;
+  log_tail = has_tail ? m_tail + ::log(t) : neg_inf();
+  double m = has_tail ? m_tail : neg_inf();
+  for (int i = 0; i < n; ++i)
+    if (support_z[i] > m) m = support_z[i];
+  if (m == neg_inf()) {
+    log_total = neg_inf();
+    return;
+  }
+  exact_sum s;
+  for (int i = 0; i < n; ++i)
+    if (support_z[i] > neg_inf()) exact_add(s, ::exp(support_z[i] - m));
+  if (has_tail) exact_add(s, t * ::exp(m_tail - m));
+  log_total = m + ::log(s.value());
+}
+
 /// One token of a running top-K: its logit (widened to double) and its global index.
 struct sparse_candidate {
   double logit;
@@ -343,10 +402,21 @@ enum class finalize_problem { none, all_masked, sampled_missing };
 /// every logit is −inf or the sampled token was never seen. When `log_sums` is given it receives
 /// the two sums in double, {log Σ_j e^{z_j}, log Σ_{j∉S} e^{z_j}} (what the backward of
 /// vocabulary shards needs: troll::sparsify_shard_backward).
+/// The logits of a finalised support, read from finalize's sorted list: the first `keep`
+/// entries, then the sampled one when it ranks beyond them.
+struct finalized_support_logits {
+  const sparse_candidate* list;
+  int keep;
+  int sampled_pos;
+
+  TROLL_HOST_DEVICE double operator[](int i) const { return i < keep ? list[i].logit : list[sampled_pos].logit; }
+};
+
 template <class T>
 TROLL_HOST_DEVICE finalize_problem finalize(sparsify_state& st, double log_delta, sparse_index* indices,
                                             T* log_probs, int& count, T& log_remainder,
-                                            double* log_sums = nullptr) {
+                                            double* log_sums = nullptr, double* tail_max = nullptr,
+                                            const exact_sum* exact_tail = nullptr) {
   if (st.sampled >= 0 && !st.has_sampled) return finalize_problem::sampled_missing;
   sparse_candidate* list = st.heap;  // heap, then the sampled token, sorted best first
   int n = st.size;
@@ -387,22 +457,31 @@ TROLL_HOST_DEVICE finalize_problem finalize(sparsify_state& st, double log_delta
   for (int i = keep; i < n; ++i)
     if (i != sampled_pos) push(tail, list[i].logit);
 
+  // The tail's largest logit: a max, exact whatever the order the tokens came in.
+  double m_tail = st.outside.m;
+  for (int i = keep; i < n; ++i)
+    if (i != sampled_pos && list[i].logit > m_tail) m_tail = list[i].logit;
+  if (tail_max) *tail_max = m_tail;
+  double log_sum = log_total, log_tail = tail.value();
+  if (exact_tail) {  // the canonical sums from the tail's exact sum (sparsify, sparsify_finalize)
+    const finalized_support_logits z{list, keep, sampled_pos};
+    exact_log_sums(z, keep + (sampled_pos >= keep ? 1 : 0), m_tail, *exact_tail, log_sum, log_tail);
+  }
   int c = 0;
   for (int i = 0; i < keep; ++i) {
     indices[c] = list[i].index;
-    log_probs[c] = T(list[i].logit - log_total);
+    log_probs[c] = T(list[i].logit - log_sum);
     ++c;
   }
   if (sampled_pos >= keep) {
     indices[c] = list[sampled_pos].index;
-    log_probs[c] = T(list[sampled_pos].logit - log_total);
+    log_probs[c] = T(list[sampled_pos].logit - log_sum);
     ++c;
   }
   count = c;
-  const double log_tail = tail.value();
-  log_remainder = T(log_tail == neg_inf() ? neg_inf() : log_tail - log_total);
+  log_remainder = T(log_tail == neg_inf() ? neg_inf() : log_tail - log_sum);
   if (log_sums) {
-    log_sums[0] = log_total;
+    log_sums[0] = log_sum;
     log_sums[1] = log_tail;
   }
   return finalize_problem::none;

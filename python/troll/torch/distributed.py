@@ -3,7 +3,9 @@ logits of its slice of the vocabulary (a Megatron-style sharded LM head) and get
 rows of the whole vocabulary, without anyone gathering the full logits.
 
     rank r: sparsify_shard(its logits)  ->  states (rows x sparsify_state_bytes(k) bytes)
-    all ranks: all_gather(states) over the group  ->  merge in rank order, finalize
+    all ranks: all_gather(states) over the group  ->  merge in rank order, finalize (supports)
+    rank r: sparsify_tail_sums(its logits)  ->  exact tail sums (16 bytes a row)
+    all ranks: all_gather(tail sums)  ->  finalize again: the values, bit for bit the unsharded ones
     backward: the gradient w.r.t. each rank's own shard, computed locally (no communication)
 
 The exchanged states are fixed-size (``troll.sparsify_state_bytes(k)`` bytes a row: 1,328 for
@@ -47,8 +49,17 @@ class _ShardedSparsify(torch.autograd.Function):
         dist.all_gather(gathered, mine, group=group)
         stacked = torch.stack(gathered).to("cpu")
         dtype = str(x.dtype).replace("torch.", "")
-        rows, log_sums = _core.sparsify_finalize(stacked, vocab, k, delta, sampled=sampled is not None,
-                                                 dtype=dtype, threads=threads)
+        has_sampled = sampled is not None
+        # Stage 1: the exact supports and each row's largest logit outside its support.
+        rows, _, tail_max = _core.sparsify_finalize(stacked, vocab, k, delta, sampled=has_sampled, dtype=dtype,
+                                                    return_tail_max=True, threads=threads)
+        # Stage 2: every rank's exact share of the tail sums, gathered; the canonical values (the
+        # bits of troll.torch.sparsify on the whole rows, and the normalisers of its backward).
+        part = _core.sparsify_tail_sums(x, offset, rows, tail_max, threads=threads).to(comm)
+        parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, part, group=group)
+        rows, log_sums = _core.sparsify_finalize(stacked, vocab, k, delta, sampled=has_sampled, dtype=dtype,
+                                                 tail_sums=torch.stack(parts).to("cpu"), threads=threads)
         ctx.save_for_backward(x, rows.indices, rows.log_probs, rows.counts, rows.log_remainder, log_sums)
         ctx.offset, ctx.vocab, ctx.threads, ctx.device = offset, vocab, threads, device
         out = tuple(t.to(device) for t in rows[:4])
@@ -75,8 +86,8 @@ def sparsify(local_logits: torch.Tensor, vocab_offset: int, vocab_size: int, k: 
     widths, any order of offsets over ranks), and every rank passes the same leading shape, ``k``,
     ``delta`` and ``sampled`` (global token ids, one a row, or None). Collective: every rank of
     ``group`` must call it. Returns the same ``SparseRows`` on every rank — the rows
-    ``troll.torch.sparsify`` gives for the gathered logits (supports identical; values equal up to
-    the order of the floating-point sums: within one float32 ulp) — differentiable w.r.t.
+    ``troll.torch.sparsify`` gives for the gathered logits (supports and values identical, bit for
+    bit: both use troll's canonical exact sums) — differentiable w.r.t.
     ``local_logits``: the backward returns this rank's columns of the whole-row gradient,
     computed locally. With ``return_log_sums=True`` also returns the rows' (..., 2) float64
     {log sum_j e^z_j, log sum_{j not in S} e^z_j}."""

@@ -13,6 +13,7 @@
 #include "../../config.hpp"
 #include "../numeric.hpp"
 #include "../sparse_row.hpp"
+#include "exact_sums.hpp"
 #include "row_kernels.hpp"
 
 #include "eigen_warnings_push.inc"
@@ -267,38 +268,22 @@ inline sparse_problem check_sparse_row(const sparse_index* indices, const T* log
   return p;
 }
 
-/// One pass over a dense row: log Σ_j e^{z_j} over all tokens and over the tokens outside a
-/// support given as slots sorted by index. Exact: the tail sum never subtracts.
+/// The canonical log Σ_j e^{z_j} over all tokens and over the tokens outside a support given
+/// as slots sorted by index (detail::exact_log_sums): two passes over the row (the tail's max,
+/// then its exact sum) and the support's logits. The same bits as sparsify's values and as the
+/// merged vocabulary shards' log_sums, however the row is split. Exact: the tail sum never
+/// subtracts.
 template <class T>
 inline void log_sums_outside(const T* z, std::size_t size, const index_slot* sorted, int n,
                              double& log_total, double& log_tail) {
-  log_sum_state total, tail;
-  block_array a;
-  int next = 0;
-  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-    a = load(z, begin, count);
-    const double m = a.maxCoeff();
-    if (m == neg_inf()) {
-      while (next < n && std::size_t(sorted[next].index) < begin + std::size_t(count)) ++next;
-      return;
-    }
-    push_block(total, m, (a - m).exp().sum());
-    bool touched = false;
-    while (next < n && std::size_t(sorted[next].index) < begin + std::size_t(count)) {
-      a[Eigen::Index(std::size_t(sorted[next].index) - begin)] = neg_inf();
-      touched = true;
-      ++next;
-    }
-    if (!touched) {
-      push_block(tail, m, (a - m).exp().sum());
-      return;
-    }
-    const double mt = a.maxCoeff();
-    if (mt == neg_inf()) return;
-    push_block(tail, mt, (a - mt).exp().sum());
-  });
-  log_total = total.value();
-  log_tail = tail.value();
+  const double m_tail = tail_max(z, size, 0, sorted, n);
+  const exact_sum tail = tail_exp_sum(z, size, 0, sorted, n, m_tail);
+  struct support_logits {
+    const T* z;
+    const index_slot* sorted;
+    double operator[](int i) const { return static_cast<double>(z[sorted[i].index]); }
+  };
+  exact_log_sums(support_logits{z, sorted}, n, m_tail, tail, log_total, log_tail);
 }
 
 /// Backward of gathering a sparse row from dense logits (math.md §4): with upstream g on the
@@ -321,18 +306,17 @@ inline void sparse_scatter_row(const T* z, std::size_t size, std::size_t first, 
   int next = 0;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     const block_array a = load(z, begin, count);
-    // Eigen's vectorised exp clamps its argument (exp(−inf) ≈ 1e-308): masked logits get 0.
-    // (A select de-vectorises the whole expression in Eigen 3.4: only blocks with a mask pay.)
-    const bool masked = a.minCoeff() == neg_inf();
-    block_array p = (a - log_total).exp();
-    if (masked) p = (a > neg_inf()).select(p, 0.0);
+    // packet_exp: a token's p_k does not depend on where its block starts (a shard's columns are
+    // those of the whole row's gradient, bit for bit), and masked logits get 0.
+    block_array p(count);
+    packet_exp(a.data(), count, log_total, p.data());
     block_array value = -sum_g * p;
     if (tail_term) {
       if (scale_tail) {
         value += g_over_r * p;
       } else {
-        block_array scaled = (a - log_tail).exp();
-        if (masked) scaled = (a > neg_inf()).select(scaled, 0.0);
+        block_array scaled(count);
+        packet_exp(a.data(), count, log_tail, scaled.data());
         value += g_remainder * scaled;
       }
     }
