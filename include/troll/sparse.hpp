@@ -878,19 +878,21 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
   const bool want_old = !grad_old.empty();
   detail::validate_aligned(fn, policy.threads, rows, 0.0);
   // One fast yes/no pass; only a batch with a bad row runs the checks below, which name it.
-  const std::size_t any_bad = detail::cpu::first_bad_row(policy.threads, rows.rows, 8 * std::size_t(rows.k_max), [&](std::size_t r) {
-    const sparse_index c = log_probs.counts[r];
-    if (c < 0 || std::size_t(c) > log_probs.k_max || c != rows.counts[r]) return true;
-    const bool tail = rows.vocab > std::size_t(c);
-    const std::size_t at = r * rows.k_max;
-    return !detail::cpu::backward_row_fine(
-        log_probs.row_indices(r), rows.indices + at, log_probs.row_log_probs(r), rows.new_log_probs + at,
-        rows.old_log_probs + at, grad.row(r), int(c), log_probs.log_remainder[r],
-        tail ? rows.new_log_remainder[r] : T(detail::neg_inf()), tail ? rows.old_log_remainder[r] : T(detail::neg_inf()),
-        grad.log_remainder[r]);
-  });
-  if (any_bad != rows.rows)
-  detail::first_sparse_problem(fn, policy.threads, rows.rows, 4 * std::size_t(sparse_max_entries),
+  const std::size_t any_bad =
+      detail::cpu::first_bad_row(policy.threads, rows.rows, 8 * std::size_t(rows.k_max), [&](std::size_t r) {
+        const sparse_index c = log_probs.counts[r];
+        if (c < 0 || std::size_t(c) > log_probs.k_max || c != rows.counts[r]) return true;
+        const bool tail = rows.vocab > std::size_t(c);
+        const T masked = T(detail::neg_inf());
+        const std::size_t at = r * rows.k_max;
+        return !detail::cpu::backward_row_fine(
+            log_probs.row_indices(r), rows.indices + at, log_probs.row_log_probs(r), rows.new_log_probs + at,
+            rows.old_log_probs + at, grad.row(r), int(c), log_probs.log_remainder[r],
+            tail ? rows.new_log_remainder[r] : masked, tail ? rows.old_log_remainder[r] : masked,
+            grad.log_remainder[r]);
+      });
+  detail::first_sparse_problem(fn, policy.threads, any_bad != rows.rows ? rows.rows : 0,
+                               4 * std::size_t(sparse_max_entries),
                                [&](std::size_t r) {
                                  detail::cpu::sparse_problem p;
                                  p.operand = "log_probs";
