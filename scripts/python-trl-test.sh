@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # troll inside real trainers: TRL's GRPO with troll's loss (python/tests/test_trl.py) and the
-# tiny-LM run TROLL vs PPO clip vs DPPO (examples/python/grpo_tiny_lm.py --quick). Runs after
+# tiny-LM run TROLL vs PPO clip vs DPPO (examples/python/grpo_tiny_lm.py --quick), and the Gaussian
+# bandit PPO clip vs projection (examples/python/gaussian_bandit.py --quick). Runs after
 # scripts/python-test.sh, in its venv: adds the pinned TRL / Hugging Face stack and matplotlib of
 # python/requirements-trl.txt with --no-deps (pip never resolves torch or the CUDA toolkit).
 # No hub access anywhere: the model and tokenizer are built locally, HF_HUB_OFFLINE=1.
@@ -30,4 +31,8 @@ step "examples/python/grpo_tiny_lm.py --quick"
 "$venv/bin/python" examples/python/grpo_tiny_lm.py --quick --out build/grpo_tiny_lm
 test -s build/grpo_tiny_lm/metrics.csv
 test -s build/grpo_tiny_lm/grpo_tiny_lm.png
-step "trl tests and the tiny-LM run passed"
+step "examples/python/gaussian_bandit.py --quick (Gaussian policy: PPO clip vs troll's projection)"
+"$venv/bin/python" examples/python/gaussian_bandit.py --quick --out build/gaussian_bandit
+test -s build/gaussian_bandit/metrics.csv
+test -s build/gaussian_bandit/gaussian_bandit.png
+step "trl tests, the tiny-LM run and the Gaussian bandit passed"

@@ -245,3 +245,258 @@ TEST_CASE("the backward rejects unsolved rows") {
                                                           in(up_mean), in(up_cov), grads),
                   troll::domain_error);
 }
+
+// ---- JVP (forward mode) ----
+
+namespace {
+
+/// A direction in the space of every input: one entry per input value, and the bounds'.
+struct direction {
+  std::vector<double> mean, cov, old_mean, old_cov;
+  double eps = 0, eps_cov = 0;
+};
+
+direction random_direction(const problem& p, gauss::generator& gen) {
+  direction v;
+  auto fill = [&](const std::vector<double>& like, bool is_cov) {
+    std::vector<double> out(like.size());
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      const bool above = is_cov && p.full && i % p.d > i / p.d;
+      out[i] = above ? 0.0 : gen.normal01() * (is_cov ? std::fabs(like[i]) + 0.1 : 1.0);
+    }
+    return out;
+  };
+  v.mean = fill(p.mean, false);
+  v.cov = fill(p.cov, true);
+  v.old_mean = fill(p.old_mean, false);
+  v.old_cov = fill(p.old_cov, true);
+  v.eps = gen.normal01() * p.eps;
+  v.eps_cov = gen.normal01() * p.eps_cov;
+  return v;
+}
+
+problem moved(const problem& p, const direction& v, double h) {
+  problem q = p;
+  for (std::size_t i = 0; i < p.d; ++i) {
+    q.mean[i] += h * v.mean[i];
+    q.old_mean[i] += h * v.old_mean[i];
+  }
+  for (std::size_t i = 0; i < p.cov_size(); ++i) {
+    q.cov[i] += h * v.cov[i];
+    q.old_cov[i] += h * v.old_cov[i];
+  }
+  q.eps += h * v.eps;
+  q.eps_cov += h * v.eps_cov;
+  return q;
+}
+
+/// troll's JVP along v, flattened like the output (mean then factor / std devs).
+std::vector<double> troll_jvp(const problem& p, const direction& v) {
+  const forward f = troll_forward(p);
+  std::vector<double> tm(p.d), tc(p.cov_size());
+  auto in = [](const std::vector<double>& x) { return troll::make_batch(x.data(), 1, x.size()); };
+  auto out = [](std::vector<double>& x) { return troll::make_batch(x.data(), 1, x.size()); };
+  troll::gaussian::gaussian_tangents<double> tan{in(v.mean), in(v.cov), in(v.old_mean), in(v.old_cov), 0.0, 0.0};
+  // The problem's eps is the joint bound or ε_μ (split); eps_cov is ε_Σ.
+  tan.eps = p.split ? v.eps_cov : v.eps;
+  tan.eps_mean = p.split ? v.eps : 0.0;
+  namespace g = troll::gaussian;
+  if (p.full && !p.split)
+    g::project_joint_jvp(troll::cpu, in(p.mean), in(p.cov), in(p.old_mean), in(p.old_cov), p.eps, in(f.mean),
+                         in(f.cov), &f.stats, tan, out(tm), out(tc));
+  if (p.full && p.split)
+    g::project_split_jvp(troll::cpu, in(p.mean), in(p.cov), in(p.old_mean), in(p.old_cov), p.eps, p.eps_cov,
+                         in(f.mean), in(f.cov), &f.stats, tan, out(tm), out(tc));
+  if (!p.full && !p.split)
+    g::project_joint_diag_jvp(troll::cpu, in(p.mean), in(p.cov), in(p.old_mean), in(p.old_cov), p.eps, in(f.mean),
+                              in(f.cov), &f.stats, tan, out(tm), out(tc));
+  if (!p.full && p.split)
+    g::project_split_diag_jvp(troll::cpu, in(p.mean), in(p.cov), in(p.old_mean), in(p.old_cov), p.eps, p.eps_cov,
+                              in(f.mean), in(f.cov), &f.stats, tan, out(tm), out(tc));
+  tm.insert(tm.end(), tc.begin(), tc.end());
+  return tm;
+}
+
+/// J v against the central difference of the output along v, entry by entry (atol + rtol·scale,
+/// scale the largest entry of the difference).
+void check_jvp_fd(const problem& p, const std::function<std::vector<real>(const problem&)>& output, double h,
+                  double rtol, gauss::generator& gen, const std::string& what) {
+  INFO(what, " d=", p.d, " full=", p.full, " split=", p.split, " eps=", p.eps);
+  const direction v = random_direction(p, gen);
+  const std::vector<double> jv = troll_jvp(p, v);
+  const std::vector<real> plus = output(moved(p, v, h)), minus = output(moved(p, v, -h));
+  double scale = 0;
+  std::vector<double> numeric(jv.size());
+  for (std::size_t i = 0; i < jv.size(); ++i) {
+    numeric[i] = double((plus[i] - minus[i]) / (2 * static_cast<real>(h)));
+    scale = std::max(scale, std::fabs(numeric[i]));
+  }
+  for (std::size_t i = 0; i < jv.size(); ++i) {
+    INFO("entry ", i, ": jvp ", jv[i], " numeric ", numeric[i]);
+    CHECK(std::fabs(jv[i] - numeric[i]) <= rtol * (1.0 + scale));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("JVP against finite differences of the long-double oracle") {
+  gauss::generator gen(47);
+  for (const bool full : {true, false})
+    for (const bool split : {false, true})
+      for (const std::size_t d : {std::size_t(1), std::size_t(3)})
+        for (const double eps : {1e-3, 0.1, 1e4}) check_jvp_fd(random_problem(gen, d, full, split, eps), oracle_output,
+                                                              1e-6, 1e-6, gen, "oracle");
+}
+
+TEST_CASE("JVP against finite differences of troll's forward at larger d") {
+  gauss::generator gen(53);
+  for (const bool full : {true, false})
+    for (const bool split : {false, true})
+      for (const std::size_t d : {std::size_t(12), std::size_t(48)})
+        check_jvp_fd(random_problem(gen, d, full, split, 0.2), troll_output, 1e-6, 1e-5, gen, "troll forward");
+}
+
+TEST_CASE("JVP and VJP are adjoint: <u, J v> = <J^T u, v>") {
+  gauss::generator gen(59);
+  for (const bool full : {true, false})
+    for (const bool split : {false, true})
+      for (const std::size_t d : {std::size_t(1), std::size_t(5), std::size_t(32)})
+        for (const double eps : {1e-3, 0.3, 1e4}) {
+          const problem p = random_problem(gen, d, full, split, eps);
+          INFO("d=", d, " full=", full, " split=", split, " eps=", eps);
+          const direction v = random_direction(p, gen);
+          std::vector<double> u(p.d + p.cov_size());
+          for (std::size_t i = 0; i < u.size(); ++i) {
+            const bool above = p.full && i >= p.d && (i - p.d) % p.d > (i - p.d) / p.d;
+            u[i] = above ? 0.0 : gen.normal01();
+          }
+          const std::vector<double> jv = troll_jvp(p, v);
+          const gradients g = troll_backward(p, u);
+          double left = 0, right = 0, magnitude = 0;
+          for (std::size_t i = 0; i < u.size(); ++i) {
+            left += u[i] * jv[i];
+            magnitude += std::fabs(u[i] * jv[i]);
+          }
+          auto dot = [&](const std::vector<double>& a, const std::vector<double>& b) {
+            for (std::size_t i = 0; i < a.size(); ++i) {
+              right += a[i] * b[i];
+              magnitude += std::fabs(a[i] * b[i]);
+            }
+          };
+          dot(g.mean, v.mean);
+          dot(g.cov, v.cov);
+          dot(g.old_mean, v.old_mean);
+          dot(g.old_cov, v.old_cov);
+          right += g.eps * v.eps + (p.split ? g.eps_mean * v.eps_cov : 0.0);
+          INFO("<u, Jv> = ", left, ", <J^T u, v> = ", right);
+          CHECK(std::fabs(left - right) <= 1e-10 * (1.0 + magnitude));
+        }
+}
+
+// ---- larger d, float, and the singular-covariance clamp ----
+
+TEST_CASE("VJP and JVP at d = 256") {
+  gauss::generator gen(61);
+  for (const bool full : {true, false})
+    for (const bool split : {false, true}) {
+      const problem p = random_problem(gen, 256, full, split, 0.5);
+      check_vjp(p, troll_output, 1e-6, 1e-5, gen, "troll forward, d = 256");
+      check_jvp_fd(p, troll_output, 1e-6, 1e-5, gen, "troll forward, d = 256");
+    }
+}
+
+namespace {
+
+/// The forward and backward of project_joint / project_joint_diag in T for one problem, the
+/// gradients returned in double (mean, cov, old_mean, old_cov, eps).
+template <class T>
+std::vector<double> joint_gradients(const problem& p, const std::vector<double>& upstream) {
+  auto cast = [](const std::vector<double>& v) { return std::vector<T>(v.begin(), v.end()); };
+  const std::vector<T> mean = cast(p.mean), cov = cast(p.cov), old_mean = cast(p.old_mean), old_cov = cast(p.old_cov);
+  const std::vector<T> up_mean(upstream.begin(), upstream.begin() + long(p.d));
+  const std::vector<T> up_cov(upstream.begin() + long(p.d), upstream.end());
+  std::vector<T> om(p.d), oc(p.cov_size()), gm(p.d), gc(p.cov_size()), gom(p.d), goc(p.cov_size());
+  troll::gaussian::gaussian_stats stats;
+  double ge = 0;
+  auto in = [](const std::vector<T>& v) { return troll::make_batch(v.data(), 1, v.size()); };
+  auto out = [](std::vector<T>& v) { return troll::make_batch(v.data(), 1, v.size()); };
+  const troll::gaussian::gaussian_grads<T> grads{out(gm), out(gc), out(gom), out(goc), &ge, nullptr};
+  if (p.full) {
+    troll::gaussian::project_joint(troll::cpu, in(mean), in(cov), in(old_mean), in(old_cov), p.eps, out(om), out(oc),
+                                   &stats);
+    troll::gaussian::project_joint_backward(troll::cpu, in(mean), in(cov), in(old_mean), in(old_cov), p.eps, in(om),
+                                            in(oc), &stats, in(up_mean), in(up_cov), grads);
+  } else {
+    troll::gaussian::project_joint_diag(troll::cpu, in(mean), in(cov), in(old_mean), in(old_cov), p.eps, out(om),
+                                        out(oc), &stats);
+    troll::gaussian::project_joint_diag_backward(troll::cpu, in(mean), in(cov), in(old_mean), in(old_cov), p.eps,
+                                                 in(om), in(oc), &stats, in(up_mean), in(up_cov), grads);
+  }
+  std::vector<double> all;
+  for (const std::vector<T>* v : {&gm, &gc, &gom, &goc}) all.insert(all.end(), v->begin(), v->end());
+  all.push_back(ge);
+  return all;
+}
+
+}  // namespace
+
+TEST_CASE("the backward in float agrees with double") {
+  gauss::generator gen(67);
+  for (const bool full : {true, false})
+    for (const std::size_t d : {std::size_t(2), std::size_t(8), std::size_t(32)}) {
+      problem p = random_problem(gen, d, full, false, 0.2);
+      // Inputs representable in float, so both types see the same problem.
+      for (std::vector<double>* v : {&p.mean, &p.cov, &p.old_mean, &p.old_cov})
+        for (double& x : *v) x = double(float(x));
+      std::vector<double> upstream(p.d + p.cov_size());
+      for (std::size_t i = 0; i < upstream.size(); ++i) {
+        const bool above = p.full && i >= p.d && (i - p.d) % p.d > (i - p.d) / p.d;
+        upstream[i] = above ? 0.0 : double(float(gen.normal01()));
+      }
+      const std::vector<double> g32 = joint_gradients<float>(p, upstream), g64 = joint_gradients<double>(p, upstream);
+      double scale = 0;
+      for (const double x : g64) scale = std::max(scale, std::fabs(x));
+      INFO("d=", d, " full=", full, " scale=", scale);
+      for (std::size_t i = 0; i < g64.size(); ++i) {
+        INFO("entry ", i, ": float ", g32[i], " double ", g64[i]);
+        CHECK(std::isfinite(g32[i]));
+        CHECK(std::fabs(g32[i] - g64[i]) <= 1e-5 + 2e-3 * scale);
+      }
+    }
+}
+
+TEST_CASE("a new covariance singular to working precision against the old one (the clamped gain)") {
+  // σ̃/σ° = 1e-12 along one axis: λ − 1 = r² − 1 rounds to −1, the gain is clamped to
+  // 1/DBL_MIN instead of 1e24. The answer does not depend on the gain: with equal means the
+  // projection moves only along that axis, to a* > 1 with ψ(log a*) = 1/a* − 1 + log a* = 2ε,
+  // σ* = σ°/sqrt(a*), and (t* ~ 1e-307 instead of ~1e-24) leaves the other axis at σ°.
+  const double eps = 0.05;
+  long double lo = 1, hi = 1e6;
+  for (int i = 0; i < 200; ++i) {
+    const long double mid = (lo + hi) / 2;
+    (1 / mid - 1 + std::log(mid) < 2 * eps ? lo : hi) = mid;
+  }
+  const double a_star = double((lo + hi) / 2);
+  const std::vector<double> mean = {0.3, -0.2}, old_std = {1.5, 0.7}, std_dev = {1.5e-12, 0.9};
+  std::vector<double> om(2), os(2);
+  troll::gaussian::gaussian_stats stats;
+  auto in = [](const std::vector<double>& v) { return troll::make_batch(v.data(), 1, v.size()); };
+  auto out = [](std::vector<double>& v) { return troll::make_batch(v.data(), 1, v.size()); };
+  troll::gaussian::project_joint_diag(troll::cpu, in(mean), in(std_dev), in(mean), in(old_std), eps, out(om), out(os),
+                                      &stats);
+  CHECK(stats.status == troll::row_status::projected);
+  CHECK(stats.t > 0.0);
+  CHECK(stats.t < 1e-300);
+  CHECK(os[0] == doctest::Approx(old_std[0] / std::sqrt(a_star)).epsilon(1e-10));
+  CHECK(os[1] == doctest::Approx(old_std[1]).epsilon(1e-12));
+  CHECK(om[0] == doctest::Approx(mean[0]).epsilon(1e-15));
+  CHECK(om[1] == doctest::Approx(mean[1]).epsilon(1e-15));
+  // The same with full factors (old factor the identity scaled; new factor diagonal).
+  const std::vector<double> l_new = {1.5e-12, 0.0, 0.0, 0.9}, l_old = {1.5, 0.0, 0.0, 0.7};
+  std::vector<double> ol(4);
+  troll::gaussian::project_joint(troll::cpu, in(mean), in(l_new), in(mean), in(l_old), eps, out(om), out(ol), &stats);
+  CHECK(stats.status == troll::row_status::projected);
+  CHECK(ol[0] == doctest::Approx(old_std[0] / std::sqrt(a_star)).epsilon(1e-10));
+  CHECK(ol[3] == doctest::Approx(old_std[1]).epsilon(1e-12));
+  CHECK(ol[2] == doctest::Approx(0.0));
+}

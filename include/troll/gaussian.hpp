@@ -186,3 +186,4 @@ void kl_diag(cpu_policy policy, batch_view<const T> mean, batch_view<const T> st
 TROLL_END_NAMESPACE
 
 #include "gaussian_backward.hpp"
+#include "gaussian_jvp.hpp"

@@ -44,5 +44,18 @@ struct gaussian_grads {
   double* eps_mean = nullptr;  ///< split only: ∂L/∂ε_μ
 };
 
+/// The input tangents of a JVP (forward-mode derivative), shaped like the inputs. Any view may be
+/// empty (data == nullptr) for a zero tangent; factor tangents are read in their lower triangle.
+/// The bound tangents are shared by all rows.
+template <class T>
+struct gaussian_tangents {
+  batch_view<const T> mean;
+  batch_view<const T> cov;
+  batch_view<const T> old_mean;
+  batch_view<const T> old_cov;
+  double eps = 0.0;       ///< joint: ε'; split: ε_Σ'
+  double eps_mean = 0.0;  ///< split only: ε_μ'
+};
+
 }  // namespace gaussian
 TROLL_END_NAMESPACE

@@ -173,4 +173,5 @@ NB_MODULE(_troll, m) {
   troll_py::bind_dense(m);
   troll_py::bind_sparse(m);
   troll_py::bind_objectives(m);
+  troll_py::bind_gaussian(m);
 }

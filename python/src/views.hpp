@@ -272,5 +272,6 @@ decltype(auto) dispatch_float(const char* fn, const char* name, const A& a, F&& 
 void bind_dense(nb::module_& m);
 void bind_sparse(nb::module_& m);
 void bind_objectives(nb::module_& m);
+void bind_gaussian(nb::module_& m);
 
 }  // namespace troll_py

@@ -35,6 +35,8 @@ from ._core import (
     sparsify_state_bytes,
 )
 
+from . import gaussian  # troll.gaussian: Gaussian trust regions (docs/gaussian.md)
+
 __version__: str = _troll.__version__
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "log_softmax", "kl", "kl_backward", "project", "project_backward", "cuda_available",
     "sparsify", "align", "project_sparse", "kl_sparse",
     "sparsify_shard", "sparsify_finalize", "sparsify_tail_sums", "sparsify_shard_backward", "sparsify_state_bytes",
+    "gaussian",
 ]
 
 

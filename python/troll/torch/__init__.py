@@ -292,3 +292,4 @@ def dppo_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: torch.
 
 
 from . import distributed  # noqa: E402  (troll.torch.distributed: vocabulary-parallel sparsify)
+from . import gaussian  # noqa: E402  (troll.torch.gaussian: differentiable Gaussian trust regions)

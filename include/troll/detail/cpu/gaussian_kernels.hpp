@@ -53,13 +53,8 @@ inline gaussian_matrix load_factor(const T* x, std::size_t d) {
   return m;
 }
 
-/// γ − 1 from λ − 1, λ = 1/γ an eigenvalue of the whitened new covariance: g = −(λ − 1)/λ.
-/// A λ that rounding put at or below 0 (a new covariance singular to working precision against
-/// the old one) is taken as the smallest normal double.
-inline double gain_from_excess(double excess) {
-  const double lambda = maximum(1.0 + excess, 2.2250738585072014e-308);
-  return -excess / lambda;
-}
+/// γ − 1 from λ − 1 (gaussian_gain, shared with the device).
+inline double gain_from_excess(double excess) { return gaussian_gain(excess); }
 
 /// Full covariances: with E = L°⁻¹(L̃ − L°), the whitened new covariance is
 /// S = (I + E)(I + E)ᵀ = I + D, D = E + Eᵀ + EEᵀ, and D = V diag(λ − 1) Vᵀ. Forming D from the
@@ -93,10 +88,9 @@ inline void factor_diag(const T* mean, const T* std_dev, const T* old_mean, cons
   out.b.resize(n);
   for (Eigen::Index i = 0; i < n; ++i) {
     const double so = static_cast<double>(old_std[i]);
-    const double r_minus_one = (static_cast<double>(std_dev[i]) - so) / so;
     out.old_scale[i] = so;
-    out.g[i] = gain_from_excess(r_minus_one * (r_minus_one + 2.0));
-    out.b[i] = (static_cast<double>(mean[i]) - static_cast<double>(old_mean[i])) / so;
+    gaussian_diag_coordinate(static_cast<double>(mean[i]), static_cast<double>(std_dev[i]),
+                             static_cast<double>(old_mean[i]), so, &out.g[i], &out.b[i]);
   }
 }
 

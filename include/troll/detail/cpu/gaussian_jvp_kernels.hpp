@@ -1,0 +1,219 @@
+// troll/detail/cpu/gaussian_jvp_kernels.hpp — the JVP (forward-mode derivative) of one Gaussian
+// projection row by the implicit function theorem (docs/gaussian.md, "Gradients"), in double.
+//
+// With Λ_t = tΛ̃ + (1 − t)Λ°, h_t = t h̃ + (1 − t) h° and F(t, inputs) = KL(π_t ‖ q) − ε = 0:
+//   at fixed t the tangents of the inputs give Λ_t' = tΛ̃' + (1 − t)Λ°', h_t' = t h̃' + (1 − t)h°'
+//   and the partial dF·v; t' = (ε' − dF·v)/(t I(t)); the output's natural tangent is
+//   (Λ_t' + t'(Λ̃ − Λ°), h_t' + t'(h̃ − h°)), turned into (μ', L') of the Cholesky factor.
+// The partial of the KL at fixed t is taken on KL = ½[tr(Λ°Σ_t) + δᵀΛ°δ − d − log det Λ° −
+// log det Σ_t] (δ = μ_t − μ°), written with the differences Λ° − Λ_t = −t(Λ̃ − Λ°) and
+// Σ_t − Σ° = W diag(1/a − 1) Wᵀ from the factorised basis, so no large terms cancel. The split
+// projection's covariance part drops the δ terms; its closed-form mean is differentiated directly.
+#pragma once
+
+#include "eigen.hpp"
+#include <cmath>
+#include <cstddef>
+
+#include "../../config.hpp"
+#include "../gaussian_family.hpp"
+#include "gaussian_kernels.hpp"
+
+#include "eigen_warnings_push.inc"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+namespace cpu {
+
+/// Tangents in and out of one row (pointers into the caller's views; a null input tangent is 0).
+template <class T>
+struct gaussian_row_tangents {
+  const T* out_cov;   // L* (the forward's output factor, full only)
+  const T* mean;      // μ̃'
+  const T* cov;       // L̃' (lower triangle read)
+  const T* old_mean;  // μ°'
+  const T* old_cov;   // L°' (lower triangle read)
+  double eps;         // joint: ε'; split: ε_Σ'
+  double eps_mean;    // split: ε_μ'
+  T* out_mean;        // μ*'
+  T* out_cov_tangent; // L*' (lower-triangular, upper written 0)
+};
+
+/// The lower-triangular part of a row-major d×d tangent (0 where the pointer is null).
+template <class T>
+gaussian_matrix load_tangent_factor(const T* x, std::size_t d) {
+  const auto n = static_cast<Eigen::Index>(d);
+  if (x == nullptr) return gaussian_matrix::Zero(n, n);
+  return load_factor(x, d);
+}
+
+template <class T>
+gaussian_vector load_tangent_vector(const T* x, std::size_t d) {
+  if (x == nullptr) return gaussian_vector::Zero(static_cast<Eigen::Index>(d));
+  return load_vector(x, d);
+}
+
+/// The tangent of a Cholesky factor L given the tangent of Σ = LLᵀ: L' = L Φ(L⁻¹ Σ' L⁻ᵀ), Φ the
+/// lower triangle with the diagonal halved.
+inline gaussian_matrix cholesky_tangent(const gaussian_matrix& l, const gaussian_matrix& sigma_dot) {
+  const auto lower = l.triangularView<Eigen::Lower>();
+  const gaussian_matrix left = lower.solve(sigma_dot);                          // L⁻¹ Σ'
+  gaussian_matrix inner = lower.solve(left.transpose()).transpose();            // L⁻¹ Σ' L⁻ᵀ
+  inner = inner.triangularView<Eigen::Lower>();
+  inner.diagonal() *= 0.5;
+  return l.triangularView<Eigen::Lower>() * inner;
+}
+
+/// The JVP of one full-covariance row (validated inputs; a solved row, t = 1 when inactive).
+/// Writes μ*' and L*' (lower-triangular).
+template <class T>
+void gaussian_jvp_full(bool split, std::size_t d, const T* mean, const T* cov, const T* old_mean, const T* old_cov,
+                       double eps_mean, double t, const gaussian_row_tangents<T>& io) {
+  const auto n = static_cast<Eigen::Index>(d);
+  const gaussian_vector mu_new = load_vector(mean, d), mu_old = load_vector(old_mean, d);
+  const gaussian_vector dmu_new = load_tangent_vector(io.mean, d), dmu_old = load_tangent_vector(io.old_mean, d);
+  const gaussian_matrix dl_new = load_tangent_factor(io.cov, d), dl_old = load_tangent_factor(io.old_cov, d);
+  gaussian_vector mean_dot = gaussian_vector::Zero(n);
+  auto store_factor = [&](const gaussian_matrix& m) {
+    for (Eigen::Index i = 0; i < n; ++i)
+      for (Eigen::Index j = 0; j < n; ++j) io.out_cov_tangent[i * n + j] = j <= i ? static_cast<T>(m(i, j)) : T(0);
+  };
+  gaussian_basis basis;
+  factor_full(mean, cov, old_mean, old_cov, d, basis);
+  const gaussian_matrix& lo = basis.old_factor;
+  const gaussian_matrix lo_inv = lo.triangularView<Eigen::Lower>().solve(gaussian_matrix::Identity(n, n));
+  const gaussian_matrix precision_old = lo_inv.transpose() * lo_inv;
+  const gaussian_matrix sigma_old_dot = dl_old * lo.transpose() + lo * dl_old.transpose();
+  const gaussian_matrix lam_old_dot = -(precision_old * sigma_old_dot * precision_old);
+
+  if (split) {
+    const gaussian_vector diff = mu_new - mu_old, diff_dot = dmu_new - dmu_old;
+    const double m = 0.5 * basis.b.squaredNorm();
+    const double kappa = split_mean_scale(m, eps_mean);
+    if (kappa < 1.0) {
+      const double m_dot = diff.dot(precision_old * diff_dot) + 0.5 * diff.dot(lam_old_dot * diff);
+      const double kappa_dot = 0.5 * kappa * (io.eps_mean / eps_mean - m_dot / m);
+      mean_dot = dmu_old + kappa * diff_dot + kappa_dot * diff;
+    } else {
+      mean_dot = dmu_new;
+    }
+  }
+  if (t >= 1.0) {  // inactive: the output is the input
+    if (!split) mean_dot = dmu_new;
+    store_vector(mean_dot, io.out_mean);
+    store_factor(dl_new);
+    return;
+  }
+  const double s = 1.0 - t;
+  const gaussian_matrix l_new = load_factor(cov, d);
+  const gaussian_matrix w = lo.triangularView<Eigen::Lower>() * basis.vectors;
+  const gaussian_matrix w_inv_t = lo_inv.transpose() * basis.vectors;
+  const gaussian_matrix precision_step = w_inv_t * basis.g.asDiagonal() * w_inv_t.transpose();  // Λ̃ − Λ°
+  const gaussian_matrix precision_new = precision_old + precision_step;
+  const gaussian_member_coords c = member_coords(basis, t);
+  const gaussian_array a = c.a.array();
+  const gaussian_matrix sigma = w * a.inverse().matrix().asDiagonal() * w.transpose();
+  const gaussian_matrix sigma_gap = w * (-t * basis.g.array() / a).matrix().asDiagonal() * w.transpose();  // Σ_t − Σ°
+  const gaussian_vector delta = w * c.m;  // μ_t − μ°
+  const gaussian_vector mu_t = mu_old + delta;
+
+  const gaussian_matrix sigma_new_dot = dl_new * l_new.transpose() + l_new * dl_new.transpose();
+  const gaussian_matrix lam_new_dot = -(precision_new * sigma_new_dot * precision_new);
+  gaussian_matrix lam_t_dot = t * lam_new_dot + s * lam_old_dot;
+  const gaussian_matrix sigma_t_dot = -(sigma * lam_t_dot * sigma);
+  // ∂KL at fixed t: ½[tr(Λ°'(Σ_t − Σ°)) − t tr((Λ̃ − Λ°) Σ_t')] (+ the mean terms when joint).
+  double kl_dot = 0.5 * (lam_old_dot.cwiseProduct(sigma_gap).sum() - t * precision_step.cwiseProduct(sigma_t_dot).sum());
+  gaussian_vector h_t_dot = gaussian_vector::Zero(n), h_gap = gaussian_vector::Zero(n);
+  if (!split) {
+    const gaussian_vector h_new_dot = lam_new_dot * mu_new + precision_new * dmu_new;
+    const gaussian_vector h_old_dot = lam_old_dot * mu_old + precision_old * dmu_old;
+    h_t_dot = t * h_new_dot + s * h_old_dot;
+    h_gap = precision_new * (mu_new - mu_old) + precision_step * mu_old;  // h̃ − h°
+    const gaussian_vector mu_t_dot = sigma * (h_t_dot - lam_t_dot * mu_t);
+    kl_dot += delta.dot(precision_old * (mu_t_dot - dmu_old)) + 0.5 * delta.dot(lam_old_dot * delta);
+  }
+  const double info = gaussian_member(basis.spectrum(!split), tilt_param{t, s}).sigma2;
+  const double t_dot = (io.eps - kl_dot) / (t * info);
+  lam_t_dot += t_dot * precision_step;
+  const gaussian_matrix sigma_out_dot = -(sigma * lam_t_dot * sigma);
+  if (!split) {
+    h_t_dot += t_dot * h_gap;
+    mean_dot = sigma * (h_t_dot - lam_t_dot * mu_t);
+  }
+  store_vector(mean_dot, io.out_mean);
+  store_factor(cholesky_tangent(load_factor(io.out_cov, d), sigma_out_dot));
+}
+
+/// The JVP of one diagonal row: the full formulas with every matrix diagonal (W = diag(σ°)).
+template <class T>
+void gaussian_jvp_diag(bool split, std::size_t d, const T* mean, const T* std_dev, const T* old_mean,
+                       const T* old_std, double eps_mean, double t, const gaussian_row_tangents<T>& io) {
+  const auto n = static_cast<Eigen::Index>(d);
+  const gaussian_array mu_new = load_vector(mean, d).array(), mu_old = load_vector(old_mean, d).array();
+  const gaussian_array dmu_new = load_tangent_vector(io.mean, d).array();
+  const gaussian_array dmu_old = load_tangent_vector(io.old_mean, d).array();
+  const gaussian_array dsd_new = load_tangent_vector(io.cov, d).array();
+  const gaussian_array dsd_old = load_tangent_vector(io.old_cov, d).array();
+  gaussian_basis basis;
+  factor_diag(mean, std_dev, old_mean, old_std, d, basis);
+  const gaussian_array so = basis.old_scale.array(), sd_new = load_vector(std_dev, d).array();
+  const gaussian_array g = basis.g.array();
+  const gaussian_array precision_old = (so * so).inverse();
+  const gaussian_array lam_old_dot = -2.0 * dsd_old / (so * so * so);
+  gaussian_array mean_dot = gaussian_array::Zero(n);
+  if (split) {
+    const gaussian_array diff = mu_new - mu_old, diff_dot = dmu_new - dmu_old;
+    const double m = 0.5 * basis.b.squaredNorm();
+    const double kappa = split_mean_scale(m, eps_mean);
+    if (kappa < 1.0) {
+      const double m_dot = (diff * precision_old * diff_dot).sum() + 0.5 * (diff * lam_old_dot * diff).sum();
+      const double kappa_dot = 0.5 * kappa * (io.eps_mean / eps_mean - m_dot / m);
+      mean_dot = dmu_old + kappa * diff_dot + kappa_dot * diff;
+    } else {
+      mean_dot = dmu_new;
+    }
+  }
+  if (t >= 1.0) {
+    if (!split) mean_dot = dmu_new;
+    store_vector(gaussian_vector(mean_dot.matrix()), io.out_mean);
+    store_vector(gaussian_vector(dsd_new.matrix()), io.out_cov_tangent);
+    return;
+  }
+  const double s = 1.0 - t;
+  const gaussian_array precision_step = g * precision_old;
+  const gaussian_array precision_new = (1.0 + g) * precision_old;
+  const gaussian_member_coords c = member_coords(basis, t);
+  const gaussian_array a = c.a.array();
+  const gaussian_array sigma = so * so / a;
+  const gaussian_array sigma_gap = -so * so * t * g / a;
+  const gaussian_array delta = so * c.m.array();
+  const gaussian_array mu_t = mu_old + delta;
+  const gaussian_array lam_new_dot = -2.0 * dsd_new * precision_new / sd_new;
+  gaussian_array lam_t_dot = t * lam_new_dot + s * lam_old_dot;
+  const gaussian_array sigma_t_dot = -(sigma * sigma * lam_t_dot);
+  double kl_dot = 0.5 * ((lam_old_dot * sigma_gap).sum() - t * (precision_step * sigma_t_dot).sum());
+  gaussian_array h_t_dot = gaussian_array::Zero(n), h_gap = gaussian_array::Zero(n);
+  if (!split) {
+    h_t_dot = t * (lam_new_dot * mu_new + precision_new * dmu_new) + s * (lam_old_dot * mu_old + precision_old * dmu_old);
+    h_gap = precision_new * (mu_new - mu_old) + precision_step * mu_old;
+    const gaussian_array mu_t_dot = sigma * (h_t_dot - lam_t_dot * mu_t);
+    kl_dot += (delta * precision_old * (mu_t_dot - dmu_old)).sum() + 0.5 * (delta * lam_old_dot * delta).sum();
+  }
+  const double info = gaussian_member(basis.spectrum(!split), tilt_param{t, s}).sigma2;
+  const double t_dot = (io.eps - kl_dot) / (t * info);
+  lam_t_dot += t_dot * precision_step;
+  if (!split) {
+    h_t_dot += t_dot * h_gap;
+    mean_dot = sigma * (h_t_dot - lam_t_dot * mu_t);
+  }
+  // σ* = sqrt(Σ*): σ*' = Σ*'/(2σ*) with Σ*' = −Σ*² Λ*', Σ* = sigma.
+  const gaussian_array sd_dot = -(sigma * sigma * lam_t_dot) / (2.0 * sigma.sqrt());
+  store_vector(gaussian_vector(mean_dot.matrix()), io.out_mean);
+  store_vector(gaussian_vector(sd_dot.matrix()), io.out_cov_tangent);
+}
+
+}  // namespace cpu
+}  // namespace detail
+TROLL_END_NAMESPACE
+
+#include "eigen_warnings_pop.inc"

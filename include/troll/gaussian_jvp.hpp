@@ -1,0 +1,134 @@
+// troll/gaussian_jvp.hpp — the analytic JVP (forward-mode derivative) of the Gaussian projections
+// of troll/gaussian.hpp, by the implicit function theorem on KL(π_t* ‖ q) = ε: the tangent of
+// the projected mean and covariance factor (or standard deviations) along tangents of all inputs
+// and the bounds.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "batch.hpp"
+#include "config.hpp"
+#include "detail/arguments.hpp"
+#include "detail/cpu/gaussian_jvp_kernels.hpp"
+#include "detail/cpu/parallel.hpp"
+#include "detail/gaussian_checks.hpp"
+#include "errors.hpp"
+#include "execution.hpp"
+#include "gaussian_backward.hpp"
+#include "gaussian_types.hpp"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+
+template <class T>
+void check_tangent_view(const char* function, const char* name, batch_view<const T> view, batch_view<const T> like) {
+  if (view.data == nullptr) return;
+  check_view(function, name, view);
+  check_same_shape(function, name, view, "its input", like);
+}
+
+template <class T>
+void project_gaussian_jvp(cpu_policy policy, gaussian_call call, batch_view<const T> mean, batch_view<const T> cov,
+                          batch_view<const T> old_mean, batch_view<const T> old_cov, double eps_mean, double eps_cov,
+                          batch_view<const T> out_mean, batch_view<const T> out_cov,
+                          const gaussian::gaussian_stats* stats, const gaussian::gaussian_tangents<T>& tangents,
+                          batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov) {
+  require_float_type<T>();
+  call = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov);
+  const char* fn = call.function;
+  check_gaussian_arguments(call, mean, cov, old_mean, old_cov, tangent_out_mean, tangent_out_cov);
+  check_tangent_view<T>(fn, "tangents.mean", tangents.mean, mean);
+  check_tangent_view<T>(fn, "tangents.cov", tangents.cov, cov);
+  check_tangent_view<T>(fn, "tangents.old_mean", tangents.old_mean, old_mean);
+  check_tangent_view<T>(fn, "tangents.old_cov", tangents.old_cov, old_cov);
+  if (stats == nullptr && mean.rows != 0) throw_shape(fn, "stats is a null pointer");
+  check_eps(fn, eps_mean);
+  if (call.split) check_eps(fn, eps_cov);
+  if (!(tangents.eps - tangents.eps == 0.0) || !(tangents.eps_mean - tangents.eps_mean == 0.0))
+    throw domain_error(std::string("troll::") + fn + ": a bound tangent is not finite");
+  validate_gaussian_rows(policy.threads, call, mean, cov, old_mean, old_cov);
+  for (std::size_t r = 0; r < mean.rows; ++r) {
+    if (!stats[r].solved() || !(stats[r].t > 0.0 && stats[r].t <= 1.0))
+      throw domain_error(row_prefix(fn, r) + "forward statistics are unusable: status " +
+                             status_name(stats[r].status) + ", t = " + std::to_string(stats[r].t) +
+                             " (the JVP needs a solved row: inactive or projected)",
+                         r);
+  }
+  const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;
+  auto row = [](batch_view<const T> v, std::size_t r) { return v.data == nullptr ? nullptr : v.row(r); };
+  cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
+    const cpu::gaussian_row_tangents<T> io{out_cov.row(r),
+                                           row(tangents.mean, r),
+                                           row(tangents.cov, r),
+                                           row(tangents.old_mean, r),
+                                           row(tangents.old_cov, r),
+                                           tangents.eps,
+                                           tangents.eps_mean,
+                                           tangent_out_mean.row(r),
+                                           tangent_out_cov.row(r)};
+    const double t = stats[r].status == row_status::inactive ? 1.0 : stats[r].t;
+    if (call.full) {
+      cpu::gaussian_jvp_full(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
+                             eps_mean, t, io);
+    } else {
+      cpu::gaussian_jvp_diag(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
+                             eps_mean, t, io);
+    }
+  });
+}
+
+}  // namespace detail
+
+namespace gaussian {
+
+/// The JVP of project_joint: given the forward's inputs, outputs and stats and the input
+/// tangents (tangents.eps: ε'), writes the tangents of μ* and L* (lower-triangular). Rows must
+/// be solved; a not_converged row throws domain_error naming it, before anything is written.
+/// O(d³) per row.
+template <class T>
+void project_joint_jvp(cpu_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
+                       input_view<T> old_cov_chol, double eps, input_view<T> out_mean, input_view<T> out_cov_chol,
+                       const gaussian_stats* stats, const gaussian_tangents<T>& tangents,
+                       batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov_chol) {
+  detail::project_gaussian_jvp(policy, detail::gaussian_call{"gaussian::project_joint_jvp", true, false}, mean,
+                               cov_chol, old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol, stats, tangents,
+                               tangent_out_mean, tangent_out_cov_chol);
+}
+
+/// The JVP of project_split (tangents.eps: ε_Σ', tangents.eps_mean: ε_μ').
+template <class T>
+void project_split_jvp(cpu_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
+                       input_view<T> old_cov_chol, double eps_mean, double eps_cov, input_view<T> out_mean,
+                       input_view<T> out_cov_chol, const gaussian_stats* stats, const gaussian_tangents<T>& tangents,
+                       batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov_chol) {
+  detail::project_gaussian_jvp(policy, detail::gaussian_call{"gaussian::project_split_jvp", true, true}, mean,
+                               cov_chol, old_mean, old_cov_chol, eps_mean, eps_cov, out_mean, out_cov_chol, stats,
+                               tangents, tangent_out_mean, tangent_out_cov_chol);
+}
+
+/// The JVP of project_joint_diag (standard deviations; O(d) per row).
+template <class T>
+void project_joint_diag_jvp(cpu_policy policy, input_view<T> mean, input_view<T> std_dev, input_view<T> old_mean,
+                            input_view<T> old_std_dev, double eps, input_view<T> out_mean, input_view<T> out_std_dev,
+                            const gaussian_stats* stats, const gaussian_tangents<T>& tangents,
+                            batch_view<T> tangent_out_mean, batch_view<T> tangent_out_std_dev) {
+  detail::project_gaussian_jvp(policy, detail::gaussian_call{"gaussian::project_joint_diag_jvp", false, false},
+                               mean, std_dev, old_mean, old_std_dev, eps, eps, out_mean, out_std_dev, stats, tangents,
+                               tangent_out_mean, tangent_out_std_dev);
+}
+
+/// The JVP of project_split_diag.
+template <class T>
+void project_split_diag_jvp(cpu_policy policy, input_view<T> mean, input_view<T> std_dev, input_view<T> old_mean,
+                            input_view<T> old_std_dev, double eps_mean, double eps_cov, input_view<T> out_mean,
+                            input_view<T> out_std_dev, const gaussian_stats* stats,
+                            const gaussian_tangents<T>& tangents, batch_view<T> tangent_out_mean,
+                            batch_view<T> tangent_out_std_dev) {
+  detail::project_gaussian_jvp(policy, detail::gaussian_call{"gaussian::project_split_diag_jvp", false, true},
+                               mean, std_dev, old_mean, old_std_dev, eps_mean, eps_cov, out_mean, out_std_dev, stats,
+                               tangents, tangent_out_mean, tangent_out_std_dev);
+}
+
+}  // namespace gaussian
+TROLL_END_NAMESPACE

@@ -1,0 +1,199 @@
+// tests/cuda/test_cuda_gaussian.cu — the CUDA Gaussian projections (troll/cuda_gaussian.cuh)
+// against the CPU backend: joint and split bounds, diagonal and full covariances, float and
+// double, inactive and projected rows, rows the device rejects (NaN outputs, status rejected),
+// and the host-side argument checks (which run without a device).
+//
+// Without a CUDA device the "device" suite is skipped and "SKIPPED: no CUDA device" is printed.
+#include "cuda_support.cuh"  // first: doctest's main, EIGEN_NO_CUDA, warning suppressions
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "gaussian_oracle.hpp"
+#include "troll/cuda_gaussian.cuh"
+#include "troll/gaussian.hpp"
+
+namespace {
+
+using troll_test::device_array;
+using troll_test::test_stream;
+
+/// A batch of N random row pairs of dimension d (full: row-major factors; else std devs), with a
+/// spread of bounds so that some rows are inactive.
+struct batch {
+  std::size_t n = 0, d = 0;
+  bool full = true;
+  std::vector<double> mean, cov, old_mean, old_cov;
+  std::size_t cov_cols() const { return full ? d * d : d; }
+};
+
+batch make_batch(std::size_t n, std::size_t d, bool full, unsigned seed) {
+  troll_test::gauss::generator gen(seed);
+  batch b;
+  b.n = n;
+  b.d = d;
+  b.full = full;
+  for (std::size_t r = 0; r < n; ++r) {
+    // Every fourth row nearly equal to its old row (inactive at the bounds used below).
+    const double scale = r % 4 == 3 ? 1e-4 : 1.0;
+    const std::vector<double> m = gen.mean(d, 1.0), om = gen.mean(d, 1.0);
+    const std::vector<double> c = full ? gen.factor(d, 0.4) : gen.std_dev(d, 0.4);
+    const std::vector<double> oc = full ? gen.factor(d, 0.4) : gen.std_dev(d, 0.4);
+    for (std::size_t i = 0; i < d; ++i) {
+      b.old_mean.push_back(om[i]);
+      b.mean.push_back(om[i] + scale * (m[i] - om[i]));
+    }
+    for (std::size_t i = 0; i < c.size(); ++i) {
+      b.old_cov.push_back(oc[i]);
+      b.cov.push_back(oc[i] + scale * (c[i] - oc[i]));
+    }
+  }
+  return b;
+}
+
+template <class T>
+std::vector<T> cast(const std::vector<double>& v) {
+  return std::vector<T>(v.begin(), v.end());
+}
+
+struct result {
+  std::vector<double> mean, cov;
+  std::vector<troll::gaussian::gaussian_stats> stats;
+};
+
+/// Runs the projection named by (full, split) with policy P over host or device memory.
+template <class T, class P>
+void call(P policy, bool full, bool split, troll::batch_view<const T> m, troll::batch_view<const T> c,
+          troll::batch_view<const T> om, troll::batch_view<const T> oc, double eps_mean, double eps_cov,
+          troll::batch_view<T> ym, troll::batch_view<T> yc, troll::gaussian::gaussian_stats* stats) {
+  namespace g = troll::gaussian;
+  if (full && split) g::project_split(policy, m, c, om, oc, eps_mean, eps_cov, ym, yc, stats);
+  if (full && !split) g::project_joint(policy, m, c, om, oc, eps_mean, ym, yc, stats);
+  if (!full && split) g::project_split_diag(policy, m, c, om, oc, eps_mean, eps_cov, ym, yc, stats);
+  if (!full && !split) g::project_joint_diag(policy, m, c, om, oc, eps_mean, ym, yc, stats);
+}
+
+template <class T>
+result on_cpu(const batch& b, bool split, double eps_mean, double eps_cov) {
+  const std::vector<T> m = cast<T>(b.mean), c = cast<T>(b.cov), om = cast<T>(b.old_mean), oc = cast<T>(b.old_cov);
+  std::vector<T> ym(b.n * b.d), yc(b.n * b.cov_cols());
+  result r;
+  r.stats.resize(b.n);
+  const std::size_t cc = b.cov_cols();
+  call<T>(troll::cpu, b.full, split, troll::make_batch(m.data(), b.n, b.d), troll::make_batch(c.data(), b.n, cc),
+          troll::make_batch(om.data(), b.n, b.d), troll::make_batch(oc.data(), b.n, cc), eps_mean, eps_cov,
+          troll::make_batch(ym.data(), b.n, b.d), troll::make_batch(yc.data(), b.n, cc), r.stats.data());
+  r.mean.assign(ym.begin(), ym.end());
+  r.cov.assign(yc.begin(), yc.end());
+  return r;
+}
+
+template <class T>
+result on_device(const batch& b, bool split, double eps_mean, double eps_cov) {
+  const test_stream stream;
+  const std::size_t cc = b.cov_cols();
+  device_array<T> m(cast<T>(b.mean)), c(cast<T>(b.cov)), om(cast<T>(b.old_mean)), oc(cast<T>(b.old_cov));
+  device_array<T> ym(b.n * b.d), yc(b.n * cc);
+  device_array<troll::gaussian::gaussian_stats> stats(b.n);
+  auto in = [&](const device_array<T>& a, std::size_t cols) {
+    return troll::make_batch(static_cast<const T*>(a.get()), b.n, cols);
+  };
+  call<T>(troll::cuda.on(stream.stream), b.full, split, in(m, b.d), in(c, cc), in(om, b.d), in(oc, cc), eps_mean,
+          eps_cov, troll::make_batch(ym.get(), b.n, b.d), troll::make_batch(yc.get(), b.n, cc), stats.get());
+  stream.sync();
+  result r;
+  const std::vector<T> hm = ym.download(), hc = yc.download();
+  r.mean.assign(hm.begin(), hm.end());
+  r.cov.assign(hc.begin(), hc.end());
+  r.stats = stats.download();
+  return r;
+}
+
+template <class T>
+void compare(const batch& b, bool split) {
+  const double eps_mean = 0.1, eps_cov = 0.05;
+  const result cpu = on_cpu<T>(b, split, eps_mean, eps_cov);
+  const result gpu = on_device<T>(b, split, eps_mean, eps_cov);
+  // Different summation orders and eigensolvers (Jacobi against Eigen's): rounding-level
+  // differences in t, amplified by at most the conditioning of the rows (docs/cuda.md).
+  const double tol = std::is_same<T, float>::value ? 2e-4 : 1e-8;
+  INFO("d=", b.d, " full=", b.full, " split=", split, " float=", std::is_same<T, float>::value);
+  for (std::size_t r = 0; r < b.n; ++r) {
+    INFO("row ", r);
+    CHECK(gpu.stats[r].status == cpu.stats[r].status);
+    CHECK(gpu.stats[r].t == doctest::Approx(cpu.stats[r].t).epsilon(tol));
+    CHECK(gpu.stats[r].kl_after == doctest::Approx(cpu.stats[r].kl_after).epsilon(tol));
+    CHECK(gpu.stats[r].omega == doctest::Approx(cpu.stats[r].omega).epsilon(tol));
+  }
+  for (std::size_t i = 0; i < cpu.mean.size(); ++i) CHECK(std::fabs(gpu.mean[i] - cpu.mean[i]) <= tol * (1 + std::fabs(cpu.mean[i])));
+  for (std::size_t i = 0; i < cpu.cov.size(); ++i) CHECK(std::fabs(gpu.cov[i] - cpu.cov[i]) <= tol * (1 + std::fabs(cpu.cov[i])));
+}
+
+}  // namespace
+
+TEST_SUITE("device") {
+  TEST_CASE("the device projections match the CPU (double and float)") {
+    for (const bool split : {false, true}) {
+      for (const std::size_t d : {std::size_t(1), std::size_t(3), std::size_t(8), std::size_t(32)}) {
+        compare<double>(make_batch(37, d, true, unsigned(11 + d)), split);
+        compare<float>(make_batch(37, d, true, unsigned(13 + d)), split);
+      }
+      for (const std::size_t d : {std::size_t(1), std::size_t(7), std::size_t(64), std::size_t(256)}) {
+        compare<double>(make_batch(37, d, false, unsigned(17 + d)), split);
+        compare<float>(make_batch(37, d, false, unsigned(19 + d)), split);
+      }
+    }
+  }
+
+  TEST_CASE("rows the CPU would reject are NaN with status rejected; the others are projected") {
+    for (const bool full : {true, false}) {
+      batch b = make_batch(5, 4, full, 23);
+      const std::size_t cc = b.cov_cols();
+      b.mean[1 * 4 + 2] = std::numeric_limits<double>::quiet_NaN();    // row 1: a NaN mean
+      b.old_cov[3 * cc + (full ? 5 : 1)] = -1.0;                        // row 3: a bad diagonal
+      if (full) b.cov[4 * cc + 1] = 0.5;                               // row 4: above the diagonal
+      const result gpu = on_device<double>(b, false, 0.1, 0.1);
+      for (const std::size_t r : {std::size_t(1), std::size_t(3)}) {
+        CHECK(gpu.stats[r].status == troll::row_status::rejected);
+        CHECK(std::isnan(gpu.mean[r * 4]));
+        CHECK(std::isnan(gpu.cov[r * cc]));
+      }
+      if (full) CHECK(gpu.stats[4].status == troll::row_status::rejected);
+      CHECK(gpu.stats[0].solved());
+      CHECK(gpu.stats[2].solved());
+    }
+  }
+}
+
+TEST_CASE("host-side checks, as the CPU's (no device needed)") {
+  troll::gaussian::gaussian_stats* stats = nullptr;
+  // d = 40 full: above the device's limit.
+  const auto m = troll::make_batch(reinterpret_cast<const double*>(8), 2, 40);
+  const auto c = troll::make_batch(reinterpret_cast<const double*>(8), 2, 1600);
+  const auto ym = troll::make_batch(reinterpret_cast<double*>(8), 2, 40);
+  const auto yc = troll::make_batch(reinterpret_cast<double*>(8), 2, 1600);
+  troll::gaussian::gaussian_stats one;
+  CHECK_THROWS_AS(troll::gaussian::project_joint(troll::cuda, m, c, m, c, 0.1, ym, yc, &one), troll::shape_error);
+  // Bad bounds and a null stats pointer are caught before any launch.
+  const auto m2 = troll::make_batch(reinterpret_cast<const double*>(8), 2, 3);
+  const auto y2 = troll::make_batch(reinterpret_cast<double*>(8), 2, 3);
+  CHECK_THROWS_AS(troll::gaussian::project_joint_diag(troll::cuda, m2, m2, m2, m2, 0.0, y2, y2, &one),
+                  troll::domain_error);
+  CHECK_THROWS_AS(troll::gaussian::project_split_diag(troll::cuda, m2, m2, m2, m2, 0.1, -1.0, y2, y2, &one),
+                  troll::domain_error);
+  CHECK_THROWS_AS(troll::gaussian::project_joint_diag(troll::cuda, m2, m2, m2, m2, 0.1, y2, y2, stats),
+                  troll::shape_error);
+  // A shape mismatch: factors that are not d × d.
+  const auto bad = troll::make_batch(reinterpret_cast<const double*>(8), 2, 4);
+  CHECK_THROWS_AS(troll::gaussian::project_joint(troll::cuda, m2, bad, m2, bad, 0.1, y2,
+                                                 troll::make_batch(reinterpret_cast<double*>(8), 2, 4), &one),
+                  troll::shape_error);
+}
+
+int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }
