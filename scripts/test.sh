@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The full check: install the dependencies, build the release preset (tests, benchmarks,
-# examples; warnings are errors) and run ctest, then build the asan preset (AddressSanitizer +
+# examples; warnings are errors) and run ctest and a smoke run of every benchmark binary
+# (scripts/bench-smoke.sh), then build the asan preset (AddressSanitizer +
 # UBSan, tests only) and run ctest again, then run the libFuzzer target for ~60 s
 # (scripts/fuzz.sh; FUZZ_SECONDS overrides), and last the Python package (scripts/python-test.sh:
 # a venv under build/, pip install ./python, pytest). Exits non-zero at the first failure.
@@ -29,6 +30,8 @@ stage "release: build (-j$jobs)"
 cmake --build --preset release -j "$jobs"
 stage "release: ctest"
 ctest --preset release -j "$jobs"
+stage "release: benchmark smoke run (every bench_* binary, a few ms per benchmark)"
+bash scripts/bench-smoke.sh build/release
 
 stage "asan: configure"
 cmake --preset asan

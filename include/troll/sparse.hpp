@@ -150,10 +150,18 @@ void validate_aligned(const char* fn, unsigned threads, const aligned_batch_view
   const std::size_t any_bad =
       cpu::first_bad_row(threads, a.rows, 16 * std::size_t(a.k_max) + 64, [&](std::size_t r) {
         sparse_index table[cpu::distinct_table_slots];
-        return !sparse_row_fine(new_side, r, table) ||
-               !cpu::sparse_values_fine(old_side.row_log_probs(r), old_side.count(r),
-                                        old_side.log_remainder[r], old_side.vocab) ||
-               bool(problem(r));
+        bool new_finite = false, old_finite = false;
+        if (!cpu::sparse_indices_fine(new_side.row_indices(r), new_side.count(r), new_side.k_max, new_side.vocab,
+                                      table) ||
+            !cpu::sparse_values_fine(new_side.row_log_probs(r), new_side.count(r), new_side.log_remainder[r],
+                                     new_side.vocab, &new_finite) ||
+            !cpu::sparse_values_fine(old_side.row_log_probs(r), old_side.count(r), old_side.log_remainder[r],
+                                     old_side.vocab, &old_finite))
+          return true;
+        // Every lumped category finite on both sides (values ≤ 0, a non-empty tail): the lumped
+        // checks cannot fail (no NaN or +inf, nothing masked, so nothing disjoint or infeasible).
+        if (new_finite && old_finite && a.vocab > std::size_t(a.counts[r])) return false;
+        return bool(problem(r));
       });
   if (any_bad == a.rows) return;
   validate_sparse(fn, threads, new_side, "new");
@@ -801,7 +809,22 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
   detail::check_sparse_project_backward_arguments(fn, rows, log_probs, stats, grad, grad_new, grad_old);
   const bool want_old = !grad_old.empty();
   detail::validate_aligned(fn, policy.threads, rows, 0.0);
-  detail::first_sparse_problem(fn, policy.threads, rows.rows, 4 * std::size_t(sparse_max_entries),
+  // One fast yes/no pass; only a batch with a bad row runs the checks below, which name it.
+  const std::size_t any_bad =
+      detail::cpu::first_bad_row(policy.threads, rows.rows, 8 * std::size_t(rows.k_max), [&](std::size_t r) {
+        const sparse_index c = log_probs.counts[r];
+        if (c < 0 || std::size_t(c) > log_probs.k_max || c != rows.counts[r]) return true;
+        const bool tail = rows.vocab > std::size_t(c);
+        const T masked = T(detail::neg_inf());
+        const std::size_t at = r * rows.k_max;
+        return !detail::cpu::backward_row_fine(
+            log_probs.row_indices(r), rows.indices + at, log_probs.row_log_probs(r), rows.new_log_probs + at,
+            rows.old_log_probs + at, grad.row(r), int(c), log_probs.log_remainder[r],
+            tail ? rows.new_log_remainder[r] : masked, tail ? rows.old_log_remainder[r] : masked,
+            grad.log_remainder[r]);
+      });
+  detail::first_sparse_problem(fn, policy.threads, any_bad != rows.rows ? rows.rows : 0,
+                               4 * std::size_t(sparse_max_entries),
                                [&](std::size_t r) {
                                  detail::cpu::sparse_problem p;
                                  p.operand = "log_probs";

@@ -14,11 +14,13 @@
 
 #include "eigen.hpp"
 #include <cstddef>
+#include <type_traits>
 
 #include "../../config.hpp"
 #include "../../projection_types.hpp"
 #include "../numeric.hpp"
 #include "../tilt_derivatives.hpp"
+#include "finite_rows.hpp"
 #include "row_kernels.hpp"
 
 #include "eigen_warnings_push.inc"
@@ -106,12 +108,71 @@ inline block_array dt_dold_block(const T* zo, const backward_block& b, const pro
   return -((1.0 - t) * t * pi * b.centred - pi_minus_q) / (t * s.sigma2);
 }
 
+/// vjp_row without grad_old for a double row of at most block_size tokens whose logits are finite
+/// and whose log π* all lie in [−700, 0] (every token on J, no exponent where the packet exp
+/// clamps): two fused packet passes (π and d − μ with the two sums, then the gradient). Returns
+/// −1, writing nothing, for any other row (the caller takes the general path), else what vjp_row
+/// returns (0 or 1).
+inline int vjp_row_short(const double* zn, const double* zo, const double* logp, const double* g, long size,
+                         const projection_stats& s, double* grad_new, double* grad_eps) {
+  using namespace Eigen::internal;
+  using packet = packet_traits<double>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(double));
+  if (size > long(block_size) || size == 0) return -1;
+  const long padded = (size + lanes - 1) / lanes * lanes;
+  // The last partial packet is read from copies padded with g = 0 and log π = −700: its padding
+  // lanes add nothing to the sums, and their π (e^{−700}) is never read.
+  double tail_zn[lanes], tail_zo[lanes], tail_lp[lanes], tail_g[lanes];
+  const long whole = size - size % lanes;
+  for (long j = 0; j < lanes; ++j) {
+    const bool in = whole + j < size;
+    tail_zn[j] = in ? zn[whole + j] : 0.0;
+    tail_zo[j] = in ? zo[whole + j] : 0.0;
+    tail_lp[j] = in ? logp[whole + j] : -700.0;
+    tail_g[j] = in ? g[whole + j] : 0.0;
+  }
+  auto at = [&](const double* p, const double* tail, long k) { return k < whole ? p + k : tail; };
+  const bool projected = s.status == row_status::projected;
+  double pi[block_size], centred[block_size];
+  const packet mu = pset1<packet>(s.mu);
+  packet lowest = pset1<packet>(0.0), odd = pset1<packet>(0.0), sg = odd, sgc = odd;
+  for (long k = 0; k < padded; k += lanes) {
+    const packet lp = ploadu<packet>(at(logp, tail_lp, k));
+    const packet c = psub(psub(ploadu<packet>(at(zn, tail_zn, k)), ploadu<packet>(at(zo, tail_zo, k))), mu);
+    const packet gk = ploadu<packet>(at(g, tail_g, k));
+    lowest = pmin(lowest, lp);
+    odd = padd(odd, padd(psub(c, c), psub(lp, lp)));  // NaN unless every d − μ and log π is finite
+    pstoreu(pi + k, exp_nonpositive(lp));
+    pstoreu(centred + k, c);
+    sg = padd(sg, gk);
+    sgc = padd(sgc, pmul(gk, c));
+  }
+  if (!(predux_min(lowest) >= -700.0 && predux(odd) == 0.0)) return -1;
+  const double sum_g = predux(sg), sum_gc = projected ? predux(sgc) : 0.0;
+  const double t = projected ? s.t : 1.0;
+  const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
+  int overflow = 0;  // an OR-reduction the compiler vectorises with the loop
+  for (long k = 0; k < size; ++k) {
+    const double gn = t * ((g[k] - pi[k] * sum_g) - pi[k] * centred[k] * h_over_var);
+    overflow |= !(gn - gn == 0.0);
+    grad_new[k] = gn;
+  }
+  *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
+  return overflow == 0 && fits_in<double>(*grad_eps) ? 1 : 0;
+}
+
 /// VJP of one row. grad_old may be null; grad_eps receives ∂L/∂ε of this row. Returns false when
 /// an output does not fit T (an upstream gradient on a token the row all but masks, with a tiny
 /// σ², can make the true derivative overflow): the caller reports the row.
 template <class T>
 inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::size_t size,
                     const projection_stats& s, T* grad_new, T* grad_old, double* grad_eps) {
+  if constexpr (std::is_same<T, double>::value) {  // the lumped sparse rows
+    if (!grad_old) {
+      const int done = vjp_row_short(zn, zo, logp, g, static_cast<long>(size), s, grad_new, grad_eps);
+      if (done >= 0) return done == 1;
+    }
+  }
   const bool projected = s.status == row_status::projected;
   const double mu = s.mu;
   backward_block b;

@@ -15,6 +15,7 @@
 #include "../row_problem.hpp"
 #include "../tilt_family.hpp"
 #include "../trust_region_solver.hpp"
+#include "finite_rows.hpp"
 
 #include "eigen_warnings_push.inc"
 
@@ -128,6 +129,19 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
                              const char* new_name, const char* old_name) {
   setup = row_setup{};
   row_problem p;
+  if constexpr (std::is_same<T, double>::value) {  // the common pair, every logit finite: one packet pass
+    pair_extremes e;
+    if (size > 0 && finite_extremes(zn, zo, static_cast<long>(size), e)) {
+      std::size_t at_new = 0, at_old = 0;
+      while (zn[at_new] != e.max_new) ++at_new;
+      while (zo[at_old] != e.max_old) ++at_old;
+      setup.old_max = e.max_old;
+      setup.new_top = tilt_ref{zn[at_new], zo[at_new]};
+      setup.old_top = tilt_ref{zn[at_old], zo[at_old]};
+      setup.spread = maximum(e.max_new, e.max_old) - minimum(e.min_new, e.min_old);
+      return p;
+    }
+  }
   double best_new = neg_inf(), best_old = neg_inf();
   double lowest = inf(), highest = neg_inf();  // over both rows, −inf included
   bool any_new = false, any_old = false;
@@ -282,6 +296,20 @@ struct tilt_evaluator {
     const bool wide = masked || !(spread <= 700.0);
     lse_state total;
     block_array a, b, x, w, e;
+    if (!wide) {  // the common row: two fused passes per block (finite_rows.hpp)
+      for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+        lse_state part;
+        if constexpr (std::is_same<T, double>::value) {
+          part = tilt_reduce_finite(new_logits + begin, old_logits + begin, count, u, ref, x.data(), w.data());
+        } else {
+          a = load(new_logits, begin, count);
+          b = load(old_logits, begin, count);
+          part = tilt_reduce_finite(a.data(), b.data(), count, u, ref, x.data(), w.data());
+        }
+        total = merge(total, part);
+      });
+      return total;
+    }
     for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
       block(begin, count, u, ref, a, b, x, w);
       const double m = w.maxCoeff();

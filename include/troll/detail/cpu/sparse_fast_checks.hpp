@@ -7,10 +7,12 @@
 #include "eigen.hpp"
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #include "../../config.hpp"
 #include "../numeric.hpp"
 #include "../sparse_row.hpp"
+#include "finite_rows.hpp"
 
 #include "eigen_warnings_push.inc"
 
@@ -48,33 +50,91 @@ inline bool sparse_indices_fine(const sparse_index* indices, long long count, st
   return true;
 }
 
+/// Σ_i exp(l_i) over a row's log-probs (all ≤ 0 or −inf) and the bound on its rounding error
+/// used by sparse_values_fine, in whole packets (the last one padded with −inf). Float rows take
+/// their exponentials and the sum in float, sixteen lanes with AVX-512: each term within a few
+/// float ulps, so the total within (n + 2)·2.5e-7 of the exact sum when it is near 1 (every term
+/// is ≤ 1). Double rows in double (exp_nonpositive: e^{−700} at most for a term below −700).
+template <class T>
+inline double fast_mass(const T* log_probs, int n, double& error) {
+  using namespace Eigen::internal;
+  using packet = typename packet_traits<T>::type;
+  constexpr int lanes = int(sizeof(packet) / sizeof(T));
+  error = sizeof(T) < sizeof(double) ? (n + 2) * 2.5e-7 : 1e-9;
+  auto exp_of = [](const packet& l) {
+    if constexpr (sizeof(T) < sizeof(double)) {
+      return pexp(l);  // Eigen's float exp: exp(−inf) is a tiny positive number, harmless here
+    } else {
+      return exp_nonpositive(l);
+    }
+  };
+  packet acc = pset1<packet>(T(0));
+  int k = 0;
+  for (; k + lanes <= n; k += lanes) acc = padd(acc, exp_of(ploadu<packet>(log_probs + k)));
+  if (k < n) {
+    T last[lanes];
+    for (int j = 0; j < lanes; ++j) last[j] = k + j < n ? log_probs[k + j] : -std::numeric_limits<T>::infinity();
+    acc = padd(acc, exp_of(ploadu<packet>(last)));
+  }
+  return static_cast<double>(predux(acc));
+}
+
 /// Whether the values of a sparse row with distinct in-range indices pass check_sparse_row:
 /// log-probs and log-remainder not NaN and ≤ 0, no remainder mass when count = V, some mass, and
 /// Σ p_i + r within sparse_mass_tolerance<T>() of 1. The sum is taken with vectorised
-/// exponentials; where it lands within 1e-9 of the tolerance's edge (or outside) the scalar sum
-/// of check_sparse_row decides, so both accept the same rows.
+/// exponentials (fast_mass); where it lands within its error bound of the tolerance's edge (or
+/// outside) the scalar double sum of check_sparse_row decides, so both accept the same rows.
+/// `finite`, when given, receives whether every log-prob and the log-remainder are above −inf.
 template <class T>
-inline bool sparse_values_fine(const T* log_probs, long long count, T log_remainder, std::size_t vocab) {
+inline bool sparse_values_fine(const T* log_probs, long long count, T log_remainder, std::size_t vocab,
+                               bool* finite = nullptr) {
   const int n = static_cast<int>(count);
-  double widened[sparse_max_entries];
-  int bad = 0;
-  double most = neg_inf();
+  // Integer OR-reductions in T, which the compiler vectorises (a running max would not be).
+  constexpr T lowest = -std::numeric_limits<T>::infinity();
+  int bad = 0, masked = 0, some = 0;
   for (int i = 0; i < n; ++i) {
-    const double l = static_cast<double>(log_probs[i]);
-    bad |= !(l <= 0.0);
-    widened[i] = l;
-    most = l > most ? l : most;
+    const T l = log_probs[i];
+    bad |= !(l <= T(0));
+    masked |= l == lowest;
+    some |= l > lowest;
   }
   const double r = static_cast<double>(log_remainder);
+  if (finite) *finite = masked == 0 && r > neg_inf();
   if (bad != 0 || !(r <= 0.0)) return false;
   if (static_cast<std::size_t>(n) == vocab && r > neg_inf()) return false;
-  if (!(most > neg_inf()) && !(r > neg_inf())) return false;
-  // Eigen's vectorised exp gives ~5.6e-309 for −inf (row_kernels.hpp, exact_exp): ≤ 1e-305 in all.
-  const double mass = Eigen::Map<const Eigen::ArrayXd>(widened, n).exp().sum() + ::exp(r);
+  if (some == 0 && !(r > neg_inf())) return false;
+  double error = 0.0;
+  const double mass = fast_mass(log_probs, n, error) + ::exp(r);
   const double tol = sparse_mass_tolerance<T>();
-  if (mass >= 1.0 - tol + 1e-9 && mass <= 1.0 + tol - 1e-9) return true;
+  if (mass >= 1.0 - tol + error && mass <= 1.0 + tol - error) return true;
   const double exact = sparse_row_mass(log_probs, n, r);
   return exact >= 1.0 - tol && exact <= 1.0 + tol;
+}
+
+/// Whether one entry (log π* = l, aligned sides zn, zo, upstream g) passes project_backward's
+/// checks: l not NaN and ≤ 0, and where l > −inf both sides above −inf and g finite.
+template <class T>
+inline int backward_entry_bad(T l, T zn, T zo, T g) {
+  constexpr T lowest = -std::numeric_limits<T>::infinity();
+  const int live = l > lowest;
+  return int(!(l <= T(0))) | (live & (int(zn == lowest) | int(zo == lowest) | int(!(g - g == T(0)))));
+}
+
+/// The yes/no form of project_backward's per-row checks of log_probs and the upstream gradient
+/// for a row whose counts already agree: every id equal to the aligned id and every entry, the
+/// bucket included (its sides −inf when the tail is empty), passing backward_entry_bad. One
+/// vectorised pass of integer OR-reductions; a row it refuses goes to the full check.
+template <class T>
+inline bool backward_row_fine(const sparse_index* ids, const sparse_index* aligned_ids, const T* log_probs,
+                              const T* new_lp, const T* old_lp, const T* g, int count, T log_remainder,
+                              T new_remainder, T old_remainder, T g_remainder) {
+  int bad = 0;
+  for (int i = 0; i < count; ++i) {
+    bad |= int(ids[i] != aligned_ids[i]);
+    bad |= backward_entry_bad(log_probs[i], new_lp[i], old_lp[i], g[i]);
+  }
+  bad |= backward_entry_bad(log_remainder, new_remainder, old_remainder, g_remainder);
+  return bad == 0;
 }
 
 }  // namespace cpu

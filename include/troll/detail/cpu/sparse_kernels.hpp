@@ -23,11 +23,10 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cpu {
 
-/// The arithmetic of sparsify's block scan: float logits are compared, maximised and
-/// exponentiated in float (eight lanes of AVX2 where double has four; the same choice as the
-/// device kernel), every sum is still taken in double. Double logits stay in double.
-template <class T>
-using scan_block = Eigen::Array<T, Eigen::Dynamic, 1, Eigen::ColMajor, block_size, 1>;
+// The arithmetic of sparsify's block scan: float logits are compared, maximised and
+// exponentiated in float (sixteen lanes of AVX-512, eight of AVX2, where double has half as many;
+// the same choice as the device kernel), partial sums of a few terms per lane too, every longer
+// sum in double. Double logits stay in double.
 
 /// The largest value of type V not above the double x: for every V value y, y > x exactly when
 /// y > threshold_below<V>(x), so the scan's test in V selects what the double test would. (Every
@@ -60,41 +59,108 @@ inline double sum_in_double(const T* x, Eigen::Index count) {
   return total;
 }
 
+/// max of p[0..n) in T, whole packets then a scalar tail.
+template <class T>
+inline T packet_max(const T* p, Eigen::Index n) {
+  using namespace Eigen::internal;
+  using packet = typename packet_traits<T>::type;
+  constexpr Eigen::Index lanes = Eigen::Index(sizeof(packet) / sizeof(T));
+  T most = -std::numeric_limits<T>::infinity();
+  Eigen::Index k = 0;
+  if (n >= lanes) {
+    packet acc = ploadu<packet>(p);
+    for (k = lanes; k + lanes <= n; k += lanes) acc = pmax(acc, ploadu<packet>(p + k));
+    most = predux_max(acc);
+  }
+  for (; k < n; ++k) most = p[k] > most ? p[k] : most;
+  return most;
+}
+
+/// Σ_k e^{p_k − m} over p[0..n) as one packet of partial sums per lane, the exponentials and the
+/// partial sums in T (each lane adds at most chunk / lanes terms), stored to `lane_sums`; the
+/// last partial packet is padded with −inf (an e^{−inf} of Eigen's is tiny, not 0: harmless in a
+/// sum that holds e^0 = 1).
+template <class T>
+inline void packet_exp_sums(const T* p, Eigen::Index n, T m, T* lane_sums) {
+  using namespace Eigen::internal;
+  using packet = typename packet_traits<T>::type;
+  constexpr Eigen::Index lanes = Eigen::Index(sizeof(packet) / sizeof(T));
+  const packet pm = pset1<packet>(m);
+  packet acc = pset1<packet>(T(0));
+  Eigen::Index k = 0;
+  for (; k + lanes <= n; k += lanes) acc = padd(acc, pexp(psub(ploadu<packet>(p + k), pm)));
+  if (k < n) {
+    T last[lanes];
+    for (Eigen::Index j = 0; j < lanes; ++j) last[j] = k + j < n ? p[k + j] : -std::numeric_limits<T>::infinity();
+    acc = padd(acc, pexp(psub(ploadu<packet>(last), pm)));
+  }
+  pstoreu(lane_sums, acc);
+}
+
 /// Feeds the tokens [offset, offset + size) of a row (z points at token `offset`) into a
-/// sparsify state, block by block: a vectorised test against the heap's entry threshold sends
-/// the few tokens that can enter the heap through offer(), and the rest into the outside
-/// log-sum-exp as one block summary (exponentials in T, the block sum in double). Every token
-/// lands in exactly one place.
+/// sparsify state, block by block, in two passes over each block (held in L1): first the max of
+/// each 64-token chunk, where a chunk that beats the heap's entry threshold (a few chunks of a
+/// row once the heap is full) or holds the sampled token is copied and walked token by token,
+/// its candidates sent through offer() and blanked; then the exponentials of every other token,
+/// read in place, into the outside log-sum-exp as one block summary (exponentials and partial
+/// sums of at most 64 / lanes terms in T, the block sum in double). Every token lands in exactly
+/// one place.
 template <class T>
 inline void sparsify_scan(const T* z, std::size_t size, std::size_t offset, sparsify_state& st) {
+  using packet = typename Eigen::internal::packet_traits<T>::type;
+  constexpr Eigen::Index lanes = Eigen::Index(sizeof(packet) / sizeof(T));
+  constexpr Eigen::Index chunk = 64;
+  constexpr Eigen::Index chunks_per_block = block_size / chunk;
+  static_assert(chunk % lanes == 0 && block_size % chunk == 0, "chunks hold whole packets");
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-  scan_block<T> a;
+  T copy[block_size];                             // the walked chunks, candidates blanked
+  T lane_sums[chunks_per_block * lanes];          // packet_exp_sums of each chunk
+  bool walked[chunks_per_block];
+  T chunk_max[chunks_per_block];
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-    a = row_map<T>(z + begin, count);
+    const T* row = z + begin;
     const long long first = static_cast<long long>(offset + begin);
-    const long long local_sampled = static_cast<long long>(st.sampled) - first;
-    if (st.sampled >= 0 && local_sampled >= 0 && local_sampled < count) {
-      st.has_sampled = true;
-      st.sampled_logit = static_cast<double>(a[local_sampled]);
-      a[local_sampled] = minus_inf;
-    }
-    // Candidates: a vectorised max per chunk of 64 tokens; only a chunk that beats the heap's
-    // entry threshold is walked token by token (a few chunks of a row once the heap is full).
-    constexpr Eigen::Index chunk = 64;
-    for (Eigen::Index c = 0; c < count; c += chunk) {
-      const Eigen::Index n = count - c < chunk ? count - c : chunk;
+    const long long local_sampled = st.sampled >= 0 ? static_cast<long long>(st.sampled) - first : -1;
+    const Eigen::Index chunks = (count + chunk - 1) / chunk;
+    T m = minus_inf;
+    for (Eigen::Index c = 0; c < chunks; ++c) {
+      const Eigen::Index from = c * chunk, n = count - from < chunk ? count - from : chunk;
+      const bool holds_sampled = local_sampled >= from && local_sampled < from + n;
       const T threshold = threshold_below<T>(entry_threshold(st));
-      if (!(a.segment(c, n).maxCoeff() > threshold)) continue;
-      for (Eigen::Index k = c; k < c + n; ++k) {
-        if (!(a[k] > threshold)) continue;
-        offer(st, sparse_candidate{static_cast<double>(a[k]), static_cast<sparse_index>(first + k)});
-        a[k] = minus_inf;  // placed: keep it out of the block summary below
+      T most = packet_max(row + from, n);
+      walked[c] = holds_sampled || most > threshold;
+      if (walked[c]) {
+        T* a = copy + from;
+        for (Eigen::Index k = 0; k < n; ++k) a[k] = row[from + k];
+        if (holds_sampled) {
+          st.has_sampled = true;
+          st.sampled_logit = static_cast<double>(a[local_sampled - from]);
+          a[local_sampled - from] = minus_inf;
+        }
+        // Token by token only inside the packets whose max beats the threshold.
+        for (Eigen::Index p = 0; p < n; p += lanes) {
+          const Eigen::Index end = p + lanes < n ? p + lanes : n;
+          if (!(packet_max(a + p, end - p) > threshold)) continue;
+          for (Eigen::Index k = p; k < end; ++k) {
+            if (!(a[k] > threshold)) continue;
+            offer(st, sparse_candidate{static_cast<double>(a[k]), static_cast<sparse_index>(first + from + k)});
+            a[k] = minus_inf;  // placed: keep it out of the block summary below
+          }
+        }
+        most = packet_max(a, n);
       }
+      chunk_max[c] = most;
+      m = most > m ? most : m;
     }
-    const T m = a.maxCoeff();
     if (m == minus_inf) return;
-    a = (a - m).exp();  // evaluated on its own: a cast in the same expression would de-vectorise it
-    push_block(st.outside, static_cast<double>(m), sum_in_double(a.data(), count));
+    Eigen::Index used = 0;
+    for (Eigen::Index c = 0; c < chunks; ++c) {
+      if (chunk_max[c] == minus_inf) continue;  // nothing left in it
+      const Eigen::Index from = c * chunk, n = count - from < chunk ? count - from : chunk;
+      packet_exp_sums((walked[c] ? copy : row) + from, n, m, lane_sums + used);
+      used += lanes;
+    }
+    push_block(st.outside, static_cast<double>(m), sum_in_double(lane_sums, used));
   });
 }
 
