@@ -25,6 +25,11 @@ TEST_CASE("every entry point runs under troll::cpu from one function template") 
   CHECK(std::isfinite(serial.sparse_troll_loss));
   for (double g : serial.grad_new) CHECK(std::isfinite(g));
   for (int c : serial.sparse_counts) CHECK(c > 0);
+  CHECK(serial.gaussian_chol == threaded.gaussian_chol);
+  REQUIRE(serial.gaussian_kl_after.size() == 8);
+  for (double kl_after : serial.gaussian_kl_after) CHECK(kl_after <= 0.05 * (1 + 1e-9));
+  for (double v : serial.gaussian_diag_std) CHECK(v > 0.0);
+  for (double v : serial.gaussian_split_diag_std) CHECK(v > 0.0);
   // The first shard's gradient is the first columns of the whole row's (same support, same g).
   const std::size_t rows = 2, V = 8, half = V / 2;
   REQUIRE(serial.sparse_shard_grad.size() == rows * half);
@@ -42,6 +47,8 @@ TEST_CASE("workspace_bytes: defined for every entry point and both policies") {
   static_assert(workspace_bytes(cpu, op::project_backward{}, 10, 100) == 10, "one flag per row");
   static_assert(workspace_bytes(cpu, op::project_jvp{}, 10, 100) == 10, "one flag per row");
   static_assert(workspace_bytes(cpu, op::project_jacobian{}, 10, 100) == 0, "none on the CPU");
+  static_assert(workspace_bytes(cpu, op::gaussian_project_joint_backward{}, 10, 4) == 0, "Gaussians need none");
+  static_assert(workspace_bytes(cuda, op::gaussian_project_split_diag{}, 10, 4) == 0, "Gaussians need none");
   static_assert(workspace_bytes(cuda, op::project_jacobian{}, 10, 100) == project_jacobian_workspace_bytes(10, 100),
                 "the CUDA Jacobian's per-row terms");
   static_assert(workspace_bytes(cuda, op::project_jacobian{}, 0, 100) == 0, "no rows, no scratch");

@@ -25,7 +25,7 @@
 
 TROLL_BEGIN_NAMESPACE
 
-/// Tags naming the entry points, for workspace_bytes.
+/// Tags naming the entry points, for workspace_bytes (troll::gaussian::X is op::gaussian_X).
 namespace op {
 struct log_softmax {};
 struct kl {};
@@ -44,6 +44,20 @@ struct align {};
 struct align_backward {};
 struct objective_forward {};
 struct objective_backward {};
+struct gaussian_project_joint {};
+struct gaussian_project_split {};
+struct gaussian_project_joint_diag {};
+struct gaussian_project_split_diag {};
+struct gaussian_project_joint_backward {};
+struct gaussian_project_split_backward {};
+struct gaussian_project_joint_diag_backward {};
+struct gaussian_project_split_diag_backward {};
+struct gaussian_project_joint_jvp {};
+struct gaussian_project_split_jvp {};
+struct gaussian_project_joint_diag_jvp {};
+struct gaussian_project_split_diag_jvp {};
+struct gaussian_kl {};
+struct gaussian_kl_diag {};
 }  // namespace op
 
 namespace detail {

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include <troll/gaussian.hpp>
 #include <troll/projection.hpp>
 #include <troll/workspace.hpp>
 
@@ -42,6 +43,9 @@ struct step_results {
   std::vector<double> log_softmax, kl, project, project_stats_kl, grad_new, jvp, jacobian;
   std::vector<double> sparse_log_probs, sparse_kl, sparse_grad, sparse_shard_grad;
   std::vector<int> sparse_counts;
+  std::vector<double> gaussian_mean, gaussian_chol, gaussian_split_mean, gaussian_split_chol;
+  std::vector<double> gaussian_diag_mean, gaussian_diag_std, gaussian_split_diag_mean, gaussian_split_diag_std;
+  std::vector<double> gaussian_kl_after;  ///< kl_after of every row of the four projections, in call order
   double troll_loss = 0.0, ppo_loss = 0.0, dppo_loss = 0.0, sparse_troll_loss = 0.0;
 };
 
@@ -240,6 +244,48 @@ step_results run_every_entry_point(Policy policy) {
     troll::objective_backward(p, objective, new_in, troll::aligned_input<T>(objective_aligned.view(rows, V)), batch,
                               troll::sparse_input<T>(objective_log_probs.view(rows, V)), sparse_stats.get(),
                               grad_objective_view, 1.0);
+  }
+
+  // ---- Gaussian rows (d = 2): Cholesky factors and standard deviations ----
+  {
+    constexpr std::size_t d = 2;
+    typename S::template array<T> mu(std::vector<T>{0.4, -0.3, -0.2, 0.5}), mu_old(std::vector<T>{0.0, 0.1, 0.1, 0.0});
+    typename S::template array<T> chol(std::vector<T>{1.5, 0.0, 0.3, 0.6, 0.7, 0.0, -0.2, 1.4});
+    typename S::template array<T> chol_old(std::vector<T>{1.0, 0.0, 0.1, 0.9, 1.1, 0.0, 0.0, 1.0});
+    typename S::template array<T> sd(std::vector<T>{1.6, 0.5, 0.7, 1.3}), sd_old(std::vector<T>{1.0, 0.9, 1.1, 1.0});
+    const auto mu_in = troll::make_batch<const T>(mu.get(), rows, d);
+    const auto mu_old_in = troll::make_batch<const T>(mu_old.get(), rows, d);
+    const auto chol_in = troll::make_batch<const T>(chol.get(), rows, d * d);
+    const auto chol_old_in = troll::make_batch<const T>(chol_old.get(), rows, d * d);
+    const auto sd_in = troll::make_batch<const T>(sd.get(), rows, d);
+    const auto sd_old_in = troll::make_batch<const T>(sd_old.get(), rows, d);
+    typename S::template array<T> m1(rows * d), c1(rows * d * d), m2(rows * d), c2(rows * d * d);
+    typename S::template array<T> m3(rows * d), s3(rows * d), m4(rows * d), s4(rows * d);
+    typename S::template array<troll::gaussian::gaussian_stats> g_stats(4 * rows);
+    static_assert(troll::workspace_bytes(Policy{}, troll::op::gaussian_project_joint{}, rows, d) == 0,
+                  "the Gaussian projections need no scratch");
+    troll::gaussian::project_joint(policy, mu_in, chol_in, mu_old_in, chol_old_in, 0.05,
+                                   troll::make_batch(m1.get(), rows, d), troll::make_batch(c1.get(), rows, d * d),
+                                   g_stats.get(), troll::projection_options{});
+    troll::gaussian::project_split(policy, mu_in, chol_in, mu_old_in, chol_old_in, 0.02, 0.05,
+                                   troll::make_batch(m2.get(), rows, d), troll::make_batch(c2.get(), rows, d * d),
+                                   g_stats.get() + rows, troll::projection_options{});
+    troll::gaussian::project_joint_diag(policy, mu_in, sd_in, mu_old_in, sd_old_in, 0.05,
+                                        troll::make_batch(m3.get(), rows, d), troll::make_batch(s3.get(), rows, d),
+                                        g_stats.get() + 2 * rows, troll::projection_options{});
+    troll::gaussian::project_split_diag(policy, mu_in, sd_in, mu_old_in, sd_old_in, 0.02, 0.05,
+                                        troll::make_batch(m4.get(), rows, d), troll::make_batch(s4.get(), rows, d),
+                                        g_stats.get() + 3 * rows, troll::projection_options{});
+    S::sync(policy);
+    out.gaussian_mean = as_double(m1.download());
+    out.gaussian_chol = as_double(c1.download());
+    out.gaussian_split_mean = as_double(m2.download());
+    out.gaussian_split_chol = as_double(c2.download());
+    out.gaussian_diag_mean = as_double(m3.download());
+    out.gaussian_diag_std = as_double(s3.download());
+    out.gaussian_split_diag_mean = as_double(m4.download());
+    out.gaussian_split_diag_std = as_double(s4.download());
+    for (const troll::gaussian::gaussian_stats& s : g_stats.download()) out.gaussian_kl_after.push_back(s.kl_after);
   }
 
   S::sync(policy);

@@ -63,6 +63,14 @@ TEST_SUITE("device") {
     close(gpu.sparse_grad, cpu.sparse_grad);
     close(gpu.sparse_shard_grad, cpu.sparse_shard_grad);
     CHECK(gpu.sparse_counts == cpu.sparse_counts);
+    close(gpu.gaussian_mean, cpu.gaussian_mean);
+    close(gpu.gaussian_chol, cpu.gaussian_chol);
+    close(gpu.gaussian_split_mean, cpu.gaussian_split_mean);
+    close(gpu.gaussian_split_chol, cpu.gaussian_split_chol);
+    close(gpu.gaussian_diag_mean, cpu.gaussian_diag_mean);
+    close(gpu.gaussian_diag_std, cpu.gaussian_diag_std);
+    close(gpu.gaussian_split_diag_mean, cpu.gaussian_split_diag_mean);
+    close(gpu.gaussian_split_diag_std, cpu.gaussian_split_diag_std);
     CHECK(std::abs(gpu.troll_loss - cpu.troll_loss) <= 1e-8 + 1e-8 * std::abs(cpu.troll_loss));
     CHECK(std::abs(gpu.sparse_troll_loss - cpu.sparse_troll_loss) <= 1e-8 + 1e-8 * std::abs(cpu.sparse_troll_loss));
   }
