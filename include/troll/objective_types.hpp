@@ -13,6 +13,7 @@
 #include "config.hpp"
 #include "detail/arguments.hpp"
 #include "detail/numeric.hpp"
+#include "detail/objective_problem.hpp"
 #include "detail/objective_row.hpp"
 #include "detail/row_problem.hpp"
 #include "errors.hpp"
@@ -111,84 +112,6 @@ inline void sequence_ids_from_lengths(const std::int64_t* lengths, std::size_t c
 }
 
 namespace detail {
-
-/// What can be wrong with one row of an objective's inputs.
-struct objective_problem {
-  enum class kind {
-    none,
-    logits,            // see `logits`
-    token_range,       // sampled token outside [0, V)
-    advantage,         // NaN or infinite advantage
-    mask,              // NaN, infinite or negative loss mask
-    sequence_order,    // sequence id smaller than the previous row's
-    old_token_masked,  // q_a = 0: the ratio is undefined
-    regression_inf,    // KL(p̃ ‖ π*) = +inf with α > 0
-    overflow,          // the ratio (double), the token's loss or its gradient overflows
-  };
-  kind what = kind::none;
-  row_problem logits;
-  double value = 0.0;           ///< token_range, advantage, mask, ...; overflow: log ρ
-  double token = 0.0;           ///< overflow: the sampled token
-  const char* quantity = "";    ///< overflow: what overflowed ("importance ratio", "loss", ...)
-  const char* type_name = "";   ///< overflow: the element type it overflows
-  explicit operator bool() const { return what != kind::none; }
-};
-
-[[noreturn]] inline void throw_objective_problem(const char* fn, std::size_t row,
-                                                 const objective_problem& p) {
-  using k = objective_problem::kind;
-  if (p.what == k::logits) throw_problem(fn, row, p.logits);
-  std::ostringstream msg;
-  msg.precision(17);
-  msg << row_prefix(fn, row);
-  switch (p.what) {
-    case k::token_range:
-      msg << "sampled token " << static_cast<long long>(p.value) << " is outside [0, V)";
-      throw domain_error(msg.str(), row);
-    case k::advantage:
-      msg << "advantage is " << p.value << " (must be finite)";
-      throw domain_error(msg.str(), row);
-    case k::mask:
-      msg << "loss mask is " << p.value << " (must be finite and >= 0)";
-      throw domain_error(msg.str(), row);
-    case k::sequence_order:
-      msg << "sequence id " << static_cast<long long>(p.value)
-          << " is smaller than the previous row's (ids must be non-decreasing)";
-      throw domain_error(msg.str(), row);
-    case k::old_token_masked:
-      msg << "old_logits is -inf at the sampled token " << static_cast<long long>(p.value)
-          << ": q_a = 0 and the importance ratio is undefined";
-      throw domain_error(msg.str(), row);
-    case k::overflow:
-      msg << "the " << p.quantity << " at sampled token " << static_cast<long long>(p.token)
-          << " overflows " << p.type_name;
-      if (p.value == p.value)
-        msg << ": its importance ratio is exp(" << p.value
-            << ") (log pi_new - log q_old); a token this unlikely under the old policy was not "
-               "sampled from it (check the tokens and the old logits)";
-      throw domain_error(msg.str(), row);
-    case k::regression_inf:
-      msg << "new_logits put mass on tokens the old logits mask (-inf), so KL(p_new || pi*) is "
-             "+inf; use alpha = 0 or mask those tokens in the new logits too";
-      throw domain_error(msg.str(), row);
-    default:
-      break;
-  }
-  throw invalid_input(msg.str() + "unknown problem", row);
-}
-
-/// The overflow problem of a counted token from its operand code (objective_row.hpp), log ρ
-/// (NaN: unknown) and the sampled token.
-inline objective_problem overflow_problem(int operand, double log_ratio, std::int64_t token) {
-  static const char* const names[4] = {"importance ratio", "loss", "weighted loss", "gradient"};
-  objective_problem p;
-  p.what = objective_problem::kind::overflow;
-  p.quantity = names[operand % 4];
-  p.type_name = operand >= 4 ? "float" : "double";
-  p.value = log_ratio;
-  p.token = static_cast<double>(token);
-  return p;
-}
 
 /// The forward's check of a counted token: ρ (double), ℓ (T) and c·ℓ (double) fit.
 template <class T>

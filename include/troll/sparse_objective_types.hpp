@@ -114,57 +114,6 @@ void check_sparse_backward_arguments(const char* fn, const sparse_trust_region_o
     throw domain_error(std::string("troll::") + fn + ": grad_loss is not finite");
 }
 
-// ---- The row problems particular to sparse old rows (the others are the dense objective's,
-// ---- the sparse rows' or the projection's) ----
-
-[[noreturn]] inline void throw_objective_capacity(const char* fn, std::size_t row, long long need,
-                                                  long long k_max) {
-  throw shape_error(row_prefix(fn, row) + "aligned and log_probs have capacity k_max = " +
-                        std::to_string(k_max) +
-                        " but the row needs up to min(V, |S_old| + "
-                        "new_support.k) = " +
-                        std::to_string(need) + " entries (at most " +
-                        std::to_string(sparse_max_entries) + ")",
-                    row);
-}
-
-[[noreturn]] inline void throw_not_in_support(const char* fn, std::size_t row, long long token) {
-  throw domain_error(row_prefix(fn, row) + "sampled token " + std::to_string(token) +
-                         " is not in the old row's support: the ratio needs its exact old "
-                         "log-probability (sparsify the old row with the sampled token; "
-                         "sparsify always keeps it)",
-                     row);
-}
-
-[[noreturn]] inline void throw_not_in_aligned(const char* fn, std::size_t row, long long token) {
-  throw domain_error(row_prefix(fn, row) + "sampled token " + std::to_string(token) +
-                         " is not in the aligned support U (pass the aligned rows that "
-                         "objective_forward wrote)",
-                     row);
-}
-
-[[noreturn]] inline void throw_old_entry_masked(const char* fn, std::size_t row, long long token) {
-  throw domain_error(row_prefix(fn, row) + "the old row's log-probability at the sampled token " +
-                         std::to_string(token) +
-                         " is -inf: q_a = 0 and the importance ratio is undefined",
-                     row);
-}
-
-/// `entry` < 0: the counts differ (`value` log_probs', `other` the aligned row's); else entry
-/// `entry` holds token `value` in log_probs and `other` in the aligned row.
-[[noreturn]] inline void throw_log_probs_mismatch(const char* fn, std::size_t row, long long entry,
-                                                  long long value, long long other) {
-  throw shape_error(
-      row_prefix(fn, row) +
-          (entry < 0 ? "log_probs has " + std::to_string(value) +
-                           " entries but the aligned row has " + std::to_string(other)
-                     : "log_probs entry " + std::to_string(entry) + " holds token " +
-                           std::to_string(value) + " but the aligned row holds token " +
-                           std::to_string(other)) +
-          " (pass the log_probs and aligned rows objective_forward wrote)",
-      row);
-}
-
 }  // namespace detail
 
 TROLL_END_NAMESPACE

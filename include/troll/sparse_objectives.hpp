@@ -24,6 +24,7 @@
 #include "detail/cpu/parallel.hpp"
 #include "detail/cpu/row_kernels.hpp"
 #include "detail/cpu/sparse_kernels.hpp"
+#include "detail/objective_problem.hpp"
 #include "detail/objective_row.hpp"
 #include "detail/row_problem.hpp"
 #include "detail/sparse_row.hpp"
@@ -39,52 +40,6 @@
 TROLL_BEGIN_NAMESPACE
 
 namespace detail {
-
-/// What can be wrong with one row of a sparse objective call.
-struct sparse_objective_problem {
-  enum class kind {
-    none,
-    token,               // `token`: mask, token, advantage, order, new logits, lumped rows, stats
-    sparse,              // `sparse`: a bad sparse row (old, aligned or log_probs)
-    capacity,            // aligned / log_probs cannot hold U (value = entries needed)
-    not_in_support,      // the sampled token is not in the old row's support (value = token)
-    not_in_aligned,      // backward: the sampled token is not in U (value = token)
-    old_token_masked,    // the old log-prob of the sampled token is −inf (value = token)
-    log_probs_mismatch,  // backward: log_probs entry `entry` (−1: its count) differs from U
-  };
-  kind what = kind::none;
-  objective_problem token;
-  cpu::sparse_problem sparse;
-  long long value = 0;
-  long long other = 0;  ///< capacity: the smaller k_max; log_probs_mismatch: U's count or token
-  long long entry = -1;
-  explicit operator bool() const { return what != kind::none; }
-};
-
-[[noreturn]] inline void throw_sparse_objective_problem(const char* fn, std::size_t row,
-                                                        const sparse_objective_problem& p) {
-  using k = sparse_objective_problem::kind;
-  const std::string prefix = row_prefix(fn, row);
-  switch (p.what) {
-    case k::token:
-      throw_objective_problem(fn, row, p.token);
-    case k::sparse:
-      throw_sparse_problem(fn, row, p.sparse);
-    case k::capacity:
-      throw_objective_capacity(fn, row, p.value, p.other);
-    case k::not_in_support:
-      throw_not_in_support(fn, row, p.value);
-    case k::not_in_aligned:
-      throw_not_in_aligned(fn, row, p.value);
-    case k::old_token_masked:
-      throw_old_entry_masked(fn, row, p.value);
-    case k::log_probs_mismatch:
-      throw_log_probs_mismatch(fn, row, p.entry, p.value, p.other);
-    case k::none:
-      break;
-  }
-  throw invalid_input(prefix + "unknown problem", row);
-}
 
 /// One pass over a dense logit row: its first NaN / +inf, whether it has no finite entry, and
 /// whether any entry is −inf (a masked token).

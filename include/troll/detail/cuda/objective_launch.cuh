@@ -1,5 +1,5 @@
-// troll/detail/cuda/objective_launch.cuh — the dense objectives' checked-mode translation of device
-// reports (throw_objective_report) and the launches of the ratio baselines (PPO clip, DPPO).
+// troll/detail/cuda/objective_launch.cuh — the launches of the ratio baselines (PPO clip, DPPO);
+// checked mode translates their reports with throw_objective_report (objective_report.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,51 +17,10 @@
 #include "error_check.cuh"
 #include "launch.cuh"
 #include "objective_kernels.cuh"
+#include "objective_report.cuh"
 #include "row_report.cuh"
 
 TROLL_BEGIN_NAMESPACE
-namespace detail {
-namespace cuda {
-
-/// Checked mode: a device report of an objective row becomes the CPU's exception.
-struct throw_objective_report {
-  [[noreturn]] void operator()(const char* function, std::size_t row, const cuda_row_report& report,
-                               const char* const operand_names[3]) const {
-    using k = objective_problem::kind;
-    objective_problem p;
-    p.value = report.value;
-    switch (report.error) {
-      case cuda_row_error::bad_sampled:
-        p.what = k::token_range;
-        break;
-      case cuda_row_error::bad_advantage:
-        p.what = k::advantage;
-        break;
-      case cuda_row_error::bad_mask:
-        p.what = k::mask;
-        break;
-      case cuda_row_error::sequence_order:
-        p.what = k::sequence_order;
-        break;
-      case cuda_row_error::old_token_masked:
-        p.what = k::old_token_masked;
-        break;
-      case cuda_row_error::regression_inf:
-        p.what = k::regression_inf;
-        break;
-      case cuda_row_error::objective_overflow:
-        p = overflow_problem(report.operand, report.value, static_cast<std::int64_t>(report.token));
-        break;
-      default:
-        throw_report(function, row, report, operand_names);
-    }
-    throw_objective_problem(function, row, p);
-  }
-};
-
-}  // namespace cuda
-}  // namespace detail
-
 namespace detail {
 namespace cuda {
 
