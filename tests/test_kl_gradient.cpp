@@ -8,109 +8,23 @@
 
 #include <troll/projection.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "backend.hpp"
+
 using namespace grad_helpers;
 
-namespace {
+namespace troll_test {
+using oracle_backend = backend<troll::cpu_policy>;
+}  // namespace troll_test
 
-/// KL per row as a checker function over the finite entries of (p logits, q logits).
-struct kl_function {
-  const packing* pack;
-  void operator()(const double* x, double* y) const {
-    pair_batch b;
-    double unused;
-    pack->unpack(x, b, unused);
-    troll::kl(troll::cpu, troll::make_batch(b.new_logits.data(), b.rows, b.cols),
-              troll::make_batch(b.old_logits.data(), b.rows, b.cols), y);
-  }
-};
-
-/// kl_backward as a checker VJP: upstream gy = ∂L/∂KL_r.
-struct kl_vjp {
-  const packing* pack;
-  bool want_p = true, want_q = true;
-  void operator()(const double* x, const double* gy, double* gx) const {
-    pair_batch b;
-    double unused;
-    pack->unpack(x, b, unused);
-    const std::size_t rows = b.rows, v = b.cols;
-    std::vector<double> gp(rows * v, 0.0), gq(rows * v, 0.0);
-    troll::kl_backward(troll::cpu, troll::make_batch(b.new_logits.data(), rows, v),
-                       troll::make_batch(b.old_logits.data(), rows, v), gy,
-                       want_p ? troll::make_batch(gp.data(), rows, v) : troll::batch_view<double>{},
-                       want_q ? troll::make_batch(gq.data(), rows, v) : troll::batch_view<double>{});
-    pack->pack_gradient(gp, gq, {}, 0.0, gx);
-  }
-};
-
-/// Rows for the KL checks: plain, peaked, large logits, masks on the p side and on both sides.
-pair_batch kl_rows(rng& g, std::size_t v) {
-  const std::size_t rows = 5;
-  pair_batch b(rows, v);
-  for (std::size_t r = 0; r < rows; ++r) {
-    std::vector<double> zq = g.normals(v, 1.0), zp = zq;
-    for (double& z : zp) z += 1.2 * g.normal();
-    if (r == 1) zp[1] += 15.0;                                           // peaked p
-    if (r == 2) for (double& z : zp) z *= 30.0;                          // logits up to ~±100
-    if (r == 3) zp[0] = neg_inf, zp[v - 1] = neg_inf;                    // p masks two tokens
-    if (r == 4) zp[2] = zq[2] = neg_inf, zp[4] = neg_inf, zq[5] -= 8.0;  // masked in both + p-only
-    b.set_row(r, zp, zq);
-  }
-  return b;
-}
-
-troll::gradcheck_options opts(double atol = 1e-7, double rtol = 1e-5) {
-  troll::gradcheck_options o;
-  o.atol = atol;
-  o.rtol = rtol;
-  return o;
-}
-
-}  // namespace
-
-TEST_CASE("kl matches a long-double reference, with masks, and is +inf where q masks p's mass") {
-  rng g(3);
-  for (std::size_t v : {std::size_t(2), std::size_t(9), std::size_t(700), std::size_t(4096)}) {
-    pair_batch b = kl_rows(g, std::max<std::size_t>(v, 6));
-    const std::size_t n = b.cols;
-    std::vector<double> out(b.rows, -1.0);
-    troll::kl(troll::cpu, troll::make_batch(b.new_logits.data(), b.rows, n),
-              troll::make_batch(b.old_logits.data(), b.rows, n), out.data());
-    for (std::size_t r = 0; r < b.rows; ++r) {
-      const double want = reference_kl(b.new_row(r), b.old_row(r), n);
-      INFO("V = " << n << " row " << r);
-      CHECK(out[r] >= 0.0);
-      CHECK(std::fabs(out[r] - want) <= 1e-12 + 1e-11 * want);
-    }
-  }
-  // p ≡ q (any shift): KL = 0 up to rounding
-  std::vector<double> zp = {0.5, -1.0, 2.0, neg_inf}, zq = {3.5, 2.0, 5.0, neg_inf};
-  zq[3] = -1.0;  // q has mass p lacks: still finite
-  double k = -1.0;
-  troll::kl(troll::cpu, troll::make_batch(zp.data(), 1, 4), troll::make_batch(zq.data(), 1, 4), &k);
-  CHECK(k == doctest::Approx(reference_kl(zp.data(), zq.data(), 4)).epsilon(1e-12));
-  // p has mass where q is -inf: exactly +inf
-  std::vector<double> ap = {0.0, 1.0, 2.0}, aq = {0.0, neg_inf, 1.0};
-  troll::kl(troll::cpu, troll::make_batch(ap.data(), 1, 3), troll::make_batch(aq.data(), 1, 3), &k);
-  CHECK(k == std::numeric_limits<double>::infinity());
-}
-
-TEST_CASE("kl_backward: full Jacobian check of both gradients, masked tokens included") {
-  rng g(10);
-  for (std::size_t v : {std::size_t(6), std::size_t(11)}) {
-    const pair_batch b = kl_rows(g, v);
-    const packing pack(b, true, false, 0.0);
-    const troll::gradcheck_result r =
-        troll::check_vjp(kl_function{&pack}, kl_vjp{&pack}, pack.x0(), b.rows, opts());
-    INFO("V = " << v << "\n" << r.report());
-    CHECK(r.ok);
-    CHECK(r.checked == b.rows * pack.size());
-  }
-}
+// The oracle and finite-difference tests, one body for every backend (also compiled for
+// troll::cuda by tests/cuda/test_cuda_kl_gradient.cu).
+#include "../bodies/kl_gradient.hpp"
 
 TEST_CASE("kl_backward: one gradient at a time; the skipped one is not needed") {
   rng g(11);
