@@ -13,6 +13,7 @@
 #include <string>
 
 #include "cuda_entry.hpp"
+#include "dense_args.hpp"
 #include "errors.hpp"
 #include "sparse_views.hpp"
 #include "views.hpp"
@@ -36,13 +37,10 @@ void log_softmax(const in_array& logits, const out_array& out, std::uintptr_t st
   constexpr const char* fn = "log_softmax";
   dispatch_float(fn, "logits", logits, [&](auto tag) {
     using T = decltype(tag);
-    require_same_shape(fn, "out", out, "logits", logits);
-    const auto x = as_batch<const T>(fn, "logits", logits);
-    const auto y = as_batch<T>(fn, "out", out);
-    require_disjoint(fn, "out", y, "logits", x);
+    const log_softmax_args<T> a(fn, logits, out);
     use_device_of(fn, logits, out);
     nb::gil_scoped_release release;
-    cuda_entry::log_softmax<T>(as_stream(stream), x, y, checked);
+    cuda_entry::log_softmax<T>(as_stream(stream), a.logits, a.out, checked);
   });
 }
 
@@ -50,16 +48,10 @@ void kl(const in_array& p, const in_array& q, const out_array& out, std::uintptr
   constexpr const char* fn = "kl";
   dispatch_float(fn, "p_logits", p, [&](auto tag) {
     using T = decltype(tag);
-    require_same_shape(fn, "q_logits", q, "p_logits", p);
-    const auto pv = as_batch<const T>(fn, "p_logits", p);
-    const auto qv = as_batch<const T>(fn, "q_logits", q);
-    T* y = as_rows<T>(fn, "out", out, pv.rows);
-    const auto yv = troll::make_batch(y, pv.rows == 0 ? 0 : 1, pv.rows);
-    require_disjoint(fn, "out", yv, "p_logits", pv);
-    require_disjoint(fn, "out", yv, "q_logits", qv);
+    const kl_args<T> a(fn, p, q, out);
     use_device_of(fn, p, q, out);
     nb::gil_scoped_release release;
-    cuda_entry::kl<T>(as_stream(stream), pv, qv, y, checked);
+    cuda_entry::kl<T>(as_stream(stream), a.p, a.q, a.out, checked);
   });
 }
 
@@ -69,25 +61,18 @@ void project(const in_array& new_logits, const in_array& old_logits, double eps,
   constexpr const char* fn = "project";
   dispatch_float(fn, "new_logits", new_logits, [&](auto tag) {
     using T = decltype(tag);
-    require_same_shape(fn, "old_logits", old_logits, "new_logits", new_logits);
-    require_same_shape(fn, "out", out, "new_logits", new_logits);
-    const auto nv = as_batch<const T>(fn, "new_logits", new_logits);
-    const auto ov = as_batch<const T>(fn, "old_logits", old_logits);
-    const auto y = as_batch<T>(fn, "out", out);
-    require_disjoint(fn, "out", y, "new_logits", nv);
-    require_disjoint(fn, "out", y, "old_logits", ov);
+    const project_args<T> a(fn, new_logits, old_logits, out);
     const auto sv = as_packed<double>(fn, "stats.values", stats_values);
     const auto sc = as_packed<std::int32_t>(fn, "stats.counters", stats_counters);
-    if (sv.rows != nv.rows || sv.cols != st_values || sc.rows != nv.rows || sc.cols != st_counters)
-      fail(fn, "the stats buffers must be (rows, 6) float64 and (rows, 2) int32 for " + std::to_string(nv.rows) +
+    const std::size_t rows = a.new_logits.rows;
+    if (sv.rows != rows || sv.cols != st_values || sc.rows != rows || sc.cols != st_counters)
+      fail(fn, "the stats buffers must be (rows, 6) float64 and (rows, 2) int32 for " + std::to_string(rows) +
                    " rows");
     use_device_of(fn, new_logits, old_logits, out, stats_values, stats_counters);
-    troll::projection_options options;
-    options.rtol = rtol;
-    options.atol = atol;
-    options.max_iterations = max_iterations;
+    const troll::projection_options options = projection_settings(rtol, atol, max_iterations);
     nb::gil_scoped_release release;
-    cuda_entry::project<T>(as_stream(stream), nv, ov, eps, y, sv.data, sc.data, options, checked);
+    cuda_entry::project<T>(as_stream(stream), a.new_logits, a.old_logits, eps, a.out, sv.data, sc.data, options,
+                           checked);
   });
 }
 
@@ -98,37 +83,18 @@ void project_backward(const in_array& new_logits, const in_array& old_logits, co
   constexpr const char* fn = "project_backward";
   dispatch_float(fn, "new_logits", new_logits, [&](auto tag) {
     using T = decltype(tag);
-    for (auto* a : {&old_logits, &log_probs, &grad_log_probs})
-      require_same_shape(fn, "an input", *a, "new_logits", new_logits);
-    require_same_shape(fn, "grad_new", grad_new, "new_logits", new_logits);
-    const auto nv = as_batch<const T>(fn, "new_logits", new_logits);
-    const auto ov = as_batch<const T>(fn, "old_logits", old_logits);
-    const auto lp = as_batch<const T>(fn, "log_probs", log_probs);
-    const auto g = as_batch<const T>(fn, "grad_log_probs", grad_log_probs);
-    const auto gn = as_batch<T>(fn, "grad_new", grad_new);
-    troll::batch_view<T> go{};
-    T* ge = nullptr;
-    if (grad_old) {
-      require_same_shape(fn, "grad_old", *grad_old, "new_logits", new_logits);
-      go = as_batch<T>(fn, "grad_old", *grad_old);
-    }
-    if (grad_eps) ge = as_rows<T>(fn, "grad_eps", *grad_eps, nv.rows);
-    const troll::batch_view<T>* outputs[] = {&gn, &go};
-    for (const troll::batch_view<T>* o : outputs) {
-      require_disjoint(fn, "a gradient", *o, "new_logits", nv);
-      require_disjoint(fn, "a gradient", *o, "old_logits", ov);
-      require_disjoint(fn, "a gradient", *o, "log_probs", lp);
-      require_disjoint(fn, "a gradient", *o, "grad_log_probs", g);
-    }
-    require_disjoint(fn, "grad_old", go, "grad_new", gn);
+    const project_backward_args<T> a(fn, new_logits, old_logits, log_probs, grad_log_probs, grad_new, grad_old,
+                                     grad_eps);
     const auto sv = as_packed<const double>(fn, "stats.values", stats_values);
     const auto sc = as_packed<const std::int32_t>(fn, "stats.counters", stats_counters);
-    if (sv.rows != nv.rows || sv.cols != st_values || sc.rows != nv.rows || sc.cols != st_counters)
-      fail(fn, "stats do not match the batch (" + std::to_string(nv.rows) +
+    const std::size_t rows = a.new_logits.rows;
+    if (sv.rows != rows || sv.cols != st_values || sc.rows != rows || sc.cols != st_counters)
+      fail(fn, "stats do not match the batch (" + std::to_string(rows) +
                    " rows): pass the stats project() returned for these logits");
     use_device_of(fn, new_logits, old_logits, log_probs, grad_log_probs, grad_new, stats_values);
     nb::gil_scoped_release release;
-    cuda_entry::project_backward<T>(as_stream(stream), nv, ov, lp, sv.data, sc.data, g, gn, go, ge, checked);
+    cuda_entry::project_backward<T>(as_stream(stream), a.new_logits, a.old_logits, a.log_probs, sv.data, sc.data,
+                                    a.grad_log_probs, a.grad_new, a.grad_old, a.grad_eps, checked);
   });
 }
 

@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "errors.hpp"
+#include "dense_args.hpp"
 #include "views.hpp"
 
 namespace troll_py {
@@ -20,29 +21,18 @@ troll::cpu_policy policy(unsigned threads) { return troll::cpu.with_threads(thre
 void log_softmax(const in_array& logits, const out_array& out, unsigned threads) {
   constexpr const char* fn = "log_softmax";
   dispatch_float(fn, "logits", logits, [&](auto tag) {
-    using T = decltype(tag);
-    require_same_shape(fn, "out", out, "logits", logits);
-    const auto x = as_batch<const T>(fn, "logits", logits);
-    const auto y = as_batch<T>(fn, "out", out);
-    require_disjoint(fn, "out", y, "logits", x);
+    const log_softmax_args<decltype(tag)> a(fn, logits, out);
     nb::gil_scoped_release release;
-    troll::log_softmax(policy(threads), x, y);
+    troll::log_softmax(policy(threads), a.logits, a.out);
   });
 }
 
 void kl(const in_array& p, const in_array& q, const out_array& out, unsigned threads) {
   constexpr const char* fn = "kl";
   dispatch_float(fn, "p_logits", p, [&](auto tag) {
-    using T = decltype(tag);
-    require_same_shape(fn, "q_logits", q, "p_logits", p);
-    const auto pv = as_batch<const T>(fn, "p_logits", p);
-    const auto qv = as_batch<const T>(fn, "q_logits", q);
-    T* y = as_rows<T>(fn, "out", out, pv.rows);
-    const auto yv = troll::make_batch(y, pv.rows == 0 ? 0 : 1, pv.rows);
-    require_disjoint(fn, "out", yv, "p_logits", pv);
-    require_disjoint(fn, "out", yv, "q_logits", qv);
+    const kl_args<decltype(tag)> a(fn, p, q, out);
     nb::gil_scoped_release release;
-    troll::kl(policy(threads), pv, qv, y);
+    troll::kl(policy(threads), a.p, a.q, a.out);
   });
 }
 
@@ -79,23 +69,13 @@ void project(const in_array& new_logits, const in_array& old_logits, double eps,
              double rtol, double atol, int max_iterations, unsigned threads) {
   constexpr const char* fn = "project";
   dispatch_float(fn, "new_logits", new_logits, [&](auto tag) {
-    using T = decltype(tag);
-    require_same_shape(fn, "old_logits", old_logits, "new_logits", new_logits);
-    require_same_shape(fn, "out", out, "new_logits", new_logits);
-    const auto nv = as_batch<const T>(fn, "new_logits", new_logits);
-    const auto ov = as_batch<const T>(fn, "old_logits", old_logits);
-    const auto y = as_batch<T>(fn, "out", out);
-    require_disjoint(fn, "out", y, "new_logits", nv);
-    require_disjoint(fn, "out", y, "old_logits", ov);
-    const stats_out st(fn, stats_values, stats_counters, nv.rows);
-    troll::projection_options options;
-    options.rtol = rtol;
-    options.atol = atol;
-    options.max_iterations = max_iterations;
-    std::vector<troll::projection_stats> stats(nv.rows);
+    const project_args<decltype(tag)> a(fn, new_logits, old_logits, out);
+    const stats_out st(fn, stats_values, stats_counters, a.new_logits.rows);
+    const troll::projection_options options = projection_settings(rtol, atol, max_iterations);
+    std::vector<troll::projection_stats> stats(a.new_logits.rows);
     {
       nb::gil_scoped_release release;
-      troll::project(policy(threads), nv, ov, eps, y, stats.data(), options);
+      troll::project(policy(threads), a.new_logits, a.old_logits, eps, a.out, stats.data(), options);
     }
     st.write(stats);
   });
@@ -108,33 +88,12 @@ void project_backward(const in_array& new_logits, const in_array& old_logits,
                       const std::optional<out_array>& grad_eps, unsigned threads) {
   constexpr const char* fn = "project_backward";
   dispatch_float(fn, "new_logits", new_logits, [&](auto tag) {
-    using T = decltype(tag);
-    for (auto* a : {&old_logits, &log_probs, &grad_log_probs})
-      require_same_shape(fn, "an input", *a, "new_logits", new_logits);
-    require_same_shape(fn, "grad_new", grad_new, "new_logits", new_logits);
-    const auto nv = as_batch<const T>(fn, "new_logits", new_logits);
-    const auto ov = as_batch<const T>(fn, "old_logits", old_logits);
-    const auto lp = as_batch<const T>(fn, "log_probs", log_probs);
-    const auto g = as_batch<const T>(fn, "grad_log_probs", grad_log_probs);
-    const auto gn = as_batch<T>(fn, "grad_new", grad_new);
-    troll::batch_view<T> go{};
-    T* ge = nullptr;
-    if (grad_old) {
-      require_same_shape(fn, "grad_old", *grad_old, "new_logits", new_logits);
-      go = as_batch<T>(fn, "grad_old", *grad_old);
-    }
-    if (grad_eps) ge = as_rows<T>(fn, "grad_eps", *grad_eps, nv.rows);
-    const troll::batch_view<T>* outputs[] = {&gn, &go};
-    for (const troll::batch_view<T>* out : outputs) {
-      require_disjoint(fn, "a gradient", *out, "new_logits", nv);
-      require_disjoint(fn, "a gradient", *out, "old_logits", ov);
-      require_disjoint(fn, "a gradient", *out, "log_probs", lp);
-      require_disjoint(fn, "a gradient", *out, "grad_log_probs", g);
-    }
-    require_disjoint(fn, "grad_old", go, "grad_new", gn);
-    const auto stats = read_stats(fn, stats_values, stats_counters, nv.rows);
+    const project_backward_args<decltype(tag)> a(fn, new_logits, old_logits, log_probs, grad_log_probs,
+                                                 grad_new, grad_old, grad_eps);
+    const auto stats = read_stats(fn, stats_values, stats_counters, a.new_logits.rows);
     nb::gil_scoped_release release;
-    troll::project_backward(policy(threads), nv, ov, lp, stats.data(), g, gn, go, ge);
+    troll::project_backward(policy(threads), a.new_logits, a.old_logits, a.log_probs, stats.data(),
+                            a.grad_log_probs, a.grad_new, a.grad_old, a.grad_eps);
   });
 }
 

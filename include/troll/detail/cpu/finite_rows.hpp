@@ -9,6 +9,7 @@
 
 #include "eigen.hpp"
 #include <cmath>
+#include <limits>
 
 #include "../../config.hpp"
 #include "../lse_state.hpp"
@@ -86,15 +87,18 @@ struct pair_extremes {
   double max_new, max_old, min_new, min_old;
 };
 
-/// One packet pass over zn, zo[0..count): false when some entry is NaN or ±inf (x − x is then NaN,
-/// and so is the sum of those differences), else true with the extremes of each row.
-inline bool finite_extremes(const double* zn, const double* zo, long count, pair_extremes& e) {
+/// One packet pass over zn, zo[0..count) in T's own packets (float rows 16 lanes wide with
+/// AVX-512): false when some entry is NaN or ±inf (x − x is then NaN, and so is the sum of those
+/// differences), else true with the extremes of each row (exact: max and min round nothing).
+template <class T>
+inline bool finite_extremes(const T* zn, const T* zo, long count, pair_extremes& e) {
   using namespace Eigen::internal;
-  using packet = packet_traits<double>::type;
-  constexpr long lanes = long(sizeof(packet) / sizeof(double));
+  using packet = typename packet_traits<T>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(T));
   const long whole = count - count % lanes;
-  packet hi_n = pset1<packet>(neg_inf()), hi_o = hi_n, lo_n = pset1<packet>(inf()), lo_o = lo_n;
-  packet bad = pset1<packet>(0.0);
+  packet hi_n = pset1<packet>(-std::numeric_limits<T>::infinity()), hi_o = hi_n;
+  packet lo_n = pset1<packet>(std::numeric_limits<T>::infinity()), lo_o = lo_n;
+  packet bad = pset1<packet>(T(0));
   for (long k = 0; k < whole; k += lanes) {
     const packet a = ploadu<packet>(zn + k), b = ploadu<packet>(zo + k);
     bad = padd(bad, padd(psub(a, a), psub(b, b)));
@@ -103,16 +107,31 @@ inline bool finite_extremes(const double* zn, const double* zo, long count, pair
     lo_n = pmin(lo_n, a);
     lo_o = pmin(lo_o, b);
   }
-  double odd = predux(bad);
-  e = pair_extremes{predux_max(hi_n), predux_max(hi_o), predux_min(lo_n), predux_min(lo_o)};
+  T odd = predux(bad);
+  T most_n = predux_max(hi_n), most_o = predux_max(hi_o), least_n = predux_min(lo_n), least_o = predux_min(lo_o);
   for (long k = whole; k < count; ++k) {
     odd += (zn[k] - zn[k]) + (zo[k] - zo[k]);
-    e.max_new = zn[k] > e.max_new ? zn[k] : e.max_new;
-    e.max_old = zo[k] > e.max_old ? zo[k] : e.max_old;
-    e.min_new = zn[k] < e.min_new ? zn[k] : e.min_new;
-    e.min_old = zo[k] < e.min_old ? zo[k] : e.min_old;
+    most_n = zn[k] > most_n ? zn[k] : most_n;
+    most_o = zo[k] > most_o ? zo[k] : most_o;
+    least_n = zn[k] < least_n ? zn[k] : least_n;
+    least_o = zo[k] < least_o ? zo[k] : least_o;
   }
-  return odd == 0.0;
+  e = pair_extremes{double(most_n), double(most_o), double(least_n), double(least_o)};
+  return odd == T(0);
+}
+
+/// The first k < count with z[k] == value, packet by packet (value must occur in z).
+template <class T>
+inline long first_index_of(const T* z, long count, T value) {
+  using namespace Eigen::internal;
+  using packet = typename packet_traits<T>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(T));
+  const long whole = count - count % lanes;
+  const packet target = pset1<packet>(value);
+  long k = 0;
+  while (k < whole && !predux_any(pcmp_eq(ploadu<packet>(z + k), target))) k += lanes;
+  while (z[k] != value) ++k;
+  return k;
 }
 
 /// Lane by lane: where value > most, most ← value and most_at ← at (ties keep the earlier one).

@@ -129,12 +129,13 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
                              const char* new_name, const char* old_name) {
   setup = row_setup{};
   row_problem p;
-  if constexpr (std::is_same<T, double>::value) {  // the common pair, every logit finite: one packet pass
+  if constexpr (std::is_same<T, double>::value || std::is_same<T, float>::value) {
+    // the common pair, every logit finite: one packet pass in T
     pair_extremes e;
     if (size > 0 && finite_extremes(zn, zo, static_cast<long>(size), e)) {
-      std::size_t at_new = 0, at_old = 0;
-      while (zn[at_new] != e.max_new) ++at_new;
-      while (zo[at_old] != e.max_old) ++at_old;
+      const long n = static_cast<long>(size);
+      const std::size_t at_new = std::size_t(first_index_of(zn, n, static_cast<T>(e.max_new)));
+      const std::size_t at_old = std::size_t(first_index_of(zo, n, static_cast<T>(e.max_old)));
       setup.old_max = e.max_old;
       setup.new_top = tilt_ref{zn[at_new], zo[at_new]};
       setup.old_top = tilt_ref{zn[at_old], zo[at_old]};
