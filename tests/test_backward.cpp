@@ -16,120 +16,19 @@
 #include <string>
 #include <vector>
 
+#include "backend.hpp"
+
 using namespace grad_helpers;
 
+namespace troll_test {
+using oracle_backend = backend<troll::cpu_policy>;
+}  // namespace troll_test
+
+// The finite-difference and JVP/VJP consistency tests, one body for every backend (also compiled
+// for troll::cuda by tests/cuda/test_cuda_backward_gradient.cu).
+#include "../bodies/backward_gradient.hpp"
+
 namespace {
-
-/// One test row (single-row batch), its bound and the status it must have.
-struct row_case {
-  std::string name;
-  pair_batch batch;
-  double eps;
-  troll::row_status status;
-  double step = 1e-6;  // checker step: larger where the forward's own rounding is large vs ε
-};
-
-pair_batch one_row(const std::vector<double>& zn, const std::vector<double>& zo) {
-  pair_batch b(1, zn.size());
-  b.set_row(0, zn, zo);
-  return b;
-}
-
-/// zo ~ N(0, 1), zn = zo + N(0, spread²), V tokens.
-pair_batch gaussian_row(rng& g, std::size_t v, double spread) {
-  std::vector<double> zo = g.normals(v, 1.0), zn = zo;
-  for (double& z : zn) z += spread * g.normal();
-  return one_row(zn, zo);
-}
-
-/// The cases of the full-Jacobian checks (V = 7..9). Each has a clear margin between
-/// KL(p̃‖q) (over the joint support for restricted rows) and ε.
-std::vector<row_case> small_cases() {
-  rng g(2024);
-  std::vector<row_case> cases;
-  const troll::row_status projected = troll::row_status::projected;
-  const troll::row_status inactive = troll::row_status::inactive;
-  const troll::row_status restricted = troll::row_status::restricted;
-
-  cases.push_back({"projected eps=0.05", gaussian_row(g, 7, 1.5), 0.05, projected});
-  cases.push_back({"inactive eps=0.5", gaussian_row(g, 7, 0.05), 0.5, inactive});
-  // At ε = 1e-6 the forward's KL carries ~1e-16 absolute rounding, i.e. 1e-10 relative to ε,
-  // which moves log π* by ~1e-13: a step of 1e-6 would turn that into 1e-7 of noise.
-  cases.push_back({"projected eps=1e-6", gaussian_row(g, 8, 1.0), 1e-6, projected, 1e-4});
-  cases.push_back({"projected eps=1e-3", gaussian_row(g, 8, 1.0), 1e-3, projected});
-  cases.push_back({"projected eps=0.5", gaussian_row(g, 8, 3.0), 0.5, projected});
-  {  // KL(p̃‖q) ≈ 17: the new row is nearly one-hot on a token the old row gives e^-15
-    std::vector<double> zo = g.normals(8, 0.5), zn = zo;
-    zo[0] = -15.0;
-    zn[0] = 20.0;
-    cases.push_back({"projected eps=5", one_row(zn, zo), 5.0, projected});
-  }
-  {  // near-deterministic new row: one token 25 nats above the rest
-    pair_batch b = gaussian_row(g, 8, 0.3);
-    b.new_row(0)[3] += 25.0;
-    cases.push_back({"near-deterministic new row", b, 0.05, projected});
-  }
-  {  // near-deterministic old row, new row elsewhere
-    pair_batch b = gaussian_row(g, 8, 0.3);
-    b.old_row(0)[5] += 18.0;
-    b.new_row(0)[1] += 6.0;
-    cases.push_back({"near-deterministic old row", b, 0.05, projected});
-  }
-  {  // large logits of both signs
-    std::vector<double> zn(9), zo(9);
-    for (std::size_t j = 0; j < 9; ++j) {
-      zn[j] = 50.0 * (2.0 * g.uniform() - 1.0);
-      zo[j] = 50.0 * (2.0 * g.uniform() - 1.0);
-    }
-    zn[2] = 50.0, zo[6] = -50.0, zo[4] = 49.0;
-    cases.push_back({"logits in [-50, 50]", one_row(zn, zo), 0.1, projected});
-  }
-  {  // large common offset: only differences matter
-    pair_batch b = gaussian_row(g, 7, 1.0);
-    for (double& z : b.new_logits) z += 40.0;
-    for (double& z : b.old_logits) z -= 45.0;
-    cases.push_back({"offset logits +40 / -45", b, 0.05, projected});
-  }
-  {  // p̃ ≈ q: KL(p̃‖q) ~ 1e-7, bound a quarter of it
-    pair_batch b = gaussian_row(g, 8, 1e-3);
-    const double kl = reference_kl(b.new_row(0), b.old_row(0), 8);
-    // d varies on a 1e-3 scale; ε ~ 3e-8 makes the forward's rounding ~1e-9 relative: step 1e-5.
-    cases.push_back({"p~q, eps = KL/4", b, kl / 4, projected, 1e-5});
-  }
-  {  // restricted: the new row has 1e-9 mass on a token the old row masks
-    std::vector<double> zo = g.normals(7, 1.0), zn = zo;
-    for (double& z : zn) z += 0.1 * g.normal();
-    zo[4] = neg_inf;
-    zn[4] = -20.0;
-    cases.push_back({"restricted", one_row(zn, zo), 0.2, restricted});
-  }
-  {  // masks on both sides of a projected row: token 1 masked in both, token 3 only in the old
-     // row (new-only), token 5 only in the new row (old-only, small old mass)
-    std::vector<double> zo = g.normals(8, 1.0), zn = zo;
-    for (double& z : zn) z += 1.5 * g.normal();
-    zn[1] = zo[1] = neg_inf;
-    zo[3] = neg_inf;
-    zn[5] = neg_inf;
-    zo[5] = -3.0;
-    cases.push_back({"masked both sides, projected", one_row(zn, zo), 0.1, projected});
-  }
-  {  // the same masks on an inactive row (no new-only token there: that would make KL infinite)
-    std::vector<double> zo = g.normals(8, 1.0), zn = zo;
-    for (double& z : zn) z += 0.05 * g.normal();
-    zn[2] = zo[2] = neg_inf;
-    zn[6] = neg_inf;
-    zo[6] = -4.0;
-    cases.push_back({"masked both sides, inactive", one_row(zn, zo), 0.5, inactive});
-  }
-  {  // tokens masked in both rows and nowhere else (vocabulary padding), projected
-    std::vector<double> zo = g.normals(8, 1.0), zn = zo;
-    for (double& z : zn) z += 1.5 * g.normal();
-    zn[0] = zo[0] = neg_inf;
-    zn[6] = zo[6] = neg_inf;
-    cases.push_back({"masked in both rows only, projected", one_row(zn, zo), 0.05, projected});
-  }
-  return cases;
-}
 
 /// Asserts the case has the expected status and that the status is robust: the KL at t = 1
 /// (over the joint support) is at least 2x from ε.
@@ -147,14 +46,6 @@ void require_regime(const row_case& c) {
   } else {
     CHECK(kl_joint < 0.5 * c.eps);
   }
-}
-
-troll::gradcheck_options opts(double atol = 1e-7, double rtol = 1e-5, double step = 1e-6) {
-  troll::gradcheck_options o;
-  o.step = step;
-  o.atol = atol;
-  o.rtol = rtol;
-  return o;
 }
 
 /// Projection Jacobians by VJP with unit upstream vectors (row i of each Jacobian).
@@ -187,46 +78,6 @@ TEST_CASE("every case sits inside its regime") {
   for (const row_case& c : small_cases()) require_regime(c);
 }
 
-TEST_CASE("project_backward: full Jacobian check w.r.t. new logits, old logits and eps") {
-  for (const row_case& c : small_cases()) {
-    SUBCASE(c.name.c_str()) {
-      const packing pack(c.batch, true, true, c.eps);
-      const troll::gradcheck_result r = troll::check_vjp(
-          projection_function{&pack}, projection_vjp{&pack}, pack.x0(), pack.outputs(), opts(1e-7, 1e-5, c.step));
-      INFO(c.name << "\n" << r.report());
-      CHECK(r.ok);
-      CHECK(r.checked > 0);
-    }
-  }
-}
-
-TEST_CASE("project_backward: new logits alone (old logits and eps held fixed)") {
-  for (const row_case& c : small_cases()) {
-    const packing pack(c.batch, false, false, c.eps);
-    const troll::gradcheck_result r = troll::check_vjp(
-        projection_function{&pack}, projection_vjp{&pack}, pack.x0(), pack.outputs(), opts(1e-7, 1e-5, c.step));
-    INFO(c.name << "\n" << r.report());
-    CHECK(r.ok);
-  }
-}
-
-TEST_CASE("project_jvp: full Jacobian check (tangents in new, old and eps)") {
-  for (const row_case& c : small_cases()) {
-    const packing pack(c.batch, true, true, c.eps);
-    const troll::gradcheck_result r = troll::check_jvp(
-        projection_function{&pack}, projection_jvp{&pack}, pack.x0(), pack.outputs(), opts(1e-7, 1e-5, c.step));
-    INFO(c.name << "\n" << r.report());
-    CHECK(r.ok);
-  }
-  // tangent_old empty: the JVP in the new logits alone
-  for (const row_case& c : small_cases()) {
-    const packing pack(c.batch, false, false, c.eps);
-    const troll::gradcheck_result r = troll::check_jvp(
-        projection_function{&pack}, projection_jvp{&pack}, pack.x0(), pack.outputs(), opts(1e-7, 1e-5, c.step));
-    INFO(c.name << " (no old tangent)\n" << r.report());
-    CHECK(r.ok);
-  }
-}
 
 TEST_CASE("project_jacobian: against the checker's numeric Jacobian") {
   for (const row_case& c : small_cases()) {
@@ -274,66 +125,6 @@ TEST_CASE("project_jacobian agrees with project_backward on unit vectors") {
   }
 }
 
-TEST_CASE("JVP and VJP agree: <u, J v> computed both ways on a mixed batch") {
-  // A batch mixing every regime, one shared eps: projected, inactive, restricted, masked rows.
-  rng g(77);
-  const std::size_t v = 33, rows = 5;
-  pair_batch b(rows, v);
-  for (std::size_t r = 0; r < rows; ++r) {
-    std::vector<double> zo = g.normals(v, 1.0), zn = zo;
-    const double spread = r == 1 ? 0.02 : 1.5;
-    for (double& z : zn) z += spread * g.normal();
-    if (r == 2) zo[7] = neg_inf, zn[7] = -25.0, zn[3] = zo[3] - 0.01;  // restricted
-    if (r == 3) zn[0] = zo[0] = neg_inf, zo[9] = neg_inf, zn[11] = neg_inf, zo[11] = -2.0;
-    b.set_row(r, zn, zo);
-  }
-  // Row 2 must be restricted: the new row is a small perturbation of the old one on J.
-  for (std::size_t j = 0; j < v; ++j)
-    if (j != 7) b.new_row(2)[j] = b.old_row(2)[j] + 0.02 * g.normal();
-  const double eps = 0.1;
-  const forward_result f = forward(b, eps);
-  CHECK(f.stats[0].status == troll::row_status::projected);
-  CHECK(f.stats[1].status == troll::row_status::inactive);
-  CHECK(f.stats[2].status == troll::row_status::restricted);
-  CHECK(f.stats[3].status == troll::row_status::projected);
-  CHECK(f.stats[4].status == troll::row_status::projected);
-
-  for (int trial = 0; trial < 8; ++trial) {
-    std::vector<double> u = g.normals(rows * v, 1.0), tn = g.normals(rows * v, 1.0),
-                        to = g.normals(rows * v, 1.0);
-    const double teps = g.normal();
-    std::vector<double> jv(rows * v), gn(rows * v), go(rows * v), ge(rows);
-    troll::project_jvp(troll::cpu, troll::make_batch(b.new_logits.data(), rows, v),
-                       troll::make_batch(b.old_logits.data(), rows, v),
-                       troll::make_batch(f.log_probs.data(), rows, v), f.stats.data(),
-                       troll::make_batch(tn.data(), rows, v), troll::make_batch(to.data(), rows, v),
-                       teps, troll::make_batch(jv.data(), rows, v));
-    troll::project_backward(troll::cpu, troll::make_batch(b.new_logits.data(), rows, v),
-                            troll::make_batch(b.old_logits.data(), rows, v),
-                            troll::make_batch(f.log_probs.data(), rows, v), f.stats.data(),
-                            troll::make_batch(u.data(), rows, v), troll::make_batch(gn.data(), rows, v),
-                            troll::make_batch(go.data(), rows, v), ge.data());
-    for (std::size_t r = 0; r < rows; ++r) {
-      long double forward_side = 0, backward_side = 0, magnitude = 0;
-      for (std::size_t j = 0; j < v; ++j) {
-        const std::size_t k = r * v + j;
-        if (f.log_probs[k] != neg_inf) forward_side += (long double)u[k] * jv[k];
-        else CHECK(jv[k] == 0.0);  // masked outputs get a zero tangent
-        // masked inputs carry no tangent: the VJP gives them (numerically) zero
-        if (b.new_logits[k] == neg_inf) CHECK(std::fabs(gn[k]) <= 1e-300);
-        if (b.old_logits[k] == neg_inf) CHECK(std::fabs(go[k]) <= 1e-300);
-        const double tn_k = b.new_logits[k] == neg_inf ? 0.0 : tn[k];
-        const double to_k = b.old_logits[k] == neg_inf ? 0.0 : to[k];
-        backward_side += (long double)gn[k] * tn_k + (long double)go[k] * to_k;
-        magnitude += std::fabs(gn[k] * tn_k) + std::fabs(go[k] * to_k);
-      }
-      backward_side += (long double)ge[r] * teps;
-      magnitude += std::fabs(ge[r] * teps);
-      INFO("trial " << trial << " row " << r);
-      CHECK(std::fabs(double(forward_side - backward_side)) <= 1e-11 * double(magnitude) + 1e-14);
-    }
-  }
-}
 
 TEST_CASE("project_backward, random directions, V up to 4096") {
   for (std::size_t v : {std::size_t(257), std::size_t(1024), std::size_t(4096)}) {
