@@ -39,11 +39,8 @@ void project_gaussian(cuda_policy policy, const gaussian_call& call, batch_view<
                       double eps_mean, double eps_cov, batch_view<T> out_mean, batch_view<T> out_cov,
                       gaussian::gaussian_stats* stats, const projection_options& opt) {
   require_float_type<T>();
-  const gaussian_call c = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov);
-  if (stats == nullptr && mean.rows != 0) throw_shape(c.function, "stats is a null pointer");
-  check_eps(c.function, eps_mean);
-  if (c.split) check_eps(c.function, eps_cov);
-  check_options(c.function, opt);
+  const gaussian_call c = check_projection_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, stats,
+                                                     eps_mean, eps_cov, opt);
   const std::size_t max_dim = c.full ? gaussian_full_max_dim : gaussian_diag_max_dim;
   if (c.dim > max_dim)
     throw_shape(c.function, std::string("d = ") + std::to_string(c.dim) + " is above the CUDA backend's " +

@@ -81,11 +81,8 @@ void project_gaussian(cpu_policy policy, const gaussian_call& call, batch_view<c
                       double eps_mean, double eps_cov, batch_view<T> out_mean, batch_view<T> out_cov,
                       gaussian::gaussian_stats* stats, const projection_options& opt) {
   require_float_type<T>();
-  const gaussian_call c = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov);
-  if (stats == nullptr && mean.rows != 0) throw_shape(c.function, "stats is a null pointer");
-  check_eps(c.function, eps_mean);
-  if (c.split) check_eps(c.function, eps_cov);
-  check_options(c.function, opt);
+  const gaussian_call c = check_projection_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, stats,
+                                                     eps_mean, eps_cov, opt);
   validate_gaussian_rows(policy.threads, c, mean, cov, old_mean, old_cov);
   const std::size_t work = c.full ? 40 * c.dim * c.dim * c.dim : 40 * c.dim;
   cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {

@@ -9,6 +9,7 @@
 #include "../batch.hpp"
 #include "../config.hpp"
 #include "../errors.hpp"
+#include "arguments.hpp"
 #include "cpu/parallel.hpp"
 #include "numeric.hpp"
 
@@ -55,6 +56,22 @@ gaussian_call check_gaussian_arguments(gaussian_call call, batch_view<const T> m
                         std::to_string(call.dim) + " needs " + std::to_string(want) +
                         (call.full ? " (a row-major d x d factor)" : ""));
   return call;
+}
+
+/// Every check of a forward projection's arguments that reads no row values: the views (above),
+/// the stats pointer, the bounds (eps_cov only for a split bound) and the solver options. Shared
+/// by the CPU and CUDA backends; returns the call with d set. Throws shape_error / domain_error.
+template <class T, class U, class S>
+gaussian_call check_projection_arguments(gaussian_call call, batch_view<const T> mean, batch_view<const T> cov,
+                                         batch_view<const T> old_mean, batch_view<const T> old_cov,
+                                         batch_view<U> out_mean, batch_view<U> out_cov, const S* stats,
+                                         double eps_mean, double eps_cov, const projection_options& opt) {
+  const gaussian_call c = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov);
+  if (stats == nullptr && mean.rows != 0) throw_shape(c.function, "stats is a null pointer");
+  check_eps(c.function, eps_mean);
+  if (c.split) check_eps(c.function, eps_cov);
+  check_options(c.function, opt);
+  return c;
 }
 
 /// The first problem of one row's operand, as a message ("" when fine): a non-finite entry, a
