@@ -20,13 +20,6 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 
 template <class T>
-void check_gradient_view(const char* function, const char* name, batch_view<T> view, batch_view<const T> like) {
-  if (view.data == nullptr) return;
-  check_view(function, name, view);
-  check_same_shape(function, name, view, "its input", like);
-}
-
-template <class T>
 void project_gaussian_backward(cpu_policy policy, gaussian_call call, batch_view<const T> mean,
                                batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
                                double eps_mean, double eps_cov, batch_view<const T> out_mean,
@@ -34,24 +27,15 @@ void project_gaussian_backward(cpu_policy policy, gaussian_call call, batch_view
                                batch_view<const T> grad_out_mean, batch_view<const T> grad_out_cov,
                                const gaussian::gaussian_grads<T>& grads) {
   require_float_type<T>();
-  call = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov);
+  call = check_derivative_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean,
+                                    grad_out_cov, stats, eps_mean, eps_cov);
   const char* fn = call.function;
-  check_gaussian_arguments(call, mean, cov, old_mean, old_cov, grad_out_mean, grad_out_cov);
-  check_gradient_view(fn, "grads.mean", grads.mean, mean);
-  check_gradient_view(fn, "grads.cov", grads.cov, cov);
-  check_gradient_view(fn, "grads.old_mean", grads.old_mean, old_mean);
-  check_gradient_view(fn, "grads.old_cov", grads.old_cov, old_cov);
-  if (stats == nullptr && mean.rows != 0) throw_shape(fn, "stats is a null pointer");
-  check_eps(fn, eps_mean);
-  if (call.split) check_eps(fn, eps_cov);
+  check_optional_view(fn, "grads.mean", grads.mean, mean);
+  check_optional_view(fn, "grads.cov", grads.cov, cov);
+  check_optional_view(fn, "grads.old_mean", grads.old_mean, old_mean);
+  check_optional_view(fn, "grads.old_cov", grads.old_cov, old_cov);
   validate_gaussian_rows(policy.threads, call, mean, cov, old_mean, old_cov);
-  for (std::size_t r = 0; r < mean.rows; ++r) {
-    if (!stats[r].solved() || !(stats[r].t > 0.0 && stats[r].t <= 1.0))
-      throw domain_error(row_prefix(fn, r) + "forward statistics are unusable: status " +
-                             status_name(stats[r].status) + ", t = " + std::to_string(stats[r].t) +
-                             " (the backward needs a solved row: inactive or projected)",
-                         r);
-  }
+  validate_gaussian_stats(fn, stats, mean.rows, "backward");
   const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;
   auto row = [](batch_view<T> v, std::size_t r) { return v.data == nullptr ? nullptr : v.row(r); };
   cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
