@@ -9,6 +9,7 @@
 #include "../batch.hpp"
 #include "../config.hpp"
 #include "../errors.hpp"
+#include "../gaussian_types.hpp"
 #include "../projection_types.hpp"
 #include "arguments.hpp"
 #include "cpu/parallel.hpp"
@@ -129,6 +130,19 @@ void validate_gaussian_stats(const char* function, const Stats* stats, std::size
     const std::string p = gaussian_stats_problem(stats[r], what);
     if (!p.empty()) throw domain_error(row_prefix(function, r) + p, r);
   }
+}
+
+/// A saved factorisation (gaussian_types.hpp) is empty, or full rows of this batch's shape.
+template <class D>
+void check_saved_factorisation(const gaussian_call& call, std::size_t rows,
+                               const gaussian::saved_factorisation<D>& saved) {
+  if (saved.data == nullptr) return;
+  if (!call.full)
+    throw_shape(call.function, "a saved factorisation is for full covariances (Cholesky factors) only");
+  if (saved.rows != rows || saved.dim != call.dim)
+    throw_shape(call.function, "the saved factorisation holds " + std::to_string(saved.rows) + " rows of d = " +
+                                   std::to_string(saved.dim) + " but the batch has " + std::to_string(rows) +
+                                   " rows of d = " + std::to_string(call.dim));
 }
 
 /// The first problem of one row's operand, as a message ("" when fine): a non-finite entry, a

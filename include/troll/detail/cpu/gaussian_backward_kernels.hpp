@@ -71,10 +71,11 @@ void natural_to_factor(const gaussian_vector& mean, const gaussian_matrix& facto
 /// The VJP of one full-covariance row (validated inputs; a solved row: inactive or projected).
 template <class T>
 void gaussian_backward_full(bool split, std::size_t d, const T* mean, const T* cov, const T* old_mean,
-                            const T* old_cov, double eps_mean, double t, const gaussian_row_grads<T>& io) {
+                            const T* old_cov, double eps_mean, double t, const gaussian_row_grads<T>& io,
+                            const double* saved = nullptr) {
   const auto n = static_cast<Eigen::Index>(d);
   gaussian_basis basis;
-  factor_full(mean, cov, old_mean, old_cov, d, basis);
+  factor_full_or_saved(mean, cov, old_mean, old_cov, d, saved, basis);
   const gaussian_vector mu_new = load_vector(mean, d), mu_old = load_vector(old_mean, d);
   const gaussian_vector g_mean = load_vector(io.grad_out_mean, d);
   const gaussian_matrix g_factor = gaussian_matrix(load_factor(io.grad_out_cov, d));

@@ -69,7 +69,8 @@ inline gaussian_matrix cholesky_tangent(const gaussian_matrix& l, const gaussian
 /// Writes μ*' and L*' (lower-triangular).
 template <class T>
 void gaussian_jvp_full(bool split, std::size_t d, const T* mean, const T* cov, const T* old_mean, const T* old_cov,
-                       double eps_mean, double t, const gaussian_row_tangents<T>& io) {
+                       double eps_mean, double t, const gaussian_row_tangents<T>& io,
+                       const double* saved = nullptr) {
   const auto n = static_cast<Eigen::Index>(d);
   const gaussian_vector mu_new = load_vector(mean, d), mu_old = load_vector(old_mean, d);
   const gaussian_vector dmu_new = load_tangent_vector(io.mean, d), dmu_old = load_tangent_vector(io.old_mean, d);
@@ -80,7 +81,7 @@ void gaussian_jvp_full(bool split, std::size_t d, const T* mean, const T* cov, c
       for (Eigen::Index j = 0; j < n; ++j) io.out_cov_tangent[i * n + j] = j <= i ? static_cast<T>(m(i, j)) : T(0);
   };
   gaussian_basis basis;
-  factor_full(mean, cov, old_mean, old_cov, d, basis);
+  factor_full_or_saved(mean, cov, old_mean, old_cov, d, saved, basis);
   const gaussian_matrix& lo = basis.old_factor;
   const gaussian_matrix lo_inv = lo.triangularView<Eigen::Lower>().solve(gaussian_matrix::Identity(n, n));
   const gaussian_matrix precision_old = lo_inv.transpose() * lo_inv;
