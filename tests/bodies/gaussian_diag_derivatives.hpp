@@ -301,3 +301,65 @@ TEST_CASE("Gaussian diag derivatives: a bad row throws naming it, before anythin
     CHECK(std::all_of(ho.begin(), ho.end(), [&](double x) { return x == sentinel; }));
   }
 }
+
+TEST_CASE("Gaussian diag VJP, JVP and KL in float agree with double") {
+  const std::size_t n = 6, d = 45;
+  const double eps = 0.05;
+  const diag_batch b = make_diag(n, d, 77);
+  namespace g = troll::gaussian;
+  auto to_float = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
+  // The double reference, on the CPU.
+  const diag_forward f = cpu_forward(b, false, eps, eps);
+  std::vector<double> ref_gm(n * d), ref_gs(n * d), ref_e(n), ref_tm(n * d), ref_ts(n * d), ref_kl(n);
+  {
+    const g::gaussian_grads<double> gr{troll::make_batch(ref_gm.data(), n, d), troll::make_batch(ref_gs.data(), n, d),
+                                       {}, {}, ref_e.data(), nullptr};
+    g::project_joint_diag_backward(troll::cpu, view(b.mean, n, d), view(b.sd, n, d), view(b.old_mean, n, d),
+                                   view(b.old_sd, n, d), eps, view(f.mean, n, d), view(f.sd, n, d), f.stats.data(),
+                                   view(f.mean, n, d), view(f.sd, n, d), gr);
+    const g::gaussian_tangents<double> tan{view(b.sd, n, d), view(b.mean, n, d), {}, {}, 0.01, 0.0};
+    g::project_joint_diag_jvp(troll::cpu, view(b.mean, n, d), view(b.sd, n, d), view(b.old_mean, n, d),
+                              view(b.old_sd, n, d), eps, view(f.mean, n, d), view(f.sd, n, d), f.stats.data(), tan,
+                              troll::make_batch(ref_tm.data(), n, d), troll::make_batch(ref_ts.data(), n, d));
+    g::kl_diag(troll::cpu, view(b.mean, n, d), view(b.sd, n, d), view(b.old_mean, n, d), view(b.old_sd, n, d),
+               ref_kl.data());
+  }
+  // float on the backend, from the float forward on the CPU.
+  const std::vector<float> m = to_float(b.mean), s = to_float(b.sd), om = to_float(b.old_mean),
+                           os = to_float(b.old_sd);
+  std::vector<float> ym(n * d), ys(n * d);
+  std::vector<stats_t> st(n);
+  auto fin = [&](const std::vector<float>& v) { return troll::make_batch(v.data(), n, d); };
+  g::project_joint_diag(troll::cpu, fin(m), fin(s), fin(om), fin(os), eps, troll::make_batch(ym.data(), n, d),
+                        troll::make_batch(ys.data(), n, d), st.data());
+  using fbuf = backend::buffer<float>;
+  fbuf dm(m), ds(s), dom(om), dos(os), dym(ym), dys(ys), gm(n * d), gs(n * d), tm(n * d), ts(n * d);
+  backend::buffer<double> ge(n), kl(n);
+  backend::buffer<stats_t> dst(st);
+  auto in = [&](fbuf& x) { return troll::make_batch(static_cast<const float*>(x.get()), n, d); };
+  const g::gaussian_grads<float> gr{troll::make_batch(gm.get(), n, d), troll::make_batch(gs.get(), n, d), {}, {},
+                                    ge.get(), nullptr};
+  g::project_joint_diag_backward(backend::policy(), in(dm), in(ds), in(dom), in(dos), eps, in(dym), in(dys),
+                                 dst.get(), in(dym), in(dys), gr);
+  const g::gaussian_tangents<float> tan{in(ds), in(dm), {}, {}, 0.01, 0.0};
+  g::project_joint_diag_jvp(backend::policy(), in(dm), in(ds), in(dom), in(dos), eps, in(dym), in(dys), dst.get(),
+                            tan, troll::make_batch(tm.get(), n, d), troll::make_batch(ts.get(), n, d));
+  g::kl_diag(backend::policy(), in(dm), in(ds), in(dom), in(dos), kl.get());
+  auto compare = [&](const std::vector<float>& got, const std::vector<double>& want, const char* what) {
+    double scale = 0.0;
+    for (double w : want) scale = std::max(scale, std::fabs(w));
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      INFO(what << " entry " << i);
+      CHECK(close(double(got[i]), want[i], 2e-3 * scale, 2e-3));
+    }
+  };
+  compare(gm.download(), ref_gm, "grad mean");
+  compare(gs.download(), ref_gs, "grad std");
+  compare(tm.download(), ref_tm, "tangent mean");
+  compare(ts.download(), ref_ts, "tangent std");
+  const std::vector<double> he = ge.download(), hk = kl.download();
+  for (std::size_t r = 0; r < n; ++r) {
+    CHECK(close(he[r], ref_e[r], 2e-3 * (1.0 + std::fabs(ref_e[r])), 2e-3));
+    CHECK(close(hk[r], ref_kl[r], 1e-6, 1e-5));
+  }
+}
