@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "cuda_entry.hpp"
 #include "dense_args.hpp"
@@ -227,8 +228,8 @@ void kl_aligned(nb::handle rows, const out_array& out, std::uintptr_t stream, bo
 }
 
 /// The packed stats arrays of `rows` rows (project()'s layout), checked before any work.
-template <class V, class C>
-std::pair<V*, C*> packed_stats(const char* fn, const in_array& values, const in_array& counters, std::size_t rows) {
+template <class V, class C, class A>
+std::pair<V*, C*> packed_stats(const char* fn, const A& values, const A& counters, std::size_t rows) {
   const auto sv = as_packed<V>(fn, "stats.values", values);
   const auto sc = as_packed<C>(fn, "stats.counters", counters);
   if (sv.rows != rows || sv.cols != st_values || sc.rows != rows || sc.cols != st_counters)

@@ -5,6 +5,8 @@ the extension was built."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -302,7 +304,8 @@ def test_loss_errors_on_cuda_name_the_row():
     tokens[3] = 99
     for call in (lambda: troll.torch.trust_region_loss(new, old, tokens, adv),
                  lambda: troll.torch.ppo_clip_loss(new, old, tokens, adv),
-                 lambda: troll.torch.trust_region_loss(new, troll.torch.sparsify(old, k=4), tokens, adv)):
+                 lambda: troll.torch.trust_region_loss(
+                     new, troll.torch.sparsify(old, k=4, sampled=tokens.clamp(max=23)), tokens, adv)):
         with pytest.raises(troll.DomainError) as info:
             call()
         assert info.value.row == 3
@@ -322,3 +325,48 @@ def test_the_cuda_extension_binds_the_whole_array_api():
                  "ppo_clip_backward", "dppo_forward", "dppo_backward"):
         assert callable(getattr(cuda, name)), name
     assert cuda.METRICS_ENTRIES == len(_core.METRIC_FIELDS)
+
+
+# ---- CUDA sparsify: the canonical tail sums (detail::exact_log_sums), as the CPU's ----
+
+
+def _ulps(a, b):
+    """|a - b| in units of b's last place (inf entries must match exactly)."""
+    same = a == b
+    step = (torch.nextafter(b, torch.full_like(b, float("inf"))) - b).abs()
+    return torch.where(same, torch.zeros_like(b), (a - b).abs() / step)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_sparsify_values_are_canonical(dtype):
+    g = torch.Generator().manual_seed(40)
+    rows, vocab = 6, 40_000  # several tiles a row, candidates evicted by the block select
+    logits = (torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 3).to(dtype)
+    logits[1, ::7] = float("-inf")  # masked tokens
+    logits[2, 100:200] = logits[2, 5]  # ties at the support's edge
+    sampled = torch.randint(0, vocab, (rows,), generator=g, dtype=torch.int32)
+    d = logits.cuda()
+    whole = troll.torch.sparsify(d, k=32, delta=1e-3, sampled=sampled.cuda())
+    # The same rows read through another layout (rows one element off 16-byte alignment: scalar
+    # loads instead of vector loads) and one at a time: the same bits.
+    padded = torch.empty(rows, vocab + 1, dtype=dtype, device="cuda")
+    padded[:, 1:] = d
+    shifted = troll.torch.sparsify(padded[:, 1:], k=32, delta=1e-3, sampled=sampled.cuda())
+    for r in range(rows):
+        one = troll.torch.sparsify(d[r:r + 1], k=32, delta=1e-3, sampled=sampled[r:r + 1].cuda())
+        for a, b in zip(one[:4], whole[:4]):
+            assert torch.equal(a.cpu(), b[r:r + 1].cpu())
+    for a, b in zip(shifted[:4], whole[:4]):
+        assert torch.equal(a.cpu(), b.cpu())
+    # Against the CPU's canonical values: the same supports, values within one ulp (the two
+    # backends' exponentials may differ in the last bit of a term; the sums are otherwise the same).
+    ref = troll.torch.sparsify(logits, k=32, delta=1e-3, sampled=sampled)
+    assert torch.equal(whole.counts.cpu(), ref.counts) and torch.equal(whole.indices.cpu(), ref.indices)
+    valid = ref.counts[:, None] > torch.arange(ref.indices.shape[-1])
+    lp = _ulps(torch.where(valid, whole.log_probs.cpu(), 0), torch.where(valid, ref.log_probs, 0))
+    lr = _ulps(whole.log_remainder.cpu(), ref.log_remainder)
+    if os.environ.get("TROLL_TEST_REPORT_ULPS"):
+        print(f"cuda sparsify vs cpu ({dtype}): log_probs max {lp.max().item()} ulps, "
+              f"log_remainder max {lr.max().item()} ulps, exact {(lp == 0).float().mean().item():.4f}")
+    assert lp.max() <= 1 and lr.max() <= 1

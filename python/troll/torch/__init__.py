@@ -167,7 +167,7 @@ def _loss_value(metrics: Any, like: torch.Tensor) -> torch.Tensor:
     """The aggregated loss as a 0-d tensor on the logits' device (no synchronisation on CUDA)."""
     if isinstance(metrics, dict):
         return torch.tensor(metrics["loss"], dtype=like.dtype)
-    return metrics[0].to(like.dtype)
+    return metrics[0].to(like.dtype, copy=True)
 
 
 def _empty_like_rows(x: torch.Tensor) -> torch.Tensor:
