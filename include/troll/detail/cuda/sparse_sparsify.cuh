@@ -8,12 +8,13 @@
 // running log-sum-exp of "outside" tokens (double sum). When the buffer may overflow, a block
 // radix select on the candidate keys (logit, then lower index first: 64-bit keys for float
 // logits, 96 bits for double) keeps the K best, pushes the evicted ones into the outside sums
-// and raises θ to the K-th best logit. The running sums pick the support (the δ prefix); the
-// values written come from the canonical sums of detail::exact_log_sums — the tail's max and a
-// second pass summing e^{z − m_tail} exactly (canonical_tail_sum) — as the CPU's sparsify. Tokens arrive tile by tile in increasing index order, so a
+// and raises θ to the K-th best logit. Tokens arrive tile by tile in increasing index order, so a
 // later token with logit = θ ranks after the K-th and cannot enter: the candidates end as exactly
 // the CPU heap's K best and the outside sum holds every other token — the tail mass is a sum,
-// never a difference. The sampled token is kept aside throughout.
+// never a difference. The sampled token is kept aside throughout. These running sums pick the
+// support (the δ prefix); the values written come from the canonical sums of
+// detail::exact_log_sums — the tail's exact max and a second pass summing e^{z − m_tail} as
+// double-double (canonical_tail_sum) — as the CPU's sparsify writes them.
 #pragma once
 
 #include <cuda_bf16.h>
