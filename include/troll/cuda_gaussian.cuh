@@ -41,7 +41,8 @@ template <class T>
 void project_gaussian(cuda_policy policy, const gaussian_call& call, batch_view<const T> mean,
                       batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
                       double eps_mean, double eps_cov, batch_view<T> out_mean, batch_view<T> out_cov,
-                      gaussian::gaussian_stats* stats, const projection_options& opt) {
+                      gaussian::gaussian_stats* stats, const projection_options& opt,
+                      gaussian::saved_factorisation<double> saved = {}) {
   require_float_type<T>();
   const gaussian_call c = check_projection_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, stats,
                                                      eps_mean, eps_cov, opt);
@@ -50,10 +51,11 @@ void project_gaussian(cuda_policy policy, const gaussian_call& call, batch_view<
     throw_shape(c.function, std::string("d = ") + std::to_string(c.dim) + " is above the CUDA backend's " +
                                 std::to_string(max_dim) + (c.full ? " for full covariances" : " for diagonal ones") +
                                 " (one warp per row); use the CPU backend");
+  check_saved_factorisation(c, mean.rows, saved);
   if (mean.rows == 0) return;
   check_gaussian_rows_on_host(policy, c, mean, cov, old_mean, old_cov);
   const gaussian_launch<T> launch{mean, cov, old_mean, old_cov, out_mean, out_cov, stats, eps_mean, eps_cov, opt,
-                                  c.split};
+                                  c.split, saved};
   const unsigned grid = grid_for(mean.rows);
   if (c.full) {
     const std::size_t shared = (4 * c.dim * c.dim + 4 * c.dim) * sizeof(double);
@@ -71,22 +73,27 @@ void project_gaussian(cuda_policy policy, const gaussian_call& call, batch_view<
 namespace gaussian {
 
 /// project_joint on the device (troll/gaussian.hpp; rejected rows: NaN and status rejected).
+/// `saved` (optional, device memory): filled with each row's factorisation as on the CPU, for
+/// the backward / JVP of the same inputs (rejected rows leave it untouched).
 template <class T>
 void project_joint(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
                    input_view<T> old_cov_chol, double eps, batch_view<T> out_mean, batch_view<T> out_cov_chol,
-                   gaussian_stats* stats, const projection_options& options = {}) {
+                   gaussian_stats* stats, const projection_options& options = {},
+                   saved_factorisation<double> saved = {}) {
   detail::cuda::project_gaussian(policy, detail::gaussian_call{"gaussian::project_joint", true, false}, mean,
-                                 cov_chol, old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol, stats, options);
+                                 cov_chol, old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol, stats, options,
+                                 saved);
 }
 
 /// project_split on the device.
 template <class T>
 void project_split(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
                    input_view<T> old_cov_chol, double eps_mean, double eps_cov, batch_view<T> out_mean,
-                   batch_view<T> out_cov_chol, gaussian_stats* stats, const projection_options& options = {}) {
+                   batch_view<T> out_cov_chol, gaussian_stats* stats, const projection_options& options = {},
+                   saved_factorisation<double> saved = {}) {
   detail::cuda::project_gaussian(policy, detail::gaussian_call{"gaussian::project_split", true, true}, mean,
                                  cov_chol, old_mean, old_cov_chol, eps_mean, eps_cov, out_mean, out_cov_chol, stats,
-                                 options);
+                                 options, saved);
 }
 
 /// project_joint_diag on the device.

@@ -15,7 +15,9 @@
 // values, forward stats not solved with t in (0, 1]) gets NaN in every requested output. With
 // troll::cuda.on(s).checked() the rows are checked on the host first (gaussian_checked.cuh) and
 // the first bad one throws the CPU's exception, naming it, before anything is written.
-// The full-covariance backward and JVP run on the CPU only for now.
+// The full-covariance backward and JVP (project_joint_backward, project_split_backward,
+// project_joint_jvp, project_split_jvp) run one block per row (gaussian_full_derivative_kernels.cuh)
+// and take the forward's saved factorisation (device memory) as the CPU overloads do.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,6 +30,7 @@
 #include "detail/cuda/error_check.cuh"
 #include "detail/cuda/gaussian_checked.cuh"
 #include "detail/cuda/gaussian_derivative_kernels.cuh"
+#include "detail/cuda/gaussian_full_derivative_kernels.cuh"
 #include "detail/cuda/gaussian_kernels.cuh"
 #include "detail/gaussian_checks.hpp"
 #include "errors.hpp"
@@ -111,6 +114,66 @@ void project_gaussian_diag_jvp(cuda_policy policy, gaussian_call call, batch_vie
   check_launch(call.function);
 }
 
+/// Dynamic shared memory of a full-covariance derivative row (the row scratch), raising the
+/// kernel's limit above the default 48 KB when it needs more.
+template <class Kernel>
+std::size_t full_derivative_shared(Kernel kernel, std::size_t d, const char* function) {
+  const std::size_t bytes = full_scratch::doubles(d) * sizeof(double);
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+        function, "shared memory limit of the full-covariance derivative kernel");
+  return bytes;
+}
+
+template <class T>
+void project_gaussian_full_backward(cuda_policy policy, gaussian_call call, batch_view<const T> mean,
+                                    batch_view<const T> cov, batch_view<const T> old_mean,
+                                    batch_view<const T> old_cov, double eps_mean, double eps_cov,
+                                    batch_view<const T> out_mean, batch_view<const T> out_cov,
+                                    const gaussian::gaussian_stats* stats, batch_view<const T> grad_out_mean,
+                                    batch_view<const T> grad_out_cov, const gaussian::gaussian_grads<T>& grads,
+                                    gaussian::saved_factorisation<const double> saved) {
+  require_float_type<T>();
+  call = check_derivative_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean,
+                                    grad_out_cov, stats, eps_mean, eps_cov);
+  const char* fn = call.function;
+  check_optional_view(fn, "grads.mean", grads.mean, mean);
+  check_optional_view(fn, "grads.cov", grads.cov, cov);
+  check_optional_view(fn, "grads.old_mean", grads.old_mean, old_mean);
+  check_optional_view(fn, "grads.old_cov", grads.old_cov, old_cov);
+  check_saved_factorisation(call, mean.rows, saved);
+  check_gaussian_dim(call);
+  if (mean.rows == 0) return;
+  check_gaussian_rows_on_host(policy, call, mean, cov, old_mean, old_cov, stats, "backward");
+  const gaussian_vjp_launch<T> launch{mean,          cov,   old_mean, old_cov, out_mean, out_cov, grad_out_mean,
+                                      grad_out_cov,  stats, grads,    eps_mean, call.split};
+  const std::size_t shared = full_derivative_shared(gaussian_vjp_full_kernel<T>, call.dim, fn);
+  gaussian_vjp_full_kernel<T><<<grid_for(mean.rows), gaussian_full_threads, shared, policy.stream>>>(launch, saved);
+  check_launch(fn);
+}
+
+template <class T>
+void project_gaussian_full_jvp(cuda_policy policy, gaussian_call call, batch_view<const T> mean,
+                               batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
+                               double eps_mean, double eps_cov, batch_view<const T> out_mean,
+                               batch_view<const T> out_cov, const gaussian::gaussian_stats* stats,
+                               const gaussian::gaussian_tangents<T>& tangents, batch_view<T> tangent_out_mean,
+                               batch_view<T> tangent_out_cov, gaussian::saved_factorisation<const double> saved) {
+  require_float_type<T>();
+  call = check_derivative_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
+                                    tangent_out_cov, stats, eps_mean, eps_cov);
+  check_jvp_tangents(call.function, tangents, mean, cov, old_mean, old_cov);
+  check_saved_factorisation(call, mean.rows, saved);
+  check_gaussian_dim(call);
+  if (mean.rows == 0) return;
+  check_gaussian_rows_on_host(policy, call, mean, cov, old_mean, old_cov, stats, "JVP");
+  const gaussian_jvp_launch<T> launch{mean,     cov,           old_mean,        old_cov, stats, tangents,
+                                      tangent_out_mean, tangent_out_cov, eps_mean, call.split};
+  const std::size_t shared = full_derivative_shared(gaussian_jvp_full_kernel<T>, call.dim, call.function);
+  gaussian_jvp_full_kernel<T><<<grid_for(mean.rows), gaussian_full_threads, shared, policy.stream>>>(launch, out_cov,
+                                                                                                      saved);
+  check_launch(call.function);
+}
+
 }  // namespace cuda
 }  // namespace detail
 
@@ -179,6 +242,55 @@ void project_split_diag_jvp(cuda_policy policy, input_view<T> mean, input_view<T
                                           detail::gaussian_call{"gaussian::project_split_diag_jvp", false, true},
                                           mean, std_dev, old_mean, old_std_dev, eps_mean, eps_cov, out_mean,
                                           out_std_dev, stats, tangents, tangent_out_mean, tangent_out_std_dev);
+}
+
+/// project_joint_backward on the device (troll/gaussian_backward.hpp): one block per row, the
+/// shared matrix steps of detail/gaussian_full_derivatives.hpp; `saved` (optional, device memory):
+/// the factorisation the forward of these inputs saved.
+template <class T>
+void project_joint_backward(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
+                            input_view<T> old_cov_chol, double eps, input_view<T> out_mean,
+                            input_view<T> out_cov_chol, const gaussian_stats* stats, input_view<T> grad_out_mean,
+                            input_view<T> grad_out_cov_chol, const gaussian_grads<T>& grads,
+                            saved_factorisation<const double> saved = {}) {
+  detail::cuda::project_gaussian_full_backward(
+      policy, detail::gaussian_call{"gaussian::project_joint_backward", true, false}, mean, cov_chol, old_mean,
+      old_cov_chol, eps, eps, out_mean, out_cov_chol, stats, grad_out_mean, grad_out_cov_chol, grads, saved);
+}
+
+/// project_split_backward on the device.
+template <class T>
+void project_split_backward(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
+                            input_view<T> old_cov_chol, double eps_mean, double eps_cov, input_view<T> out_mean,
+                            input_view<T> out_cov_chol, const gaussian_stats* stats, input_view<T> grad_out_mean,
+                            input_view<T> grad_out_cov_chol, const gaussian_grads<T>& grads,
+                            saved_factorisation<const double> saved = {}) {
+  detail::cuda::project_gaussian_full_backward(
+      policy, detail::gaussian_call{"gaussian::project_split_backward", true, true}, mean, cov_chol, old_mean,
+      old_cov_chol, eps_mean, eps_cov, out_mean, out_cov_chol, stats, grad_out_mean, grad_out_cov_chol, grads, saved);
+}
+
+/// project_joint_jvp on the device (troll/gaussian_jvp.hpp).
+template <class T>
+void project_joint_jvp(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
+                       input_view<T> old_cov_chol, double eps, input_view<T> out_mean, input_view<T> out_cov_chol,
+                       const gaussian_stats* stats, const gaussian_tangents<T>& tangents, batch_view<T> tangent_out_mean,
+                       batch_view<T> tangent_out_cov_chol, saved_factorisation<const double> saved = {}) {
+  detail::cuda::project_gaussian_full_jvp(policy, detail::gaussian_call{"gaussian::project_joint_jvp", true, false},
+                                          mean, cov_chol, old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol,
+                                          stats, tangents, tangent_out_mean, tangent_out_cov_chol, saved);
+}
+
+/// project_split_jvp on the device.
+template <class T>
+void project_split_jvp(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
+                       input_view<T> old_cov_chol, double eps_mean, double eps_cov, input_view<T> out_mean,
+                       input_view<T> out_cov_chol, const gaussian_stats* stats, const gaussian_tangents<T>& tangents,
+                       batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov_chol,
+                       saved_factorisation<const double> saved = {}) {
+  detail::cuda::project_gaussian_full_jvp(policy, detail::gaussian_call{"gaussian::project_split_jvp", true, true},
+                                          mean, cov_chol, old_mean, old_cov_chol, eps_mean, eps_cov, out_mean,
+                                          out_cov_chol, stats, tangents, tangent_out_mean, tangent_out_cov_chol, saved);
 }
 
 }  // namespace gaussian

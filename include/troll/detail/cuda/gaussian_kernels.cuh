@@ -62,6 +62,7 @@ struct gaussian_launch {
   double eps_mean, eps_cov;
   projection_options options;
   bool split;
+  gaussian::saved_factorisation<double> saved{};  ///< full rows: V, g, b written when not empty
 };
 
 __device__ inline bool finite_value(double x) { return x - x == 0.0; }
@@ -297,6 +298,14 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_full_kernel(gaussian_l
       continue;
     }
     factor_full_row(mean, l_new, old_mean, l_old, d, lo, work, a, v, g, b, delta);
+    if (k.saved.data != nullptr) {  // the layout of cpu::save_basis: V row-major, then g, b
+      double* out = k.saved.row(r);
+      for (int i = lane; i < dd; i += gaussian_warp) out[i] = v[i];
+      for (int i = lane; i < d; i += gaussian_warp) {
+        out[dd + i] = g[i];
+        out[dd + d + i] = b[i];
+      }
+    }
     gaussian::gaussian_stats stats;
     const gaussian_solve_result s = solve_row(k, r, g, b, d, &stats);
     T* out_mean = k.out_mean.row(r);
