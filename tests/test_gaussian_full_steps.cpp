@@ -7,6 +7,8 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include "troll/detail/cpu/eigen.hpp"  // Eigen/Core first, AVX-512-clean on GCC 12
+#include <Eigen/Eigenvalues>
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -14,6 +16,8 @@
 
 #include "support/gaussian_oracle.hpp"
 #include "troll/detail/gaussian_full_derivatives.hpp"
+#include "troll/detail/gaussian_full_forward.hpp"
+#include "troll/detail/gaussian_jacobi.hpp"
 #include "troll/gaussian.hpp"
 
 namespace {
@@ -108,7 +112,13 @@ TEST_CASE("the shared full-covariance VJP steps match the Eigen backward") {
                                   in(b.yl, dd), b.st.data(), in(up_m, d), in(up_l, dd), gr);
       for (std::size_t r = 0; r < n; ++r) {
         CAPTURE(r);
+        for (bool own : {false, true}) {  // the saved factorisation, or the team's own (factor_full_team)
+        CAPTURE(own);
         std::vector<double> ws = scratch_for(b, r);
+        if (own)
+          troll::detail::factor_full_team(troll::detail::host_team{}, b.m.data() + r * d, b.l.data() + r * dd,
+                                          b.om.data() + r * d, b.ol.data() + r * dd,
+                                          troll::detail::full_scratch{ws.data(), static_cast<int>(d)});
         std::vector<double> om(d), ol(dd), oom(d), ool(dd);
         double oe = -1.0, oem = -1.0;
         const troll::detail::full_vjp_io<double> io{b.yl.data() + r * dd, up_m.data() + r * d, up_l.data() + r * dd,
@@ -128,6 +138,7 @@ TEST_CASE("the shared full-covariance VJP steps match the Eigen backward") {
         check_close(ool, slice(rol, r, dd), 1e-9);
         CHECK(std::fabs(oe - re[r]) <= 1e-12 + 1e-9 * std::fabs(re[r]));
         if (split) CHECK(std::fabs(oem - rem[r]) <= 1e-12 + 1e-9 * std::fabs(rem[r]));
+        }
       }
     }
   }
@@ -175,6 +186,69 @@ TEST_CASE("the shared full-covariance JVP steps match the Eigen JVP") {
         check_close(ol, std::vector<double>(rl.begin() + static_cast<std::ptrdiff_t>(r * dd),
                                             rl.begin() + static_cast<std::ptrdiff_t>((r + 1) * dd)),
                     1e-9);
+      }
+    }
+  }
+}
+
+TEST_CASE("the parallel-order Jacobi eigensolver against Eigen's") {
+  for (int d : {1, 2, 5, 8, 33, 64}) {
+    CAPTURE(d);
+    gauss::generator gen(static_cast<unsigned>(d));
+    Eigen::MatrixXd m(d, d);
+    for (int i = 0; i < d; ++i)
+      for (int j = 0; j <= i; ++j) m(i, j) = m(j, i) = gen.normal01();
+    if (d == 8) m(3, 3) = m(4, 4), m(3, 4) = m(4, 3) = 0.0;  // a repeated-ish pair and a zero plane
+    std::vector<double> a(static_cast<std::size_t>(d * d)), v(a.size()),
+        cs(static_cast<std::size_t>(troll::detail::jacobi_scratch_doubles(d)));
+    for (int i = 0; i < d; ++i)
+      for (int j = 0; j < d; ++j) a[static_cast<std::size_t>(i * d + j)] = m(i, j);
+    troll::detail::jacobi_eigen(troll::detail::host_team{}, d, a.data(), v.data(), cs.data());
+    Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> eig(m);
+    std::vector<double> got(static_cast<std::size_t>(d));
+    for (int i = 0; i < d; ++i) got[static_cast<std::size_t>(i)] = a[static_cast<std::size_t>(i * d + i)];
+    std::sort(got.begin(), got.end());
+    const double scale = eig.eigenvalues().cwiseAbs().maxCoeff();
+    for (int i = 0; i < d; ++i) CHECK(std::fabs(got[static_cast<std::size_t>(i)] - eig.eigenvalues()[i]) <= 1e-13 * scale);
+    // V orthonormal and M V = V diag(a).
+    Eigen::MatrixXd vm(d, d);
+    for (int i = 0; i < d; ++i)
+      for (int j = 0; j < d; ++j) vm(i, j) = v[static_cast<std::size_t>(i * d + j)];
+    CHECK((vm.transpose() * vm - Eigen::MatrixXd::Identity(d, d)).cwiseAbs().maxCoeff() <= 1e-13 * d);
+    Eigen::MatrixXd diag = Eigen::MatrixXd::Zero(d, d);
+    for (int i = 0; i < d; ++i) diag(i, i) = a[static_cast<std::size_t>(i * d + i)];
+    CHECK((m * vm - vm * diag).cwiseAbs().maxCoeff() <= 1e-12 * scale);
+  }
+}
+
+TEST_CASE("the shared full-row forward (team steps) matches the CPU backend") {
+  for (bool split : {false, true}) {
+    for (std::size_t d : {std::size_t(1), std::size_t(4), std::size_t(33), std::size_t(70)}) {
+      CAPTURE(split);
+      CAPTURE(d);
+      const batch b = make_batch(d, split, static_cast<unsigned>(17 * d + split));
+      const std::size_t dd = d * d;
+      for (std::size_t r = 0; r < b.n; ++r) {
+        CAPTURE(r);
+        std::vector<double> ws(troll::detail::full_scratch::doubles(d));
+        const troll::detail::full_scratch w{ws.data(), static_cast<int>(d), troll::detail::forward_matrices};
+        std::vector<double> ym(d), yl(dd), saved(g::saved_factorisation<double>::saved_doubles(d));
+        g::gaussian_stats st;
+        troll::detail::gaussian_full_forward_row(troll::detail::host_team{}, split, b.m.data() + r * d,
+                                                 b.l.data() + r * dd, b.om.data() + r * d, b.ol.data() + r * dd,
+                                                 0.05, 0.03, troll::projection_options{}, ym.data(), yl.data(), &st,
+                                                 saved.data(), w);
+        CHECK(st.status == b.st[r].status);
+        CHECK(std::fabs(st.t - b.st[r].t) <= 1e-12);
+        CHECK(std::fabs(st.kl_after - b.st[r].kl_after) <= 1e-12 + 1e-9 * b.st[r].kl_after);
+        CHECK(std::fabs(st.kl_before - b.st[r].kl_before) <= 1e-12 + 1e-9 * b.st[r].kl_before);
+        CHECK(std::fabs(st.mean_kl_before - b.st[r].mean_kl_before) <= 1e-12 + 1e-9 * b.st[r].mean_kl_before);
+        check_close(ym, std::vector<double>(b.ym.begin() + static_cast<std::ptrdiff_t>(r * d),
+                                            b.ym.begin() + static_cast<std::ptrdiff_t>((r + 1) * d)),
+                    1e-10);
+        check_close(yl, std::vector<double>(b.yl.begin() + static_cast<std::ptrdiff_t>(r * dd),
+                                            b.yl.begin() + static_cast<std::ptrdiff_t>((r + 1) * dd)),
+                    1e-10);
       }
     }
   }

@@ -26,8 +26,9 @@ struct full_scratch {
   static constexpr std::size_t doubles(std::size_t d) { return matrices * d * d + vectors * d; }
   double* base;
   int d;
+  int mats = matrices;  ///< matrices before the vectors (fewer for the forward's scratch)
   TROLL_HOST_DEVICE double* mat(int k) const { return base + k * d * d; }
-  TROLL_HOST_DEVICE double* vec(int k) const { return base + matrices * d * d + k * d; }
+  TROLL_HOST_DEVICE double* vec(int k) const { return base + mats * d * d + k * d; }
 };
 
 namespace full_steps {
