@@ -101,6 +101,7 @@ constexpr std::size_t objective_scratch(const cuda_policy&, const sparse_trust_r
 /// not listed below:
 ///   cpu  project_backward, project_jvp: rows (one overflow flag per row)
 ///   cuda project_jacobian: rows · 24 (per-row terms)
+///   cuda Gaussian full-covariance rows above d = 32 (below)
 template <class Policy, class Op, std::enable_if_t<!detail::is_objective_op<Op>::value, int> = 0>
 constexpr std::size_t workspace_bytes(const Policy&, Op, std::size_t = 0, std::size_t = 0, std::size_t = 0) {
   return 0;
@@ -116,6 +117,39 @@ constexpr std::size_t workspace_bytes(const cpu_policy&, op::project_jvp, std::s
 constexpr std::size_t workspace_bytes(const cuda_policy&, op::project_jacobian, std::size_t rows, std::size_t = 0,
                                       std::size_t = 0) {
   return detail::cuda::jacobian_workspace_bytes(rows);
+}
+
+/// CUDA full-covariance Gaussian rows (`cols` is d, the dimension): 0 up to d = 32; above (up to
+/// d = 256) blocks · row_bytes with blocks = min(rows, 1024, 512 MiB / row_bytes) and row_bytes
+/// (4d² + 8d) · 8 for the projections and the KL, (13d² + 18d) · 8 for their backward and JVP.
+/// The diagonal entry points need none.
+constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_joint, std::size_t rows,
+                                      std::size_t d = 0, std::size_t = 0) {
+  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_forward_row_bytes(d));
+}
+constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_split, std::size_t rows,
+                                      std::size_t d = 0, std::size_t = 0) {
+  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_forward_row_bytes(d));
+}
+constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_kl, std::size_t rows, std::size_t d = 0,
+                                      std::size_t = 0) {
+  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_forward_row_bytes(d));
+}
+constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_joint_backward, std::size_t rows,
+                                      std::size_t d = 0, std::size_t = 0) {
+  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_derivative_row_bytes(d));
+}
+constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_split_backward, std::size_t rows,
+                                      std::size_t d = 0, std::size_t = 0) {
+  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_derivative_row_bytes(d));
+}
+constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_joint_jvp, std::size_t rows,
+                                      std::size_t d = 0, std::size_t = 0) {
+  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_derivative_row_bytes(d));
+}
+constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_split_jvp, std::size_t rows,
+                                      std::size_t d = 0, std::size_t = 0) {
+  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_derivative_row_bytes(d));
 }
 
 /// Bytes of scratch objective_forward / objective_backward need for `objective` (its type picks

@@ -19,12 +19,23 @@
 
 #include "troll/cuda_gaussian.cuh"
 #include "troll/gaussian.hpp"
+#include "troll/workspace.hpp"
 
 namespace {
 
 namespace g = troll::gaussian;
 namespace gauss = troll_test::gauss;
 using troll_test::device_array;
+
+/// The policy with a device workspace of the size op needs for n rows of dimension d.
+template <class Op>
+struct with_scratch {
+  device_array<unsigned char> memory;
+  troll::cuda_policy policy;
+  with_scratch(troll::cuda_policy p, Op op, std::size_t n, std::size_t d)
+      : memory(troll::workspace_bytes(troll::cuda, op, n, d)),
+        policy(p.with_workspace(memory.get(), troll::workspace_bytes(troll::cuda, op, n, d))) {}
+};
 
 /// One batch of full rows (row 2 inside the ball), its CPU forward and random upstream /
 /// tangent data.
@@ -128,11 +139,12 @@ vjp_out vjp_device(const full_batch& b, bool use_saved, bool checked = false, st
   if (use_saved) {  // a CUDA forward of the same inputs fills it (its outputs are not used)
     device_array<double> fm(n * d), fl(n * dd);
     device_array<g::gaussian_stats> fs(n);
+    const with_scratch<troll::op::gaussian_project_joint> fw(troll::cuda.on(stream.stream), {}, n, d);
     if (b.split)
-      g::project_split(troll::cuda.on(stream.stream), in(m, d), in(l, dd), in(om, d), in(ol, dd), b.eps, b.eps_cov,
+      g::project_split(fw.policy, in(m, d), in(l, dd), in(om, d), in(ol, dd), b.eps, b.eps_cov,
                        troll::make_batch(fm.get(), n, d), troll::make_batch(fl.get(), n, dd), fs.get(), {}, save);
     else
-      g::project_joint(troll::cuda.on(stream.stream), in(m, d), in(l, dd), in(om, d), in(ol, dd), b.eps,
+      g::project_joint(fw.policy, in(m, d), in(l, dd), in(om, d), in(ol, dd), b.eps,
                        troll::make_batch(fm.get(), n, d), troll::make_batch(fl.get(), n, dd), fs.get(), {}, save);
     stream.sync();
   }
@@ -142,7 +154,9 @@ vjp_out vjp_device(const full_batch& b, bool use_saved, bool checked = false, st
                                      troll::make_batch(gom.get(), n, d), troll::make_batch(gol.get(), n, dd),
                                      ge.get(), b.split ? gem.get() : nullptr};
   const g::saved_factorisation<const double> s = use_saved ? save : g::saved_factorisation<double>{};
-  const troll::cuda_policy policy = checked ? troll::cuda.on(stream.stream).checked() : troll::cuda.on(stream.stream);
+  const with_scratch<troll::op::gaussian_project_joint_backward> ws(
+      checked ? troll::cuda.on(stream.stream).checked() : troll::cuda.on(stream.stream), {}, n, d);
+  const troll::cuda_policy policy = ws.policy;
   try {
     if (b.split)
       g::project_split_backward(policy, in(m, d), in(l, dd), in(om, d), in(ol, dd), b.eps, b.eps_cov, in(ym, d),
@@ -190,22 +204,25 @@ std::vector<double> jvp_device(const full_batch& b, bool use_saved) {
   if (use_saved) {
     device_array<double> fm(n * d), fl(n * dd);
     device_array<g::gaussian_stats> fs(n);
+    const with_scratch<troll::op::gaussian_project_split> fw(troll::cuda.on(stream.stream), {}, n, d);
     if (b.split)
-      g::project_split(troll::cuda.on(stream.stream), in(m, d), in(l, dd), in(om, d), in(ol, dd), b.eps, b.eps_cov,
+      g::project_split(fw.policy, in(m, d), in(l, dd), in(om, d), in(ol, dd), b.eps, b.eps_cov,
                        troll::make_batch(fm.get(), n, d), troll::make_batch(fl.get(), n, dd), fs.get(), {}, save);
     else
-      g::project_joint(troll::cuda.on(stream.stream), in(m, d), in(l, dd), in(om, d), in(ol, dd), b.eps,
+      g::project_joint(fw.policy, in(m, d), in(l, dd), in(om, d), in(ol, dd), b.eps,
                        troll::make_batch(fm.get(), n, d), troll::make_batch(fl.get(), n, dd), fs.get(), {}, save);
+    stream.sync();
   }
   const g::gaussian_tangents<double> tan{in(tm, d), in(tl, dd), in(tom, d), in(tol, dd), 0.01, 0.02};
   device_array<double> out_m(n * d), out_l(n * dd);
   const g::saved_factorisation<const double> s = use_saved ? save : g::saved_factorisation<double>{};
+  const with_scratch<troll::op::gaussian_project_split_jvp> ws(troll::cuda.on(stream.stream), {}, n, d);
   if (b.split)
-    g::project_split_jvp(troll::cuda.on(stream.stream), in(m, d), in(l, dd), in(om, d), in(ol, dd), b.eps, b.eps_cov,
+    g::project_split_jvp(ws.policy, in(m, d), in(l, dd), in(om, d), in(ol, dd), b.eps, b.eps_cov,
                          in(ym, d), in(yl, dd), st.get(), tan, troll::make_batch(out_m.get(), n, d),
                          troll::make_batch(out_l.get(), n, dd), s);
   else
-    g::project_joint_jvp(troll::cuda.on(stream.stream), in(m, d), in(l, dd), in(om, d), in(ol, dd), b.eps, in(ym, d),
+    g::project_joint_jvp(ws.policy, in(m, d), in(l, dd), in(om, d), in(ol, dd), b.eps, in(ym, d),
                          in(yl, dd), st.get(), tan, troll::make_batch(out_m.get(), n, d),
                          troll::make_batch(out_l.get(), n, dd), s);
   stream.sync();
@@ -218,8 +235,10 @@ std::vector<double> jvp_device(const full_batch& b, bool use_saved) {
 
 TEST_SUITE("device") {
 TEST_CASE("full-covariance VJP and JVP on the device match the CPU, with and without a saved factorisation") {
+  // d ≤ 32: the row in shared memory; above: one block per row with the row in the workspace.
   for (bool split : {false, true}) {
-    for (std::size_t d : {std::size_t(1), std::size_t(5), std::size_t(17), std::size_t(32)}) {
+    for (std::size_t d : {std::size_t(1), std::size_t(5), std::size_t(17), std::size_t(32), std::size_t(33),
+                          std::size_t(100), std::size_t(256)}) {
       for (bool use_saved : {false, true}) {
         CAPTURE(split);
         CAPTURE(d);
@@ -261,6 +280,78 @@ TEST_CASE("full-covariance VJP on the device: a bad row gets NaN unchecked, the 
   for (const std::vector<double>* v : {&kept.m, &kept.l, &kept.om, &kept.ol, &kept.e, &kept.em})
     CHECK(std::all_of(v->begin(), v->end(), [](double x) { return x == 7.0; }));
 }
+TEST_CASE("full-covariance forward and KL above d = 32 (one block per row, workspace) match the CPU") {
+  for (bool split : {false, true}) {
+    for (std::size_t d : {std::size_t(33), std::size_t(64), std::size_t(256)}) {
+      CAPTURE(split);
+      CAPTURE(d);
+      const full_batch b = make_full(d, split, static_cast<unsigned>(5 * d + split));
+      const std::size_t n = b.n, dd = d * d;
+      device_array<double> m(b.m), l(b.l), om(b.om), ol(b.ol), ym(n * d), yl(n * dd), kl(n);
+      device_array<g::gaussian_stats> st(n);
+      const troll_test::test_stream stream;
+      auto in = [&](const device_array<double>& x, std::size_t cols) {
+        return troll::make_batch(static_cast<const double*>(x.get()), n, cols);
+      };
+      const with_scratch<troll::op::gaussian_project_joint> fw(troll::cuda.on(stream.stream), {}, n, d);
+      if (split)
+        g::project_split(fw.policy, in(m, d), in(l, dd), in(om, d), in(ol, dd), b.eps, b.eps_cov,
+                         troll::make_batch(ym.get(), n, d), troll::make_batch(yl.get(), n, dd), st.get());
+      else
+        g::project_joint(fw.policy, in(m, d), in(l, dd), in(om, d), in(ol, dd), b.eps,
+                         troll::make_batch(ym.get(), n, d), troll::make_batch(yl.get(), n, dd), st.get());
+      const with_scratch<troll::op::gaussian_kl> kw(troll::cuda.on(stream.stream), {}, n, d);
+      g::kl(kw.policy, in(m, d), in(l, dd), in(om, d), in(ol, dd), kl.get());
+      stream.sync();
+      check_rows(ym.download(), b.ym, d, 1e-10);
+      check_rows(yl.download(), b.yl, dd, 1e-10);
+      const std::vector<g::gaussian_stats> hs = st.download();
+      std::vector<double> ref_kl(n);
+      g::kl(troll::cpu, troll::make_batch(b.m.data(), n, d), troll::make_batch(b.l.data(), n, dd),
+            troll::make_batch(b.om.data(), n, d), troll::make_batch(b.ol.data(), n, dd), ref_kl.data());
+      const std::vector<double> hk = kl.download();
+      for (std::size_t r = 0; r < n; ++r) {
+        CAPTURE(r);
+        CHECK(hs[r].status == b.st[r].status);
+        CHECK(std::fabs(hs[r].t - b.st[r].t) <= 1e-10);
+        CHECK(std::fabs(hs[r].kl_after - b.st[r].kl_after) <= 1e-12 + 1e-9 * b.st[r].kl_after);
+        CHECK(std::fabs(hk[r] - ref_kl[r]) <= 1e-12 + 1e-9 * ref_kl[r]);
+      }
+    }
+  }
+}
+
+TEST_CASE("full-covariance forward above d = 32: a bad row is rejected, the others match the CPU") {
+  full_batch b = make_full(40, false, 21);
+  const std::size_t n = b.n, d = 40, dd = d * d;
+  const std::vector<double> ref_m = b.ym;
+  b.ol[1 * dd + 5 * d + 5] = -1.0;  // row 1: a negative diagonal in the old factor
+  device_array<double> m(b.m), l(b.l), om(b.om), ol(b.ol), ym(n * d), yl(n * dd);
+  device_array<g::gaussian_stats> st(n);
+  const troll_test::test_stream stream;
+  auto in = [&](const device_array<double>& x, std::size_t cols) {
+    return troll::make_batch(static_cast<const double*>(x.get()), n, cols);
+  };
+  const with_scratch<troll::op::gaussian_project_joint> fw(troll::cuda.on(stream.stream), {}, n, d);
+  g::project_joint(fw.policy, in(m, d), in(l, dd), in(om, d), in(ol, dd), b.eps, troll::make_batch(ym.get(), n, d),
+                   troll::make_batch(yl.get(), n, dd), st.get());
+  stream.sync();
+  const std::vector<g::gaussian_stats> hs = st.download();
+  const std::vector<double> hm = ym.download();
+  CHECK(hs[1].status == troll::row_status::rejected);
+  for (std::size_t i = d; i < 2 * d; ++i) CHECK(std::isnan(hm[i]));
+  check_rows(hm, ref_m, d, 1e-10, 1);
+  // Checked mode: the CPU's error naming row 1, before anything is written.
+  std::string error;
+  try {
+    g::project_joint(fw.policy.checked(), in(m, d), in(l, dd), in(om, d), in(ol, dd), b.eps,
+                     troll::make_batch(ym.get(), n, d), troll::make_batch(yl.get(), n, dd), st.get());
+  } catch (const troll::invalid_input& e) {
+    CHECK(e.row() == 1);
+    error = e.what();
+  }
+  CHECK_MESSAGE(error.find("row 1") != std::string::npos, error);
+}
 }
 
 TEST_CASE("host-side checks of the CUDA full-covariance derivatives (no device needed)") {
@@ -287,6 +378,34 @@ TEST_CASE("host-side checks of the CUDA full-covariance derivatives (no device n
                   troll::shape_error);
   CHECK_THROWS_AS(g::project_split_jvp(troll::cuda, mean, chol, mean, chol, 0.1, 0.1, mean, chol, nullptr, tangents,
                                        out_mean, out_chol),
+                  troll::shape_error);
+  // Above d = 32 the workspace: none, too small or misaligned is a shape_error; above 256 too.
+  const std::size_t d = 40, dd = d * d;
+  const auto mean40 = troll::make_batch(p, 2, d), chol40 = troll::make_batch(p, 2, dd);
+  const auto out_mean40 = troll::make_batch(w, 2, d), out_chol40 = troll::make_batch(w, 2, dd);
+  g::gaussian_stats* wstats = reinterpret_cast<g::gaussian_stats*>(0x4000);
+  const std::size_t need = troll::workspace_bytes(troll::cuda, troll::op::gaussian_project_joint{}, 2, d);
+  CHECK(need == 2 * (4 * dd + 8 * d) * sizeof(double));
+  CHECK(troll::workspace_bytes(troll::cuda, troll::op::gaussian_project_joint_backward{}, 2, d) ==
+        2 * (13 * dd + 18 * d) * sizeof(double));
+  CHECK(troll::workspace_bytes(troll::cuda, troll::op::gaussian_project_joint{}, 2, 32) == 0);
+  CHECK(troll::workspace_bytes(troll::cuda, troll::op::gaussian_project_joint_diag{}, 2, 40) == 0);
+  void* fake = reinterpret_cast<void*>(0x10000);
+  CHECK_THROWS_AS(g::project_joint(troll::cuda, mean40, chol40, mean40, chol40, 0.1, out_mean40, out_chol40, wstats),
+                  troll::shape_error);
+  CHECK_THROWS_AS(g::project_joint(troll::cuda.with_workspace(fake, need - 8), mean40, chol40, mean40, chol40, 0.1,
+                                   out_mean40, out_chol40, wstats),
+                  troll::shape_error);
+  CHECK_THROWS_AS(g::project_joint(troll::cuda.with_workspace(reinterpret_cast<void*>(0x10004), need), mean40,
+                                   chol40, mean40, chol40, 0.1, out_mean40, out_chol40, wstats),
+                  troll::shape_error);
+  const g::gaussian_grads<double> grads40{out_mean40, out_chol40, {}, {}, nullptr, nullptr};
+  CHECK_THROWS_AS(g::project_joint_backward(troll::cuda.with_workspace(fake, need), mean40, chol40, mean40, chol40,
+                                            0.1, mean40, chol40, stats, mean40, chol40, grads40),
+                  troll::shape_error);  // the forward's size is too small for the backward
+  CHECK_THROWS_AS(g::kl(troll::cuda, mean40, chol40, mean40, chol40, w), troll::shape_error);
+  const auto mean257 = troll::make_batch(p, 2, 257), chol257 = troll::make_batch(p, 2, 257 * 257);
+  CHECK_THROWS_AS(g::kl(troll::cuda.with_workspace(fake, std::size_t(1) << 40), mean257, chol257, mean257, chol257, w),
                   troll::shape_error);
   // Zero rows: nothing to do, nothing thrown.
   const auto none = troll::make_batch(p, 0, 3), none9 = troll::make_batch(p, 0, 9);

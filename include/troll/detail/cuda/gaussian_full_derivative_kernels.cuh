@@ -3,7 +3,8 @@
 // gaussian_full_derivatives.hpp's sequence of matrix steps, shared with the host (and checked
 // there against the CPU's Eigen version), run by a block team; the row's factorisation comes
 // from the forward's saved one or is recomputed by the forward's (factor_full_row, one warp).
-// The row scratch (full_scratch::doubles(d) doubles) is in dynamic shared memory.
+// The row scratch (full_scratch::doubles(d) doubles) is in dynamic shared memory up to d = 32,
+// above (to d = 256) in the block's slice of the caller's workspace (workspace_layout.hpp).
 //
 // A row the CPU would reject (bad values, or forward stats that are not solved with t in (0, 1])
 // is written as NaN: every requested output of the row, and its bound gradients.
@@ -15,6 +16,7 @@
 #include "../../config.hpp"
 #include "../../gaussian_types.hpp"
 #include "../gaussian_full_derivatives.hpp"
+#include "../gaussian_full_forward.hpp"
 #include "gaussian_derivative_kernels.cuh"
 #include "gaussian_kernels.cuh"
 
@@ -75,7 +77,8 @@ __device__ bool bad_full_operand(const T* mean, const T* l, int d, const block_t
 }
 
 /// The row's factorisation into w (L° in mat(0), V in mat(1), g in vec(0), b in vec(1)): read from
-/// `saved` when it is given, else computed by warp 0 as the forward does.
+/// `saved` when it is given, else computed as the forward of that d does (warp 0 up to d = 32,
+/// the block's team steps above), so the two see the same basis bit for bit.
 template <class T>
 __device__ void load_or_factor(const T* mean, const T* l_new, const T* old_mean, const T* l_old,
                                const double* saved, const full_scratch& w, const block_team& tm) {
@@ -89,7 +92,9 @@ __device__ void load_or_factor(const T* mean, const T* l_new, const T* old_mean,
       w.vec(0)[i] = saved[dd + i];
       w.vec(1)[i] = saved[dd + d + i];
     }
-  } else if (threadIdx.x < gaussian_warp) {
+  } else if (d > static_cast<int>(gaussian_full_max_dim)) {  // as the block forward does
+    factor_full_team(tm, mean, l_new, old_mean, l_old, w);
+  } else if (threadIdx.x < gaussian_warp) {  // as the warp forward does
     factor_full_row(mean, l_new, old_mean, l_old, d, w.mat(0), w.mat(2), w.mat(3), w.mat(1), w.vec(0), w.vec(1),
                     w.vec(2));
   }
@@ -104,13 +109,14 @@ __device__ inline void fill_nan_block(T* out, std::size_t n) {
 
 template <class T>
 __global__ void __launch_bounds__(gaussian_full_threads)
-    gaussian_vjp_full_kernel(gaussian_vjp_launch<T> k, gaussian::saved_factorisation<const double> saved) {
+    gaussian_vjp_full_kernel(gaussian_vjp_launch<T> k, gaussian::saved_factorisation<const double> saved,
+                             double* workspace, std::size_t row_doubles) {
   extern __shared__ double gaussian_shared[];
   __shared__ double partial[gaussian_full_threads / gaussian_warp];
   const block_team tm{partial};
   const int d = static_cast<int>(k.mean.cols);
   const std::size_t dd = static_cast<std::size_t>(d) * d;
-  const full_scratch w{gaussian_shared, d};
+  const full_scratch w{workspace == nullptr ? gaussian_shared : workspace + blockIdx.x * row_doubles, d};
   for (std::size_t r = blockIdx.x; r < k.mean.rows; r += gridDim.x) {
     const T *mean = k.mean.row(r), *l_new = k.cov.row(r), *old_mean = k.old_mean.row(r), *l_old = k.old_cov.row(r);
     const gaussian::gaussian_stats st = k.stats[r];
@@ -146,13 +152,14 @@ __global__ void __launch_bounds__(gaussian_full_threads)
 template <class T>
 __global__ void __launch_bounds__(gaussian_full_threads)
     gaussian_jvp_full_kernel(gaussian_jvp_launch<T> k, batch_view<const T> out_cov,
-                             gaussian::saved_factorisation<const double> saved) {
+                             gaussian::saved_factorisation<const double> saved, double* workspace,
+                             std::size_t row_doubles) {
   extern __shared__ double gaussian_shared[];
   __shared__ double partial[gaussian_full_threads / gaussian_warp];
   const block_team tm{partial};
   const int d = static_cast<int>(k.mean.cols);
   const std::size_t dd = static_cast<std::size_t>(d) * d;
-  const full_scratch w{gaussian_shared, d};
+  const full_scratch w{workspace == nullptr ? gaussian_shared : workspace + blockIdx.x * row_doubles, d};
   for (std::size_t r = blockIdx.x; r < k.mean.rows; r += gridDim.x) {
     const T *mean = k.mean.row(r), *l_new = k.cov.row(r), *old_mean = k.old_mean.row(r), *l_old = k.old_cov.row(r);
     const gaussian::gaussian_stats st = k.stats[r];

@@ -18,17 +18,22 @@
 #include "../../projection_types.hpp"
 #include "../gaussian_family.hpp"
 #include "../numeric.hpp"
+#include "../workspace_layout.hpp"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cuda {
 
 constexpr int gaussian_warp = 32;
-/// Largest d of a full-covariance row on the device (one lane per column, 4d² + 4d doubles of
-/// shared memory: 33 KB at d = 32).
-constexpr std::size_t gaussian_full_max_dim = 32;
+/// Largest d of a full-covariance row on one warp (one lane per column, 4d² + 4d doubles of
+/// shared memory: 33 KB at d = 32); above, up to gaussian_full_block_dim, one block per row with
+/// the row in the caller's workspace (gaussian_full_block_kernels.cuh).
+constexpr std::size_t gaussian_full_max_dim = gaussian_full_warp_dim;
 /// Largest d of a diagonal row on the device (2d doubles of shared memory: 32 KB).
 constexpr std::size_t gaussian_diag_max_dim = 2048;
+/// Largest d the device takes: full rows up to gaussian_full_block_dim, diagonal ones up to
+/// gaussian_diag_max_dim.
+constexpr std::size_t gaussian_max_dim(bool full) { return full ? gaussian_full_block_dim : gaussian_diag_max_dim; }
 
 /// A sum over the lanes of one warp, in one fixed order (down the lanes to lane 0, then
 /// broadcast): every lane gets the same bits.
