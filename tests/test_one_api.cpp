@@ -30,6 +30,9 @@ TEST_CASE("every entry point runs under troll::cpu from one function template") 
   for (double kl_after : serial.gaussian_kl_after) CHECK(kl_after <= 0.05 * (1 + 1e-9));
   for (double v : serial.gaussian_diag_std) CHECK(v > 0.0);
   for (double v : serial.gaussian_split_diag_std) CHECK(v > 0.0);
+  // Two shards finalised in two stages give sparsify's rows bit for bit (canonical tail sums).
+  CHECK(serial.shard_rows == serial.whole_rows);
+  CHECK(threaded.shard_rows == serial.shard_rows);
   // The first shard's gradient is the first columns of the whole row's (same support, same g).
   const std::size_t rows = 2, V = 8, half = V / 2;
   REQUIRE(serial.sparse_shard_grad.size() == rows * half);

@@ -38,6 +38,7 @@ struct sparsify {};
 struct sparsify_shard {};
 struct sparsify_merge {};
 struct sparsify_finalize {};
+struct sparsify_tail_sums {};
 struct sparsify_backward {};
 struct sparsify_shard_backward {};
 struct align {};
