@@ -261,6 +261,7 @@ __global__ void __launch_bounds__(block_threads)
       if (stage >= 2)
         report = warp_check_sparse_row(support.row_indices(r), static_cast<const T*>(nullptr), support.counts[r],
                                        0.0, support.k_max, support.vocab, operand_support, false, sh.sorted, slots);
+      __syncwarp();  // the sorted slots are visible to lane 0
       if (lane_id() == 0) {
         // The support's tokens inside the shard, still sorted by index, at the front.
         int n = 0;
