@@ -98,11 +98,13 @@ TROLL_HOST_DEVICE inline double newton_start(double kl0, double sigma2_0, double
     } else {
       hi = t;
     }
-    double next = t - value / slope;
-    if (!(next > lo && next < hi)) next = 0.5 * (lo + hi);
-    const bool done = ::fabs(next - t) <= 1e-6 * t;
-    t = next;
-    if (done) break;
+    const double delta = value / slope;
+    if (::fabs(delta) <= 1e-6 * t) {  // a guess needs no more digits than this
+      t -= delta;
+      break;
+    }
+    const double next = t - delta;
+    t = next > lo && next < hi ? next : 0.5 * (lo + hi);
   }
   return t > 0.0 && t < 1.0 ? t : fallback;
 }
