@@ -1,12 +1,14 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
-// The CPU backend's packet exponentials and the one-pass tilted reduction
-// (detail/cpu/finite_rows.hpp), against long double oracles and against the two-pass reduction
-// they replace on the common rows.
+// The CPU backend's packet exponentials, the one-pass tilted reduction (detail/cpu/finite_rows.hpp)
+// and the packet VJP of long rows (detail/cpu/backward_kernels.hpp), against long double oracles
+// and against the general paths they replace on the common rows.
 
 #include <troll/detail/cpu/finite_rows.hpp>
+#include <troll/detail/cpu/backward_kernels.hpp>
 #include <troll/detail/cpu/row_kernels.hpp>
+#include <troll/projection.hpp>
 
 #include <cmath>
 #include <cstddef>
@@ -183,4 +185,52 @@ TEST_CASE("tilt_reduce_one_pass declines a reference far from the mode (w above 
   CHECK(cpu::tilt_reduce_one_pass(zn.data(), zo.data(), 3, tilt_at(1.0), tilt_ref{650.0, 0.0}, st));
   CHECK(st.m == 0.0);
   CHECK(st.ref_new == 650.0);
+}
+
+namespace {
+
+/// vjp_row's ∂L/∂z̃ without grad_old (the packet passes where the row allows) against the same
+/// call with grad_old (the general block path), on a projected row of `size` tokens.
+template <class T>
+void check_packet_vjp(std::size_t size, double spread_scale, unsigned seed) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<double> logit(0.0, spread_scale), noise(0.0, 0.45), up(0.0, 1.0);
+  std::vector<T> zo(size), zn(size), g(size), logp(size);
+  for (std::size_t i = 0; i < size; ++i) {
+    zo[i] = static_cast<T>(logit(gen));
+    zn[i] = static_cast<T>(static_cast<double>(zo[i]) + noise(gen));
+    g[i] = static_cast<T>(up(gen));
+  }
+  troll::projection_stats stats;
+  troll::project(troll::cpu.with_threads(1), troll::make_batch(zn.data(), 1, size),
+                 troll::make_batch(zo.data(), 1, size), 0.01, troll::make_batch(logp.data(), 1, size), &stats);
+  std::vector<T> fast(size), general(size), old(size);
+  double eps_fast = 0.0, eps_general = 0.0;
+  const bool ok_fast = cpu::vjp_row(zn.data(), zo.data(), logp.data(), g.data(), size, stats, fast.data(),
+                                    static_cast<T*>(nullptr), &eps_fast);
+  const bool ok_general =
+      cpu::vjp_row(zn.data(), zo.data(), logp.data(), g.data(), size, stats, general.data(), old.data(), &eps_general);
+  INFO("size ", size, " scale ", spread_scale, " status ", int(stats.status));
+  CHECK(ok_fast == ok_general);
+  CHECK(eps_fast == doctest::Approx(eps_general).epsilon(1e-12));
+  // the sums are the same up to summation order, each π within an ulp or two: the gradients
+  // agree to a few ulps of T relative to the row's largest
+  double largest = 0.0;
+  for (std::size_t i = 0; i < size; ++i) largest = std::max(largest, std::fabs(static_cast<double>(general[i])));
+  const double tol = (sizeof(T) == 4 ? 4e-7 : 1e-13) * largest;
+  double worst = 0.0;
+  for (std::size_t i = 0; i < size; ++i)
+    worst = std::max(worst, std::fabs(static_cast<double>(fast[i]) - static_cast<double>(general[i])));
+  CHECK(worst <= tol);
+}
+
+}  // namespace
+
+TEST_CASE("the packet VJP of long rows agrees with the general path") {
+  for (std::size_t size : {3u, 9u, 600u, 4099u, 40000u}) {
+    for (double scale : {3.0, 60.0, 400.0}) {  // the last reaches log π* below −700: general path
+      check_packet_vjp<double>(size, scale, 3u * unsigned(size) + unsigned(scale));
+      check_packet_vjp<float>(size, scale, 5u * unsigned(size) + unsigned(scale));
+    }
+  }
 }
