@@ -187,6 +187,21 @@ TEST_CASE("tilt_reduce_one_pass declines a reference far from the mode (w above 
   CHECK(st.ref_new == 650.0);
 }
 
+TEST_CASE("tilt_reduce_one_pass takes the first token of the largest w (ties across chunks and the tail)") {
+  for (std::size_t first : {3u, 700u, 1501u}) {
+    std::vector<double> zn(1503, -1.0), zo(1503, 0.0);
+    zn[first] = 2.0, zo[first] = 0.5;  // the mode, tied at t = 1 with the last token
+    zn[1502] = 2.0, zo[1502] = -0.5;
+    if (first == 1501) zn[1502] = -1.0, zn[1501] = 2.0;
+    lse_state st;
+    REQUIRE(cpu::tilt_reduce_one_pass(zn.data(), zo.data(), 1503, tilt_at(1.0), tilt_ref{-1.0, 0.0}, st));
+    CHECK(st.m == 3.0);
+    CHECK(st.ref_old == 0.5);
+    const double ties = first == 1501 ? 1.0 : 2.0;
+    CHECK(st.s0 == doctest::Approx(ties + (1503.0 - ties) * std::exp(-3.0)).epsilon(1e-14));
+  }
+}
+
 namespace {
 
 /// vjp_row's ∂L/∂z̃ without grad_old (the packet passes where the row allows) against the same

@@ -99,13 +99,16 @@ inline Packet exp_bounded(const Packet& x) {
 #if defined(__AVX512F__)
 inline __m512d exp_bounded(const __m512d& x) {
   const __m512d clamped = _mm512_min_pd(_mm512_max_pd(x, _mm512_set1_pd(-708.0)), _mm512_set1_pd(708.0));
-  // n = round(x·16/ln 2), |n| ≤ 16,342
-  const __m512d n =
-      _mm512_roundscale_pd(_mm512_mul_pd(clamped, _mm512_set1_pd(23.083120654223414)), _MM_FROUND_TO_NEAREST_INT);
+  // n = round(x·16/ln 2), |n| ≤ 16,342, by the shifter 1.5·2^52: the sum's low mantissa bits
+  // hold n in two's complement, and subtracting the shifter again gives n as a double, exactly.
+  const __m512d shifter = _mm512_set1_pd(6755399441055744.0);
+  const __m512d shifted = _mm512_fmadd_pd(clamped, _mm512_set1_pd(23.083120654223414), shifter);
+  const __m512d n = _mm512_sub_pd(shifted, shifter);
+  const __m512i ni = _mm512_castpd_si512(shifted);
   // r = x − n·(ln 2/16) in two parts: the first has 15 significant bits, so n times it is exact.
   __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(0.693145751953125 / 16), clamped);
   r = _mm512_fnmadd_pd(n, _mm512_set1_pd(1.42860682030941723212e-6 / 16), r);
-  // e^r, Taylor to degree 7 in Horner form
+  // e^r − 1, Taylor to degree 7 in Horner form
   __m512d p = _mm512_set1_pd(1.0 / 5040);
   p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 720));
   p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 120));
@@ -113,18 +116,19 @@ inline __m512d exp_bounded(const __m512d& x) {
   p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 6));
   p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(0.5));
   p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0));
-  const __m512d expm1_r = _mm512_mul_pd(p, r);  // e^r − 1
-  const __m512i ni = _mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(n));
+  const __m512d expm1_r = _mm512_mul_pd(p, r);
   const __m512d lo = _mm512_setr_pd(0x1.0000000000000p+0, 0x1.0b5586cf9890fp+0, 0x1.172b83c7d517bp+0,
                                     0x1.2387a6e756238p+0, 0x1.306fe0a31b715p+0, 0x1.3dea64c123422p+0,
                                     0x1.4bfdad5362a27p+0, 0x1.5ab07dd485429p+0);
   const __m512d hi = _mm512_setr_pd(0x1.6a09e667f3bcdp+0, 0x1.7a11473eb0187p+0, 0x1.8ace5422aa0dbp+0,
                                     0x1.9c49182a3f090p+0, 0x1.ae89f995ad3adp+0, 0x1.c199bdd85529cp+0,
                                     0x1.d5818dcfba487p+0, 0x1.ea4afa2a490dap+0);
-  // the low four bits of n pick 2^{j/16} (permutex2var reads bits 0..3 of each index)
+  // j = n mod 16, the low four bits, picks 2^{j/16} (permutex2var reads bits 0..3 of each index)
   const __m512d table = _mm512_permutex2var_pd(lo, ni, hi);
-  // 2^{⌊n/16⌋}, ⌊n/16⌋ ∈ [−1022, 1021]: the biased exponent in the exponent field
-  const __m512i bits = _mm512_slli_epi64(_mm512_add_epi64(_mm512_srai_epi64(ni, 4), _mm512_set1_epi64(1023)), 52);
+  // 2^{⌊n/16⌋}: the low 16 bits plus 1023·16 are (⌊n/16⌋ + 1023)·16 + j ∈ [26, 32710]; shifted to
+  // the top and with j's four bits cleared, the biased exponent ⌊n/16⌋ + 1023 ∈ [1, 2044]
+  const __m512i bits = _mm512_and_si512(_mm512_slli_epi64(_mm512_add_epi64(ni, _mm512_set1_epi64(16368)), 48),
+                                        _mm512_set1_epi64(-4503599627370496LL)  /* −2^52: bits 52..63 */);
   // 2^{j/16}·e^r = 2^{j/16} + 2^{j/16}·(e^r − 1) with one rounding; the power of 2 is exact
   return _mm512_mul_pd(_mm512_fmadd_pd(table, expm1_r, table), _mm512_castsi512_pd(bits));
 }
@@ -315,19 +319,23 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
   const bool low = u.t <= 0.5;
   const double slope = low ? u.t : -u.s;
   const packet rn = pset1<packet>(ref.zn), ro = pset1<packet>(ref.zo), ps = pset1<packet>(slope);
-  const packet step = pset1<packet>(double(lanes));
-  packet most = pset1<packet>(neg_inf()), least = pset1<packet>(inf()), most_at = pset1<packet>(0.0);
-  packet token = plset<packet>(0.0);
+  // w of one packet, the same arithmetic wherever it is evaluated (also when the mode is sought)
+  auto weight = [&](const packet& a, const packet& b, packet& xk) {
+    const packet dn = psub(a, rn), dold = psub(b, ro);
+    xk = psub(dn, dold);
+    return padd(low ? dold : dn, pmul(ps, xk));
+  };
+  packet most = pset1<packet>(neg_inf()), least = pset1<packet>(inf());
   double t0 = 0.0, t1 = 0.0, t2 = 0.0;
+  double m = neg_inf();
+  long mode_chunk = 0;  // the first chunk holding the largest w
   const long whole = count - count % lanes;
   // One packet: x, w, the running extremes, e^w and the three weighted sums.
   auto body = [&](const packet& a, const packet& b, packet& s0, packet& s1, packet& s2) {
-    const packet dn = psub(a, rn), dold = psub(b, ro);
-    const packet xk = psub(dn, dold);
-    const packet wk = padd(low ? dold : dn, pmul(ps, xk));
-    keep_first_max(wk, token, most, most_at);
+    packet xk;
+    const packet wk = weight(a, b, xk);
+    most = pmax(most, wk);
     least = pmin(least, wk);
-    token = padd(token, step);
     const packet e = exp_bounded(wk);
     const packet ex = pmul(e, xk);
     s0 = padd(s0, e);
@@ -337,12 +345,16 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
   for (long begin = 0; begin < whole; begin += chunk) {
     const long end = begin + chunk < whole ? begin + chunk : whole;
     packet s0 = pset1<packet>(0.0), s1 = s0, s2 = s0;
+    most = pset1<packet>(neg_inf());
     for (long k = begin; k < end; k += lanes)
       body(load_as_double<packet>(zn + k), load_as_double<packet>(zo + k), s0, s1, s2);
     t0 += predux(s0), t1 += predux(s1), t2 += predux(s2);
+    const double chunk_most = predux_max(most);
+    if (chunk_most > m) m = chunk_most, mode_chunk = begin;
   }
+  double a[lanes], b[lanes];
   if (whole < count) {  // the last partial packet: padded with the reference (x = w = 0), weight 0
-    double a[lanes], b[lanes], keep[lanes];
+    double keep[lanes];
     for (long j = 0; j < lanes; ++j) {
       const bool in = whole + j < count;
       a[j] = in ? double(zn[whole + j]) : ref.zn;
@@ -350,25 +362,42 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
       keep[j] = in ? 1.0 : 0.0;
     }
     const packet use = ploadu<packet>(keep);
-    const packet most_before = most, at_before = most_at, least_before = least;
+    const packet least_before = least;
     packet s0 = pset1<packet>(0.0), s1 = s0, s2 = s0;
+    most = pset1<packet>(neg_inf());
     body(ploadu<packet>(a), ploadu<packet>(b), s0, s1, s2);
     // padded lanes change nothing: their extremes are undone, their sums multiplied by 0
     const packet pad = pcmp_eq(use, pset1<packet>(0.0));
-    most = pselect(pad, most_before, most);
-    most_at = pselect(pad, at_before, most_at);
+    most = pselect(pad, pset1<packet>(neg_inf()), most);
     least = pselect(pad, least_before, least);
     t0 += predux(pmul(s0, use)), t1 += predux(pmul(s1, use)), t2 += predux(pmul(s2, use));
-  }
-  double lane_most[lanes], lane_at[lanes];
-  pstoreu(lane_most, most);
-  pstoreu(lane_at, most_at);
-  double m = neg_inf();
-  long at = 0;
-  for (long j = 0; j < lanes; ++j) {  // the largest w, and the first token of it
-    if (lane_most[j] > m || (lane_most[j] == m && long(lane_at[j]) < at)) m = lane_most[j], at = long(lane_at[j]);
+    const double tail_most = predux_max(most);
+    if (tail_most > m) m = tail_most, mode_chunk = whole;
   }
   if (!(m <= 600.0 && predux_min(least) >= -707.0)) return false;
+  // The first token of the largest w: its chunk's w again, packet by packet, then lane by lane.
+  long at = mode_chunk;
+  if (mode_chunk < whole) {
+    const long end = mode_chunk + chunk < whole ? mode_chunk + chunk : whole;
+    const packet target = pset1<packet>(m);
+    packet xk;
+    while (at < end && !predux_any(pcmp_eq(weight(load_as_double<packet>(zn + at), load_as_double<packet>(zo + at), xk), target)))
+      at += lanes;
+    if (at < end) {
+      double w_lanes[lanes];
+      pstoreu(w_lanes, weight(load_as_double<packet>(zn + at), load_as_double<packet>(zo + at), xk));
+      long j = 0;
+      while (w_lanes[j] != m) ++j;
+      at += j;
+    }
+  } else {
+    packet xk;
+    double w_lanes[lanes];
+    pstoreu(w_lanes, weight(ploadu<packet>(a), ploadu<packet>(b), xk));
+    long j = 0;
+    while (w_lanes[j] != m) ++j;
+    at = whole + j;
+  }
   double scale_lanes[lanes];
   pstoreu(scale_lanes, exp_bounded(pset1<packet>(-m)));
   const double scale = scale_lanes[0];
