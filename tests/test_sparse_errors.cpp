@@ -147,6 +147,37 @@ TEST_CASE("sparsify: bad options, sampled tokens and logits") {
   CHECK(out.counts == before.counts);
 }
 
+TEST_CASE("sparsify: a NaN or +inf late in a long row (the scan's own check) throws before any row is written") {
+  // Rows of several scan blocks; sparsify validates inside its one pass over each row, so the
+  // rows before the bad one are already scanned when it is found: nothing may reach `out`.
+  const std::size_t vocab = 5000, rows = 4;
+  for (const unsigned threads : {1u, 2u}) {
+    for (const std::size_t where : {std::size_t(0), std::size_t(777), vocab - 1}) {
+      for (const double bad : {nan_value, std::numeric_limits<double>::infinity()}) {
+        std::vector<float> z(rows * vocab);
+        for (std::size_t i = 0; i < z.size(); ++i) z[i] = float(3.0 * std::sin(0.37 * double(i)));
+        sparse_rows<float> out(rows, 9, vocab);
+        std::fill(out.log_probs.begin(), out.log_probs.end(), 7.0f);
+        std::fill(out.indices.begin(), out.indices.end(), troll::sparse_index(-9));
+        const sparse_rows<float> before = out;
+        z[3 * vocab + where] = float(bad);  // the last row
+        if (where == 777) z[2 * vocab + vocab - 1] = float(bad);  // and the one before: row 2 is named
+        const troll::token_id sampled[rows] = {1, 2, 3, 4};
+        expect_row_error<troll::domain_error>(
+            [&] {
+              troll::sparsify(troll::cpu.with_threads(threads), troll::make_batch(z.data(), rows, vocab), sampled,
+                              {8, 1e-4}, out.view());
+            },
+            where == 777 ? 2 : 3);
+        CHECK(out.indices == before.indices);
+        CHECK(out.log_probs == before.log_probs);
+        CHECK(out.counts == before.counts);
+        CHECK(out.log_remainder == before.log_remainder);
+      }
+    }
+  }
+}
+
 TEST_CASE("fuzz: random malformed sparse rows never crash, leak NaN or write outside the outputs") {
   std::mt19937_64 rng(2024);
   const std::size_t vocab = 64, rows = 5, k = 8, guard = 16;
