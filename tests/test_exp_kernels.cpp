@@ -7,12 +7,14 @@
 
 #include <troll/detail/cpu/finite_rows.hpp>
 #include <troll/detail/cpu/backward_kernels.hpp>
+#include <troll/detail/cpu/exact_sums.hpp>
 #include <troll/detail/cpu/row_kernels.hpp>
 #include <troll/projection.hpp>
 
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -246,6 +248,65 @@ TEST_CASE("the packet VJP of long rows agrees with the general path") {
     for (double scale : {3.0, 60.0, 400.0}) {  // the last reaches log π* below −700: general path
       check_packet_vjp<double>(size, scale, 3u * unsigned(size) + unsigned(scale));
       check_packet_vjp<float>(size, scale, 5u * unsigned(size) + unsigned(scale));
+    }
+  }
+}
+
+namespace {
+
+/// tail_exp_sum (one packet pass, TwoSum lanes) against the same terms — each through
+/// packet_exp, the block function sparsify used before — added one by one in token order with
+/// exact_add: the canonical sum rounds to the same double whatever the order of its terms.
+template <class T>
+void check_tail_sum(std::size_t size, std::size_t first, int support, unsigned seed) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<double> logit(0.0, 4.0);
+  std::uniform_int_distribution<int> kind(0, 19);
+  std::vector<T> z(size);
+  for (std::size_t i = 0; i < size; ++i) {
+    const int k = kind(gen);
+    // mostly ordinary logits, some masked, some far below the packet exp's range
+    z[i] = k == 0 ? -std::numeric_limits<T>::infinity() : k == 1 ? T(-95.0 - 30.0 * std::fabs(logit(gen))) : T(logit(gen));
+  }
+  std::vector<troll::detail::index_slot> slots;
+  std::uniform_int_distribution<std::size_t> any(0, size - 1);
+  for (int i = 0; i < support; ++i) slots.push_back({troll::sparse_index(first + any(gen)), i});
+  std::sort(slots.begin(), slots.end(), [](const auto& a, const auto& b) { return a.index < b.index; });
+  slots.erase(std::unique(slots.begin(), slots.end(), [](const auto& a, const auto& b) { return a.index == b.index; }),
+              slots.end());
+  double m = -std::numeric_limits<double>::infinity();
+  std::size_t s = 0;
+  for (std::size_t i = 0; i < size; ++i) {
+    const bool in = s < slots.size() && std::size_t(slots[s].index) - first == i;
+    if (in) ++s;
+    else m = std::max(m, double(z[i]));
+  }
+  const int n = int(slots.size());
+  const exact_sum got = cpu::tail_exp_sum(z.data(), size, first, slots.data(), n, m);
+  std::vector<T> e(size);
+  cpu::packet_exp(z.data(), Eigen::Index(size), static_cast<T>(m), e.data());
+  for (const auto& slot : slots) e[std::size_t(slot.index) - first] = T(0);
+  exact_sum want;
+  long double plain = 0.0L;
+  for (std::size_t i = 0; i < size; ++i) {
+    exact_add(want, double(e[i]));
+    plain += static_cast<long double>(e[i]);
+  }
+  INFO("size ", size, " first ", first, " support ", n);
+  CHECK(got.value() == want.value());
+  CHECK(std::fabs(static_cast<long double>(got.value()) - plain) <= 1e-15L * plain);
+}
+
+}  // namespace
+
+TEST_CASE("tail_exp_sum in one packet pass gives the canonical sum of packet_exp's terms") {
+  unsigned seed = 1;
+  for (std::size_t size : {1u, 5u, 16u, 17u, 100u, 511u, 512u, 513u, 5000u, 151936u}) {
+    for (std::size_t first : {0u, 1000u}) {
+      for (int support : {0, 1, 65}) {
+        check_tail_sum<float>(size, first, support, ++seed);
+        check_tail_sum<double>(size, first, support, ++seed);
+      }
     }
   }
 }
