@@ -69,7 +69,8 @@ TEST_CASE("workspace_bytes: defined for every entry point and both policies") {
   CHECK(workspace_bytes(cuda, op::objective_forward{}, sparse, 10, 100, 64) ==
         sparse_objective_workspace_bytes(10, 64, 16));
   CHECK(workspace_bytes(cpu, op::objective_forward{}, sparse, 10, 100, 64) == 0);
-  CHECK(workspace_bytes(cpu.with_threads(3), op::sparsify{}, 10, 100) == 0);
+  CHECK(workspace_bytes(cpu.with_threads(3), op::sparsify{}, 10, 100, 65) == 10 * (12 * 65 + 13));
+  CHECK(workspace_bytes(cuda, op::sparsify{}, 10, 100, 65) == 0);
 }
 
 TEST_CASE("cpu workspace: undersized, misaligned or null memory throws shape_error before writing") {
