@@ -170,7 +170,7 @@ troll::projection_stats check_projection(const row_case& c, double eps, unsigned
   for (std::size_t i = n; i < stride; ++i) REQUIRE(out[i] == T(7));  // the padding untouched
   if (infeasible) {
     // Only when even t → 0 (π on J ∝ q) is outside the ball: −log q(J) ≥ ε.
-    CHECK(o.kl_at(0, 1) >= real(eps) * (1 - 1e-9L));
+    if (o.first_joint() < n) CHECK(o.kl_at(0, 1) >= real(eps) * (1 - 1e-9L));  // else disjoint supports
     return st;
   }
   INFO("status ", troll::status_name(st.status), " t ", st.t, " eta ", st.eta, " kl_before ", st.kl_before,
@@ -666,4 +666,14 @@ TEST_CASE("float rows whose ±3e38 tokens change places at t = 1/2: not_converge
                                           troll::make_batch<const float>(out.data(), 1, 4), &st,
                                           troll::make_batch<const float>(g.data(), 1, 4), troll::make_batch(gn.data(), 1, 4)),
                   troll::domain_error);
+}
+
+TEST_CASE("open finding: −1e9 masks whose tokens change places at t = 1/2 end not_converged" * doctest::may_fail()) {
+  // Found by the random rounds (round 10801 of 15000): double, V = 3, ε = 3.73113e-11. The KL
+  // rises over a t-interval of ~5e-10 around 1/2, which doubles resolve, yet the solve stops
+  // after 4 evaluations at t = 1/2 (bracket exhausted?). The documented promise is the exact
+  // projection for −1e9 masks. Not fixed in this branch (out of time); may_fail until it is.
+  const row_case c{"-1e9 crossing at 1/2", {-1e9, -1e9, 0.039886742385599652}, {0.019529310757074963, -1e9, -1e9}};
+  const auto st = check_projection<double>(c, 3.73113e-11);
+  CHECK(st.status == troll::row_status::projected);
 }
