@@ -42,6 +42,7 @@ struct space<troll::cpu_policy> {
 struct step_results {
   std::vector<double> log_softmax, kl, project, project_stats_kl, grad_new, jvp, jacobian;
   std::vector<double> sparse_log_probs, sparse_kl, sparse_grad, sparse_shard_grad;
+  std::vector<double> whole_rows, shard_rows;  ///< sparsify's and the two-shard finalize's values, then remainders
   std::vector<int> sparse_counts;
   std::vector<double> gaussian_mean, gaussian_chol, gaussian_split_mean, gaussian_split_chol;
   std::vector<double> gaussian_diag_mean, gaussian_diag_std, gaussian_split_diag_mean, gaussian_split_diag_std;
@@ -176,8 +177,18 @@ step_results run_every_entry_point(Policy policy) {
   troll::sparsify_shard(policy, troll::make_batch<const T>(z_new.get() + half, rows, V - half, V), half, V,
                         tokens.get(), options, other.get());
   troll::sparsify_merge(policy, states.get(), other.get(), rows);
-  typename S::template array<double> log_sums(2 * rows);
-  troll::sparsify_finalize(policy, states.get(), options, finalized.view(rows, V), log_sums.get());
+  // Two stages: the support and tail_max, each shard's exact tail sum, then the canonical values.
+  typename S::template array<double> log_sums(2 * rows), tail_max(rows), tail_sums(4 * rows);
+  static_assert(troll::workspace_bytes(Policy{}, troll::op::sparsify_tail_sums{}, rows, V) == 0,
+                "sparsify_tail_sums needs no workspace");
+  troll::sparsify_finalize(policy, states.get(), options, finalized.view(rows, V), log_sums.get(), tail_max.get());
+  const troll::sparse_input<T> support(finalized.view(rows, V));
+  troll::sparsify_tail_sums<T>(policy, troll::make_batch<const T>(z_new.get(), rows, half, V), 0, support,
+                               tail_max.get(), tail_sums.get());
+  troll::sparsify_tail_sums<T>(policy, troll::make_batch<const T>(z_new.get() + half, rows, V - half, V), half,
+                               support, tail_max.get(), tail_sums.get() + 2 * rows);
+  troll::sparsify_finalize(policy, states.get(), options, finalized.view(rows, V), log_sums.get(), tail_max.get(),
+                           tail_sums.get(), 2);
 
   typename S::template array<T> g_values(std::vector<T>(rows * sparse_k, 0.05)), g_remainder(std::vector<T>(rows, 0.01)), grad_logits(rows * V);
   const troll::sparse_grad_view<T> g{g_values.get(), g_remainder.get(), rows, sparse_k};
@@ -323,6 +334,10 @@ step_results run_every_entry_point(Policy policy) {
   out.jvp = as_double(tangent_out.download());
   out.jacobian = as_double(jac_new.download());
   out.sparse_log_probs = as_double(projected.values.download());
+  out.whole_rows = as_double(new_rows.values.download());
+  out.shard_rows = as_double(finalized.values.download());
+  for (const T r : new_rows.remainder.download()) out.whole_rows.push_back(double(r));
+  for (const T r : finalized.remainder.download()) out.shard_rows.push_back(double(r));
   for (troll::sparse_index c : projected.counts.download()) out.sparse_counts.push_back(int(c));
   out.sparse_kl = as_double(sparse_kl.download());
   out.sparse_grad = as_double(grad_logits.download());

@@ -63,6 +63,7 @@ TEST_SUITE("device") {
     close(gpu.sparse_grad, cpu.sparse_grad);
     close(gpu.sparse_shard_grad, cpu.sparse_shard_grad);
     CHECK(gpu.sparse_counts == cpu.sparse_counts);
+    CHECK(gpu.shard_rows == gpu.whole_rows);  // two shards, two-stage finalize: bit for bit the whole row's
     close(gpu.gaussian_mean, cpu.gaussian_mean);
     close(gpu.gaussian_chol, cpu.gaussian_chol);
     close(gpu.gaussian_split_mean, cpu.gaussian_split_mean);
