@@ -1,0 +1,399 @@
+// tests/test_adversarial_sparse.cpp — an adversarial audit of the CPU sparse path and the
+// objectives, the entry points tests/test_adversarial.cpp leaves out: align (sparse and dense
+// new side), the sparse kl / project / project_backward, the vocabulary shards (sharded equals
+// whole-row bit for bit), sparsify_backward, the TROLL / PPO clip / DPPO objectives (dense and
+// sparse old rows), and the bad-input contract of each (typed exception naming the lowest bad
+// row, every output untouched). Inputs: V = 1, 2, 3, 4097, 262,144; K = 1 and K > V; logits at
+// ±1e4 and float's ±3e38; −inf masks (the sampled token too, all but one token); ties;
+// near-deterministic rows; remainder mass 0 and ~1; ε from 1e-12 to 50; float and double;
+// strided rows; 1 and 2 threads; 0 rows; advantages 0 and huge; masks all zero. Expectations come
+// from long-double oracles written here from math.md, never from troll's own output (except
+// where the contract itself is "equal to another entry point", as for the shards).
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "troll/gradcheck.hpp"
+#include "troll/objectives.hpp"
+#include "troll/projection.hpp"
+#include "troll/sparse.hpp"
+#include "troll/sparse_objectives.hpp"
+
+#include "expect_error.hpp"
+#include "sparse_oracle.hpp"
+
+namespace {
+
+using ld = long double;
+using sparse_test::aligned_rows;
+using sparse_test::sparse_grads;
+using sparse_test::sparse_rows;
+constexpr double inf = std::numeric_limits<double>::infinity();
+const ld ld_inf = std::numeric_limits<ld>::infinity();
+
+template <class T>
+constexpr double ulp() {
+  return double(std::numeric_limits<T>::epsilon());
+}
+template <class T>
+const char* type_name() {
+  return sizeof(T) == 4 ? "float" : "double";
+}
+
+ld lse(const std::vector<ld>& v) {
+  ld m = -ld_inf;
+  for (ld x : v) m = std::max(m, x);
+  if (m == -ld_inf) return m;
+  ld s = 0;
+  for (ld x : v) s += std::exp(x - m);
+  return m + std::log(s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sparse rows built by the oracle: exact long-double values on a given support, rounded to T.
+// ---------------------------------------------------------------------------------------------
+struct oracle_row {
+  std::vector<int> support;
+  std::vector<ld> lp;  // on the support
+  ld log_r = 0;        // bucket log-mass
+};
+
+template <class T>
+oracle_row gather(const std::vector<T>& z, const std::vector<int>& support) {
+  // Differences from the maximum first, so that rows at ±1e4 or ±3e38 lose nothing to the shift.
+  ld m = -ld_inf;
+  for (T x : z) m = std::max(m, ld(x));
+  std::vector<ld> all(z.size());
+  for (std::size_t i = 0; i < z.size(); ++i) all[i] = ld(z[i]) - m;
+  const ld total = lse(all);
+  std::vector<char> in(z.size(), 0);
+  oracle_row o;
+  o.support = support;
+  for (int i : support) in[std::size_t(i)] = 1, o.lp.push_back(all[std::size_t(i)] - total);
+  std::vector<ld> tail;
+  for (std::size_t i = 0; i < z.size(); ++i)
+    if (!in[i]) tail.push_back(all[i]);
+  o.log_r = lse(tail) - total;
+  return o;
+}
+
+/// The V-vector a sparse row stands for (uniform tail).
+std::vector<ld> expand(const std::vector<int>& support, const std::vector<ld>& lp, ld log_r, std::size_t vocab) {
+  const std::size_t m = vocab - support.size();
+  std::vector<ld> e(vocab, m ? log_r - std::log(ld(m)) : -ld_inf);
+  for (std::size_t i = 0; i < support.size(); ++i) e[std::size_t(support[i])] = lp[i];
+  return e;
+}
+
+template <class T>
+void put_row(sparse_rows<T>& s, std::size_t r, const oracle_row& o) {
+  s.counts[r] = troll::sparse_index(o.support.size());
+  for (std::size_t i = 0; i < o.support.size(); ++i) {
+    s.indices[r * s.k_max + i] = o.support[i];
+    s.log_probs[r * s.k_max + i] = T(o.lp[i]);
+  }
+  s.log_remainder[r] = T(o.log_r);
+}
+
+/// |a − b| within a few ulps of T at the value's scale (both −inf counts as equal).
+template <class T>
+bool close(ld a, ld b, double scale = 1, double ulps = 8) {
+  // A log-probability below −max(T) rounds to −inf in T (its probability is 0 in any type).
+  if (b < -ld(std::numeric_limits<T>::max())) b = -ld_inf;
+  if (a == -ld_inf || b == -ld_inf) return a == b;
+  const double err = double(std::fabs(a - b));
+  return err <= ulps * ulp<T>() * (double(std::fabs(b)) + scale);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The lumped projection oracle (long double): π_t ∝ exp(zo + t(zn − zo)) on J = {both finite};
+// KL(π_t‖q) = Σ_J π(e^δ − 1 − δ) + q(outside J), δ = log q − log π, non-negative terms.
+// ---------------------------------------------------------------------------------------------
+struct lumped_oracle {
+  std::vector<ld> zn, zo;
+  bool new_outside = false;
+  lumped_oracle(std::vector<ld> a, std::vector<ld> b) : zn(std::move(a)), zo(std::move(b)) {
+    for (std::size_t i = 0; i < zn.size(); ++i)
+      if (zn[i] > -ld_inf && zo[i] == -ld_inf) new_outside = true;
+  }
+  bool joint(std::size_t i) const { return zn[i] > -ld_inf && zo[i] > -ld_inf; }
+  // log π at (t, s = 1 − t): near t = 1 formed as zn − s·(zn − zo) so that s keeps its digits.
+  std::vector<ld> log_pi(ld t, ld s) const {
+    std::vector<ld> w(zn.size(), -ld_inf);
+    for (std::size_t i = 0; i < zn.size(); ++i)
+      if (joint(i)) w[i] = t <= 0.5L ? zo[i] + t * (zn[i] - zo[i]) : zn[i] - s * (zn[i] - zo[i]);
+    const ld n = lse(w);
+    for (auto& x : w) x -= n;
+    return w;
+  }
+  std::vector<ld> log_q() const {
+    std::vector<ld> q = zo;
+    const ld n = lse(q);
+    for (auto& x : q) x -= n;
+    return q;
+  }
+  ld kl_at(ld t, ld s) const {
+    const std::vector<ld> lp = log_pi(t, s), lq = log_q();
+    ld sum = 0;
+    for (std::size_t i = 0; i < zn.size(); ++i) {
+      if (lq[i] == -ld_inf) continue;
+      if (!joint(i)) {
+        sum += std::exp(lq[i]);
+        continue;
+      }
+      const ld d = lq[i] - lp[i], p = std::exp(lp[i]);
+      sum += d > 1 ? std::exp(lq[i]) - p * (1 + d) : p * (std::expm1(d) - d);
+    }
+    return sum;
+  }
+  ld kl_new() const {  // KL(p̃‖q) on the lumped rows
+    if (new_outside) return ld_inf;
+    std::vector<ld> p = zn;
+    const ld n = lse(p);
+    const std::vector<ld> lq = log_q();
+    ld sum = 0;
+    for (std::size_t i = 0; i < p.size(); ++i) {
+      if (p[i] == -ld_inf) continue;
+      const ld l = p[i] - n, d = lq[i] - l, pp = std::exp(l);
+      sum += d > 1 ? std::exp(lq[i]) - pp * (1 + d) : pp * (std::expm1(d) - d);
+    }
+    return sum;
+  }
+};
+
+/// Checks the sparse project of aligned rows (row r of `a`) against the lumped oracle.
+template <class T>
+void check_sparse_projection(const aligned_rows<T>& a, std::size_t r, double eps, const sparse_rows<T>& out,
+                             const troll::projection_stats& st) {
+  const std::size_t c = std::size_t(a.counts[r]);
+  const bool tail = a.vocab > c;
+  std::vector<ld> zn, zo;
+  for (std::size_t i = 0; i < c; ++i) {
+    zn.push_back(ld(a.new_log_probs[r * a.k_max + i]));
+    zo.push_back(ld(a.old_log_probs[r * a.k_max + i]));
+  }
+  zn.push_back(tail ? ld(a.new_log_remainder[r]) : -ld_inf);
+  zo.push_back(tail ? ld(a.old_log_remainder[r]) : -ld_inf);
+  const lumped_oracle o(zn, zo);
+  INFO("row ", r, " status ", troll::status_name(st.status), " t ", st.t, " eta ", st.eta, " kl_before ",
+       st.kl_before, " kl_after ", st.kl_after, " eps ", eps, " type ", type_name<T>());
+  REQUIRE(out.counts[r] == a.counts[r]);
+  std::vector<ld> got(c + 1);
+  for (std::size_t i = 0; i < c; ++i) {
+    REQUIRE(out.indices[r * out.k_max + i] == a.indices[r * a.k_max + i]);
+    got[i] = ld(out.log_probs[r * out.k_max + i]);
+  }
+  got[c] = ld(out.log_remainder[r]);
+  for (std::size_t i = c; i < out.k_max; ++i) {
+    CHECK(out.indices[r * out.k_max + i] == -1);
+    CHECK(out.log_probs[r * out.k_max + i] == -std::numeric_limits<T>::infinity());
+  }
+  for (ld v : got) REQUIRE(!std::isnan(v));
+  const ld kl1 = o.kl_new();
+  const double g = std::is_same<T, float>::value ? 1e-5 : 1e-11;
+  if (st.status == troll::row_status::inactive) {
+    CHECK(double(kl1) <= eps * (1 + g) + g * 1e-3);
+    // The lumped new row's log-softmax.
+    std::vector<ld> p = zn;
+    const ld n = lse(p);
+    for (std::size_t i = 0; i <= c; ++i) CHECK(close<T>(got[i], p[i] - n, 1, 4));
+    return;
+  }
+  CHECK(double(kl1) >= eps * (1 - g));
+  if (st.status == troll::row_status::restricted) {
+    CHECK(o.kl_at(1, 0) <= ld(eps) * (1 + 1e-10L));
+    const std::vector<ld> lp = o.log_pi(1, 0);
+    for (std::size_t i = 0; i <= c; ++i) CHECK(close<T>(got[i], lp[i], 1, 8));
+    return;
+  }
+  REQUIRE(st.status == troll::row_status::projected);
+  const ld ts = st.t, ss = ld(st.eta) * ld(st.t);
+  const ld kl_troll = o.kl_at(ts, ts <= 0.5L ? 1 - ts : ss);
+  CHECK(std::fabs(double(kl_troll) - eps) <= 1e-10 * eps + 1e-300);
+  CHECK(std::fabs(st.kl_after - eps) <= 1e-10 * eps);
+  const std::vector<ld> lp = o.log_pi(ts, ts <= 0.5L ? 1 - ts : ss);
+  double scale = 1;
+  for (std::size_t i = 0; i <= c; ++i)
+    if (o.joint(i)) scale = std::max({scale, double(std::fabs(zn[i])), double(std::fabs(zo[i]))});
+  for (std::size_t i = 0; i <= c; ++i) {
+    INFO("entry ", i, " got ", double(got[i]), " oracle ", double(lp[i]));
+    CHECK(close<T>(got[i], lp[i], 4 * scale, 8));
+  }
+}
+
+// Random sparse-row factory: dense logits of a given kind, supports chosen by the oracle.
+template <class T>
+std::vector<T> dense_row(std::mt19937_64& g, std::size_t vocab, int kind) {
+  std::normal_distribution<double> n01(0.0, 1.0);
+  std::vector<T> z(vocab);
+  for (auto& x : z) x = T(2 * n01(g));
+  switch (kind % 8) {
+    case 1:  // huge shift
+      for (auto& x : z) x = T(double(x) + 1e4);
+      break;
+    case 2:  // near-deterministic
+      z[vocab / 2] = T(double(z[vocab / 2]) + 60);
+      break;
+    case 3:  // ties everywhere
+      for (std::size_t i = 0; i < vocab; ++i) z[i] = T(double(i % 3));
+      break;
+    case 4:  // masked tokens
+      for (std::size_t i = 0; i < vocab; i += 3) z[i] = T(-inf);
+      if (vocab >= 2) z[1] = T(1);
+      else z[0] = T(0);
+      break;
+    case 5:  // all but one masked
+      for (auto& x : z) x = T(-inf);
+      z[vocab / 3] = T(0.25);
+      break;
+    case 6:  // a wide spread (tail mass far below one ulp)
+      for (auto& x : z) x = T(double(x) * 300);
+      break;
+    case 7:  // float-sized extremes when T = float; double big otherwise
+      for (std::size_t i = 0; i < vocab; ++i)
+        z[i] = T((i % 2 ? 1e4 : -1e4) * (n01(g) > 0 ? 1 : 0.5));  // ±3e38: see the limit test below
+      break;
+    default:
+      break;
+  }
+  return z;
+}
+
+
+/// A support of size k: the k largest logits (ties to the lower index), optionally one more token.
+template <class T>
+std::vector<int> top_support(const std::vector<T>& z, std::size_t k, int extra = -1) {
+  std::vector<int> order(z.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return z[std::size_t(a)] > z[std::size_t(b)]; });
+  order.resize(std::min(k, z.size()));
+  if (extra >= 0 && std::find(order.begin(), order.end(), extra) == order.end()) order.push_back(extra);
+  return order;
+}
+
+const std::size_t vocab_list[] = {1, 2, 3, 17, 4097};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("align(sparse, sparse): the aligned pair expands to the input V-vectors", T, float, double) {
+  std::mt19937_64 g(11);
+  for (std::size_t vocab : vocab_list) {
+    for (int kind = 0; kind < 8; ++kind) {
+      for (int trial = 0; trial < 3; ++trial) {
+        CAPTURE(vocab);
+        CAPTURE(kind);
+        CAPTURE(trial);
+        const std::vector<T> zn = dense_row<T>(g, vocab, kind), zo = dense_row<T>(g, vocab, kind + trial);
+        std::uniform_int_distribution<std::size_t> pick_k(0, std::min<std::size_t>(vocab, 12));
+        std::uniform_int_distribution<int> pick_tok(0, int(vocab) - 1);
+        // Supports from empty (all mass in the bucket) to the whole vocabulary (no bucket).
+        const std::size_t kn = trial == 2 ? vocab : pick_k(g), ko = trial == 1 ? 0 : pick_k(g);
+        if (std::min(kn, ko) > 40 || kn > 40 || ko > 40) continue;
+        std::vector<T> zn_used = zn, zo_used = zo;
+        const oracle_row on = gather(zn_used, top_support(zn_used, kn, kn < vocab ? pick_tok(g) : -1));
+        const oracle_row oo = gather(zo_used, top_support(zo_used, ko));
+        // Rows with no finite value at all are not rows; the generator never makes them.
+        const std::size_t k_max = on.support.size() + oo.support.size() + 2;
+        sparse_rows<T> a(1, k_max, vocab), b(1, k_max, vocab);
+        put_row(a, 0, on);
+        put_row(b, 0, oo);
+        aligned_rows<T> out(1, k_max, vocab);
+        try {
+          troll::align(troll::cpu, a.view(), b.view(), out.view());
+        } catch (const troll::invalid_input& e) {
+          // Only a row whose total mass rounds outside the tolerance may be refused.
+          FAIL_CHECK("align threw: " << std::string(e.what()));
+          continue;
+        }
+        const std::size_t u = std::size_t(out.counts[0]);
+        std::vector<int> U(out.indices.begin(), out.indices.begin() + std::ptrdiff_t(u));
+        std::vector<ld> an(u), ao(u);
+        for (std::size_t i = 0; i < u; ++i) an[i] = ld(out.new_log_probs[i]), ao[i] = ld(out.old_log_probs[i]);
+        // U = S_new in order, then the old-only ids in their order.
+        std::vector<int> expect_u = on.support;
+        for (int i : oo.support)
+          if (std::find(expect_u.begin(), expect_u.end(), i) == expect_u.end()) expect_u.push_back(i);
+        CHECK(U == expect_u);
+        for (std::size_t i = u; i < k_max; ++i) {
+          CHECK(out.indices[i] == -1);
+          CHECK(out.new_log_probs[i] == -std::numeric_limits<T>::infinity());
+          CHECK(out.old_log_probs[i] == -std::numeric_limits<T>::infinity());
+        }
+        const std::vector<ld> want_n = expand(on.support, std::vector<ld>(a.log_probs.begin(), a.log_probs.begin() + std::ptrdiff_t(on.support.size())), ld(a.log_remainder[0]), vocab);
+        const std::vector<ld> want_o = expand(oo.support, std::vector<ld>(b.log_probs.begin(), b.log_probs.begin() + std::ptrdiff_t(oo.support.size())), ld(b.log_remainder[0]), vocab);
+        const std::vector<ld> got_n = expand(U, an, ld(out.new_log_remainder[0]), vocab);
+        const std::vector<ld> got_o = expand(U, ao, ld(out.old_log_remainder[0]), vocab);
+        for (std::size_t i = 0; i < vocab; ++i) {
+          INFO("token ", i, " new ", double(got_n[i]), " vs ", double(want_n[i]), " old ", double(got_o[i]), " vs ", double(want_o[i]));
+          CHECK(close<T>(got_n[i], want_n[i], 1, 4));
+          CHECK(close<T>(got_o[i], want_o[i], 1, 4));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("align(dense logits, support, old): exact gathered values and tail against long double", T, float, double) {
+  std::mt19937_64 g(12);
+  for (std::size_t vocab : {std::size_t(1), std::size_t(2), std::size_t(3), std::size_t(17), std::size_t(4097), std::size_t(262144)}) {
+    for (int kind = 0; kind < 8; ++kind) {
+      if (vocab == 262144 && kind % 3 != 0) continue;  // CI time
+      CAPTURE(vocab);
+      CAPTURE(kind);
+      const std::size_t stride = vocab + 3;
+      std::vector<T> zn(stride, T(777)), zo = dense_row<T>(g, vocab, kind + 1);
+      const std::vector<T> row = dense_row<T>(g, vocab, kind);
+      std::copy(row.begin(), row.end(), zn.begin());
+      std::uniform_int_distribution<std::size_t> pick_k(0, std::min<std::size_t>(vocab, 9));
+      const oracle_row oo = gather(zo, top_support(zo, pick_k(g)));
+      const std::vector<int> sn = top_support(row, pick_k(g));
+      const std::size_t k_max = 24;
+      sparse_rows<T> old(1, k_max, vocab), support(1, k_max, vocab);
+      put_row(old, 0, oo);
+      support.counts[0] = troll::sparse_index(sn.size());
+      for (std::size_t i = 0; i < sn.size(); ++i) support.indices[i] = sn[i];
+      for (bool with_support : {true, false}) {
+        aligned_rows<T> out(1, k_max, vocab);
+        const troll::sparse_batch_view<const T> sv =
+            with_support ? support.view() : troll::sparse_batch_view<const T>{};
+        troll::align(troll::cpu.with_threads(2), troll::make_batch<const T>(zn.data(), 1, vocab, stride), sv,
+                     old.view(), out.view());
+        const std::size_t u = std::size_t(out.counts[0]);
+        const std::vector<int> U(out.indices.begin(), out.indices.begin() + std::ptrdiff_t(u));
+        const oracle_row exact = gather(row, U);
+        // The documented scale: a few ulps of T times the row's logit scale.
+        double scale = 1;
+        for (T x : row)
+          if (std::isfinite(double(x))) scale = std::max(scale, std::fabs(double(x)));
+        scale += std::log(double(vocab));  // log Σ e^z itself is that large
+        for (std::size_t i = 0; i < u; ++i) {
+          INFO("entry ", i, " token ", U[i], " got ", double(out.new_log_probs[i]), " oracle ", double(exact.lp[i]));
+          CHECK(close<T>(ld(out.new_log_probs[i]), exact.lp[i], scale, 2));
+        }
+        INFO("remainder got ", double(out.new_log_remainder[0]), " oracle ", double(exact.log_r));
+        // The tail sum in double with float exponentials: a few float ulps of the tail mass.
+        CHECK(close<T>(ld(out.new_log_remainder[0]), exact.log_r, scale, 4));
+        // The old side as align(sparse, sparse) would give it.
+        const std::vector<ld> want_o = expand(oo.support, std::vector<ld>(old.log_probs.begin(), old.log_probs.begin() + std::ptrdiff_t(oo.support.size())), ld(old.log_remainder[0]), vocab);
+        std::vector<ld> ao(u);
+        for (std::size_t i = 0; i < u; ++i) ao[i] = ld(out.old_log_probs[i]);
+        const std::vector<ld> got_o = expand(U, ao, ld(out.old_log_remainder[0]), vocab);
+        for (std::size_t i = 0; i < vocab; ++i)
+          if (!close<T>(got_o[i], want_o[i], 1, 4)) {
+            CHECK(close<T>(got_o[i], want_o[i], 1, 4));
+            break;
+          }
+      }
+    }
+  }
+}
