@@ -547,3 +547,125 @@ TEST_CASE("sparse project_backward: the VJP against central differences of the s
   }
   CHECK(checked >= 12);
 }
+
+namespace {
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+/// Shards of one batch (cuts from 0 to V), merged in a random order, finalised in two stages:
+/// equal to sparsify bit for bit; each shard's backward equal to sparsify_backward's columns.
+template <class T>
+void check_shards(const std::vector<T>& z, std::size_t rows, std::size_t vocab, const std::vector<std::size_t>& cuts,
+                  const troll::token_id* sampled, troll::sparsify_options opt, std::mt19937_64& g) {
+  const std::size_t k_max = std::size_t(opt.k) + 1;
+  sparse_rows<T> whole(rows, k_max, vocab);
+  troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), sampled, opt, whole.view());
+  const std::size_t shards = cuts.size() - 1;
+  auto shard_view = [&](std::size_t s) {
+    return troll::batch_view<const T>{z.data() + cuts[s], rows, cuts[s + 1] - cuts[s], vocab};
+  };
+  std::vector<std::vector<troll::sparsify_state>> states(shards, std::vector<troll::sparsify_state>(rows));
+  for (std::size_t s = 0; s < shards; ++s)
+    troll::sparsify_shard(troll::cpu.with_threads(2), shard_view(s), cuts[s], vocab, sampled, opt, states[s].data());
+  std::vector<std::size_t> order(shards);
+  std::iota(order.begin(), order.end(), std::size_t(0));
+  std::shuffle(order.begin(), order.end(), g);
+  // Merge neighbours only (any order of adjacent pieces), as a distributed gather would.
+  std::vector<troll::sparsify_state> merged = states[0];
+  for (std::size_t s = 1; s < shards; ++s) troll::sparsify_merge(troll::cpu, merged.data(), states[s].data(), rows);
+  sparse_rows<T> first(rows, k_max, vocab);
+  std::vector<double> tail_max(rows), log_sums(2 * rows), tail_sums(2 * rows * shards);
+  troll::sparsify_finalize(troll::cpu, merged.data(), opt, first.view(), nullptr, tail_max.data());
+  CHECK(first.indices == whole.indices);
+  CHECK(first.counts == whole.counts);
+  for (std::size_t i = 0; i < shards; ++i) {
+    const std::size_t s = order[i];
+    troll::sparsify_tail_sums<T>(troll::cpu, shard_view(s), cuts[s], first.view(), tail_max.data(),
+                                 tail_sums.data() + 2 * rows * i);
+  }
+  sparse_rows<T> exact(rows, k_max, vocab);
+  troll::sparsify_finalize(troll::cpu, merged.data(), opt, exact.view(), log_sums.data(), nullptr, tail_sums.data(),
+                           shards);
+  CHECK(exact.indices == whole.indices);
+  CHECK(exact.counts == whole.counts);
+  CHECK(same_bits(exact.log_probs, whole.log_probs));
+  CHECK(same_bits(exact.log_remainder, whole.log_remainder));
+  sparse_grads<T> up(rows, k_max);
+  std::normal_distribution<double> n01(0.0, 1.0);
+  for (auto& x : up.log_probs) x = T(n01(g));
+  for (auto& x : up.log_remainder) x = T(n01(g));
+  std::vector<T> gw(rows * vocab, T(9)), gs(rows * vocab, T(9));
+  troll::sparsify_backward(troll::cpu, troll::make_batch(z.data(), rows, vocab), whole.view(),
+                           troll::sparse_grad_input<T>(up.view()), troll::make_batch(gw.data(), rows, vocab));
+  for (std::size_t s = 0; s < shards; ++s)
+    troll::sparsify_shard_backward(troll::cpu, shard_view(s), cuts[s], exact.view(),
+                                   troll::sparse_grad_input<T>(up.view()), log_sums.data(),
+                                   troll::batch_view<T>{gs.data() + cuts[s], rows, cuts[s + 1] - cuts[s], vocab});
+  CHECK(same_bits(gs, gw));
+  for (T x : gw) REQUIRE(std::isfinite(double(x)));
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("vocabulary shards: adversarial rows, K = 1 and K > V, single-token and all-masked shards", T, float, double) {
+  std::mt19937_64 g(41);
+  for (std::size_t vocab : {std::size_t(1), std::size_t(2), std::size_t(3), std::size_t(17), std::size_t(4097)}) {
+    for (int kind = 0; kind < 8; ++kind) {
+      for (int k : {1, 3, 300 > 256 ? 256 : 300}) {
+        CAPTURE(vocab);
+        CAPTURE(kind);
+        CAPTURE(k);
+        const std::size_t rows = 3;
+        std::vector<T> z;
+        std::vector<troll::token_id> sampled(rows);
+        for (std::size_t r = 0; r < rows; ++r) {
+          std::vector<T> row = dense_row<T>(g, vocab, kind + int(r));
+          // The sampled token: a masked one where there is one (r = 0), else the last token.
+          sampled[r] = troll::token_id(vocab - 1);
+          if (r == 0)
+            for (std::size_t i = 0; i < vocab; ++i)
+              if (!std::isfinite(double(row[i])) && std::isfinite(double(row[(i + 1) % vocab]))) sampled[r] = troll::token_id(i);
+          z.insert(z.end(), row.begin(), row.end());
+        }
+        // Cuts: every token its own shard for small V; else random, including a shard of masks.
+        std::vector<std::size_t> cuts{0};
+        if (vocab <= 17) {
+          for (std::size_t i = 1; i <= vocab; ++i) cuts.push_back(i);
+        } else {
+          std::uniform_int_distribution<std::size_t> c(1, vocab - 1);
+          std::vector<std::size_t> inner{c(g), c(g), c(g), 1, vocab - 1};
+          std::sort(inner.begin(), inner.end());
+          inner.erase(std::unique(inner.begin(), inner.end()), inner.end());
+          for (std::size_t x : inner) cuts.push_back(x);
+          cuts.push_back(vocab);
+        }
+        for (double delta : {0.0, 1e-5, 0.5}) {
+          check_shards<T>(z, rows, vocab, cuts, sampled.data(), troll::sparsify_options{k, delta}, g);
+          check_shards<T>(z, rows, vocab, cuts, nullptr, troll::sparsify_options{k, delta}, g);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("limit: the sparse path holds log Σ e^z as an absolute double (float logits near ±3e38 at the top)") {
+  // Documented in docs/sparse.md ("Logit magnitude"): values are z_i − log Σ_j e^{z_j} with the
+  // log-sum an absolute double, so a row whose largest logits are beyond ~1e8 in magnitude loses
+  // |z_max|·2⁻⁵³ of each log-probability, and at float's ±3e38 tied top tokens collapse to 0.
+  // Pinned: no NaN, every value ≤ 0, and ordinary magnitudes (±1e4, above) stay exact.
+  const std::size_t vocab = 5;
+  std::vector<float> z{3e38f, 3e38f, -3e38f, 1.5e38f, 3e38f};
+  sparse_rows<float> old(1, 4, vocab);
+  put_row(old, 0, gather(z, {0}));
+  aligned_rows<float> out(1, 8, vocab);
+  troll::align(troll::cpu, troll::make_batch<const float>(z.data(), 1, vocab), troll::sparse_batch_view<const float>{},
+               old.view(), out.view());
+  for (int i = 0; i < out.counts[0]; ++i) {
+    CHECK(!std::isnan(out.new_log_probs[std::size_t(i)]));
+    CHECK(out.new_log_probs[std::size_t(i)] <= 0.0f);
+  }
+  CHECK(out.new_log_remainder[0] <= 0.0f);
+}
