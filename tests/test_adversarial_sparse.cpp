@@ -669,3 +669,183 @@ TEST_CASE("limit: the sparse path holds log Σ e^z as an absolute double (float 
   }
   CHECK(out.new_log_remainder[0] <= 0.0f);
 }
+
+TEST_CASE("objectives: PPO clip / DPPO / TROLL losses against long double; gradients by central differences; A = 0, huge A, masks all zero") {
+  std::mt19937_64 g(51);
+  std::normal_distribution<double> n01(0.0, 1.0);
+  for (std::size_t vocab : {std::size_t(1), std::size_t(2), std::size_t(3), std::size_t(17)}) {
+    const std::size_t rows = 4;
+    std::vector<double> zn(rows * vocab), zo(rows * vocab), adv{0.0, 1.0, -1e6, 2.5}, mask{1, 1, 1, 0.5};
+    std::vector<troll::token_id> tok(rows);
+    for (std::size_t i = 0; i < rows * vocab; ++i) zo[i] = 2 * n01(g), zn[i] = zo[i] + n01(g);
+    for (std::size_t r = 0; r < rows; ++r) tok[r] = troll::token_id(r % vocab);
+    troll::token_batch<double> in;
+    in.tokens = tok.data();
+    in.advantages = adv.data();
+    in.loss_mask = mask.data();
+    // Oracle PPO clip loss (token mean), long double.
+    ld num = 0, den = 0;
+    for (std::size_t r = 0; r < rows; ++r) {
+      std::vector<ld> a(vocab), b(vocab);
+      for (std::size_t i = 0; i < vocab; ++i) a[i] = zn[r * vocab + i], b[i] = zo[r * vocab + i];
+      const ld la = a[std::size_t(tok[r])] - lse(a), lb = b[std::size_t(tok[r])] - lse(b);
+      const ld ratio = std::exp(la - lb), A = adv[r];
+      const ld clipped = std::min(std::max(ratio, ld(0.8)), ld(1.2));
+      num += mask[r] * -std::min(ratio * A, clipped * A);
+      den += mask[r];
+    }
+    troll::ppo_clip_objective ppo;
+    const troll::objective_metrics m =
+        troll::objective_forward(troll::cpu, ppo, troll::make_batch<const double>(zn.data(), rows, vocab),
+                                 troll::make_batch<const double>(zo.data(), rows, vocab), in);
+    CHECK(std::fabs(m.loss - double(num / den)) <= 1e-12 * (1 + std::fabs(double(num / den))));
+    // Gradients of the whole loss: PPO clip, DPPO (binary TV), TROLL with α = 0 (its regression
+    // term differentiates p̃ only; α = 0 makes the loss a function of the logits).
+    auto grad_check = [&](auto objective, bool troll_objective) {
+      auto loss = [&](const double* x) {
+        std::vector<double> lp(rows * vocab);
+        std::vector<troll::projection_stats> st(rows);
+        if constexpr (std::is_same<decltype(objective), troll::trust_region_objective>::value)
+          return troll::objective_forward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
+                                          troll::make_batch<const double>(zo.data(), rows, vocab), in,
+                                          troll::make_batch(lp.data(), rows, vocab), st.data()).loss;
+        else
+          return troll::objective_forward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
+                                          troll::make_batch<const double>(zo.data(), rows, vocab), in).loss;
+      };
+      auto grad = [&](const double* x, double* gx) {
+        std::vector<double> lp(rows * vocab);
+        std::vector<troll::projection_stats> st(rows);
+        if constexpr (std::is_same<decltype(objective), troll::trust_region_objective>::value) {
+          troll::objective_forward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
+                                   troll::make_batch<const double>(zo.data(), rows, vocab), in,
+                                   troll::make_batch(lp.data(), rows, vocab), st.data());
+          troll::objective_backward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
+                                    troll::make_batch<const double>(zo.data(), rows, vocab), in,
+                                    troll::make_batch<const double>(lp.data(), rows, vocab), st.data(),
+                                    troll::make_batch(gx, rows, vocab));
+        } else {
+          troll::objective_backward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
+                                    troll::make_batch<const double>(zo.data(), rows, vocab), in,
+                                    troll::make_batch(gx, rows, vocab));
+        }
+      };
+      troll::gradcheck_options opt;
+      opt.atol = 1e-6 * 1e6;  // the loss carries A = −1e6
+      opt.rtol = 1e-5;
+      const troll::gradcheck_result res = troll::check_gradient(loss, grad, zn, opt);
+      INFO("V ", vocab, " troll ", troll_objective, "\n", res.report());
+      CHECK(res.ok);
+    };
+    troll::ppo_clip_objective wide;  // unclipped everywhere: a smooth loss for the differences
+    wide.clip_high = 1e6;
+    wide.clip_low = 0.999;
+    grad_check(wide, false);
+    troll::dppo_objective dppo;
+    dppo.delta_low = dppo.delta_high = 10;  // no token masked: smooth
+    grad_check(dppo, false);
+    troll::trust_region_objective tr;
+    tr.alpha = 0;
+    tr.eps = 0.01;
+    grad_check(tr, true);
+
+    // Masks all zero: loss 0, every gradient 0.
+    std::vector<double> zero_mask(rows, 0.0), gx(rows * vocab, 7.0);
+    troll::token_batch<double> none = in;
+    none.loss_mask = zero_mask.data();
+    const troll::objective_metrics z0 =
+        troll::objective_forward(troll::cpu, ppo, troll::make_batch<const double>(zn.data(), rows, vocab),
+                                 troll::make_batch<const double>(zo.data(), rows, vocab), none);
+    CHECK(z0.loss == 0.0);
+    troll::objective_backward(troll::cpu, ppo, troll::make_batch<const double>(zn.data(), rows, vocab),
+                              troll::make_batch<const double>(zo.data(), rows, vocab), none,
+                              troll::make_batch(gx.data(), rows, vocab));
+    for (double x : gx) CHECK(x == 0.0);
+  }
+}
+
+TEST_CASE("bad input: the lowest bad row is named and no output is touched (sparse entry points, objectives)") {
+  std::mt19937_64 g(61);
+  const std::size_t vocab = 17, rows = 4;
+  aligned_rows<double> a = make_aligned<double>(g, vocab, rows, 0);
+  // Rows 1 and 3 bad (NaN): row 1 named, outputs untouched.
+  aligned_rows<double> bad = a;
+  bad.new_log_probs[1 * bad.k_max] = std::nan("");
+  bad.old_log_remainder[3] = std::nan("");
+  sparse_rows<double> out(rows, a.k_max, vocab);
+  const sparse_rows<double> fresh = out;
+  std::vector<troll::projection_stats> st(rows);
+  troll_test::expect_row_error<troll::domain_error>(
+      [&] { troll::project(troll::cpu.with_threads(2), troll::aligned_input<double>(bad.view()), 0.05, out.view(), st.data()); }, 1);
+  CHECK(out.log_probs == fresh.log_probs);
+  CHECK(out.indices == fresh.indices);
+  CHECK(out.counts == fresh.counts);
+  std::vector<double> kl(rows, -3.0);
+  troll_test::expect_row_error<troll::domain_error>(
+      [&] { troll::kl(troll::cpu, troll::aligned_input<double>(bad.view()), kl.data()); }, 1);
+  for (double x : kl) CHECK(x == -3.0);
+  // ε out of range.
+  for (double eps : {0.0, -1.0, inf, std::nan("")})
+    CHECK_THROWS_AS(troll::project(troll::cpu, troll::aligned_input<double>(a.view()), eps, out.view(), st.data()),
+                    troll::domain_error);
+  CHECK(out.log_probs == fresh.log_probs);
+  // align: a duplicate index in row 2 of the old rows.
+  sparse_rows<double> sa(rows, 4, vocab), sb(rows, 4, vocab);
+  std::vector<double> z(vocab);
+  for (std::size_t i = 0; i < vocab; ++i) z[i] = double(i % 5);
+  for (std::size_t r = 0; r < rows; ++r) put_row(sa, r, gather(z, {1, 2})), put_row(sb, r, gather(z, {3, 4}));
+  sb.indices[2 * sb.k_max + 1] = 3;
+  aligned_rows<double> ao(rows, 8, vocab);
+  const aligned_rows<double> ao_fresh = ao;
+  troll_test::expect_row_error<troll::shape_error>([&] { troll::align(troll::cpu, sa.view(), sb.view(), ao.view()); }, 2);
+  CHECK(ao.indices == ao_fresh.indices);
+  CHECK(ao.new_log_probs == ao_fresh.new_log_probs);
+  // sparsify_shard_backward: a NaN gradient in row 3, log-sums NaN in row 2 → row 2 named first?
+  // (log-sums are checked before gradients; each check names its lowest bad row.)
+  sparse_rows<double> sup(rows, 4, vocab);
+  for (std::size_t r = 0; r < rows; ++r) put_row(sup, r, gather(z, {4}));
+  std::vector<double> logits(rows * vocab);
+  for (std::size_t r = 0; r < rows; ++r) std::copy(z.begin(), z.end(), logits.begin() + std::ptrdiff_t(r * vocab));
+  sparse_grads<double> up(rows, 4);
+  up.log_probs[3 * 4] = std::nan("");
+  std::vector<double> log_sums(2 * rows, 5.0);
+  std::vector<double> gs(rows * vocab, 11.0);
+  troll_test::expect_row_error<troll::domain_error>(
+      [&] {
+        troll::sparsify_shard_backward(troll::cpu, troll::make_batch<const double>(logits.data(), rows, vocab), 0,
+                                       sup.view(), troll::sparse_grad_input<double>(up.view()), log_sums.data(),
+                                       troll::make_batch(gs.data(), rows, vocab));
+      },
+      3);
+  for (double x : gs) CHECK(x == 11.0);
+  // Objectives: a token out of range in row 2 and a NaN advantage in row 3.
+  std::vector<double> zn(rows * vocab), zo(rows * vocab), adv{1, 1, 1, std::nan("")};
+  for (std::size_t i = 0; i < rows * vocab; ++i) zn[i] = double(i % 7), zo[i] = double(i % 5);
+  std::vector<troll::token_id> tok{0, 1, troll::token_id(vocab), 2};
+  troll::token_batch<double> in;
+  in.tokens = tok.data();
+  in.advantages = adv.data();
+  std::vector<double> loss(rows, -9.0), lp(rows * vocab, -9.0), grad(rows * vocab, -9.0);
+  std::vector<troll::projection_stats> ost(rows);
+  troll::objective_metrics met;
+  troll_test::expect_row_error<troll::domain_error>(
+      [&] {
+        troll::objective_forward(troll::cpu, troll::trust_region_objective{}, troll::make_batch<const double>(zn.data(), rows, vocab),
+                                 troll::make_batch<const double>(zo.data(), rows, vocab), in,
+                                 troll::make_batch(lp.data(), rows, vocab), ost.data(), loss.data(), &met);
+      },
+      2);
+  for (double x : loss) CHECK(x == -9.0);
+  for (double x : lp) CHECK(x == -9.0);
+  troll_test::expect_row_error<troll::domain_error>(
+      [&] {
+        troll::objective_backward(troll::cpu, troll::ppo_clip_objective{}, troll::make_batch<const double>(zn.data(), rows, vocab),
+                                  troll::make_batch<const double>(zo.data(), rows, vocab), in,
+                                  troll::make_batch(grad.data(), rows, vocab));
+      },
+      2);
+  for (double x : grad) CHECK(x == -9.0);
+  // 0 rows: every entry point returns without touching anything.
+  aligned_rows<double> empty(0, 4, vocab);
+  troll::kl(troll::cpu, troll::aligned_input<double>(empty.view()), static_cast<double*>(nullptr));
+}
