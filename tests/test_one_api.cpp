@@ -30,6 +30,15 @@ TEST_CASE("every entry point runs under troll::cpu from one function template") 
   for (double kl_after : serial.gaussian_kl_after) CHECK(kl_after <= 0.05 * (1 + 1e-9));
   for (double v : serial.gaussian_diag_std) CHECK(v > 0.0);
   for (double v : serial.gaussian_split_diag_std) CHECK(v > 0.0);
+  REQUIRE(serial.gaussian_kl.size() == 2);
+  for (double v : serial.gaussian_kl) CHECK(v > 0.0);
+  for (double v : serial.gaussian_kl_diag) CHECK(v > 0.0);
+  for (double v : serial.gaussian_diag_grad_mean) CHECK(std::isfinite(v));
+  for (double v : serial.gaussian_split_diag_jvp_std) CHECK(std::isfinite(v));
+  CHECK(serial.gaussian_diag_grad_mean == threaded.gaussian_diag_grad_mean);
+  // Two shards finalised in two stages give sparsify's rows bit for bit (canonical tail sums).
+  CHECK(serial.shard_rows == serial.whole_rows);
+  CHECK(threaded.shard_rows == serial.shard_rows);
   // The first shard's gradient is the first columns of the whole row's (same support, same g).
   const std::size_t rows = 2, V = 8, half = V / 2;
   REQUIRE(serial.sparse_shard_grad.size() == rows * half);
@@ -63,7 +72,8 @@ TEST_CASE("workspace_bytes: defined for every entry point and both policies") {
   CHECK(workspace_bytes(cuda, op::objective_forward{}, sparse, 10, 100, 64) ==
         sparse_objective_workspace_bytes(10, 64, 16));
   CHECK(workspace_bytes(cpu, op::objective_forward{}, sparse, 10, 100, 64) == 0);
-  CHECK(workspace_bytes(cpu.with_threads(3), op::sparsify{}, 10, 100) == 0);
+  CHECK(workspace_bytes(cpu.with_threads(3), op::sparsify{}, 10, 100, 65) == 10 * (12 * 65 + 13));
+  CHECK(workspace_bytes(cuda, op::sparsify{}, 10, 100, 65) == 0);
 }
 
 TEST_CASE("cpu workspace: undersized, misaligned or null memory throws shape_error before writing") {

@@ -147,6 +147,65 @@ TEST_CASE("sparsify: bad options, sampled tokens and logits") {
   CHECK(out.counts == before.counts);
 }
 
+TEST_CASE("sparsify: a NaN or +inf late in a long row (the scan's own check) throws before any row is written") {
+  // Rows of several scan blocks; sparsify validates inside its one pass over each row, so the
+  // rows before the bad one are already scanned when it is found: nothing may reach `out`.
+  const std::size_t vocab = 5000, rows = 4;
+  for (const unsigned threads : {1u, 2u}) {
+    for (const std::size_t where : {std::size_t(0), std::size_t(777), vocab - 1}) {
+      for (const double bad : {nan_value, std::numeric_limits<double>::infinity()}) {
+        std::vector<float> z(rows * vocab);
+        for (std::size_t i = 0; i < z.size(); ++i) z[i] = float(3.0 * std::sin(0.37 * double(i)));
+        sparse_rows<float> out(rows, 9, vocab);
+        std::fill(out.log_probs.begin(), out.log_probs.end(), 7.0f);
+        std::fill(out.indices.begin(), out.indices.end(), troll::sparse_index(-9));
+        const sparse_rows<float> before = out;
+        z[3 * vocab + where] = float(bad);  // the last row
+        if (where == 777) z[2 * vocab + vocab - 1] = float(bad);  // and the one before: row 2 is named
+        const troll::token_id sampled[rows] = {1, 2, 3, 4};
+        expect_row_error<troll::domain_error>(
+            [&] {
+              troll::sparsify(troll::cpu.with_threads(threads), troll::make_batch(z.data(), rows, vocab), sampled,
+                              {8, 1e-4}, out.view());
+            },
+            where == 777 ? 2 : 3);
+        CHECK(out.indices == before.indices);
+        CHECK(out.log_probs == before.log_probs);
+        CHECK(out.counts == before.counts);
+        CHECK(out.log_remainder == before.log_remainder);
+      }
+    }
+  }
+}
+
+TEST_CASE("sparsify: a caller's workspace gives the same rows; a short or misaligned one throws before writing") {
+  const std::size_t vocab = 3000, rows = 3, k_max = 9;
+  std::vector<float> z(rows * vocab);
+  for (std::size_t i = 0; i < z.size(); ++i) z[i] = float(2.0 * std::cos(0.11 * double(i)));
+  const troll::token_id sampled[rows] = {5, 2999, 0};
+  sparse_rows<float> own(rows, k_max, vocab), given(rows, k_max, vocab);
+  troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), sampled, {8, 1e-4}, own.view());
+  const std::size_t bytes = troll::workspace_bytes(troll::cpu, troll::op::sparsify{}, rows, vocab, k_max);
+  std::vector<double> memory(bytes / 8 + 2);
+  troll::sparsify(troll::cpu.with_workspace(memory.data(), bytes), troll::make_batch(z.data(), rows, vocab), sampled,
+                  {8, 1e-4}, given.view());
+  CHECK(given.indices == own.indices);
+  CHECK(given.log_probs == own.log_probs);
+  CHECK(given.counts == own.counts);
+  CHECK(given.log_remainder == own.log_remainder);
+  sparse_rows<float> out(rows, k_max, vocab);
+  const sparse_rows<float> before = out;
+  CHECK_THROWS_AS(troll::sparsify(troll::cpu.with_workspace(memory.data(), bytes - 1),
+                                  troll::make_batch(z.data(), rows, vocab), sampled, {8, 1e-4}, out.view()),
+                  troll::shape_error);
+  CHECK_THROWS_AS(troll::sparsify(troll::cpu.with_workspace(reinterpret_cast<unsigned char*>(memory.data()) + 4, bytes),
+                                  troll::make_batch(z.data(), rows, vocab), sampled, {8, 1e-4}, out.view()),
+                  troll::shape_error);
+  CHECK(out.indices == before.indices);
+  CHECK(out.log_probs == before.log_probs);
+  CHECK(out.counts == before.counts);
+}
+
 TEST_CASE("fuzz: random malformed sparse rows never crash, leak NaN or write outside the outputs") {
   std::mt19937_64 rng(2024);
   const std::size_t vocab = 64, rows = 5, k = 8, guard = 16;

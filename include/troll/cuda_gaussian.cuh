@@ -10,7 +10,10 @@
 // d ≤ 2048 (larger d: shape_error). The host checks shapes, bounds and options and throws as the
 // CPU does; the values are checked on the device, where a row the CPU would reject (non-finite
 // entries, a standard deviation or factor diagonal ≤ 0, a non-zero above a factor's diagonal) is
-// written as NaN with stats.status = row_status::rejected. Compiled in CI; never run on a GPU yet.
+// written as NaN with stats.status = row_status::rejected; with troll::cuda.on(s).checked() the
+// rows are checked on the host first and the first bad one throws the CPU's exception, naming it,
+// before anything is written (detail/cuda/gaussian_checked.cuh). The KL and the diagonal rows'
+// VJP and JVP are in cuda_gaussian_derivatives.cuh (included below). Compiled in CI.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,6 +25,7 @@
 #include "config.hpp"
 #include "detail/arguments.hpp"
 #include "detail/cuda/error_check.cuh"
+#include "detail/cuda/gaussian_checked.cuh"
 #include "detail/cuda/gaussian_kernels.cuh"
 #include "detail/gaussian_checks.hpp"
 #include "errors.hpp"
@@ -47,6 +51,7 @@ void project_gaussian(cuda_policy policy, const gaussian_call& call, batch_view<
                                 std::to_string(max_dim) + (c.full ? " for full covariances" : " for diagonal ones") +
                                 " (one warp per row); use the CPU backend");
   if (mean.rows == 0) return;
+  check_gaussian_rows_on_host(policy, c, mean, cov, old_mean, old_cov);
   const gaussian_launch<T> launch{mean, cov, old_mean, old_cov, out_mean, out_cov, stats, eps_mean, eps_cov, opt,
                                   c.split};
   const unsigned grid = grid_for(mean.rows);
@@ -105,3 +110,5 @@ void project_split_diag(cuda_policy policy, input_view<T> mean, input_view<T> st
 
 }  // namespace gaussian
 TROLL_END_NAMESPACE
+
+#include "cuda_gaussian_derivatives.cuh"

@@ -51,6 +51,7 @@ enum class cuda_row_error : int {
   sparse_wrong_token = 32, ///< log_probs entry `token` holds token id `value`, the aligned rows `operand`: shape_error
   sparse_masked_mass = 33, ///< backward: log_probs entry `token` is `value` > −inf where the new or old side is −inf: domain_error
   bad_log_sums = 34,       ///< sparsify_shard_backward: log_sums {`value`, the double whose bits are `token`} unusable: domain_error
+  bad_tail_max = 35,       ///< sparsify_tail_sums: tail_max is `value` (NaN or +inf): domain_error
   // Dense derivatives (troll/cuda.cuh: kl_backward, project_jvp, project_jacobian).
   infinite_kl = 40,        ///< kl_backward: KL(p‖q) is +inf (p has mass where q is −inf), no gradient: domain_error
   // The sparse objective (troll/cuda_sparse_objectives.cuh), mirroring detail::sparse_objective_problem.

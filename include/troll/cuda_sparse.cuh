@@ -1,7 +1,7 @@
 // troll/cuda_sparse.cuh — the CUDA backend of the sparse path (math.md §4, troll/sparse.hpp):
 // sparsify (fp32, fp16, bf16 or double logits; whole rows or vocabulary shards with
-// sparsify_shard / sparsify_merge / sparsify_finalize), align (two sparse rows, or dense new
-// logits with sparse old rows) and align_backward, kl, project and project_backward of aligned
+// sparsify_shard / sparsify_merge / sparsify_finalize / sparsify_tail_sums), align (two sparse
+// rows, or dense new logits with sparse old rows) and align_backward, kl, project and project_backward of aligned
 // rows, and sparsify_backward, under the troll::cuda policy tag with the CPU overloads' argument
 // lists.
 //
@@ -116,15 +116,20 @@ inline void sparsify_merge(cuda_policy policy, sparsify_state* into, const spars
 }
 
 /// Writes the sparse rows of whole-row device states into `out`, as
-/// troll::sparsify_finalize(cpu_policy, ...) (the shared detail::finalize). Row checks as on the
-/// CPU, in its order: the state's k is options.k (invalid_input), out.k_max holds the row
-/// (shape_error), some shard held the sampled token, some logit is finite (domain_error); a
-/// rejected row gets count 0, padding and a NaN log_remainder. `log_sums` (device, rows × 2
-/// doubles, may be null) receives what the CPU overload writes there (NaN on rejected rows).
+/// troll::sparsify_finalize(cpu_policy, ...) (the shared detail::finalize), in the same two
+/// stages: a first call writes `tail_max` (device, rows doubles, may be null), every shard adds up
+/// its tail with sparsify_tail_sums, and a second call given those pairs (`tail_sums`: device,
+/// tail_shards blocks of rows × 2 doubles, any order) writes the canonical values — bit for bit
+/// the rows of troll::sparsify(cuda, ...) on the whole logits, whatever the split. Without
+/// `tail_sums` the values come from the merged states' running sums (within a few ulps). Row
+/// checks as on the CPU, in its order: the state's k is options.k (invalid_input), out.k_max holds
+/// the row (shape_error), some shard held the sampled token, some logit is finite (domain_error);
+/// a rejected row gets count 0, padding and a NaN log_remainder (NaN log_sums and tail_max).
+/// `log_sums` (device, rows × 2 doubles, may be null) receives what the CPU overload writes there.
 template <class T>
 void sparsify_finalize(cuda_policy policy, const sparsify_state* states, const sparsify_options& options,
-                       sparse_batch_view<T> out,
-                       double* log_sums = nullptr) {
+                       sparse_batch_view<T> out, double* log_sums = nullptr, double* tail_max = nullptr,
+                       const double* tail_sums = nullptr, std::size_t tail_shards = 0) {
   const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_finalize";
@@ -135,8 +140,50 @@ void sparsify_finalize(cuda_policy policy, const sparsify_state* states, const s
                            [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
                              const detail::cuda::warp_launch l = detail::cuda::state_launch_for(range.count);
                              detail::cuda::sparsify_finalize_kernel<T><<<l.grid, l.threads, 0, policy.stream>>>(
-                                 states, options.k, log_delta, out, log_sums, range, device);
+                                 states, options.k, log_delta, out, log_sums, tail_max, tail_sums, tail_shards,
+                                 range, device);
                            });
+}
+
+/// One vocabulary shard's share of the canonical tail sums on the device, as
+/// troll::sparsify_tail_sums(cpu_policy, ...) (sparsify_finalize's first stage): sums[2r],
+/// sums[2r + 1] = Σ e^{z_j − tail_max[r]} over the shard's tokens (global ids [vocab_offset,
+/// vocab_offset + cols) of rows of support.vocab tokens) outside row r's support, as an exact_sum
+/// pair, the same terms the whole-row CUDA sparsify adds (each in the logits' comparison
+/// precision). `shard_logits` float, double, __half or __nv_bfloat16; every pointer device
+/// memory. Only the support's indices and counts are read. Host checks as on the CPU; rejected
+/// rows (NaN / +inf shard logits, a NaN or +inf tail_max, bad support indices) get NaN sums, or
+/// throw the CPU's exception in checked mode (three validation passes, in the CPU's order over
+/// all rows). T (the support's element type) is named as for the CPU overload:
+/// troll::sparsify_tail_sums<float>(troll::cuda.on(s), bf16_shard, offset, support, tail_max, sums).
+template <class T, class L>
+void sparsify_tail_sums(cuda_policy policy, batch_view<L> shard_logits, std::size_t vocab_offset,
+                        sparse_input<T> support, const double* tail_max, double* sums) {
+  using logit_type = std::remove_const_t<L>;
+  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
+                "troll::sparsify_tail_sums (CUDA): logits must be float, double, __half or __nv_bfloat16");
+  detail::require_float_type<T>();
+  constexpr const char* fn = "sparsify_tail_sums";
+  const batch_view<const logit_type> in{shard_logits.data, shard_logits.rows, shard_logits.cols, shard_logits.stride};
+  detail::check_sparsify_tail_sums_arguments(fn, in, vocab_offset, support, tail_max, sums);
+  const detail::cuda::sparse_thrower thrower{
+      {"shard_logits", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, "support"}, 0};
+  const int slots = detail::cuda::sort_slots(support.k_max);
+  auto launch = [&](int stage) {
+    return [&, stage](detail::cuda::row_range range, detail::cuda::device_checks device) {
+      detail::cuda::sparsify_tail_sums_kernel<logit_type, T>
+          <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0, policy.stream>>>(
+              in, vocab_offset, support, tail_max, sums, slots, stage, range, device);
+    };
+  };
+  cuda_checks checks = policy.checks;
+  if (checks.checked && in.rows != 0) {
+    static const char* const unused[3] = {"", "", ""};
+    for (int stage = 0; stage < 3; ++stage)
+      detail::cuda::validate_or_throw(fn, policy.stream, in.rows, unused, launch(stage), thrower);
+    checks.checked = false;
+  }
+  detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower, launch(2));
 }
 
 /// Aligns sparse new and old device rows on U = S_new ∪ S_old into `out`, as

@@ -20,38 +20,24 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 
 template <class T>
-void check_gradient_view(const char* function, const char* name, batch_view<T> view, batch_view<const T> like) {
-  if (view.data == nullptr) return;
-  check_view(function, name, view);
-  check_same_shape(function, name, view, "its input", like);
-}
-
-template <class T>
 void project_gaussian_backward(cpu_policy policy, gaussian_call call, batch_view<const T> mean,
                                batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
                                double eps_mean, double eps_cov, batch_view<const T> out_mean,
                                batch_view<const T> out_cov, const gaussian::gaussian_stats* stats,
                                batch_view<const T> grad_out_mean, batch_view<const T> grad_out_cov,
-                               const gaussian::gaussian_grads<T>& grads) {
+                               const gaussian::gaussian_grads<T>& grads,
+                               gaussian::saved_factorisation<const double> saved = {}) {
   require_float_type<T>();
-  call = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov);
+  call = check_derivative_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean,
+                                    grad_out_cov, stats, eps_mean, eps_cov);
   const char* fn = call.function;
-  check_gaussian_arguments(call, mean, cov, old_mean, old_cov, grad_out_mean, grad_out_cov);
-  check_gradient_view(fn, "grads.mean", grads.mean, mean);
-  check_gradient_view(fn, "grads.cov", grads.cov, cov);
-  check_gradient_view(fn, "grads.old_mean", grads.old_mean, old_mean);
-  check_gradient_view(fn, "grads.old_cov", grads.old_cov, old_cov);
-  if (stats == nullptr && mean.rows != 0) throw_shape(fn, "stats is a null pointer");
-  check_eps(fn, eps_mean);
-  if (call.split) check_eps(fn, eps_cov);
+  check_optional_view(fn, "grads.mean", grads.mean, mean);
+  check_optional_view(fn, "grads.cov", grads.cov, cov);
+  check_optional_view(fn, "grads.old_mean", grads.old_mean, old_mean);
+  check_optional_view(fn, "grads.old_cov", grads.old_cov, old_cov);
+  check_saved_factorisation(call, mean.rows, saved);
   validate_gaussian_rows(policy.threads, call, mean, cov, old_mean, old_cov);
-  for (std::size_t r = 0; r < mean.rows; ++r) {
-    if (!stats[r].solved() || !(stats[r].t > 0.0 && stats[r].t <= 1.0))
-      throw domain_error(row_prefix(fn, r) + "forward statistics are unusable: status " +
-                             status_name(stats[r].status) + ", t = " + std::to_string(stats[r].t) +
-                             " (the backward needs a solved row: inactive or projected)",
-                         r);
-  }
+  validate_gaussian_stats(fn, stats, mean.rows, "backward");
   const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;
   auto row = [](batch_view<T> v, std::size_t r) { return v.data == nullptr ? nullptr : v.row(r); };
   cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
@@ -68,7 +54,7 @@ void project_gaussian_backward(cpu_policy policy, gaussian_call call, batch_view
     const double t = stats[r].status == row_status::inactive ? 1.0 : stats[r].t;
     if (call.full) {
       cpu::gaussian_backward_full(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
-                                  eps_mean, t, io);
+                                  eps_mean, t, io, saved.data == nullptr ? nullptr : saved.row(r));
     } else {
       cpu::gaussian_backward_diag(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
                                   eps_mean, t, io);
@@ -84,15 +70,17 @@ namespace gaussian {
 /// gradients ∂L/∂μ* and ∂L/∂L* (lower triangle read), writes ∂L/∂ of every input named in
 /// `grads` (factor gradients lower-triangular) and ∂L/∂ε per row. Rows must be solved (inactive
 /// or projected); a not_converged row throws domain_error naming it, before anything is written.
-/// O(d³) per row.
+/// O(d³) per row; `saved` (optional): the factorisation the forward of these inputs saved
+/// (gaussian_types.hpp), read instead of recomputed.
 template <class T>
 void project_joint_backward(cpu_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
                             input_view<T> old_cov_chol, double eps, input_view<T> out_mean,
                             input_view<T> out_cov_chol, const gaussian_stats* stats, input_view<T> grad_out_mean,
-                            input_view<T> grad_out_cov_chol, const gaussian_grads<T>& grads) {
+                            input_view<T> grad_out_cov_chol, const gaussian_grads<T>& grads,
+                            saved_factorisation<const double> saved = {}) {
   detail::project_gaussian_backward(policy, detail::gaussian_call{"gaussian::project_joint_backward", true, false},
                                     mean, cov_chol, old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol, stats,
-                                    grad_out_mean, grad_out_cov_chol, grads);
+                                    grad_out_mean, grad_out_cov_chol, grads, saved);
 }
 
 /// The VJP of project_split (grads.eps: ∂L/∂ε_Σ, grads.eps_mean: ∂L/∂ε_μ).
@@ -100,10 +88,11 @@ template <class T>
 void project_split_backward(cpu_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
                             input_view<T> old_cov_chol, double eps_mean, double eps_cov, input_view<T> out_mean,
                             input_view<T> out_cov_chol, const gaussian_stats* stats, input_view<T> grad_out_mean,
-                            input_view<T> grad_out_cov_chol, const gaussian_grads<T>& grads) {
+                            input_view<T> grad_out_cov_chol, const gaussian_grads<T>& grads,
+                            saved_factorisation<const double> saved = {}) {
   detail::project_gaussian_backward(policy, detail::gaussian_call{"gaussian::project_split_backward", true, true},
                                     mean, cov_chol, old_mean, old_cov_chol, eps_mean, eps_cov, out_mean, out_cov_chol,
-                                    stats, grad_out_mean, grad_out_cov_chol, grads);
+                                    stats, grad_out_mean, grad_out_cov_chol, grads, saved);
 }
 
 /// The VJP of project_joint_diag (standard deviations; O(d) per row).

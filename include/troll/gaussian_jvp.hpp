@@ -22,39 +22,20 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 
 template <class T>
-void check_tangent_view(const char* function, const char* name, batch_view<const T> view, batch_view<const T> like) {
-  if (view.data == nullptr) return;
-  check_view(function, name, view);
-  check_same_shape(function, name, view, "its input", like);
-}
-
-template <class T>
 void project_gaussian_jvp(cpu_policy policy, gaussian_call call, batch_view<const T> mean, batch_view<const T> cov,
                           batch_view<const T> old_mean, batch_view<const T> old_cov, double eps_mean, double eps_cov,
                           batch_view<const T> out_mean, batch_view<const T> out_cov,
                           const gaussian::gaussian_stats* stats, const gaussian::gaussian_tangents<T>& tangents,
-                          batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov) {
+                          batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov,
+                          gaussian::saved_factorisation<const double> saved = {}) {
   require_float_type<T>();
-  call = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov);
+  call = check_derivative_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
+                                    tangent_out_cov, stats, eps_mean, eps_cov);
   const char* fn = call.function;
-  check_gaussian_arguments(call, mean, cov, old_mean, old_cov, tangent_out_mean, tangent_out_cov);
-  check_tangent_view<T>(fn, "tangents.mean", tangents.mean, mean);
-  check_tangent_view<T>(fn, "tangents.cov", tangents.cov, cov);
-  check_tangent_view<T>(fn, "tangents.old_mean", tangents.old_mean, old_mean);
-  check_tangent_view<T>(fn, "tangents.old_cov", tangents.old_cov, old_cov);
-  if (stats == nullptr && mean.rows != 0) throw_shape(fn, "stats is a null pointer");
-  check_eps(fn, eps_mean);
-  if (call.split) check_eps(fn, eps_cov);
-  if (!(tangents.eps - tangents.eps == 0.0) || !(tangents.eps_mean - tangents.eps_mean == 0.0))
-    throw domain_error(std::string("troll::") + fn + ": a bound tangent is not finite");
+  check_jvp_tangents(fn, tangents, mean, cov, old_mean, old_cov);
+  check_saved_factorisation(call, mean.rows, saved);
   validate_gaussian_rows(policy.threads, call, mean, cov, old_mean, old_cov);
-  for (std::size_t r = 0; r < mean.rows; ++r) {
-    if (!stats[r].solved() || !(stats[r].t > 0.0 && stats[r].t <= 1.0))
-      throw domain_error(row_prefix(fn, r) + "forward statistics are unusable: status " +
-                             status_name(stats[r].status) + ", t = " + std::to_string(stats[r].t) +
-                             " (the JVP needs a solved row: inactive or projected)",
-                         r);
-  }
+  validate_gaussian_stats(fn, stats, mean.rows, "JVP");
   const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;
   auto row = [](batch_view<const T> v, std::size_t r) { return v.data == nullptr ? nullptr : v.row(r); };
   cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
@@ -70,7 +51,7 @@ void project_gaussian_jvp(cpu_policy policy, gaussian_call call, batch_view<cons
     const double t = stats[r].status == row_status::inactive ? 1.0 : stats[r].t;
     if (call.full) {
       cpu::gaussian_jvp_full(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
-                             eps_mean, t, io);
+                             eps_mean, t, io, saved.data == nullptr ? nullptr : saved.row(r));
     } else {
       cpu::gaussian_jvp_diag(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
                              eps_mean, t, io);
@@ -90,10 +71,11 @@ template <class T>
 void project_joint_jvp(cpu_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
                        input_view<T> old_cov_chol, double eps, input_view<T> out_mean, input_view<T> out_cov_chol,
                        const gaussian_stats* stats, const gaussian_tangents<T>& tangents,
-                       batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov_chol) {
+                       batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov_chol,
+                       saved_factorisation<const double> saved = {}) {
   detail::project_gaussian_jvp(policy, detail::gaussian_call{"gaussian::project_joint_jvp", true, false}, mean,
                                cov_chol, old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol, stats, tangents,
-                               tangent_out_mean, tangent_out_cov_chol);
+                               tangent_out_mean, tangent_out_cov_chol, saved);
 }
 
 /// The JVP of project_split (tangents.eps: ε_Σ', tangents.eps_mean: ε_μ').
@@ -101,10 +83,11 @@ template <class T>
 void project_split_jvp(cpu_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
                        input_view<T> old_cov_chol, double eps_mean, double eps_cov, input_view<T> out_mean,
                        input_view<T> out_cov_chol, const gaussian_stats* stats, const gaussian_tangents<T>& tangents,
-                       batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov_chol) {
+                       batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov_chol,
+                       saved_factorisation<const double> saved = {}) {
   detail::project_gaussian_jvp(policy, detail::gaussian_call{"gaussian::project_split_jvp", true, true}, mean,
                                cov_chol, old_mean, old_cov_chol, eps_mean, eps_cov, out_mean, out_cov_chol, stats,
-                               tangents, tangent_out_mean, tangent_out_cov_chol);
+                               tangents, tangent_out_mean, tangent_out_cov_chol, saved);
 }
 
 /// The JVP of project_joint_diag (standard deviations; O(d) per row).

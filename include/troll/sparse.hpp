@@ -6,6 +6,7 @@
 //   sparsify → align → project → (loss) → project_backward → align_backward / sparsify_backward
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -13,6 +14,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "backward.hpp"
 #include "batch.hpp"
@@ -201,30 +203,61 @@ void sparsify(cpu_policy policy, input_view<T> logits, const token_id* sampled,
   constexpr const char* fn = "sparsify";
   detail::check_sparsify_arguments(fn, logits, sampled != nullptr, options, out);
   detail::validate_sampled(fn, sampled, logits.rows, logits.cols);
-  detail::validate_rows(fn, policy.threads, logits, "logits");
   const double log_delta = options.delta > 0.0 ? std::log(options.delta) : detail::neg_inf();
+  // One read of each row: the scan validates what it reads (NaN / +inf, an all −inf row) and the
+  // row is finished — support, canonical tail sum, log-probs — while it is still in cache, into
+  // scratch of k_max entries per row. Only when every row has passed are the rows copied to
+  // `out`; a bad row makes validate_rows name the first one and throw, with `out` untouched.
+  // The scratch (troll::workspace_bytes(policy, op::sparsify{}, rows, V, k_max)): the policy's
+  // workspace, else allocated here. Doubles first (log-probs, remainders: room for T ≤ double),
+  // then the 4-byte indices and counts, then one flag per row.
+  const std::size_t k_max = out.k_max, rows = logits.rows;
+  const detail::host_scratch scratch(fn, policy.workspace, workspace_bytes(policy, op::sparsify{}, rows, logits.cols, k_max));
+  unsigned char* base = scratch.data();
+  T* scratch_log_probs = reinterpret_cast<T*>(base);
+  T* scratch_remainder = reinterpret_cast<T*>(base + rows * k_max * 8);
+  sparse_index* scratch_indices = reinterpret_cast<sparse_index*>(base + rows * k_max * 8 + rows * 8);
+  int* scratch_counts = reinterpret_cast<int*>(base + rows * k_max * 12 + rows * 8);
+  unsigned char* row_bad = base + rows * k_max * 12 + rows * 12;
+  static_assert(sizeof(T) <= 8 && sizeof(sparse_index) == 4 && sizeof(int) == 4, "the scratch layout");
   detail::cpu::parallel_for(policy.threads, logits.rows, 2 * logits.cols, [&](std::size_t r) {
     sparsify_state st;
     const auto vocab = static_cast<sparse_index>(logits.cols);
     detail::reset(st, options.k, sampled ? static_cast<sparse_index>(sampled[r]) : -1, vocab, 0, vocab);
-    detail::cpu::sparsify_scan(logits.row(r), logits.cols, 0, st);
+    detail::cpu::scan_check check;
+    detail::cpu::sparsify_scan(logits.row(r), logits.cols, 0, st, &check);
+    row_bad[r] = check.bad || !check.any_finite;
+    if (row_bad[r]) return;
+    sparse_index* indices = scratch_indices + r * k_max;
+    T* log_probs = scratch_log_probs + r * k_max;
     // The scan picks the support; its values come from the canonical sums (exact_log_sums): the
-    // tail's max from the state, the tail's exact sum from a second pass over the row.
+    // tail's max from the state, the tail's exact sum from a second pass over the row (in cache).
     const sparsify_state scanned = st;
     int count = 0;
     double m_tail = 0.0;
-    detail::finalize(st, log_delta, out.row_indices(r), out.row_log_probs(r), count, out.log_remainder[r],
-                     nullptr, &m_tail);
+    detail::finalize(st, log_delta, indices, log_probs, count, scratch_remainder[r], nullptr, &m_tail);
     detail::index_slot slots[sparsify_max_k + 1];
-    for (int i = 0; i < count; ++i) slots[i] = detail::index_slot{out.row_indices(r)[i], i};
+    for (int i = 0; i < count; ++i) slots[i] = detail::index_slot{indices[i], i};
     detail::sort_by_index(slots, count);
     const detail::exact_sum tail = detail::cpu::tail_exp_sum(logits.row(r), logits.cols, 0, slots, count, m_tail);
     st = scanned;
-    detail::finalize(st, log_delta, out.row_indices(r), out.row_log_probs(r), count, out.log_remainder[r],
-                     nullptr, nullptr, &tail);
+    detail::finalize(st, log_delta, indices, log_probs, count, scratch_remainder[r], nullptr, nullptr, &tail);
+    scratch_counts[r] = count;
+  });
+  for (std::size_t r = 0; r < rows; ++r) {
+    if (row_bad[r]) {
+      detail::validate_rows(fn, 1, logits, "logits");  // throws, naming the first bad row
+      break;
+    }
+  }
+  for (std::size_t r = 0; r < rows; ++r) {
+    const int count = scratch_counts[r];
+    std::copy(scratch_indices + r * k_max, scratch_indices + r * k_max + count, out.row_indices(r));
+    std::copy(scratch_log_probs + r * k_max, scratch_log_probs + r * k_max + count, out.row_log_probs(r));
+    out.log_remainder[r] = scratch_remainder[r];
     out.counts[r] = count;
     detail::pad_row(out.row_indices(r), out.row_log_probs(r), std::size_t(count), out.k_max);
-  });
+  }
 }
 
 /// Vocabulary shards: fills states[r] (rows entries) with the partial sparsify state of the
@@ -363,16 +396,7 @@ void sparsify_tail_sums(cpu_policy policy, input_view<T> shard_logits, std::size
                         sparse_input<T> support, const double* tail_max, double* sums) {
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_tail_sums";
-  detail::check_view(fn, "shard_logits", shard_logits);
-  detail::check_sparse_view(fn, "support", support);
-  detail::check_same_rows(fn, "shard_logits", shard_logits.rows, "support", support.rows);
-  if (shard_logits.rows != 0 && (tail_max == nullptr || sums == nullptr))
-    detail::throw_shape(fn, "tail_max or sums is a null pointer");
-  if (shard_logits.rows != 0 &&
-      (vocab_offset > support.vocab || shard_logits.cols > support.vocab - vocab_offset))
-    detail::throw_shape(fn, "the shard of " + std::to_string(shard_logits.cols) + " tokens at offset " +
-                                std::to_string(vocab_offset) + " does not fit in the vocabulary [0, " +
-                                std::to_string(support.vocab) + ")");
+  detail::check_sparsify_tail_sums_arguments(fn, shard_logits, vocab_offset, support, tail_max, sums);
   const std::size_t bad = detail::cpu::first_bad_row(
       policy.threads, shard_logits.rows, shard_logits.cols, [&](std::size_t r) {
         return bool(detail::cpu::find_bad_value(shard_logits.row(r), shard_logits.cols, "shard_logits"));
@@ -382,7 +406,7 @@ void sparsify_tail_sums(cpu_policy policy, input_view<T> shard_logits, std::size
                           detail::cpu::find_bad_value(shard_logits.row(bad), shard_logits.cols, "shard_logits"));
   for (std::size_t r = 0; r < shard_logits.rows; ++r) {
     if (!(tail_max[r] < detail::inf()))
-      throw domain_error(detail::row_prefix(fn, r) + "tail_max is NaN or +inf (sparsify_finalize's tail_max)", r);
+      detail::throw_bad_tail_max(fn, r);
   }
   detail::first_sparse_problem(fn, policy.threads, shard_logits.rows, 4 * std::size_t(sparse_max_entries),
                                [&](std::size_t r) {

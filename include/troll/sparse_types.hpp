@@ -184,6 +184,22 @@ void check_sparsify_shard_backward_arguments(const char* fn, const batch_view<co
                         std::to_string(support.vocab) + ")");
 }
 
+/// Host checks of sparsify_tail_sums (both backends), in the CPU's order.
+template <class L, class T>
+void check_sparsify_tail_sums_arguments(const char* fn, const batch_view<const L>& shard_logits,
+                                        std::size_t vocab_offset, const sparse_batch_view<const T>& support,
+                                        const double* tail_max, const double* sums) {
+  check_view(fn, "shard_logits", shard_logits);
+  check_sparse_view(fn, "support", support);
+  check_same_rows(fn, "shard_logits", shard_logits.rows, "support", support.rows);
+  if (shard_logits.rows != 0 && (tail_max == nullptr || sums == nullptr))
+    throw_shape(fn, "tail_max or sums is a null pointer");
+  if (shard_logits.rows != 0 && (vocab_offset > support.vocab || shard_logits.cols > support.vocab - vocab_offset))
+    throw_shape(fn, "the shard of " + std::to_string(shard_logits.cols) + " tokens at offset " +
+                        std::to_string(vocab_offset) + " does not fit in the vocabulary [0, " +
+                        std::to_string(support.vocab) + ")");
+}
+
 inline void check_sparse_eps(const char* fn, double eps, const projection_options& opt) {
   if (!(eps > 0.0) || !(eps < inf()))
     throw domain_error(std::string("troll::") + fn + ": the bound eps must be finite and > 0, got " +

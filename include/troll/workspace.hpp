@@ -38,6 +38,7 @@ struct sparsify {};
 struct sparsify_shard {};
 struct sparsify_merge {};
 struct sparsify_finalize {};
+struct sparsify_tail_sums {};
 struct sparsify_backward {};
 struct sparsify_shard_backward {};
 struct align {};
@@ -100,6 +101,8 @@ constexpr std::size_t objective_scratch(const cuda_policy&, const sparse_trust_r
 /// capacity of the sparse rows involved, for the sparse entry points). 0 for every entry point
 /// not listed below:
 ///   cpu  project_backward, project_jvp: rows (one overflow flag per row)
+///   cpu  sparsify: rows · (12 · k_max + 13) (each row finished before any is written: its
+///        indices, log-probs, remainder, count and a flag), k_max = out.k_max
 ///   cuda project_jacobian: rows · 24 (per-row terms)
 template <class Policy, class Op, std::enable_if_t<!detail::is_objective_op<Op>::value, int> = 0>
 constexpr std::size_t workspace_bytes(const Policy&, Op, std::size_t = 0, std::size_t = 0, std::size_t = 0) {
@@ -112,6 +115,10 @@ constexpr std::size_t workspace_bytes(const cpu_policy&, op::project_backward, s
 constexpr std::size_t workspace_bytes(const cpu_policy&, op::project_jvp, std::size_t rows, std::size_t = 0,
                                       std::size_t = 0) {
   return rows;
+}
+constexpr std::size_t workspace_bytes(const cpu_policy&, op::sparsify, std::size_t rows, std::size_t = 0,
+                                      std::size_t k_max = 0) {
+  return rows * (12 * k_max + 13);
 }
 constexpr std::size_t workspace_bytes(const cuda_policy&, op::project_jacobian, std::size_t rows, std::size_t = 0,
                                       std::size_t = 0) {

@@ -1,7 +1,8 @@
 // python/src/cuda_entry.cu — troll._troll_cuda's wrappers over troll's CUDA overloads (nvcc):
 // each forwards to troll::<function>(troll::cuda.on(stream), ...) with the caller's views; the
 // only code of its own packs / unpacks the projection statistics between troll's
-// projection_stats and the module's two packed arrays (a one-thread-per-row copy kernel) and
+// projection_stats and the module's two packed arrays (a one-thread-per-row copy kernel), the
+// shard states between the module's packed bytes and whole structs (strided copies), and
 // allocates the objectives' workspaces (stream-ordered, troll::workspace_bytes bytes).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -113,6 +114,50 @@ __global__ void widen_tokens(const troll::sparse_index* in, std::size_t rows, tr
   if (r < rows) out[r] = in[r];
 }
 
+/// Stream-ordered scratch states (zeroed: the bytes past a packed prefix are never read, but
+/// defined).
+struct state_buffer : stream_buffer<troll::sparsify_state> {
+  state_buffer(std::size_t rows, cudaStream_t s)
+      : stream_buffer<troll::sparsify_state>(rows, s, "cudaMallocAsync (sparsify states)") {
+    if (rows) check(cudaMemsetAsync(data, 0, rows * sizeof(troll::sparsify_state), s), "cudaMemsetAsync (states)");
+  }
+};
+
+/// rows packed states (state_bytes each) to or from whole structs, by one strided copy.
+void copy_states(void* to, std::size_t to_pitch, const void* from, std::size_t from_pitch, std::size_t state_bytes,
+                 std::size_t rows, cudaStream_t s) {
+  if (rows == 0) return;
+  check(cudaMemcpy2DAsync(to, to_pitch, from, from_pitch, state_bytes, rows, cudaMemcpyDeviceToDevice, s),
+        "cudaMemcpy2DAsync (sparsify states)");
+}
+
+/// The int32 sampled ids as troll::token_id (stream-ordered), or none.
+struct sampled_ids : token_buffer {
+  sampled_ids(const troll::sparse_index* sampled, std::size_t rows, cudaStream_t s)
+      : token_buffer(sampled != nullptr ? rows : 0, s) {
+    if (sampled != nullptr && rows) {
+      widen_tokens<<<blocks_for(rows), 256, 0, s>>>(sampled, rows, data);
+      check(cudaGetLastError(), "widen_tokens launch");
+    }
+  }
+};
+
+/// Calls run(L{}) with the logits' element type.
+template <class Run>
+void with_logit_type(const any_logits& logits, Run&& run) {
+  switch (logits.kind) {
+    case logit_kind::f16: return run(__half{});
+    case logit_kind::bf16: return run(__nv_bfloat16{});
+    case logit_kind::f32: return run(float{});
+    case logit_kind::f64: return run(double{});
+  }
+}
+
+template <class L>
+troll::batch_view<const L> batch_of(const any_logits& logits) {
+  return {static_cast<const L*>(logits.data), logits.rows, logits.cols, logits.stride};
+}
+
 }  // namespace
 
 int device_count() {
@@ -175,22 +220,11 @@ void sparsify(void* stream, const any_logits& logits, const troll::sparse_index*
               const troll::sparsify_options& options, troll::sparse_batch_view<T> out, bool checked) {
   const troll::cuda_policy policy = policy_for(stream, checked);
   // troll's token ids are troll::token_id (int64); the module's sampled tokens are int32.
-  token_buffer ids(sampled != nullptr ? logits.rows : 0, policy.stream);
-  if (sampled != nullptr && logits.rows) {
-    widen_tokens<<<blocks_for(logits.rows), 256, 0, policy.stream>>>(sampled, logits.rows, ids.data);
-    check(cudaGetLastError(), "widen_tokens launch");
-  }
-  auto run = [&](auto tag) {
+  const sampled_ids ids(sampled, logits.rows, policy.stream);
+  with_logit_type(logits, [&](auto tag) {
     using L = decltype(tag);
-    const troll::batch_view<const L> x{static_cast<const L*>(logits.data), logits.rows, logits.cols, logits.stride};
-    troll::sparsify(policy, x, sampled != nullptr ? ids.data : nullptr, options, out);
-  };
-  switch (logits.kind) {
-    case logit_kind::f16: return run(__half{});
-    case logit_kind::bf16: return run(__nv_bfloat16{});
-    case logit_kind::f32: return run(float{});
-    case logit_kind::f64: return run(double{});
-  }
+    troll::sparsify(policy, batch_of<L>(logits), sampled != nullptr ? ids.data : nullptr, options, out);
+  });
 }
 
 template <class T>
@@ -326,6 +360,58 @@ void sparse_trust_region_backward(void* stream, const troll::sparse_trust_region
                             stats.data, grad_new, grad_loss);
 }
 
+// ---- Vocabulary shards ----
+
+void sparsify_shard(void* stream, const any_logits& shard_logits, std::size_t vocab_offset, std::size_t vocab,
+                    const troll::sparse_index* sampled, const troll::sparsify_options& options, std::uint8_t* states,
+                    std::size_t state_bytes, bool checked) {
+  const troll::cuda_policy policy = policy_for(stream, checked);
+  const std::size_t rows = shard_logits.rows;
+  const sampled_ids ids(sampled, rows, policy.stream);
+  state_buffer full(rows, policy.stream);
+  with_logit_type(shard_logits, [&](auto tag) {
+    using L = decltype(tag);
+    troll::sparsify_shard(policy, batch_of<L>(shard_logits), vocab_offset, vocab, sampled ? ids.data : nullptr,
+                          options, full.data);
+  });
+  copy_states(states, state_bytes, full.data, sizeof(troll::sparsify_state), state_bytes, rows, policy.stream);
+}
+
+template <class T>
+void sparsify_finalize(void* stream, const std::uint8_t* states, std::size_t shards, std::size_t rows,
+                       std::size_t state_bytes, const troll::sparsify_options& options,
+                       troll::sparse_batch_view<T> out, double* log_sums, double* tail_max, const double* tail_sums,
+                       std::size_t tail_shards, bool checked) {
+  const troll::cuda_policy policy = policy_for(stream, checked);
+  state_buffer merged(rows, policy.stream), next(shards > 1 ? rows : 0, policy.stream);
+  constexpr std::size_t pitch = sizeof(troll::sparsify_state);
+  copy_states(merged.data, pitch, states, state_bytes, state_bytes, rows, policy.stream);
+  for (std::size_t s = 1; s < shards; ++s) {
+    copy_states(next.data, pitch, states + s * rows * state_bytes, state_bytes, state_bytes, rows, policy.stream);
+    troll::sparsify_merge(policy, merged.data, next.data, rows);
+  }
+  troll::sparsify_finalize(policy, merged.data, options, out, log_sums, tail_max, tail_sums, tail_shards);
+}
+
+template <class T>
+void sparsify_tail_sums(void* stream, const any_logits& shard_logits, std::size_t vocab_offset,
+                        troll::sparse_batch_view<const T> support, const double* tail_max, double* sums,
+                        bool checked) {
+  const troll::cuda_policy policy = policy_for(stream, checked);
+  with_logit_type(shard_logits, [&](auto tag) {
+    using L = decltype(tag);
+    troll::sparsify_tail_sums<T>(policy, batch_of<L>(shard_logits), vocab_offset, support, tail_max, sums);
+  });
+}
+
+template <class T>
+void sparsify_shard_backward(void* stream, troll::batch_view<const T> shard_logits, std::size_t vocab_offset,
+                             troll::sparse_batch_view<const T> support, troll::sparse_grad_view<const T> grad,
+                             const double* log_sums, troll::batch_view<T> grad_shard, bool checked) {
+  troll::sparsify_shard_backward(policy_for(stream, checked), shard_logits, vocab_offset, support, grad, log_sums,
+                                 grad_shard);
+}
+
 #define TROLL_PY_INSTANTIATE(T)                                                                                     \
   template void log_softmax<T>(void*, troll::batch_view<const T>, troll::batch_view<T>, bool);                     \
   template void kl<T>(void*, troll::batch_view<const T>, troll::batch_view<const T>, T*, bool);                     \
@@ -341,6 +427,14 @@ void sparse_trust_region_backward(void* stream, const troll::sparse_trust_region
                             troll::sparse_batch_view<T>, bool);                                                \
   template void sparsify_backward<T>(void*, troll::batch_view<const T>, troll::sparse_batch_view<const T>,        \
                                      troll::sparse_grad_view<const T>, troll::batch_view<T>, bool);                \
+  template void sparsify_finalize<T>(void*, const std::uint8_t*, std::size_t, std::size_t, std::size_t,           \
+                                     const troll::sparsify_options&, troll::sparse_batch_view<T>, double*, double*, \
+                                     const double*, std::size_t, bool);                                            \
+  template void sparsify_tail_sums<T>(void*, const any_logits&, std::size_t, troll::sparse_batch_view<const T>,    \
+                                      const double*, double*, bool);                                               \
+  template void sparsify_shard_backward<T>(void*, troll::batch_view<const T>, std::size_t,                         \
+                                           troll::sparse_batch_view<const T>, troll::sparse_grad_view<const T>,    \
+                                           const double*, troll::batch_view<T>, bool);                             \
   template void align<T>(void*, troll::batch_view<const T>, troll::sparse_batch_view<const T>,                    \
                          troll::sparse_batch_view<const T>, troll::aligned_batch_view<T>, bool);                   \
   template void kl_sparse<T>(void*, troll::aligned_batch_view<const T>, T*, bool);                                 \

@@ -91,6 +91,34 @@ void project_sparse_backward(void* stream, troll::aligned_batch_view<const T> ro
                              troll::sparse_grad_view<T> grad_new, troll::sparse_grad_view<T> grad_old, T* grad_eps,
                              bool checked);
 
+// ---- Vocabulary shards (troll::sparsify_shard / merge / finalize / tail sums / shard backward) ----
+// States are packed as troll._troll packs them (shard_args.hpp: `state_bytes` bytes a row, the
+// struct's prefix) in device memory; the wrappers unpack them into stream-ordered scratch
+// states (rows · sizeof(troll::sparsify_state) bytes, two sets for finalize) and back.
+
+/// `sampled` (int32 global ids, may be null) as in sparsify; states: rows × state_bytes.
+void sparsify_shard(void* stream, const any_logits& shard_logits, std::size_t vocab_offset, std::size_t vocab,
+                    const troll::sparse_index* sampled, const troll::sparsify_options& options, std::uint8_t* states,
+                    std::size_t state_bytes, bool checked);
+
+/// Merges stacked packed states (shard s of row r at states + (s · rows + r) · state_bytes) in
+/// shard order on the device, then troll::sparsify_finalize (two stages as on the CPU).
+template <class T>
+void sparsify_finalize(void* stream, const std::uint8_t* states, std::size_t shards, std::size_t rows,
+                       std::size_t state_bytes, const troll::sparsify_options& options,
+                       troll::sparse_batch_view<T> out, double* log_sums, double* tail_max, const double* tail_sums,
+                       std::size_t tail_shards, bool checked);
+
+/// One shard's exact tail sums (T: the support's element type; the logits any of sparsify's).
+template <class T>
+void sparsify_tail_sums(void* stream, const any_logits& shard_logits, std::size_t vocab_offset,
+                        troll::sparse_batch_view<const T> support, const double* tail_max, double* sums, bool checked);
+
+template <class T>
+void sparsify_shard_backward(void* stream, troll::batch_view<const T> shard_logits, std::size_t vocab_offset,
+                             troll::sparse_batch_view<const T> support, troll::sparse_grad_view<const T> grad,
+                             const double* log_sums, troll::batch_view<T> grad_shard, bool checked);
+
 // ---- The objectives (troll/cuda_objectives.cuh, troll/cuda_sparse_objectives.cuh) ----
 // Every pointer of `batch` is device memory; `metrics` is one device objective_metrics (the
 // module passes a float64 array of 13 entries: loss first). The workspace is a stream-ordered

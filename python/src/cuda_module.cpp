@@ -18,6 +18,7 @@
 #include "dense_args.hpp"
 #include "errors.hpp"
 #include "objective_args.hpp"
+#include "shard_args.hpp"
 #include "sparse_views.hpp"
 #include "views.hpp"
 
@@ -116,7 +117,7 @@ void project_backward(const in_array& new_logits, const in_array& old_logits, co
 }
 
 /// The logits' element type for the CUDA sparsify: float16 and bfloat16 too.
-cuda_entry::logit_kind logit_kind_of(const char* fn, const in_array& a) {
+cuda_entry::logit_kind logit_kind_of(const char* fn, const char* name, const in_array& a) {
   const nb::dlpack::dtype d = a.dtype();
   if (d == nb::dtype<float>()) return cuda_entry::logit_kind::f32;
   if (d == nb::dtype<double>()) return cuda_entry::logit_kind::f64;
@@ -124,39 +125,38 @@ cuda_entry::logit_kind logit_kind_of(const char* fn, const in_array& a) {
     return cuda_entry::logit_kind::f16;
   if (d.bits == 16 && d.lanes == 1 && d.code == std::uint8_t(nb::dlpack::dtype_code::Bfloat))
     return cuda_entry::logit_kind::bf16;
-  throw nb::type_error((std::string("troll.") + fn + ": logits have dtype " + dtype_text(a) +
+  throw nb::type_error((std::string("troll.") + fn + ": " + name + " have dtype " + dtype_text(a) +
                         "; the CUDA sparsify reads float16, bfloat16, float32 and float64")
                            .c_str());
 }
 
-void sparsify(const in_array& logits, const std::optional<in_array>& sampled, int k, double delta, nb::handle out,
-              std::uintptr_t stream, bool checked) {
-  constexpr const char* fn = "sparsify";
-  const cuda_entry::logit_kind kind = logit_kind_of(fn, logits);
-  // The views' checks in the logits' element size (the batch layout is all they read).
+/// Logits of any element type sparsify reads, with the views' checks in their element size (the
+/// batch layout is all they read).
+cuda_entry::any_logits any_logits_of(const char* fn, const char* name, const in_array& logits) {
   cuda_entry::any_logits x;
-  x.kind = kind;
-  auto layout = [&](auto tag) {
-    using L = decltype(tag);
-    const auto v = as_batch<const L>(fn, "logits", logits);
+  x.kind = logit_kind_of(fn, name, logits);
+  auto layout = [&](const auto& v) {
     x.data = v.data;
     x.rows = v.rows;
     x.cols = v.cols;
     x.stride = v.stride;
   };
-  if (kind == cuda_entry::logit_kind::f64) {
-    layout(double{});
-  } else if (kind == cuda_entry::logit_kind::f32) {
-    layout(float{});
+  if (x.kind == cuda_entry::logit_kind::f64) {
+    layout(as_batch<const double>(fn, name, logits));
+  } else if (x.kind == cuda_entry::logit_kind::f32) {
+    layout(as_batch<const float>(fn, name, logits));
   } else {
     // 16-bit logits: the same device and layout rules (the dtype was checked above).
-    if (logits.device_type() != module_device) fail(fn, std::string("logits ") + module_device_text);
-    const auto v = as_layout<const std::uint16_t>(fn, "logits", logits);
-    x.data = v.data;
-    x.rows = v.rows;
-    x.cols = v.cols;
-    x.stride = v.stride;
+    if (logits.device_type() != module_device) fail(fn, std::string(name) + " " + module_device_text);
+    layout(as_layout<const std::uint16_t>(fn, name, logits));
   }
+  return x;
+}
+
+void sparsify(const in_array& logits, const std::optional<in_array>& sampled, int k, double delta, nb::handle out,
+              std::uintptr_t stream, bool checked) {
+  constexpr const char* fn = "sparsify";
+  const cuda_entry::any_logits x = any_logits_of(fn, "logits", logits);
   const nb::tuple t = as_tuple(fn, "out", out, 5);
   const out_array probe = item<out_array>(fn, "out", t, 1);
   dispatch_float(fn, "out.log_probs", probe, [&](auto tag) {
@@ -171,6 +171,78 @@ void sparsify(const in_array& logits, const std::optional<in_array>& sampled, in
     options.delta = delta;
     nb::gil_scoped_release release;
     cuda_entry::sparsify<T>(as_stream(stream), x, s, options, o.view, checked);
+  });
+}
+
+// ---- Vocabulary shards: the packed states and arguments of troll._troll's (shard_args.hpp) ----
+
+void sparsify_shard(const in_array& shard_logits, std::size_t vocab_offset, std::size_t vocab,
+                    const std::optional<in_array>& sampled, int k, double delta, const out_array& states,
+                    std::uintptr_t stream, bool checked) {
+  constexpr const char* fn = "sparsify_shard";
+  const std::size_t bytes = packed_state_bytes(k);
+  const cuda_entry::any_logits x = any_logits_of(fn, "shard_logits", shard_logits);
+  const sparse_index* s = sampled ? as_rows<const sparse_index>(fn, "sampled", *sampled, x.rows) : nullptr;
+  std::uint8_t* out = shard_states_out(fn, states, x.rows, k);
+  use_device_of(fn, shard_logits, states);
+  if (sampled) use_device_of(fn, shard_logits, *sampled);
+  troll::sparsify_options options;
+  options.k = k;
+  options.delta = delta;
+  nb::gil_scoped_release release;
+  cuda_entry::sparsify_shard(as_stream(stream), x, vocab_offset, vocab, s, options, out, bytes, checked);
+}
+
+void sparsify_finalize(const in_array& states, int k, double delta, nb::handle out,
+                       const std::optional<out_array>& log_sums, const std::optional<out_array>& tail_max,
+                       const std::optional<in_array>& tail_sums, std::uintptr_t stream, bool checked) {
+  constexpr const char* fn = "sparsify_finalize";
+  const stacked_states all(fn, states, k);
+  const nb::tuple t = as_tuple(fn, "out", out, 5);
+  const out_array probe = item<out_array>(fn, "out", t, 1);
+  dispatch_float(fn, "out.log_probs", probe, [&](auto tag) {
+    using T = decltype(tag);
+    const finalize_args<T> a(fn, out, all.rows, log_sums, tail_max, tail_sums);
+    use_device_of(fn, states, a.out.indices, a.out.log_probs);
+    if (log_sums) use_device_of(fn, states, *log_sums);
+    if (tail_max) use_device_of(fn, states, *tail_max);
+    if (tail_sums) use_device_of(fn, states, *tail_sums);
+    troll::sparsify_options options;
+    options.k = k;
+    options.delta = delta;
+    nb::gil_scoped_release release;
+    cuda_entry::sparsify_finalize<T>(as_stream(stream), all.data, all.shards, all.rows, all.bytes, options,
+                                     a.out.view, a.log_sums, a.tail_max, a.tail_sums, a.tail_shards, checked);
+  });
+}
+
+void sparsify_tail_sums(const in_array& shard_logits, std::size_t vocab_offset, nb::handle support,
+                        const in_array& tail_max, const out_array& sums, std::uintptr_t stream, bool checked) {
+  constexpr const char* fn = "sparsify_tail_sums";
+  const cuda_entry::any_logits x = any_logits_of(fn, "shard_logits", shard_logits);
+  const nb::tuple t = as_tuple(fn, "support", support, 5);
+  const in_array probe = item<in_array>(fn, "support", t, 1);
+  dispatch_float(fn, "support.log_probs", probe, [&](auto tag) {
+    using T = decltype(tag);
+    const tail_sums_args<T> a(fn, x.rows, support, tail_max, sums);
+    use_device_of(fn, shard_logits, a.support.indices, tail_max, sums);
+    nb::gil_scoped_release release;
+    cuda_entry::sparsify_tail_sums<T>(as_stream(stream), x, vocab_offset, a.support.view, a.tail_max, a.sums,
+                                      checked);
+  });
+}
+
+void sparsify_shard_backward(const in_array& shard_logits, std::size_t vocab_offset, nb::handle support,
+                             nb::handle grad, const in_array& log_sums, const out_array& grad_shard,
+                             std::uintptr_t stream, bool checked) {
+  constexpr const char* fn = "sparsify_shard_backward";
+  dispatch_float(fn, "shard_logits", shard_logits, [&](auto tag) {
+    using T = decltype(tag);
+    const shard_backward_args<T> a(fn, shard_logits, support, grad, log_sums, grad_shard);
+    use_device_of(fn, shard_logits, grad_shard, a.support.indices, a.grad.log_probs, log_sums);
+    nb::gil_scoped_release release;
+    cuda_entry::sparsify_shard_backward<T>(as_stream(stream), a.logits, vocab_offset, a.support.view, a.grad.view,
+                                           a.log_sums, a.grad_shard, checked);
   });
 }
 
@@ -453,6 +525,22 @@ NB_MODULE(_troll_cuda, m) {
         "The projection's vector-Jacobian product on the device, enqueued on `stream`.");
   m.def("sparsify", &troll_py::sparsify, "logits"_a, "sampled"_a.none(), "k"_a, "delta"_a, "out"_a, "stream"_a = 0,
         "checked"_a = true, "Top-k + remainder rows of device logits (float16 / bfloat16 / float32 / float64).");
+  m.def("sparsify_state_bytes", &troll_py::packed_state_bytes, "k"_a,
+        "Bytes of one packed sparsify state (one row of one vocabulary shard) for top-k.");
+  m.def("sparsify_shard", &troll_py::sparsify_shard, "shard_logits"_a, "vocab_offset"_a, "vocab"_a,
+        "sampled"_a.none(), "k"_a, "delta"_a, "states"_a, "stream"_a = 0, "checked"_a = true,
+        "Packed sparsify states (rows x sparsify_state_bytes(k) uint8, device) of one vocabulary shard.");
+  m.def("sparsify_finalize", &troll_py::sparsify_finalize, "states"_a, "k"_a, "delta"_a, "out"_a,
+        "log_sums"_a.none(), "tail_max"_a.none() = nb::none(), "tail_sums"_a.none() = nb::none(), "stream"_a = 0,
+        "checked"_a = true,
+        "Merges packed device states (shards, ..., bytes) in shard order and writes the sparse rows; given "
+        "the shards' tail_sums (shards, ..., 2), the exact values (bit for bit the whole-row sparsify).");
+  m.def("sparsify_tail_sums", &troll_py::sparsify_tail_sums, "shard_logits"_a, "vocab_offset"_a, "support"_a,
+        "tail_max"_a, "sums"_a, "stream"_a = 0, "checked"_a = true,
+        "One shard's exact sum (hi, lo) of exp(z - tail_max) over its tokens outside each row's support.");
+  m.def("sparsify_shard_backward", &troll_py::sparsify_shard_backward, "shard_logits"_a, "vocab_offset"_a,
+        "support"_a, "grad"_a, "log_sums"_a, "grad_shard"_a, "stream"_a = 0, "checked"_a = true,
+        "The gradient w.r.t. one vocabulary shard's device logits of a loss on sparse rows from all shards.");
   m.def("sparsify_backward", &troll_py::sparsify_backward, "logits"_a, "support"_a, "grad"_a, "grad_logits"_a,
         "stream"_a = 0, "checked"_a = true, "Scatters a gradient on sparse rows back to the dense device logits.");
   m.def("align", &troll_py::align, "new_logits"_a, "new_support"_a.none(), "old"_a, "out"_a, "stream"_a = 0,

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "shard_args.hpp"
 #include "sparse_views.hpp"
 
 namespace troll_py {
@@ -144,22 +145,8 @@ void project_aligned_backward(nb::handle rows, nb::handle log_probs, const in_ar
   });
 }
 
-// ---- Vocabulary shards (troll::sparsify_shard / merge / finalize / sparsify_shard_backward) ----
-//
-// A sparsify_state travels between processes as `packed_state_bytes(k)` bytes: the state's fields
-// before its heap, then its first k heap entries (a state holds at most k; the spare slot is
-// finalize's). Packing is a byte copy of the trivially copyable struct; sparsify_merge and
-// sparsify_finalize validate every field of what they unpack, so a torn or foreign buffer is a
-// typed error, never an out-of-bounds read.
-
-constexpr std::size_t state_header = offsetof(troll::sparsify_state, heap);
-
-std::size_t packed_state_bytes(int k) {
-  if (k < 1 || k > troll::sparsify_max_k)
-    throw troll::domain_error("troll.sparsify_state_bytes: k must be in [1, " +
-                              std::to_string(troll::sparsify_max_k) + "], got " + std::to_string(k));
-  return state_header + sizeof(troll::detail::sparse_candidate) * std::size_t(k);
-}
+// ---- Vocabulary shards (troll::sparsify_shard / merge / finalize / tail sums / shard backward) ----
+// Packed states and the argument checks: shard_args.hpp (shared with the CUDA module).
 
 void pack_state(const troll::sparsify_state& st, std::uint8_t* to, std::size_t bytes) {
   std::memcpy(to, &st, bytes);
@@ -179,17 +166,14 @@ void sparsify_shard(const in_array& shard_logits, std::size_t vocab_offset, std:
     const auto x = as_batch<const T>(fn, "shard_logits", shard_logits);
     const std::vector<troll::token_id> ids = sampled_ids(fn, sampled, x.rows);
     const troll::token_id* s = sampled ? ids.data() : nullptr;
-    const auto out = as_packed<std::uint8_t>(fn, "states", states);
-    if (out.rows != x.rows || out.cols != bytes)
-      fail(fn, "states has shape " + shape_text(states) + " but needs " + std::to_string(x.rows) + " rows of " +
-                   std::to_string(bytes) + " bytes");
+    std::uint8_t* out = shard_states_out(fn, states, x.rows, k);
     troll::sparsify_options options;
     options.k = k;
     options.delta = delta;
     nb::gil_scoped_release release;
     std::vector<troll::sparsify_state> st(x.rows);
     troll::sparsify_shard(policy(threads), x, vocab_offset, vocab, s, options, st.data());
-    for (std::size_t r = 0; r < x.rows; ++r) pack_state(st[r], out.data + r * bytes, bytes);
+    for (std::size_t r = 0; r < x.rows; ++r) pack_state(st[r], out + r * bytes, bytes);
   });
 }
 
@@ -197,49 +181,25 @@ void sparsify_finalize(const in_array& states, int k, double delta, nb::handle o
                        const std::optional<out_array>& log_sums, const std::optional<out_array>& tail_max,
                        const std::optional<in_array>& tail_sums, unsigned threads) {
   constexpr const char* fn = "sparsify_finalize";
-  const std::size_t bytes = packed_state_bytes(k);
-  if (states.ndim() < 2) fail(fn, "states must have shape (shards, ..., bytes)");
-  const auto all = as_packed<const std::uint8_t>(fn, "states", states);
-  const std::size_t shards = states.shape(0);
-  if (all.cols != bytes || shards == 0 || all.rows % shards != 0)
-    fail(fn, "states has shape " + shape_text(states) + ": (shards >= 1, ..., " + std::to_string(bytes) +
-                 " bytes) is needed for k = " + std::to_string(k));
-  const std::size_t rows = all.rows / shards;
+  const stacked_states all(fn, states, k);
   const nb::tuple t = as_tuple(fn, "out", out, 5);
   const out_array probe = item<out_array>(fn, "out", t, 1);
   dispatch_float(fn, "out.log_probs", probe, [&](auto tag) {
     using T = decltype(tag);
-    const sparse_rows<T> o(fn, "out", out);
-    if (o.view.rows != rows)
-      fail(fn, "out has " + std::to_string(o.view.rows) + " rows but states hold " + std::to_string(rows));
-    double* sums = nullptr;
-    if (log_sums) {
-      const auto ls = as_packed<double>(fn, "log_sums", *log_sums);
-      if (ls.rows != rows || ls.cols != 2) fail(fn, "log_sums must have shape (..., 2), one pair a row");
-      sums = ls.data;
-    }
-    double* tmax = tail_max ? as_rows<double>(fn, "tail_max", *tail_max, rows) : nullptr;
-    const double* tsums = nullptr;
-    std::size_t tail_shards = 0;
-    if (tail_sums) {
-      const auto ts = as_packed<const double>(fn, "tail_sums", *tail_sums);
-      if (tail_sums->ndim() < 2 || ts.cols != 2 || ts.rows % (rows == 0 ? 1 : rows) != 0 ||
-          (rows != 0 && ts.rows / rows == 0))
-        fail(fn, "tail_sums has shape " + shape_text(*tail_sums) + ": (shards >= 1, ..., 2) is needed");
-      tsums = ts.data;
-      tail_shards = rows == 0 ? 0 : ts.rows / rows;
-    }
+    const finalize_args<T> a(fn, out, all.rows, log_sums, tail_max, tail_sums);
     troll::sparsify_options options;
     options.k = k;
     options.delta = delta;
     nb::gil_scoped_release release;
+    const std::size_t rows = all.rows, bytes = all.bytes;
     std::vector<troll::sparsify_state> merged(rows), next(rows);
     for (std::size_t r = 0; r < rows; ++r) unpack_state(all.data + r * bytes, bytes, merged[r]);
-    for (std::size_t s = 1; s < shards; ++s) {
+    for (std::size_t s = 1; s < all.shards; ++s) {
       for (std::size_t r = 0; r < rows; ++r) unpack_state(all.data + (s * rows + r) * bytes, bytes, next[r]);
       troll::sparsify_merge(policy(threads), merged.data(), next.data(), rows);
     }
-    troll::sparsify_finalize(policy(threads), merged.data(), options, o.view, sums, tmax, tsums, tail_shards);
+    troll::sparsify_finalize(policy(threads), merged.data(), options, a.out.view, a.log_sums, a.tail_max,
+                             a.tail_sums, a.tail_shards);
   });
 }
 
@@ -249,12 +209,9 @@ void sparsify_tail_sums(const in_array& shard_logits, std::size_t vocab_offset, 
   dispatch_float(fn, "shard_logits", shard_logits, [&](auto tag) {
     using T = decltype(tag);
     const auto x = as_batch<const T>(fn, "shard_logits", shard_logits);
-    const sparse_rows<const T> s(fn, "support", support);
-    const double* tm = as_rows<const double>(fn, "tail_max", tail_max, x.rows);
-    const auto o = as_packed<double>(fn, "sums", sums);
-    if (o.rows != x.rows || o.cols != 2) fail(fn, "sums must have shape (..., 2), one pair a row");
+    const tail_sums_args<T> a(fn, x.rows, support, tail_max, sums);
     nb::gil_scoped_release release;
-    troll::sparsify_tail_sums<T>(policy(threads), x, vocab_offset, s.view, tm, o.data);
+    troll::sparsify_tail_sums<T>(policy(threads), x, vocab_offset, a.support.view, a.tail_max, a.sums);
   });
 }
 
@@ -264,16 +221,10 @@ void sparsify_shard_backward(const in_array& shard_logits, std::size_t vocab_off
   constexpr const char* fn = "sparsify_shard_backward";
   dispatch_float(fn, "shard_logits", shard_logits, [&](auto tag) {
     using T = decltype(tag);
-    require_same_shape(fn, "grad_shard", grad_shard, "shard_logits", shard_logits);
-    const auto x = as_batch<const T>(fn, "shard_logits", shard_logits);
-    const auto gx = as_batch<T>(fn, "grad_shard", grad_shard);
-    require_disjoint(fn, "grad_shard", gx, "shard_logits", x);
-    const sparse_rows<const T> s(fn, "support", support);
-    const sparse_grad<const T> g(fn, "grad", grad);
-    const auto ls = as_packed<const double>(fn, "log_sums", log_sums);
-    if (ls.rows != x.rows || ls.cols != 2) fail(fn, "log_sums must have shape (..., 2), one pair a row");
+    const shard_backward_args<T> a(fn, shard_logits, support, grad, log_sums, grad_shard);
     nb::gil_scoped_release release;
-    troll::sparsify_shard_backward(policy(threads), x, vocab_offset, s.view, g.view, ls.data, gx);
+    troll::sparsify_shard_backward(policy(threads), a.logits, vocab_offset, a.support.view, a.grad.view, a.log_sums,
+                                   a.grad_shard);
   });
 }
 

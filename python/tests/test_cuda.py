@@ -322,7 +322,8 @@ def test_the_cuda_extension_binds_the_whole_array_api():
     for name in ("kl_backward", "sparsify_backward", "align", "kl_sparse", "project_sparse",
                  "project_sparse_backward", "trust_region_forward", "trust_region_backward",
                  "sparse_trust_region_forward", "sparse_trust_region_backward", "ppo_clip_forward",
-                 "ppo_clip_backward", "dppo_forward", "dppo_backward"):
+                 "ppo_clip_backward", "dppo_forward", "dppo_backward", "sparsify_shard", "sparsify_finalize",
+                 "sparsify_tail_sums", "sparsify_shard_backward"):
         assert callable(getattr(cuda, name)), name
     assert cuda.METRICS_ENTRIES == len(_core.METRIC_FIELDS)
 
@@ -370,3 +371,99 @@ def test_cuda_sparsify_values_are_canonical(dtype):
         print(f"cuda sparsify vs cpu ({dtype}): log_probs max {lp.max().item()} ulps, "
               f"log_remainder max {lr.max().item()} ulps, exact {(lp == 0).float().mean().item():.4f}")
     assert lp.max() <= 1 and lr.max() <= 1
+
+
+# ---- Vocabulary shards on the device: the two-stage finalize, bit for bit the CUDA sparsify ----
+
+
+def _device_shards(d, cuts, sampled, k, delta):
+    """troll's two-stage sharded sparsify of device logits ``d`` cut at ``cuts`` (all on the GPU)."""
+    vocab = d.shape[-1]
+    shards = [d[:, a:b] for a, b in zip(cuts[:-1], cuts[1:])]  # strided views: no copy
+    states = torch.stack([troll.sparsify_shard(z, a, vocab, k, delta, sampled) for z, a in zip(shards, cuts)])
+    assert states.is_cuda
+    dtype = "float32" if d.dtype in (torch.float16, torch.bfloat16) else str(d.dtype).replace("torch.", "")
+    rows, _, tail_max = troll.sparsify_finalize(states, vocab, k, delta, sampled=True, dtype=dtype,
+                                                return_tail_max=True)
+    sums = torch.stack([troll.sparsify_tail_sums(z, a, rows, tail_max) for z, a in zip(shards, cuts)])
+    return states, sums, troll.sparsify_finalize(states, vocab, k, delta, sampled=True, dtype=dtype, tail_sums=sums)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_cuda_shards_equal_the_cuda_sparsify_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(41)
+    rows, vocab, k, delta = 5, 30_000, 32, 1e-3
+    logits = (torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 3).to(dtype)
+    logits[1, ::11] = float("-inf")
+    sampled = torch.randint(0, vocab, (rows,), generator=g, dtype=torch.int32)
+    d, ds = logits.cuda(), sampled.cuda()
+    whole = troll.sparsify(d, k, delta, ds)
+    for cuts in ([0, vocab], [0, 12_345, vocab], [0, 7, 9_000, 9_001, 21_000, vocab]):
+        states, sums, (rows_, log_sums) = _device_shards(d, cuts, ds, k, delta)
+        assert sums.is_cuda and log_sums.is_cuda and rows_.log_probs.is_cuda
+        for a, b in zip(rows_[:4], whole[:4]):
+            assert torch.equal(a.cpu(), b.cpu()), cuts
+        if dtype != torch.bfloat16:  # device states merge with the host's: the packed bytes are the same
+            host_states = torch.stack([troll.sparsify_shard(logits[:, a:b].contiguous(), a, vocab, k, delta, sampled)
+                                       for a, b in zip(cuts[:-1], cuts[1:])])
+            mixed = troll.sparsify_finalize(host_states.cuda(), vocab, k, delta, sampled=True,
+                                            dtype=str(dtype).replace("torch.", ""), tail_sums=sums)
+            for a, b in zip(mixed[0][:4], whole[:4]):
+                assert torch.equal(a.cpu(), b.cpu())
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_shard_backward_equals_the_cuda_sparsify_backward(dtype):
+    g = torch.Generator().manual_seed(42)
+    rows, vocab, k, delta = 4, 5_000, 16, 1e-4
+    logits = (torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 2).to(dtype).cuda()
+    sampled = torch.randint(0, vocab, (rows,), generator=g, dtype=torch.int32).cuda()
+    cuts = [0, 1_700, vocab]
+    _, _, (sparse, log_sums) = _device_shards(logits, cuts, sampled, k, delta)
+    grad = (torch.randn(sparse.log_probs.shape, generator=g, dtype=torch.float64).to(dtype).cuda(),
+            torch.randn(rows, generator=g, dtype=torch.float64).to(dtype).cuda())
+    whole = troll.sparsify_backward(logits, sparse, grad)
+    parts = torch.cat([troll.sparsify_shard_backward(logits[:, a:b], a, sparse, grad, log_sums)
+                       for a, b in zip(cuts[:-1], cuts[1:])], dim=-1)
+    torch.testing.assert_close(parts, whole, **_tol(dtype))
+
+
+@needs_gpu
+def test_cuda_shard_errors_name_the_row():
+    d = torch.randn(3, 100, dtype=torch.float64, device="cuda")
+    d[1, 17] = float("nan")
+    with pytest.raises(troll.DomainError, match="row 1"):
+        troll.sparsify_shard(d, 0, 100, 8, 1e-4)
+    states = torch.stack([troll.sparsify_shard(d[:, :50].nan_to_num(), 0, 100, 8, 1e-4)])
+    with pytest.raises(troll.InvalidInput, match="row 0"):  # half of the vocabulary never merged
+        troll.sparsify_finalize(states, 100, 8, 1e-4, dtype="float64")
+
+
+@needs_gpu
+def test_distributed_sparsify_keeps_cuda_tensors_on_the_device(tmp_path):
+    """One NCCL rank (or gloo when NCCL is missing): the rows, log-sums and gradient are device
+    tensors equal to troll.torch.sparsify's and its backward's."""
+    import torch.distributed as dist
+
+    from troll.torch import distributed as td
+
+    backend = "nccl" if dist.is_nccl_available() else "gloo"
+    g = torch.Generator().manual_seed(43)
+    logits = torch.randn(4, 3_000, generator=g, dtype=torch.float64).cuda()
+    sampled = torch.randint(0, 3_000, (4,), generator=g, dtype=torch.int32).cuda()
+    dist.init_process_group(backend, init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        x = logits.clone().requires_grad_(True)
+        rows, log_sums = td.sparsify(x, 0, 3_000, k=16, delta=1e-4, sampled=sampled, return_log_sums=True)
+        (rows.log_probs.nan_to_num(neginf=0.0).sum() + rows.log_remainder.sum()).backward()
+    finally:
+        dist.destroy_process_group()
+    y = logits.clone().requires_grad_(True)
+    want = troll.torch.sparsify(y, k=16, delta=1e-4, sampled=sampled)
+    (want.log_probs.nan_to_num(neginf=0.0).sum() + want.log_remainder.sum()).backward()
+    assert rows.log_probs.is_cuda and log_sums.is_cuda and x.grad.is_cuda
+    for a, b in zip(rows[:4], want[:4]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-12, atol=1e-14)

@@ -64,7 +64,9 @@ class _StandIn:
 @pytest.mark.parametrize("name", sorted(["log_softmax", "kl", "kl_backward", "project", "project_backward", "sparsify",
                                          "sparsify_backward", "align", "kl_sparse", "project_sparse",
                                          "project_sparse_backward", *_FORWARDS, "trust_region_backward",
-                                         "sparse_trust_region_backward", "ppo_clip_backward", "dppo_backward"]))
+                                         "sparse_trust_region_backward", "ppo_clip_backward", "dppo_backward",
+                                         "sparsify_shard", "sparsify_finalize", "sparsify_tail_sums",
+                                         "sparsify_shard_backward"]))
 def test_the_cuda_extension_takes_the_host_arguments_with_a_stream(name):
     assert _parameters(getattr(_core._troll_cuda, name)) == _cuda_parameters(name)
 
@@ -136,6 +138,66 @@ def test_sparse_projection_through_the_cuda_route_equals_the_host_path(monkeypat
     assert all(torch.equal(a, b) for a, b in zip(got[4], want[4]))
     assert {"sparsify", "align", "project_sparse", "project_sparse_backward", "sparsify_backward",
             "kl_sparse", "kl_backward"} <= set(stand_in.calls)
+
+
+def _sharded(logits, cuts, tokens, k=5, delta=1e-4):
+    """The two-stage sharded sparsify of ``logits`` cut at ``cuts`` and its shard backward."""
+    vocab = logits.shape[-1]
+    shards = [logits[:, a:b].contiguous() for a, b in zip(cuts[:-1], cuts[1:])]
+    states = torch.stack([troll.sparsify_shard(z, a, vocab, k, delta, tokens) for z, a in zip(shards, cuts)])
+    rows, _, tail_max = troll.sparsify_finalize(states, vocab, k, delta, sampled=True, dtype="float64",
+                                                return_tail_max=True)
+    sums = torch.stack([troll.sparsify_tail_sums(z, a, rows, tail_max) for z, a in zip(shards, cuts)])
+    rows, log_sums = troll.sparsify_finalize(states, vocab, k, delta, sampled=True, dtype="float64", tail_sums=sums)
+    g = torch.linspace(-1.0, 1.0, rows.log_probs.numel(), dtype=torch.float64).reshape(rows.log_probs.shape)
+    g_r = torch.linspace(0.5, -0.5, rows.log_remainder.numel(), dtype=torch.float64)
+    grads = [troll.sparsify_shard_backward(z, a, rows, (g, g_r), log_sums) for z, a in zip(shards, cuts)]
+    return states, rows, log_sums, torch.cat(grads, dim=-1)
+
+
+def test_shard_functions_through_the_cuda_route_equal_the_host_path(monkeypatch):
+    new, _, tokens, *_ = _batch(seed=5, vocab=40)
+    tokens = tokens.to(torch.int32)
+    cuts = [0, 9, 23, 40]
+    want = _sharded(new, cuts, tokens)
+    whole = troll.sparsify(new, k=5, delta=1e-4, sampled=tokens)
+    for a, b in zip(want[1][:4], whole[:4]):  # the host's two stages: the whole row's bits
+        assert torch.equal(a, b)
+    stand_in = _route(monkeypatch)
+    got = _sharded(new, cuts, tokens)
+    # (states are compared through what they finalise to: their padding bytes are unspecified)
+    assert got[0].shape == want[0].shape and torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+    assert all(torch.equal(a, b) for a, b in zip(got[1][:4], want[1][:4]))
+    assert {"sparsify_shard", "sparsify_finalize", "sparsify_tail_sums", "sparsify_shard_backward"} <= set(
+        stand_in.calls)
+
+
+def test_distributed_sparsify_through_the_cuda_route_equals_the_host_path(monkeypatch, tmp_path):
+    """troll.torch.distributed on one gloo rank: its forward and backward take the CUDA route."""
+    import torch.distributed as dist
+
+    from troll.torch import distributed as td
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    new, _, tokens, *_ = _batch(seed=6, vocab=40)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        def run():
+            x = new.clone().requires_grad_(True)
+            rows = td.sparsify(x, 0, 40, k=5, delta=1e-4, sampled=tokens)
+            lp = torch.where(torch.isfinite(rows.log_probs), rows.log_probs, torch.zeros_like(rows.log_probs))
+            (lp.sum() + 0.5 * rows.log_remainder.sum()).backward()
+            return rows, x.grad
+
+        want = run()
+        stand_in = _route(monkeypatch)
+        got = run()
+    finally:
+        dist.destroy_process_group()
+    assert all(torch.equal(a, b) for a, b in zip(got[0][:4], want[0][:4])) and torch.equal(got[1], want[1])
+    assert {"sparsify_shard", "sparsify_finalize", "sparsify_tail_sums", "sparsify_shard_backward"} <= set(
+        stand_in.calls)
 
 
 def test_metrics_dict_reads_the_device_layout():

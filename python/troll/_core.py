@@ -249,10 +249,7 @@ def sparsify(logits: Any, k: int = 64, delta: float = 1e-5, sampled: Any = None,
     float16 / bfloat16 (ranked in float, rows in float32)."""
     frame = Framework(logits)
     on_cuda = _on_cuda(logits)
-    if on_cuda and frame.dtype_name(logits) in ("float16", "bfloat16"):
-        dtype = "float32"  # the CUDA sparsify reads 16-bit logits; the rows are float32
-    else:
-        dtype = _float_dtype(frame, logits)
+    dtype = _rows_dtype(frame, logits)
     rows = leading_shape(logits, "logits")
     vocab = int(logits.shape[-1])
     k_max = max(1, min(int(k) + (sampled is not None), vocab))
@@ -426,18 +423,31 @@ def sparsify_state_bytes(k: int) -> int:
     return int(_troll.sparsify_state_bytes(int(k)))
 
 
+def _rows_dtype(frame: Framework, logits: Any) -> str:
+    """The element type of sparse rows made from ``logits``: theirs, float32 for CUDA 16-bit ones."""
+    if _on_cuda(logits) and frame.dtype_name(logits) in ("float16", "bfloat16"):
+        return "float32"  # the CUDA sparse functions read 16-bit logits; the rows are float32
+    return _float_dtype(frame, logits)
+
+
 def sparsify_shard(shard_logits: Any, vocab_offset: int, vocab: int, k: int = 64, delta: float = 1e-5,
                    sampled: Any = None, *, threads: int = 0) -> Any:
     """The partial sparsify states of one vocabulary shard: ``shard_logits`` (..., V_shard) are
     the tokens [vocab_offset, vocab_offset + V_shard) of rows of ``vocab`` tokens; ``sampled``
     holds global token ids (int32, one a row). Returns uint8 (..., sparsify_state_bytes(k)):
-    fixed-size, to be exchanged between processes and merged by ``sparsify_finalize``."""
+    fixed-size, to be exchanged between processes and merged by ``sparsify_finalize``. CUDA
+    logits (float16 / bfloat16 too) give device states; the packed bytes are the same on both."""
     frame = Framework(shard_logits)
-    _float_dtype(frame, shard_logits)
+    _rows_dtype(frame, shard_logits)
     rows = leading_shape(shard_logits, "shard_logits")
     states = frame.empty(rows + (sparsify_state_bytes(k),), "uint8")
-    _troll.sparsify_shard(arg(shard_logits), int(vocab_offset), int(vocab),
-                          None if sampled is None else arg(sampled), int(k), float(delta), states, threads)
+    args = (arg(shard_logits), int(vocab_offset), int(vocab), None if sampled is None else arg(sampled), int(k),
+            float(delta), states)
+    if _on_cuda(shard_logits):
+        cuda, stream = _cuda_call(frame, shard_logits, "sparsify_shard")
+        cuda.sparsify_shard(*args, stream, CUDA_CHECKED)
+    else:
+        _troll.sparsify_shard(*args, threads)
     return frame.result(states)
 
 
@@ -450,20 +460,25 @@ def sparsify_finalize(states: Any, vocab: int, k: int = 64, delta: float = 1e-5,
     sampled tokens (capacity k + 1). Returns ``(SparseRows, log_sums)``, log_sums (..., 2)
     float64 = {log sum_j e^z_j, log sum_{j not in S} e^z_j} per row (for the shards' backward),
     and with ``return_tail_max=True`` also tail_max (...) float64, the largest logit outside each
-    row's support.
+    row's support. Device states are merged and finalised on their device.
 
-    Two stages give ``sparsify``'s rows bit for bit: without ``tail_sums`` the supports are exact
-    and the values come from the merged running sums (a few ulps off); every shard then computes
-    ``sparsify_tail_sums(its logits, offset, rows, tail_max)``, and a second call given those
-    sums stacked (shards, ..., 2) writes the canonical values."""
+    Two stages give ``sparsify``'s rows bit for bit (on the CPU: the CPU's; on CUDA: the CUDA
+    sparsify's): without ``tail_sums`` the supports are exact and the values come from the merged
+    running sums (a few ulps off); every shard then computes ``sparsify_tail_sums(its logits,
+    offset, rows, tail_max)``, and a second call given those sums stacked (shards, ..., 2) writes
+    the canonical values."""
     frame = Framework(states)
     rows = tuple(states.shape[1:-1])
     k_max = max(1, min(int(k) + bool(sampled), int(vocab)))
     out = sparse_empty(frame, rows, k_max, vocab, dtype)
     log_sums = frame.empty(rows + (2,), "float64")
     tail_max = frame.empty(rows, "float64") if return_tail_max else None
-    _troll.sparsify_finalize(arg(states), int(k), float(delta), out, log_sums, tail_max,
-                             None if tail_sums is None else arg(tail_sums), threads)
+    args = (arg(states), int(k), float(delta), out, log_sums, tail_max, None if tail_sums is None else arg(tail_sums))
+    if _on_cuda(states):
+        cuda, stream = _cuda_call(frame, states, "sparsify_finalize")
+        cuda.sparsify_finalize(*args, stream, CUDA_CHECKED)
+    else:
+        _troll.sparsify_finalize(*args, threads)
     result = (SparseRows(*(frame.result(a) for a in out[:4]), int(vocab)), frame.result(log_sums))
     return result + (frame.result(tail_max),) if return_tail_max else result
 
@@ -474,9 +489,14 @@ def sparsify_tail_sums(shard_logits: Any, vocab_offset: int, rows: SparseRows, t
     float64, the unevaluated pair hi + lo of sum exp(z_j - tail_max) over the shard's tokens j
     outside each row's support."""
     frame = Framework(shard_logits)
-    _float_dtype(frame, shard_logits)
+    _rows_dtype(frame, shard_logits)
     out = frame.empty(leading_shape(shard_logits, "shard_logits") + (2,), "float64")
-    _troll.sparsify_tail_sums(arg(shard_logits), int(vocab_offset), _sparse_arg(rows), arg(tail_max), out, threads)
+    args = (arg(shard_logits), int(vocab_offset), _sparse_arg(rows), arg(tail_max), out)
+    if _on_cuda(shard_logits):
+        cuda, stream = _cuda_call(frame, shard_logits, "sparsify_tail_sums")
+        cuda.sparsify_tail_sums(*args, stream, CUDA_CHECKED)
+    else:
+        _troll.sparsify_tail_sums(*args, threads)
     return frame.result(out)
 
 
@@ -487,6 +507,11 @@ def sparsify_shard_backward(shard_logits: Any, vocab_offset: int, support: Spars
     frame = Framework(shard_logits)
     dtype = _float_dtype(frame, shard_logits)
     out = frame.empty(tuple(shard_logits.shape), dtype)
-    _troll.sparsify_shard_backward(arg(shard_logits), int(vocab_offset), _sparse_arg(support),
-                                   (arg(grad[0]), arg(grad[1])), arg(log_sums), out, threads)
+    args = (arg(shard_logits), int(vocab_offset), _sparse_arg(support), (arg(grad[0]), arg(grad[1])), arg(log_sums),
+            out)
+    if _on_cuda(shard_logits):
+        cuda, stream = _cuda_call(frame, shard_logits, "sparsify_shard_backward")
+        cuda.sparsify_shard_backward(*args, stream, CUDA_CHECKED)
+    else:
+        _troll.sparsify_shard_backward(*args, threads)
     return frame.result(out)

@@ -42,10 +42,14 @@ struct space<troll::cpu_policy> {
 struct step_results {
   std::vector<double> log_softmax, kl, project, project_stats_kl, grad_new, jvp, jacobian;
   std::vector<double> sparse_log_probs, sparse_kl, sparse_grad, sparse_shard_grad;
+  std::vector<double> whole_rows, shard_rows;  ///< sparsify's and the two-shard finalize's values, then remainders
   std::vector<int> sparse_counts;
   std::vector<double> gaussian_mean, gaussian_chol, gaussian_split_mean, gaussian_split_chol;
   std::vector<double> gaussian_diag_mean, gaussian_diag_std, gaussian_split_diag_mean, gaussian_split_diag_std;
   std::vector<double> gaussian_kl_after;  ///< kl_after of every row of the four projections, in call order
+  std::vector<double> gaussian_kl, gaussian_kl_diag;                 ///< kl / kl_diag of the new vs old rows
+  std::vector<double> gaussian_diag_grad_mean, gaussian_diag_grad_eps;  ///< project_joint_diag_backward
+  std::vector<double> gaussian_split_diag_jvp_std;                   ///< project_split_diag_jvp
   double troll_loss = 0.0, ppo_loss = 0.0, dppo_loss = 0.0, sparse_troll_loss = 0.0;
 };
 
@@ -173,8 +177,18 @@ step_results run_every_entry_point(Policy policy) {
   troll::sparsify_shard(policy, troll::make_batch<const T>(z_new.get() + half, rows, V - half, V), half, V,
                         tokens.get(), options, other.get());
   troll::sparsify_merge(policy, states.get(), other.get(), rows);
-  typename S::template array<double> log_sums(2 * rows);
-  troll::sparsify_finalize(policy, states.get(), options, finalized.view(rows, V), log_sums.get());
+  // Two stages: the support and tail_max, each shard's exact tail sum, then the canonical values.
+  typename S::template array<double> log_sums(2 * rows), tail_max(rows), tail_sums(4 * rows);
+  static_assert(troll::workspace_bytes(Policy{}, troll::op::sparsify_tail_sums{}, rows, V) == 0,
+                "sparsify_tail_sums needs no workspace");
+  troll::sparsify_finalize(policy, states.get(), options, finalized.view(rows, V), log_sums.get(), tail_max.get());
+  const troll::sparse_input<T> support(finalized.view(rows, V));
+  troll::sparsify_tail_sums<T>(policy, troll::make_batch<const T>(z_new.get(), rows, half, V), 0, support,
+                               tail_max.get(), tail_sums.get());
+  troll::sparsify_tail_sums<T>(policy, troll::make_batch<const T>(z_new.get() + half, rows, V - half, V), half,
+                               support, tail_max.get(), tail_sums.get() + 2 * rows);
+  troll::sparsify_finalize(policy, states.get(), options, finalized.view(rows, V), log_sums.get(), tail_max.get(),
+                           tail_sums.get(), 2);
 
   typename S::template array<T> g_values(std::vector<T>(rows * sparse_k, 0.05)), g_remainder(std::vector<T>(rows, 0.01)), grad_logits(rows * V);
   const troll::sparse_grad_view<T> g{g_values.get(), g_remainder.get(), rows, sparse_k};
@@ -276,7 +290,30 @@ step_results run_every_entry_point(Policy policy) {
     troll::gaussian::project_split_diag(policy, mu_in, sd_in, mu_old_in, sd_old_in, 0.02, 0.05,
                                         troll::make_batch(m4.get(), rows, d), troll::make_batch(s4.get(), rows, d),
                                         g_stats.get() + 3 * rows, troll::projection_options{});
+    // KL, and the derivatives of the diagonal projections (upstream: the outputs themselves).
+    typename S::template array<double> kl_full(rows), kl_diag(rows), g_eps(rows);
+    typename S::template array<T> g_mean(rows * d), t_std(rows * d), t_mean(rows * d);
+    troll::gaussian::kl(policy, mu_in, chol_in, mu_old_in, chol_old_in, kl_full.get());
+    troll::gaussian::kl_diag(policy, mu_in, sd_in, mu_old_in, sd_old_in, kl_diag.get());
+    const auto m3_in = troll::make_batch<const T>(m3.get(), rows, d);
+    const auto s3_in = troll::make_batch<const T>(s3.get(), rows, d);
+    const auto m4_in = troll::make_batch<const T>(m4.get(), rows, d);
+    const auto s4_in = troll::make_batch<const T>(s4.get(), rows, d);
+    const troll::gaussian::gaussian_grads<T> diag_grads{troll::make_batch(g_mean.get(), rows, d), {}, {}, {},
+                                                        g_eps.get(), nullptr};
+    troll::gaussian::project_joint_diag_backward(policy, mu_in, sd_in, mu_old_in, sd_old_in, 0.05, m3_in, s3_in,
+                                                 g_stats.get() + 2 * rows, m3_in, s3_in, diag_grads);
+    const troll::gaussian::gaussian_tangents<T> diag_tangents{mu_in, sd_in, {}, {}, 0.01, 0.0};
+    troll::gaussian::project_split_diag_jvp(policy, mu_in, sd_in, mu_old_in, sd_old_in, 0.02, 0.05, m4_in, s4_in,
+                                            g_stats.get() + 3 * rows, diag_tangents,
+                                            troll::make_batch(t_mean.get(), rows, d),
+                                            troll::make_batch(t_std.get(), rows, d));
     S::sync(policy);
+    out.gaussian_kl = kl_full.download();
+    out.gaussian_kl_diag = kl_diag.download();
+    out.gaussian_diag_grad_mean = as_double(g_mean.download());
+    out.gaussian_diag_grad_eps = g_eps.download();
+    out.gaussian_split_diag_jvp_std = as_double(t_std.download());
     out.gaussian_mean = as_double(m1.download());
     out.gaussian_chol = as_double(c1.download());
     out.gaussian_split_mean = as_double(m2.download());
@@ -297,6 +334,10 @@ step_results run_every_entry_point(Policy policy) {
   out.jvp = as_double(tangent_out.download());
   out.jacobian = as_double(jac_new.download());
   out.sparse_log_probs = as_double(projected.values.download());
+  out.whole_rows = as_double(new_rows.values.download());
+  out.shard_rows = as_double(finalized.values.download());
+  for (const T r : new_rows.remainder.download()) out.whole_rows.push_back(double(r));
+  for (const T r : finalized.remainder.download()) out.shard_rows.push_back(double(r));
   for (troll::sparse_index c : projected.counts.download()) out.sparse_counts.push_back(int(c));
   out.sparse_kl = as_double(sparse_kl.download());
   out.sparse_grad = as_double(grad_logits.download());

@@ -63,6 +63,7 @@ TEST_SUITE("device") {
     close(gpu.sparse_grad, cpu.sparse_grad);
     close(gpu.sparse_shard_grad, cpu.sparse_shard_grad);
     CHECK(gpu.sparse_counts == cpu.sparse_counts);
+    CHECK(gpu.shard_rows == gpu.whole_rows);  // two shards, two-stage finalize: bit for bit the whole row's
     close(gpu.gaussian_mean, cpu.gaussian_mean);
     close(gpu.gaussian_chol, cpu.gaussian_chol);
     close(gpu.gaussian_split_mean, cpu.gaussian_split_mean);
@@ -71,6 +72,11 @@ TEST_SUITE("device") {
     close(gpu.gaussian_diag_std, cpu.gaussian_diag_std);
     close(gpu.gaussian_split_diag_mean, cpu.gaussian_split_diag_mean);
     close(gpu.gaussian_split_diag_std, cpu.gaussian_split_diag_std);
+    close(gpu.gaussian_kl, cpu.gaussian_kl);
+    close(gpu.gaussian_kl_diag, cpu.gaussian_kl_diag);
+    close(gpu.gaussian_diag_grad_mean, cpu.gaussian_diag_grad_mean);
+    close(gpu.gaussian_diag_grad_eps, cpu.gaussian_diag_grad_eps);
+    close(gpu.gaussian_split_diag_jvp_std, cpu.gaussian_split_diag_jvp_std);
     CHECK(std::abs(gpu.troll_loss - cpu.troll_loss) <= 1e-8 + 1e-8 * std::abs(cpu.troll_loss));
     CHECK(std::abs(gpu.sparse_troll_loss - cpu.sparse_troll_loss) <= 1e-8 + 1e-8 * std::abs(cpu.sparse_troll_loss));
   }

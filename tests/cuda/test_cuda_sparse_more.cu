@@ -6,10 +6,12 @@
 // is skipped without one ("SKIPPED: no CUDA device", exit 0).
 //
 // Tolerances (double): indices and counts exact; log-probs and log-remainders to 1e-12 absolute
-// + relative (the device sums the same terms in another order); align_backward entries exact
+// + relative against the CPU (the backends' exponentials differ); a sharded CUDA sparsify
+// finalised in two stages (canonical tail sums) equals the whole-row CUDA sparsify bit for bit; align_backward entries exact
 // (copies), its remainder to 1e-13.
 #include "cuda_support.cuh"  // first: doctest's main, EIGEN_NO_CUDA, warning suppressions
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -133,9 +135,62 @@ std::vector<std::size_t> shard_cuts(std::size_t vocab, std::size_t shards, std::
   return cuts;
 }
 
+/// The rows of merged device states `d_states` finalised in two stages (troll::sparsify_finalize,
+/// then each shard's sparsify_tail_sums on the device logits d_z cut at `cuts`, in reverse shard
+/// order, then sparsify_finalize again with the sums): the canonical values, downloaded into out.
+template <class L, class T>
+void finalize_exact(test_stream& s, const troll::sparsify_state* d_states, const troll::sparsify_options& options,
+                    const L* d_z, std::size_t rows, std::size_t vocab, const std::vector<std::size_t>& cuts,
+                    sparse_pair<T>& out) {
+  const std::size_t shards = cuts.size() - 1;
+  device_array<double> tail_max(rows), tail_sums(2 * rows * shards), log_sums(2 * rows);
+  troll::sparsify_finalize(troll::cuda.on(s.stream).checked(), d_states, options, out.device(), log_sums.get(),
+                           tail_max.get());
+  const troll::sparse_input<T> support(out.device());
+  for (std::size_t j = shards; j-- > 0;)
+    troll::sparsify_tail_sums<T>(troll::cuda.on(s.stream).checked(),
+                              troll::make_batch<const L>(d_z + cuts[j], rows, cuts[j + 1] - cuts[j], vocab), cuts[j],
+                              support, tail_max.get(), tail_sums.get() + 2 * rows * (shards - 1 - j));
+  troll::sparsify_finalize(troll::cuda.on(s.stream).checked(), d_states, options, out.device(), log_sums.get(),
+                           tail_max.get(), tail_sums.get(), shards);
+  out.download();
+}
+
+/// The same two stages on the host (troll::cpu) for host states and logits.
+template <class T>
+void finalize_exact_cpu(const troll::sparsify_state* states, const troll::sparsify_options& options, const T* z,
+                        std::size_t rows, std::size_t vocab, const std::vector<std::size_t>& cuts, sparse_pair<T>& out) {
+  const std::size_t shards = cuts.size() - 1;
+  std::vector<double> tail_max(rows), tail_sums(2 * rows * shards);
+  troll::sparsify_finalize(troll::cpu, states, options, out.host(), nullptr, tail_max.data());
+  for (std::size_t j = 0; j < shards; ++j)
+    troll::sparsify_tail_sums<T>(troll::cpu, troll::make_batch<const T>(z + cuts[j], rows, cuts[j + 1] - cuts[j], vocab),
+                              cuts[j], troll::sparse_input<T>(out.host()), tail_max.data(),
+                              tail_sums.data() + 2 * rows * j);
+  troll::sparsify_finalize(troll::cpu, states, options, out.host(), nullptr, tail_max.data(), tail_sums.data(),
+                           shards);
+}
+
+/// Two sets of sparse rows equal bit for bit (NaN-free rows; −inf padding compares equal).
+template <class T>
+void require_identical(const sparse_pair<T>& got, const sparse_pair<T>& want) {
+  REQUIRE(got.counts == want.counts);
+  REQUIRE(got.indices == want.indices);
+  for (std::size_t i = 0; i < want.log_probs.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got.log_probs[i] == want.log_probs[i]);
+  }
+  for (std::size_t r = 0; r < want.rows; ++r) {
+    CAPTURE(r);
+    CHECK(got.log_remainder[r] == want.log_remainder[r]);
+  }
+}
+
 /// Whole rows via 1..4 shards: GPU shard states merged on the GPU (a left fold and its mirror),
 /// finalised on the GPU; and the same shards with every other one made on the CPU, merged and
-/// finalised on the CPU and on the GPU. Every result equals the CPU's whole-row sparsify.
+/// finalised on the CPU and on the GPU. Every result equals the CPU's whole-row sparsify (to
+/// 1e-12: the backends' exponentials differ); finalised in two stages with the canonical tail
+/// sums, the GPU's equal the GPU's whole-row sparsify and the CPU's the CPU's, bit for bit.
 void check_shards(std::size_t rows, std::size_t vocab, int k, bool with_sampled, unsigned seed) {
   CAPTURE(vocab);
   CAPTURE(k);
@@ -152,6 +207,11 @@ void check_shards(std::size_t rows, std::size_t vocab, int k, bool with_sampled,
   device_array<double> d_z(z);
   device_array<troll::token_id> d_sampled_array(sampled);
   const troll::token_id* d_sampled = with_sampled ? d_sampled_array.get() : nullptr;
+  sparse_pair<double> gpu_whole(rows, k_max, vocab);
+  troll::sparsify(troll::cuda.on(s.stream).checked(), troll::make_batch<const double>(d_z.get(), rows, vocab), d_sampled,
+                  options, gpu_whole.device());
+  gpu_whole.download();
+  require_same_rows(gpu_whole, want, 1e-12);
   std::mt19937 gen(seed);
   for (std::size_t shards = 1; shards <= 4 && shards <= vocab; ++shards) {
     CAPTURE(shards);
@@ -173,6 +233,9 @@ void check_shards(std::size_t rows, std::size_t vocab, int k, bool with_sampled,
     sparse_pair<double> got(rows, k_max, vocab);
     troll::sparsify_finalize(troll::cuda.on(s.stream).checked(), gpu[0]->get(), options, got.device());
     require_same_rows(got, want, 1e-12);
+    sparse_pair<double> exact(rows, k_max, vocab);
+    finalize_exact(s, gpu[0]->get(), options, d_z.get(), rows, vocab, cuts, exact);
+    require_identical(exact, gpu_whole);
 
     // Mixed: even shards from the GPU (fresh states), odd ones from the CPU, merged right to left.
     std::vector<std::vector<troll::sparsify_state>> mixed(shards);
@@ -195,6 +258,9 @@ void check_shards(std::size_t rows, std::size_t vocab, int k, bool with_sampled,
     CHECK(on_cpu.counts == want.counts);
     for (std::size_t i = 0; i < want.log_probs.size(); ++i) CHECK(close(on_cpu.log_probs[i], want.log_probs[i], 1e-12, 1e-12));
     for (std::size_t r = 0; r < rows; ++r) CHECK(close(on_cpu.log_remainder[r], want.log_remainder[r], 1e-12, 1e-12));
+    sparse_pair<double> on_cpu_exact(rows, k_max, vocab);
+    finalize_exact_cpu(host_into.data(), options, z.data(), rows, vocab, cuts, on_cpu_exact);
+    require_identical(on_cpu_exact, want);
 
     // The same mixed states merged and finalised on the GPU.
     device_array<troll::sparsify_state> d_into(mixed[0]), d_from(rows);
@@ -205,6 +271,9 @@ void check_shards(std::size_t rows, std::size_t vocab, int k, bool with_sampled,
     sparse_pair<double> mixed_gpu(rows, k_max, vocab);
     troll::sparsify_finalize(troll::cuda.on(s.stream).checked(), d_into.get(), options, mixed_gpu.device());
     require_same_rows(mixed_gpu, want, 1e-12);
+    sparse_pair<double> mixed_exact(rows, k_max, vocab);
+    finalize_exact(s, d_into.get(), options, d_z.get(), rows, vocab, cuts, mixed_exact);
+    require_identical(mixed_exact, gpu_whole);
   }
 }
 
@@ -236,6 +305,48 @@ void check_float_shards(std::size_t rows, std::size_t vocab, int k, unsigned see
   CHECK(got.counts == want.counts);
   for (std::size_t i = 0; i < want.log_probs.size(); ++i) CHECK(close(got.log_probs[i], want.log_probs[i], 2e-6, 1e-5));
   for (std::size_t r = 0; r < rows; ++r) CHECK(close(got.log_remainder[r], want.log_remainder[r], 4e-6, 1e-5));
+
+  // Two-stage finalize: bit for bit the GPU's whole-row float sparsify.
+  sparse_pair<float> gpu_whole(rows, k_max, vocab), exact(rows, k_max, vocab);
+  troll::sparsify(troll::cuda.on(s.stream).checked(), troll::make_batch<const float>(d_z.get(), rows, vocab),
+                  d_sampled.get(), options, gpu_whole.device());
+  gpu_whole.download();
+  finalize_exact(s, b.get(), options, d_z.get(), rows, vocab, std::vector<std::size_t>{0, half, vocab}, exact);
+  require_identical(exact, gpu_whole);
+}
+
+/// bf16 logits through 1..6 random shards: the two-stage finalize equals the whole-row CUDA
+/// sparsify of the same bf16 logits bit for bit (terms in float, as the whole row takes them).
+void check_bf16_shards(std::size_t rows, std::size_t vocab, int k, unsigned seed) {
+  test_stream s;
+  std::vector<__nv_bfloat16> values;
+  troll_test::llm_rows<__nv_bfloat16>(rows, vocab, seed, values);
+  const std::vector<troll::token_id> sampled = sampled_tokens(rows, vocab);
+  const troll::sparsify_options options{k, 1e-5};
+  const std::size_t k_max = std::size_t(k) + 1;
+  device_array<__nv_bfloat16> d_z(values);
+  device_array<troll::token_id> d_sampled(sampled);
+  sparse_pair<float> whole(rows, k_max, vocab);
+  troll::sparsify(troll::cuda.on(s.stream).checked(), troll::make_batch<const __nv_bfloat16>(d_z.get(), rows, vocab),
+                  d_sampled.get(), options, whole.device());
+  whole.download();
+  std::mt19937 gen(seed);
+  for (std::size_t shards = 1; shards <= 6; ++shards) {
+    CAPTURE(shards);
+    const std::vector<std::size_t> cuts = shard_cuts(vocab, shards, gen);
+    std::vector<std::unique_ptr<device_array<troll::sparsify_state>>> states;
+    for (std::size_t j = 0; j < shards; ++j) {
+      states.push_back(std::make_unique<device_array<troll::sparsify_state>>(rows));
+      troll::sparsify_shard(troll::cuda.on(s.stream).checked(),
+                            troll::make_batch<const __nv_bfloat16>(d_z.get() + cuts[j], rows, cuts[j + 1] - cuts[j], vocab),
+                            cuts[j], vocab, d_sampled.get(), options, states[j]->get());
+    }
+    for (std::size_t j = shards - 1; j > 0; --j)  // right to left
+      troll::sparsify_merge(troll::cuda.on(s.stream).checked(), states[j - 1]->get(), states[j]->get(), rows);
+    sparse_pair<float> exact(rows, k_max, vocab);
+    finalize_exact(s, states[0]->get(), options, d_z.get(), rows, vocab, cuts, exact);
+    require_identical(exact, whole);
+  }
 }
 
 /// Aligned rows on the host and the device (owner of both copies).
@@ -562,6 +673,7 @@ TEST_SUITE("device") {
     check_shards(10, 3000, 256, false, 13);
     check_shards(5, 151936, 64, true, 14);
     check_float_shards(8, 5000, 64, 15);
+    check_bf16_shards(6, 50000, 64, 16);
   }
 
   TEST_CASE("cuda align_backward matches the CPU for both sides") {

@@ -112,6 +112,12 @@ TROLL_HOST_DEVICE inline bool log_sums_usable(double total, double tail) {
                      row);
 }
 
+/// The exception of a row whose tail_max (sparsify_finalize's first stage) is NaN or +inf
+/// (sparsify_tail_sums, both backends).
+[[noreturn]] inline void throw_bad_tail_max(const char* function, std::size_t row) {
+  throw domain_error(row_prefix(function, row) + "tail_max is NaN or +inf (sparsify_finalize's tail_max)", row);
+}
+
 /// The CPU kernels' names for the same types (detail::cpu::sparse_problem, ...).
 namespace cpu {
 using detail::sparse_problem;

@@ -10,7 +10,11 @@ rows of the whole vocabulary, without anyone gathering the full logits.
 
 The exchanged states are fixed-size (``troll.sparsify_state_bytes(k)`` bytes a row: 1,328 for
 k = 64) whatever the vocabulary; the collective is the process group's own ``all_gather`` (gloo
-for CPU tensors, NCCL for CUDA). Every rank ends with identical rows. See docs/python.md."""
+for CPU tensors, NCCL for CUDA). Every rank ends with identical rows. CUDA logits stay on their
+GPU when troll's CUDA extension is built: the shard states, tail sums, merge, finalize and the
+backward run there (with NCCL the collectives too; with gloo only the fixed-size states and tail
+sums cross to the host and back). CUDA logits may be float16 / bfloat16 (float32 rows). See
+docs/python.md."""
 
 from __future__ import annotations
 
@@ -34,46 +38,65 @@ def _comm_device(group: Any, like: torch.Tensor) -> torch.device:
     return torch.device("cpu")
 
 
+def _work_device(local_logits: torch.Tensor) -> torch.device:
+    """Where troll runs: on the logits' GPU when the CUDA extension is built (states, tail sums,
+    rows and the backward stay on the device); on the host otherwise."""
+    if local_logits.is_cuda and _core._troll_cuda is not None:
+        return local_logits.device
+    return torch.device("cpu")
+
+
+def _gather(tensor: torch.Tensor, group: Any, comm: torch.device) -> torch.Tensor:
+    """The ranks' tensors stacked in rank order (all_gather on the collective's device), on
+    ``tensor``'s device."""
+    mine = tensor.to(comm)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return torch.stack(gathered).to(tensor.device)
+
+
 class _ShardedSparsify(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local_logits, sampled, params, info):  # type: ignore[override]
-        # troll's extension runs on the host (docs/python.md, CUDA): device shards are read there.
         device = local_logits.device
-        x = local_logits.detach().to("cpu")
+        work = _work_device(local_logits)
+        x = local_logits.detach().to(work)
         k, delta, vocab, offset, group, threads = (params[n] for n in
                                                    ("k", "delta", "vocab", "offset", "group", "threads"))
+        if sampled is not None:
+            sampled = sampled.to(work)
         states = _core.sparsify_shard(x, offset, vocab, k, delta, sampled, threads=threads)
         comm = _comm_device(group, local_logits)
-        mine = states.to(comm)
-        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, mine, group=group)
-        stacked = torch.stack(gathered).to("cpu")
-        dtype = str(x.dtype).replace("torch.", "")
+        stacked = _gather(states, group, comm)
+        # 16-bit logits (CUDA) give float32 rows.
+        dtype = "float32" if x.dtype in (torch.float16, torch.bfloat16) else str(x.dtype).replace("torch.", "")
         has_sampled = sampled is not None
         # Stage 1: the exact supports and each row's largest logit outside its support.
         rows, _, tail_max = _core.sparsify_finalize(stacked, vocab, k, delta, sampled=has_sampled, dtype=dtype,
                                                     return_tail_max=True, threads=threads)
         # Stage 2: every rank's exact share of the tail sums, gathered; the canonical values (the
-        # bits of troll.torch.sparsify on the whole rows, and the normalisers of its backward).
-        part = _core.sparsify_tail_sums(x, offset, rows, tail_max, threads=threads).to(comm)
-        parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, part, group=group)
+        # bits of troll.torch.sparsify on the whole rows on the same backend, and the
+        # normalisers of its backward).
+        parts = _gather(_core.sparsify_tail_sums(x, offset, rows, tail_max, threads=threads), group, comm)
         rows, log_sums = _core.sparsify_finalize(stacked, vocab, k, delta, sampled=has_sampled, dtype=dtype,
-                                                 tail_sums=torch.stack(parts).to("cpu"), threads=threads)
+                                                 tail_sums=parts, threads=threads)
         ctx.save_for_backward(x, rows.indices, rows.log_probs, rows.counts, rows.log_remainder, log_sums)
         ctx.offset, ctx.vocab, ctx.threads, ctx.device = offset, vocab, threads, device
         out = tuple(t.to(device) for t in rows[:4])
         ctx.mark_non_differentiable(out[0], out[2])
-        info["log_sums"] = log_sums
+        info["log_sums"] = log_sums.to(device)
         return out
 
     @staticmethod
     def backward(ctx, _g_indices, g_log_probs, _g_counts, g_log_remainder):  # type: ignore[override]
         x, indices, log_probs, counts, log_remainder, log_sums = ctx.saved_tensors
         support = SparseRows(indices, log_probs, counts, log_remainder, ctx.vocab)
-        g = (g_log_probs.to("cpu").contiguous(), g_log_remainder.to("cpu").contiguous())
-        grad = _core.sparsify_shard_backward(x, ctx.offset, support, g, log_sums, threads=ctx.threads)
-        return grad.to(ctx.device), None, None, None
+        work = x.device
+        g = (g_log_probs.to(work, log_probs.dtype).contiguous(), g_log_remainder.to(work, log_probs.dtype).contiguous())
+        # 16-bit logits: the gradient of their exact float32 values, rounded back.
+        xs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        grad = _core.sparsify_shard_backward(xs, ctx.offset, support, g, log_sums, threads=ctx.threads)
+        return grad.to(ctx.device, x.dtype), None, None, None
 
 
 def sparsify(local_logits: torch.Tensor, vocab_offset: int, vocab_size: int, k: int = 64, delta: float = 1e-5,
@@ -99,7 +122,7 @@ def sparsify(local_logits: torch.Tensor, vocab_offset: int, vocab_size: int, k: 
         sampled_i32 = torch.as_tensor(sampled)
         if tuple(sampled_i32.shape) != rows:
             raise _core.ShapeError(f"troll: sampled has shape {tuple(sampled_i32.shape)} but the logits' rows are {rows}")
-        sampled_i32 = sampled_i32.detach().to(device="cpu", dtype=torch.int32).contiguous()
+        sampled_i32 = sampled_i32.detach().to(dtype=torch.int32).contiguous()
     params = dict(k=int(k), delta=float(delta), vocab=int(vocab_size), offset=int(vocab_offset), group=group,
                   threads=threads)
     info: Dict[str, Any] = {}

@@ -161,6 +161,105 @@ inline int vjp_row_short(const double* zn, const double* zo, const double* logp,
   return overflow == 0 && fits_in<double>(*grad_eps) ? 1 : 0;
 }
 
+/// Stores a packet of doubles as `lanes` consecutive T (rounded to float for float rows).
+template <class T, class Packet>
+inline void store_from_double(T* p, const Packet& v) {
+  using namespace Eigen::internal;
+  if constexpr (std::is_same<T, double>::value) {
+    pstoreu(p, v);
+  } else {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same<T, float>::value && sizeof(Packet) == sizeof(__m512d)) {
+      _mm256_storeu_ps(p, _mm512_cvtpd_ps(v));
+      return;
+    }
+#endif
+    constexpr int lanes = int(sizeof(Packet) / sizeof(double));
+    double wide[lanes];
+    pstoreu(wide, v);
+    for (int k = 0; k < lanes; ++k) p[k] = T(wide[k]);
+  }
+}
+
+/// vjp_row without grad_old for a row of any length whose d − μ are finite and whose log π* all
+/// lie in [−700, 0] (every token on J; exp_bounded exact there): two packet passes reading T
+/// directly, the first for Σg and Σg(d − μ) (no exponential, nothing kept), the second for π and
+/// the gradient. Returns −1, writing nothing, for any other row (the caller takes the general
+/// path), else what vjp_row returns (0 or 1).
+template <class T>
+inline int vjp_row_packets(const T* zn, const T* zo, const T* logp, const T* g, long size,
+                           const projection_stats& s, T* grad_new, double* grad_eps) {
+  using namespace Eigen::internal;
+  using packet = packet_traits<double>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(double));
+  constexpr long chunk = 512;
+  if (size == 0) return -1;
+  const long whole = size - size % lanes;
+  // The last partial packet is read from copies padded with g = 0, d = μ and log π = 0: the
+  // padding adds nothing to the sums and is never written.
+  double tail_zn[lanes], tail_zo[lanes], tail_lp[lanes], tail_g[lanes];
+  for (long j = 0; j < lanes; ++j) {
+    const bool in = whole + j < size;
+    tail_zn[j] = in ? double(zn[whole + j]) : s.mu;
+    tail_zo[j] = in ? double(zo[whole + j]) : 0.0;
+    tail_lp[j] = in ? double(logp[whole + j]) : 0.0;
+    tail_g[j] = in ? double(g[whole + j]) : 0.0;
+  }
+  const bool projected = s.status == row_status::projected;
+  const packet mu = pset1<packet>(s.mu);
+  packet lowest = pset1<packet>(0.0), odd = pset1<packet>(0.0);
+  double sum_g = 0.0, sum_gc = 0.0;
+  auto first = [&](const packet& lp, const packet& c, const packet& gk, packet& sg, packet& sgc) {
+    lowest = pmin(lowest, lp);
+    odd = padd(odd, padd(psub(c, c), psub(lp, lp)));  // NaN unless every d − μ and log π is finite
+    sg = padd(sg, gk);
+    sgc = padd(sgc, pmul(gk, c));
+  };
+  for (long begin = 0; begin < whole; begin += chunk) {  // chunk sums added up, as the blocks do
+    const long end = begin + chunk < whole ? begin + chunk : whole;
+    packet sg = pset1<packet>(0.0), sgc = sg;
+    for (long k = begin; k < end; k += lanes) {
+      const packet c = psub(psub(load_as_double<packet>(zn + k), load_as_double<packet>(zo + k)), mu);
+      first(load_as_double<packet>(logp + k), c, load_as_double<packet>(g + k), sg, sgc);
+    }
+    sum_g += predux(sg), sum_gc += predux(sgc);
+  }
+  if (whole < size) {
+    packet sg = pset1<packet>(0.0), sgc = sg;
+    const packet c = psub(psub(ploadu<packet>(tail_zn), ploadu<packet>(tail_zo)), mu);
+    first(ploadu<packet>(tail_lp), c, ploadu<packet>(tail_g), sg, sgc);
+    sum_g += predux(sg), sum_gc += predux(sgc);
+  }
+  if (!(predux_min(lowest) >= -700.0 && predux(odd) == 0.0)) return -1;
+  if (!projected) sum_gc = 0.0;
+  const double t = projected ? s.t : 1.0;
+  const packet pt = pset1<packet>(t), psum_g = pset1<packet>(sum_g);
+  const packet ph = pset1<packet>(projected ? sum_gc / s.sigma2 : 0.0);
+  packet largest = pset1<packet>(0.0), bad = largest;
+  // gn = t·((g − π·Σg) − π·(d − μ)·h/σ²), written in T; the largest |gn| and a NaN unless every
+  // gn is finite, for the check that they fit T.
+  auto second = [&](const packet& lp, const packet& c, const packet& gk) {
+    const packet pi = exp_bounded(lp);
+    const packet gn = pmul(pt, psub(psub(gk, pmul(pi, psum_g)), pmul(pmul(pi, c), ph)));
+    largest = pmax(largest, pabs(gn));
+    bad = padd(bad, psub(gn, gn));
+    return gn;
+  };
+  for (long k = 0; k < whole; k += lanes) {
+    const packet c = psub(psub(load_as_double<packet>(zn + k), load_as_double<packet>(zo + k)), mu);
+    store_from_double(grad_new + k, second(load_as_double<packet>(logp + k), c, load_as_double<packet>(g + k)));
+  }
+  if (whole < size) {
+    const packet c = psub(psub(ploadu<packet>(tail_zn), ploadu<packet>(tail_zo)), mu);
+    double out[lanes];
+    pstoreu(out, second(ploadu<packet>(tail_lp), c, ploadu<packet>(tail_g)));
+    for (long k = whole; k < size; ++k) grad_new[k] = T(out[k - whole]);
+  }
+  const double most = predux_max(largest);
+  *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
+  return predux(bad) == 0.0 && fits_in<T>(most) && fits_in<T>(*grad_eps) ? 1 : 0;
+}
+
 /// VJP of one row. grad_old may be null; grad_eps receives ∂L/∂ε of this row. Returns false when
 /// an output does not fit T (an upstream gradient on a token the row all but masks, with a tiny
 /// σ², can make the true derivative overflow): the caller reports the row.
@@ -170,6 +269,12 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
   if constexpr (std::is_same<T, double>::value) {  // the lumped sparse rows
     if (!grad_old) {
       const int done = vjp_row_short(zn, zo, logp, g, static_cast<long>(size), s, grad_new, grad_eps);
+      if (done >= 0) return done == 1;
+    }
+  }
+  if constexpr (std::is_same<T, double>::value || std::is_same<T, float>::value) {  // long rows
+    if (!grad_old) {
+      const int done = vjp_row_packets(zn, zo, logp, g, static_cast<long>(size), s, grad_new, grad_eps);
       if (done >= 0) return done == 1;
     }
   }

@@ -9,6 +9,7 @@
 #include "eigen.hpp"
 #include <cmath>
 #include <cstddef>
+#include <type_traits>
 
 #include "../../config.hpp"
 #include "../numeric.hpp"
@@ -67,38 +68,109 @@ inline double tail_max(const T* z, std::size_t size, std::size_t first, const in
   return m;
 }
 
-/// Σ e^{z_j − m} over the tokens [first, first + size) outside the support, as an exact_sum
-/// (eight interleaved TwoSum accumulators, merged at the end). The exponentials are taken in T
-/// (float rows: eight or sixteen lanes, as sparsify's scan), the sum in double. m = −inf (or a
-/// tail of masked tokens only) gives an empty sum.
+/// The double packets of the TwoSum lanes of tail_exp_sum: hi + lo per lane.
+using sum_packet = Eigen::internal::packet_traits<double>::type;
+
+/// (hi, lo) ← (hi, lo) + v lane by lane, Knuth's TwoSum (no multiplication: nothing to contract).
+inline void two_sum_lanes(sum_packet& hi, sum_packet& lo, const sum_packet& v) {
+  using namespace Eigen::internal;
+  const sum_packet t = padd(hi, v);
+  const sum_packet b = psub(t, hi);
+  lo = padd(lo, padd(psub(hi, psub(t, b)), psub(v, b)));
+  hi = t;
+}
+
+/// Adds a packet of V terms to the TwoSum lanes (two pairs, kept in registers): a double packet
+/// to the first, a float packet as its two halves widened (exactly) to double.
+template <class Packet>
+inline void add_terms(sum_packet& hi0, sum_packet& lo0, sum_packet& hi1, sum_packet& lo1, const Packet& e) {
+  using namespace Eigen::internal;
+  using V = typename unpacket_traits<Packet>::type;
+  constexpr int lanes = int(sizeof(Packet) / sizeof(V));
+  constexpr int wide = int(sizeof(sum_packet) / sizeof(double));
+  if constexpr (std::is_same<V, double>::value) {
+    two_sum_lanes(hi0, lo0, e);
+  } else {
+#if defined(__AVX512F__)
+    if constexpr (sizeof(Packet) == sizeof(__m512) && sizeof(sum_packet) == sizeof(__m512d)) {
+      const __m512 v = e;
+      two_sum_lanes(hi0, lo0, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+      two_sum_lanes(hi1, lo1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+      return;
+    }
+#endif
+    V values[lanes];
+    pstoreu(values, e);
+    for (int part = 0; part * wide < lanes; ++part) {
+      double d[wide] = {};
+      for (int j = 0; j < wide && part * wide + j < lanes; ++j) d[j] = double(values[part * wide + j]);
+      if (part % 2 == 0) {
+        two_sum_lanes(hi0, lo0, ploadu<sum_packet>(d));
+      } else {
+        two_sum_lanes(hi1, lo1, ploadu<sum_packet>(d));
+      }
+    }
+  }
+}
+
+/// Σ e^{z_j − m} over the tokens [first, first + size) outside the support, as an exact_sum.
+/// Block by block (held in L1): each term through Eigen's packet exp in T (float rows: eight or
+/// sixteen lanes, as sparsify's scan) into a buffer, the lanes below the packet exp's range
+/// redone with std::exp (only a block that holds one; as packet_exp), the support's own terms
+/// zeroed, then the buffer added to TwoSum lanes in double packets — a loop without calls, so
+/// the lanes stay in registers. A term's value depends on z_j and m only, and the exact_sum's
+/// value does not depend on the order of its terms, so any split of the row (vocabulary shards)
+/// gives the same sum. m = −inf (or a tail of masked tokens only) gives an empty sum.
 template <class T>
 inline exact_sum tail_exp_sum(const T* z, std::size_t size, std::size_t first, const index_slot* sorted, int n,
                               double m) {
-  constexpr int lanes = 8;
-  using lane_array = Eigen::Array<double, lanes, 1>;
-  lane_array hi = lane_array::Zero(), lo = lane_array::Zero();
+  using namespace Eigen::internal;
+  using packet = typename packet_traits<T>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(T));
+  constexpr T lowest = sizeof(T) == sizeof(double) ? T(-709.0) : T(-87.0);
+  static_assert(block_size % lanes == 0, "blocks hold whole packets");
   exact_sum total;
   if (m == neg_inf()) return total;
   const T shift = static_cast<T>(m);  // m is one of the row's logits: exact in T
+  const packet ps = pset1<packet>(shift), floor = pset1<packet>(lowest);
+  sum_packet hi0 = pset1<sum_packet>(0.0), lo0 = hi0, hi1 = hi0, lo1 = hi0;
   alignas(64) T e[block_size];
   int next = 0;
-  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-    packet_exp(z + begin, count, shift, e);
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count_in_block) {
+    const long count = static_cast<long>(count_in_block);
+    const long whole = count - count % lanes;
+    const T* x = z + begin;
+    packet below = pzero(ps);
+    for (long k = 0; k < whole; k += lanes) {
+      const packet d = psub(ploadu<packet>(x + k), ps);
+      below = por(below, pcmp_lt(d, floor));
+      pstore(e + k, pexp(d));
+    }
+    long padded = whole;
+    if (whole < count) {  // a partial last packet: padded with the shift, whose terms are zeroed
+      T last[lanes];
+      for (long j = 0; j < lanes; ++j) last[j] = whole + j < count ? x[whole + j] : shift;
+      const packet d = psub(ploadu<packet>(last), ps);
+      below = por(below, pcmp_lt(d, floor));
+      pstore(e + whole, pexp(d));
+      padded = whole + lanes;
+    }
+    if (predux_any(below)) {
+      for (long k = 0; k < count; ++k)
+        if (!(x[k] - shift >= lowest)) e[k] = std::exp(x[k] - shift);
+    }
+    for (long k = count; k < padded; ++k) e[k] = T(0);
     while (next < n && std::size_t(sorted[next].index) - first < begin + std::size_t(count)) {
       e[std::size_t(sorted[next].index) - first - begin] = T(0);  // the support's own terms
       ++next;
     }
-    Eigen::Index k = 0;
-    for (; k + lanes <= count; k += lanes) {  // TwoSum, lane by lane
-      const lane_array v = Eigen::Map<const Eigen::Array<T, lanes, 1>>(e + k).template cast<double>();
-      const lane_array t = hi + v;
-      const lane_array b = t - hi;
-      lo += (hi - (t - b)) + (v - b);
-      hi = t;
-    }
-    for (; k < count; ++k) exact_add(total, static_cast<double>(e[k]));
+    for (long k = 0; k < padded; k += lanes) add_terms(hi0, lo0, hi1, lo1, pload<packet>(e + k));
   });
-  for (int j = 0; j < lanes; ++j) total = exact_add(total, exact_sum{hi[j], lo[j]});
+  constexpr int wide = int(sizeof(sum_packet) / sizeof(double));
+  double h[2 * wide], l[2 * wide];
+  pstoreu(h, hi0), pstoreu(h + wide, hi1);
+  pstoreu(l, lo0), pstoreu(l + wide, lo1);
+  for (int j = 0; j < 2 * wide; ++j) total = exact_add(total, exact_sum{h[j], l[j]});
   return total;
 }
 

@@ -35,9 +35,9 @@ inline Packet exp_nonpositive(const Packet& x) {
 
 /// The shared arithmetic of exp_nonpositive: n (as a double) and the polynomial of r.
 template <class Packet>
-inline Packet exp_reduced_polynomial(const Packet& x, Packet& n) {
+inline Packet exp_reduced_polynomial(const Packet& x, Packet& n, double lowest = -700.0) {
   using namespace Eigen::internal;
-  const Packet clamped = pmax(x, pset1<Packet>(-700.0));
+  const Packet clamped = pmax(x, pset1<Packet>(lowest));
   n = pfloor(pmadd(clamped, pset1<Packet>(1.4426950408889634), pset1<Packet>(0.5)));
   // r = x − n·ln 2 in two parts (the first exact for |n| < 2^11).
   Packet r = psub(clamped, pmul(n, pset1<Packet>(0.693145751953125)));
@@ -82,6 +82,91 @@ inline __m256d exp_nonpositive(const __m256d& x) {
   return _mm256_mul_pd(p, _mm256_castsi256_pd(bits));
 }
 #endif
+
+/// e^x for x ∈ [−708, 708] (inputs outside are clamped to the nearest end; NaN is not an input):
+/// the range the one-pass tilted reduction needs, where every result is a normal double. With
+/// AVX-512: x = (n/16)·ln 2 + r with |r| ≤ ln 2 / 32, e^x = 2^{⌊n/16⌋} · 2^{(n mod 16)/16} · e^r
+/// with the sixteen 2^{j/16} (correctly rounded) held in two registers and picked by one
+/// permutation, and e^r by its Taylor polynomial of degree 7 (truncation below 1.3e-18 relative), added to the
+/// table entry with one rounding: within 1.5 ulp of the exact value (1.01 measured) (tests/test_exp_kernels.cpp), about half the multiply-adds of
+/// exp_nonpositive's degree 13. Other packets: the degree-13 polynomial (AVX2) or Eigen's pexp.
+template <class Packet>
+inline Packet exp_bounded(const Packet& x) {
+  using namespace Eigen::internal;
+  return pexp(pmin(pmax(x, pset1<Packet>(-708.0)), pset1<Packet>(708.0)));
+}
+
+#if defined(__AVX512F__)
+inline __m512d exp_bounded(const __m512d& x) {
+  const __m512d clamped = _mm512_min_pd(_mm512_max_pd(x, _mm512_set1_pd(-708.0)), _mm512_set1_pd(708.0));
+  // n = round(x·16/ln 2), |n| ≤ 16,342, by the shifter 1.5·2^52: the sum's low mantissa bits
+  // hold n in two's complement, and subtracting the shifter again gives n as a double, exactly.
+  const __m512d shifter = _mm512_set1_pd(6755399441055744.0);
+  const __m512d shifted = _mm512_fmadd_pd(clamped, _mm512_set1_pd(23.083120654223414), shifter);
+  const __m512d n = _mm512_sub_pd(shifted, shifter);
+  const __m512i ni = _mm512_castpd_si512(shifted);
+  // r = x − n·(ln 2/16) in two parts: the first has 15 significant bits, so n times it is exact.
+  __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(0.693145751953125 / 16), clamped);
+  r = _mm512_fnmadd_pd(n, _mm512_set1_pd(1.42860682030941723212e-6 / 16), r);
+  // e^r − 1, Taylor to degree 7 in Horner form
+  __m512d p = _mm512_set1_pd(1.0 / 5040);
+  p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 720));
+  p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 120));
+  p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 24));
+  p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 6));
+  p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(0.5));
+  p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0));
+  const __m512d expm1_r = _mm512_mul_pd(p, r);
+  const __m512d lo = _mm512_setr_pd(0x1.0000000000000p+0, 0x1.0b5586cf9890fp+0, 0x1.172b83c7d517bp+0,
+                                    0x1.2387a6e756238p+0, 0x1.306fe0a31b715p+0, 0x1.3dea64c123422p+0,
+                                    0x1.4bfdad5362a27p+0, 0x1.5ab07dd485429p+0);
+  const __m512d hi = _mm512_setr_pd(0x1.6a09e667f3bcdp+0, 0x1.7a11473eb0187p+0, 0x1.8ace5422aa0dbp+0,
+                                    0x1.9c49182a3f090p+0, 0x1.ae89f995ad3adp+0, 0x1.c199bdd85529cp+0,
+                                    0x1.d5818dcfba487p+0, 0x1.ea4afa2a490dap+0);
+  // j = n mod 16, the low four bits, picks 2^{j/16} (permutex2var reads bits 0..3 of each index)
+  const __m512d table = _mm512_permutex2var_pd(lo, ni, hi);
+  // 2^{⌊n/16⌋}: the low 16 bits plus 1023·16 are (⌊n/16⌋ + 1023)·16 + j ∈ [26, 32710]; shifted to
+  // the top and with j's four bits cleared, the biased exponent ⌊n/16⌋ + 1023 ∈ [1, 2044]
+  const __m512i bits = _mm512_and_si512(_mm512_slli_epi64(_mm512_add_epi64(ni, _mm512_set1_epi64(16368)), 48),
+                                        _mm512_set1_epi64(-4503599627370496LL)  /* −2^52: bits 52..63 */);
+  // 2^{j/16}·e^r = 2^{j/16} + 2^{j/16}·(e^r − 1) with one rounding; the power of 2 is exact
+  return _mm512_mul_pd(_mm512_fmadd_pd(table, expm1_r, table), _mm512_castsi512_pd(bits));
+}
+#elif defined(__AVX2__)
+inline __m256d exp_bounded(const __m256d& x) {
+  __m256d n;
+  const __m256d p = exp_reduced_polynomial(_mm256_min_pd(x, _mm256_set1_pd(708.0)), n, -708.0);
+  const __m256i bits = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n)),
+                                                          _mm256_set1_epi64x(1023)),
+                                         52);
+  return _mm256_mul_pd(p, _mm256_castsi256_pd(bits));
+}
+#endif
+
+/// A packet of doubles from `lanes` consecutive T (float widened exactly; in registers where the
+/// packet is AVX-512's or AVX's).
+template <class Packet, class T>
+inline Packet load_as_double(const T* p) {
+  using namespace Eigen::internal;
+  if constexpr (std::is_same<T, double>::value) {
+    return ploadu<Packet>(p);
+  } else {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same<T, float>::value && sizeof(Packet) == sizeof(__m512d)) {
+      return Packet(_mm512_cvtps_pd(_mm256_loadu_ps(p)));
+    }
+#endif
+#if defined(__AVX__)
+    if constexpr (std::is_same<T, float>::value && sizeof(Packet) == sizeof(__m256d)) {
+      return Packet(_mm256_cvtps_pd(_mm_loadu_ps(p)));
+    }
+#endif
+    constexpr int lanes = int(sizeof(Packet) / sizeof(double));
+    double wide[lanes];
+    for (int k = 0; k < lanes; ++k) wide[k] = double(p[k]);
+    return ploadu<Packet>(wide);
+  }
+}
 
 /// Largest and smallest entries of a pair of double rows.
 struct pair_extremes {
@@ -287,6 +372,117 @@ inline lse_state tilt_reduce_finite(const double* zn, const double* zo, long cou
   st.ref_new = zn[at];
   st.ref_old = zo[at];
   return st;
+}
+
+/// tilt_reduce_finite in one pass over the row and without scratch, for a reference whose w
+/// stays in [−707, 600] over the row (as it does when the reference is a token of a row pair of
+/// spread ≤ 700: w is then a convex combination of two differences in [−700, 700], and the
+/// reference's own w = 0 makes the maximum ≥ 0). Every exponential is taken at the fixed shift
+/// 0, e^{w_i} (a normal double, no overflow of the sums), while the same pass keeps the largest
+/// w and its first token; the sums are rescaled by e^{−m} at the end. Reads the T rows directly
+/// (float widened in registers). The sums run in packet accumulators over chunks of 512 tokens,
+/// each chunk's sum added to the row's, as the blocked reduction does. Returns false (and
+/// leaves `st` alone) where w left that range: the caller then takes the two-pass reduction.
+template <class T>
+inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const tilt_param& u, const tilt_ref& ref,
+                                 lse_state& st) {
+  using namespace Eigen::internal;
+  using packet = packet_traits<double>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(double));
+  constexpr long chunk = 512;
+  if (count <= 0) return false;
+  const bool low = u.t <= 0.5;
+  const double slope = low ? u.t : -u.s;
+  const packet rn = pset1<packet>(ref.zn), ro = pset1<packet>(ref.zo), ps = pset1<packet>(slope);
+  // w of one packet, the same arithmetic wherever it is evaluated (also when the mode is sought)
+  auto weight = [&](const packet& a, const packet& b, packet& xk) {
+    const packet dn = psub(a, rn), dold = psub(b, ro);
+    xk = psub(dn, dold);
+    return padd(low ? dold : dn, pmul(ps, xk));
+  };
+  packet most = pset1<packet>(neg_inf()), least = pset1<packet>(inf());
+  double t0 = 0.0, t1 = 0.0, t2 = 0.0;
+  double m = neg_inf();
+  long mode_chunk = 0;  // the first chunk holding the largest w
+  const long whole = count - count % lanes;
+  // One packet: x, w, the running extremes, e^w and the three weighted sums.
+  auto body = [&](const packet& a, const packet& b, packet& s0, packet& s1, packet& s2) {
+    packet xk;
+    const packet wk = weight(a, b, xk);
+    most = pmax(most, wk);
+    least = pmin(least, wk);
+    const packet e = exp_bounded(wk);
+    const packet ex = pmul(e, xk);
+    s0 = padd(s0, e);
+    s1 = padd(s1, ex);
+    s2 = padd(s2, pmul(ex, xk));  // (e·x)·x, as tilt_evaluator
+  };
+  for (long begin = 0; begin < whole; begin += chunk) {
+    const long end = begin + chunk < whole ? begin + chunk : whole;
+    packet s0 = pset1<packet>(0.0), s1 = s0, s2 = s0;
+    most = pset1<packet>(neg_inf());
+    for (long k = begin; k < end; k += lanes)
+      body(load_as_double<packet>(zn + k), load_as_double<packet>(zo + k), s0, s1, s2);
+    t0 += predux(s0), t1 += predux(s1), t2 += predux(s2);
+    const double chunk_most = predux_max(most);
+    if (chunk_most > m) m = chunk_most, mode_chunk = begin;
+  }
+  double a[lanes], b[lanes];
+  if (whole < count) {  // the last partial packet: padded with the reference (x = w = 0), weight 0
+    double keep[lanes];
+    for (long j = 0; j < lanes; ++j) {
+      const bool in = whole + j < count;
+      a[j] = in ? double(zn[whole + j]) : ref.zn;
+      b[j] = in ? double(zo[whole + j]) : ref.zo;
+      keep[j] = in ? 1.0 : 0.0;
+    }
+    const packet use = ploadu<packet>(keep);
+    const packet least_before = least;
+    packet s0 = pset1<packet>(0.0), s1 = s0, s2 = s0;
+    most = pset1<packet>(neg_inf());
+    body(ploadu<packet>(a), ploadu<packet>(b), s0, s1, s2);
+    // padded lanes change nothing: their extremes are undone, their sums multiplied by 0
+    const packet pad = pcmp_eq(use, pset1<packet>(0.0));
+    most = pselect(pad, pset1<packet>(neg_inf()), most);
+    least = pselect(pad, least_before, least);
+    t0 += predux(pmul(s0, use)), t1 += predux(pmul(s1, use)), t2 += predux(pmul(s2, use));
+    const double tail_most = predux_max(most);
+    if (tail_most > m) m = tail_most, mode_chunk = whole;
+  }
+  if (!(m <= 600.0 && predux_min(least) >= -707.0)) return false;
+  // The first token of the largest w: its chunk's w again, packet by packet, then lane by lane.
+  long at = mode_chunk;
+  if (mode_chunk < whole) {
+    const long end = mode_chunk + chunk < whole ? mode_chunk + chunk : whole;
+    const packet target = pset1<packet>(m);
+    packet xk;
+    while (at < end && !predux_any(pcmp_eq(weight(load_as_double<packet>(zn + at), load_as_double<packet>(zo + at), xk), target)))
+      at += lanes;
+    if (at < end) {
+      double w_lanes[lanes];
+      pstoreu(w_lanes, weight(load_as_double<packet>(zn + at), load_as_double<packet>(zo + at), xk));
+      long j = 0;
+      while (w_lanes[j] != m) ++j;
+      at += j;
+    }
+  } else {
+    packet xk;
+    double w_lanes[lanes];
+    pstoreu(w_lanes, weight(ploadu<packet>(a), ploadu<packet>(b), xk));
+    long j = 0;
+    while (w_lanes[j] != m) ++j;
+    at = whole + j;
+  }
+  double scale_lanes[lanes];
+  pstoreu(scale_lanes, exp_bounded(pset1<packet>(-m)));
+  const double scale = scale_lanes[0];
+  st.m = m;
+  st.s0 = t0 * scale;
+  st.s1 = t1 * scale;
+  st.s2 = t2 * scale;
+  st.ref_new = double(zn[at]);
+  st.ref_old = double(zo[at]);
+  return true;
 }
 
 }  // namespace cpu

@@ -297,7 +297,8 @@ struct tilt_evaluator {
     const bool wide = masked || !(spread <= 700.0);
     lse_state total;
     block_array a, b, x, w, e;
-    if (!wide) {  // the common row: two fused passes per block (finite_rows.hpp)
+    if (!wide) {  // the common row: one fused pass (finite_rows.hpp), else two per block
+      if (tilt_reduce_one_pass(new_logits, old_logits, static_cast<long>(size), u, ref, total)) return total;
       for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
         lse_state part;
         if constexpr (std::is_same<T, double>::value) {

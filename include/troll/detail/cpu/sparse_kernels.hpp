@@ -76,6 +76,44 @@ inline T packet_max(const T* p, Eigen::Index n) {
   return most;
 }
 
+/// packet_max that also tells whether some entry is NaN or +inf (`bad`): every lane's "x < +inf"
+/// AND-reduced alongside the max, so a scan validates the values it reads anyway.
+template <class T>
+inline T packet_max_checked(const T* p, Eigen::Index n, bool& bad) {
+  using namespace Eigen::internal;
+  using packet = typename packet_traits<T>::type;
+  constexpr Eigen::Index lanes = Eigen::Index(sizeof(packet) / sizeof(T));
+  constexpr T infinity = std::numeric_limits<T>::infinity();
+  T most = -infinity;
+  bool odd = false;
+  Eigen::Index k = 0;
+  if (n >= lanes) {
+    const packet top = pset1<packet>(infinity);
+    packet acc = ploadu<packet>(p);
+    packet fine = pcmp_lt(acc, top);  // all bits set where x < +inf (not NaN, not +inf)
+    for (k = lanes; k + lanes <= n; k += lanes) {
+      const packet x = ploadu<packet>(p + k);
+      acc = pmax(acc, x);
+      fine = pand(fine, pcmp_lt(x, top));
+    }
+    most = predux_max(acc);
+    odd = predux_any(pcmp_eq(fine, pzero(fine)));  // a lane with a cleared mask
+  }
+  for (; k < n; ++k) {
+    odd = odd || !(p[k] < infinity);
+    most = p[k] > most ? p[k] : most;
+  }
+  bad = odd;
+  return most;
+}
+
+/// What sparsify_scan found while it validated a row (sparsify's one pass): a NaN or +inf entry
+/// (the scan stops there), and whether any entry is above −inf.
+struct scan_check {
+  bool bad = false;
+  bool any_finite = false;
+};
+
 /// Σ_k e^{p_k − m} over p[0..n) as one packet of partial sums per lane, the exponentials and the
 /// partial sums in T (each lane adds at most chunk / lanes terms), stored to `lane_sums`; the
 /// last partial packet is padded with −inf (an e^{−inf} of Eigen's is tiny, not 0: harmless in a
@@ -105,8 +143,13 @@ inline void packet_exp_sums(const T* p, Eigen::Index n, T m, T* lane_sums) {
 /// read in place, into the outside log-sum-exp as one block summary (exponentials and partial
 /// sums of at most 64 / lanes terms in T, the block sum in double). Every token lands in exactly
 /// one place.
+///
+/// With `check` (sparsify), the same pass validates the row: a chunk holding a NaN or +inf sets
+/// check->bad and ends the scan (the state is then meaningless), and check->any_finite records
+/// whether some entry is above −inf.
 template <class T>
-inline void sparsify_scan(const T* z, std::size_t size, std::size_t offset, sparsify_state& st) {
+inline void sparsify_scan(const T* z, std::size_t size, std::size_t offset, sparsify_state& st,
+                          scan_check* check = nullptr) {
   using packet = typename Eigen::internal::packet_traits<T>::type;
   constexpr Eigen::Index lanes = Eigen::Index(sizeof(packet) / sizeof(T));
   constexpr Eigen::Index chunk = 64;
@@ -118,6 +161,7 @@ inline void sparsify_scan(const T* z, std::size_t size, std::size_t offset, spar
   bool walked[chunks_per_block];
   T chunk_max[chunks_per_block];
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    if (check && check->bad) return;
     const T* row = z + begin;
     const long long first = static_cast<long long>(offset + begin);
     const long long local_sampled = st.sampled >= 0 ? static_cast<long long>(st.sampled) - first : -1;
@@ -127,7 +171,18 @@ inline void sparsify_scan(const T* z, std::size_t size, std::size_t offset, spar
       const Eigen::Index from = c * chunk, n = count - from < chunk ? count - from : chunk;
       const bool holds_sampled = local_sampled >= from && local_sampled < from + n;
       const T threshold = threshold_below<T>(entry_threshold(st));
-      T most = packet_max(row + from, n);
+      T most;
+      if (check) {
+        bool bad = false;
+        most = packet_max_checked(row + from, n, bad);
+        if (bad) {
+          check->bad = true;
+          return;
+        }
+        check->any_finite = check->any_finite || most > minus_inf;
+      } else {
+        most = packet_max(row + from, n);
+      }
       walked[c] = holds_sampled || most > threshold;
       if (walked[c]) {
         T* a = copy + from;

@@ -83,10 +83,6 @@ __device__ cuda_row_report derivative_problem(const pair_scan& scan, const T* zn
   return report;
 }
 
-struct min_token {
-  __device__ std::size_t operator()(std::size_t a, std::size_t b) const { return a < b ? a : b; }
-};
-
 /// The first token at which log_probs cannot be the forward's log π* — NaN, +inf, above 0, or
 /// above −inf where a logit is −inf (no_token: none), by the whole block.
 template <class T>

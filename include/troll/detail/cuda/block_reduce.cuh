@@ -3,6 +3,8 @@
 // needs every thread to see the same reduced lse_state so that all threads take the same path.
 #pragma once
 
+#include <cstddef>
+
 #include <cub/block/block_reduce.cuh>
 #include <cub/util_type.cuh>
 
@@ -37,6 +39,11 @@ __device__ inline V block_all_reduce(reduce_storage<V>& storage, const V& value,
 /// merge() of lse_state as a CUB reduction operator.
 struct merge_lse {
   __device__ lse_state operator()(const lse_state& a, const lse_state& b) const { return merge(a, b); }
+};
+
+/// The smaller of two token positions (a row's first bad token) as a CUB reduction operator.
+struct min_token {
+  __device__ std::size_t operator()(std::size_t a, std::size_t b) const { return a < b ? a : b; }
 };
 
 /// Sum of two doubles (the backward's Σ g and Σ g·(d − μ)).

@@ -228,6 +228,83 @@ __global__ void __launch_bounds__(block_threads)
   }
 }
 
+/// Shared memory of sparsify_tail_sums_kernel.
+struct tail_sums_storage {
+  index_slot sorted[sparse_max_entries];
+  cub::Uninitialized<cuda_row_report> report;
+  int count;
+};
+
+/// Rows of `range`: one shard's share of the canonical tail sums (troll::sparsify_tail_sums):
+/// sums[2r], sums[2r + 1] = Σ e^{z_j − tail_max[r]} over the shard's tokens (global ids offset +
+/// j) outside row r's support, the terms tail_exp_sum adds in the whole-row sparsify_kernel, so
+/// the exact_add of every shard's pair rounds to the whole row's tail sum. Only the support's
+/// indices and counts are read. `stage` limits the checks, in the CPU's order: 0 the shard logits
+/// (NaN / +inf), 1 and tail_max, 2 and the support's indices (checked mode runs 0, 1, 2 over all
+/// rows). A rejected row gets NaN sums.
+template <class L, class T>
+__global__ void __launch_bounds__(block_threads)
+    sparsify_tail_sums_kernel(batch_view<const L> shard_logits, std::size_t offset,
+                              sparse_batch_view<const T> support, const double* tail_max, double* sums, int slots,
+                              int stage, row_range range, device_checks checks) {
+  using Keys = sparsify_keys<L>;
+  using value_type = typename Keys::value_type;
+  __shared__ tail_sums_storage sh;
+  __shared__ reduce_storage<std::size_t> bad_storage;
+  __shared__ reduce_storage<exact_sum> tail_storage;
+  const std::size_t size = shard_logits.cols, end = range.begin + range.count;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const L* z = shard_logits.row(r);
+    __syncthreads();  // the previous row is done with the shared scratch
+    if (threadIdx.x < warp_lanes) {
+      cuda_row_report report;
+      if (stage >= 2)
+        report = warp_check_sparse_row(support.row_indices(r), static_cast<const T*>(nullptr), support.counts[r],
+                                       0.0, support.k_max, support.vocab, operand_support, false, sh.sorted, slots);
+      __syncwarp();  // the sorted slots are visible to lane 0
+      if (lane_id() == 0) {
+        // The support's tokens inside the shard, still sorted by index, at the front.
+        int n = 0;
+        if (stage >= 2 && report.error == cuda_row_error::none) {
+          const int count = static_cast<int>(support.counts[r]);
+          for (int i = 0; i < count; ++i) {
+            const std::size_t token = std::size_t(sh.sorted[i].index);
+            if (token >= offset && token - offset < size) sh.sorted[n++] = sh.sorted[i];
+          }
+        }
+        sh.report.Alias() = report, sh.count = n;
+      }
+    }
+    std::size_t bad = no_token;
+    for (std::size_t i = threadIdx.x; i < size && bad == no_token; i += block_threads)
+      if (!(to_double(z[i]) < inf())) bad = i;
+    bad = block_all_reduce(bad_storage, bad, min_token{});  // synchronises: sh is visible
+    cuda_row_report report;
+    const double m_tail = tail_max[r];
+    if (bad != no_token) {
+      report = bad_value_report(0, bad, to_double(z[bad]));
+    } else if (stage >= 1 && !(m_tail < inf())) {
+      report.error = cuda_row_error::bad_tail_max, report.value = m_tail;
+    } else {
+      report = sh.report.Alias();
+    }
+    if (threadIdx.x == 0) record_row(checks, range, r, report);
+    if (checks.validate_only) continue;
+    if (report.error != cuda_row_error::none) {
+      if (threadIdx.x == 0) sums[2 * r] = sums[2 * r + 1] = quiet_nan();
+      continue;
+    }
+    const int n = sh.count;
+    int cursor = 0;
+    const exact_sum tail = tail_exp_sum<Keys>(tail_storage, z, size, m_tail, [&](std::size_t j, value_type) {
+      const std::size_t token = offset + j;
+      while (cursor < n && std::size_t(sh.sorted[cursor].index) < token) ++cursor;
+      return cursor < n && std::size_t(sh.sorted[cursor].index) == token;
+    });
+    if (threadIdx.x == 0) sums[2 * r] = tail.hi, sums[2 * r + 1] = tail.lo;
+  }
+}
+
 /// Rows of `range`: out = align(new_logits, new_support, old_rows) (see troll::align). With no
 /// support (new_support.rows == 0) U = S_old.
 template <class L, class T>

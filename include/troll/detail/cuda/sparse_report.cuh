@@ -92,6 +92,8 @@ struct sparse_thrower {
         std::memcpy(&tail, &report.token, sizeof tail);
         throw_bad_log_sums(function, row, report.value, tail);
       }
+      case cuda_row_error::bad_tail_max:
+        throw_bad_tail_max(function, row);
       case cuda_row_error::sparse_capacity:
         msg << "out has capacity " << report.token << " but the row has " << report.value << " entries";
         throw shape_error(msg.str(), row);

@@ -103,12 +103,16 @@ __global__ void __launch_bounds__(state_warps * warp_lanes)
 }
 
 /// Rows of `range`: the sparse row of whole-row state states[r] (detail::finalize), padded to
-/// out.k_max. Row checks in the CPU's order (the state and its coverage of out.vocab with k,
-/// capacity, support); a rejected row gets count 0, padding and a NaN log-remainder.
+/// out.k_max; `tail_max` (may be null) receives the row's largest logit outside the support, and
+/// with `tail_sums` (tail_shards blocks of rows × 2 doubles: sparsify_tail_sums' pairs, added as
+/// exact_sums in block order, as the CPU) the values are the canonical ones. Row checks in the
+/// CPU's order (the state and its coverage of out.vocab with k, capacity, support); a rejected
+/// row gets count 0, padding and a NaN log-remainder (and NaN log_sums and tail_max).
 template <class T>
 __global__ void __launch_bounds__(state_warps * warp_lanes)
     sparsify_finalize_kernel(const sparsify_state* states, int k, double log_delta, sparse_batch_view<T> out,
-                             double* log_sums, row_range range, device_checks checks) {
+                             double* log_sums, double* tail_max, const double* tail_sums,
+                             std::size_t tail_shards, row_range range, device_checks checks) {
   __shared__ cub::Uninitialized<sparsify_state> scratch[state_warps];
   sparsify_state& st = scratch[threadIdx.x / warp_lanes].Alias();
   const std::size_t end = range.begin + range.count;
@@ -137,13 +141,21 @@ __global__ void __launch_bounds__(state_warps * warp_lanes)
     int count = 0;
     if (report.error == cuda_row_error::none) {
       warp_copy_state(st, s);
-      if (lane_id() == 0)
+      if (lane_id() == 0) {
+        exact_sum tail;
+        for (std::size_t b = 0; b < tail_shards; ++b) {
+          const double* part = tail_sums + 2 * (b * out.rows + r);
+          tail = exact_add(tail, exact_sum{part[0], part[1]});
+        }
         finalize(st, log_delta, indices, log_probs, count, out.log_remainder[r],
-                 log_sums != nullptr ? log_sums + 2 * r : nullptr);
+                 log_sums != nullptr ? log_sums + 2 * r : nullptr, tail_max != nullptr ? tail_max + r : nullptr,
+                 tail_sums != nullptr ? &tail : nullptr);
+      }
       count = __shfl_sync(full_warp, count, 0);
     } else if (lane_id() == 0) {
       out.log_remainder[r] = static_cast<T>(quiet_nan());
       if (log_sums != nullptr) log_sums[2 * r] = log_sums[2 * r + 1] = quiet_nan();
+      if (tail_max != nullptr) tail_max[r] = quiet_nan();
     }
     for (std::size_t i = std::size_t(count) + std::size_t(lane_id()); i < out.k_max; i += warp_lanes) {
       indices[i] = -1;

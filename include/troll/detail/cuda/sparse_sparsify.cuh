@@ -443,36 +443,48 @@ struct support_key_logits {
   }
 };
 
-/// Σ e^{z_j − m_tail} over the tokens j of the row outside the support (the `keep` best of the
-/// sorted keys, and the sampled token), as the CPU's cpu::tail_exp_sum: each term is one
-/// exponential in the logits' comparison precision of z_j − m_tail alone, widened to double, and
-/// the terms are added as exact_sums (per thread, then across the block). The double the pair
-/// rounds to (value()) is within n²·eps² of the exact sum, so it does not depend on which thread
-/// or tile a token fell in: the same canonical value as the CPU's, up to the two backends'
-/// exponentials. Returned in every thread (a block-wide reduction: all threads must call it).
-template <class Keys, class L>
-__device__ exact_sum canonical_tail_sum(reduce_storage<exact_sum>& storage, const L* z, std::size_t size,
-                                        const typename Keys::key_type* keys, int keep, bool has_sampled,
-                                        long long sampled_token, double m_tail) {
+/// Σ e^{z_j − m_tail} over the tokens j of z[0..size) with mass that `in_support(j, x)` does not
+/// claim (x = z_j in the logits' comparison precision; each thread asks for its tokens in
+/// increasing j), as the CPU's cpu::tail_exp_sum: each term is one exponential in that precision
+/// of z_j − m_tail alone, widened to double, and the terms are added as exact_sums (per thread,
+/// then across the block). The double the pair rounds to (value()) is within n²·eps² of the
+/// exact sum, so it does not depend on which thread, tile or vocabulary shard a token fell in:
+/// the whole-row sparsify and every shard's sparsify_tail_sums add the same terms. Returned in
+/// every thread (a block-wide reduction: all threads must call it).
+template <class Keys, class L, class InSupport>
+__device__ exact_sum tail_exp_sum(reduce_storage<exact_sum>& storage, const L* z, std::size_t size, double m_tail,
+                                  InSupport in_support) {
   using value_type = typename Keys::value_type;
   exact_sum part;
   if (m_tail > neg_inf()) {
-    // The support's last token: a token is in the support's top-`keep` prefix iff it ranks at or
-    // before it (larger logit, or the same logit and an index not above).
-    const bool any = keep > 0;
-    const value_type last_logit = any ? key_logit(keys[keep - 1]) : value_type(0);
-    const long long last_index = any ? static_cast<long long>(key_index(keys[keep - 1])) : -1;
     const value_type shift = static_cast<value_type>(m_tail);  // one of the row's logits: exact
     for (std::size_t j = threadIdx.x; j < size; j += block_threads) {
       const value_type x = to_value(z[j]);
-      const long long token = static_cast<long long>(j);
-      if (any && (x > last_logit || (x == last_logit && token <= last_index))) continue;
-      if (has_sampled && token == sampled_token) continue;
+      if (in_support(j, x)) continue;
       if (!(x > value_type(neg_inf()))) continue;  // a masked token has no mass
       exact_add(part, static_cast<double>(exp_of(x - shift)));
     }
   }
   return block_all_reduce(storage, part, add_exact_sum{});
+}
+
+/// The whole row's tail sum (tail_exp_sum) outside the support of sparsify_kernel: the `keep`
+/// best of the sorted keys and the sampled token.
+template <class Keys, class L>
+__device__ exact_sum canonical_tail_sum(reduce_storage<exact_sum>& storage, const L* z, std::size_t size,
+                                        const typename Keys::key_type* keys, int keep, bool has_sampled,
+                                        long long sampled_token, double m_tail) {
+  using value_type = typename Keys::value_type;
+  // The support's last token: a token is in the support's top-`keep` prefix iff it ranks at or
+  // before it (larger logit, or the same logit and an index not above).
+  const bool any = keep > 0;
+  const value_type last_logit = any ? key_logit(keys[keep - 1]) : value_type(0);
+  const long long last_index = any ? static_cast<long long>(key_index(keys[keep - 1])) : -1;
+  return tail_exp_sum<Keys>(storage, z, size, m_tail, [&](std::size_t j, value_type x) {
+    const long long token = static_cast<long long>(j);
+    if (any && (x > last_logit || (x == last_logit && token <= last_index))) return true;
+    return has_sampled && token == sampled_token;
+  });
 }
 
 /// Rows of `range`: the sparse rows of troll::sparsify (see troll/cuda_sparse.cuh). A rejected

@@ -108,7 +108,8 @@ __device__ inline int first_lane(bool flag) {
 /// (token id in [0, V), not NaN, ≤ 0), then the remainder (not NaN, ≤ 0), no remainder when the
 /// support covers V, some mass, distinct token ids, a total mass within sparse_mass_tolerance<T>
 /// of 1. `remainder_rules` = false skips the remainder and mass rules (a support whose values are
-/// not read). Sorts the support into `slots` (`size` slots)
+/// not read); a null `log_probs` skips the entry value rules too (only the indices are read:
+/// sparsify_tail_sums). Sorts the support into `slots` (`size` slots)
 /// when the entry checks pass. Every lane returns the same report; `operand` is copied into it.
 template <class T>
 __device__ cuda_row_report warp_check_sparse_row(const sparse_index* indices, const T* log_probs, long long count,
@@ -130,7 +131,7 @@ __device__ cuda_row_report warp_check_sparse_row(const sparse_index* indices, co
     double value = 0.0;
     if (i < n) {
       const long long index = indices[i];
-      const double l = static_cast<double>(log_probs[i]);
+      const double l = log_probs != nullptr ? static_cast<double>(log_probs[i]) : neg_inf();
       if (index < 0 || index >= static_cast<long long>(vocab)) {
         error = cuda_row_error::sparse_index, value = double(index);
       } else if (l != l) {
