@@ -398,7 +398,7 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
   auto weight = [&](const packet& a, const packet& b, packet& xk) {
     const packet dn = psub(a, rn), dold = psub(b, ro);
     xk = psub(dn, dold);
-    return padd(low ? dold : dn, pmul(ps, xk));
+    return pmadd(ps, xk, low ? dold : dn);  // explicit FMA: lane_solver.hpp reproduces these bits
   };
   packet most = pset1<packet>(neg_inf()), least = pset1<packet>(inf());
   double t0 = 0.0, t1 = 0.0, t2 = 0.0;
@@ -415,7 +415,7 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
     const packet ex = pmul(e, xk);
     s0 = padd(s0, e);
     s1 = padd(s1, ex);
-    s2 = padd(s2, pmul(ex, xk));  // (e·x)·x, as tilt_evaluator
+    s2 = pmadd(ex, xk, s2);  // (e·x)·x, as tilt_evaluator
   };
   for (long begin = 0; begin < whole; begin += chunk) {
     const long end = begin + chunk < whole ? begin + chunk : whole;

@@ -6,9 +6,9 @@
 //
 // Every decision is the per-row solver's (trust_region_solver.hpp, family_solver.hpp's
 // bracket_search: the same functions, taken one member at a time), and every reduction is
-// bit-identical to tilt_reduce_finite's on the row alone: each row keeps, per entry k, the
-// partial sum of the lane k mod L it would have in a one-row pass, the padding of its last
-// packet included, and the L partial sums are added by the same predux. So a row solved in a lane
+// bit-identical to the row's own (tilt_evaluator: tilt_reduce_one_pass): each row keeps, per
+// entry k, the partial sum of the lane k mod L it would have in a one-row pass (whole packets
+// and the last partial packet apart), and the L partial sums are added by the same predux. So a row solved in a lane
 // gives the same bits as project_row: t, the statistics, the iterations and the output.
 #pragma once
 
@@ -40,8 +40,8 @@ inline constexpr int solver_lanes =
 /// The largest row (entries) a lane holds.
 inline constexpr int lane_row_capacity = 136;
 
-/// Whether a validated row pair takes tilt_reduce_finite in every evaluation (the lane path's
-/// reduction): nothing masked and a logit spread of at most 700 (tilt_evaluator's `wide` test).
+/// Whether a validated row pair takes the finite-row reduction in every evaluation (the lane
+/// path's): nothing masked and a logit spread of at most 700 (tilt_evaluator's `wide` test).
 inline bool lane_eligible(const row_setup& setup, std::size_t size) {
   return !setup.any_masked && setup.spread <= 700.0 && size >= 1 && size <= std::size_t(lane_row_capacity);
 }
@@ -53,61 +53,70 @@ struct lane_group {
   alignas(64) double zn[lane_row_capacity * L];
   alignas(64) double zo[lane_row_capacity * L];
   alignas(64) double count[L];   // entries of each lane's row (0: an empty lane)
-  alignas(64) double padded[L];  // count rounded up to whole packets: what a one-row pass sums
   alignas(64) double ref_n[L], ref_o[L], slope[L], low[L];
   const double* row_n[L];  // each lane's row in place (the two-pass fallback)
   const double* row_o[L];
 };
 
-/// lse_state of every lane's row at its pending (u, ref), bit-identical to tilt_reduce_finite of
-/// that row alone. Lanes with count 0 are left out.
-inline void lane_reduce(const lane_group& g, lse_state* out, const tilt_param* u, const tilt_ref* ref) {
+/// lse_state of every lane's row at its pending (u, ref), bit-identical to tilt_evaluator's
+/// reduction of that row alone (tilt_reduce_one_pass: the whole packets' lane sums, then the
+/// last partial packet's, each added by predux; e^{w} at shift 0, rescaled by e^{−m}). A lane
+/// whose w leaves [−707, 600] gets the evaluator's own reduction (the two-pass fallback).
+/// Lanes with count 0 are left out.
+inline void lane_reduce(const lane_group& g, lse_state* out, const tilt_param* u, const tilt_ref* ref,
+                        const tilt_evaluator<double>* evals) {
   using namespace Eigen::internal;
   using packet = packet_traits<double>::type;
   constexpr int L = lane_group::L;
   double most_k = 0.0, least_k = double(lane_row_capacity);
+  alignas(64) double whole_l[L];
   for (int l = 0; l < L; ++l) {
-    most_k = g.padded[l] > most_k ? g.padded[l] : most_k;
-    if (g.count[l] > 0.0) least_k = g.count[l] < least_k ? g.count[l] : least_k;
+    whole_l[l] = g.count[l] - double(long(g.count[l]) % L);
+    most_k = g.count[l] > most_k ? g.count[l] : most_k;
+    if (g.count[l] > 0.0) least_k = whole_l[l] < least_k ? whole_l[l] : least_k;
   }
-  // Entries below `shortest` are real in every lane that holds a row (an empty lane's sums are
+  // Entries below `shortest` lie in a whole packet of every lane's row (an empty lane's sums are
   // not read); above it, masks.
   const long entries = long(most_k), shortest = long(least_k);
-  const packet cnt = pload<packet>(g.count), pad = pload<packet>(g.padded);
+  const packet cnt = pload<packet>(g.count), whole = pload<packet>(whole_l);
   const packet rn = pload<packet>(g.ref_n), ro = pload<packet>(g.ref_o), ps = pload<packet>(g.slope);
   const packet low = pcmp_eq(pload<packet>(g.low), pset1<packet>(1.0));
-  const packet minus_inf = pset1<packet>(neg_inf()), zero = pset1<packet>(0.0);
-  packet most = minus_inf, most_at = zero;
-  // Lane j of the one-row pass (entries ≡ j mod L) of every row at once, in its order; the
-  // lanes' partial sums at part[j·L + l]. The maximum over all j keeps the first token of it.
-  alignas(64) double part0[L * L], part1[L * L], part2[L * L];
+  const packet minus_inf = pset1<packet>(neg_inf()), plus_inf = pset1<packet>(inf()), zero = pset1<packet>(0.0);
+  packet most = minus_inf, least = plus_inf, most_at = zero;
+  // Lane j of the one-row pass (entries ≡ j mod L) of every row at once, in its order: the
+  // whole packets' partial sums at body[j·L + l], the last partial packet's at tail[j·L + l].
+  alignas(64) double body0[L * L], body1[L * L], body2[L * L], tail0[L * L], tail1[L * L], tail2[L * L];
   for (int j = 0; j < L; ++j) {
-    packet s0 = zero, s1 = zero, s2 = zero;
+    packet s0 = zero, s1 = zero, s2 = zero, r0 = zero, r1 = zero, r2 = zero;
     auto add = [&](long k, auto masked) {
       const packet token = pset1<packet>(double(k));
-      packet a = pload<packet>(g.zn + k * L), b = pload<packet>(g.zo + k * L), valid = zero, present = zero;
+      packet a = pload<packet>(g.zn + k * L), b = pload<packet>(g.zo + k * L), valid = zero, in_body = zero;
       if (decltype(masked)::value) {
-        // Beyond a row's count: its reference's own logits with w = −inf, as the one-row pass
-        // pads its last packet; beyond that packet nothing is added.
         valid = pcmp_lt(token, cnt);
-        present = pcmp_lt(token, pad);
-        a = pselect(valid, a, rn);
+        in_body = pcmp_lt(token, whole);
+        a = pselect(valid, a, rn);  // beyond the row: its reference (x = w = 0), left out below
         b = pselect(valid, b, ro);
       }
       const packet dn = psub(a, rn), dold = psub(b, ro);
       const packet xk = psub(dn, dold);
-      packet wk = pmadd(ps, xk, pselect(low, dold, dn));  // as tilt_reduce_finite
-      if (decltype(masked)::value) wk = pselect(valid, wk, minus_inf);
+      const packet wk = pmadd(ps, xk, pselect(low, dold, dn));  // as tilt_reduce_one_pass
+      const packet wmax = decltype(masked)::value ? pselect(valid, wk, minus_inf) : wk;
+      const packet wmin = decltype(masked)::value ? pselect(valid, wk, plus_inf) : wk;
       // Entries come lane by lane, not in token order: ties keep the lower token explicitly.
-      const packet above = por(pcmp_lt(most, wk), pand(pcmp_eq(most, wk), pcmp_lt(token, most_at)));
-      most = pselect(above, wk, most);
+      const packet above = por(pcmp_lt(most, wmax), pand(pcmp_eq(most, wmax), pcmp_lt(token, most_at)));
+      most = pselect(above, wmax, most);
       most_at = pselect(above, token, most_at);
-      const packet e = exp_nonpositive(wk);
+      least = pmin(least, wmin);
+      const packet e = exp_bounded(wk);
       const packet ex = pmul(e, xk);
       if (decltype(masked)::value) {
-        s0 = pselect(present, padd(s0, e), s0);
-        s1 = pselect(present, padd(s1, ex), s1);
-        s2 = pselect(present, pmadd(ex, xk, s2), s2);
+        s0 = pselect(in_body, padd(s0, e), s0);
+        s1 = pselect(in_body, padd(s1, ex), s1);
+        s2 = pselect(in_body, pmadd(ex, xk, s2), s2);
+        const packet in_tail = pandnot(valid, in_body);  // valid and not in a whole packet
+        r0 = pselect(in_tail, e, r0);
+        r1 = pselect(in_tail, ex, r1);
+        r2 = pselect(in_tail, pmul(ex, xk), r2);
       } else {
         s0 = padd(s0, e);
         s1 = padd(s1, ex);
@@ -115,37 +124,42 @@ inline void lane_reduce(const lane_group& g, lse_state* out, const tilt_param* u
       }
     };
     long k = j;
-    for (; k < shortest; k += L) add(k, std::false_type{});  // every lane's row holds entry k
+    for (; k < shortest; k += L) add(k, std::false_type{});
     for (; k < entries; k += L) add(k, std::true_type{});
-    pstore(part0 + j * L, s0);
-    pstore(part1 + j * L, s1);
-    pstore(part2 + j * L, s2);
+    pstore(body0 + j * L, s0);
+    pstore(body1 + j * L, s1);
+    pstore(body2 + j * L, s2);
+    pstore(tail0 + j * L, r0);
+    pstore(tail1 + j * L, r1);
+    pstore(tail2 + j * L, r2);
   }
-  alignas(64) double lane_most[L], lane_at[L];
+  alignas(64) double lane_most[L], lane_least[L], lane_at[L];
   pstore(lane_most, most);
+  pstore(lane_least, least);
   pstore(lane_at, most_at);
   for (int l = 0; l < L; ++l) {
     if (g.count[l] == 0.0) continue;
-    const long n = long(g.count[l]);
     const double m = lane_most[l];
-    if (!(m >= -64.0 && m <= 32.0)) {  // as tilt_reduce_finite: the two passes on the row alone
-      double x[lane_row_capacity], w[lane_row_capacity];
-      out[l] = tilt_reduce_two_pass(g.row_n[l], g.row_o[l], n, u[l], ref[l], x, w);
+    if (!(m <= 600.0 && lane_least[l] >= -707.0)) {  // as the evaluator: its two-pass reduction
+      out[l] = evals[l](u[l], ref[l]);
       continue;
     }
-    alignas(64) double t0[L], t1[L], t2[L];  // row l's L partial sums, added as the one-row pass adds
-    for (int j = 0; j < L; ++j) t0[j] = part0[j * L + l], t1[j] = part1[j * L + l], t2[j] = part2[j * L + l];
+    // Row l's L partial sums of each kind, added as the one-row pass adds them.
+    auto sum = [&](const double* part) {
+      alignas(64) double t[L];
+      for (int j = 0; j < L; ++j) t[j] = part[j * L + l];
+      return predux(pload<packet>(t));
+    };
+    double t0 = 0.0, t1 = 0.0, t2 = 0.0;
+    if (whole_l[l] > 0.0) t0 += sum(body0), t1 += sum(body1), t2 += sum(body2);
+    if (whole_l[l] < g.count[l]) t0 += sum(tail0), t1 += sum(tail1), t2 += sum(tail2);
+    alignas(64) double scale_lanes[L];
+    pstore(scale_lanes, exp_bounded(pset1<packet>(-m)));
     lse_state st;
     st.m = m;
-    st.s0 = predux(pload<packet>(t0));
-    st.s1 = predux(pload<packet>(t1));
-    st.s2 = predux(pload<packet>(t2));
-    if (m != 0.0) {
-      const double scale = std::exp(-m);
-      st.s0 *= scale;
-      st.s1 *= scale;
-      st.s2 *= scale;
-    }
+    st.s0 = t0 * scale_lanes[0];
+    st.s1 = t1 * scale_lanes[0];
+    st.s2 = t2 * scale_lanes[0];
     const long at = long(lane_at[l]);
     st.ref_new = g.row_n[l][at];
     st.ref_old = g.row_o[l][at];
@@ -187,7 +201,7 @@ inline void project_rows_in_lanes(std::size_t begin, std::size_t end, double eps
   double lp[sparse_max_entries + 1];
   // Puts the next row that fits a lane into lane l (rows that do not are projected here).
   auto refill = [&](int l) {
-    g.count[l] = g.padded[l] = 0.0;
+    g.count[l] = 0.0;
     while (next < end) {
       lane_row& w = rows[l];
       w.row = next++;
@@ -200,7 +214,6 @@ inline void project_rows_in_lanes(std::size_t begin, std::size_t end, double eps
       }
       for (int k = 0; k < w.size; ++k) g.zn[k * L + l] = w.zn[k], g.zo[k * L + l] = w.zo[k];
       g.count[l] = double(w.size);
-      g.padded[l] = double((w.size + L - 1) / L * L);
       g.row_n[l] = w.zn;
       g.row_o[l] = w.zo;
       w.phase = 0;
@@ -218,6 +231,7 @@ inline void project_rows_in_lanes(std::size_t begin, std::size_t end, double eps
   tilt_param u[L];
   tilt_ref ref[L];
   lse_state st[L];
+  tilt_evaluator<double> evals[L] = {};
   for (;;) {
     bool any = false;
     for (int l = 0; l < L; ++l) {
@@ -230,9 +244,10 @@ inline void project_rows_in_lanes(std::size_t begin, std::size_t end, double eps
       g.ref_o[l] = ref[l].zo;
       g.low[l] = u[l].t <= 0.5 ? 1.0 : 0.0;
       g.slope[l] = u[l].t <= 0.5 ? u[l].t : -u[l].s;
+      evals[l] = w.eval();
     }
     if (!any) return;
-    lane_reduce(g, st, u, ref);
+    lane_reduce(g, st, u, ref, evals);
     for (int l = 0; l < L; ++l) {
       if (g.count[l] == 0.0) continue;
       lane_row& w = rows[l];
