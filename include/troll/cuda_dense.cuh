@@ -61,10 +61,7 @@ void kl(cuda_policy policy, input_view<T> p_logits, input_view<T> q_logits, T* k
   const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "kl";
-  detail::check_view(fn, "p_logits", p_logits);
-  detail::check_view(fn, "q_logits", q_logits);
-  detail::check_same_shape(fn, "p_logits", p_logits, "q_logits", q_logits);
-  if (p_logits.rows != 0 && kl_out == nullptr) detail::throw_shape(fn, "kl_out is a null pointer");
+  detail::check_kl_arguments<T>(fn, p_logits, q_logits, kl_out);
   static const char* const names[3] = {"p_logits", "q_logits", ""};
   detail::cuda::run(fn, policy.stream, p_logits.rows, checks, names,
                     [&](detail::cuda::row_range range, detail::cuda::device_checks device) {

@@ -147,13 +147,7 @@ void align(cuda_policy policy, sparse_input<T> new_rows, sparse_input<T> old_row
   const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "align";
-  detail::check_sparse_view(fn, "new", new_rows);
-  detail::check_sparse_view(fn, "old", old_rows);
-  detail::check_aligned_view(fn, "out", out);
-  detail::check_same_rows(fn, "new", new_rows.rows, "old", old_rows.rows);
-  detail::check_same_rows(fn, "new", new_rows.rows, "out", out.rows);
-  detail::check_same_vocab(fn, "new", new_rows.vocab, "old", old_rows.vocab);
-  detail::check_same_vocab(fn, "new", new_rows.vocab, "out", out.vocab);
+  detail::check_sparse_align_arguments(fn, new_rows, old_rows, out);
   const detail::cuda::sparse_thrower thrower{
       {"new", "old", nullptr, nullptr, nullptr, nullptr, "out (the union of the supports)", nullptr}, 0};
   detail::cuda::run_sparse(fn, policy.stream, new_rows.rows, checks, thrower,

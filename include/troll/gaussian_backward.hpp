@@ -26,6 +26,29 @@ void check_gradient_view(const char* function, const char* name, batch_view<T> v
   check_same_shape(function, name, view, "its input", like);
 }
 
+/// The checks every Gaussian derivative (backward, JVP) runs after its shapes: stats given, the
+/// bounds, and (after `before_rows`, which may throw) every row's values and forward statistics,
+/// which must be solved (inactive or projected). `what` names the derivative in the message.
+template <class T, class BeforeRows>
+void check_gaussian_derivative(unsigned threads, const gaussian_call& call, batch_view<const T> mean,
+                               batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
+                               double eps_mean, double eps_cov, const gaussian::gaussian_stats* stats,
+                               const char* what, BeforeRows before_rows) {
+  const char* fn = call.function;
+  if (stats == nullptr && mean.rows != 0) throw_shape(fn, "stats is a null pointer");
+  check_eps(fn, eps_mean);
+  if (call.split) check_eps(fn, eps_cov);
+  before_rows();
+  validate_gaussian_rows(threads, call, mean, cov, old_mean, old_cov);
+  for (std::size_t r = 0; r < mean.rows; ++r) {
+    if (!stats[r].solved() || !(stats[r].t > 0.0 && stats[r].t <= 1.0))
+      throw domain_error(row_prefix(fn, r) + "forward statistics are unusable: status " +
+                             status_name(stats[r].status) + ", t = " + std::to_string(stats[r].t) + " (" + what +
+                             " needs a solved row: inactive or projected)",
+                         r);
+  }
+}
+
 template <class T>
 void project_gaussian_backward(cpu_policy policy, gaussian_call call, batch_view<const T> mean,
                                batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
@@ -41,17 +64,8 @@ void project_gaussian_backward(cpu_policy policy, gaussian_call call, batch_view
   check_gradient_view(fn, "grads.cov", grads.cov, cov);
   check_gradient_view(fn, "grads.old_mean", grads.old_mean, old_mean);
   check_gradient_view(fn, "grads.old_cov", grads.old_cov, old_cov);
-  if (stats == nullptr && mean.rows != 0) throw_shape(fn, "stats is a null pointer");
-  check_eps(fn, eps_mean);
-  if (call.split) check_eps(fn, eps_cov);
-  validate_gaussian_rows(policy.threads, call, mean, cov, old_mean, old_cov);
-  for (std::size_t r = 0; r < mean.rows; ++r) {
-    if (!stats[r].solved() || !(stats[r].t > 0.0 && stats[r].t <= 1.0))
-      throw domain_error(row_prefix(fn, r) + "forward statistics are unusable: status " +
-                             status_name(stats[r].status) + ", t = " + std::to_string(stats[r].t) +
-                             " (the backward needs a solved row: inactive or projected)",
-                         r);
-  }
+  check_gaussian_derivative(policy.threads, call, mean, cov, old_mean, old_cov, eps_mean, eps_cov, stats,
+                            "the backward", [] {});
   const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;
   auto row = [](batch_view<T> v, std::size_t r) { return v.data == nullptr ? nullptr : v.row(r); };
   cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {

@@ -22,13 +22,6 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 
 template <class T>
-void check_tangent_view(const char* function, const char* name, batch_view<const T> view, batch_view<const T> like) {
-  if (view.data == nullptr) return;
-  check_view(function, name, view);
-  check_same_shape(function, name, view, "its input", like);
-}
-
-template <class T>
 void project_gaussian_jvp(cpu_policy policy, gaussian_call call, batch_view<const T> mean, batch_view<const T> cov,
                           batch_view<const T> old_mean, batch_view<const T> old_cov, double eps_mean, double eps_cov,
                           batch_view<const T> out_mean, batch_view<const T> out_cov,
@@ -38,23 +31,16 @@ void project_gaussian_jvp(cpu_policy policy, gaussian_call call, batch_view<cons
   call = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov);
   const char* fn = call.function;
   check_gaussian_arguments(call, mean, cov, old_mean, old_cov, tangent_out_mean, tangent_out_cov);
-  check_tangent_view<T>(fn, "tangents.mean", tangents.mean, mean);
-  check_tangent_view<T>(fn, "tangents.cov", tangents.cov, cov);
-  check_tangent_view<T>(fn, "tangents.old_mean", tangents.old_mean, old_mean);
-  check_tangent_view<T>(fn, "tangents.old_cov", tangents.old_cov, old_cov);
-  if (stats == nullptr && mean.rows != 0) throw_shape(fn, "stats is a null pointer");
-  check_eps(fn, eps_mean);
-  if (call.split) check_eps(fn, eps_cov);
-  if (!(tangents.eps - tangents.eps == 0.0) || !(tangents.eps_mean - tangents.eps_mean == 0.0))
-    throw domain_error(std::string("troll::") + fn + ": a bound tangent is not finite");
-  validate_gaussian_rows(policy.threads, call, mean, cov, old_mean, old_cov);
-  for (std::size_t r = 0; r < mean.rows; ++r) {
-    if (!stats[r].solved() || !(stats[r].t > 0.0 && stats[r].t <= 1.0))
-      throw domain_error(row_prefix(fn, r) + "forward statistics are unusable: status " +
-                             status_name(stats[r].status) + ", t = " + std::to_string(stats[r].t) +
-                             " (the JVP needs a solved row: inactive or projected)",
-                         r);
-  }
+  check_gradient_view<const T>(fn, "tangents.mean", tangents.mean, mean);
+  check_gradient_view<const T>(fn, "tangents.cov", tangents.cov, cov);
+  check_gradient_view<const T>(fn, "tangents.old_mean", tangents.old_mean, old_mean);
+  check_gradient_view<const T>(fn, "tangents.old_cov", tangents.old_cov, old_cov);
+  check_gaussian_derivative(policy.threads, call, mean, cov, old_mean, old_cov, eps_mean, eps_cov, stats, "the JVP",
+                            [&] {
+                              if (!(tangents.eps - tangents.eps == 0.0) ||
+                                  !(tangents.eps_mean - tangents.eps_mean == 0.0))
+                                throw domain_error(std::string("troll::") + fn + ": a bound tangent is not finite");
+                            });
   const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;
   auto row = [](batch_view<const T> v, std::size_t r) { return v.data == nullptr ? nullptr : v.row(r); };
   cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {

@@ -74,6 +74,22 @@ gaussian_call check_projection_arguments(gaussian_call call, batch_view<const T>
   return c;
 }
 
+/// The arguments of one forward Gaussian projection, as every backend receives them.
+template <class T>
+struct gaussian_projection_args {
+  batch_view<const T> mean, cov, old_mean, old_cov;
+  batch_view<T> out_mean, out_cov;
+  gaussian::gaussian_stats* stats;
+  double eps_mean, eps_cov;
+  projection_options options;
+};
+
+template <class T>
+gaussian_call check_projection_arguments(const gaussian_call& call, const gaussian_projection_args<T>& a) {
+  return check_projection_arguments(call, a.mean, a.cov, a.old_mean, a.old_cov, a.out_mean, a.out_cov, a.stats,
+                                    a.eps_mean, a.eps_cov, a.options);
+}
+
 /// The first problem of one row's operand, as a message ("" when fine): a non-finite entry, a
 /// standard deviation or factor diagonal ≤ 0, a non-zero entry above a factor's diagonal.
 template <class T>

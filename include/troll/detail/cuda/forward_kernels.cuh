@@ -151,6 +151,31 @@ __global__ void __launch_bounds__(block_threads)
   }
 }
 
+/// The solve of a row whose report is still none (others are skipped): an infeasible result
+/// becomes the row's report (the value: the KL reached).
+template <class Eval>
+__device__ solve_result solve_checked_row(const Eval& eval, const row_setup& setup, double eps,
+                                          const projection_options& options, cuda_row_report& report) {
+  solve_result result;
+  if (report.error == cuda_row_error::none) {
+    result = solve_row(eval, setup, eps, options);
+    if (result.status == row_status::infeasible)
+      report.error = cuda_row_error::infeasible, report.value = result.point.kl;
+  }
+  return result;
+}
+
+/// The validation pass's infeasibility check of a row the old logits partly mask: the floor
+/// −log q(J) = KL at t → 0 must be below ε (else report infeasible with the floor).
+template <class Eval>
+__device__ void check_feasible(const Eval& eval, const row_setup& setup, double log_sum_old, double eps,
+                               cuda_row_report& report) {
+  if (report.error == cuda_row_error::none && setup.old_only) {
+    const double floor = evaluate_at_zero(eval, setup, log_sum_old).kl;
+    if (floor >= eps) report.error = cuda_row_error::infeasible, report.value = floor;
+  }
+}
+
 /// Rows of `range`: the trust-region projection (see troll::project). With
 /// checks.validate_only, only the CPU's pre-write validation runs (including the
 /// infeasibility floor −log q(J) ≥ ε) and nothing is written but the reports.
@@ -173,20 +198,12 @@ __global__ void __launch_bounds__(block_threads)
     const block_tilt_evaluator<T> eval{zn, zo, size, setup.old_max, log_sum_old, &lse_storage};
 
     if (checks.validate_only) {
-      if (report.error == cuda_row_error::none && setup.old_only) {
-        const double floor = evaluate_at_zero(eval, setup, log_sum_old).kl;
-        if (floor >= eps) report.error = cuda_row_error::infeasible, report.value = floor;
-      }
+      check_feasible(eval, setup, log_sum_old, eps, report);
       if (threadIdx.x == 0) record_row(checks, range, r, report);
       continue;
     }
 
-    solve_result result;
-    if (report.error == cuda_row_error::none) {
-      result = solve_row(eval, setup, eps, options);
-      if (result.status == row_status::infeasible)
-        report.error = cuda_row_error::infeasible, report.value = result.point.kl;
-    }
+    const solve_result result = solve_checked_row(eval, setup, eps, options, report);
     if (threadIdx.x == 0) record_row(checks, range, r, report);
     if (report.error != cuda_row_error::none) {
       fill_nan(out, size);

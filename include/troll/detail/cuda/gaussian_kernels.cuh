@@ -55,12 +55,7 @@ struct gaussian_warp_family {
 
 /// The device's view of one launch: the operands, the bounds and the options.
 template <class T>
-struct gaussian_launch {
-  batch_view<const T> mean, cov, old_mean, old_cov;
-  batch_view<T> out_mean, out_cov;
-  gaussian::gaussian_stats* stats;
-  double eps_mean, eps_cov;
-  projection_options options;
+struct gaussian_launch : gaussian_projection_args<T> {
   bool split;
 };
 

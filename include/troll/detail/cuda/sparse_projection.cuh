@@ -335,19 +335,11 @@ __global__ void sparse_project_kernel(aligned_batch_view<const T> rows, double e
       report.token = out.k_max, report.value = double(row.count);
     }
     if (checks.validate_only) {
-      if (report.error == cuda_row_error::none && setup.old_only) {
-        const double floor = evaluate_at_zero(eval, setup, log_sum_old).kl;
-        if (floor >= eps) report.error = cuda_row_error::infeasible, report.value = floor;
-      }
+      check_feasible(eval, setup, log_sum_old, eps, report);
       if (lane_id() == 0) record_row(checks, range, r, report);
       continue;
     }
-    solve_result result;
-    if (report.error == cuda_row_error::none) {
-      result = solve_row(eval, setup, eps, options);
-      if (result.status == row_status::infeasible)
-        report.error = cuda_row_error::infeasible, report.value = result.point.kl;
-    }
+    const solve_result result = solve_checked_row(eval, setup, eps, options, report);
     if (lane_id() == 0) record_row(checks, range, r, report);
     sparse_index* indices = out.row_indices(r);
     T* lp = out.row_log_probs(r);
