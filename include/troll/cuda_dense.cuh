@@ -96,9 +96,9 @@ void kl_backward(cuda_policy policy, input_view<T> p_logits, input_view<T> q_log
   const detail::cuda::throw_derivative_report thrower;
   cuda_checks unchecked = checks;
   if (checks.checked && p_logits.rows != 0) {
-    // The CPU validates every row's logits before any row's g and KL: two checked passes.
-    detail::cuda::validate_or_throw(fn, policy.stream, p_logits.rows, names, launch(true), thrower);
-    detail::cuda::validate_or_throw(fn, policy.stream, p_logits.rows, names, launch(false), thrower);
+    // The CPU validates every row's logits before any row's g and KL: two stages, one pass.
+    detail::cuda::validate_stages_or_throw(
+        fn, policy.stream, p_logits.rows, names, 2, [&](int stage) { return launch(stage == 0); }, thrower);
     unchecked.checked = false;
   }
   detail::cuda::run(fn, policy.stream, p_logits.rows, unchecked, names, launch(false), thrower);

@@ -104,10 +104,11 @@ void objective_backward(cuda_policy policy, const trust_region_objective& object
   const detail::cuda::throw_objective_report thrower;
   cuda_checks unchecked = checks;
   if (checks.checked) {
-    // The CPU checks every row's logits and token data before any row's stats: two passes, so
-    // that the same row is thrown.
-    detail::cuda::validate_or_throw(fn, policy.stream, new_logits.rows, names, launch(nullptr), thrower);
-    detail::cuda::validate_or_throw(fn, policy.stream, new_logits.rows, names, launch(stats), thrower);
+    // The CPU checks every row's logits and token data before any row's stats: two validation
+    // stages (one pass, one synchronisation), so that the same row is thrown.
+    detail::cuda::validate_stages_or_throw(
+        fn, policy.stream, new_logits.rows, names, 2,
+        [&](int stage) { return launch(stage == 0 ? nullptr : stats); }, thrower);
     unchecked.checked = false;
   }
   detail::cuda::run(fn, policy.stream, new_logits.rows, unchecked, names, launch(stats), thrower);

@@ -299,7 +299,7 @@ void sparsify_backward(cuda_policy policy, batch_view<L> logits, sparse_input<T>
 /// vocab_offset + cols) of sparsify_backward's gradient, from `log_sums` (device, rows × 2, what
 /// sparsify_finalize wrote). One pass per row, no communication. Host checks as on the CPU; rejected
 /// rows (NaN / +inf shard logits, unusable log_sums, a bad support row, a NaN / infinite gradient)
-/// get NaN, or throw the CPU's exception in checked mode (three validation passes, in the CPU's
+/// get NaN, or throw the CPU's exception in checked mode (three validation stages in one pass, in the CPU's
 /// order over all rows).
 template <class L, class T>
 void sparsify_shard_backward(cuda_policy policy, batch_view<L> shard_logits, std::size_t vocab_offset,
@@ -325,8 +325,7 @@ void sparsify_shard_backward(cuda_policy policy, batch_view<L> shard_logits, std
   cuda_checks checks = policy.checks;
   if (checks.checked && in.rows != 0) {
     static const char* const unused[3] = {"", "", ""};
-    for (int stage = 0; stage < 3; ++stage)
-      detail::cuda::validate_or_throw(fn, policy.stream, in.rows, unused, launch(stage), thrower);
+    detail::cuda::validate_stages_or_throw(fn, policy.stream, in.rows, unused, 3, launch, thrower);
     checks.checked = false;
   }
   detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower, launch(2));

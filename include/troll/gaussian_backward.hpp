@@ -49,6 +49,17 @@ void check_gaussian_derivative(unsigned threads, const gaussian_call& call, batc
   }
 }
 
+/// Runs row(r, t) for every row in parallel (a Gaussian derivative's work per row), t the
+/// forward's t* (1 on inactive rows).
+template <class Row>
+void for_each_solved_row(unsigned threads, const gaussian_call& call, std::size_t rows,
+                         const gaussian::gaussian_stats* stats, Row row) {
+  const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;
+  cpu::parallel_for(threads, rows, work, [&](std::size_t r) {
+    row(r, stats[r].status == row_status::inactive ? 1.0 : stats[r].t);
+  });
+}
+
 template <class T>
 void project_gaussian_backward(cpu_policy policy, gaussian_call call, batch_view<const T> mean,
                                batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
@@ -66,9 +77,8 @@ void project_gaussian_backward(cpu_policy policy, gaussian_call call, batch_view
   check_gradient_view(fn, "grads.old_cov", grads.old_cov, old_cov);
   check_gaussian_derivative(policy.threads, call, mean, cov, old_mean, old_cov, eps_mean, eps_cov, stats,
                             "the backward", [] {});
-  const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;
   auto row = [](batch_view<T> v, std::size_t r) { return v.data == nullptr ? nullptr : v.row(r); };
-  cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
+  for_each_solved_row(policy.threads, call, mean.rows, stats, [&](std::size_t r, double t) {
     const cpu::gaussian_row_grads<T> io{out_mean.row(r),
                                         out_cov.row(r),
                                         grad_out_mean.row(r),
@@ -79,7 +89,6 @@ void project_gaussian_backward(cpu_policy policy, gaussian_call call, batch_view
                                         row(grads.old_cov, r),
                                         grads.eps == nullptr ? nullptr : grads.eps + r,
                                         grads.eps_mean == nullptr ? nullptr : grads.eps_mean + r};
-    const double t = stats[r].status == row_status::inactive ? 1.0 : stats[r].t;
     if (call.full) {
       cpu::gaussian_backward_full(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
                                   eps_mean, t, io);

@@ -41,9 +41,8 @@ void project_gaussian_jvp(cpu_policy policy, gaussian_call call, batch_view<cons
                                   !(tangents.eps_mean - tangents.eps_mean == 0.0))
                                 throw domain_error(std::string("troll::") + fn + ": a bound tangent is not finite");
                             });
-  const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;
   auto row = [](batch_view<const T> v, std::size_t r) { return v.data == nullptr ? nullptr : v.row(r); };
-  cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
+  for_each_solved_row(policy.threads, call, mean.rows, stats, [&](std::size_t r, double t) {
     const cpu::gaussian_row_tangents<T> io{out_cov.row(r),
                                            row(tangents.mean, r),
                                            row(tangents.cov, r),
@@ -53,7 +52,6 @@ void project_gaussian_jvp(cpu_policy policy, gaussian_call call, batch_view<cons
                                            tangents.eps_mean,
                                            tangent_out_mean.row(r),
                                            tangent_out_cov.row(r)};
-    const double t = stats[r].status == row_status::inactive ? 1.0 : stats[r].t;
     if (call.full) {
       cpu::gaussian_jvp_full(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
                              eps_mean, t, io);

@@ -700,6 +700,28 @@ void align_backward(cpu_policy policy, sparse_input<T> row, aligned_input<T> ali
 // ---------------------------------------------------------------------------------------------
 // KL, projection and its backward on aligned rows.
 
+namespace detail {
+
+/// Row r of a sparse output on the aligned rows' support U from log π* over the n lumped
+/// categories (slot[j]: the entry of U of category j, or count for the bucket): U's ids, log π*
+/// on U (−inf on entries no category reached), the bucket, the count, padding.
+template <class T>
+void write_lumped_row(const aligned_batch_view<const T>& rows, std::size_t r, const int* slot, int n,
+                      const double* lp, const sparse_batch_view<T>& out) {
+  const int count = static_cast<int>(rows.counts[r]);
+  T* out_lp = out.row_log_probs(r);
+  for (int i = 0; i < count; ++i) {
+    out.row_indices(r)[i] = rows.indices[r * rows.k_max + std::size_t(i)];
+    out_lp[i] = T(neg_inf());
+  }
+  out.log_remainder[r] = T(neg_inf());
+  for (int j = 0; j < n; ++j) (slot[j] < count ? out_lp[slot[j]] : out.log_remainder[r]) = T(lp[j]);
+  out.counts[r] = count;
+  pad_row(out.row_indices(r), out_lp, std::size_t(count), out.k_max);
+}
+
+}  // namespace detail
+
 /// kl_out[r] = KL(new ‖ old) of aligned rows: the KL of the lumped (|U|+1)-category rows, equal to
 /// the KL of the expanded V-vectors under uniform tails. +inf where new has mass that old lacks.
 template <class T>
@@ -746,16 +768,7 @@ void project(cpu_policy policy, aligned_input<T> rows, double eps, sparse_batch_
     detail::row_setup setup;
     detail::cpu::scan_pair(zn, zo, std::size_t(n), setup, "", "");
     stats[r] = detail::cpu::project_row(zn, zo, std::size_t(n), setup, eps, options, lp);
-    const int count = static_cast<int>(rows.counts[r]);
-    T* out_lp = out.row_log_probs(r);
-    for (int i = 0; i < count; ++i) {
-      out.row_indices(r)[i] = rows.indices[r * rows.k_max + std::size_t(i)];
-      out_lp[i] = T(detail::neg_inf());
-    }
-    out.log_remainder[r] = T(detail::neg_inf());
-    for (int j = 0; j < n; ++j) (slot[j] < count ? out_lp[slot[j]] : out.log_remainder[r]) = T(lp[j]);
-    out.counts[r] = count;
-    detail::pad_row(out.row_indices(r), out_lp, std::size_t(count), out.k_max);
+    detail::write_lumped_row(rows, r, slot, n, lp, out);
   });
 }
 

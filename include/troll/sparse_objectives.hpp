@@ -206,6 +206,12 @@ sparse_objective_problem check_token_and_logits(const token_batch<T>& in, std::s
   scan = scan_logits(new_logits.row(r), new_logits.cols, "new_logits");
   return scan.problem ? as_logit_problem(scan.problem) : sparse_objective_problem{};
 }
+template <class T>
+sparse_objective_problem check_token_and_logits(const token_batch<T>& in, std::size_t r,
+                                                batch_view<const T> new_logits) {
+  logit_scan scan;
+  return check_token_and_logits(in, r, new_logits, scan);
+}
 
 }  // namespace detail
 
@@ -334,17 +340,7 @@ objective_metrics objective_forward(cpu_policy policy,
         zn, zo, std::size_t(n), objective.eps, objective.projection, counted, token,
         counted ? static_cast<double>(in.advantages[r]) : 0.0, objective.alpha, lp);
     stats[r] = results[r].stats;
-    const int count = static_cast<int>(aligned.counts[r]);
-    T* out_lp = log_probs.row_log_probs(r);
-    for (int i = 0; i < count; ++i) {
-      log_probs.row_indices(r)[i] = aligned.indices[r * aligned.k_max + std::size_t(i)];
-      out_lp[i] = T(detail::neg_inf());
-    }
-    log_probs.log_remainder[r] = T(detail::neg_inf());
-    for (int j = 0; j < n; ++j)
-      (slot[j] < count ? out_lp[slot[j]] : log_probs.log_remainder[r]) = T(lp[j]);
-    log_probs.counts[r] = count;
-    detail::pad_row(log_probs.row_indices(r), out_lp, std::size_t(count), log_probs.k_max);
+    detail::write_lumped_row(aligned_in, r, slot, n, lp, log_probs);
   });
   return detail::finish_troll_forward(in, rows, scratch.parts.weights, results, token_loss, sum,
                                       [&](std::size_t r, const detail::objective_problem& p) {
@@ -386,10 +382,9 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
 
   using problem_t = detail::sparse_objective_problem;
   auto problem = [&](std::size_t r) -> problem_t {
-    detail::logit_scan scan;
-    problem_t p = detail::check_token_and_logits(in, r, new_logits, scan);
-    if (p) return p;
     detail::index_slot scratch[sparse_max_entries];
+    problem_t p = detail::check_token_and_logits(in, r, new_logits);
+    if (p) return p;
     p.sparse = detail::check_sparse_row_of(aligned.new_side(), r, "aligned (new side)", scratch);
     if (!p.sparse)
       p.sparse = detail::check_sparse_row_of(aligned.old_side(), r, "aligned (old side)", scratch);

@@ -9,6 +9,8 @@
 #include "../batch.hpp"
 #include "../config.hpp"
 #include "../errors.hpp"
+#include "../gaussian_types.hpp"
+#include "../projection_types.hpp"
 #include "arguments.hpp"
 #include "cpu/parallel.hpp"
 #include "numeric.hpp"

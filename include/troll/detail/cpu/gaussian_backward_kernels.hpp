@@ -67,6 +67,36 @@ void natural_to_factor(const gaussian_vector& mean, const gaussian_matrix& facto
     for (Eigen::Index j = 0; j < n; ++j) out_cov[i * n + j] = j <= i ? static_cast<T>(l_bar(i, j)) : T(0);
 }
 
+// The split mean's VJP on full (vector, matrix) and diagonal (array) rows: the few operations that
+// differ, each in the association order its row type always used.
+inline double inner(const gaussian_vector& a, const gaussian_vector& b) { return a.dot(b); }
+inline double inner(const gaussian_array& a, const gaussian_array& b) { return (a * b).sum(); }
+// (Unevaluated expressions over the caller's operands, so each row type keeps its own evaluation.)
+inline auto scaled_apply(double k, const gaussian_matrix& p, const gaussian_vector& v) { return k * (p * v); }
+inline auto scaled_apply(double k, const gaussian_array& p, const gaussian_array& v) { return k * p * v; }
+inline auto half_scaled_outer(double k, const gaussian_vector& v) { return 0.5 * k * v * v.transpose(); }
+inline auto half_scaled_outer(double k, const gaussian_array& v) { return 0.5 * k * v * v; }
+
+/// The split mean μ* = μ° + κ(μ̃ − μ°), κ = split_mean_scale(m, ε_μ), m = ½‖b‖²: adds its VJP to
+/// mean_new, mean_old and lam_old (the old precision's gradient) for upstream g_mean and
+/// diff = μ̃ − μ°; returns ∂L/∂ε_μ (0 when κ = 1, the mean inside its bound).
+template <class Vec, class Prec, class Lam>
+double split_mean_vjp(const Vec& diff, double m, double eps_mean, const Vec& g_mean, const Prec& precision_old,
+                      Vec& mean_new, Vec& mean_old, Lam& lam_old) {
+  const double kappa = split_mean_scale(m, eps_mean);
+  if (!(kappa < 1.0)) {
+    mean_new += g_mean;
+    return 0.0;
+  }
+  const double kappa_bar = inner(g_mean, diff);
+  const double k = kappa_bar * kappa / (2.0 * m);
+  const Vec diff_bar = kappa * g_mean - scaled_apply(k, precision_old, diff);
+  mean_new += diff_bar;
+  mean_old += g_mean - diff_bar;
+  lam_old -= half_scaled_outer(k, diff);
+  return kappa_bar * kappa / (2.0 * eps_mean);
+}
+
 /// The VJP of one full-covariance row (validated inputs; a solved row: inactive or projected).
 template <class T>
 void gaussian_backward_full(bool split, std::size_t d, const T* mean, const T* cov, const T* old_mean,
@@ -92,19 +122,8 @@ void gaussian_backward_full(bool split, std::size_t d, const T* mean, const T* c
 
   if (split) {
     const gaussian_vector diff = mu_new - mu_old;
-    const double m = 0.5 * basis.b.squaredNorm();
-    const double kappa = split_mean_scale(m, eps_mean);
-    if (kappa < 1.0) {
-      const double kappa_bar = g_mean.dot(diff);
-      const double k = kappa_bar * kappa / (2.0 * m);
-      const gaussian_vector diff_bar = kappa * g_mean - k * (precision_old * diff);
-      mean_new += diff_bar;
-      mean_old += g_mean - diff_bar;
-      lam_old -= 0.5 * k * diff * diff.transpose();
-      eps_mean_bar = kappa_bar * kappa / (2.0 * eps_mean);
-    } else {
-      mean_new += g_mean;
-    }
+    eps_mean_bar = split_mean_vjp(diff, 0.5 * basis.b.squaredNorm(), eps_mean, g_mean, precision_old, mean_new,
+                                  mean_old, lam_old);
   }
   const bool inactive = t >= 1.0;
   if (inactive) {
@@ -180,19 +199,8 @@ void gaussian_backward_diag(bool split, std::size_t d, const T* mean, const T* s
 
   if (split) {
     const gaussian_array diff = mu_new - mu_old;
-    const double m = 0.5 * basis.b.squaredNorm();
-    const double kappa = split_mean_scale(m, eps_mean);
-    if (kappa < 1.0) {
-      const double kappa_bar = (g_mean * diff).sum();
-      const double k = kappa_bar * kappa / (2.0 * m);
-      const gaussian_array diff_bar = kappa * g_mean - k * precision_old * diff;
-      mean_new += diff_bar;
-      mean_old += g_mean - diff_bar;
-      lam_old -= 0.5 * k * diff * diff;
-      eps_mean_bar = kappa_bar * kappa / (2.0 * eps_mean);
-    } else {
-      mean_new += g_mean;
-    }
+    eps_mean_bar = split_mean_vjp(diff, 0.5 * basis.b.squaredNorm(), eps_mean, g_mean, precision_old, mean_new,
+                                  mean_old, lam_old);
   }
   const bool inactive = t >= 1.0;
   if (inactive) {

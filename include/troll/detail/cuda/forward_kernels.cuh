@@ -20,6 +20,15 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cuda {
 
+/// Adds token (a = z̃_i, b = z°_i) to a tilted-family reduction at u when both are finite.
+TROLL_HOST_DEVICE inline void push_tilt_token(lse_state& local, double a, double b, const tilt_ref& ref,
+                                              const tilt_param& u) {
+  if (a > neg_inf() && b > neg_inf()) {
+    const double x = tilt_centred(a, b, ref);
+    push_pair(local, tilt_weight(a, b, x, ref, u), x, a, b);
+  }
+}
+
 /// The tilted-family reduction of trust_region_solver.hpp over one row, by the whole block:
 /// pairs w_i = (z°_i − M°) + t·x_i, x_i = d_i − c over the joint support (see that header).
 template <class T>
@@ -40,12 +49,7 @@ struct block_tilt_evaluator {
 #ifdef __CUDA_ARCH__
     lse_state local;
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
-      const double a = static_cast<double>(new_logits[i]);
-      const double b = static_cast<double>(old_logits[i]);
-      if (a > neg_inf() && b > neg_inf()) {
-        const double x = tilt_centred(a, b, ref);
-        push_pair(local, tilt_weight(a, b, x, ref, u), x, a, b);
-      }
+      push_tilt_token(local, static_cast<double>(new_logits[i]), static_cast<double>(old_logits[i]), ref, u);
     }
     return block_all_reduce(*storage, local, merge_lse{});
 #else

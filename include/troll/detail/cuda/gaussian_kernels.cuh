@@ -16,6 +16,7 @@
 #include "../../config.hpp"
 #include "../../gaussian_types.hpp"
 #include "../../projection_types.hpp"
+#include "../gaussian_checks.hpp"
 #include "../gaussian_family.hpp"
 #include "../numeric.hpp"
 

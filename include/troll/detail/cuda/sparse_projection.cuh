@@ -83,10 +83,7 @@ struct warp_lumped_evaluator {
     for (int i = lane_id(); i <= row.count; i += warp_lanes) {
       double a, b;
       row.at(i, a, b);
-      if (a > neg_inf() && b > neg_inf()) {
-        const double x = tilt_centred(a, b, ref);
-        push_pair(local, tilt_weight(a, b, x, ref, u), x, a, b);
-      }
+      push_tilt_token(local, a, b, ref, u);
     }
     return warp_all_reduce(local, merge_lse{});
 #else
