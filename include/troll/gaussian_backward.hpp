@@ -49,14 +49,44 @@ void check_gaussian_derivative(unsigned threads, const gaussian_call& call, batc
   }
 }
 
-/// Runs row(r, t) for every row in parallel (a Gaussian derivative's work per row), t the
-/// forward's t* (1 on inactive rows).
-template <class Row>
-void for_each_solved_row(unsigned threads, const gaussian_call& call, std::size_t rows,
-                         const gaussian::gaussian_stats* stats, Row row) {
+/// The shape checks of a Gaussian derivative: the forward's inputs and outputs, the derivative's
+/// two dense views (upstream gradients or output tangents), and the four optional per-input views
+/// of `extra` (gaussian_grads or gaussian_tangents; empty ones skipped) under `names`.
+template <class T, class U, class Extra>
+gaussian_call check_derivative_shapes(gaussian_call call, batch_view<const T> mean, batch_view<const T> cov,
+                                      batch_view<const T> old_mean, batch_view<const T> old_cov,
+                                      batch_view<const T> out_mean, batch_view<const T> out_cov,
+                                      batch_view<U> dense_mean, batch_view<U> dense_cov, const Extra& extra,
+                                      const char* const names[4]) {
+  call = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov);
+  check_gaussian_arguments(call, mean, cov, old_mean, old_cov, dense_mean, dense_cov);
+  check_gradient_view<const T>(call.function, names[0], extra.mean, mean);
+  check_gradient_view<const T>(call.function, names[1], extra.cov, cov);
+  check_gradient_view<const T>(call.function, names[2], extra.old_mean, old_mean);
+  check_gradient_view<const T>(call.function, names[3], extra.old_cov, old_cov);
+  return call;
+}
+
+/// Row r of a view, or null for an empty (skipped) view.
+template <class T>
+T* row_or_null(batch_view<T> v, std::size_t r) {
+  return v.data == nullptr ? nullptr : v.row(r);
+}
+
+/// Runs a Gaussian derivative's row kernel over every row in parallel: full(…) or diag(…) with
+/// (split, d, the four input rows, eps_mean, t, io_of(r)), t the forward's t* (1 on inactive rows).
+template <class T, class IoOf, class Full, class Diag>
+void for_each_solved_row(unsigned threads, const gaussian_call& call, batch_view<const T> mean,
+                         batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
+                         double eps_mean, const gaussian::gaussian_stats* stats, IoOf io_of, Full full, Diag diag) {
   const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;
-  cpu::parallel_for(threads, rows, work, [&](std::size_t r) {
-    row(r, stats[r].status == row_status::inactive ? 1.0 : stats[r].t);
+  cpu::parallel_for(threads, mean.rows, work, [&](std::size_t r) {
+    const double t = stats[r].status == row_status::inactive ? 1.0 : stats[r].t;
+    if (call.full) {
+      full(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), eps_mean, t, io_of(r));
+    } else {
+      diag(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), eps_mean, t, io_of(r));
+    }
   });
 }
 
@@ -68,35 +98,26 @@ void project_gaussian_backward(cpu_policy policy, gaussian_call call, batch_view
                                batch_view<const T> grad_out_mean, batch_view<const T> grad_out_cov,
                                const gaussian::gaussian_grads<T>& grads) {
   require_float_type<T>();
-  call = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov);
-  const char* fn = call.function;
-  check_gaussian_arguments(call, mean, cov, old_mean, old_cov, grad_out_mean, grad_out_cov);
-  check_gradient_view(fn, "grads.mean", grads.mean, mean);
-  check_gradient_view(fn, "grads.cov", grads.cov, cov);
-  check_gradient_view(fn, "grads.old_mean", grads.old_mean, old_mean);
-  check_gradient_view(fn, "grads.old_cov", grads.old_cov, old_cov);
+  static const char* const names[4] = {"grads.mean", "grads.cov", "grads.old_mean", "grads.old_cov"};
+  call = check_derivative_shapes(call, mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean, grad_out_cov,
+                                 grads, names);
   check_gaussian_derivative(policy.threads, call, mean, cov, old_mean, old_cov, eps_mean, eps_cov, stats,
                             "the backward", [] {});
-  auto row = [](batch_view<T> v, std::size_t r) { return v.data == nullptr ? nullptr : v.row(r); };
-  for_each_solved_row(policy.threads, call, mean.rows, stats, [&](std::size_t r, double t) {
-    const cpu::gaussian_row_grads<T> io{out_mean.row(r),
-                                        out_cov.row(r),
-                                        grad_out_mean.row(r),
-                                        grad_out_cov.row(r),
-                                        row(grads.mean, r),
-                                        row(grads.cov, r),
-                                        row(grads.old_mean, r),
-                                        row(grads.old_cov, r),
-                                        grads.eps == nullptr ? nullptr : grads.eps + r,
-                                        grads.eps_mean == nullptr ? nullptr : grads.eps_mean + r};
-    if (call.full) {
-      cpu::gaussian_backward_full(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
-                                  eps_mean, t, io);
-    } else {
-      cpu::gaussian_backward_diag(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
-                                  eps_mean, t, io);
-    }
-  });
+  for_each_solved_row(
+      policy.threads, call, mean, cov, old_mean, old_cov, eps_mean, stats,
+      [&](std::size_t r) {
+        return cpu::gaussian_row_grads<T>{out_mean.row(r),
+                                          out_cov.row(r),
+                                          grad_out_mean.row(r),
+                                          grad_out_cov.row(r),
+                                          row_or_null(grads.mean, r),
+                                          row_or_null(grads.cov, r),
+                                          row_or_null(grads.old_mean, r),
+                                          row_or_null(grads.old_cov, r),
+                                          grads.eps == nullptr ? nullptr : grads.eps + r,
+                                          grads.eps_mean == nullptr ? nullptr : grads.eps_mean + r};
+      },
+      [](auto&&... a) { cpu::gaussian_backward_full(a...); }, [](auto&&... a) { cpu::gaussian_backward_diag(a...); });
 }
 
 }  // namespace detail

@@ -28,38 +28,30 @@ void project_gaussian_jvp(cpu_policy policy, gaussian_call call, batch_view<cons
                           const gaussian::gaussian_stats* stats, const gaussian::gaussian_tangents<T>& tangents,
                           batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov) {
   require_float_type<T>();
-  call = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov);
+  static const char* const names[4] = {"tangents.mean", "tangents.cov", "tangents.old_mean", "tangents.old_cov"};
+  call = check_derivative_shapes(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
+                                 tangent_out_cov, tangents, names);
   const char* fn = call.function;
-  check_gaussian_arguments(call, mean, cov, old_mean, old_cov, tangent_out_mean, tangent_out_cov);
-  check_gradient_view<const T>(fn, "tangents.mean", tangents.mean, mean);
-  check_gradient_view<const T>(fn, "tangents.cov", tangents.cov, cov);
-  check_gradient_view<const T>(fn, "tangents.old_mean", tangents.old_mean, old_mean);
-  check_gradient_view<const T>(fn, "tangents.old_cov", tangents.old_cov, old_cov);
   check_gaussian_derivative(policy.threads, call, mean, cov, old_mean, old_cov, eps_mean, eps_cov, stats, "the JVP",
                             [&] {
                               if (!(tangents.eps - tangents.eps == 0.0) ||
                                   !(tangents.eps_mean - tangents.eps_mean == 0.0))
                                 throw domain_error(std::string("troll::") + fn + ": a bound tangent is not finite");
                             });
-  auto row = [](batch_view<const T> v, std::size_t r) { return v.data == nullptr ? nullptr : v.row(r); };
-  for_each_solved_row(policy.threads, call, mean.rows, stats, [&](std::size_t r, double t) {
-    const cpu::gaussian_row_tangents<T> io{out_cov.row(r),
-                                           row(tangents.mean, r),
-                                           row(tangents.cov, r),
-                                           row(tangents.old_mean, r),
-                                           row(tangents.old_cov, r),
-                                           tangents.eps,
-                                           tangents.eps_mean,
-                                           tangent_out_mean.row(r),
-                                           tangent_out_cov.row(r)};
-    if (call.full) {
-      cpu::gaussian_jvp_full(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
-                             eps_mean, t, io);
-    } else {
-      cpu::gaussian_jvp_diag(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
-                             eps_mean, t, io);
-    }
-  });
+  for_each_solved_row(
+      policy.threads, call, mean, cov, old_mean, old_cov, eps_mean, stats,
+      [&](std::size_t r) {
+        return cpu::gaussian_row_tangents<T>{out_cov.row(r),
+                                             row_or_null(tangents.mean, r),
+                                             row_or_null(tangents.cov, r),
+                                             row_or_null(tangents.old_mean, r),
+                                             row_or_null(tangents.old_cov, r),
+                                             tangents.eps,
+                                             tangents.eps_mean,
+                                             tangent_out_mean.row(r),
+                                             tangent_out_cov.row(r)};
+      },
+      [](auto&&... a) { cpu::gaussian_jvp_full(a...); }, [](auto&&... a) { cpu::gaussian_jvp_diag(a...); });
 }
 
 }  // namespace detail
