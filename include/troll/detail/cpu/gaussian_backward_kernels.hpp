@@ -120,15 +120,14 @@ void gaussian_backward_full(bool split, std::size_t d, const T* mean, const T* c
   gaussian_matrix lam_new = gaussian_matrix::Zero(n, n), lam_old = gaussian_matrix::Zero(n, n);
   double eps_bar = 0.0, eps_mean_bar = 0.0;
 
-  if (split) {
-    const gaussian_vector diff = mu_new - mu_old;
-    eps_mean_bar = split_mean_vjp(diff, 0.5 * basis.b.squaredNorm(), eps_mean, g_mean, precision_old, mean_new,
-                                  mean_old, lam_old);
-  }
   const bool inactive = t >= 1.0;
-  if (inactive) {
-    if (!split) mean_new += g_mean;
-  } else {
+  if (split) {
+    eps_mean_bar = split_mean_vjp<gaussian_vector>(mu_new - mu_old, 0.5 * basis.b.squaredNorm(), eps_mean, g_mean,
+                                         precision_old, mean_new, mean_old, lam_old);
+  } else if (inactive) {
+    mean_new += g_mean;  // an inactive joint row is the identity in the mean
+  }
+  if (!inactive) {
     const double s = 1.0 - t;
     const gaussian_member_coords c = member_coords(basis, t);
     const gaussian_array inv_a = c.a.array().inverse();
@@ -197,15 +196,14 @@ void gaussian_backward_diag(bool split, std::size_t d, const T* mean, const T* s
   gaussian_array lam_new = gaussian_array::Zero(n), lam_old = gaussian_array::Zero(n);
   double eps_bar = 0.0, eps_mean_bar = 0.0;
 
-  if (split) {
-    const gaussian_array diff = mu_new - mu_old;
-    eps_mean_bar = split_mean_vjp(diff, 0.5 * basis.b.squaredNorm(), eps_mean, g_mean, precision_old, mean_new,
-                                  mean_old, lam_old);
-  }
   const bool inactive = t >= 1.0;
-  if (inactive) {
-    if (!split) mean_new += g_mean;
-  } else {
+  if (split) {
+    eps_mean_bar = split_mean_vjp<gaussian_array>(mu_new - mu_old, 0.5 * basis.b.squaredNorm(), eps_mean, g_mean,
+                                         precision_old, mean_new, mean_old, lam_old);
+  } else if (inactive) {
+    mean_new += g_mean;  // an inactive joint row is the identity in the mean
+  }
+  if (!inactive) {
     const double s = 1.0 - t;
     const gaussian_member_coords c = member_coords(basis, t);
     const gaussian_array a = c.a.array();
