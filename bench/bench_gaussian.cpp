@@ -2,7 +2,8 @@
 // forward plus VJP, joint and split bounds, diagonal (standard deviations) and full (Cholesky
 // factors) covariances, in double, one thread (CPU time: robust on a shared machine).
 //
-// Names read  gaussian/<fwd|fwd+bwd>/<diag|full>/<joint|split>/d:<d>/rows:<N>. Items are rows.
+// Names read  gaussian/<fwd|fwd+bwd|fwd+bwd-saved>/<diag|full>/<joint|split>/d:<d>/rows:<N>. Items
+// are rows; fwd+bwd-saved (full only) passes a saved_factorisation from the forward to the backward.
 // Pairs: means N(0, 1); standard deviations exp(N(0, 0.3²)); factors with that diagonal and
 // N(0, 0.3²/d) below it; ε = ε_μ = ε_Σ = 0.05 (nearly every row is projected).
 #include <benchmark/benchmark.h>
@@ -59,7 +60,7 @@ rows make_rows(std::size_t n, std::size_t d, bool full) {
   return x;
 }
 
-void gaussian(benchmark::State& state, bool full, bool split, bool backward) {
+void gaussian(benchmark::State& state, bool full, bool split, bool backward, bool save = false) {
   const auto d = static_cast<std::size_t>(state.range(0));
   const auto n = static_cast<std::size_t>(state.range(1));
   const rows x = make_rows(n, d, full);
@@ -69,6 +70,8 @@ void gaussian(benchmark::State& state, bool full, bool split, bool backward) {
   std::vector<double> gm(n * d), gc(n * cc), gom(n * d), goc(n * cc), ge(n), gem(n);
   std::vector<troll::gaussian::gaussian_stats> stats(n);
   const auto policy = troll::cpu.with_threads(1);
+  std::vector<double> saved_memory(save ? n * troll::gaussian::saved_factorisation<double>::saved_doubles(d) : 0);
+  const troll::gaussian::saved_factorisation<double> saved{save ? saved_memory.data() : nullptr, n, d};
   namespace g = troll::gaussian;
   const troll::gaussian::gaussian_grads<double> grads{troll::make_batch(gm.data(), n, d),
                                                       troll::make_batch(gc.data(), n, cc),
@@ -81,10 +84,10 @@ void gaussian(benchmark::State& state, bool full, bool split, bool backward) {
   for (auto _ : state) {
     if (full && split) {
       g::project_split(policy, in(x.mean, d), in(x.cov, cc), in(x.old_mean, d), in(x.old_cov, cc), bound, bound, ym,
-                       yc, stats.data());
+                       yc, stats.data(), {}, saved);
     } else if (full) {
       g::project_joint(policy, in(x.mean, d), in(x.cov, cc), in(x.old_mean, d), in(x.old_cov, cc), bound, ym, yc,
-                       stats.data());
+                       stats.data(), {}, saved);
     } else if (split) {
       g::project_split_diag(policy, in(x.mean, d), in(x.cov, cc), in(x.old_mean, d), in(x.old_cov, cc), bound,
                             bound, ym, yc, stats.data());
@@ -97,10 +100,10 @@ void gaussian(benchmark::State& state, bool full, bool split, bool backward) {
       const auto oc = troll::make_batch(static_cast<const double*>(out_cov.data()), n, cc);
       if (full && split) {
         g::project_split_backward(policy, in(x.mean, d), in(x.cov, cc), in(x.old_mean, d), in(x.old_cov, cc), bound,
-                                  bound, om, oc, stats.data(), in(g_mean, d), in(g_cov, cc), grads);
+                                  bound, om, oc, stats.data(), in(g_mean, d), in(g_cov, cc), grads, saved);
       } else if (full) {
         g::project_joint_backward(policy, in(x.mean, d), in(x.cov, cc), in(x.old_mean, d), in(x.old_cov, cc), bound,
-                                  om, oc, stats.data(), in(g_mean, d), in(g_cov, cc), grads);
+                                  om, oc, stats.data(), in(g_mean, d), in(g_cov, cc), grads, saved);
       } else if (split) {
         g::project_split_diag_backward(policy, in(x.mean, d), in(x.cov, cc), in(x.old_mean, d), in(x.old_cov, cc),
                                        bound, bound, om, oc, stats.data(), in(g_mean, d), in(g_cov, cc), grads);
@@ -139,6 +142,14 @@ void register_all() {
               ->Args({d, n})
               ->Unit(benchmark::kMillisecond)
               ->MinTime(0.2);
+          // Full rows: forward + backward with the forward's factorisation saved and reused.
+          if (backward && full)
+            benchmark::RegisterBenchmark((std::string("gaussian/fwd+bwd-saved/full/") + (split ? "split" : "joint")).c_str(),
+                                         [=](benchmark::State& s) { gaussian(s, full, split, backward, true); })
+                ->ArgNames({"d", "rows"})
+                ->Args({d, n})
+                ->Unit(benchmark::kMillisecond)
+                ->MinTime(0.2);
         }
 }
 

@@ -7,6 +7,7 @@
 
 #include "troll/detail/cpu/eigen.hpp"  // Eigen/Core first, AVX-512-clean on GCC 12
 #include <Eigen/Cholesky>
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <functional>
@@ -499,4 +500,102 @@ TEST_CASE("a new covariance singular to working precision against the old one (t
   CHECK(ol[0] == doctest::Approx(old_std[0] / std::sqrt(a_star)).epsilon(1e-10));
   CHECK(ol[3] == doctest::Approx(old_std[1]).epsilon(1e-12));
   CHECK(ol[2] == doctest::Approx(0.0));
+}
+
+TEST_CASE("a saved factorisation gives the backward and the JVP bit for bit the same results") {
+  namespace g = troll::gaussian;
+  for (bool split : {false, true}) {
+    for (std::size_t d : {std::size_t(1), std::size_t(6), std::size_t(40)}) {
+      CAPTURE(split);
+      CAPTURE(d);
+      const std::size_t n = 5, dd = d * d;
+      gauss::generator gen(static_cast<unsigned>(31 * d + split));
+      std::vector<double> m, l, om, ol;
+      for (std::size_t r = 0; r < n; ++r) {
+        const double scale = r == 3 ? 1e-4 : 1.0;  // row 3 inactive
+        const std::vector<double> a = gen.mean(d, 1.0), b = gen.mean(d, 1.0), c = gen.factor(d, 0.3),
+                                  e = gen.factor(d, 0.3);
+        for (std::size_t i = 0; i < d; ++i) om.push_back(b[i]), m.push_back(b[i] + scale * (a[i] - b[i]));
+        for (std::size_t i = 0; i < dd; ++i) ol.push_back(e[i]), l.push_back(e[i] + scale * (c[i] - e[i]));
+      }
+      auto in = [&](const std::vector<double>& v, std::size_t cols) { return troll::make_batch(v.data(), n, cols); };
+      std::vector<double> ym(n * d), yl(n * dd), ym2(n * d), yl2(n * dd);
+      std::vector<double> saved(n * g::saved_factorisation<double>::saved_doubles(d), -7.0);
+      const g::saved_factorisation<double> save{saved.data(), n, d};
+      std::vector<g::gaussian_stats> st(n), st2(n);
+      const double eps = 0.05, eps_cov = 0.03;
+      if (split) {
+        g::project_split(troll::cpu, in(m, d), in(l, dd), in(om, d), in(ol, dd), eps, eps_cov,
+                         troll::make_batch(ym.data(), n, d), troll::make_batch(yl.data(), n, dd), st.data(), {}, save);
+        g::project_split(troll::cpu, in(m, d), in(l, dd), in(om, d), in(ol, dd), eps, eps_cov,
+                         troll::make_batch(ym2.data(), n, d), troll::make_batch(yl2.data(), n, dd), st2.data());
+      } else {
+        g::project_joint(troll::cpu, in(m, d), in(l, dd), in(om, d), in(ol, dd), eps,
+                         troll::make_batch(ym.data(), n, d), troll::make_batch(yl.data(), n, dd), st.data(), {}, save);
+        g::project_joint(troll::cpu, in(m, d), in(l, dd), in(om, d), in(ol, dd), eps,
+                         troll::make_batch(ym2.data(), n, d), troll::make_batch(yl2.data(), n, dd), st2.data());
+      }
+      CHECK(ym == ym2);  // saving changes nothing in the forward
+      CHECK(yl == yl2);
+      CHECK(std::none_of(saved.begin(), saved.end(), [](double x) { return x == -7.0; }));
+      // VJP with and without the saved factorisation.
+      std::vector<double> up_m(n * d), up_l(n * dd);
+      for (double& x : up_m) x = gen.normal01();
+      for (double& x : up_l) x = gen.normal01();
+      struct grads_out {
+        std::vector<double> m, l, om, ol, e, em;
+      };
+      auto vjp = [&](bool use_saved) {
+        grads_out o{std::vector<double>(n * d), std::vector<double>(n * dd), std::vector<double>(n * d),
+                    std::vector<double>(n * dd), std::vector<double>(n), std::vector<double>(n)};
+        const g::gaussian_grads<double> gr{troll::make_batch(o.m.data(), n, d), troll::make_batch(o.l.data(), n, dd),
+                                           troll::make_batch(o.om.data(), n, d),
+                                           troll::make_batch(o.ol.data(), n, dd), o.e.data(),
+                                           split ? o.em.data() : nullptr};
+        const g::saved_factorisation<const double> s = use_saved ? save : g::saved_factorisation<double>{};
+        if (split) {
+          g::project_split_backward(troll::cpu, in(m, d), in(l, dd), in(om, d), in(ol, dd), eps, eps_cov, in(ym, d),
+                                    in(yl, dd), st.data(), in(up_m, d), in(up_l, dd), gr, s);
+        } else {
+          g::project_joint_backward(troll::cpu, in(m, d), in(l, dd), in(om, d), in(ol, dd), eps, in(ym, d),
+                                    in(yl, dd), st.data(), in(up_m, d), in(up_l, dd), gr, s);
+        }
+        return o;
+      };
+      const grads_out a = vjp(true), b = vjp(false);
+      CHECK(a.m == b.m);
+      CHECK(a.l == b.l);
+      CHECK(a.om == b.om);
+      CHECK(a.ol == b.ol);
+      CHECK(a.e == b.e);
+      CHECK(a.em == b.em);
+      // JVP with and without.
+      auto jvp = [&](bool use_saved) {
+        std::vector<double> tm(n * d), tl(n * dd);
+        const g::gaussian_tangents<double> tan{in(up_m, d), in(up_l, dd), in(up_m, d), {}, 0.01, 0.02};
+        const g::saved_factorisation<const double> s = use_saved ? save : g::saved_factorisation<double>{};
+        if (split) {
+          g::project_split_jvp(troll::cpu, in(m, d), in(l, dd), in(om, d), in(ol, dd), eps, eps_cov, in(ym, d),
+                               in(yl, dd), st.data(), tan, troll::make_batch(tm.data(), n, d),
+                               troll::make_batch(tl.data(), n, dd), s);
+        } else {
+          g::project_joint_jvp(troll::cpu, in(m, d), in(l, dd), in(om, d), in(ol, dd), eps, in(ym, d), in(yl, dd),
+                               st.data(), tan, troll::make_batch(tm.data(), n, d), troll::make_batch(tl.data(), n, dd),
+                               s);
+        }
+        tm.insert(tm.end(), tl.begin(), tl.end());
+        return tm;
+      };
+      CHECK(jvp(true) == jvp(false));
+      // A saved factorisation of another shape: shape_error before anything is written.
+      const g::saved_factorisation<const double> wrong{saved.data(), n - 1, d};
+      std::vector<double> gm(n * d, 3.0);
+      const g::gaussian_grads<double> gr{troll::make_batch(gm.data(), n, d), {}, {}, {}, nullptr, nullptr};
+      CHECK_THROWS_AS(g::project_joint_backward(troll::cpu, in(m, d), in(l, dd), in(om, d), in(ol, dd), eps,
+                                                in(ym, d), in(yl, dd), st.data(), in(up_m, d), in(up_l, dd), gr,
+                                                wrong),
+                      troll::shape_error);
+      CHECK(std::all_of(gm.begin(), gm.end(), [](double x) { return x == 3.0; }));
+    }
+  }
 }

@@ -30,6 +30,12 @@ TEST_CASE("every entry point runs under troll::cpu from one function template") 
   for (double kl_after : serial.gaussian_kl_after) CHECK(kl_after <= 0.05 * (1 + 1e-9));
   for (double v : serial.gaussian_diag_std) CHECK(v > 0.0);
   for (double v : serial.gaussian_split_diag_std) CHECK(v > 0.0);
+  REQUIRE(serial.gaussian_kl.size() == 2);
+  for (double v : serial.gaussian_kl) CHECK(v > 0.0);
+  for (double v : serial.gaussian_kl_diag) CHECK(v > 0.0);
+  for (double v : serial.gaussian_diag_grad_mean) CHECK(std::isfinite(v));
+  for (double v : serial.gaussian_split_diag_jvp_std) CHECK(std::isfinite(v));
+  CHECK(serial.gaussian_diag_grad_mean == threaded.gaussian_diag_grad_mean);
   // The first shard's gradient is the first columns of the whole row's (same support, same g).
   const std::size_t rows = 2, V = 8, half = V / 2;
   REQUIRE(serial.sparse_shard_grad.size() == rows * half);

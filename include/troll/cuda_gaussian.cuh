@@ -10,7 +10,10 @@
 // d ≤ 2048 (larger d: shape_error). The host checks shapes, bounds and options and throws as the
 // CPU does; the values are checked on the device, where a row the CPU would reject (non-finite
 // entries, a standard deviation or factor diagonal ≤ 0, a non-zero above a factor's diagonal) is
-// written as NaN with stats.status = row_status::rejected. Compiled in CI; never run on a GPU yet.
+// written as NaN with stats.status = row_status::rejected; with troll::cuda.on(s).checked() the
+// rows are checked on the host first and the first bad one throws the CPU's exception, naming it,
+// before anything is written (detail/cuda/gaussian_checked.cuh). The KL and the diagonal rows'
+// VJP and JVP are in cuda_gaussian_derivatives.cuh (included below). Compiled in CI.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,11 +25,11 @@
 #include "config.hpp"
 #include "detail/arguments.hpp"
 #include "detail/cuda/error_check.cuh"
+#include "detail/cuda/gaussian_checked.cuh"
 #include "detail/cuda/gaussian_kernels.cuh"
 #include "detail/gaussian_checks.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
-#include "gaussian_projections.hpp"
 #include "gaussian_types.hpp"
 #include "projection_types.hpp"
 
@@ -35,17 +38,23 @@ namespace detail {
 namespace cuda {
 
 template <class T>
-void project_gaussian(cuda_policy policy, const gaussian_call& call, const gaussian_projection_args<T>& args) {
+void project_gaussian(cuda_policy policy, const gaussian_call& call, batch_view<const T> mean,
+                      batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
+                      double eps_mean, double eps_cov, batch_view<T> out_mean, batch_view<T> out_cov,
+                      gaussian::gaussian_stats* stats, const projection_options& opt) {
   require_float_type<T>();
-  const gaussian_call c = check_projection_arguments(call, args);
+  const gaussian_call c = check_projection_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, stats,
+                                                     eps_mean, eps_cov, opt);
   const std::size_t max_dim = c.full ? gaussian_full_max_dim : gaussian_diag_max_dim;
   if (c.dim > max_dim)
     throw_shape(c.function, std::string("d = ") + std::to_string(c.dim) + " is above the CUDA backend's " +
                                 std::to_string(max_dim) + (c.full ? " for full covariances" : " for diagonal ones") +
                                 " (one warp per row); use the CPU backend");
-  if (args.mean.rows == 0) return;
-  const gaussian_launch<T> launch{args, c.split};
-  const unsigned grid = grid_for(args.mean.rows);
+  if (mean.rows == 0) return;
+  check_gaussian_rows_on_host(policy, c, mean, cov, old_mean, old_cov);
+  const gaussian_launch<T> launch{mean, cov, old_mean, old_cov, out_mean, out_cov, stats, eps_mean, eps_cov, opt,
+                                  c.split};
+  const unsigned grid = grid_for(mean.rows);
   if (c.full) {
     const std::size_t shared = (4 * c.dim * c.dim + 4 * c.dim) * sizeof(double);
     gaussian_full_kernel<T><<<grid, gaussian_warp, shared, policy.stream>>>(launch);
@@ -57,17 +66,49 @@ void project_gaussian(cuda_policy policy, const gaussian_call& call, const gauss
 }
 
 }  // namespace cuda
-
-/// The CUDA backend of the four Gaussian projections (troll/gaussian_projections.hpp;
-/// rejected rows: NaN and status rejected).
-template <>
-struct gaussian_backend<cuda_policy> {
-  template <class T>
-  static void project(cuda_policy policy, const gaussian_call& call, const gaussian_projection_args<T>& args) {
-    cuda::project_gaussian(policy, call, args);
-  }
-};
-
 }  // namespace detail
 
+namespace gaussian {
+
+/// project_joint on the device (troll/gaussian.hpp; rejected rows: NaN and status rejected).
+template <class T>
+void project_joint(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
+                   input_view<T> old_cov_chol, double eps, batch_view<T> out_mean, batch_view<T> out_cov_chol,
+                   gaussian_stats* stats, const projection_options& options = {}) {
+  detail::cuda::project_gaussian(policy, detail::gaussian_call{"gaussian::project_joint", true, false}, mean,
+                                 cov_chol, old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol, stats, options);
+}
+
+/// project_split on the device.
+template <class T>
+void project_split(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
+                   input_view<T> old_cov_chol, double eps_mean, double eps_cov, batch_view<T> out_mean,
+                   batch_view<T> out_cov_chol, gaussian_stats* stats, const projection_options& options = {}) {
+  detail::cuda::project_gaussian(policy, detail::gaussian_call{"gaussian::project_split", true, true}, mean,
+                                 cov_chol, old_mean, old_cov_chol, eps_mean, eps_cov, out_mean, out_cov_chol, stats,
+                                 options);
+}
+
+/// project_joint_diag on the device.
+template <class T>
+void project_joint_diag(cuda_policy policy, input_view<T> mean, input_view<T> std_dev, input_view<T> old_mean,
+                        input_view<T> old_std_dev, double eps, batch_view<T> out_mean, batch_view<T> out_std_dev,
+                        gaussian_stats* stats, const projection_options& options = {}) {
+  detail::cuda::project_gaussian(policy, detail::gaussian_call{"gaussian::project_joint_diag", false, false}, mean,
+                                 std_dev, old_mean, old_std_dev, eps, eps, out_mean, out_std_dev, stats, options);
+}
+
+/// project_split_diag on the device.
+template <class T>
+void project_split_diag(cuda_policy policy, input_view<T> mean, input_view<T> std_dev, input_view<T> old_mean,
+                        input_view<T> old_std_dev, double eps_mean, double eps_cov, batch_view<T> out_mean,
+                        batch_view<T> out_std_dev, gaussian_stats* stats, const projection_options& options = {}) {
+  detail::cuda::project_gaussian(policy, detail::gaussian_call{"gaussian::project_split_diag", false, true}, mean,
+                                 std_dev, old_mean, old_std_dev, eps_mean, eps_cov, out_mean, out_std_dev, stats,
+                                 options);
+}
+
+}  // namespace gaussian
 TROLL_END_NAMESPACE
+
+#include "cuda_gaussian_derivatives.cuh"

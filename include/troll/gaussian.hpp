@@ -22,7 +22,6 @@
 #include "detail/gaussian_checks.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
-#include "gaussian_projections.hpp"
 #include "gaussian_types.hpp"
 #include "projection_types.hpp"
 
@@ -34,11 +33,12 @@ template <class T>
 gaussian::gaussian_stats project_gaussian_row(const gaussian_call& call, const T* mean, const T* cov,
                                               const T* old_mean, const T* old_cov, double eps_mean,
                                               double eps_cov, const projection_options& opt, T* out_mean,
-                                              T* out_cov) {
+                                              T* out_cov, double* saved = nullptr) {
   const std::size_t d = call.dim;
   cpu::gaussian_basis basis;
   if (call.full) {
     cpu::factor_full(mean, cov, old_mean, old_cov, d, basis);
+    if (saved != nullptr) cpu::save_basis(basis, saved);
   } else {
     cpu::factor_diag(mean, cov, old_mean, old_cov, d, basis);
   }
@@ -77,14 +77,21 @@ gaussian::gaussian_stats project_gaussian_row(const gaussian_call& call, const T
 }
 
 template <class T>
-void project_gaussian(cpu_policy policy, const gaussian_call& call, const gaussian_projection_args<T>& a) {
+void project_gaussian(cpu_policy policy, const gaussian_call& call, batch_view<const T> mean,
+                      batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
+                      double eps_mean, double eps_cov, batch_view<T> out_mean, batch_view<T> out_cov,
+                      gaussian::gaussian_stats* stats, const projection_options& opt,
+                      gaussian::saved_factorisation<double> saved = {}) {
   require_float_type<T>();
-  const gaussian_call c = check_projection_arguments(call, a);
-  validate_gaussian_rows(policy.threads, c, a.mean, a.cov, a.old_mean, a.old_cov);
+  const gaussian_call c = check_projection_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, stats,
+                                                     eps_mean, eps_cov, opt);
+  check_saved_factorisation(c, mean.rows, saved);
+  validate_gaussian_rows(policy.threads, c, mean, cov, old_mean, old_cov);
   const std::size_t work = c.full ? 40 * c.dim * c.dim * c.dim : 40 * c.dim;
-  cpu::parallel_for(policy.threads, a.mean.rows, work, [&](std::size_t r) {
-    a.stats[r] = project_gaussian_row(c, a.mean.row(r), a.cov.row(r), a.old_mean.row(r), a.old_cov.row(r), a.eps_mean,
-                                      a.eps_cov, a.options, a.out_mean.row(r), a.out_cov.row(r));
+  cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
+    stats[r] = project_gaussian_row(c, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), eps_mean,
+                                    eps_cov, opt, out_mean.row(r), out_cov.row(r),
+                                    saved.data == nullptr ? nullptr : saved.row(r));
   });
 }
 
@@ -107,18 +114,60 @@ void gaussian_kl(cpu_policy policy, const gaussian_call& call, batch_view<const 
   });
 }
 
-/// The CPU backend of the four Gaussian projections (troll/gaussian_projections.hpp).
-template <>
-struct gaussian_backend<cpu_policy> {
-  template <class T>
-  static void project(cpu_policy policy, const gaussian_call& call, const gaussian_projection_args<T>& args) {
-    project_gaussian(policy, call, args);
-  }
-};
-
 }  // namespace detail
 
 namespace gaussian {
+
+/// Projects each new Gaussian N(mean, LLᵀ) onto the ball KL(· ‖ N(old_mean, L°L°ᵀ)) ≤ eps (joint
+/// bound) and writes the projected mean and Cholesky factor, and one gaussian_stats per row.
+/// Rows already inside the ball are copied bit for bit. `saved` (optional, caller-owned: see
+/// gaussian_types.hpp) receives each row's factorisation for project_joint_backward / _jvp. Projected rows satisfy
+/// |KL(π* ‖ q) − ε| ≤ atol + rtol·ε of the options, KL evaluated in double on the factorised row.
+///
+/// Shapes: means N × d, factors N × d² (row-major, lower-triangular: the strict upper triangle
+/// must be 0 and the diagonal > 0). Throws, before writing anything: shape_error (shapes, null
+/// pointers, d = 0), domain_error (a non-finite entry, a factor that is not lower-triangular
+/// with a positive diagonal, naming the row and entry; eps ≤ 0 or not finite; bad options).
+template <class T>
+void project_joint(cpu_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
+                   input_view<T> old_cov_chol, double eps, batch_view<T> out_mean, batch_view<T> out_cov_chol,
+                   gaussian_stats* stats, const projection_options& options = {},
+                   saved_factorisation<double> saved = {}) {
+  detail::project_gaussian(policy, detail::gaussian_call{"gaussian::project_joint", true, false}, mean, cov_chol,
+                           old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol, stats, options, saved);
+}
+
+/// The split projection: the mean against eps_mean (closed form, Σ°'s metric), the covariance
+/// against eps_cov (½[tr(Σ°⁻¹Σ) − d + log det Σ° − log det Σ] ≤ ε_Σ, by the solve). Shapes and
+/// errors as project_joint.
+template <class T>
+void project_split(cpu_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
+                   input_view<T> old_cov_chol, double eps_mean, double eps_cov, batch_view<T> out_mean,
+                   batch_view<T> out_cov_chol, gaussian_stats* stats, const projection_options& options = {},
+                   saved_factorisation<double> saved = {}) {
+  detail::project_gaussian(policy, detail::gaussian_call{"gaussian::project_split", true, true}, mean, cov_chol,
+                           old_mean, old_cov_chol, eps_mean, eps_cov, out_mean, out_cov_chol, stats, options, saved);
+}
+
+/// project_joint for diagonal covariances given as standard deviations (N × d, all > 0): O(d)
+/// per row.
+template <class T>
+void project_joint_diag(cpu_policy policy, input_view<T> mean, input_view<T> std_dev, input_view<T> old_mean,
+                        input_view<T> old_std_dev, double eps, batch_view<T> out_mean, batch_view<T> out_std_dev,
+                        gaussian_stats* stats, const projection_options& options = {}) {
+  detail::project_gaussian(policy, detail::gaussian_call{"gaussian::project_joint_diag", false, false}, mean,
+                           std_dev, old_mean, old_std_dev, eps, eps, out_mean, out_std_dev, stats, options);
+}
+
+/// project_split for diagonal covariances given as standard deviations.
+template <class T>
+void project_split_diag(cpu_policy policy, input_view<T> mean, input_view<T> std_dev, input_view<T> old_mean,
+                        input_view<T> old_std_dev, double eps_mean, double eps_cov, batch_view<T> out_mean,
+                        batch_view<T> out_std_dev, gaussian_stats* stats, const projection_options& options = {}) {
+  detail::project_gaussian(policy, detail::gaussian_call{"gaussian::project_split_diag", false, true}, mean,
+                           std_dev, old_mean, old_std_dev, eps_mean, eps_cov, out_mean, out_std_dev, stats,
+                           options);
+}
 
 /// KL(N(mean, LLᵀ) ‖ N(old_mean, L°L°ᵀ)) per row, into out[r] (double), from the same
 /// factorisation as the projection (O(d³) per row).

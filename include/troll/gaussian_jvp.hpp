@@ -26,32 +26,37 @@ void project_gaussian_jvp(cpu_policy policy, gaussian_call call, batch_view<cons
                           batch_view<const T> old_mean, batch_view<const T> old_cov, double eps_mean, double eps_cov,
                           batch_view<const T> out_mean, batch_view<const T> out_cov,
                           const gaussian::gaussian_stats* stats, const gaussian::gaussian_tangents<T>& tangents,
-                          batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov) {
+                          batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov,
+                          gaussian::saved_factorisation<const double> saved = {}) {
   require_float_type<T>();
-  static const char* const names[4] = {"tangents.mean", "tangents.cov", "tangents.old_mean", "tangents.old_cov"};
-  call = check_derivative_shapes(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
-                                 tangent_out_cov, tangents, names);
+  call = check_derivative_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
+                                    tangent_out_cov, stats, eps_mean, eps_cov);
   const char* fn = call.function;
-  check_gaussian_derivative(policy.threads, call, mean, cov, old_mean, old_cov, eps_mean, eps_cov, stats, "the JVP",
-                            [&] {
-                              if (!(tangents.eps - tangents.eps == 0.0) ||
-                                  !(tangents.eps_mean - tangents.eps_mean == 0.0))
-                                throw domain_error(std::string("troll::") + fn + ": a bound tangent is not finite");
-                            });
-  for_each_solved_row(
-      policy.threads, call, mean, cov, old_mean, old_cov, eps_mean, stats,
-      [&](std::size_t r) {
-        return cpu::gaussian_row_tangents<T>{out_cov.row(r),
-                                             row_or_null(tangents.mean, r),
-                                             row_or_null(tangents.cov, r),
-                                             row_or_null(tangents.old_mean, r),
-                                             row_or_null(tangents.old_cov, r),
-                                             tangents.eps,
-                                             tangents.eps_mean,
-                                             tangent_out_mean.row(r),
-                                             tangent_out_cov.row(r)};
-      },
-      [](auto&&... a) { cpu::gaussian_jvp_full(a...); }, [](auto&&... a) { cpu::gaussian_jvp_diag(a...); });
+  check_jvp_tangents(fn, tangents, mean, cov, old_mean, old_cov);
+  check_saved_factorisation(call, mean.rows, saved);
+  validate_gaussian_rows(policy.threads, call, mean, cov, old_mean, old_cov);
+  validate_gaussian_stats(fn, stats, mean.rows, "JVP");
+  const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;
+  auto row = [](batch_view<const T> v, std::size_t r) { return v.data == nullptr ? nullptr : v.row(r); };
+  cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
+    const cpu::gaussian_row_tangents<T> io{out_cov.row(r),
+                                           row(tangents.mean, r),
+                                           row(tangents.cov, r),
+                                           row(tangents.old_mean, r),
+                                           row(tangents.old_cov, r),
+                                           tangents.eps,
+                                           tangents.eps_mean,
+                                           tangent_out_mean.row(r),
+                                           tangent_out_cov.row(r)};
+    const double t = stats[r].status == row_status::inactive ? 1.0 : stats[r].t;
+    if (call.full) {
+      cpu::gaussian_jvp_full(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
+                             eps_mean, t, io, saved.data == nullptr ? nullptr : saved.row(r));
+    } else {
+      cpu::gaussian_jvp_diag(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
+                             eps_mean, t, io);
+    }
+  });
 }
 
 }  // namespace detail
@@ -66,10 +71,11 @@ template <class T>
 void project_joint_jvp(cpu_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
                        input_view<T> old_cov_chol, double eps, input_view<T> out_mean, input_view<T> out_cov_chol,
                        const gaussian_stats* stats, const gaussian_tangents<T>& tangents,
-                       batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov_chol) {
+                       batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov_chol,
+                       saved_factorisation<const double> saved = {}) {
   detail::project_gaussian_jvp(policy, detail::gaussian_call{"gaussian::project_joint_jvp", true, false}, mean,
                                cov_chol, old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol, stats, tangents,
-                               tangent_out_mean, tangent_out_cov_chol);
+                               tangent_out_mean, tangent_out_cov_chol, saved);
 }
 
 /// The JVP of project_split (tangents.eps: ε_Σ', tangents.eps_mean: ε_μ').
@@ -77,10 +83,11 @@ template <class T>
 void project_split_jvp(cpu_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
                        input_view<T> old_cov_chol, double eps_mean, double eps_cov, input_view<T> out_mean,
                        input_view<T> out_cov_chol, const gaussian_stats* stats, const gaussian_tangents<T>& tangents,
-                       batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov_chol) {
+                       batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov_chol,
+                       saved_factorisation<const double> saved = {}) {
   detail::project_gaussian_jvp(policy, detail::gaussian_call{"gaussian::project_split_jvp", true, true}, mean,
                                cov_chol, old_mean, old_cov_chol, eps_mean, eps_cov, out_mean, out_cov_chol, stats,
-                               tangents, tangent_out_mean, tangent_out_cov_chol);
+                               tangents, tangent_out_mean, tangent_out_cov_chol, saved);
 }
 
 /// The JVP of project_joint_diag (standard deviations; O(d) per row).

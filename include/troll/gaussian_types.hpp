@@ -2,6 +2,9 @@
 // trust-region projections (troll/gaussian.hpp). Plain aggregates, identical on host and device.
 #pragma once
 
+#include <cstddef>
+#include <type_traits>
+
 #include "batch.hpp"
 #include "config.hpp"
 #include "projection_types.hpp"
@@ -55,6 +58,25 @@ struct gaussian_tangents {
   batch_view<const T> old_cov;
   double eps = 0.0;       ///< joint: ε'; split: ε_Σ'
   double eps_mean = 0.0;  ///< split only: ε_μ'
+};
+
+/// Caller-owned memory for the factorisation of full-covariance rows (V, d² doubles, then
+/// g = γ − 1 and b, d each: saved_doubles(d) a row, `rows` rows back to back). A forward
+/// projection given one fills it; the backward or JVP of the same inputs given it reads the
+/// factorisation instead of recomputing it (the eigendecomposition, ~40–50 % of a full backward
+/// on the CPU). It must come from the forward of exactly these inputs: nothing checks that.
+template <class D>
+struct saved_factorisation {
+  D* data = nullptr;
+  std::size_t rows = 0;
+  std::size_t dim = 0;
+  static constexpr std::size_t saved_doubles(std::size_t d) { return d * d + 2 * d; }
+  TROLL_HOST_DEVICE D* row(std::size_t r) const { return data + r * (dim * dim + 2 * dim); }
+  /// Implicit conversion to the read-only view the backward and JVP take.
+  template <class U = D, class = std::enable_if_t<!std::is_const<U>::value>>
+  TROLL_HOST_DEVICE operator saved_factorisation<const U>() const {
+    return saved_factorisation<const U>{data, rows, dim};
+  }
 };
 
 }  // namespace gaussian

@@ -1,5 +1,6 @@
 // python/src/cuda_module.cpp — the extension module troll._troll_cuda (built where nvcc is present:
-// TROLL_ENABLE_CUDA, python/CMakeLists.txt): the dense entry points and sparsify on CUDA device
+// TROLL_ENABLE_CUDA, python/CMakeLists.txt): the dense entry points, the sparse path (sparsify,
+// align, the sparse projection and their backward passes) and the objectives on CUDA device
 // arrays, enqueued on the caller's stream (troll/_core.py passes torch.cuda.current_stream()).
 // The same checks and views as troll._troll (views.hpp, compiled here with TROLL_PY_CUDA: arrays
 // must be in CUDA memory, on one device); the work is in cuda_entry.cu. No maths here.
@@ -11,10 +12,12 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "cuda_entry.hpp"
 #include "dense_args.hpp"
 #include "errors.hpp"
+#include "objective_args.hpp"
 #include "sparse_views.hpp"
 #include "views.hpp"
 
@@ -52,6 +55,20 @@ void kl(const in_array& p, const in_array& q, const out_array& out, std::uintptr
     use_device_of(fn, p, q, out);
     nb::gil_scoped_release release;
     cuda_entry::kl<T>(as_stream(stream), a.p, a.q, a.out, checked);
+  });
+}
+
+void kl_backward(const in_array& p, const in_array& q, const in_array& grad_kl, const std::optional<out_array>& grad_p,
+                 const std::optional<out_array>& grad_q, std::uintptr_t stream, bool checked) {
+  constexpr const char* fn = "kl_backward";
+  dispatch_float(fn, "p_logits", p, [&](auto tag) {
+    using T = decltype(tag);
+    const kl_backward_args<T> a(fn, p, q, grad_kl, grad_p, grad_q);
+    use_device_of(fn, p, q, grad_kl);
+    if (grad_p) use_device_of(fn, p, *grad_p);
+    if (grad_q) use_device_of(fn, p, *grad_q);
+    nb::gil_scoped_release release;
+    cuda_entry::kl_backward<T>(as_stream(stream), a.p, a.q, a.grad_kl, a.grad_p, a.grad_q, checked);
   });
 }
 
@@ -157,6 +174,259 @@ void sparsify(const in_array& logits, const std::optional<in_array>& sampled, in
   });
 }
 
+// ---- The sparse path: the same tuples as troll._troll's (sparse_views.hpp) ----
+
+void sparsify_backward(const in_array& logits, nb::handle support, nb::handle grad, const out_array& grad_logits,
+                       std::uintptr_t stream, bool checked) {
+  constexpr const char* fn = "sparsify_backward";
+  dispatch_float(fn, "logits", logits, [&](auto tag) {
+    using T = decltype(tag);
+    require_same_shape(fn, "grad_logits", grad_logits, "logits", logits);
+    const auto x = as_batch<const T>(fn, "logits", logits);
+    const auto gx = as_batch<T>(fn, "grad_logits", grad_logits);
+    require_disjoint(fn, "grad_logits", gx, "logits", x);
+    const sparse_rows<const T> s(fn, "support", support);
+    const sparse_grad<const T> g(fn, "grad", grad);
+    use_device_of(fn, logits, grad_logits, s.indices, g.log_probs);
+    nb::gil_scoped_release release;
+    cuda_entry::sparsify_backward<T>(as_stream(stream), x, s.view, g.view, gx, checked);
+  });
+}
+
+void align(const in_array& new_logits, nb::handle new_support, nb::handle old_rows, nb::handle out,
+           std::uintptr_t stream, bool checked) {
+  constexpr const char* fn = "align";
+  dispatch_float(fn, "new_logits", new_logits, [&](auto tag) {
+    using T = decltype(tag);
+    const auto x = as_batch<const T>(fn, "new_logits", new_logits);
+    std::optional<sparse_rows<const T>> support;
+    troll::sparse_batch_view<const T> support_view{};
+    if (!new_support.is_none()) {
+      support.emplace(fn, "new_support", new_support);
+      support_view = support->view;
+    }
+    const sparse_rows<const T> old(fn, "old", old_rows);
+    const aligned_rows<T> o(fn, "out", out);
+    use_device_of(fn, new_logits, old.indices, o.indices);
+    nb::gil_scoped_release release;
+    cuda_entry::align<T>(as_stream(stream), x, support_view, old.view, o.view, checked);
+  });
+}
+
+void kl_aligned(nb::handle rows, const out_array& out, std::uintptr_t stream, bool checked) {
+  constexpr const char* fn = "kl_sparse";
+  const nb::tuple t = as_tuple(fn, "rows", rows, 7);
+  const in_array probe = item<in_array>(fn, "rows", t, 2);
+  dispatch_float(fn, "rows.new_log_probs", probe, [&](auto tag) {
+    using T = decltype(tag);
+    const aligned_rows<const T> a(fn, "rows", rows);
+    T* y = as_rows<T>(fn, "out", out, a.view.rows);
+    use_device_of(fn, a.indices, out);
+    nb::gil_scoped_release release;
+    cuda_entry::kl_sparse<T>(as_stream(stream), a.view, y, checked);
+  });
+}
+
+/// The packed stats arrays of `rows` rows (project()'s layout), checked before any work.
+template <class V, class C, class A>
+std::pair<V*, C*> packed_stats(const char* fn, const A& values, const A& counters, std::size_t rows) {
+  const auto sv = as_packed<V>(fn, "stats.values", values);
+  const auto sc = as_packed<C>(fn, "stats.counters", counters);
+  if (sv.rows != rows || sv.cols != st_values || sc.rows != rows || sc.cols != st_counters)
+    fail(fn, "the stats must be (rows, 6) float64 and (rows, 2) int32 for " + std::to_string(rows) + " rows");
+  return {sv.data, sc.data};
+}
+
+void project_aligned(nb::handle rows, double eps, nb::handle out, const out_array& stats_values,
+                     const out_array& stats_counters, double rtol, double atol, int max_iterations,
+                     std::uintptr_t stream, bool checked) {
+  constexpr const char* fn = "project_sparse";
+  const nb::tuple t = as_tuple(fn, "rows", rows, 7);
+  const in_array probe = item<in_array>(fn, "rows", t, 2);
+  dispatch_float(fn, "rows.new_log_probs", probe, [&](auto tag) {
+    using T = decltype(tag);
+    const aligned_rows<const T> a(fn, "rows", rows);
+    const sparse_rows<T> o(fn, "out", out);
+    const auto st = packed_stats<double, std::int32_t>(fn, stats_values, stats_counters, a.view.rows);
+    use_device_of(fn, a.indices, o.indices, stats_values, stats_counters);
+    const troll::projection_options options = projection_settings(rtol, atol, max_iterations);
+    nb::gil_scoped_release release;
+    cuda_entry::project_sparse<T>(as_stream(stream), a.view, eps, o.view, st.first, st.second, options, checked);
+  });
+}
+
+void project_aligned_backward(nb::handle rows, nb::handle log_probs, const in_array& stats_values,
+                              const in_array& stats_counters, nb::handle grad, nb::handle grad_new,
+                              nb::handle grad_old, const std::optional<out_array>& grad_eps, std::uintptr_t stream,
+                              bool checked) {
+  constexpr const char* fn = "project_sparse_backward";
+  const nb::tuple t = as_tuple(fn, "rows", rows, 7);
+  const in_array probe = item<in_array>(fn, "rows", t, 2);
+  dispatch_float(fn, "rows.new_log_probs", probe, [&](auto tag) {
+    using T = decltype(tag);
+    const aligned_rows<const T> a(fn, "rows", rows);
+    const sparse_rows<const T> lp(fn, "log_probs", log_probs);
+    const sparse_grad<const T> g(fn, "grad", grad);
+    const sparse_grad<T> gn(fn, "grad_new", grad_new);
+    std::optional<sparse_grad<T>> go;
+    troll::sparse_grad_view<T> go_view{};
+    if (!grad_old.is_none()) {
+      go.emplace(fn, "grad_old", grad_old);
+      go_view = go->view;
+    }
+    T* ge = grad_eps ? as_rows<T>(fn, "grad_eps", *grad_eps, a.view.rows) : nullptr;
+    const auto st = packed_stats<const double, const std::int32_t>(fn, stats_values, stats_counters, a.view.rows);
+    use_device_of(fn, a.indices, lp.indices, g.log_probs, gn.log_probs, stats_values);
+    nb::gil_scoped_release release;
+    cuda_entry::project_sparse_backward<T>(as_stream(stream), a.view, lp.view, st.first, st.second, g.view, gn.view,
+                                           go_view, ge, checked);
+  });
+}
+
+// ---- The objectives: the token batch tuple of objective_args.hpp (device arrays); the metrics
+// go to a device float64 array of 13 entries (troll::objective_metrics, the loss first), which
+// troll/torch reads without a synchronisation for the loss ----
+
+constexpr std::size_t metrics_entries = 13;
+static_assert(sizeof(troll::objective_metrics) == metrics_entries * sizeof(double),
+              "objective_metrics is 13 eight-byte fields");
+
+troll::objective_metrics* metrics_out(const char* fn, const out_array& metrics) {
+  return reinterpret_cast<troll::objective_metrics*>(as_rows<double>(fn, "metrics", metrics, metrics_entries));
+}
+
+template <class T>
+T* token_loss_out(const char* fn, const std::optional<out_array>& token_loss, std::size_t rows) {
+  return token_loss ? as_rows<T>(fn, "token_loss", *token_loss, rows) : nullptr;
+}
+
+void trust_region_forward(const in_array& n, const in_array& o, nb::handle batch, double eps, double alpha,
+                          double rtol, double atol, int max_iterations, const out_array& log_probs,
+                          const out_array& stats_values, const out_array& stats_counters,
+                          const std::optional<out_array>& token_loss, const out_array& metrics,
+                          std::uintptr_t stream, bool checked) {
+  constexpr const char* fn = "trust_region_loss";
+  dispatch_float(fn, "new_logits", n, [&](auto tag) {
+    using T = decltype(tag);
+    const dense_pair<T> d(fn, n, o);
+    const token_rows<T> in(fn, batch, d.new_logits.rows);
+    require_same_shape(fn, "log_probs", log_probs, "new_logits", n);
+    const auto lp = as_batch<T>(fn, "log_probs", log_probs);
+    require_disjoint(fn, "log_probs", lp, "new_logits", d.new_logits);
+    require_disjoint(fn, "log_probs", lp, "old_logits", d.old_logits);
+    const auto st = packed_stats<double, std::int32_t>(fn, stats_values, stats_counters, d.new_logits.rows);
+    T* tl = token_loss_out<T>(fn, token_loss, d.new_logits.rows);
+    troll::objective_metrics* m = metrics_out(fn, metrics);
+    use_device_of(fn, n, o, in.tokens, in.advantages, log_probs, stats_values, metrics);
+    nb::gil_scoped_release release;
+    cuda_entry::trust_region_forward<T>(as_stream(stream), trust_region(eps, alpha, rtol, atol, max_iterations),
+                                        d.new_logits, d.old_logits, in.batch, lp, st.first, st.second, tl, m,
+                                        checked);
+  });
+}
+
+void trust_region_backward(const in_array& n, const in_array& o, nb::handle batch, double eps, double alpha,
+                           double rtol, double atol, int max_iterations, const in_array& log_probs,
+                           const in_array& stats_values, const in_array& stats_counters, const out_array& grad_new,
+                           double grad_loss, std::uintptr_t stream, bool checked) {
+  constexpr const char* fn = "trust_region_loss_backward";
+  dispatch_float(fn, "new_logits", n, [&](auto tag) {
+    using T = decltype(tag);
+    const dense_pair<T> d(fn, n, o);
+    const token_rows<T> in(fn, batch, d.new_logits.rows);
+    require_same_shape(fn, "log_probs", log_probs, "new_logits", n);
+    const auto lp = as_batch<const T>(fn, "log_probs", log_probs);
+    const auto g = grad_output<T>(fn, grad_new, n, d.new_logits);
+    require_disjoint(fn, "grad_new", g, "old_logits", d.old_logits);
+    require_disjoint(fn, "grad_new", g, "log_probs", lp);
+    const auto st = packed_stats<const double, const std::int32_t>(fn, stats_values, stats_counters,
+                                                                   d.new_logits.rows);
+    use_device_of(fn, n, o, in.tokens, log_probs, stats_values, grad_new);
+    nb::gil_scoped_release release;
+    cuda_entry::trust_region_backward<T>(as_stream(stream), trust_region(eps, alpha, rtol, atol, max_iterations),
+                                         d.new_logits, d.old_logits, in.batch, lp, st.first, st.second, g, grad_loss,
+                                         checked);
+  });
+}
+
+template <class Objective>
+void ratio_forward(const char* fn, const Objective& objective, const in_array& n, const in_array& o,
+                   nb::handle batch, const std::optional<out_array>& token_loss, const out_array& metrics,
+                   std::uintptr_t stream, bool checked) {
+  dispatch_float(fn, "new_logits", n, [&](auto tag) {
+    using T = decltype(tag);
+    const dense_pair<T> d(fn, n, o);
+    const token_rows<T> in(fn, batch, d.new_logits.rows);
+    T* tl = token_loss_out<T>(fn, token_loss, d.new_logits.rows);
+    troll::objective_metrics* m = metrics_out(fn, metrics);
+    use_device_of(fn, n, o, in.tokens, in.advantages, metrics);
+    nb::gil_scoped_release release;
+    cuda_entry::ratio_forward<T>(as_stream(stream), objective, d.new_logits, d.old_logits, in.batch, tl, m, checked);
+  });
+}
+
+template <class Objective>
+void ratio_backward(const char* fn, const Objective& objective, const in_array& n, const in_array& o,
+                    nb::handle batch, const out_array& grad_new, double grad_loss, std::uintptr_t stream,
+                    bool checked) {
+  dispatch_float(fn, "new_logits", n, [&](auto tag) {
+    using T = decltype(tag);
+    const dense_pair<T> d(fn, n, o);
+    const token_rows<T> in(fn, batch, d.new_logits.rows);
+    const auto g = grad_output<T>(fn, grad_new, n, d.new_logits);
+    require_disjoint(fn, "grad_new", g, "old_logits", d.old_logits);
+    use_device_of(fn, n, o, in.tokens, grad_new);
+    nb::gil_scoped_release release;
+    cuda_entry::ratio_backward<T>(as_stream(stream), objective, d.new_logits, d.old_logits, in.batch, g, grad_loss,
+                                  checked);
+  });
+}
+
+void sparse_trust_region_forward(const in_array& n, nb::handle old_rows, nb::handle batch, double eps, double alpha,
+                                 double rtol, double atol, int max_iterations, int new_k, double new_delta,
+                                 nb::handle aligned, nb::handle log_probs, const out_array& stats_values,
+                                 const out_array& stats_counters, const std::optional<out_array>& token_loss,
+                                 const out_array& metrics, std::uintptr_t stream, bool checked) {
+  constexpr const char* fn = "trust_region_loss";
+  dispatch_float(fn, "new_logits", n, [&](auto tag) {
+    using T = decltype(tag);
+    const auto nv = as_batch<const T>(fn, "new_logits", n);
+    const sparse_rows<const T> old(fn, "old", old_rows);
+    const token_rows<T> in(fn, batch, nv.rows);
+    const aligned_rows<T> al(fn, "aligned", aligned);
+    const sparse_rows<T> lp(fn, "log_probs", log_probs);
+    const auto st = packed_stats<double, std::int32_t>(fn, stats_values, stats_counters, nv.rows);
+    T* tl = token_loss_out<T>(fn, token_loss, nv.rows);
+    troll::objective_metrics* m = metrics_out(fn, metrics);
+    use_device_of(fn, n, old.indices, in.tokens, in.advantages, al.indices, lp.indices, stats_values, metrics);
+    nb::gil_scoped_release release;
+    cuda_entry::sparse_trust_region_forward<T>(
+        as_stream(stream), sparse_trust_region(eps, alpha, rtol, atol, max_iterations, new_k, new_delta), nv,
+        old.view, in.batch, al.view, lp.view, st.first, st.second, tl, m, checked);
+  });
+}
+
+void sparse_trust_region_backward(const in_array& n, nb::handle aligned, nb::handle batch, double eps, double alpha,
+                                  double rtol, double atol, int max_iterations, int new_k, double new_delta,
+                                  nb::handle log_probs, const in_array& stats_values, const in_array& stats_counters,
+                                  const out_array& grad_new, double grad_loss, std::uintptr_t stream, bool checked) {
+  constexpr const char* fn = "trust_region_loss_backward";
+  dispatch_float(fn, "new_logits", n, [&](auto tag) {
+    using T = decltype(tag);
+    const auto nv = as_batch<const T>(fn, "new_logits", n);
+    const aligned_rows<const T> al(fn, "aligned", aligned);
+    const token_rows<T> in(fn, batch, nv.rows);
+    const sparse_rows<const T> lp(fn, "log_probs", log_probs);
+    const auto g = grad_output<T>(fn, grad_new, n, nv);
+    const auto st = packed_stats<const double, const std::int32_t>(fn, stats_values, stats_counters, nv.rows);
+    use_device_of(fn, n, al.indices, in.tokens, lp.indices, stats_values, grad_new);
+    nb::gil_scoped_release release;
+    cuda_entry::sparse_trust_region_backward<T>(
+        as_stream(stream), sparse_trust_region(eps, alpha, rtol, atol, max_iterations, new_k, new_delta), nv,
+        al.view, in.batch, lp.view, st.first, st.second, g, grad_loss, checked);
+  });
+}
+
 }  // namespace
 }  // namespace troll_py
 
@@ -171,6 +441,9 @@ NB_MODULE(_troll_cuda, m) {
         "out = log_softmax(logits) per row, enqueued on `stream`.");
   m.def("kl", &troll_py::kl, "p_logits"_a, "q_logits"_a, "out"_a, "stream"_a, "checked"_a = true,
         "out[r] = KL(softmax(p[r]) || softmax(q[r])), enqueued on `stream`.");
+  m.def("kl_backward", &troll_py::kl_backward, "p_logits"_a, "q_logits"_a, "grad_kl"_a, "grad_p"_a.none(),
+        "grad_q"_a.none(), "stream"_a = 0, "checked"_a = true,
+        "Gradients of the per-row KL w.r.t. both logits, scaled by grad_kl, enqueued on `stream`.");
   m.def("project", &troll_py::project, "new_logits"_a, "old_logits"_a, "eps"_a, "out"_a, "stats_values"_a,
         "stats_counters"_a, "rtol"_a = 1e-12, "atol"_a = 1e-15, "max_iterations"_a = 50, "stream"_a = 0,
         "checked"_a = true, "The KL trust-region projection on the device, enqueued on `stream`.");
@@ -180,4 +453,75 @@ NB_MODULE(_troll_cuda, m) {
         "The projection's vector-Jacobian product on the device, enqueued on `stream`.");
   m.def("sparsify", &troll_py::sparsify, "logits"_a, "sampled"_a.none(), "k"_a, "delta"_a, "out"_a, "stream"_a = 0,
         "checked"_a = true, "Top-k + remainder rows of device logits (float16 / bfloat16 / float32 / float64).");
+  m.def("sparsify_backward", &troll_py::sparsify_backward, "logits"_a, "support"_a, "grad"_a, "grad_logits"_a,
+        "stream"_a = 0, "checked"_a = true, "Scatters a gradient on sparse rows back to the dense device logits.");
+  m.def("align", &troll_py::align, "new_logits"_a, "new_support"_a.none(), "old"_a, "out"_a, "stream"_a = 0,
+        "checked"_a = true, "Aligns dense new device logits with sparse old rows on U = S_new | S_old.");
+  m.def("kl_sparse", &troll_py::kl_aligned, "rows"_a, "out"_a, "stream"_a = 0, "checked"_a = true,
+        "KL(new || old) of aligned device rows (the lumped categories).");
+  m.def("project_sparse", &troll_py::project_aligned, "rows"_a, "eps"_a, "out"_a, "stats_values"_a,
+        "stats_counters"_a, "rtol"_a = 1e-12, "atol"_a = 1e-15, "max_iterations"_a = 50, "stream"_a = 0,
+        "checked"_a = true, "The trust-region projection of aligned device rows.");
+  m.def("project_sparse_backward", &troll_py::project_aligned_backward, "rows"_a, "log_probs"_a, "stats_values"_a,
+        "stats_counters"_a, "grad"_a, "grad_new"_a, "grad_old"_a.none(), "grad_eps"_a.none(), "stream"_a = 0,
+        "checked"_a = true, "VJP of project_sparse on the device.");
+  m.attr("METRICS_ENTRIES") = troll_py::metrics_entries;
+  m.def("trust_region_forward", &troll_py::trust_region_forward, "new_logits"_a, "old_logits"_a, "batch"_a, "eps"_a,
+        "alpha"_a, "rtol"_a, "atol"_a, "max_iterations"_a, "log_probs"_a, "stats_values"_a, "stats_counters"_a,
+        "token_loss"_a.none(), "metrics"_a, "stream"_a = 0, "checked"_a = true,
+        "TROLL's objective against dense old device logits; the loss and metrics to `metrics` (13 float64).");
+  m.def("trust_region_backward", &troll_py::trust_region_backward, "new_logits"_a, "old_logits"_a, "batch"_a,
+        "eps"_a, "alpha"_a, "rtol"_a, "atol"_a, "max_iterations"_a, "log_probs"_a, "stats_values"_a,
+        "stats_counters"_a, "grad_new"_a, "grad_loss"_a, "stream"_a = 0, "checked"_a = true,
+        "The fused backward of trust_region_forward on the device.");
+  m.def("sparse_trust_region_forward", &troll_py::sparse_trust_region_forward, "new_logits"_a, "old"_a, "batch"_a,
+        "eps"_a, "alpha"_a, "rtol"_a, "atol"_a, "max_iterations"_a, "new_k"_a, "new_delta"_a, "aligned"_a,
+        "log_probs"_a, "stats_values"_a, "stats_counters"_a, "token_loss"_a.none(), "metrics"_a, "stream"_a = 0,
+        "checked"_a = true, "TROLL's objective against sparse old device rows; metrics as trust_region_forward.");
+  m.def("sparse_trust_region_backward", &troll_py::sparse_trust_region_backward, "new_logits"_a, "aligned"_a,
+        "batch"_a, "eps"_a, "alpha"_a, "rtol"_a, "atol"_a, "max_iterations"_a, "new_k"_a, "new_delta"_a,
+        "log_probs"_a, "stats_values"_a, "stats_counters"_a, "grad_new"_a, "grad_loss"_a, "stream"_a = 0,
+        "checked"_a = true, "The fused backward of sparse_trust_region_forward on the device.");
+  m.def(
+      "ppo_clip_forward",
+      [](const troll_py::in_array& n, const troll_py::in_array& o, nb::handle batch, double clip_low,
+         double clip_high, double dual_clip, bool kl_metrics, const std::optional<troll_py::out_array>& token_loss,
+         const troll_py::out_array& metrics, std::uintptr_t stream, bool checked) {
+        troll_py::ratio_forward("ppo_clip_loss", troll_py::ppo_clip(clip_low, clip_high, dual_clip, kl_metrics), n,
+                                o, batch, token_loss, metrics, stream, checked);
+      },
+      "new_logits"_a, "old_logits"_a, "batch"_a, "clip_low"_a, "clip_high"_a, "dual_clip"_a, "kl_metrics"_a,
+      "token_loss"_a.none(), "metrics"_a, "stream"_a = 0, "checked"_a = true, "PPO's clipped surrogate loss.");
+  m.def(
+      "ppo_clip_backward",
+      [](const troll_py::in_array& n, const troll_py::in_array& o, nb::handle batch, double clip_low,
+         double clip_high, double dual_clip, const troll_py::out_array& grad_new, double grad_loss,
+         std::uintptr_t stream, bool checked) {
+        troll_py::ratio_backward("ppo_clip_loss_backward", troll_py::ppo_clip(clip_low, clip_high, dual_clip, false),
+                                 n, o, batch, grad_new, grad_loss, stream, checked);
+      },
+      "new_logits"_a, "old_logits"_a, "batch"_a, "clip_low"_a, "clip_high"_a, "dual_clip"_a, "grad_new"_a,
+      "grad_loss"_a, "stream"_a = 0, "checked"_a = true, "Backward of ppo_clip_forward.");
+  m.def(
+      "dppo_forward",
+      [](const troll_py::in_array& n, const troll_py::in_array& o, nb::handle batch, const std::string& divergence,
+         double delta_low, double delta_high, int top_k, bool kl_metrics,
+         const std::optional<troll_py::out_array>& token_loss, const troll_py::out_array& metrics,
+         std::uintptr_t stream, bool checked) {
+        troll_py::ratio_forward("dppo_loss", troll_py::dppo(divergence, delta_low, delta_high, top_k, kl_metrics), n,
+                                o, batch, token_loss, metrics, stream, checked);
+      },
+      "new_logits"_a, "old_logits"_a, "batch"_a, "divergence"_a, "delta_low"_a, "delta_high"_a, "top_k"_a,
+      "kl_metrics"_a, "token_loss"_a.none(), "metrics"_a, "stream"_a = 0, "checked"_a = true,
+      "DPPO's masked surrogate loss.");
+  m.def(
+      "dppo_backward",
+      [](const troll_py::in_array& n, const troll_py::in_array& o, nb::handle batch, const std::string& divergence,
+         double delta_low, double delta_high, int top_k, const troll_py::out_array& grad_new, double grad_loss,
+         std::uintptr_t stream, bool checked) {
+        troll_py::ratio_backward("dppo_loss_backward", troll_py::dppo(divergence, delta_low, delta_high, top_k, false),
+                                 n, o, batch, grad_new, grad_loss, stream, checked);
+      },
+      "new_logits"_a, "old_logits"_a, "batch"_a, "divergence"_a, "delta_low"_a, "delta_high"_a, "top_k"_a,
+      "grad_new"_a, "grad_loss"_a, "stream"_a = 0, "checked"_a = true, "Backward of dppo_forward.");
 }

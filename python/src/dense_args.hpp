@@ -1,5 +1,5 @@
-// python/src/dense_args.hpp — the arguments of the dense entry points (log_softmax, kl, project,
-// project_backward), checked and turned into troll views once for both extension modules:
+// python/src/dense_args.hpp — the arguments of the dense entry points (log_softmax, kl, kl_backward,
+// project, project_backward), checked and turned into troll views once for both extension modules:
 // troll._troll (module.cpp, host arrays) and troll._troll_cuda (cuda_module.cpp, device arrays —
 // views.hpp's device rule differs, the checks here do not). Each function throws the same
 // ShapeError / TypeError text on both, before anything is written.
@@ -39,6 +39,35 @@ struct kl_args {
     const auto column = troll::make_batch(out, p.rows == 0 ? 0 : 1, p.rows);
     require_disjoint(fn, "out", column, "p_logits", p);
     require_disjoint(fn, "out", column, "q_logits", q);
+  }
+};
+
+/// kl_backward: two logits of one shape, the upstream gradient one entry a row, the wanted
+/// gradients (either may be absent: an empty view) of that shape, not overlapping the inputs.
+template <class T>
+struct kl_backward_args {
+  troll::batch_view<const T> p, q;
+  const T* grad_kl = nullptr;
+  troll::batch_view<T> grad_p{}, grad_q{};
+
+  kl_backward_args(const char* fn, const in_array& pa, const in_array& qa, const in_array& g,
+                   const std::optional<out_array>& gp, const std::optional<out_array>& gq) {
+    require_same_shape(fn, "q_logits", qa, "p_logits", pa);
+    p = as_batch<const T>(fn, "p_logits", pa);
+    q = as_batch<const T>(fn, "q_logits", qa);
+    grad_kl = as_rows<const T>(fn, "grad_kl", g, p.rows);
+    if (gp) {
+      require_same_shape(fn, "grad_p", *gp, "p_logits", pa);
+      grad_p = as_batch<T>(fn, "grad_p", *gp);
+      require_disjoint(fn, "grad_p", grad_p, "p_logits", p);
+      require_disjoint(fn, "grad_p", grad_p, "q_logits", q);
+    }
+    if (gq) {
+      require_same_shape(fn, "grad_q", *gq, "p_logits", pa);
+      grad_q = as_batch<T>(fn, "grad_q", *gq);
+      require_disjoint(fn, "grad_q", grad_q, "p_logits", p);
+      require_disjoint(fn, "grad_q", grad_q, "q_logits", q);
+    }
   }
 };
 

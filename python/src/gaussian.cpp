@@ -104,6 +104,21 @@ struct gaussian_operands {
   }
 };
 
+/// The optional saved factorisation of full rows (troll::gaussian::saved_factorisation): a
+/// contiguous (rows, d*d + 2*d) float64 array, filled by the forward and read by its derivatives.
+template <class D, class A>
+troll::gaussian::saved_factorisation<D> as_saved(const char* fn, const std::optional<A>& a, std::size_t rows,
+                                                 std::size_t d, bool full) {
+  if (!a) return {};
+  if (!full) fail(fn, "saved is for full covariances (Cholesky factors) only");
+  const auto v = as_batch<D>(fn, "saved", *a);
+  const std::size_t k = troll::gaussian::saved_factorisation<D>::saved_doubles(d);
+  if (v.rows != rows || v.cols != k || (rows > 1 && v.stride != k))
+    fail(fn, "saved must be a contiguous (" + std::to_string(rows) + ", " + std::to_string(k) +
+                 ") float64 array (rows, d*d + 2*d)");
+  return troll::gaussian::saved_factorisation<D>{v.data, rows, d};
+}
+
 const char* project_name(bool full, bool split) {
   if (full) return split ? "gaussian.project_split" : "gaussian.project_joint";
   return split ? "gaussian.project_split_diag" : "gaussian.project_joint_diag";
@@ -112,7 +127,7 @@ const char* project_name(bool full, bool split) {
 void project(const in_array& mean, const in_array& cov, const in_array& old_mean, const in_array& old_cov,
              double eps_mean, double eps_cov, bool full, bool split, const out_array& out_mean,
              const out_array& out_cov, const out_array& stats_values, const out_array& stats_counters,
-             double rtol, double atol, int max_iterations, unsigned threads) {
+             double rtol, double atol, int max_iterations, unsigned threads, const std::optional<out_array>& saved) {
   const char* fn = project_name(full, split);
   dispatch_float(fn, "mean", mean, [&](auto tag) {
     using T = decltype(tag);
@@ -133,6 +148,7 @@ void project(const in_array& mean, const in_array& cov, const in_array& old_mean
     options.rtol = rtol;
     options.atol = atol;
     options.max_iterations = max_iterations;
+    const auto sf = as_saved<double>(fn, saved, in.mean.rows, in.mean.cols, full);
     std::vector<troll::gaussian::gaussian_stats> stats(in.mean.rows);
     {
       nb::gil_scoped_release release;
@@ -140,9 +156,9 @@ void project(const in_array& mean, const in_array& cov, const in_array& old_mean
       const auto p = policy(threads);
       if (full && split) {
         g::project_split(p, in.mean, in.cov, in.old_mean, in.old_cov, eps_mean, eps_cov, ym, yc, stats.data(),
-                         options);
+                         options, sf);
       } else if (full) {
-        g::project_joint(p, in.mean, in.cov, in.old_mean, in.old_cov, eps_mean, ym, yc, stats.data(), options);
+        g::project_joint(p, in.mean, in.cov, in.old_mean, in.old_cov, eps_mean, ym, yc, stats.data(), options, sf);
       } else if (split) {
         g::project_split_diag(p, in.mean, in.cov, in.old_mean, in.old_cov, eps_mean, eps_cov, ym, yc,
                               stats.data(), options);
@@ -174,7 +190,7 @@ void project_backward(const in_array& mean, const in_array& cov, const in_array&
                       const std::optional<out_array>& grad_mean, const std::optional<out_array>& grad_cov,
                       const std::optional<out_array>& grad_old_mean, const std::optional<out_array>& grad_old_cov,
                       const std::optional<out_array>& grad_eps, const std::optional<out_array>& grad_eps_mean,
-                      unsigned threads) {
+                      unsigned threads, const std::optional<in_array>& saved) {
   const char* fn = project_name(full, split);
   dispatch_float(fn, "mean", mean, [&](auto tag) {
     using T = decltype(tag);
@@ -222,15 +238,16 @@ void project_backward(const in_array& mean, const in_array& cov, const in_array&
       for (std::size_t j = 0; j < i; ++j) require_disjoint(fn, "a gradient", w, "another gradient", *written[j]);
     }
     const auto stats = read_gaussian_stats(fn, stats_values, stats_counters, in.mean.rows);
+    const auto sf = as_saved<const double>(fn, saved, in.mean.rows, in.mean.cols, full);
     nb::gil_scoped_release release;
     namespace g = troll::gaussian;
     const auto p = policy(threads);
     if (full && split) {
       g::project_split_backward(p, in.mean, in.cov, in.old_mean, in.old_cov, eps_mean, eps_cov, ym, yc,
-                                stats.data(), gym, gyc, grads);
+                                stats.data(), gym, gyc, grads, sf);
     } else if (full) {
       g::project_joint_backward(p, in.mean, in.cov, in.old_mean, in.old_cov, eps_mean, ym, yc, stats.data(), gym,
-                                gyc, grads);
+                                gyc, grads, sf);
     } else if (split) {
       g::project_split_diag_backward(p, in.mean, in.cov, in.old_mean, in.old_cov, eps_mean, eps_cov, ym, yc,
                                      stats.data(), gym, gyc, grads);
@@ -247,7 +264,7 @@ void project_jvp(const in_array& mean, const in_array& cov, const in_array& old_
                  const std::optional<in_array>& tangent_mean, const std::optional<in_array>& tangent_cov,
                  const std::optional<in_array>& tangent_old_mean, const std::optional<in_array>& tangent_old_cov,
                  double tangent_eps, double tangent_eps_mean, const out_array& tangent_out_mean,
-                 const out_array& tangent_out_cov, unsigned threads) {
+                 const out_array& tangent_out_cov, unsigned threads, const std::optional<in_array>& saved) {
   const char* fn = project_name(full, split);
   dispatch_float(fn, "mean", mean, [&](auto tag) {
     using T = decltype(tag);
@@ -288,15 +305,16 @@ void project_jvp(const in_array& mean, const in_array& cov, const in_array& old_
     }
     require_disjoint(fn, "tangent_out_mean", tm, "tangent_out_cov", tc);
     const auto stats = read_gaussian_stats(fn, stats_values, stats_counters, in.mean.rows);
+    const auto sf = as_saved<const double>(fn, saved, in.mean.rows, in.mean.cols, full);
     nb::gil_scoped_release release;
     namespace g = troll::gaussian;
     const auto p = policy(threads);
     if (full && split) {
       g::project_split_jvp(p, in.mean, in.cov, in.old_mean, in.old_cov, eps_mean, eps_cov, ym, yc, stats.data(),
-                           tangents, tm, tc);
+                           tangents, tm, tc, sf);
     } else if (full) {
       g::project_joint_jvp(p, in.mean, in.cov, in.old_mean, in.old_cov, eps_mean, ym, yc, stats.data(), tangents,
-                           tm, tc);
+                           tm, tc, sf);
     } else if (split) {
       g::project_split_diag_jvp(p, in.mean, in.cov, in.old_mean, in.old_cov, eps_mean, eps_cov, ym, yc,
                                 stats.data(), tangents, tm, tc);
@@ -329,20 +347,22 @@ void bind_gaussian(nb::module_& m) {
   using namespace nb::literals;
   m.def("gaussian_project", &project, "mean"_a, "cov"_a, "old_mean"_a, "old_cov"_a, "eps_mean"_a, "eps_cov"_a,
         "full"_a, "split"_a, "out_mean"_a, "out_cov"_a, "stats_values"_a, "stats_counters"_a, "rtol"_a = 1e-11,
-        "atol"_a = 0.0, "max_iterations"_a = 100, "threads"_a = 0,
+        "atol"_a = 0.0, "max_iterations"_a = 100, "threads"_a = 0, "saved"_a.none() = nb::none(),
         "The Gaussian trust-region projection (joint: eps_mean is the bound; full: Cholesky factors, "
-        "else standard deviations) into caller-allocated outputs and packed statistics.");
+        "else standard deviations) into caller-allocated outputs and packed statistics; saved (full only): "
+        "a (rows, d*d + 2*d) float64 array receiving the factorisation for the derivatives.");
   m.def("gaussian_project_backward", &project_backward, "mean"_a, "cov"_a, "old_mean"_a, "old_cov"_a,
         "eps_mean"_a, "eps_cov"_a, "full"_a, "split"_a, "out_mean"_a, "out_cov"_a, "stats_values"_a,
         "stats_counters"_a, "grad_out_mean"_a, "grad_out_cov"_a, "grad_mean"_a.none(), "grad_cov"_a.none(),
         "grad_old_mean"_a.none(), "grad_old_cov"_a.none(), "grad_eps"_a.none(), "grad_eps_mean"_a.none(),
-        "threads"_a = 0,
+        "threads"_a = 0, "saved"_a.none() = nb::none(),
         "The vector-Jacobian product of gaussian_project w.r.t. the inputs named by non-None outputs "
         "(grad_eps: the joint bound or eps_cov; per-row float64).");
   m.def("gaussian_project_jvp", &project_jvp, "mean"_a, "cov"_a, "old_mean"_a, "old_cov"_a, "eps_mean"_a,
         "eps_cov"_a, "full"_a, "split"_a, "out_mean"_a, "out_cov"_a, "stats_values"_a, "stats_counters"_a,
         "tangent_mean"_a.none(), "tangent_cov"_a.none(), "tangent_old_mean"_a.none(), "tangent_old_cov"_a.none(),
         "tangent_eps"_a, "tangent_eps_mean"_a, "tangent_out_mean"_a, "tangent_out_cov"_a, "threads"_a = 0,
+        "saved"_a.none() = nb::none(),
         "The Jacobian-vector product of gaussian_project along the given input tangents (None: 0) and bound "
         "tangents (tangent_eps: the joint bound or eps_cov; tangent_eps_mean: split only).");
   m.def("gaussian_kl", &kl, "mean"_a, "cov"_a, "old_mean"_a, "old_cov"_a, "full"_a, "out"_a, "threads"_a = 0,

@@ -42,25 +42,9 @@ void kl_backward(const in_array& p, const in_array& q, const in_array& grad_kl,
   constexpr const char* fn = "kl_backward";
   dispatch_float(fn, "p_logits", p, [&](auto tag) {
     using T = decltype(tag);
-    require_same_shape(fn, "q_logits", q, "p_logits", p);
-    const auto pv = as_batch<const T>(fn, "p_logits", p);
-    const auto qv = as_batch<const T>(fn, "q_logits", q);
-    const T* g = as_rows<const T>(fn, "grad_kl", grad_kl, pv.rows);
-    troll::batch_view<T> gp{}, gq{};
-    if (grad_p) {
-      require_same_shape(fn, "grad_p", *grad_p, "p_logits", p);
-      gp = as_batch<T>(fn, "grad_p", *grad_p);
-      require_disjoint(fn, "grad_p", gp, "p_logits", pv);
-      require_disjoint(fn, "grad_p", gp, "q_logits", qv);
-    }
-    if (grad_q) {
-      require_same_shape(fn, "grad_q", *grad_q, "p_logits", p);
-      gq = as_batch<T>(fn, "grad_q", *grad_q);
-      require_disjoint(fn, "grad_q", gq, "p_logits", pv);
-      require_disjoint(fn, "grad_q", gq, "q_logits", qv);
-    }
+    const kl_backward_args<T> a(fn, p, q, grad_kl, grad_p, grad_q);
     nb::gil_scoped_release release;
-    troll::kl_backward(policy(threads), pv, qv, g, gp, gq);
+    troll::kl_backward(policy(threads), a.p, a.q, a.grad_kl, a.grad_p, a.grad_q);
   });
 }
 

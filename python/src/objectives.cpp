@@ -11,42 +11,10 @@
 #include <optional>
 #include <string>
 
-#include "sparse_views.hpp"
+#include "objective_args.hpp"
 
 namespace troll_py {
 namespace {
-
-/// The token batch of `rows` rows, its arrays held for the call.
-template <class T>
-struct token_rows {
-  in_array tokens, advantages, mask, sequence_ids;
-  troll::token_batch<T> batch;
-
-  token_rows(const char* fn, nb::handle h, std::size_t rows) {
-    const nb::tuple t = as_tuple(fn, "batch", h, 5);
-    tokens = item<in_array>(fn, "batch", t, 0);
-    advantages = item<in_array>(fn, "batch", t, 1);
-    batch.tokens = as_rows<const std::int64_t>(fn, "tokens", tokens, rows);
-    batch.advantages = as_rows<const T>(fn, "advantages", advantages, rows);
-    if (!t[2].is_none()) {
-      mask = item<in_array>(fn, "batch", t, 2);
-      batch.loss_mask = as_rows<const T>(fn, "mask", mask, rows);
-    }
-    if (!t[3].is_none()) {
-      sequence_ids = item<in_array>(fn, "batch", t, 3);
-      batch.sequence_ids = as_rows<const std::int64_t>(fn, "sequence_ids", sequence_ids, rows);
-    }
-    const std::string aggregation = nb::cast<std::string>(t[4]);
-    if (aggregation == "token_mean") {
-      batch.aggregation = troll::loss_aggregation::token_mean;
-    } else if (aggregation == "sequence_mean") {
-      batch.aggregation = troll::loss_aggregation::sequence_mean;
-    } else {
-      throw troll::domain_error(std::string("troll.") + fn + ": aggregation must be 'token_mean' or "
-                                "'sequence_mean', got '" + aggregation + "'");
-    }
-  }
-};
 
 troll::cpu_policy policy(unsigned threads) { return troll::cpu.with_threads(threads); }
 
@@ -66,46 +34,6 @@ nb::dict metrics_dict(const troll::objective_metrics& m) {
   d["limited_fraction"] = m.limited_fraction;
   d["divergence_mean"] = m.divergence_mean;
   return d;
-}
-
-troll::trust_region_objective trust_region(double eps, double alpha, double rtol, double atol,
-                                           int max_iterations) {
-  troll::trust_region_objective o;
-  o.eps = eps;
-  o.alpha = alpha;
-  o.projection.rtol = rtol;
-  o.projection.atol = atol;
-  o.projection.max_iterations = max_iterations;
-  return o;
-}
-
-troll::dppo_divergence divergence_of(const std::string& name) {
-  if (name == "binary_tv") return troll::dppo_divergence::binary_tv;
-  if (name == "binary_kl") return troll::dppo_divergence::binary_kl;
-  if (name == "topk_tv") return troll::dppo_divergence::topk_tv;
-  if (name == "topk_kl") return troll::dppo_divergence::topk_kl;
-  throw troll::domain_error("troll.dppo_loss: divergence must be binary_tv, binary_kl, topk_tv or "
-                            "topk_kl, got '" + name + "'");
-}
-
-/// The dense views every dense objective call shares: new and old logits of one shape.
-template <class T>
-struct dense_pair {
-  troll::batch_view<const T> new_logits, old_logits;
-  dense_pair(const char* fn, const in_array& n, const in_array& o)
-      : new_logits((require_same_shape(fn, "old_logits", o, "new_logits", n),
-                    as_batch<const T>(fn, "new_logits", n))),
-        old_logits(as_batch<const T>(fn, "old_logits", o)) {}
-};
-
-/// A (..., V) gradient output shaped like new_logits and disjoint from the inputs.
-template <class T>
-troll::batch_view<T> grad_output(const char* fn, const out_array& g, const in_array& n,
-                                 const troll::batch_view<const T>& nv) {
-  require_same_shape(fn, "grad_new", g, "new_logits", n);
-  const auto gv = as_batch<T>(fn, "grad_new", g);
-  require_disjoint(fn, "grad_new", gv, "new_logits", nv);
-  return gv;
 }
 
 /// Calls `body` with T the dtype of `probe` and returns its metrics as a dict.
@@ -196,41 +124,6 @@ void ratio_backward(const char* fn, const Objective& objective, const in_array& 
     troll::objective_backward(policy(threads), objective, d.new_logits, d.old_logits, in.batch, g,
                               grad_loss);
   });
-}
-
-troll::ppo_clip_objective ppo_clip(double clip_low, double clip_high, double dual_clip,
-                                   bool kl_metrics) {
-  troll::ppo_clip_objective p;
-  p.clip_low = clip_low;
-  p.clip_high = clip_high;
-  p.dual_clip = dual_clip;
-  p.kl_metrics = kl_metrics;
-  return p;
-}
-
-troll::dppo_objective dppo(const std::string& divergence, double delta_low, double delta_high,
-                           int top_k, bool kl_metrics) {
-  troll::dppo_objective p;
-  p.divergence = divergence_of(divergence);
-  p.delta_low = delta_low;
-  p.delta_high = delta_high;
-  p.top_k = top_k;
-  p.kl_metrics = kl_metrics;
-  return p;
-}
-
-troll::sparse_trust_region_objective sparse_trust_region(double eps, double alpha, double rtol,
-                                                         double atol, int max_iterations,
-                                                         int new_k, double new_delta) {
-  troll::sparse_trust_region_objective o;
-  o.eps = eps;
-  o.alpha = alpha;
-  o.projection.rtol = rtol;
-  o.projection.atol = atol;
-  o.projection.max_iterations = max_iterations;
-  o.new_support.k = new_k;
-  o.new_support.delta = new_delta;
-  return o;
 }
 
 nb::dict sparse_trust_region_forward(const in_array& n, nb::handle old_rows, nb::handle batch,

@@ -5,6 +5,8 @@ the extension was built."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -111,3 +113,260 @@ def test_bad_rows_raise_the_cpu_exceptions_in_checked_mode():
     assert info.value.row == 7
     with pytest.raises(troll.ShapeError, match="different CUDA devices|not in CUDA"):
         troll.kl(new.cuda(), old)  # one operand on the host
+
+
+# ---- The rest of the API on CUDA tensors: kl_backward, the sparse projection, the losses ----
+# Each runs the same troll.torch call on CPU and CUDA tensors (the CUDA one on a side stream) and
+# compares values and gradients; gradcheck in float64 runs on the CUDA tensors themselves.
+
+
+def _loss_case(seed, rows=6, vocab=24, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    new = torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 1.5
+    old = new + 0.8 * torch.randn(rows, vocab, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, vocab, (rows,), generator=g)
+    adv = torch.randn(rows, generator=g, dtype=torch.float64)
+    mask = (torch.arange(rows) % 3 != 1).to(torch.float64)
+    return new.to(dtype), old.to(dtype), tokens, adv.to(dtype), mask.to(dtype)
+
+
+def _on_both(fn, *tensors):
+    """fn(*tensors) on the host and on the GPU (on a side stream): (value, gradient of the first
+    tensor) for each, the CUDA ones moved to the host."""
+    out = []
+    for device in ("cpu", "cuda"):
+        stream = torch.cuda.Stream() if device == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            args = [t.to(device) for t in tensors]
+            x = args[0].clone().requires_grad_(True)
+            value = fn(x, *args[1:])
+            value.backward()
+        if stream is not None:
+            stream.synchronize()
+            assert value.is_cuda and x.grad.is_cuda
+        out.append((value.detach().cpu(), x.grad.cpu()))
+    return out
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kl_backward_on_cuda_matches_the_cpu(dtype):
+    p, q = _case(dtype, rows=(5,), vocab=300, seed=4)
+    g = torch.linspace(-1, 2, 5, dtype=dtype)
+    want = troll.kl_backward(p, q, g)
+    got = troll.kl_backward(p.cuda(), q.cuda(), g.cuda())
+    for a, b in zip(got, want):
+        assert a.is_cuda
+        torch.testing.assert_close(a.cpu(), b, **_tol(dtype))
+
+
+def _separated(seed, rows, vocab):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 3
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_project_sparse_on_cuda_matches_the_cpu(dtype):
+    new = _separated(20, 5, 400).to(dtype)
+    old = (new + 0.5 * _separated(21, 5, 400)).to(dtype)
+    old_rows = troll.torch.sparsify(old, k=12, delta=1e-4)
+    d_old_rows = troll.SparseRows(*(a.cuda() for a in old_rows[:4]), old_rows.vocab)
+    w = torch.randn(5, old_rows.indices.shape[-1] + 8, dtype=dtype)
+
+    def loss(n, rows_, weights):
+        out = troll.torch.project_sparse(n, rows_, 0.02, new_k=8, new_delta=1e-4)
+        lp = torch.where(torch.isfinite(out.log_probs), out.log_probs, torch.zeros_like(out.log_probs))
+        return (lp * weights[:, : lp.shape[-1]]).sum() + 0.3 * out.log_remainder.sum()
+
+    (v_cpu, g_cpu), (v_cuda, g_cuda) = [
+        pair for pair in _on_both(lambda n, weights: loss(n, old_rows if not n.is_cuda else d_old_rows, weights),
+                                  new, w)]
+    tol = _tol(dtype)
+    torch.testing.assert_close(v_cuda, v_cpu, **tol)
+    torch.testing.assert_close(g_cuda, g_cpu, **tol)
+    # The forward's rows themselves: the same supports, values within the type's tolerance.
+    rows_cpu, st_cpu = troll.torch.project_sparse(new, old_rows, 0.02, new_k=8, new_delta=1e-4, return_stats=True)
+    rows_cuda, st_cuda = troll.torch.project_sparse(new.cuda(), d_old_rows, 0.02, new_k=8, new_delta=1e-4,
+                                                    return_stats=True)
+    assert torch.equal(rows_cuda.indices.cpu(), rows_cpu.indices)
+    assert torch.equal(rows_cuda.counts.cpu(), rows_cpu.counts)
+    assert torch.equal(st_cuda.status.cpu(), st_cpu.status)
+    torch.testing.assert_close(rows_cuda.log_remainder.cpu(), rows_cpu.log_remainder, **tol)
+    aligned = troll.align(new.cuda(), d_old_rows)
+    torch.testing.assert_close(troll.kl_sparse(aligned).cpu(), troll.kl_sparse(troll.align(new, old_rows)), **tol)
+
+
+@needs_gpu
+def test_project_sparse_gradcheck_on_cuda():
+    new = (_separated(11, 3, 16) + 0.05 * _separated(12, 3, 16)).cuda().requires_grad_(True)
+    old_rows = troll.torch.sparsify(_separated(13, 3, 16).cuda(), k=5, delta=0.0)
+    eps = torch.tensor(0.02, dtype=torch.float64, device="cuda", requires_grad=True)
+    w = torch.randn(3, old_rows.indices.shape[-1] + 4, dtype=torch.float64, device="cuda")
+
+    def loss(n, e):
+        rows = troll.torch.project_sparse(n, old_rows, e, new_k=4, new_delta=0.0)
+        lp = torch.where(torch.isfinite(rows.log_probs), rows.log_probs, torch.zeros_like(rows.log_probs))
+        return (lp * w[:, : lp.shape[-1]]).sum() + (rows.log_remainder * 0.3).sum()
+
+    assert torch.autograd.gradcheck(loss, (new, eps))
+
+
+_LOSSES = {
+    "troll_dense": lambda n, o, t, a, m: troll.torch.trust_region_loss(n, o, t, a, eps=0.05, mask=m),
+    "troll_sparse": lambda n, o, t, a, m: troll.torch.trust_region_loss(
+        n, troll.torch.sparsify(o, k=8, delta=1e-6, sampled=t), t, a, eps=0.05, mask=m, new_k=6),
+    "ppo_clip": lambda n, o, t, a, m: troll.torch.ppo_clip_loss(n, o, t, a, mask=m, dual_clip=3.0),
+    "dppo_binary_tv": lambda n, o, t, a, m: troll.torch.dppo_loss(n, o, t, a, "binary_tv", mask=m),
+    "dppo_topk_kl": lambda n, o, t, a, m: troll.torch.dppo_loss(n, o, t, a, "topk_kl", top_k=4, mask=m),
+}
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", sorted(_LOSSES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_losses_on_cuda_match_the_cpu(name, dtype):
+    new, old, tokens, adv, mask = _loss_case(30, dtype=dtype)
+    (v_cpu, g_cpu), (v_cuda, g_cuda) = _on_both(_LOSSES[name], new, old, tokens, adv, mask)
+    tol = _tol(dtype)
+    torch.testing.assert_close(v_cuda, v_cpu, **tol)
+    torch.testing.assert_close(g_cuda, g_cpu, **tol)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["troll_dense", "troll_sparse", "ppo_clip"])
+def test_loss_metrics_on_cuda_match_the_cpu(name):
+    new, old, tokens, adv, mask = _loss_case(31)
+    kwargs = dict(mask=mask, return_metrics=True)
+    if name == "troll_dense":
+        call = lambda n, o, t, a: troll.torch.trust_region_loss(n, o, t, a, **kwargs)  # noqa: E731
+    elif name == "troll_sparse":
+        call = lambda n, o, t, a: troll.torch.trust_region_loss(  # noqa: E731
+            n, troll.torch.sparsify(o, k=8, sampled=t), t, a, **kwargs)
+    else:
+        call = lambda n, o, t, a: troll.torch.ppo_clip_loss(n, o, t, a, **kwargs)  # noqa: E731
+    loss_cpu, m_cpu = call(new, old, tokens, adv)
+    loss_cuda, m_cuda = call(new.cuda(), old.cuda(), tokens.cuda(), adv.cuda())
+    assert loss_cuda.is_cuda and loss_cuda.dtype == new.dtype and loss_cuda.dim() == 0
+    assert set(m_cuda) == set(m_cpu)
+    assert m_cuda["tokens"] == m_cpu["tokens"] and m_cuda["sequences"] == m_cpu["sequences"]
+    for key, value in m_cpu.items():
+        assert m_cuda[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["troll_dense", "troll_sparse", "ppo_clip", "dppo_topk_kl"])
+def test_loss_gradcheck_on_cuda(name):
+    new, old, tokens, adv, mask = (t.cuda() for t in _loss_case(32, rows=5, vocab=12))
+    if name.startswith("troll"):  # TROLL's ratio term (alpha = 0): the regression term holds pi* constant
+        sparse = name.endswith("sparse")
+        o = troll.torch.sparsify(old, k=5, delta=0.0, sampled=tokens) if sparse else old
+
+        def loss(n):
+            return troll.torch.trust_region_loss(n, o, tokens, adv, 0.05, alpha=0.0, mask=mask, new_k=4,
+                                                 new_delta=0.0)
+    else:
+        def loss(n):
+            return _LOSSES[name](n, old, tokens, adv, mask)
+    assert torch.autograd.gradcheck(loss, (new.requires_grad_(True),))
+
+
+@needs_gpu
+def test_losses_on_cuda_copy_nothing_and_leave_inputs_untouched():
+    new, old, tokens, adv, mask = (t.cuda() for t in _loss_case(33, rows=64, vocab=2048))
+    before = (new.clone(), old.clone())
+    x = new.requires_grad_(True)
+    loss = troll.torch.trust_region_loss(x, old, tokens, adv, mask=mask)
+    saved = loss.grad_fn.saved_tensors
+    assert saved[0].data_ptr() == x.data_ptr() and saved[1].data_ptr() == old.data_ptr()
+    loss.backward()
+    torch.cuda.synchronize()
+    assert torch.equal(x.detach(), before[0]) and torch.equal(old, before[1])
+    # Padded rows are read where they are (a view, not a copy), and the gradient lands on them.
+    wide = torch.randn(64, 2048 + 16, dtype=torch.float64, device="cuda", requires_grad=True)
+    loss = troll.torch.ppo_clip_loss(wide[:, :2048], old, tokens, adv)
+    assert loss.grad_fn.saved_tensors[0].data_ptr() == wide.data_ptr()
+    loss.backward()
+    assert torch.count_nonzero(wide.grad[:, 2048:]) == 0 and torch.count_nonzero(wide.grad[:, :2048]) > 0
+
+
+@needs_gpu
+def test_loss_errors_on_cuda_name_the_row():
+    new, old, tokens, adv, mask = (t.cuda() for t in _loss_case(34))
+    tokens[3] = 99
+    for call in (lambda: troll.torch.trust_region_loss(new, old, tokens, adv),
+                 lambda: troll.torch.ppo_clip_loss(new, old, tokens, adv),
+                 lambda: troll.torch.trust_region_loss(
+                     new, troll.torch.sparsify(old, k=4, sampled=tokens.clamp(max=23)), tokens, adv)):
+        with pytest.raises(troll.DomainError) as info:
+            call()
+        assert info.value.row == 3
+    bad = new.clone()
+    bad[4, 2] = float("nan")
+    with pytest.raises(troll.DomainError) as info:
+        troll.torch.project_sparse(bad, troll.torch.sparsify(old, k=4), 0.05)
+    assert info.value.row == 4
+
+
+@needs_extension
+def test_the_cuda_extension_binds_the_whole_array_api():
+    cuda = _core._troll_cuda
+    for name in ("kl_backward", "sparsify_backward", "align", "kl_sparse", "project_sparse",
+                 "project_sparse_backward", "trust_region_forward", "trust_region_backward",
+                 "sparse_trust_region_forward", "sparse_trust_region_backward", "ppo_clip_forward",
+                 "ppo_clip_backward", "dppo_forward", "dppo_backward"):
+        assert callable(getattr(cuda, name)), name
+    assert cuda.METRICS_ENTRIES == len(_core.METRIC_FIELDS)
+
+
+# ---- CUDA sparsify: the canonical tail sums (detail::exact_log_sums), as the CPU's ----
+
+
+def _ulps(a, b):
+    """|a - b| in units of b's last place (inf entries must match exactly)."""
+    same = a == b
+    step = (torch.nextafter(b, torch.full_like(b, float("inf"))) - b).abs()
+    return torch.where(same, torch.zeros_like(b), (a - b).abs() / step)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_sparsify_values_are_canonical(dtype):
+    g = torch.Generator().manual_seed(40)
+    rows, vocab = 6, 40_000  # several tiles a row, candidates evicted by the block select
+    logits = (torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 3).to(dtype)
+    logits[1, ::7] = float("-inf")  # masked tokens
+    logits[2, 100:200] = logits[2, 5]  # ties at the support's edge
+    sampled = torch.randint(0, vocab, (rows,), generator=g, dtype=torch.int32)
+    d = logits.cuda()
+    whole = troll.torch.sparsify(d, k=32, delta=1e-3, sampled=sampled.cuda())
+    # The same rows read through another layout (rows one element off 16-byte alignment: scalar
+    # loads instead of vector loads) and one at a time: the same bits.
+    padded = torch.empty(rows, vocab + 1, dtype=dtype, device="cuda")
+    padded[:, 1:] = d
+    shifted = troll.torch.sparsify(padded[:, 1:], k=32, delta=1e-3, sampled=sampled.cuda())
+    for r in range(rows):
+        one = troll.torch.sparsify(d[r:r + 1], k=32, delta=1e-3, sampled=sampled[r:r + 1].cuda())
+        for a, b in zip(one[:4], whole[:4]):
+            assert torch.equal(a.cpu(), b[r:r + 1].cpu())
+    for a, b in zip(shifted[:4], whole[:4]):
+        assert torch.equal(a.cpu(), b.cpu())
+    # Against the CPU's canonical values: the same supports, values within one ulp (the two
+    # backends' exponentials may differ in the last bit of a term; the sums are otherwise the same).
+    ref = troll.torch.sparsify(logits, k=32, delta=1e-3, sampled=sampled)
+    assert torch.equal(whole.counts.cpu(), ref.counts) and torch.equal(whole.indices.cpu(), ref.indices)
+    valid = ref.counts[:, None] > torch.arange(ref.indices.shape[-1])
+    lp = _ulps(torch.where(valid, whole.log_probs.cpu(), 0), torch.where(valid, ref.log_probs, 0))
+    lr = _ulps(whole.log_remainder.cpu(), ref.log_remainder)
+    if os.environ.get("TROLL_TEST_REPORT_ULPS"):
+        print(f"cuda sparsify vs cpu ({dtype}): log_probs max {lp.max().item()} ulps, "
+              f"log_remainder max {lr.max().item()} ulps, exact {(lp == 0).float().mean().item():.4f}")
+    assert lp.max() <= 1 and lr.max() <= 1

@@ -27,7 +27,9 @@ from ._core import (
     project,
     project_backward,
     project_sparse,
+    project_sparse_backward,
     sparsify,
+    sparsify_backward,
     sparsify_finalize,
     sparsify_shard,
     sparsify_shard_backward,
@@ -44,7 +46,7 @@ __all__ = [
     "INACTIVE", "PROJECTED", "RESTRICTED", "STATUS_NAMES",
     "ProjectionStats", "SparseRows", "AlignedRows",
     "log_softmax", "kl", "kl_backward", "project", "project_backward", "cuda_available",
-    "sparsify", "align", "project_sparse", "kl_sparse",
+    "sparsify", "sparsify_backward", "align", "project_sparse", "project_sparse_backward", "kl_sparse",
     "sparsify_shard", "sparsify_finalize", "sparsify_tail_sums", "sparsify_shard_backward", "sparsify_state_bytes",
     "gaussian",
 ]

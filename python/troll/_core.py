@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional, Tuple
 
+import numpy as np
+
 from . import _troll
 from ._arrays import Framework, arg, leading_shape, require_shape
 from ._errors import ShapeError
@@ -160,7 +162,11 @@ def kl_backward(p_logits: Any, q_logits: Any, grad_kl: Any, *, threads: int = 0)
     dtype = _float_dtype(frame, p_logits)
     gp = frame.empty(tuple(p_logits.shape), dtype)
     gq = frame.empty(tuple(p_logits.shape), dtype)
-    _troll.kl_backward(arg(p_logits), arg(q_logits), arg(grad_kl), gp, gq, threads)
+    if _on_cuda(p_logits):
+        cuda, stream = _cuda_call(frame, p_logits, "kl_backward")
+        cuda.kl_backward(arg(p_logits), arg(q_logits), arg(grad_kl), gp, gq, stream, CUDA_CHECKED)
+    else:
+        _troll.kl_backward(arg(p_logits), arg(q_logits), arg(grad_kl), gp, gq, threads)
     return frame.result(gp), frame.result(gq)
 
 
@@ -273,8 +279,12 @@ def align(new_logits: Any, old: SparseRows, new_support: Optional[SparseRows] = 
     out = AlignedRows(frame.empty(rows + (k_max,), "int32"), frame.empty(rows, "int32"),
                       frame.empty(rows + (k_max,), dtype), frame.empty(rows + (k_max,), dtype),
                       frame.empty(rows, dtype), frame.empty(rows, dtype), vocab)
-    _troll.align(arg(new_logits), None if new_support is None else _sparse_arg(new_support),
-                 _sparse_arg(old), out, threads)
+    args = (arg(new_logits), None if new_support is None else _sparse_arg(new_support), _sparse_arg(old), out)
+    if _on_cuda(new_logits):
+        cuda, stream = _cuda_call(frame, new_logits, "align")
+        cuda.align(*args, stream, CUDA_CHECKED)
+    else:
+        _troll.align(*args, threads)
     return AlignedRows(*(frame.result(a) for a in out[:6]), vocab)
 
 
@@ -291,8 +301,12 @@ def project_sparse(rows: AlignedRows, eps: float, *, rtol: float = 1e-12, atol: 
     lead = tuple(rows.counts.shape)
     out = sparse_empty(frame, lead, int(rows.indices.shape[-1]), rows.vocab, dtype)
     st = ProjectionStats.empty(frame, lead)
-    _troll.project_sparse(_sparse_arg(rows), float(eps), out, st.values, st.counters, rtol, atol,
-                          max_iterations, threads)
+    args = (_sparse_arg(rows), float(eps), out, st.values, st.counters, rtol, atol, max_iterations)
+    if _on_cuda(rows.new_log_probs):
+        cuda, stream = _cuda_call(frame, rows.new_log_probs, "project_sparse")
+        cuda.project_sparse(*args, stream, CUDA_CHECKED)
+    else:
+        _troll.project_sparse(*args, threads)
     return (SparseRows(*(frame.result(a) for a in out[:4]), rows.vocab),
             ProjectionStats(frame.result(st.values), frame.result(st.counters)))
 
@@ -302,8 +316,101 @@ def kl_sparse(rows: AlignedRows, *, threads: int = 0) -> Any:
     frame = Framework(rows.new_log_probs)
     dtype = _float_dtype(frame, rows.new_log_probs)
     y = frame.empty(tuple(rows.counts.shape), dtype)
-    _troll.kl_sparse(_sparse_arg(rows), y, threads)
+    if _on_cuda(rows.new_log_probs):
+        cuda, stream = _cuda_call(frame, rows.new_log_probs, "kl_sparse")
+        cuda.kl_sparse(_sparse_arg(rows), y, stream, CUDA_CHECKED)
+    else:
+        _troll.kl_sparse(_sparse_arg(rows), y, threads)
     return frame.result(y)
+
+
+def project_sparse_backward(rows: AlignedRows, log_probs: SparseRows, stats: ProjectionStats,
+                            grad: Tuple[Any, Any], *, old: bool = False, eps: bool = False,
+                            threads: int = 0) -> Tuple[Tuple[Any, Any], Optional[Tuple[Any, Any]], Optional[Any]]:
+    """The VJP of ``project_sparse``: given grad = (dL/dlog_probs (..., k_max), dL/dlog_remainder
+    (...)) on its output, returns the gradient on the aligned new side (the same pair of arrays),
+    on the old side (or None) and per-row dL/deps (or None)."""
+    frame = Framework(rows.new_log_probs)
+    dtype = _float_dtype(frame, rows.new_log_probs)
+    lead, k_max = tuple(rows.counts.shape), int(rows.indices.shape[-1])
+
+    def pair() -> Tuple[Any, Any]:
+        return frame.empty(lead + (k_max,), dtype), frame.empty(lead, dtype)
+
+    grad_new = pair()
+    grad_old = pair() if old else None
+    grad_eps = frame.empty(lead, dtype) if eps else None
+    args = (_sparse_arg(rows), _sparse_arg(log_probs), arg(stats.values), arg(stats.counters),
+            (arg(grad[0]), arg(grad[1])), grad_new, grad_old, grad_eps)
+    if _on_cuda(rows.new_log_probs):
+        cuda, stream = _cuda_call(frame, rows.new_log_probs, "project_sparse_backward")
+        cuda.project_sparse_backward(*args, stream, CUDA_CHECKED)
+    else:
+        _troll.project_sparse_backward(*args, threads)
+    return (tuple(frame.result(a) for a in grad_new),
+            None if grad_old is None else tuple(frame.result(a) for a in grad_old),
+            None if grad_eps is None else frame.result(grad_eps))
+
+
+def sparsify_backward(logits: Any, support: SparseRows, grad: Tuple[Any, Any], *, threads: int = 0) -> Any:
+    """The gradient w.r.t. dense ``logits`` (..., V) of a loss whose gradient on sparse rows
+    gathered from them (the support of ``support``, its bucket the rest) is ``grad`` =
+    (dL/dlog_probs, dL/dlog_remainder): the scatter of docs/sparse.md."""
+    frame = Framework(logits)
+    dtype = _float_dtype(frame, logits)
+    out = frame.empty(tuple(logits.shape), dtype)
+    args = (arg(logits), _sparse_arg(support), (arg(grad[0]), arg(grad[1])), out)
+    if _on_cuda(logits):
+        cuda, stream = _cuda_call(frame, logits, "sparsify_backward")
+        cuda.sparsify_backward(*args, stream, CUDA_CHECKED)
+    else:
+        _troll.sparsify_backward(*args, threads)
+    return frame.result(out)
+
+
+# ---- Objectives (the extension's forward / backward pairs; troll.torch wraps them) ----
+
+#: The fields of troll::objective_metrics, in order: the CUDA forward writes them to a float64
+#: device array (``tokens`` and ``sequences`` are 64-bit integers in their slots).
+METRIC_FIELDS = ("loss", "tokens", "sequences", "ratio_mean", "kl_before_mean", "kl_before_max", "kl_after_mean",
+                 "kl_after_max", "regression_kl_mean", "projected_fraction", "eta_mean", "limited_fraction",
+                 "divergence_mean")
+
+
+def objective_forward(name: str, new_logits: Any, args: tuple, *, threads: int = 0) -> Any:
+    """Runs the extension's objective forward ``name`` (trust_region_forward, ...) with ``args``
+    on the logits' device. Returns the metrics: a dict from the host extension, or the CUDA
+    extension's float64 device array of METRIC_FIELDS (read it with ``metrics_dict``; entry 0,
+    the loss, needs no synchronisation)."""
+    if _on_cuda(new_logits):
+        frame = Framework(new_logits)
+        cuda, stream = _cuda_call(frame, new_logits, name)
+        metrics = frame.empty((len(METRIC_FIELDS),), "float64")
+        getattr(cuda, name)(*args, None, metrics, stream, CUDA_CHECKED)
+        return metrics
+    return getattr(_troll, name)(*args, None, threads)
+
+
+def objective_backward(name: str, new_logits: Any, args: tuple, *, threads: int = 0) -> None:
+    """Runs the extension's fused objective backward ``name`` with ``args`` (grad_new, grad_loss
+    last) on the logits' device."""
+    if _on_cuda(new_logits):
+        cuda, stream = _cuda_call(Framework(new_logits), new_logits, name)
+        getattr(cuda, name)(*args, stream, CUDA_CHECKED)
+    else:
+        getattr(_troll, name)(*args, threads)
+
+
+def metrics_dict(metrics: Any) -> dict:
+    """objective_forward's metrics as a dict of Python numbers (a device array is copied to the
+    host: one synchronisation)."""
+    if isinstance(metrics, dict):
+        return metrics
+    host = np.from_dlpack(metrics.cpu()) if hasattr(metrics, "cpu") else np.asarray(metrics.get())
+    values = host.astype(np.float64, copy=False)
+    counts = values.view(np.int64)
+    return {f: int(counts[i]) if f in ("tokens", "sequences") else float(values[i])
+            for i, f in enumerate(METRIC_FIELDS)}
 
 
 def check_sparse_rows(rows: Any, name: str) -> None:

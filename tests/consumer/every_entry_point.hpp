@@ -46,6 +46,9 @@ struct step_results {
   std::vector<double> gaussian_mean, gaussian_chol, gaussian_split_mean, gaussian_split_chol;
   std::vector<double> gaussian_diag_mean, gaussian_diag_std, gaussian_split_diag_mean, gaussian_split_diag_std;
   std::vector<double> gaussian_kl_after;  ///< kl_after of every row of the four projections, in call order
+  std::vector<double> gaussian_kl, gaussian_kl_diag;                 ///< kl / kl_diag of the new vs old rows
+  std::vector<double> gaussian_diag_grad_mean, gaussian_diag_grad_eps;  ///< project_joint_diag_backward
+  std::vector<double> gaussian_split_diag_jvp_std;                   ///< project_split_diag_jvp
   double troll_loss = 0.0, ppo_loss = 0.0, dppo_loss = 0.0, sparse_troll_loss = 0.0;
 };
 
@@ -276,7 +279,30 @@ step_results run_every_entry_point(Policy policy) {
     troll::gaussian::project_split_diag(policy, mu_in, sd_in, mu_old_in, sd_old_in, 0.02, 0.05,
                                         troll::make_batch(m4.get(), rows, d), troll::make_batch(s4.get(), rows, d),
                                         g_stats.get() + 3 * rows, troll::projection_options{});
+    // KL, and the derivatives of the diagonal projections (upstream: the outputs themselves).
+    typename S::template array<double> kl_full(rows), kl_diag(rows), g_eps(rows);
+    typename S::template array<T> g_mean(rows * d), t_std(rows * d), t_mean(rows * d);
+    troll::gaussian::kl(policy, mu_in, chol_in, mu_old_in, chol_old_in, kl_full.get());
+    troll::gaussian::kl_diag(policy, mu_in, sd_in, mu_old_in, sd_old_in, kl_diag.get());
+    const auto m3_in = troll::make_batch<const T>(m3.get(), rows, d);
+    const auto s3_in = troll::make_batch<const T>(s3.get(), rows, d);
+    const auto m4_in = troll::make_batch<const T>(m4.get(), rows, d);
+    const auto s4_in = troll::make_batch<const T>(s4.get(), rows, d);
+    const troll::gaussian::gaussian_grads<T> diag_grads{troll::make_batch(g_mean.get(), rows, d), {}, {}, {},
+                                                        g_eps.get(), nullptr};
+    troll::gaussian::project_joint_diag_backward(policy, mu_in, sd_in, mu_old_in, sd_old_in, 0.05, m3_in, s3_in,
+                                                 g_stats.get() + 2 * rows, m3_in, s3_in, diag_grads);
+    const troll::gaussian::gaussian_tangents<T> diag_tangents{mu_in, sd_in, {}, {}, 0.01, 0.0};
+    troll::gaussian::project_split_diag_jvp(policy, mu_in, sd_in, mu_old_in, sd_old_in, 0.02, 0.05, m4_in, s4_in,
+                                            g_stats.get() + 3 * rows, diag_tangents,
+                                            troll::make_batch(t_mean.get(), rows, d),
+                                            troll::make_batch(t_std.get(), rows, d));
     S::sync(policy);
+    out.gaussian_kl = kl_full.download();
+    out.gaussian_kl_diag = kl_diag.download();
+    out.gaussian_diag_grad_mean = as_double(g_mean.download());
+    out.gaussian_diag_grad_eps = g_eps.download();
+    out.gaussian_split_diag_jvp_std = as_double(t_std.download());
     out.gaussian_mean = as_double(m1.download());
     out.gaussian_chol = as_double(c1.download());
     out.gaussian_split_mean = as_double(m2.download());

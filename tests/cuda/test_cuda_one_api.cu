@@ -71,6 +71,11 @@ TEST_SUITE("device") {
     close(gpu.gaussian_diag_std, cpu.gaussian_diag_std);
     close(gpu.gaussian_split_diag_mean, cpu.gaussian_split_diag_mean);
     close(gpu.gaussian_split_diag_std, cpu.gaussian_split_diag_std);
+    close(gpu.gaussian_kl, cpu.gaussian_kl);
+    close(gpu.gaussian_kl_diag, cpu.gaussian_kl_diag);
+    close(gpu.gaussian_diag_grad_mean, cpu.gaussian_diag_grad_mean);
+    close(gpu.gaussian_diag_grad_eps, cpu.gaussian_diag_grad_eps);
+    close(gpu.gaussian_split_diag_jvp_std, cpu.gaussian_split_diag_jvp_std);
     CHECK(std::abs(gpu.troll_loss - cpu.troll_loss) <= 1e-8 + 1e-8 * std::abs(cpu.troll_loss));
     CHECK(std::abs(gpu.sparse_troll_loss - cpu.sparse_troll_loss) <= 1e-8 + 1e-8 * std::abs(cpu.sparse_troll_loss));
   }

@@ -67,6 +67,48 @@ TROLL_HOST_DEVICE inline tilt_param tilt_bisect(const tilt_param& lo, const tilt
   return tilt_at(0.5);
 }
 
+/// The first Newton guess for t* from both ends of the bracket, where KL(0) = KL0 < ε < KL(1).
+/// On g(t) = sqrt(KL(t) − KL0), which is close to linear in t (the sqrt transform of the Newton
+/// steps below), the four things the ends give are known: g(0) = 0, g'(0) = sqrt(I(0)/2)
+/// (KL − KL0 ≈ t² I(0)/2 near 0), g(1) = sqrt(KL1 − KL0) and g'(1) = I(1) / (2 g(1)) (dKL/dt = t
+/// I(t)); the guess is where their cubic Hermite interpolant crosses sqrt(ε − KL0), found by
+/// Newton steps on the cubic kept inside the bracket (bisection otherwise). Where the t = 0 end
+/// gives no slope, or the cubic's root is not found inside (0, 1), the second-order expansion
+/// at t = 0 alone (sqrt(2 (ε − KL0) / I(0))), or 1/2.
+TROLL_HOST_DEVICE inline double newton_start(double kl0, double sigma2_0, double kl1, double sigma2_1, double eps) {
+  const double quadratic = sigma2_0 > 0.0 ? ::sqrt(2.0 * (eps - kl0) / sigma2_0) : 0.5;
+  const double fallback = quadratic > 0.0 && quadratic < 1.0 ? quadratic : 0.5;
+  const double slope0 = ::sqrt(0.5 * sigma2_0), g1 = ::sqrt(kl1 - kl0), target = ::sqrt(eps - kl0);
+  const double slope1 = sigma2_1 / (2.0 * g1);
+  // h(t) = slope0 (t³ − 2t² + t) + g1 (3t² − 2t³) + slope1 (t³ − t²) = c1 t + c2 t² + c3 t³.
+  const double c1 = slope0, c2 = 3.0 * g1 - 2.0 * slope0 - slope1, c3 = slope0 + slope1 - 2.0 * g1;
+  if (!(slope0 > 0.0 && slope0 < inf() && g1 > 0.0 && g1 < inf() && slope1 >= 0.0 && slope1 < inf() &&
+        target > 0.0 && target < g1 && eps - kl0 >= 0.01 * (kl1 - kl0)))
+    return fallback;
+  // Only a cubic that rises over all of [0, 1] (h' = c1 + 2 c2 t + 3 c3 t² > 0): ends that
+  // disagree with a smooth rise (a steep late climb) keep the t = 0 expansion.
+  const double vertex = c3 > 0.0 ? -c2 / (3.0 * c3) : -1.0;
+  if (vertex > 0.0 && vertex < 1.0 && !(c1 + vertex * c2 > 0.0)) return fallback;
+  double lo = 0.0, hi = 1.0, t = fallback;
+  for (int k = 0; k < 16; ++k) {
+    const double value = t * (c1 + t * (c2 + t * c3)) - target;
+    const double slope = c1 + t * (2.0 * c2 + t * 3.0 * c3);
+    if (value < 0.0) {
+      lo = t;
+    } else {
+      hi = t;
+    }
+    const double delta = value / slope;
+    if (::fabs(delta) <= 1e-6 * t) {  // a guess needs no more digits than this
+      t -= delta;
+      break;
+    }
+    const double next = t - delta;
+    t = next > lo && next < hi ? next : 0.5 * (lo + hi);
+  }
+  return t > 0.0 && t < 1.0 ? t : fallback;
+}
+
 /// How a bracketed solve ended: the member to write (the converged one, else the best feasible
 /// one, KL < ε) and the number of members evaluated.
 template <class Point>
@@ -97,9 +139,7 @@ TROLL_HOST_DEVICE bracket_solution<Point> solve_bracketed(const Family& family, 
   const double sqrt_eps = ::sqrt(eps);
   tilt_param lo = tilt_at(0.0), hi = tilt_at(1.0);
   Point best_lo = at_zero, point = at_one;
-  // Near t = 0, KL ≈ KL0 + t² I(0) / 2.
-  double t0 = at_zero.sigma2 > 0.0 ? ::sqrt(2.0 * (eps - at_zero.kl) / at_zero.sigma2) : 0.5;
-  if (!(t0 > 0.0 && t0 < 1.0)) t0 = 0.5;
+  const double t0 = newton_start(at_zero.kl, at_zero.sigma2, at_one.kl, at_one.sigma2, eps);
   tilt_param u = t0 <= 0.5 ? tilt_at(t0) : tilt_near_one(1.0 - t0);
   const Point& first_near = t0 <= 0.5 ? at_zero : at_one;
   double step_last = inf(), step_before = inf();
@@ -130,12 +170,17 @@ TROLL_HOST_DEVICE bracket_solution<Point> solve_bracketed(const Family& family, 
     tilt_param next = u;
     bool newton = false;
     if (point.kl > 0.0 && dkl > 0.0 && dkl < inf()) {
-      const double root_kl = ::sqrt(point.kl);
-      const double sqrt_step = (root_kl - sqrt_eps) * 2.0 * root_kl / dkl;
-      const double log_step = ::log(point.kl / eps) * point.kl / dkl;
       const bool far_above = point.kl > 4.0 * eps;
-      const double steps[2] = {far_above ? log_step : sqrt_step, far_above ? sqrt_step : log_step};
-      for (const double delta : steps) {
+      for (int k = 0; k < 2; ++k) {
+        // The sqrt step first unless far above; each taken only when needed (a log is not free).
+        const bool take_log = far_above == (k == 0);
+        double delta;
+        if (take_log) {
+          delta = ::log(point.kl / eps) * point.kl / dkl;
+        } else {
+          const double root_kl = ::sqrt(point.kl);
+          delta = (root_kl - sqrt_eps) * 2.0 * root_kl / dkl;
+        }
         if (!(::fabs(delta) <= 0.5 * step_before)) continue;  // not shrinking fast enough
         const tilt_param candidate = tilt_step(u, delta);
         if (tilt_less(lo, candidate) && tilt_less(candidate, hi)) {

@@ -76,20 +76,73 @@ gaussian_call check_projection_arguments(gaussian_call call, batch_view<const T>
   return c;
 }
 
-/// The arguments of one forward Gaussian projection, as every backend receives them.
-template <class T>
-struct gaussian_projection_args {
-  batch_view<const T> mean, cov, old_mean, old_cov;
-  batch_view<T> out_mean, out_cov;
-  gaussian::gaussian_stats* stats;
-  double eps_mean, eps_cov;
-  projection_options options;
-};
+/// An optional gradient or tangent view: empty (data == nullptr) or shaped like its input.
+template <class T, class U>
+void check_optional_view(const char* function, const char* name, batch_view<T> view, batch_view<U> like) {
+  if (view.data == nullptr) return;
+  check_view(function, name, view);
+  check_same_shape(function, name, view, "its input", like);
+}
 
-template <class T>
-gaussian_call check_projection_arguments(const gaussian_call& call, const gaussian_projection_args<T>& a) {
-  return check_projection_arguments(call, a.mean, a.cov, a.old_mean, a.old_cov, a.out_mean, a.out_cov, a.stats,
-                                    a.eps_mean, a.eps_cov, a.options);
+/// Every check of a derivative's (VJP or JVP) arguments that reads no row values: the forward's
+/// inputs and outputs, the upstream (VJP) or output-tangent (JVP) views shaped like the outputs,
+/// the stats pointer and the bounds. Shared by the CPU and CUDA backends; returns the call with d
+/// set. Throws shape_error / domain_error.
+template <class T, class U>
+gaussian_call check_derivative_arguments(gaussian_call call, batch_view<const T> mean, batch_view<const T> cov,
+                                         batch_view<const T> old_mean, batch_view<const T> old_cov,
+                                         batch_view<const T> out_mean, batch_view<const T> out_cov,
+                                         batch_view<U> second_mean, batch_view<U> second_cov, const void* stats,
+                                         double eps_mean, double eps_cov) {
+  call = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov);
+  check_gaussian_arguments(call, mean, cov, old_mean, old_cov, second_mean, second_cov);
+  if (stats == nullptr && mean.rows != 0) throw_shape(call.function, "stats is a null pointer");
+  check_eps(call.function, eps_mean);
+  if (call.split) check_eps(call.function, eps_cov);
+  return call;
+}
+
+/// The JVP's input tangents: each view empty or shaped like its input; the bound tangents finite.
+template <class Tangents, class T>
+void check_jvp_tangents(const char* fn, const Tangents& tangents, batch_view<const T> mean, batch_view<const T> cov,
+                        batch_view<const T> old_mean, batch_view<const T> old_cov) {
+  check_optional_view(fn, "tangents.mean", tangents.mean, mean);
+  check_optional_view(fn, "tangents.cov", tangents.cov, cov);
+  check_optional_view(fn, "tangents.old_mean", tangents.old_mean, old_mean);
+  check_optional_view(fn, "tangents.old_cov", tangents.old_cov, old_cov);
+  if (!(tangents.eps - tangents.eps == 0.0) || !(tangents.eps_mean - tangents.eps_mean == 0.0))
+    throw domain_error(std::string("troll::") + fn + ": a bound tangent is not finite");
+}
+
+/// The problem of one row's forward statistics for a derivative ("" when usable: solved, t in
+/// (0, 1]). `what` names the derivative ("backward" or "JVP").
+template <class Stats>
+std::string gaussian_stats_problem(const Stats& stats, const char* what) {
+  if (stats.solved() && stats.t > 0.0 && stats.t <= 1.0) return std::string();
+  return std::string("forward statistics are unusable: status ") + status_name(stats.status) +
+         ", t = " + std::to_string(stats.t) + " (the " + what + " needs a solved row: inactive or projected)";
+}
+
+/// Throws domain_error naming the first row whose statistics gaussian_stats_problem rejects.
+template <class Stats>
+void validate_gaussian_stats(const char* function, const Stats* stats, std::size_t rows, const char* what) {
+  for (std::size_t r = 0; r < rows; ++r) {
+    const std::string p = gaussian_stats_problem(stats[r], what);
+    if (!p.empty()) throw domain_error(row_prefix(function, r) + p, r);
+  }
+}
+
+/// A saved factorisation (gaussian_types.hpp) is empty, or full rows of this batch's shape.
+template <class D>
+void check_saved_factorisation(const gaussian_call& call, std::size_t rows,
+                               const gaussian::saved_factorisation<D>& saved) {
+  if (saved.data == nullptr) return;
+  if (!call.full)
+    throw_shape(call.function, "a saved factorisation is for full covariances (Cholesky factors) only");
+  if (saved.rows != rows || saved.dim != call.dim)
+    throw_shape(call.function, "the saved factorisation holds " + std::to_string(saved.rows) + " rows of d = " +
+                                   std::to_string(saved.dim) + " but the batch has " + std::to_string(rows) +
+                                   " rows of d = " + std::to_string(call.dim));
 }
 
 /// The first problem of one row's operand, as a message ("" when fine): a non-finite entry, a

@@ -1,7 +1,8 @@
 """troll for PyTorch: the projection, the sparse path and the training losses as
 ``torch.autograd.Function``s whose backward passes are troll's analytic ones (C++), on CPU
-tensors of dtype float32 or float64 with shape (..., V). Nothing is copied on the way in; the
-GIL is released while troll runs."""
+tensors — and CUDA tensors where troll._troll_cuda was built — of dtype float32 or float64 with
+shape (..., V). Nothing is copied on the way in; the GIL is released while troll runs; CUDA work
+is enqueued on the current stream."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
-from .. import _core, _troll
+from .. import _core
 from .._core import AlignedRows, ProjectionStats, SparseRows
 
 __all__ = [
@@ -73,13 +74,14 @@ def project(new_logits: torch.Tensor, old_logits: torch.Tensor, eps: Union[float
     return (log_probs, info["stats"]) if return_stats else log_probs
 
 
-def _sampled_index(sampled: Optional[torch.Tensor], rows: tuple) -> Optional[torch.Tensor]:
+def _sampled_index(sampled: Optional[torch.Tensor], logits: torch.Tensor) -> Optional[torch.Tensor]:
     if sampled is None:
         return None
+    rows = tuple(logits.shape[:-1])
     sampled = torch.as_tensor(sampled)
     if tuple(sampled.shape) != rows:
         raise _core.ShapeError(f"troll: sampled has shape {tuple(sampled.shape)} but the logits' rows are {rows}")
-    return sampled.to(torch.int32).contiguous()
+    return sampled.to(device=logits.device, dtype=torch.int32).contiguous()
 
 
 def sparsify(logits: torch.Tensor, k: int = 64, delta: float = 1e-5,
@@ -88,7 +90,7 @@ def sparsify(logits: torch.Tensor, k: int = 64, delta: float = 1e-5,
     token of each row, and the exact log-mass of the rest) for storing the old policy compactly
     at rollout time. Not differentiable (the old policy is a constant)."""
     logits = logits.detach()
-    return _core.sparsify(logits, k, delta, _sampled_index(sampled, tuple(logits.shape[:-1])),
+    return _core.sparsify(logits, k, delta, _sampled_index(sampled, logits),
                           threads=threads)
 
 
@@ -110,18 +112,11 @@ class _ProjectSparse(torch.autograd.Function):
     def backward(ctx, _g_indices, g_log_probs, _g_counts, g_log_remainder):  # type: ignore[override]
         (new_logits,) = ctx.saved_tensors
         aligned: AlignedRows = ctx.aligned
-        lead, k_max = tuple(aligned.counts.shape), int(aligned.indices.shape[-1])
         want_eps = ctx.eps_shape is not None and ctx.needs_input_grad[1]
-        g = (_grad_in(g_log_probs), _grad_in(g_log_remainder))
-        dtype = new_logits.dtype
-        grad_aligned = (torch.empty(lead + (k_max,), dtype=dtype), torch.empty(lead, dtype=dtype))
-        grad_eps = torch.empty(lead, dtype=dtype) if want_eps else None
-        _troll.project_sparse_backward(_core._sparse_arg(aligned), _core._sparse_arg(ctx.out),
-                                       ctx.stats.values, ctx.stats.counters, g, grad_aligned, None,
-                                       grad_eps, ctx.threads)
-        grad_new = torch.empty(new_logits.shape, dtype=dtype)
-        _troll.sparsify_backward(new_logits, _core._sparse_arg(aligned.new_side()), grad_aligned,
-                                 grad_new, ctx.threads)
+        grad_aligned, _, grad_eps = _core.project_sparse_backward(
+            aligned, ctx.out, ctx.stats, (_grad_in(g_log_probs), _grad_in(g_log_remainder)), eps=want_eps,
+            threads=ctx.threads)
+        grad_new = _core.sparsify_backward(new_logits, aligned.new_side(), grad_aligned, threads=ctx.threads)
         if grad_eps is not None:
             grad_eps = grad_eps.sum().reshape(ctx.eps_shape)
         return grad_new, grad_eps, None, None, None, None
@@ -140,7 +135,7 @@ def project_sparse(new_logits: torch.Tensor, old_sparse: SparseRows, eps: Union[
     support = None
     if new_k > 0:
         support = _core.sparsify(new_logits.detach(), new_k, new_delta,
-                                 _sampled_index(sampled, tuple(new_logits.shape[:-1])), threads=threads)
+                                 _sampled_index(sampled, new_logits), threads=threads)
     options = dict(rtol=rtol, atol=atol, max_iterations=max_iterations, threads=threads)
     info: Dict[str, Any] = {}
     result = _ProjectSparse.apply(new_logits, eps, old_sparse, support, options, info)
@@ -153,19 +148,30 @@ def project_sparse(new_logits: torch.Tensor, old_sparse: SparseRows, eps: Union[
 
 def _token_batch(new_logits: torch.Tensor, tokens, advantages, mask, sequence_ids, aggregation) -> tuple:
     rows = tuple(new_logits.shape[:-1])
-    dtype = new_logits.dtype
+    dtype, device = new_logits.dtype, new_logits.device
 
     def per_row(x, name, kind):
         x = torch.as_tensor(x)
         if tuple(x.shape) != rows:
             raise _core.ShapeError(f"troll: {name} has shape {tuple(x.shape)} but the logits' rows are {rows}")
-        return x.detach().to(kind).contiguous()
+        return x.detach().to(device=device, dtype=kind).contiguous()
 
     return (per_row(tokens, "tokens", torch.int64),
             per_row(advantages, "advantages", dtype),
             None if mask is None else per_row(mask, "mask", dtype),
             None if sequence_ids is None else per_row(sequence_ids, "sequence_ids", torch.int64),
             str(aggregation))
+
+
+def _loss_value(metrics: Any, like: torch.Tensor) -> torch.Tensor:
+    """The aggregated loss as a 0-d tensor on the logits' device (no synchronisation on CUDA)."""
+    if isinstance(metrics, dict):
+        return torch.tensor(metrics["loss"], dtype=like.dtype)
+    return metrics[0].to(like.dtype, copy=True)
+
+
+def _empty_like_rows(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 class _TrustRegionLoss(torch.autograd.Function):
@@ -176,44 +182,48 @@ class _TrustRegionLoss(torch.autograd.Function):
         lead = tuple(new_logits.shape[:-1])
         stats = ProjectionStats.empty(frame, lead)
         common = (params["eps"], params["alpha"], params["rtol"], params["atol"], params["max_iterations"])
+        threads = params["threads"]
         if isinstance(old, torch.Tensor):
-            log_probs = torch.empty(new_logits.shape, dtype=new_logits.dtype)
-            metrics = _troll.trust_region_forward(new_logits, old.detach(), batch, *common, log_probs,
-                                                  stats.values, stats.counters, None, params["threads"])
+            log_probs = _empty_like_rows(new_logits)
+            metrics = _core.objective_forward(
+                "trust_region_forward", new_logits,
+                (new_logits, old.detach(), batch, *common, log_probs, stats.values, stats.counters), threads=threads)
             ctx.save_for_backward(new_logits, old.detach(), log_probs)
         else:
             vocab = int(new_logits.shape[-1])
-            k_max = min(int(old.indices.shape[-1]) + params["new_k"], vocab, _troll.SPARSE_MAX_ENTRIES)
+            k_max = min(int(old.indices.shape[-1]) + params["new_k"], vocab, _core._troll.SPARSE_MAX_ENTRIES)
             dtype = _core._float_dtype(frame, new_logits)
             aligned = AlignedRows(frame.empty(lead + (k_max,), "int32"), frame.empty(lead, "int32"),
                                   frame.empty(lead + (k_max,), dtype), frame.empty(lead + (k_max,), dtype),
                                   frame.empty(lead, dtype), frame.empty(lead, dtype), vocab)
             log_probs = _core.sparse_empty(frame, lead, k_max, vocab, dtype)
-            metrics = _troll.sparse_trust_region_forward(
-                new_logits, _core._sparse_arg(old), batch, *common, params["new_k"], params["new_delta"],
-                aligned, log_probs, stats.values, stats.counters, None, params["threads"])
+            metrics = _core.objective_forward(
+                "sparse_trust_region_forward", new_logits,
+                (new_logits, _core._sparse_arg(old), batch, *common, params["new_k"], params["new_delta"], aligned,
+                 log_probs, stats.values, stats.counters), threads=threads)
             ctx.save_for_backward(new_logits)
             ctx.aligned, ctx.sparse_log_probs = aligned, log_probs
         ctx.dense = isinstance(old, torch.Tensor)
         ctx.batch, ctx.params, ctx.stats = batch, params, stats
         info["metrics"], info["stats"] = metrics, stats
-        return torch.tensor(metrics["loss"], dtype=new_logits.dtype)
+        return _loss_value(metrics, new_logits)
 
     @staticmethod
     def backward(ctx, grad_loss):  # type: ignore[override]
         p = ctx.params
         common = (p["eps"], p["alpha"], p["rtol"], p["atol"], p["max_iterations"])
         new_logits = ctx.saved_tensors[0]
-        grad_new = torch.empty(new_logits.shape, dtype=new_logits.dtype)
+        grad_new = _empty_like_rows(new_logits)
         if ctx.dense:
             _, old, log_probs = ctx.saved_tensors
-            _troll.trust_region_backward(new_logits, old, ctx.batch, *common, log_probs, ctx.stats.values,
-                                         ctx.stats.counters, grad_new, float(grad_loss), p["threads"])
+            args = (new_logits, old, ctx.batch, *common, log_probs, ctx.stats.values, ctx.stats.counters, grad_new,
+                    float(grad_loss))
+            _core.objective_backward("trust_region_backward", new_logits, args, threads=p["threads"])
         else:
-            _troll.sparse_trust_region_backward(
-                new_logits, _core._sparse_arg(ctx.aligned), ctx.batch, *common, p["new_k"], p["new_delta"],
-                _core._sparse_arg(ctx.sparse_log_probs), ctx.stats.values, ctx.stats.counters, grad_new,
-                float(grad_loss), p["threads"])
+            args = (new_logits, _core._sparse_arg(ctx.aligned), ctx.batch, *common, p["new_k"], p["new_delta"],
+                    _core._sparse_arg(ctx.sparse_log_probs), ctx.stats.values, ctx.stats.counters, grad_new,
+                    float(grad_loss))
+            _core.objective_backward("sparse_trust_region_backward", new_logits, args, threads=p["threads"])
         return grad_new, None, None, None, None
 
 
@@ -236,25 +246,28 @@ def trust_region_loss(new_logits: torch.Tensor, old: Union[torch.Tensor, SparseR
                   new_k=int(new_k), new_delta=float(new_delta), threads=threads)
     info: Dict[str, Any] = {}
     loss = _TrustRegionLoss.apply(new_logits, old, batch, params, info)
-    return (loss, info["metrics"]) if return_metrics else loss
+    return (loss, _core.metrics_dict(info["metrics"])) if return_metrics else loss
 
 
 class _RatioLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, new_logits, old_logits, batch, forward, backward, args, threads, info):  # type: ignore[override]
+    def forward(ctx, new_logits, old_logits, batch, name, args, threads, info):  # type: ignore[override]
         new_logits, old_logits = new_logits.detach(), old_logits.detach()
-        metrics = forward(new_logits, old_logits, batch, *args, True, None, threads)
+        metrics = _core.objective_forward(f"{name}_forward", new_logits,
+                                          (new_logits, old_logits, batch, *args, True), threads=threads)
         ctx.save_for_backward(new_logits, old_logits)
-        ctx.batch, ctx.backward_fn, ctx.args, ctx.threads = batch, backward, args, threads
+        ctx.batch, ctx.name, ctx.args, ctx.threads = batch, name, args, threads
         info["metrics"] = metrics
-        return torch.tensor(metrics["loss"], dtype=new_logits.dtype)
+        return _loss_value(metrics, new_logits)
 
     @staticmethod
     def backward(ctx, grad_loss):  # type: ignore[override]
         new_logits, old_logits = ctx.saved_tensors
-        grad_new = torch.empty(new_logits.shape, dtype=new_logits.dtype)
-        ctx.backward_fn(new_logits, old_logits, ctx.batch, *ctx.args, grad_new, float(grad_loss), ctx.threads)
-        return grad_new, None, None, None, None, None, None, None
+        grad_new = _empty_like_rows(new_logits)
+        _core.objective_backward(f"{ctx.name}_backward", new_logits,
+                                 (new_logits, old_logits, ctx.batch, *ctx.args, grad_new, float(grad_loss)),
+                                 threads=ctx.threads)
+        return grad_new, None, None, None, None, None, None
 
 
 def ppo_clip_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: torch.Tensor,
@@ -267,9 +280,8 @@ def ppo_clip_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: to
     batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation)
     args = (float(clip_low), float(clip_high), float(dual_clip))
     info: Dict[str, Any] = {}
-    loss = _RatioLoss.apply(new_logits, old_logits, batch, _troll.ppo_clip_forward,
-                            _troll.ppo_clip_backward, args, threads, info)
-    return (loss, info["metrics"]) if return_metrics else loss
+    loss = _RatioLoss.apply(new_logits, old_logits, batch, "ppo_clip", args, threads, info)
+    return (loss, _core.metrics_dict(info["metrics"])) if return_metrics else loss
 
 
 def dppo_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: torch.Tensor,
@@ -286,9 +298,8 @@ def dppo_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: torch.
     args = (str(divergence), float(default if delta_low is None else delta_low),
             float(default if delta_high is None else delta_high), int(top_k))
     info: Dict[str, Any] = {}
-    loss = _RatioLoss.apply(new_logits, old_logits, batch, _troll.dppo_forward, _troll.dppo_backward,
-                            args, threads, info)
-    return (loss, info["metrics"]) if return_metrics else loss
+    loss = _RatioLoss.apply(new_logits, old_logits, batch, "dppo", args, threads, info)
+    return (loss, _core.metrics_dict(info["metrics"])) if return_metrics else loss
 
 
 from . import distributed  # noqa: E402  (troll.torch.distributed: vocabulary-parallel sparsify)

@@ -32,10 +32,15 @@ class _Project(torch.autograd.Function):
     def forward(ctx, mean, cov, old_mean, old_cov, eps_mean, eps_cov, cfg, info):  # type: ignore[override]
         inputs = [x.detach() for x in (mean, cov, old_mean, old_cov)]
         em, ec = _bound_value(eps_mean, "eps"), _bound_value(eps_cov, "eps_cov")
+        # Full rows: the forward's factorisation is kept for the backward / JVP (no second one).
+        saved = _g.empty_saved(inputs[0]) if cfg["full"] else None
         out_mean, out_cov, stats = _g._project(*inputs, em, ec, cfg["full"], cfg["split"], None, None,
-                                               cfg["rtol"], cfg["atol"], cfg["max_iterations"], cfg["threads"])
-        ctx.save_for_backward(*inputs, out_mean, out_cov, stats.values, stats.counters)
-        ctx.save_for_forward(*inputs, out_mean, out_cov, stats.values, stats.counters)
+                                               cfg["rtol"], cfg["atol"], cfg["max_iterations"], cfg["threads"],
+                                               saved)
+        if saved is None:
+            saved = stats.values.new_empty((0,))
+        ctx.save_for_backward(*inputs, out_mean, out_cov, stats.values, stats.counters, saved)
+        ctx.save_for_forward(*inputs, out_mean, out_cov, stats.values, stats.counters, saved)
         ctx.cfg, ctx.eps = cfg, (em, ec)
         ctx.eps_shapes = tuple(e.shape if isinstance(e, torch.Tensor) else None for e in (eps_mean, eps_cov))
         info["stats"] = stats
@@ -43,7 +48,7 @@ class _Project(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_mean, grad_cov):  # type: ignore[override]
-        mean, cov, old_mean, old_cov, out_mean, out_cov, values, counters = ctx.saved_tensors
+        mean, cov, old_mean, old_cov, out_mean, out_cov, values, counters, saved = ctx.saved_tensors
         cfg, needs = ctx.cfg, ctx.needs_input_grad
         want_old = needs[2] or needs[3]
         want_eps = (ctx.eps_shapes[0] is not None and needs[4]) or (ctx.eps_shapes[1] is not None and needs[5])
@@ -51,7 +56,8 @@ class _Project(torch.autograd.Function):
         gc = torch.zeros_like(out_cov) if grad_cov is None else grad_cov.contiguous()
         g = _g.project_backward(mean, cov, old_mean, old_cov, ctx.eps[0], ctx.eps[1], out_mean, out_cov,
                                 GaussianStats(values, counters), gm, gc, full=cfg["full"], split=cfg["split"],
-                                old=want_old, eps=want_eps, threads=cfg["threads"])
+                                old=want_old, eps=want_eps, threads=cfg["threads"],
+                                saved=saved if cfg["full"] else None)
         grad_in = [g[0], g[1], g[2] if needs[2] else None, g[3] if needs[3] else None]
         grad_eps_mean = grad_eps_cov = None
         if want_eps:
@@ -67,7 +73,7 @@ class _Project(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, t_mean, t_cov, t_old_mean, t_old_cov, t_eps_mean, t_eps_cov, _cfg, _info):  # type: ignore[override]
-        mean, cov, old_mean, old_cov, out_mean, out_cov, values, counters = ctx.saved_tensors
+        mean, cov, old_mean, old_cov, out_mean, out_cov, values, counters, saved = ctx.saved_tensors
         cfg = ctx.cfg
 
         def bound(t):
@@ -82,7 +88,7 @@ class _Project(torch.autograd.Function):
         return _g.project_jvp(mean, cov, old_mean, old_cov, ctx.eps[0], ctx.eps[1], out_mean, out_cov,
                               GaussianStats(values, counters), tangent(t_mean), tangent(t_cov), tangent(t_old_mean),
                               tangent(t_old_cov), t_eps, t_eps_mean, full=cfg["full"], split=cfg["split"],
-                              threads=cfg["threads"])
+                              threads=cfg["threads"], saved=saved if cfg["full"] else None)
 
 
 def _apply(mean, cov, old_mean, old_cov, eps_mean, eps_cov, full, split, return_stats, rtol, atol,

@@ -10,6 +10,7 @@
 #include "eigen.hpp"
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "../../config.hpp"
 #include "../lse_state.hpp"
@@ -22,7 +23,7 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cpu {
 
-/// e^x for x ∈ [−700, 0] (inputs below are clamped to −700): x = n·ln 2 + r with |r| ≤ ln 2 / 2,
+/// e^x for x ∈ [−700, 64] (inputs below are clamped to −700): x = n·ln 2 + r with |r| ≤ ln 2 / 2,
 /// e^r by its Taylor polynomial of degree 13 (truncation below 1e-17 relative) in Horner form,
 /// and 2^n built in the exponent bits; within about 1 ulp, a rational-free and division-free
 /// path several times cheaper than Eigen 3.4's pexp. Packets other than AVX-512's and AVX2's
@@ -64,7 +65,7 @@ inline Packet exp_reduced_polynomial(const Packet& x, Packet& n) {
 inline __m512d exp_nonpositive(const __m512d& x) {
   __m512d n;
   const __m512d p = exp_reduced_polynomial(x, n);
-  // 2^n for n ∈ [−1010, 0]: the biased exponent n + 1023 in the exponent field.
+  // 2^n for n ∈ [−1010, 93]: the biased exponent n + 1023 in the exponent field.
   const __m512i bits = _mm512_slli_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(n)),
                                                           _mm512_set1_epi64(1023)),
                                          52);
@@ -146,12 +147,9 @@ inline void keep_first_max(double value, double at, double& most, double& most_a
   if (most < value) most = value, most_at = at;
 }
 
-/// The lse_state of the pairs (w_i, x_i), i < count, of the finite logits zn, zo at (u, ref), with
-/// the (z̃, z°) of the first token of largest w as its reference. `x` and `w` are scratch of
-/// `count` doubles rounded up to a whole packet (block_size holds any block). Precondition: every
-/// logit finite and max − min over both rows ≤ 700.
-inline lse_state tilt_reduce_finite(const double* zn, const double* zo, long count, const tilt_param& u,
-                                    const tilt_ref& ref, double* x, double* w) {
+/// tilt_reduce_finite in two passes: x, w and their maximum m, then e^{w − m} and the sums.
+inline lse_state tilt_reduce_two_pass(const double* zn, const double* zo, long count, const tilt_param& u,
+                                      const tilt_ref& ref, double* x, double* w) {
   using namespace Eigen::internal;
   using packet = packet_traits<double>::type;
   constexpr long lanes = long(sizeof(packet) / sizeof(double));
@@ -208,6 +206,82 @@ inline lse_state tilt_reduce_finite(const double* zn, const double* zo, long cou
   st.s0 = predux(s0);
   st.s1 = predux(s1);
   st.s2 = predux(s2);
+  st.ref_new = zn[at];
+  st.ref_old = zo[at];
+  return st;
+}
+
+/// The lse_state of the pairs (w_i, x_i), i < count, of the finite logits zn, zo at (u, ref), with
+/// the (z̃, z°) of the first token of largest w as its reference. `x` and `w` are scratch of
+/// `count` doubles rounded up to a whole packet (block_size holds any block). Precondition: every
+/// logit finite and max − min over both rows ≤ 700.
+///
+/// One pass where it can: w is written relative to the reference, whose own w is 0, so the
+/// weights e^{w} need not wait for the maximum m. They are taken as they come (e^w within 1 ulp
+/// for w up to 32 as below 0; a weight below e^{−700} becomes e^{−700}, nothing beside the
+/// reference's 1 or a block maximum above e^{−64}), the maximum and its first token found in the
+/// same pass, and the sums rescaled by e^{−m} once at the end. A block whose maximum falls
+/// outside [−64, 32] (the reference far from the mode, or outside the block) takes the two
+/// passes of tilt_reduce_two_pass instead. The sums are those of the two-pass reduction up to
+/// rounding (as for a different summation order).
+inline lse_state tilt_reduce_finite(const double* zn, const double* zo, long count, const tilt_param& u,
+                                    const tilt_ref& ref, double* x, double* w) {
+  using namespace Eigen::internal;
+  using packet = packet_traits<double>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(double));
+  if (count == 0) return lse_state{};
+  const long whole = count - count % lanes;
+  const bool low = u.t <= 0.5;
+  const double slope = low ? u.t : -u.s;
+  const packet rn = pset1<packet>(ref.zn), ro = pset1<packet>(ref.zo), ps = pset1<packet>(slope);
+  packet most = pset1<packet>(neg_inf()), most_at = pset1<packet>(0.0), token = plset<packet>(0.0);
+  packet s0 = pset1<packet>(0.0), s1 = s0, s2 = s0;
+  const packet step = pset1<packet>(double(lanes));
+  // One packet of pairs: x, w, the running maximum, the weight and the three sums.
+  auto add = [&](const packet& a, const packet& b, const packet& valid, auto masked) {
+    const packet dn = psub(a, rn), dold = psub(b, ro);
+    const packet xk = psub(dn, dold);  // 0 in the padding (the reference's own logits)
+    packet wk = padd(low ? dold : dn, pmul(ps, xk));
+    if (decltype(masked)::value) wk = pselect(valid, wk, pset1<packet>(neg_inf()));
+    keep_first_max(wk, token, most, most_at);
+    token = padd(token, step);
+    const packet e = exp_nonpositive(wk);  // padding: w = −inf gives e^{−700} ≤ 1e-304, x = 0
+    const packet ex = pmul(e, xk);
+    s0 = padd(s0, e);
+    s1 = padd(s1, ex);
+    s2 = padd(s2, pmul(ex, xk));  // (e·x)·x, as tilt_evaluator
+  };
+  for (long k = 0; k < whole; k += lanes) add(ploadu<packet>(zn + k), ploadu<packet>(zo + k), step, std::false_type{});
+  if (whole < count) {  // the last partial packet, padded with the reference's own logits
+    double an[lanes], bo[lanes], valid[lanes];
+    for (long j = 0; j < lanes; ++j) {
+      const bool in = whole + j < count;
+      an[j] = in ? zn[whole + j] : ref.zn;
+      bo[j] = in ? zo[whole + j] : ref.zo;
+      valid[j] = in ? 1.0 : 0.0;
+    }
+    add(ploadu<packet>(an), ploadu<packet>(bo), pcmp_eq(ploadu<packet>(valid), pset1<packet>(1.0)), std::true_type{});
+  }
+  double lane_most[lanes], lane_at[lanes];
+  pstoreu(lane_most, most);
+  pstoreu(lane_at, most_at);
+  double m = neg_inf();
+  long at = 0;
+  for (long j = 0; j < lanes; ++j) {  // the largest w, and the first token of it
+    if (lane_most[j] > m || (lane_most[j] == m && long(lane_at[j]) < at)) m = lane_most[j], at = long(lane_at[j]);
+  }
+  if (!(m >= -64.0 && m <= 32.0)) return tilt_reduce_two_pass(zn, zo, count, u, ref, x, w);
+  lse_state st;
+  st.m = m;
+  st.s0 = predux(s0);
+  st.s1 = predux(s1);
+  st.s2 = predux(s2);
+  if (m != 0.0) {
+    const double scale = std::exp(-m);
+    st.s0 *= scale;
+    st.s1 *= scale;
+    st.s2 *= scale;
+  }
   st.ref_new = zn[at];
   st.ref_old = zo[at];
   return st;

@@ -15,6 +15,7 @@
 #include <cstddef>
 
 #include "../../config.hpp"
+#include "../gaussian_diag_derivatives.hpp"
 #include "../gaussian_family.hpp"
 #include "gaussian_kernels.hpp"
 
@@ -67,43 +68,14 @@ void natural_to_factor(const gaussian_vector& mean, const gaussian_matrix& facto
     for (Eigen::Index j = 0; j < n; ++j) out_cov[i * n + j] = j <= i ? static_cast<T>(l_bar(i, j)) : T(0);
 }
 
-// The split mean's VJP on full (vector, matrix) and diagonal (array) rows: the few operations that
-// differ, each in the association order its row type always used.
-inline double inner(const gaussian_vector& a, const gaussian_vector& b) { return a.dot(b); }
-inline double inner(const gaussian_array& a, const gaussian_array& b) { return (a * b).sum(); }
-// (Unevaluated expressions over the caller's operands, so each row type keeps its own evaluation.)
-inline auto scaled_apply(double k, const gaussian_matrix& p, const gaussian_vector& v) { return k * (p * v); }
-inline auto scaled_apply(double k, const gaussian_array& p, const gaussian_array& v) { return k * p * v; }
-inline auto half_scaled_outer(double k, const gaussian_vector& v) { return 0.5 * k * v * v.transpose(); }
-inline auto half_scaled_outer(double k, const gaussian_array& v) { return 0.5 * k * v * v; }
-
-/// The split mean μ* = μ° + κ(μ̃ − μ°), κ = split_mean_scale(m, ε_μ), m = ½‖b‖²: adds its VJP to
-/// mean_new, mean_old and lam_old (the old precision's gradient) for upstream g_mean and
-/// diff = μ̃ − μ°; returns ∂L/∂ε_μ (0 when κ = 1, the mean inside its bound).
-template <class Vec, class Prec, class Lam>
-double split_mean_vjp(const Vec& diff, double m, double eps_mean, const Vec& g_mean, const Prec& precision_old,
-                      Vec& mean_new, Vec& mean_old, Lam& lam_old) {
-  const double kappa = split_mean_scale(m, eps_mean);
-  if (!(kappa < 1.0)) {
-    mean_new += g_mean;
-    return 0.0;
-  }
-  const double kappa_bar = inner(g_mean, diff);
-  const double k = kappa_bar * kappa / (2.0 * m);
-  const Vec diff_bar = kappa * g_mean - scaled_apply(k, precision_old, diff);
-  mean_new += diff_bar;
-  mean_old += g_mean - diff_bar;
-  lam_old -= half_scaled_outer(k, diff);
-  return kappa_bar * kappa / (2.0 * eps_mean);
-}
-
 /// The VJP of one full-covariance row (validated inputs; a solved row: inactive or projected).
 template <class T>
 void gaussian_backward_full(bool split, std::size_t d, const T* mean, const T* cov, const T* old_mean,
-                            const T* old_cov, double eps_mean, double t, const gaussian_row_grads<T>& io) {
+                            const T* old_cov, double eps_mean, double t, const gaussian_row_grads<T>& io,
+                            const double* saved = nullptr) {
   const auto n = static_cast<Eigen::Index>(d);
   gaussian_basis basis;
-  factor_full(mean, cov, old_mean, old_cov, d, basis);
+  factor_full_or_saved(mean, cov, old_mean, old_cov, d, saved, basis);
   const gaussian_vector mu_new = load_vector(mean, d), mu_old = load_vector(old_mean, d);
   const gaussian_vector g_mean = load_vector(io.grad_out_mean, d);
   const gaussian_matrix g_factor = gaussian_matrix(load_factor(io.grad_out_cov, d));
@@ -120,14 +92,26 @@ void gaussian_backward_full(bool split, std::size_t d, const T* mean, const T* c
   gaussian_matrix lam_new = gaussian_matrix::Zero(n, n), lam_old = gaussian_matrix::Zero(n, n);
   double eps_bar = 0.0, eps_mean_bar = 0.0;
 
-  const bool inactive = t >= 1.0;
   if (split) {
-    eps_mean_bar = split_mean_vjp<gaussian_vector>(mu_new - mu_old, 0.5 * basis.b.squaredNorm(), eps_mean, g_mean,
-                                         precision_old, mean_new, mean_old, lam_old);
-  } else if (inactive) {
-    mean_new += g_mean;  // an inactive joint row is the identity in the mean
+    const gaussian_vector diff = mu_new - mu_old;
+    const double m = 0.5 * basis.b.squaredNorm();
+    const double kappa = split_mean_scale(m, eps_mean);
+    if (kappa < 1.0) {
+      const double kappa_bar = g_mean.dot(diff);
+      const double k = kappa_bar * kappa / (2.0 * m);
+      const gaussian_vector diff_bar = kappa * g_mean - k * (precision_old * diff);
+      mean_new += diff_bar;
+      mean_old += g_mean - diff_bar;
+      lam_old -= 0.5 * k * diff * diff.transpose();
+      eps_mean_bar = kappa_bar * kappa / (2.0 * eps_mean);
+    } else {
+      mean_new += g_mean;
+    }
   }
-  if (!inactive) {
+  const bool inactive = t >= 1.0;
+  if (inactive) {
+    if (!split) mean_new += g_mean;
+  } else {
     const double s = 1.0 - t;
     const gaussian_member_coords c = member_coords(basis, t);
     const gaussian_array inv_a = c.a.array().inverse();
@@ -176,84 +160,30 @@ void gaussian_backward_full(bool split, std::size_t d, const T* mean, const T* c
   if (io.eps_mean != nullptr) *io.eps_mean = eps_mean_bar;
 }
 
-/// The VJP of one diagonal row: the full formulas with every matrix diagonal (W = diag(σ°)).
+/// The VJP of one diagonal row: gaussian_diag_derivatives.hpp's two passes over the coordinates.
 template <class T>
 void gaussian_backward_diag(bool split, std::size_t d, const T* mean, const T* std_dev, const T* old_mean,
                             const T* old_std, double eps_mean, double t, const gaussian_row_grads<T>& io) {
-  gaussian_basis basis;
-  factor_diag(mean, std_dev, old_mean, old_std, d, basis);
-  const gaussian_array mu_new = load_vector(mean, d).array(), mu_old = load_vector(old_mean, d).array();
-  const gaussian_array sd_new = load_vector(std_dev, d).array(), so = basis.old_scale.array();
-  const gaussian_array g_mean = load_vector(io.grad_out_mean, d).array();
-  const gaussian_array g_sd = load_vector(io.grad_out_cov, d).array();
-  const gaussian_array g = basis.g.array();
-  const gaussian_array precision_old = (so * so).inverse();
-  const gaussian_array precision_step = g * precision_old;
-  const gaussian_array precision_new = (1.0 + g) * precision_old;
-  const auto n = static_cast<Eigen::Index>(d);
-  gaussian_array h_new = gaussian_array::Zero(n), h_old = gaussian_array::Zero(n);
-  gaussian_array mean_new = gaussian_array::Zero(n), mean_old = gaussian_array::Zero(n);
-  gaussian_array lam_new = gaussian_array::Zero(n), lam_old = gaussian_array::Zero(n);
-  double eps_bar = 0.0, eps_mean_bar = 0.0;
-
-  const bool inactive = t >= 1.0;
-  if (split) {
-    eps_mean_bar = split_mean_vjp<gaussian_array>(mu_new - mu_old, 0.5 * basis.b.squaredNorm(), eps_mean, g_mean,
-                                         precision_old, mean_new, mean_old, lam_old);
-  } else if (inactive) {
-    mean_new += g_mean;  // an inactive joint row is the identity in the mean
-  }
-  if (!inactive) {
-    const double s = 1.0 - t;
-    const gaussian_member_coords c = member_coords(basis, t);
-    const gaussian_array a = c.a.array();
-    const gaussian_array sigma = so * so / a;
-    const gaussian_array sd_star = load_vector(io.out_cov, d).array();
-    gaussian_array lambda_bar = -(sigma * sigma) * (g_sd / (2.0 * sd_star));
-    gaussian_array h_bar = gaussian_array::Zero(n);
-    const gaussian_array delta = so * c.m.array();
-    const gaussian_array mu_star = mu_old + delta;
-    if (!split) {
-      h_bar = sigma * g_mean;
-      lambda_bar -= h_bar * mu_star;
-    }
-    double t_bar = (lambda_bar * precision_step).sum();
-    if (!split) t_bar += (h_bar * (precision_new * (mu_new - mu_old) + precision_step * mu_old)).sum();
-    const double info = gaussian_member(basis.spectrum(!split), tilt_param{t, s}).sigma2;
-    const double cst = t_bar / (t * info);
-    gaussian_array eta_lam_dot = 0.5 * so * so * g / (a * a);
-    gaussian_array eta_lam_gap = -0.5 * so * so * t * g / a;
-    gaussian_array eta_h_dot = gaussian_array::Zero(n), eta_h_gap = gaussian_array::Zero(n);
-    if (!split) {
-      eta_h_dot = so * (1.0 + g) * basis.b.array() / (a * a);
-      eta_lam_dot -= eta_h_dot * mu_star;
-      eta_lam_gap += mu_old * delta + 0.5 * delta * delta;
-      eta_h_gap = -delta;
-    }
-    lam_new += t * lambda_bar - cst * t * t * eta_lam_dot;
-    lam_old += s * lambda_bar - cst * (eta_lam_gap + t * s * eta_lam_dot);
-    h_new += t * h_bar - cst * t * t * eta_h_dot;
-    h_old += s * h_bar - cst * (eta_h_gap + t * s * eta_h_dot);
-    eps_bar = cst;
-  }
-  auto to_std = [&](const gaussian_array& mu, const gaussian_array& sd, const gaussian_array& precision,
-                    const gaussian_array& hb, const gaussian_array& lb, const gaussian_array& mb, T* out_mean,
-                    T* out_sd) {
-    if (out_mean != nullptr) store_vector(gaussian_vector((mb + precision * hb).matrix()), out_mean);
-    if (out_sd != nullptr) {
-      const gaussian_array sigma_bar = -(precision * precision) * (lb + hb * mu);
-      store_vector(gaussian_vector((2.0 * sigma_bar * sd).matrix()), out_sd);
-    }
+  auto entry = [&](std::size_t i) {
+    return gaussian_diag_entry{static_cast<double>(mean[i]), static_cast<double>(std_dev[i]),
+                               static_cast<double>(old_mean[i]), static_cast<double>(old_std[i])};
   };
-  if (inactive) {
-    if (io.mean != nullptr) store_vector(gaussian_vector(mean_new.matrix()), io.mean);
-    if (io.cov != nullptr) store_vector(gaussian_vector(g_sd.matrix()), io.cov);
-  } else {
-    to_std(mu_new, sd_new, precision_new, h_new, lam_new, mean_new, io.mean, io.cov);
+  auto upstream = [&](std::size_t i) {
+    return gaussian_diag_upstream{static_cast<double>(io.grad_out_mean[i]), static_cast<double>(io.grad_out_cov[i]),
+                                  static_cast<double>(io.out_cov[i])};
+  };
+  gaussian_diag_vjp_sums sums;
+  for (std::size_t i = 0; i < d; ++i) gaussian_diag_vjp_accumulate(entry(i), upstream(i), split, t, &sums);
+  const gaussian_diag_vjp_scalars sc = gaussian_diag_vjp_finish(sums, split, t, eps_mean);
+  for (std::size_t i = 0; i < d; ++i) {
+    const gaussian_diag_vjp_out g = gaussian_diag_vjp_coordinate(entry(i), upstream(i), split, sc);
+    if (io.mean != nullptr) io.mean[i] = static_cast<T>(g.mean);
+    if (io.cov != nullptr) io.cov[i] = static_cast<T>(g.std_dev);
+    if (io.old_mean != nullptr) io.old_mean[i] = static_cast<T>(g.old_mean);
+    if (io.old_cov != nullptr) io.old_cov[i] = static_cast<T>(g.old_std);
   }
-  to_std(mu_old, so, precision_old, h_old, lam_old, mean_old, io.old_mean, io.old_cov);
-  if (io.eps != nullptr) *io.eps = eps_bar;
-  if (io.eps_mean != nullptr) *io.eps_mean = eps_mean_bar;
+  if (io.eps != nullptr) *io.eps = sc.eps_bar;
+  if (io.eps_mean != nullptr) *io.eps_mean = sc.eps_mean_bar;
 }
 
 }  // namespace cpu

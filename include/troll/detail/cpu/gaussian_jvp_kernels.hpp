@@ -16,6 +16,7 @@
 #include <cstddef>
 
 #include "../../config.hpp"
+#include "../gaussian_diag_derivatives.hpp"
 #include "../gaussian_family.hpp"
 #include "gaussian_kernels.hpp"
 
@@ -68,7 +69,8 @@ inline gaussian_matrix cholesky_tangent(const gaussian_matrix& l, const gaussian
 /// Writes μ*' and L*' (lower-triangular).
 template <class T>
 void gaussian_jvp_full(bool split, std::size_t d, const T* mean, const T* cov, const T* old_mean, const T* old_cov,
-                       double eps_mean, double t, const gaussian_row_tangents<T>& io) {
+                       double eps_mean, double t, const gaussian_row_tangents<T>& io,
+                       const double* saved = nullptr) {
   const auto n = static_cast<Eigen::Index>(d);
   const gaussian_vector mu_new = load_vector(mean, d), mu_old = load_vector(old_mean, d);
   const gaussian_vector dmu_new = load_tangent_vector(io.mean, d), dmu_old = load_tangent_vector(io.old_mean, d);
@@ -79,7 +81,7 @@ void gaussian_jvp_full(bool split, std::size_t d, const T* mean, const T* cov, c
       for (Eigen::Index j = 0; j < n; ++j) io.out_cov_tangent[i * n + j] = j <= i ? static_cast<T>(m(i, j)) : T(0);
   };
   gaussian_basis basis;
-  factor_full(mean, cov, old_mean, old_cov, d, basis);
+  factor_full_or_saved(mean, cov, old_mean, old_cov, d, saved, basis);
   const gaussian_matrix& lo = basis.old_factor;
   const gaussian_matrix lo_inv = lo.triangularView<Eigen::Lower>().solve(gaussian_matrix::Identity(n, n));
   const gaussian_matrix precision_old = lo_inv.transpose() * lo_inv;
@@ -144,72 +146,26 @@ void gaussian_jvp_full(bool split, std::size_t d, const T* mean, const T* cov, c
   store_factor(cholesky_tangent(load_factor(io.out_cov, d), sigma_out_dot));
 }
 
-/// The JVP of one diagonal row: the full formulas with every matrix diagonal (W = diag(σ°)).
+/// The JVP of one diagonal row: gaussian_diag_derivatives.hpp's two passes over the coordinates.
 template <class T>
 void gaussian_jvp_diag(bool split, std::size_t d, const T* mean, const T* std_dev, const T* old_mean,
                        const T* old_std, double eps_mean, double t, const gaussian_row_tangents<T>& io) {
-  const auto n = static_cast<Eigen::Index>(d);
-  const gaussian_array mu_new = load_vector(mean, d).array(), mu_old = load_vector(old_mean, d).array();
-  const gaussian_array dmu_new = load_tangent_vector(io.mean, d).array();
-  const gaussian_array dmu_old = load_tangent_vector(io.old_mean, d).array();
-  const gaussian_array dsd_new = load_tangent_vector(io.cov, d).array();
-  const gaussian_array dsd_old = load_tangent_vector(io.old_cov, d).array();
-  gaussian_basis basis;
-  factor_diag(mean, std_dev, old_mean, old_std, d, basis);
-  const gaussian_array so = basis.old_scale.array(), sd_new = load_vector(std_dev, d).array();
-  const gaussian_array g = basis.g.array();
-  const gaussian_array precision_old = (so * so).inverse();
-  const gaussian_array lam_old_dot = -2.0 * dsd_old / (so * so * so);
-  gaussian_array mean_dot = gaussian_array::Zero(n);
-  if (split) {
-    const gaussian_array diff = mu_new - mu_old, diff_dot = dmu_new - dmu_old;
-    const double m = 0.5 * basis.b.squaredNorm();
-    const double kappa = split_mean_scale(m, eps_mean);
-    if (kappa < 1.0) {
-      const double m_dot = (diff * precision_old * diff_dot).sum() + 0.5 * (diff * lam_old_dot * diff).sum();
-      const double kappa_dot = 0.5 * kappa * (io.eps_mean / eps_mean - m_dot / m);
-      mean_dot = dmu_old + kappa * diff_dot + kappa_dot * diff;
-    } else {
-      mean_dot = dmu_new;
-    }
+  auto entry = [&](std::size_t i) {
+    return gaussian_diag_entry{static_cast<double>(mean[i]), static_cast<double>(std_dev[i]),
+                               static_cast<double>(old_mean[i]), static_cast<double>(old_std[i])};
+  };
+  auto at = [](const T* x, std::size_t i) { return x == nullptr ? 0.0 : static_cast<double>(x[i]); };
+  auto tangent = [&](std::size_t i) {
+    return gaussian_diag_tangent{at(io.mean, i), at(io.cov, i), at(io.old_mean, i), at(io.old_cov, i)};
+  };
+  gaussian_diag_jvp_sums sums;
+  for (std::size_t i = 0; i < d; ++i) gaussian_diag_jvp_accumulate(entry(i), tangent(i), split, t, &sums);
+  const gaussian_diag_jvp_scalars sc = gaussian_diag_jvp_finish(sums, split, t, eps_mean, io.eps, io.eps_mean);
+  for (std::size_t i = 0; i < d; ++i) {
+    const gaussian_diag_jvp_out o = gaussian_diag_jvp_coordinate(entry(i), tangent(i), split, sc);
+    io.out_mean[i] = static_cast<T>(o.mean);
+    io.out_cov_tangent[i] = static_cast<T>(o.std_dev);
   }
-  if (t >= 1.0) {
-    if (!split) mean_dot = dmu_new;
-    store_vector(gaussian_vector(mean_dot.matrix()), io.out_mean);
-    store_vector(gaussian_vector(dsd_new.matrix()), io.out_cov_tangent);
-    return;
-  }
-  const double s = 1.0 - t;
-  const gaussian_array precision_step = g * precision_old;
-  const gaussian_array precision_new = (1.0 + g) * precision_old;
-  const gaussian_member_coords c = member_coords(basis, t);
-  const gaussian_array a = c.a.array();
-  const gaussian_array sigma = so * so / a;
-  const gaussian_array sigma_gap = -so * so * t * g / a;
-  const gaussian_array delta = so * c.m.array();
-  const gaussian_array mu_t = mu_old + delta;
-  const gaussian_array lam_new_dot = -2.0 * dsd_new * precision_new / sd_new;
-  gaussian_array lam_t_dot = t * lam_new_dot + s * lam_old_dot;
-  const gaussian_array sigma_t_dot = -(sigma * sigma * lam_t_dot);
-  double kl_dot = 0.5 * ((lam_old_dot * sigma_gap).sum() - t * (precision_step * sigma_t_dot).sum());
-  gaussian_array h_t_dot = gaussian_array::Zero(n), h_gap = gaussian_array::Zero(n);
-  if (!split) {
-    h_t_dot = t * (lam_new_dot * mu_new + precision_new * dmu_new) + s * (lam_old_dot * mu_old + precision_old * dmu_old);
-    h_gap = precision_new * (mu_new - mu_old) + precision_step * mu_old;
-    const gaussian_array mu_t_dot = sigma * (h_t_dot - lam_t_dot * mu_t);
-    kl_dot += (delta * precision_old * (mu_t_dot - dmu_old)).sum() + 0.5 * (delta * lam_old_dot * delta).sum();
-  }
-  const double info = gaussian_member(basis.spectrum(!split), tilt_param{t, s}).sigma2;
-  const double t_dot = (io.eps - kl_dot) / (t * info);
-  lam_t_dot += t_dot * precision_step;
-  if (!split) {
-    h_t_dot += t_dot * h_gap;
-    mean_dot = sigma * (h_t_dot - lam_t_dot * mu_t);
-  }
-  // σ* = sqrt(Σ*): σ*' = Σ*'/(2σ*) with Σ*' = −Σ*² Λ*', Σ* = sigma.
-  const gaussian_array sd_dot = -(sigma * sigma * lam_t_dot) / (2.0 * sigma.sqrt());
-  store_vector(gaussian_vector(mean_dot.matrix()), io.out_mean);
-  store_vector(gaussian_vector(sd_dot.matrix()), io.out_cov_tangent);
 }
 
 }  // namespace cpu

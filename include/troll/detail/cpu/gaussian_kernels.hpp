@@ -77,6 +77,36 @@ inline void factor_full(const T* mean, const T* chol, const T* old_mean, const T
   out.b = out.vectors.transpose() * delta;
 }
 
+/// Writes a full row's factorisation (V, g, b: d² + 2d doubles) to `saved`.
+inline void save_basis(const gaussian_basis& basis, double* saved) {
+  const Eigen::Index n = basis.g.size();
+  for (Eigen::Index i = 0; i < n; ++i)
+    for (Eigen::Index j = 0; j < n; ++j) saved[i * n + j] = basis.vectors(i, j);
+  for (Eigen::Index i = 0; i < n; ++i) saved[n * n + i] = basis.g[i];
+  for (Eigen::Index i = 0; i < n; ++i) saved[n * n + n + i] = basis.b[i];
+}
+
+/// factor_full, or (when `saved` is not null) the factorisation save_basis wrote for the same
+/// inputs, with L° loaded again.
+template <class T>
+inline void factor_full_or_saved(const T* mean, const T* chol, const T* old_mean, const T* old_chol, std::size_t d,
+                                 const double* saved, gaussian_basis& out) {
+  if (saved == nullptr) {
+    factor_full(mean, chol, old_mean, old_chol, d, out);
+    return;
+  }
+  const auto n = static_cast<Eigen::Index>(d);
+  out.full = true;
+  out.old_factor = load_factor(old_chol, d);
+  out.vectors.resize(n, n);
+  for (Eigen::Index i = 0; i < n; ++i)
+    for (Eigen::Index j = 0; j < n; ++j) out.vectors(i, j) = saved[i * n + j];
+  out.g.resize(n);
+  out.b.resize(n);
+  for (Eigen::Index i = 0; i < n; ++i) out.g[i] = saved[n * n + i];
+  for (Eigen::Index i = 0; i < n; ++i) out.b[i] = saved[n * n + n + i];
+}
+
 /// Diagonal covariances: λ_i = r_i² with r = σ̃/σ°, λ − 1 = (r − 1)(r + 1), r − 1 = (σ̃ − σ°)/σ°.
 template <class T>
 inline void factor_diag(const T* mean, const T* std_dev, const T* old_mean, const T* old_std, std::size_t d,

@@ -16,7 +16,6 @@
 #include "../../config.hpp"
 #include "../../gaussian_types.hpp"
 #include "../../projection_types.hpp"
-#include "../gaussian_checks.hpp"
 #include "../gaussian_family.hpp"
 #include "../numeric.hpp"
 
@@ -56,7 +55,12 @@ struct gaussian_warp_family {
 
 /// The device's view of one launch: the operands, the bounds and the options.
 template <class T>
-struct gaussian_launch : gaussian_projection_args<T> {
+struct gaussian_launch {
+  batch_view<const T> mean, cov, old_mean, old_cov;
+  batch_view<T> out_mean, out_cov;
+  gaussian::gaussian_stats* stats;
+  double eps_mean, eps_cov;
+  projection_options options;
   bool split;
 };
 
@@ -207,6 +211,69 @@ __device__ inline void jacobi_rotate(double* a, double* v, int d, int p, int q) 
   __syncwarp();
 }
 
+/// The factorisation of one full row pair by the whole warp (d ≤ 32), into shared memory: L° in
+/// `lo`, E = L°⁻¹(L̃ − L°) in `work`, S − I diagonalised in `a` with eigenvectors `v`, g = γ − 1,
+/// δ = L°⁻¹(μ̃ − μ°) and b = Vᵀδ (each of d² or d doubles). Ends synchronised.
+template <class T>
+__device__ void factor_full_row(const T* mean, const T* l_new, const T* old_mean, const T* l_old, int d, double* lo,
+                                double* work, double* a, double* v, double* g, double* b, double* delta) {
+  const int dd = d * d;
+  const int lane = static_cast<int>(threadIdx.x);
+  for (int i = lane; i < dd; i += gaussian_warp) lo[i] = static_cast<double>(l_old[i]);
+  __syncwarp();
+  // E = L°⁻¹(L̃ − L°), column `lane` by forward substitution (E is lower-triangular).
+  if (lane < d) {
+    for (int i = 0; i < d; ++i) {
+      double x = i >= lane ? static_cast<double>(l_new[i * d + lane]) - lo[i * d + lane] : 0.0;
+      for (int m = lane; m < i; ++m) x -= lo[i * d + m] * work[m * d + lane];
+      work[i * d + lane] = i >= lane ? x / lo[i * d + i] : 0.0;
+    }
+  }
+  __syncwarp();
+  // S − I = E + Eᵀ + EEᵀ; V = I.
+  if (lane < d) {
+    for (int i = 0; i < d; ++i) {
+      double x = work[i * d + lane] + work[lane * d + i];
+      for (int m = 0; m < d; ++m) x += work[i * d + m] * work[lane * d + m];
+      a[i * d + lane] = x;
+      v[i * d + lane] = i == lane ? 1.0 : 0.0;
+    }
+  }
+  __syncwarp();
+  // Cyclic Jacobi until the off-diagonal mass is below (1e-18 ‖A‖)² (or 40 sweeps).
+  for (int sweep = 0; sweep < 40; ++sweep) {
+    double off = 0.0, total = 0.0;
+    if (lane < d) {
+      for (int i = 0; i < d; ++i) {
+        const double x = a[i * d + lane];
+        total += x * x;
+        if (i != lane) off += x * x;
+      }
+    }
+    off = warp_sum(off);
+    total = warp_sum(total);
+    if (!(off > 1e-36 * total)) break;
+    for (int p = 0; p < d - 1; ++p)
+      for (int q = p + 1; q < d; ++q) jacobi_rotate(a, v, d, p, q);
+  }
+  // g from the eigenvalues λ − 1; δ = L°⁻¹(μ̃ − μ°) (lane 0); b = Vᵀδ.
+  if (lane < d) g[lane] = gaussian_gain(a[lane * d + lane]);
+  if (lane == 0) {
+    for (int i = 0; i < d; ++i) {
+      double x = static_cast<double>(mean[i]) - static_cast<double>(old_mean[i]);
+      for (int m = 0; m < i; ++m) x -= lo[i * d + m] * delta[m];
+      delta[i] = x / lo[i * d + i];
+    }
+  }
+  __syncwarp();
+  if (lane < d) {
+    double x = 0.0;
+    for (int m = 0; m < d; ++m) x += v[m * d + lane] * delta[m];
+    b[lane] = x;
+  }
+  __syncwarp();
+}
+
 /// Full rows (d ≤ 32): one warp per row; shared memory holds L°, a work matrix, the matrix being
 /// diagonalised / its eigenvectors, and g, b, δ (4d² + 4d doubles).
 template <class T>
@@ -229,59 +296,7 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_full_kernel(gaussian_l
       reject_row(k, r, static_cast<std::size_t>(dd));
       continue;
     }
-    for (int i = lane; i < dd; i += gaussian_warp) lo[i] = static_cast<double>(l_old[i]);
-    __syncwarp();
-    // E = L°⁻¹(L̃ − L°), column `lane` by forward substitution (E is lower-triangular).
-    if (lane < d) {
-      for (int i = 0; i < d; ++i) {
-        double x = i >= lane ? static_cast<double>(l_new[i * d + lane]) - lo[i * d + lane] : 0.0;
-        for (int m = lane; m < i; ++m) x -= lo[i * d + m] * work[m * d + lane];
-        work[i * d + lane] = i >= lane ? x / lo[i * d + i] : 0.0;
-      }
-    }
-    __syncwarp();
-    // S − I = E + Eᵀ + EEᵀ; V = I.
-    if (lane < d) {
-      for (int i = 0; i < d; ++i) {
-        double x = work[i * d + lane] + work[lane * d + i];
-        for (int m = 0; m < d; ++m) x += work[i * d + m] * work[lane * d + m];
-        a[i * d + lane] = x;
-        v[i * d + lane] = i == lane ? 1.0 : 0.0;
-      }
-    }
-    __syncwarp();
-    // Cyclic Jacobi until the off-diagonal mass is below (1e-18 ‖A‖)² (or 40 sweeps).
-    for (int sweep = 0; sweep < 40; ++sweep) {
-      double off = 0.0, total = 0.0;
-      if (lane < d) {
-        for (int i = 0; i < d; ++i) {
-          const double x = a[i * d + lane];
-          total += x * x;
-          if (i != lane) off += x * x;
-        }
-      }
-      off = warp_sum(off);
-      total = warp_sum(total);
-      if (!(off > 1e-36 * total)) break;
-      for (int p = 0; p < d - 1; ++p)
-        for (int q = p + 1; q < d; ++q) jacobi_rotate(a, v, d, p, q);
-    }
-    // g from the eigenvalues λ − 1; δ = L°⁻¹(μ̃ − μ°) (lane 0); b = Vᵀδ.
-    if (lane < d) g[lane] = gaussian_gain(a[lane * d + lane]);
-    if (lane == 0) {
-      for (int i = 0; i < d; ++i) {
-        double x = static_cast<double>(mean[i]) - static_cast<double>(old_mean[i]);
-        for (int m = 0; m < i; ++m) x -= lo[i * d + m] * delta[m];
-        delta[i] = x / lo[i * d + i];
-      }
-    }
-    __syncwarp();
-    if (lane < d) {
-      double x = 0.0;
-      for (int m = 0; m < d; ++m) x += v[m * d + lane] * delta[m];
-      b[lane] = x;
-    }
-    __syncwarp();
+    factor_full_row(mean, l_new, old_mean, l_old, d, lo, work, a, v, g, b, delta);
     gaussian::gaussian_stats stats;
     const gaussian_solve_result s = solve_row(k, r, g, b, d, &stats);
     T* out_mean = k.out_mean.row(r);

@@ -11,7 +11,10 @@
 // and raises θ to the K-th best logit. Tokens arrive tile by tile in increasing index order, so a
 // later token with logit = θ ranks after the K-th and cannot enter: the candidates end as exactly
 // the CPU heap's K best and the outside sum holds every other token — the tail mass is a sum,
-// never a difference. The sampled token is kept aside throughout.
+// never a difference. The sampled token is kept aside throughout. These running sums pick the
+// support (the δ prefix); the values written come from the canonical sums of
+// detail::exact_log_sums — the tail's exact max and a second pass summing e^{z − m_tail} as
+// double-double (canonical_tail_sum) — as the CPU's sparsify writes them.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -422,6 +425,56 @@ __device__ stream_result stream_row(sparsify_shared<Keys>& sh, reduce_storage<st
   return result;
 }
 
+/// exact_add of two exact_sums as a CUB reduction operator.
+struct add_exact_sum {
+  __device__ exact_sum operator()(const exact_sum& a, const exact_sum& b) const { return exact_add(a, b); }
+};
+
+/// The logits of a finalised support as exact_log_sums reads them: the first `keep` sorted keys,
+/// then the sampled token's key when it ranks beyond them.
+template <class Key>
+struct support_key_logits {
+  const Key* keys;
+  int keep;
+  int sampled_pos;
+
+  __device__ double operator[](int i) const {
+    return static_cast<double>(key_logit(keys[i < keep ? i : sampled_pos]));
+  }
+};
+
+/// Σ e^{z_j − m_tail} over the tokens j of the row outside the support (the `keep` best of the
+/// sorted keys, and the sampled token), as the CPU's cpu::tail_exp_sum: each term is one
+/// exponential in the logits' comparison precision of z_j − m_tail alone, widened to double, and
+/// the terms are added as exact_sums (per thread, then across the block). The double the pair
+/// rounds to (value()) is within n²·eps² of the exact sum, so it does not depend on which thread
+/// or tile a token fell in: the same canonical value as the CPU's, up to the two backends'
+/// exponentials. Returned in every thread (a block-wide reduction: all threads must call it).
+template <class Keys, class L>
+__device__ exact_sum canonical_tail_sum(reduce_storage<exact_sum>& storage, const L* z, std::size_t size,
+                                        const typename Keys::key_type* keys, int keep, bool has_sampled,
+                                        long long sampled_token, double m_tail) {
+  using value_type = typename Keys::value_type;
+  exact_sum part;
+  if (m_tail > neg_inf()) {
+    // The support's last token: a token is in the support's top-`keep` prefix iff it ranks at or
+    // before it (larger logit, or the same logit and an index not above).
+    const bool any = keep > 0;
+    const value_type last_logit = any ? key_logit(keys[keep - 1]) : value_type(0);
+    const long long last_index = any ? static_cast<long long>(key_index(keys[keep - 1])) : -1;
+    const value_type shift = static_cast<value_type>(m_tail);  // one of the row's logits: exact
+    for (std::size_t j = threadIdx.x; j < size; j += block_threads) {
+      const value_type x = to_value(z[j]);
+      const long long token = static_cast<long long>(j);
+      if (any && (x > last_logit || (x == last_logit && token <= last_index))) continue;
+      if (has_sampled && token == sampled_token) continue;
+      if (!(x > value_type(neg_inf()))) continue;  // a masked token has no mass
+      exact_add(part, static_cast<double>(exp_of(x - shift)));
+    }
+  }
+  return block_all_reduce(storage, part, add_exact_sum{});
+}
+
 /// Rows of `range`: the sparse rows of troll::sparsify (see troll/cuda_sparse.cuh). A rejected
 /// row (NaN / +inf logits, all −inf, a sampled token outside [0, V)) gets count 0, NaN
 /// log-remainder and padding.
@@ -433,7 +486,7 @@ __global__ void __launch_bounds__(block_threads)
   using key_type = typename Keys::key_type;
   __shared__ sparsify_shared<Keys> sh;
   __shared__ reduce_storage<stream_summary> summary_storage;
-  __shared__ reduce_storage<log_sum_state> tail_storage;
+  __shared__ reduce_storage<exact_sum> tail_storage;
   const int tid = int(threadIdx.x);
   const std::size_t size = logits.cols, end = range.begin + range.count;
   for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
@@ -502,24 +555,33 @@ __global__ void __launch_bounds__(block_threads)
     const int keep = limit <= 1 ? limit : sh.last_false + 1;
     const int sampled_pos = sh.sampled_pos;
 
-    log_sum_state tail_part;
-    for (int j = keep + tid; j < listed; j += block_threads)
-      if (j != sampled_pos) push(tail_part, static_cast<double>(key_logit(sh.keys[j])));
-    const log_sum_state tail = merge(summary.outside, block_all_reduce(tail_storage, tail_part, merge_log_sum{}));
-
+    // The values come from the canonical sums (detail::exact_log_sums), as the CPU's sparsify:
+    // the tail's largest logit — exact, from the sorted list and the outside max — and the tail's
+    // exact sum Σ e^{z_j − m_tail} from a second pass over the row (canonical_tail_sum).
     const bool append_sampled = sampled_pos >= keep;
+    const int first_tail = keep == sampled_pos ? keep + 1 : keep;
+    double m_tail = summary.outside.m;
+    if (first_tail < listed) {
+      const double x = static_cast<double>(key_logit(sh.keys[first_tail]));
+      if (x > m_tail) m_tail = x;
+    }
+    const exact_sum tail = canonical_tail_sum<Keys>(tail_storage, z, size, sh.keys, keep, has_sampled,
+                                                    sampled_token, m_tail);
+    const support_key_logits<key_type> support{sh.keys, keep, sampled_pos};
+    double log_sum = 0.0, log_tail = 0.0;
+    exact_log_sums(support, keep + (append_sampled ? 1 : 0), m_tail, tail, log_sum, log_tail);
+
     const int count = keep + (append_sampled ? 1 : 0);
     for (int j = tid; j < count; j += block_threads) {
       const key_type key = sh.keys[j < keep ? j : sampled_pos];
       indices[j] = key_index(key);
-      log_probs[j] = static_cast<T>(static_cast<double>(key_logit(key)) - log_total);
+      log_probs[j] = static_cast<T>(static_cast<double>(key_logit(key)) - log_sum);
     }
     for (std::size_t i = std::size_t(count) + std::size_t(tid); i < out.k_max; i += block_threads)
       indices[i] = -1, log_probs[i] = static_cast<T>(neg_inf());
     if (tid == 0) {
       out.counts[r] = count;
-      const double log_tail = tail.value();
-      out.log_remainder[r] = static_cast<T>(log_tail == neg_inf() ? neg_inf() : log_tail - log_total);
+      out.log_remainder[r] = static_cast<T>(log_tail == neg_inf() ? neg_inf() : log_tail - log_sum);
     }
     __syncthreads();  // the shared keys are reused by the next row
   }

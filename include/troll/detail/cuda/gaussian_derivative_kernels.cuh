@@ -1,0 +1,223 @@
+// troll/detail/cuda/gaussian_derivative_kernels.cuh — the Gaussian KL and the diagonal rows' VJP
+// and JVP on the device, one warp per row. The per-coordinate maths is
+// gaussian_diag_derivatives.hpp's and gaussian_family.hpp's, shared with the CPU: each lane takes
+// every 32nd coordinate through the first pass, the sums meet in warp_sum (one fixed order, the
+// same bits in every lane), and the second pass writes each coordinate.
+//
+// A row the CPU would reject (bad values, or forward stats that are not solved with t in (0, 1])
+// is written as NaN: every requested output of the row, and its bound gradients.
+#pragma once
+
+#include <cstddef>
+
+#include "../../batch.hpp"
+#include "../../config.hpp"
+#include "../../gaussian_types.hpp"
+#include "../../projection_types.hpp"
+#include "../gaussian_diag_derivatives.hpp"
+#include "../gaussian_family.hpp"
+#include "../numeric.hpp"
+#include "gaussian_kernels.cuh"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+namespace cuda {
+
+/// Whether the forward's stats of a row are usable by a derivative (gaussian_stats_problem).
+__device__ inline bool usable_stats(const gaussian::gaussian_stats& s) {
+  return s.solved() && s.t > 0.0 && s.t <= 1.0;
+}
+
+template <class T>
+__device__ inline double at_or_zero(const T* row, std::size_t i) {
+  return row == nullptr ? 0.0 : static_cast<double>(row[i]);
+}
+
+template <class T>
+__device__ inline T* row_or_null(batch_view<T> v, std::size_t r) {
+  return v.data == nullptr ? nullptr : v.row(r);
+}
+
+template <class T>
+__device__ inline void fill_row_nan(T* out, std::size_t n) {
+  if (out == nullptr) return;
+  for (std::size_t i = threadIdx.x; i < n; i += gaussian_warp) out[i] = static_cast<T>(quiet_nan());
+}
+
+// ---- KL ----------------------------------------------------------------------------------------
+
+template <class T>
+struct gaussian_kl_launch {
+  batch_view<const T> mean, cov, old_mean, old_cov;
+  double* out;
+};
+
+/// KL of diagonal rows: Σ ψ(log γ_i)… at t = 1, the member's sums of gaussian_coordinate.
+template <class T>
+__global__ void __launch_bounds__(gaussian_warp) gaussian_kl_diag_kernel(gaussian_kl_launch<T> k) {
+  const std::size_t d = k.mean.cols;
+  const tilt_param u = tilt_near_one(0.0);
+  for (std::size_t r = blockIdx.x; r < k.mean.rows; r += gridDim.x) {
+    const T *mean = k.mean.row(r), *sd = k.cov.row(r), *old_mean = k.old_mean.row(r), *old_sd = k.old_cov.row(r);
+    if (bad_operand(mean, sd, d, false) || bad_operand(old_mean, old_sd, d, false)) {
+      if (threadIdx.x == 0) k.out[r] = quiet_nan();
+      continue;
+    }
+    double kl2 = 0.0, info = 0.0;
+    for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp) {
+      double g = 0.0, b = 0.0;
+      gaussian_diag_coordinate(static_cast<double>(mean[i]), static_cast<double>(sd[i]),
+                               static_cast<double>(old_mean[i]), static_cast<double>(old_sd[i]), &g, &b);
+      gaussian_coordinate(g, b, u.t, true, &kl2, &info);
+    }
+    const gaussian_point p = gaussian_point_at(u, warp_sum(kl2), warp_sum(info));
+    if (threadIdx.x == 0) k.out[r] = p.kl;
+  }
+}
+
+/// KL of full rows (d ≤ 32): the forward's factorisation (factor_full_row), then the member at
+/// t = 1. Shared memory as gaussian_full_kernel.
+template <class T>
+__global__ void __launch_bounds__(gaussian_warp) gaussian_kl_full_kernel(gaussian_kl_launch<T> k) {
+  extern __shared__ double gaussian_shared[];
+  const int d = static_cast<int>(k.mean.cols);
+  const int dd = d * d;
+  double* lo = gaussian_shared;
+  double* work = lo + dd;
+  double* a = work + dd;
+  double* v = a + dd;
+  double* g = v + dd;
+  double* b = g + d;
+  double* delta = b + d;
+  for (std::size_t r = blockIdx.x; r < k.mean.rows; r += gridDim.x) {
+    const T *mean = k.mean.row(r), *l_new = k.cov.row(r), *old_mean = k.old_mean.row(r), *l_old = k.old_cov.row(r);
+    if (bad_operand(mean, l_new, d, true) || bad_operand(old_mean, l_old, d, true)) {
+      if (threadIdx.x == 0) k.out[r] = quiet_nan();
+      continue;
+    }
+    factor_full_row(mean, l_new, old_mean, l_old, d, lo, work, a, v, g, b, delta);
+    const gaussian_point none;
+    const gaussian_point p =
+        gaussian_warp_family{gaussian_spectrum{g, b, d, true}}.evaluate(tilt_near_one(0.0), none, 0.0, 0.0);
+    if (threadIdx.x == 0) k.out[r] = p.kl;
+    __syncwarp();
+  }
+}
+
+// ---- VJP of diagonal rows ------------------------------------------------------------------------
+
+template <class T>
+struct gaussian_vjp_launch {
+  batch_view<const T> mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean, grad_out_cov;
+  const gaussian::gaussian_stats* stats;
+  gaussian::gaussian_grads<T> grads;
+  double eps_mean;
+  bool split;
+};
+
+template <class T>
+__global__ void __launch_bounds__(gaussian_warp) gaussian_vjp_diag_kernel(gaussian_vjp_launch<T> k) {
+  const std::size_t d = k.mean.cols;
+  for (std::size_t r = blockIdx.x; r < k.mean.rows; r += gridDim.x) {
+    const T *mean = k.mean.row(r), *sd = k.cov.row(r), *old_mean = k.old_mean.row(r), *old_sd = k.old_cov.row(r);
+    const T *out_sd = k.out_cov.row(r), *up_mean = k.grad_out_mean.row(r), *up_sd = k.grad_out_cov.row(r);
+    T *g_mean = row_or_null(k.grads.mean, r), *g_sd = row_or_null(k.grads.cov, r);
+    T *g_old_mean = row_or_null(k.grads.old_mean, r), *g_old_sd = row_or_null(k.grads.old_cov, r);
+    const gaussian::gaussian_stats st = k.stats[r];
+    if (bad_operand(mean, sd, d, false) || bad_operand(old_mean, old_sd, d, false) || !usable_stats(st)) {
+      fill_row_nan(g_mean, d);
+      fill_row_nan(g_sd, d);
+      fill_row_nan(g_old_mean, d);
+      fill_row_nan(g_old_sd, d);
+      if (threadIdx.x == 0) {
+        if (k.grads.eps != nullptr) k.grads.eps[r] = quiet_nan();
+        if (k.grads.eps_mean != nullptr) k.grads.eps_mean[r] = quiet_nan();
+      }
+      continue;
+    }
+    const double t = st.status == row_status::inactive ? 1.0 : st.t;
+    auto entry = [&](std::size_t i) {
+      return gaussian_diag_entry{static_cast<double>(mean[i]), static_cast<double>(sd[i]),
+                                 static_cast<double>(old_mean[i]), static_cast<double>(old_sd[i])};
+    };
+    auto upstream = [&](std::size_t i) {
+      return gaussian_diag_upstream{static_cast<double>(up_mean[i]), static_cast<double>(up_sd[i]),
+                                    static_cast<double>(out_sd[i])};
+    };
+    gaussian_diag_vjp_sums sums;
+    for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp)
+      gaussian_diag_vjp_accumulate(entry(i), upstream(i), k.split, t, &sums);
+    sums.b2 = warp_sum(sums.b2);
+    sums.kappa_bar = warp_sum(sums.kappa_bar);
+    sums.t_bar = warp_sum(sums.t_bar);
+    sums.info = warp_sum(sums.info);
+    const gaussian_diag_vjp_scalars sc = gaussian_diag_vjp_finish(sums, k.split, t, k.eps_mean);
+    for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp) {
+      const gaussian_diag_vjp_out o = gaussian_diag_vjp_coordinate(entry(i), upstream(i), k.split, sc);
+      if (g_mean != nullptr) g_mean[i] = static_cast<T>(o.mean);
+      if (g_sd != nullptr) g_sd[i] = static_cast<T>(o.std_dev);
+      if (g_old_mean != nullptr) g_old_mean[i] = static_cast<T>(o.old_mean);
+      if (g_old_sd != nullptr) g_old_sd[i] = static_cast<T>(o.old_std);
+    }
+    if (threadIdx.x == 0) {
+      if (k.grads.eps != nullptr) k.grads.eps[r] = sc.eps_bar;
+      if (k.grads.eps_mean != nullptr) k.grads.eps_mean[r] = sc.eps_mean_bar;
+    }
+  }
+}
+
+// ---- JVP of diagonal rows ------------------------------------------------------------------------
+
+template <class T>
+struct gaussian_jvp_launch {
+  batch_view<const T> mean, cov, old_mean, old_cov;
+  const gaussian::gaussian_stats* stats;
+  gaussian::gaussian_tangents<T> tangents;
+  batch_view<T> out_mean, out_cov;  // the tangents of μ* and σ*
+  double eps_mean;
+  bool split;
+};
+
+template <class T>
+__global__ void __launch_bounds__(gaussian_warp) gaussian_jvp_diag_kernel(gaussian_jvp_launch<T> k) {
+  const std::size_t d = k.mean.cols;
+  for (std::size_t r = blockIdx.x; r < k.mean.rows; r += gridDim.x) {
+    const T *mean = k.mean.row(r), *sd = k.cov.row(r), *old_mean = k.old_mean.row(r), *old_sd = k.old_cov.row(r);
+    const T *d_mean = row_or_null(k.tangents.mean, r), *d_sd = row_or_null(k.tangents.cov, r);
+    const T *d_old_mean = row_or_null(k.tangents.old_mean, r), *d_old_sd = row_or_null(k.tangents.old_cov, r);
+    T *out_mean = k.out_mean.row(r), *out_sd = k.out_cov.row(r);
+    const gaussian::gaussian_stats st = k.stats[r];
+    if (bad_operand(mean, sd, d, false) || bad_operand(old_mean, old_sd, d, false) || !usable_stats(st)) {
+      fill_row_nan(out_mean, d);
+      fill_row_nan(out_sd, d);
+      continue;
+    }
+    const double t = st.status == row_status::inactive ? 1.0 : st.t;
+    auto entry = [&](std::size_t i) {
+      return gaussian_diag_entry{static_cast<double>(mean[i]), static_cast<double>(sd[i]),
+                                 static_cast<double>(old_mean[i]), static_cast<double>(old_sd[i])};
+    };
+    auto tangent = [&](std::size_t i) {
+      return gaussian_diag_tangent{at_or_zero(d_mean, i), at_or_zero(d_sd, i), at_or_zero(d_old_mean, i),
+                                   at_or_zero(d_old_sd, i)};
+    };
+    gaussian_diag_jvp_sums sums;
+    for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp)
+      gaussian_diag_jvp_accumulate(entry(i), tangent(i), k.split, t, &sums);
+    sums.b2 = warp_sum(sums.b2);
+    sums.m_dot = warp_sum(sums.m_dot);
+    sums.kl_dot = warp_sum(sums.kl_dot);
+    sums.info = warp_sum(sums.info);
+    const gaussian_diag_jvp_scalars sc =
+        gaussian_diag_jvp_finish(sums, k.split, t, k.eps_mean, k.tangents.eps, k.tangents.eps_mean);
+    for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp) {
+      const gaussian_diag_jvp_out o = gaussian_diag_jvp_coordinate(entry(i), tangent(i), k.split, sc);
+      out_mean[i] = static_cast<T>(o.mean);
+      out_sd[i] = static_cast<T>(o.std_dev);
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace detail
+TROLL_END_NAMESPACE

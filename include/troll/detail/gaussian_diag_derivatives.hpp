@@ -1,0 +1,291 @@
+// troll/detail/gaussian_diag_derivatives.hpp — the VJP and JVP of one diagonal Gaussian
+// projection row (docs/gaussian.md, "Gradients"), coordinate by coordinate, written once for the
+// CPU loop and the device's warps.
+//
+// With W = diag(σ°) every matrix of the implicit-function-theorem formulas (see
+// cpu/gaussian_backward_kernels.hpp and cpu/gaussian_jvp_kernels.hpp) is diagonal, so a row is
+// two passes over its coordinates: the first accumulates a few sums (m = ½Σb², the split mean's
+// κ̄ or m', the IFT's t̄ or KL', and I(t)), the scalars of the row follow from them
+// (…_finish), and the second pass writes every coordinate from its own inputs and those
+// scalars. The host sums in coordinate order, the device in its warp order.
+#pragma once
+
+#include <cmath>
+
+#include "../config.hpp"
+#include "gaussian_family.hpp"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+
+/// One coordinate of a diagonal row pair: the new and old mean and standard deviation.
+struct gaussian_diag_entry {
+  double mean = 0.0, std_dev = 1.0, old_mean = 0.0, old_std = 1.0;
+};
+
+/// What a coordinate of the member at t needs, derived from the entry (t = 1: inactive).
+struct gaussian_diag_member {
+  double g = 0.0, b = 0.0;    // γ − 1 and (μ̃ − μ°)/σ°
+  double po = 1.0;            // Λ° = 1/σ°²
+  double ps = 0.0, pn = 1.0;  // Λ̃ − Λ° and Λ̃
+  double a = 1.0;             // 1 + t g
+  double sigma = 1.0;         // Σ_t = σ°²/a
+  double delta = 0.0;         // μ_t − μ° = σ° t γ b / a
+};
+
+TROLL_HOST_DEVICE inline gaussian_diag_member gaussian_diag_member_at(const gaussian_diag_entry& e, double t) {
+  gaussian_diag_member m;
+  gaussian_diag_coordinate(e.mean, e.std_dev, e.old_mean, e.old_std, &m.g, &m.b);
+  m.po = 1.0 / (e.old_std * e.old_std);
+  m.ps = m.g * m.po;
+  m.pn = (1.0 + m.g) * m.po;
+  m.a = 1.0 + t * m.g;
+  m.sigma = e.old_std * e.old_std / m.a;
+  m.delta = e.old_std * (t * (1.0 + m.g) * m.b / m.a);
+  return m;
+}
+
+// ---- VJP -------------------------------------------------------------------------------------
+
+/// The upstream gradients of one coordinate and the forward's output standard deviation σ*.
+struct gaussian_diag_upstream {
+  double mean = 0.0, std_dev = 0.0, out_std = 1.0;
+};
+
+/// The first pass's sums of a VJP row.
+struct gaussian_diag_vjp_sums {
+  double b2 = 0.0;         // Σ b²
+  double kappa_bar = 0.0;  // split: Σ μ̄* (μ̃ − μ°)
+  double t_bar = 0.0;      // ⟨θ̄_t, θ̃ − θ°⟩
+  double info = 0.0;       // I(t)
+};
+
+/// The scalars of a VJP row: the split mean's κ and k = κ̄κ/(2m), the IFT's c = t̄/(t I), and
+/// the bound gradients.
+struct gaussian_diag_vjp_scalars {
+  double t = 1.0;
+  double kappa = 1.0;
+  double k = 0.0;
+  double cst = 0.0;
+  double eps_bar = 0.0;
+  double eps_mean_bar = 0.0;
+};
+
+/// The gradients of one coordinate of the four inputs.
+struct gaussian_diag_vjp_out {
+  double mean = 0.0, std_dev = 0.0, old_mean = 0.0, old_std = 0.0;
+};
+
+/// The natural-parameter gradients at the output: Λ̄ and h̄ (joint) of one coordinate.
+TROLL_HOST_DEVICE inline void gaussian_diag_output_bar(const gaussian_diag_entry& e, const gaussian_diag_member& m,
+                                                       const gaussian_diag_upstream& up, bool split, double* lambda_bar,
+                                                       double* h_bar) {
+  *lambda_bar = -(m.sigma * m.sigma) * (up.std_dev / (2.0 * up.out_std));
+  *h_bar = 0.0;
+  if (!split) {
+    *h_bar = m.sigma * up.mean;
+    *lambda_bar -= *h_bar * (e.old_mean + m.delta);
+  }
+}
+
+TROLL_HOST_DEVICE inline void gaussian_diag_vjp_accumulate(const gaussian_diag_entry& e,
+                                                           const gaussian_diag_upstream& up, bool split, double t,
+                                                           gaussian_diag_vjp_sums* sums) {
+  const gaussian_diag_member m = gaussian_diag_member_at(e, t);
+  sums->b2 += m.b * m.b;
+  if (split) sums->kappa_bar += up.mean * (e.mean - e.old_mean);
+  if (t >= 1.0) return;
+  double lambda_bar = 0.0, h_bar = 0.0;
+  gaussian_diag_output_bar(e, m, up, split, &lambda_bar, &h_bar);
+  sums->t_bar += lambda_bar * m.ps;
+  if (!split) sums->t_bar += h_bar * (m.pn * (e.mean - e.old_mean) + m.ps * e.old_mean);
+  double kl2 = 0.0;
+  gaussian_coordinate(m.g, m.b, t, !split, &kl2, &sums->info);
+}
+
+TROLL_HOST_DEVICE inline gaussian_diag_vjp_scalars gaussian_diag_vjp_finish(const gaussian_diag_vjp_sums& sums,
+                                                                            bool split, double t, double eps_mean) {
+  gaussian_diag_vjp_scalars s;
+  s.t = t;
+  if (split) {
+    const double m = 0.5 * sums.b2;
+    s.kappa = split_mean_scale(m, eps_mean);
+    if (s.kappa < 1.0) {
+      s.k = sums.kappa_bar * s.kappa / (2.0 * m);
+      s.eps_mean_bar = sums.kappa_bar * s.kappa / (2.0 * eps_mean);
+    }
+  }
+  if (t < 1.0) {
+    s.cst = sums.t_bar / (t * sums.info);
+    s.eps_bar = s.cst;
+  }
+  return s;
+}
+
+TROLL_HOST_DEVICE inline gaussian_diag_vjp_out gaussian_diag_vjp_coordinate(const gaussian_diag_entry& e,
+                                                                            const gaussian_diag_upstream& up,
+                                                                            bool split,
+                                                                            const gaussian_diag_vjp_scalars& sc) {
+  const double t = sc.t;
+  const gaussian_diag_member m = gaussian_diag_member_at(e, t);
+  double mean_new = 0.0, mean_old = 0.0, lam_new = 0.0, lam_old = 0.0, h_new = 0.0, h_old = 0.0;
+  if (split) {
+    if (sc.kappa < 1.0) {
+      const double diff = e.mean - e.old_mean;
+      const double diff_bar = sc.kappa * up.mean - sc.k * m.po * diff;
+      mean_new += diff_bar;
+      mean_old += up.mean - diff_bar;
+      lam_old -= 0.5 * sc.k * diff * diff;
+    } else {
+      mean_new += up.mean;
+    }
+  }
+  const bool inactive = t >= 1.0;
+  if (inactive) {
+    if (!split) mean_new += up.mean;
+  } else {
+    const double s = 1.0 - t;
+    double lambda_bar = 0.0, h_bar = 0.0;
+    gaussian_diag_output_bar(e, m, up, split, &lambda_bar, &h_bar);
+    const double so2 = e.old_std * e.old_std;
+    double eta_lam_dot = 0.5 * so2 * m.g / (m.a * m.a);
+    double eta_lam_gap = -0.5 * so2 * t * m.g / m.a;
+    double eta_h_dot = 0.0, eta_h_gap = 0.0;
+    if (!split) {
+      eta_h_dot = e.old_std * (1.0 + m.g) * m.b / (m.a * m.a);
+      eta_lam_dot -= eta_h_dot * (e.old_mean + m.delta);
+      eta_lam_gap += e.old_mean * m.delta + 0.5 * m.delta * m.delta;
+      eta_h_gap = -m.delta;
+    }
+    lam_new += t * lambda_bar - sc.cst * t * t * eta_lam_dot;
+    lam_old += s * lambda_bar - sc.cst * (eta_lam_gap + t * s * eta_lam_dot);
+    h_new += t * h_bar - sc.cst * t * t * eta_h_dot;
+    h_old += s * h_bar - sc.cst * (eta_h_gap + t * s * eta_h_dot);
+  }
+  // h = Λμ, Λ = 1/σ²: μ̄ = μ̄_direct + Λh̄, σ̄ = 2σ·Σ̄, Σ̄ = −Λ²(Λ̄ + h̄μ).
+  gaussian_diag_vjp_out out;
+  if (inactive) {
+    out.mean = mean_new;
+    out.std_dev = up.std_dev;
+  } else {
+    out.mean = mean_new + m.pn * h_new;
+    out.std_dev = 2.0 * e.std_dev * (-(m.pn * m.pn) * (lam_new + h_new * e.mean));
+  }
+  out.old_mean = mean_old + m.po * h_old;
+  out.old_std = 2.0 * e.old_std * (-(m.po * m.po) * (lam_old + h_old * e.old_mean));
+  return out;
+}
+
+// ---- JVP -------------------------------------------------------------------------------------
+
+/// The input tangents of one coordinate (0 for an absent tangent).
+struct gaussian_diag_tangent {
+  double mean = 0.0, std_dev = 0.0, old_mean = 0.0, old_std = 0.0;
+};
+
+/// The first pass's sums of a JVP row.
+struct gaussian_diag_jvp_sums {
+  double b2 = 0.0;      // Σ b²
+  double m_dot = 0.0;   // split: m'
+  double kl_dot = 0.0;  // ∂KL(π_t ‖ q) at fixed t along the tangents
+  double info = 0.0;    // I(t)
+};
+
+/// The scalars of a JVP row: the split mean's κ and κ', and t'.
+struct gaussian_diag_jvp_scalars {
+  double t = 1.0;
+  double kappa = 1.0;
+  double kappa_dot = 0.0;
+  double t_dot = 0.0;
+};
+
+struct gaussian_diag_jvp_out {
+  double mean = 0.0, std_dev = 0.0;
+};
+
+/// The coordinate's Λ_t' at fixed t, Σ_t and (joint) h_t'.
+struct gaussian_diag_fixed_t {
+  double lam_old_dot = 0.0, lam_t_dot = 0.0, h_t_dot = 0.0;
+};
+
+TROLL_HOST_DEVICE inline gaussian_diag_fixed_t gaussian_diag_fixed_t_tangent(const gaussian_diag_entry& e,
+                                                                             const gaussian_diag_member& m,
+                                                                             const gaussian_diag_tangent& d, bool split,
+                                                                             double t) {
+  gaussian_diag_fixed_t f;
+  const double s = 1.0 - t;
+  f.lam_old_dot = -2.0 * d.old_std / (e.old_std * e.old_std * e.old_std);
+  const double lam_new_dot = -2.0 * d.std_dev * m.pn / e.std_dev;
+  f.lam_t_dot = t * lam_new_dot + s * f.lam_old_dot;
+  if (!split)
+    f.h_t_dot = t * (lam_new_dot * e.mean + m.pn * d.mean) + s * (f.lam_old_dot * e.old_mean + m.po * d.old_mean);
+  return f;
+}
+
+TROLL_HOST_DEVICE inline void gaussian_diag_jvp_accumulate(const gaussian_diag_entry& e,
+                                                           const gaussian_diag_tangent& d, bool split, double t,
+                                                           gaussian_diag_jvp_sums* sums) {
+  const gaussian_diag_member m = gaussian_diag_member_at(e, t);
+  sums->b2 += m.b * m.b;
+  if (split) {
+    const double diff = e.mean - e.old_mean, diff_dot = d.mean - d.old_mean;
+    const double lam_old_dot = -2.0 * d.old_std / (e.old_std * e.old_std * e.old_std);
+    sums->m_dot += diff * m.po * diff_dot + 0.5 * diff * lam_old_dot * diff;
+  }
+  if (t >= 1.0) return;
+  const gaussian_diag_fixed_t f = gaussian_diag_fixed_t_tangent(e, m, d, split, t);
+  const double so2 = e.old_std * e.old_std;
+  const double sigma_gap = -so2 * t * m.g / m.a;  // Σ_t − Σ°
+  const double sigma_t_dot = -(m.sigma * m.sigma * f.lam_t_dot);
+  sums->kl_dot += 0.5 * (f.lam_old_dot * sigma_gap - t * m.ps * sigma_t_dot);
+  if (!split) {
+    const double mu_t_dot = m.sigma * (f.h_t_dot - f.lam_t_dot * (e.old_mean + m.delta));
+    sums->kl_dot += m.delta * m.po * (mu_t_dot - d.old_mean) + 0.5 * m.delta * f.lam_old_dot * m.delta;
+  }
+  double kl2 = 0.0;
+  gaussian_coordinate(m.g, m.b, t, !split, &kl2, &sums->info);
+}
+
+TROLL_HOST_DEVICE inline gaussian_diag_jvp_scalars gaussian_diag_jvp_finish(const gaussian_diag_jvp_sums& sums,
+                                                                            bool split, double t, double eps_mean,
+                                                                            double eps_dot, double eps_mean_dot) {
+  gaussian_diag_jvp_scalars s;
+  s.t = t;
+  if (split) {
+    const double m = 0.5 * sums.b2;
+    s.kappa = split_mean_scale(m, eps_mean);
+    if (s.kappa < 1.0) s.kappa_dot = 0.5 * s.kappa * (eps_mean_dot / eps_mean - sums.m_dot / m);
+  }
+  if (t < 1.0) s.t_dot = (eps_dot - sums.kl_dot) / (t * sums.info);
+  return s;
+}
+
+TROLL_HOST_DEVICE inline gaussian_diag_jvp_out gaussian_diag_jvp_coordinate(const gaussian_diag_entry& e,
+                                                                            const gaussian_diag_tangent& d,
+                                                                            bool split,
+                                                                            const gaussian_diag_jvp_scalars& sc) {
+  const double t = sc.t;
+  gaussian_diag_jvp_out out;
+  if (split)
+    out.mean = sc.kappa < 1.0 ? d.old_mean + sc.kappa * (d.mean - d.old_mean) + sc.kappa_dot * (e.mean - e.old_mean)
+                              : d.mean;
+  if (t >= 1.0) {  // inactive: the output is the input
+    if (!split) out.mean = d.mean;
+    out.std_dev = d.std_dev;
+    return out;
+  }
+  const gaussian_diag_member m = gaussian_diag_member_at(e, t);
+  gaussian_diag_fixed_t f = gaussian_diag_fixed_t_tangent(e, m, d, split, t);
+  f.lam_t_dot += sc.t_dot * m.ps;
+  if (!split) {
+    const double h_gap = m.pn * (e.mean - e.old_mean) + m.ps * e.old_mean;  // h̃ − h°
+    f.h_t_dot += sc.t_dot * h_gap;
+    out.mean = m.sigma * (f.h_t_dot - f.lam_t_dot * (e.old_mean + m.delta));
+  }
+  // σ* = sqrt(Σ*): σ*' = Σ*'/(2σ*), Σ*' = −Σ*² Λ*'.
+  out.std_dev = -(m.sigma * m.sigma * f.lam_t_dot) / (2.0 * ::sqrt(m.sigma));
+  return out;
+}
+
+}  // namespace detail
+TROLL_END_NAMESPACE

@@ -1,0 +1,365 @@
+// tests/bodies/gaussian_diag_derivatives.hpp — the Gaussian KL and the diagonal projections'
+// VJP and JVP on one backend, against independent oracles: the KL against the long-double
+// textbook formula (gaussian_oracle.hpp), the JVP against a five-point central difference of the
+// double CPU forward along a random direction of every input and the bounds, the VJP against the
+// same directional derivative (⟨u, J v⟩ = ⟨Jᵀu, v⟩), and bad rows (a typed error naming the row,
+// nothing written). One body per backend: tests/test_gaussian_diag_derivatives.cpp includes it
+// with troll_test::oracle_backend = backend<cpu_policy>, tests/cuda/test_cuda_gaussian_derivatives.cu
+// with backend<cuda_policy> (checked policy) inside its "device" suite. Batches hold d > 32 so a
+// warp's lanes take several coordinates each. Include after "gaussian_oracle.hpp", "backend.hpp"
+// and the definition of troll_test::oracle_backend.
+
+namespace {
+
+using backend = troll_test::oracle_backend;
+using stats_t = troll::gaussian::gaussian_stats;
+
+/// N diagonal row pairs of dimension d; every third row nearly equal to its old row (inactive).
+struct diag_batch {
+  std::size_t n = 0, d = 0;
+  std::vector<double> mean, sd, old_mean, old_sd;
+};
+
+diag_batch make_diag(std::size_t n, std::size_t d, unsigned seed) {
+  troll_test::gauss::generator gen(seed);
+  diag_batch b;
+  b.n = n;
+  b.d = d;
+  for (std::size_t r = 0; r < n; ++r) {
+    const double scale = r % 3 == 2 ? 1e-4 : 0.3;
+    const std::vector<double> m = gen.mean(d, 1.0), om = gen.mean(d, 1.0);
+    const std::vector<double> s = gen.std_dev(d, 0.3), os = gen.std_dev(d, 0.3);
+    for (std::size_t i = 0; i < d; ++i) {
+      b.old_mean.push_back(om[i]);
+      b.mean.push_back(om[i] + scale * (m[i] - om[i]));
+      b.old_sd.push_back(os[i]);
+      b.sd.push_back(os[i] * std::exp(scale * std::log(s[i] / os[i])));
+    }
+  }
+  return b;
+}
+
+/// b + h·v, entry by entry (the bounds travel separately).
+diag_batch shifted(const diag_batch& b, double h, const diag_batch& v) {
+  diag_batch s = b;
+  for (std::size_t i = 0; i < b.mean.size(); ++i) {
+    s.mean[i] += h * v.mean[i];
+    s.sd[i] += h * v.sd[i];
+    s.old_mean[i] += h * v.old_mean[i];
+    s.old_sd[i] += h * v.old_sd[i];
+  }
+  return s;
+}
+
+troll::batch_view<const double> view(const std::vector<double>& v, std::size_t n, std::size_t d) {
+  return troll::make_batch(v.data(), n, d);
+}
+
+struct diag_forward {
+  std::vector<double> mean, sd;
+  std::vector<stats_t> stats;
+};
+
+/// The double CPU forward (eps_mean: joint ε or split ε_μ).
+diag_forward cpu_forward(const diag_batch& b, bool split, double eps_mean, double eps_cov) {
+  diag_forward f;
+  f.mean.resize(b.n * b.d);
+  f.sd.resize(b.n * b.d);
+  f.stats.resize(b.n);
+  namespace g = troll::gaussian;
+  const auto m = view(b.mean, b.n, b.d), s = view(b.sd, b.n, b.d);
+  const auto om = view(b.old_mean, b.n, b.d), os = view(b.old_sd, b.n, b.d);
+  auto ym = troll::make_batch(f.mean.data(), b.n, b.d), ys = troll::make_batch(f.sd.data(), b.n, b.d);
+  if (split) {
+    g::project_split_diag(troll::cpu, m, s, om, os, eps_mean, eps_cov, ym, ys, f.stats.data());
+  } else {
+    g::project_joint_diag(troll::cpu, m, s, om, os, eps_mean, ym, ys, f.stats.data());
+  }
+  return f;
+}
+
+/// A direction of every input and bound: entries N(0, 1)·scale of their input, bounds ±.
+struct direction {
+  diag_batch v;
+  double eps = 0.0, eps_mean = 0.0;  // split: ε_Σ', ε_μ'; joint: eps_mean carries ε'
+};
+
+direction make_direction(const diag_batch& b, unsigned seed) {
+  troll_test::gauss::generator gen(seed);
+  direction dir;
+  dir.v = b;
+  for (std::size_t i = 0; i < b.mean.size(); ++i) {
+    dir.v.mean[i] = gen.normal01();
+    dir.v.sd[i] = 0.2 * b.sd[i] * gen.normal01();
+    dir.v.old_mean[i] = gen.normal01();
+    dir.v.old_sd[i] = 0.2 * b.old_sd[i] * gen.normal01();
+  }
+  dir.eps = 0.01 * gen.normal01();
+  dir.eps_mean = 0.01 * gen.normal01();
+  return dir;
+}
+
+/// The five-point central difference of the CPU forward along `dir` (outputs: mean then sd).
+std::vector<double> fd_directional(const diag_batch& b, bool split, double eps_mean, double eps_cov,
+                                   const direction& dir, double h) {
+  auto at = [&](double k) {
+    const double em = eps_mean + k * h * dir.eps_mean;
+    const double ec = eps_cov + k * h * dir.eps;
+    const diag_forward f = cpu_forward(shifted(b, k * h, dir.v), split, em, ec);
+    std::vector<double> flat = f.mean;
+    flat.insert(flat.end(), f.sd.begin(), f.sd.end());
+    return flat;
+  };
+  const std::vector<double> p1 = at(1), m1 = at(-1), p2 = at(2), m2 = at(-2);
+  std::vector<double> d(p1.size());
+  for (std::size_t i = 0; i < d.size(); ++i) d[i] = (8.0 * (p1[i] - m1[i]) - (p2[i] - m2[i])) / (12.0 * h);
+  return d;
+}
+
+bool close(double got, double want, double atol, double rtol) {
+  return std::fabs(got - want) <= atol + rtol * std::fabs(want);
+}
+
+/// The backend's JVP along `dir` (outputs: mean then sd tangents).
+std::vector<double> backend_jvp(const diag_batch& b, bool split, double eps_mean, double eps_cov,
+                                const diag_forward& f, const direction& dir) {
+  using buf = backend::buffer<double>;
+  buf m(b.mean), s(b.sd), om(b.old_mean), os(b.old_sd), ym(f.mean), ys(f.sd);
+  buf tm(dir.v.mean), ts(dir.v.sd), tom(dir.v.old_mean), tos(dir.v.old_sd);
+  buf out_m(b.n * b.d), out_s(b.n * b.d);
+  backend::buffer<stats_t> st(f.stats);
+  const std::size_t n = b.n, d = b.d;
+  auto in = [&](buf& x) { return troll::make_batch(static_cast<const double*>(x.get()), n, d); };
+  namespace g = troll::gaussian;
+  g::gaussian_tangents<double> tan{in(tm), in(ts), in(tom), in(tos), split ? dir.eps : dir.eps_mean,
+                                   split ? dir.eps_mean : 0.0};
+  if (split) {
+    g::project_split_diag_jvp(backend::policy(), in(m), in(s), in(om), in(os), eps_mean, eps_cov, in(ym), in(ys),
+                              st.get(), tan, troll::make_batch(out_m.get(), n, d),
+                              troll::make_batch(out_s.get(), n, d));
+  } else {
+    g::project_joint_diag_jvp(backend::policy(), in(m), in(s), in(om), in(os), eps_mean, in(ym), in(ys), st.get(),
+                              tan, troll::make_batch(out_m.get(), n, d), troll::make_batch(out_s.get(), n, d));
+  }
+  std::vector<double> flat = out_m.download();
+  const std::vector<double> sd = out_s.download();
+  flat.insert(flat.end(), sd.begin(), sd.end());
+  return flat;
+}
+
+/// The backend's VJP of upstream u (mean then sd), contracted with `dir` row by row.
+std::vector<double> backend_vjp_dot(const diag_batch& b, bool split, double eps_mean, double eps_cov,
+                                    const diag_forward& f, const std::vector<double>& u, const direction& dir) {
+  using buf = backend::buffer<double>;
+  const std::size_t n = b.n, d = b.d, nd = n * d;
+  buf m(b.mean), s(b.sd), om(b.old_mean), os(b.old_sd), ym(f.mean), ys(f.sd);
+  buf um(std::vector<double>(u.begin(), u.begin() + long(nd))), us(std::vector<double>(u.begin() + long(nd), u.end()));
+  buf gm(nd), gs(nd), gom(nd), gos(nd), ge(n), gem(n);
+  backend::buffer<stats_t> st(f.stats);
+  auto in = [&](buf& x) { return troll::make_batch(static_cast<const double*>(x.get()), n, d); };
+  auto out = [&](buf& x) { return troll::make_batch(x.get(), n, d); };
+  namespace g = troll::gaussian;
+  const g::gaussian_grads<double> grads{out(gm), out(gs), out(gom), out(gos), ge.get(), gem.get()};
+  if (split) {
+    g::project_split_diag_backward(backend::policy(), in(m), in(s), in(om), in(os), eps_mean, eps_cov, in(ym),
+                                   in(ys), st.get(), in(um), in(us), grads);
+  } else {
+    g::project_joint_diag_backward(backend::policy(), in(m), in(s), in(om), in(os), eps_mean, in(ym), in(ys),
+                                   st.get(), in(um), in(us), grads);
+  }
+  const std::vector<double> hm = gm.download(), hs = gs.download(), hom = gom.download(), hos = gos.download();
+  const std::vector<double> he = ge.download(), hem = gem.download();
+  std::vector<double> dots(n, 0.0);
+  for (std::size_t r = 0; r < n; ++r) {
+    for (std::size_t i = r * d; i < (r + 1) * d; ++i)
+      dots[r] += hm[i] * dir.v.mean[i] + hs[i] * dir.v.sd[i] + hom[i] * dir.v.old_mean[i] + hos[i] * dir.v.old_sd[i];
+    dots[r] += split ? he[r] * dir.eps + hem[r] * dir.eps_mean : he[r] * dir.eps_mean;
+  }
+  return dots;
+}
+
+void check_derivatives(std::size_t n, std::size_t d, bool split, unsigned seed) {
+  const double eps_mean = 0.05, eps_cov = 0.03;
+  const diag_batch b = make_diag(n, d, seed);
+  const diag_forward f = cpu_forward(b, split, eps_mean, eps_cov);
+  std::size_t projected = 0;
+  for (const stats_t& s : f.stats) projected += s.status == troll::row_status::projected;
+  REQUIRE(projected >= n / 2);
+  const direction dir = make_direction(b, seed + 1);
+  const std::vector<double> fd = fd_directional(b, split, eps_mean, eps_cov, dir, 1e-4);
+  const std::vector<double> jvp = backend_jvp(b, split, eps_mean, eps_cov, f, dir);
+  REQUIRE(jvp.size() == fd.size());
+  for (std::size_t i = 0; i < fd.size(); ++i) {
+    INFO("entry " << i << " (row " << (i % (n * d)) / d << ")");
+    CHECK(close(jvp[i], fd[i], 1e-7, 1e-6));
+  }
+  troll_test::gauss::generator gen(seed + 2);
+  std::vector<double> u(fd.size());
+  for (double& x : u) x = gen.normal01();
+  const std::vector<double> dots = backend_vjp_dot(b, split, eps_mean, eps_cov, f, u, dir);
+  for (std::size_t r = 0; r < n; ++r) {
+    double want = 0.0, scale = 0.0;
+    for (std::size_t i = r * d; i < (r + 1) * d; ++i) {
+      for (std::size_t k : {i, i + n * d}) {
+        want += u[k] * fd[k];
+        scale += std::fabs(u[k] * fd[k]);
+      }
+    }
+    INFO("row " << r);
+    CHECK(close(dots[r], want, 1e-7 * (1.0 + scale), 1e-6));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("Gaussian diag JVP and VJP against central differences of the CPU forward") {
+  for (bool split : {false, true}) {
+    for (std::size_t d : {std::size_t(3), std::size_t(40), std::size_t(300)}) {
+      CAPTURE(split);
+      CAPTURE(d);
+      check_derivatives(12, d, split, static_cast<unsigned>(7 * d + split));
+    }
+  }
+}
+
+TEST_CASE("Gaussian KL (diagonal, and full at d <= 32) against the long-double formula") {
+  const std::size_t n = 9;
+  for (std::size_t d : {std::size_t(1), std::size_t(5), std::size_t(32), std::size_t(100)}) {
+    CAPTURE(d);
+    const diag_batch b = make_diag(n, d, static_cast<unsigned>(d));
+    using buf = backend::buffer<double>;
+    buf m(b.mean), s(b.sd), om(b.old_mean), os(b.old_sd), out(n);
+    auto in = [&](buf& x, std::size_t cols) { return troll::make_batch(static_cast<const double*>(x.get()), n, cols); };
+    troll::gaussian::kl_diag(backend::policy(), in(m, d), in(s, d), in(om, d), in(os, d), out.get());
+    const std::vector<double> got = out.download();
+    for (std::size_t r = 0; r < n; ++r) {
+      namespace o = troll_test::gauss;
+      const o::normal p = o::normal::from_std(&b.mean[r * d], &b.sd[r * d], d);
+      const o::normal q = o::normal::from_std(&b.old_mean[r * d], &b.old_sd[r * d], d);
+      CHECK(close(got[r], static_cast<double>(o::kl(p, q)), 1e-15, 1e-11));
+    }
+    if (d > 32) continue;
+    // The same rows as full factors: random lower triangles scaled by the std devs.
+    troll_test::gauss::generator gen(static_cast<unsigned>(d + 100));
+    std::vector<double> l(n * d * d), ol(n * d * d);
+    for (std::size_t r = 0; r < n; ++r) {
+      const std::vector<double> a = gen.factor(d, 0.3), c = gen.factor(d, 0.3);
+      for (std::size_t k = 0; k < d * d; ++k) {
+        ol[r * d * d + k] = c[k];
+        l[r * d * d + k] = c[k] + (r % 3 == 2 ? 1e-5 : 0.3) * (a[k] - c[k]);
+      }
+    }
+    buf lf(l), olf(ol), out_full(n);
+    troll::gaussian::kl(backend::policy(), in(m, d), in(lf, d * d), in(om, d), in(olf, d * d), out_full.get());
+    const std::vector<double> got_full = out_full.download();
+    for (std::size_t r = 0; r < n; ++r) {
+      namespace o = troll_test::gauss;
+      const o::normal p = o::normal::from_factor(&b.mean[r * d], &l[r * d * d], d);
+      const o::normal q = o::normal::from_factor(&b.old_mean[r * d], &ol[r * d * d], d);
+      CHECK(close(got_full[r], static_cast<double>(o::kl(p, q)), 1e-13, 1e-9));
+    }
+  }
+}
+
+TEST_CASE("Gaussian diag derivatives: a bad row throws naming it, before anything is written") {
+  const std::size_t n = 4, d = 35;
+  const double eps = 0.05;
+  const diag_batch b = make_diag(n, d, 5);
+  const diag_forward f = cpu_forward(b, false, eps, eps);
+  using buf = backend::buffer<double>;
+  namespace g = troll::gaussian;
+  const double sentinel = 12345.0;
+  for (int kind = 0; kind < 3; ++kind) {
+    CAPTURE(kind);
+    diag_batch bad = b;
+    std::vector<stats_t> stats = f.stats;
+    if (kind == 0) bad.old_sd[2 * d + 7] = -1.0;                                     // row 2: std dev ≤ 0
+    if (kind == 1) bad.mean[2 * d + 3] = std::numeric_limits<double>::quiet_NaN();  // row 2: NaN
+    if (kind == 2) stats[2].status = troll::row_status::not_converged;              // row 2: unusable stats
+    buf m(bad.mean), s(bad.sd), om(bad.old_mean), os(bad.old_sd), ym(f.mean), ys(f.sd);
+    buf gm(std::vector<double>(n * d, sentinel)), ge(std::vector<double>(n, sentinel));
+    backend::buffer<stats_t> st(stats);
+    auto in = [&](buf& x) { return troll::make_batch(static_cast<const double*>(x.get()), n, d); };
+    const g::gaussian_grads<double> grads{troll::make_batch(gm.get(), n, d), {}, {}, {}, ge.get(), nullptr};
+    bool threw = false;
+    try {
+      g::project_joint_diag_backward(backend::policy(), in(m), in(s), in(om), in(os), eps, in(ym), in(ys), st.get(),
+                                     in(ym), in(ys), grads);
+    } catch (const troll::domain_error& e) {
+      threw = true;
+      CHECK(e.row() == 2);
+      CHECK(std::string(e.what()).find("row 2") != std::string::npos);
+    }
+    CHECK(threw);
+    const std::vector<double> hm = gm.download(), he = ge.download();
+    CHECK(std::all_of(hm.begin(), hm.end(), [&](double x) { return x == sentinel; }));
+    CHECK(std::all_of(he.begin(), he.end(), [&](double x) { return x == sentinel; }));
+    if (kind == 2) continue;
+    buf out(std::vector<double>(n, sentinel));
+    CHECK_THROWS_AS(g::kl_diag(backend::policy(), in(m), in(s), in(om), in(os), out.get()), troll::domain_error);
+    const std::vector<double> ho = out.download();
+    CHECK(std::all_of(ho.begin(), ho.end(), [&](double x) { return x == sentinel; }));
+  }
+}
+
+TEST_CASE("Gaussian diag VJP, JVP and KL in float agree with double") {
+  const std::size_t n = 6, d = 45;
+  const double eps = 0.05;
+  const diag_batch b = make_diag(n, d, 77);
+  namespace g = troll::gaussian;
+  auto to_float = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
+  // The double reference, on the CPU.
+  const diag_forward f = cpu_forward(b, false, eps, eps);
+  std::vector<double> ref_gm(n * d), ref_gs(n * d), ref_e(n), ref_tm(n * d), ref_ts(n * d), ref_kl(n);
+  {
+    const g::gaussian_grads<double> gr{troll::make_batch(ref_gm.data(), n, d), troll::make_batch(ref_gs.data(), n, d),
+                                       {}, {}, ref_e.data(), nullptr};
+    g::project_joint_diag_backward(troll::cpu, view(b.mean, n, d), view(b.sd, n, d), view(b.old_mean, n, d),
+                                   view(b.old_sd, n, d), eps, view(f.mean, n, d), view(f.sd, n, d), f.stats.data(),
+                                   view(f.mean, n, d), view(f.sd, n, d), gr);
+    const g::gaussian_tangents<double> tan{view(b.sd, n, d), view(b.mean, n, d), {}, {}, 0.01, 0.0};
+    g::project_joint_diag_jvp(troll::cpu, view(b.mean, n, d), view(b.sd, n, d), view(b.old_mean, n, d),
+                              view(b.old_sd, n, d), eps, view(f.mean, n, d), view(f.sd, n, d), f.stats.data(), tan,
+                              troll::make_batch(ref_tm.data(), n, d), troll::make_batch(ref_ts.data(), n, d));
+    g::kl_diag(troll::cpu, view(b.mean, n, d), view(b.sd, n, d), view(b.old_mean, n, d), view(b.old_sd, n, d),
+               ref_kl.data());
+  }
+  // float on the backend, from the float forward on the CPU.
+  const std::vector<float> m = to_float(b.mean), s = to_float(b.sd), om = to_float(b.old_mean),
+                           os = to_float(b.old_sd);
+  std::vector<float> ym(n * d), ys(n * d);
+  std::vector<stats_t> st(n);
+  auto fin = [&](const std::vector<float>& v) { return troll::make_batch(v.data(), n, d); };
+  g::project_joint_diag(troll::cpu, fin(m), fin(s), fin(om), fin(os), eps, troll::make_batch(ym.data(), n, d),
+                        troll::make_batch(ys.data(), n, d), st.data());
+  using fbuf = backend::buffer<float>;
+  fbuf dm(m), ds(s), dom(om), dos(os), dym(ym), dys(ys), gm(n * d), gs(n * d), tm(n * d), ts(n * d);
+  backend::buffer<double> ge(n), kl(n);
+  backend::buffer<stats_t> dst(st);
+  auto in = [&](fbuf& x) { return troll::make_batch(static_cast<const float*>(x.get()), n, d); };
+  const g::gaussian_grads<float> gr{troll::make_batch(gm.get(), n, d), troll::make_batch(gs.get(), n, d), {}, {},
+                                    ge.get(), nullptr};
+  g::project_joint_diag_backward(backend::policy(), in(dm), in(ds), in(dom), in(dos), eps, in(dym), in(dys),
+                                 dst.get(), in(dym), in(dys), gr);
+  const g::gaussian_tangents<float> tan{in(ds), in(dm), {}, {}, 0.01, 0.0};
+  g::project_joint_diag_jvp(backend::policy(), in(dm), in(ds), in(dom), in(dos), eps, in(dym), in(dys), dst.get(),
+                            tan, troll::make_batch(tm.get(), n, d), troll::make_batch(ts.get(), n, d));
+  g::kl_diag(backend::policy(), in(dm), in(ds), in(dom), in(dos), kl.get());
+  auto compare = [&](const std::vector<float>& got, const std::vector<double>& want, const char* what) {
+    double scale = 0.0;
+    for (double w : want) scale = std::max(scale, std::fabs(w));
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      INFO(what << " entry " << i);
+      CHECK(close(double(got[i]), want[i], 2e-3 * scale, 2e-3));
+    }
+  };
+  compare(gm.download(), ref_gm, "grad mean");
+  compare(gs.download(), ref_gs, "grad std");
+  compare(tm.download(), ref_tm, "tangent mean");
+  compare(ts.download(), ref_ts, "tangent std");
+  const std::vector<double> he = ge.download(), hk = kl.download();
+  for (std::size_t r = 0; r < n; ++r) {
+    CHECK(close(he[r], ref_e[r], 2e-3 * (1.0 + std::fabs(ref_e[r])), 2e-3));
+    CHECK(close(hk[r], ref_kl[r], 1e-6, 1e-5));
+  }
+}
