@@ -434,28 +434,8 @@ void sparsify_tail_sums(cpu_policy policy, input_view<T> shard_logits, std::size
                         sparse_input<T> support, const double* tail_max, double* sums) {
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_tail_sums";
-<<<<<<< HEAD
   detail::check_sparsify_tail_sums_arguments(fn, shard_logits, vocab_offset, support, tail_max, sums);
-  const std::size_t bad = detail::cpu::first_bad_row(
-      policy.threads, shard_logits.rows, shard_logits.cols, [&](std::size_t r) {
-        return bool(detail::cpu::find_bad_value(shard_logits.row(r), shard_logits.cols, "shard_logits"));
-      });
-  if (bad != shard_logits.rows)
-    detail::throw_problem(fn, bad,
-                          detail::cpu::find_bad_value(shard_logits.row(bad), shard_logits.cols, "shard_logits"));
-=======
-  detail::check_view(fn, "shard_logits", shard_logits);
-  detail::check_sparse_view(fn, "support", support);
-  detail::check_same_rows(fn, "shard_logits", shard_logits.rows, "support", support.rows);
-  if (shard_logits.rows != 0 && (tail_max == nullptr || sums == nullptr))
-    detail::throw_shape(fn, "tail_max or sums is a null pointer");
-  if (shard_logits.rows != 0 &&
-      (vocab_offset > support.vocab || shard_logits.cols > support.vocab - vocab_offset))
-    detail::throw_shape(fn, "the shard of " + std::to_string(shard_logits.cols) + " tokens at offset " +
-                                std::to_string(vocab_offset) + " does not fit in the vocabulary [0, " +
-                                std::to_string(support.vocab) + ")");
   detail::validate_shard_values(fn, policy.threads, shard_logits);
->>>>>>> s7-api
   for (std::size_t r = 0; r < shard_logits.rows; ++r) {
     if (!(tail_max[r] < detail::inf()))
       detail::throw_bad_tail_max(fn, r);
