@@ -109,3 +109,102 @@ def test_stored_old_policy_is_troll_sparsify_of_the_generating_model(tmp_path):
     assert torch.equal(batch["troll_old_counts"], expected.counts)
     torch.testing.assert_close(batch["troll_old_log_probs"], expected.log_probs, rtol=1e-5, atol=1e-5)
     assert TrollConfig(k=64).bytes_per_token(32000) == 528
+
+
+# ---- the device route: troll on the logits' own (CUDA) device ----
+
+
+def test_troll_device_is_the_logits_cuda_device_only_where_troll_cuda_runs(monkeypatch):
+    from troll import _core
+    from troll.integrations import trl as adapter
+
+    cpu = torch.device("cpu")
+    for available in (False, True):
+        monkeypatch.setattr(_core, "cuda_available", lambda: available)
+        assert adapter.troll_device("cpu") == cpu
+        assert adapter.troll_device(torch.device("meta")) == cpu
+        assert adapter.troll_device("cuda:1") == (torch.device("cuda:1") if available else cpu)
+
+
+def _spy_adapter_moves(monkeypatch) -> list:
+    """Every Tensor.to / Tensor.cpu the adapter's module makes that names a device (a move, or
+    a no-op only because the test's tensors are on the host), as (shape, name, args, kwargs);
+    dtype casts are not moves."""
+    import sys
+
+    from troll.integrations import trl as adapter
+
+    moves = []
+    real_to, real_cpu = torch.Tensor.to, torch.Tensor.cpu
+
+    def spy(real):
+        def call(self, *args, **kwargs):
+            names_device = real is real_cpu or "device" in kwargs or any(
+                isinstance(a, (str, torch.device, torch.Tensor)) for a in args)
+            if names_device and sys._getframe(1).f_code.co_filename == adapter.__file__:
+                moves.append((tuple(self.shape), real.__name__, args, kwargs))
+            return real(self, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(torch.Tensor, "to", spy(real_to))
+    monkeypatch.setattr(torch.Tensor, "cpu", spy(real_cpu))
+    return moves
+
+
+@pytest.mark.parametrize("objective", ["troll", "ppo_clip", "dppo"])
+def test_device_route_keeps_the_logits_in_place_and_equals_the_host_path(tmp_path, monkeypatch, objective):
+    """With troll's CUDA extension available for the logits' device, the adapter hands troll the
+    model's tensors where they are. Without a GPU, test_cuda_dispatch's stand-in serves troll's CUDA
+    calls with the host extension, so the stored old policy, the loss, its gradient and the logged
+    metrics must equal the host path's bit for bit, and the adapter moves nothing."""
+    from datasets import Dataset
+    from test_cuda_dispatch import _route
+    from trl import GRPOConfig
+
+    from troll.integrations import trl as adapter
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(len(tokenizer), seed=5)
+    data = Dataset.from_dict({"prompt": ["1+2=", "3+3=", "2+0=", "0+1="]})
+    args = GRPOConfig(output_dir=str(tmp_path / "x"), use_cpu=True, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=5, max_steps=1, report_to="none",
+                      save_strategy="no", temperature=0.9)
+    trainer = TrollGRPOTrainer(model=model, reward_funcs=reward_digits, args=args, train_dataset=data,
+                               processing_class=tokenizer, troll=TrollConfig(objective=objective, k=3, new_k=3,
+                                                                             eps=0.01))
+    trainer.current_gradient_accumulation_steps = 2
+    prompts = [{"prompt": "1+2="}] * 2 + [{"prompt": "3+3="}] * 2
+
+    def step():
+        torch.manual_seed(7)
+        batch = trainer._generate_and_score_completions(prompts)
+        ids = batch["completion_ids"]
+        batch["ref_per_token_logps"] = -1.0 - 0.1 * (ids % 5).float()
+        model.zero_grad()
+        trainer.beta = 0.04  # TRL's k3 term too, against the made-up reference log-probs
+        loss = trainer._compute_loss(model, batch)
+        trainer.beta = 0.0
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        logged = {k: list(v) for k, v in trainer._metrics["train"].items() if k.startswith("troll/") or k == "kl"}
+        trainer._metrics["train"].clear()
+        stored = [batch[n] for n in (*adapter._OLD_SPARSE, adapter._OLD_DENSE) if n in batch]
+        return stored, loss.detach(), grads, logged
+
+    with torch.no_grad():  # the trained policy: off the generating one, so the loss is not at the centre
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    want = step()
+    stand_in = _route(monkeypatch)
+    monkeypatch.setattr(adapter, "troll_device", lambda device: torch.device(device))
+    moves = _spy_adapter_moves(monkeypatch)
+    got = step()
+    assert moves == []
+    assert len(got[0]) == (4 if objective == "troll" else 1)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0]))
+    assert torch.equal(got[1], want[1]) and all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+    assert got[3] == want[3] and "kl" in got[3] and any(k.startswith("troll/") for k in got[3])
+    forward = {"troll": "sparse_trust_region_forward", "ppo_clip": "ppo_clip_forward", "dppo": "dppo_forward"}
+    assert forward[objective] in stand_in.calls and forward[objective].replace("forward", "backward") in stand_in.calls
+    if objective == "troll":
+        assert "sparsify" in stand_in.calls

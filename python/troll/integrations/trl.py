@@ -30,8 +30,11 @@ Turning it on in a GRPO script::
     trainer = TrollGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
                                train_dataset=..., troll=TrollConfig(eps=0.05))
 
-troll's extension runs on CPU tensors; on a GPU the logits are moved to the host for the loss
-(correct, not fast) until troll's CUDA extension lands (docs/python.md)."""
+Where the tensors live: troll computes on the logits' own device when that is a CUDA device and
+troll's CUDA extension is available (``troll.cuda_available()``): the logits, the stored old
+policy, the tokens, mask and advantages stay there, and nothing is copied to the host but the
+metrics. Otherwise (a CPU model, a build without the CUDA extension, another accelerator) the
+adapter moves what troll reads to the host, as ``troll_device`` says."""
 
 from __future__ import annotations
 
@@ -41,13 +44,34 @@ from typing import Any, Dict, Optional
 import torch
 from trl import GRPOTrainer
 
+from .. import _core
 from .. import torch as troll_torch
 from .._core import SparseRows
 
-__all__ = ["TrollConfig", "TrollGRPOTrainer"]
+__all__ = ["TrollConfig", "TrollGRPOTrainer", "troll_device"]
 
 _OLD_SPARSE = ("troll_old_indices", "troll_old_log_probs", "troll_old_counts", "troll_old_log_remainder")
 _OLD_DENSE = "troll_old_logits"
+_HOST = torch.device("cpu")
+
+
+def troll_device(device: Any) -> torch.device:
+    """The device troll computes on for logits on ``device``: that CUDA device when troll's CUDA
+    extension is available (troll.cuda_available()), else the host."""
+    device = torch.device(device)
+    if device.type == "cuda" and _core.cuda_available():
+        return device
+    return _HOST
+
+
+def _on(x: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``x`` on ``device`` (and in ``dtype`` when given): ``x`` itself when it already is; a cast
+    without a copy between devices when only the dtype differs."""
+    if x.device != device:
+        return x.to(device, dtype) if dtype is not None else x.to(device)
+    if dtype is not None and x.dtype != dtype:
+        return x.to(dtype)
+    return x
 
 
 @dataclass
@@ -96,7 +120,7 @@ class TrollGRPOTrainer(GRPOTrainer):
         # logits[:, t] predicts token t + 1: the last keep + 1 positions, less the final one.
         logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep + 1).logits
         logits = logits[:, -keep - 1:-1, :].float() / self.temperature
-        return logits.to("cpu")
+        return _on(logits, troll_device(logits.device))
 
     # ---- override 1: store the old policy at generation time ----
 
@@ -113,16 +137,16 @@ class TrollGRPOTrainer(GRPOTrainer):
                                                  completion_ids[start:end], completion_mask[start:end])
                 if self.troll.objective == "troll":
                     parts.append(troll_torch.sparsify(logits, self.troll.k, self.troll.delta,
-                                                      sampled=completion_ids[start:end].to("cpu"),
+                                                      sampled=_on(completion_ids[start:end], logits.device),
                                                       threads=self.troll.threads))
                 else:
                     parts.append(logits)
         device = completion_ids.device
         if self.troll.objective == "troll":
             for j, name in enumerate(_OLD_SPARSE):
-                output[name] = torch.cat([p[j] for p in parts]).to(device)
+                output[name] = _on(torch.cat([p[j] for p in parts]), device)
         else:
-            output[_OLD_DENSE] = torch.cat(parts).to(device)
+            output[_OLD_DENSE] = _on(torch.cat(parts), device)
         return output
 
     # ---- override 2: troll's loss ----
@@ -136,35 +160,37 @@ class TrollGRPOTrainer(GRPOTrainer):
             mask = mask * inputs["tool_mask"]
         logits = self._completion_logits(model, inputs["prompt_ids"], inputs["prompt_mask"], completion_ids,
                                          inputs["completion_mask"])
-        tokens = completion_ids.to("cpu")
-        mask_cpu = mask.to("cpu", torch.float32)
-        advantages = inputs["advantages"].to("cpu", torch.float32)
+        # logits are on troll's device (troll_device): the model's own, or the host.
+        dev = logits.device
+        tokens = _on(completion_ids, dev)
+        mask_f = _on(mask, dev, torch.float32)
+        advantages = _on(inputs["advantages"], dev, torch.float32)
         if advantages.dim() == 1:
             advantages = advantages[:, None]
         advantages = advantages.expand(tokens.shape)
         if cfg.objective == "troll":
-            old = SparseRows(*(inputs[n].to("cpu") for n in _OLD_SPARSE), int(logits.size(-1)))
+            old = SparseRows(*(_on(inputs[n], dev) for n in _OLD_SPARSE), int(logits.size(-1)))
             loss, metrics = troll_torch.trust_region_loss(
-                logits, old, tokens, advantages, eps=cfg.eps, alpha=cfg.alpha, mask=mask_cpu, new_k=cfg.new_k,
+                logits, old, tokens, advantages, eps=cfg.eps, alpha=cfg.alpha, mask=mask_f, new_k=cfg.new_k,
                 new_delta=cfg.new_delta, return_metrics=True, threads=cfg.threads)
         elif cfg.objective == "ppo_clip":
             loss, metrics = troll_torch.ppo_clip_loss(
-                logits, inputs[_OLD_DENSE].to("cpu"), tokens, advantages, clip_low=self.epsilon_low,
-                clip_high=self.epsilon_high, mask=mask_cpu, return_metrics=True, threads=cfg.threads)
+                logits, _on(inputs[_OLD_DENSE], dev), tokens, advantages, clip_low=self.epsilon_low,
+                clip_high=self.epsilon_high, mask=mask_f, return_metrics=True, threads=cfg.threads)
         else:
             loss, metrics = troll_torch.dppo_loss(
-                logits, inputs[_OLD_DENSE].to("cpu"), tokens, advantages, divergence=cfg.dppo_divergence,
-                delta_low=cfg.dppo_delta_low, delta_high=cfg.dppo_delta_high, mask=mask_cpu,
+                logits, _on(inputs[_OLD_DENSE], dev), tokens, advantages, divergence=cfg.dppo_divergence,
+                delta_low=cfg.dppo_delta_low, delta_high=cfg.dppo_delta_high, mask=mask_f,
                 return_metrics=True, threads=cfg.threads)
-        loss = loss.to(completion_ids.device)
         if self.beta != 0.0:
             # TRL's k3 estimator of KL(pi_theta || pi_ref) on the sampled tokens, same mean.
             logps = torch.log_softmax(logits, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
-            ref = inputs["ref_per_token_logps"].to("cpu", logps.dtype)
+            ref = _on(inputs["ref_per_token_logps"], dev, logps.dtype)
             per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
-            kl = (per_token_kl * mask_cpu).sum() / mask_cpu.sum().clamp(min=1.0)
-            loss = loss + self.beta * kl.to(loss.device)
+            kl = (per_token_kl * mask_f).sum() / mask_f.sum().clamp(min=1.0)
+            loss = loss + self.beta * kl
             self._metrics[mode]["kl"].append(float(kl.detach()))
+        loss = _on(loss, completion_ids.device)
         self._log_troll_metrics(mode, metrics)
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         return loss / normalizer
