@@ -19,6 +19,7 @@
 #include "errors.hpp"
 #include "objective_args.hpp"
 #include "shard_args.hpp"
+#include "sparse_args.hpp"
 #include "sparse_views.hpp"
 #include "views.hpp"
 
@@ -253,15 +254,11 @@ void sparsify_backward(const in_array& logits, nb::handle support, nb::handle gr
   constexpr const char* fn = "sparsify_backward";
   dispatch_float(fn, "logits", logits, [&](auto tag) {
     using T = decltype(tag);
-    require_same_shape(fn, "grad_logits", grad_logits, "logits", logits);
-    const auto x = as_batch<const T>(fn, "logits", logits);
-    const auto gx = as_batch<T>(fn, "grad_logits", grad_logits);
-    require_disjoint(fn, "grad_logits", gx, "logits", x);
-    const sparse_rows<const T> s(fn, "support", support);
-    const sparse_grad<const T> g(fn, "grad", grad);
-    use_device_of(fn, logits, grad_logits, s.indices, g.log_probs);
+    const sparsify_backward_args<T> a(fn, logits, support, grad, grad_logits);
+    use_device_of(fn, logits, grad_logits, a.support.indices, a.grad.log_probs);
     nb::gil_scoped_release release;
-    cuda_entry::sparsify_backward<T>(as_stream(stream), x, s.view, g.view, gx, checked);
+    cuda_entry::sparsify_backward<T>(as_stream(stream), a.logits, a.support.view, a.grad.view, a.grad_logits,
+                                     checked);
   });
 }
 
@@ -270,60 +267,55 @@ void align(const in_array& new_logits, nb::handle new_support, nb::handle old_ro
   constexpr const char* fn = "align";
   dispatch_float(fn, "new_logits", new_logits, [&](auto tag) {
     using T = decltype(tag);
-    const auto x = as_batch<const T>(fn, "new_logits", new_logits);
-    std::optional<sparse_rows<const T>> support;
-    troll::sparse_batch_view<const T> support_view{};
-    if (!new_support.is_none()) {
-      support.emplace(fn, "new_support", new_support);
-      support_view = support->view;
-    }
-    const sparse_rows<const T> old(fn, "old", old_rows);
-    const aligned_rows<T> o(fn, "out", out);
-    use_device_of(fn, new_logits, old.indices, o.indices);
+    const align_args<T> a(fn, new_logits, new_support, old_rows, out);
+    use_device_of(fn, new_logits, a.old.indices, a.out.indices);
     nb::gil_scoped_release release;
-    cuda_entry::align<T>(as_stream(stream), x, support_view, old.view, o.view, checked);
+    cuda_entry::align<T>(as_stream(stream), a.new_logits, a.support, a.old.view, a.out.view, checked);
   });
 }
 
 void kl_aligned(nb::handle rows, const out_array& out, std::uintptr_t stream, bool checked) {
   constexpr const char* fn = "kl_sparse";
-  const nb::tuple t = as_tuple(fn, "rows", rows, 7);
-  const in_array probe = item<in_array>(fn, "rows", t, 2);
-  dispatch_float(fn, "rows.new_log_probs", probe, [&](auto tag) {
+  dispatch_aligned(fn, rows, [&](auto tag) {
     using T = decltype(tag);
-    const aligned_rows<const T> a(fn, "rows", rows);
-    T* y = as_rows<T>(fn, "out", out, a.view.rows);
-    use_device_of(fn, a.indices, out);
+    const kl_aligned_args<T> a(fn, rows, out);
+    use_device_of(fn, a.rows.indices, out);
     nb::gil_scoped_release release;
-    cuda_entry::kl_sparse<T>(as_stream(stream), a.view, y, checked);
+    cuda_entry::kl_sparse<T>(as_stream(stream), a.rows.view, a.out, checked);
   });
 }
 
-/// The packed stats arrays of `rows` rows (project()'s layout), checked before any work.
+/// The packed stats arrays of `rows` rows (project()'s layout) in device memory, checked before
+/// any work: the statistics of the sparse path and the objectives here (StatsOut / StatsIn).
 template <class V, class C, class A>
-std::pair<V*, C*> packed_stats(const char* fn, const A& values, const A& counters, std::size_t rows) {
-  const auto sv = as_packed<V>(fn, "stats.values", values);
-  const auto sc = as_packed<C>(fn, "stats.counters", counters);
-  if (sv.rows != rows || sv.cols != st_values || sc.rows != rows || sc.cols != st_counters)
-    fail(fn, "the stats must be (rows, 6) float64 and (rows, 2) int32 for " + std::to_string(rows) + " rows");
-  return {sv.data, sc.data};
-}
+struct packed_stats {
+  V* values;
+  C* counters;
+
+  packed_stats(const char* fn, const A& v, const A& c, std::size_t rows) {
+    const auto sv = as_packed<V>(fn, "stats.values", v);
+    const auto sc = as_packed<C>(fn, "stats.counters", c);
+    if (sv.rows != rows || sv.cols != st_values || sc.rows != rows || sc.cols != st_counters)
+      fail(fn, "the stats must be (rows, 6) float64 and (rows, 2) int32 for " + std::to_string(rows) + " rows");
+    values = sv.data;
+    counters = sc.data;
+  }
+};
+using packed_stats_out = packed_stats<double, std::int32_t, out_array>;
+using packed_stats_in = packed_stats<const double, const std::int32_t, in_array>;
 
 void project_aligned(nb::handle rows, double eps, nb::handle out, const out_array& stats_values,
                      const out_array& stats_counters, double rtol, double atol, int max_iterations,
                      std::uintptr_t stream, bool checked) {
   constexpr const char* fn = "project_sparse";
-  const nb::tuple t = as_tuple(fn, "rows", rows, 7);
-  const in_array probe = item<in_array>(fn, "rows", t, 2);
-  dispatch_float(fn, "rows.new_log_probs", probe, [&](auto tag) {
+  dispatch_aligned(fn, rows, [&](auto tag) {
     using T = decltype(tag);
-    const aligned_rows<const T> a(fn, "rows", rows);
-    const sparse_rows<T> o(fn, "out", out);
-    const auto st = packed_stats<double, std::int32_t>(fn, stats_values, stats_counters, a.view.rows);
-    use_device_of(fn, a.indices, o.indices, stats_values, stats_counters);
+    const project_aligned_args<T, packed_stats_out> a(fn, rows, out, stats_values, stats_counters);
+    use_device_of(fn, a.rows.indices, a.out.indices, stats_values, stats_counters);
     const troll::projection_options options = projection_settings(rtol, atol, max_iterations);
     nb::gil_scoped_release release;
-    cuda_entry::project_sparse<T>(as_stream(stream), a.view, eps, o.view, st.first, st.second, options, checked);
+    cuda_entry::project_sparse<T>(as_stream(stream), a.rows.view, eps, a.out.view, a.stats.values,
+                                  a.stats.counters, options, checked);
   });
 }
 
@@ -332,26 +324,15 @@ void project_aligned_backward(nb::handle rows, nb::handle log_probs, const in_ar
                               nb::handle grad_old, const std::optional<out_array>& grad_eps, std::uintptr_t stream,
                               bool checked) {
   constexpr const char* fn = "project_sparse_backward";
-  const nb::tuple t = as_tuple(fn, "rows", rows, 7);
-  const in_array probe = item<in_array>(fn, "rows", t, 2);
-  dispatch_float(fn, "rows.new_log_probs", probe, [&](auto tag) {
+  dispatch_aligned(fn, rows, [&](auto tag) {
     using T = decltype(tag);
-    const aligned_rows<const T> a(fn, "rows", rows);
-    const sparse_rows<const T> lp(fn, "log_probs", log_probs);
-    const sparse_grad<const T> g(fn, "grad", grad);
-    const sparse_grad<T> gn(fn, "grad_new", grad_new);
-    std::optional<sparse_grad<T>> go;
-    troll::sparse_grad_view<T> go_view{};
-    if (!grad_old.is_none()) {
-      go.emplace(fn, "grad_old", grad_old);
-      go_view = go->view;
-    }
-    T* ge = grad_eps ? as_rows<T>(fn, "grad_eps", *grad_eps, a.view.rows) : nullptr;
-    const auto st = packed_stats<const double, const std::int32_t>(fn, stats_values, stats_counters, a.view.rows);
-    use_device_of(fn, a.indices, lp.indices, g.log_probs, gn.log_probs, stats_values);
+    const project_aligned_backward_args<T, packed_stats_in> a(fn, rows, log_probs, stats_values, stats_counters,
+                                                              grad, grad_new, grad_old, grad_eps);
+    use_device_of(fn, a.rows.indices, a.log_probs.indices, a.grad.log_probs, a.grad_new.log_probs, stats_values);
     nb::gil_scoped_release release;
-    cuda_entry::project_sparse_backward<T>(as_stream(stream), a.view, lp.view, st.first, st.second, g.view, gn.view,
-                                           go_view, ge, checked);
+    cuda_entry::project_sparse_backward<T>(as_stream(stream), a.rows.view, a.log_probs.view, a.stats.values,
+                                           a.stats.counters, a.grad.view, a.grad_new.view, a.grad_old, a.grad_eps,
+                                           checked);
   });
 }
 
@@ -367,11 +348,6 @@ troll::objective_metrics* metrics_out(const char* fn, const out_array& metrics) 
   return reinterpret_cast<troll::objective_metrics*>(as_rows<double>(fn, "metrics", metrics, metrics_entries));
 }
 
-template <class T>
-T* token_loss_out(const char* fn, const std::optional<out_array>& token_loss, std::size_t rows) {
-  return token_loss ? as_rows<T>(fn, "token_loss", *token_loss, rows) : nullptr;
-}
-
 void trust_region_forward(const in_array& n, const in_array& o, nb::handle batch, double eps, double alpha,
                           double rtol, double atol, int max_iterations, const out_array& log_probs,
                           const out_array& stats_values, const out_array& stats_counters,
@@ -380,20 +356,14 @@ void trust_region_forward(const in_array& n, const in_array& o, nb::handle batch
   constexpr const char* fn = "trust_region_loss";
   dispatch_float(fn, "new_logits", n, [&](auto tag) {
     using T = decltype(tag);
-    const dense_pair<T> d(fn, n, o);
-    const token_rows<T> in(fn, batch, d.new_logits.rows);
-    require_same_shape(fn, "log_probs", log_probs, "new_logits", n);
-    const auto lp = as_batch<T>(fn, "log_probs", log_probs);
-    require_disjoint(fn, "log_probs", lp, "new_logits", d.new_logits);
-    require_disjoint(fn, "log_probs", lp, "old_logits", d.old_logits);
-    const auto st = packed_stats<double, std::int32_t>(fn, stats_values, stats_counters, d.new_logits.rows);
-    T* tl = token_loss_out<T>(fn, token_loss, d.new_logits.rows);
+    const trust_region_forward_args<T, packed_stats_out> a(fn, n, o, batch, log_probs, stats_values, stats_counters,
+                                                           token_loss);
     troll::objective_metrics* m = metrics_out(fn, metrics);
-    use_device_of(fn, n, o, in.tokens, in.advantages, log_probs, stats_values, metrics);
+    use_device_of(fn, n, o, a.in.tokens, a.in.advantages, log_probs, stats_values, metrics);
     nb::gil_scoped_release release;
     cuda_entry::trust_region_forward<T>(as_stream(stream), trust_region(eps, alpha, rtol, atol, max_iterations),
-                                        d.new_logits, d.old_logits, in.batch, lp, st.first, st.second, tl, m,
-                                        checked);
+                                        a.logits.new_logits, a.logits.old_logits, a.in.batch, a.log_probs,
+                                        a.stats.values, a.stats.counters, a.token_loss, m, checked);
   });
 }
 
@@ -404,20 +374,13 @@ void trust_region_backward(const in_array& n, const in_array& o, nb::handle batc
   constexpr const char* fn = "trust_region_loss_backward";
   dispatch_float(fn, "new_logits", n, [&](auto tag) {
     using T = decltype(tag);
-    const dense_pair<T> d(fn, n, o);
-    const token_rows<T> in(fn, batch, d.new_logits.rows);
-    require_same_shape(fn, "log_probs", log_probs, "new_logits", n);
-    const auto lp = as_batch<const T>(fn, "log_probs", log_probs);
-    const auto g = grad_output<T>(fn, grad_new, n, d.new_logits);
-    require_disjoint(fn, "grad_new", g, "old_logits", d.old_logits);
-    require_disjoint(fn, "grad_new", g, "log_probs", lp);
-    const auto st = packed_stats<const double, const std::int32_t>(fn, stats_values, stats_counters,
-                                                                   d.new_logits.rows);
-    use_device_of(fn, n, o, in.tokens, log_probs, stats_values, grad_new);
+    const trust_region_backward_args<T, packed_stats_in> a(fn, n, o, batch, log_probs, stats_values, stats_counters,
+                                                           grad_new);
+    use_device_of(fn, n, o, a.in.tokens, log_probs, stats_values, grad_new);
     nb::gil_scoped_release release;
     cuda_entry::trust_region_backward<T>(as_stream(stream), trust_region(eps, alpha, rtol, atol, max_iterations),
-                                         d.new_logits, d.old_logits, in.batch, lp, st.first, st.second, g, grad_loss,
-                                         checked);
+                                         a.logits.new_logits, a.logits.old_logits, a.in.batch, a.log_probs,
+                                         a.stats.values, a.stats.counters, a.grad_new, grad_loss, checked);
   });
 }
 
@@ -427,13 +390,12 @@ void ratio_forward(const char* fn, const Objective& objective, const in_array& n
                    std::uintptr_t stream, bool checked) {
   dispatch_float(fn, "new_logits", n, [&](auto tag) {
     using T = decltype(tag);
-    const dense_pair<T> d(fn, n, o);
-    const token_rows<T> in(fn, batch, d.new_logits.rows);
-    T* tl = token_loss_out<T>(fn, token_loss, d.new_logits.rows);
+    const ratio_forward_args<T> a(fn, n, o, batch, token_loss);
     troll::objective_metrics* m = metrics_out(fn, metrics);
-    use_device_of(fn, n, o, in.tokens, in.advantages, metrics);
+    use_device_of(fn, n, o, a.in.tokens, a.in.advantages, metrics);
     nb::gil_scoped_release release;
-    cuda_entry::ratio_forward<T>(as_stream(stream), objective, d.new_logits, d.old_logits, in.batch, tl, m, checked);
+    cuda_entry::ratio_forward<T>(as_stream(stream), objective, a.logits.new_logits, a.logits.old_logits, a.in.batch,
+                                 a.token_loss, m, checked);
   });
 }
 
@@ -443,14 +405,11 @@ void ratio_backward(const char* fn, const Objective& objective, const in_array& 
                     bool checked) {
   dispatch_float(fn, "new_logits", n, [&](auto tag) {
     using T = decltype(tag);
-    const dense_pair<T> d(fn, n, o);
-    const token_rows<T> in(fn, batch, d.new_logits.rows);
-    const auto g = grad_output<T>(fn, grad_new, n, d.new_logits);
-    require_disjoint(fn, "grad_new", g, "old_logits", d.old_logits);
-    use_device_of(fn, n, o, in.tokens, grad_new);
+    const ratio_backward_args<T> a(fn, n, o, batch, grad_new);
+    use_device_of(fn, n, o, a.in.tokens, grad_new);
     nb::gil_scoped_release release;
-    cuda_entry::ratio_backward<T>(as_stream(stream), objective, d.new_logits, d.old_logits, in.batch, g, grad_loss,
-                                  checked);
+    cuda_entry::ratio_backward<T>(as_stream(stream), objective, a.logits.new_logits, a.logits.old_logits, a.in.batch,
+                                  a.grad_new, grad_loss, checked);
   });
 }
 
@@ -462,19 +421,16 @@ void sparse_trust_region_forward(const in_array& n, nb::handle old_rows, nb::han
   constexpr const char* fn = "trust_region_loss";
   dispatch_float(fn, "new_logits", n, [&](auto tag) {
     using T = decltype(tag);
-    const auto nv = as_batch<const T>(fn, "new_logits", n);
-    const sparse_rows<const T> old(fn, "old", old_rows);
-    const token_rows<T> in(fn, batch, nv.rows);
-    const aligned_rows<T> al(fn, "aligned", aligned);
-    const sparse_rows<T> lp(fn, "log_probs", log_probs);
-    const auto st = packed_stats<double, std::int32_t>(fn, stats_values, stats_counters, nv.rows);
-    T* tl = token_loss_out<T>(fn, token_loss, nv.rows);
+    const sparse_trust_region_forward_args<T, packed_stats_out> a(fn, n, old_rows, batch, aligned, log_probs,
+                                                                  stats_values, stats_counters, token_loss);
     troll::objective_metrics* m = metrics_out(fn, metrics);
-    use_device_of(fn, n, old.indices, in.tokens, in.advantages, al.indices, lp.indices, stats_values, metrics);
+    use_device_of(fn, n, a.old.indices, a.in.tokens, a.in.advantages, a.aligned.indices, a.log_probs.indices,
+                  stats_values, metrics);
     nb::gil_scoped_release release;
     cuda_entry::sparse_trust_region_forward<T>(
-        as_stream(stream), sparse_trust_region(eps, alpha, rtol, atol, max_iterations, new_k, new_delta), nv,
-        old.view, in.batch, al.view, lp.view, st.first, st.second, tl, m, checked);
+        as_stream(stream), sparse_trust_region(eps, alpha, rtol, atol, max_iterations, new_k, new_delta),
+        a.new_logits, a.old.view, a.in.batch, a.aligned.view, a.log_probs.view, a.stats.values, a.stats.counters,
+        a.token_loss, m, checked);
   });
 }
 
@@ -485,17 +441,14 @@ void sparse_trust_region_backward(const in_array& n, nb::handle aligned, nb::han
   constexpr const char* fn = "trust_region_loss_backward";
   dispatch_float(fn, "new_logits", n, [&](auto tag) {
     using T = decltype(tag);
-    const auto nv = as_batch<const T>(fn, "new_logits", n);
-    const aligned_rows<const T> al(fn, "aligned", aligned);
-    const token_rows<T> in(fn, batch, nv.rows);
-    const sparse_rows<const T> lp(fn, "log_probs", log_probs);
-    const auto g = grad_output<T>(fn, grad_new, n, nv);
-    const auto st = packed_stats<const double, const std::int32_t>(fn, stats_values, stats_counters, nv.rows);
-    use_device_of(fn, n, al.indices, in.tokens, lp.indices, stats_values, grad_new);
+    const sparse_trust_region_backward_args<T, packed_stats_in> a(fn, n, aligned, batch, log_probs, stats_values,
+                                                                  stats_counters, grad_new);
+    use_device_of(fn, n, a.aligned.indices, a.in.tokens, a.log_probs.indices, stats_values, grad_new);
     nb::gil_scoped_release release;
     cuda_entry::sparse_trust_region_backward<T>(
-        as_stream(stream), sparse_trust_region(eps, alpha, rtol, atol, max_iterations, new_k, new_delta), nv,
-        al.view, in.batch, lp.view, st.first, st.second, g, grad_loss, checked);
+        as_stream(stream), sparse_trust_region(eps, alpha, rtol, atol, max_iterations, new_k, new_delta),
+        a.new_logits, a.aligned.view, a.in.batch, a.log_probs.view, a.stats.values, a.stats.counters, a.grad_new,
+        grad_loss, checked);
   });
 }
 

@@ -10,6 +10,7 @@
 #include <nanobind/stl/string.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include <troll/objective_types.hpp>
@@ -125,5 +126,134 @@ troll::batch_view<T> grad_output(const char* fn, const out_array& g, const in_ar
   require_disjoint(fn, "grad_new", gv, "new_logits", nv);
   return gv;
 }
+
+/// The optional per-token loss output (None: not wanted), one entry a row.
+template <class T>
+T* token_loss_out(const char* fn, const std::optional<out_array>& token_loss, std::size_t rows) {
+  return token_loss ? as_rows<T>(fn, "token_loss", *token_loss, rows) : nullptr;
+}
+
+// ---- Each objective entry point's arguments, parsed and checked in order and held for the
+// call; the statistics are the module's own (`StatsOut` / `StatsIn`: host vectors or packed
+// device buffers), parsed here in their place ----
+
+/// trust_region_forward: dense new and old logits, the token batch, log_probs (the projection's
+/// output, shaped as and disjoint from the logits), the statistics, the per-token loss.
+template <class T, class StatsOut>
+struct trust_region_forward_args {
+  dense_pair<T> logits;
+  token_rows<T> in;
+  troll::batch_view<T> log_probs;
+  StatsOut stats;
+  T* token_loss;
+
+  trust_region_forward_args(const char* fn, const in_array& n, const in_array& o, nb::handle batch,
+                            const out_array& lp, const out_array& values, const out_array& counters,
+                            const std::optional<out_array>& tl)
+      : logits(fn, n, o),
+        in(fn, batch, logits.new_logits.rows),
+        log_probs(disjoint_from(fn, "log_probs",
+                                disjoint_from(fn, "log_probs",
+                                              (require_same_shape(fn, "log_probs", lp, "new_logits", n),
+                                               as_batch<T>(fn, "log_probs", lp)),
+                                              "new_logits", logits.new_logits),
+                                "old_logits", logits.old_logits)),
+        stats(fn, values, counters, logits.new_logits.rows),
+        token_loss(token_loss_out<T>(fn, tl, logits.new_logits.rows)) {}
+};
+
+/// trust_region_backward: as the forward, log_probs an input, grad_new disjoint from every input.
+template <class T, class StatsIn>
+struct trust_region_backward_args {
+  dense_pair<T> logits;
+  token_rows<T> in;
+  troll::batch_view<const T> log_probs;
+  troll::batch_view<T> grad_new;
+  StatsIn stats;
+
+  trust_region_backward_args(const char* fn, const in_array& n, const in_array& o, nb::handle batch,
+                             const in_array& lp, const in_array& values, const in_array& counters,
+                             const out_array& g)
+      : logits(fn, n, o),
+        in(fn, batch, logits.new_logits.rows),
+        log_probs((require_same_shape(fn, "log_probs", lp, "new_logits", n), as_batch<const T>(fn, "log_probs", lp))),
+        grad_new(disjoint_from(
+            fn, "grad_new",
+            disjoint_from(fn, "grad_new", grad_output<T>(fn, g, n, logits.new_logits), "old_logits", logits.old_logits),
+            "log_probs", log_probs)),
+        stats(fn, values, counters, logits.new_logits.rows) {}
+};
+
+/// PPO clip and DPPO's forward: dense new and old logits, the token batch, the per-token loss.
+template <class T>
+struct ratio_forward_args {
+  dense_pair<T> logits;
+  token_rows<T> in;
+  T* token_loss;
+
+  ratio_forward_args(const char* fn, const in_array& n, const in_array& o, nb::handle batch,
+                     const std::optional<out_array>& tl)
+      : logits(fn, n, o), in(fn, batch, logits.new_logits.rows),
+        token_loss(token_loss_out<T>(fn, tl, logits.new_logits.rows)) {}
+};
+
+/// Their backward: grad_new disjoint from both logits.
+template <class T>
+struct ratio_backward_args {
+  dense_pair<T> logits;
+  token_rows<T> in;
+  troll::batch_view<T> grad_new;
+
+  ratio_backward_args(const char* fn, const in_array& n, const in_array& o, nb::handle batch, const out_array& g)
+      : logits(fn, n, o),
+        in(fn, batch, logits.new_logits.rows),
+        grad_new(disjoint_from(fn, "grad_new", grad_output<T>(fn, g, n, logits.new_logits), "old_logits",
+                               logits.old_logits)) {}
+};
+
+/// sparse_trust_region_forward: dense new logits, sparse old rows, the token batch, the aligned
+/// rows and projected log_probs (outputs), the statistics, the per-token loss.
+template <class T, class StatsOut>
+struct sparse_trust_region_forward_args {
+  troll::batch_view<const T> new_logits;
+  sparse_rows<const T> old;
+  token_rows<T> in;
+  aligned_rows<T> aligned;
+  sparse_rows<T> log_probs;
+  StatsOut stats;
+  T* token_loss;
+
+  sparse_trust_region_forward_args(const char* fn, const in_array& n, nb::handle old_rows, nb::handle batch,
+                                   nb::handle al, nb::handle lp, const out_array& values,
+                                   const out_array& counters, const std::optional<out_array>& tl)
+      : new_logits(as_batch<const T>(fn, "new_logits", n)),
+        old(fn, "old", old_rows),
+        in(fn, batch, new_logits.rows),
+        aligned(fn, "aligned", al),
+        log_probs(fn, "log_probs", lp),
+        stats(fn, values, counters, new_logits.rows),
+        token_loss(token_loss_out<T>(fn, tl, new_logits.rows)) {}
+};
+
+/// sparse_trust_region_backward: the forward's aligned rows and log_probs (inputs), grad_new.
+template <class T, class StatsIn>
+struct sparse_trust_region_backward_args {
+  troll::batch_view<const T> new_logits;
+  aligned_rows<const T> aligned;
+  token_rows<T> in;
+  sparse_rows<const T> log_probs;
+  troll::batch_view<T> grad_new;
+  StatsIn stats;
+
+  sparse_trust_region_backward_args(const char* fn, const in_array& n, nb::handle al, nb::handle batch,
+                                    nb::handle lp, const in_array& values, const in_array& counters,
+                                    const out_array& g)
+      : new_logits(as_batch<const T>(fn, "new_logits", n)),
+        aligned(fn, "aligned", al),
+        in(fn, batch, new_logits.rows),
+        log_probs(fn, "log_probs", lp),
+        grad_new(grad_output<T>(fn, g, n, new_logits)),
+        stats(fn, values, counters, new_logits.rows) {}
+};
 
 }  // namespace troll_py

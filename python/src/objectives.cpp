@@ -51,23 +51,17 @@ nb::dict trust_region_forward(const in_array& n, const in_array& o, nb::handle b
                               const std::optional<out_array>& token_loss, unsigned threads) {
   constexpr const char* fn = "trust_region_loss";
   return with_metrics(fn, n, [&](auto tag) {
-    using T = decltype(tag);
-    const dense_pair<T> d(fn, n, o);
-    const token_rows<T> in(fn, batch, d.new_logits.rows);
-    require_same_shape(fn, "log_probs", log_probs, "new_logits", n);
-    const auto lp = as_batch<T>(fn, "log_probs", log_probs);
-    require_disjoint(fn, "log_probs", lp, "new_logits", d.new_logits);
-    require_disjoint(fn, "log_probs", lp, "old_logits", d.old_logits);
-    const stats_out st(fn, stats_values, stats_counters, d.new_logits.rows);
-    T* tl = token_loss ? as_rows<T>(fn, "token_loss", *token_loss, d.new_logits.rows) : nullptr;
-    std::vector<troll::projection_stats> stats(d.new_logits.rows);
+    const trust_region_forward_args<decltype(tag), stats_out> a(fn, n, o, batch, log_probs, stats_values,
+                                                                stats_counters, token_loss);
+    std::vector<troll::projection_stats> stats(a.logits.new_logits.rows);
     troll::objective_metrics m;
     {
       nb::gil_scoped_release release;
       m = troll::objective_forward(policy(threads), trust_region(eps, alpha, rtol, atol, max_iterations),
-                                   d.new_logits, d.old_logits, in.batch, lp, stats.data(), tl);
+                                   a.logits.new_logits, a.logits.old_logits, a.in.batch, a.log_probs,
+                                   stats.data(), a.token_loss);
     }
-    st.write(stats);
+    a.stats.write(stats);
     return m;
   });
 }
@@ -79,18 +73,12 @@ void trust_region_backward(const in_array& n, const in_array& o, nb::handle batc
                            double grad_loss, unsigned threads) {
   constexpr const char* fn = "trust_region_loss_backward";
   dispatch_float(fn, "new_logits", n, [&](auto tag) {
-    using T = decltype(tag);
-    const dense_pair<T> d(fn, n, o);
-    const token_rows<T> in(fn, batch, d.new_logits.rows);
-    require_same_shape(fn, "log_probs", log_probs, "new_logits", n);
-    const auto lp = as_batch<const T>(fn, "log_probs", log_probs);
-    const auto g = grad_output<T>(fn, grad_new, n, d.new_logits);
-    require_disjoint(fn, "grad_new", g, "old_logits", d.old_logits);
-    require_disjoint(fn, "grad_new", g, "log_probs", lp);
-    const auto stats = read_stats(fn, stats_values, stats_counters, d.new_logits.rows);
+    const trust_region_backward_args<decltype(tag), stats_in> a(fn, n, o, batch, log_probs, stats_values,
+                                                                stats_counters, grad_new);
     nb::gil_scoped_release release;
     troll::objective_backward(policy(threads), trust_region(eps, alpha, rtol, atol, max_iterations),
-                              d.new_logits, d.old_logits, in.batch, lp, stats.data(), g, grad_loss);
+                              a.logits.new_logits, a.logits.old_logits, a.in.batch, a.log_probs,
+                              a.stats.data(), a.grad_new, grad_loss);
   });
 }
 
@@ -100,13 +88,10 @@ nb::dict ratio_forward(const char* fn, const Objective& objective, const in_arra
                        const in_array& o, nb::handle batch,
                        const std::optional<out_array>& token_loss, unsigned threads) {
   return with_metrics(fn, n, [&](auto tag) {
-    using T = decltype(tag);
-    const dense_pair<T> d(fn, n, o);
-    const token_rows<T> in(fn, batch, d.new_logits.rows);
-    T* tl = token_loss ? as_rows<T>(fn, "token_loss", *token_loss, d.new_logits.rows) : nullptr;
+    const ratio_forward_args<decltype(tag)> a(fn, n, o, batch, token_loss);
     nb::gil_scoped_release release;
-    return troll::objective_forward(policy(threads), objective, d.new_logits, d.old_logits,
-                                    in.batch, tl);
+    return troll::objective_forward(policy(threads), objective, a.logits.new_logits,
+                                    a.logits.old_logits, a.in.batch, a.token_loss);
   });
 }
 
@@ -115,14 +100,10 @@ void ratio_backward(const char* fn, const Objective& objective, const in_array& 
                     const in_array& o, nb::handle batch, const out_array& grad_new,
                     double grad_loss, unsigned threads) {
   dispatch_float(fn, "new_logits", n, [&](auto tag) {
-    using T = decltype(tag);
-    const dense_pair<T> d(fn, n, o);
-    const token_rows<T> in(fn, batch, d.new_logits.rows);
-    const auto g = grad_output<T>(fn, grad_new, n, d.new_logits);
-    require_disjoint(fn, "grad_new", g, "old_logits", d.old_logits);
+    const ratio_backward_args<decltype(tag)> a(fn, n, o, batch, grad_new);
     nb::gil_scoped_release release;
-    troll::objective_backward(policy(threads), objective, d.new_logits, d.old_logits, in.batch, g,
-                              grad_loss);
+    troll::objective_backward(policy(threads), objective, a.logits.new_logits, a.logits.old_logits,
+                              a.in.batch, a.grad_new, grad_loss);
   });
 }
 
@@ -134,23 +115,18 @@ nb::dict sparse_trust_region_forward(const in_array& n, nb::handle old_rows, nb:
                                      const std::optional<out_array>& token_loss, unsigned threads) {
   constexpr const char* fn = "trust_region_loss";
   return with_metrics(fn, n, [&](auto tag) {
-    using T = decltype(tag);
-    const auto nv = as_batch<const T>(fn, "new_logits", n);
-    const sparse_rows<const T> old(fn, "old", old_rows);
-    const token_rows<T> in(fn, batch, nv.rows);
-    const aligned_rows<T> al(fn, "aligned", aligned);
-    const sparse_rows<T> lp(fn, "log_probs", log_probs);
-    const stats_out st(fn, stats_values, stats_counters, nv.rows);
-    T* tl = token_loss ? as_rows<T>(fn, "token_loss", *token_loss, nv.rows) : nullptr;
-    std::vector<troll::projection_stats> stats(nv.rows);
+    const sparse_trust_region_forward_args<decltype(tag), stats_out> a(
+        fn, n, old_rows, batch, aligned, log_probs, stats_values, stats_counters, token_loss);
+    std::vector<troll::projection_stats> stats(a.new_logits.rows);
     troll::objective_metrics m;
     {
       nb::gil_scoped_release release;
       m = troll::objective_forward(
           policy(threads), sparse_trust_region(eps, alpha, rtol, atol, max_iterations, new_k, new_delta),
-          nv, old.view, in.batch, al.view, lp.view, stats.data(), tl);
+          a.new_logits, a.old.view, a.in.batch, a.aligned.view, a.log_probs.view, stats.data(),
+          a.token_loss);
     }
-    st.write(stats);
+    a.stats.write(stats);
     return m;
   });
 }
@@ -163,17 +139,13 @@ void sparse_trust_region_backward(const in_array& n, nb::handle aligned, nb::han
                                   double grad_loss, unsigned threads) {
   constexpr const char* fn = "trust_region_loss_backward";
   dispatch_float(fn, "new_logits", n, [&](auto tag) {
-    using T = decltype(tag);
-    const auto nv = as_batch<const T>(fn, "new_logits", n);
-    const aligned_rows<const T> al(fn, "aligned", aligned);
-    const token_rows<T> in(fn, batch, nv.rows);
-    const sparse_rows<const T> lp(fn, "log_probs", log_probs);
-    const auto g = grad_output<T>(fn, grad_new, n, nv);
-    const auto stats = read_stats(fn, stats_values, stats_counters, nv.rows);
+    const sparse_trust_region_backward_args<decltype(tag), stats_in> a(
+        fn, n, aligned, batch, log_probs, stats_values, stats_counters, grad_new);
     nb::gil_scoped_release release;
     troll::objective_backward(
         policy(threads), sparse_trust_region(eps, alpha, rtol, atol, max_iterations, new_k, new_delta),
-        nv, al.view, in.batch, lp.view, stats.data(), g, grad_loss);
+        a.new_logits, a.aligned.view, a.in.batch, a.log_probs.view, a.stats.data(), a.grad_new,
+        grad_loss);
   });
 }
 

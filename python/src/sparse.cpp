@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "shard_args.hpp"
+#include "sparse_args.hpp"
 #include "sparse_views.hpp"
 
 namespace troll_py {
@@ -50,15 +51,9 @@ void sparsify_backward(const in_array& logits, nb::handle support, nb::handle gr
                        const out_array& grad_logits, unsigned threads) {
   constexpr const char* fn = "sparsify_backward";
   dispatch_float(fn, "logits", logits, [&](auto tag) {
-    using T = decltype(tag);
-    require_same_shape(fn, "grad_logits", grad_logits, "logits", logits);
-    const auto x = as_batch<const T>(fn, "logits", logits);
-    const auto gx = as_batch<T>(fn, "grad_logits", grad_logits);
-    require_disjoint(fn, "grad_logits", gx, "logits", x);
-    const sparse_rows<const T> s(fn, "support", support);
-    const sparse_grad<const T> g(fn, "grad", grad);
+    const sparsify_backward_args<decltype(tag)> a(fn, logits, support, grad, grad_logits);
     nb::gil_scoped_release release;
-    troll::sparsify_backward(policy(threads), x, s.view, g.view, gx);
+    troll::sparsify_backward(policy(threads), a.logits, a.support.view, a.grad.view, a.grad_logits);
   });
 }
 
@@ -66,31 +61,18 @@ void align(const in_array& new_logits, nb::handle new_support, nb::handle old_ro
            unsigned threads) {
   constexpr const char* fn = "align";
   dispatch_float(fn, "new_logits", new_logits, [&](auto tag) {
-    using T = decltype(tag);
-    const auto x = as_batch<const T>(fn, "new_logits", new_logits);
-    std::optional<sparse_rows<const T>> support;
-    troll::sparse_batch_view<const T> support_view{};
-    if (!new_support.is_none()) {
-      support.emplace(fn, "new_support", new_support);
-      support_view = support->view;
-    }
-    const sparse_rows<const T> old(fn, "old", old_rows);
-    const aligned_rows<T> o(fn, "out", out);
+    const align_args<decltype(tag)> a(fn, new_logits, new_support, old_rows, out);
     nb::gil_scoped_release release;
-    troll::align(policy(threads), x, support_view, old.view, o.view);
+    troll::align(policy(threads), a.new_logits, a.support, a.old.view, a.out.view);
   });
 }
 
 void kl_aligned(nb::handle rows, const out_array& out, unsigned threads) {
   constexpr const char* fn = "kl_sparse";
-  const nb::tuple t = as_tuple(fn, "rows", rows, 7);
-  const in_array probe = item<in_array>(fn, "rows", t, 2);
-  dispatch_float(fn, "rows.new_log_probs", probe, [&](auto tag) {
-    using T = decltype(tag);
-    const aligned_rows<const T> a(fn, "rows", rows);
-    T* y = as_rows<T>(fn, "out", out, a.view.rows);
+  dispatch_aligned(fn, rows, [&](auto tag) {
+    const kl_aligned_args<decltype(tag)> a(fn, rows, out);
     nb::gil_scoped_release release;
-    troll::kl(policy(threads), a.view, y);
+    troll::kl(policy(threads), a.rows.view, a.out);
   });
 }
 
@@ -98,23 +80,15 @@ void project_aligned(nb::handle rows, double eps, nb::handle out, const out_arra
                      const out_array& stats_counters, double rtol, double atol, int max_iterations,
                      unsigned threads) {
   constexpr const char* fn = "project_sparse";
-  const nb::tuple t = as_tuple(fn, "rows", rows, 7);
-  const in_array probe = item<in_array>(fn, "rows", t, 2);
-  dispatch_float(fn, "rows.new_log_probs", probe, [&](auto tag) {
-    using T = decltype(tag);
-    const aligned_rows<const T> a(fn, "rows", rows);
-    const sparse_rows<T> o(fn, "out", out);
-    const stats_out st(fn, stats_values, stats_counters, a.view.rows);
-    troll::projection_options options;
-    options.rtol = rtol;
-    options.atol = atol;
-    options.max_iterations = max_iterations;
-    std::vector<troll::projection_stats> stats(a.view.rows);
+  dispatch_aligned(fn, rows, [&](auto tag) {
+    const project_aligned_args<decltype(tag), stats_out> a(fn, rows, out, stats_values, stats_counters);
+    const troll::projection_options options = projection_settings(rtol, atol, max_iterations);
+    std::vector<troll::projection_stats> stats(a.rows.view.rows);
     {
       nb::gil_scoped_release release;
-      troll::project(policy(threads), a.view, eps, o.view, stats.data(), options);
+      troll::project(policy(threads), a.rows.view, eps, a.out.view, stats.data(), options);
     }
-    st.write(stats);
+    a.stats.write(stats);
   });
 }
 
@@ -123,25 +97,13 @@ void project_aligned_backward(nb::handle rows, nb::handle log_probs, const in_ar
                               nb::handle grad_old, const std::optional<out_array>& grad_eps,
                               unsigned threads) {
   constexpr const char* fn = "project_sparse_backward";
-  const nb::tuple t = as_tuple(fn, "rows", rows, 7);
-  const in_array probe = item<in_array>(fn, "rows", t, 2);
-  dispatch_float(fn, "rows.new_log_probs", probe, [&](auto tag) {
-    using T = decltype(tag);
-    const aligned_rows<const T> a(fn, "rows", rows);
-    const sparse_rows<const T> lp(fn, "log_probs", log_probs);
-    const sparse_grad<const T> g(fn, "grad", grad);
-    const sparse_grad<T> gn(fn, "grad_new", grad_new);
-    std::optional<sparse_grad<T>> go;
-    troll::sparse_grad_view<T> go_view{};
-    if (!grad_old.is_none()) {
-      go.emplace(fn, "grad_old", grad_old);
-      go_view = go->view;
-    }
-    T* ge = grad_eps ? as_rows<T>(fn, "grad_eps", *grad_eps, a.view.rows) : nullptr;
-    const auto stats = read_stats(fn, stats_values, stats_counters, a.view.rows);
+  dispatch_aligned(fn, rows, [&](auto tag) {
+    const project_aligned_backward_args<decltype(tag), stats_in> a(fn, rows, log_probs, stats_values,
+                                                                   stats_counters, grad, grad_new,
+                                                                   grad_old, grad_eps);
     nb::gil_scoped_release release;
-    troll::project_backward(policy(threads), a.view, lp.view, stats.data(), g.view, gn.view,
-                            go_view, ge);
+    troll::project_backward(policy(threads), a.rows.view, a.log_probs.view, a.stats.data(),
+                            a.grad.view, a.grad_new.view, a.grad_old, a.grad_eps);
   });
 }
 

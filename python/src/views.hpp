@@ -202,6 +202,14 @@ void require_disjoint(const char* fn, const char* out_name, const troll::batch_v
                  " (troll does not compute in place; pass a separate out= buffer)");
 }
 
+/// `out` after require_disjoint(out, in): for checks in a constructor's initialiser list.
+template <class T, class U>
+troll::batch_view<T> disjoint_from(const char* fn, const char* out_name, const troll::batch_view<T>& out,
+                                   const char* in_name, const troll::batch_view<U>& in) {
+  require_disjoint(fn, out_name, out, in_name, in);
+  return out;
+}
+
 /// The columns of the packed statistics: `values` is (..., 6) float64, `counters` (..., 2) int32.
 enum stats_column { st_t, st_eta, st_kl_before, st_kl_after, st_mu, st_sigma2, st_values };
 enum stats_counter { st_iterations, st_status, st_counters };
@@ -228,6 +236,16 @@ inline std::vector<troll::projection_stats> read_stats(const char* fn, const in_
   }
   return s;
 }
+
+/// The statistics a backward reads on the host (read_stats, held for the call).
+struct stats_in {
+  std::vector<troll::projection_stats> stats;
+
+  stats_in(const char* fn, const in_array& values, const in_array& counters, std::size_t rows)
+      : stats(read_stats(fn, values, counters, rows)) {}
+
+  const troll::projection_stats* data() const { return stats.data(); }
+};
 
 /// Checks the packed output arrays for `rows` statistics (before any work).
 struct stats_out {
