@@ -38,6 +38,30 @@ void use_device_of(const char* fn, const A&... arrays) {
   cuda_entry::set_device(ids[0]);
 }
 
+inline std::string packed_stats_text(std::size_t rows) {
+  return "the stats must be (rows, 6) float64 and (rows, 2) int32 for " + std::to_string(rows) + " rows";
+}
+
+/// The packed stats arrays of `rows` rows (project()'s layout) in device memory, checked before
+/// any work (StatsOut / StatsIn of the argument structs); `mismatch` words the error.
+template <class V, class C, class A>
+struct packed_stats {
+  V* values;
+  C* counters;
+
+  packed_stats(const char* fn, const A& v, const A& c, std::size_t rows,
+               std::string (*mismatch)(std::size_t) = packed_stats_text) {
+    const auto sv = as_packed<V>(fn, "stats.values", v);
+    const auto sc = as_packed<C>(fn, "stats.counters", c);
+    if (sv.rows != rows || sv.cols != st_values || sc.rows != rows || sc.cols != st_counters)
+      fail(fn, mismatch(rows));
+    values = sv.data;
+    counters = sc.data;
+  }
+};
+using packed_stats_out = packed_stats<double, std::int32_t, out_array>;
+using packed_stats_in = packed_stats<const double, const std::int32_t, in_array>;
+
 void log_softmax(const in_array& logits, const out_array& out, std::uintptr_t stream, bool checked) {
   constexpr const char* fn = "log_softmax";
   dispatch_float(fn, "logits", logits, [&](auto tag) {
@@ -81,16 +105,11 @@ void project(const in_array& new_logits, const in_array& old_logits, double eps,
   dispatch_float(fn, "new_logits", new_logits, [&](auto tag) {
     using T = decltype(tag);
     const project_args<T> a(fn, new_logits, old_logits, out);
-    const auto sv = as_packed<double>(fn, "stats.values", stats_values);
-    const auto sc = as_packed<std::int32_t>(fn, "stats.counters", stats_counters);
-    const std::size_t rows = a.new_logits.rows;
-    if (sv.rows != rows || sv.cols != st_values || sc.rows != rows || sc.cols != st_counters)
-      fail(fn, "the stats buffers must be (rows, 6) float64 and (rows, 2) int32 for " + std::to_string(rows) +
-                   " rows");
+    const packed_stats_out st(fn, stats_values, stats_counters, a.new_logits.rows, stats_buffers_text);
     use_device_of(fn, new_logits, old_logits, out, stats_values, stats_counters);
     const troll::projection_options options = projection_settings(rtol, atol, max_iterations);
     nb::gil_scoped_release release;
-    cuda_entry::project<T>(as_stream(stream), a.new_logits, a.old_logits, eps, a.out, sv.data, sc.data, options,
+    cuda_entry::project<T>(as_stream(stream), a.new_logits, a.old_logits, eps, a.out, st.values, st.counters, options,
                            checked);
   });
 }
@@ -104,15 +123,10 @@ void project_backward(const in_array& new_logits, const in_array& old_logits, co
     using T = decltype(tag);
     const project_backward_args<T> a(fn, new_logits, old_logits, log_probs, grad_log_probs, grad_new, grad_old,
                                      grad_eps);
-    const auto sv = as_packed<const double>(fn, "stats.values", stats_values);
-    const auto sc = as_packed<const std::int32_t>(fn, "stats.counters", stats_counters);
-    const std::size_t rows = a.new_logits.rows;
-    if (sv.rows != rows || sv.cols != st_values || sc.rows != rows || sc.cols != st_counters)
-      fail(fn, "stats do not match the batch (" + std::to_string(rows) +
-                   " rows): pass the stats project() returned for these logits");
+    const packed_stats_in st(fn, stats_values, stats_counters, a.new_logits.rows, stats_mismatch_text);
     use_device_of(fn, new_logits, old_logits, log_probs, grad_log_probs, grad_new, stats_values);
     nb::gil_scoped_release release;
-    cuda_entry::project_backward<T>(as_stream(stream), a.new_logits, a.old_logits, a.log_probs, sv.data, sc.data,
+    cuda_entry::project_backward<T>(as_stream(stream), a.new_logits, a.old_logits, a.log_probs, st.values, st.counters,
                                     a.grad_log_probs, a.grad_new, a.grad_old, a.grad_eps, checked);
   });
 }
@@ -284,25 +298,6 @@ void kl_aligned(nb::handle rows, const out_array& out, std::uintptr_t stream, bo
     cuda_entry::kl_sparse<T>(as_stream(stream), a.rows.view, a.out, checked);
   });
 }
-
-/// The packed stats arrays of `rows` rows (project()'s layout) in device memory, checked before
-/// any work: the statistics of the sparse path and the objectives here (StatsOut / StatsIn).
-template <class V, class C, class A>
-struct packed_stats {
-  V* values;
-  C* counters;
-
-  packed_stats(const char* fn, const A& v, const A& c, std::size_t rows) {
-    const auto sv = as_packed<V>(fn, "stats.values", v);
-    const auto sc = as_packed<C>(fn, "stats.counters", c);
-    if (sv.rows != rows || sv.cols != st_values || sc.rows != rows || sc.cols != st_counters)
-      fail(fn, "the stats must be (rows, 6) float64 and (rows, 2) int32 for " + std::to_string(rows) + " rows");
-    values = sv.data;
-    counters = sc.data;
-  }
-};
-using packed_stats_out = packed_stats<double, std::int32_t, out_array>;
-using packed_stats_in = packed_stats<const double, const std::int32_t, in_array>;
 
 void project_aligned(nb::handle rows, double eps, nb::handle out, const out_array& stats_values,
                      const out_array& stats_counters, double rtol, double atol, int max_iterations,

@@ -214,14 +214,22 @@ troll::batch_view<T> disjoint_from(const char* fn, const char* out_name, const t
 enum stats_column { st_t, st_eta, st_kl_before, st_kl_after, st_mu, st_sigma2, st_values };
 enum stats_counter { st_iterations, st_status, st_counters };
 
+/// The errors of stats arrays that do not fit the batch: an input (the backward's) and an output.
+inline std::string stats_mismatch_text(std::size_t rows) {
+  return "stats do not match the batch (" + std::to_string(rows) +
+         " rows): pass the stats project() returned for these logits";
+}
+inline std::string stats_buffers_text(std::size_t rows) {
+  return "the stats buffers must be (rows, 6) float64 and (rows, 2) int32 for " + std::to_string(rows) + " rows";
+}
+
 /// Reads `rows` projection_stats from the packed arrays (the backward's input).
 inline std::vector<troll::projection_stats> read_stats(const char* fn, const in_array& values,
                                                        const in_array& counters, std::size_t rows) {
   const auto v = as_batch<const double>(fn, "stats.values", values);
   const auto c = as_batch<const std::int32_t>(fn, "stats.counters", counters);
   if (v.rows != rows || v.cols != st_values || c.rows != rows || c.cols != st_counters)
-    fail(fn, "stats do not match the batch (" + std::to_string(rows) +
-                 " rows): pass the stats project() returned for these logits");
+    fail(fn, stats_mismatch_text(rows));
   std::vector<troll::projection_stats> s(rows);
   for (std::size_t r = 0; r < rows; ++r) {
     const double* x = v.row(r);
@@ -257,8 +265,7 @@ struct stats_out {
         counters(as_batch<std::int32_t>(fn, "stats.counters", c)) {
     if (values.rows != rows || values.cols != st_values || counters.rows != rows ||
         counters.cols != st_counters)
-      fail(fn, "the stats buffers must be (rows, 6) float64 and (rows, 2) int32 for " +
-                   std::to_string(rows) + " rows");
+      fail(fn, stats_buffers_text(rows));
   }
 
   void write(const std::vector<troll::projection_stats>& s) const {
