@@ -172,18 +172,14 @@ void sparsify(const in_array& logits, const std::optional<in_array>& sampled, in
               std::uintptr_t stream, bool checked) {
   constexpr const char* fn = "sparsify";
   const cuda_entry::any_logits x = any_logits_of(fn, "logits", logits);
-  const nb::tuple t = as_tuple(fn, "out", out, 5);
-  const out_array probe = item<out_array>(fn, "out", t, 1);
-  dispatch_float(fn, "out.log_probs", probe, [&](auto tag) {
+  dispatch_sparse_out(fn, out, [&](auto tag) {
     using T = decltype(tag);
     const sparse_rows<T> o(fn, "out", out);
     if (o.view.rows != x.rows)
       fail(fn, "out has " + std::to_string(o.view.rows) + " rows but logits have " + std::to_string(x.rows));
     const sparse_index* s = sampled ? as_rows<const sparse_index>(fn, "sampled", *sampled, x.rows) : nullptr;
     use_device_of(fn, logits, o.indices, o.log_probs);
-    troll::sparsify_options options;
-    options.k = k;
-    options.delta = delta;
+    const troll::sparsify_options options = sparsify_settings(k, delta);
     nb::gil_scoped_release release;
     cuda_entry::sparsify<T>(as_stream(stream), x, s, options, o.view, checked);
   });
@@ -201,9 +197,7 @@ void sparsify_shard(const in_array& shard_logits, std::size_t vocab_offset, std:
   std::uint8_t* out = shard_states_out(fn, states, x.rows, k);
   use_device_of(fn, shard_logits, states);
   if (sampled) use_device_of(fn, shard_logits, *sampled);
-  troll::sparsify_options options;
-  options.k = k;
-  options.delta = delta;
+  const troll::sparsify_options options = sparsify_settings(k, delta);
   nb::gil_scoped_release release;
   cuda_entry::sparsify_shard(as_stream(stream), x, vocab_offset, vocab, s, options, out, bytes, checked);
 }
@@ -213,18 +207,14 @@ void sparsify_finalize(const in_array& states, int k, double delta, nb::handle o
                        const std::optional<in_array>& tail_sums, std::uintptr_t stream, bool checked) {
   constexpr const char* fn = "sparsify_finalize";
   const stacked_states all(fn, states, k);
-  const nb::tuple t = as_tuple(fn, "out", out, 5);
-  const out_array probe = item<out_array>(fn, "out", t, 1);
-  dispatch_float(fn, "out.log_probs", probe, [&](auto tag) {
+  dispatch_sparse_out(fn, out, [&](auto tag) {
     using T = decltype(tag);
     const finalize_args<T> a(fn, out, all.rows, log_sums, tail_max, tail_sums);
     use_device_of(fn, states, a.out.indices, a.out.log_probs);
     if (log_sums) use_device_of(fn, states, *log_sums);
     if (tail_max) use_device_of(fn, states, *tail_max);
     if (tail_sums) use_device_of(fn, states, *tail_sums);
-    troll::sparsify_options options;
-    options.k = k;
-    options.delta = delta;
+    const troll::sparsify_options options = sparsify_settings(k, delta);
     nb::gil_scoped_release release;
     cuda_entry::sparsify_finalize<T>(as_stream(stream), all.data, all.shards, all.rows, all.bytes, options,
                                      a.out.view, a.log_sums, a.tail_max, a.tail_sums, a.tail_shards, checked);

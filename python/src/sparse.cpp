@@ -39,9 +39,7 @@ void sparsify(const in_array& logits, const std::optional<in_array>& sampled, in
     const std::vector<troll::token_id> ids = sampled_ids(fn, sampled, x.rows);
     const troll::token_id* s = sampled ? ids.data() : nullptr;
     const sparse_rows<T> o(fn, "out", out);
-    troll::sparsify_options options;
-    options.k = k;
-    options.delta = delta;
+    const troll::sparsify_options options = sparsify_settings(k, delta);
     nb::gil_scoped_release release;
     troll::sparsify(policy(threads), x, s, options, o.view);
   });
@@ -129,9 +127,7 @@ void sparsify_shard(const in_array& shard_logits, std::size_t vocab_offset, std:
     const std::vector<troll::token_id> ids = sampled_ids(fn, sampled, x.rows);
     const troll::token_id* s = sampled ? ids.data() : nullptr;
     std::uint8_t* out = shard_states_out(fn, states, x.rows, k);
-    troll::sparsify_options options;
-    options.k = k;
-    options.delta = delta;
+    const troll::sparsify_options options = sparsify_settings(k, delta);
     nb::gil_scoped_release release;
     std::vector<troll::sparsify_state> st(x.rows);
     troll::sparsify_shard(policy(threads), x, vocab_offset, vocab, s, options, st.data());
@@ -144,14 +140,10 @@ void sparsify_finalize(const in_array& states, int k, double delta, nb::handle o
                        const std::optional<in_array>& tail_sums, unsigned threads) {
   constexpr const char* fn = "sparsify_finalize";
   const stacked_states all(fn, states, k);
-  const nb::tuple t = as_tuple(fn, "out", out, 5);
-  const out_array probe = item<out_array>(fn, "out", t, 1);
-  dispatch_float(fn, "out.log_probs", probe, [&](auto tag) {
+  dispatch_sparse_out(fn, out, [&](auto tag) {
     using T = decltype(tag);
     const finalize_args<T> a(fn, out, all.rows, log_sums, tail_max, tail_sums);
-    troll::sparsify_options options;
-    options.k = k;
-    options.delta = delta;
+    const troll::sparsify_options options = sparsify_settings(k, delta);
     nb::gil_scoped_release release;
     const std::size_t rows = all.rows, bytes = all.bytes;
     std::vector<troll::sparsify_state> merged(rows), next(rows);

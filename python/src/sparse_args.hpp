@@ -12,10 +12,28 @@
 
 #include <optional>
 
+#include <troll/sparse_types.hpp>
+
 #include "dense_args.hpp"
 #include "sparse_views.hpp"
 
 namespace troll_py {
+
+/// The sparsify settings every sparsify binding takes.
+inline troll::sparsify_options sparsify_settings(int k, double delta) {
+  troll::sparsify_options options;
+  options.k = k;
+  options.delta = delta;
+  return options;
+}
+
+/// Calls f(tag) with tag's type the element type of the sparse rows `out` (their log_probs).
+template <class F>
+decltype(auto) dispatch_sparse_out(const char* fn, nb::handle out, F&& f) {
+  const nb::tuple t = as_tuple(fn, "out", out, 5);
+  const out_array probe = item<out_array>(fn, "out", t, 1);
+  return dispatch_float(fn, "out.log_probs", probe, std::forward<F>(f));
+}
 
 /// Calls f(tag) with tag's type the element type of aligned rows (their new_log_probs).
 template <class F>
