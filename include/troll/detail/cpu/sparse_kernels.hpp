@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
+#include <utility>
 
 #include "../../config.hpp"
 #include "../numeric.hpp"
@@ -217,6 +219,247 @@ inline void sparsify_scan(const T* z, std::size_t size, std::size_t offset, spar
     }
     push_block(st.outside, static_cast<double>(m), sum_in_double(lane_sums, used));
   });
+}
+
+/// Offers the tokens [from, to) of a whole row (z points at token 0) one by one: the sampled token
+/// is recorded, a token above `threshold` is offered to the heap, every other one only raises
+/// `rest` (the max of the tokens left outside that were never offered). Returns false at a NaN
+/// or +inf (the row is bad). `threshold` follows the heap.
+template <class T>
+inline bool scan_tokens(const T* z, long from, long to, sparsify_state& st, T& threshold, T& rest) {
+  constexpr T infinity = std::numeric_limits<T>::infinity();
+  for (long i = from; i < to; ++i) {
+    const T x = z[i];
+    if (!(x < infinity)) return false;
+    if (i == long(st.sampled)) {
+      st.has_sampled = true;
+      st.sampled_logit = static_cast<double>(x);
+    } else if (x > threshold) {
+      offer(st, sparse_candidate{static_cast<double>(x), static_cast<sparse_index>(i)});
+      threshold = threshold_below<T>(entry_threshold(st));
+    } else if (x > rest) {
+      rest = x;
+    }
+  }
+  return true;
+}
+
+/// sparsify's one read of a whole row: the top-K heap, the sampled token's logit and the row's
+/// checks (a NaN or +inf sets check.bad and ends the scan; check.any_finite), but no
+/// exponentials. Returns the max of the tokens outside the heap and the sampled token: those that
+/// were offered and left are in st.outside (pushed by offer()), the others' max is taken here;
+/// st.outside.s is not the outside sum (sparsify takes the tail's exact sum afterwards).
+///
+/// Groups of four packets are tested against the heap's entry threshold as a whole (and for
+/// NaN / +inf); a group without a candidate, the sampled token or a bad value only raises a
+/// packet max. With AVX-512 (float) a group that has candidates offers them straight from the
+/// compare masks, lane by lane; elsewhere it is walked token by token.
+template <class T>
+inline double sparsify_scan_topk(const T* z, std::size_t size, sparsify_state& st, scan_check& check) {
+  using namespace Eigen::internal;
+  using packet = typename packet_traits<T>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(T));
+  constexpr long group = 4 * lanes;
+  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  const long n = static_cast<long>(size), sampled = static_cast<long>(st.sampled);
+  T threshold = threshold_below<T>(entry_threshold(st));
+  T rest_scalar = minus_inf;
+  long i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same<T, float>::value && lanes == 16) {
+    const __m512 top = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+    __m512 rest = _mm512_set1_ps(minus_inf);
+    for (; i + group <= n; i += group) {
+      const __m512 x0 = _mm512_loadu_ps(z + i), x1 = _mm512_loadu_ps(z + i + 16);
+      const __m512 x2 = _mm512_loadu_ps(z + i + 32), x3 = _mm512_loadu_ps(z + i + 48);
+      const __m512 t = _mm512_set1_ps(threshold);
+      const __mmask16 bad = __mmask16(_mm512_cmp_ps_mask(x0, top, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(x1, top, _CMP_NLT_UQ) |
+                                      _mm512_cmp_ps_mask(x2, top, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(x3, top, _CMP_NLT_UQ));
+      const __mmask16 hit = __mmask16(_mm512_cmp_ps_mask(x0, t, _CMP_GT_OQ) | _mm512_cmp_ps_mask(x1, t, _CMP_GT_OQ) |
+                                      _mm512_cmp_ps_mask(x2, t, _CMP_GT_OQ) | _mm512_cmp_ps_mask(x3, t, _CMP_GT_OQ));
+      if (bad) {
+        check.bad = true;
+        return 0.0;
+      }
+      if (!hit && !(sampled >= i && sampled < i + group)) {
+        rest = _mm512_max_ps(rest, _mm512_max_ps(_mm512_max_ps(x0, x1), _mm512_max_ps(x2, x3)));
+        continue;
+      }
+      for (long p = 0; p < group; p += 16) {  // the candidates of each packet, from its mask
+        const long base = i + p;
+        const __m512 x = _mm512_loadu_ps(z + base);
+        __mmask16 own = 0;
+        if (sampled >= base && sampled < base + 16) {
+          own = __mmask16(1u << unsigned(sampled - base));
+          st.has_sampled = true;
+          st.sampled_logit = static_cast<double>(z[sampled]);
+        }
+        __mmask16 cand = __mmask16(_mm512_cmp_ps_mask(x, _mm512_set1_ps(threshold), _CMP_GT_OQ) & ~own);
+        rest = _mm512_mask_max_ps(rest, __mmask16(~(cand | own)), rest, x);
+        if (!cand) continue;
+        for (unsigned bits = cand; bits; bits &= bits - 1) {
+          const long j = base + long(__builtin_ctz(bits));
+          offer(st, sparse_candidate{static_cast<double>(z[j]), static_cast<sparse_index>(j)});
+        }
+        threshold = threshold_below<T>(entry_threshold(st));
+      }
+    }
+    rest_scalar = _mm512_reduce_max_ps(rest);
+  } else
+#endif
+  {
+    const packet top = pset1<packet>(std::numeric_limits<T>::infinity());
+    packet rest = pset1<packet>(minus_inf);
+    for (; i + group <= n; i += group) {
+      const packet x0 = ploadu<packet>(z + i), x1 = ploadu<packet>(z + i + lanes);
+      const packet x2 = ploadu<packet>(z + i + 2 * lanes), x3 = ploadu<packet>(z + i + 3 * lanes);
+      const packet t = pset1<packet>(threshold);
+      const packet fine = pand(pand(pcmp_lt(x0, top), pcmp_lt(x1, top)), pand(pcmp_lt(x2, top), pcmp_lt(x3, top)));
+      const packet hit = por(por(pcmp_lt(t, x0), pcmp_lt(t, x1)), por(pcmp_lt(t, x2), pcmp_lt(t, x3)));
+      if (!predux_any(hit) && !predux_any(pcmp_eq(fine, pzero(fine))) && !(sampled >= i && sampled < i + group)) {
+        rest = pmax(rest, pmax(pmax(x0, x1), pmax(x2, x3)));
+        continue;
+      }
+      if (!scan_tokens(z, i, i + group, st, threshold, rest_scalar)) {
+        check.bad = true;
+        return 0.0;
+      }
+    }
+    const T most = predux_max(rest);
+    rest_scalar = most > rest_scalar ? most : rest_scalar;
+  }
+  if (!scan_tokens(z, i, n, st, threshold, rest_scalar)) {
+    check.bad = true;
+    return 0.0;
+  }
+  const double rest_max = static_cast<double>(rest_scalar);
+  const double m_out = st.outside.m > rest_max ? st.outside.m : rest_max;
+  check.any_finite = st.size > 0 || m_out > neg_inf() || (st.has_sampled && st.sampled_logit > neg_inf());
+  return m_out;
+}
+
+/// finalize's list for a whole-row state, without consuming the state: the heap sorted best first
+/// with the sampled token inserted in order (list holds k + 1 slots). Returns n; sampled_pos is
+/// the sampled token's place (−1: none).
+inline int ordered_support(const sparsify_state& st, sparse_candidate* list, int& sampled_pos) {
+  int n = st.size;
+  for (int i = 0; i < n; ++i) list[i] = st.heap[i];
+  sort_best_first(list, n);
+  sampled_pos = -1;
+  if (st.has_sampled) {
+    const sparse_candidate s{st.sampled_logit, st.sampled};
+    int at = n;
+    while (at > 0 && ranks_before(s, list[at - 1])) {
+      list[at] = list[at - 1];
+      --at;
+    }
+    list[at] = s;
+    sampled_pos = at;
+    ++n;
+  }
+  return n;
+}
+
+/// How far sparsify's δ rule may be from finalize's on the scan's block sums, in log-mass: those
+/// sums carry a relative error below ~1e-5 (float exponentials, float arguments z − m rounded
+/// with |z − m| ≤ 87), the exact tail sum a similar one; 1e-3 leaves a factor of 40.
+inline constexpr double keep_margin = 1e-3;
+
+/// finalize's δ rule (the shortest prefix of list, at most k, whose rest is within δ) decided on
+/// the tail's exact sum: `tail` = Σ e^{z − m_tail} over the outside tokens and list[limit..n)
+/// except the sampled one (limit = min(n, k)). Returns the prefix length, or −1 when some rest
+/// the rule looks at lies within keep_margin of log δ (there finalize's block sums could decide
+/// the other way: the caller redoes the row that way). An empty rest is decided exactly.
+inline int keep_with_margin(const sparse_candidate* list, int n, int sampled_pos, int k, double m_tail,
+                            const exact_sum& tail, double log_delta) {
+  const int limit = n < k ? n : k;
+  log_sum_state base;
+  if (m_tail > neg_inf() && tail.value() > 0.0) base = log_sum_state{m_tail, tail.value()};
+  log_sum_state total = base;
+  for (int i = 0; i < n; ++i)
+    if (i < limit || i == sampled_pos) push(total, list[i].logit);
+  const double log_total = total.value();
+  if (log_total == neg_inf()) return limit;
+  log_sum_state rest = base;
+  if (sampled_pos >= limit) push(rest, list[sampled_pos].logit);
+  int keep = limit;
+  for (int j = limit - 1; j >= 1; --j) {
+    push(rest, list[j].logit);
+    const double d = rest.value() - log_total;
+    if (d == neg_inf()) {
+      keep = j;
+      continue;
+    }
+    if (log_delta == neg_inf()) break;
+    if (std::fabs(d - log_delta) <= keep_margin) return -1;
+    if (d > log_delta) break;
+    keep = j;
+  }
+  return keep;
+}
+
+/// sparsify of one whole row (z, V = size tokens) into indices / log_probs (room for k + 1) and
+/// log_remainder; false when the row is bad (a NaN or +inf, or every logit −inf), with nothing
+/// meaningful written. One read of the row from memory (sparsify_scan_topk: the support, the
+/// checks, the outside max, no exponentials), then the tail's exact sum (tail_exp_sum: the one
+/// exponential per token) while the row is in cache, the δ rule decided on it
+/// (keep_with_margin), a second tail sum only when δ shortens the prefix. `fast = false` (and a
+/// δ decision within the margin) takes the path of block sums in the scan (sparsify_scan) and
+/// finalize's own δ rule: the same bits, what the tests compare against.
+template <class T>
+inline bool sparsify_row(const T* z, std::size_t size, int k, sparse_index sampled, double log_delta,
+                         sparse_index* indices, T* log_probs, int& count, T& log_remainder, bool fast = true) {
+  const auto vocab = static_cast<sparse_index>(size);
+  sparsify_state st;
+  reset(st, k, sampled, vocab, 0, vocab);
+  scan_check check;
+  index_slot slots[sparsify_max_k + 1];
+  if (fast) {
+    const double m_out = sparsify_scan_topk(z, size, st, check);
+    if (check.bad || !check.any_finite) return false;
+    // Only the outside's max and emptiness are read below (a forced prefix, the exact tail).
+    st.outside = m_out > neg_inf() ? log_sum_state{m_out, 1.0} : log_sum_state{};
+    sparse_candidate list[sparsify_max_k + 1];
+    int sampled_pos = -1;
+    const int n = ordered_support(st, list, sampled_pos);
+    auto tail_for = [&](int keep) {  // finalize's tail for a prefix of `keep` tokens
+      double m_tail = st.outside.m;
+      int c = 0;
+      for (int i = 0; i < n; ++i) {
+        if (i < keep || i == sampled_pos) {
+          slots[c] = index_slot{list[i].index, c};
+          ++c;
+        } else if (list[i].logit > m_tail) {
+          m_tail = list[i].logit;
+        }
+      }
+      sort_by_index(slots, c);
+      return std::pair<exact_sum, double>(tail_exp_sum(z, size, 0, slots, c, m_tail), m_tail);
+    };
+    const int limit = n < k ? n : k;
+    std::pair<exact_sum, double> tail = tail_for(limit);
+    const int keep = keep_with_margin(list, n, sampled_pos, k, tail.second, tail.first, log_delta);
+    if (keep >= 0) {
+      if (keep != limit) tail = tail_for(keep);
+      finalize(st, log_delta, indices, log_probs, count, log_remainder, nullptr, nullptr, &tail.first, keep);
+      return true;
+    }
+    reset(st, k, sampled, vocab, 0, vocab);  // a δ decision too close to call: the block sums decide
+    check = scan_check{};
+  }
+  sparsify_scan(z, size, 0, st, &check);
+  if (check.bad || !check.any_finite) return false;
+  // The scan picks the support; its values come from the canonical sums (exact_log_sums): the
+  // tail's max from the state, the tail's exact sum from a second pass over the row (in cache).
+  const sparsify_state scanned = st;
+  double m_tail = 0.0;
+  finalize(st, log_delta, indices, log_probs, count, log_remainder, nullptr, &m_tail);
+  for (int i = 0; i < count; ++i) slots[i] = index_slot{indices[i], i};
+  sort_by_index(slots, count);
+  const exact_sum tail = tail_exp_sum(z, size, 0, slots, count, m_tail);
+  st = scanned;
+  finalize(st, log_delta, indices, log_probs, count, log_remainder, nullptr, nullptr, &tail);
+  return true;
 }
 
 /// Checks one sparse row: count within [0, min(capacity, V, sparse_max_entries)], indices in
