@@ -221,12 +221,31 @@ inline void sparsify_scan(const T* z, std::size_t size, std::size_t offset, spar
   });
 }
 
+/// offer() that keeps only the max of the logits it leaves outside the heap (`out_max`), with no
+/// exponential: what sparsify_scan_topk needs (the tail's sum comes later, exactly).
+inline void offer_keep_max(sparsify_state& st, const sparse_candidate& c, double& out_max) {
+  if (st.size < st.k) {
+    st.heap[st.size] = c;
+    sift_up_worst(st.heap, st.size);
+    ++st.size;
+    return;
+  }
+  if (st.k > 0 && ranks_before(c, st.heap[0])) {
+    out_max = st.heap[0].logit > out_max ? st.heap[0].logit : out_max;
+    st.heap[0] = c;
+    sift_down_worst(st.heap, st.size, 0);
+  } else {
+    out_max = c.logit > out_max ? c.logit : out_max;
+  }
+}
+
 /// Offers the tokens [from, to) of a whole row (z points at token 0) one by one: the sampled token
 /// is recorded, a token above `threshold` is offered to the heap, every other one only raises
 /// `rest` (the max of the tokens left outside that were never offered). Returns false at a NaN
 /// or +inf (the row is bad). `threshold` follows the heap.
 template <class T>
-inline bool scan_tokens(const T* z, long from, long to, sparsify_state& st, T& threshold, T& rest) {
+inline bool scan_tokens(const T* z, long from, long to, sparsify_state& st, T& threshold, T& rest,
+                        double& out_max) {
   constexpr T infinity = std::numeric_limits<T>::infinity();
   for (long i = from; i < to; ++i) {
     const T x = z[i];
@@ -235,7 +254,7 @@ inline bool scan_tokens(const T* z, long from, long to, sparsify_state& st, T& t
       st.has_sampled = true;
       st.sampled_logit = static_cast<double>(x);
     } else if (x > threshold) {
-      offer(st, sparse_candidate{static_cast<double>(x), static_cast<sparse_index>(i)});
+      offer_keep_max(st, sparse_candidate{static_cast<double>(x), static_cast<sparse_index>(i)}, out_max);
       threshold = threshold_below<T>(entry_threshold(st));
     } else if (x > rest) {
       rest = x;
@@ -246,9 +265,8 @@ inline bool scan_tokens(const T* z, long from, long to, sparsify_state& st, T& t
 
 /// sparsify's one read of a whole row: the top-K heap, the sampled token's logit and the row's
 /// checks (a NaN or +inf sets check.bad and ends the scan; check.any_finite), but no
-/// exponentials. Returns the max of the tokens outside the heap and the sampled token: those that
-/// were offered and left are in st.outside (pushed by offer()), the others' max is taken here;
-/// st.outside.s is not the outside sum (sparsify takes the tail's exact sum afterwards).
+/// exponentials. Returns the max of the tokens outside the heap and the sampled token (st.outside
+/// stays empty: sparsify takes the tail's exact sum afterwards).
 ///
 /// Groups of four packets are tested against the heap's entry threshold as a whole (and for
 /// NaN / +inf); a group without a candidate, the sampled token or a bad value only raises a
@@ -264,6 +282,7 @@ inline double sparsify_scan_topk(const T* z, std::size_t size, sparsify_state& s
   const long n = static_cast<long>(size), sampled = static_cast<long>(st.sampled);
   T threshold = threshold_below<T>(entry_threshold(st));
   T rest_scalar = minus_inf;
+  double out_max = neg_inf();  // the max of the tokens offered and left out
   long i = 0;
 #if defined(__AVX512F__)
   if constexpr (std::is_same<T, float>::value && lanes == 16) {
@@ -299,7 +318,7 @@ inline double sparsify_scan_topk(const T* z, std::size_t size, sparsify_state& s
         if (!cand) continue;
         for (unsigned bits = cand; bits; bits &= bits - 1) {
           const long j = base + long(__builtin_ctz(bits));
-          offer(st, sparse_candidate{static_cast<double>(z[j]), static_cast<sparse_index>(j)});
+          offer_keep_max(st, sparse_candidate{static_cast<double>(z[j]), static_cast<sparse_index>(j)}, out_max);
         }
         threshold = threshold_below<T>(entry_threshold(st));
       }
@@ -320,7 +339,7 @@ inline double sparsify_scan_topk(const T* z, std::size_t size, sparsify_state& s
         rest = pmax(rest, pmax(pmax(x0, x1), pmax(x2, x3)));
         continue;
       }
-      if (!scan_tokens(z, i, i + group, st, threshold, rest_scalar)) {
+      if (!scan_tokens(z, i, i + group, st, threshold, rest_scalar, out_max)) {
         check.bad = true;
         return 0.0;
       }
@@ -328,12 +347,12 @@ inline double sparsify_scan_topk(const T* z, std::size_t size, sparsify_state& s
     const T most = predux_max(rest);
     rest_scalar = most > rest_scalar ? most : rest_scalar;
   }
-  if (!scan_tokens(z, i, n, st, threshold, rest_scalar)) {
+  if (!scan_tokens(z, i, n, st, threshold, rest_scalar, out_max)) {
     check.bad = true;
     return 0.0;
   }
   const double rest_max = static_cast<double>(rest_scalar);
-  const double m_out = st.outside.m > rest_max ? st.outside.m : rest_max;
+  const double m_out = out_max > rest_max ? out_max : rest_max;
   check.any_finite = st.size > 0 || m_out > neg_inf() || (st.has_sampled && st.sampled_logit > neg_inf());
   return m_out;
 }
