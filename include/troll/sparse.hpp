@@ -225,7 +225,8 @@ void sparsify(cpu_policy policy, input_view<T> logits, const token_id* sampled,
     int count = 0;
     row_bad[r] = !detail::cpu::sparsify_row(logits.row(r), logits.cols, options.k, sampled_r, log_delta,
                                             scratch_indices + r * k_max, scratch_log_probs + r * k_max, count,
-                                            scratch_remainder[r]);
+                                            scratch_remainder[r], true,
+                                            r + 1 < rows ? logits.row(r + 1) : nullptr);
     scratch_counts[r] = row_bad[r] ? 0 : count;
   });
   for (std::size_t r = 0; r < rows; ++r) {

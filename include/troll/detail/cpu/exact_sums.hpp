@@ -121,9 +121,13 @@ inline void add_terms(sum_packet& hi0, sum_packet& lo0, sum_packet& hi1, sum_pac
 /// the lanes stay in registers. A term's value depends on z_j and m only, and the exact_sum's
 /// value does not depend on the order of its terms, so any split of the row (vocabulary shards)
 /// gives the same sum. m = −inf (or a tail of masked tokens only) gives an empty sum.
+///
+/// `ahead` (optional, size tokens): the row to be read next, asked into the cache line by line
+/// at the pace of this pass (sparsify: the next row's scan then reads it from cache while this
+/// pass's arithmetic hides the memory's latency). Prefetches change no value.
 template <class T>
 inline exact_sum tail_exp_sum(const T* z, std::size_t size, std::size_t first, const index_slot* sorted, int n,
-                              double m) {
+                              double m, const T* ahead = nullptr) {
   using namespace Eigen::internal;
   using packet = typename packet_traits<T>::type;
   constexpr long lanes = long(sizeof(packet) / sizeof(T));
@@ -140,6 +144,12 @@ inline exact_sum tail_exp_sum(const T* z, std::size_t size, std::size_t first, c
     const long count = static_cast<long>(count_in_block);
     const long whole = count - count % lanes;
     const T* x = z + begin;
+#if defined(__GNUC__)
+    if (ahead) {
+      constexpr long per_line = long(64 / sizeof(T));
+      for (long k = 0; k < count; k += per_line) __builtin_prefetch(ahead + begin + std::size_t(k), 0, 2);
+    }
+#endif
     packet below = pzero(ps);
     for (long k = 0; k < whole; k += lanes) {
       const packet d = psub(ploadu<packet>(x + k), ps);

@@ -424,10 +424,12 @@ inline int keep_with_margin(const sparse_candidate* list, int n, int sampled_pos
 /// exponential per token) while the row is in cache, the δ rule decided on it
 /// (keep_with_margin), a second tail sum only when δ shortens the prefix. `fast = false` (and a
 /// δ decision within the margin) takes the path of block sums in the scan (sparsify_scan) and
-/// finalize's own δ rule: the same bits, what the tests compare against.
+/// finalize's own δ rule: the same bits, what the tests compare against. `next_row` (optional):
+/// the row sparsify reads next, prefetched during the tail sum.
 template <class T>
 inline bool sparsify_row(const T* z, std::size_t size, int k, sparse_index sampled, double log_delta,
-                         sparse_index* indices, T* log_probs, int& count, T& log_remainder, bool fast = true) {
+                         sparse_index* indices, T* log_probs, int& count, T& log_remainder, bool fast = true,
+                         const T* next_row = nullptr) {
   const auto vocab = static_cast<sparse_index>(size);
   sparsify_state st;
   reset(st, k, sampled, vocab, 0, vocab);
@@ -441,7 +443,7 @@ inline bool sparsify_row(const T* z, std::size_t size, int k, sparse_index sampl
     sparse_candidate list[sparsify_max_k + 1];
     int sampled_pos = -1;
     const int n = ordered_support(st, list, sampled_pos);
-    auto tail_for = [&](int keep) {  // finalize's tail for a prefix of `keep` tokens
+    auto tail_for = [&](int keep, const T* ahead) {  // finalize's tail for a prefix of `keep` tokens
       double m_tail = st.outside.m;
       int c = 0;
       for (int i = 0; i < n; ++i) {
@@ -453,13 +455,13 @@ inline bool sparsify_row(const T* z, std::size_t size, int k, sparse_index sampl
         }
       }
       sort_by_index(slots, c);
-      return std::pair<exact_sum, double>(tail_exp_sum(z, size, 0, slots, c, m_tail), m_tail);
+      return std::pair<exact_sum, double>(tail_exp_sum(z, size, 0, slots, c, m_tail, ahead), m_tail);
     };
     const int limit = n < k ? n : k;
-    std::pair<exact_sum, double> tail = tail_for(limit);
+    std::pair<exact_sum, double> tail = tail_for(limit, next_row);
     const int keep = keep_with_margin(list, n, sampled_pos, k, tail.second, tail.first, log_delta);
     if (keep >= 0) {
-      if (keep != limit) tail = tail_for(keep);
+      if (keep != limit) tail = tail_for(keep, nullptr);
       finalize(st, log_delta, indices, log_probs, count, log_remainder, nullptr, nullptr, &tail.first, keep);
       return true;
     }
