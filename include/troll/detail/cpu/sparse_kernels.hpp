@@ -7,7 +7,9 @@
 #include "eigen.hpp"
 #include <cmath>
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -221,31 +223,96 @@ inline void sparsify_scan(const T* z, std::size_t size, std::size_t offset, spar
   });
 }
 
-/// offer() that keeps only the max of the logits it leaves outside the heap (`out_max`), with no
-/// exponential: what sparsify_scan_topk needs (the tail's sum comes later, exactly).
-inline void offer_keep_max(sparsify_state& st, const sparse_candidate& c, double& out_max) {
-  if (st.size < st.k) {
-    st.heap[st.size] = c;
-    sift_up_worst(st.heap, st.size);
-    ++st.size;
-    return;
+/// The running top K of sparsify_scan_topk, without a heap: up to K kept candidates and up to
+/// `extra` new ones; when the buffer is full, nth_element keeps the K best (ranks_before; the
+/// order is total, so which K survive does not depend on when this happens) and the others only
+/// raise out_max. `threshold` is the K-th best logit at the last selection (−inf until K were
+/// kept), rounded into T by threshold_below: a later token can enter only above it (a tie
+/// ranks after, having the larger index). No exponential anywhere.
+template <class T>
+struct topk_buffer {
+  static constexpr int extra = 128;
+  static constexpr int slack = 64;  // a group of AVX-512 packets may store this many past `full`
+  int k = 0;
+  int count = 0;
+  double out_max = neg_inf();  // the max of the candidates dropped
+  T threshold = -std::numeric_limits<T>::infinity();
+  T values[sparsify_max_k + extra + slack];  // the candidates, structure of arrays
+  sparse_index indices[sparsify_max_k + extra + slack];
+
+  int full() const { return k + extra; }
+  /// Keeps the K best candidates (ties to the lower index: the buffer is in token order, and
+  /// stays so), dropping the others into out_max, and raises the threshold to the K-th value.
+  /// The K-th value is found by a bitwise search on order-preserving unsigned keys of the values
+  /// (a count of the keys at or above each trial key: no data-dependent branch), then one stable
+  /// compaction.
+  void select() {
+    using key_type = typename std::conditional<sizeof(T) == 4, std::uint32_t, std::uint64_t>::type;
+    constexpr int bits = int(8 * sizeof(T));
+    if (count > k) {
+      key_type keys[sparsify_max_k + extra + slack];
+      for (int i = 0; i < count; ++i) {
+        const T v = values[i] + T(0);  // −0 → +0: equal logits get equal keys
+        key_type u;
+        std::memcpy(&u, &v, sizeof(T));
+        keys[i] = (u >> (bits - 1)) ? key_type(~u) : key_type(u | (key_type(1) << (bits - 1)));
+      }
+      key_type kth = 0;  // the largest key with at least K keys at or above it
+      for (int bit = bits - 1; bit >= 0; --bit) {
+        const key_type trial = kth | (key_type(1) << bit);
+        int at_or_above = 0;
+        for (int i = 0; i < count; ++i) at_or_above += keys[i] >= trial ? 1 : 0;
+        kth = at_or_above >= k ? trial : kth;
+      }
+      int above = 0;
+      for (int i = 0; i < count; ++i) above += keys[i] > kth ? 1 : 0;
+      int ties_left = k - above, kept = 0;
+      for (int i = 0; i < count; ++i) {
+        const bool keep = keys[i] > kth || (keys[i] == kth && ties_left-- > 0);
+        if (keep) {
+          values[kept] = values[i];
+          indices[kept] = indices[i];
+          ++kept;
+        } else {
+          out_max = static_cast<double>(values[i]) > out_max ? static_cast<double>(values[i]) : out_max;
+        }
+      }
+      count = kept;
+    }
+    if (count == k && k > 0) {
+      T worst = values[0];
+      for (int i = 1; i < count; ++i) worst = values[i] < worst ? values[i] : worst;
+      threshold = worst;  // a T: exactly threshold_below<T> of its double
+    }
   }
-  if (st.k > 0 && ranks_before(c, st.heap[0])) {
-    out_max = st.heap[0].logit > out_max ? st.heap[0].logit : out_max;
-    st.heap[0] = c;
-    sift_down_worst(st.heap, st.size, 0);
-  } else {
-    out_max = c.logit > out_max ? c.logit : out_max;
+  /// After candidates were appended: selects when the buffer is full, or when it first holds K.
+  void settle() {
+    if (count >= full() || (count >= k && threshold == -std::numeric_limits<T>::infinity())) select();
   }
-}
+  void add(T logit, long index) {
+    values[count] = logit;
+    indices[count] = static_cast<sparse_index>(index);
+    ++count;
+    settle();
+  }
+  /// The kept candidates into the state's heap (worst at the root), everything else dropped.
+  void into(sparsify_state& st) {
+    select();
+    st.size = 0;
+    for (int i = 0; i < count; ++i) {
+      st.heap[i] = sparse_candidate{static_cast<double>(values[i]), indices[i]};
+      sift_up_worst(st.heap, i);
+      ++st.size;
+    }
+  }
+};
 
 /// Offers the tokens [from, to) of a whole row (z points at token 0) one by one: the sampled token
-/// is recorded, a token above `threshold` is offered to the heap, every other one only raises
-/// `rest` (the max of the tokens left outside that were never offered). Returns false at a NaN
-/// or +inf (the row is bad). `threshold` follows the heap.
+/// is recorded, a token above the buffer's threshold becomes a candidate, every other one only
+/// raises `rest` (the max of the tokens left outside that never were candidates). Returns false
+/// at a NaN or +inf (the row is bad).
 template <class T>
-inline bool scan_tokens(const T* z, long from, long to, sparsify_state& st, T& threshold, T& rest,
-                        double& out_max) {
+inline bool scan_tokens(const T* z, long from, long to, sparsify_state& st, topk_buffer<T>& top, T& rest) {
   constexpr T infinity = std::numeric_limits<T>::infinity();
   for (long i = from; i < to; ++i) {
     const T x = z[i];
@@ -253,9 +320,8 @@ inline bool scan_tokens(const T* z, long from, long to, sparsify_state& st, T& t
     if (i == long(st.sampled)) {
       st.has_sampled = true;
       st.sampled_logit = static_cast<double>(x);
-    } else if (x > threshold) {
-      offer_keep_max(st, sparse_candidate{static_cast<double>(x), static_cast<sparse_index>(i)}, out_max);
-      threshold = threshold_below<T>(entry_threshold(st));
+    } else if (x > top.threshold) {
+      top.add(x, i);
     } else if (x > rest) {
       rest = x;
     }
@@ -263,15 +329,15 @@ inline bool scan_tokens(const T* z, long from, long to, sparsify_state& st, T& t
   return true;
 }
 
-/// sparsify's one read of a whole row: the top-K heap, the sampled token's logit and the row's
+/// sparsify's one read of a whole row: the top K (into st.heap), the sampled token's logit and the row's
 /// checks (a NaN or +inf sets check.bad and ends the scan; check.any_finite), but no
 /// exponentials. Returns the max of the tokens outside the heap and the sampled token (st.outside
 /// stays empty: sparsify takes the tail's exact sum afterwards).
 ///
-/// Groups of four packets are tested against the heap's entry threshold as a whole (and for
+/// Groups of four packets are tested against the top-K buffer's threshold as a whole (and for
 /// NaN / +inf); a group without a candidate, the sampled token or a bad value only raises a
-/// packet max. With AVX-512 (float) a group that has candidates offers them straight from the
-/// compare masks, lane by lane; elsewhere it is walked token by token.
+/// packet max. With AVX-512 (float) a group that has candidates adds them to the buffer straight
+/// from the compare masks; elsewhere it is walked token by token.
 template <class T>
 inline double sparsify_scan_topk(const T* z, std::size_t size, sparsify_state& st, scan_check& check) {
   using namespace Eigen::internal;
@@ -280,22 +346,26 @@ inline double sparsify_scan_topk(const T* z, std::size_t size, sparsify_state& s
   constexpr long group = 4 * lanes;
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
   const long n = static_cast<long>(size), sampled = static_cast<long>(st.sampled);
-  T threshold = threshold_below<T>(entry_threshold(st));
+  topk_buffer<T> top;
+  top.k = st.k;
   T rest_scalar = minus_inf;
-  double out_max = neg_inf();  // the max of the tokens offered and left out
   long i = 0;
 #if defined(__AVX512F__)
   if constexpr (std::is_same<T, float>::value && lanes == 16) {
-    const __m512 top = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+    const __m512 infinity = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+    constexpr long prefetch_distance = 2048;  // tokens (8 KiB) ahead
+    const __m512i lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 rest = _mm512_set1_ps(minus_inf);
     for (; i + group <= n; i += group) {
+      if (i + prefetch_distance + group <= n)  // keeps loads in flight across the groups' branches
+        for (long line = 0; line < group; line += 16) _mm_prefetch(reinterpret_cast<const char*>(z + i + prefetch_distance + line), _MM_HINT_T0);
       const __m512 x0 = _mm512_loadu_ps(z + i), x1 = _mm512_loadu_ps(z + i + 16);
       const __m512 x2 = _mm512_loadu_ps(z + i + 32), x3 = _mm512_loadu_ps(z + i + 48);
-      const __m512 t = _mm512_set1_ps(threshold);
-      const __mmask16 bad = __mmask16(_mm512_cmp_ps_mask(x0, top, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(x1, top, _CMP_NLT_UQ) |
-                                      _mm512_cmp_ps_mask(x2, top, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(x3, top, _CMP_NLT_UQ));
-      const __mmask16 hit = __mmask16(_mm512_cmp_ps_mask(x0, t, _CMP_GT_OQ) | _mm512_cmp_ps_mask(x1, t, _CMP_GT_OQ) |
-                                      _mm512_cmp_ps_mask(x2, t, _CMP_GT_OQ) | _mm512_cmp_ps_mask(x3, t, _CMP_GT_OQ));
+      const __m512 t = _mm512_set1_ps(top.threshold);
+      const unsigned bad = unsigned(_mm512_cmp_ps_mask(x0, infinity, _CMP_NLT_UQ)) | _mm512_cmp_ps_mask(x1, infinity, _CMP_NLT_UQ) |
+                           _mm512_cmp_ps_mask(x2, infinity, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(x3, infinity, _CMP_NLT_UQ);
+      const unsigned hit = unsigned(_mm512_cmp_ps_mask(x0, t, _CMP_GT_OQ)) | _mm512_cmp_ps_mask(x1, t, _CMP_GT_OQ) |
+                           _mm512_cmp_ps_mask(x2, t, _CMP_GT_OQ) | _mm512_cmp_ps_mask(x3, t, _CMP_GT_OQ);
       if (bad) {
         check.bad = true;
         return 0.0;
@@ -304,42 +374,45 @@ inline double sparsify_scan_topk(const T* z, std::size_t size, sparsify_state& s
         rest = _mm512_max_ps(rest, _mm512_max_ps(_mm512_max_ps(x0, x1), _mm512_max_ps(x2, x3)));
         continue;
       }
-      for (long p = 0; p < group; p += 16) {  // the candidates of each packet, from its mask
-        const long base = i + p;
-        const __m512 x = _mm512_loadu_ps(z + base);
-        __mmask16 own = 0;
+      // The group's candidates (above the threshold it was tested against) compressed into the
+      // buffer, values and token ids; every other lane, the sampled token's aside, into `rest`.
+      const __m512 xs[4] = {x0, x1, x2, x3};
+      for (long p = 0; p < 4; ++p) {
+        const long base = i + 16 * p;
+        unsigned own = 0;
         if (sampled >= base && sampled < base + 16) {
-          own = __mmask16(1u << unsigned(sampled - base));
+          own = 1u << unsigned(sampled - base);
           st.has_sampled = true;
           st.sampled_logit = static_cast<double>(z[sampled]);
         }
-        __mmask16 cand = __mmask16(_mm512_cmp_ps_mask(x, _mm512_set1_ps(threshold), _CMP_GT_OQ) & ~own);
-        rest = _mm512_mask_max_ps(rest, __mmask16(~(cand | own)), rest, x);
+        const unsigned cand = unsigned(_mm512_cmp_ps_mask(xs[p], t, _CMP_GT_OQ)) & ~own;
+        rest = _mm512_mask_max_ps(rest, __mmask16(~(cand | own)), rest, xs[p]);
         if (!cand) continue;
-        for (unsigned bits = cand; bits; bits &= bits - 1) {
-          const long j = base + long(__builtin_ctz(bits));
-          offer_keep_max(st, sparse_candidate{static_cast<double>(z[j]), static_cast<sparse_index>(j)}, out_max);
-        }
-        threshold = threshold_below<T>(entry_threshold(st));
+        const __m512i ids = _mm512_add_epi32(_mm512_set1_epi32(int(base)), lane_ids);
+        _mm512_storeu_ps(top.values + top.count, _mm512_maskz_compress_ps(__mmask16(cand), xs[p]));
+        _mm512_storeu_si512(top.indices + top.count, _mm512_maskz_compress_epi32(__mmask16(cand), ids));
+        top.count += __builtin_popcount(cand);
       }
+      top.settle();
     }
     rest_scalar = _mm512_reduce_max_ps(rest);
   } else
 #endif
   {
-    const packet top = pset1<packet>(std::numeric_limits<T>::infinity());
+    const packet infinity = pset1<packet>(std::numeric_limits<T>::infinity());
     packet rest = pset1<packet>(minus_inf);
     for (; i + group <= n; i += group) {
       const packet x0 = ploadu<packet>(z + i), x1 = ploadu<packet>(z + i + lanes);
       const packet x2 = ploadu<packet>(z + i + 2 * lanes), x3 = ploadu<packet>(z + i + 3 * lanes);
-      const packet t = pset1<packet>(threshold);
-      const packet fine = pand(pand(pcmp_lt(x0, top), pcmp_lt(x1, top)), pand(pcmp_lt(x2, top), pcmp_lt(x3, top)));
+      const packet t = pset1<packet>(top.threshold);
+      const packet fine = pand(pand(pcmp_lt(x0, infinity), pcmp_lt(x1, infinity)),
+                               pand(pcmp_lt(x2, infinity), pcmp_lt(x3, infinity)));
       const packet hit = por(por(pcmp_lt(t, x0), pcmp_lt(t, x1)), por(pcmp_lt(t, x2), pcmp_lt(t, x3)));
       if (!predux_any(hit) && !predux_any(pcmp_eq(fine, pzero(fine))) && !(sampled >= i && sampled < i + group)) {
         rest = pmax(rest, pmax(pmax(x0, x1), pmax(x2, x3)));
         continue;
       }
-      if (!scan_tokens(z, i, i + group, st, threshold, rest_scalar, out_max)) {
+      if (!scan_tokens(z, i, i + group, st, top, rest_scalar)) {
         check.bad = true;
         return 0.0;
       }
@@ -347,12 +420,13 @@ inline double sparsify_scan_topk(const T* z, std::size_t size, sparsify_state& s
     const T most = predux_max(rest);
     rest_scalar = most > rest_scalar ? most : rest_scalar;
   }
-  if (!scan_tokens(z, i, n, st, threshold, rest_scalar, out_max)) {
+  if (!scan_tokens(z, i, n, st, top, rest_scalar)) {
     check.bad = true;
     return 0.0;
   }
+  top.into(st);
   const double rest_max = static_cast<double>(rest_scalar);
-  const double m_out = out_max > rest_max ? out_max : rest_max;
+  const double m_out = top.out_max > rest_max ? top.out_max : rest_max;
   check.any_finite = st.size > 0 || m_out > neg_inf() || (st.has_sampled && st.sampled_logit > neg_inf());
   return m_out;
 }
