@@ -136,7 +136,7 @@ inline exact_sum tail_exp_sum(const T* z, std::size_t size, std::size_t first, c
   exact_sum total;
   if (m == neg_inf()) return total;
   const T shift = static_cast<T>(m);  // m is one of the row's logits: exact in T
-  const packet ps = pset1<packet>(shift), floor = pset1<packet>(lowest);
+  const packet ps = pset1<packet>(shift);
   sum_packet hi0 = pset1<sum_packet>(0.0), lo0 = hi0, hi1 = hi0, lo1 = hi0;
   alignas(64) T e[block_size];
   int next = 0;
@@ -150,10 +150,10 @@ inline exact_sum tail_exp_sum(const T* z, std::size_t size, std::size_t first, c
       for (long k = 0; k < count; k += per_line) __builtin_prefetch(ahead + begin + std::size_t(k), 0, 2);
     }
 #endif
-    packet below = pzero(ps);
+    packet low = pset1<packet>(T(0));  // the least argument (no NaN: the logits are checked)
     for (long k = 0; k < whole; k += lanes) {
       const packet d = psub(ploadu<packet>(x + k), ps);
-      below = por(below, pcmp_lt(d, floor));
+      low = pmin(low, d);
       pstore(e + k, pexp(d));
     }
     long padded = whole;
@@ -161,11 +161,11 @@ inline exact_sum tail_exp_sum(const T* z, std::size_t size, std::size_t first, c
       T last[lanes];
       for (long j = 0; j < lanes; ++j) last[j] = whole + j < count ? x[whole + j] : shift;
       const packet d = psub(ploadu<packet>(last), ps);
-      below = por(below, pcmp_lt(d, floor));
+      low = pmin(low, d);
       pstore(e + whole, pexp(d));
       padded = whole + lanes;
     }
-    if (predux_any(below)) {
+    if (predux_min(low) < lowest) {
       for (long k = 0; k < count; ++k)
         if (!(x[k] - shift >= lowest)) e[k] = std::exp(x[k] - shift);
     }

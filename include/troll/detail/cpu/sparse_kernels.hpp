@@ -7,7 +7,6 @@
 #include "eigen.hpp"
 #include <cmath>
 #include <cstddef>
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
