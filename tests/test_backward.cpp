@@ -79,17 +79,6 @@ TEST_CASE("every case sits inside its regime") {
 }
 
 
-TEST_CASE("project_jacobian: against the checker's numeric Jacobian") {
-  for (const row_case& c : small_cases()) {
-    const packing pack(c.batch, true, true, c.eps);
-    const troll::gradcheck_result r =
-        troll::check_jacobian(projection_function{&pack}, make_full_jacobian(pack), pack.x0(),
-                              pack.outputs(), opts(1e-7, 1e-5, c.step));
-    INFO(c.name << "\n" << r.report());
-    CHECK(r.ok);
-  }
-}
-
 TEST_CASE("project_jacobian agrees with project_backward on unit vectors") {
   for (const row_case& c : small_cases()) {
     const pair_batch& b = c.batch;

@@ -71,7 +71,14 @@ TEST_CASE("workspace_bytes: defined for every entry point and both policies") {
   sparse.new_support.k = 16;
   CHECK(workspace_bytes(cuda, op::objective_forward{}, sparse, 10, 100, 64) ==
         sparse_objective_workspace_bytes(10, 64, 16));
-  CHECK(workspace_bytes(cpu, op::objective_forward{}, sparse, 10, 100, 64) == 0);
+  // The CPU objectives' scratch: per-row weights, results and flags (dense TROLL: one row more).
+  CHECK(workspace_bytes(cpu, op::objective_forward{}, sparse, 10, 100, 64) ==
+        workspace_bytes(cpu, op::objective_backward{}, sparse, 10, 100, 64));
+  CHECK(workspace_bytes(cpu, op::objective_forward{}, sparse, 10, 100, 64) >= 10 * sizeof(double));
+  CHECK(workspace_bytes(cpu, op::objective_forward{}, trust_region_objective{}, 10, 100) >= 100 * sizeof(double));
+  CHECK(workspace_bytes(cpu, op::objective_backward{}, ppo_clip_objective{}, 10, 100) ==
+        workspace_bytes(cpu, op::objective_forward{}, dppo_objective{}, 10, 100));
+  CHECK(workspace_bytes(cpu, op::objective_forward{}, ppo_clip_objective{}, 0, 100) == 0);
   CHECK(workspace_bytes(cpu.with_threads(3), op::sparsify{}, 10, 100, 65) == 10 * (12 * 65 + 13));
   CHECK(workspace_bytes(cuda, op::sparsify{}, 10, 100, 65) == 0);
 }
@@ -105,4 +112,121 @@ TEST_CASE("cpu workspace: undersized, misaligned or null memory throws shape_err
   call(troll::cpu);  // no workspace: the CPU allocates its own
   CHECK(own == grad);
   for (double v : grad) CHECK(v != sentinel);
+}
+
+namespace {
+
+/// Calls `call(policy)` with the policy's workspace too short (8 bytes: not even the weights of
+/// the rows), misaligned and null (each must throw shape_error and leave `out` as it was), then
+/// with `need` bytes, the query's answer (the results must equal those of the call that
+/// allocates its own scratch).
+template <class Call, class Out>
+void check_objective_workspace(std::size_t need, Call call, const Out& out) {
+  REQUIRE(need > 0);
+  std::vector<double> memory(need / sizeof(double) + 2);
+  auto* bytes = reinterpret_cast<unsigned char*>(memory.data());
+  const Out before = out;
+  CHECK_THROWS_AS(call(troll::cpu.with_workspace(bytes, 8)), troll::shape_error);
+  CHECK_THROWS_AS(call(troll::cpu.with_workspace(bytes + 1, need)), troll::shape_error);
+  CHECK_THROWS_AS(call(troll::cpu.with_workspace(nullptr, need)), troll::shape_error);
+  CHECK(out == before);
+  call(troll::cpu.with_workspace(bytes, need));
+  const Out with_workspace = out;
+  CHECK(with_workspace != before);
+  call(troll::cpu.with_threads(3));  // no workspace: the documented convenience allocates
+  CHECK(out == with_workspace);
+}
+
+}  // namespace
+
+TEST_CASE("cpu objectives draw their scratch from the policy's workspace (sized, checked)") {
+  using troll::make_batch;
+  const std::size_t rows = 5, V = 12;
+  const std::vector<double> zn = consumer::logits(rows, V, 0.7), zo = consumer::logits(rows, V, 1.3);
+  const auto new_in = make_batch(zn.data(), rows, V);
+  const auto old_in = make_batch(zo.data(), rows, V);
+  const std::vector<troll::token_id> tokens{2, 5, 0, 11, 7};
+  const std::vector<double> advantages{1.0, -0.5, 0.25, 2.0, -1.0}, mask{1, 1, 0, 1, 1};
+  troll::token_batch<double> batch;
+  batch.tokens = tokens.data();
+  batch.advantages = advantages.data();
+  batch.loss_mask = mask.data();
+  const double sentinel = 1234.5;
+
+  const troll::trust_region_objective troll_objective;
+  std::vector<double> log_probs(rows * V, sentinel), token_loss(rows, sentinel);
+  std::vector<troll::projection_stats> stats(rows);
+  troll::objective_metrics metrics;
+  check_objective_workspace(
+      troll::workspace_bytes(troll::cpu, troll::op::objective_forward{}, troll_objective, rows, V),
+      [&](troll::cpu_policy p) {
+        troll::objective_forward(p, troll_objective, new_in, old_in, batch, make_batch(log_probs.data(), rows, V),
+                                 stats.data(), token_loss.data(), &metrics);
+      },
+      log_probs);
+  std::vector<double> grad(rows * V, sentinel);
+  check_objective_workspace(
+      troll::workspace_bytes(troll::cpu, troll::op::objective_backward{}, troll_objective, rows, V),
+      [&](troll::cpu_policy p) {
+        troll::objective_backward(p, troll_objective, new_in, old_in, batch, make_batch<const double>(log_probs.data(), rows, V),
+                                  stats.data(), make_batch(grad.data(), rows, V), 1.0);
+      },
+      grad);
+
+  troll::dppo_objective dppo;
+  dppo.divergence = troll::dppo_divergence::topk_kl;
+  dppo.top_k = 3;
+  const troll::ppo_clip_objective ppo;
+  std::vector<double> ppo_loss(rows, sentinel), ppo_grad(rows * V, sentinel), dppo_grad(rows * V, sentinel);
+  check_objective_workspace(
+      troll::workspace_bytes(troll::cpu, troll::op::objective_forward{}, ppo, rows, V),
+      [&](troll::cpu_policy p) { troll::objective_forward(p, ppo, new_in, old_in, batch, ppo_loss.data(), &metrics); },
+      ppo_loss);
+  check_objective_workspace(
+      troll::workspace_bytes(troll::cpu, troll::op::objective_backward{}, ppo, rows, V),
+      [&](troll::cpu_policy p) {
+        troll::objective_backward(p, ppo, new_in, old_in, batch, make_batch(ppo_grad.data(), rows, V), 1.0);
+      },
+      ppo_grad);
+  check_objective_workspace(
+      troll::workspace_bytes(troll::cpu, troll::op::objective_backward{}, dppo, rows, V),
+      [&](troll::cpu_policy p) {
+        troll::objective_backward(p, dppo, new_in, old_in, batch, make_batch(dppo_grad.data(), rows, V), 1.0);
+      },
+      dppo_grad);
+
+  // The sparse objective on old rows from sparsify (k = 3 and the sampled token).
+  troll::sparsify_options options;
+  options.k = 3;
+  const std::size_t k_old = 4, k_max = V;
+  std::vector<troll::sparse_index> old_indices(rows * k_old), old_counts(rows);
+  std::vector<double> old_values(rows * k_old), old_remainder(rows);
+  const troll::sparse_batch_view<double> old_rows{old_indices.data(), old_values.data(), old_counts.data(),
+                                                  old_remainder.data(), rows, k_old, V};
+  troll::sparsify(troll::cpu, old_in, tokens.data(), options, old_rows);
+  troll::sparse_trust_region_objective sparse;
+  sparse.new_support = options;
+  std::vector<troll::sparse_index> a_indices(rows * k_max), a_counts(rows), l_indices(rows * k_max), l_counts(rows);
+  std::vector<double> a_new(rows * k_max), a_old(rows * k_max), a_new_r(rows), a_old_r(rows);
+  std::vector<double> l_values(rows * k_max, sentinel), l_remainder(rows);
+  const troll::aligned_batch_view<double> aligned{a_indices.data(), a_counts.data(), a_new.data(), a_old.data(),
+                                                  a_new_r.data(),   a_old_r.data(),  rows,         k_max, V};
+  const troll::sparse_batch_view<double> sparse_lp{l_indices.data(), l_values.data(), l_counts.data(),
+                                                   l_remainder.data(), rows, k_max, V};
+  check_objective_workspace(
+      troll::workspace_bytes(troll::cpu, troll::op::objective_forward{}, sparse, rows, V, k_max),
+      [&](troll::cpu_policy p) {
+        troll::objective_forward(p, sparse, new_in, troll::sparse_input<double>(old_rows), batch, aligned, sparse_lp,
+                                 stats.data(), token_loss.data(), &metrics);
+      },
+      l_values);
+  std::vector<double> sparse_grad(rows * V, sentinel);
+  check_objective_workspace(
+      troll::workspace_bytes(troll::cpu, troll::op::objective_backward{}, sparse, rows, V, k_max),
+      [&](troll::cpu_policy p) {
+        troll::objective_backward(p, sparse, new_in, troll::aligned_input<double>(aligned), batch,
+                                  troll::sparse_input<double>(sparse_lp), stats.data(),
+                                  make_batch(sparse_grad.data(), rows, V), 1.0);
+      },
+      sparse_grad);
 }

@@ -16,9 +16,18 @@
 #include <string>
 #include <vector>
 
+#include "backend.hpp"
 #include "sparse_oracle.hpp"
 
 using namespace sparse_test;
+
+namespace troll_test {
+using oracle_backend = backend<troll::cpu_policy>;
+}  // namespace troll_test
+
+// The sparse projection against its long-double bisection oracle, one body for every backend
+// (also compiled for troll::cuda by tests/cuda/test_cuda_sparse_projection_oracle.cu).
+#include "../bodies/sparse_projection_oracle.hpp"
 
 namespace {
 
@@ -435,63 +444,6 @@ TEST_CASE("uniform tails: sparse KL and projection equal the dense ones to round
       double worst = 0.0;
       for (std::size_t i = 0; i < vocab; ++i) worst = std::max(worst, std::fabs(double(e[i]) - dense[r * vocab + i]));
       CHECK(worst < 1e-11);
-    }
-  }
-}
-
-TEST_CASE("sparse projection against a long-double bisection oracle, float and double") {
-  std::mt19937_64 rng(33);
-  const std::size_t vocab = 151936, rows = 4;
-  std::vector<double> zn, zo;
-  for (std::size_t r = 0; r < rows; ++r) {
-    auto a = zipf_logits<double>(vocab, 1.3, 0.4, rng);
-    auto b = zipf_logits<double>(vocab, 1.3, 0.4, rng);
-    for (std::size_t i = 0; i < vocab; ++i) b[i] = 0.5 * b[i] + 0.5 * a[i];
-    zn.insert(zn.end(), a.begin(), a.end());
-    zo.insert(zo.end(), b.begin(), b.end());
-  }
-  sparse_rows<double> sn(rows, 65, vocab), so(rows, 65, vocab);
-  troll::sparsify(troll::cpu, troll::make_batch(zn.data(), rows, vocab), nullptr, {64, 1e-5}, sn.view());
-  troll::sparsify(troll::cpu, troll::make_batch(zo.data(), rows, vocab), nullptr, {64, 1e-5}, so.view());
-  aligned_rows<double> al(rows, 130, vocab);
-  troll::align(troll::cpu, sn.view(), so.view(), al.view());
-  aligned_rows<float> alf(rows, 130, vocab);
-  alf.indices = al.indices;
-  alf.counts = al.counts;
-  for (std::size_t i = 0; i < al.new_log_probs.size(); ++i) {
-    alf.new_log_probs[i] = float(al.new_log_probs[i]);
-    alf.old_log_probs[i] = float(al.old_log_probs[i]);
-  }
-  for (std::size_t r = 0; r < rows; ++r) {
-    alf.new_log_remainder[r] = float(al.new_log_remainder[r]);
-    alf.old_log_remainder[r] = float(al.old_log_remainder[r]);
-  }
-  const double eps = 0.05;
-  sparse_rows<double> out(rows, 130, vocab);
-  sparse_rows<float> outf(rows, 130, vocab);
-  std::vector<troll::projection_stats> st(rows), stf(rows);
-  troll::project(troll::cpu, al.view(), eps, out.view(), st.data());
-  troll::project(troll::cpu, alf.view(), eps, outf.view(), stf.data());
-  for (std::size_t r = 0; r < rows; ++r) {
-    CAPTURE(r);
-    const int n = al.counts[r];
-    std::vector<ld> ln, lo;
-    for (int i = 0; i < n; ++i) {
-      ln.push_back(ld(al.new_log_probs[r * 130 + std::size_t(i)]));
-      lo.push_back(ld(al.old_log_probs[r * 130 + std::size_t(i)]));
-    }
-    ln.push_back(ld(al.new_log_remainder[r]));
-    lo.push_back(ld(al.old_log_remainder[r]));
-    ld t = 0;
-    const std::vector<ld> ref = oracle_project(ln, lo, ld(eps), &t);
-    CHECK(st[r].status == troll::row_status::projected);
-    CHECK(st[r].t == doctest::Approx(double(t)).epsilon(1e-9));
-    CHECK(std::fabs(st[r].kl_after - eps) <= 1e-12);
-    for (int i = 0; i <= n; ++i) {
-      const double got = i < n ? out.log_probs[r * 130 + std::size_t(i)] : out.log_remainder[r];
-      const double gotf = i < n ? outf.log_probs[r * 130 + std::size_t(i)] : outf.log_remainder[r];
-      CHECK(got == doctest::Approx(double(ref[std::size_t(i)])).epsilon(1e-10));
-      CHECK(gotf == doctest::Approx(double(ref[std::size_t(i)])).epsilon(2e-5));
     }
   }
 }

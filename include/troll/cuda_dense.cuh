@@ -61,10 +61,7 @@ void kl(cuda_policy policy, input_view<T> p_logits, input_view<T> q_logits, T* k
   const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "kl";
-  detail::check_view(fn, "p_logits", p_logits);
-  detail::check_view(fn, "q_logits", q_logits);
-  detail::check_same_shape(fn, "p_logits", p_logits, "q_logits", q_logits);
-  if (p_logits.rows != 0 && kl_out == nullptr) detail::throw_shape(fn, "kl_out is a null pointer");
+  detail::check_kl_arguments<T>(fn, p_logits, q_logits, kl_out);
   static const char* const names[3] = {"p_logits", "q_logits", ""};
   detail::cuda::run(fn, policy.stream, p_logits.rows, checks, names,
                     [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
@@ -99,9 +96,9 @@ void kl_backward(cuda_policy policy, input_view<T> p_logits, input_view<T> q_log
   const detail::cuda::throw_derivative_report thrower;
   cuda_checks unchecked = checks;
   if (checks.checked && p_logits.rows != 0) {
-    // The CPU validates every row's logits before any row's g and KL: two checked passes.
-    detail::cuda::validate_or_throw(fn, policy.stream, p_logits.rows, names, launch(true), thrower);
-    detail::cuda::validate_or_throw(fn, policy.stream, p_logits.rows, names, launch(false), thrower);
+    // The CPU validates every row's logits before any row's g and KL: two stages, one pass.
+    detail::cuda::validate_stages_or_throw(
+        fn, policy.stream, p_logits.rows, names, 2, [&](int stage) { return launch(stage == 0); }, thrower);
     unchecked.checked = false;
   }
   detail::cuda::run(fn, policy.stream, p_logits.rows, unchecked, names, launch(false), thrower);

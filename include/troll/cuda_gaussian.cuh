@@ -7,7 +7,11 @@
 //
 // Every view and `stats` is device memory; work is enqueued on policy.stream, nothing allocates
 // and nothing synchronises. One warp per row: full covariances for d ≤ 32, diagonal ones for
-// d ≤ 2048 (larger d: shape_error). The host checks shapes, bounds and options and throws as the
+// d ≤ 2048; full covariances for 32 < d ≤ 256 one block per row, the row's work (a few d×d
+// matrices) in the caller's workspace: policy.with_workspace(p, bytes) with
+// bytes = troll::workspace_bytes(troll::cuda, troll::op::gaussian_project_joint{}, rows, d)
+// (0 up to d = 32; an undersized, null or misaligned workspace: shape_error before anything is
+// written). Larger d: shape_error. The host checks shapes, bounds and options and throws as the
 // CPU does; the values are checked on the device, where a row the CPU would reject (non-finite
 // entries, a standard deviation or factor diagonal ≤ 0, a non-zero above a factor's diagonal) is
 // written as NaN with stats.status = row_status::rejected; with troll::cuda.on(s).checked() the
@@ -26,8 +30,11 @@
 #include "detail/arguments.hpp"
 #include "detail/cuda/error_check.cuh"
 #include "detail/cuda/gaussian_checked.cuh"
+#include "detail/cuda/gaussian_full_block_kernels.cuh"
 #include "detail/cuda/gaussian_kernels.cuh"
 #include "detail/gaussian_checks.hpp"
+#include "detail/workspace.hpp"
+#include "detail/workspace_layout.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
 #include "gaussian_types.hpp"
@@ -41,21 +48,30 @@ template <class T>
 void project_gaussian(cuda_policy policy, const gaussian_call& call, batch_view<const T> mean,
                       batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
                       double eps_mean, double eps_cov, batch_view<T> out_mean, batch_view<T> out_cov,
-                      gaussian::gaussian_stats* stats, const projection_options& opt) {
+                      gaussian::gaussian_stats* stats, const projection_options& opt,
+                      gaussian::saved_factorisation<double> saved = {}) {
   require_float_type<T>();
   const gaussian_call c = check_projection_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, stats,
                                                      eps_mean, eps_cov, opt);
-  const std::size_t max_dim = c.full ? gaussian_full_max_dim : gaussian_diag_max_dim;
+  const std::size_t max_dim = gaussian_max_dim(c.full);
   if (c.dim > max_dim)
     throw_shape(c.function, std::string("d = ") + std::to_string(c.dim) + " is above the CUDA backend's " +
                                 std::to_string(max_dim) + (c.full ? " for full covariances" : " for diagonal ones") +
-                                " (one warp per row); use the CPU backend");
+                                "; use the CPU backend");
+  check_saved_factorisation(c, mean.rows, saved);
+  const bool block_rows = c.full && c.dim > gaussian_full_max_dim;  // one block per row, workspace scratch
+  const std::size_t row_bytes = gaussian_forward_row_bytes(c.dim);
+  if (block_rows) check_workspace(c.function, policy.workspace, gaussian_full_workspace_bytes(mean.rows, c.dim, row_bytes));
   if (mean.rows == 0) return;
   check_gaussian_rows_on_host(policy, c, mean, cov, old_mean, old_cov);
   const gaussian_launch<T> launch{mean, cov, old_mean, old_cov, out_mean, out_cov, stats, eps_mean, eps_cov, opt,
-                                  c.split};
+                                  c.split, saved};
   const unsigned grid = grid_for(mean.rows);
-  if (c.full) {
+  if (block_rows) {
+    const auto blocks = static_cast<unsigned>(gaussian_full_blocks(mean.rows, row_bytes));
+    gaussian_full_block_kernel<T><<<blocks, gaussian_full_threads, 0, policy.stream>>>(
+        launch, static_cast<double*>(policy.workspace.data), row_bytes / sizeof(double));
+  } else if (c.full) {
     const std::size_t shared = (4 * c.dim * c.dim + 4 * c.dim) * sizeof(double);
     gaussian_full_kernel<T><<<grid, gaussian_warp, shared, policy.stream>>>(launch);
   } else {
@@ -71,22 +87,27 @@ void project_gaussian(cuda_policy policy, const gaussian_call& call, batch_view<
 namespace gaussian {
 
 /// project_joint on the device (troll/gaussian.hpp; rejected rows: NaN and status rejected).
+/// `saved` (optional, device memory): filled with each row's factorisation as on the CPU, for
+/// the backward / JVP of the same inputs (rejected rows leave it untouched).
 template <class T>
 void project_joint(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
                    input_view<T> old_cov_chol, double eps, batch_view<T> out_mean, batch_view<T> out_cov_chol,
-                   gaussian_stats* stats, const projection_options& options = {}) {
+                   gaussian_stats* stats, const projection_options& options = {},
+                   saved_factorisation<double> saved = {}) {
   detail::cuda::project_gaussian(policy, detail::gaussian_call{"gaussian::project_joint", true, false}, mean,
-                                 cov_chol, old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol, stats, options);
+                                 cov_chol, old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol, stats, options,
+                                 saved);
 }
 
 /// project_split on the device.
 template <class T>
 void project_split(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
                    input_view<T> old_cov_chol, double eps_mean, double eps_cov, batch_view<T> out_mean,
-                   batch_view<T> out_cov_chol, gaussian_stats* stats, const projection_options& options = {}) {
+                   batch_view<T> out_cov_chol, gaussian_stats* stats, const projection_options& options = {},
+                   saved_factorisation<double> saved = {}) {
   detail::cuda::project_gaussian(policy, detail::gaussian_call{"gaussian::project_split", true, true}, mean,
                                  cov_chol, old_mean, old_cov_chol, eps_mean, eps_cov, out_mean, out_cov_chol, stats,
-                                 options);
+                                 options, saved);
 }
 
 /// project_joint_diag on the device.

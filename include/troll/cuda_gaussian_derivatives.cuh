@@ -1,21 +1,25 @@
-// troll/cuda_gaussian_derivatives.cuh — the CUDA backend of the Gaussian KL and of the diagonal
-// projections' derivatives (nvcc only): troll::gaussian::kl, kl_diag, project_joint_diag_backward,
-// project_split_diag_backward, project_joint_diag_jvp and project_split_diag_jvp under the
+// troll/cuda_gaussian_derivatives.cuh — the CUDA backend of the Gaussian KL and of the
+// projections' derivatives (nvcc only): troll::gaussian::kl, kl_diag, project_joint_backward,
+// project_split_backward, project_joint_jvp, project_split_jvp and their _diag forms under the
 // troll::cuda policy tag, with exactly the CPU overloads' argument lists (troll/gaussian.hpp,
-// gaussian_backward.hpp, gaussian_jvp.hpp):
+// gaussian_backward.hpp, gaussian_jvp.hpp), the full ones with the optional saved factorisation:
 //
 //   troll::gaussian::project_joint_diag_backward(troll::cuda.on(stream), mean, std_dev, old_mean,
 //       old_std_dev, eps, out_mean, out_std_dev, stats, grad_out_mean, grad_out_std_dev, grads);
 //
-// Every view, `stats`, `out` and the bound-gradient arrays of `grads` are device memory; work is
-// enqueued on policy.stream, nothing allocates and nothing synchronises (no workspace:
-// workspace_bytes is 0 for every Gaussian tag). One warp per row: diagonal rows up to d = 2048,
-// full rows (kl) up to d = 32 (larger d: shape_error). The host checks shapes and bounds as the
-// CPU does. By default the values are checked on the device: a row the CPU would reject (bad
-// values, forward stats not solved with t in (0, 1]) gets NaN in every requested output. With
-// troll::cuda.on(s).checked() the rows are checked on the host first (gaussian_checked.cuh) and
-// the first bad one throws the CPU's exception, naming it, before anything is written.
-// The full-covariance backward and JVP run on the CPU only for now.
+// Every view, `stats`, `out`, `saved` and the bound-gradient arrays of `grads` are device memory;
+// work is enqueued on policy.stream, nothing allocates and nothing synchronises. Diagonal rows:
+// one warp per row up to d = 2048, no workspace. Full rows up to d = 256: the KL one warp per row
+// up to d = 32, the backward and JVP one block per row running the matrix steps shared with the
+// host (detail/gaussian_full_derivatives.hpp) with the row in shared memory up to d = 32; above
+// d = 32 every full entry point keeps its rows' scratch in the caller's workspace
+// (policy.with_workspace(p, troll::workspace_bytes(troll::cuda, troll::op::gaussian_X{}, rows, d));
+// undersized, null or misaligned: shape_error before anything is written). Larger d: shape_error.
+// The host checks shapes and bounds as the CPU does. By default the values are checked on the
+// device: a row the CPU would reject (bad values, forward stats not solved with t in (0, 1]) gets
+// NaN in every requested output. With troll::cuda.on(s).checked() the rows are checked on the
+// host first (gaussian_checked.cuh) and the first bad one throws the CPU's exception, naming it,
+// before anything is written.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,8 +32,12 @@
 #include "detail/cuda/error_check.cuh"
 #include "detail/cuda/gaussian_checked.cuh"
 #include "detail/cuda/gaussian_derivative_kernels.cuh"
+#include "detail/cuda/gaussian_full_block_kernels.cuh"
+#include "detail/cuda/gaussian_full_derivative_kernels.cuh"
 #include "detail/cuda/gaussian_kernels.cuh"
 #include "detail/gaussian_checks.hpp"
+#include "detail/workspace.hpp"
+#include "detail/workspace_layout.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
 #include "gaussian_types.hpp"
@@ -38,13 +46,27 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cuda {
 
-/// shape_error unless d fits one warp per row (full: gaussian_full_max_dim, diagonal: _diag_).
+/// shape_error unless the device takes d (gaussian_max_dim: full 256, diagonal 2048).
 inline void check_gaussian_dim(const gaussian_call& c) {
-  const std::size_t max_dim = c.full ? gaussian_full_max_dim : gaussian_diag_max_dim;
+  const std::size_t max_dim = gaussian_max_dim(c.full);
   if (c.dim > max_dim)
     throw_shape(c.function, std::string("d = ") + std::to_string(c.dim) + " is above the CUDA backend's " +
                                 std::to_string(max_dim) + (c.full ? " for full covariances" : " for diagonal ones") +
-                                " (one warp per row); use the CPU backend");
+                                "; use the CPU backend");
+}
+
+/// Full rows above d = 32 keep their scratch in the caller's workspace: shape_error unless it
+/// holds gaussian_full_workspace_bytes; returns it (null up to d = 32).
+inline double* full_workspace(const cuda_policy& policy, const gaussian_call& c, std::size_t rows,
+                              std::size_t row_bytes) {
+  if (!c.full || c.dim <= gaussian_full_max_dim) return nullptr;
+  check_workspace(c.function, policy.workspace, gaussian_full_workspace_bytes(rows, c.dim, row_bytes));
+  return static_cast<double*>(policy.workspace.data);
+}
+
+/// Grid of a full-row block kernel: gaussian_full_blocks with the workspace, grid_for without.
+inline unsigned full_grid(std::size_t rows, const double* workspace, std::size_t row_bytes) {
+  return workspace == nullptr ? grid_for(rows) : static_cast<unsigned>(gaussian_full_blocks(rows, row_bytes));
 }
 
 template <class T>
@@ -54,11 +76,16 @@ void gaussian_kl(cuda_policy policy, const gaussian_call& call, batch_view<const
   const gaussian_call c = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, mean, cov);
   if (out == nullptr && mean.rows != 0) throw_shape(c.function, "out is a null pointer");
   check_gaussian_dim(c);
+  const std::size_t row_bytes = gaussian_forward_row_bytes(c.dim);
+  double* workspace = full_workspace(policy, c, mean.rows, row_bytes);
   if (mean.rows == 0) return;
   check_gaussian_rows_on_host(policy, c, mean, cov, old_mean, old_cov);
   const gaussian_kl_launch<T> launch{mean, cov, old_mean, old_cov, out};
   const unsigned grid = grid_for(mean.rows);
-  if (c.full) {
+  if (workspace != nullptr) {
+    gaussian_kl_full_block_kernel<T><<<full_grid(mean.rows, workspace, row_bytes), gaussian_full_threads, 0,
+                                       policy.stream>>>(launch, workspace, row_bytes / sizeof(double));
+  } else if (c.full) {
     const std::size_t shared = (4 * c.dim * c.dim + 4 * c.dim) * sizeof(double);
     gaussian_kl_full_kernel<T><<<grid, gaussian_warp, shared, policy.stream>>>(launch);
   } else {
@@ -111,12 +138,80 @@ void project_gaussian_diag_jvp(cuda_policy policy, gaussian_call call, batch_vie
   check_launch(call.function);
 }
 
+/// Dynamic shared memory of a full-covariance derivative row (the row scratch), raising the
+/// kernel's limit above the default 48 KB when it needs more.
+template <class Kernel>
+std::size_t full_derivative_shared(Kernel kernel, std::size_t d, const char* function) {
+  const std::size_t bytes = full_scratch::doubles(d) * sizeof(double);
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+        function, "shared memory limit of the full-covariance derivative kernel");
+  return bytes;
+}
+
+template <class T>
+void project_gaussian_full_backward(cuda_policy policy, gaussian_call call, batch_view<const T> mean,
+                                    batch_view<const T> cov, batch_view<const T> old_mean,
+                                    batch_view<const T> old_cov, double eps_mean, double eps_cov,
+                                    batch_view<const T> out_mean, batch_view<const T> out_cov,
+                                    const gaussian::gaussian_stats* stats, batch_view<const T> grad_out_mean,
+                                    batch_view<const T> grad_out_cov, const gaussian::gaussian_grads<T>& grads,
+                                    gaussian::saved_factorisation<const double> saved) {
+  require_float_type<T>();
+  call = check_derivative_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean,
+                                    grad_out_cov, stats, eps_mean, eps_cov);
+  const char* fn = call.function;
+  check_optional_view(fn, "grads.mean", grads.mean, mean);
+  check_optional_view(fn, "grads.cov", grads.cov, cov);
+  check_optional_view(fn, "grads.old_mean", grads.old_mean, old_mean);
+  check_optional_view(fn, "grads.old_cov", grads.old_cov, old_cov);
+  check_saved_factorisation(call, mean.rows, saved);
+  check_gaussian_dim(call);
+  const std::size_t row_bytes = gaussian_derivative_row_bytes(call.dim);
+  double* workspace = full_workspace(policy, call, mean.rows, row_bytes);
+  if (mean.rows == 0) return;
+  check_gaussian_rows_on_host(policy, call, mean, cov, old_mean, old_cov, stats, "backward");
+  const gaussian_vjp_launch<T> launch{mean,          cov,   old_mean, old_cov, out_mean, out_cov, grad_out_mean,
+                                      grad_out_cov,  stats, grads,    eps_mean, call.split};
+  const std::size_t shared =
+      workspace != nullptr ? 0 : full_derivative_shared(gaussian_vjp_full_kernel<T>, call.dim, fn);
+  gaussian_vjp_full_kernel<T><<<full_grid(mean.rows, workspace, row_bytes), gaussian_full_threads, shared,
+                                policy.stream>>>(launch, saved, workspace, row_bytes / sizeof(double));
+  check_launch(fn);
+}
+
+template <class T>
+void project_gaussian_full_jvp(cuda_policy policy, gaussian_call call, batch_view<const T> mean,
+                               batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
+                               double eps_mean, double eps_cov, batch_view<const T> out_mean,
+                               batch_view<const T> out_cov, const gaussian::gaussian_stats* stats,
+                               const gaussian::gaussian_tangents<T>& tangents, batch_view<T> tangent_out_mean,
+                               batch_view<T> tangent_out_cov, gaussian::saved_factorisation<const double> saved) {
+  require_float_type<T>();
+  call = check_derivative_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
+                                    tangent_out_cov, stats, eps_mean, eps_cov);
+  check_jvp_tangents(call.function, tangents, mean, cov, old_mean, old_cov);
+  check_saved_factorisation(call, mean.rows, saved);
+  check_gaussian_dim(call);
+  const std::size_t row_bytes = gaussian_derivative_row_bytes(call.dim);
+  double* workspace = full_workspace(policy, call, mean.rows, row_bytes);
+  if (mean.rows == 0) return;
+  check_gaussian_rows_on_host(policy, call, mean, cov, old_mean, old_cov, stats, "JVP");
+  const gaussian_jvp_launch<T> launch{mean,     cov,           old_mean,        old_cov, stats, tangents,
+                                      tangent_out_mean, tangent_out_cov, eps_mean, call.split};
+  const std::size_t shared =
+      workspace != nullptr ? 0 : full_derivative_shared(gaussian_jvp_full_kernel<T>, call.dim, call.function);
+  gaussian_jvp_full_kernel<T><<<full_grid(mean.rows, workspace, row_bytes), gaussian_full_threads, shared,
+                                policy.stream>>>(launch, out_cov, saved, workspace, row_bytes / sizeof(double));
+  check_launch(call.function);
+}
+
 }  // namespace cuda
 }  // namespace detail
 
 namespace gaussian {
 
-/// kl on the device (troll/gaussian.hpp): full rows up to d = 32; out is device memory.
+/// kl on the device (troll/gaussian.hpp): full rows up to d = 256 (workspace above d = 32); out is
+/// device memory.
 template <class T>
 void kl(cuda_policy policy, batch_view<const T> mean, batch_view<const T> cov_chol, batch_view<const T> old_mean,
         batch_view<const T> old_cov_chol, double* out) {
@@ -179,6 +274,55 @@ void project_split_diag_jvp(cuda_policy policy, input_view<T> mean, input_view<T
                                           detail::gaussian_call{"gaussian::project_split_diag_jvp", false, true},
                                           mean, std_dev, old_mean, old_std_dev, eps_mean, eps_cov, out_mean,
                                           out_std_dev, stats, tangents, tangent_out_mean, tangent_out_std_dev);
+}
+
+/// project_joint_backward on the device (troll/gaussian_backward.hpp): one block per row, the
+/// shared matrix steps of detail/gaussian_full_derivatives.hpp; `saved` (optional, device memory):
+/// the factorisation the forward of these inputs saved.
+template <class T>
+void project_joint_backward(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
+                            input_view<T> old_cov_chol, double eps, input_view<T> out_mean,
+                            input_view<T> out_cov_chol, const gaussian_stats* stats, input_view<T> grad_out_mean,
+                            input_view<T> grad_out_cov_chol, const gaussian_grads<T>& grads,
+                            saved_factorisation<const double> saved = {}) {
+  detail::cuda::project_gaussian_full_backward(
+      policy, detail::gaussian_call{"gaussian::project_joint_backward", true, false}, mean, cov_chol, old_mean,
+      old_cov_chol, eps, eps, out_mean, out_cov_chol, stats, grad_out_mean, grad_out_cov_chol, grads, saved);
+}
+
+/// project_split_backward on the device.
+template <class T>
+void project_split_backward(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
+                            input_view<T> old_cov_chol, double eps_mean, double eps_cov, input_view<T> out_mean,
+                            input_view<T> out_cov_chol, const gaussian_stats* stats, input_view<T> grad_out_mean,
+                            input_view<T> grad_out_cov_chol, const gaussian_grads<T>& grads,
+                            saved_factorisation<const double> saved = {}) {
+  detail::cuda::project_gaussian_full_backward(
+      policy, detail::gaussian_call{"gaussian::project_split_backward", true, true}, mean, cov_chol, old_mean,
+      old_cov_chol, eps_mean, eps_cov, out_mean, out_cov_chol, stats, grad_out_mean, grad_out_cov_chol, grads, saved);
+}
+
+/// project_joint_jvp on the device (troll/gaussian_jvp.hpp).
+template <class T>
+void project_joint_jvp(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
+                       input_view<T> old_cov_chol, double eps, input_view<T> out_mean, input_view<T> out_cov_chol,
+                       const gaussian_stats* stats, const gaussian_tangents<T>& tangents, batch_view<T> tangent_out_mean,
+                       batch_view<T> tangent_out_cov_chol, saved_factorisation<const double> saved = {}) {
+  detail::cuda::project_gaussian_full_jvp(policy, detail::gaussian_call{"gaussian::project_joint_jvp", true, false},
+                                          mean, cov_chol, old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol,
+                                          stats, tangents, tangent_out_mean, tangent_out_cov_chol, saved);
+}
+
+/// project_split_jvp on the device.
+template <class T>
+void project_split_jvp(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
+                       input_view<T> old_cov_chol, double eps_mean, double eps_cov, input_view<T> out_mean,
+                       input_view<T> out_cov_chol, const gaussian_stats* stats, const gaussian_tangents<T>& tangents,
+                       batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov_chol,
+                       saved_factorisation<const double> saved = {}) {
+  detail::cuda::project_gaussian_full_jvp(policy, detail::gaussian_call{"gaussian::project_split_jvp", true, true},
+                                          mean, cov_chol, old_mean, old_cov_chol, eps_mean, eps_cov, out_mean,
+                                          out_cov_chol, stats, tangents, tangent_out_mean, tangent_out_cov_chol, saved);
 }
 
 }  // namespace gaussian

@@ -47,11 +47,7 @@ void objective_forward(cuda_policy policy, const trust_region_objective& objecti
   const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_forward";
-  detail::check_trust_region(fn, objective);
-  detail::check_objective_shapes(fn, new_logits, old_logits, in);
-  detail::check_view(fn, "log_probs", log_probs);
-  detail::check_same_shape(fn, "new_logits", new_logits, "log_probs", log_probs);
-  if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  detail::check_troll_forward_arguments<T>(fn, objective, new_logits, old_logits, in, log_probs, stats);
   if (metrics == nullptr) detail::throw_shape(fn, "metrics is a null pointer");
   detail::check_workspace(fn, policy.workspace, detail::cuda::objective_workspace_bytes(new_logits.rows));
   void* const workspace = policy.workspace.data;
@@ -86,17 +82,10 @@ void objective_backward(cuda_policy policy, const trust_region_objective& object
   const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_backward";
-  detail::check_trust_region(fn, objective);
-  detail::check_objective_shapes(fn, new_logits, old_logits, in);
-  detail::check_view(fn, "log_probs", log_probs);
-  detail::check_same_shape(fn, "new_logits", new_logits, "log_probs", log_probs);
-  detail::check_view(fn, "grad_new", grad_new);
-  detail::check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
-  if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  detail::check_troll_backward_arguments<T>(fn, objective, new_logits, old_logits, in, log_probs, stats,
+                                            grad_new, grad_loss);
   detail::check_workspace(fn, policy.workspace, detail::cuda::objective_workspace_bytes(new_logits.rows));
   void* const workspace = policy.workspace.data;
-  if (!(grad_loss - grad_loss == 0.0))
-    throw domain_error("troll::objective_backward: grad_loss is not finite");
   if (new_logits.rows == 0) return;
   using detail::cuda::objective_row_record;
   objective_row_record* header = static_cast<objective_row_record*>(workspace);
@@ -115,10 +104,11 @@ void objective_backward(cuda_policy policy, const trust_region_objective& object
   const detail::cuda::throw_objective_report thrower;
   cuda_checks unchecked = checks;
   if (checks.checked) {
-    // The CPU checks every row's logits and token data before any row's stats: two passes, so
-    // that the same row is thrown.
-    detail::cuda::validate_or_throw(fn, policy.stream, new_logits.rows, names, launch(nullptr), thrower);
-    detail::cuda::validate_or_throw(fn, policy.stream, new_logits.rows, names, launch(stats), thrower);
+    // The CPU checks every row's logits and token data before any row's stats: two validation
+    // stages (one pass, one synchronisation), so that the same row is thrown.
+    detail::cuda::validate_stages_or_throw(
+        fn, policy.stream, new_logits.rows, names, 2,
+        [&](int stage) { return launch(stage == 0 ? nullptr : stats); }, thrower);
     unchecked.checked = false;
   }
   detail::cuda::run(fn, policy.stream, new_logits.rows, unchecked, names, launch(stats), thrower);
@@ -127,59 +117,34 @@ void objective_backward(cuda_policy policy, const trust_region_objective& object
 // ---- The baselines, PPO clip and DPPO (no projection; the ratio is p̃_a / q_a) ----
 
 
-/// PPO clip's forward on the device (troll::objective_forward(cpu_policy, ppo_clip_objective,
-/// ...)): ℓ_r to `token_loss` (optional), the aggregated loss and metrics (limited_fraction =
-/// clipped tokens) to `*metrics`. Memory, workspace and validation as TROLL's overload (the
-/// CPU's checks without the projection's: disjoint supports are accepted).
-template <class T>
-void objective_forward(cuda_policy policy, const ppo_clip_objective& objective,
+/// A ratio baseline's forward on the device (troll::objective_forward(cpu_policy, ppo_clip_objective
+/// / dppo_objective, ...)): ℓ_r to `token_loss` (optional), the aggregated loss and metrics
+/// (limited_fraction = clipped or masked tokens, divergence_mean = DPPO's mean divergence
+/// estimate) to `*metrics`. Memory, workspace and validation as TROLL's overload (the CPU's
+/// checks without the projection's: disjoint supports are accepted). DPPO's top-K divergences
+/// select the old row's K largest logits with a radix select (a few extra passes over the row).
+template <class T, class Objective, detail::if_ratio_objective<Objective> = 0>
+void objective_forward(cuda_policy policy, const Objective& objective,
                        input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
                        typename detail::identity<T>::type* token_loss, objective_metrics* metrics) {
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_forward";
   detail::cuda::ratio_forward<T>(fn, policy, detail::make_spec(fn, objective), new_logits, old_logits,
-                              in, token_loss, metrics);
+                                 in, token_loss, metrics);
 }
 
-/// PPO clip's backward on the device: grad_new = grad_loss · ∂L/∂z̃,
-/// ∂ℓ/∂z̃_j = (∂ℓ/∂r)·r·(δ_ja − p̃_j). `workspace` as TROLL's backward.
-template <class T>
-void objective_backward(cuda_policy policy, const ppo_clip_objective& objective,
+/// A ratio baseline's backward on the device: grad_new = grad_loss · ∂L/∂z̃,
+/// ∂ℓ/∂z̃_j = (∂ℓ/∂r)·r·(δ_ja − p̃_j) (DPPO's mask recomputed per row, as on the CPU). `workspace`
+/// as TROLL's backward.
+template <class T, class Objective, detail::if_ratio_objective<Objective> = 0>
+void objective_backward(cuda_policy policy, const Objective& objective,
                         input_view<T> new_logits, input_view<T> old_logits,
                         const token_batch<T>& in, batch_view<T> grad_new,
                         double grad_loss = 1.0) {
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_backward";
   detail::cuda::ratio_backward<T>(fn, policy, detail::make_spec(fn, objective), new_logits,
-                               old_logits, in, grad_new, grad_loss);
-}
-
-/// DPPO's forward on the device (troll::objective_forward(cpu_policy, dppo_objective, ...)): ℓ_r
-/// to `token_loss` (optional), the aggregated loss and metrics (limited_fraction = masked
-/// tokens, divergence_mean = the mean divergence estimate) to `*metrics`. Memory, workspace and
-/// validation as PPO clip's overload. The top-K divergences select the old row's K largest
-/// logits on the device with a radix select (a few extra passes over the old row).
-template <class T>
-void objective_forward(cuda_policy policy, const dppo_objective& objective,
-                       input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
-                       typename detail::identity<T>::type* token_loss, objective_metrics* metrics) {
-  detail::require_float_type<T>();
-  constexpr const char* fn = "objective_forward";
-  detail::cuda::ratio_forward<T>(fn, policy, detail::make_spec(fn, objective), new_logits, old_logits,
-                              in, token_loss, metrics);
-}
-
-/// DPPO's backward on the device: grad_new = grad_loss · ∂L/∂z̃, ∂ℓ/∂z̃_j = −M·A·r·(δ_ja − p̃_j),
-/// the mask M held constant (recomputed per row, as on the CPU). `workspace` as TROLL's backward.
-template <class T>
-void objective_backward(cuda_policy policy, const dppo_objective& objective,
-                        input_view<T> new_logits, input_view<T> old_logits,
-                        const token_batch<T>& in, batch_view<T> grad_new,
-                        double grad_loss = 1.0) {
-  detail::require_float_type<T>();
-  constexpr const char* fn = "objective_backward";
-  detail::cuda::ratio_backward<T>(fn, policy, detail::make_spec(fn, objective), new_logits,
-                               old_logits, in, grad_new, grad_loss);
+                                  old_logits, in, grad_new, grad_loss);
 }
 
 TROLL_END_NAMESPACE

@@ -194,13 +194,7 @@ void align(cuda_policy policy, sparse_input<T> new_rows, sparse_input<T> old_row
   const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "align";
-  detail::check_sparse_view(fn, "new", new_rows);
-  detail::check_sparse_view(fn, "old", old_rows);
-  detail::check_aligned_view(fn, "out", out);
-  detail::check_same_rows(fn, "new", new_rows.rows, "old", old_rows.rows);
-  detail::check_same_rows(fn, "new", new_rows.rows, "out", out.rows);
-  detail::check_same_vocab(fn, "new", new_rows.vocab, "old", old_rows.vocab);
-  detail::check_same_vocab(fn, "new", new_rows.vocab, "out", out.vocab);
+  detail::check_sparse_align_arguments(fn, new_rows, old_rows, out);
   const detail::cuda::sparse_thrower thrower{
       {"new", "old", nullptr, nullptr, nullptr, nullptr, "out (the union of the supports)", nullptr}, 0};
   detail::cuda::run_sparse(fn, policy.stream, new_rows.rows, checks, thrower,
@@ -352,7 +346,7 @@ void sparsify_backward(cuda_policy policy, batch_view<L> logits, sparse_input<T>
 /// vocab_offset + cols) of sparsify_backward's gradient, from `log_sums` (device, rows × 2, what
 /// sparsify_finalize wrote). One pass per row, no communication. Host checks as on the CPU; rejected
 /// rows (NaN / +inf shard logits, unusable log_sums, a bad support row, a NaN / infinite gradient)
-/// get NaN, or throw the CPU's exception in checked mode (three validation passes, in the CPU's
+/// get NaN, or throw the CPU's exception in checked mode (three validation stages in one pass, in the CPU's
 /// order over all rows).
 template <class L, class T>
 void sparsify_shard_backward(cuda_policy policy, batch_view<L> shard_logits, std::size_t vocab_offset,
@@ -378,8 +372,7 @@ void sparsify_shard_backward(cuda_policy policy, batch_view<L> shard_logits, std
   cuda_checks checks = policy.checks;
   if (checks.checked && in.rows != 0) {
     static const char* const unused[3] = {"", "", ""};
-    for (int stage = 0; stage < 3; ++stage)
-      detail::cuda::validate_or_throw(fn, policy.stream, in.rows, unused, launch(stage), thrower);
+    detail::cuda::validate_stages_or_throw(fn, policy.stream, in.rows, unused, 3, launch, thrower);
     checks.checked = false;
   }
   detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower, launch(2));

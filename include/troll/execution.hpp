@@ -18,12 +18,21 @@ struct CUstream_st;
 TROLL_BEGIN_NAMESPACE
 
 /// Caller-owned scratch memory: `bytes` bytes at `data` (host memory for cpu_policy, device memory
-/// for cuda_policy). troll checks the size and the 16-byte alignment before writing anything and
+/// for cuda_policy). troll checks the size and the 8-byte alignment before writing anything and
 /// never keeps a pointer past the call; the contents need no initialisation.
 struct scratch_memory {
   void* data = nullptr;
   std::size_t bytes = 0;
 };
+
+namespace detail {
+/// A copy of `policy` with one member replaced (the policies' builder methods).
+template <class Policy, class Member, class Value>
+constexpr Policy with_member(Policy policy, Member Policy::*member, const Value& value) {
+  policy.*member = value;
+  return policy;
+}
+}  // namespace detail
 
 /// CPU backend (Eigen for the per-row vector work, a worker pool across rows).
 ///
@@ -35,15 +44,9 @@ struct cpu_policy {
   unsigned threads = 0;
   scratch_memory workspace{};
 
-  constexpr cpu_policy with_threads(unsigned n) const {
-    cpu_policy p = *this;
-    p.threads = n;
-    return p;
-  }
+  constexpr cpu_policy with_threads(unsigned n) const { return detail::with_member(*this, &cpu_policy::threads, n); }
   constexpr cpu_policy with_workspace(void* data, std::size_t bytes) const {
-    cpu_policy p = *this;
-    p.workspace = scratch_memory{data, bytes};
-    return p;
+    return detail::with_member(*this, &cpu_policy::workspace, scratch_memory{data, bytes});
   }
 };
 
@@ -60,34 +63,26 @@ struct cuda_policy {
   cuda_checks checks{};
   scratch_memory workspace{};
 
-  constexpr cuda_policy on(CUstream_st* s) const {
-    cuda_policy p = *this;
-    p.stream = s;
-    return p;
-  }
+  constexpr cuda_policy on(CUstream_st* s) const { return detail::with_member(*this, &cuda_policy::stream, s); }
   /// Validate first, synchronise, and throw the CPU backend's exception for the lowest bad row.
   constexpr cuda_policy checked(bool on = true) const {
-    cuda_policy p = *this;
-    p.checks.checked = on;
-    return p;
+    cuda_checks c = checks;
+    c.checked = on;
+    return with_checks(c);
   }
   /// Per-row reports (`reports`: rows device entries, may be null) and the lowest bad row
   /// (`first_bad_row`: one device word, may be null), stream-ordered, nothing synchronises.
   constexpr cuda_policy reporting(cuda_row_report* reports, unsigned long long* first_bad_row = nullptr) const {
-    cuda_policy p = *this;
-    p.checks.reports = reports;
-    p.checks.first_bad_row = first_bad_row;
-    return p;
+    cuda_checks c = checks;
+    c.reports = reports;
+    c.first_bad_row = first_bad_row;
+    return with_checks(c);
   }
   constexpr cuda_policy with_checks(const cuda_checks& c) const {
-    cuda_policy p = *this;
-    p.checks = c;
-    return p;
+    return detail::with_member(*this, &cuda_policy::checks, c);
   }
   constexpr cuda_policy with_workspace(void* data, std::size_t bytes) const {
-    cuda_policy p = *this;
-    p.workspace = scratch_memory{data, bytes};
-    return p;
+    return detail::with_member(*this, &cuda_policy::workspace, scratch_memory{data, bytes});
   }
 };
 

@@ -69,10 +69,7 @@ template <class T>
 void kl(cpu_policy policy, input_view<T> p_logits, input_view<T> q_logits, T* kl_out) {
   detail::require_float_type<T>();
   constexpr const char* fn = "kl";
-  detail::check_view(fn, "p_logits", p_logits);
-  detail::check_view(fn, "q_logits", q_logits);
-  detail::check_same_shape(fn, "p_logits", p_logits, "q_logits", q_logits);
-  if (p_logits.rows != 0 && kl_out == nullptr) detail::throw_shape(fn, "kl_out is a null pointer");
+  detail::check_kl_arguments<T>(fn, p_logits, q_logits, kl_out);
   detail::validate_pairs(fn, policy.threads, p_logits, q_logits, "p_logits", "q_logits");
   detail::cpu::parallel_for(policy.threads, p_logits.rows, 4 * p_logits.cols, [&](std::size_t r) {
     detail::row_setup setup;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <type_traits>
 
 #include "batch.hpp"
 #include "config.hpp"
@@ -164,6 +165,56 @@ inline void check_trust_region(const char* fn, const trust_region_objective& obj
                        std::to_string(obj.alpha));
   detail::check_options(fn, obj.projection);
 }
+
+/// The grad_loss check of every objective backward (host, both backends).
+inline void check_grad_loss(const char* fn, double grad_loss) {
+  if (!(grad_loss - grad_loss == 0.0))
+    throw domain_error(std::string("troll::") + fn + ": grad_loss is not finite");
+}
+
+/// The host checks of TROLL's dense forward, shared by both backends: ε, α and the options, the
+/// shapes, log_probs and stats. Nothing is read from the rows.
+template <class T>
+void check_troll_forward_arguments(const char* fn, const trust_region_objective& objective,
+                                   batch_view<const T> new_logits, batch_view<const T> old_logits,
+                                   const token_batch<T>& in, batch_view<const T> log_probs,
+                                   const projection_stats* stats) {
+  check_trust_region(fn, objective);
+  check_objective_shapes(fn, new_logits, old_logits, in);
+  check_view(fn, "log_probs", log_probs);
+  check_same_shape(fn, "new_logits", new_logits, "log_probs", log_probs);
+  if (new_logits.rows != 0 && stats == nullptr) throw_shape(fn, "stats is a null pointer");
+}
+
+/// The host checks of a ratio baseline's backward (both backends): shapes, grad_new, grad_loss.
+template <class T>
+void check_ratio_backward_arguments(const char* fn, batch_view<const T> new_logits,
+                                    batch_view<const T> old_logits, const token_batch<T>& in,
+                                    batch_view<const T> grad_new, double grad_loss) {
+  check_objective_shapes(fn, new_logits, old_logits, in);
+  check_view(fn, "grad_new", grad_new);
+  check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
+  check_grad_loss(fn, grad_loss);
+}
+
+/// The host checks of TROLL's dense backward (both backends): the forward's, grad_new, grad_loss.
+template <class T>
+void check_troll_backward_arguments(const char* fn, const trust_region_objective& objective,
+                                    batch_view<const T> new_logits, batch_view<const T> old_logits,
+                                    const token_batch<T>& in, batch_view<const T> log_probs,
+                                    const projection_stats* stats, batch_view<const T> grad_new,
+                                    double grad_loss) {
+  check_troll_forward_arguments(fn, objective, new_logits, old_logits, in, log_probs, stats);
+  check_view(fn, "grad_new", grad_new);
+  check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
+  check_grad_loss(fn, grad_loss);
+}
+
+/// The ratio baselines (PPO clip, DPPO): one overload of each entry point serves both.
+template <class Objective>
+using if_ratio_objective = std::enable_if_t<std::is_same<Objective, ppo_clip_objective>::value ||
+                                                std::is_same<Objective, dppo_objective>::value,
+                                            int>;
 
 /// Throws domain_error unless 0 ≤ clip_low < 1, 0 ≤ clip_high < inf and dual_clip is 0 or in (1,
 /// inf).

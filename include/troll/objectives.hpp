@@ -22,6 +22,7 @@
 #include "batch.hpp"
 #include "config.hpp"
 #include "detail/cpu/objective_kernels.hpp"
+#include "detail/cpu/objective_scratch.hpp"
 #include "detail/cpu/parallel.hpp"
 #include "detail/cpu/row_kernels.hpp"
 #include "detail/objective_row.hpp"
@@ -77,9 +78,9 @@ objective_problem check_token_row(const token_batch<T>& in, std::size_t r, std::
 
 /// The aggregation weights c_r (times `scale`) of every row, and the number of counted sequences.
 template <class T>
-std::vector<double> aggregation_weights(const token_batch<T>& in, std::size_t rows, double scale,
-                                        std::size_t* sequences) {
-  std::vector<double> c(rows, 0.0);
+void aggregation_weights(const token_batch<T>& in, std::size_t rows, double scale, std::size_t* sequences,
+                         double* c) {
+  for (std::size_t r = 0; r < rows; ++r) c[r] = 0.0;
   auto mask = [&](std::size_t r) { return in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0; };
   if (sequences) *sequences = 0;
   if (in.aggregation == loss_aggregation::token_mean) {
@@ -87,7 +88,7 @@ std::vector<double> aggregation_weights(const token_batch<T>& in, std::size_t ro
     for (std::size_t r = 0; r < rows; ++r) total += mask(r);
     if (total > 0.0)
       for (std::size_t r = 0; r < rows; ++r) c[r] = scale * mask(r) / total;
-    return c;
+    return;
   }
   std::size_t counted = 0;
   for (std::size_t begin = 0, end; begin < rows; begin = end) {
@@ -100,9 +101,8 @@ std::vector<double> aggregation_weights(const token_batch<T>& in, std::size_t ro
     for (std::size_t r = begin; r < end; ++r) c[r] = mask(r) / total;
   }
   if (counted > 0)
-    for (double& v : c) v *= scale / double(counted);
+    for (std::size_t r = 0; r < rows; ++r) c[r] *= scale / double(counted);
   if (sequences) *sequences = counted;
-  return c;
 }
 
 /// Validates an objective call row by row (in parallel, the lowest bad row reported). `pair_scan`
@@ -177,6 +177,32 @@ struct metrics_sum {
   }
 };
 
+/// The end of TROLL's forward on both row layouts (dense, sparse): the weighted losses c·ℓ are
+/// checked (`throw_problem(r, p)` for the lowest row that does not fit) before any token loss is
+/// written, then `token_loss` (when given) and the metrics, in row order.
+template <class T, class Throw>
+objective_metrics finish_troll_forward(const token_batch<T>& in, std::size_t rows, const double* c,
+                                       const cpu::troll_row_result* results, T* token_loss, metrics_sum sum,
+                                       Throw throw_problem) {
+  auto counted = [&](std::size_t r) { return (in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0; };
+  for (std::size_t r = 0; r < rows; ++r) {
+    if (!counted(r)) continue;
+    const objective_problem p =
+        check_token_result<T>(results[r].ratio, results[r].log_ratio, results[r].loss, c[r], in.tokens[r]);
+    if (p) throw_problem(r, p);
+  }
+  for (std::size_t r = 0; r < rows; ++r) {
+    if (token_loss) token_loss[r] = T(counted(r) ? results[r].loss : 0.0);
+    if (!counted(r)) continue;
+    const cpu::troll_row_result& x = results[r];
+    sum.add(c[r] * x.loss, x.ratio, x.stats.kl_before, x.stats.kl_after);
+    sum.reg += x.kl_reg;
+    sum.eta += x.stats.active() ? x.stats.eta : 0.0;
+    sum.projected += x.stats.active() ? 1.0 : 0.0;
+  }
+  return sum.finish();
+}
+
 template <class T>
 objective_metrics ratio_forward(const char* fn, cpu_policy policy, const cpu::ratio_objective_spec& spec,
                                 batch_view<const T> new_logits, batch_view<const T> old_logits,
@@ -184,10 +210,12 @@ objective_metrics ratio_forward(const char* fn, cpu_policy policy, const cpu::ra
   check_objective_shapes(fn, new_logits, old_logits, in);
   validate_objective(fn, policy.threads, new_logits, old_logits, in, false, 0.0, false);
   const std::size_t rows = new_logits.rows, size = new_logits.cols;
+  const cpu::carved_scratch<cpu::ratio_forward_scratch> scratch(fn, policy.workspace, rows, 0);
+  const double* c = scratch.parts.weights;
+  cpu::ratio_row_result* results = scratch.parts.records;
+  unsigned char* counted = scratch.parts.flags;
   metrics_sum sum;
-  const std::vector<double> c = aggregation_weights(in, rows, 1.0, &sum.m.sequences);
-  std::vector<cpu::ratio_row_result> results(rows);
-  std::vector<char> counted(rows, 0);
+  aggregation_weights(in, rows, 1.0, &sum.m.sequences, scratch.parts.weights);
   cpu::parallel_for(policy.threads, rows, 4 * size, [&](std::size_t r) {
     const double w = in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0;
     if (w == 0.0) return;
@@ -216,19 +244,18 @@ template <class T>
 void ratio_backward(const char* fn, cpu_policy policy, cpu::ratio_objective_spec spec,
                     batch_view<const T> new_logits, batch_view<const T> old_logits,
                     const token_batch<T>& in, batch_view<T> grad_new, double grad_loss) {
-  check_objective_shapes(fn, new_logits, old_logits, in);
-  check_view(fn, "grad_new", grad_new);
-  check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
-  if (!(grad_loss - grad_loss == 0.0))
-    throw domain_error(std::string("troll::") + fn + ": grad_loss is not finite");
+  check_ratio_backward_arguments<T>(fn, new_logits, old_logits, in, grad_new, grad_loss);
   validate_objective(fn, policy.threads, new_logits, old_logits, in, false, 0.0, false);
   const std::size_t rows = new_logits.rows, size = new_logits.cols;
-  const std::vector<double> c = aggregation_weights(in, rows, grad_loss, nullptr);
+  const cpu::carved_scratch<cpu::ratio_backward_scratch> scratch(fn, policy.workspace, rows, 2 * rows);
+  const double* c = scratch.parts.weights;
+  double* coef = scratch.parts.extra;
+  double* log_norm_new = scratch.parts.extra + rows;
+  objective_problem* problems = scratch.parts.records;
+  aggregation_weights(in, rows, grad_loss, nullptr, scratch.parts.weights);
   spec.compute_kl = false;
   // Every row's coefficient c·(∂ℓ/∂r)·r first: a row whose gradient overflows T is reported
   // before anything is written (the entries are bounded by |coef|).
-  std::vector<double> coef(rows, 0.0), log_norm_new(rows, 0.0);
-  std::vector<objective_problem> problems(rows);
   cpu::parallel_for(policy.threads, rows, 4 * size, [&](std::size_t r) {
     if (c[r] == 0.0) return;
     const std::int64_t token = in.tokens[r];
@@ -267,63 +294,48 @@ objective_metrics objective_forward(cpu_policy policy, const trust_region_object
                                     projection_stats* stats, T* token_loss = nullptr) {
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_forward";
-  detail::check_trust_region(fn, objective);
-  detail::check_objective_shapes(fn, new_logits, old_logits, in);
-  detail::check_view(fn, "log_probs", log_probs);
-  detail::check_same_shape(fn, "new_logits", new_logits, "log_probs", log_probs);
-  if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
+  detail::check_troll_forward_arguments<T>(fn, objective, new_logits, old_logits, in, log_probs, stats);
   detail::validate_objective(fn, policy.threads, new_logits, old_logits, in, true, objective.eps,
                              objective.alpha > 0.0);
   const std::size_t rows = new_logits.rows, size = new_logits.cols;
+  const detail::cpu::carved_scratch<detail::cpu::troll_forward_scratch<T>> scratch(fn, policy.workspace, rows,
+                                                                                    size);
+  const detail::cpu::troll_forward_scratch<T>& ws = scratch.parts;
   // A counted token far in the old row's tail (−log q_a ≤ max z° − z°_a + log V) is projected
-  // once into scratch memory first, so that a ratio or loss that overflows is reported before
-  // anything is written.
-  auto overflow_of = [&](std::size_t r) -> detail::objective_problem {
-    if ((in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) == 0.0) return {};
+  // once into the scratch row first (one such row at a time, in row order), so that a ratio or
+  // loss that overflows is reported before anything is written.
+  detail::cpu::parallel_for(policy.threads, rows, size, [&](std::size_t r) {
+    if ((in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) == 0.0) return;
     const T* zo = old_logits.row(r);
+    const double bound = detail::cpu::row_max(zo, size) - static_cast<double>(zo[in.tokens[r]]) +
+                         std::log(double(size));
+    ws.flags[r] = detail::ratio_may_overflow<T>(bound, static_cast<double>(in.advantages[r]));
+  });
+  for (std::size_t r = 0; r < rows; ++r) {
+    if (!ws.flags[r]) continue;
     const std::int64_t a = in.tokens[r];
-    const double bound = detail::cpu::row_max(zo, size) - static_cast<double>(zo[a]) + std::log(double(size));
-    if (!detail::ratio_may_overflow<T>(bound, static_cast<double>(in.advantages[r]))) return {};
-    std::vector<T> scratch(size);
     const detail::cpu::troll_row_result x = detail::cpu::troll_forward_row(
-        new_logits.row(r), zo, size, objective.eps, objective.projection, true, a,
-        static_cast<double>(in.advantages[r]), objective.alpha, scratch.data());
-    return detail::check_token_result<T>(x.ratio, x.log_ratio, x.loss, 1.0, a);
-  };
-  const std::size_t overflowing = detail::cpu::first_bad_row(
-      policy.threads, rows, size, [&](std::size_t r) { return bool(overflow_of(r)); });
-  if (overflowing != rows) detail::throw_objective_problem(fn, overflowing, overflow_of(overflowing));
+        new_logits.row(r), old_logits.row(r), size, objective.eps, objective.projection, true, a,
+        static_cast<double>(in.advantages[r]), objective.alpha, ws.extra);
+    const detail::objective_problem p = detail::check_token_result<T>(x.ratio, x.log_ratio, x.loss, 1.0, a);
+    if (p) detail::throw_objective_problem(fn, r, p);
+  }
 
   detail::metrics_sum sum;
-  const std::vector<double> c = detail::aggregation_weights(in, rows, 1.0, &sum.m.sequences);
-  std::vector<detail::cpu::troll_row_result> results(rows);
+  detail::aggregation_weights(in, rows, 1.0, &sum.m.sequences, ws.weights);
   detail::cpu::parallel_for(policy.threads, rows, 12 * size, [&](std::size_t r) {
     const double w = in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0;
     const bool counted = w != 0.0;
-    results[r] = detail::cpu::troll_forward_row(
+    ws.records[r] = detail::cpu::troll_forward_row(
         new_logits.row(r), old_logits.row(r), size, objective.eps, objective.projection, counted,
         counted ? in.tokens[r] : 0, counted ? static_cast<double>(in.advantages[r]) : 0.0,
         objective.alpha, log_probs.row(r));
-    stats[r] = results[r].stats;
+    stats[r] = ws.records[r].stats;
   });
-  // The weighted losses c·ℓ (the rows above fit): checked before any token loss is written.
-  for (std::size_t r = 0; r < rows; ++r) {
-    if ((in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) == 0.0) continue;
-    const detail::objective_problem p = detail::check_token_result<T>(
-        results[r].ratio, results[r].log_ratio, results[r].loss, c[r], in.tokens[r]);
-    if (p) detail::throw_objective_problem(fn, r, p);
-  }
-  for (std::size_t r = 0; r < rows; ++r) {
-    const double w = in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0;
-    if (token_loss) token_loss[r] = T(w != 0.0 ? results[r].loss : 0.0);
-    if (w == 0.0) continue;
-    const detail::cpu::troll_row_result& x = results[r];
-    sum.add(c[r] * x.loss, x.ratio, x.stats.kl_before, x.stats.kl_after);
-    sum.reg += x.kl_reg;
-    sum.eta += x.stats.active() ? x.stats.eta : 0.0;
-    sum.projected += x.stats.active() ? 1.0 : 0.0;
-  }
-  return sum.finish();
+  return detail::finish_troll_forward(in, rows, ws.weights, ws.records, token_loss, sum,
+                                      [&](std::size_t r, const detail::objective_problem& p) {
+                                        detail::throw_objective_problem(fn, r, p);
+                                      });
 }
 
 /// The same forward with the result written to `*metrics` (host memory): the argument list of the
@@ -352,14 +364,8 @@ void objective_backward(cpu_policy policy, const trust_region_objective& objecti
                         batch_view<T> grad_new, double grad_loss = 1.0) {
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_backward";
-  detail::check_trust_region(fn, objective);
-  detail::check_objective_shapes(fn, new_logits, old_logits, in);
-  detail::check_view(fn, "log_probs", log_probs);
-  detail::check_same_shape(fn, "new_logits", new_logits, "log_probs", log_probs);
-  detail::check_view(fn, "grad_new", grad_new);
-  detail::check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
-  if (new_logits.rows != 0 && stats == nullptr) detail::throw_shape(fn, "stats is a null pointer");
-  if (!(grad_loss - grad_loss == 0.0)) throw domain_error("troll::objective_backward: grad_loss is not finite");
+  detail::check_troll_backward_arguments<T>(fn, objective, new_logits, old_logits, in, log_probs, stats,
+                                            grad_new, grad_loss);
   detail::validate_objective(fn, policy.threads, new_logits, old_logits, in, true, objective.eps,
                              objective.alpha > 0.0);
   const std::size_t bad_log_probs =
@@ -376,11 +382,14 @@ void objective_backward(cpu_policy policy, const trust_region_objective& objecti
     if (p) detail::throw_problem(fn, r, p);
   }
   const std::size_t rows = new_logits.rows, size = new_logits.cols;
-  const std::vector<double> c = detail::aggregation_weights(in, rows, grad_loss, nullptr);
+  const detail::cpu::carved_scratch<detail::cpu::troll_backward_scratch> scratch(fn, policy.workspace, rows, rows);
+  const double* c = scratch.parts.weights;
+  detail::cpu::troll_backward_plan* plans = scratch.parts.records;
+  detail::objective_problem* problems = scratch.parts.extra;
+  unsigned char* overflowed = scratch.parts.flags;
+  detail::aggregation_weights(in, rows, grad_loss, nullptr, scratch.parts.weights);
   // Every row's coefficients first, so that a ratio term that overflows T (the sampled token's
   // entry is about c·A·ρ·t) is reported before anything is written.
-  std::vector<detail::cpu::troll_backward_plan> plans(rows);
-  std::vector<detail::objective_problem> problems(rows);
   detail::cpu::parallel_for(policy.threads, rows, 4 * size, [&](std::size_t r) {
     if (c[r] == 0.0) return;
     const std::int64_t token = in.tokens[r];
@@ -393,7 +402,6 @@ void objective_backward(cpu_policy policy, const trust_region_objective& objecti
     if (problems[r]) detail::throw_objective_problem(fn, r, problems[r]);
   // A last guard: an entry beyond the sampled token's that overflows (a huge regression term or
   // cross term) is reported after the pass; grad_new then holds unspecified values.
-  std::vector<char> overflowed(rows, 0);
   detail::cpu::parallel_for(policy.threads, rows, 4 * size, [&](std::size_t r) {
     const bool counted = c[r] != 0.0;
     overflowed[r] = !detail::cpu::troll_backward_write(new_logits.row(r), old_logits.row(r),
@@ -410,11 +418,13 @@ void objective_backward(cpu_policy policy, const trust_region_objective& objecti
 
 // ---- Baselines: PPO clip and DPPO (no projection; the ratio is p̃_a / q_a) ----
 
-/// Forward of PPO's clipped surrogate loss (see ppo_clip_objective); returns the aggregated loss
-/// and the metrics (limited_fraction = clipped tokens). `token_loss` (optional, N entries)
-/// receives ℓ_r. Throws as objective_forward does (no projection checks), before writing.
-template <class T>
-objective_metrics objective_forward(cpu_policy policy, const ppo_clip_objective& objective,
+/// Forward of a ratio baseline, PPO clip or DPPO (see ppo_clip_objective, dppo_objective; no
+/// projection, the ratio is p̃_a / q_a): returns the aggregated loss and the metrics
+/// (limited_fraction = clipped (PPO) or masked (DPPO) tokens; divergence_mean = DPPO's mean
+/// divergence estimate). `token_loss` (optional, N entries) receives ℓ_r. Throws as
+/// objective_forward does (no projection checks), before writing.
+template <class T, class Objective, detail::if_ratio_objective<Objective> = 0>
+objective_metrics objective_forward(cpu_policy policy, const Objective& objective,
                                     input_view<T> new_logits, input_view<T> old_logits,
                                     const token_batch<T>& in, T* token_loss = nullptr) {
   detail::require_float_type<T>();
@@ -423,49 +433,19 @@ objective_metrics objective_forward(cpu_policy policy, const ppo_clip_objective&
 }
 
 /// The same forward with the result written to `*metrics` (host memory), as the CUDA overload.
-template <class T>
-void objective_forward(cpu_policy policy, const ppo_clip_objective& objective, input_view<T> new_logits,
+template <class T, class Objective, detail::if_ratio_objective<Objective> = 0>
+void objective_forward(cpu_policy policy, const Objective& objective, input_view<T> new_logits,
                        input_view<T> old_logits, const token_batch<T>& in,
                        typename detail::identity<T>::type* token_loss, objective_metrics* metrics) {
   if (metrics == nullptr) detail::throw_shape("objective_forward", "metrics is a null pointer");
   *metrics = objective_forward(policy, objective, new_logits, old_logits, in, token_loss);
 }
 
-/// Backward of PPO's clipped surrogate: grad_new = grad_loss · ∂L/∂z̃,
-/// ∂ℓ/∂z̃_j = (∂ℓ/∂r)·r·(δ_ja − p̃_j) with ∂ℓ/∂r = −A on unclipped tokens and 0 on clipped ones.
-template <class T>
-void objective_backward(cpu_policy policy, const ppo_clip_objective& objective,
-                        input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
-                        batch_view<T> grad_new, double grad_loss = 1.0) {
-  detail::require_float_type<T>();
-  const auto spec = detail::make_spec("objective_backward", objective);
-  detail::ratio_backward("objective_backward", policy, spec, new_logits, old_logits, in, grad_new,
-                         grad_loss);
-}
-
-/// Forward of DPPO's masked surrogate loss (see dppo_objective); limited_fraction = masked tokens,
-/// divergence_mean = the mean divergence estimate.
-template <class T>
-objective_metrics objective_forward(cpu_policy policy, const dppo_objective& objective,
-                                    input_view<T> new_logits, input_view<T> old_logits,
-                                    const token_batch<T>& in, T* token_loss = nullptr) {
-  detail::require_float_type<T>();
-  const auto spec = detail::make_spec("objective_forward", objective);
-  return detail::ratio_forward("objective_forward", policy, spec, new_logits, old_logits, in, token_loss);
-}
-
-/// The same forward with the result written to `*metrics` (host memory), as the CUDA overload.
-template <class T>
-void objective_forward(cpu_policy policy, const dppo_objective& objective, input_view<T> new_logits,
-                       input_view<T> old_logits, const token_batch<T>& in,
-                       typename detail::identity<T>::type* token_loss, objective_metrics* metrics) {
-  if (metrics == nullptr) detail::throw_shape("objective_forward", "metrics is a null pointer");
-  *metrics = objective_forward(policy, objective, new_logits, old_logits, in, token_loss);
-}
-
-/// Backward of DPPO's masked surrogate: ∂ℓ/∂z̃_j = −M·A·r·(δ_ja − p̃_j), the mask held constant.
-template <class T>
-void objective_backward(cpu_policy policy, const dppo_objective& objective,
+/// Backward of a ratio baseline: grad_new = grad_loss · ∂L/∂z̃ with
+/// ∂ℓ/∂z̃_j = (∂ℓ/∂r)·r·(δ_ja − p̃_j): PPO clip's ∂ℓ/∂r = −A on unclipped tokens and 0 on clipped
+/// ones; DPPO's −M·A, the mask M held constant.
+template <class T, class Objective, detail::if_ratio_objective<Objective> = 0>
+void objective_backward(cpu_policy policy, const Objective& objective,
                         input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
                         batch_view<T> grad_new, double grad_loss = 1.0) {
   detail::require_float_type<T>();

@@ -58,6 +58,51 @@ cpu::sparse_problem check_sparse_row_of(const sparse_batch_view<T>& v, std::size
                                v.k_max, v.vocab, name, scratch);
 }
 
+/// Row r of a support whose values are not read (sparsify_backward's and align's `support`): its
+/// indices and counts checked as check_sparse_row does, the mass checks skipped (and with
+/// `any_values`, the value checks too).
+template <class T>
+cpu::sparse_problem check_support_row(const sparse_batch_view<T>& support, std::size_t r, const char* name,
+                                      index_slot* scratch, bool any_values = false) {
+  cpu::sparse_problem p = cpu::check_sparse_row(support.row_indices(r), support.row_log_probs(r),
+                                                support.count(r), T(0), support.k_max, support.vocab, name,
+                                                scratch);
+  using kind = cpu::sparse_problem_kind;
+  const bool skipped = p.kind == kind::no_mass || p.kind == kind::remainder_no_tail || p.kind == kind::mass ||
+                       (any_values && (p.kind == kind::nan_value || p.kind == kind::above_one));
+  return skipped ? cpu::sparse_problem{} : p;
+}
+
+/// The first NaN or infinite entry of an upstream sparse gradient's row r (entries −1 = the
+/// bucket, then 0 … count − 1), as a problem naming `operand`.
+template <class T>
+cpu::sparse_problem check_grad_row(const sparse_grad_view<const T>& grad, std::size_t r, long long count,
+                                   const char* operand) {
+  cpu::sparse_problem p;
+  for (long long i = -1; i < count; ++i) {
+    const double g = i < 0 ? double(grad.log_remainder[r]) : double(grad.row(r)[i]);
+    if (!(g - g == 0.0)) {
+      p.kind = cpu::sparse_problem_kind::nan_value;
+      p.operand = operand;
+      p.entry = i;
+      return p;
+    }
+  }
+  return p;
+}
+
+/// NaN / +inf anywhere in a shard's logits (an all −inf shard is fine: another shard may hold
+/// the mass); throws the lowest bad row's problem.
+template <class T>
+void validate_shard_values(const char* fn, unsigned threads, batch_view<const T> shard_logits) {
+  auto problem = [&](std::size_t r) {
+    return cpu::find_bad_value(shard_logits.row(r), shard_logits.cols, "shard_logits");
+  };
+  const std::size_t bad = cpu::first_bad_row(threads, shard_logits.rows, shard_logits.cols,
+                                             [&](std::size_t r) { return bool(problem(r)); });
+  if (bad != shard_logits.rows) throw_problem(fn, bad, problem(bad));
+}
+
 /// Whether row r of a sparse batch passes check_sparse_row (the fast yes/no checks).
 template <class T>
 bool sparse_row_fine(const sparse_batch_view<T>& v, std::size_t r, sparse_index* table) {
@@ -262,14 +307,7 @@ void sparsify_shard(cpu_policy policy, batch_view<const T> shard_logits, std::si
   constexpr const char* fn = "sparsify_shard";
   detail::check_sparsify_shard_arguments(fn, shard_logits, vocab_offset, vocab, options, states);
   detail::validate_sampled(fn, sampled, shard_logits.rows, vocab);
-  // NaN / +inf only (an all −inf shard is fine: another shard may hold the mass).
-  const std::size_t bad = detail::cpu::first_bad_row(
-      policy.threads, shard_logits.rows, shard_logits.cols, [&](std::size_t r) {
-        return bool(detail::cpu::find_bad_value(shard_logits.row(r), shard_logits.cols, "shard_logits"));
-      });
-  if (bad != shard_logits.rows)
-    detail::throw_problem(fn, bad,
-                          detail::cpu::find_bad_value(shard_logits.row(bad), shard_logits.cols, "shard_logits"));
+  detail::validate_shard_values(fn, policy.threads, shard_logits);
   detail::cpu::parallel_for(policy.threads, shard_logits.rows, 2 * shard_logits.cols, [&](std::size_t r) {
     const auto begin = static_cast<sparse_index>(vocab_offset);
     detail::reset(states[r], options.k, sampled ? static_cast<sparse_index>(sampled[r]) : -1, static_cast<sparse_index>(vocab), begin,
@@ -382,13 +420,7 @@ void sparsify_tail_sums(cpu_policy policy, input_view<T> shard_logits, std::size
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_tail_sums";
   detail::check_sparsify_tail_sums_arguments(fn, shard_logits, vocab_offset, support, tail_max, sums);
-  const std::size_t bad = detail::cpu::first_bad_row(
-      policy.threads, shard_logits.rows, shard_logits.cols, [&](std::size_t r) {
-        return bool(detail::cpu::find_bad_value(shard_logits.row(r), shard_logits.cols, "shard_logits"));
-      });
-  if (bad != shard_logits.rows)
-    detail::throw_problem(fn, bad,
-                          detail::cpu::find_bad_value(shard_logits.row(bad), shard_logits.cols, "shard_logits"));
+  detail::validate_shard_values(fn, policy.threads, shard_logits);
   for (std::size_t r = 0; r < shard_logits.rows; ++r) {
     if (!(tail_max[r] < detail::inf()))
       detail::throw_bad_tail_max(fn, r);
@@ -396,16 +428,7 @@ void sparsify_tail_sums(cpu_policy policy, input_view<T> shard_logits, std::size
   detail::first_sparse_problem(fn, policy.threads, shard_logits.rows, 4 * std::size_t(sparse_max_entries),
                                [&](std::size_t r) {
                                  detail::index_slot scratch[sparse_max_entries];
-                                 detail::cpu::sparse_problem p = detail::cpu::check_sparse_row(
-                                     support.row_indices(r), support.row_log_probs(r), support.count(r),
-                                     T(0), support.k_max, support.vocab, "support", scratch);
-                                 if (p.kind == detail::cpu::sparse_problem_kind::no_mass ||
-                                     p.kind == detail::cpu::sparse_problem_kind::remainder_no_tail ||
-                                     p.kind == detail::cpu::sparse_problem_kind::mass ||
-                                     p.kind == detail::cpu::sparse_problem_kind::nan_value ||
-                                     p.kind == detail::cpu::sparse_problem_kind::above_one)
-                                   p = detail::cpu::sparse_problem{};
-                                 return p;
+                                 return detail::check_support_row(support, r, "support", scratch, true);
                                });
   const std::size_t end = vocab_offset + shard_logits.cols;
   detail::cpu::parallel_for(policy.threads, shard_logits.rows, 2 * shard_logits.cols, [&](std::size_t r) {
@@ -439,26 +462,9 @@ void sparsify_backward(cpu_policy policy, input_view<T> logits, sparse_input<T> 
   detail::first_sparse_problem(fn, policy.threads, logits.rows, 4 * std::size_t(sparse_max_entries),
                                [&](std::size_t r) {
                                  detail::index_slot scratch[sparse_max_entries];
-                                 detail::cpu::sparse_problem p = detail::cpu::check_sparse_row(
-                                     support.row_indices(r), support.row_log_probs(r), support.count(r),
-                                     T(0), support.k_max, support.vocab, "support", scratch);
-                                 if (p.kind == detail::cpu::sparse_problem_kind::no_mass ||
-                                     p.kind == detail::cpu::sparse_problem_kind::remainder_no_tail ||
-                                     p.kind == detail::cpu::sparse_problem_kind::mass)
-                                   p = detail::cpu::sparse_problem{};
-                                 if (p) return p;
-                                 const long long n = support.count(r);
-                                 for (long long i = -1; i < n; ++i) {
-                                   const double g = i < 0 ? double(grad.log_remainder[r])
-                                                          : double(grad.row(r)[i]);
-                                   if (!(g - g == 0.0)) {
-                                     p.kind = detail::cpu::sparse_problem_kind::nan_value;
-                                     p.operand = "grad (NaN or infinite)";
-                                     p.entry = i;
-                                     return p;
-                                   }
-                                 }
-                                 return p;
+                                 const detail::cpu::sparse_problem p =
+                                     detail::check_support_row(support, r, "support", scratch);
+                                 return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad (NaN or infinite)");
                                });
   detail::cpu::parallel_for(policy.threads, logits.rows, 3 * logits.cols, [&](std::size_t r) {
     detail::index_slot slots[sparse_max_entries];
@@ -488,13 +494,7 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
   constexpr const char* fn = "sparsify_shard_backward";
   detail::check_sparsify_shard_backward_arguments(fn, shard_logits, vocab_offset, support, grad, log_sums,
                                                   grad_shard);
-  const std::size_t bad = detail::cpu::first_bad_row(
-      policy.threads, shard_logits.rows, shard_logits.cols, [&](std::size_t r) {
-        return bool(detail::cpu::find_bad_value(shard_logits.row(r), shard_logits.cols, "shard_logits"));
-      });
-  if (bad != shard_logits.rows)
-    detail::throw_problem(fn, bad,
-                          detail::cpu::find_bad_value(shard_logits.row(bad), shard_logits.cols, "shard_logits"));
+  detail::validate_shard_values(fn, policy.threads, shard_logits);
   for (std::size_t r = 0; r < shard_logits.rows; ++r) {
     if (!detail::log_sums_usable(log_sums[2 * r], log_sums[2 * r + 1]))
       detail::throw_bad_log_sums(fn, r, log_sums[2 * r], log_sums[2 * r + 1]);
@@ -502,25 +502,9 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
   detail::first_sparse_problem(fn, policy.threads, shard_logits.rows, 4 * std::size_t(sparse_max_entries),
                                [&](std::size_t r) {
                                  detail::index_slot scratch[sparse_max_entries];
-                                 detail::cpu::sparse_problem p = detail::cpu::check_sparse_row(
-                                     support.row_indices(r), support.row_log_probs(r), support.count(r),
-                                     T(0), support.k_max, support.vocab, "support", scratch);
-                                 if (p.kind == detail::cpu::sparse_problem_kind::no_mass ||
-                                     p.kind == detail::cpu::sparse_problem_kind::remainder_no_tail ||
-                                     p.kind == detail::cpu::sparse_problem_kind::mass)
-                                   p = detail::cpu::sparse_problem{};
-                                 if (p) return p;
-                                 for (long long i = -1; i < support.count(r); ++i) {
-                                   const double g = i < 0 ? double(grad.log_remainder[r])
-                                                          : double(grad.row(r)[i]);
-                                   if (!(g - g == 0.0)) {
-                                     p.kind = detail::cpu::sparse_problem_kind::nan_value;
-                                     p.operand = "grad (NaN or infinite)";
-                                     p.entry = i;
-                                     return p;
-                                   }
-                                 }
-                                 return p;
+                                 const detail::cpu::sparse_problem p =
+                                     detail::check_support_row(support, r, "support", scratch);
+                                 return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad (NaN or infinite)");
                                });
   const std::size_t end = vocab_offset + shard_logits.cols;
   detail::cpu::parallel_for(policy.threads, shard_logits.rows, 3 * shard_logits.cols, [&](std::size_t r) {
@@ -543,6 +527,38 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
 // ---------------------------------------------------------------------------------------------
 // Alignment.
 
+namespace detail {
+
+/// The problem of a row whose union of supports (u entries) exceeds align's output capacity.
+inline cpu::sparse_problem union_capacity_problem(int u, std::size_t cap) {
+  cpu::sparse_problem p;
+  if (std::size_t(u) > cap) {
+    p.kind = cpu::sparse_problem_kind::count_range;
+    p.operand = "out (the union of the supports)";
+    p.value = u;
+  }
+  return p;
+}
+
+/// The old side of align's output row r, U (u tokens) already in out.indices and old_pos[i] the
+/// old row's entry of U_i (−1 where it has none): the old row's values, its uniform tail value
+/// log(r/m) on U∖S_old, the bucket shrunk to V∖U, −inf padding; and out.counts[r] = u.
+template <class T>
+void write_aligned_old(const aligned_batch_view<T>& out, std::size_t r, int u,
+                       const sparse_batch_view<const T>& old_rows, const int* old_pos) {
+  const long long vocab = static_cast<long long>(out.vocab);
+  const long long m_old = vocab - old_rows.count(r), m_u = vocab - u;
+  const double lr_old = double(old_rows.log_remainder[r]);
+  const double tail_old = tail_log_value(lr_old, m_old);
+  T* lo = out.old_log_probs + r * out.k_max;
+  for (int i = 0; i < u; ++i) lo[i] = old_pos[i] >= 0 ? old_rows.row_log_probs(r)[old_pos[i]] : T(tail_old);
+  for (std::size_t i = std::size_t(u); i < out.k_max; ++i) lo[i] = T(neg_inf());
+  out.counts[r] = u;
+  out.old_log_remainder[r] = T(shrink_log_remainder(lr_old, m_old, m_u));
+}
+
+}  // namespace detail
+
 /// Aligns sparse new and old rows on U = S_new ∪ S_old (math.md §4) into `out` (capacity ≥ |U|
 /// of every row; out.vocab = V): U lists the new row's entries in its order, then the old row's
 /// entries missing from it. A token of U missing from a row gets that row's uniform tail value
@@ -554,29 +570,17 @@ void align(cpu_policy policy, sparse_input<T> new_rows, sparse_input<T> old_rows
            aligned_batch_view<T> out) {
   detail::require_float_type<T>();
   constexpr const char* fn = "align";
-  detail::check_sparse_view(fn, "new", new_rows);
-  detail::check_sparse_view(fn, "old", old_rows);
-  detail::check_aligned_view(fn, "out", out);
-  detail::check_same_rows(fn, "new", new_rows.rows, "old", old_rows.rows);
-  detail::check_same_rows(fn, "new", new_rows.rows, "out", out.rows);
-  detail::check_same_vocab(fn, "new", new_rows.vocab, "old", old_rows.vocab);
-  detail::check_same_vocab(fn, "new", new_rows.vocab, "out", out.vocab);
+  detail::check_sparse_align_arguments(fn, new_rows, old_rows, out);
   detail::validate_sparse(fn, policy.threads, new_rows, "new");
   detail::validate_sparse(fn, policy.threads, old_rows, "old");
   const std::size_t cap = out.k_max < std::size_t(sparse_max_entries) ? out.k_max : sparse_max_entries;
   detail::first_sparse_problem(fn, policy.threads, new_rows.rows, 4 * std::size_t(sparse_max_entries),
                                [&](std::size_t r) {
                                  detail::index_slot scratch[sparse_max_entries];
-                                 detail::cpu::sparse_problem p;
                                  const int u = detail::union_size(
                                      new_rows.row_indices(r), int(new_rows.count(r)),
                                      old_rows.row_indices(r), int(old_rows.count(r)), scratch);
-                                 if (std::size_t(u) > cap) {
-                                   p.kind = detail::cpu::sparse_problem_kind::count_range;
-                                   p.operand = "out (the union of the supports)";
-                                   p.value = u;
-                                 }
-                                 return p;
+                                 return detail::union_capacity_problem(u, cap);
                                });
   detail::cpu::parallel_for(policy.threads, out.rows, 8 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     detail::index_slot scratch[sparse_max_entries];
@@ -584,22 +588,14 @@ void align(cpu_policy policy, sparse_input<T> new_rows, sparse_input<T> old_rows
     const int cn = int(new_rows.count(r)), co = int(old_rows.count(r));
     const int u = detail::union_support(new_rows.row_indices(r), cn, old_rows.row_indices(r), co,
                                         scratch, out.indices + r * out.k_max, new_pos, old_pos);
-    const long long vocab = static_cast<long long>(out.vocab);
-    const long long m_new = vocab - cn, m_old = vocab - co, m_u = vocab - u;
-    const double lr_new = double(new_rows.log_remainder[r]), lr_old = double(old_rows.log_remainder[r]);
+    const long long m_new = static_cast<long long>(out.vocab) - cn, m_u = static_cast<long long>(out.vocab) - u;
+    const double lr_new = double(new_rows.log_remainder[r]);
     const double tail_new = detail::tail_log_value(lr_new, m_new);
-    const double tail_old = detail::tail_log_value(lr_old, m_old);
     T* ln = out.new_log_probs + r * out.k_max;
-    T* lo = out.old_log_probs + r * out.k_max;
-    for (int i = 0; i < u; ++i) {
-      ln[i] = new_pos[i] >= 0 ? new_rows.row_log_probs(r)[new_pos[i]] : T(tail_new);
-      lo[i] = old_pos[i] >= 0 ? old_rows.row_log_probs(r)[old_pos[i]] : T(tail_old);
-    }
-    out.counts[r] = u;
+    for (int i = 0; i < u; ++i) ln[i] = new_pos[i] >= 0 ? new_rows.row_log_probs(r)[new_pos[i]] : T(tail_new);
     out.new_log_remainder[r] = T(detail::shrink_log_remainder(lr_new, m_new, m_u));
-    out.old_log_remainder[r] = T(detail::shrink_log_remainder(lr_old, m_old, m_u));
     detail::pad_row(out.indices + r * out.k_max, ln, std::size_t(u), out.k_max);
-    for (std::size_t i = std::size_t(u); i < out.k_max; ++i) lo[i] = T(detail::neg_inf());
+    detail::write_aligned_old(out, r, u, old_rows, old_pos);
   });
 }
 
@@ -621,16 +617,9 @@ void align(cpu_policy policy, input_view<T> new_logits, sparse_input<T> new_supp
   detail::first_sparse_problem(fn, policy.threads, new_logits.rows, 4 * std::size_t(sparse_max_entries),
                                [&](std::size_t r) {
                                  detail::index_slot scratch[sparse_max_entries];
-                                 detail::cpu::sparse_problem p;
                                  if (with_support) {
-                                   p = detail::cpu::check_sparse_row(
-                                       new_support.row_indices(r), new_support.row_log_probs(r),
-                                       new_support.count(r), T(0), new_support.k_max, new_support.vocab,
-                                       "new_support", scratch);
-                                   if (p.kind == detail::cpu::sparse_problem_kind::no_mass ||
-                                       p.kind == detail::cpu::sparse_problem_kind::remainder_no_tail ||
-                                       p.kind == detail::cpu::sparse_problem_kind::mass)
-                                     p = detail::cpu::sparse_problem{};
+                                   const detail::cpu::sparse_problem p =
+                                       detail::check_support_row(new_support, r, "new_support", scratch);
                                    if (p) return p;
                                  }
                                  const int u = with_support
@@ -639,12 +628,7 @@ void align(cpu_policy policy, input_view<T> new_logits, sparse_input<T> new_supp
                                                                         old_rows.row_indices(r),
                                                                         int(old_rows.count(r)), scratch)
                                                    : int(old_rows.count(r));
-                                 if (std::size_t(u) > cap) {
-                                   p.kind = detail::cpu::sparse_problem_kind::count_range;
-                                   p.operand = "out (the union of the supports)";
-                                   p.value = u;
-                                 }
-                                 return p;
+                                 return detail::union_capacity_problem(u, cap);
                                });
   detail::cpu::parallel_for(policy.threads, out.rows, 2 * new_logits.cols, [&](std::size_t r) {
     detail::index_slot scratch[sparse_max_entries];
@@ -659,21 +643,11 @@ void align(cpu_policy policy, input_view<T> new_logits, sparse_input<T> new_supp
     const T* z = new_logits.row(r);
     double log_total = 0.0, log_tail = 0.0;
     detail::cpu::log_sums_outside(z, new_logits.cols, scratch, u, log_total, log_tail);
-    const long long vocab = static_cast<long long>(out.vocab);
-    const long long m_old = vocab - co, m_u = vocab - u;
-    const double lr_old = double(old_rows.log_remainder[r]);
-    const double tail_old = detail::tail_log_value(lr_old, m_old);
     T* ln = out.new_log_probs + r * out.k_max;
-    T* lo = out.old_log_probs + r * out.k_max;
-    for (int i = 0; i < u; ++i) {
-      ln[i] = T(double(z[indices[i]]) - log_total);
-      lo[i] = old_pos[i] >= 0 ? old_rows.row_log_probs(r)[old_pos[i]] : T(tail_old);
-    }
-    out.counts[r] = u;
+    for (int i = 0; i < u; ++i) ln[i] = T(double(z[indices[i]]) - log_total);
     out.new_log_remainder[r] = T(log_tail == detail::neg_inf() ? log_tail : log_tail - log_total);
-    out.old_log_remainder[r] = T(detail::shrink_log_remainder(lr_old, m_old, m_u));
     detail::pad_row(indices, ln, std::size_t(u), out.k_max);
-    for (std::size_t i = std::size_t(u); i < out.k_max; ++i) lo[i] = T(detail::neg_inf());
+    detail::write_aligned_old(out, r, u, old_rows, old_pos);
   });
 }
 
@@ -709,17 +683,7 @@ void align_backward(cpu_policy policy, sparse_input<T> row, aligned_input<T> ali
                                      return p;
                                    }
                                  }
-                                 for (int i = -1; i < u; ++i) {
-                                   const double g = i < 0 ? double(grad_aligned.log_remainder[r])
-                                                          : double(grad_aligned.row(r)[i]);
-                                   if (!(g - g == 0.0)) {
-                                     p.kind = detail::cpu::sparse_problem_kind::nan_value;
-                                     p.operand = "grad_aligned (NaN or infinite)";
-                                     p.entry = i;
-                                     return p;
-                                   }
-                                 }
-                                 return p;
+                                 return detail::check_grad_row(grad_aligned, r, u, "grad_aligned (NaN or infinite)");
                                });
   detail::cpu::parallel_for(policy.threads, row.rows, 8 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     detail::index_slot slots[sparse_max_entries];
@@ -745,6 +709,28 @@ void align_backward(cpu_policy policy, sparse_input<T> row, aligned_input<T> ali
 
 // ---------------------------------------------------------------------------------------------
 // KL, projection and its backward on aligned rows.
+
+namespace detail {
+
+/// Row r of a sparse output on the aligned rows' support U from log π* over the n lumped
+/// categories (slot[j]: the entry of U of category j, or count for the bucket): U's ids, log π*
+/// on U (−inf on entries no category reached), the bucket, the count, padding.
+template <class T>
+void write_lumped_row(const aligned_batch_view<const T>& rows, std::size_t r, const int* slot, int n,
+                      const double* lp, const sparse_batch_view<T>& out) {
+  const int count = static_cast<int>(rows.counts[r]);
+  T* out_lp = out.row_log_probs(r);
+  for (int i = 0; i < count; ++i) {
+    out.row_indices(r)[i] = rows.indices[r * rows.k_max + std::size_t(i)];
+    out_lp[i] = T(neg_inf());
+  }
+  out.log_remainder[r] = T(neg_inf());
+  for (int j = 0; j < n; ++j) (slot[j] < count ? out_lp[slot[j]] : out.log_remainder[r]) = T(lp[j]);
+  out.counts[r] = count;
+  pad_row(out.row_indices(r), out_lp, std::size_t(count), out.k_max);
+}
+
+}  // namespace detail
 
 /// kl_out[r] = KL(new ‖ old) of aligned rows: the KL of the lumped (|U|+1)-category rows, equal to
 /// the KL of the expanded V-vectors under uniform tails. +inf where new has mass that old lacks.
@@ -792,16 +778,7 @@ void project(cpu_policy policy, aligned_input<T> rows, double eps, sparse_batch_
     detail::row_setup setup;
     detail::cpu::scan_pair(zn, zo, std::size_t(n), setup, "", "");
     stats[r] = detail::cpu::project_row(zn, zo, std::size_t(n), setup, eps, options, lp);
-    const int count = static_cast<int>(rows.counts[r]);
-    T* out_lp = out.row_log_probs(r);
-    for (int i = 0; i < count; ++i) {
-      out.row_indices(r)[i] = rows.indices[r * rows.k_max + std::size_t(i)];
-      out_lp[i] = T(detail::neg_inf());
-    }
-    out.log_remainder[r] = T(detail::neg_inf());
-    for (int j = 0; j < n; ++j) (slot[j] < count ? out_lp[slot[j]] : out.log_remainder[r]) = T(lp[j]);
-    out.counts[r] = count;
-    detail::pad_row(out.row_indices(r), out_lp, std::size_t(count), out.k_max);
+    detail::write_lumped_row(rows, r, slot, n, lp, out);
   });
 }
 

@@ -21,6 +21,7 @@
 #include "batch.hpp"
 #include "config.hpp"
 #include "detail/cpu/objective_kernels.hpp"
+#include "detail/cpu/objective_scratch.hpp"
 #include "detail/cpu/parallel.hpp"
 #include "detail/cpu/row_kernels.hpp"
 #include "detail/cpu/sparse_kernels.hpp"
@@ -195,6 +196,23 @@ inline sparse_objective_problem as_logit_problem(const row_problem& r) {
   return as_token_problem(t);
 }
 
+/// The first checks of a sparse objective's row r, shared by forward and backward: the token
+/// data, then the dense new logits (their scan is left in `scan`).
+template <class T>
+sparse_objective_problem check_token_and_logits(const token_batch<T>& in, std::size_t r,
+                                                batch_view<const T> new_logits, logit_scan& scan) {
+  const objective_problem token = check_token_row(in, r, new_logits.cols, static_cast<const T*>(nullptr));
+  if (token) return as_token_problem(token);
+  scan = scan_logits(new_logits.row(r), new_logits.cols, "new_logits");
+  return scan.problem ? as_logit_problem(scan.problem) : sparse_objective_problem{};
+}
+template <class T>
+sparse_objective_problem check_token_and_logits(const token_batch<T>& in, std::size_t r,
+                                                batch_view<const T> new_logits) {
+  logit_scan scan;
+  return check_token_and_logits(in, r, new_logits, scan);
+}
+
 }  // namespace detail
 
 /// Forward of TROLL's objective on sparse old rows. For each row r (V = new_logits.cols):
@@ -235,12 +253,9 @@ objective_metrics objective_forward(cpu_policy policy,
 
   using problem_t = detail::sparse_objective_problem;
   auto problem = [&](std::size_t r) -> problem_t {
-    problem_t p;
-    const detail::objective_problem token =
-        detail::check_token_row(in, r, vocab, static_cast<const T*>(nullptr));
-    if (token) return detail::as_token_problem(token);
-    const detail::logit_scan scan = detail::scan_logits(new_logits.row(r), vocab, "new_logits");
-    if (scan.problem) return detail::as_logit_problem(scan.problem);
+    detail::logit_scan scan;
+    problem_t p = detail::check_token_and_logits(in, r, new_logits, scan);
+    if (p) return p;
     detail::index_slot scratch[sparse_max_entries];
     p.sparse = detail::check_sparse_row_of(old_rows, r, "old", scratch);
     if (p.sparse) {
@@ -308,9 +323,10 @@ objective_metrics objective_forward(cpu_policy policy,
       policy.threads, rows, 2 * vocab, [&](std::size_t r) { return bool(problem(r)); });
   if (bad != rows) detail::throw_sparse_objective_problem(fn, bad, problem(bad));
 
+  const detail::cpu::carved_scratch<detail::cpu::sparse_forward_scratch> scratch(fn, policy.workspace, rows, 0);
+  detail::cpu::troll_row_result* results = scratch.parts.records;
   detail::metrics_sum sum;
-  const std::vector<double> c = detail::aggregation_weights(in, rows, 1.0, &sum.m.sequences);
-  std::vector<detail::cpu::troll_row_result> results(rows);
+  detail::aggregation_weights(in, rows, 1.0, &sum.m.sequences, scratch.parts.weights);
   const aligned_batch_view<const T> aligned_in = aligned;
   detail::cpu::parallel_for(policy.threads, rows, 6 * vocab, [&](std::size_t r) {
     const bool counted = (in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0;
@@ -324,36 +340,12 @@ objective_metrics objective_forward(cpu_policy policy,
         zn, zo, std::size_t(n), objective.eps, objective.projection, counted, token,
         counted ? static_cast<double>(in.advantages[r]) : 0.0, objective.alpha, lp);
     stats[r] = results[r].stats;
-    const int count = static_cast<int>(aligned.counts[r]);
-    T* out_lp = log_probs.row_log_probs(r);
-    for (int i = 0; i < count; ++i) {
-      log_probs.row_indices(r)[i] = aligned.indices[r * aligned.k_max + std::size_t(i)];
-      out_lp[i] = T(detail::neg_inf());
-    }
-    log_probs.log_remainder[r] = T(detail::neg_inf());
-    for (int j = 0; j < n; ++j)
-      (slot[j] < count ? out_lp[slot[j]] : log_probs.log_remainder[r]) = T(lp[j]);
-    log_probs.counts[r] = count;
-    detail::pad_row(log_probs.row_indices(r), out_lp, std::size_t(count), log_probs.k_max);
+    detail::write_lumped_row(aligned_in, r, slot, n, lp, log_probs);
   });
-  // The weighted losses c·ℓ (the rows above fit): checked before any token loss is written.
-  for (std::size_t r = 0; r < rows; ++r) {
-    if ((in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) == 0.0) continue;
-    const detail::objective_problem p = detail::check_token_result<T>(
-        results[r].ratio, results[r].log_ratio, results[r].loss, c[r], in.tokens[r]);
-    if (p) detail::throw_sparse_objective_problem(fn, r, detail::as_token_problem(p));
-  }
-  for (std::size_t r = 0; r < rows; ++r) {
-    const double w = in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0;
-    if (token_loss) token_loss[r] = T(w != 0.0 ? results[r].loss : 0.0);
-    if (w == 0.0) continue;
-    const detail::cpu::troll_row_result& x = results[r];
-    sum.add(c[r] * x.loss, x.ratio, x.stats.kl_before, x.stats.kl_after);
-    sum.reg += x.kl_reg;
-    sum.eta += x.stats.active() ? x.stats.eta : 0.0;
-    sum.projected += x.stats.active() ? 1.0 : 0.0;
-  }
-  return sum.finish();
+  return detail::finish_troll_forward(in, rows, scratch.parts.weights, results, token_loss, sum,
+                                      [&](std::size_t r, const detail::objective_problem& p) {
+                                        detail::throw_sparse_objective_problem(fn, r, detail::as_token_problem(p));
+                                      });
 }
 
 /// The same forward with the result written to `*metrics` (host memory): the argument list of the
@@ -390,13 +382,9 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
 
   using problem_t = detail::sparse_objective_problem;
   auto problem = [&](std::size_t r) -> problem_t {
-    problem_t p;
-    const detail::objective_problem token =
-        detail::check_token_row(in, r, vocab, static_cast<const T*>(nullptr));
-    if (token) return detail::as_token_problem(token);
-    const detail::logit_scan scan = detail::scan_logits(new_logits.row(r), vocab, "new_logits");
-    if (scan.problem) return detail::as_logit_problem(scan.problem);
     detail::index_slot scratch[sparse_max_entries];
+    problem_t p = detail::check_token_and_logits(in, r, new_logits);
+    if (p) return p;
     p.sparse = detail::check_sparse_row_of(aligned.new_side(), r, "aligned (new side)", scratch);
     if (!p.sparse)
       p.sparse = detail::check_sparse_row_of(aligned.old_side(), r, "aligned (old side)", scratch);
@@ -456,7 +444,11 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
       policy.threads, rows, vocab, [&](std::size_t r) { return bool(problem(r)); });
   if (bad != rows) detail::throw_sparse_objective_problem(fn, bad, problem(bad));
 
-  const std::vector<double> c = detail::aggregation_weights(in, rows, grad_loss, nullptr);
+  const detail::cpu::carved_scratch<detail::cpu::sparse_backward_scratch> scratch(fn, policy.workspace, rows, 0);
+  const double* c = scratch.parts.weights;
+  detail::objective_problem* problems = scratch.parts.records;
+  unsigned char* overflowed = scratch.parts.flags;
+  detail::aggregation_weights(in, rows, grad_loss, nullptr, scratch.parts.weights);
   // One row's lumped pair (new, old and π* over the categories of U and the remainder).
   struct lumped_row {
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lpi[sparse_max_entries + 1];
@@ -473,7 +465,6 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
   };
   // Every row's ratio term first (O(|U|) each), so that a gradient that overflows T is
   // reported before anything is written.
-  std::vector<detail::objective_problem> problems(rows);
   detail::cpu::parallel_for(policy.threads, rows, 64, [&](std::size_t r) {
     if (c[r] == 0.0) return;
     lumped_row row;
@@ -485,7 +476,6 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
   });
   for (std::size_t r = 0; r < rows; ++r)
     if (problems[r]) detail::throw_sparse_objective_problem(fn, r, detail::as_token_problem(problems[r]));
-  std::vector<char> overflowed(rows, 0);
   detail::cpu::parallel_for(policy.threads, rows, 4 * vocab, [&](std::size_t r) {
     T* out = grad_new.row(r);
     if (c[r] == 0.0) {

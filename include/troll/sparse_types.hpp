@@ -247,6 +247,20 @@ void check_align_arguments(const char* fn, const batch_view<const L>& new_logits
   check_same_vocab(fn, "new_logits", new_logits.cols, "out", out.vocab);
 }
 
+/// The host-side checks of align(new_rows, old_rows, out) that read no values: views, row counts
+/// and vocabulary sizes. Shared by CPU and CUDA.
+template <class T>
+void check_sparse_align_arguments(const char* fn, const sparse_batch_view<const T>& new_rows,
+                                  const sparse_batch_view<const T>& old_rows, const aligned_batch_view<T>& out) {
+  check_sparse_view(fn, "new", new_rows);
+  check_sparse_view(fn, "old", old_rows);
+  check_aligned_view(fn, "out", out);
+  check_same_rows(fn, "new", new_rows.rows, "old", old_rows.rows);
+  check_same_rows(fn, "new", new_rows.rows, "out", out.rows);
+  check_same_vocab(fn, "new", new_rows.vocab, "old", old_rows.vocab);
+  check_same_vocab(fn, "new", new_rows.vocab, "out", out.vocab);
+}
+
 /// The host-side checks of sparsify that read no values: the logits view, the options, and an
 /// `out` that holds min(k + 1 for a sampled token, V) entries a row. Shared by CPU and CUDA.
 template <class L, class T>

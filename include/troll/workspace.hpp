@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "config.hpp"
+#include "detail/cpu/objective_scratch.hpp"
 #include "detail/workspace_layout.hpp"
 #include "execution.hpp"
 #include "objective_types.hpp"
@@ -66,32 +67,28 @@ template <class Op>
 struct is_objective_op : std::integral_constant<bool, std::is_same<Op, op::objective_forward>::value ||
                                                           std::is_same<Op, op::objective_backward>::value> {};
 
-constexpr std::size_t objective_scratch(const cpu_policy&, const trust_region_objective&, std::size_t, std::size_t) {
-  return 0;
+inline std::size_t objective_scratch(const cpu_policy&, const trust_region_objective&, std::size_t rows,
+                                     std::size_t cols, std::size_t) {
+  return cpu::dense_troll_bytes(rows, cols);
 }
-constexpr std::size_t objective_scratch(const cpu_policy&, const ppo_clip_objective&, std::size_t, std::size_t) {
-  return 0;
+template <class Objective, if_ratio_objective<Objective> = 0>
+std::size_t objective_scratch(const cpu_policy&, const Objective&, std::size_t rows, std::size_t, std::size_t) {
+  return cpu::ratio_bytes(rows);
 }
-constexpr std::size_t objective_scratch(const cpu_policy&, const dppo_objective&, std::size_t, std::size_t) {
-  return 0;
-}
-constexpr std::size_t objective_scratch(const cpu_policy&, const sparse_trust_region_objective&, std::size_t,
-                                        std::size_t) {
-  return 0;
+inline std::size_t objective_scratch(const cpu_policy&, const sparse_trust_region_objective&, std::size_t rows,
+                                     std::size_t, std::size_t) {
+  return cpu::sparse_troll_bytes(rows);
 }
 constexpr std::size_t objective_scratch(const cuda_policy&, const trust_region_objective&, std::size_t rows,
-                                        std::size_t) {
+                                        std::size_t, std::size_t) {
   return cuda::objective_workspace_bytes(rows);
 }
-constexpr std::size_t objective_scratch(const cuda_policy&, const ppo_clip_objective&, std::size_t rows,
-                                        std::size_t) {
-  return cuda::objective_workspace_bytes(rows);
-}
-constexpr std::size_t objective_scratch(const cuda_policy&, const dppo_objective&, std::size_t rows, std::size_t) {
+template <class Objective, if_ratio_objective<Objective> = 0>
+constexpr std::size_t objective_scratch(const cuda_policy&, const Objective&, std::size_t rows, std::size_t, std::size_t) {
   return cuda::objective_workspace_bytes(rows);
 }
 constexpr std::size_t objective_scratch(const cuda_policy&, const sparse_trust_region_objective& objective,
-                                        std::size_t rows, std::size_t k_max) {
+                                        std::size_t rows, std::size_t, std::size_t k_max) {
   return cuda::sparse_objective_bytes(rows, k_max,
                                       objective.new_support.k > 0 ? std::size_t(objective.new_support.k) : 0);
 }
@@ -104,6 +101,7 @@ constexpr std::size_t objective_scratch(const cuda_policy&, const sparse_trust_r
 ///   cpu  sparsify: rows · (12 · k_max + 13) (each row finished before any is written: its
 ///        indices, log-probs, remainder, count and a flag), k_max = out.k_max
 ///   cuda project_jacobian: rows · 24 (per-row terms)
+///   cuda Gaussian full-covariance rows above d = 32 (below)
 template <class Policy, class Op, std::enable_if_t<!detail::is_objective_op<Op>::value, int> = 0>
 constexpr std::size_t workspace_bytes(const Policy&, Op, std::size_t = 0, std::size_t = 0, std::size_t = 0) {
   return 0;
@@ -125,17 +123,51 @@ constexpr std::size_t workspace_bytes(const cuda_policy&, op::project_jacobian, 
   return detail::cuda::jacobian_workspace_bytes(rows);
 }
 
+/// CUDA full-covariance Gaussian rows (`cols` is d, the dimension): 0 up to d = 32; above (up to
+/// d = 256) blocks · row_bytes with blocks = min(rows, 1024, 512 MiB / row_bytes) and row_bytes
+/// (4d² + 8d) · 8 for the projections and the KL, (13d² + 18d) · 8 for their backward and JVP.
+/// The diagonal entry points need none.
+constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_joint, std::size_t rows,
+                                      std::size_t d = 0, std::size_t = 0) {
+  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_forward_row_bytes(d));
+}
+constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_split, std::size_t rows,
+                                      std::size_t d = 0, std::size_t = 0) {
+  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_forward_row_bytes(d));
+}
+constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_kl, std::size_t rows, std::size_t d = 0,
+                                      std::size_t = 0) {
+  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_forward_row_bytes(d));
+}
+constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_joint_backward, std::size_t rows,
+                                      std::size_t d = 0, std::size_t = 0) {
+  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_derivative_row_bytes(d));
+}
+constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_split_backward, std::size_t rows,
+                                      std::size_t d = 0, std::size_t = 0) {
+  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_derivative_row_bytes(d));
+}
+constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_joint_jvp, std::size_t rows,
+                                      std::size_t d = 0, std::size_t = 0) {
+  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_derivative_row_bytes(d));
+}
+constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_split_jvp, std::size_t rows,
+                                      std::size_t d = 0, std::size_t = 0) {
+  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_derivative_row_bytes(d));
+}
+
 /// Bytes of scratch objective_forward / objective_backward need for `objective` (its type picks
 /// the overload: trust_region_objective, ppo_clip_objective, dppo_objective,
 /// sparse_trust_region_objective) on `rows` rows of `cols` tokens; `k_max` is aligned.k_max for
 /// the sparse objective. CUDA: (rows + 1) · 48 for the dense objectives, and for the sparse one
 /// (rows + 1) · 48 + rows · 24 + max(rows · (12 · new_k + 16), rows · (k_max + 1) · 8) with
-/// new_k = objective.new_support.k. CPU: 0 (the CPU objectives allocate their scratch).
-/// forward and backward need the same; one allocation serves both.
+/// new_k = objective.new_support.k. CPU: per-row weights, results and flags, 97 bytes a row, and
+/// for dense TROLL one row of cols doubles more (detail/cpu/objective_scratch.hpp); the larger of
+/// forward and backward. One allocation serves both.
 template <class Policy, class Op, class Objective, std::enable_if_t<detail::is_objective_op<Op>::value, int> = 0>
 constexpr std::size_t workspace_bytes(const Policy& policy, Op, const Objective& objective, std::size_t rows,
-                                      std::size_t = 0, std::size_t k_max = 0) {
-  return detail::objective_scratch(policy, objective, rows, k_max);
+                                      std::size_t cols = 0, std::size_t k_max = 0) {
+  return detail::objective_scratch(policy, objective, rows, cols, k_max);
 }
 
 /// The CUDA sizes under their earlier names (kept; equal to workspace_bytes(troll::cuda, ...)).

@@ -502,10 +502,15 @@ void sparse_trust_region_backward(const in_array& n, nb::handle aligned, nb::han
 }  // namespace
 }  // namespace troll_py
 
+namespace troll_py {
+void bind_cuda_gaussian(nb::module_& m);  // cuda_gaussian_module.cpp
+}  // namespace troll_py
+
 NB_MODULE(_troll_cuda, m) {
   namespace nb = nanobind;
   using namespace nb::literals;
   troll_py::register_errors();
+  troll_py::bind_cuda_gaussian(m);  // cuda_gaussian_module.cpp
   m.attr("cuda") = true;
   m.def("device_count", &troll_py::cuda_entry::device_count, "CUDA devices visible (0 without a driver or GPU).");
   m.def("device_name", &troll_py::cuda_entry::device_name, "device"_a);

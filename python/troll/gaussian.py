@@ -3,14 +3,16 @@ N(mean, cov) onto a KL ball around old ones, for any DLPack array. Means are (..
 covariances are lower Cholesky factors (..., d, d) or, in the ``_diag`` variants, standard
 deviations (..., d). Every function returns arrays of the caller's framework and raises
 troll.InvalidInput subclasses (naming the row of the flattened leading dimensions) before writing
-anything. Differentiable versions for PyTorch: ``troll.torch.gaussian``. No maths here: the
+anything. CUDA arrays go to troll._troll_cuda on the caller's current stream (troll/cuda_gaussian.cuh;
+full covariances up to d = 256, diagonal up to d = 2048; ``troll._core.CUDA_CHECKED`` as for the
+categorical functions). Differentiable versions for PyTorch: ``troll.torch.gaussian``. No maths here: the
 extension calls troll/gaussian.hpp."""
 
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-from . import _troll
+from . import _core, _troll
 from ._arrays import Framework, arg, require_shape
 from ._core import INACTIVE, PROJECTED, STATUS_NAMES
 from ._errors import ShapeError
@@ -99,9 +101,15 @@ def _project(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: float, 
         require_shape(out_cov, tuple(cov.shape), "out[1]", "the covariance")
     if stats is None:
         stats = GaussianStats.empty(frame, rows)
-    _troll.gaussian_project(arg(mean), arg(cov), arg(old_mean), arg(old_cov), float(eps_mean), float(eps_cov),
-                            full, split, out_mean, out_cov, stats.values, stats.counters, rtol, atol,
-                            max_iterations, threads, saved=saved)
+    if _core._on_cuda(mean):
+        cuda, stream = _core._cuda_call(frame, mean, "gaussian.project")
+        cuda.gaussian_project(arg(mean), arg(cov), arg(old_mean), arg(old_cov), float(eps_mean), float(eps_cov),
+                              full, split, out_mean, out_cov, stats.values, stats.counters, rtol, atol,
+                              max_iterations, stream, _core.CUDA_CHECKED, saved=saved)
+    else:
+        _troll.gaussian_project(arg(mean), arg(cov), arg(old_mean), arg(old_cov), float(eps_mean), float(eps_cov),
+                                full, split, out_mean, out_cov, stats.values, stats.counters, rtol, atol,
+                                max_iterations, threads, saved=saved)
     return frame.result(out_mean), frame.result(out_cov), stats
 
 
@@ -168,11 +176,15 @@ def project_backward(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean:
     goc = frame.empty(tuple(cov.shape), dtype) if old else None
     ge = frame.empty(rows, "float64") if eps else None
     gem = frame.empty(rows, "float64") if eps and split else None
-    _troll.gaussian_project_backward(arg(mean), arg(cov), arg(old_mean), arg(old_cov), float(eps_mean),
-                                     float(eps_cov), full, split, arg(out_mean), arg(out_cov),
-                                     arg(stats.values), arg(stats.counters), arg(grad_out_mean),
-                                     arg(grad_out_cov), gm, gc, gom, goc, ge, gem, threads,
-                                     saved=None if saved is None else arg(saved))
+    args = (arg(mean), arg(cov), arg(old_mean), arg(old_cov), float(eps_mean), float(eps_cov), full, split,
+            arg(out_mean), arg(out_cov), arg(stats.values), arg(stats.counters), arg(grad_out_mean),
+            arg(grad_out_cov), gm, gc, gom, goc, ge, gem)
+    sv = None if saved is None else arg(saved)
+    if _core._on_cuda(mean):
+        cuda, stream = _core._cuda_call(frame, mean, "gaussian.project_backward")
+        cuda.gaussian_project_backward(*args, stream, _core.CUDA_CHECKED, saved=sv)
+    else:
+        _troll.gaussian_project_backward(*args, threads, saved=sv)
     res = frame.result
     return (res(gm), res(gc), None if gom is None else res(gom), None if goc is None else res(goc),
             None if ge is None else res(ge), None if gem is None else res(gem))
@@ -192,10 +204,15 @@ def project_jvp(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: floa
     dtype = _dtype(frame, mean)
     tm, tc = frame.empty(tuple(mean.shape), dtype), frame.empty(tuple(cov.shape), dtype)
     opt = [None if x is None else arg(x) for x in (tangent_mean, tangent_cov, tangent_old_mean, tangent_old_cov)]
-    _troll.gaussian_project_jvp(arg(mean), arg(cov), arg(old_mean), arg(old_cov), float(eps_mean), float(eps_cov),
-                                full, split, arg(out_mean), arg(out_cov), arg(stats.values), arg(stats.counters),
-                                *opt, float(tangent_eps), float(tangent_eps_mean), tm, tc, threads,
-                                saved=None if saved is None else arg(saved))
+    args = (arg(mean), arg(cov), arg(old_mean), arg(old_cov), float(eps_mean), float(eps_cov), full, split,
+            arg(out_mean), arg(out_cov), arg(stats.values), arg(stats.counters), *opt, float(tangent_eps),
+            float(tangent_eps_mean), tm, tc)
+    sv = None if saved is None else arg(saved)
+    if _core._on_cuda(mean):
+        cuda, stream = _core._cuda_call(frame, mean, "gaussian.project_jvp")
+        cuda.gaussian_project_jvp(*args, stream, _core.CUDA_CHECKED, saved=sv)
+    else:
+        _troll.gaussian_project_jvp(*args, threads, saved=sv)
     return frame.result(tm), frame.result(tc)
 
 
@@ -203,7 +220,11 @@ def _kl(mean: Any, cov: Any, old_mean: Any, old_cov: Any, full: bool, threads: i
     frame = Framework(mean)
     _dtype(frame, mean)
     out = frame.empty(_rows(mean), "float64")
-    _troll.gaussian_kl(arg(mean), arg(cov), arg(old_mean), arg(old_cov), full, out, threads)
+    if _core._on_cuda(mean):
+        cuda, stream = _core._cuda_call(frame, mean, "gaussian.kl")
+        cuda.gaussian_kl(arg(mean), arg(cov), arg(old_mean), arg(old_cov), full, out, stream, _core.CUDA_CHECKED)
+    else:
+        _troll.gaussian_kl(arg(mean), arg(cov), arg(old_mean), arg(old_cov), full, out, threads)
     return frame.result(out)
 
 

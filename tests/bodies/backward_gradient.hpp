@@ -1,5 +1,5 @@
-// tests/bodies/backward_gradient.hpp — project_backward and project_jvp against troll's gradient
-// checker (finite differences of the double CPU projection, Richardson-extrapolated) and against
+// tests/bodies/backward_gradient.hpp — project_backward, project_jvp and project_jacobian against
+// troll's gradient checker (finite differences of the double CPU projection, Richardson-extrapolated) and against
 // each other: one body compiled per backend (as bodies/kl_gradient.hpp): tests/test_backward.cpp
 // includes it with troll_test::oracle_backend = backend<cpu_policy>,
 // tests/cuda/test_cuda_backward_gradient.cu with backend<cuda_policy> inside its "device" suite.
@@ -192,7 +192,36 @@ struct backend_jvp {
   }
 };
 
+/// project_jacobian on the backend (with the workspace its query asks for), downloaded.
+void backend_jacobians(const pair_batch& b, const forward_result& f, std::vector<double>& jn,
+                       std::vector<double>& jo, std::vector<double>& je) {
+  const std::size_t rows = b.rows, cols = b.cols;
+  backend_state s(b, f);
+  typename backend::template buffer<double> jn_b(rows * cols * cols), jo_b(rows * cols * cols), je_b(rows * cols);
+  const auto policy = backend::policy();
+  const std::size_t bytes = troll::workspace_bytes(policy, troll::op::project_jacobian{}, rows, cols);
+  typename backend::template buffer<double> scratch(bytes / sizeof(double) + 1);
+  troll::project_jacobian(policy.with_workspace(scratch.get(), bytes), s.view(s.zn, rows, cols),
+                          s.view(s.zo, rows, cols), s.view(s.log_probs, rows, cols), s.stats.get(), jn_b.get(),
+                          jo_b.get(), je_b.get());
+  jn = jn_b.download();
+  jo = jo_b.download();
+  je = je_b.download();
+}
+
 }  // namespace
+
+TEST_CASE("project_jacobian: against the checker's numeric Jacobian") {
+  for (const row_case& c : small_cases()) {
+    const packing pack(c.batch, true, true, c.eps);
+    projection_full_jacobian jacobian = make_full_jacobian(pack);
+    jacobian.source = backend_jacobians;
+    const troll::gradcheck_result r = troll::check_jacobian(projection_function{&pack}, jacobian, pack.x0(),
+                                                            pack.outputs(), opts(1e-7, 1e-5, c.step));
+    INFO(c.name << "\n" << r.report());
+    CHECK(r.ok);
+  }
+}
 
 TEST_CASE("project_backward: full Jacobian check w.r.t. new logits, old logits and eps") {
   for (const row_case& c : small_cases()) {

@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <functional>
 #include <vector>
 
 namespace grad_helpers {
@@ -248,10 +249,16 @@ struct projection_jvp {
   }
 };
 
+/// project_jacobian's three outputs for a batch and its forward: jn, jo (rows · V · V), je (rows · V).
+using jacobian_source = std::function<void(const pair_batch&, const forward_result&, std::vector<double>& jn,
+                                           std::vector<double>& jo, std::vector<double>& je)>;
+
 /// The full Jacobian through troll::project_jacobian, as a checker callable jac(x, J) over x.
+/// `source` computes the Jacobians (empty: troll::project_jacobian under troll::cpu).
 struct projection_full_jacobian {
   const packing* pack;
   std::vector<std::size_t> new_index, old_index;  // filled by the constructor helper below
+  jacobian_source source;
 
   void operator()(const double* x, double* J) const {
     pair_batch b;
@@ -260,10 +267,14 @@ struct projection_full_jacobian {
     const forward_result f = forward(b, eps);
     const std::size_t rows = b.rows, cols = b.cols, block = cols * cols;
     std::vector<double> jn(rows * block), jo(rows * block), je(rows * cols);
-    troll::project_jacobian(troll::cpu, troll::make_batch(b.new_logits.data(), rows, cols),
-                            troll::make_batch(b.old_logits.data(), rows, cols),
-                            troll::make_batch(f.log_probs.data(), rows, cols), f.stats.data(),
-                            jn.data(), jo.data(), je.data());
+    if (source) {
+      source(b, f, jn, jo, je);
+    } else {
+      troll::project_jacobian(troll::cpu, troll::make_batch(b.new_logits.data(), rows, cols),
+                              troll::make_batch(b.old_logits.data(), rows, cols),
+                              troll::make_batch(f.log_probs.data(), rows, cols), f.stats.data(), jn.data(),
+                              jo.data(), je.data());
+    }
     const std::size_t n = pack->size();
     for (std::size_t k = 0; k < rows * cols * n; ++k) J[k] = 0.0;
     for (std::size_t i = 0; i < rows * cols; ++i) {
@@ -281,7 +292,7 @@ struct projection_full_jacobian {
 };
 
 inline projection_full_jacobian make_full_jacobian(const packing& p) {
-  projection_full_jacobian j{&p, {}, {}};
+  projection_full_jacobian j{&p, {}, {}, {}};
   const pair_batch& b = p.base();
   for (std::size_t k = 0; k < b.new_logits.size(); ++k)
     if (b.new_logits[k] != neg_inf) j.new_index.push_back(k);

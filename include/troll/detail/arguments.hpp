@@ -93,15 +93,23 @@ void check_backward_views(const char* fn, batch_view<const T> new_logits, batch_
   if (new_logits.rows != 0 && stats == nullptr) throw_shape(fn, "stats is a null pointer");
 }
 
+/// The host-side checks of kl (CPU and CUDA): the logits pair and one value per row at `kl`
+/// (named `kl_name`).
+template <class T>
+void check_kl_arguments(const char* fn, batch_view<const T> p_logits, batch_view<const T> q_logits, const T* kl,
+                        const char* kl_name = "kl_out") {
+  check_view(fn, "p_logits", p_logits);
+  check_view(fn, "q_logits", q_logits);
+  check_same_shape(fn, "p_logits", p_logits, "q_logits", q_logits);
+  if (p_logits.rows != 0 && kl == nullptr) throw_shape(fn, std::string(kl_name) + " is a null pointer");
+}
+
 /// The host-side checks of kl_backward (CPU and CUDA): the logits pair, grad_kl, and each
 /// gradient view that has rows (an empty one is skipped).
 template <class T>
 void check_kl_backward_arguments(const char* fn, batch_view<const T> p_logits, batch_view<const T> q_logits,
                                  const T* grad_kl, batch_view<T> grad_p, batch_view<T> grad_q) {
-  check_view(fn, "p_logits", p_logits);
-  check_view(fn, "q_logits", q_logits);
-  check_same_shape(fn, "p_logits", p_logits, "q_logits", q_logits);
-  if (p_logits.rows != 0 && grad_kl == nullptr) throw_shape(fn, "grad_kl is a null pointer");
+  check_kl_arguments(fn, p_logits, q_logits, grad_kl, "grad_kl");
   if (grad_p.rows != 0) {
     check_view(fn, "grad_p", grad_p);
     check_same_shape(fn, "p_logits", p_logits, "grad_p", grad_p);

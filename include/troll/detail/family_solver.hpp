@@ -127,30 +127,51 @@ struct bracket_solution {
 /// half the step before last (the rtsafe rule), otherwise the bisection point: so the bracket
 /// shrinks at least geometrically, and a stall (steps that shrink slowly, a KL that underflows
 /// to 0 on the far side of a steep rise) turns into bisection within two iterations.
-#ifdef __CUDACC__
-#pragma nv_exec_check_disable
-#endif
-template <class Family, class Point>
-TROLL_HOST_DEVICE bracket_solution<Point> solve_bracketed(const Family& family, const Point& at_zero,
-                                                          const Point& at_one, double eps,
-                                                          const projection_options& opt) {
-  bracket_solution<Point> r;
-  const double tol = opt.atol + opt.rtol * eps;
-  const double sqrt_eps = ::sqrt(eps);
-  tilt_param lo = tilt_at(0.0), hi = tilt_at(1.0);
-  Point best_lo = at_zero, point = at_one;
-  const double t0 = newton_start(at_zero.kl, at_zero.sigma2, at_one.kl, at_one.sigma2, eps);
-  tilt_param u = t0 <= 0.5 ? tilt_at(t0) : tilt_near_one(1.0 - t0);
-  const Point& first_near = t0 <= 0.5 ? at_zero : at_one;
-  double step_last = inf(), step_before = inf();
+/// solve_bracketed's iteration, one member at a time, so that a caller can hold several rows'
+/// solves at once (the CPU's rows-in-lanes driver evaluates the pending members of eight rows
+/// in one packet pass) and still take exactly solve_bracketed's decisions: start(), then while
+/// !done(): evaluate the member at u (near() is its hint) and hand it to advance().
+template <class Point>
+struct bracket_search {
+  double eps = 0.0, tol = 0.0, sqrt_eps = 0.0;
+  int max_iterations = 0;
+  tilt_param lo, hi, u;
+  Point best_lo, point, first_near;
+  double step_last = 0.0, step_before = 0.0;
+  int iterations = 0;
+  bool converged = false, finished = false;
 
-  for (int it = 1; it <= opt.max_iterations; ++it) {
-    point = family.evaluate(u, it == 1 ? first_near : point, eps, tol);
-    r.iterations = it;
+  TROLL_HOST_DEVICE void start(const Point& at_zero, const Point& at_one, double eps_, const projection_options& opt) {
+    eps = eps_;
+    tol = opt.atol + opt.rtol * eps;
+    sqrt_eps = ::sqrt(eps);
+    max_iterations = opt.max_iterations;
+    lo = tilt_at(0.0);
+    hi = tilt_at(1.0);
+    best_lo = at_zero;
+    point = at_one;
+    const double t0 = newton_start(at_zero.kl, at_zero.sigma2, at_one.kl, at_one.sigma2, eps);
+    u = t0 <= 0.5 ? tilt_at(t0) : tilt_near_one(1.0 - t0);
+    first_near = t0 <= 0.5 ? at_zero : at_one;
+    step_last = inf();
+    step_before = inf();
+    iterations = 0;
+    converged = false;
+    finished = max_iterations < 1;
+  }
+  TROLL_HOST_DEVICE bool done() const { return finished; }
+  /// The hint for the member at u: the member evaluated last (the nearer end at first).
+  TROLL_HOST_DEVICE const Point& near() const { return iterations == 0 ? first_near : point; }
+
+  /// Takes the member evaluated at u: stops (converged, out of iterations, or the bracket
+  /// exhausted at this precision) or moves u to the next member.
+  TROLL_HOST_DEVICE void advance(const Point& evaluated) {
+    point = evaluated;
+    ++iterations;
     const double g = point.kl - eps;
     if (g <= tol && g >= -tol) {
-      r.converged = true;
-      break;
+      converged = finished = true;
+      return;
     }
     if (g < 0.0) {
       lo = u;
@@ -192,16 +213,49 @@ TROLL_HOST_DEVICE bracket_solution<Point> solve_bracketed(const Family& family, 
     }
     if (!newton) {
       next = tilt_bisect(lo, hi);
-      if (!(tilt_less(lo, next) && tilt_less(next, hi))) break;  // bracket exhausted at this precision
+      if (!(tilt_less(lo, next) && tilt_less(next, hi))) {  // bracket exhausted at this precision
+        finished = true;
+        return;
+      }
     }
     // |Δt| of this step, measured on whichever of t and s is exact.
     const double step = next.t <= 0.5 && u.t <= 0.5 ? ::fabs(next.t - u.t) : ::fabs(next.s - u.s);
     step_before = step_last;
     step_last = step;
     u = next;
+    finished = iterations >= max_iterations;
   }
-  r.point = r.converged ? point : best_lo;  // not converged: feasible, KL(π‖q) < ε
-  return r;
+
+  /// The member to write: the converged one, else the best feasible one (KL < ε).
+  TROLL_HOST_DEVICE bracket_solution<Point> solution() const {
+    bracket_solution<Point> r;
+    r.point = converged ? point : best_lo;
+    r.iterations = iterations;
+    r.converged = converged;
+    return r;
+  }
+};
+
+/// Solves KL(π_t ‖ q) = ε on the bracket (0, 1), given the two ends with
+/// at_zero.kl < ε < at_one.kl. Converged once |KL − ε| ≤ atol + rtol·ε; otherwise (after
+/// max_iterations, or once t* is resolved to adjacent doubles) the best member below ε.
+///
+/// Each iteration evaluates one member and keeps a bracket lo < t* < hi. The next member is a
+/// Newton step on a transform of KL (bracket_search::advance) when that lands inside the bracket
+/// and is at most half the step before last (the rtsafe rule), otherwise the bisection point: so
+/// the bracket shrinks at least geometrically, and a stall (steps that shrink slowly, a KL that
+/// underflows to 0 on the far side of a steep rise) turns into bisection within two iterations.
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
+template <class Family, class Point>
+TROLL_HOST_DEVICE bracket_solution<Point> solve_bracketed(const Family& family, const Point& at_zero,
+                                                          const Point& at_one, double eps,
+                                                          const projection_options& opt) {
+  bracket_search<Point> search;
+  search.start(at_zero, at_one, eps, opt);
+  while (!search.done()) search.advance(family.evaluate(search.u, search.near(), eps, search.tol));
+  return search.solution();
 }
 
 }  // namespace detail

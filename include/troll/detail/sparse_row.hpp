@@ -128,29 +128,35 @@ TROLL_HOST_DEVICE inline bool ranks_before(const sparse_candidate& a, const spar
 /// Sorts a[0..n) best first (ranks_before) by heapsort: O(n log n), no recursion, no scratch.
 /// The heap's root is the best element; moving it to the back leaves worst-first order, which
 /// is then reversed.
-TROLL_HOST_DEVICE inline void sort_best_first(sparse_candidate* a, int n) {
-  auto swap = [&](int i, int j) {
-    const sparse_candidate tmp = a[i];
-    a[i] = a[j];
-    a[j] = tmp;
-  };
-  auto sift = [&](int root, int size) {
-    for (;;) {
-      int best = root;
-      const int l = 2 * root + 1, r = l + 1;
-      if (l < size && ranks_before(a[l], a[best])) best = l;
-      if (r < size && ranks_before(a[r], a[best])) best = r;
-      if (best == root) return;
-      swap(root, best);
-      root = best;
-    }
-  };
-  for (int i = n / 2 - 1; i >= 0; --i) sift(i, n);
-  for (int end = n - 1; end > 0; --end) {
-    swap(0, end);
-    sift(0, end);
+TROLL_HOST_DEVICE inline void swap_candidates(sparse_candidate* a, int i, int j) {
+  const sparse_candidate tmp = a[i];
+  a[i] = a[j];
+  a[j] = tmp;
+}
+
+/// Moves a[root] down a binary heap of `size` until no child ranks above its parent, where
+/// `above(x, y)` says x belongs above y (the heap's order).
+template <class Above>
+TROLL_HOST_DEVICE void sift_down(sparse_candidate* a, int size, int root, Above above) {
+  for (;;) {
+    int top = root;
+    const int l = 2 * root + 1, r = l + 1;
+    if (l < size && above(a[l], a[top])) top = l;
+    if (r < size && above(a[r], a[top])) top = r;
+    if (top == root) return;
+    swap_candidates(a, root, top);
+    root = top;
   }
-  for (int i = 0, j = n - 1; i < j; ++i, --j) swap(i, j);
+}
+
+TROLL_HOST_DEVICE inline void sort_best_first(sparse_candidate* a, int n) {
+  auto best_above = [](const sparse_candidate& x, const sparse_candidate& y) { return ranks_before(x, y); };
+  for (int i = n / 2 - 1; i >= 0; --i) sift_down(a, n, i, best_above);
+  for (int end = n - 1; end > 0; --end) {
+    swap_candidates(a, 0, end);
+    sift_down(a, end, 0, best_above);
+  }
+  for (int i = 0, j = n - 1; i < j; ++i, --j) swap_candidates(a, i, j);
 }
 
 }  // namespace detail
@@ -166,26 +172,14 @@ TROLL_HOST_DEVICE inline bool state_has_no_support(const sparsify_state& s) {
 
 /// Moves heap[root] down until the min-heap property (worst at the root) holds.
 TROLL_HOST_DEVICE inline void sift_down_worst(sparse_candidate* heap, int size, int root) {
-  for (;;) {
-    int worst = root;
-    const int l = 2 * root + 1, r = l + 1;
-    if (l < size && ranks_before(heap[worst], heap[l])) worst = l;
-    if (r < size && ranks_before(heap[worst], heap[r])) worst = r;
-    if (worst == root) return;
-    const sparse_candidate tmp = heap[root];
-    heap[root] = heap[worst];
-    heap[worst] = tmp;
-    root = worst;
-  }
+  sift_down(heap, size, root, [](const sparse_candidate& x, const sparse_candidate& y) { return ranks_before(y, x); });
 }
 
 TROLL_HOST_DEVICE inline void sift_up_worst(sparse_candidate* heap, int at) {
   while (at > 0) {
     const int parent = (at - 1) / 2;
     if (!ranks_before(heap[parent], heap[at])) return;
-    const sparse_candidate tmp = heap[parent];
-    heap[parent] = heap[at];
-    heap[at] = tmp;
+    swap_candidates(heap, parent, at);
     at = parent;
   }
 }

@@ -53,9 +53,8 @@ struct solve_result {
 /// the KL would be differences of huge numbers, so the member is evaluated again relative to
 /// the mode just found.
 template <class Eval>
-TROLL_HOST_DEVICE tilt_point evaluate(const Eval& eval, const tilt_param& u, tilt_ref ref, double old_max,
-                                      double old_log_sum, double eps, double tol) {
-  lse_state st = eval(u, ref);
+TROLL_HOST_DEVICE tilt_point evaluate_from(const Eval& eval, lse_state st, const tilt_param& u, tilt_ref ref,
+                                           double old_max, double old_log_sum, double eps, double tol) {
   if (st.m > 64.0) {
     ref = tilt_ref{st.ref_new, st.ref_old};
     st = eval(u, ref);
@@ -70,6 +69,13 @@ TROLL_HOST_DEVICE tilt_point evaluate(const Eval& eval, const tilt_param& u, til
   return p;
 }
 
+/// evaluate_from of the reduction eval(u, ref).
+template <class Eval>
+TROLL_HOST_DEVICE tilt_point evaluate(const Eval& eval, const tilt_param& u, tilt_ref ref, double old_max,
+                                      double old_log_sum, double eps, double tol) {
+  return evaluate_from(eval, eval(u, ref), u, ref, old_max, old_log_sum, eps, tol);
+}
+
 /// Replaces p.kl by the cancellation-free sum unless the closed form is good to 1e-11 relative.
 template <class Eval>
 TROLL_HOST_DEVICE void settle_kl(const Eval& eval, tilt_point& p) {
@@ -82,12 +88,18 @@ TROLL_HOST_DEVICE void settle_kl(const Eval& eval, tilt_point& p) {
 
 /// KL(π_1 ‖ q) = KL(p̃ ‖ q) to 1e-11 relative (the t = 1 member; p̃ restricted to J when the
 /// old row masks some of its tokens).
+/// The t = 1 member from its reduction state = eval(tilt_at(1), setup.new_top).
 template <class Eval>
-TROLL_HOST_DEVICE tilt_point evaluate_at_one(const Eval& eval, const row_setup& setup, double old_log_sum) {
-  tilt_point p = make_point(eval(tilt_at(1.0), setup.new_top), tilt_at(1.0), setup.new_top, setup.old_max,
-                            old_log_sum);
+TROLL_HOST_DEVICE tilt_point one_point(const Eval& eval, const row_setup& setup, const lse_state& state,
+                                       double old_log_sum) {
+  tilt_point p = make_point(state, tilt_at(1.0), setup.new_top, setup.old_max, old_log_sum);
   settle_kl(eval, p);
   return p;
+}
+
+template <class Eval>
+TROLL_HOST_DEVICE tilt_point evaluate_at_one(const Eval& eval, const row_setup& setup, double old_log_sum) {
+  return one_point(eval, setup, eval(tilt_at(1.0), setup.new_top), old_log_sum);
 }
 
 /// The t = 0 member (π_0 = q restricted to J) from its reduction, with KL(π_0+ ‖ q) = −log q(J),
@@ -125,12 +137,46 @@ struct categorical_family {
   }
 };
 
+/// log Σ_i exp(z°_i − M°) over every old token, from the t = 0 reduction: π_0 = q restricted
+/// to J, whose normaliser is log q's (relative to M°) whenever J covers supp q.
+template <class Eval>
+TROLL_HOST_DEVICE double ends_old_log_sum(const Eval& eval, const row_setup& setup, const lse_state& zero_state) {
+  return setup.old_only ? eval.old_log_sum() : zero_state.log_sum() + (setup.old_top.zo - setup.old_max);
+}
+
+/// Decides a row from its two ends: false with r final (inactive or restricted: KL(p̃‖q) ≤ ε;
+/// infeasible: KL(π_0+‖q) ≥ ε), true with r.kl_before set when the bracketed solve must run.
+TROLL_HOST_DEVICE inline bool needs_solve(const row_setup& setup, const tilt_point& at_zero,
+                                          const tilt_point& at_one, double eps, solve_result& r) {
+  r.kl_before = setup.new_only ? inf() : at_one.kl;
+  r.point = at_one;
+  if (at_one.kl <= eps) {
+    r.status = setup.new_only ? row_status::restricted : row_status::inactive;
+    return false;
+  }
+  if (at_zero.kl >= eps) {
+    r.status = row_status::infeasible;
+    r.point = at_zero;
+    return false;
+  }
+  return true;
+}
+
+/// The result of a row whose bracketed solve ended.
+template <class Point>
+TROLL_HOST_DEVICE void take_solution(const bracket_solution<Point>& solved, solve_result& r) {
+  r.point = solved.point;
+  r.iterations = solved.iterations;
+  r.status = solved.converged ? row_status::projected : row_status::not_converged;
+}
+
 /// Solves one row. Never throws: an infeasible row (q's mass on J is at most e^{−ε}) comes back
 /// with status infeasible and the t → 0 end as its point; a row not brought within the
 /// tolerance |KL − ε| ≤ atol + rtol·ε comes back not_converged with its best feasible member
 /// (KL < ε) as the point. The ends t = 0 and t = 1 are evaluated here; the bracketed Newton
 /// solve between them is family_solver.hpp's, each member one pass over the row (two where the
-/// closed-form KL is too coarse for the decision at hand).
+/// closed-form KL is too coarse for the decision at hand). (The CPU's rows-in-lanes driver,
+/// detail/cpu/lane_solver.hpp, takes the same steps with the reductions of eight rows at once.)
 #ifdef __CUDACC__
 #pragma nv_exec_check_disable
 #endif
@@ -138,31 +184,14 @@ template <class Eval>
 TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setup, double eps,
                                          const projection_options& opt) {
   solve_result r;
-  // t = 0 first: π_0 = q restricted to J. Its normaliser is log q's (relative to M°) whenever J
-  // covers supp q, and its variance seeds the first Newton guess.
+  // t = 0 first: its normaliser gives log q's, its variance seeds the first Newton guess.
   const lse_state zero_state = eval(tilt_at(0.0), setup.old_top);
-  const double old_log_sum =
-      setup.old_only ? eval.old_log_sum() : zero_state.log_sum() + (setup.old_top.zo - setup.old_max);
+  const double old_log_sum = ends_old_log_sum(eval, setup, zero_state);
   const tilt_point at_zero = zero_point(eval, setup, zero_state, old_log_sum);
-
   const tilt_point at_one = evaluate_at_one(eval, setup, old_log_sum);
-  r.kl_before = setup.new_only ? inf() : at_one.kl;
-  r.point = at_one;
-  if (at_one.kl <= eps) {
-    r.status = setup.new_only ? row_status::restricted : row_status::inactive;
-    return r;
-  }
-  if (at_zero.kl >= eps) {
-    r.status = row_status::infeasible;
-    r.point = at_zero;
-    return r;
-  }
-
-  const bracket_solution<tilt_point> solved =
-      solve_bracketed(categorical_family<Eval>{eval, setup.old_max, old_log_sum}, at_zero, at_one, eps, opt);
-  r.point = solved.point;
-  r.iterations = solved.iterations;
-  r.status = solved.converged ? row_status::projected : row_status::not_converged;
+  if (!needs_solve(setup, at_zero, at_one, eps, r)) return r;
+  take_solution(
+      solve_bracketed(categorical_family<Eval>{eval, setup.old_max, old_log_sum}, at_zero, at_one, eps, opt), r);
   return r;
 }
 

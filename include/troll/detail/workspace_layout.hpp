@@ -70,6 +70,33 @@ TROLL_HOST_DEVICE constexpr std::size_t sparse_objective_bytes(std::size_t rows,
                                                    : sparse_upstream_bytes(rows, k_max));
 }
 
+/// Full-covariance Gaussian rows on the device: up to gaussian_full_warp_dim one warp (or, for
+/// the derivatives, one block) per row with the row's work in shared memory and no workspace;
+/// above, up to gaussian_full_block_dim, one block per row with the row's scratch in the caller's
+/// workspace: gaussian_full_blocks(rows, row_bytes) blocks (each holding one row at a time, so the
+/// workspace does not grow with rows beyond that), row_bytes each. Forward and KL rows take
+/// (4d² + 8d) doubles (detail/gaussian_full_forward.hpp), derivative rows (13d² + 18d)
+/// (detail/gaussian_full_derivatives.hpp's full_scratch).
+constexpr std::size_t gaussian_full_warp_dim = 32;
+constexpr std::size_t gaussian_full_block_dim = 256;
+constexpr std::size_t gaussian_full_workspace_budget = std::size_t(512) << 20;
+constexpr std::size_t gaussian_full_max_blocks = 1024;
+TROLL_HOST_DEVICE constexpr std::size_t gaussian_forward_row_bytes(std::size_t d) {
+  return (4 * d * d + 8 * d) * sizeof(double);
+}
+TROLL_HOST_DEVICE constexpr std::size_t gaussian_derivative_row_bytes(std::size_t d) {
+  return (13 * d * d + 18 * d) * sizeof(double);
+}
+TROLL_HOST_DEVICE constexpr std::size_t gaussian_full_blocks(std::size_t rows, std::size_t row_bytes) {
+  const std::size_t fit = gaussian_full_workspace_budget / row_bytes;
+  const std::size_t cap = fit < 1 ? 1 : fit > gaussian_full_max_blocks ? gaussian_full_max_blocks : fit;
+  return rows < cap ? rows : cap;
+}
+TROLL_HOST_DEVICE constexpr std::size_t gaussian_full_workspace_bytes(std::size_t rows, std::size_t d,
+                                                                      std::size_t row_bytes) {
+  return d <= gaussian_full_warp_dim ? 0 : gaussian_full_blocks(rows, row_bytes) * row_bytes;
+}
+
 }  // namespace cuda
 }  // namespace detail
 TROLL_END_NAMESPACE

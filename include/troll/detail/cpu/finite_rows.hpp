@@ -326,7 +326,9 @@ inline lse_state tilt_reduce_finite(const double* zn, const double* zo, long cou
   auto add = [&](const packet& a, const packet& b, const packet& valid, auto masked) {
     const packet dn = psub(a, rn), dold = psub(b, ro);
     const packet xk = psub(dn, dold);  // 0 in the padding (the reference's own logits)
-    packet wk = padd(low ? dold : dn, pmul(ps, xk));
+    // Explicit fused multiply-adds (not left to the compiler's contraction), so that the
+    // rows-in-lanes reduction (lane_solver.hpp) reproduces these bits.
+    packet wk = pmadd(ps, xk, low ? dold : dn);
     if (decltype(masked)::value) wk = pselect(valid, wk, pset1<packet>(neg_inf()));
     keep_first_max(wk, token, most, most_at);
     token = padd(token, step);
@@ -334,7 +336,7 @@ inline lse_state tilt_reduce_finite(const double* zn, const double* zo, long cou
     const packet ex = pmul(e, xk);
     s0 = padd(s0, e);
     s1 = padd(s1, ex);
-    s2 = padd(s2, pmul(ex, xk));  // (e·x)·x, as tilt_evaluator
+    s2 = pmadd(ex, xk, s2);  // (e·x)·x, as tilt_evaluator
   };
   for (long k = 0; k < whole; k += lanes) add(ploadu<packet>(zn + k), ploadu<packet>(zo + k), step, std::false_type{});
   if (whole < count) {  // the last partial packet, padded with the reference's own logits
@@ -396,7 +398,7 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
   auto weight = [&](const packet& a, const packet& b, packet& xk) {
     const packet dn = psub(a, rn), dold = psub(b, ro);
     xk = psub(dn, dold);
-    return padd(low ? dold : dn, pmul(ps, xk));
+    return pmadd(ps, xk, low ? dold : dn);  // explicit FMA: lane_solver.hpp reproduces these bits
   };
   packet most = pset1<packet>(neg_inf()), least = pset1<packet>(inf());
   double t0 = 0.0, t1 = 0.0, t2 = 0.0;
@@ -413,7 +415,7 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
     const packet ex = pmul(e, xk);
     s0 = padd(s0, e);
     s1 = padd(s1, ex);
-    s2 = padd(s2, pmul(ex, xk));  // (e·x)·x, as tilt_evaluator
+    s2 = pmadd(ex, xk, s2);  // (e·x)·x, as tilt_evaluator
   };
   for (long begin = 0; begin < whole; begin += chunk) {
     const long end = begin + chunk < whole ? begin + chunk : whole;

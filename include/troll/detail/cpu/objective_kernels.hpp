@@ -12,6 +12,7 @@
 #include "../../projection_types.hpp"
 #include "../numeric.hpp"
 #include "../objective_row.hpp"
+#include "objective_records.hpp"
 #include "row_kernels.hpp"
 
 #include "eigen_warnings_push.inc"
@@ -54,14 +55,6 @@ inline double kl_logits_to_log_probs(const T* zn, double log_norm_new, const T* 
   return infinite ? inf() : maximum(sum, 0.0);
 }
 
-/// What one row of TROLL's forward produced.
-struct troll_row_result {
-  projection_stats stats;
-  double ratio = 0.0;      ///< ρ = π*_a / q_a (+inf where it overflows double)
-  double log_ratio = 0.0;  ///< log π*_a − log q_a
-  double kl_reg = 0.0;     ///< KL(p̃ ‖ π*)
-  double loss = 0.0;       ///< −ρA + α KL(p̃‖π*)
-};
 
 /// TROLL's forward on one validated row: projects (writing log π* to `out`), then the ratio at
 /// the sampled token and the regression KL. `counted` false (mask 0) skips the loss terms.
@@ -85,17 +78,6 @@ inline troll_row_result troll_forward_row(const T* zn, const T* zo, std::size_t 
   return r;
 }
 
-/// What TROLL's backward needs of one row before it writes: the coefficients of
-/// objective_row.hpp and the new row's log-normaliser. Computed for every row first, so that a
-/// row whose gradient overflows is reported before anything is written.
-struct troll_backward_plan {
-  troll_row_coefficients k;
-  double log_norm_new = 0.0;
-  double ratio = 0.0, log_ratio = 0.0;
-  bool with_reg = false;
-  /// The size of the sampled token's ratio term, |c·A·ρ·t|: what must fit the output type.
-  double ratio_scale() const { return k.ratio_coef * k.t; }
-};
 
 /// The plan of one row from the forward's log π* and statistics. `weight` = c (≠ 0).
 template <class T>
@@ -168,14 +150,6 @@ inline bool troll_backward_row(const T* zn, const T* zo, const T* log_pi, std::s
   return troll_backward_write(zn, zo, log_pi, size, s, &plan, token, grad);
 }
 
-/// The sampled-token quantities of a ratio-based baseline on one row.
-struct ratio_row_result {
-  surrogate_token token;
-  double ratio = 0.0;       ///< p̃_a / q_a (+inf where it overflows double)
-  double log_ratio = 0.0;   ///< log p̃_a − log q_a
-  double kl = 0.0;          ///< KL(p̃ ‖ q) (when asked for)
-  double divergence = 0.0;  ///< DPPO's divergence estimate
-};
 
 // The spec, the top-K sums and the per-token surrogate are shared with the CUDA backend
 // (objective_row.hpp).

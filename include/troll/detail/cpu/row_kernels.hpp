@@ -364,18 +364,24 @@ inline void log_softmax_row(const T* z, std::size_t size, T* out) {
   });
 }
 
+/// Writes log π* of a solved row (the log-softmax of the new row where inactive) and returns
+/// its statistics.
+template <class T>
+inline projection_stats write_solution(const tilt_evaluator<T>& eval, const solve_result& r, T* out) {
+  if (r.status == row_status::inactive) {
+    log_softmax_row(eval.new_logits, eval.size, out);
+  } else {
+    eval.write(r.point, out);
+  }
+  return make_stats(r);
+}
+
 /// The projection of one validated row: solve, write log π*, return the statistics.
 template <class T>
 inline projection_stats project_row(const T* zn, const T* zo, std::size_t size, const row_setup& setup,
                                     double eps, const projection_options& opt, T* out) {
   const tilt_evaluator<T> eval = make_evaluator(zn, zo, size, setup);
-  const solve_result r = solve_row(eval, setup, eps, opt);
-  if (r.status == row_status::inactive) {
-    log_softmax_row(zn, size, out);
-  } else {
-    eval.write(r.point, out);
-  }
-  return make_stats(r);
+  return write_solution(eval, solve_row(eval, setup, eps, opt), out);
 }
 
 /// KL(π_0+ ‖ q) = −log q(J): the smallest KL any admissible π reaches (old-only tokens only).

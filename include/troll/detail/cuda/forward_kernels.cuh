@@ -20,6 +20,15 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cuda {
 
+/// Adds token (a = z̃_i, b = z°_i) to a tilted-family reduction at u when both are finite.
+TROLL_HOST_DEVICE inline void push_tilt_token(lse_state& local, double a, double b, const tilt_ref& ref,
+                                              const tilt_param& u) {
+  if (a > neg_inf() && b > neg_inf()) {
+    const double x = tilt_centred(a, b, ref);
+    push_pair(local, tilt_weight(a, b, x, ref, u), x, a, b);
+  }
+}
+
 /// The tilted-family reduction of trust_region_solver.hpp over one row, by the whole block:
 /// pairs w_i = (z°_i − M°) + t·x_i, x_i = d_i − c over the joint support (see that header).
 template <class T>
@@ -40,12 +49,7 @@ struct block_tilt_evaluator {
 #ifdef __CUDA_ARCH__
     lse_state local;
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
-      const double a = static_cast<double>(new_logits[i]);
-      const double b = static_cast<double>(old_logits[i]);
-      if (a > neg_inf() && b > neg_inf()) {
-        const double x = tilt_centred(a, b, ref);
-        push_pair(local, tilt_weight(a, b, x, ref, u), x, a, b);
-      }
+      push_tilt_token(local, static_cast<double>(new_logits[i]), static_cast<double>(old_logits[i]), ref, u);
     }
     return block_all_reduce(*storage, local, merge_lse{});
 #else
@@ -151,6 +155,31 @@ __global__ void __launch_bounds__(block_threads)
   }
 }
 
+/// The solve of a row whose report is still none (others are skipped): an infeasible result
+/// becomes the row's report (the value: the KL reached).
+template <class Eval>
+__device__ solve_result solve_checked_row(const Eval& eval, const row_setup& setup, double eps,
+                                          const projection_options& options, cuda_row_report& report) {
+  solve_result result;
+  if (report.error == cuda_row_error::none) {
+    result = solve_row(eval, setup, eps, options);
+    if (result.status == row_status::infeasible)
+      report.error = cuda_row_error::infeasible, report.value = result.point.kl;
+  }
+  return result;
+}
+
+/// The validation pass's infeasibility check of a row the old logits partly mask: the floor
+/// −log q(J) = KL at t → 0 must be below ε (else report infeasible with the floor).
+template <class Eval>
+__device__ void check_feasible(const Eval& eval, const row_setup& setup, double log_sum_old, double eps,
+                               cuda_row_report& report) {
+  if (report.error == cuda_row_error::none && setup.old_only) {
+    const double floor = evaluate_at_zero(eval, setup, log_sum_old).kl;
+    if (floor >= eps) report.error = cuda_row_error::infeasible, report.value = floor;
+  }
+}
+
 /// Rows of `range`: the trust-region projection (see troll::project). With
 /// checks.validate_only, only the CPU's pre-write validation runs (including the
 /// infeasibility floor −log q(J) ≥ ε) and nothing is written but the reports.
@@ -173,20 +202,12 @@ __global__ void __launch_bounds__(block_threads)
     const block_tilt_evaluator<T> eval{zn, zo, size, setup.old_max, log_sum_old, &lse_storage};
 
     if (checks.validate_only) {
-      if (report.error == cuda_row_error::none && setup.old_only) {
-        const double floor = evaluate_at_zero(eval, setup, log_sum_old).kl;
-        if (floor >= eps) report.error = cuda_row_error::infeasible, report.value = floor;
-      }
+      check_feasible(eval, setup, log_sum_old, eps, report);
       if (threadIdx.x == 0) record_row(checks, range, r, report);
       continue;
     }
 
-    solve_result result;
-    if (report.error == cuda_row_error::none) {
-      result = solve_row(eval, setup, eps, options);
-      if (result.status == row_status::infeasible)
-        report.error = cuda_row_error::infeasible, report.value = result.point.kl;
-    }
+    const solve_result result = solve_checked_row(eval, setup, eps, options, report);
     if (threadIdx.x == 0) record_row(checks, range, r, report);
     if (report.error != cuda_row_error::none) {
       fill_nan(out, size);

@@ -18,17 +18,22 @@
 #include "../../projection_types.hpp"
 #include "../gaussian_family.hpp"
 #include "../numeric.hpp"
+#include "../workspace_layout.hpp"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cuda {
 
 constexpr int gaussian_warp = 32;
-/// Largest d of a full-covariance row on the device (one lane per column, 4d² + 4d doubles of
-/// shared memory: 33 KB at d = 32).
-constexpr std::size_t gaussian_full_max_dim = 32;
+/// Largest d of a full-covariance row on one warp (one lane per column, 4d² + 4d doubles of
+/// shared memory: 33 KB at d = 32); above, up to gaussian_full_block_dim, one block per row with
+/// the row in the caller's workspace (gaussian_full_block_kernels.cuh).
+constexpr std::size_t gaussian_full_max_dim = gaussian_full_warp_dim;
 /// Largest d of a diagonal row on the device (2d doubles of shared memory: 32 KB).
 constexpr std::size_t gaussian_diag_max_dim = 2048;
+/// Largest d the device takes: full rows up to gaussian_full_block_dim, diagonal ones up to
+/// gaussian_diag_max_dim.
+constexpr std::size_t gaussian_max_dim(bool full) { return full ? gaussian_full_block_dim : gaussian_diag_max_dim; }
 
 /// A sum over the lanes of one warp, in one fixed order (down the lanes to lane 0, then
 /// broadcast): every lane gets the same bits.
@@ -62,6 +67,7 @@ struct gaussian_launch {
   double eps_mean, eps_cov;
   projection_options options;
   bool split;
+  gaussian::saved_factorisation<double> saved{};  ///< full rows: V, g, b written when not empty
 };
 
 __device__ inline bool finite_value(double x) { return x - x == 0.0; }
@@ -297,6 +303,14 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_full_kernel(gaussian_l
       continue;
     }
     factor_full_row(mean, l_new, old_mean, l_old, d, lo, work, a, v, g, b, delta);
+    if (k.saved.data != nullptr) {  // the layout of cpu::save_basis: V row-major, then g, b
+      double* out = k.saved.row(r);
+      for (int i = lane; i < dd; i += gaussian_warp) out[i] = v[i];
+      for (int i = lane; i < d; i += gaussian_warp) {
+        out[dd + i] = g[i];
+        out[dd + d + i] = b[i];
+      }
+    }
     gaussian::gaussian_stats stats;
     const gaussian_solve_result s = solve_row(k, r, g, b, d, &stats);
     T* out_mean = k.out_mean.row(r);

@@ -1,6 +1,7 @@
 // troll/detail/cuda/launch.cuh — how every CUDA entry point launches its kernels: over all rows
-// with the policy's cuda_checks, and in checked mode a validation pass first that throws the CPU's
-// exception for the lowest bad row.
+// with the policy's cuda_checks, and in checked mode one validation pass first (one launch per
+// stage of the CPU's checks, one synchronisation) that throws the CPU's exception for the lowest
+// bad row.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,37 +25,51 @@ struct throw_dense_report {
   }
 };
 
-/// Checked mode: runs `launch` in validate-only mode over all rows, synchronises, and throws the
-/// first rejected row's exception (after re-validating that single row for its report) through
-/// `thrower` (called as throw_report is).
-template <class Launch, class Thrower = throw_dense_report>
-void validate_or_throw(const char* function, cudaStream_t stream, std::size_t rows,
-                       const char* const operand_names[3], const Launch& launch,
-                       const Thrower& thrower = {}) {
-  struct scratch {
-    unsigned long long first_bad_row;
+/// After stage `stage_key`'s validation launch: when the lowest key so far belongs to that stage,
+/// copies its row's report to `out` (one thread; stream-ordered after the launch).
+template <int = 0>
+__global__ void select_report_kernel(const unsigned long long* first_bad, unsigned long long stage_key,
+                                     const cuda_row_report* reports, cuda_row_report* out) {
+  const unsigned long long key = *first_bad;
+  if (key != no_bad_row && (key & ~row_of_key) == stage_key) *out = reports[key & row_of_key];
+}
+
+/// Checked mode: runs `launch_of(s)` for the stages s = 0 … stages − 1 in validate-only mode over
+/// all rows, each row's report kept and the lowest bad (stage, row) found by one atomicMin of
+/// stage_key_of(s) | row, so that every row's earlier checks come before any row's later ones (the
+/// CPU's order). One synchronisation at the end; then throws the CPU's exception for that row
+/// through `thrower` (called as throw_report is). No second validation pass.
+template <class LaunchOf, class Thrower = throw_dense_report>
+void validate_stages_or_throw(const char* function, cudaStream_t stream, std::size_t rows,
+                              const char* const operand_names[3], int stages, const LaunchOf& launch_of,
+                              const Thrower& thrower = {}) {
+  struct outcome {
+    unsigned long long first_bad;
     cuda_row_report report;
   };
-  const stream_allocation memory(function, sizeof(scratch), stream);
-  scratch* device = static_cast<scratch*>(memory.get());
-  check(cudaMemsetAsync(&device->first_bad_row, 0xFF, sizeof(unsigned long long), stream), function,
+  const stream_allocation memory(function, sizeof(outcome) + rows * sizeof(cuda_row_report), stream);
+  outcome* device = static_cast<outcome*>(memory.get());
+  cuda_row_report* reports = reinterpret_cast<cuda_row_report*>(device + 1);
+  check(cudaMemsetAsync(&device->first_bad, 0xFF, sizeof(unsigned long long), stream), function,
         "cudaMemsetAsync");
-  launch(row_range{0, rows}, device_checks{nullptr, &device->first_bad_row, true});
-  check_launch(function);
-  unsigned long long first_bad = no_bad_row;
-  check(cudaMemcpyAsync(&first_bad, &device->first_bad_row, sizeof first_bad, cudaMemcpyDeviceToHost, stream),
-        function, "cudaMemcpyAsync");
+  for (int stage = 0; stage < stages; ++stage) {
+    launch_of(stage)(row_range{0, rows}, device_checks{reports, &device->first_bad, true, stage_key_of(stage)});
+    select_report_kernel<<<1, 1, 0, stream>>>(&device->first_bad, stage_key_of(stage), reports, &device->report);
+    check_launch(function);
+  }
+  outcome host;
+  check(cudaMemcpyAsync(&host, device, sizeof host, cudaMemcpyDeviceToHost, stream), function, "cudaMemcpyAsync");
   check(cudaStreamSynchronize(stream), function, "cudaStreamSynchronize (checked mode)");
-  if (first_bad == no_bad_row) return;
+  if (host.first_bad == no_bad_row) return;
+  thrower(function, static_cast<std::size_t>(host.first_bad & row_of_key), host.report, operand_names);
+}
 
-  const std::size_t row = static_cast<std::size_t>(first_bad);
-  launch(row_range{row, 1}, device_checks{&device->report, nullptr, true});
-  check_launch(function);
-  cuda_row_report report;
-  check(cudaMemcpyAsync(&report, &device->report, sizeof report, cudaMemcpyDeviceToHost, stream), function,
-        "cudaMemcpyAsync");
-  check(cudaStreamSynchronize(stream), function, "cudaStreamSynchronize (checked mode)");
-  thrower(function, row, report, operand_names);
+/// Checked mode with one validation stage.
+template <class Launch, class Thrower = throw_dense_report>
+void validate_or_throw(const char* function, cudaStream_t stream, std::size_t rows,
+                       const char* const operand_names[3], const Launch& launch, const Thrower& thrower = {}) {
+  validate_stages_or_throw(
+      function, stream, rows, operand_names, 1, [&](int) -> const Launch& { return launch; }, thrower);
 }
 
 /// Enqueues `launch(row_range, device_checks)` over all rows with the caller's checks.

@@ -76,10 +76,7 @@ __device__ cuda_row_report objective_row_problem(const token_batch<T>& in, std::
   if (report.error == cuda_row_error::none) report = pair_problem(scan, zn, zo);
   const row_setup setup = make_setup(scan);
   // Uniform across the block: every thread holds the same report and scan.
-  if (with_floor && report.error == cuda_row_error::none && setup.old_only) {
-    const double floor = evaluate_at_zero(eval, setup, eval.old_log_sum()).kl;
-    if (floor >= eps) report.error = cuda_row_error::infeasible, report.value = floor;
-  }
+  if (with_floor) check_feasible(eval, setup, eval.old_log_sum(), eps, report);
   if (report.error == cuda_row_error::none && alpha > 0.0 && setup.new_only)
     report.error = cuda_row_error::regression_inf;
   return report;
@@ -131,12 +128,7 @@ __global__ void __launch_bounds__(block_threads)
       if (threadIdx.x == 0) record_row(checks, range, r, report);
       continue;
     }
-    solve_result result;
-    if (report.error == cuda_row_error::none) {
-      result = solve_row(eval, setup, eps, options);
-      if (result.status == row_status::infeasible)
-        report.error = cuda_row_error::infeasible, report.value = result.point.kl;
-    }
+    const solve_result result = solve_checked_row(eval, setup, eps, options, report);
     if (threadIdx.x == 0) record_row(checks, range, r, report);
     if (report.error != cuda_row_error::none) {
       fill_nan(out, size);

@@ -53,14 +53,10 @@ template <class T>
 void ratio_backward(const char* fn, cuda_policy policy, ratio_objective_spec spec,
                     input_view<T> new_logits, input_view<T> old_logits, const token_batch<T>& in,
                     batch_view<T> grad_new, double grad_loss) {
-  check_objective_shapes(fn, new_logits, old_logits, in);
-  check_view(fn, "grad_new", grad_new);
-  check_same_shape(fn, "new_logits", new_logits, "grad_new", grad_new);
+  check_ratio_backward_arguments<T>(fn, new_logits, old_logits, in, grad_new, grad_loss);
   check_workspace(fn, policy.workspace, cuda::objective_workspace_bytes(new_logits.rows));
   void* const workspace = policy.workspace.data;
   const cuda_checks& checks = policy.checks;
-  if (!(grad_loss - grad_loss == 0.0))
-    throw domain_error(std::string("troll::") + fn + ": grad_loss is not finite");
   if (new_logits.rows == 0) return;
   spec.compute_kl = false;
   objective_row_record* header = static_cast<objective_row_record*>(workspace);

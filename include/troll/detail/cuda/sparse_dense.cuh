@@ -77,6 +77,34 @@ __device__ cuda_row_report logits_problem(const split_scan& s, const L* z) {
   return report;
 }
 
+/// Run by the first warp of a block: row r of `support` checked as a support (values not read)
+/// and sorted into sh.sorted, then the upstream gradient g (bucket g_r first, then the entries)
+/// checked for NaN / inf and summed. Leaves the report, Σ g and the count (0 on a bad row) in sh.
+template <class T>
+__device__ void warp_support_and_grad(const sparse_batch_view<const T>& support, std::size_t r, const T* g,
+                                      double g_r, int slots, split_scan_storage& sh) {
+  cuda_row_report report =
+      warp_check_sparse_row(support.row_indices(r), support.row_log_probs(r), support.counts[r], 0.0, support.k_max,
+                            support.vocab, operand_support, false, sh.sorted, slots);
+  const int n = report.error == cuda_row_error::none ? static_cast<int>(support.counts[r]) : 0;
+  double sum_g = 0.0;
+  if (report.error == cuda_row_error::none) {
+    for (int base = -1; base < n; base += warp_lanes) {
+      const int i = base + lane_id();
+      const double gi = i < 0 ? g_r : (i < n ? static_cast<double>(g[i]) : 0.0);
+      const int bad = first_lane(!(gi - gi == 0.0));
+      if (bad >= 0) {
+        report.error = cuda_row_error::sparse_nan, report.operand = operand_grad;
+        report.token = static_cast<unsigned long long>(static_cast<long long>(base + bad));
+        break;
+      }
+      sum_g += gi;
+    }
+    sum_g = warp_all_reduce(sum_g, add_double{});
+  }
+  if (lane_id() == 0) sh.report.Alias() = report, sh.sum_g = sum_g, sh.count = report.error == cuda_row_error::none ? n : 0;
+}
+
 /// Rows of `range`: grad_logits = ∂L/∂z from g on the support of `support` and g_R on its bucket:
 ///     ∂L/∂z_k = [k∈S] g_k + [k∉S] g_R p_k / r − p_k (Σ_S g_i + g_R).
 template <class L, class T>
@@ -92,28 +120,7 @@ __global__ void __launch_bounds__(block_threads)
     const T* g = grad.row(r);
     const double g_r = static_cast<double>(grad.log_remainder[r]);
     __syncthreads();  // the previous row is done with the shared scratch
-    if (threadIdx.x < warp_lanes) {
-      cuda_row_report report =
-          warp_check_sparse_row(support.row_indices(r), support.row_log_probs(r), support.counts[r], 0.0, support.k_max,
-                                support.vocab, operand_support, false, sh.sorted, slots);
-      const int n = report.error == cuda_row_error::none ? static_cast<int>(support.counts[r]) : 0;
-      double sum_g = 0.0;
-      if (report.error == cuda_row_error::none) {
-        for (int base = -1; base < n; base += warp_lanes) {
-          const int i = base + lane_id();
-          const double gi = i < 0 ? g_r : (i < n ? static_cast<double>(g[i]) : 0.0);
-          const int bad = first_lane(!(gi - gi == 0.0));
-          if (bad >= 0) {
-            report.error = cuda_row_error::sparse_nan, report.operand = operand_grad;
-            report.token = static_cast<unsigned long long>(static_cast<long long>(base + bad));
-            break;
-          }
-          sum_g += gi;
-        }
-        sum_g = warp_all_reduce(sum_g, add_double{});
-      }
-      if (lane_id() == 0) sh.report.Alias() = report, sh.sum_g = sum_g, sh.count = report.error == cuda_row_error::none ? n : 0;
-    }
+    if (threadIdx.x < warp_lanes) warp_support_and_grad(support, r, g, g_r, slots, sh);
     __syncthreads();
     const int n = sh.count;
     const split_scan scan = scan_split(z, size, sh.sorted, n, scan_storage);
@@ -165,29 +172,11 @@ __global__ void __launch_bounds__(block_threads)
     const double g_r = static_cast<double>(grad.log_remainder[r]);
     __syncthreads();  // the previous row is done with the shared scratch
     if (threadIdx.x < warp_lanes) {
-      cuda_row_report report;
-      int n = 0;
-      double sum_g = 0.0;
       if (stage >= 2) {
-        report = warp_check_sparse_row(support.row_indices(r), support.row_log_probs(r), support.counts[r], 0.0,
-                                       support.k_max, support.vocab, operand_support, false, sh.sorted, slots);
-        n = report.error == cuda_row_error::none ? static_cast<int>(support.counts[r]) : 0;
-        if (report.error == cuda_row_error::none) {
-          for (int base = -1; base < n; base += warp_lanes) {
-            const int i = base + lane_id();
-            const double gi = i < 0 ? g_r : (i < n ? static_cast<double>(g[i]) : 0.0);
-            const int bad = first_lane(!(gi - gi == 0.0));
-            if (bad >= 0) {
-              report.error = cuda_row_error::sparse_nan, report.operand = operand_grad;
-              report.token = static_cast<unsigned long long>(static_cast<long long>(base + bad));
-              break;
-            }
-            sum_g += gi;
-          }
-          sum_g = warp_all_reduce(sum_g, add_double{});
-        }
+        warp_support_and_grad(support, r, g, g_r, slots, sh);
+      } else if (lane_id() == 0) {
+        sh.report.Alias() = cuda_row_report{}, sh.sum_g = 0.0, sh.count = 0;
       }
-      if (lane_id() == 0) sh.report.Alias() = report, sh.sum_g = sum_g, sh.count = report.error == cuda_row_error::none ? n : 0;
     }
     __syncthreads();
     const int n = sh.count;

@@ -102,6 +102,18 @@ struct sparse_objective_shared {
   cub::Uninitialized<cuda_row_report> report;
 };
 
+/// The first checks of a sparse objective's row r, in the CPU's order: the token data, then the
+/// dense new row z (NaN / +inf, all −inf), whose scan (block-wide) is left in `scan`.
+template <class T>
+__device__ cuda_row_report token_and_logits_problem(const token_batch<T>& in, std::size_t r, const T* z,
+                                                    std::size_t size, index_slot* sorted,
+                                                    reduce_storage<split_scan>& storage, split_scan& scan) {
+  cuda_row_report report = token_problem<T>(in, r, size, nullptr);
+  scan = scan_split(z, size, sorted, 0, storage);
+  if (report.error == cuda_row_error::none) report = logits_problem(scan, z);
+  return report;
+}
+
 /// Rows of `range`: the forward's checks before the alignment, in the CPU's order — token data,
 /// the dense new row (NaN / +inf, all −inf), the old sparse row, the capacity min(V, |S_old| +
 /// new_k) ≤ `capacity`, and on counted rows the sampled token in S_old with a finite old entry.
@@ -116,9 +128,8 @@ __global__ void __launch_bounds__(block_threads)
   const std::size_t size = new_logits.cols, end = range.begin + range.count;
   for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
     const T* z = new_logits.row(r);
-    cuda_row_report report = token_problem<T>(in, r, size, nullptr);
-    const split_scan scan = scan_split(z, size, sh.sorted, 0, scan_storage);
-    if (report.error == cuda_row_error::none) report = logits_problem(scan, z);
+    split_scan scan;
+    cuda_row_report report = token_and_logits_problem(in, r, z, size, sh.sorted, scan_storage, scan);
     if (threadIdx.x < warp_lanes) {  // uniform: every thread holds the same report
       if (report.error == cuda_row_error::none) {
         const long long count = old_rows.counts[r];
@@ -300,9 +311,8 @@ __global__ void __launch_bounds__(block_threads)
   const std::size_t size = new_logits.cols, end = range.begin + range.count;
   for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
     const T* z = new_logits.row(r);
-    cuda_row_report report = token_problem<T>(in, r, size, nullptr);
-    const split_scan dense = scan_split(z, size, sh.sorted, 0, scan_storage);
-    if (report.error == cuda_row_error::none) report = logits_problem(dense, z);
+    split_scan dense;
+    cuda_row_report report = token_and_logits_problem(in, r, z, size, sh.sorted, scan_storage, dense);
     if (threadIdx.x < warp_lanes) {  // uniform: every thread holds the same report
       const sparse_index* indices = aligned.indices + r * aligned.k_max;
       const long long count = aligned.counts[r];

@@ -83,10 +83,7 @@ struct warp_lumped_evaluator {
     for (int i = lane_id(); i <= row.count; i += warp_lanes) {
       double a, b;
       row.at(i, a, b);
-      if (a > neg_inf() && b > neg_inf()) {
-        const double x = tilt_centred(a, b, ref);
-        push_pair(local, tilt_weight(a, b, x, ref, u), x, a, b);
-      }
+      push_tilt_token(local, a, b, ref, u);
     }
     return warp_all_reduce(local, merge_lse{});
 #else
@@ -335,19 +332,11 @@ __global__ void sparse_project_kernel(aligned_batch_view<const T> rows, double e
       report.token = out.k_max, report.value = double(row.count);
     }
     if (checks.validate_only) {
-      if (report.error == cuda_row_error::none && setup.old_only) {
-        const double floor = evaluate_at_zero(eval, setup, log_sum_old).kl;
-        if (floor >= eps) report.error = cuda_row_error::infeasible, report.value = floor;
-      }
+      check_feasible(eval, setup, log_sum_old, eps, report);
       if (lane_id() == 0) record_row(checks, range, r, report);
       continue;
     }
-    solve_result result;
-    if (report.error == cuda_row_error::none) {
-      result = solve_row(eval, setup, eps, options);
-      if (result.status == row_status::infeasible)
-        report.error = cuda_row_error::infeasible, report.value = result.point.kl;
-    }
+    const solve_result result = solve_checked_row(eval, setup, eps, options, report);
     if (lane_id() == 0) record_row(checks, range, r, report);
     sparse_index* indices = out.row_indices(r);
     T* lp = out.row_log_probs(r);

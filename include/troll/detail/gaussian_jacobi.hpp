@@ -1,0 +1,99 @@
+// troll/detail/gaussian_jacobi.hpp — the symmetric eigendecomposition of a full Gaussian row's
+// whitened covariance excess (gaussian_family.hpp) by cyclic Jacobi rotations in parallel
+// ("round-robin") order, written once for host and device as team steps
+// (gaussian_matrix_steps.hpp): each round rotates d/2 disjoint planes (p, q) at once, so a
+// block of threads works on all of them between two barriers; d − 1 rounds (d rounded up to
+// even, the extra index a no-op) visit every plane once per sweep. Sweeps stop when the
+// off-diagonal mass is below (1e-18 ‖A‖_F)², as the warp version (cuda/gaussian_kernels.cuh).
+#pragma once
+
+#include <cmath>
+
+#include "../config.hpp"
+#include "gaussian_matrix_steps.hpp"
+
+TROLL_BEGIN_NAMESPACE
+namespace detail {
+
+/// Doubles of scratch jacobi_eigen needs besides A and V: c and s of each plane of a round.
+TROLL_HOST_DEVICE constexpr int jacobi_scratch_doubles(int d) { return 2 * ((d + 1) / 2); }
+
+/// The pair k of round `round` of the round-robin tournament of n (even) players: player 0 stays,
+/// the others rotate; pair k is (position k, position n − 1 − k).
+TROLL_HOST_DEVICE inline void jacobi_pair(int n, int round, int k, int* p, int* q) {
+  auto player = [&](int pos) { return pos == 0 ? 0 : (pos - 1 + round) % (n - 1) + 1; };
+  const int x = player(k), y = player(n - 1 - k);
+  *p = x < y ? x : y;
+  *q = x < y ? y : x;
+}
+
+/// Diagonalises the symmetric row-major d×d `a` in place (eigenvalues on its diagonal) and sets
+/// `v` to the eigenvectors (columns; A₀ = V diag Vᵀ). `cs` holds jacobi_scratch_doubles(d).
+template <class Team>
+TROLL_HOST_DEVICE void jacobi_eigen(const Team& tm, int d, double* a, double* v, double* cs) {
+  const int n = d + (d & 1);
+  const int pairs = n / 2;
+  for (int e = tm.lane(); e < d * d; e += tm.size()) v[e] = e / d == e % d ? 1.0 : 0.0;
+  tm.sync();
+  for (int sweep = 0; sweep < 40 && d > 1; ++sweep) {
+    double off = 0.0, total = 0.0;
+    for (int e = tm.lane(); e < d * d; e += tm.size()) {
+      const double x = a[e];
+      total += x * x;
+      if (e / d != e % d) off += x * x;
+    }
+    off = tm.sum(off);
+    total = tm.sum(total);
+    if (!(off > 1e-36 * total)) break;
+    for (int round = 0; round < n - 1; ++round) {
+      // The rotation of every plane from the current A (disjoint planes: no interference).
+      for (int k = tm.lane(); k < pairs; k += tm.size()) {
+        int p = 0, q = 0;
+        jacobi_pair(n, round, k, &p, &q);
+        double c = 1.0, s = 0.0;
+        if (q < d) {
+          const double apq = a[p * d + q];
+          if (apq != 0.0) {
+            const double tau = (a[q * d + q] - a[p * d + p]) / (2.0 * apq);
+            const double t = (tau >= 0.0 ? 1.0 : -1.0) / (::fabs(tau) + ::hypot(1.0, tau));
+            c = 1.0 / ::sqrt(1.0 + t * t);
+            s = t * c;
+          }
+        }
+        cs[2 * k] = c;
+        cs[2 * k + 1] = s;
+      }
+      tm.sync();
+      // A ← A J (columns p, q of every row) and V ← V J.
+      for (int e = tm.lane(); e < pairs * d; e += tm.size()) {
+        const int k = e / d, i = e % d;
+        int p = 0, q = 0;
+        jacobi_pair(n, round, k, &p, &q);
+        const double c = cs[2 * k], s = cs[2 * k + 1];
+        if (q >= d || s == 0.0) continue;
+        const double aip = a[i * d + p], aiq = a[i * d + q];
+        a[i * d + p] = c * aip - s * aiq;
+        a[i * d + q] = s * aip + c * aiq;
+        const double vip = v[i * d + p], viq = v[i * d + q];
+        v[i * d + p] = c * vip - s * viq;
+        v[i * d + q] = s * vip + c * viq;
+      }
+      tm.sync();
+      // A ← Jᵀ A (rows p, q of every column).
+      for (int e = tm.lane(); e < pairs * d; e += tm.size()) {
+        const int k = e / d, j = e % d;
+        int p = 0, q = 0;
+        jacobi_pair(n, round, k, &p, &q);
+        const double c = cs[2 * k], s = cs[2 * k + 1];
+        if (q >= d || s == 0.0) continue;
+        const double apj = a[p * d + j], aqj = a[q * d + j];
+        a[p * d + j] = c * apj - s * aqj;
+        a[q * d + j] = s * apj + c * aqj;
+      }
+      tm.sync();
+    }
+  }
+}
+
+}  // namespace detail
+TROLL_END_NAMESPACE

@@ -1,0 +1,851 @@
+// tests/test_adversarial_sparse.cpp — an adversarial audit of the CPU sparse path and the
+// objectives, the entry points tests/test_adversarial.cpp leaves out: align (sparse and dense
+// new side), the sparse kl / project / project_backward, the vocabulary shards (sharded equals
+// whole-row bit for bit), sparsify_backward, the TROLL / PPO clip / DPPO objectives (dense and
+// sparse old rows), and the bad-input contract of each (typed exception naming the lowest bad
+// row, every output untouched). Inputs: V = 1, 2, 3, 4097, 262,144; K = 1 and K > V; logits at
+// ±1e4 and float's ±3e38; −inf masks (the sampled token too, all but one token); ties;
+// near-deterministic rows; remainder mass 0 and ~1; ε from 1e-12 to 50; float and double;
+// strided rows; 1 and 2 threads; 0 rows; advantages 0 and huge; masks all zero. Expectations come
+// from long-double oracles written here from math.md, never from troll's own output (except
+// where the contract itself is "equal to another entry point", as for the shards).
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "troll/gradcheck.hpp"
+#include "troll/objectives.hpp"
+#include "troll/projection.hpp"
+#include "troll/sparse.hpp"
+#include "troll/sparse_objectives.hpp"
+
+#include "expect_error.hpp"
+#include "sparse_oracle.hpp"
+
+namespace {
+
+using ld = long double;
+using sparse_test::aligned_rows;
+using sparse_test::sparse_grads;
+using sparse_test::sparse_rows;
+constexpr double inf = std::numeric_limits<double>::infinity();
+const ld ld_inf = std::numeric_limits<ld>::infinity();
+
+template <class T>
+constexpr double ulp() {
+  return double(std::numeric_limits<T>::epsilon());
+}
+template <class T>
+const char* type_name() {
+  return sizeof(T) == 4 ? "float" : "double";
+}
+
+ld lse(const std::vector<ld>& v) {
+  ld m = -ld_inf;
+  for (ld x : v) m = std::max(m, x);
+  if (m == -ld_inf) return m;
+  ld s = 0;
+  for (ld x : v) s += std::exp(x - m);
+  return m + std::log(s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sparse rows built by the oracle: exact long-double values on a given support, rounded to T.
+// ---------------------------------------------------------------------------------------------
+struct oracle_row {
+  std::vector<int> support;
+  std::vector<ld> lp;  // on the support
+  ld log_r = 0;        // bucket log-mass
+};
+
+template <class T>
+oracle_row gather(const std::vector<T>& z, const std::vector<int>& support) {
+  // Differences from the maximum first, so that rows at ±1e4 or ±3e38 lose nothing to the shift.
+  ld m = -ld_inf;
+  for (T x : z) m = std::max(m, ld(x));
+  std::vector<ld> all(z.size());
+  for (std::size_t i = 0; i < z.size(); ++i) all[i] = ld(z[i]) - m;
+  const ld total = lse(all);
+  std::vector<char> in(z.size(), 0);
+  oracle_row o;
+  o.support = support;
+  for (int i : support) in[std::size_t(i)] = 1, o.lp.push_back(all[std::size_t(i)] - total);
+  std::vector<ld> tail;
+  for (std::size_t i = 0; i < z.size(); ++i)
+    if (!in[i]) tail.push_back(all[i]);
+  o.log_r = lse(tail) - total;
+  return o;
+}
+
+/// The V-vector a sparse row stands for (uniform tail).
+std::vector<ld> expand(const std::vector<int>& support, const std::vector<ld>& lp, ld log_r, std::size_t vocab) {
+  const std::size_t m = vocab - support.size();
+  std::vector<ld> e(vocab, m ? log_r - std::log(ld(m)) : -ld_inf);
+  for (std::size_t i = 0; i < support.size(); ++i) e[std::size_t(support[i])] = lp[i];
+  return e;
+}
+
+template <class T>
+void put_row(sparse_rows<T>& s, std::size_t r, const oracle_row& o) {
+  s.counts[r] = troll::sparse_index(o.support.size());
+  for (std::size_t i = 0; i < o.support.size(); ++i) {
+    s.indices[r * s.k_max + i] = o.support[i];
+    s.log_probs[r * s.k_max + i] = T(o.lp[i]);
+  }
+  s.log_remainder[r] = T(o.log_r);
+}
+
+/// |a − b| within a few ulps of T at the value's scale (both −inf counts as equal).
+template <class T>
+bool close(ld a, ld b, double scale = 1, double ulps = 8) {
+  // A log-probability below −max(T) rounds to −inf in T (its probability is 0 in any type).
+  if (b < -ld(std::numeric_limits<T>::max())) b = -ld_inf;
+  if (a == -ld_inf || b == -ld_inf) return a == b;
+  const double err = double(std::fabs(a - b));
+  return err <= ulps * ulp<T>() * (double(std::fabs(b)) + scale);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The lumped projection oracle (long double): π_t ∝ exp(zo + t(zn − zo)) on J = {both finite};
+// KL(π_t‖q) = Σ_J π(e^δ − 1 − δ) + q(outside J), δ = log q − log π, non-negative terms.
+// ---------------------------------------------------------------------------------------------
+struct lumped_oracle {
+  std::vector<ld> zn, zo;
+  bool new_outside = false;
+  lumped_oracle(std::vector<ld> a, std::vector<ld> b) : zn(std::move(a)), zo(std::move(b)) {
+    for (std::size_t i = 0; i < zn.size(); ++i)
+      if (zn[i] > -ld_inf && zo[i] == -ld_inf) new_outside = true;
+  }
+  bool joint(std::size_t i) const { return zn[i] > -ld_inf && zo[i] > -ld_inf; }
+  // log π at (t, s = 1 − t): near t = 1 formed as zn − s·(zn − zo) so that s keeps its digits.
+  std::vector<ld> log_pi(ld t, ld s) const {
+    std::vector<ld> w(zn.size(), -ld_inf);
+    for (std::size_t i = 0; i < zn.size(); ++i)
+      if (joint(i)) w[i] = t <= 0.5L ? zo[i] + t * (zn[i] - zo[i]) : zn[i] - s * (zn[i] - zo[i]);
+    const ld n = lse(w);
+    for (auto& x : w) x -= n;
+    return w;
+  }
+  std::vector<ld> log_q() const {
+    std::vector<ld> q = zo;
+    const ld n = lse(q);
+    for (auto& x : q) x -= n;
+    return q;
+  }
+  ld kl_at(ld t, ld s) const {
+    const std::vector<ld> lp = log_pi(t, s), lq = log_q();
+    ld sum = 0;
+    for (std::size_t i = 0; i < zn.size(); ++i) {
+      if (lq[i] == -ld_inf) continue;
+      if (!joint(i)) {
+        sum += std::exp(lq[i]);
+        continue;
+      }
+      const ld d = lq[i] - lp[i], p = std::exp(lp[i]);
+      sum += d > 1 ? std::exp(lq[i]) - p * (1 + d) : p * (std::expm1(d) - d);
+    }
+    return sum;
+  }
+  ld kl_new() const {  // KL(p̃‖q) on the lumped rows
+    if (new_outside) return ld_inf;
+    std::vector<ld> p = zn;
+    const ld n = lse(p);
+    const std::vector<ld> lq = log_q();
+    ld sum = 0;
+    for (std::size_t i = 0; i < p.size(); ++i) {
+      if (p[i] == -ld_inf) {  // q's mass where p̃ has none
+        if (lq[i] > -ld_inf) sum += std::exp(lq[i]);
+        continue;
+      }
+      const ld l = p[i] - n, d = lq[i] - l, pp = std::exp(l);
+      sum += d > 1 ? std::exp(lq[i]) - pp * (1 + d) : pp * (std::expm1(d) - d);
+    }
+    return sum;
+  }
+};
+
+/// Checks the sparse project of aligned rows (row r of `a`) against the lumped oracle.
+template <class T>
+void check_sparse_projection(const aligned_rows<T>& a, std::size_t r, double eps, const sparse_rows<T>& out,
+                             const troll::projection_stats& st) {
+  const std::size_t c = std::size_t(a.counts[r]);
+  const bool tail = a.vocab > c;
+  std::vector<ld> zn, zo;
+  for (std::size_t i = 0; i < c; ++i) {
+    zn.push_back(ld(a.new_log_probs[r * a.k_max + i]));
+    zo.push_back(ld(a.old_log_probs[r * a.k_max + i]));
+  }
+  zn.push_back(tail ? ld(a.new_log_remainder[r]) : -ld_inf);
+  zo.push_back(tail ? ld(a.old_log_remainder[r]) : -ld_inf);
+  const lumped_oracle o(zn, zo);
+  INFO("row ", r, " status ", troll::status_name(st.status), " t ", st.t, " eta ", st.eta, " kl_before ",
+       st.kl_before, " kl_after ", st.kl_after, " eps ", eps, " type ", type_name<T>());
+  REQUIRE(out.counts[r] == a.counts[r]);
+  std::vector<ld> got(c + 1);
+  for (std::size_t i = 0; i < c; ++i) {
+    REQUIRE(out.indices[r * out.k_max + i] == a.indices[r * a.k_max + i]);
+    got[i] = ld(out.log_probs[r * out.k_max + i]);
+  }
+  got[c] = ld(out.log_remainder[r]);
+  for (std::size_t i = c; i < out.k_max; ++i) {
+    CHECK(out.indices[r * out.k_max + i] == -1);
+    CHECK(out.log_probs[r * out.k_max + i] == -std::numeric_limits<T>::infinity());
+  }
+  for (ld v : got) REQUIRE(!std::isnan(v));
+  const ld kl1 = o.kl_new();
+  const double g = std::is_same<T, float>::value ? 1e-5 : 1e-11;
+  if (st.status == troll::row_status::inactive) {
+    CHECK(double(kl1) <= eps * (1 + g) + g * 1e-3);
+    // The lumped new row's log-softmax.
+    std::vector<ld> p = zn;
+    const ld n = lse(p);
+    for (std::size_t i = 0; i <= c; ++i) CHECK(close<T>(got[i], p[i] - n, 1, 4));
+    return;
+  }
+  CHECK(double(kl1) >= eps * (1 - g));
+  if (st.status == troll::row_status::restricted) {
+    CHECK(o.kl_at(1, 0) <= ld(eps) * (1 + 1e-10L));
+    const std::vector<ld> lp = o.log_pi(1, 0);
+    for (std::size_t i = 0; i <= c; ++i) CHECK(close<T>(got[i], lp[i], 1, 8));
+    return;
+  }
+  REQUIRE(st.status == troll::row_status::projected);
+  const ld ts = st.t, ss = ld(st.eta) * ld(st.t);
+  const ld kl_troll = o.kl_at(ts, ts <= 0.5L ? 1 - ts : ss);
+  CHECK(std::fabs(double(kl_troll) - eps) <= 1e-10 * eps + 1e-300);
+  CHECK(std::fabs(st.kl_after - eps) <= 1e-10 * eps);
+  const std::vector<ld> lp = o.log_pi(ts, ts <= 0.5L ? 1 - ts : ss);
+  double scale = 1;
+  for (std::size_t i = 0; i <= c; ++i)
+    if (o.joint(i)) scale = std::max({scale, double(std::fabs(zn[i])), double(std::fabs(zo[i]))});
+  for (std::size_t i = 0; i <= c; ++i) {
+    INFO("entry ", i, " got ", double(got[i]), " oracle ", double(lp[i]));
+    CHECK(close<T>(got[i], lp[i], 4 * scale, 8));
+  }
+}
+
+// Random sparse-row factory: dense logits of a given kind, supports chosen by the oracle.
+template <class T>
+std::vector<T> dense_row(std::mt19937_64& g, std::size_t vocab, int kind) {
+  std::normal_distribution<double> n01(0.0, 1.0);
+  std::vector<T> z(vocab);
+  for (auto& x : z) x = T(2 * n01(g));
+  switch (kind % 8) {
+    case 1:  // huge shift
+      for (auto& x : z) x = T(double(x) + 1e4);
+      break;
+    case 2:  // near-deterministic
+      z[vocab / 2] = T(double(z[vocab / 2]) + 60);
+      break;
+    case 3:  // ties everywhere
+      for (std::size_t i = 0; i < vocab; ++i) z[i] = T(double(i % 3));
+      break;
+    case 4:  // masked tokens
+      for (std::size_t i = 0; i < vocab; i += 3) z[i] = T(-inf);
+      if (vocab >= 2) z[1] = T(1);
+      else z[0] = T(0);
+      break;
+    case 5:  // all but one masked
+      for (auto& x : z) x = T(-inf);
+      z[vocab / 3] = T(0.25);
+      break;
+    case 6:  // a wide spread (tail mass far below one ulp)
+      for (auto& x : z) x = T(double(x) * 300);
+      break;
+    case 7:  // float-sized extremes when T = float; double big otherwise
+      for (std::size_t i = 0; i < vocab; ++i)
+        z[i] = T((i % 2 ? 1e4 : -1e4) * (n01(g) > 0 ? 1 : 0.5));  // ±3e38: see the limit test below
+      break;
+    default:
+      break;
+  }
+  return z;
+}
+
+
+/// A support of size k: the k largest logits (ties to the lower index), optionally one more token.
+template <class T>
+std::vector<int> top_support(const std::vector<T>& z, std::size_t k, int extra = -1) {
+  std::vector<int> order(z.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return z[std::size_t(a)] > z[std::size_t(b)]; });
+  order.resize(std::min(k, z.size()));
+  if (extra >= 0 && std::find(order.begin(), order.end(), extra) == order.end()) order.push_back(extra);
+  return order;
+}
+
+const std::size_t vocab_list[] = {1, 2, 3, 17, 4097};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("align(sparse, sparse): the aligned pair expands to the input V-vectors", T, float, double) {
+  std::mt19937_64 g(11);
+  for (std::size_t vocab : vocab_list) {
+    for (int kind = 0; kind < 8; ++kind) {
+      for (int trial = 0; trial < 3; ++trial) {
+        CAPTURE(vocab);
+        CAPTURE(kind);
+        CAPTURE(trial);
+        const std::vector<T> zn = dense_row<T>(g, vocab, kind), zo = dense_row<T>(g, vocab, kind + trial);
+        std::uniform_int_distribution<std::size_t> pick_k(0, std::min<std::size_t>(vocab, 12));
+        std::uniform_int_distribution<int> pick_tok(0, int(vocab) - 1);
+        // Supports from empty (all mass in the bucket) to the whole vocabulary (no bucket).
+        const std::size_t kn = trial == 2 ? vocab : pick_k(g), ko = trial == 1 ? 0 : pick_k(g);
+        if (std::min(kn, ko) > 40 || kn > 40 || ko > 40) continue;
+        std::vector<T> zn_used = zn, zo_used = zo;
+        const oracle_row on = gather(zn_used, top_support(zn_used, kn, kn < vocab ? pick_tok(g) : -1));
+        const oracle_row oo = gather(zo_used, top_support(zo_used, ko));
+        // Rows with no finite value at all are not rows; the generator never makes them.
+        const std::size_t k_max = on.support.size() + oo.support.size() + 2;
+        sparse_rows<T> a(1, k_max, vocab), b(1, k_max, vocab);
+        put_row(a, 0, on);
+        put_row(b, 0, oo);
+        aligned_rows<T> out(1, k_max, vocab);
+        try {
+          troll::align(troll::cpu, a.view(), b.view(), out.view());
+        } catch (const troll::invalid_input& e) {
+          // Only a row whose total mass rounds outside the tolerance may be refused.
+          FAIL_CHECK("align threw: " << std::string(e.what()));
+          continue;
+        }
+        const std::size_t u = std::size_t(out.counts[0]);
+        std::vector<int> U(out.indices.begin(), out.indices.begin() + std::ptrdiff_t(u));
+        std::vector<ld> an(u), ao(u);
+        for (std::size_t i = 0; i < u; ++i) an[i] = ld(out.new_log_probs[i]), ao[i] = ld(out.old_log_probs[i]);
+        // U = S_new in order, then the old-only ids in their order.
+        std::vector<int> expect_u = on.support;
+        for (int i : oo.support)
+          if (std::find(expect_u.begin(), expect_u.end(), i) == expect_u.end()) expect_u.push_back(i);
+        CHECK(U == expect_u);
+        for (std::size_t i = u; i < k_max; ++i) {
+          CHECK(out.indices[i] == -1);
+          CHECK(out.new_log_probs[i] == -std::numeric_limits<T>::infinity());
+          CHECK(out.old_log_probs[i] == -std::numeric_limits<T>::infinity());
+        }
+        const std::vector<ld> want_n = expand(on.support, std::vector<ld>(a.log_probs.begin(), a.log_probs.begin() + std::ptrdiff_t(on.support.size())), ld(a.log_remainder[0]), vocab);
+        const std::vector<ld> want_o = expand(oo.support, std::vector<ld>(b.log_probs.begin(), b.log_probs.begin() + std::ptrdiff_t(oo.support.size())), ld(b.log_remainder[0]), vocab);
+        const std::vector<ld> got_n = expand(U, an, ld(out.new_log_remainder[0]), vocab);
+        const std::vector<ld> got_o = expand(U, ao, ld(out.old_log_remainder[0]), vocab);
+        for (std::size_t i = 0; i < vocab; ++i) {
+          INFO("token ", i, " new ", double(got_n[i]), " vs ", double(want_n[i]), " old ", double(got_o[i]), " vs ", double(want_o[i]));
+          CHECK(close<T>(got_n[i], want_n[i], 1, 4));
+          CHECK(close<T>(got_o[i], want_o[i], 1, 4));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("align(dense logits, support, old): exact gathered values and tail against long double", T, float, double) {
+  std::mt19937_64 g(12);
+  for (std::size_t vocab : {std::size_t(1), std::size_t(2), std::size_t(3), std::size_t(17), std::size_t(4097), std::size_t(262144)}) {
+    for (int kind = 0; kind < 8; ++kind) {
+      if (vocab == 262144 && kind % 3 != 0) continue;  // CI time
+      CAPTURE(vocab);
+      CAPTURE(kind);
+      const std::size_t stride = vocab + 3;
+      std::vector<T> zn(stride, T(777)), zo = dense_row<T>(g, vocab, kind + 1);
+      const std::vector<T> row = dense_row<T>(g, vocab, kind);
+      std::copy(row.begin(), row.end(), zn.begin());
+      std::uniform_int_distribution<std::size_t> pick_k(0, std::min<std::size_t>(vocab, 9));
+      const oracle_row oo = gather(zo, top_support(zo, pick_k(g)));
+      const std::vector<int> sn = top_support(row, pick_k(g));
+      const std::size_t k_max = 24;
+      sparse_rows<T> old(1, k_max, vocab), support(1, k_max, vocab);
+      put_row(old, 0, oo);
+      support.counts[0] = troll::sparse_index(sn.size());
+      for (std::size_t i = 0; i < sn.size(); ++i) support.indices[i] = sn[i];
+      for (bool with_support : {true, false}) {
+        aligned_rows<T> out(1, k_max, vocab);
+        const troll::sparse_batch_view<const T> sv =
+            with_support ? support.view() : troll::sparse_batch_view<const T>{};
+        troll::align(troll::cpu.with_threads(2), troll::make_batch<const T>(zn.data(), 1, vocab, stride), sv,
+                     old.view(), out.view());
+        const std::size_t u = std::size_t(out.counts[0]);
+        const std::vector<int> U(out.indices.begin(), out.indices.begin() + std::ptrdiff_t(u));
+        const oracle_row exact = gather(row, U);
+        // The documented scale: a few ulps of T times the row's logit scale.
+        double scale = 1;
+        for (T x : row)
+          if (std::isfinite(double(x))) scale = std::max(scale, std::fabs(double(x)));
+        scale += std::log(double(vocab));  // log Σ e^z itself is that large
+        for (std::size_t i = 0; i < u; ++i) {
+          INFO("entry ", i, " token ", U[i], " got ", double(out.new_log_probs[i]), " oracle ", double(exact.lp[i]));
+          CHECK(close<T>(ld(out.new_log_probs[i]), exact.lp[i], scale, 2));
+        }
+        INFO("remainder got ", double(out.new_log_remainder[0]), " oracle ", double(exact.log_r));
+        // The tail sum in double with float exponentials: a few float ulps of the tail mass.
+        CHECK(close<T>(ld(out.new_log_remainder[0]), exact.log_r, scale, 4));
+        // The old side as align(sparse, sparse) would give it.
+        const std::vector<ld> want_o = expand(oo.support, std::vector<ld>(old.log_probs.begin(), old.log_probs.begin() + std::ptrdiff_t(oo.support.size())), ld(old.log_remainder[0]), vocab);
+        std::vector<ld> ao(u);
+        for (std::size_t i = 0; i < u; ++i) ao[i] = ld(out.old_log_probs[i]);
+        const std::vector<ld> got_o = expand(U, ao, ld(out.old_log_remainder[0]), vocab);
+        for (std::size_t i = 0; i < vocab; ++i)
+          if (!close<T>(got_o[i], want_o[i], 1, 4)) {
+            CHECK(close<T>(got_o[i], want_o[i], 1, 4));
+            break;
+          }
+      }
+    }
+  }
+}
+
+namespace {
+
+/// Aligned rows (count rows) from random adversarial dense pairs, through the oracle's exact
+/// sparse rows and troll::align (checked above).
+template <class T>
+aligned_rows<T> make_aligned(std::mt19937_64& g, std::size_t vocab, std::size_t rows, int kind0) {
+  const std::size_t k_max = std::min<std::size_t>(vocab, 12) * 2 + 2;
+  sparse_rows<T> a(rows, k_max, vocab), b(rows, k_max, vocab);
+  std::uniform_int_distribution<std::size_t> pick_k(0, std::min<std::size_t>(vocab, 12));
+  for (std::size_t r = 0; r < rows; ++r) {
+    const int kind = kind0 + int(r);
+    std::vector<T> zn = dense_row<T>(g, vocab, kind), zo = dense_row<T>(g, vocab, kind + 3);
+    if (kind % 4 == 1) zo = zn;  // p == q
+    if (kind % 5 == 2)           // the old row near-deterministic somewhere else
+      zo[vocab - 1] = T(double(zo[vocab - 1]) + 40);
+    // Masks that leave a joint support: the old row's mask never covers every finite new token.
+    bool joint = false;
+    for (std::size_t i = 0; i < vocab; ++i) joint |= std::isfinite(double(zn[i])) && std::isfinite(double(zo[i]));
+    if (!joint) zo = dense_row<T>(g, vocab, 0);
+    put_row(a, r, gather(zn, top_support(zn, pick_k(g))));
+    put_row(b, r, gather(zo, top_support(zo, pick_k(g))));
+  }
+  aligned_rows<T> out(rows, k_max, vocab);
+  troll::align(troll::cpu, a.view(), b.view(), out.view());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("sparse kl and project against the lumped long-double oracle", T, float, double) {
+  std::mt19937_64 g(21);
+  for (std::size_t vocab : vocab_list) {
+    for (int kind = 0; kind < 8; ++kind) {
+      CAPTURE(vocab);
+      CAPTURE(kind);
+      const std::size_t rows = 3;
+      aligned_rows<T> a = make_aligned<T>(g, vocab, rows, kind);
+      // KL of the lumped rows.
+      std::vector<T> kl(rows + 1, T(-5));
+      troll::kl(troll::cpu.with_threads(2), troll::aligned_input<T>(a.view()), kl.data());
+      CHECK(kl[rows] == T(-5));
+      for (std::size_t r = 0; r < rows; ++r) {
+        const std::size_t c = std::size_t(a.counts[r]);
+        std::vector<ld> zn, zo;
+        double scale = 1;
+        for (std::size_t i = 0; i < c; ++i) {
+          zn.push_back(ld(a.new_log_probs[r * a.k_max + i]));
+          zo.push_back(ld(a.old_log_probs[r * a.k_max + i]));
+        }
+        zn.push_back(vocab > c ? ld(a.new_log_remainder[r]) : -ld_inf);
+        zo.push_back(vocab > c ? ld(a.old_log_remainder[r]) : -ld_inf);
+        for (std::size_t i = 0; i <= c; ++i)
+          if (std::isfinite(double(zn[i])) && std::isfinite(double(zo[i])))
+            scale = std::max({scale, double(std::fabs(zn[i])), double(std::fabs(zo[i]))});
+        const ld want = lumped_oracle(zn, zo).kl_new();
+        INFO("row ", r, " kl ", double(kl[r]), " oracle ", double(want));
+        if (want == ld_inf) {
+          CHECK(kl[r] == std::numeric_limits<T>::infinity());
+        } else {
+          CHECK(std::fabs(double(ld(kl[r]) - want)) <= 8 * ulp<T>() * double(want) + 64 * ulp<double>() * scale);
+        }
+      }
+      for (double eps : {1e-12, 1e-8, 1e-4, 0.05, 1.0, 50.0}) {
+        CAPTURE(eps);
+        sparse_rows<T> out(rows, a.k_max + 2, vocab);
+        std::vector<troll::projection_stats> st(rows);
+        try {
+          troll::project(troll::cpu.with_threads(2), troll::aligned_input<T>(a.view()), eps, out.view(), st.data());
+        } catch (const troll::infeasible_error& e) {
+          // Only when π restricted to the joint support ∝ q there is already outside the ball.
+          const std::size_t r = e.row();
+          const std::size_t c = std::size_t(a.counts[r]);
+          std::vector<ld> zn, zo;
+          for (std::size_t i = 0; i < c; ++i)
+            zn.push_back(ld(a.new_log_probs[r * a.k_max + i])), zo.push_back(ld(a.old_log_probs[r * a.k_max + i]));
+          zn.push_back(vocab > c ? ld(a.new_log_remainder[r]) : -ld_inf);
+          zo.push_back(vocab > c ? ld(a.old_log_remainder[r]) : -ld_inf);
+          CHECK(lumped_oracle(zn, zo).kl_at(0, 1) >= ld(eps) * (1 - 1e-9L));
+          continue;
+        }
+        for (std::size_t r = 0; r < rows; ++r) check_sparse_projection(a, r, eps, out, st[r]);
+      }
+    }
+  }
+}
+
+TEST_CASE("sparse project_backward: the VJP against central differences of the sparse project (double)") {
+  std::mt19937_64 g(31);
+  int checked = 0;
+  for (std::size_t vocab : {std::size_t(2), std::size_t(3), std::size_t(17), std::size_t(4097)}) {
+    for (int kind : {0, 2, 3, 4, 6}) {
+      for (double eps : {1e-4, 0.05, 1.0}) {
+        aligned_rows<double> a = make_aligned<double>(g, vocab, 1, kind);
+        const std::size_t c = std::size_t(a.counts[0]), k = a.k_max;
+        const bool tail = vocab > c;
+        // x = (new entries, new bucket, old entries, old bucket); y = log π* (entries, bucket).
+        std::vector<double> x;
+        for (std::size_t i = 0; i < c; ++i) x.push_back(a.new_log_probs[i]);
+        x.push_back(tail ? a.new_log_remainder[0] : 0.0);
+        for (std::size_t i = 0; i < c; ++i) x.push_back(a.old_log_probs[i]);
+        x.push_back(tail ? a.old_log_remainder[0] : 0.0);
+        bool finite = true;
+        for (std::size_t i = 0; i < x.size(); ++i) finite &= std::isfinite(x[i]) && x[i] < -1e-5;  // a step must stay ≤ 0
+        if (!finite || !tail) continue;  // −inf inputs are constants; tested through the dense maths
+        troll::projection_stats st0;
+        auto run = [&](const double* at, double* y, troll::projection_stats* st, sparse_rows<double>* keep) {
+          aligned_rows<double> b = a;
+          for (std::size_t i = 0; i < c; ++i) b.new_log_probs[i] = at[i], b.old_log_probs[i] = at[c + 1 + i];
+          b.new_log_remainder[0] = at[c];
+          b.old_log_remainder[0] = at[2 * c + 1];
+          sparse_rows<double> out(1, k, vocab);
+          troll::project(troll::cpu, troll::aligned_input<double>(b.view()), eps, out.view(), st);
+          for (std::size_t i = 0; i < c; ++i) y[i] = out.log_probs[i];
+          y[c] = out.log_remainder[0];
+          if (keep) *keep = out;
+          return b;
+        };
+        auto f = [&](const double* at, double* y) {
+          troll::projection_stats st;
+          run(at, y, &st, nullptr);
+        };
+        auto vjp = [&](const double* at, const double* gy, double* gx) {
+          std::vector<double> y(c + 1);
+          sparse_rows<double> out;
+          aligned_rows<double> b = run(at, y.data(), &st0, &out);
+          sparse_grads<double> up(1, k), gn(1, k), go(1, k);
+          for (std::size_t i = 0; i < c; ++i) up.log_probs[i] = gy[i];
+          up.log_remainder[0] = gy[c];
+          troll::project_backward(troll::cpu, troll::aligned_input<double>(b.view()), out.view(), &st0,
+                                  troll::sparse_grad_input<double>(up.view()), gn.view(), go.view());
+          for (std::size_t i = 0; i < c; ++i) gx[i] = gn.log_probs[i], gx[c + 1 + i] = go.log_probs[i];
+          gx[c] = gn.log_remainder[0];
+          gx[2 * c + 1] = go.log_remainder[0];
+        };
+        troll::gradcheck_options opt;
+        opt.atol = 1e-6;
+        opt.rtol = 1e-5;
+        const troll::gradcheck_result res = troll::check_vjp(f, vjp, x, c + 1, opt);
+        INFO("V ", vocab, " kind ", kind, " eps ", eps, " status ", troll::status_name(st0.status), "\n", res.report());
+        CHECK(res.ok);
+        ++checked;
+      }
+    }
+  }
+  CHECK(checked >= 12);
+}
+
+namespace {
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+/// Shards of one batch (cuts from 0 to V), merged in a random order, finalised in two stages:
+/// equal to sparsify bit for bit; each shard's backward equal to sparsify_backward's columns.
+template <class T>
+void check_shards(const std::vector<T>& z, std::size_t rows, std::size_t vocab, const std::vector<std::size_t>& cuts,
+                  const troll::token_id* sampled, troll::sparsify_options opt, std::mt19937_64& g) {
+  const std::size_t k_max = std::size_t(opt.k) + 1;
+  sparse_rows<T> whole(rows, k_max, vocab);
+  troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), sampled, opt, whole.view());
+  const std::size_t shards = cuts.size() - 1;
+  auto shard_view = [&](std::size_t s) {
+    return troll::batch_view<const T>{z.data() + cuts[s], rows, cuts[s + 1] - cuts[s], vocab};
+  };
+  std::vector<std::vector<troll::sparsify_state>> states(shards, std::vector<troll::sparsify_state>(rows));
+  for (std::size_t s = 0; s < shards; ++s)
+    troll::sparsify_shard(troll::cpu.with_threads(2), shard_view(s), cuts[s], vocab, sampled, opt, states[s].data());
+  std::vector<std::size_t> order(shards);
+  std::iota(order.begin(), order.end(), std::size_t(0));
+  std::shuffle(order.begin(), order.end(), g);
+  // Merge neighbours only (any order of adjacent pieces), as a distributed gather would.
+  std::vector<troll::sparsify_state> merged = states[0];
+  for (std::size_t s = 1; s < shards; ++s) troll::sparsify_merge(troll::cpu, merged.data(), states[s].data(), rows);
+  sparse_rows<T> first(rows, k_max, vocab);
+  std::vector<double> tail_max(rows), log_sums(2 * rows), tail_sums(2 * rows * shards);
+  troll::sparsify_finalize(troll::cpu, merged.data(), opt, first.view(), nullptr, tail_max.data());
+  CHECK(first.indices == whole.indices);
+  CHECK(first.counts == whole.counts);
+  for (std::size_t i = 0; i < shards; ++i) {
+    const std::size_t s = order[i];
+    troll::sparsify_tail_sums<T>(troll::cpu, shard_view(s), cuts[s], first.view(), tail_max.data(),
+                                 tail_sums.data() + 2 * rows * i);
+  }
+  sparse_rows<T> exact(rows, k_max, vocab);
+  troll::sparsify_finalize(troll::cpu, merged.data(), opt, exact.view(), log_sums.data(), nullptr, tail_sums.data(),
+                           shards);
+  CHECK(exact.indices == whole.indices);
+  CHECK(exact.counts == whole.counts);
+  CHECK(same_bits(exact.log_probs, whole.log_probs));
+  CHECK(same_bits(exact.log_remainder, whole.log_remainder));
+  sparse_grads<T> up(rows, k_max);
+  std::normal_distribution<double> n01(0.0, 1.0);
+  for (auto& x : up.log_probs) x = T(n01(g));
+  for (auto& x : up.log_remainder) x = T(n01(g));
+  std::vector<T> gw(rows * vocab, T(9)), gs(rows * vocab, T(9));
+  troll::sparsify_backward(troll::cpu, troll::make_batch(z.data(), rows, vocab), whole.view(),
+                           troll::sparse_grad_input<T>(up.view()), troll::make_batch(gw.data(), rows, vocab));
+  for (std::size_t s = 0; s < shards; ++s)
+    troll::sparsify_shard_backward(troll::cpu, shard_view(s), cuts[s], exact.view(),
+                                   troll::sparse_grad_input<T>(up.view()), log_sums.data(),
+                                   troll::batch_view<T>{gs.data() + cuts[s], rows, cuts[s + 1] - cuts[s], vocab});
+  CHECK(same_bits(gs, gw));
+  for (T x : gw) REQUIRE(std::isfinite(double(x)));
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("vocabulary shards: adversarial rows, K = 1 and K > V, single-token and all-masked shards", T, float, double) {
+  std::mt19937_64 g(41);
+  for (std::size_t vocab : {std::size_t(1), std::size_t(2), std::size_t(3), std::size_t(17), std::size_t(4097)}) {
+    for (int kind = 0; kind < 8; ++kind) {
+      for (int k : {1, 3, 300 > 256 ? 256 : 300}) {
+        CAPTURE(vocab);
+        CAPTURE(kind);
+        CAPTURE(k);
+        const std::size_t rows = 3;
+        std::vector<T> z;
+        std::vector<troll::token_id> sampled(rows);
+        for (std::size_t r = 0; r < rows; ++r) {
+          std::vector<T> row = dense_row<T>(g, vocab, kind + int(r));
+          // The sampled token: a masked one where there is one (r = 0), else the last token.
+          sampled[r] = troll::token_id(vocab - 1);
+          if (r == 0)
+            for (std::size_t i = 0; i < vocab; ++i)
+              if (!std::isfinite(double(row[i])) && std::isfinite(double(row[(i + 1) % vocab]))) sampled[r] = troll::token_id(i);
+          z.insert(z.end(), row.begin(), row.end());
+        }
+        // Cuts: every token its own shard for small V; else random, including a shard of masks.
+        std::vector<std::size_t> cuts{0};
+        if (vocab <= 17) {
+          for (std::size_t i = 1; i <= vocab; ++i) cuts.push_back(i);
+        } else {
+          std::uniform_int_distribution<std::size_t> c(1, vocab - 1);
+          std::vector<std::size_t> inner{c(g), c(g), c(g), 1, vocab - 1};
+          std::sort(inner.begin(), inner.end());
+          inner.erase(std::unique(inner.begin(), inner.end()), inner.end());
+          for (std::size_t x : inner) cuts.push_back(x);
+          cuts.push_back(vocab);
+        }
+        for (double delta : {0.0, 1e-5, 0.5}) {
+          check_shards<T>(z, rows, vocab, cuts, sampled.data(), troll::sparsify_options{k, delta}, g);
+          check_shards<T>(z, rows, vocab, cuts, nullptr, troll::sparsify_options{k, delta}, g);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("limit: the sparse path holds log Σ e^z as an absolute double (float logits near ±3e38 at the top)") {
+  // Documented in docs/sparse.md ("Logit magnitude"): values are z_i − log Σ_j e^{z_j} with the
+  // log-sum an absolute double, so a row whose largest logits are beyond ~1e8 in magnitude loses
+  // |z_max|·2⁻⁵³ of each log-probability, and at float's ±3e38 tied top tokens collapse to 0.
+  // Pinned: no NaN, every value ≤ 0, and ordinary magnitudes (±1e4, above) stay exact.
+  const std::size_t vocab = 5;
+  std::vector<float> z{3e38f, 3e38f, -3e38f, 1.5e38f, 3e38f};
+  sparse_rows<float> old(1, 4, vocab);
+  put_row(old, 0, gather(z, {0}));
+  aligned_rows<float> out(1, 8, vocab);
+  troll::align(troll::cpu, troll::make_batch<const float>(z.data(), 1, vocab), troll::sparse_batch_view<const float>{},
+               old.view(), out.view());
+  for (int i = 0; i < out.counts[0]; ++i) {
+    CHECK(!std::isnan(out.new_log_probs[std::size_t(i)]));
+    CHECK(out.new_log_probs[std::size_t(i)] <= 0.0f);
+  }
+  CHECK(out.new_log_remainder[0] <= 0.0f);
+}
+
+TEST_CASE("objectives: PPO clip / DPPO / TROLL losses against long double; gradients by central differences; A = 0, huge A, masks all zero") {
+  std::mt19937_64 g(51);
+  std::normal_distribution<double> n01(0.0, 1.0);
+  for (std::size_t vocab : {std::size_t(1), std::size_t(2), std::size_t(3), std::size_t(17)}) {
+    const std::size_t rows = 4;
+    std::vector<double> zn(rows * vocab), zo(rows * vocab), adv{0.0, 1.0, -1e6, 2.5}, mask{1, 1, 1, 0.5};
+    std::vector<troll::token_id> tok(rows);
+    for (std::size_t i = 0; i < rows * vocab; ++i) zo[i] = 2 * n01(g), zn[i] = zo[i] + n01(g);
+    for (std::size_t r = 0; r < rows; ++r) tok[r] = troll::token_id(r % vocab);
+    troll::token_batch<double> in;
+    in.tokens = tok.data();
+    in.advantages = adv.data();
+    in.loss_mask = mask.data();
+    // Oracle PPO clip loss (token mean), long double.
+    ld num = 0, den = 0;
+    for (std::size_t r = 0; r < rows; ++r) {
+      std::vector<ld> a(vocab), b(vocab);
+      for (std::size_t i = 0; i < vocab; ++i) a[i] = zn[r * vocab + i], b[i] = zo[r * vocab + i];
+      const ld la = a[std::size_t(tok[r])] - lse(a), lb = b[std::size_t(tok[r])] - lse(b);
+      const ld ratio = std::exp(la - lb), A = adv[r];
+      const ld clipped = std::min(std::max(ratio, ld(0.8)), ld(1.2));
+      num += mask[r] * -std::min(ratio * A, clipped * A);
+      den += mask[r];
+    }
+    troll::ppo_clip_objective ppo;
+    const troll::objective_metrics m =
+        troll::objective_forward(troll::cpu, ppo, troll::make_batch<const double>(zn.data(), rows, vocab),
+                                 troll::make_batch<const double>(zo.data(), rows, vocab), in);
+    CHECK(std::fabs(m.loss - double(num / den)) <= 1e-12 * (1 + std::fabs(double(num / den))));
+    // Gradients of the whole loss: PPO clip, DPPO (binary TV), TROLL with α = 0 (its regression
+    // term differentiates p̃ only; α = 0 makes the loss a function of the logits).
+    auto grad_check = [&](auto objective, bool troll_objective) {
+      auto loss = [&](const double* x) {
+        std::vector<double> lp(rows * vocab);
+        std::vector<troll::projection_stats> st(rows);
+        if constexpr (std::is_same<decltype(objective), troll::trust_region_objective>::value)
+          return troll::objective_forward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
+                                          troll::make_batch<const double>(zo.data(), rows, vocab), in,
+                                          troll::make_batch(lp.data(), rows, vocab), st.data()).loss;
+        else
+          return troll::objective_forward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
+                                          troll::make_batch<const double>(zo.data(), rows, vocab), in).loss;
+      };
+      auto grad = [&](const double* x, double* gx) {
+        std::vector<double> lp(rows * vocab);
+        std::vector<troll::projection_stats> st(rows);
+        if constexpr (std::is_same<decltype(objective), troll::trust_region_objective>::value) {
+          troll::objective_forward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
+                                   troll::make_batch<const double>(zo.data(), rows, vocab), in,
+                                   troll::make_batch(lp.data(), rows, vocab), st.data());
+          troll::objective_backward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
+                                    troll::make_batch<const double>(zo.data(), rows, vocab), in,
+                                    troll::make_batch<const double>(lp.data(), rows, vocab), st.data(),
+                                    troll::make_batch(gx, rows, vocab));
+        } else {
+          troll::objective_backward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
+                                    troll::make_batch<const double>(zo.data(), rows, vocab), in,
+                                    troll::make_batch(gx, rows, vocab));
+        }
+      };
+      troll::gradcheck_options opt;
+      opt.atol = 1e-6 * 1e6;  // the loss carries A = −1e6
+      opt.rtol = 1e-5;
+      const troll::gradcheck_result res = troll::check_gradient(loss, grad, zn, opt);
+      INFO("V ", vocab, " troll ", troll_objective, "\n", res.report());
+      CHECK(res.ok);
+    };
+    troll::ppo_clip_objective wide;  // unclipped everywhere: a smooth loss for the differences
+    wide.clip_high = 1e6;
+    wide.clip_low = 0.999;
+    grad_check(wide, false);
+    troll::dppo_objective dppo;
+    dppo.delta_low = dppo.delta_high = 10;  // no token masked: smooth
+    grad_check(dppo, false);
+    troll::trust_region_objective tr;
+    tr.alpha = 0;
+    tr.eps = 0.01;
+    grad_check(tr, true);
+
+    // Masks all zero: loss 0, every gradient 0.
+    std::vector<double> zero_mask(rows, 0.0), gx(rows * vocab, 7.0);
+    troll::token_batch<double> none = in;
+    none.loss_mask = zero_mask.data();
+    const troll::objective_metrics z0 =
+        troll::objective_forward(troll::cpu, ppo, troll::make_batch<const double>(zn.data(), rows, vocab),
+                                 troll::make_batch<const double>(zo.data(), rows, vocab), none);
+    CHECK(z0.loss == 0.0);
+    troll::objective_backward(troll::cpu, ppo, troll::make_batch<const double>(zn.data(), rows, vocab),
+                              troll::make_batch<const double>(zo.data(), rows, vocab), none,
+                              troll::make_batch(gx.data(), rows, vocab));
+    for (double x : gx) CHECK(x == 0.0);
+  }
+}
+
+TEST_CASE("bad input: the lowest bad row is named and no output is touched (sparse entry points, objectives)") {
+  std::mt19937_64 g(61);
+  const std::size_t vocab = 17, rows = 4;
+  aligned_rows<double> a = make_aligned<double>(g, vocab, rows, 0);
+  // Rows 1 and 3 bad (NaN): row 1 named, outputs untouched.
+  aligned_rows<double> bad = a;
+  bad.new_log_probs[1 * bad.k_max] = std::nan("");
+  bad.old_log_remainder[3] = std::nan("");
+  sparse_rows<double> out(rows, a.k_max, vocab);
+  const sparse_rows<double> fresh = out;
+  std::vector<troll::projection_stats> st(rows);
+  troll_test::expect_row_error<troll::domain_error>(
+      [&] { troll::project(troll::cpu.with_threads(2), troll::aligned_input<double>(bad.view()), 0.05, out.view(), st.data()); }, 1);
+  CHECK(out.log_probs == fresh.log_probs);
+  CHECK(out.indices == fresh.indices);
+  CHECK(out.counts == fresh.counts);
+  std::vector<double> kl(rows, -3.0);
+  troll_test::expect_row_error<troll::domain_error>(
+      [&] { troll::kl(troll::cpu, troll::aligned_input<double>(bad.view()), kl.data()); }, 1);
+  for (double x : kl) CHECK(x == -3.0);
+  // ε out of range.
+  for (double eps : {0.0, -1.0, inf, std::nan("")})
+    CHECK_THROWS_AS(troll::project(troll::cpu, troll::aligned_input<double>(a.view()), eps, out.view(), st.data()),
+                    troll::domain_error);
+  CHECK(out.log_probs == fresh.log_probs);
+  // align: a duplicate index in row 2 of the old rows.
+  sparse_rows<double> sa(rows, 4, vocab), sb(rows, 4, vocab);
+  std::vector<double> z(vocab);
+  for (std::size_t i = 0; i < vocab; ++i) z[i] = double(i % 5);
+  for (std::size_t r = 0; r < rows; ++r) put_row(sa, r, gather(z, {1, 2})), put_row(sb, r, gather(z, {3, 4}));
+  sb.indices[2 * sb.k_max + 1] = 3;
+  aligned_rows<double> ao(rows, 8, vocab);
+  const aligned_rows<double> ao_fresh = ao;
+  troll_test::expect_row_error<troll::shape_error>([&] { troll::align(troll::cpu, sa.view(), sb.view(), ao.view()); }, 2);
+  CHECK(ao.indices == ao_fresh.indices);
+  CHECK(ao.new_log_probs == ao_fresh.new_log_probs);
+  // sparsify_shard_backward: a NaN gradient in row 3, log-sums NaN in row 2 → row 2 named first?
+  // (log-sums are checked before gradients; each check names its lowest bad row.)
+  sparse_rows<double> sup(rows, 4, vocab);
+  for (std::size_t r = 0; r < rows; ++r) put_row(sup, r, gather(z, {4}));
+  std::vector<double> logits(rows * vocab);
+  for (std::size_t r = 0; r < rows; ++r) std::copy(z.begin(), z.end(), logits.begin() + std::ptrdiff_t(r * vocab));
+  sparse_grads<double> up(rows, 4);
+  up.log_probs[3 * 4] = std::nan("");
+  std::vector<double> log_sums(2 * rows, 5.0);
+  std::vector<double> gs(rows * vocab, 11.0);
+  troll_test::expect_row_error<troll::domain_error>(
+      [&] {
+        troll::sparsify_shard_backward(troll::cpu, troll::make_batch<const double>(logits.data(), rows, vocab), 0,
+                                       sup.view(), troll::sparse_grad_input<double>(up.view()), log_sums.data(),
+                                       troll::make_batch(gs.data(), rows, vocab));
+      },
+      3);
+  for (double x : gs) CHECK(x == 11.0);
+  // Objectives: a token out of range in row 2 and a NaN advantage in row 3.
+  std::vector<double> zn(rows * vocab), zo(rows * vocab), adv{1, 1, 1, std::nan("")};
+  for (std::size_t i = 0; i < rows * vocab; ++i) zn[i] = double(i % 7), zo[i] = double(i % 5);
+  std::vector<troll::token_id> tok{0, 1, troll::token_id(vocab), 2};
+  troll::token_batch<double> in;
+  in.tokens = tok.data();
+  in.advantages = adv.data();
+  std::vector<double> loss(rows, -9.0), lp(rows * vocab, -9.0), grad(rows * vocab, -9.0);
+  std::vector<troll::projection_stats> ost(rows);
+  troll::objective_metrics met;
+  troll_test::expect_row_error<troll::domain_error>(
+      [&] {
+        troll::objective_forward(troll::cpu, troll::trust_region_objective{}, troll::make_batch<const double>(zn.data(), rows, vocab),
+                                 troll::make_batch<const double>(zo.data(), rows, vocab), in,
+                                 troll::make_batch(lp.data(), rows, vocab), ost.data(), loss.data(), &met);
+      },
+      2);
+  for (double x : loss) CHECK(x == -9.0);
+  for (double x : lp) CHECK(x == -9.0);
+  troll_test::expect_row_error<troll::domain_error>(
+      [&] {
+        troll::objective_backward(troll::cpu, troll::ppo_clip_objective{}, troll::make_batch<const double>(zn.data(), rows, vocab),
+                                  troll::make_batch<const double>(zo.data(), rows, vocab), in,
+                                  troll::make_batch(grad.data(), rows, vocab));
+      },
+      2);
+  for (double x : grad) CHECK(x == -9.0);
+  // 0 rows: every entry point returns without touching anything.
+  aligned_rows<double> empty(0, 4, vocab);
+  troll::kl(troll::cpu, troll::aligned_input<double>(empty.view()), static_cast<double*>(nullptr));
+}
