@@ -73,8 +73,7 @@ template <class T>
 void gaussian_kl(cuda_policy policy, const gaussian_call& call, batch_view<const T> mean, batch_view<const T> cov,
                  batch_view<const T> old_mean, batch_view<const T> old_cov, double* out) {
   require_float_type<T>();
-  const gaussian_call c = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, mean, cov);
-  if (out == nullptr && mean.rows != 0) throw_shape(c.function, "out is a null pointer");
+  const gaussian_call c = check_kl_arguments(call, mean, cov, old_mean, old_cov, out);
   check_gaussian_dim(c);
   const std::size_t row_bytes = gaussian_forward_row_bytes(c.dim);
   double* workspace = full_workspace(policy, c, mean.rows, row_bytes);
@@ -102,13 +101,9 @@ void project_gaussian_diag_backward(cuda_policy policy, gaussian_call call, batc
                                     const gaussian::gaussian_stats* stats, batch_view<const T> grad_out_mean,
                                     batch_view<const T> grad_out_cov, const gaussian::gaussian_grads<T>& grads) {
   require_float_type<T>();
-  call = check_derivative_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean,
-                                    grad_out_cov, stats, eps_mean, eps_cov);
+  call = check_backward_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean, grad_out_cov,
+                                  stats, eps_mean, eps_cov, grads);
   const char* fn = call.function;
-  check_optional_view(fn, "grads.mean", grads.mean, mean);
-  check_optional_view(fn, "grads.cov", grads.cov, cov);
-  check_optional_view(fn, "grads.old_mean", grads.old_mean, old_mean);
-  check_optional_view(fn, "grads.old_cov", grads.old_cov, old_cov);
   check_gaussian_dim(call);
   if (mean.rows == 0) return;
   check_gaussian_rows_on_host(policy, call, mean, cov, old_mean, old_cov, stats, "backward");
@@ -126,9 +121,8 @@ void project_gaussian_diag_jvp(cuda_policy policy, gaussian_call call, batch_vie
                                const gaussian::gaussian_tangents<T>& tangents, batch_view<T> tangent_out_mean,
                                batch_view<T> tangent_out_cov) {
   require_float_type<T>();
-  call = check_derivative_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
-                                    tangent_out_cov, stats, eps_mean, eps_cov);
-  check_jvp_tangents(call.function, tangents, mean, cov, old_mean, old_cov);
+  call = check_jvp_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
+                             tangent_out_cov, stats, eps_mean, eps_cov, tangents);
   check_gaussian_dim(call);
   if (mean.rows == 0) return;
   check_gaussian_rows_on_host(policy, call, mean, cov, old_mean, old_cov, stats, "JVP");
@@ -157,14 +151,9 @@ void project_gaussian_full_backward(cuda_policy policy, gaussian_call call, batc
                                     batch_view<const T> grad_out_cov, const gaussian::gaussian_grads<T>& grads,
                                     gaussian::saved_factorisation<const double> saved) {
   require_float_type<T>();
-  call = check_derivative_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean,
-                                    grad_out_cov, stats, eps_mean, eps_cov);
+  call = check_backward_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean, grad_out_cov,
+                                  stats, eps_mean, eps_cov, grads, saved);
   const char* fn = call.function;
-  check_optional_view(fn, "grads.mean", grads.mean, mean);
-  check_optional_view(fn, "grads.cov", grads.cov, cov);
-  check_optional_view(fn, "grads.old_mean", grads.old_mean, old_mean);
-  check_optional_view(fn, "grads.old_cov", grads.old_cov, old_cov);
-  check_saved_factorisation(call, mean.rows, saved);
   check_gaussian_dim(call);
   const std::size_t row_bytes = gaussian_derivative_row_bytes(call.dim);
   double* workspace = full_workspace(policy, call, mean.rows, row_bytes);
@@ -187,10 +176,8 @@ void project_gaussian_full_jvp(cuda_policy policy, gaussian_call call, batch_vie
                                const gaussian::gaussian_tangents<T>& tangents, batch_view<T> tangent_out_mean,
                                batch_view<T> tangent_out_cov, gaussian::saved_factorisation<const double> saved) {
   require_float_type<T>();
-  call = check_derivative_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
-                                    tangent_out_cov, stats, eps_mean, eps_cov);
-  check_jvp_tangents(call.function, tangents, mean, cov, old_mean, old_cov);
-  check_saved_factorisation(call, mean.rows, saved);
+  call = check_jvp_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
+                             tangent_out_cov, stats, eps_mean, eps_cov, tangents, saved);
   check_gaussian_dim(call);
   const std::size_t row_bytes = gaussian_derivative_row_bytes(call.dim);
   double* workspace = full_workspace(policy, call, mean.rows, row_bytes);

@@ -99,8 +99,7 @@ template <class T>
 void gaussian_kl(cpu_policy policy, const gaussian_call& call, batch_view<const T> mean, batch_view<const T> cov,
                  batch_view<const T> old_mean, batch_view<const T> old_cov, double* out) {
   require_float_type<T>();
-  const gaussian_call c = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, mean, cov);
-  if (out == nullptr && mean.rows != 0) throw_shape(c.function, "out is a null pointer");
+  const gaussian_call c = check_kl_arguments(call, mean, cov, old_mean, old_cov, out);
   validate_gaussian_rows(policy.threads, c, mean, cov, old_mean, old_cov);
   const std::size_t work = c.full ? 40 * c.dim * c.dim * c.dim : 40 * c.dim;
   cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {

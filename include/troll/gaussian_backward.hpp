@@ -28,14 +28,9 @@ void project_gaussian_backward(cpu_policy policy, gaussian_call call, batch_view
                                const gaussian::gaussian_grads<T>& grads,
                                gaussian::saved_factorisation<const double> saved = {}) {
   require_float_type<T>();
-  call = check_derivative_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean,
-                                    grad_out_cov, stats, eps_mean, eps_cov);
+  call = check_backward_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean, grad_out_cov,
+                                  stats, eps_mean, eps_cov, grads, saved);
   const char* fn = call.function;
-  check_optional_view(fn, "grads.mean", grads.mean, mean);
-  check_optional_view(fn, "grads.cov", grads.cov, cov);
-  check_optional_view(fn, "grads.old_mean", grads.old_mean, old_mean);
-  check_optional_view(fn, "grads.old_cov", grads.old_cov, old_cov);
-  check_saved_factorisation(call, mean.rows, saved);
   validate_gaussian_rows(policy.threads, call, mean, cov, old_mean, old_cov);
   validate_gaussian_stats(fn, stats, mean.rows, "backward");
   const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;

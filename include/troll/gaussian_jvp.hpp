@@ -29,11 +29,9 @@ void project_gaussian_jvp(cpu_policy policy, gaussian_call call, batch_view<cons
                           batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov,
                           gaussian::saved_factorisation<const double> saved = {}) {
   require_float_type<T>();
-  call = check_derivative_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
-                                    tangent_out_cov, stats, eps_mean, eps_cov);
+  call = check_jvp_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
+                             tangent_out_cov, stats, eps_mean, eps_cov, tangents, saved);
   const char* fn = call.function;
-  check_jvp_tangents(fn, tangents, mean, cov, old_mean, old_cov);
-  check_saved_factorisation(call, mean.rows, saved);
   validate_gaussian_rows(policy.threads, call, mean, cov, old_mean, old_cov);
   validate_gaussian_stats(fn, stats, mean.rows, "JVP");
   const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;

@@ -266,28 +266,13 @@ void sparsify(cpu_policy policy, input_view<T> logits, const token_id* sampled,
   unsigned char* row_bad = base + rows * k_max * 12 + rows * 12;
   static_assert(sizeof(T) <= 8 && sizeof(sparse_index) == 4 && sizeof(int) == 4, "the scratch layout");
   detail::cpu::parallel_for(policy.threads, logits.rows, 2 * logits.cols, [&](std::size_t r) {
-    sparsify_state st;
-    const auto vocab = static_cast<sparse_index>(logits.cols);
-    detail::reset(st, options.k, sampled ? static_cast<sparse_index>(sampled[r]) : -1, vocab, 0, vocab);
-    detail::cpu::scan_check check;
-    detail::cpu::sparsify_scan(logits.row(r), logits.cols, 0, st, &check);
-    row_bad[r] = check.bad || !check.any_finite;
-    if (row_bad[r]) return;
-    sparse_index* indices = scratch_indices + r * k_max;
-    T* log_probs = scratch_log_probs + r * k_max;
-    // The scan picks the support; its values come from the canonical sums (exact_log_sums): the
-    // tail's max from the state, the tail's exact sum from a second pass over the row (in cache).
-    const sparsify_state scanned = st;
+    const sparse_index sampled_r = sampled ? static_cast<sparse_index>(sampled[r]) : -1;
     int count = 0;
-    double m_tail = 0.0;
-    detail::finalize(st, log_delta, indices, log_probs, count, scratch_remainder[r], nullptr, &m_tail);
-    detail::index_slot slots[sparsify_max_k + 1];
-    for (int i = 0; i < count; ++i) slots[i] = detail::index_slot{indices[i], i};
-    detail::sort_by_index(slots, count);
-    const detail::exact_sum tail = detail::cpu::tail_exp_sum(logits.row(r), logits.cols, 0, slots, count, m_tail);
-    st = scanned;
-    detail::finalize(st, log_delta, indices, log_probs, count, scratch_remainder[r], nullptr, nullptr, &tail);
-    scratch_counts[r] = count;
+    row_bad[r] = !detail::cpu::sparsify_row(logits.row(r), logits.cols, options.k, sampled_r, log_delta,
+                                            scratch_indices + r * k_max, scratch_log_probs + r * k_max, count,
+                                            scratch_remainder[r], true,
+                                            r + 1 < rows ? logits.row(r + 1) : nullptr);
+    scratch_counts[r] = row_bad[r] ? 0 : count;
   });
   for (std::size_t r = 0; r < rows; ++r) {
     if (row_bad[r]) {

@@ -76,6 +76,16 @@ gaussian_call check_projection_arguments(gaussian_call call, batch_view<const T>
   return c;
 }
 
+/// Every check of kl's arguments that reads no row values: the four operands (the view checks
+/// above) and the output pointer. Shared by the CPU and CUDA backends; returns the call with d set.
+template <class T>
+gaussian_call check_kl_arguments(const gaussian_call& call, batch_view<const T> mean, batch_view<const T> cov,
+                                 batch_view<const T> old_mean, batch_view<const T> old_cov, const double* out) {
+  const gaussian_call c = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, mean, cov);
+  if (out == nullptr && mean.rows != 0) throw_shape(c.function, "out is a null pointer");
+  return c;
+}
+
 /// An optional gradient or tangent view: empty (data == nullptr) or shaped like its input.
 template <class T, class U>
 void check_optional_view(const char* function, const char* name, batch_view<T> view, batch_view<U> like) {
@@ -144,6 +154,43 @@ void check_saved_factorisation(const gaussian_call& call, std::size_t rows,
                                    std::to_string(saved.dim) + " but the batch has " + std::to_string(rows) +
                                    " rows of d = " + std::to_string(call.dim));
 }
+
+/// Every check of a backward's (VJP's) arguments that reads no row values:
+/// check_derivative_arguments, each gradient view empty or shaped like its input, and the saved
+/// factorisation (empty, or of this batch). Shared by the CPU and CUDA backends; returns the call
+/// with d set.
+template <class T, class Grads, class D = const double>
+gaussian_call check_backward_arguments(gaussian_call call, batch_view<const T> mean, batch_view<const T> cov,
+                                       batch_view<const T> old_mean, batch_view<const T> old_cov,
+                                       batch_view<const T> out_mean, batch_view<const T> out_cov,
+                                       batch_view<const T> grad_out_mean, batch_view<const T> grad_out_cov,
+                                       const void* stats, double eps_mean, double eps_cov, const Grads& grads,
+                                       const gaussian::saved_factorisation<D>& saved = {}) {
+  call = check_derivative_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean,
+                                    grad_out_cov, stats, eps_mean, eps_cov);
+  check_optional_view(call.function, "grads.mean", grads.mean, mean);
+  check_optional_view(call.function, "grads.cov", grads.cov, cov);
+  check_optional_view(call.function, "grads.old_mean", grads.old_mean, old_mean);
+  check_optional_view(call.function, "grads.old_cov", grads.old_cov, old_cov);
+  check_saved_factorisation(call, mean.rows, saved);
+  return call;
+}
+
+/// The JVP's counterpart of check_backward_arguments (the input tangents by check_jvp_tangents).
+template <class T, class U, class Tangents, class D = const double>
+gaussian_call check_jvp_arguments(gaussian_call call, batch_view<const T> mean, batch_view<const T> cov,
+                                  batch_view<const T> old_mean, batch_view<const T> old_cov,
+                                  batch_view<const T> out_mean, batch_view<const T> out_cov,
+                                  batch_view<U> tangent_out_mean, batch_view<U> tangent_out_cov, const void* stats,
+                                  double eps_mean, double eps_cov, const Tangents& tangents,
+                                  const gaussian::saved_factorisation<D>& saved = {}) {
+  call = check_derivative_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
+                                    tangent_out_cov, stats, eps_mean, eps_cov);
+  check_jvp_tangents(call.function, tangents, mean, cov, old_mean, old_cov);
+  check_saved_factorisation(call, mean.rows, saved);
+  return call;
+}
+
 
 /// The first problem of one row's operand, as a message ("" when fine): a non-finite entry, a
 /// standard deviation or factor diagonal ≤ 0, a non-zero entry above a factor's diagonal.

@@ -338,7 +338,8 @@ enum class finalize_problem { none, all_masked, sampled_missing };
 /// The state's heap is consumed (sorted in place). Returns the problem, writing nothing, when
 /// every logit is −inf or the sampled token was never seen. When `log_sums` is given it receives
 /// the two sums in double, {log Σ_j e^{z_j}, log Σ_{j∉S} e^{z_j}} (what the backward of
-/// vocabulary shards needs: troll::sparsify_shard_backward).
+/// vocabulary shards needs: troll::sparsify_shard_backward). `forced_keep` ≥ 0 replaces the δ
+/// rule's prefix length by one the caller decided (sparsify: keep_with_margin, exact tail sum).
 /// The logits of a finalised support, read from finalize's sorted list: the first `keep`
 /// entries, then the sampled one when it ranks beyond them.
 struct finalized_support_logits {
@@ -353,7 +354,7 @@ template <class T>
 TROLL_HOST_DEVICE finalize_problem finalize(sparsify_state& st, double log_delta, sparse_index* indices,
                                             T* log_probs, int& count, T& log_remainder,
                                             double* log_sums = nullptr, double* tail_max = nullptr,
-                                            const exact_sum* exact_tail = nullptr) {
+                                            const exact_sum* exact_tail = nullptr, int forced_keep = -1) {
   if (st.sampled >= 0 && !st.has_sampled) return finalize_problem::sampled_missing;
   sparse_candidate* list = st.heap;  // heap, then the sampled token, sorted best first
   int n = st.size;
@@ -381,7 +382,7 @@ TROLL_HOST_DEVICE finalize_problem finalize(sparsify_state& st, double log_delta
   log_sum_state rest = st.outside;
   for (int i = n - 1; i >= limit; --i) push(rest, list[i].logit);
   int keep = limit;
-  for (int j = limit - 1; j >= 1; --j) {
+  for (int j = limit - 1; forced_keep < 0 && j >= 1; --j) {
     push(rest, list[j].logit);  // now rest = rest(j)
     if (rest.value() - log_total <= log_delta) {
       keep = j;
@@ -389,6 +390,7 @@ TROLL_HOST_DEVICE finalize_problem finalize(sparsify_state& st, double log_delta
       break;  // rest(j) grows as j falls: no shorter prefix qualifies
     }
   }
+  if (forced_keep >= 0) keep = forced_keep;
   // The tail: rest(keep) without the sampled token when it ranks beyond the prefix.
   log_sum_state tail = st.outside;
   for (int i = keep; i < n; ++i)

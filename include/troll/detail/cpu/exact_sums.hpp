@@ -121,9 +121,13 @@ inline void add_terms(sum_packet& hi0, sum_packet& lo0, sum_packet& hi1, sum_pac
 /// the lanes stay in registers. A term's value depends on z_j and m only, and the exact_sum's
 /// value does not depend on the order of its terms, so any split of the row (vocabulary shards)
 /// gives the same sum. m = −inf (or a tail of masked tokens only) gives an empty sum.
+///
+/// `ahead` (optional, size tokens): the row to be read next, asked into the cache line by line
+/// at the pace of this pass (sparsify: the next row's scan then reads it from cache while this
+/// pass's arithmetic hides the memory's latency). Prefetches change no value.
 template <class T>
 inline exact_sum tail_exp_sum(const T* z, std::size_t size, std::size_t first, const index_slot* sorted, int n,
-                              double m) {
+                              double m, const T* ahead = nullptr) {
   using namespace Eigen::internal;
   using packet = typename packet_traits<T>::type;
   constexpr long lanes = long(sizeof(packet) / sizeof(T));
@@ -132,7 +136,7 @@ inline exact_sum tail_exp_sum(const T* z, std::size_t size, std::size_t first, c
   exact_sum total;
   if (m == neg_inf()) return total;
   const T shift = static_cast<T>(m);  // m is one of the row's logits: exact in T
-  const packet ps = pset1<packet>(shift), floor = pset1<packet>(lowest);
+  const packet ps = pset1<packet>(shift);
   sum_packet hi0 = pset1<sum_packet>(0.0), lo0 = hi0, hi1 = hi0, lo1 = hi0;
   alignas(64) T e[block_size];
   int next = 0;
@@ -140,10 +144,16 @@ inline exact_sum tail_exp_sum(const T* z, std::size_t size, std::size_t first, c
     const long count = static_cast<long>(count_in_block);
     const long whole = count - count % lanes;
     const T* x = z + begin;
-    packet below = pzero(ps);
+#if defined(__GNUC__)
+    if (ahead) {
+      constexpr long per_line = long(64 / sizeof(T));
+      for (long k = 0; k < count; k += per_line) __builtin_prefetch(ahead + begin + std::size_t(k), 0, 2);
+    }
+#endif
+    packet low = pset1<packet>(T(0));  // the least argument (no NaN: the logits are checked)
     for (long k = 0; k < whole; k += lanes) {
       const packet d = psub(ploadu<packet>(x + k), ps);
-      below = por(below, pcmp_lt(d, floor));
+      low = pmin(low, d);
       pstore(e + k, pexp(d));
     }
     long padded = whole;
@@ -151,11 +161,11 @@ inline exact_sum tail_exp_sum(const T* z, std::size_t size, std::size_t first, c
       T last[lanes];
       for (long j = 0; j < lanes; ++j) last[j] = whole + j < count ? x[whole + j] : shift;
       const packet d = psub(ploadu<packet>(last), ps);
-      below = por(below, pcmp_lt(d, floor));
+      low = pmin(low, d);
       pstore(e + whole, pexp(d));
       padded = whole + lanes;
     }
-    if (predux_any(below)) {
+    if (predux_min(low) < lowest) {
       for (long k = 0; k < count; ++k)
         if (!(x[k] - shift >= lowest)) e[k] = std::exp(x[k] - shift);
     }

@@ -62,10 +62,9 @@ inline Packet exp_reduced_polynomial(const Packet& x, Packet& n, double lowest =
 }
 
 #if defined(__AVX512F__)
-inline __m512d exp_nonpositive(const __m512d& x) {
-  __m512d n;
-  const __m512d p = exp_reduced_polynomial(x, n);
-  // 2^n for n ∈ [−1010, 93]: the biased exponent n + 1023 in the exponent field.
+/// p·2^n for an integral n (as a double) ∈ [−1022, 1023]: the biased exponent n + 1023 in the
+/// exponent field.
+inline __m512d times_power_of_two(const __m512d& p, const __m512d& n) {
   const __m512i bits = _mm512_slli_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(n)),
                                                           _mm512_set1_epi64(1023)),
                                          52);
@@ -73,14 +72,28 @@ inline __m512d exp_nonpositive(const __m512d& x) {
 }
 #endif
 #if defined(__AVX2__)
-inline __m256d exp_nonpositive(const __m256d& x) {
-  __m256d n;
-  const __m256d p = exp_reduced_polynomial(x, n);
+inline __m256d times_power_of_two(const __m256d& p, const __m256d& n) {
   const __m256i bits = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n)),
                                                           _mm256_set1_epi64x(1023)),
                                          52);
   return _mm256_mul_pd(p, _mm256_castsi256_pd(bits));
 }
+#endif
+
+/// e^x by exp_reduced_polynomial and 2^n in the exponent bits (x ≥ `lowest`, clamped; AVX-512's
+/// and AVX2's double packets, where times_power_of_two is defined).
+template <class Packet>
+inline Packet exp_reduced_scaled(const Packet& x, double lowest) {
+  Packet n;
+  const Packet p = exp_reduced_polynomial(x, n, lowest);
+  return times_power_of_two(p, n);  // n ∈ [−1010, 93]
+}
+
+#if defined(__AVX512F__)
+inline __m512d exp_nonpositive(const __m512d& x) { return exp_reduced_scaled(x, -700.0); }
+#endif
+#if defined(__AVX2__)
+inline __m256d exp_nonpositive(const __m256d& x) { return exp_reduced_scaled(x, -700.0); }
 #endif
 
 /// e^x for x ∈ [−708, 708] (inputs outside are clamped to the nearest end; NaN is not an input):
@@ -134,12 +147,7 @@ inline __m512d exp_bounded(const __m512d& x) {
 }
 #elif defined(__AVX2__)
 inline __m256d exp_bounded(const __m256d& x) {
-  __m256d n;
-  const __m256d p = exp_reduced_polynomial(_mm256_min_pd(x, _mm256_set1_pd(708.0)), n, -708.0);
-  const __m256i bits = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n)),
-                                                          _mm256_set1_epi64x(1023)),
-                                         52);
-  return _mm256_mul_pd(p, _mm256_castsi256_pd(bits));
+  return exp_reduced_scaled(_mm256_min_pd(x, _mm256_set1_pd(708.0)), -708.0);
 }
 #endif
 

@@ -8,7 +8,10 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
+#include <utility>
 
 #include "../../config.hpp"
 #include "../numeric.hpp"
@@ -217,6 +220,340 @@ inline void sparsify_scan(const T* z, std::size_t size, std::size_t offset, spar
     }
     push_block(st.outside, static_cast<double>(m), sum_in_double(lane_sums, used));
   });
+}
+
+/// The running top K of sparsify_scan_topk, without a heap: up to K kept candidates and up to
+/// `extra` new ones; when the buffer is full, nth_element keeps the K best (ranks_before; the
+/// order is total, so which K survive does not depend on when this happens) and the others only
+/// raise out_max. `threshold` is the K-th best logit at the last selection (−inf until K were
+/// kept), rounded into T by threshold_below: a later token can enter only above it (a tie
+/// ranks after, having the larger index). No exponential anywhere.
+template <class T>
+struct topk_buffer {
+  static constexpr int extra = 128;
+  static constexpr int slack = 64;  // a group of AVX-512 packets may store this many past `full`
+  int k = 0;
+  int count = 0;
+  double out_max = neg_inf();  // the max of the candidates dropped
+  T threshold = -std::numeric_limits<T>::infinity();
+  T values[sparsify_max_k + extra + slack];  // the candidates, structure of arrays
+  sparse_index indices[sparsify_max_k + extra + slack];
+
+  int full() const { return k + extra; }
+  /// Keeps the K best candidates (ties to the lower index: the buffer is in token order, and
+  /// stays so), dropping the others into out_max, and raises the threshold to the K-th value.
+  /// The K-th value is found by a bitwise search on order-preserving unsigned keys of the values
+  /// (a count of the keys at or above each trial key: no data-dependent branch), then one stable
+  /// compaction.
+  void select() {
+    using key_type = typename std::conditional<sizeof(T) == 4, std::uint32_t, std::uint64_t>::type;
+    constexpr int bits = int(8 * sizeof(T));
+    if (count > k) {
+      key_type keys[sparsify_max_k + extra + slack];
+      for (int i = 0; i < count; ++i) {
+        const T v = values[i] + T(0);  // −0 → +0: equal logits get equal keys
+        key_type u;
+        std::memcpy(&u, &v, sizeof(T));
+        keys[i] = (u >> (bits - 1)) ? key_type(~u) : key_type(u | (key_type(1) << (bits - 1)));
+      }
+      key_type kth = 0;  // the largest key with at least K keys at or above it
+      for (int bit = bits - 1; bit >= 0; --bit) {
+        const key_type trial = kth | (key_type(1) << bit);
+        int at_or_above = 0;
+        for (int i = 0; i < count; ++i) at_or_above += keys[i] >= trial ? 1 : 0;
+        kth = at_or_above >= k ? trial : kth;
+      }
+      int above = 0;
+      for (int i = 0; i < count; ++i) above += keys[i] > kth ? 1 : 0;
+      int ties_left = k - above, kept = 0;
+      for (int i = 0; i < count; ++i) {
+        const bool keep = keys[i] > kth || (keys[i] == kth && ties_left-- > 0);
+        if (keep) {
+          values[kept] = values[i];
+          indices[kept] = indices[i];
+          ++kept;
+        } else {
+          out_max = static_cast<double>(values[i]) > out_max ? static_cast<double>(values[i]) : out_max;
+        }
+      }
+      count = kept;
+    }
+    if (count == k && k > 0) {
+      T worst = values[0];
+      for (int i = 1; i < count; ++i) worst = values[i] < worst ? values[i] : worst;
+      threshold = worst;  // a T: exactly threshold_below<T> of its double
+    }
+  }
+  /// After candidates were appended: selects when the buffer is full, or when it first holds K.
+  void settle() {
+    if (count >= full() || (count >= k && threshold == -std::numeric_limits<T>::infinity())) select();
+  }
+  void add(T logit, long index) {
+    values[count] = logit;
+    indices[count] = static_cast<sparse_index>(index);
+    ++count;
+    settle();
+  }
+  /// The kept candidates into the state's heap (worst at the root), everything else dropped.
+  void into(sparsify_state& st) {
+    select();
+    st.size = 0;
+    for (int i = 0; i < count; ++i) {
+      st.heap[i] = sparse_candidate{static_cast<double>(values[i]), indices[i]};
+      sift_up_worst(st.heap, i);
+      ++st.size;
+    }
+  }
+};
+
+/// Offers the tokens [from, to) of a whole row (z points at token 0) one by one: the sampled token
+/// is recorded, a token above the buffer's threshold becomes a candidate, every other one only
+/// raises `rest` (the max of the tokens left outside that never were candidates). Returns false
+/// at a NaN or +inf (the row is bad).
+template <class T>
+inline bool scan_tokens(const T* z, long from, long to, sparsify_state& st, topk_buffer<T>& top, T& rest) {
+  constexpr T infinity = std::numeric_limits<T>::infinity();
+  for (long i = from; i < to; ++i) {
+    const T x = z[i];
+    if (!(x < infinity)) return false;
+    if (i == long(st.sampled)) {
+      st.has_sampled = true;
+      st.sampled_logit = static_cast<double>(x);
+    } else if (x > top.threshold) {
+      top.add(x, i);
+    } else if (x > rest) {
+      rest = x;
+    }
+  }
+  return true;
+}
+
+/// sparsify's one read of a whole row: the top K (into st.heap), the sampled token's logit and the row's
+/// checks (a NaN or +inf sets check.bad and ends the scan; check.any_finite), but no
+/// exponentials. Returns the max of the tokens outside the heap and the sampled token (st.outside
+/// stays empty: sparsify takes the tail's exact sum afterwards).
+///
+/// Groups of four packets are tested against the top-K buffer's threshold as a whole (and for
+/// NaN / +inf); a group without a candidate, the sampled token or a bad value only raises a
+/// packet max. With AVX-512 (float) a group that has candidates adds them to the buffer straight
+/// from the compare masks; elsewhere it is walked token by token.
+template <class T>
+inline double sparsify_scan_topk(const T* z, std::size_t size, sparsify_state& st, scan_check& check) {
+  using namespace Eigen::internal;
+  using packet = typename packet_traits<T>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(T));
+  constexpr long group = 4 * lanes;
+  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  const long n = static_cast<long>(size), sampled = static_cast<long>(st.sampled);
+  topk_buffer<T> top;
+  top.k = st.k;
+  T rest_scalar = minus_inf;
+  long i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same<T, float>::value && lanes == 16) {
+    const __m512 infinity = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+    constexpr long prefetch_distance = 2048;  // tokens (8 KiB) ahead
+    const __m512i lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 rest = _mm512_set1_ps(minus_inf);
+    for (; i + group <= n; i += group) {
+      if (i + prefetch_distance + group <= n)  // keeps loads in flight across the groups' branches
+        for (long line = 0; line < group; line += 16) _mm_prefetch(reinterpret_cast<const char*>(z + i + prefetch_distance + line), _MM_HINT_T0);
+      const __m512 x0 = _mm512_loadu_ps(z + i), x1 = _mm512_loadu_ps(z + i + 16);
+      const __m512 x2 = _mm512_loadu_ps(z + i + 32), x3 = _mm512_loadu_ps(z + i + 48);
+      const __m512 t = _mm512_set1_ps(top.threshold);
+      const unsigned bad = unsigned(_mm512_cmp_ps_mask(x0, infinity, _CMP_NLT_UQ)) | _mm512_cmp_ps_mask(x1, infinity, _CMP_NLT_UQ) |
+                           _mm512_cmp_ps_mask(x2, infinity, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(x3, infinity, _CMP_NLT_UQ);
+      const unsigned hit = unsigned(_mm512_cmp_ps_mask(x0, t, _CMP_GT_OQ)) | _mm512_cmp_ps_mask(x1, t, _CMP_GT_OQ) |
+                           _mm512_cmp_ps_mask(x2, t, _CMP_GT_OQ) | _mm512_cmp_ps_mask(x3, t, _CMP_GT_OQ);
+      if (bad) {
+        check.bad = true;
+        return 0.0;
+      }
+      if (!hit && !(sampled >= i && sampled < i + group)) {
+        rest = _mm512_max_ps(rest, _mm512_max_ps(_mm512_max_ps(x0, x1), _mm512_max_ps(x2, x3)));
+        continue;
+      }
+      // The group's candidates (above the threshold it was tested against) compressed into the
+      // buffer, values and token ids; every other lane, the sampled token's aside, into `rest`.
+      const __m512 xs[4] = {x0, x1, x2, x3};
+      for (long p = 0; p < 4; ++p) {
+        const long base = i + 16 * p;
+        unsigned own = 0;
+        if (sampled >= base && sampled < base + 16) {
+          own = 1u << unsigned(sampled - base);
+          st.has_sampled = true;
+          st.sampled_logit = static_cast<double>(z[sampled]);
+        }
+        const unsigned cand = unsigned(_mm512_cmp_ps_mask(xs[p], t, _CMP_GT_OQ)) & ~own;
+        rest = _mm512_mask_max_ps(rest, __mmask16(~(cand | own)), rest, xs[p]);
+        if (!cand) continue;
+        const __m512i ids = _mm512_add_epi32(_mm512_set1_epi32(int(base)), lane_ids);
+        _mm512_storeu_ps(top.values + top.count, _mm512_maskz_compress_ps(__mmask16(cand), xs[p]));
+        _mm512_storeu_si512(top.indices + top.count, _mm512_maskz_compress_epi32(__mmask16(cand), ids));
+        top.count += __builtin_popcount(cand);
+      }
+      top.settle();
+    }
+    rest_scalar = _mm512_reduce_max_ps(rest);
+  } else
+#endif
+  {
+    const packet infinity = pset1<packet>(std::numeric_limits<T>::infinity());
+    packet rest = pset1<packet>(minus_inf);
+    for (; i + group <= n; i += group) {
+      const packet x0 = ploadu<packet>(z + i), x1 = ploadu<packet>(z + i + lanes);
+      const packet x2 = ploadu<packet>(z + i + 2 * lanes), x3 = ploadu<packet>(z + i + 3 * lanes);
+      const packet t = pset1<packet>(top.threshold);
+      const packet fine = pand(pand(pcmp_lt(x0, infinity), pcmp_lt(x1, infinity)),
+                               pand(pcmp_lt(x2, infinity), pcmp_lt(x3, infinity)));
+      const packet hit = por(por(pcmp_lt(t, x0), pcmp_lt(t, x1)), por(pcmp_lt(t, x2), pcmp_lt(t, x3)));
+      if (!predux_any(hit) && !predux_any(pcmp_eq(fine, pzero(fine))) && !(sampled >= i && sampled < i + group)) {
+        rest = pmax(rest, pmax(pmax(x0, x1), pmax(x2, x3)));
+        continue;
+      }
+      if (!scan_tokens(z, i, i + group, st, top, rest_scalar)) {
+        check.bad = true;
+        return 0.0;
+      }
+    }
+    const T most = predux_max(rest);
+    rest_scalar = most > rest_scalar ? most : rest_scalar;
+  }
+  if (!scan_tokens(z, i, n, st, top, rest_scalar)) {
+    check.bad = true;
+    return 0.0;
+  }
+  top.into(st);
+  const double rest_max = static_cast<double>(rest_scalar);
+  const double m_out = top.out_max > rest_max ? top.out_max : rest_max;
+  check.any_finite = st.size > 0 || m_out > neg_inf() || (st.has_sampled && st.sampled_logit > neg_inf());
+  return m_out;
+}
+
+/// finalize's list for a whole-row state, without consuming the state: the heap sorted best first
+/// with the sampled token inserted in order (list holds k + 1 slots). Returns n; sampled_pos is
+/// the sampled token's place (−1: none).
+inline int ordered_support(const sparsify_state& st, sparse_candidate* list, int& sampled_pos) {
+  int n = st.size;
+  for (int i = 0; i < n; ++i) list[i] = st.heap[i];
+  sort_best_first(list, n);
+  sampled_pos = -1;
+  if (st.has_sampled) {
+    const sparse_candidate s{st.sampled_logit, st.sampled};
+    int at = n;
+    while (at > 0 && ranks_before(s, list[at - 1])) {
+      list[at] = list[at - 1];
+      --at;
+    }
+    list[at] = s;
+    sampled_pos = at;
+    ++n;
+  }
+  return n;
+}
+
+/// How far sparsify's δ rule may be from finalize's on the scan's block sums, in log-mass: those
+/// sums carry a relative error below ~1e-5 (float exponentials, float arguments z − m rounded
+/// with |z − m| ≤ 87), the exact tail sum a similar one; 1e-3 leaves a factor of 40.
+inline constexpr double keep_margin = 1e-3;
+
+/// finalize's δ rule (the shortest prefix of list, at most k, whose rest is within δ) decided on
+/// the tail's exact sum: `tail` = Σ e^{z − m_tail} over the outside tokens and list[limit..n)
+/// except the sampled one (limit = min(n, k)). Returns the prefix length, or −1 when some rest
+/// the rule looks at lies within keep_margin of log δ (there finalize's block sums could decide
+/// the other way: the caller redoes the row that way). An empty rest is decided exactly.
+inline int keep_with_margin(const sparse_candidate* list, int n, int sampled_pos, int k, double m_tail,
+                            const exact_sum& tail, double log_delta) {
+  const int limit = n < k ? n : k;
+  log_sum_state base;
+  if (m_tail > neg_inf() && tail.value() > 0.0) base = log_sum_state{m_tail, tail.value()};
+  log_sum_state total = base;
+  for (int i = 0; i < n; ++i)
+    if (i < limit || i == sampled_pos) push(total, list[i].logit);
+  const double log_total = total.value();
+  if (log_total == neg_inf()) return limit;
+  log_sum_state rest = base;
+  if (sampled_pos >= limit) push(rest, list[sampled_pos].logit);
+  int keep = limit;
+  for (int j = limit - 1; j >= 1; --j) {
+    push(rest, list[j].logit);
+    const double d = rest.value() - log_total;
+    if (d == neg_inf()) {
+      keep = j;
+      continue;
+    }
+    if (log_delta == neg_inf()) break;
+    if (std::fabs(d - log_delta) <= keep_margin) return -1;
+    if (d > log_delta) break;
+    keep = j;
+  }
+  return keep;
+}
+
+/// sparsify of one whole row (z, V = size tokens) into indices / log_probs (room for k + 1) and
+/// log_remainder; false when the row is bad (a NaN or +inf, or every logit −inf), with nothing
+/// meaningful written. One read of the row from memory (sparsify_scan_topk: the support, the
+/// checks, the outside max, no exponentials), then the tail's exact sum (tail_exp_sum: the one
+/// exponential per token) while the row is in cache, the δ rule decided on it
+/// (keep_with_margin), a second tail sum only when δ shortens the prefix. `fast = false` (and a
+/// δ decision within the margin) takes the path of block sums in the scan (sparsify_scan) and
+/// finalize's own δ rule: the same bits, what the tests compare against. `next_row` (optional):
+/// the row sparsify reads next, prefetched during the tail sum.
+template <class T>
+inline bool sparsify_row(const T* z, std::size_t size, int k, sparse_index sampled, double log_delta,
+                         sparse_index* indices, T* log_probs, int& count, T& log_remainder, bool fast = true,
+                         const T* next_row = nullptr) {
+  const auto vocab = static_cast<sparse_index>(size);
+  sparsify_state st;
+  reset(st, k, sampled, vocab, 0, vocab);
+  scan_check check;
+  index_slot slots[sparsify_max_k + 1];
+  if (fast) {
+    const double m_out = sparsify_scan_topk(z, size, st, check);
+    if (check.bad || !check.any_finite) return false;
+    // Only the outside's max and emptiness are read below (a forced prefix, the exact tail).
+    st.outside = m_out > neg_inf() ? log_sum_state{m_out, 1.0} : log_sum_state{};
+    sparse_candidate list[sparsify_max_k + 1];
+    int sampled_pos = -1;
+    const int n = ordered_support(st, list, sampled_pos);
+    auto tail_for = [&](int keep, const T* ahead) {  // finalize's tail for a prefix of `keep` tokens
+      double m_tail = st.outside.m;
+      int c = 0;
+      for (int i = 0; i < n; ++i) {
+        if (i < keep || i == sampled_pos) {
+          slots[c] = index_slot{list[i].index, c};
+          ++c;
+        } else if (list[i].logit > m_tail) {
+          m_tail = list[i].logit;
+        }
+      }
+      sort_by_index(slots, c);
+      return std::pair<exact_sum, double>(tail_exp_sum(z, size, 0, slots, c, m_tail, ahead), m_tail);
+    };
+    const int limit = n < k ? n : k;
+    std::pair<exact_sum, double> tail = tail_for(limit, next_row);
+    const int keep = keep_with_margin(list, n, sampled_pos, k, tail.second, tail.first, log_delta);
+    if (keep >= 0) {
+      if (keep != limit) tail = tail_for(keep, nullptr);
+      finalize(st, log_delta, indices, log_probs, count, log_remainder, nullptr, nullptr, &tail.first, keep);
+      return true;
+    }
+    reset(st, k, sampled, vocab, 0, vocab);  // a δ decision too close to call: the block sums decide
+    check = scan_check{};
+  }
+  sparsify_scan(z, size, 0, st, &check);
+  if (check.bad || !check.any_finite) return false;
+  // The scan picks the support; its values come from the canonical sums (exact_log_sums): the
+  // tail's max from the state, the tail's exact sum from a second pass over the row (in cache).
+  const sparsify_state scanned = st;
+  double m_tail = 0.0;
+  finalize(st, log_delta, indices, log_probs, count, log_remainder, nullptr, &m_tail);
+  for (int i = 0; i < count; ++i) slots[i] = index_slot{indices[i], i};
+  sort_by_index(slots, count);
+  const exact_sum tail = tail_exp_sum(z, size, 0, slots, count, m_tail);
+  st = scanned;
+  finalize(st, log_delta, indices, log_probs, count, log_remainder, nullptr, nullptr, &tail);
+  return true;
 }
 
 /// Checks one sparse row: count within [0, min(capacity, V, sparse_max_entries)], indices in

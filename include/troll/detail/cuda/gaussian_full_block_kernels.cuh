@@ -32,12 +32,7 @@ template <class T>
 __device__ void reject_full_row_block(const gaussian_launch<T>& k, std::size_t r) {
   fill_nan_block(k.out_mean.row(r), k.out_mean.cols);
   fill_nan_block(k.out_cov.row(r), k.out_cov.cols);
-  if (threadIdx.x == 0) {
-    gaussian::gaussian_stats s;
-    s.t = s.eta = s.omega = s.kl_before = s.kl_after = s.mean_kl_before = s.mean_kl_after = s.fisher = quiet_nan();
-    s.status = row_status::rejected;
-    k.stats[r] = s;
-  }
+  if (threadIdx.x == 0) k.stats[r] = rejected_gaussian_stats();
 }
 
 template <class T>

@@ -95,18 +95,21 @@ __device__ bool bad_operand(const T* mean, const T* cov, std::size_t d, bool ful
   return __any_sync(0xffffffffu, bad);
 }
 
+/// The stats of a rejected row: every number NaN, status rejected.
+__device__ inline gaussian::gaussian_stats rejected_gaussian_stats() {
+  gaussian::gaussian_stats s;
+  s.t = s.eta = s.omega = s.kl_before = s.kl_after = s.mean_kl_before = s.mean_kl_after = s.fisher = quiet_nan();
+  s.status = row_status::rejected;
+  return s;
+}
+
 /// A rejected row: NaN outputs and stats, status rejected.
 template <class T>
 __device__ void reject_row(const gaussian_launch<T>& k, std::size_t r, std::size_t cov_size) {
   const T nan_t = static_cast<T>(quiet_nan());
   for (std::size_t i = threadIdx.x; i < k.out_mean.cols; i += gaussian_warp) k.out_mean.row(r)[i] = nan_t;
   for (std::size_t i = threadIdx.x; i < cov_size; i += gaussian_warp) k.out_cov.row(r)[i] = nan_t;
-  if (threadIdx.x == 0) {
-    gaussian::gaussian_stats s;
-    s.t = s.eta = s.omega = s.kl_before = s.kl_after = s.mean_kl_before = s.mean_kl_after = s.fisher = quiet_nan();
-    s.status = row_status::rejected;
-    k.stats[r] = s;
-  }
+  if (threadIdx.x == 0) k.stats[r] = rejected_gaussian_stats();
 }
 
 /// The split mean step and the solve of one factorised row (spectrum in shared memory), by the
