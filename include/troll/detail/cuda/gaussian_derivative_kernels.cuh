@@ -16,6 +16,7 @@
 #include "../../projection_types.hpp"
 #include "../gaussian_diag_derivatives.hpp"
 #include "../gaussian_family.hpp"
+#include "../gaussian_row_io.hpp"
 #include "../numeric.hpp"
 #include "gaussian_kernels.cuh"
 
@@ -31,11 +32,6 @@ __device__ inline bool usable_stats(const gaussian::gaussian_stats& s) {
 template <class T>
 __device__ inline double at_or_zero(const T* row, std::size_t i) {
   return row == nullptr ? 0.0 : static_cast<double>(row[i]);
-}
-
-template <class T>
-__device__ inline T* row_or_null(batch_view<T> v, std::size_t r) {
-  return v.data == nullptr ? nullptr : v.row(r);
 }
 
 template <class T>
