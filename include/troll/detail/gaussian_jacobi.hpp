@@ -43,6 +43,16 @@ TROLL_HOST_DEVICE inline void rotate_pair(double* x, double* y, double c, double
   *y = s * xv + c * yv;
 }
 
+/// Plane k of round `round` (p < q) and its rotation (c, s) from `cs`; false where there is
+/// nothing to apply (the padding index, or an identity rotation).
+TROLL_HOST_DEVICE inline bool round_rotation(int n, int d, int round, int k, const double* cs, int* p, int* q,
+                                             double* c, double* s) {
+  jacobi_pair(n, round, k, p, q);
+  *c = cs[2 * k];
+  *s = cs[2 * k + 1];
+  return *q < d && *s != 0.0;
+}
+
 /// Diagonalises the symmetric row-major d×d `a` in place (eigenvalues on its diagonal) and sets
 /// `v` to the eigenvectors (columns; A₀ = V diag Vᵀ). `cs` holds jacobi_scratch_doubles(d).
 template <class Team>
@@ -77,22 +87,20 @@ TROLL_HOST_DEVICE void jacobi_eigen(const Team& tm, int d, double* a, double* v,
       tm.sync();
       // A ← A J (columns p, q of every row) and V ← V J.
       for (int e = tm.lane(); e < pairs * d; e += tm.size()) {
-        const int k = e / d, i = e % d;
+        const int i = e % d;
         int p = 0, q = 0;
-        jacobi_pair(n, round, k, &p, &q);
-        const double c = cs[2 * k], s = cs[2 * k + 1];
-        if (q >= d || s == 0.0) continue;
+        double c = 1.0, s = 0.0;
+        if (!round_rotation(n, d, round, e / d, cs, &p, &q, &c, &s)) continue;
         rotate_pair(&a[i * d + p], &a[i * d + q], c, s);
         rotate_pair(&v[i * d + p], &v[i * d + q], c, s);
       }
       tm.sync();
       // A ← Jᵀ A (rows p, q of every column).
       for (int e = tm.lane(); e < pairs * d; e += tm.size()) {
-        const int k = e / d, j = e % d;
+        const int j = e % d;
         int p = 0, q = 0;
-        jacobi_pair(n, round, k, &p, &q);
-        const double c = cs[2 * k], s = cs[2 * k + 1];
-        if (q >= d || s == 0.0) continue;
+        double c = 1.0, s = 0.0;
+        if (!round_rotation(n, d, round, e / d, cs, &p, &q, &c, &s)) continue;
         rotate_pair(&a[p * d + j], &a[q * d + j], c, s);
       }
       tm.sync();

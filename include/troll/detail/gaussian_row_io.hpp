@@ -17,6 +17,11 @@ TROLL_HOST_DEVICE U* row_or_null(batch_view<U> v, std::size_t r) {
   return v.data == nullptr ? nullptr : v.row(r);
 }
 
+/// The tilt t of a solved row's stats (1 for an inactive row), where its derivatives are taken.
+TROLL_HOST_DEVICE inline double solved_tilt(const gaussian::gaussian_stats& s) {
+  return s.status == row_status::inactive ? 1.0 : s.t;
+}
+
 /// Where one row's VJP reads its upstream gradients and writes (null outputs skipped).
 template <class T>
 struct gaussian_vjp_io {

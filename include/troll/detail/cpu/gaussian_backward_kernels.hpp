@@ -149,10 +149,7 @@ void gaussian_backward_full(bool split, std::size_t d, const T* mean, const T* c
 template <class T>
 void gaussian_backward_diag(bool split, std::size_t d, const T* mean, const T* std_dev, const T* old_mean,
                             const T* old_std, double eps_mean, double t, const gaussian_vjp_io<T>& io) {
-  auto entry = [&](std::size_t i) {
-    return gaussian_diag_entry{static_cast<double>(mean[i]), static_cast<double>(std_dev[i]),
-                               static_cast<double>(old_mean[i]), static_cast<double>(old_std[i])};
-  };
+  auto entry = [&](std::size_t i) { return diag_entry(mean, std_dev, old_mean, old_std, i); };
   auto upstream = [&](std::size_t i) {
     return gaussian_diag_upstream{static_cast<double>(io.grad_out_mean[i]), static_cast<double>(io.grad_out_cov[i]),
                                   static_cast<double>(io.out_cov[i])};

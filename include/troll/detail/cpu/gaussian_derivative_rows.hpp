@@ -9,6 +9,7 @@
 #include "../../execution.hpp"
 #include "../../gaussian_types.hpp"
 #include "../gaussian_checks.hpp"
+#include "../gaussian_row_io.hpp"
 #include "parallel.hpp"
 
 TROLL_BEGIN_NAMESPACE
@@ -32,7 +33,7 @@ void gaussian_derivative_rows(cpu_policy policy, const gaussian_call& call, batc
   const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;
   parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
     const Io io = make_io(r);
-    const double t = stats[r].status == row_status::inactive ? 1.0 : stats[r].t;
+    const double t = solved_tilt(stats[r]);
     if (call.full) {
       full(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), eps_mean, t, io,
            saved.data == nullptr ? nullptr : saved.row(r));

@@ -137,10 +137,7 @@ void gaussian_jvp_full(bool split, std::size_t d, const T* mean, const T* cov, c
 template <class T>
 void gaussian_jvp_diag(bool split, std::size_t d, const T* mean, const T* std_dev, const T* old_mean,
                        const T* old_std, double eps_mean, double t, const gaussian_jvp_io<T>& io) {
-  auto entry = [&](std::size_t i) {
-    return gaussian_diag_entry{static_cast<double>(mean[i]), static_cast<double>(std_dev[i]),
-                               static_cast<double>(old_mean[i]), static_cast<double>(old_std[i])};
-  };
+  auto entry = [&](std::size_t i) { return diag_entry(mean, std_dev, old_mean, old_std, i); };
   auto at = [](const T* x, std::size_t i) { return x == nullptr ? 0.0 : static_cast<double>(x[i]); };
   auto tangent = [&](std::size_t i) {
     return gaussian_diag_tangent{at(io.mean, i), at(io.cov, i), at(io.old_mean, i), at(io.old_cov, i)};
