@@ -131,11 +131,8 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_vjp_diag_kernel(gaussi
       }
       continue;
     }
-    const double t = st.status == row_status::inactive ? 1.0 : st.t;
-    auto entry = [&](std::size_t i) {
-      return gaussian_diag_entry{static_cast<double>(mean[i]), static_cast<double>(sd[i]),
-                                 static_cast<double>(old_mean[i]), static_cast<double>(old_sd[i])};
-    };
+    const double t = solved_tilt(st);
+    auto entry = [&](std::size_t i) { return diag_entry(mean, sd, old_mean, old_sd, i); };
     auto upstream = [&](std::size_t i) {
       return gaussian_diag_upstream{static_cast<double>(up_mean[i]), static_cast<double>(up_sd[i]),
                                     static_cast<double>(out_sd[i])};
@@ -188,11 +185,8 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_jvp_diag_kernel(gaussi
       fill_row_nan(out_sd, d);
       continue;
     }
-    const double t = st.status == row_status::inactive ? 1.0 : st.t;
-    auto entry = [&](std::size_t i) {
-      return gaussian_diag_entry{static_cast<double>(mean[i]), static_cast<double>(sd[i]),
-                                 static_cast<double>(old_mean[i]), static_cast<double>(old_sd[i])};
-    };
+    const double t = solved_tilt(st);
+    auto entry = [&](std::size_t i) { return diag_entry(mean, sd, old_mean, old_sd, i); };
     auto tangent = [&](std::size_t i) {
       return gaussian_diag_tangent{at_or_zero(d_mean, i), at_or_zero(d_sd, i), at_or_zero(d_old_mean, i),
                                    at_or_zero(d_old_sd, i)};

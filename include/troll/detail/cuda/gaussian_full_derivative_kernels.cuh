@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(gaussian_full_threads)
       }
       continue;
     }
-    const double t = st.status == row_status::inactive ? 1.0 : st.t;
+    const double t = solved_tilt(st);
     load_or_factor(mean, l_new, old_mean, l_old, saved.data == nullptr ? nullptr : saved.row(r), w, tm);
     gaussian_full_vjp_row(tm, k.split, mean, l_new, old_mean, k.eps_mean, t, io, w);
   }
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(gaussian_full_threads)
       fill_nan_block(io.out_cov_tangent, dd);
       continue;
     }
-    const double t = st.status == row_status::inactive ? 1.0 : st.t;
+    const double t = solved_tilt(st);
     load_or_factor(mean, l_new, old_mean, l_old, saved.data == nullptr ? nullptr : saved.row(r), w, tm);
     gaussian_full_jvp_row(tm, k.split, mean, l_new, old_mean, k.eps_mean, t, io, w);
   }
