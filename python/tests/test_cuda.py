@@ -66,9 +66,11 @@ def test_autograd_through_project_on_cuda_matches_the_cpu():
     eps = torch.tensor(0.05, dtype=torch.float64)
     grads = []
     for device in ("cpu", "cuda"):
-        a = new.to(device).requires_grad_(True)
-        b = old.to(device).requires_grad_(True)
-        e = eps.to(device).requires_grad_(True)
+        # Fresh leaves on each device: .to("cpu") of a CPU tensor is the tensor itself, so
+        # requires_grad_ on it would make the CUDA copies non-leaves (their .grad stays None).
+        a = new.detach().to(device).requires_grad_(True)
+        b = old.detach().to(device).requires_grad_(True)
+        e = eps.detach().to(device).requires_grad_(True)
         w = torch.linspace(-1, 1, 50, dtype=torch.float64, device=device)
         (troll.torch.project(a, b, e) * w).sum().backward()
         grads.append((a.grad.cpu(), b.grad.cpu(), e.grad.cpu()))
