@@ -22,6 +22,7 @@
 # TROLL_GPU_ARCH=90, and carried along) instead of configuring and building.
 # TROLL_TEST_TIMEOUT: seconds one test, sanitizer or benchmark run may take (default 600).
 # TROLL_SANITIZE_JOBS: how many compute-sanitizer runs share the GPU at once (default 4).
+# TROLL_SANITIZE_SKIP: test binaries (space-separated names) the sanitize stage leaves out.
 # TROLL_SANITIZE_TOOLS: which compute-sanitizer tools (default: memcheck racecheck synccheck initcheck).
 # TROLL_BENCH_ARGS: extra arguments for every benchmark binary (e.g. --benchmark_repetitions=5).
 # TROLL_GPU_PACK=1: at the end, pack every log into $OUT/logs.tgz and keep only it and
@@ -122,6 +123,7 @@ do_sanitize() {
   local status=0 jobs=${TROLL_SANITIZE_JOBS:-4} pids=()
   for tool in ${TROLL_SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
     for t in $(cuda_tests); do
+      case " ${TROLL_SANITIZE_SKIP:-} " in *" $t "*) continue ;; esac
       sanitize_one "$tool" "$t" &
       pids+=($!)
       if [ ${#pids[@]} -ge "$jobs" ]; then
