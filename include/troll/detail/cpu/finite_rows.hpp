@@ -334,8 +334,8 @@ inline lse_state tilt_reduce_finite(const double* zn, const double* zo, long cou
   auto add = [&](const packet& a, const packet& b, const packet& valid, auto masked) {
     const packet dn = psub(a, rn), dold = psub(b, ro);
     const packet xk = psub(dn, dold);  // 0 in the padding (the reference's own logits)
-    // Explicit fused multiply-adds (not left to the compiler's contraction), so that the
-    // rows-in-lanes reduction (lane_solver.hpp) reproduces these bits.
+    // Explicit fused multiply-adds (not left to the compiler's contraction), so that every
+    // reduction of the same row (one pass or two) gives the same bits.
     packet wk = pmadd(ps, xk, low ? dold : dn);
     if (decltype(masked)::value) wk = pselect(valid, wk, pset1<packet>(neg_inf()));
     keep_first_max(wk, token, most, most_at);
@@ -406,7 +406,7 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
   auto weight = [&](const packet& a, const packet& b, packet& xk) {
     const packet dn = psub(a, rn), dold = psub(b, ro);
     xk = psub(dn, dold);
-    return pmadd(ps, xk, low ? dold : dn);  // explicit FMA: lane_solver.hpp reproduces these bits
+    return pmadd(ps, xk, low ? dold : dn);  // explicit FMA: the same bits in every pass
   };
   packet most = pset1<packet>(neg_inf()), least = pset1<packet>(inf());
   double t0 = 0.0, t1 = 0.0, t2 = 0.0;
