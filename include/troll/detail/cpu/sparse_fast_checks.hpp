@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "../../config.hpp"
 #include "../numeric.hpp"
@@ -50,17 +51,40 @@ inline bool sparse_indices_fine(const sparse_index* indices, long long count, st
   return true;
 }
 
-/// Σ_i exp(l_i) over a row's log-probs (all ≤ 0 or −inf) and the bound on its rounding error
-/// used by sparse_values_fine, in whole packets (the last one padded with −inf). Float rows take
-/// their exponentials and the sum in float, sixteen lanes with AVX-512: each term within a few
-/// float ulps, so the total within (n + 2)·2.5e-7 of the exact sum when it is near 1 (every term
-/// is ≤ 1). Double rows in double (exp_nonpositive: e^{−700} at most for a term below −700).
+/// The last partial packet of log_probs[k..n) (n − k < lanes), padded with −inf: a masked load
+/// with AVX-512 (nothing read past n), else a copy.
+template <class Packet, class T>
+inline Packet load_padded(const T* log_probs, int k, int n) {
+  using namespace Eigen::internal;
+  constexpr int lanes = int(sizeof(Packet) / sizeof(T));
+  constexpr T lowest = -std::numeric_limits<T>::infinity();
+#if defined(__AVX512F__)
+  if constexpr (std::is_same<T, float>::value && lanes == 16) {
+    const __mmask16 m = __mmask16((1u << unsigned(n - k)) - 1u);
+    return Packet(_mm512_mask_loadu_ps(_mm512_set1_ps(lowest), m, log_probs + k));
+  }
+  if constexpr (std::is_same<T, double>::value && lanes == 8) {
+    const __mmask8 m = __mmask8((1u << unsigned(n - k)) - 1u);
+    return Packet(_mm512_mask_loadu_pd(_mm512_set1_pd(lowest), m, log_probs + k));
+  }
+#endif
+  T last[lanes];
+  for (int j = 0; j < lanes; ++j) last[j] = k + j < n ? log_probs[k + j] : lowest;
+  return ploadu<Packet>(last);
+}
+
+/// Σ_i exp(l_i) + exp(log_remainder) over a row's log-probs (all ≤ 0 or −inf) and the bound on
+/// its rounding error used by sparse_values_fine, in whole packets (the last one padded with
+/// −inf, the remainder in its first padding lane). Float rows take their exponentials
+/// and the sum in float, sixteen lanes with AVX-512: each term within a few float ulps, so the
+/// total within (n + 3)·2.5e-7 of the exact sum when it is near 1 (every term is ≤ 1). Double
+/// rows in double (exp_nonpositive: e^{−700} at most for a term below −700).
 template <class T>
-inline double fast_mass(const T* log_probs, int n, double& error) {
+inline double fast_mass(const T* log_probs, int n, T log_remainder, double& error) {
   using namespace Eigen::internal;
   using packet = typename packet_traits<T>::type;
   constexpr int lanes = int(sizeof(packet) / sizeof(T));
-  error = sizeof(T) < sizeof(double) ? (n + 2) * 2.5e-7 : 1e-9;
+  error = sizeof(T) < sizeof(double) ? (n + 3) * 2.5e-7 : 1e-9;
   auto exp_of = [](const packet& l) {
     if constexpr (sizeof(T) < sizeof(double)) {
       return pexp(l);  // Eigen's float exp: exp(−inf) is a tiny positive number, harmless here
@@ -68,14 +92,15 @@ inline double fast_mass(const T* log_probs, int n, double& error) {
       return exp_nonpositive(l);
     }
   };
+  // The remainder takes the first padding lane of the last packet (a packet of its own when n
+  // is whole packets): one more term of the same kind, no scalar exponential.
   packet acc = pset1<packet>(T(0));
   int k = 0;
   for (; k + lanes <= n; k += lanes) acc = padd(acc, exp_of(ploadu<packet>(log_probs + k)));
-  if (k < n) {
-    T last[lanes];
-    for (int j = 0; j < lanes; ++j) last[j] = k + j < n ? log_probs[k + j] : -std::numeric_limits<T>::infinity();
-    acc = padd(acc, exp_of(ploadu<packet>(last)));
-  }
+  // lane n − k of the padded last packet (lane 0 of an all −inf one when n is whole packets)
+  const packet last = k < n ? load_padded<packet>(log_probs, k, n) : pset1<packet>(-std::numeric_limits<T>::infinity());
+  const packet at = pcmp_eq(plset<packet>(T(0)), pset1<packet>(T(n - k)));
+  acc = padd(acc, exp_of(pselect(at, pset1<packet>(log_remainder), last)));
   return static_cast<double>(predux(acc));
 }
 
@@ -104,7 +129,7 @@ inline bool sparse_values_fine(const T* log_probs, long long count, T log_remain
   if (static_cast<std::size_t>(n) == vocab && r > neg_inf()) return false;
   if (some == 0 && !(r > neg_inf())) return false;
   double error = 0.0;
-  const double mass = fast_mass(log_probs, n, error) + ::exp(r);
+  const double mass = fast_mass(log_probs, n, log_remainder, error);
   const double tol = sparse_mass_tolerance<T>();
   if (mass >= 1.0 - tol + error && mass <= 1.0 + tol - error) return true;
   const double exact = sparse_row_mass(log_probs, n, r);
