@@ -121,7 +121,7 @@ TEST_CASE("the shared full-covariance VJP steps match the Eigen backward") {
                                           troll::detail::full_scratch{ws.data(), static_cast<int>(d)});
         std::vector<double> om(d), ol(dd), oom(d), ool(dd);
         double oe = -1.0, oem = -1.0;
-        const troll::detail::full_vjp_io<double> io{b.yl.data() + r * dd, up_m.data() + r * d, up_l.data() + r * dd,
+        const troll::detail::gaussian_vjp_io<double> io{b.yl.data() + r * dd, up_m.data() + r * d, up_l.data() + r * dd,
                                                     om.data(),            ol.data(),           oom.data(),
                                                     ool.data(),           &oe,                 &oem};
         const double t = b.st[r].status == troll::row_status::inactive ? 1.0 : b.st[r].t;
@@ -173,7 +173,7 @@ TEST_CASE("the shared full-covariance JVP steps match the Eigen JVP") {
         CAPTURE(r);
         std::vector<double> ws = scratch_for(b, r);
         std::vector<double> om(d), ol(dd);
-        const troll::detail::full_jvp_io<double> io{b.yl.data() + r * dd, tm.data() + r * d, tl.data() + r * dd,
+        const troll::detail::gaussian_jvp_io<double> io{b.yl.data() + r * dd, tm.data() + r * d, tl.data() + r * dd,
                                                     tom.data() + r * d,   tol.data() + r * dd, 0.01,
                                                     0.02,                 om.data(),           ol.data()};
         const double t = b.st[r].status == troll::row_status::inactive ? 1.0 : b.st[r].t;

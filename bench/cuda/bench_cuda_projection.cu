@@ -1,6 +1,6 @@
 // bench/cuda/bench_cuda_projection.cu — the dense CUDA projection at V = 151,936 (Qwen2 size):
-// forward, backward (VJP to the new logits) and forward + backward, against a log_softmax pass
-// over the same bytes. Times are CUDA-event times of one call on its stream (manual time).
+// forward, backward (VJP to the new logits) and forward + backward, TROLL's objective forward +
+// backward (token-mean, one sampled token per row), against a log_softmax pass over the same bytes. Times are CUDA-event times of one call on its stream (manual time).
 //
 // Names read  cuda_<op>/<type>/active:<percent>/V:<vocab>/rows:<batch>.
 // Items are rows; bytes are the compulsory traffic (each input read once, each output written
@@ -55,6 +55,13 @@ struct device_batch {
   T* upstream = nullptr;
   T* grad_new = nullptr;
   troll::projection_stats* stats = nullptr;
+  // TROLL's objective: one sampled token and one advantage per row, the batch metrics, scratch.
+  troll::token_id* tokens = nullptr;
+  T* advantages = nullptr;
+  troll::objective_metrics* metrics = nullptr;
+  void* workspace = nullptr;
+  std::size_t workspace_size = 0;
+  troll::trust_region_objective objective{};
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr, stop = nullptr;
 
@@ -70,12 +77,33 @@ struct device_batch {
     tile(troll_bench::as<T>(host.new_logits), new_logits);
     tile(troll_bench::as<T>(host.old_logits), old_logits);
     tile(troll_bench::as<T>(troll_bench::upstream_gradient(unique_rows, vocab)), upstream);
+    objective.eps = bound;
+    std::vector<troll::token_id> host_tokens(rows);
+    std::vector<T> host_advantages(rows);
+    for (std::size_t r = 0; r < rows; ++r) {
+      host_tokens[r] = static_cast<troll::token_id>((r * 7919) % vocab);
+      host_advantages[r] = (r % 2 == 0) ? T(1) : T(-0.5);
+    }
+    require(cudaMalloc(reinterpret_cast<void**>(&tokens), rows * sizeof(troll::token_id)), "cudaMalloc");
+    require(cudaMalloc(reinterpret_cast<void**>(&advantages), rows * sizeof(T)), "cudaMalloc");
+    require(cudaMalloc(reinterpret_cast<void**>(&metrics), sizeof(troll::objective_metrics)), "cudaMalloc");
+    workspace_size = troll::workspace_bytes(troll::cuda, troll::op::objective_forward{}, objective, rows, vocab);
+    require(cudaMalloc(&workspace, std::max<std::size_t>(workspace_size, 1)), "cudaMalloc");
+    require(cudaMemcpy(tokens, host_tokens.data(), rows * sizeof(troll::token_id), cudaMemcpyHostToDevice),
+            "cudaMemcpy");
+    require(cudaMemcpy(advantages, host_advantages.data(), rows * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
+    // The uploads ran on the legacy stream, which does not order the non-blocking one.
+    require(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   }
   device_batch(const device_batch&) = delete;
   device_batch& operator=(const device_batch&) = delete;
   ~device_batch() {
     for (T* p : {new_logits, old_logits, log_probs, upstream, grad_new}) cudaFree(p);
     cudaFree(stats);
+    cudaFree(tokens);
+    cudaFree(advantages);
+    cudaFree(metrics);
+    cudaFree(workspace);
     if (start) cudaEventDestroy(start);
     if (stop) cudaEventDestroy(stop);
     if (stream) cudaStreamDestroy(stream);
@@ -99,6 +127,19 @@ struct device_batch {
   void backward() {
     troll::project_backward(troll::cuda.on(stream), in(new_logits), in(old_logits), in(log_probs), stats,
                             in(upstream), out(grad_new));
+  }
+  troll::token_batch<T> token_data() const {
+    troll::token_batch<T> b;
+    b.tokens = tokens;
+    b.advantages = advantages;
+    return b;
+  }
+  void objective_forward_backward() {
+    const auto p = troll::cuda.on(stream).with_workspace(workspace, workspace_size);
+    troll::objective_forward(p, objective, in(new_logits), in(old_logits), token_data(), out(log_probs), stats,
+                             static_cast<T*>(nullptr), metrics);
+    troll::objective_backward(p, objective, in(new_logits), in(old_logits), token_data(), in(log_probs), stats,
+                              out(grad_new));
   }
   void log_softmax() { troll::log_softmax(troll::cuda.on(stream), in(new_logits), out(log_probs)); }
 
@@ -125,7 +166,7 @@ struct device_batch {
   }
 };
 
-enum class op { log_softmax, forward, backward, forward_backward };
+enum class op { log_softmax, forward, backward, forward_backward, objective };
 
 /// Arrays of V elements read or written once per row by each op.
 int arrays_touched(op o) {
@@ -134,6 +175,7 @@ int arrays_touched(op o) {
     case op::forward: return 3;           // z̃, z° in, log π* out
     case op::backward: return 5;          // z̃, z°, log π*, g in, ∂L/∂z̃ out
     case op::forward_backward: return 8;  // both
+    case op::objective: return 7;         // forward: z̃, z° in, log π* out; backward: those 3 in, ∂L/∂z̃ out
   }
   return 0;
 }
@@ -160,6 +202,7 @@ void run(benchmark::State& state, op o, std::size_t rows, double active_fraction
             batch.backward();
           });
           break;
+        case op::objective: seconds = batch.timed([&] { batch.objective_forward_backward(); }); break;
       }
       state.SetIterationTime(seconds);
     }
@@ -180,10 +223,11 @@ void register_all() {
   const named_op ops[] = {{op::log_softmax, "cuda_log_softmax"},
                           {op::forward, "cuda_project"},
                           {op::backward, "cuda_project_backward"},
-                          {op::forward_backward, "cuda_project_forward_backward"}};
+                          {op::forward_backward, "cuda_project_forward_backward"},
+                          {op::objective, "cuda_troll_objective_forward_backward"}};
   for (const named_op& n : ops) {
     for (int active_percent : {25, 100}) {
-      if (n.o == op::log_softmax && active_percent != 100) continue;
+      if ((n.o == op::log_softmax || n.o == op::objective) && active_percent != 100) continue;
       for (std::size_t rows : {64u, 1024u, 4096u}) {
         const std::string suffix = "/active:" + std::to_string(active_percent) +
                                    "%/V:" + std::to_string(vocab) + "/rows:" + std::to_string(rows);

@@ -136,9 +136,7 @@ void validate_backward(const char* fn, unsigned threads, batch_view<const T> new
     if (!p && upstream_old.rows != 0) p = find_nonfinite(upstream_old.row(r), size, "tangent_old");
     return p;
   };
-  const std::size_t bad = cpu::first_bad_row(threads, new_logits.rows, 3 * size,
-                                             [&](std::size_t r) { return bool(problem(r)); });
-  if (bad != new_logits.rows) throw_problem(fn, bad, problem(bad));
+  cpu::throw_first_problem(fn, threads, new_logits.rows, 3 * size, problem, &throw_problem);
 }
 
 }  // namespace detail

@@ -10,7 +10,7 @@
 #include "config.hpp"
 #include "detail/arguments.hpp"
 #include "detail/cpu/gaussian_backward_kernels.hpp"
-#include "detail/cpu/parallel.hpp"
+#include "detail/cpu/gaussian_derivative_rows.hpp"
 #include "detail/gaussian_checks.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
@@ -30,31 +30,10 @@ void project_gaussian_backward(cpu_policy policy, gaussian_call call, batch_view
   require_float_type<T>();
   call = check_backward_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean, grad_out_cov,
                                   stats, eps_mean, eps_cov, grads, saved);
-  const char* fn = call.function;
-  validate_gaussian_rows(policy.threads, call, mean, cov, old_mean, old_cov);
-  validate_gaussian_stats(fn, stats, mean.rows, "backward");
-  const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;
-  auto row = [](batch_view<T> v, std::size_t r) { return v.data == nullptr ? nullptr : v.row(r); };
-  cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
-    const cpu::gaussian_row_grads<T> io{out_mean.row(r),
-                                        out_cov.row(r),
-                                        grad_out_mean.row(r),
-                                        grad_out_cov.row(r),
-                                        row(grads.mean, r),
-                                        row(grads.cov, r),
-                                        row(grads.old_mean, r),
-                                        row(grads.old_cov, r),
-                                        grads.eps == nullptr ? nullptr : grads.eps + r,
-                                        grads.eps_mean == nullptr ? nullptr : grads.eps_mean + r};
-    const double t = stats[r].status == row_status::inactive ? 1.0 : stats[r].t;
-    if (call.full) {
-      cpu::gaussian_backward_full(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
-                                  eps_mean, t, io, saved.data == nullptr ? nullptr : saved.row(r));
-    } else {
-      cpu::gaussian_backward_diag(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
-                                  eps_mean, t, io);
-    }
-  });
+  cpu::gaussian_derivative_rows(
+      policy, call, mean, cov, old_mean, old_cov, eps_mean, stats, saved, "backward",
+      [&](std::size_t r) { return vjp_row_io(out_cov, grad_out_mean, grad_out_cov, grads, r); },
+      &cpu::gaussian_backward_full<T>, &cpu::gaussian_backward_diag<T>);
 }
 
 }  // namespace detail

@@ -11,7 +11,7 @@
 #include "config.hpp"
 #include "detail/arguments.hpp"
 #include "detail/cpu/gaussian_jvp_kernels.hpp"
-#include "detail/cpu/parallel.hpp"
+#include "detail/cpu/gaussian_derivative_rows.hpp"
 #include "detail/gaussian_checks.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
@@ -31,30 +31,10 @@ void project_gaussian_jvp(cpu_policy policy, gaussian_call call, batch_view<cons
   require_float_type<T>();
   call = check_jvp_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
                              tangent_out_cov, stats, eps_mean, eps_cov, tangents, saved);
-  const char* fn = call.function;
-  validate_gaussian_rows(policy.threads, call, mean, cov, old_mean, old_cov);
-  validate_gaussian_stats(fn, stats, mean.rows, "JVP");
-  const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;
-  auto row = [](batch_view<const T> v, std::size_t r) { return v.data == nullptr ? nullptr : v.row(r); };
-  cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
-    const cpu::gaussian_row_tangents<T> io{out_cov.row(r),
-                                           row(tangents.mean, r),
-                                           row(tangents.cov, r),
-                                           row(tangents.old_mean, r),
-                                           row(tangents.old_cov, r),
-                                           tangents.eps,
-                                           tangents.eps_mean,
-                                           tangent_out_mean.row(r),
-                                           tangent_out_cov.row(r)};
-    const double t = stats[r].status == row_status::inactive ? 1.0 : stats[r].t;
-    if (call.full) {
-      cpu::gaussian_jvp_full(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
-                             eps_mean, t, io, saved.data == nullptr ? nullptr : saved.row(r));
-    } else {
-      cpu::gaussian_jvp_diag(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r),
-                             eps_mean, t, io);
-    }
-  });
+  cpu::gaussian_derivative_rows(
+      policy, call, mean, cov, old_mean, old_cov, eps_mean, stats, saved, "JVP",
+      [&](std::size_t r) { return jvp_row_io(out_cov, tangents, tangent_out_mean, tangent_out_cov, r); },
+      &cpu::gaussian_jvp_full<T>, &cpu::gaussian_jvp_diag<T>);
 }
 
 }  // namespace detail

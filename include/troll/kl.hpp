@@ -26,9 +26,7 @@ void validate_pairs(const char* function, unsigned threads, batch_view<const T> 
     if (p.kind == problem_kind::disjoint) p = row_problem{};
     return p;
   };
-  const std::size_t bad =
-      cpu::first_bad_row(threads, a.rows, 2 * a.cols, [&](std::size_t r) { return bool(problem(r)); });
-  if (bad != a.rows) throw_problem(function, bad, problem(bad));
+  cpu::throw_first_problem(function, threads, a.rows, 2 * a.cols, problem, &throw_problem);
 }
 
 template <class T>
@@ -106,9 +104,8 @@ void kl_backward(cpu_policy policy, input_view<T> p_logits, input_view<T> q_logi
     }
     return pr;
   };
-  const std::size_t bad = detail::cpu::first_bad_row(policy.threads, p_logits.rows, 2 * size,
-                                                      [&](std::size_t r) { return bool(problem(r)); });
-  if (bad != p_logits.rows) detail::throw_problem(fn, bad, problem(bad));
+  detail::cpu::throw_first_problem(fn, policy.threads, p_logits.rows, 2 * size, problem,
+                                   &detail::throw_problem);
 
   using detail::cpu::block_array;
   detail::cpu::parallel_for(policy.threads, p_logits.rows, 6 * size, [&](std::size_t r) {

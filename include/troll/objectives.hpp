@@ -143,9 +143,7 @@ void validate_objective(const char* fn, unsigned threads, batch_view<const T> ne
     if (lp) p.what = objective_problem::kind::logits;
     return p;
   };
-  const std::size_t bad = cpu::first_bad_row(threads, new_logits.rows, 2 * size,
-                                             [&](std::size_t r) { return bool(problem(r)); });
-  if (bad != new_logits.rows) throw_objective_problem(fn, bad, problem(bad));
+  cpu::throw_first_problem(fn, threads, new_logits.rows, 2 * size, problem, &throw_objective_problem);
 }
 
 /// Reduces per-row results to the batch metrics, in row order (deterministic).

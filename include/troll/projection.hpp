@@ -42,9 +42,7 @@ void validate_projection_rows(const char* function, unsigned threads, batch_view
     }
     return p;
   };
-  const std::size_t bad = cpu::first_bad_row(threads, new_logits.rows, 2 * size,
-                                             [&](std::size_t r) { return bool(problem(r)); });
-  if (bad != new_logits.rows) throw_problem(function, bad, problem(bad));
+  cpu::throw_first_problem(function, threads, new_logits.rows, 2 * size, problem, &throw_problem);
 }
 }  // namespace detail
 

@@ -550,6 +550,24 @@ inline cpu::sparse_problem union_capacity_problem(int u, std::size_t cap) {
   return p;
 }
 
+/// Throws (naming the lowest row) where `new_problem(r, scratch)` reports a problem of the new
+/// side's row r or where U = S_new ∪ S_old is larger than align's output capacity; S_new is
+/// new_side's support, empty when new_side.rows = 0. `scratch` holds sparse_max_entries slots.
+template <class T, class NewProblem>
+void check_union_capacity(const char* fn, unsigned threads, const sparse_batch_view<const T>& new_side,
+                          const sparse_batch_view<const T>& old_rows, std::size_t k_max, NewProblem new_problem) {
+  const std::size_t cap = k_max < std::size_t(sparse_max_entries) ? k_max : sparse_max_entries;
+  first_sparse_problem(fn, threads, old_rows.rows, 4 * std::size_t(sparse_max_entries), [&](std::size_t r) {
+    index_slot scratch[sparse_max_entries];
+    const cpu::sparse_problem p = new_problem(r, scratch);
+    if (p) return p;
+    const int u = new_side.rows != 0 ? union_size(new_side.row_indices(r), int(new_side.count(r)),
+                                                  old_rows.row_indices(r), int(old_rows.count(r)), scratch)
+                                     : int(old_rows.count(r));
+    return union_capacity_problem(u, cap);
+  });
+}
+
 /// The old side of align's output row r, U (u tokens) already in out.indices and old_pos[i] the
 /// old row's entry of U_i (−1 where it has none): the old row's values, its uniform tail value
 /// log(r/m) on U∖S_old, the bucket shrunk to V∖U, −inf padding; and out.counts[r] = u.
@@ -583,15 +601,8 @@ void align(cpu_policy policy, sparse_input<T> new_rows, sparse_input<T> old_rows
   detail::check_sparse_align_arguments(fn, new_rows, old_rows, out);
   detail::validate_sparse(fn, policy.threads, new_rows, "new");
   detail::validate_sparse(fn, policy.threads, old_rows, "old");
-  const std::size_t cap = out.k_max < std::size_t(sparse_max_entries) ? out.k_max : sparse_max_entries;
-  detail::first_sparse_problem(fn, policy.threads, new_rows.rows, 4 * std::size_t(sparse_max_entries),
-                               [&](std::size_t r) {
-                                 detail::index_slot scratch[sparse_max_entries];
-                                 const int u = detail::union_size(
-                                     new_rows.row_indices(r), int(new_rows.count(r)),
-                                     old_rows.row_indices(r), int(old_rows.count(r)), scratch);
-                                 return detail::union_capacity_problem(u, cap);
-                               });
+  detail::check_union_capacity(fn, policy.threads, new_rows, old_rows, out.k_max,
+                               [](std::size_t, detail::index_slot*) { return detail::cpu::sparse_problem{}; });
   detail::cpu::parallel_for(policy.threads, out.rows, 8 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     detail::index_slot scratch[sparse_max_entries];
     int new_pos[sparse_max_entries], old_pos[sparse_max_entries];
@@ -623,22 +634,10 @@ void align(cpu_policy policy, input_view<T> new_logits, sparse_input<T> new_supp
   const bool with_support = new_support.rows != 0;
   detail::validate_rows(fn, policy.threads, new_logits, "new_logits");
   detail::validate_sparse(fn, policy.threads, old_rows, "old");
-  const std::size_t cap = out.k_max < std::size_t(sparse_max_entries) ? out.k_max : sparse_max_entries;
-  detail::first_sparse_problem(fn, policy.threads, new_logits.rows, 4 * std::size_t(sparse_max_entries),
-                               [&](std::size_t r) {
-                                 detail::index_slot scratch[sparse_max_entries];
-                                 if (with_support) {
-                                   const detail::cpu::sparse_problem p =
-                                       detail::check_support_row(new_support, r, "new_support", scratch);
-                                   if (p) return p;
-                                 }
-                                 const int u = with_support
-                                                   ? detail::union_size(new_support.row_indices(r),
-                                                                        int(new_support.count(r)),
-                                                                        old_rows.row_indices(r),
-                                                                        int(old_rows.count(r)), scratch)
-                                                   : int(old_rows.count(r));
-                                 return detail::union_capacity_problem(u, cap);
+  detail::check_union_capacity(fn, policy.threads, new_support, old_rows, out.k_max,
+                               [&](std::size_t r, detail::index_slot* scratch) {
+                                 return with_support ? detail::check_support_row(new_support, r, "new_support", scratch)
+                                                     : detail::cpu::sparse_problem{};
                                });
   detail::cpu::parallel_for(policy.threads, out.rows, 2 * new_logits.cols, [&](std::size_t r) {
     detail::index_slot scratch[sparse_max_entries];

@@ -319,9 +319,8 @@ objective_metrics objective_forward(cpu_policy policy,
     p.what = problem_t::kind::none;
     return p;
   };
-  const std::size_t bad = detail::cpu::first_bad_row(
-      policy.threads, rows, 2 * vocab, [&](std::size_t r) { return bool(problem(r)); });
-  if (bad != rows) detail::throw_sparse_objective_problem(fn, bad, problem(bad));
+  detail::cpu::throw_first_problem(fn, policy.threads, rows, 2 * vocab, problem,
+                                   &detail::throw_sparse_objective_problem);
 
   const detail::cpu::carved_scratch<detail::cpu::sparse_forward_scratch> scratch(fn, policy.workspace, rows, 0);
   detail::cpu::troll_row_result* results = scratch.parts.records;
@@ -440,9 +439,8 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
     if (s) return detail::as_logit_problem(s);
     return p;
   };
-  const std::size_t bad = detail::cpu::first_bad_row(
-      policy.threads, rows, vocab, [&](std::size_t r) { return bool(problem(r)); });
-  if (bad != rows) detail::throw_sparse_objective_problem(fn, bad, problem(bad));
+  detail::cpu::throw_first_problem(fn, policy.threads, rows, vocab, problem,
+                                   &detail::throw_sparse_objective_problem);
 
   const detail::cpu::carved_scratch<detail::cpu::sparse_backward_scratch> scratch(fn, policy.workspace, rows, 0);
   const double* c = scratch.parts.weights;

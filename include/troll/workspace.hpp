@@ -92,6 +92,28 @@ constexpr std::size_t objective_scratch(const cuda_policy&, const sparse_trust_r
   return cuda::sparse_objective_bytes(rows, k_max,
                                       objective.new_support.k > 0 ? std::size_t(objective.new_support.k) : 0);
 }
+
+/// The CUDA full-covariance Gaussian entry points that need scratch above d = 32, and the bytes
+/// of one row: the projections and the KL, or their backward and JVP.
+template <class Op>
+struct gaussian_full_scratch {
+  static constexpr bool listed = false;
+};
+struct gaussian_forward_scratch {
+  static constexpr bool listed = true;
+  static constexpr std::size_t row_bytes(std::size_t d) { return cuda::gaussian_forward_row_bytes(d); }
+};
+struct gaussian_derivative_scratch {
+  static constexpr bool listed = true;
+  static constexpr std::size_t row_bytes(std::size_t d) { return cuda::gaussian_derivative_row_bytes(d); }
+};
+template <> struct gaussian_full_scratch<op::gaussian_project_joint> : gaussian_forward_scratch {};
+template <> struct gaussian_full_scratch<op::gaussian_project_split> : gaussian_forward_scratch {};
+template <> struct gaussian_full_scratch<op::gaussian_kl> : gaussian_forward_scratch {};
+template <> struct gaussian_full_scratch<op::gaussian_project_joint_backward> : gaussian_derivative_scratch {};
+template <> struct gaussian_full_scratch<op::gaussian_project_split_backward> : gaussian_derivative_scratch {};
+template <> struct gaussian_full_scratch<op::gaussian_project_joint_jvp> : gaussian_derivative_scratch {};
+template <> struct gaussian_full_scratch<op::gaussian_project_split_jvp> : gaussian_derivative_scratch {};
 }  // namespace detail
 
 /// Bytes of scratch `Op` needs under `policy` for `rows` rows of `cols` tokens (`k_max`: the
@@ -127,33 +149,9 @@ constexpr std::size_t workspace_bytes(const cuda_policy&, op::project_jacobian, 
 /// d = 256) blocks · row_bytes with blocks = min(rows, 1024, 512 MiB / row_bytes) and row_bytes
 /// (4d² + 8d) · 8 for the projections and the KL, (13d² + 18d) · 8 for their backward and JVP.
 /// The diagonal entry points need none.
-constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_joint, std::size_t rows,
-                                      std::size_t d = 0, std::size_t = 0) {
-  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_forward_row_bytes(d));
-}
-constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_split, std::size_t rows,
-                                      std::size_t d = 0, std::size_t = 0) {
-  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_forward_row_bytes(d));
-}
-constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_kl, std::size_t rows, std::size_t d = 0,
-                                      std::size_t = 0) {
-  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_forward_row_bytes(d));
-}
-constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_joint_backward, std::size_t rows,
-                                      std::size_t d = 0, std::size_t = 0) {
-  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_derivative_row_bytes(d));
-}
-constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_split_backward, std::size_t rows,
-                                      std::size_t d = 0, std::size_t = 0) {
-  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_derivative_row_bytes(d));
-}
-constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_joint_jvp, std::size_t rows,
-                                      std::size_t d = 0, std::size_t = 0) {
-  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_derivative_row_bytes(d));
-}
-constexpr std::size_t workspace_bytes(const cuda_policy&, op::gaussian_project_split_jvp, std::size_t rows,
-                                      std::size_t d = 0, std::size_t = 0) {
-  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::cuda::gaussian_derivative_row_bytes(d));
+template <class Op, std::enable_if_t<detail::gaussian_full_scratch<Op>::listed, int> = 0>
+constexpr std::size_t workspace_bytes(const cuda_policy&, Op, std::size_t rows, std::size_t d = 0, std::size_t = 0) {
+  return detail::cuda::gaussian_full_workspace_bytes(rows, d, detail::gaussian_full_scratch<Op>::row_bytes(d));
 }
 
 /// Bytes of scratch objective_forward / objective_backward need for `objective` (its type picks

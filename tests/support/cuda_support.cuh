@@ -70,10 +70,16 @@ class device_array {
   void upload(const std::vector<E>& host) {
     REQUIRE(host.size() <= size_);
     CUDA_REQUIRE(cudaMemcpy(data_, host.data(), host.size() * sizeof(E), cudaMemcpyHostToDevice));
+    // A pageable upload may return before its DMA lands, and the legacy stream it ran on does
+    // not order the tests' non-blocking streams: wait for the whole device.
+    CUDA_REQUIRE(cudaDeviceSynchronize());
   }
-  /// Synchronising copy to the host (the device-wide cudaMemcpy waits for every stream).
+  /// Copy to the host after every stream has finished. cudaMemcpy alone runs on the legacy
+  /// default stream, which does not wait for streams created with cudaStreamNonBlocking (the
+  /// tests' streams): on an H100 it read buffers before the kernels had written them.
   std::vector<E> download() const {
     std::vector<E> host(size_);
+    CUDA_REQUIRE(cudaDeviceSynchronize());
     CUDA_REQUIRE(cudaMemcpy(host.data(), data_, size_ * sizeof(E), cudaMemcpyDeviceToHost));
     return host;
   }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 
 #include "../config.hpp"
 #include "gaussian_family.hpp"
@@ -22,6 +23,14 @@ namespace detail {
 struct gaussian_diag_entry {
   double mean = 0.0, std_dev = 1.0, old_mean = 0.0, old_std = 1.0;
 };
+
+/// Coordinate i of a diagonal row pair (the new and old means and standard deviations), in double.
+template <class T>
+TROLL_HOST_DEVICE gaussian_diag_entry diag_entry(const T* mean, const T* std_dev, const T* old_mean,
+                                                 const T* old_std, std::size_t i) {
+  return gaussian_diag_entry{static_cast<double>(mean[i]), static_cast<double>(std_dev[i]),
+                             static_cast<double>(old_mean[i]), static_cast<double>(old_std[i])};
+}
 
 /// What a coordinate of the member at t needs, derived from the entry (t = 1: inactive).
 struct gaussian_diag_member {

@@ -14,6 +14,7 @@
 #include "../config.hpp"
 #include "gaussian_family.hpp"
 #include "gaussian_matrix_steps.hpp"
+#include "gaussian_row_io.hpp"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
@@ -103,25 +104,11 @@ TROLL_HOST_DEVICE void derived(const Team& tm, const full_scratch& w) {
 
 }  // namespace full_steps
 
-/// Where one row's VJP reads its upstream gradients and writes (null outputs skipped).
-template <class T>
-struct full_vjp_io {
-  const T* out_cov;        // L*
-  const T* grad_out_mean;  // ∂L/∂μ*
-  const T* grad_out_cov;   // ∂L/∂L* (lower triangle read)
-  T* mean;
-  T* cov;
-  T* old_mean;
-  T* old_cov;
-  double* eps;
-  double* eps_mean;
-};
-
 /// The VJP of one full-covariance row (validated inputs, a solved row, t = 1 when inactive), the
 /// factorisation already in `w` (header comment).
 template <class Team, class T>
 TROLL_HOST_DEVICE void gaussian_full_vjp_row(const Team& tm, bool split, const T* mean, const T* cov,
-                                             const T* old_mean, double eps_mean, double t, const full_vjp_io<T>& io,
+                                             const T* old_mean, double eps_mean, double t, const gaussian_vjp_io<T>& io,
                                              const full_scratch& w) {
   namespace fs = full_steps;
   const int d = w.d, dd = d * d;
@@ -244,25 +231,11 @@ TROLL_HOST_DEVICE void gaussian_full_vjp_row(const Team& tm, bool split, const T
   tm.sync();
 }
 
-/// Where one row's JVP reads its tangents and writes.
-template <class T>
-struct full_jvp_io {
-  const T* out_cov;   // L*
-  const T* mean;      // μ̃' (null: 0)
-  const T* cov;       // L̃' (lower triangle read; null: 0)
-  const T* old_mean;  // μ°'
-  const T* old_cov;   // L°'
-  double eps;         // joint: ε'; split: ε_Σ'
-  double eps_mean;    // split: ε_μ'
-  T* out_mean;        // μ*'
-  T* out_cov_tangent; // L*'
-};
-
 /// The JVP of one full-covariance row (validated inputs, a solved row), the factorisation
 /// already in `w`.
 template <class Team, class T>
 TROLL_HOST_DEVICE void gaussian_full_jvp_row(const Team& tm, bool split, const T* mean, const T* cov,
-                                             const T* old_mean, double eps_mean, double t, const full_jvp_io<T>& io,
+                                             const T* old_mean, double eps_mean, double t, const gaussian_jvp_io<T>& io,
                                              const full_scratch& w) {
   namespace fs = full_steps;
   const int d = w.d, dd = d * d;

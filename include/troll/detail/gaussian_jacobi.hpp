@@ -27,6 +27,32 @@ TROLL_HOST_DEVICE inline void jacobi_pair(int n, int round, int k, int* p, int* 
   *q = x < y ? y : x;
 }
 
+/// The rotation (c, s) that zeroes a_pq ≠ 0 of a symmetric A: t = sgn(τ)/(|τ| + √(1 + τ²)) with
+/// τ = (a_qq − a_pp)/(2 a_pq), c = 1/√(1 + t²), s = t c.
+TROLL_HOST_DEVICE inline void jacobi_rotation(double app, double aqq, double apq, double* c, double* s) {
+  const double tau = (aqq - app) / (2.0 * apq);
+  const double t = (tau >= 0.0 ? 1.0 : -1.0) / (::fabs(tau) + ::hypot(1.0, tau));
+  *c = 1.0 / ::sqrt(1.0 + t * t);
+  *s = t * *c;
+}
+
+/// (x, y) ← (c x − s y, s x + c y): one rotation applied to a pair of entries.
+TROLL_HOST_DEVICE inline void rotate_pair(double* x, double* y, double c, double s) {
+  const double xv = *x, yv = *y;
+  *x = c * xv - s * yv;
+  *y = s * xv + c * yv;
+}
+
+/// Plane k of round `round` (p < q) and its rotation (c, s) from `cs`; false where there is
+/// nothing to apply (the padding index, or an identity rotation).
+TROLL_HOST_DEVICE inline bool round_rotation(int n, int d, int round, int k, const double* cs, int* p, int* q,
+                                             double* c, double* s) {
+  jacobi_pair(n, round, k, p, q);
+  *c = cs[2 * k];
+  *s = cs[2 * k + 1];
+  return *q < d && *s != 0.0;
+}
+
 /// Diagonalises the symmetric row-major d×d `a` in place (eigenvalues on its diagonal) and sets
 /// `v` to the eigenvectors (columns; A₀ = V diag Vᵀ). `cs` holds jacobi_scratch_doubles(d).
 template <class Team>
@@ -53,12 +79,7 @@ TROLL_HOST_DEVICE void jacobi_eigen(const Team& tm, int d, double* a, double* v,
         double c = 1.0, s = 0.0;
         if (q < d) {
           const double apq = a[p * d + q];
-          if (apq != 0.0) {
-            const double tau = (a[q * d + q] - a[p * d + p]) / (2.0 * apq);
-            const double t = (tau >= 0.0 ? 1.0 : -1.0) / (::fabs(tau) + ::hypot(1.0, tau));
-            c = 1.0 / ::sqrt(1.0 + t * t);
-            s = t * c;
-          }
+          if (apq != 0.0) jacobi_rotation(a[p * d + p], a[q * d + q], apq, &c, &s);
         }
         cs[2 * k] = c;
         cs[2 * k + 1] = s;
@@ -66,29 +87,21 @@ TROLL_HOST_DEVICE void jacobi_eigen(const Team& tm, int d, double* a, double* v,
       tm.sync();
       // A ← A J (columns p, q of every row) and V ← V J.
       for (int e = tm.lane(); e < pairs * d; e += tm.size()) {
-        const int k = e / d, i = e % d;
+        const int i = e % d;
         int p = 0, q = 0;
-        jacobi_pair(n, round, k, &p, &q);
-        const double c = cs[2 * k], s = cs[2 * k + 1];
-        if (q >= d || s == 0.0) continue;
-        const double aip = a[i * d + p], aiq = a[i * d + q];
-        a[i * d + p] = c * aip - s * aiq;
-        a[i * d + q] = s * aip + c * aiq;
-        const double vip = v[i * d + p], viq = v[i * d + q];
-        v[i * d + p] = c * vip - s * viq;
-        v[i * d + q] = s * vip + c * viq;
+        double c = 1.0, s = 0.0;
+        if (!round_rotation(n, d, round, e / d, cs, &p, &q, &c, &s)) continue;
+        rotate_pair(&a[i * d + p], &a[i * d + q], c, s);
+        rotate_pair(&v[i * d + p], &v[i * d + q], c, s);
       }
       tm.sync();
       // A ← Jᵀ A (rows p, q of every column).
       for (int e = tm.lane(); e < pairs * d; e += tm.size()) {
-        const int k = e / d, j = e % d;
+        const int j = e % d;
         int p = 0, q = 0;
-        jacobi_pair(n, round, k, &p, &q);
-        const double c = cs[2 * k], s = cs[2 * k + 1];
-        if (q >= d || s == 0.0) continue;
-        const double apj = a[p * d + j], aqj = a[q * d + j];
-        a[p * d + j] = c * apj - s * aqj;
-        a[q * d + j] = s * apj + c * aqj;
+        double c = 1.0, s = 0.0;
+        if (!round_rotation(n, d, round, e / d, cs, &p, &q, &c, &s)) continue;
+        rotate_pair(&a[p * d + j], &a[q * d + j], c, s);
       }
       tm.sync();
     }

@@ -17,6 +17,7 @@
 #include "../../config.hpp"
 #include "../gaussian_diag_derivatives.hpp"
 #include "../gaussian_family.hpp"
+#include "../gaussian_row_io.hpp"
 #include "gaussian_kernels.hpp"
 
 #include "eigen_warnings_push.inc"
@@ -24,22 +25,6 @@
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cpu {
-
-/// Upstream gradients and where to write, of one row (pointers into the caller's views; a null
-/// output is skipped).
-template <class T>
-struct gaussian_row_grads {
-  const T* out_mean;       // μ*
-  const T* out_cov;        // L* or σ*
-  const T* grad_out_mean;  // ∂L/∂μ*
-  const T* grad_out_cov;   // ∂L/∂L* (lower triangle read) or ∂L/∂σ*
-  T* mean;
-  T* cov;
-  T* old_mean;
-  T* old_cov;
-  double* eps;
-  double* eps_mean;
-};
 
 /// Σ̄ (symmetric) from L̄ for L = chol(Σ): Σ̄ = ½(M + Mᵀ), M = L⁻ᵀ Φ(Lᵀ L̄) L⁻¹, Φ the lower
 /// triangle with the diagonal halved.
@@ -71,7 +56,7 @@ void natural_to_factor(const gaussian_vector& mean, const gaussian_matrix& facto
 /// The VJP of one full-covariance row (validated inputs; a solved row: inactive or projected).
 template <class T>
 void gaussian_backward_full(bool split, std::size_t d, const T* mean, const T* cov, const T* old_mean,
-                            const T* old_cov, double eps_mean, double t, const gaussian_row_grads<T>& io,
+                            const T* old_cov, double eps_mean, double t, const gaussian_vjp_io<T>& io,
                             const double* saved = nullptr) {
   const auto n = static_cast<Eigen::Index>(d);
   gaussian_basis basis;
@@ -163,11 +148,8 @@ void gaussian_backward_full(bool split, std::size_t d, const T* mean, const T* c
 /// The VJP of one diagonal row: gaussian_diag_derivatives.hpp's two passes over the coordinates.
 template <class T>
 void gaussian_backward_diag(bool split, std::size_t d, const T* mean, const T* std_dev, const T* old_mean,
-                            const T* old_std, double eps_mean, double t, const gaussian_row_grads<T>& io) {
-  auto entry = [&](std::size_t i) {
-    return gaussian_diag_entry{static_cast<double>(mean[i]), static_cast<double>(std_dev[i]),
-                               static_cast<double>(old_mean[i]), static_cast<double>(old_std[i])};
-  };
+                            const T* old_std, double eps_mean, double t, const gaussian_vjp_io<T>& io) {
+  auto entry = [&](std::size_t i) { return diag_entry(mean, std_dev, old_mean, old_std, i); };
   auto upstream = [&](std::size_t i) {
     return gaussian_diag_upstream{static_cast<double>(io.grad_out_mean[i]), static_cast<double>(io.grad_out_cov[i]),
                                   static_cast<double>(io.out_cov[i])};

@@ -18,6 +18,7 @@
 #include "../../config.hpp"
 #include "../gaussian_diag_derivatives.hpp"
 #include "../gaussian_family.hpp"
+#include "../gaussian_row_io.hpp"
 #include "gaussian_kernels.hpp"
 
 #include "eigen_warnings_push.inc"
@@ -25,20 +26,6 @@
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cpu {
-
-/// Tangents in and out of one row (pointers into the caller's views; a null input tangent is 0).
-template <class T>
-struct gaussian_row_tangents {
-  const T* out_cov;   // L* (the forward's output factor, full only)
-  const T* mean;      // μ̃'
-  const T* cov;       // L̃' (lower triangle read)
-  const T* old_mean;  // μ°'
-  const T* old_cov;   // L°' (lower triangle read)
-  double eps;         // joint: ε'; split: ε_Σ'
-  double eps_mean;    // split: ε_μ'
-  T* out_mean;        // μ*'
-  T* out_cov_tangent; // L*' (lower-triangular, upper written 0)
-};
 
 /// The lower-triangular part of a row-major d×d tangent (0 where the pointer is null).
 template <class T>
@@ -69,7 +56,7 @@ inline gaussian_matrix cholesky_tangent(const gaussian_matrix& l, const gaussian
 /// Writes μ*' and L*' (lower-triangular).
 template <class T>
 void gaussian_jvp_full(bool split, std::size_t d, const T* mean, const T* cov, const T* old_mean, const T* old_cov,
-                       double eps_mean, double t, const gaussian_row_tangents<T>& io,
+                       double eps_mean, double t, const gaussian_jvp_io<T>& io,
                        const double* saved = nullptr) {
   const auto n = static_cast<Eigen::Index>(d);
   const gaussian_vector mu_new = load_vector(mean, d), mu_old = load_vector(old_mean, d);
@@ -149,11 +136,8 @@ void gaussian_jvp_full(bool split, std::size_t d, const T* mean, const T* cov, c
 /// The JVP of one diagonal row: gaussian_diag_derivatives.hpp's two passes over the coordinates.
 template <class T>
 void gaussian_jvp_diag(bool split, std::size_t d, const T* mean, const T* std_dev, const T* old_mean,
-                       const T* old_std, double eps_mean, double t, const gaussian_row_tangents<T>& io) {
-  auto entry = [&](std::size_t i) {
-    return gaussian_diag_entry{static_cast<double>(mean[i]), static_cast<double>(std_dev[i]),
-                               static_cast<double>(old_mean[i]), static_cast<double>(old_std[i])};
-  };
+                       const T* old_std, double eps_mean, double t, const gaussian_jvp_io<T>& io) {
+  auto entry = [&](std::size_t i) { return diag_entry(mean, std_dev, old_mean, old_std, i); };
   auto at = [](const T* x, std::size_t i) { return x == nullptr ? 0.0 : static_cast<double>(x[i]); };
   auto tangent = [&](std::size_t i) {
     return gaussian_diag_tangent{at(io.mean, i), at(io.cov, i), at(io.old_mean, i), at(io.old_cov, i)};

@@ -163,6 +163,16 @@ std::size_t first_bad_row(unsigned threads, std::size_t n, std::size_t work_per_
   return first.load();
 }
 
+/// Runs problem(r) over all rows in parallel (a result that converts to true is a problem) and
+/// passes the lowest bad row's problem to `raise`, which throws (naming `fn` and the row).
+template <class Problem, class P>
+void throw_first_problem(const char* fn, unsigned threads, std::size_t n, std::size_t work_per_item,
+                         Problem&& problem, void (*raise)(const char*, std::size_t, const P&)) {
+  const std::size_t bad =
+      first_bad_row(threads, n, work_per_item, [&](std::size_t r) { return bool(problem(r)); });
+  if (bad != n) raise(fn, bad, problem(bad));
+}
+
 }  // namespace cpu
 }  // namespace detail
 TROLL_END_NAMESPACE

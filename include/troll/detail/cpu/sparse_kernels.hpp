@@ -434,22 +434,8 @@ inline double sparsify_scan_topk(const T* z, std::size_t size, sparsify_state& s
 /// with the sampled token inserted in order (list holds k + 1 slots). Returns n; sampled_pos is
 /// the sampled token's place (−1: none).
 inline int ordered_support(const sparsify_state& st, sparse_candidate* list, int& sampled_pos) {
-  int n = st.size;
-  for (int i = 0; i < n; ++i) list[i] = st.heap[i];
-  sort_best_first(list, n);
-  sampled_pos = -1;
-  if (st.has_sampled) {
-    const sparse_candidate s{st.sampled_logit, st.sampled};
-    int at = n;
-    while (at > 0 && ranks_before(s, list[at - 1])) {
-      list[at] = list[at - 1];
-      --at;
-    }
-    list[at] = s;
-    sampled_pos = at;
-    ++n;
-  }
-  return n;
+  for (int i = 0; i < st.size; ++i) list[i] = st.heap[i];
+  return sort_with_sampled(st, list, st.size, sampled_pos);
 }
 
 /// How far sparsify's δ rule may be from finalize's on the scan's block sums, in log-mass: those

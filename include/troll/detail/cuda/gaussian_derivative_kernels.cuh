@@ -16,6 +16,7 @@
 #include "../../projection_types.hpp"
 #include "../gaussian_diag_derivatives.hpp"
 #include "../gaussian_family.hpp"
+#include "../gaussian_row_io.hpp"
 #include "../numeric.hpp"
 #include "gaussian_kernels.cuh"
 
@@ -31,11 +32,6 @@ __device__ inline bool usable_stats(const gaussian::gaussian_stats& s) {
 template <class T>
 __device__ inline double at_or_zero(const T* row, std::size_t i) {
   return row == nullptr ? 0.0 : static_cast<double>(row[i]);
-}
-
-template <class T>
-__device__ inline T* row_or_null(batch_view<T> v, std::size_t r) {
-  return v.data == nullptr ? nullptr : v.row(r);
 }
 
 template <class T>
@@ -135,11 +131,8 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_vjp_diag_kernel(gaussi
       }
       continue;
     }
-    const double t = st.status == row_status::inactive ? 1.0 : st.t;
-    auto entry = [&](std::size_t i) {
-      return gaussian_diag_entry{static_cast<double>(mean[i]), static_cast<double>(sd[i]),
-                                 static_cast<double>(old_mean[i]), static_cast<double>(old_sd[i])};
-    };
+    const double t = solved_tilt(st);
+    auto entry = [&](std::size_t i) { return diag_entry(mean, sd, old_mean, old_sd, i); };
     auto upstream = [&](std::size_t i) {
       return gaussian_diag_upstream{static_cast<double>(up_mean[i]), static_cast<double>(up_sd[i]),
                                     static_cast<double>(out_sd[i])};
@@ -192,11 +185,8 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_jvp_diag_kernel(gaussi
       fill_row_nan(out_sd, d);
       continue;
     }
-    const double t = st.status == row_status::inactive ? 1.0 : st.t;
-    auto entry = [&](std::size_t i) {
-      return gaussian_diag_entry{static_cast<double>(mean[i]), static_cast<double>(sd[i]),
-                                 static_cast<double>(old_mean[i]), static_cast<double>(old_sd[i])};
-    };
+    const double t = solved_tilt(st);
+    auto entry = [&](std::size_t i) { return diag_entry(mean, sd, old_mean, old_sd, i); };
     auto tangent = [&](std::size_t i) {
       return gaussian_diag_tangent{at_or_zero(d_mean, i), at_or_zero(d_sd, i), at_or_zero(d_old_mean, i),
                                    at_or_zero(d_old_sd, i)};

@@ -120,15 +120,7 @@ __global__ void __launch_bounds__(gaussian_full_threads)
   for (std::size_t r = blockIdx.x; r < k.mean.rows; r += gridDim.x) {
     const T *mean = k.mean.row(r), *l_new = k.cov.row(r), *old_mean = k.old_mean.row(r), *l_old = k.old_cov.row(r);
     const gaussian::gaussian_stats st = k.stats[r];
-    const full_vjp_io<T> io{k.out_cov.row(r),
-                            k.grad_out_mean.row(r),
-                            k.grad_out_cov.row(r),
-                            row_or_null(k.grads.mean, r),
-                            row_or_null(k.grads.cov, r),
-                            row_or_null(k.grads.old_mean, r),
-                            row_or_null(k.grads.old_cov, r),
-                            k.grads.eps == nullptr ? nullptr : k.grads.eps + r,
-                            k.grads.eps_mean == nullptr ? nullptr : k.grads.eps_mean + r};
+    const gaussian_vjp_io<T> io = vjp_row_io(k.out_cov, k.grad_out_mean, k.grad_out_cov, k.grads, r);
     const bool bad_new = bad_full_operand(mean, l_new, d, tm);  // both reached by every thread
     const bool bad_old = bad_full_operand(old_mean, l_old, d, tm);
     const bool bad = bad_new || bad_old || !usable_stats(st);
@@ -143,7 +135,7 @@ __global__ void __launch_bounds__(gaussian_full_threads)
       }
       continue;
     }
-    const double t = st.status == row_status::inactive ? 1.0 : st.t;
+    const double t = solved_tilt(st);
     load_or_factor(mean, l_new, old_mean, l_old, saved.data == nullptr ? nullptr : saved.row(r), w, tm);
     gaussian_full_vjp_row(tm, k.split, mean, l_new, old_mean, k.eps_mean, t, io, w);
   }
@@ -163,15 +155,7 @@ __global__ void __launch_bounds__(gaussian_full_threads)
   for (std::size_t r = blockIdx.x; r < k.mean.rows; r += gridDim.x) {
     const T *mean = k.mean.row(r), *l_new = k.cov.row(r), *old_mean = k.old_mean.row(r), *l_old = k.old_cov.row(r);
     const gaussian::gaussian_stats st = k.stats[r];
-    const full_jvp_io<T> io{out_cov.row(r),
-                            row_or_null(k.tangents.mean, r),
-                            row_or_null(k.tangents.cov, r),
-                            row_or_null(k.tangents.old_mean, r),
-                            row_or_null(k.tangents.old_cov, r),
-                            k.tangents.eps,
-                            k.tangents.eps_mean,
-                            k.out_mean.row(r),
-                            k.out_cov.row(r)};
+    const gaussian_jvp_io<T> io = jvp_row_io(out_cov, k.tangents, k.out_mean, k.out_cov, r);
     const bool bad_new = bad_full_operand(mean, l_new, d, tm);  // both reached by every thread
     const bool bad_old = bad_full_operand(old_mean, l_old, d, tm);
     const bool bad = bad_new || bad_old || !usable_stats(st);
@@ -180,7 +164,7 @@ __global__ void __launch_bounds__(gaussian_full_threads)
       fill_nan_block(io.out_cov_tangent, dd);
       continue;
     }
-    const double t = st.status == row_status::inactive ? 1.0 : st.t;
+    const double t = solved_tilt(st);
     load_or_factor(mean, l_new, old_mean, l_old, saved.data == nullptr ? nullptr : saved.row(r), w, tm);
     gaussian_full_jvp_row(tm, k.split, mean, l_new, old_mean, k.eps_mean, t, io, w);
   }

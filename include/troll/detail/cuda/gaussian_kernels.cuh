@@ -17,6 +17,7 @@
 #include "../../gaussian_types.hpp"
 #include "../../projection_types.hpp"
 #include "../gaussian_family.hpp"
+#include "../gaussian_jacobi.hpp"
 #include "../numeric.hpp"
 #include "../workspace_layout.hpp"
 
@@ -198,24 +199,14 @@ __device__ inline void jacobi_rotate(double* a, double* v, int d, int p, int q) 
   const int k = static_cast<int>(threadIdx.x);
   const double apq = a[p * d + q];
   if (apq == 0.0) return;  // the same value in every lane: all lanes return together
-  const double tau = (a[q * d + q] - a[p * d + p]) / (2.0 * apq);
-  const double t = (tau >= 0.0 ? 1.0 : -1.0) / (::fabs(tau) + ::hypot(1.0, tau));
-  const double c = 1.0 / ::sqrt(1.0 + t * t);
-  const double s = t * c;
+  double c = 1.0, s = 0.0;
+  jacobi_rotation(a[p * d + p], a[q * d + q], apq, &c, &s);
   __syncwarp();
-  if (k < d) {  // A ← A J (columns p, q of row k)
-    const double akp = a[k * d + p], akq = a[k * d + q];
-    a[k * d + p] = c * akp - s * akq;
-    a[k * d + q] = s * akp + c * akq;
-  }
+  if (k < d) rotate_pair(&a[k * d + p], &a[k * d + q], c, s);  // A ← A J (columns p, q of row k)
   __syncwarp();
   if (k < d) {  // A ← Jᵀ A (rows p, q of column k)
-    const double apk = a[p * d + k], aqk = a[q * d + k];
-    a[p * d + k] = c * apk - s * aqk;
-    a[q * d + k] = s * apk + c * aqk;
-    const double vkp = v[k * d + p], vkq = v[k * d + q];
-    v[k * d + p] = c * vkp - s * vkq;
-    v[k * d + q] = s * vkp + c * vkq;
+    rotate_pair(&a[p * d + k], &a[q * d + k], c, s);
+    rotate_pair(&v[k * d + p], &v[k * d + q], c, s);
   }
   __syncwarp();
 }
