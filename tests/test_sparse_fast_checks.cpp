@@ -3,14 +3,18 @@
 // for (check_sparse_row), which decides with a scalar double sum. Rows of every count from 0 to
 // 49 (partial last packets, whole packets with the remainder in a packet of its own), masses
 // swept across both edges of the tolerance, masked entries, NaN / +inf / positive values at
-// every position of a packet, and the remainder masked or not.
+// every position of a packet, and the remainder masked or not. And the distinct-id check through
+// a scratch shared by a run of rows (sparse_indices_fine with distinct_ids_scratch, whose table
+// is emptied by a new stamp per row, not cleared) against sorting.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <troll/sparse.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <random>
 #include <vector>
@@ -102,4 +106,32 @@ TEST_CASE("sparse_values_fine accepts exactly the rows check_sparse_row accepts:
 TEST_CASE("sparse_values_fine accepts exactly the rows check_sparse_row accepts: double") {
   std::mt19937_64 rng(12);
   sweep<double>(rng);
+}
+
+TEST_CASE("sparse_indices_fine over a run of rows sharing one scratch agrees with sorting") {
+  std::mt19937_64 rng(13);
+  const std::size_t vocab = 151936;
+  troll::detail::cpu::distinct_ids_scratch scratch;
+  std::vector<sparse_index> table(troll::detail::cpu::distinct_table_slots);
+  for (int row = 0; row < 3000; ++row) {
+    CAPTURE(row);
+    const int n = row % 7 == 0 ? int(rng() % 3) : int(rng() % 300);
+    std::vector<sparse_index> ids(static_cast<std::size_t>(n));
+    // Rows drawn from a small range repeat ids often; from the whole vocabulary, rarely.
+    const std::uint64_t range = row % 3 == 0 ? 400 : vocab;
+    for (sparse_index& v : ids) v = sparse_index(rng() % range);
+    if (n > 1 && row % 5 == 0) ids[std::size_t(rng() % std::uint64_t(n))] = ids[0];  // a repeat
+    if (n > 0 && row % 11 == 0) ids[std::size_t(rng() % std::uint64_t(n))] = row % 2 ? -1 : sparse_index(vocab);
+    std::vector<sparse_index> sorted = ids;
+    std::sort(sorted.begin(), sorted.end());
+    const bool in_range = sorted.empty() || (sorted.front() >= 0 && std::size_t(sorted.back()) < vocab);
+    const bool expected = in_range && std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
+    CHECK(troll::detail::cpu::sparse_indices_fine(ids.data(), n, 300, vocab, scratch) == expected);
+    CHECK(troll::detail::cpu::sparse_indices_fine(ids.data(), n, 300, vocab, table.data()) == expected);
+  }
+  // Counts outside [0, min(capacity, V, sparse_max_entries)] are refused.
+  std::vector<sparse_index> ids{1, 2, 3};
+  CHECK(!troll::detail::cpu::sparse_indices_fine(ids.data(), -1, 300, vocab, scratch));
+  CHECK(!troll::detail::cpu::sparse_indices_fine(ids.data(), 3, 2, vocab, scratch));
+  CHECK(!troll::detail::cpu::sparse_indices_fine(ids.data(), 3, 300, 2, scratch));
 }

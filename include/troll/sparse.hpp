@@ -7,6 +7,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -172,6 +173,29 @@ int lumped_pair(const aligned_batch_view<const T>& a, std::size_t r, double* zn,
   return n;
 }
 
+/// cpu::first_bad_row for checks that test distinct ids: the rows in runs of 256, each run on one
+/// thread with one distinct_ids_scratch (on its stack, cleared once per run); check(r, scratch)
+/// says whether row r is bad. Returns the lowest bad row, or rows.
+template <class Check>
+std::size_t first_bad_row_with_ids(unsigned threads, std::size_t rows, std::size_t work_per_row, Check&& check) {
+  constexpr std::size_t run = 256;
+  std::atomic<std::size_t> first{rows};
+  cpu::parallel_for(threads, (rows + run - 1) / run, run * work_per_row, [&](std::size_t b) {
+    cpu::distinct_ids_scratch scratch;
+    const std::size_t end = std::min(rows, (b + 1) * run);
+    for (std::size_t r = b * run; r < end; ++r) {
+      if (r >= first.load(std::memory_order_relaxed)) return;
+      if (check(r, scratch)) {
+        std::size_t seen = first.load();
+        while (r < seen && !first.compare_exchange_weak(seen, r)) {
+        }
+        return;
+      }
+    }
+  });
+  return first.load();
+}
+
 /// Never refuses a row: validate_aligned's default extra check.
 struct no_extra_check {
   bool operator()(std::size_t) const { return false; }
@@ -204,11 +228,11 @@ bool validate_aligned(const char* fn, unsigned threads, const aligned_batch_view
   // checks in their documented order (every row's new side, then old, then the lumped rows).
   const sparse_batch_view<const T> new_side = a.new_side(), old_side = a.old_side();
   const std::size_t any_bad =
-      cpu::first_bad_row(threads, a.rows, 16 * std::size_t(a.k_max) + 64, [&](std::size_t r) {
-        sparse_index table[cpu::distinct_table_slots];
+      first_bad_row_with_ids(threads, a.rows, 16 * std::size_t(a.k_max) + 64,
+                             [&](std::size_t r, cpu::distinct_ids_scratch& ids) {
         bool new_finite = false, old_finite = false;
         if (!cpu::sparse_indices_fine(new_side.row_indices(r), new_side.count(r), new_side.k_max, new_side.vocab,
-                                      table) ||
+                                      ids) ||
             !cpu::sparse_values_fine(new_side.row_log_probs(r), new_side.count(r), new_side.log_remainder[r],
                                      new_side.vocab, &new_finite) ||
             !cpu::sparse_values_fine(old_side.row_log_probs(r), old_side.count(r), old_side.log_remainder[r],

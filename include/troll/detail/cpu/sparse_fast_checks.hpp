@@ -51,6 +51,43 @@ inline bool sparse_indices_fine(const sparse_index* indices, long long count, st
   return true;
 }
 
+/// Scratch of the distinct-id checks of a run of rows (one thread's run of a batch, on its
+/// stack): an open-addressed table whose entries carry the stamp of the row that filled them,
+/// (stamp << 32) | id, so that a new row empties it by taking the next stamp, not by clearing.
+struct distinct_ids_scratch {
+  std::uint64_t slots[distinct_table_slots] = {};  // stamp 0: empty for every row
+  std::uint64_t stamp = 0;
+};
+
+/// sparse_indices_fine through the stamped table of `scratch` (the first power of two ≥ 4·count
+/// slots, at least 16 and at most distinct_table_slots: a quarter full for the supports
+/// sparsify writes), with nothing to clear per row.
+inline bool sparse_indices_fine(const sparse_index* indices, long long count, std::size_t capacity,
+                                std::size_t vocab, distinct_ids_scratch& scratch) {
+  if (count < 0 || count > static_cast<long long>(capacity) || count > static_cast<long long>(vocab) ||
+      count > sparse_max_entries)
+    return false;
+  const int n = static_cast<int>(count);
+  int bits = 4;
+  while ((1 << bits) < 4 * n && (1 << bits) < distinct_table_slots) ++bits;
+  const std::uint32_t mask = (std::uint32_t(1) << bits) - 1;
+  const std::uint64_t stamp = ++scratch.stamp << 32;
+  constexpr std::uint64_t stamp_bits = ~std::uint64_t(0xffffffffu);
+  std::uint64_t* slots = scratch.slots;
+  for (int i = 0; i < n; ++i) {
+    const sparse_index v = indices[i];
+    if (v < 0 || static_cast<std::size_t>(v) >= vocab) return false;
+    const std::uint32_t id = static_cast<std::uint32_t>(v);
+    std::uint32_t h = (id * 2654435761u) >> (32 - bits);  // Knuth's multiplier
+    for (std::uint64_t e = slots[h]; (e & stamp_bits) == stamp; e = slots[h]) {
+      if (std::uint32_t(e) == id) return false;
+      h = (h + 1) & mask;
+    }
+    slots[h] = stamp | id;
+  }
+  return true;
+}
+
 /// The last partial packet of log_probs[k..n) (n − k < lanes), padded with −inf: a masked load
 /// with AVX-512 (nothing read past n), else a copy.
 template <class Packet, class T>
