@@ -441,10 +441,10 @@ enum topk_selection : int {
 struct add_topk_sums {
   __device__ topk_sums operator()(const topk_sums& a, const topk_sums& b) const {
     topk_sums s;
-    s.p = a.p + b.p;
-    s.q = a.q + b.q;
     s.abs_diff = a.abs_diff + b.abs_diff;
     s.plog = a.plog + b.plog;
+    s.rest_p = a.rest_p + b.rest_p;
+    s.rest_q = a.rest_q + b.rest_q;
     return s;
   }
 };
@@ -453,8 +453,8 @@ struct add_topk_sums {
 /// to the lower index, −inf never taken) are found by a radix select on order_key, 8 bits per
 /// pass from the top, stopping as soon as the K-th entry's bin is taken whole (usually after two
 /// or three passes over the row); exact ties at the K-th value are broken by index in one more
-/// pass. log p_j = (z°_j − m_old) − ls_old, log q_j = (z̃_j − m_new) − ls_new. Every thread
-/// returns the sums. Reached by all threads of the block.
+/// pass. log p_j = (z°_j − m_old) − ls_old, log q_j = (z̃_j − m_new) − ls_new; the entries not
+/// taken feed the rests. Every thread returns the sums. Reached by all threads of the block.
 template <class T>
 __device__ topk_sums block_topk_sums(const T* zn, const T* zo, std::size_t size, double m_new,
                                      double ls_new, double m_old, double ls_old, int k,
@@ -529,14 +529,18 @@ __device__ topk_sums block_topk_sums(const T* zn, const T* zo, std::size_t size,
   topk_sums local;
   for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
     const double x = static_cast<double>(zo[i]);
-    if (!(x > neg_inf())) continue;
-    bool chosen = state == topk_all;
-    if (!chosen) {
+    const double log_p = (x - m_old) - ls_old, log_q = (static_cast<double>(zn[i]) - m_new) - ls_new;
+    bool chosen = x > neg_inf() && state == topk_all;
+    if (x > neg_inf() && !chosen) {
       const unsigned long long key = order_key(x);
       chosen = key > threshold ||
                (key == threshold && (state == topk_at_least || i <= tie_cut));
     }
-    if (chosen) local.add((x - m_old) - ls_old, (static_cast<double>(zn[i]) - m_new) - ls_new);
+    if (chosen) {
+      local.add(log_p, log_q);
+    } else {  // the rests, −inf entries of the old row included (topk_sums)
+      local.add_rest(log_p, log_q);
+    }
   }
   return block_all_reduce(st.sums, local, add_topk_sums{});
 }
