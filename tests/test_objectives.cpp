@@ -557,6 +557,41 @@ TEST_CASE("PPO clip and DPPO gradients with the finite-difference checker") {
   }
 }
 
+TEST_CASE("Aggregation weights: a bad mask counts as 0 in every other row's weight") {
+  // The rule the CUDA backend's aggregation kernels share (detail::counted_weight): a NaN,
+  // negative or +inf mask rejects its own row (the CPU throws before aggregating, the device
+  // writes that row NaN) and leaves the other rows' weights those of the batch with that mask 0.
+  // On an H100 a NaN mask made the token-mean normaliser NaN, so every row's gradient was NaN.
+  troll_test::host_batch<double> h(8, 4, 5u);
+  for (const double bad : {std::nan(""), -1.0, double(INFINITY)}) {
+    CAPTURE(bad);
+    for (const auto how : {troll::loss_aggregation::token_mean, troll::loss_aggregation::sequence_mean}) {
+      CAPTURE(int(how));
+      std::vector<double> mask = h.mask, zeroed = h.mask;
+      mask[5] = bad;
+      zeroed[5] = 0.0;
+      troll::token_batch<double> in = h.tokens_view(how), clean = in;
+      in.loss_mask = mask.data();
+      clean.loss_mask = zeroed.data();
+      std::vector<double> got(8), want(8);
+      std::size_t got_sequences = 0, want_sequences = 0;
+      troll::detail::aggregation_weights(in, 8, 1.5, &got_sequences, got.data());
+      troll::detail::aggregation_weights(clean, 8, 1.5, &want_sequences, want.data());
+      CHECK(got_sequences == want_sequences);
+      for (std::size_t r = 0; r < 8; ++r) {
+        CAPTURE(r);
+        CHECK(std::isfinite(got[r]));
+        if (r != 5) CHECK(got[r] == want[r]);
+      }
+    }
+  }
+  CHECK(troll::detail::counted_weight(0.5) == 0.5);
+  CHECK(troll::detail::counted_weight(0.0) == 0.0);
+  CHECK(troll::detail::counted_weight(-0.0) == 0.0);
+  CHECK(troll::detail::counted_weight(std::nan("")) == 0.0);
+  CHECK(troll::detail::counted_weight(-INFINITY) == 0.0);
+}
+
 TEST_CASE("Masks and aggregation: token mean, sequence mean, zero-mask rows") {
   token_case c = make_case(9, 10, 8);
   c.tokens[4] = -100;  // mask 0 on row 4 (r % 5 == 4): an ignore index is allowed there

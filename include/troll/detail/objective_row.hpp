@@ -19,6 +19,16 @@
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 
+// ---- Aggregation ----
+
+/// A loss-mask entry as it enters the normalisers (Σ w, a sequence's Σ w) and the weights of the
+/// other rows: itself when a valid weight (finite, ≥ 0), else 0. A bad mask rejects its own row
+/// only (the CPU throws before aggregating; the CUDA backend reports the row and writes NaN to its
+/// outputs), so it must not turn every row's weight into NaN or shift them (a negative mask).
+TROLL_HOST_DEVICE inline double counted_weight(double mask) {
+  return mask >= 0.0 && mask < inf() ? mask : 0.0;
+}
+
 // ---- TROLL: ℓ = −(π*_a / q_a)·A + α·KL(p̃ ‖ stopgrad(π*)) ----
 
 /// Per-row coefficients of TROLL's fused backward. With c the token's aggregation weight
