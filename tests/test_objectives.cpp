@@ -10,6 +10,7 @@
 #include <troll/objectives.hpp>
 #include <troll/projection.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "grad_helpers.hpp"
+#include "objective_batch.hpp"
 #include "oracle.hpp"
 
 namespace {
@@ -448,6 +450,85 @@ TEST_CASE("DPPO: divergences and the directional mask by hand") {
   CHECK(m.divergence_mean == doctest::Approx(0.05).epsilon(1e-12));
 }
 
+namespace {
+
+/// KL(P‖Q) and TV(P, Q) over a whole row in long double (P = softmax(old), Q = softmax(new); −inf
+/// entries of old carry no mass): the lumped top-K divergences when K covers every finite entry.
+template <class T>
+void full_row_divergences(const T* zn, const T* zo, std::size_t n, long double& kl, long double& tv) {
+  long double mo = -INFINITY, mn = -INFINITY, so = 0, sn = 0;
+  for (std::size_t j = 0; j < n; ++j) mo = std::max(mo, (long double)zo[j]), mn = std::max(mn, (long double)zn[j]);
+  for (std::size_t j = 0; j < n; ++j) so += std::exp((long double)zo[j] - mo), sn += std::exp((long double)zn[j] - mn);
+  kl = tv = 0;
+  for (std::size_t j = 0; j < n; ++j) {
+    const long double p = std::exp((long double)zo[j] - mo) / so, q = std::exp((long double)zn[j] - mn) / sn;
+    if (p > 0) kl += p * std::log(p / q);
+    tv += std::fabs(p - q) / 2;
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("DPPO top-K with K at or above the finite entries: the whole row's divergence, "
+                   "any summation order (rests summed, not 1 - sum over K)", T, float, double) {
+  // The batch and K of the device comparison that failed on an H100 (tests/cuda/
+  // test_cuda_objectives_more.cu, "K above the finite entries"): with every finite entry in K,
+  // 1 − Σ_K p and 1 − Σ_K q were ±1e-16 rounding noise, and a positive rest_p against a rest_q
+  // clamped to 0 made the KL +inf (CPU rows 2, 6 and 11; row 0 under the device's order).
+  troll_test::host_batch<T> h(12, 16, 41u);
+  const double u = std::numeric_limits<T>::epsilon() / 2;
+  for (std::size_t r = 0; r < h.rows; ++r) {
+    CAPTURE(r);
+    const T* zn = h.fresh.data() + r * h.cols;
+    const T* zo = h.old.data() + r * h.cols;
+    long double kl = 0, tv = 0;
+    full_row_divergences(zn, zo, h.cols, kl, tv);
+    for (const int k : {16, 20, 256}) {
+      CAPTURE(k);
+      for (const auto d : {troll::dppo_divergence::topk_kl, troll::dppo_divergence::topk_tv}) {
+        troll::dppo_objective o = troll::dppo_objective::defaults(d);
+        o.top_k = k;
+        troll::token_batch<T> in;
+        in.tokens = h.tokens.data() + r;
+        in.advantages = h.advantages.data() + r;
+        const auto m = troll::objective_forward(troll::cpu, o, troll::make_batch(zn, 1, h.cols),
+                                                troll::make_batch(zo, 1, h.cols), in);
+        const long double want = d == troll::dppo_divergence::topk_kl ? kl : tv;
+        CHECK(std::isfinite(m.divergence_mean));
+        CHECK(std::fabs(m.divergence_mean - want) <= 1e-12 + 64 * u * want);
+      }
+    }
+    // The shared sums (troll/detail/objective_row.hpp) as the CUDA block adds them: log-probs
+    // as (x − m) − log s, accumulated pairwise (a reduction tree) and sequentially; both agree
+    // with the whole row, K = 20 taking all.
+    double mo = -INFINITY, mn = -INFINITY, so = 0, sn = 0;
+    for (std::size_t j = 0; j < h.cols; ++j) mo = std::max(mo, double(zo[j])), mn = std::max(mn, double(zn[j]));
+    for (std::size_t j = 0; j < h.cols; ++j) so += std::exp(double(zo[j]) - mo), sn += std::exp(double(zn[j]) - mn);
+    std::vector<troll::detail::topk_sums> leaves(h.cols);
+    troll::detail::topk_sums sequential;
+    for (std::size_t j = 0; j < h.cols; ++j) {
+      const double lp = (double(zo[j]) - mo) - std::log(so), lq = (double(zn[j]) - mn) - std::log(sn);
+      if (double(zo[j]) > -INFINITY) {
+        leaves[j].add(lp, lq);
+        sequential.add(lp, lq);
+      } else {
+        leaves[j].add_rest(lp, lq);
+        sequential.add_rest(lp, lq);
+      }
+    }
+    for (std::size_t half = h.cols / 2; half > 0; half /= 2)
+      for (std::size_t j = 0; j < half; ++j) {
+        leaves[j].abs_diff += leaves[j + half].abs_diff, leaves[j].plog += leaves[j + half].plog;
+        leaves[j].rest_p += leaves[j + half].rest_p, leaves[j].rest_q += leaves[j + half].rest_q;
+      }
+    for (const troll::detail::topk_sums& s : {leaves[0], sequential}) {
+      CHECK(s.rest_p == 0.0);
+      CHECK(std::fabs(s.kl() - kl) <= 1e-12 + 64 * u * kl);
+      CHECK(std::fabs(s.tv() - tv) <= 1e-12 + 64 * u * tv);
+    }
+  }
+}
+
 TEST_CASE("PPO clip and DPPO gradients with the finite-difference checker") {
   token_case c = make_case(10, 12, 77);
   troll::ppo_clip_objective ppo;
@@ -474,6 +555,41 @@ TEST_CASE("PPO clip and DPPO gradients with the finite-difference checker") {
     CHECK(m.limited_fraction > 0.0);
     CHECK(m.limited_fraction < 1.0);
   }
+}
+
+TEST_CASE("Aggregation weights: a bad mask counts as 0 in every other row's weight") {
+  // The rule the CUDA backend's aggregation kernels share (detail::counted_weight): a NaN,
+  // negative or +inf mask rejects its own row (the CPU throws before aggregating, the device
+  // writes that row NaN) and leaves the other rows' weights those of the batch with that mask 0.
+  // On an H100 a NaN mask made the token-mean normaliser NaN, so every row's gradient was NaN.
+  troll_test::host_batch<double> h(8, 4, 5u);
+  for (const double bad : {std::nan(""), -1.0, double(INFINITY)}) {
+    CAPTURE(bad);
+    for (const auto how : {troll::loss_aggregation::token_mean, troll::loss_aggregation::sequence_mean}) {
+      CAPTURE(int(how));
+      std::vector<double> mask = h.mask, zeroed = h.mask;
+      mask[5] = bad;
+      zeroed[5] = 0.0;
+      troll::token_batch<double> in = h.tokens_view(how), clean = in;
+      in.loss_mask = mask.data();
+      clean.loss_mask = zeroed.data();
+      std::vector<double> got(8), want(8);
+      std::size_t got_sequences = 0, want_sequences = 0;
+      troll::detail::aggregation_weights(in, 8, 1.5, &got_sequences, got.data());
+      troll::detail::aggregation_weights(clean, 8, 1.5, &want_sequences, want.data());
+      CHECK(got_sequences == want_sequences);
+      for (std::size_t r = 0; r < 8; ++r) {
+        CAPTURE(r);
+        CHECK(std::isfinite(got[r]));
+        if (r != 5) CHECK(got[r] == want[r]);
+      }
+    }
+  }
+  CHECK(troll::detail::counted_weight(0.5) == 0.5);
+  CHECK(troll::detail::counted_weight(0.0) == 0.0);
+  CHECK(troll::detail::counted_weight(-0.0) == 0.0);
+  CHECK(troll::detail::counted_weight(std::nan("")) == 0.0);
+  CHECK(troll::detail::counted_weight(-INFINITY) == 0.0);
 }
 
 TEST_CASE("Masks and aggregation: token mean, sequence mean, zero-mask rows") {

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <random>
 #include <string>
@@ -426,6 +427,68 @@ TEST_CASE("sparsify_merge rejects the same shard twice, other vocabularies and c
   other = c.left;
   other[1].heap[0].logit = nan_value;
   expect_merge_rejected<troll::domain_error>(other, c.right, 1, "into: heap entry 0 has logit nan");
+}
+
+// Issue 16: on an H100 the CUDA test of mixed shards threw "row 0: from: both states cover token
+// 6" for V = 9 cut at {0, 1, 6, 9}. The shared merge itself folds those shards in any order; the
+// message is exactly what the shared check gives when the last shard ([6, 9)) is merged a second
+// time into a fold that already holds it between two ranges — what a merge that read the next
+// upload of its reused `from` buffer leaves (a test-harness race, fixed in device_array::upload).
+TEST_CASE("sparsify_merge folds shards in any order; a shard merged twice between ranges names its first token") {
+  constexpr std::size_t rows = 2, vocab = 9;
+  const troll::sparsify_options options{4, 1e-5};
+  std::mt19937_64 rng(16);
+  const std::vector<double> z = random_logits(rows * vocab, 3.0, rng);
+  const std::vector<troll::token_id> sampled{7, 0};
+  const std::size_t cuts[] = {0, 1, 6, 9};
+  std::vector<std::vector<troll::sparsify_state>> shard(3, std::vector<troll::sparsify_state>(rows));
+  for (std::size_t j = 0; j < 3; ++j)
+    troll::sparsify_shard(troll::cpu, troll::batch_view<const double>{z.data() + cuts[j], rows, cuts[j + 1] - cuts[j], vocab},
+                          cuts[j], vocab, sampled.data(), options, shard[j].data());
+  sparse_rows<double> want(rows, 5, vocab);
+  troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), sampled.data(), options, want.view());
+
+  const auto fold = [&](std::initializer_list<std::size_t> order) {
+    auto it = order.begin();
+    std::vector<troll::sparsify_state> into = shard[*it++];
+    for (; it != order.end(); ++it) troll::sparsify_merge(troll::cpu, into.data(), shard[*it].data(), rows);
+    return into;
+  };
+  // Left to right, right to left, and the outer shards first (a fold covering [0, 1) ∪ [6, 9)).
+  for (const auto& states : {fold({0, 1, 2}), fold({2, 1, 0}), fold({0, 2, 1}), fold({1, 2, 0})}) {
+    for (const troll::sparsify_state& s : states) {
+      REQUIRE(s.range_count == 1);
+      CHECK(s.covered[0].begin == 0);
+      CHECK(s.covered[0].end == 9);
+    }
+    sparse_rows<double> got(rows, 5, vocab);
+    std::vector<troll::sparsify_state> copy = states;
+    troll::sparsify_finalize(troll::cpu, copy.data(), options, got.view());
+    CHECK(got.indices == want.indices);
+    CHECK(got.counts == want.counts);
+    for (std::size_t i = 0; i < want.log_probs.size(); ++i)
+      CHECK((got.log_probs[i] == want.log_probs[i] ||  // the −inf padding
+             std::abs(got.log_probs[i] - want.log_probs[i]) <= 1e-12 + 1e-12 * std::abs(want.log_probs[i])));
+    for (std::size_t r = 0; r < rows; ++r)
+      CHECK(std::abs(got.log_remainder[r] - want.log_remainder[r]) <= 1e-12 + 1e-12 * std::abs(want.log_remainder[r]));
+  }
+
+  const std::vector<troll::sparsify_state> outer = fold({0, 2});
+  REQUIRE(outer[0].range_count == 2);
+  CHECK(outer[0].covered[0].end == 1);
+  CHECK(outer[0].covered[1].begin == 6);
+  expect_merge_rejected<troll::invalid_input>(outer, shard[2], 0, "from: both states cover token 6");
+  std::vector<troll::sparsify_state> target = outer;
+  try {
+    troll::sparsify_merge(troll::cpu, target.data(), shard[2].data(), rows);
+    FAIL("merging [6, 9) twice was accepted");
+  } catch (const troll::invalid_input& e) {
+    CHECK(std::string(e.what()) ==
+          "troll::sparsify_merge: row 0: from: both states cover token 6 (the same shard merged twice, or "
+          "overlapping shards)");
+  }
+  // And a shard overlapping the gap's right edge from inside the gap.
+  expect_merge_rejected<troll::invalid_input>(outer, fold({1, 2}), 0, "from: both states cover token 6");
 }
 
 TEST_CASE("merging many scattered shards: any order works up to sparsify_max_ranges pieces, then a typed error") {

@@ -1,7 +1,7 @@
 // troll/cuda_sparse_objectives.cuh — TROLL's objective on sparse old rows under the troll::cuda
 // policy (nvcc only; reached through <troll/cuda.cuh>): objective_forward and objective_backward
-// with the CPU overloads' arguments (troll/sparse_objectives.hpp). Never run on a GPU yet: see
-// docs/cuda.md.
+// with the CPU overloads' arguments (troll/sparse_objectives.hpp). Tested on an NVIDIA H100
+// (2026-11-24): see docs/cuda.md.
 //
 //   std::size_t bytes = troll::workspace_bytes(troll::cuda, troll::op::objective_forward{}, obj, rows, V,
 //                                              aligned.k_max);

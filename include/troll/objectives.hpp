@@ -81,7 +81,9 @@ template <class T>
 void aggregation_weights(const token_batch<T>& in, std::size_t rows, double scale, std::size_t* sequences,
                          double* c) {
   for (std::size_t r = 0; r < rows; ++r) c[r] = 0.0;
-  auto mask = [&](std::size_t r) { return in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0; };
+  auto mask = [&](std::size_t r) {  // counted_weight: as the CUDA backend (validated rows: the mask)
+    return in.loss_mask ? counted_weight(static_cast<double>(in.loss_mask[r])) : 1.0;
+  };
   if (sequences) *sequences = 0;
   if (in.aggregation == loss_aggregation::token_mean) {
     double total = 0.0;

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -172,11 +173,42 @@ int lumped_pair(const aligned_batch_view<const T>& a, std::size_t r, double* zn,
   return n;
 }
 
+/// cpu::first_bad_row for checks that test distinct ids: the rows in runs of 256, each run on one
+/// thread with one distinct_ids_scratch (on its stack, cleared once per run); check(r, scratch)
+/// says whether row r is bad. Returns the lowest bad row, or rows.
+template <class Check>
+std::size_t first_bad_row_with_ids(unsigned threads, std::size_t rows, std::size_t work_per_row, Check&& check) {
+  constexpr std::size_t run = 256;
+  std::atomic<std::size_t> first{rows};
+  cpu::parallel_for(threads, (rows + run - 1) / run, run * work_per_row, [&](std::size_t b) {
+    cpu::distinct_ids_scratch scratch;
+    const std::size_t end = std::min(rows, (b + 1) * run);
+    for (std::size_t r = b * run; r < end; ++r) {
+      if (r >= first.load(std::memory_order_relaxed)) return;
+      if (check(r, scratch)) {
+        std::size_t seen = first.load();
+        while (r < seen && !first.compare_exchange_weak(seen, r)) {
+        }
+        return;
+      }
+    }
+  });
+  return first.load();
+}
+
+/// Never refuses a row: validate_aligned's default extra check.
+struct no_extra_check {
+  bool operator()(std::size_t) const { return false; }
+};
+
 /// Validates an aligned batch for KL / projection: both sides' sparse checks, then the dense
-/// row checks on the lumped rows (disjoint supports; with eps > 0, infeasibility).
-template <class T>
-void validate_aligned(const char* fn, unsigned threads, const aligned_batch_view<const T>& a,
-                      double eps) {
+/// row checks on the lumped rows (disjoint supports; with eps > 0, infeasibility). `extra_bad`
+/// is a caller's own yes/no check of row r, run in the same fast pass while the row is in cache
+/// (project_backward's checks of its other operands); returns whether it passed every row, so
+/// that only a batch with a refused row runs the caller's full checks (after these).
+template <class T, class Extra = no_extra_check>
+bool validate_aligned(const char* fn, unsigned threads, const aligned_batch_view<const T>& a, double eps,
+                      Extra&& extra_bad = Extra{}) {
   auto problem = [&](std::size_t r) {
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
     int slot[sparse_max_entries + 1];
@@ -196,27 +228,29 @@ void validate_aligned(const char* fn, unsigned threads, const aligned_batch_view
   // checks in their documented order (every row's new side, then old, then the lumped rows).
   const sparse_batch_view<const T> new_side = a.new_side(), old_side = a.old_side();
   const std::size_t any_bad =
-      cpu::first_bad_row(threads, a.rows, 16 * std::size_t(a.k_max) + 64, [&](std::size_t r) {
-        sparse_index table[cpu::distinct_table_slots];
+      first_bad_row_with_ids(threads, a.rows, 16 * std::size_t(a.k_max) + 64,
+                             [&](std::size_t r, cpu::distinct_ids_scratch& ids) {
         bool new_finite = false, old_finite = false;
         if (!cpu::sparse_indices_fine(new_side.row_indices(r), new_side.count(r), new_side.k_max, new_side.vocab,
-                                      table) ||
+                                      ids) ||
             !cpu::sparse_values_fine(new_side.row_log_probs(r), new_side.count(r), new_side.log_remainder[r],
                                      new_side.vocab, &new_finite) ||
             !cpu::sparse_values_fine(old_side.row_log_probs(r), old_side.count(r), old_side.log_remainder[r],
                                      old_side.vocab, &old_finite))
           return true;
+        if (extra_bad(r)) return true;
         // Every lumped category finite on both sides (values ≤ 0, a non-empty tail): the lumped
         // checks cannot fail (no NaN or +inf, nothing masked, so nothing disjoint or infeasible).
         if (new_finite && old_finite && a.vocab > std::size_t(a.counts[r])) return false;
         return bool(problem(r));
       });
-  if (any_bad == a.rows) return;
+  if (any_bad == a.rows) return true;
   validate_sparse(fn, threads, new_side, "new");
   validate_sparse(fn, threads, old_side, "old");
   const std::size_t bad = cpu::first_bad_row(threads, a.rows, 4 * std::size_t(sparse_max_entries),
                                              [&](std::size_t r) { return bool(problem(r)); });
   if (bad != a.rows) throw_problem(fn, bad, problem(bad));
+  return false;
 }
 
 template <class T>
@@ -719,12 +753,17 @@ void write_lumped_row(const aligned_batch_view<const T>& rows, std::size_t r, co
                       const double* lp, const sparse_batch_view<T>& out) {
   const int count = static_cast<int>(rows.counts[r]);
   T* out_lp = out.row_log_probs(r);
-  for (int i = 0; i < count; ++i) {
-    out.row_indices(r)[i] = rows.indices[r * rows.k_max + std::size_t(i)];
-    out_lp[i] = T(neg_inf());
+  sparse_index* out_ids = out.row_indices(r);
+  const sparse_index* ids = rows.indices + r * rows.k_max;
+  for (int i = 0; i < count; ++i) out_ids[i] = ids[i];
+  if (n == count + 1) {  // every category kept: slot[j] = j
+    for (int i = 0; i < count; ++i) out_lp[i] = T(lp[i]);
+    out.log_remainder[r] = T(lp[count]);
+  } else {
+    for (int i = 0; i < count; ++i) out_lp[i] = T(neg_inf());
+    out.log_remainder[r] = T(neg_inf());
+    for (int j = 0; j < n; ++j) (slot[j] < count ? out_lp[slot[j]] : out.log_remainder[r]) = T(lp[j]);
   }
-  out.log_remainder[r] = T(neg_inf());
-  for (int j = 0; j < n; ++j) (slot[j] < count ? out_lp[slot[j]] : out.log_remainder[r]) = T(lp[j]);
   out.counts[r] = count;
   pad_row(out.row_indices(r), out_lp, std::size_t(count), out.k_max);
 }
@@ -794,10 +833,10 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
   constexpr const char* fn = "project_backward";
   detail::check_sparse_project_backward_arguments(fn, rows, log_probs, stats, grad, grad_new, grad_old);
   const bool want_old = !grad_old.empty();
-  detail::validate_aligned(fn, policy.threads, rows, 0.0);
-  // One fast yes/no pass; only a batch with a bad row runs the checks below, which name it.
-  const std::size_t any_bad =
-      detail::cpu::first_bad_row(policy.threads, rows.rows, 8 * std::size_t(rows.k_max), [&](std::size_t r) {
+  // One fast yes/no pass over the aligned rows and, while each row is in cache, the output and
+  // upstream gradient of the same row; only a batch with a bad row runs the checks below, which
+  // name it (after validate_aligned's own, in that order).
+  const bool all_fine = detail::validate_aligned(fn, policy.threads, rows, 0.0, [&](std::size_t r) {
         const sparse_index c = log_probs.counts[r];
         if (c < 0 || std::size_t(c) > log_probs.k_max || c != rows.counts[r]) return true;
         const bool tail = rows.vocab > std::size_t(c);
@@ -809,7 +848,7 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
             tail ? rows.new_log_remainder[r] : masked, tail ? rows.old_log_remainder[r] : masked,
             grad.log_remainder[r]);
       });
-  detail::first_sparse_problem(fn, policy.threads, any_bad != rows.rows ? rows.rows : 0,
+  detail::first_sparse_problem(fn, policy.threads, all_fine ? 0 : rows.rows,
                                4 * std::size_t(sparse_max_entries),
                                [&](std::size_t r) {
                                  detail::cpu::sparse_problem p;
@@ -883,16 +922,34 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
     int slot[sparse_max_entries + 1];
     const int n = detail::lumped_pair(rows, r, zn, zo, slot);
     const int count = static_cast<int>(rows.counts[r]);
-    for (int j = 0; j < n; ++j) {
-      const bool bucket = slot[j] == count;
-      lp[j] = double(bucket ? log_probs.log_remainder[r] : log_probs.row_log_probs(r)[slot[j]]);
-      g[j] = double(bucket ? grad.log_remainder[r] : grad.row(r)[slot[j]]);
+    // n = count + 1: every category kept, slot[j] = j (the common case; loops the compiler
+    // vectorises). Otherwise through slot.
+    const bool identity = n == count + 1;
+    const T* row_lp = log_probs.row_log_probs(r);
+    const T* row_g = grad.row(r);
+    if (identity) {
+      for (int j = 0; j < count; ++j) lp[j] = double(row_lp[j]);
+      for (int j = 0; j < count; ++j) g[j] = double(row_g[j]);
+      lp[count] = double(log_probs.log_remainder[r]);
+      g[count] = double(grad.log_remainder[r]);
+    } else {
+      for (int j = 0; j < n; ++j) {
+        const bool bucket = slot[j] == count;
+        lp[j] = double(bucket ? log_probs.log_remainder[r] : row_lp[slot[j]]);
+        g[j] = double(bucket ? grad.log_remainder[r] : row_g[slot[j]]);
+      }
     }
     double row_grad_eps = 0.0;
     overflowed[r] = !detail::cpu::vjp_row(zn, zo, lp, g, std::size_t(n), stats[r], gn,
                                           want_old ? go : nullptr, &row_grad_eps);
     auto scatter = [&](const double* lumped, sparse_grad_view<T> to) {
       T* row = to.row(r);
+      if (identity) {
+        for (int j = 0; j < count; ++j) row[j] = T(lumped[j]);
+        for (std::size_t i = std::size_t(count); i < to.k_max; ++i) row[i] = T(0);
+        to.log_remainder[r] = T(lumped[count]);
+        return;
+      }
       for (std::size_t i = 0; i < to.k_max; ++i) row[i] = T(0);
       to.log_remainder[r] = T(0);
       for (int j = 0; j < n; ++j) (slot[j] == count ? to.log_remainder[r] : row[slot[j]]) = T(lumped[j]);

@@ -67,11 +67,17 @@ class device_array {
   E* get() const { return data_; }
   std::size_t size() const { return size_; }
   std::size_t bytes() const { return size_ * sizeof(E); }
+  /// Copy from the host, ordered after and before the work of every stream. cudaMemcpy runs on
+  /// the legacy default stream, which does not order the tests' non-blocking streams, so:
+  /// * before the copy, wait for the whole device: a kernel enqueued earlier (even by a checked
+  ///   call, which synchronises only for its validation pass, then enqueues the work and returns)
+  ///   may not yet have read the old contents. On an H100 a sparsify_merge queued on a test
+  ///   stream read the *next* state uploaded into its reused `from` buffer (write-after-read);
+  /// * after it, wait again: a pageable upload may return before its DMA lands.
   void upload(const std::vector<E>& host) {
     REQUIRE(host.size() <= size_);
+    CUDA_REQUIRE(cudaDeviceSynchronize());
     CUDA_REQUIRE(cudaMemcpy(data_, host.data(), host.size() * sizeof(E), cudaMemcpyHostToDevice));
-    // A pageable upload may return before its DMA lands, and the legacy stream it ran on does
-    // not order the tests' non-blocking streams: wait for the whole device.
     CUDA_REQUIRE(cudaDeviceSynchronize());
   }
   /// Copy to the host after every stream has finished. cudaMemcpy alone runs on the legacy

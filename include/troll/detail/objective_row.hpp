@@ -19,6 +19,16 @@
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 
+// ---- Aggregation ----
+
+/// A loss-mask entry as it enters the normalisers (Σ w, a sequence's Σ w) and the weights of the
+/// other rows: itself when a valid weight (finite, ≥ 0), else 0. A bad mask rejects its own row
+/// only (the CPU throws before aggregating; the CUDA backend reports the row and writes NaN to its
+/// outputs), so it must not turn every row's weight into NaN or shift them (a negative mask).
+TROLL_HOST_DEVICE inline double counted_weight(double mask) {
+  return mask >= 0.0 && mask < inf() ? mask : 0.0;
+}
+
 // ---- TROLL: ℓ = −(π*_a / q_a)·A + α·KL(p̃ ‖ stopgrad(π*)) ----
 
 /// Per-row coefficients of TROLL's fused backward. With c the token's aggregation weight
@@ -170,16 +180,17 @@ TROLL_HOST_DEVICE inline double binary_kl(double log_mu, double log_pi) {
   return maximum(head + xlog_ratio(rest_mu, rest_pi), 0.0);
 }
 
-/// Lumped top-K divergences from sums over the old row's top-K tokens (P old, Q new):
+/// Lumped top-K divergences from sums over the old row's top-K tokens K (P old, Q new) and over
+/// the rest of the row (rest_p = Σ_{j∉K} p_j, rest_q = Σ_{j∉K} q_j):
 ///   TV = ½ (Σ_K |p − q| + |rest_p − rest_q|),   KL = Σ_K p (log p − log q) + rest_p log(rest_p/rest_q)
-/// with rest = 1 − Σ_K (clamped at 0).
-TROLL_HOST_DEVICE inline double topk_tv(double sum_abs_diff, double sum_p, double sum_q) {
-  const double rest_p = maximum(1.0 - sum_p, 0.0), rest_q = maximum(1.0 - sum_q, 0.0);
+/// The rests are summed over the tokens outside K, never formed as 1 − Σ_K: when K holds (nearly)
+/// all the mass, 1 − Σ_K is rounding noise of either sign (±1e-16), and a positive rest_p against
+/// a rest_q rounded to 0 turned the KL into +inf (a token masked or kept by the summation order).
+TROLL_HOST_DEVICE inline double topk_tv(double sum_abs_diff, double rest_p, double rest_q) {
   const double d = rest_p - rest_q;
   return 0.5 * (sum_abs_diff + (d < 0.0 ? -d : d));
 }
-TROLL_HOST_DEVICE inline double topk_kl(double sum_plogratio, double sum_p, double sum_q) {
-  const double rest_p = maximum(1.0 - sum_p, 0.0), rest_q = maximum(1.0 - sum_q, 0.0);
+TROLL_HOST_DEVICE inline double topk_kl(double sum_plogratio, double rest_p, double rest_q) {
   return maximum(sum_plogratio + xlog_ratio(rest_p, rest_q), 0.0);
 }
 
@@ -221,19 +232,26 @@ struct ratio_objective_spec {
 /// Largest K of DPPO's top-K divergences.
 constexpr int dppo_max_top_k = 256;
 
-/// The sums over the old row's top-K tokens that the top-K divergences lump (P old, Q new):
-/// Σ p, Σ q, Σ |p − q| and Σ p log(p/q) (+inf once q = 0 on one of them).
+/// The sums the top-K divergences lump (P old, Q new): over the old row's top-K tokens Σ |p − q|
+/// and Σ p log(p/q) (+inf once q = 0 on one of them), over every other token (−inf in the old row
+/// included) the rests Σ p and Σ q.
 struct topk_sums {
-  double p = 0.0, q = 0.0, abs_diff = 0.0, plog = 0.0;
+  double abs_diff = 0.0, plog = 0.0, rest_p = 0.0, rest_q = 0.0;
 
   /// Adds one top-K token from its log-probabilities (old `log_p`, new `log_q`).
   TROLL_HOST_DEVICE void add(double log_p, double log_q) {
     const double pv = ::exp(log_p), qv = ::exp(log_q);
-    p += pv;
-    q += qv;
     abs_diff += pv > qv ? pv - qv : qv - pv;
     plog += log_q > neg_inf() ? pv * (log_p - log_q) : inf();
   }
+  /// Adds one token outside the top K (either log-probability may be −inf).
+  TROLL_HOST_DEVICE void add_rest(double log_p, double log_q) {
+    rest_p += log_p > neg_inf() ? ::exp(log_p) : 0.0;
+    rest_q += log_q > neg_inf() ? ::exp(log_q) : 0.0;
+  }
+  /// The lumped divergences of these sums.
+  TROLL_HOST_DEVICE double tv() const { return topk_tv(abs_diff, rest_p, rest_q); }
+  TROLL_HOST_DEVICE double kl() const { return topk_kl(plog, rest_p, rest_q); }
 };
 
 /// One token of a baseline: the surrogate, and DPPO's divergence (0 for PPO) through
@@ -255,10 +273,10 @@ TROLL_HOST_DEVICE inline surrogate_token ratio_token(const ratio_objective_spec&
       divergence = binary_kl(log_q_a, log_p_a);
       break;
     case kind::dppo_topk_tv:
-      divergence = topk_tv(sums.abs_diff, sums.p, sums.q);
+      divergence = sums.tv();
       break;
     default:
-      divergence = topk_kl(sums.plog, sums.p, sums.q);
+      divergence = sums.kl();
       break;
   }
   return dppo_token(ratio, advantage, dppo_keep(advantage, divergence, pi, mu, spec.a, spec.b));

@@ -175,8 +175,7 @@ TROLL_HOST_DEVICE void take_solution(const bracket_solution<Point>& solved, solv
 /// tolerance |KL − ε| ≤ atol + rtol·ε comes back not_converged with its best feasible member
 /// (KL < ε) as the point. The ends t = 0 and t = 1 are evaluated here; the bracketed Newton
 /// solve between them is family_solver.hpp's, each member one pass over the row (two where the
-/// closed-form KL is too coarse for the decision at hand). (The CPU's rows-in-lanes driver,
-/// detail/cpu/lane_solver.hpp, takes the same steps with the reductions of eight rows at once.)
+/// closed-form KL is too coarse for the decision at hand).
 #ifdef __CUDACC__
 #pragma nv_exec_check_disable
 #endif

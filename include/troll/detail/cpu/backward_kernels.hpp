@@ -108,6 +108,20 @@ inline block_array dt_dold_block(const T* zo, const backward_block& b, const pro
   return -((1.0 - t) * t * pi * b.centred - pi_minus_q) / (t * s.sigma2);
 }
 
+/// A packet of doubles from p[0..n), n < lanes, the other lanes `fill`: a masked load with AVX-512
+/// (nothing read past n), else a copy.
+template <class Packet>
+inline Packet load_partial(const double* p, long n, double fill) {
+  using namespace Eigen::internal;
+  constexpr long lanes = long(sizeof(Packet) / sizeof(double));
+#if defined(__AVX512F__)
+  if constexpr (lanes == 8) return _mm512_mask_loadu_pd(_mm512_set1_pd(fill), __mmask8((1u << unsigned(n)) - 1u), p);
+#endif
+  double copy[lanes];
+  for (long j = 0; j < lanes; ++j) copy[j] = j < n ? p[j] : fill;
+  return ploadu<Packet>(copy);
+}
+
 /// vjp_row without grad_old for a double row of at most block_size tokens whose logits are finite
 /// and whose log π* all lie in [−700, 0] (every token on J, no exponent where the packet exp
 /// clamps): two fused packet passes (π and d − μ with the two sums, then the gradient). Returns
@@ -120,26 +134,20 @@ inline int vjp_row_short(const double* zn, const double* zo, const double* logp,
   constexpr long lanes = long(sizeof(packet) / sizeof(double));
   if (size > long(block_size) || size == 0) return -1;
   const long padded = (size + lanes - 1) / lanes * lanes;
-  // The last partial packet is read from copies padded with g = 0 and log π = −700: its padding
+  // The last partial packet is read padded with g = 0 and log π = −700 (z̃ = z° = 0): its padding
   // lanes add nothing to the sums, and their π (e^{−700}) is never read.
-  double tail_zn[lanes], tail_zo[lanes], tail_lp[lanes], tail_g[lanes];
   const long whole = size - size % lanes;
-  for (long j = 0; j < lanes; ++j) {
-    const bool in = whole + j < size;
-    tail_zn[j] = in ? zn[whole + j] : 0.0;
-    tail_zo[j] = in ? zo[whole + j] : 0.0;
-    tail_lp[j] = in ? logp[whole + j] : -700.0;
-    tail_g[j] = in ? g[whole + j] : 0.0;
-  }
-  auto at = [&](const double* p, const double* tail, long k) { return k < whole ? p + k : tail; };
+  auto read = [&](const double* p, long k, double fill) {
+    return k < whole ? ploadu<packet>(p + k) : load_partial<packet>(p + k, size - k, fill);
+  };
   const bool projected = s.status == row_status::projected;
   double pi[block_size], centred[block_size];
   const packet mu = pset1<packet>(s.mu);
   packet lowest = pset1<packet>(0.0), odd = pset1<packet>(0.0), sg = odd, sgc = odd;
   for (long k = 0; k < padded; k += lanes) {
-    const packet lp = ploadu<packet>(at(logp, tail_lp, k));
-    const packet c = psub(psub(ploadu<packet>(at(zn, tail_zn, k)), ploadu<packet>(at(zo, tail_zo, k))), mu);
-    const packet gk = ploadu<packet>(at(g, tail_g, k));
+    const packet lp = read(logp, k, -700.0);
+    const packet c = psub(psub(read(zn, k, 0.0), read(zo, k, 0.0)), mu);
+    const packet gk = read(g, k, 0.0);
     lowest = pmin(lowest, lp);
     odd = padd(odd, padd(psub(c, c), psub(lp, lp)));  // NaN unless every d − μ and log π is finite
     pstoreu(pi + k, exp_nonpositive(lp));

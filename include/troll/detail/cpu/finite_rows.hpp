@@ -334,8 +334,8 @@ inline lse_state tilt_reduce_finite(const double* zn, const double* zo, long cou
   auto add = [&](const packet& a, const packet& b, const packet& valid, auto masked) {
     const packet dn = psub(a, rn), dold = psub(b, ro);
     const packet xk = psub(dn, dold);  // 0 in the padding (the reference's own logits)
-    // Explicit fused multiply-adds (not left to the compiler's contraction), so that the
-    // rows-in-lanes reduction (lane_solver.hpp) reproduces these bits.
+    // Explicit fused multiply-adds (not left to the compiler's contraction), so that every
+    // reduction of the same row (one pass or two) gives the same bits.
     packet wk = pmadd(ps, xk, low ? dold : dn);
     if (decltype(masked)::value) wk = pselect(valid, wk, pset1<packet>(neg_inf()));
     keep_first_max(wk, token, most, most_at);
@@ -406,81 +406,79 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
   auto weight = [&](const packet& a, const packet& b, packet& xk) {
     const packet dn = psub(a, rn), dold = psub(b, ro);
     xk = psub(dn, dold);
-    return pmadd(ps, xk, low ? dold : dn);  // explicit FMA: lane_solver.hpp reproduces these bits
+    return pmadd(ps, xk, low ? dold : dn);  // explicit FMA: the same bits in every pass
   };
-  packet most = pset1<packet>(neg_inf()), least = pset1<packet>(inf());
+  // Each lane keeps its largest w and the first token that has it (token ids as doubles), and
+  // its smallest w: the first token of the row's largest w comes out of the same pass.
+  packet most = pset1<packet>(neg_inf()), most_at = pset1<packet>(0.0), least = pset1<packet>(inf());
+  packet token = plset<packet>(0.0);
+  const packet step = pset1<packet>(double(lanes));
   double t0 = 0.0, t1 = 0.0, t2 = 0.0;
-  double m = neg_inf();
-  long mode_chunk = 0;  // the first chunk holding the largest w
   const long whole = count - count % lanes;
-  // One packet: x, w, the running extremes, e^w and the three weighted sums.
+  // One packet: x, w, e^w and the three weighted sums; returns w for the extremes.
   auto body = [&](const packet& a, const packet& b, packet& s0, packet& s1, packet& s2) {
     packet xk;
     const packet wk = weight(a, b, xk);
-    most = pmax(most, wk);
-    least = pmin(least, wk);
     const packet e = exp_bounded(wk);
     const packet ex = pmul(e, xk);
     s0 = padd(s0, e);
     s1 = padd(s1, ex);
     s2 = pmadd(ex, xk, s2);  // (e·x)·x, as tilt_evaluator
+    return wk;
   };
   for (long begin = 0; begin < whole; begin += chunk) {
     const long end = begin + chunk < whole ? begin + chunk : whole;
     packet s0 = pset1<packet>(0.0), s1 = s0, s2 = s0;
-    most = pset1<packet>(neg_inf());
-    for (long k = begin; k < end; k += lanes)
-      body(load_as_double<packet>(zn + k), load_as_double<packet>(zo + k), s0, s1, s2);
+    for (long k = begin; k < end; k += lanes) {
+      const packet wk = body(load_as_double<packet>(zn + k), load_as_double<packet>(zo + k), s0, s1, s2);
+      keep_first_max(wk, token, most, most_at);
+      least = pmin(least, wk);
+      token = padd(token, step);
+    }
     t0 += predux(s0), t1 += predux(s1), t2 += predux(s2);
-    const double chunk_most = predux_max(most);
-    if (chunk_most > m) m = chunk_most, mode_chunk = begin;
   }
-  double a[lanes], b[lanes];
   if (whole < count) {  // the last partial packet: padded with the reference (x = w = 0), weight 0
-    double keep[lanes];
-    for (long j = 0; j < lanes; ++j) {
-      const bool in = whole + j < count;
-      a[j] = in ? double(zn[whole + j]) : ref.zn;
-      b[j] = in ? double(zo[whole + j]) : ref.zo;
-      keep[j] = in ? 1.0 : 0.0;
+    packet pa, pb, use;
+#if defined(__AVX512F__)
+    if constexpr (lanes == 8) {
+      const __mmask8 in = __mmask8((1u << unsigned(count - whole)) - 1u);
+      if constexpr (std::is_same<T, double>::value) {
+        pa = _mm512_mask_loadu_pd(rn, in, zn + whole);
+        pb = _mm512_mask_loadu_pd(ro, in, zo + whole);
+      } else {
+        pa = _mm512_mask_mov_pd(rn, in, _mm512_cvtps_pd(_mm256_maskz_loadu_ps(in, zn + whole)));
+        pb = _mm512_mask_mov_pd(ro, in, _mm512_cvtps_pd(_mm256_maskz_loadu_ps(in, zo + whole)));
+      }
+      use = _mm512_maskz_mov_pd(in, _mm512_set1_pd(1.0));
+    } else
+#endif
+    {
+      double a[lanes], b[lanes], keep[lanes];
+      for (long j = 0; j < lanes; ++j) {
+        const bool in = whole + j < count;
+        a[j] = in ? double(zn[whole + j]) : ref.zn;
+        b[j] = in ? double(zo[whole + j]) : ref.zo;
+        keep[j] = in ? 1.0 : 0.0;
+      }
+      pa = ploadu<packet>(a), pb = ploadu<packet>(b), use = ploadu<packet>(keep);
     }
-    const packet use = ploadu<packet>(keep);
-    const packet least_before = least;
     packet s0 = pset1<packet>(0.0), s1 = s0, s2 = s0;
-    most = pset1<packet>(neg_inf());
-    body(ploadu<packet>(a), ploadu<packet>(b), s0, s1, s2);
-    // padded lanes change nothing: their extremes are undone, their sums multiplied by 0
+    const packet wk = body(pa, pb, s0, s1, s2);
+    // padded lanes change nothing: kept out of the extremes, their sums multiplied by 0
     const packet pad = pcmp_eq(use, pset1<packet>(0.0));
-    most = pselect(pad, pset1<packet>(neg_inf()), most);
-    least = pselect(pad, least_before, least);
+    keep_first_max(pselect(pad, pset1<packet>(neg_inf()), wk), token, most, most_at);
+    least = pmin(least, pselect(pad, pset1<packet>(inf()), wk));
     t0 += predux(pmul(s0, use)), t1 += predux(pmul(s1, use)), t2 += predux(pmul(s2, use));
-    const double tail_most = predux_max(most);
-    if (tail_most > m) m = tail_most, mode_chunk = whole;
   }
+  const double m = predux_max(most);
   if (!(m <= 600.0 && predux_min(least) >= -707.0)) return false;
-  // The first token of the largest w: its chunk's w again, packet by packet, then lane by lane.
-  long at = mode_chunk;
-  if (mode_chunk < whole) {
-    const long end = mode_chunk + chunk < whole ? mode_chunk + chunk : whole;
-    const packet target = pset1<packet>(m);
-    packet xk;
-    while (at < end && !predux_any(pcmp_eq(weight(load_as_double<packet>(zn + at), load_as_double<packet>(zo + at), xk), target)))
-      at += lanes;
-    if (at < end) {
-      double w_lanes[lanes];
-      pstoreu(w_lanes, weight(load_as_double<packet>(zn + at), load_as_double<packet>(zo + at), xk));
-      long j = 0;
-      while (w_lanes[j] != m) ++j;
-      at += j;
-    }
-  } else {
-    packet xk;
-    double w_lanes[lanes];
-    pstoreu(w_lanes, weight(ploadu<packet>(a), ploadu<packet>(b), xk));
-    long j = 0;
-    while (w_lanes[j] != m) ++j;
-    at = whole + j;
-  }
+  // The first token of the largest w: the smallest first token among the lanes that reach it.
+  double lane_most[lanes], lane_at[lanes];
+  pstoreu(lane_most, most);
+  pstoreu(lane_at, most_at);
+  long at = count;
+  for (long j = 0; j < lanes; ++j)
+    if (lane_most[j] == m && long(lane_at[j]) < at) at = long(lane_at[j]);
   double scale_lanes[lanes];
   pstoreu(scale_lanes, exp_bounded(pset1<packet>(-m)));
   const double scale = scale_lanes[0];

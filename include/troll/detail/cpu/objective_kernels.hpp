@@ -5,6 +5,7 @@
 #pragma once
 
 #include "eigen.hpp"
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -156,7 +157,8 @@ inline bool troll_backward_row(const T* zn, const T* zo, const T* log_pi, std::s
 using detail::dppo_max_top_k;
 using detail::ratio_objective_spec;
 
-/// The sums over the old row's top-K tokens (by logit, ties to the lower index; P old, Q new).
+/// The sums over the old row's top-K tokens (by logit, ties to the lower index; P old, Q new),
+/// and the rests over every other token, summed directly (topk_sums).
 template <class T>
 inline topk_sums gather_topk_sums(const T* zn, const T* zo, std::size_t size, double log_norm_new,
                                   double log_norm_old, int k) {
@@ -167,10 +169,24 @@ inline topk_sums gather_topk_sums(const T* zn, const T* zo, std::size_t size, do
     for (Eigen::Index j = 0; j < count; ++j) top.push(b[j], std::int64_t(begin) + j);
   });
   topk_sums sums;
+  std::int64_t taken[dppo_max_top_k];
   for (int i = 0; i < top.size; ++i) {
     const std::int64_t j = top.index[i];
+    taken[i] = j;
     sums.add(static_cast<double>(zo[j]) - log_norm_old, static_cast<double>(zn[j]) - log_norm_new);
   }
+  // The rests: every block's exponentials with the top-K entries zeroed (exact_exp: 0 at −inf).
+  std::sort(taken, taken + top.size);
+  const std::int64_t* next = taken;
+  const std::int64_t* const last = taken + top.size;
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    block_array p = exact_exp(load(zo, begin, count) - log_norm_old);
+    block_array q = exact_exp(load(zn, begin, count) - log_norm_new);
+    for (; next != last && *next < std::int64_t(begin) + count; ++next)
+      p[*next - std::int64_t(begin)] = q[*next - std::int64_t(begin)] = 0.0;
+    sums.rest_p += p.sum();
+    sums.rest_q += q.sum();
+  });
   return sums;
 }
 

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "../../config.hpp"
 #include "../numeric.hpp"
@@ -50,17 +51,84 @@ inline bool sparse_indices_fine(const sparse_index* indices, long long count, st
   return true;
 }
 
-/// Σ_i exp(l_i) over a row's log-probs (all ≤ 0 or −inf) and the bound on its rounding error
-/// used by sparse_values_fine, in whole packets (the last one padded with −inf). Float rows take
-/// their exponentials and the sum in float, sixteen lanes with AVX-512: each term within a few
-/// float ulps, so the total within (n + 2)·2.5e-7 of the exact sum when it is near 1 (every term
-/// is ≤ 1). Double rows in double (exp_nonpositive: e^{−700} at most for a term below −700).
+/// Scratch of the distinct-id checks of a run of rows (one thread's run of a batch, on its
+/// stack): an open-addressed table whose entries carry the stamp of the row that filled them,
+/// (stamp << 32) | id, so that a new row empties it by taking the next stamp, not by clearing.
+struct distinct_ids_scratch {
+  std::uint64_t slots[distinct_table_slots] = {};  // stamp 0: empty for every row
+  std::uint64_t stamp = 0;
+};
+
+/// sparse_indices_fine through the stamped table of `scratch` (the first power of two ≥ 4·count
+/// slots, at least 16 and at most distinct_table_slots: a quarter full for the supports
+/// sparsify writes), with nothing to clear per row.
+inline bool sparse_indices_fine(const sparse_index* indices, long long count, std::size_t capacity,
+                                std::size_t vocab, distinct_ids_scratch& scratch) {
+  if (count < 0 || count > static_cast<long long>(capacity) || count > static_cast<long long>(vocab) ||
+      count > sparse_max_entries)
+    return false;
+  const int n = static_cast<int>(count);
+  int bits = 4;
+  while ((1 << bits) < 4 * n && (1 << bits) < distinct_table_slots) ++bits;
+  const std::uint32_t mask = (std::uint32_t(1) << bits) - 1;
+  const std::uint64_t stamp = ++scratch.stamp << 32;
+  constexpr std::uint64_t stamp_bits = ~std::uint64_t(0xffffffffu);
+  std::uint64_t* slots = scratch.slots;
+  for (int i = 0; i < n; ++i) {
+    const sparse_index v = indices[i];
+    if (v < 0 || static_cast<std::size_t>(v) >= vocab) return false;
+    const std::uint32_t id = static_cast<std::uint32_t>(v);
+    std::uint32_t h = (id * 2654435761u) >> (32 - bits);  // Knuth's multiplier
+    for (std::uint64_t e = slots[h]; (e & stamp_bits) == stamp; e = slots[h]) {
+      if (std::uint32_t(e) == id) return false;
+      h = (h + 1) & mask;
+    }
+    slots[h] = stamp | id;
+  }
+  return true;
+}
+
+/// The last partial packet of log_probs[k..n) (n − k < lanes), padded with −inf: a masked load
+/// with AVX-512 (nothing read past n), else a copy.
+template <class Packet, class T>
+inline Packet load_padded(const T* log_probs, int k, int n) {
+  using namespace Eigen::internal;
+  constexpr int lanes = int(sizeof(Packet) / sizeof(T));
+  constexpr T lowest = -std::numeric_limits<T>::infinity();
+#if defined(__AVX512F__)
+  if constexpr (std::is_same<T, float>::value && lanes == 16) {
+    const __mmask16 m = __mmask16((1u << unsigned(n - k)) - 1u);
+    return Packet(_mm512_mask_loadu_ps(_mm512_set1_ps(lowest), m, log_probs + k));
+  }
+  if constexpr (std::is_same<T, double>::value && lanes == 8) {
+    const __mmask8 m = __mmask8((1u << unsigned(n - k)) - 1u);
+    return Packet(_mm512_mask_loadu_pd(_mm512_set1_pd(lowest), m, log_probs + k));
+  }
+#endif
+  T last[lanes];
+  for (int j = 0; j < lanes; ++j) last[j] = k + j < n ? log_probs[k + j] : lowest;
+  return ploadu<Packet>(last);
+}
+
+/// What one packet pass over a sparse row's log-probs finds: Σ_i exp(l_i) + exp(log_remainder)
+/// and the bound on its rounding error, and whether some log-prob is NaN or above 0 (`bad`),
+/// −inf (`masked`) or above −inf (`some`).
+struct fast_row_values {
+  double mass = 0.0, error = 0.0;
+  bool bad = false, masked = false, some = false;
+};
+
+/// fast_row_values of log_probs[0..n) and log_remainder (the mass is meaningful only when
+/// nothing is bad), in whole packets (the last one padded with −inf, the remainder in its first
+/// padding lane, or in a packet of its own when n is whole packets). Float rows take their
+/// exponentials and the sum in float, sixteen lanes with AVX-512: each term within a few float
+/// ulps, so the total within (n + 3)·2.5e-7 of the exact sum when it is near 1 (every term is
+/// ≤ 1). Double rows in double (exp_nonpositive: e^{−700} at most for a term below −700).
 template <class T>
-inline double fast_mass(const T* log_probs, int n, double& error) {
+inline fast_row_values fast_values(const T* log_probs, int n, T log_remainder) {
   using namespace Eigen::internal;
   using packet = typename packet_traits<T>::type;
   constexpr int lanes = int(sizeof(packet) / sizeof(T));
-  error = sizeof(T) < sizeof(double) ? (n + 2) * 2.5e-7 : 1e-9;
   auto exp_of = [](const packet& l) {
     if constexpr (sizeof(T) < sizeof(double)) {
       return pexp(l);  // Eigen's float exp: exp(−inf) is a tiny positive number, harmless here
@@ -68,45 +136,56 @@ inline double fast_mass(const T* log_probs, int n, double& error) {
       return exp_nonpositive(l);
     }
   };
-  packet acc = pset1<packet>(T(0));
+  const packet zero = pset1<packet>(T(0)), lowest = pset1<packet>(-std::numeric_limits<T>::infinity());
+  packet acc = zero, bad = zero, masked = zero, some = zero;  // the flags as lane masks
+  auto flags = [&](const packet& l) {
+    bad = por(bad, pcmp_lt_or_nan(zero, l));  // !(l ≤ 0)
+    masked = por(masked, pcmp_eq(l, lowest));
+    some = por(some, pcmp_lt(lowest, l));
+  };
   int k = 0;
-  for (; k + lanes <= n; k += lanes) acc = padd(acc, exp_of(ploadu<packet>(log_probs + k)));
-  if (k < n) {
-    T last[lanes];
-    for (int j = 0; j < lanes; ++j) last[j] = k + j < n ? log_probs[k + j] : -std::numeric_limits<T>::infinity();
-    acc = padd(acc, exp_of(ploadu<packet>(last)));
+  for (; k + lanes <= n; k += lanes) {
+    const packet l = ploadu<packet>(log_probs + k);
+    flags(l);
+    acc = padd(acc, exp_of(l));
   }
-  return static_cast<double>(predux(acc));
+  const packet lane = plset<packet>(T(0)), first_pad = pset1<packet>(T(n - k));
+  if (k < n) {  // padding lanes are −inf: neither bad nor some, and kept out of masked
+    const packet l = load_padded<packet>(log_probs, k, n);
+    const packet masked_before = masked;
+    flags(l);
+    masked = por(masked_before, pand(pcmp_lt(lane, first_pad), pcmp_eq(l, lowest)));
+    acc = padd(acc, exp_of(pselect(pcmp_eq(lane, first_pad), pset1<packet>(log_remainder), l)));
+  } else {
+    acc = padd(acc, exp_of(pselect(pcmp_eq(lane, zero), pset1<packet>(log_remainder), lowest)));
+  }
+  fast_row_values v;
+  v.mass = static_cast<double>(predux(acc));
+  v.error = sizeof(T) < sizeof(double) ? (n + 3) * 2.5e-7 : 1e-9;
+  v.bad = predux_any(bad);
+  v.masked = predux_any(masked);
+  v.some = predux_any(some);
+  return v;
 }
 
 /// Whether the values of a sparse row with distinct in-range indices pass check_sparse_row:
 /// log-probs and log-remainder not NaN and ≤ 0, no remainder mass when count = V, some mass, and
-/// Σ p_i + r within sparse_mass_tolerance<T>() of 1. The sum is taken with vectorised
-/// exponentials (fast_mass); where it lands within its error bound of the tolerance's edge (or
+/// Σ p_i + r within sparse_mass_tolerance<T>() of 1. One packet pass (fast_values) finds the
+/// flags and the sum; where the sum lands within its error bound of the tolerance's edge (or
 /// outside) the scalar double sum of check_sparse_row decides, so both accept the same rows.
 /// `finite`, when given, receives whether every log-prob and the log-remainder are above −inf.
 template <class T>
 inline bool sparse_values_fine(const T* log_probs, long long count, T log_remainder, std::size_t vocab,
                                bool* finite = nullptr) {
   const int n = static_cast<int>(count);
-  // Integer OR-reductions in T, which the compiler vectorises (a running max would not be).
-  constexpr T lowest = -std::numeric_limits<T>::infinity();
-  int bad = 0, masked = 0, some = 0;
-  for (int i = 0; i < n; ++i) {
-    const T l = log_probs[i];
-    bad |= !(l <= T(0));
-    masked |= l == lowest;
-    some |= l > lowest;
-  }
+  const fast_row_values v = fast_values(log_probs, n, log_remainder);
   const double r = static_cast<double>(log_remainder);
-  if (finite) *finite = masked == 0 && r > neg_inf();
-  if (bad != 0 || !(r <= 0.0)) return false;
+  if (finite) *finite = !v.masked && r > neg_inf();
+  if (v.bad || !(r <= 0.0)) return false;
   if (static_cast<std::size_t>(n) == vocab && r > neg_inf()) return false;
-  if (some == 0 && !(r > neg_inf())) return false;
-  double error = 0.0;
-  const double mass = fast_mass(log_probs, n, error) + ::exp(r);
+  if (!v.some && !(r > neg_inf())) return false;
   const double tol = sparse_mass_tolerance<T>();
-  if (mass >= 1.0 - tol + error && mass <= 1.0 + tol - error) return true;
+  if (v.mass >= 1.0 - tol + v.error && v.mass <= 1.0 + tol - v.error) return true;
   const double exact = sparse_row_mass(log_probs, n, r);
   return exact >= 1.0 - tol && exact <= 1.0 + tol;
 }

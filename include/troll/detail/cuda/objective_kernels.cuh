@@ -208,8 +208,9 @@ __device__ inline bool opens_sequence(const token_batch<T>& in, std::size_t r) {
 
 /// The sums of the normaliser over the rows a thread owns: every row for the token mean, the
 /// sequences it opens for the sequence mean (each walked to its end, so each thread's work is
-/// its sequences' length). `per_row(r, w)` sees every counted row; `per_sequence(begin, end,
-/// total)` every counted sequence.
+/// its sequences' length). `per_row(r, w)` sees every counted row (w ≠ 0, a bad mask included);
+/// `per_sequence(begin, end, total)` every counted sequence. The normalisers take a bad mask
+/// (NaN, negative, +inf: a rejected row) as 0 (counted_weight), as the weights do.
 template <class T, class PerRow, class PerSequence>
 __device__ void for_owned_rows(const token_batch<T>& in, std::size_t rows, objective_sums& sums,
                                const PerRow& per_row, const PerSequence& per_sequence) {
@@ -217,13 +218,14 @@ __device__ void for_owned_rows(const token_batch<T>& in, std::size_t rows, objec
     const double w = mask_of(in, r);
     if (w != 0.0) per_row(r, w);
     if (in.aggregation == loss_aggregation::token_mean) {
-      sums.normaliser += w;
+      sums.normaliser += counted_weight(w);
       continue;
     }
     if (!opens_sequence(in, r)) continue;
     std::size_t stop = r;
     double total = 0.0;
-    while (stop < rows && in.sequence_ids[stop] == in.sequence_ids[r]) total += mask_of(in, stop++);
+    while (stop < rows && in.sequence_ids[stop] == in.sequence_ids[r])
+      total += counted_weight(mask_of(in, stop++));
     if (!(total > 0.0)) continue;
     sums.normaliser += 1.0;
     per_sequence(r, stop, total);
@@ -247,7 +249,8 @@ __global__ void __launch_bounds__(block_threads)
         local.ratio += x.ratio;
         local.limited += x.limited;
         local.divergence += x.divergence;
-        if (token_mean) local.loss += w * x.loss;
+        // A rejected row's record is NaN: it makes the loss NaN in both aggregations.
+        if (token_mean || x.loss != x.loss) local.loss += w * x.loss;
         if (stats == nullptr) {
           local.kl_before += x.kl_reg;
           local.kl_after += x.kl_reg;
@@ -276,8 +279,9 @@ __global__ void __launch_bounds__(block_threads)
   const objective_sums total = block_all_reduce(storage, local, merge_objective_sums{});
   if (threadIdx.x != 0) return;
   objective_metrics m;
-  // 0 for an empty batch; NaN (not 0) when a rejected row's NaN mask reached the normaliser.
-  m.loss = total.normaliser == 0.0 ? 0.0 : total.loss / total.normaliser;
+  // 0 for an empty batch; NaN when a counted row was rejected (total.loss is then NaN, also
+  // where a bad mask left the normaliser 0).
+  m.loss = total.normaliser == 0.0 ? total.loss : total.loss / total.normaliser;
   m.tokens = static_cast<std::size_t>(total.tokens);
   m.sequences = token_mean ? 0 : static_cast<std::size_t>(total.normaliser);
   if (m.tokens != 0) {
@@ -297,7 +301,9 @@ __global__ void __launch_bounds__(block_threads)
 }
 
 /// One block: the backward's weights, records[r].weight = w_r (token mean) or w_r / Σ_{seq} w
-/// (sequence mean, 0 in sequences of mask sum 0), and the normaliser (Σ w or S) in `header`.
+/// (sequence mean, 0 in sequences of mask sum 0), and the normaliser (Σ w or S) in `header`; a
+/// bad mask counts as 0 everywhere (counted_weight; its row's gradient is NaN by its report), so
+/// the other rows' gradients are the CPU's for the batch with that row's mask 0.
 template <class T>
 __global__ void __launch_bounds__(block_threads)
     aggregation_weights_kernel(token_batch<T> in, std::size_t rows, objective_row_record* header,
@@ -306,13 +312,14 @@ __global__ void __launch_bounds__(block_threads)
   objective_sums local;
   const bool token_mean = in.aggregation == loss_aggregation::token_mean;
   for (std::size_t r = threadIdx.x; r < rows; r += block_threads)
-    records[r].weight = token_mean ? mask_of(in, r) : 0.0;
+    records[r].weight = token_mean ? counted_weight(mask_of(in, r)) : 0.0;
   // A thread that opens a sequence writes the weights of rows other threads zeroed above.
   __syncthreads();
   for_owned_rows(
       in, rows, local, [](std::size_t, double) {},
       [&](std::size_t begin, std::size_t stop, double total) {
-        for (std::size_t r = begin; r < stop; ++r) records[r].weight = mask_of(in, r) / total;
+        for (std::size_t r = begin; r < stop; ++r)
+          records[r].weight = counted_weight(mask_of(in, r)) / total;
       });
   const objective_sums total = block_all_reduce(storage, local, merge_objective_sums{});
   if (threadIdx.x == 0) header->weight = total.normaliser;
@@ -441,10 +448,10 @@ enum topk_selection : int {
 struct add_topk_sums {
   __device__ topk_sums operator()(const topk_sums& a, const topk_sums& b) const {
     topk_sums s;
-    s.p = a.p + b.p;
-    s.q = a.q + b.q;
     s.abs_diff = a.abs_diff + b.abs_diff;
     s.plog = a.plog + b.plog;
+    s.rest_p = a.rest_p + b.rest_p;
+    s.rest_q = a.rest_q + b.rest_q;
     return s;
   }
 };
@@ -453,8 +460,8 @@ struct add_topk_sums {
 /// to the lower index, −inf never taken) are found by a radix select on order_key, 8 bits per
 /// pass from the top, stopping as soon as the K-th entry's bin is taken whole (usually after two
 /// or three passes over the row); exact ties at the K-th value are broken by index in one more
-/// pass. log p_j = (z°_j − m_old) − ls_old, log q_j = (z̃_j − m_new) − ls_new. Every thread
-/// returns the sums. Reached by all threads of the block.
+/// pass. log p_j = (z°_j − m_old) − ls_old, log q_j = (z̃_j − m_new) − ls_new; the entries not
+/// taken feed the rests. Every thread returns the sums. Reached by all threads of the block.
 template <class T>
 __device__ topk_sums block_topk_sums(const T* zn, const T* zo, std::size_t size, double m_new,
                                      double ls_new, double m_old, double ls_old, int k,
@@ -529,14 +536,18 @@ __device__ topk_sums block_topk_sums(const T* zn, const T* zo, std::size_t size,
   topk_sums local;
   for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
     const double x = static_cast<double>(zo[i]);
-    if (!(x > neg_inf())) continue;
-    bool chosen = state == topk_all;
-    if (!chosen) {
+    const double log_p = (x - m_old) - ls_old, log_q = (static_cast<double>(zn[i]) - m_new) - ls_new;
+    bool chosen = x > neg_inf() && state == topk_all;
+    if (x > neg_inf() && !chosen) {
       const unsigned long long key = order_key(x);
       chosen = key > threshold ||
                (key == threshold && (state == topk_at_least || i <= tie_cut));
     }
-    if (chosen) local.add((x - m_old) - ls_old, (static_cast<double>(zn[i]) - m_new) - ls_new);
+    if (chosen) {
+      local.add(log_p, log_q);
+    } else {  // the rests, −inf entries of the old row included (topk_sums)
+      local.add_rest(log_p, log_q);
+    }
   }
   return block_all_reduce(st.sums, local, add_topk_sums{});
 }

@@ -1,0 +1,137 @@
+// tests/test_sparse_fast_checks.cpp — the CPU's one-pass yes/no value check of a sparse row
+// (detail/cpu/sparse_fast_checks.hpp: sparse_values_fine) against the full check it stands in
+// for (check_sparse_row), which decides with a scalar double sum. Rows of every count from 0 to
+// 49 (partial last packets, whole packets with the remainder in a packet of its own), masses
+// swept across both edges of the tolerance, masked entries, NaN / +inf / positive values at
+// every position of a packet, and the remainder masked or not. And the distinct-id check through
+// a scratch shared by a run of rows (sparse_indices_fine with distinct_ids_scratch, whose table
+// is emptied by a new stamp per row, not cleared) against sorting.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <troll/sparse.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+namespace {
+
+using troll::sparse_index;
+
+/// Whether check_sparse_row accepts the row (its indices 0..n−1 are distinct and in range).
+template <class T>
+bool full_check_accepts(const std::vector<T>& lp, T log_remainder, std::size_t vocab) {
+  std::vector<sparse_index> ids(lp.size());
+  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = sparse_index(i);
+  std::vector<troll::detail::index_slot> scratch(troll::sparse_max_entries);
+  const auto p = troll::detail::cpu::check_sparse_row(ids.data(), lp.data(), (long long)lp.size(), log_remainder,
+                                                      lp.size(), vocab, "x", scratch.data());
+  return !p;
+}
+
+template <class T>
+void agree(const std::vector<T>& lp, T log_remainder, std::size_t vocab) {
+  bool finite = true;
+  const bool fast = troll::detail::cpu::sparse_values_fine(lp.data(), (long long)lp.size(), log_remainder, vocab, &finite);
+  const bool full = full_check_accepts(lp, log_remainder, vocab);
+  CHECK(fast == full);
+  // "above −inf": the remainder compared, the log-probs not −inf (a NaN is refused anyway)
+  bool every_finite = log_remainder > -std::numeric_limits<T>::infinity();
+  for (const T l : lp) every_finite = every_finite && l != -std::numeric_limits<T>::infinity();
+  CHECK(finite == every_finite);
+}
+
+/// A row of n entries plus remainder whose probabilities sum to `mass` (remainder share 1/8, or
+/// none when masked), with the entries at `masked` set to −inf (their share moved elsewhere).
+template <class T>
+void sweep(std::mt19937_64& rng) {
+  const double tol = troll::sparse_mass_tolerance<T>();
+  std::uniform_real_distribution<double> u(0.05, 1.0);
+  for (int n = 0; n < 50; ++n) {
+    CAPTURE(n);
+    for (int with_remainder = 0; with_remainder < 2; ++with_remainder) {
+      if (n == 0 && !with_remainder) continue;
+      std::vector<double> w(std::size_t(n) + 1);
+      for (double& x : w) x = u(rng);
+      if (!with_remainder) w[std::size_t(n)] = 0.0;
+      double total = 0.0;
+      for (const double x : w) total += x;
+      // Masses at and around both edges, in steps of a tenth of the tolerance, and far off.
+      for (const double k : {-30.0, -10.5, -10.1, -10.0, -9.9, -9.5, -5.0, 0.0, 5.0, 9.5, 9.9, 10.0, 10.1, 10.5, 30.0}) {
+        const double mass = 1.0 + k * tol / 10.0;
+        CAPTURE(mass);
+        std::vector<T> lp(static_cast<std::size_t>(n));
+        for (int i = 0; i < n; ++i) lp[std::size_t(i)] = T(std::log(w[std::size_t(i)] / total * mass));
+        const T r = with_remainder ? T(std::log(w[std::size_t(n)] / total * mass)) : -std::numeric_limits<T>::infinity();
+        agree(lp, r, std::size_t(n) + 10);
+        agree(lp, r, std::size_t(n));  // count = V: remainder mass is refused
+        if (n > 1) {  // one entry masked, its mass in the first entry (the partial packet included)
+          std::vector<T> masked = lp;
+          const std::size_t at = std::size_t(n - 1 - (n - 1) % 3);
+          if (at != 0) {
+            masked[0] = T(std::log(std::exp(double(masked[0])) + std::exp(double(masked[at]))));
+            masked[at] = -std::numeric_limits<T>::infinity();
+            agree(masked, r, std::size_t(n) + 10);
+          }
+        }
+      }
+    }
+    // Bad values at every position: NaN, +inf, a positive log-prob; and an all-masked row.
+    for (int at = 0; at < n; ++at) {
+      for (const T bad : {std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::infinity(), T(0.25)}) {
+        std::vector<T> lp(std::size_t(n), T(std::log(1.0 / (n + 1))));
+        lp[std::size_t(at)] = bad;
+        agree(lp, T(std::log(1.0 / (n + 1))), std::size_t(n) + 10);
+      }
+    }
+    std::vector<T> none(std::size_t(n), -std::numeric_limits<T>::infinity());
+    agree(none, -std::numeric_limits<T>::infinity(), std::size_t(n) + 10);
+    agree(none, T(0), std::size_t(n) + 10);
+    agree(none, std::numeric_limits<T>::quiet_NaN(), std::size_t(n) + 10);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("sparse_values_fine accepts exactly the rows check_sparse_row accepts: float") {
+  std::mt19937_64 rng(11);
+  sweep<float>(rng);
+}
+
+TEST_CASE("sparse_values_fine accepts exactly the rows check_sparse_row accepts: double") {
+  std::mt19937_64 rng(12);
+  sweep<double>(rng);
+}
+
+TEST_CASE("sparse_indices_fine over a run of rows sharing one scratch agrees with sorting") {
+  std::mt19937_64 rng(13);
+  const std::size_t vocab = 151936;
+  troll::detail::cpu::distinct_ids_scratch scratch;
+  std::vector<sparse_index> table(troll::detail::cpu::distinct_table_slots);
+  for (int row = 0; row < 3000; ++row) {
+    CAPTURE(row);
+    const int n = row % 7 == 0 ? int(rng() % 3) : int(rng() % 300);
+    std::vector<sparse_index> ids(static_cast<std::size_t>(n));
+    // Rows drawn from a small range repeat ids often; from the whole vocabulary, rarely.
+    const std::uint64_t range = row % 3 == 0 ? 400 : vocab;
+    for (sparse_index& v : ids) v = sparse_index(rng() % range);
+    if (n > 1 && row % 5 == 0) ids[std::size_t(rng() % std::uint64_t(n))] = ids[0];  // a repeat
+    if (n > 0 && row % 11 == 0) ids[std::size_t(rng() % std::uint64_t(n))] = row % 2 ? -1 : sparse_index(vocab);
+    std::vector<sparse_index> sorted = ids;
+    std::sort(sorted.begin(), sorted.end());
+    const bool in_range = sorted.empty() || (sorted.front() >= 0 && std::size_t(sorted.back()) < vocab);
+    const bool expected = in_range && std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
+    CHECK(troll::detail::cpu::sparse_indices_fine(ids.data(), n, 300, vocab, scratch) == expected);
+    CHECK(troll::detail::cpu::sparse_indices_fine(ids.data(), n, 300, vocab, table.data()) == expected);
+  }
+  // Counts outside [0, min(capacity, V, sparse_max_entries)] are refused.
+  std::vector<sparse_index> ids{1, 2, 3};
+  CHECK(!troll::detail::cpu::sparse_indices_fine(ids.data(), -1, 300, vocab, scratch));
+  CHECK(!troll::detail::cpu::sparse_indices_fine(ids.data(), 3, 2, vocab, scratch));
+  CHECK(!troll::detail::cpu::sparse_indices_fine(ids.data(), 3, 300, 2, scratch));
+}
