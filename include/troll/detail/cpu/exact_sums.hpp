@@ -8,6 +8,7 @@
 
 #include "eigen.hpp"
 #include <cmath>
+#include <limits>
 #include <cstddef>
 #include <type_traits>
 
@@ -113,6 +114,113 @@ inline void add_terms(sum_packet& hi0, sum_packet& lo0, sum_packet& hi1, sum_pac
   }
 }
 
+#if defined(__AVX512F__) && defined(__FMA__)
+/// Eigen 3.4's AVX-512 float exponential (`pexp<Packet16f>`: the same operations in the same
+/// order, so the same bits) for arguments in [−87, 0], where Eigen's clamps and its final max
+/// change nothing and 2^m (m ≥ −126) times the polynomial is a normal float: the scaling is one
+/// `scalef` instead of the exponent-field construction and multiply. 13 operations, not 19.
+/// Outside [−87, 0] the value is unspecified (tail_exp_sum_avx512 redoes those lanes).
+inline __m512 exp_eigen_bounded(__m512 x) {
+  const __m512 m = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(m, _mm512_set1_ps(-0.6931471805599453f), x);
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  const __m512 r3 = _mm512_mul_ps(r2, r);
+  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500E-4f), r, _mm512_set1_ps(1.3981999507E-3f));
+  __m512 y1 = _mm512_fmadd_ps(_mm512_set1_ps(4.1665795894E-2f), r, _mm512_set1_ps(1.6666665459E-1f));
+  const __m512 y2 = _mm512_add_ps(r, _mm512_set1_ps(1.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
+  y1 = _mm512_fmadd_ps(y1, r, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, r3, y1);
+  y = _mm512_fmadd_ps(y, r2, y2);
+  return _mm512_scalef_ps(y, m);
+}
+
+/// (hi, lo) ← (hi, lo) + v lane by lane when hi ≥ 1 ≥ v ≥ 0 (Fast2Sum: hi + v rounded, and the
+/// rounding error v − ((hi + v) − hi), exact because hi's exponent is at least v's).
+inline void fast_two_sum_lanes(__m512d& hi, __m512d& lo, __m512d v) {
+  const __m512d t = _mm512_add_pd(hi, v);
+  lo = _mm512_add_pd(lo, _mm512_sub_pd(v, _mm512_sub_pd(t, hi)));
+  hi = t;
+}
+
+/// One packet of tail terms: z − shift through exp_eigen_bounded, the lanes not in `keep` zeroed;
+/// `far` collects the kept lanes below −87 (finite: e^{−inf} = 0 adds nothing), whose terms are
+/// left out here and added by the caller's scalar pass.
+inline __m512 tail_terms(const float* z, __mmask16 keep, __m512 shift, __mmask16& far) {
+  const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(keep, z), shift);
+  const __mmask16 low = _mm512_mask_cmp_ps_mask(keep, d, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  far = __mmask16(far | (low & _mm512_cmp_ps_mask(d, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ)));
+  return _mm512_maskz_mov_ps(__mmask16(keep & ~low), exp_eigen_bounded(d));
+}
+
+/// The support's lanes among the 16 tokens from i (relative to `first`), off `keep`.
+inline __mmask16 drop_support(__mmask16 keep, std::size_t i, std::size_t first, const index_slot* sorted, int n,
+                              int& next) {
+  while (next < n && std::size_t(sorted[next].index) - first < i + 16) {
+    keep = __mmask16(keep & ~(1u << (std::size_t(sorted[next].index) - first - i)));
+    ++next;
+  }
+  return keep;
+}
+
+/// tail_exp_sum for float rows with AVX-512: the same terms (Eigen's packet exp of z − shift,
+/// bit for bit; std::exp below −87; the support's zeroed), in one loop over the row without a
+/// buffer: a packet's support lanes and a partial last packet are masked loads. The terms (each
+/// in [0, 1]) go to four Fast2Sum lanes of eight doubles that start at 1 — so hi ≥ 1 ≥ v and
+/// 4 operations per add instead of TwoSum's 7, and four independent chains — and the offsets
+/// come off exactly at the end (h − 1 is exact for h ≥ 1). Terms below −87 (rare: masked or
+/// hopeless tokens) are added by a scalar pass, only where the row has one. Which lane adds a
+/// term changes with the split of the row anyway (shards start anywhere); the exact_sum's value
+/// does not.
+inline exact_sum tail_exp_sum_avx512(const float* z, std::size_t size, std::size_t first, const index_slot* sorted,
+                                     int n, double m, const float* ahead) {
+  exact_sum total;
+  if (m == neg_inf()) return total;
+  const float shift = static_cast<float>(m);
+  const __m512 ps = _mm512_set1_ps(shift);
+  __m512d hi0 = _mm512_set1_pd(1.0), hi1 = hi0, hi2 = hi0, hi3 = hi0;
+  __m512d lo0 = _mm512_setzero_pd(), lo1 = lo0, lo2 = lo0, lo3 = lo0;
+  __mmask16 far = 0;
+  int next = 0;
+  for (std::size_t i = 0; i < size; i += 32) {
+    const std::size_t left = size - i;
+    const __mmask16 valid0 = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+    const __mmask16 valid1 = left >= 32 ? __mmask16(0xFFFF) : left <= 16 ? __mmask16(0) : __mmask16((1u << (left - 16)) - 1u);
+#if defined(__GNUC__)
+    if (ahead) {
+      __builtin_prefetch(ahead + i, 0, 2);
+      __builtin_prefetch(ahead + i + 16, 0, 2);
+    }
+#endif
+    const __mmask16 keep0 = drop_support(valid0, i, first, sorted, n, next);
+    const __mmask16 keep1 = drop_support(valid1, i + 16, first, sorted, n, next);
+    const __m512 e0 = tail_terms(z + i, keep0, ps, far);
+    const __m512 e1 = tail_terms(z + i + 16, keep1, ps, far);
+    fast_two_sum_lanes(hi0, lo0, _mm512_cvtps_pd(_mm512_castps512_ps256(e0)));
+    fast_two_sum_lanes(hi1, lo1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e0), 1))));
+    fast_two_sum_lanes(hi2, lo2, _mm512_cvtps_pd(_mm512_castps512_ps256(e1)));
+    fast_two_sum_lanes(hi3, lo3, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e1), 1))));
+  }
+  const __m512d one = _mm512_set1_pd(1.0);
+  alignas(64) double h[32], l[32];
+  _mm512_store_pd(h, _mm512_sub_pd(hi0, one)), _mm512_store_pd(h + 8, _mm512_sub_pd(hi1, one));
+  _mm512_store_pd(h + 16, _mm512_sub_pd(hi2, one)), _mm512_store_pd(h + 24, _mm512_sub_pd(hi3, one));
+  _mm512_store_pd(l, lo0), _mm512_store_pd(l + 8, lo1), _mm512_store_pd(l + 16, lo2), _mm512_store_pd(l + 24, lo3);
+  for (int j = 0; j < 32; ++j) total = exact_add(total, exact_sum{h[j], l[j]});
+  if (far) {  // the terms below −87 (subnormal or 0), one by one
+    int s = 0;
+    for (std::size_t j = 0; j < size; ++j) {
+      while (s < n && std::size_t(sorted[s].index) - first < j) ++s;
+      if (s < n && std::size_t(sorted[s].index) - first == j) continue;
+      const float d = z[j] - shift;
+      if (d < -87.0f && d > -std::numeric_limits<float>::infinity()) exact_add(total, double(std::exp(d)));
+    }
+  }
+  return total;
+}
+#endif
+
 /// Σ e^{z_j − m} over the tokens [first, first + size) outside the support, as an exact_sum.
 /// Block by block (held in L1): each term through Eigen's packet exp in T (float rows: eight or
 /// sixteen lanes, as sparsify's scan) into a buffer, the lanes below the packet exp's range
@@ -133,6 +241,10 @@ inline exact_sum tail_exp_sum(const T* z, std::size_t size, std::size_t first, c
   constexpr long lanes = long(sizeof(packet) / sizeof(T));
   constexpr T lowest = sizeof(T) == sizeof(double) ? T(-709.0) : T(-87.0);
   static_assert(block_size % lanes == 0, "blocks hold whole packets");
+#if defined(__AVX512F__) && defined(__FMA__)
+  if constexpr (std::is_same<T, float>::value && sizeof(packet) == sizeof(__m512))
+    return tail_exp_sum_avx512(z, size, first, sorted, n, m, ahead);
+#endif
   exact_sum total;
   if (m == neg_inf()) return total;
   const T shift = static_cast<T>(m);  // m is one of the row's logits: exact in T
