@@ -260,7 +260,7 @@ namespace {
 /// packet_exp, the block function sparsify used before — added one by one in token order with
 /// exact_add: the canonical sum rounds to the same double whatever the order of its terms.
 template <class T>
-void check_tail_sum(std::size_t size, std::size_t first, int support, unsigned seed) {
+void check_tail_sum(std::size_t size, std::size_t first, int support, unsigned seed, bool near_floor = false) {
   std::mt19937_64 gen(seed);
   std::normal_distribution<double> logit(0.0, 4.0);
   std::uniform_int_distribution<int> kind(0, 19);
@@ -269,6 +269,8 @@ void check_tail_sum(std::size_t size, std::size_t first, int support, unsigned s
     const int k = kind(gen);
     // mostly ordinary logits, some masked, some far below the packet exp's range
     z[i] = k == 0 ? -std::numeric_limits<T>::infinity() : k == 1 ? T(-95.0 - 30.0 * std::fabs(logit(gen))) : T(logit(gen));
+    // near_floor: the max at 0 and the rest around the packet exp's floor (−87, subnormal terms)
+    if (near_floor && k != 0) z[i] = i == size / 2 ? T(0) : T(-80.0 - 2.0 * std::fabs(logit(gen)));
   }
   std::vector<troll::detail::index_slot> slots;
   std::uniform_int_distribution<std::size_t> any(0, size - 1);
@@ -308,6 +310,7 @@ TEST_CASE("tail_exp_sum in one packet pass gives the canonical sum of packet_exp
       for (int support : {0, 1, 65}) {
         check_tail_sum<float>(size, first, support, ++seed);
         check_tail_sum<double>(size, first, support, ++seed);
+        check_tail_sum<float>(size, first, support, ++seed, true);
       }
     }
   }

@@ -193,7 +193,7 @@ inline exact_sum tail_exp_sum_avx512(const float* z, std::size_t size, std::size
     const __mmask16 keep0 = drop_support(valid0, i, first, sorted, n, next);
     const __mmask16 keep1 = drop_support(valid1, i + 16, first, sorted, n, next);
     const __m512 e0 = tail_terms(z + i, valid0, keep0, ps, far);
-    const __m512 e1 = tail_terms(z + i + 16, valid1, keep1, ps, far);
+    const __m512 e1 = tail_terms(left > 16 ? z + i + 16 : z + i, valid1, keep1, ps, far);
     fast_two_sum_lanes(hi0, lo0, _mm512_cvtps_pd(_mm512_castps512_ps256(e0)));
     fast_two_sum_lanes(hi1, lo1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e0), 1))));
     fast_two_sum_lanes(hi2, lo2, _mm512_cvtps_pd(_mm512_castps512_ps256(e1)));
