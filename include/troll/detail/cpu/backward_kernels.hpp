@@ -169,26 +169,6 @@ inline int vjp_row_short(const double* zn, const double* zo, const double* logp,
   return overflow == 0 && fits_in<double>(*grad_eps) ? 1 : 0;
 }
 
-/// Stores a packet of doubles as `lanes` consecutive T (rounded to float for float rows).
-template <class T, class Packet>
-inline void store_from_double(T* p, const Packet& v) {
-  using namespace Eigen::internal;
-  if constexpr (std::is_same<T, double>::value) {
-    pstoreu(p, v);
-  } else {
-#if defined(__AVX512F__)
-    if constexpr (std::is_same<T, float>::value && sizeof(Packet) == sizeof(__m512d)) {
-      _mm256_storeu_ps(p, _mm512_cvtpd_ps(v));
-      return;
-    }
-#endif
-    constexpr int lanes = int(sizeof(Packet) / sizeof(double));
-    double wide[lanes];
-    pstoreu(wide, v);
-    for (int k = 0; k < lanes; ++k) p[k] = T(wide[k]);
-  }
-}
-
 /// vjp_row without grad_old for a row of any length whose d − μ are finite and whose log π* all
 /// lie in [−700, 0] (every token on J; exp_bounded exact there): two packet passes reading T
 /// directly, the first for Σg and Σg(d − μ) (no exponential, nothing kept), the second for π and
