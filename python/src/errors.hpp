@@ -46,7 +46,8 @@ inline void translate(const std::exception_ptr& p, void*) {
   } catch (const troll::invalid_input& x) {
     raise(e.invalid_input, x.what(), x.row());
   } catch (const troll::backend_error& x) {
-    raise(e.backend_error, x.what(), troll::invalid_input::npos);
+    // BackendError is a RuntimeError: the message is its only argument (no row).
+    PyErr_SetString(e.backend_error, x.what());
   }
 }
 
