@@ -123,10 +123,23 @@ template <class T>
 void validate_backward(const char* fn, unsigned threads, batch_view<const T> new_logits,
                        batch_view<const T> old_logits, batch_view<const T> log_probs,
                        const projection_stats* stats, batch_view<const T> upstream,
-                       const char* upstream_name, batch_view<const T> upstream_old) {
+                       const char* upstream_name, batch_view<const T> upstream_old,
+                       cpu::vjp_sums* kept = nullptr, std::size_t kept_rows = 0) {
   check_backward_views(fn, new_logits, old_logits, log_probs, stats, upstream, upstream_name, upstream_old);
   const std::size_t size = new_logits.cols;
+  const bool four = upstream.data != nullptr && upstream_old.rows == 0;
   auto problem = [&](std::size_t r) {
+    // The common row, every logit and upstream entry finite and every log π* ≤ 0, passes in one
+    // vectorised read of the four rows; any other row is walked by the checks below, which name
+    // its first problem.
+    if (four && r < kept_rows && !check_stats(stats[r])) {  // the VJP's first pass is the check; sums kept
+      kept[r] = cpu::vjp_first_pass(new_logits.row(r), old_logits.row(r), log_probs.row(r), upstream.row(r),
+                                    static_cast<long>(size), stats[r].mu);
+      if (kept[r].fine) return row_problem{};
+    } else if (four && cpu::backward_row_fine(new_logits.row(r), old_logits.row(r), log_probs.row(r),
+                                              upstream.row(r), size)) {
+      return check_stats(stats[r]);
+    }
     row_setup setup;
     row_problem p = cpu::scan_pair(new_logits.row(r), old_logits.row(r), size, setup,
                                    "new_logits", "old_logits");
@@ -156,17 +169,22 @@ void project_backward(cpu_policy policy, input_view<T> new_logits, input_view<T>
   constexpr const char* fn = "project_backward";
   detail::check_output(fn, "grad_new", new_logits, grad_new);
   if (grad_old.rows != 0) detail::check_output(fn, "grad_old", new_logits, grad_old);
-  detail::validate_backward(fn, policy.threads, new_logits, old_logits, log_probs, stats,
-                            grad_log_probs, "grad_log_probs", input_view<T>{});
-  const std::size_t size = new_logits.cols;
   const bool want_old = grad_old.rows != 0;
+  // The validation of the first rows is the VJP's first pass: their sums are kept (on the stack).
+  constexpr std::size_t kept_rows = 64;
+  detail::cpu::vjp_sums kept[kept_rows];
+  detail::validate_backward(fn, policy.threads, new_logits, old_logits, log_probs, stats,
+                            grad_log_probs, "grad_log_probs", input_view<T>{}, kept,
+                            want_old ? std::size_t(0) : kept_rows);
+  const std::size_t size = new_logits.cols;
   const detail::host_scratch scratch(fn, policy.workspace, workspace_bytes(policy, op::project_backward{}, new_logits.rows));
   unsigned char* overflowed = scratch.data();
   detail::cpu::parallel_for(policy.threads, new_logits.rows, 6 * size, [&](std::size_t r) {
     double row_grad_eps = 0.0;
     overflowed[r] = !detail::cpu::vjp_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
                                           grad_log_probs.row(r), size, stats[r], grad_new.row(r),
-                                          want_old ? grad_old.row(r) : static_cast<T*>(nullptr), &row_grad_eps);
+                                          want_old ? grad_old.row(r) : static_cast<T*>(nullptr), &row_grad_eps,
+                                          !want_old && r < kept_rows && kept[r].fine ? &kept[r] : nullptr);
     if (grad_eps) grad_eps[r] = T(row_grad_eps);
   });
   detail::throw_overflowed<T>(fn, overflowed, new_logits.rows);

@@ -351,6 +351,22 @@ inline double gradcheck_difference(const std::vector<std::vector<double>>& value
   return fine + (fine - coarse) / 3.0;
 }
 
+/// Calls product(e_k, out) for each unit vector e_k of size `count` that skip(k) does not pass
+/// over, out (size `width`) NaN-filled before each call, then store(k, out): the Jacobian's rows
+/// from a VJP, its columns from a JVP.
+template <class Skip, class Product, class Store>
+void for_each_unit(std::size_t count, std::size_t width, Skip&& skip, Product&& product, Store&& store) {
+  std::vector<double> unit(count, 0.0), out(width);
+  for (std::size_t k = 0; k < count; ++k) {
+    if (skip(k)) continue;
+    unit[k] = 1.0;
+    std::fill(out.begin(), out.end(), std::numeric_limits<double>::quiet_NaN());
+    product(unit.data(), out.data());
+    store(k, out.data());
+    unit[k] = 0.0;
+  }
+}
+
 /// Full-Jacobian driver: numeric Jacobian column by column, analytic Jacobian from `fill`
 /// (called as fill(x, J, state) on a NaN-filled m*n row-major J), then entry-wise comparison.
 template <class F, class Fill>
@@ -515,15 +531,10 @@ gradcheck_result check_vjp(F&& f, Vjp&& vjp, const std::vector<double>& x, std::
   const std::size_t n = x.size();
   auto fill = [&](const double* at, double* jacobian,
                   const std::vector<detail::gradcheck_output>& state) {
-    std::vector<double> gy(m, 0.0), gx(n);
-    for (std::size_t i = 0; i < m; ++i) {
-      if (state[i] != detail::gradcheck_output::compared) continue;
-      gy[i] = 1.0;
-      std::fill(gx.begin(), gx.end(), std::numeric_limits<double>::quiet_NaN());
-      vjp(at, gy.data(), gx.data());
-      std::copy(gx.begin(), gx.end(), jacobian + i * n);
-      gy[i] = 0.0;
-    }
+    detail::for_each_unit(
+        m, n, [&](std::size_t i) { return state[i] != detail::gradcheck_output::compared; },
+        [&](const double* gy, double* gx) { vjp(at, gy, gx); },
+        [&](std::size_t i, const double* gx) { std::copy(gx, gx + n, jacobian + i * n); });
   };
   return detail::gradcheck_full("check_vjp", f, fill, x, m, options);
 }
@@ -537,14 +548,11 @@ gradcheck_result check_jvp(F&& f, Jvp&& jvp, const std::vector<double>& x, std::
   const std::size_t n = x.size();
   auto fill = [&](const double* at, double* jacobian,
                   const std::vector<detail::gradcheck_output>&) {
-    std::vector<double> dx(n, 0.0), dy(m);
-    for (std::size_t j = 0; j < n; ++j) {
-      dx[j] = 1.0;
-      std::fill(dy.begin(), dy.end(), std::numeric_limits<double>::quiet_NaN());
-      jvp(at, dx.data(), dy.data());
-      for (std::size_t i = 0; i < m; ++i) jacobian[i * n + j] = dy[i];
-      dx[j] = 0.0;
-    }
+    detail::for_each_unit(
+        n, m, [](std::size_t) { return false; }, [&](const double* dx, double* dy) { jvp(at, dx, dy); },
+        [&](std::size_t j, const double* dy) {
+          for (std::size_t i = 0; i < m; ++i) jacobian[i * n + j] = dy[i];
+        });
   };
   return detail::gradcheck_full("check_jvp", f, fill, x, m, options);
 }

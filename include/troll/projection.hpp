@@ -27,12 +27,14 @@ namespace detail {
 /// Validates every (new, old) row before anything is written: values, supports, feasibility.
 template <class T>
 void validate_projection_rows(const char* function, unsigned threads, batch_view<const T> new_logits,
-                              batch_view<const T> old_logits, double eps) {
+                              batch_view<const T> old_logits, double eps, row_setup* kept = nullptr,
+                              std::size_t kept_rows = 0) {
   const std::size_t size = new_logits.cols;
   auto problem = [&](std::size_t r) {
     row_setup setup;
     row_problem p = cpu::scan_pair(new_logits.row(r), old_logits.row(r), size, setup,
                                    "new_logits", "old_logits");
+    if (r < kept_rows) kept[r] = setup;
     if (!p && setup.old_only) {
       const double floor = cpu::min_reachable_kl(new_logits.row(r), old_logits.row(r), size, setup);
       if (floor >= eps) {
@@ -64,12 +66,20 @@ void project(cpu_policy policy, input_view<T> new_logits, input_view<T> old_logi
   detail::require_float_type<T>();
   constexpr const char* fn = "project";
   detail::check_projection_arguments(fn, new_logits, old_logits, out_log_probs, stats, eps, options);
-  detail::validate_projection_rows(fn, policy.threads, new_logits, old_logits, eps);
+  // The setups the validation scan finds are kept for the first rows (on the stack, no heap), so
+  // that those rows are not scanned a second time; later rows are scanned again.
+  constexpr std::size_t kept_rows = 64;
+  detail::row_setup kept[kept_rows];
+  detail::validate_projection_rows(fn, policy.threads, new_logits, old_logits, eps, kept, kept_rows);
 
   const std::size_t size = new_logits.cols;
   detail::cpu::parallel_for(policy.threads, new_logits.rows, 8 * size, [&](std::size_t r) {
     detail::row_setup setup;
-    detail::cpu::scan_pair(new_logits.row(r), old_logits.row(r), size, setup, "", "");
+    if (r < kept_rows) {
+      setup = kept[r];
+    } else {
+      detail::cpu::scan_pair(new_logits.row(r), old_logits.row(r), size, setup, "", "");
+    }
     stats[r] = detail::cpu::project_row(new_logits.row(r), old_logits.row(r), size, setup, eps,
                                         options, out_log_probs.row(r));
   });

@@ -609,6 +609,23 @@ void write_aligned_old(const aligned_batch_view<T>& out, std::size_t r, int u,
   out.old_log_remainder[r] = T(shrink_log_remainder(lr_old, m_old, m_u));
 }
 
+/// One row of align: U = new_indices ∪ S_old (union_support) into out's indices, the new side's
+/// log-probs on U (and its bucket) by new_side(u, indices, new_pos, scratch, ln), then the
+/// padding and the old side (write_aligned_old).
+template <class T, class NewSide>
+void align_row(const aligned_batch_view<T>& out, std::size_t r, const sparse_index* new_indices, int new_count,
+               const sparse_batch_view<const T>& old_rows, NewSide&& new_side) {
+  index_slot scratch[sparse_max_entries];
+  int new_pos[sparse_max_entries], old_pos[sparse_max_entries];
+  sparse_index* indices = out.indices + r * out.k_max;
+  const int u = union_support(new_indices, new_count, old_rows.row_indices(r), int(old_rows.count(r)), scratch,
+                              indices, new_pos, old_pos);
+  T* ln = out.new_log_probs + r * out.k_max;
+  new_side(u, indices, new_pos, scratch, ln);
+  pad_row(indices, ln, std::size_t(u), out.k_max);
+  write_aligned_old(out, r, u, old_rows, old_pos);
+}
+
 }  // namespace detail
 
 /// Aligns sparse new and old rows on U = S_new ∪ S_old (math.md §4) into `out` (capacity ≥ |U|
@@ -628,19 +645,17 @@ void align(cpu_policy policy, sparse_input<T> new_rows, sparse_input<T> old_rows
   detail::check_union_capacity(fn, policy.threads, new_rows, old_rows, out.k_max,
                                [](std::size_t, detail::index_slot*) { return detail::cpu::sparse_problem{}; });
   detail::cpu::parallel_for(policy.threads, out.rows, 8 * std::size_t(sparse_max_entries), [&](std::size_t r) {
-    detail::index_slot scratch[sparse_max_entries];
-    int new_pos[sparse_max_entries], old_pos[sparse_max_entries];
-    const int cn = int(new_rows.count(r)), co = int(old_rows.count(r));
-    const int u = detail::union_support(new_rows.row_indices(r), cn, old_rows.row_indices(r), co,
-                                        scratch, out.indices + r * out.k_max, new_pos, old_pos);
-    const long long m_new = static_cast<long long>(out.vocab) - cn, m_u = static_cast<long long>(out.vocab) - u;
-    const double lr_new = double(new_rows.log_remainder[r]);
-    const double tail_new = detail::tail_log_value(lr_new, m_new);
-    T* ln = out.new_log_probs + r * out.k_max;
-    for (int i = 0; i < u; ++i) ln[i] = new_pos[i] >= 0 ? new_rows.row_log_probs(r)[new_pos[i]] : T(tail_new);
-    out.new_log_remainder[r] = T(detail::shrink_log_remainder(lr_new, m_new, m_u));
-    detail::pad_row(out.indices + r * out.k_max, ln, std::size_t(u), out.k_max);
-    detail::write_aligned_old(out, r, u, old_rows, old_pos);
+    const int cn = int(new_rows.count(r));
+    detail::align_row(out, r, new_rows.row_indices(r), cn, old_rows,
+                      [&](int u, const sparse_index*, const int* new_pos, detail::index_slot*, T* ln) {
+                        const long long m_new = static_cast<long long>(out.vocab) - cn,
+                                        m_u = static_cast<long long>(out.vocab) - u;
+                        const double lr_new = double(new_rows.log_remainder[r]);
+                        const double tail_new = detail::tail_log_value(lr_new, m_new);
+                        for (int i = 0; i < u; ++i)
+                          ln[i] = new_pos[i] >= 0 ? new_rows.row_log_probs(r)[new_pos[i]] : T(tail_new);
+                        out.new_log_remainder[r] = T(detail::shrink_log_remainder(lr_new, m_new, m_u));
+                      });
   });
 }
 
@@ -664,23 +679,18 @@ void align(cpu_policy policy, input_view<T> new_logits, sparse_input<T> new_supp
                                                      : detail::cpu::sparse_problem{};
                                });
   detail::cpu::parallel_for(policy.threads, out.rows, 2 * new_logits.cols, [&](std::size_t r) {
-    detail::index_slot scratch[sparse_max_entries];
-    int new_pos[sparse_max_entries], old_pos[sparse_max_entries];
-    const int co = int(old_rows.count(r));
     const int cn = with_support ? int(new_support.count(r)) : 0;
-    sparse_index* indices = out.indices + r * out.k_max;
-    const int u = detail::union_support(with_support ? new_support.row_indices(r) : nullptr, cn,
-                                        old_rows.row_indices(r), co, scratch, indices, new_pos, old_pos);
-    for (int i = 0; i < u; ++i) scratch[i] = detail::index_slot{indices[i], i};
-    detail::sort_by_index(scratch, u);
-    const T* z = new_logits.row(r);
-    double log_total = 0.0, log_tail = 0.0;
-    detail::cpu::log_sums_outside(z, new_logits.cols, scratch, u, log_total, log_tail);
-    T* ln = out.new_log_probs + r * out.k_max;
-    for (int i = 0; i < u; ++i) ln[i] = T(double(z[indices[i]]) - log_total);
-    out.new_log_remainder[r] = T(log_tail == detail::neg_inf() ? log_tail : log_tail - log_total);
-    detail::pad_row(indices, ln, std::size_t(u), out.k_max);
-    detail::write_aligned_old(out, r, u, old_rows, old_pos);
+    detail::align_row(out, r, with_support ? new_support.row_indices(r) : nullptr, cn, old_rows,
+                      [&](int u, const sparse_index* indices, const int*, detail::index_slot* scratch, T* ln) {
+                        for (int i = 0; i < u; ++i) scratch[i] = detail::index_slot{indices[i], i};
+                        detail::sort_by_index(scratch, u);
+                        const T* z = new_logits.row(r);
+                        double log_total = 0.0, log_tail = 0.0;
+                        detail::cpu::log_sums_outside(z, new_logits.cols, scratch, u, log_total, log_tail);
+                        for (int i = 0; i < u; ++i) ln[i] = T(double(z[indices[i]]) - log_total);
+                        out.new_log_remainder[r] =
+                            T(log_tail == detail::neg_inf() ? log_tail : log_tail - log_total);
+                      });
   });
 }
 

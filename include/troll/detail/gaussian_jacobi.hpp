@@ -53,6 +53,23 @@ TROLL_HOST_DEVICE inline bool round_rotation(int n, int d, int round, int k, con
   return *q < d && *s != 0.0;
 }
 
+/// Applies the rotations of round `round` to the line pairs (p, q) of the d×d `a` and, when not
+/// null, `v`: entry i of line p sits at i·entry_stride + p·line_stride (columns of every row:
+/// entry_stride d, line_stride 1; rows of every column: entry_stride 1, line_stride d).
+template <class Team>
+TROLL_HOST_DEVICE void rotate_round(const Team& tm, int n, int d, int round, int pairs, const double* cs,
+                                    int entry_stride, int line_stride, double* a, double* v) {
+  for (int e = tm.lane(); e < pairs * d; e += tm.size()) {
+    const int i = e % d;
+    int p = 0, q = 0;
+    double c = 1.0, s = 0.0;
+    if (!round_rotation(n, d, round, e / d, cs, &p, &q, &c, &s)) continue;
+    const int at_p = i * entry_stride + p * line_stride, at_q = i * entry_stride + q * line_stride;
+    rotate_pair(&a[at_p], &a[at_q], c, s);
+    if (v != nullptr) rotate_pair(&v[at_p], &v[at_q], c, s);
+  }
+}
+
 /// Diagonalises the symmetric row-major d×d `a` in place (eigenvalues on its diagonal) and sets
 /// `v` to the eigenvectors (columns; A₀ = V diag Vᵀ). `cs` holds jacobi_scratch_doubles(d).
 template <class Team>
@@ -86,23 +103,10 @@ TROLL_HOST_DEVICE void jacobi_eigen(const Team& tm, int d, double* a, double* v,
       }
       tm.sync();
       // A ← A J (columns p, q of every row) and V ← V J.
-      for (int e = tm.lane(); e < pairs * d; e += tm.size()) {
-        const int i = e % d;
-        int p = 0, q = 0;
-        double c = 1.0, s = 0.0;
-        if (!round_rotation(n, d, round, e / d, cs, &p, &q, &c, &s)) continue;
-        rotate_pair(&a[i * d + p], &a[i * d + q], c, s);
-        rotate_pair(&v[i * d + p], &v[i * d + q], c, s);
-      }
+      rotate_round(tm, n, d, round, pairs, cs, d, 1, a, v);
       tm.sync();
       // A ← Jᵀ A (rows p, q of every column).
-      for (int e = tm.lane(); e < pairs * d; e += tm.size()) {
-        const int j = e % d;
-        int p = 0, q = 0;
-        double c = 1.0, s = 0.0;
-        if (!round_rotation(n, d, round, e / d, cs, &p, &q, &c, &s)) continue;
-        rotate_pair(&a[p * d + j], &a[q * d + j], c, s);
-      }
+      rotate_round(tm, n, d, round, pairs, cs, 1, d, a, static_cast<double*>(nullptr));
       tm.sync();
     }
   }

@@ -169,24 +169,59 @@ inline int vjp_row_short(const double* zn, const double* zo, const double* logp,
   return overflow == 0 && fits_in<double>(*grad_eps) ? 1 : 0;
 }
 
-/// Stores a packet of doubles as `lanes` consecutive T (rounded to float for float rows).
-template <class T, class Packet>
-inline void store_from_double(T* p, const Packet& v) {
+/// The first pass of vjp_row_packets: Σg and Σg(d − μ) of a row (chunk sums added up, as the
+/// blocks do), read once from T. `fine` comes back true only where the packet path applies and
+/// the row passes every value check of the backward's validation at once: every d − μ and g
+/// finite (so every logit is), every log π* in [−700, 0].
+struct vjp_sums {
+  double sum_g = 0.0, sum_gc = 0.0;
+  bool fine = false;
+};
+
+template <class T>
+inline vjp_sums vjp_first_pass(const T* zn, const T* zo, const T* logp, const T* g, long size, double mu_value) {
   using namespace Eigen::internal;
-  if constexpr (std::is_same<T, double>::value) {
-    pstoreu(p, v);
-  } else {
-#if defined(__AVX512F__)
-    if constexpr (std::is_same<T, float>::value && sizeof(Packet) == sizeof(__m512d)) {
-      _mm256_storeu_ps(p, _mm512_cvtpd_ps(v));
-      return;
+  using packet = packet_traits<double>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(double));
+  constexpr long chunk = 512;
+  vjp_sums r;
+  if (size <= 0) return r;
+  const long whole = size - size % lanes;
+  const packet mu = pset1<packet>(mu_value);
+  packet lowest = pset1<packet>(0.0), highest = pset1<packet>(-1.0), odd = pset1<packet>(0.0);
+  auto first = [&](const packet& lp, const packet& c, const packet& gk, packet& sg, packet& sgc) {
+    lowest = pmin(lowest, lp);
+    highest = pmax(highest, lp);
+    // NaN unless every d − μ, log π and g is finite
+    odd = padd(odd, padd(padd(psub(c, c), psub(lp, lp)), psub(gk, gk)));
+    sg = padd(sg, gk);
+    sgc = padd(sgc, pmul(gk, c));
+  };
+  for (long begin = 0; begin < whole; begin += chunk) {
+    const long end = begin + chunk < whole ? begin + chunk : whole;
+    packet sg = pset1<packet>(0.0), sgc = sg;
+    for (long k = begin; k < end; k += lanes) {
+      const packet c = psub(psub(load_as_double<packet>(zn + k), load_as_double<packet>(zo + k)), mu);
+      first(load_as_double<packet>(logp + k), c, load_as_double<packet>(g + k), sg, sgc);
     }
-#endif
-    constexpr int lanes = int(sizeof(Packet) / sizeof(double));
-    double wide[lanes];
-    pstoreu(wide, v);
-    for (int k = 0; k < lanes; ++k) p[k] = T(wide[k]);
+    r.sum_g += predux(sg), r.sum_gc += predux(sgc);
   }
+  if (whole < size) {  // padded with g = 0, d = μ and log π = 0: adds nothing
+    double tail_zn[lanes], tail_zo[lanes], tail_lp[lanes], tail_g[lanes];
+    for (long j = 0; j < lanes; ++j) {
+      const bool in = whole + j < size;
+      tail_zn[j] = in ? double(zn[whole + j]) : mu_value;
+      tail_zo[j] = in ? double(zo[whole + j]) : 0.0;
+      tail_lp[j] = in ? double(logp[whole + j]) : 0.0;
+      tail_g[j] = in ? double(g[whole + j]) : 0.0;
+    }
+    packet sg = pset1<packet>(0.0), sgc = sg;
+    const packet c = psub(psub(ploadu<packet>(tail_zn), ploadu<packet>(tail_zo)), mu);
+    first(ploadu<packet>(tail_lp), c, ploadu<packet>(tail_g), sg, sgc);
+    r.sum_g += predux(sg), r.sum_gc += predux(sgc);
+  }
+  r.fine = predux_min(lowest) >= -700.0 && predux_max(highest) <= 0.0 && predux(odd) == 0.0;
+  return r;
 }
 
 /// vjp_row without grad_old for a row of any length whose d − μ are finite and whose log π* all
@@ -194,17 +229,15 @@ inline void store_from_double(T* p, const Packet& v) {
 /// directly, the first for Σg and Σg(d − μ) (no exponential, nothing kept), the second for π and
 /// the gradient. Returns −1, writing nothing, for any other row (the caller takes the general
 /// path), else what vjp_row returns (0 or 1).
+/// `pre`: its first pass already taken (by the validation), else null.
 template <class T>
 inline int vjp_row_packets(const T* zn, const T* zo, const T* logp, const T* g, long size,
-                           const projection_stats& s, T* grad_new, double* grad_eps) {
+                           const projection_stats& s, T* grad_new, double* grad_eps, const vjp_sums* pre = nullptr) {
   using namespace Eigen::internal;
   using packet = packet_traits<double>::type;
   constexpr long lanes = long(sizeof(packet) / sizeof(double));
-  constexpr long chunk = 512;
   if (size == 0) return -1;
   const long whole = size - size % lanes;
-  // The last partial packet is read from copies padded with g = 0, d = μ and log π = 0: the
-  // padding adds nothing to the sums and is never written.
   double tail_zn[lanes], tail_zo[lanes], tail_lp[lanes], tail_g[lanes];
   for (long j = 0; j < lanes; ++j) {
     const bool in = whole + j < size;
@@ -215,30 +248,10 @@ inline int vjp_row_packets(const T* zn, const T* zo, const T* logp, const T* g, 
   }
   const bool projected = s.status == row_status::projected;
   const packet mu = pset1<packet>(s.mu);
-  packet lowest = pset1<packet>(0.0), odd = pset1<packet>(0.0);
-  double sum_g = 0.0, sum_gc = 0.0;
-  auto first = [&](const packet& lp, const packet& c, const packet& gk, packet& sg, packet& sgc) {
-    lowest = pmin(lowest, lp);
-    odd = padd(odd, padd(psub(c, c), psub(lp, lp)));  // NaN unless every d − μ and log π is finite
-    sg = padd(sg, gk);
-    sgc = padd(sgc, pmul(gk, c));
-  };
-  for (long begin = 0; begin < whole; begin += chunk) {  // chunk sums added up, as the blocks do
-    const long end = begin + chunk < whole ? begin + chunk : whole;
-    packet sg = pset1<packet>(0.0), sgc = sg;
-    for (long k = begin; k < end; k += lanes) {
-      const packet c = psub(psub(load_as_double<packet>(zn + k), load_as_double<packet>(zo + k)), mu);
-      first(load_as_double<packet>(logp + k), c, load_as_double<packet>(g + k), sg, sgc);
-    }
-    sum_g += predux(sg), sum_gc += predux(sgc);
-  }
-  if (whole < size) {
-    packet sg = pset1<packet>(0.0), sgc = sg;
-    const packet c = psub(psub(ploadu<packet>(tail_zn), ploadu<packet>(tail_zo)), mu);
-    first(ploadu<packet>(tail_lp), c, ploadu<packet>(tail_g), sg, sgc);
-    sum_g += predux(sg), sum_gc += predux(sgc);
-  }
-  if (!(predux_min(lowest) >= -700.0 && predux(odd) == 0.0)) return -1;
+  const vjp_sums sums = pre ? *pre : vjp_first_pass(zn, zo, logp, g, size, s.mu);
+  if (!sums.fine) return -1;
+  const double sum_g = sums.sum_g;
+  double sum_gc = sums.sum_gc;
   if (!projected) sum_gc = 0.0;
   const double t = projected ? s.t : 1.0;
   const packet pt = pset1<packet>(t), psum_g = pset1<packet>(sum_g);
@@ -273,7 +286,8 @@ inline int vjp_row_packets(const T* zn, const T* zo, const T* logp, const T* g, 
 /// σ², can make the true derivative overflow): the caller reports the row.
 template <class T>
 inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::size_t size,
-                    const projection_stats& s, T* grad_new, T* grad_old, double* grad_eps) {
+                    const projection_stats& s, T* grad_new, T* grad_old, double* grad_eps,
+                    const vjp_sums* pre = nullptr) {
   if constexpr (std::is_same<T, double>::value) {  // the lumped sparse rows
     if (!grad_old) {
       const int done = vjp_row_short(zn, zo, logp, g, static_cast<long>(size), s, grad_new, grad_eps);
@@ -282,7 +296,7 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
   }
   if constexpr (std::is_same<T, double>::value || std::is_same<T, float>::value) {  // long rows
     if (!grad_old) {
-      const int done = vjp_row_packets(zn, zo, logp, g, static_cast<long>(size), s, grad_new, grad_eps);
+      const int done = vjp_row_packets(zn, zo, logp, g, static_cast<long>(size), s, grad_new, grad_eps, pre);
       if (done >= 0) return done == 1;
     }
   }

@@ -176,6 +176,26 @@ inline Packet load_as_double(const T* p) {
   }
 }
 
+/// Stores a packet of doubles as `lanes` consecutive T (rounded to float for float rows).
+template <class T, class Packet>
+inline void store_from_double(T* p, const Packet& v) {
+  using namespace Eigen::internal;
+  if constexpr (std::is_same<T, double>::value) {
+    pstoreu(p, v);
+  } else {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same<T, float>::value && sizeof(Packet) == sizeof(__m512d)) {
+      _mm256_storeu_ps(p, _mm512_cvtpd_ps(v));
+      return;
+    }
+#endif
+    constexpr int lanes = int(sizeof(Packet) / sizeof(double));
+    double wide[lanes];
+    pstoreu(wide, v);
+    for (int k = 0; k < lanes; ++k) p[k] = T(wide[k]);
+  }
+}
+
 /// Largest and smallest entries of a pair of double rows.
 struct pair_extremes {
   double max_new, max_old, min_new, min_old;
@@ -489,6 +509,32 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
   st.ref_new = double(zn[at]);
   st.ref_old = double(zo[at]);
   return true;
+}
+
+/// out_i = log π_t,i = w_i − log_norm (tilt_family.hpp) of a row pair whose logits are all
+/// finite with a spread of at most 700 (no difference can overflow, so nothing is clamped): one
+/// packet pass reading the T rows directly (float widened in registers) and writing T, with w
+/// formed by the same fused multiply-add as tilt_reduce_one_pass.
+template <class T>
+inline void write_tilted(const T* zn, const T* zo, long count, const tilt_param& u, const tilt_ref& ref,
+                         double log_norm, T* out) {
+  using namespace Eigen::internal;
+  using packet = packet_traits<double>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(double));
+  const bool low = u.t <= 0.5;
+  const double slope = low ? u.t : -u.s;
+  const packet rn = pset1<packet>(ref.zn), ro = pset1<packet>(ref.zo), ps = pset1<packet>(slope);
+  const packet norm = pset1<packet>(log_norm);
+  const long whole = count - count % lanes;
+  for (long k = 0; k < whole; k += lanes) {
+    const packet dn = psub(load_as_double<packet>(zn + k), rn), dold = psub(load_as_double<packet>(zo + k), ro);
+    const packet wk = pmadd(ps, psub(dn, dold), low ? dold : dn);
+    store_from_double(out + k, psub(wk, norm));
+  }
+  for (long k = whole; k < count; ++k) {
+    const double dn = double(zn[k]) - ref.zn, dold = double(zo[k]) - ref.zo;
+    out[k] = T(std::fma(slope, dn - dold, low ? dold : dn) - log_norm);
+  }
 }
 
 }  // namespace cpu
