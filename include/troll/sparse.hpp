@@ -23,6 +23,7 @@
 #include "detail/cpu/backward_kernels.hpp"
 #include "detail/cpu/parallel.hpp"
 #include "detail/cpu/row_kernels.hpp"
+#include "detail/cpu/sparse_backward_rows.hpp"
 #include "detail/cpu/sparse_fast_checks.hpp"
 #include "detail/cpu/sparse_kernels.hpp"
 #include "detail/row_problem.hpp"
@@ -927,11 +928,33 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
   const detail::host_scratch scratch(fn, policy.workspace, workspace_bytes(policy, op::project_backward{}, rows.rows));
   unsigned char* overflowed = scratch.data();
   detail::cpu::parallel_for(policy.threads, rows.rows, 16 * std::size_t(sparse_max_entries), [&](std::size_t r) {
+    const int count = static_cast<int>(rows.counts[r]);
+    if (!want_old) {  // the common row, read in place (the bits of the lumped path below)
+      const bool tail = rows.vocab > std::size_t(count);
+      const std::size_t at = r * rows.k_max;
+      const T masked = T(detail::neg_inf());
+      const detail::cpu::sparse_vjp_row_view<T> v{rows.new_log_probs + at,
+                                                  rows.old_log_probs + at,
+                                                  log_probs.row_log_probs(r),
+                                                  grad.row(r),
+                                                  count,
+                                                  tail ? rows.new_log_remainder[r] : masked,
+                                                  tail ? rows.old_log_remainder[r] : masked,
+                                                  log_probs.log_remainder[r],
+                                                  grad.log_remainder[r]};
+      double row_grad_eps = 0.0;
+      const int done = detail::cpu::sparse_vjp_row_short(v, stats[r], grad_new.row(r), grad_new.k_max,
+                                                         grad_new.log_remainder + r, &row_grad_eps);
+      if (done >= 0) {
+        overflowed[r] = done == 0;
+        if (grad_eps) grad_eps[r] = T(row_grad_eps);
+        return;
+      }
+    }
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1],
         g[sparse_max_entries + 1], gn[sparse_max_entries + 1], go[sparse_max_entries + 1];
     int slot[sparse_max_entries + 1];
     const int n = detail::lumped_pair(rows, r, zn, zo, slot);
-    const int count = static_cast<int>(rows.counts[r]);
     // n = count + 1: every category kept, slot[j] = j (the common case; loops the compiler
     // vectorises). Otherwise through slot.
     const bool identity = n == count + 1;

@@ -122,6 +122,52 @@ inline Packet load_partial(const double* p, long n, double fill) {
   return ploadu<Packet>(copy);
 }
 
+/// The arithmetic of vjp_row_short on a row of `size` ≤ block_size entries whose packets come
+/// from read(k, zn, zo, logp, g) (the lanes from entry k on; lanes past `size` read as g = 0,
+/// log π = −700 and z̃ = z° = 0, which add nothing to the sums and whose π is never read).
+/// Shared by the dense rows' reader (double arrays) and the sparse backward's (the aligned float
+/// rows in place, their bucket as the last entry), so both give the same bits. Returns −1,
+/// writing nothing, unless every d − μ is finite and every log π* lies in [−700, 0] (checked
+/// ≥ −700 here); else writes grad_new[0..size) (doubles) and *grad_eps and returns 1, or 0 when
+/// an output does not fit double.
+template <class Read>
+inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s, double* grad_new,
+                              double* grad_eps) {
+  using namespace Eigen::internal;
+  using packet = packet_traits<double>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(double));
+  if (size > long(block_size) || size == 0) return -1;
+  const long padded = (size + lanes - 1) / lanes * lanes;
+  const bool projected = s.status == row_status::projected;
+  double pi[block_size], centred[block_size], gd[block_size];
+  const packet mu = pset1<packet>(s.mu);
+  packet lowest = pset1<packet>(0.0), odd = pset1<packet>(0.0), sg = odd, sgc = odd;
+  for (long k = 0; k < padded; k += lanes) {
+    packet zn, zo, lp, gk;
+    read(k, zn, zo, lp, gk);
+    const packet c = psub(psub(zn, zo), mu);
+    lowest = pmin(lowest, lp);
+    odd = padd(odd, padd(psub(c, c), psub(lp, lp)));  // NaN unless every d − μ and log π is finite
+    pstoreu(pi + k, exp_nonpositive(lp));
+    pstoreu(centred + k, c);
+    pstoreu(gd + k, gk);
+    sg = padd(sg, gk);
+    sgc = padd(sgc, pmul(gk, c));
+  }
+  if (!(predux_min(lowest) >= -700.0 && predux(odd) == 0.0)) return -1;
+  const double sum_g = predux(sg), sum_gc = projected ? predux(sgc) : 0.0;
+  const double t = projected ? s.t : 1.0;
+  const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
+  int overflow = 0;  // an OR-reduction the compiler vectorises with the loop
+  for (long k = 0; k < size; ++k) {
+    const double gn = t * ((gd[k] - pi[k] * sum_g) - pi[k] * centred[k] * h_over_var);
+    overflow |= !(gn - gn == 0.0);
+    grad_new[k] = gn;
+  }
+  *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
+  return overflow == 0 && fits_in<double>(*grad_eps) ? 1 : 0;
+}
+
 /// vjp_row without grad_old for a double row of at most block_size tokens whose logits are finite
 /// and whose log π* all lie in [−700, 0] (every token on J, no exponent where the packet exp
 /// clamps): two fused packet passes (π and d − μ with the two sums, then the gradient). Returns
@@ -132,41 +178,19 @@ inline int vjp_row_short(const double* zn, const double* zo, const double* logp,
   using namespace Eigen::internal;
   using packet = packet_traits<double>::type;
   constexpr long lanes = long(sizeof(packet) / sizeof(double));
-  if (size > long(block_size) || size == 0) return -1;
-  const long padded = (size + lanes - 1) / lanes * lanes;
-  // The last partial packet is read padded with g = 0 and log π = −700 (z̃ = z° = 0): its padding
-  // lanes add nothing to the sums, and their π (e^{−700}) is never read.
   const long whole = size - size % lanes;
   auto read = [&](const double* p, long k, double fill) {
     return k < whole ? ploadu<packet>(p + k) : load_partial<packet>(p + k, size - k, fill);
   };
-  const bool projected = s.status == row_status::projected;
-  double pi[block_size], centred[block_size];
-  const packet mu = pset1<packet>(s.mu);
-  packet lowest = pset1<packet>(0.0), odd = pset1<packet>(0.0), sg = odd, sgc = odd;
-  for (long k = 0; k < padded; k += lanes) {
-    const packet lp = read(logp, k, -700.0);
-    const packet c = psub(psub(read(zn, k, 0.0), read(zo, k, 0.0)), mu);
-    const packet gk = read(g, k, 0.0);
-    lowest = pmin(lowest, lp);
-    odd = padd(odd, padd(psub(c, c), psub(lp, lp)));  // NaN unless every d − μ and log π is finite
-    pstoreu(pi + k, exp_nonpositive(lp));
-    pstoreu(centred + k, c);
-    sg = padd(sg, gk);
-    sgc = padd(sgc, pmul(gk, c));
-  }
-  if (!(predux_min(lowest) >= -700.0 && predux(odd) == 0.0)) return -1;
-  const double sum_g = predux(sg), sum_gc = projected ? predux(sgc) : 0.0;
-  const double t = projected ? s.t : 1.0;
-  const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
-  int overflow = 0;  // an OR-reduction the compiler vectorises with the loop
-  for (long k = 0; k < size; ++k) {
-    const double gn = t * ((g[k] - pi[k] * sum_g) - pi[k] * centred[k] * h_over_var);
-    overflow |= !(gn - gn == 0.0);
-    grad_new[k] = gn;
-  }
-  *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
-  return overflow == 0 && fits_in<double>(*grad_eps) ? 1 : 0;
+  return vjp_row_short_core(
+      size,
+      [&](long k, packet& a, packet& b, packet& lp, packet& gk) {
+        a = read(zn, k, 0.0);
+        b = read(zo, k, 0.0);
+        lp = read(logp, k, -700.0);
+        gk = read(g, k, 0.0);
+      },
+      s, grad_new, grad_eps);
 }
 
 /// The first pass of vjp_row_packets: Σg and Σg(d − μ) of a row (chunk sums added up, as the

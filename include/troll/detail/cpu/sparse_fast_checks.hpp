@@ -201,12 +201,12 @@ inline int backward_entry_bad(T l, T zn, T zo, T g) {
 
 /// The yes/no form of project_backward's per-row checks of log_probs and the upstream gradient
 /// for a row whose counts already agree: every id equal to the aligned id and every entry, the
-/// bucket included (its sides −inf when the tail is empty), passing backward_entry_bad. One
-/// vectorised pass of integer OR-reductions; a row it refuses goes to the full check.
+/// bucket included (its sides −inf when the tail is empty), passing backward_entry_bad. Entry by
+/// entry; backward_row_fine is the same test in packets.
 template <class T>
-inline bool backward_row_fine(const sparse_index* ids, const sparse_index* aligned_ids, const T* log_probs,
-                              const T* new_lp, const T* old_lp, const T* g, int count, T log_remainder,
-                              T new_remainder, T old_remainder, T g_remainder) {
+inline bool backward_row_fine_scalar(const sparse_index* ids, const sparse_index* aligned_ids, const T* log_probs,
+                                     const T* new_lp, const T* old_lp, const T* g, int count, T log_remainder,
+                                     T new_remainder, T old_remainder, T g_remainder) {
   int bad = 0;
   for (int i = 0; i < count; ++i) {
     bad |= int(ids[i] != aligned_ids[i]);
@@ -214,6 +214,39 @@ inline bool backward_row_fine(const sparse_index* ids, const sparse_index* align
   }
   bad |= backward_entry_bad(log_remainder, new_remainder, old_remainder, g_remainder);
   return bad == 0;
+}
+
+/// backward_row_fine_scalar in packets of T: the ids compared in an integer OR-reduction the
+/// compiler vectorises, the four value rows as lane masks (the last partial packet's padding
+/// lanes read log π* = −inf, which no check refuses), the bucket by backward_entry_bad.
+/// Accepts exactly the rows backward_row_fine_scalar accepts (tests/test_sparse_fast_checks.cpp).
+template <class T>
+inline bool backward_row_fine(const sparse_index* ids, const sparse_index* aligned_ids, const T* log_probs,
+                              const T* new_lp, const T* old_lp, const T* g, int count, T log_remainder,
+                              T new_remainder, T old_remainder, T g_remainder) {
+  using namespace Eigen::internal;
+  using packet = typename packet_traits<T>::type;
+  constexpr int lanes = int(sizeof(packet) / sizeof(T));
+  std::uint32_t differ = 0;
+  for (int i = 0; i < count; ++i) differ |= std::uint32_t(ids[i]) ^ std::uint32_t(aligned_ids[i]);
+  const packet zero = pset1<packet>(T(0)), lowest = pset1<packet>(-std::numeric_limits<T>::infinity());
+  packet bad = zero;
+  auto entry = [&](const packet& l, const packet& zn, const packet& zo, const packet& gk) {
+    const packet live = pcmp_lt(lowest, l);
+    const packet side_masked = por(pcmp_eq(zn, lowest), pcmp_eq(zo, lowest));
+    const packet g_odd = pcmp_lt_or_nan(zero, pabs(psub(gk, gk)));  // g − g is 0 unless g is NaN or ±inf
+    bad = por(bad, por(pcmp_lt_or_nan(zero, l), pand(live, por(side_masked, g_odd))));
+  };
+  int k = 0;
+  for (; k + lanes <= count; k += lanes)
+    entry(ploadu<packet>(log_probs + k), ploadu<packet>(new_lp + k), ploadu<packet>(old_lp + k),
+          ploadu<packet>(g + k));
+  if (k < count) {  // padding: log π* = −inf (not live, not above 0); the other rows' padding unread
+    entry(load_padded<packet>(log_probs, k, count), load_padded<packet>(new_lp, k, count),
+          load_padded<packet>(old_lp, k, count), load_padded<packet>(g, k, count));
+  }
+  return differ == 0 && !predux_any(bad) &&
+         backward_entry_bad(log_remainder, new_remainder, old_remainder, g_remainder) == 0;
 }
 
 }  // namespace cpu
