@@ -7,6 +7,7 @@
 
 #include "eigen.hpp"
 #include <cstddef>
+#include <type_traits>
 
 #include "../../config.hpp"
 #include "../../projection_types.hpp"
@@ -55,6 +56,27 @@ inline int sparse_vjp_row_short(const sparse_vjp_row_view<T>& v, const projectio
       return;
     }
     // The last entries, the bucket, then vjp_row_short's padding (g = 0, log π = −700, z = 0).
+#if defined(__AVX512F__)
+    if constexpr (lanes == 8) {  // masked loads (nothing read past count), the bucket blended in
+      const unsigned at = unsigned(count - k);  // the bucket's lane, 0 … 7
+      const __mmask8 in = __mmask8((1u << at) - 1u), bucket = __mmask8(1u << at);
+      auto tail = [&](const T* p, T last, double fill) {
+        __m512d x;
+        if constexpr (std::is_same<T, float>::value) {
+          x = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(in, p + k));
+        } else {
+          x = _mm512_maskz_loadu_pd(in, p + k);
+        }
+        x = _mm512_mask_blend_pd(bucket, x, _mm512_set1_pd(double(last)));
+        return packet(_mm512_mask_blend_pd(__mmask8(in | bucket), _mm512_set1_pd(fill), x));
+      };
+      zn = tail(v.new_lp, v.new_bucket, 0.0);
+      zo = tail(v.old_lp, v.old_bucket, 0.0);
+      lp = tail(v.log_probs, v.log_prob_bucket, -700.0);
+      gk = tail(v.g, v.g_bucket, 0.0);
+      return;
+    }
+#endif
     double a[lanes], b[lanes], l[lanes], h[lanes];
     for (long j = 0; j < lanes; ++j) {
       const long i = k + j;
