@@ -26,6 +26,7 @@
 #include "detail/cpu/sparse_backward_rows.hpp"
 #include "detail/cpu/sparse_fast_checks.hpp"
 #include "detail/cpu/sparse_kernels.hpp"
+#include "detail/cpu/sparse_lumped_rows.hpp"
 #include "detail/row_problem.hpp"
 #include "detail/sparse_problem.hpp"
 #include "detail/sparse_row.hpp"
@@ -171,6 +172,25 @@ int lumped_pair(const aligned_batch_view<const T>& a, std::size_t r, double* zn,
     slot[n] = i;
     ++n;
   }
+  return n;
+}
+
+/// lumped_pair and scan_pair's setup of aligned row r (solver-ready): the common row, every
+/// category finite on both sides, in one pass of the caller's type (cpu::lumped_pair_finite),
+/// any other through lumped_pair and scan_pair. Returns the number of categories kept.
+template <class T>
+int lumped_pair_setup(const aligned_batch_view<const T>& a, std::size_t r, double* zn, double* zo, int* slot,
+                      row_setup& setup) {
+  const int count = static_cast<int>(a.counts[r]);
+  const std::size_t at = r * a.k_max;
+  const T masked = T(neg_inf());
+  const bool tail = a.vocab > std::size_t(count);
+  if (cpu::lumped_pair_finite(a.new_log_probs + at, a.old_log_probs + at, count,
+                              tail ? a.new_log_remainder[r] : masked, tail ? a.old_log_remainder[r] : masked, zn, zo,
+                              setup))
+    return count + 1;  // slot[j] = j: not written (write_lumped_row reads slot only when n < count + 1)
+  const int n = lumped_pair(a, r, zn, zo, slot);
+  cpu::scan_pair(zn, zo, std::size_t(n), setup, "", "");
   return n;
 }
 
@@ -793,9 +813,8 @@ void kl(cpu_policy policy, aligned_input<T> rows, T* kl_out) {
   detail::cpu::parallel_for(policy.threads, rows.rows, 8 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
     int slot[sparse_max_entries + 1];
-    const int n = detail::lumped_pair(rows, r, zn, zo, slot);
     detail::row_setup setup;
-    detail::cpu::scan_pair(zn, zo, std::size_t(n), setup, "", "");
+    const int n = detail::lumped_pair_setup(rows, r, zn, zo, slot, setup);
     kl_out[r] = T(detail::cpu::kl_row(zn, zo, std::size_t(n), setup));
   });
 }
@@ -823,9 +842,8 @@ void project(cpu_policy policy, aligned_input<T> rows, double eps, sparse_batch_
   detail::cpu::parallel_for(policy.threads, rows.rows, 16 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1];
     int slot[sparse_max_entries + 1];
-    const int n = detail::lumped_pair(rows, r, zn, zo, slot);
     detail::row_setup setup;
-    detail::cpu::scan_pair(zn, zo, std::size_t(n), setup, "", "");
+    const int n = detail::lumped_pair_setup(rows, r, zn, zo, slot, setup);
     stats[r] = detail::cpu::project_row(zn, zo, std::size_t(n), setup, eps, options, lp);
     detail::write_lumped_row(rows, r, slot, n, lp, out);
   });

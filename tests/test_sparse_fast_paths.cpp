@@ -1,11 +1,13 @@
-// tests/test_sparse_backward_fast.cpp — the sparse project_backward's fast paths against the paths
-// they stand in for. (1) The VJP of a row read in place (detail/cpu/sparse_backward_rows.hpp)
+// tests/test_sparse_fast_paths.cpp — the sparse projection's fast paths against the paths they
+// stand in for. (1) The VJP of a row read in place (detail/cpu/sparse_backward_rows.hpp)
 // gives the bits of the lumped path (lumped_pair, vjp_row, the scatter), reproduced here, on rows
 // of every count from 0 to 130, float and double, with masked entries on one side or both, empty
 // tails and inactive rows (which take the lumped path or the fast one as they qualify).
 // (2) backward_row_fine (packets) accepts exactly the rows backward_row_fine_scalar accepts, with
 // a bad value or id at every position. (3) A bad row at each position of a batch throws the same
-// typed error naming that row, and nothing is written.
+// typed error naming that row, and nothing is written. (4) The forward's lumped pair and setup of
+// a finite row (lumped_pair_finite) equal lumped_pair + scan_pair bit for bit, and it refuses
+// exactly the rows with a masked category or an empty tail.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -175,6 +177,67 @@ void fine_agrees() {
   }
 }
 
+
+template <class T>
+bool same_setup(const troll::detail::row_setup& a, const troll::detail::row_setup& b) {
+  return same_bits(a.old_max, b.old_max) && same_bits(a.new_top.zn, b.new_top.zn) &&
+         same_bits(a.new_top.zo, b.new_top.zo) && same_bits(a.old_top.zn, b.old_top.zn) &&
+         same_bits(a.old_top.zo, b.old_top.zo) && a.new_only == b.new_only && a.old_only == b.old_only &&
+         a.any_masked == b.any_masked && same_bits(a.spread, b.spread);
+}
+
+template <class T>
+void setup_agrees(std::size_t vocab, std::size_t k_max, unsigned seed) {
+  std::mt19937_64 rng(seed);
+  const std::size_t rows = 4 * (k_max + 1);
+  aligned_rows<T> a = make_rows<T>(rows, k_max, vocab, rng);
+  // Ties of the maximum: some rows repeat their largest entry, or put it in the bucket.
+  for (std::size_t r = 0; r < rows; r += 3) {
+    const std::size_t count = std::size_t(a.counts[r]);
+    if (count < 3) continue;
+    T* ln = a.new_log_probs.data() + r * k_max;
+    T* lo = a.old_log_probs.data() + r * k_max;
+    const T top_n = *std::max_element(ln, ln + count), top_o = *std::max_element(lo, lo + count);
+    ln[count - 1] = top_n;
+    if (r % 2 == 0 && count < vocab) a.new_log_remainder[r] = top_n, a.old_log_remainder[r] = top_o;
+  }
+  const troll::aligned_batch_view<const T> view{a.indices.data(),           a.counts.data(),
+                                                a.new_log_probs.data(),     a.old_log_probs.data(),
+                                                a.new_log_remainder.data(), a.old_log_remainder.data(),
+                                                rows,                       k_max,
+                                                vocab};
+  const int m = troll::sparse_max_entries + 1;
+  std::size_t fast_rows = 0;
+  for (std::size_t r = 0; r < rows; ++r) {
+    CAPTURE(r);
+    std::vector<double> zn(m), zo(m), fn(m), fo(m);
+    std::vector<int> slot(m);
+    const int n = troll::detail::lumped_pair(view, r, zn.data(), zo.data(), slot.data());
+    troll::detail::row_setup ref;
+    troll::detail::cpu::scan_pair(zn.data(), zo.data(), std::size_t(n), ref, "", "");
+    const int count = int(a.counts[r]);
+    const bool tail = std::size_t(count) < vocab;
+    bool every_finite = tail;
+    for (int i = 0; i < count; ++i)
+      every_finite = every_finite && std::isfinite(double(view.new_log_probs[r * k_max + std::size_t(i)])) &&
+                     std::isfinite(double(view.old_log_probs[r * k_max + std::size_t(i)]));
+    troll::detail::row_setup got;
+    const T masked = T(-INFINITY);
+    const bool fast = troll::detail::cpu::lumped_pair_finite(
+        view.new_log_probs + r * k_max, view.old_log_probs + r * k_max, count,
+        tail ? view.new_log_remainder[r] : masked, tail ? view.old_log_remainder[r] : masked, fn.data(), fo.data(), got);
+    CHECK(fast == every_finite);
+    if (!fast) continue;
+    ++fast_rows;
+    REQUIRE(n == count + 1);
+    bool same = same_setup<T>(got, ref);
+    for (int j = 0; j < n; ++j) same = same && same_bits(fn[std::size_t(j)], zn[std::size_t(j)]) &&
+                                       same_bits(fo[std::size_t(j)], zo[std::size_t(j)]) && slot[std::size_t(j)] == j;
+    CHECK(same);
+  }
+  CHECK(fast_rows > rows / 2);
+}
+
 }  // namespace
 
 TEST_CASE("sparse VJP read in place: the bits of the lumped path (float and double)") {
@@ -249,4 +312,11 @@ TEST_CASE("a bad row at each position of a batch: the same typed error naming it
       CHECK(std::all_of(gn.log_probs.begin(), gn.log_probs.end(), [](float x) { return x == 7.0f; }));
     }
   }
+}
+
+TEST_CASE("the forward's lumped pair and setup of a finite row: the bits of lumped_pair + scan_pair") {
+  setup_agrees<float>(1000, 130, 7);
+  setup_agrees<double>(1000, 130, 8);
+  setup_agrees<float>(40, 40, 9);
+  setup_agrees<double>(40, 40, 10);
 }
