@@ -221,15 +221,19 @@ std::size_t first_bad_row_with_ids(unsigned threads, std::size_t rows, std::size
 struct no_extra_check {
   bool operator()(std::size_t) const { return false; }
 };
+/// Prefetches nothing: validate_aligned's default for the caller's own operands.
+struct no_prefetch {
+  void operator()(std::size_t, long long) const {}
+};
 
 /// Validates an aligned batch for KL / projection: both sides' sparse checks, then the dense
 /// row checks on the lumped rows (disjoint supports; with eps > 0, infeasibility). `extra_bad`
 /// is a caller's own yes/no check of row r, run in the same fast pass while the row is in cache
 /// (project_backward's checks of its other operands); returns whether it passed every row, so
 /// that only a batch with a refused row runs the caller's full checks (after these).
-template <class T, class Extra = no_extra_check>
+template <class T, class Extra = no_extra_check, class Prefetch = no_prefetch>
 bool validate_aligned(const char* fn, unsigned threads, const aligned_batch_view<const T>& a, double eps,
-                      Extra&& extra_bad = Extra{}) {
+                      Extra&& extra_bad = Extra{}, Prefetch&& prefetch_extra = Prefetch{}) {
   auto problem = [&](std::size_t r) {
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
     int slot[sparse_max_entries + 1];
@@ -251,6 +255,14 @@ bool validate_aligned(const char* fn, unsigned threads, const aligned_batch_view
   const std::size_t any_bad =
       first_bad_row_with_ids(threads, a.rows, 16 * std::size_t(a.k_max) + 64,
                              [&](std::size_t r, cpu::distinct_ids_scratch& ids) {
+        if (r + cpu::prefetch_rows_ahead < a.rows) {  // the rows ahead, while this one is checked
+          const std::size_t ahead = r + cpu::prefetch_rows_ahead, at = ahead * a.k_max;
+          const long long c = a.counts[ahead];
+          cpu::prefetch_entries(a.indices + at, c);
+          cpu::prefetch_entries(a.new_log_probs + at, c);
+          cpu::prefetch_entries(a.old_log_probs + at, c);
+          prefetch_extra(ahead, c);
+        }
         bool new_finite = false, old_finite = false;
         if (!cpu::sparse_indices_fine(new_side.row_indices(r), new_side.count(r), new_side.k_max, new_side.vocab,
                                       ids) ||
@@ -876,6 +888,10 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
             rows.old_log_probs + at, grad.row(r), int(c), log_probs.log_remainder[r],
             tail ? rows.new_log_remainder[r] : masked, tail ? rows.old_log_remainder[r] : masked,
             grad.log_remainder[r]);
+      }, [&](std::size_t r, long long c) {  // the same row's output and upstream gradient
+        detail::cpu::prefetch_entries(log_probs.row_indices(r), c);
+        detail::cpu::prefetch_entries(log_probs.row_log_probs(r), c);
+        detail::cpu::prefetch_entries(grad.row(r), c);
       });
   detail::first_sparse_problem(fn, policy.threads, all_fine ? 0 : rows.rows,
                                4 * std::size_t(sparse_max_entries),
@@ -947,6 +963,14 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
   unsigned char* overflowed = scratch.data();
   detail::cpu::parallel_for(policy.threads, rows.rows, 16 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     const int count = static_cast<int>(rows.counts[r]);
+    if (r + detail::cpu::prefetch_rows_ahead < rows.rows) {
+      const std::size_t ahead = r + detail::cpu::prefetch_rows_ahead, at = ahead * rows.k_max;
+      const long long c = rows.counts[ahead];
+      detail::cpu::prefetch_entries(rows.new_log_probs + at, c);
+      detail::cpu::prefetch_entries(rows.old_log_probs + at, c);
+      detail::cpu::prefetch_entries(log_probs.row_log_probs(ahead), c);
+      detail::cpu::prefetch_entries(grad.row(ahead), c);
+    }
     if (!want_old) {  // the common row, read in place (the bits of the lumped path below)
       const bool tail = rows.vocab > std::size_t(count);
       const std::size_t at = r * rows.k_max;
