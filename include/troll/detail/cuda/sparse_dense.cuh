@@ -105,6 +105,22 @@ __device__ void warp_support_and_grad(const sparse_batch_view<const T>& support,
   if (lane_id() == 0) sh.report.Alias() = report, sh.sum_g = sum_g, sh.count = report.error == cuda_row_error::none ? n : 0;
 }
 
+/// The grid-stride loop of the sparse gradient kernels: per row r of `range`, its logits z, its
+/// gradient g and g_R, after a barrier (the previous row is done with the shared scratch), then
+/// body(r, z, g, g_r) (returning from the body ends that row).
+template <class L, class T, class Body>
+__device__ void for_each_grad_row(batch_view<const L> logits, sparse_grad_view<const T> grad, const row_range& range,
+                                  Body&& body) {
+  const std::size_t end = range.begin + range.count;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const L* z = logits.row(r);
+    const T* g = grad.row(r);
+    const double g_r = static_cast<double>(grad.log_remainder[r]);
+    __syncthreads();  // the previous row is done with the shared scratch
+    body(r, z, g, g_r);
+  }
+}
+
 /// Rows of `range`: grad_logits = ∂L/∂z from g on the support of `support` and g_R on its bucket:
 ///     ∂L/∂z_k = [k∈S] g_k + [k∉S] g_R p_k / r − p_k (Σ_S g_i + g_R).
 template <class L, class T>
@@ -114,25 +130,16 @@ __global__ void __launch_bounds__(block_threads)
                              device_checks checks) {
   __shared__ split_scan_storage sh;
   __shared__ reduce_storage<split_scan> scan_storage;
-  const std::size_t size = logits.cols, end = range.begin + range.count;
-  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
-    const L* z = logits.row(r);
-    const T* g = grad.row(r);
-    const double g_r = static_cast<double>(grad.log_remainder[r]);
-    __syncthreads();  // the previous row is done with the shared scratch
+  const std::size_t size = logits.cols;
+  for_each_grad_row(logits, grad, range, [&](std::size_t r, const L* z, const T* g, double g_r) {
     if (threadIdx.x < warp_lanes) warp_support_and_grad(support, r, g, g_r, slots, sh);
     __syncthreads();
     const int n = sh.count;
     const split_scan scan = scan_split(z, size, sh.sorted, n, scan_storage);
     cuda_row_report report = logits_problem(scan, z);
     if (report.error == cuda_row_error::none) report = sh.report.Alias();
-    if (threadIdx.x == 0) record_row(checks, range, r, report);
-    if (checks.validate_only) continue;
+    if (record_or_reject(checks, range, r, report, grad_logits, size)) return;
     T* out = grad_logits.row(r);
-    if (report.error != cuda_row_error::none) {
-      fill_nan(out, size);
-      continue;
-    }
     const double log_total = merge(scan.tail, scan.support).value(), log_tail = scan.tail.value();
     const bool tail_mass = log_tail > neg_inf() && g_r != 0.0;
     const double sum_g = sh.sum_g;
@@ -149,7 +156,7 @@ __global__ void __launch_bounds__(block_threads)
       }
       out[i] = static_cast<T>(value);
     }
-  }
+  });
 }
 
 /// Rows of `range`: grad_shard = the columns [offset, offset + cols) of sparsify_backward's
@@ -165,12 +172,8 @@ __global__ void __launch_bounds__(block_threads)
                                    row_range range, device_checks checks) {
   __shared__ split_scan_storage sh;
   __shared__ reduce_storage<split_scan> scan_storage;
-  const std::size_t size = shard_logits.cols, end = range.begin + range.count;
-  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
-    const L* z = shard_logits.row(r);
-    const T* g = grad.row(r);
-    const double g_r = static_cast<double>(grad.log_remainder[r]);
-    __syncthreads();  // the previous row is done with the shared scratch
+  const std::size_t size = shard_logits.cols;
+  for_each_grad_row(shard_logits, grad, range, [&](std::size_t r, const L* z, const T* g, double g_r) {
     if (threadIdx.x < warp_lanes) {
       if (stage >= 2) {
         warp_support_and_grad(support, r, g, g_r, slots, sh);
@@ -190,13 +193,8 @@ __global__ void __launch_bounds__(block_threads)
       memcpy(&report.token, &tail, sizeof tail);
     }
     if (report.error == cuda_row_error::none) report = sh.report.Alias();
-    if (threadIdx.x == 0) record_row(checks, range, r, report);
-    if (checks.validate_only) continue;
+    if (record_or_reject(checks, range, r, report, grad_shard, size)) return;
     T* out = grad_shard.row(r);
-    if (report.error != cuda_row_error::none) {
-      fill_nan(out, size);
-      continue;
-    }
     const double sum_g = sh.sum_g;
     const bool tail_term = tail > neg_inf() && g_r != 0.0;
     const double log_inv_r = total - tail;
@@ -214,7 +212,7 @@ __global__ void __launch_bounds__(block_threads)
         value = static_cast<double>(g[sh.sorted[cursor].position]) - sum_g * p;
       out[i] = static_cast<T>(value);
     }
-  }
+  });
 }
 
 /// Shared memory of sparsify_tail_sums_kernel.
