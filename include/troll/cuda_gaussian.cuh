@@ -69,8 +69,8 @@ void project_gaussian(cuda_policy policy, const gaussian_call& call, batch_view<
   const unsigned grid = grid_for(mean.rows);
   if (block_rows) {
     const auto blocks = static_cast<unsigned>(gaussian_full_blocks(mean.rows, row_bytes));
-    gaussian_full_block_kernel<T><<<blocks, gaussian_full_threads, 0, policy.stream>>>(
-        launch, static_cast<double*>(policy.workspace.data), row_bytes / sizeof(double));
+    gaussian_full_rows_kernel<T><<<blocks, gaussian_full_threads, 0, policy.stream>>>(
+        full_forward_op<T>{launch}, static_cast<double*>(policy.workspace.data), row_bytes / sizeof(double));
   } else if (c.full) {
     const std::size_t shared = (4 * c.dim * c.dim + 4 * c.dim) * sizeof(double);
     gaussian_full_kernel<T><<<grid, gaussian_warp, shared, policy.stream>>>(launch);

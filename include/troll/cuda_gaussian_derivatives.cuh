@@ -82,8 +82,8 @@ void gaussian_kl(cuda_policy policy, const gaussian_call& call, batch_view<const
   const gaussian_kl_launch<T> launch{mean, cov, old_mean, old_cov, out};
   const unsigned grid = grid_for(mean.rows);
   if (workspace != nullptr) {
-    gaussian_kl_full_block_kernel<T><<<full_grid(mean.rows, workspace, row_bytes), gaussian_full_threads, 0,
-                                       policy.stream>>>(launch, workspace, row_bytes / sizeof(double));
+    gaussian_full_rows_kernel<T><<<full_grid(mean.rows, workspace, row_bytes), gaussian_full_threads, 0,
+                                   policy.stream>>>(full_kl_op<T>{launch}, workspace, row_bytes / sizeof(double));
   } else if (c.full) {
     const std::size_t shared = (4 * c.dim * c.dim + 4 * c.dim) * sizeof(double);
     gaussian_kl_full_kernel<T><<<grid, gaussian_warp, shared, policy.stream>>>(launch);
@@ -109,7 +109,7 @@ void project_gaussian_diag_backward(cuda_policy policy, gaussian_call call, batc
   check_gaussian_rows_on_host(policy, call, mean, cov, old_mean, old_cov, stats, "backward");
   const gaussian_vjp_launch<T> launch{mean,          cov,   old_mean, old_cov, out_mean, out_cov, grad_out_mean,
                                       grad_out_cov,  stats, grads,    eps_mean, call.split};
-  gaussian_vjp_diag_kernel<T><<<grid_for(mean.rows), gaussian_warp, 0, policy.stream>>>(launch);
+  gaussian_derivative_diag_kernel<T><<<grid_for(mean.rows), gaussian_warp, 0, policy.stream>>>(diag_vjp_op<T>{launch});
   check_launch(fn);
 }
 
@@ -128,7 +128,7 @@ void project_gaussian_diag_jvp(cuda_policy policy, gaussian_call call, batch_vie
   check_gaussian_rows_on_host(policy, call, mean, cov, old_mean, old_cov, stats, "JVP");
   const gaussian_jvp_launch<T> launch{mean,     cov,           old_mean,        old_cov, stats, tangents,
                                       tangent_out_mean, tangent_out_cov, eps_mean, call.split};
-  gaussian_jvp_diag_kernel<T><<<grid_for(mean.rows), gaussian_warp, 0, policy.stream>>>(launch);
+  gaussian_derivative_diag_kernel<T><<<grid_for(mean.rows), gaussian_warp, 0, policy.stream>>>(diag_jvp_op<T>{launch});
   check_launch(call.function);
 }
 
@@ -161,10 +161,10 @@ void project_gaussian_full_backward(cuda_policy policy, gaussian_call call, batc
   check_gaussian_rows_on_host(policy, call, mean, cov, old_mean, old_cov, stats, "backward");
   const gaussian_vjp_launch<T> launch{mean,          cov,   old_mean, old_cov, out_mean, out_cov, grad_out_mean,
                                       grad_out_cov,  stats, grads,    eps_mean, call.split};
-  const std::size_t shared =
-      workspace != nullptr ? 0 : full_derivative_shared(gaussian_vjp_full_kernel<T>, call.dim, fn);
-  gaussian_vjp_full_kernel<T><<<full_grid(mean.rows, workspace, row_bytes), gaussian_full_threads, shared,
-                                policy.stream>>>(launch, saved, workspace, row_bytes / sizeof(double));
+  const auto kernel = gaussian_derivative_full_kernel<T, full_vjp_op<T>>;
+  const std::size_t shared = workspace != nullptr ? 0 : full_derivative_shared(kernel, call.dim, fn);
+  kernel<<<full_grid(mean.rows, workspace, row_bytes), gaussian_full_threads, shared, policy.stream>>>(
+      full_vjp_op<T>{launch}, saved, workspace, row_bytes / sizeof(double));
   check_launch(fn);
 }
 
@@ -185,10 +185,10 @@ void project_gaussian_full_jvp(cuda_policy policy, gaussian_call call, batch_vie
   check_gaussian_rows_on_host(policy, call, mean, cov, old_mean, old_cov, stats, "JVP");
   const gaussian_jvp_launch<T> launch{mean,     cov,           old_mean,        old_cov, stats, tangents,
                                       tangent_out_mean, tangent_out_cov, eps_mean, call.split};
-  const std::size_t shared =
-      workspace != nullptr ? 0 : full_derivative_shared(gaussian_jvp_full_kernel<T>, call.dim, call.function);
-  gaussian_jvp_full_kernel<T><<<full_grid(mean.rows, workspace, row_bytes), gaussian_full_threads, shared,
-                                policy.stream>>>(launch, out_cov, saved, workspace, row_bytes / sizeof(double));
+  const auto kernel = gaussian_derivative_full_kernel<T, full_jvp_op<T>>;
+  const std::size_t shared = workspace != nullptr ? 0 : full_derivative_shared(kernel, call.dim, call.function);
+  kernel<<<full_grid(mean.rows, workspace, row_bytes), gaussian_full_threads, shared, policy.stream>>>(
+      full_jvp_op<T>{launch, out_cov}, saved, workspace, row_bytes / sizeof(double));
   check_launch(call.function);
 }
 
