@@ -105,19 +105,22 @@ __device__ void warp_support_and_grad(const sparse_batch_view<const T>& support,
   if (lane_id() == 0) sh.report.Alias() = report, sh.sum_g = sum_g, sh.count = report.error == cuda_row_error::none ? n : 0;
 }
 
-/// The grid-stride loop of the sparse gradient kernels: per row r of `range`, its logits z, its
-/// gradient g and g_R, after a barrier (the previous row is done with the shared scratch), then
-/// body(r, z, g, g_r) (returning from the body ends that row).
+/// The grid-stride loop of the sparse gradient kernels and their shared scratch: per row r of
+/// `range`, its logits z, its gradient g and g_R, after a barrier (the previous row is done with
+/// the shared scratch), then body(r, z, g, g_r, sh, scan_storage) (returning from the body ends
+/// that row).
 template <class L, class T, class Body>
 __device__ void for_each_grad_row(batch_view<const L> logits, sparse_grad_view<const T> grad, const row_range& range,
                                   Body&& body) {
+  __shared__ split_scan_storage sh;
+  __shared__ reduce_storage<split_scan> scan_storage;
   const std::size_t end = range.begin + range.count;
   for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
     const L* z = logits.row(r);
     const T* g = grad.row(r);
     const double g_r = static_cast<double>(grad.log_remainder[r]);
     __syncthreads();  // the previous row is done with the shared scratch
-    body(r, z, g, g_r);
+    body(r, z, g, g_r, sh, scan_storage);
   }
 }
 
@@ -128,10 +131,10 @@ __global__ void __launch_bounds__(block_threads)
     sparsify_backward_kernel(batch_view<const L> logits, sparse_batch_view<const T> support,
                              sparse_grad_view<const T> grad, batch_view<T> grad_logits, int slots, row_range range,
                              device_checks checks) {
-  __shared__ split_scan_storage sh;
-  __shared__ reduce_storage<split_scan> scan_storage;
   const std::size_t size = logits.cols;
-  for_each_grad_row(logits, grad, range, [&](std::size_t r, const L* z, const T* g, double g_r) {
+  for_each_grad_row(logits, grad, range,
+                    [&](std::size_t r, const L* z, const T* g, double g_r, split_scan_storage& sh,
+                        reduce_storage<split_scan>& scan_storage) {
     if (threadIdx.x < warp_lanes) warp_support_and_grad(support, r, g, g_r, slots, sh);
     __syncthreads();
     const int n = sh.count;
@@ -170,10 +173,10 @@ __global__ void __launch_bounds__(block_threads)
                                    sparse_batch_view<const T> support, sparse_grad_view<const T> grad,
                                    const double* log_sums, batch_view<T> grad_shard, int slots, int stage,
                                    row_range range, device_checks checks) {
-  __shared__ split_scan_storage sh;
-  __shared__ reduce_storage<split_scan> scan_storage;
   const std::size_t size = shard_logits.cols;
-  for_each_grad_row(shard_logits, grad, range, [&](std::size_t r, const L* z, const T* g, double g_r) {
+  for_each_grad_row(shard_logits, grad, range,
+                    [&](std::size_t r, const L* z, const T* g, double g_r, split_scan_storage& sh,
+                        reduce_storage<split_scan>& scan_storage) {
     if (threadIdx.x < warp_lanes) {
       if (stage >= 2) {
         warp_support_and_grad(support, r, g, g_r, slots, sh);
