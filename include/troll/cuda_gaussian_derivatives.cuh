@@ -37,6 +37,7 @@
 #include "detail/cuda/gaussian_kernels.cuh"
 #include "detail/cuda/gaussian_launch.cuh"
 #include "detail/gaussian_checks.hpp"
+#include "detail/gaussian_derivative_call.hpp"
 #include "detail/workspace.hpp"
 #include "detail/workspace_layout.hpp"
 #include "errors.hpp"
@@ -107,42 +108,24 @@ void launch_gaussian_derivative(const cuda_policy& policy, const gaussian_call& 
   check_launch(call.function);
 }
 
-/// The VJP of the four Gaussian projections on the device, diagonal or full rows (call.full).
-template <class T>
-void project_gaussian_backward(cuda_policy policy, gaussian_call call, batch_view<const T> mean,
-                               batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
-                               double eps_mean, double eps_cov, batch_view<const T> out_mean,
-                               batch_view<const T> out_cov, const gaussian::gaussian_stats* stats,
-                               batch_view<const T> grad_out_mean, batch_view<const T> grad_out_cov,
-                               const gaussian::gaussian_grads<T>& grads,
-                               gaussian::saved_factorisation<const double> saved = {}) {
-  require_float_type<T>();
-  call = check_backward_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean, grad_out_cov,
-                                  stats, eps_mean, eps_cov, grads, saved);
-  const gaussian_vjp_launch<T> launch{mean,          cov,   old_mean, old_cov, out_mean, out_cov, grad_out_mean,
-                                      grad_out_cov,  stats, grads,    eps_mean, call.split};
-  launch_gaussian_derivative(policy, call, mean, cov, old_mean, old_cov, stats, "backward", saved,
-                             diag_vjp_op<T>{launch}, full_vjp_op<T>{launch});
-}
-
-/// The JVP of the four Gaussian projections on the device, diagonal or full rows (call.full).
-template <class T>
-void project_gaussian_jvp(cuda_policy policy, gaussian_call call, batch_view<const T> mean, batch_view<const T> cov,
-                          batch_view<const T> old_mean, batch_view<const T> old_cov, double eps_mean, double eps_cov,
-                          batch_view<const T> out_mean, batch_view<const T> out_cov,
-                          const gaussian::gaussian_stats* stats, const gaussian::gaussian_tangents<T>& tangents,
-                          batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov,
-                          gaussian::saved_factorisation<const double> saved = {}) {
-  require_float_type<T>();
-  call = check_jvp_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
-                             tangent_out_cov, stats, eps_mean, eps_cov, tangents, saved);
-  const gaussian_jvp_launch<T> launch{mean,     cov,           old_mean,        old_cov, stats, tangents,
-                                      tangent_out_mean, tangent_out_cov, eps_mean, call.split};
-  launch_gaussian_derivative(policy, call, mean, cov, old_mean, old_cov, stats, "JVP", saved,
-                             diag_jvp_op<T>{launch}, full_jvp_op<T>{launch, out_cov});
-}
-
 }  // namespace cuda
+
+/// The device's rows of a Gaussian backward after its argument checks (gaussian_derivative_call.hpp).
+template <class T>
+void gaussian_vjp_rows(const cuda_policy& policy, const gaussian_call& call, const gaussian_vjp_launch<T>& k,
+                       gaussian::saved_factorisation<const double> saved) {
+  cuda::launch_gaussian_derivative(policy, call, k.mean, k.cov, k.old_mean, k.old_cov, k.stats, "backward", saved,
+                                   cuda::diag_vjp_op<T>{k}, cuda::full_vjp_op<T>{k});
+}
+
+/// The device's rows of a Gaussian JVP after its argument checks; out_cov: the forward's factor.
+template <class T>
+void gaussian_jvp_rows(const cuda_policy& policy, const gaussian_call& call, const gaussian_jvp_launch<T>& k,
+                       batch_view<const T> out_cov, gaussian::saved_factorisation<const double> saved) {
+  cuda::launch_gaussian_derivative(policy, call, k.mean, k.cov, k.old_mean, k.old_cov, k.stats, "JVP", saved,
+                                   cuda::diag_jvp_op<T>{k}, cuda::full_jvp_op<T>{k, out_cov});
+}
+
 }  // namespace detail
 
 namespace gaussian {
@@ -171,7 +154,7 @@ void project_joint_diag_backward(cuda_policy policy, input_view<T> mean, input_v
                                  input_view<T> out_mean, input_view<T> out_std_dev, const gaussian_stats* stats,
                                  input_view<T> grad_out_mean, input_view<T> grad_out_std_dev,
                                  const gaussian_grads<T>& grads) {
-  detail::cuda::project_gaussian_backward(
+  detail::project_gaussian_backward(
       policy, detail::gaussian_call{"gaussian::project_joint_diag_backward", false, false}, mean, std_dev, old_mean,
       old_std_dev, eps, eps, out_mean, out_std_dev, stats, grad_out_mean, grad_out_std_dev, grads);
 }
@@ -183,7 +166,7 @@ void project_split_diag_backward(cuda_policy policy, input_view<T> mean, input_v
                                  input_view<T> out_mean, input_view<T> out_std_dev, const gaussian_stats* stats,
                                  input_view<T> grad_out_mean, input_view<T> grad_out_std_dev,
                                  const gaussian_grads<T>& grads) {
-  detail::cuda::project_gaussian_backward(
+  detail::project_gaussian_backward(
       policy, detail::gaussian_call{"gaussian::project_split_diag_backward", false, true}, mean, std_dev, old_mean,
       old_std_dev, eps_mean, eps_cov, out_mean, out_std_dev, stats, grad_out_mean, grad_out_std_dev, grads);
 }
@@ -194,7 +177,7 @@ void project_joint_diag_jvp(cuda_policy policy, input_view<T> mean, input_view<T
                             input_view<T> old_std_dev, double eps, input_view<T> out_mean, input_view<T> out_std_dev,
                             const gaussian_stats* stats, const gaussian_tangents<T>& tangents,
                             batch_view<T> tangent_out_mean, batch_view<T> tangent_out_std_dev) {
-  detail::cuda::project_gaussian_jvp(policy,
+  detail::project_gaussian_jvp(policy,
                                           detail::gaussian_call{"gaussian::project_joint_diag_jvp", false, false},
                                           mean, std_dev, old_mean, old_std_dev, eps, eps, out_mean, out_std_dev,
                                           stats, tangents, tangent_out_mean, tangent_out_std_dev);
@@ -207,7 +190,7 @@ void project_split_diag_jvp(cuda_policy policy, input_view<T> mean, input_view<T
                             input_view<T> out_std_dev, const gaussian_stats* stats,
                             const gaussian_tangents<T>& tangents, batch_view<T> tangent_out_mean,
                             batch_view<T> tangent_out_std_dev) {
-  detail::cuda::project_gaussian_jvp(policy,
+  detail::project_gaussian_jvp(policy,
                                           detail::gaussian_call{"gaussian::project_split_diag_jvp", false, true},
                                           mean, std_dev, old_mean, old_std_dev, eps_mean, eps_cov, out_mean,
                                           out_std_dev, stats, tangents, tangent_out_mean, tangent_out_std_dev);
@@ -222,7 +205,7 @@ void project_joint_backward(cuda_policy policy, input_view<T> mean, input_view<T
                             input_view<T> out_cov_chol, const gaussian_stats* stats, input_view<T> grad_out_mean,
                             input_view<T> grad_out_cov_chol, const gaussian_grads<T>& grads,
                             saved_factorisation<const double> saved = {}) {
-  detail::cuda::project_gaussian_backward(
+  detail::project_gaussian_backward(
       policy, detail::gaussian_call{"gaussian::project_joint_backward", true, false}, mean, cov_chol, old_mean,
       old_cov_chol, eps, eps, out_mean, out_cov_chol, stats, grad_out_mean, grad_out_cov_chol, grads, saved);
 }
@@ -234,7 +217,7 @@ void project_split_backward(cuda_policy policy, input_view<T> mean, input_view<T
                             input_view<T> out_cov_chol, const gaussian_stats* stats, input_view<T> grad_out_mean,
                             input_view<T> grad_out_cov_chol, const gaussian_grads<T>& grads,
                             saved_factorisation<const double> saved = {}) {
-  detail::cuda::project_gaussian_backward(
+  detail::project_gaussian_backward(
       policy, detail::gaussian_call{"gaussian::project_split_backward", true, true}, mean, cov_chol, old_mean,
       old_cov_chol, eps_mean, eps_cov, out_mean, out_cov_chol, stats, grad_out_mean, grad_out_cov_chol, grads, saved);
 }
@@ -245,7 +228,7 @@ void project_joint_jvp(cuda_policy policy, input_view<T> mean, input_view<T> cov
                        input_view<T> old_cov_chol, double eps, input_view<T> out_mean, input_view<T> out_cov_chol,
                        const gaussian_stats* stats, const gaussian_tangents<T>& tangents, batch_view<T> tangent_out_mean,
                        batch_view<T> tangent_out_cov_chol, saved_factorisation<const double> saved = {}) {
-  detail::cuda::project_gaussian_jvp(policy, detail::gaussian_call{"gaussian::project_joint_jvp", true, false},
+  detail::project_gaussian_jvp(policy, detail::gaussian_call{"gaussian::project_joint_jvp", true, false},
                                           mean, cov_chol, old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol,
                                           stats, tangents, tangent_out_mean, tangent_out_cov_chol, saved);
 }
@@ -257,7 +240,7 @@ void project_split_jvp(cuda_policy policy, input_view<T> mean, input_view<T> cov
                        input_view<T> out_cov_chol, const gaussian_stats* stats, const gaussian_tangents<T>& tangents,
                        batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov_chol,
                        saved_factorisation<const double> saved = {}) {
-  detail::cuda::project_gaussian_jvp(policy, detail::gaussian_call{"gaussian::project_split_jvp", true, true},
+  detail::project_gaussian_jvp(policy, detail::gaussian_call{"gaussian::project_split_jvp", true, true},
                                           mean, cov_chol, old_mean, old_cov_chol, eps_mean, eps_cov, out_mean,
                                           out_cov_chol, stats, tangents, tangent_out_mean, tangent_out_cov_chol, saved);
 }

@@ -14,6 +14,7 @@
 #include "../../config.hpp"
 #include "../../gaussian_types.hpp"
 #include "../../projection_types.hpp"
+#include "../gaussian_derivative_call.hpp"
 #include "../gaussian_diag_derivatives.hpp"
 #include "../gaussian_family.hpp"
 #include "../gaussian_row_io.hpp"
@@ -104,15 +105,6 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_kl_full_kernel(gaussia
 
 // ---- VJP of diagonal rows ------------------------------------------------------------------------
 
-template <class T>
-struct gaussian_vjp_launch {
-  batch_view<const T> mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean, grad_out_cov;
-  const gaussian::gaussian_stats* stats;
-  gaussian::gaussian_grads<T> grads;
-  double eps_mean;
-  bool split;
-};
-
 /// The VJP's parts of a diagonal derivative row (gaussian_derivative_diag_kernel): the rejected
 /// row (NaN in everything it writes) and the row itself at the solved tilt t.
 template <class T>
@@ -159,16 +151,6 @@ struct diag_vjp_op {
 };
 
 // ---- JVP of diagonal rows ------------------------------------------------------------------------
-
-template <class T>
-struct gaussian_jvp_launch {
-  batch_view<const T> mean, cov, old_mean, old_cov;
-  const gaussian::gaussian_stats* stats;
-  gaussian::gaussian_tangents<T> tangents;
-  batch_view<T> out_mean, out_cov;  // the tangents of μ* and σ*
-  double eps_mean;
-  bool split;
-};
 
 /// The JVP's parts of a diagonal derivative row (gaussian_derivative_diag_kernel).
 template <class T>
