@@ -62,18 +62,8 @@ void project_gaussian(cuda_policy policy, const gaussian_call& call, batch_view<
   check_gaussian_rows_on_host(policy, c, mean, cov, old_mean, old_cov);
   const gaussian_launch<T> launch{mean, cov, old_mean, old_cov, out_mean, out_cov, stats, eps_mean, eps_cov, opt,
                                   c.split, saved};
-  const unsigned grid = grid_for(mean.rows);
-  if (workspace != nullptr) {
-    gaussian_full_rows_kernel<T><<<full_grid(mean.rows, workspace, row_bytes), gaussian_full_threads, 0,
-                                   policy.stream>>>(full_forward_op<T>{launch}, workspace, row_bytes / sizeof(double));
-  } else if (c.full) {
-    const std::size_t shared = (4 * c.dim * c.dim + 4 * c.dim) * sizeof(double);
-    gaussian_full_kernel<T><<<grid, gaussian_warp, shared, policy.stream>>>(launch);
-  } else {
-    const std::size_t shared = 2 * c.dim * sizeof(double);
-    gaussian_diag_kernel<T><<<grid, gaussian_warp, shared, policy.stream>>>(launch);
-  }
-  check_launch(c.function);
+  launch_gaussian_rows<T>(policy, c, mean.rows, workspace, row_bytes, full_forward_op<T>{launch},
+                          gaussian_full_kernel<T>, gaussian_diag_kernel<T>, 2 * c.dim * sizeof(double), launch);
 }
 
 }  // namespace cuda

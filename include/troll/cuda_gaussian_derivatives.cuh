@@ -59,17 +59,8 @@ void gaussian_kl(cuda_policy policy, const gaussian_call& call, batch_view<const
   if (mean.rows == 0) return;
   check_gaussian_rows_on_host(policy, c, mean, cov, old_mean, old_cov);
   const gaussian_kl_launch<T> launch{mean, cov, old_mean, old_cov, out};
-  const unsigned grid = grid_for(mean.rows);
-  if (workspace != nullptr) {
-    gaussian_full_rows_kernel<T><<<full_grid(mean.rows, workspace, row_bytes), gaussian_full_threads, 0,
-                                   policy.stream>>>(full_kl_op<T>{launch}, workspace, row_bytes / sizeof(double));
-  } else if (c.full) {
-    const std::size_t shared = (4 * c.dim * c.dim + 4 * c.dim) * sizeof(double);
-    gaussian_kl_full_kernel<T><<<grid, gaussian_warp, shared, policy.stream>>>(launch);
-  } else {
-    gaussian_kl_diag_kernel<T><<<grid, gaussian_warp, 0, policy.stream>>>(launch);
-  }
-  check_launch(c.function);
+  launch_gaussian_rows<T>(policy, c, mean.rows, workspace, row_bytes, full_kl_op<T>{launch},
+                          gaussian_kl_full_kernel<T>, gaussian_kl_diag_kernel<T>, 0, launch);
 }
 
 /// Dynamic shared memory of a full-covariance derivative row (the row scratch), raising the
