@@ -26,6 +26,11 @@ inline constexpr int sparse_max_entries = 1024;
 /// ranges, so a row split into n shards needs at most ⌈n / 2⌉ whatever the merge order.
 inline constexpr int sparsify_max_ranges = 32;
 
+/// Doubles per row of sparsify_finalize's `log_sums` (taken back by sparsify_shard_backward):
+/// {ref, log Σ_j e^{z_j − ref}, log Σ_{j∉S} e^{z_j − ref}}, ref the row's largest logit — the
+/// normalisers relative to a reference, so that logits of any magnitude keep their digits.
+inline constexpr int sparsify_log_sums_width = 3;
+
 /// A half-open range [begin, end) of token ids.
 struct sparse_token_range {
   sparse_index begin;
@@ -39,6 +44,8 @@ struct log_sum_state {
   double m = neg_inf();
   double s = 0.0;
 
+  /// The absolute log-sum m + log s (a double of magnitude |m|: use log_sum_relative where m may
+  /// be large).
   TROLL_HOST_DEVICE double value() const { return m == neg_inf() ? neg_inf() : m + ::log(s); }
 };
 
