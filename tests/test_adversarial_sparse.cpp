@@ -577,7 +577,7 @@ void check_shards(const std::vector<T>& z, std::size_t rows, std::size_t vocab, 
   std::vector<troll::sparsify_state> merged = states[0];
   for (std::size_t s = 1; s < shards; ++s) troll::sparsify_merge(troll::cpu, merged.data(), states[s].data(), rows);
   sparse_rows<T> first(rows, k_max, vocab);
-  std::vector<double> tail_max(rows), log_sums(2 * rows), tail_sums(2 * rows * shards);
+  std::vector<double> tail_max(rows), log_sums(troll::sparsify_log_sums_width * rows), tail_sums(2 * rows * shards);
   troll::sparsify_finalize(troll::cpu, merged.data(), opt, first.view(), nullptr, tail_max.data());
   CHECK(first.indices == whole.indices);
   CHECK(first.counts == whole.counts);
@@ -808,7 +808,7 @@ TEST_CASE("bad input: the lowest bad row is named and no output is touched (spar
   for (std::size_t r = 0; r < rows; ++r) std::copy(z.begin(), z.end(), logits.begin() + std::ptrdiff_t(r * vocab));
   sparse_grads<double> up(rows, 4);
   up.log_probs[3 * 4] = std::nan("");
-  std::vector<double> log_sums(2 * rows, 5.0);
+  std::vector<double> log_sums(troll::sparsify_log_sums_width * rows, 5.0);
   std::vector<double> gs(rows * vocab, 11.0);
   troll_test::expect_row_error<troll::domain_error>(
       [&] {

@@ -97,7 +97,7 @@ TROLL_HOST_DEVICE inline row_log_sums relative_log_sums(const log_sum_state& all
   return out;
 }
 
- (double-double, TwoSum).
+/// A sum of non-negative terms kept as an unevaluated pair hi + lo (double-double, TwoSum).
 /// Summing n terms this way is within n²·eps² of the exact sum whatever their order, so the
 /// double it rounds to (value()) does not depend on how the terms were split or ordered — what
 /// makes the sums of vocabulary shards equal to those of the whole row (exact_log_sums).
