@@ -437,7 +437,7 @@ TEST_CASE("sparsify_shard_backward rejects bad log-sums, shards outside the voca
   CHECK_THROWS_AS(troll::sparsify_shard_backward(troll::cpu, shard, 6, support.view(), g.view(), bad.data(), grad_shard),
                   troll::domain_error);
   bad = log_sums;
-  bad[2] = bad[1] + 1.0;  // a tail above the total ({ref, total, tail} a row)
+  bad[3] = bad[1] + (bad[0] - bad[2]) + 1.0;  // a tail mass above the total ({ref, total, tail_ref, tail})
   CHECK_THROWS_AS(troll::sparsify_shard_backward(troll::cpu, shard, 6, support.view(), g.view(), bad.data(), grad_shard),
                   troll::domain_error);
   for (int entry : {0, 1}) {  // a reference or a total that is not finite

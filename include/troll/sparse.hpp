@@ -394,8 +394,9 @@ inline void sparsify_merge(cpu_policy policy, sparsify_state* into, const sparsi
 /// malformed state, k other than options.k, a state made for another V, a state that does not
 /// cover all of [0, V) — a shard never merged), shape_error for a too small out.k_max, and
 /// domain_error for a row whose logits were all −inf. `log_sums` (rows × sparsify_log_sums_width
-/// = 3 doubles, may be null) receives each row's {ref, log Σ_j e^{z_j − ref}, log Σ_{j∉S} e^{z_j −
-/// ref}}, ref the row's largest logit (detail::row_log_sums), which sparsify_shard_backward takes.
+/// = 4 doubles, may be null) receives each row's {ref, log Σ_j e^{z_j − ref}, tail_ref,
+/// log Σ_{j∉S} e^{z_j − tail_ref}}, ref the row's and tail_ref the tail's largest logit (−inf: no
+/// tail mass; detail::row_log_sums), which sparsify_shard_backward takes.
 template <class T>
 void sparsify_finalize(cpu_policy policy, const sparsify_state* states, const sparsify_options& options,
                        sparse_batch_view<T> out, double* log_sums = nullptr, double* tail_max = nullptr,
@@ -516,12 +517,14 @@ void sparsify_backward(cpu_policy policy, input_view<T> logits, sparse_input<T> 
 /// gradient w.r.t. one shard's logits (the tokens [vocab_offset, vocab_offset + cols) of rows of
 /// support.vocab tokens), the columns of what sparsify_backward writes for the whole row:
 ///     ∂L/∂z_k = [k∈S] g_k + [k∉S] g_R p_k / r − p_k (Σ_S g_i + g_R),
-///     p_k = e^{(z_k − ref) − total},  r = e^{tail − total},
-/// with {ref, total, tail} = log_sums[3r .. 3r + 3) (sparsify_log_sums_width doubles a row).
+///     p_k = e^{(z_k − ref) − total},  p_k / r = e^{(z_k − tail_ref) − tail},
+/// with {ref, total, tail_ref, tail} = log_sums[4r .. 4r + 4) (sparsify_log_sums_width a row).
 /// Needs no communication: every rank holds the whole sparse row, its upstream gradient and the
 /// row's log-sums. O(cols) per row. Throws before writing: shape_error (shapes, a shard that
 /// does not fit in [0, V), bad support indices), domain_error (NaN / +inf logits, NaN / infinite
-/// gradients, log-sums whose ref or total is not finite or whose tail is NaN or above the total).
+/// gradients, log-sums that detail::log_sums_problem rejects: ref or total not finite, a NaN or
+/// +inf tail_ref or one above ref, a tail not finite with a finite tail_ref, or a tail mass above
+/// the total).
 template <class T>
 void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std::size_t vocab_offset,
                              sparse_input<T> support, sparse_grad_input<T> grad, const double* log_sums,
@@ -559,7 +562,8 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
                                     double(grad.log_remainder[r]), sum_g,
                                     detail::row_log_sums{log_sums[sparsify_log_sums_width * r],
                                                          log_sums[sparsify_log_sums_width * r + 1],
-                                                         log_sums[sparsify_log_sums_width * r + 2]},
+                                                         log_sums[sparsify_log_sums_width * r + 2],
+                                                         log_sums[sparsify_log_sums_width * r + 3]},
                                     grad_shard.row(r));
   });
 }

@@ -27,9 +27,10 @@ inline constexpr int sparse_max_entries = 1024;
 inline constexpr int sparsify_max_ranges = 32;
 
 /// Doubles per row of sparsify_finalize's `log_sums` (taken back by sparsify_shard_backward):
-/// {ref, log Σ_j e^{z_j − ref}, log Σ_{j∉S} e^{z_j − ref}}, ref the row's largest logit — the
-/// normalisers relative to a reference, so that logits of any magnitude keep their digits.
-inline constexpr int sparsify_log_sums_width = 3;
+/// {ref, log Σ_j e^{z_j − ref}, tail_ref, log Σ_{j∉S} e^{z_j − tail_ref}}, ref the row's and
+/// tail_ref the tail's largest logit (−inf: no tail mass) — each normaliser relative to its own
+/// reference, so that logits of any magnitude keep their digits (detail::row_log_sums).
+inline constexpr int sparsify_log_sums_width = 4;
 
 /// A half-open range [begin, end) of token ids.
 struct sparse_token_range {

@@ -68,22 +68,29 @@ TROLL_HOST_DEVICE inline double log_sum_relative(const log_sum_state& st, double
   return st.m == neg_inf() ? neg_inf() : (st.m - ref) + ::log(st.s);
 }
 
-/// The normalisers of a sparse row gathered from dense logits z, held relative to a reference
-/// (the row's largest logit) so that no absolute log-sum is ever formed:
-///     total = log Σ_j e^{z_j − ref},   tail = log Σ_{j∉S} e^{z_j − ref}.
-/// A token's log-probability is (z_k − ref) − total and the row's remainder tail − total: exact to
-/// a few ulps of the log-probability for any finite logits, however large (an absolute log Σ e^z
-/// near 3e38 would keep none of its fractional digits). sparsify_finalize exports it per row as
-/// sparsify_log_sums_width doubles {ref, total, tail}; sparsify_shard_backward takes them back.
+/// The normalisers of a sparse row gathered from dense logits z, each held relative to its own
+/// reference (the largest logit it sums over) so that no absolute log-sum is ever formed:
+///     total = log Σ_j e^{z_j − ref},          ref = max_j z_j,
+///     tail  = log Σ_{j∉S} e^{z_j − tail_ref},  tail_ref = max_{j∉S} z_j (−inf: no tail mass).
+/// A token's log-probability is (z_k − ref) − total, the row's remainder
+/// ((tail_ref − ref) + tail) − total, and a tail token's share of the tail p_k / r =
+/// e^{(z_k − tail_ref) − tail}: each exact to a few ulps of its own scale for any finite logits,
+/// however large (an absolute log Σ e^z near 3e38 keeps none of its fractional digits, and a
+/// tail sum relative to a distant row maximum none of the tail's shape). sparsify_finalize
+/// exports it per row as sparsify_log_sums_width doubles {ref, total, tail_ref, tail};
+/// sparsify_shard_backward takes them back.
 struct row_log_sums {
   double ref = 0.0;
   double total = neg_inf();
+  double tail_ref = neg_inf();
   double tail = neg_inf();
 
   /// log p of a token of logit z.
   TROLL_HOST_DEVICE double log_prob(double z) const { return (z - ref) - total; }
   /// log r, the tail's share of the row (−inf for an empty tail).
-  TROLL_HOST_DEVICE double log_remainder() const { return tail == neg_inf() ? neg_inf() : tail - total; }
+  TROLL_HOST_DEVICE double log_remainder() const {
+    return tail_ref == neg_inf() ? neg_inf() : ((tail_ref - ref) + tail) - total;
+  }
 };
 
 /// The row_log_sums of a row from its running log-sum states over all tokens and over the tail
@@ -93,7 +100,7 @@ TROLL_HOST_DEVICE inline row_log_sums relative_log_sums(const log_sum_state& all
   if (all.m == neg_inf()) return out;
   out.ref = all.m;
   out.total = ::log(all.s);
-  out.tail = log_sum_relative(tail, all.m);
+  if (tail.m > neg_inf()) out.tail_ref = tail.m, out.tail = ::log(tail.s);
   return out;
 }
 
@@ -129,9 +136,9 @@ TROLL_HOST_DEVICE inline exact_sum exact_add(exact_sum a, const exact_sum& b) {
 /// The canonical log-sums of a sparse row gathered from dense logits z, from its support's
 /// logits `support_z` (n of them, any order; −inf entries carry no mass) and its tail — the
 /// tokens outside the support — given as m_tail = max_{j∉S} z_j and tail = Σ_{j∉S} e^{z_j − m_tail}
-/// (an exact_sum; m_tail = −inf for an empty or massless tail), relative to the row's largest
-/// logit m = max(z_S, m_tail) (row_log_sums):
-///     total = log(Σ_S e^{z_i − m} + tail · e^{m_tail − m}),   tail = (m_tail − m) + log(tail).
+/// (an exact_sum; m_tail = −inf for an empty or massless tail), each relative to its own largest
+/// logit (row_log_sums): m = max(z_S, m_tail),
+///     total = log(Σ_S e^{z_i − m} + tail · e^{m_tail − m}),   tail_ref = m_tail,  tail = log(tail).
 /// Every input is a function of the row's values and its support alone, never of how the row
 /// was split into shards or scanned, and the support's terms are summed exactly too: the sparse
 /// rows of sparsify, of merged vocabulary shards, and the normalisers of their backward passes
@@ -147,7 +154,7 @@ TROLL_HOST_DEVICE inline row_log_sums exact_log_sums(const Z& support_z, int n, 
   row_log_sums out;
   if (m == neg_inf()) return out;
   out.ref = m;
-  out.tail = has_tail ? (m_tail - m) + ::log(t) : neg_inf();
+  if (has_tail) out.tail_ref = m_tail, out.tail = ::log(t);
   exact_sum s;
   for (int i = 0; i < n; ++i)
     if (support_z[i] > neg_inf()) exact_add(s, ::exp(support_z[i] - m));
@@ -374,7 +381,7 @@ enum class finalize_problem { none, all_masked, sampled_missing };
 /// The state's heap is consumed (sorted in place). Returns the problem, writing nothing, when
 /// every logit is −inf or the sampled token was never seen. When `log_sums` is given it receives
 /// the row's row_log_sums as sparsify_log_sums_width doubles {ref, log Σ_j e^{z_j − ref},
-/// log Σ_{j∉S} e^{z_j − ref}}, ref the row's largest logit (what the backward of vocabulary
+/// tail_ref, log Σ_{j∉S} e^{z_j − tail_ref}}, ref the row's and tail_ref the tail's largest logit (what the backward of vocabulary
 /// shards needs: troll::sparsify_shard_backward). Values are formed relative to ref. `forced_keep` ≥ 0 replaces the δ
 /// rule's prefix length by one the caller decided (sparsify: keep_with_margin, exact tail sum).
 /// The logits of a finalised support, read from finalize's sorted list: the first `keep`
@@ -445,10 +452,7 @@ TROLL_HOST_DEVICE finalize_problem finalize(sparsify_state& st, double log_delta
   for (int i = keep; i < n; ++i)
     if (i != sampled_pos && list[i].logit > m_tail) m_tail = list[i].logit;
   if (tail_max) *tail_max = m_tail;
-  row_log_sums sums;
-  sums.ref = ref;
-  sums.total = log_total;
-  sums.tail = log_sum_relative(tail, ref);
+  row_log_sums sums = relative_log_sums(total, tail);
   if (exact_tail) {  // the canonical sums from the tail's exact sum (sparsify, sparsify_finalize)
     const finalized_support_logits z{list, keep, sampled_pos};
     sums = exact_log_sums(z, keep + (sampled_pos >= keep ? 1 : 0), m_tail, *exact_tail);
@@ -469,7 +473,8 @@ TROLL_HOST_DEVICE finalize_problem finalize(sparsify_state& st, double log_delta
   if (log_sums) {
     log_sums[0] = sums.ref;
     log_sums[1] = sums.total;
-    log_sums[2] = sums.tail;
+    log_sums[2] = sums.tail_ref;
+    log_sums[3] = sums.tail;
   }
   return finalize_problem::none;
 }

@@ -642,18 +642,18 @@ inline row_log_sums log_sums_outside(const T* z, std::size_t size, const index_s
 /// support U and g_R on the bucket log-mass log r = log Σ_{k∉U} p_k,
 ///     ∂L/∂z_k = [k∈U] g_k + [k∉U] g_R p_k / r − p_k (Σ_U g_i + g_R),
 /// written for the tokens [first, first + size) of the row (z and out point at token `first`)
-/// given the row's log-sums (row_log_sums: ref, total = log Σ_j e^{z_j − ref} and tail =
-/// log Σ_{j∉U} e^{z_j − ref}; p_k = e^{(z_k − ref) − total}) and sum_g = Σ_U g_i + g_R. `sorted` holds the slots of the support tokens inside that range,
+/// given the row's log-sums (row_log_sums: p_k = e^{(z_k − ref) − total}, p_k / r =
+/// e^{(z_k − tail_ref) − tail}) and sum_g = Σ_U g_i + g_R. `sorted` holds the slots of the support tokens inside that range,
 /// sorted by (global) index (position = entry in g). O(size), one pass.
 template <class T>
 inline void sparse_scatter_row(const T* z, std::size_t size, std::size_t first, const index_slot* sorted, int n,
                                const T* g, double g_remainder, double sum_g, const row_log_sums& sums,
                                T* out) {
-  const double ref = sums.ref, log_total = sums.total, log_tail = sums.tail;
-  const bool tail_term = log_tail > neg_inf() && g_remainder != 0.0;
-  // p_k / r = p_k · e^{log_total − log_tail}: one exponential per logit unless r is so small
-  // that the factor would overflow (then exp(z_k − log_tail) directly).
-  const double log_inv_r = log_total - log_tail;
+  const double ref = sums.ref, log_total = sums.total;
+  const bool tail_term = sums.tail_ref > neg_inf() && g_remainder != 0.0;
+  // p_k / r = p_k · e^{−log r}: one exponential per logit unless r is so small that the factor
+  // would overflow (then e^{(z_k − tail_ref) − tail} directly, relative to the tail's own max).
+  const double log_inv_r = -sums.log_remainder();
   const bool scale_tail = log_inv_r < 600.0;
   const double g_over_r = scale_tail ? g_remainder * std::exp(log_inv_r) : 0.0;
   int next = 0;
@@ -669,7 +669,7 @@ inline void sparse_scatter_row(const T* z, std::size_t size, std::size_t first, 
         value += g_over_r * p;
       } else {
         block_array scaled(count);
-        packet_exp(a.data(), count, ref, scaled.data(), log_tail);
+        packet_exp(a.data(), count, sums.tail_ref, scaled.data(), sums.tail);
         value += g_remainder * scaled;
       }
     }

@@ -135,19 +135,19 @@ __global__ void __launch_bounds__(block_threads)
     }
     // Relative to the row's largest logit (row_log_sums): p_k = e^{(z_k − ref) − total}.
     const row_log_sums sums = relative_log_sums(merge(scan.tail, scan.support), scan.tail);
-    const double log_total = sums.total, log_tail = sums.tail;
-    const bool tail_mass = log_tail > neg_inf() && g_r != 0.0;
+    const double log_total = sums.total;
+    const bool tail_mass = sums.tail_ref > neg_inf() && g_r != 0.0;
     const double sum_g = sh.sum_g;
     int cursor = 0;
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
-      const double x = to_double(z[i]) - sums.ref;
+      const double zi = to_double(z[i]), x = zi - sums.ref;
       const double p = ::exp(x - log_total);
       while (cursor < n && std::size_t(sh.sorted[cursor].index) < i) ++cursor;
       double value;
       if (cursor < n && std::size_t(sh.sorted[cursor].index) == i) {
         value = static_cast<double>(g[sh.sorted[cursor].position]) - sum_g * p;
       } else {
-        value = -sum_g * p + (tail_mass ? g_r * ::exp(x - log_tail) : 0.0);
+        value = -sum_g * p + (tail_mass ? g_r * ::exp((zi - sums.tail_ref) - sums.tail) : 0.0);
       }
       out[i] = static_cast<T>(value);
     }
@@ -155,9 +155,10 @@ __global__ void __launch_bounds__(block_threads)
 }
 
 /// Rows of `range`: grad_shard = the columns [offset, offset + cols) of sparsify_backward's
-/// gradient, from the row's log-sums {ref, log Σ_V e^{z − ref}, log Σ_{V∖S} e^{z − ref}}
-/// (sparsify_finalize's log_sums, row_log_sums):
-///     ∂L/∂z_k = [k∈S] g_k + [k∉S] g_R p_k / r − p_k (Σ_S g_i + g_R),  p_k = e^{(z_k − ref) − total}.
+/// gradient, from the row's log-sums {ref, log Σ_V e^{z − ref}, tail_ref, log Σ_{V∖S} e^{z −
+/// tail_ref}} (sparsify_finalize's log_sums, row_log_sums):
+///     ∂L/∂z_k = [k∈S] g_k + [k∉S] g_R p_k / r − p_k (Σ_S g_i + g_R),
+///     p_k = e^{(z_k − ref) − total},  p_k / r = e^{(z_k − tail_ref) − tail}.
 /// `stage` limits the checks, in the CPU's order: 0 the shard logits (NaN / +inf), 1 and the
 /// log-sums, 2 and the support and the gradient (checked mode runs 0, 1, 2 over all rows).
 template <class L, class T>
@@ -202,20 +203,23 @@ __global__ void __launch_bounds__(block_threads)
       continue;
     }
     const double sum_g = sh.sum_g;
-    // Relative to the row's reference (row_log_sums): p_k = e^{(z_k − ref) − total}.
-    const double ref = row_sums[0], total = row_sums[1], tail = row_sums[2];
-    const bool tail_term = tail > neg_inf() && g_r != 0.0;
-    const double log_inv_r = total - tail;
+    // Relative to the row's and the tail's references (row_log_sums):
+    // p_k = e^{(z_k − ref) − total},  p_k / r = e^{(z_k − tail_ref) − tail}.
+    const row_log_sums sums{row_sums[0], row_sums[1], row_sums[2], row_sums[3]};
+    const double ref = sums.ref, total = sums.total;
+    const bool tail_term = sums.tail_ref > neg_inf() && g_r != 0.0;
+    const double log_inv_r = -sums.log_remainder();
     const bool scale_tail = log_inv_r < 600.0;
     const double g_over_r = scale_tail ? g_r * ::exp(log_inv_r) : 0.0;
     int cursor = 0;
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
-      const double x = to_double(z[i]) - ref;
+      const double zi = to_double(z[i]), x = zi - ref;
       const double p = x == neg_inf() ? 0.0 : ::exp(x - total);
       const std::size_t token = offset + i;
       while (cursor < n && std::size_t(sh.sorted[cursor].index) < token) ++cursor;
       double value = -sum_g * p;
-      if (tail_term) value += scale_tail ? g_over_r * p : (x == neg_inf() ? 0.0 : g_r * ::exp(x - tail));
+      if (tail_term)
+        value += scale_tail ? g_over_r * p : (x == neg_inf() ? 0.0 : g_r * ::exp((zi - sums.tail_ref) - sums.tail));
       if (cursor < n && std::size_t(sh.sorted[cursor].index) == token)
         value = static_cast<double>(g[sh.sorted[cursor].position]) - sum_g * p;
       out[i] = static_cast<T>(value);
