@@ -54,6 +54,16 @@ void first_sparse_problem(const char* fn, unsigned threads, std::size_t rows, st
   if (bad != rows) throw_sparse_problem(fn, bad, check(bad));
 }
 
+/// first_sparse_problem over checks that sort a row: check(r, scratch), `scratch` holding
+/// sparse_max_entries slots on the checking thread's stack (4·sparse_max_entries work a row).
+template <class Check>
+void first_sorted_row_problem(const char* fn, unsigned threads, std::size_t rows, Check&& check) {
+  first_sparse_problem(fn, threads, rows, 4 * std::size_t(sparse_max_entries), [&](std::size_t r) {
+    index_slot scratch[sparse_max_entries];
+    return check(r, scratch);
+  });
+}
+
 template <class T>
 cpu::sparse_problem check_sparse_row_of(const sparse_batch_view<T>& v, std::size_t r,
                                         const char* name, index_slot* scratch) {
@@ -122,8 +132,7 @@ void validate_sparse(const char* fn, unsigned threads, const sparse_batch_view<T
     return !sparse_row_fine(v, r, table);
   });
   if (bad == v.rows) return;
-  first_sparse_problem(fn, threads, v.rows, 4 * std::size_t(sparse_max_entries), [&](std::size_t r) {
-    index_slot scratch[sparse_max_entries];
+  first_sorted_row_problem(fn, threads, v.rows, [&](std::size_t r, index_slot* scratch) {
     return check_sparse_row_of(v, r, name, scratch);
   });
 }
@@ -426,8 +435,10 @@ inline void sparsify_merge(cpu_policy policy, sparsify_state* into, const sparsi
 /// `tail_sums` the values come from the merged states' running sums (within a few ulps). Throws before writing: the state problems of detail::throw_state_problem (a
 /// malformed state, k other than options.k, a state made for another V, a state that does not
 /// cover all of [0, V) — a shard never merged), shape_error for a too small out.k_max, and
-/// domain_error for a row whose logits were all −inf. `log_sums` (rows × 2 doubles, may be null)
-/// receives each row's {log Σ_j e^{z_j}, log Σ_{j∉S} e^{z_j}}, which sparsify_shard_backward takes.
+/// domain_error for a row whose logits were all −inf. `log_sums` (rows × sparsify_log_sums_width
+/// = 4 doubles, may be null) receives each row's {ref, log Σ_j e^{z_j − ref}, tail_ref,
+/// log Σ_{j∉S} e^{z_j − tail_ref}}, ref the row's and tail_ref the tail's largest logit (−inf: no
+/// tail mass; detail::row_log_sums), which sparsify_shard_backward takes.
 template <class T>
 void sparsify_finalize(cpu_policy policy, const sparsify_state* states, const sparsify_options& options,
                        sparse_batch_view<T> out, double* log_sums = nullptr, double* tail_max = nullptr,
@@ -466,7 +477,7 @@ void sparsify_finalize(cpu_policy policy, const sparsify_state* states, const sp
     }
     const detail::finalize_problem p =
         detail::finalize(st, log_delta, out.row_indices(r), out.row_log_probs(r), count, out.log_remainder[r],
-                         log_sums ? log_sums + 2 * r : nullptr, tail_max ? tail_max + r : nullptr,
+                         log_sums ? log_sums + sparsify_log_sums_width * r : nullptr, tail_max ? tail_max + r : nullptr,
                          tail_sums ? &tail : nullptr);
     (void)p;  // ruled out by the checks above
     out.counts[r] = count;
@@ -492,11 +503,9 @@ void sparsify_tail_sums(cpu_policy policy, input_view<T> shard_logits, std::size
     if (!(tail_max[r] < detail::inf()))
       detail::throw_bad_tail_max(fn, r);
   }
-  detail::first_sparse_problem(fn, policy.threads, shard_logits.rows, 4 * std::size_t(sparse_max_entries),
-                               [&](std::size_t r) {
-                                 detail::index_slot scratch[sparse_max_entries];
-                                 return detail::check_support_row(support, r, "support", scratch, true);
-                               });
+  detail::first_sorted_row_problem(fn, policy.threads, shard_logits.rows, [&](std::size_t r, detail::index_slot* scratch) {
+    return detail::check_support_row(support, r, "support", scratch, true);
+  });
   const std::size_t end = vocab_offset + shard_logits.cols;
   detail::cpu::parallel_for(policy.threads, shard_logits.rows, 2 * shard_logits.cols, [&](std::size_t r) {
     detail::index_slot slots[sparse_max_entries];
@@ -526,13 +535,11 @@ void sparsify_backward(cpu_policy policy, input_view<T> logits, sparse_input<T> 
   constexpr const char* fn = "sparsify_backward";
   detail::check_sparsify_backward_arguments(fn, logits, support, grad, grad_logits);
   detail::validate_rows(fn, policy.threads, logits, "logits");
-  detail::first_sparse_problem(fn, policy.threads, logits.rows, 4 * std::size_t(sparse_max_entries),
-                               [&](std::size_t r) {
-                                 detail::index_slot scratch[sparse_max_entries];
-                                 const detail::cpu::sparse_problem p =
-                                     detail::check_support_row(support, r, "support", scratch);
-                                 return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad (NaN or infinite)");
-                               });
+  detail::first_sorted_row_problem(fn, policy.threads, logits.rows, [&](std::size_t r, detail::index_slot* scratch) {
+    const detail::cpu::sparse_problem p =
+        detail::check_support_row(support, r, "support", scratch);
+    return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad (NaN or infinite)");
+  });
   detail::cpu::parallel_for(policy.threads, logits.rows, 3 * logits.cols, [&](std::size_t r) {
     detail::index_slot slots[sparse_max_entries];
     const int n = static_cast<int>(support.count(r));
@@ -547,12 +554,15 @@ void sparsify_backward(cpu_policy policy, input_view<T> logits, sparse_input<T> 
 /// merged states of every shard (sparsify_finalize, which also wrote `log_sums`); this writes the
 /// gradient w.r.t. one shard's logits (the tokens [vocab_offset, vocab_offset + cols) of rows of
 /// support.vocab tokens), the columns of what sparsify_backward writes for the whole row:
-///     ∂L/∂z_k = [k∈S] g_k + [k∉S] g_R p_k / r − p_k (Σ_S g_i + g_R),  p_k = e^{z_k − log_sums[2r]},
-///     r = e^{log_sums[2r+1] − log_sums[2r]}.
+///     ∂L/∂z_k = [k∈S] g_k + [k∉S] g_R p_k / r − p_k (Σ_S g_i + g_R),
+///     p_k = e^{(z_k − ref) − total},  p_k / r = e^{(z_k − tail_ref) − tail},
+/// with {ref, total, tail_ref, tail} = log_sums[4r .. 4r + 4) (sparsify_log_sums_width a row).
 /// Needs no communication: every rank holds the whole sparse row, its upstream gradient and the
-/// row's two log-sums. O(cols) per row. Throws before writing: shape_error (shapes, a shard that
+/// row's log-sums. O(cols) per row. Throws before writing: shape_error (shapes, a shard that
 /// does not fit in [0, V), bad support indices), domain_error (NaN / +inf logits, NaN / infinite
-/// gradients, log-sums that are NaN, not finite in total, or a tail above the total).
+/// gradients, log-sums that detail::log_sums_problem rejects: ref or total not finite, a NaN or
+/// +inf tail_ref or one above ref, a tail not finite with a finite tail_ref, or a tail mass above
+/// the total).
 template <class T>
 void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std::size_t vocab_offset,
                              sparse_input<T> support, sparse_grad_input<T> grad, const double* log_sums,
@@ -563,16 +573,15 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
                                                   grad_shard);
   detail::validate_shard_values(fn, policy.threads, shard_logits);
   for (std::size_t r = 0; r < shard_logits.rows; ++r) {
-    if (!detail::log_sums_usable(log_sums[2 * r], log_sums[2 * r + 1]))
-      detail::throw_bad_log_sums(fn, r, log_sums[2 * r], log_sums[2 * r + 1]);
+    const double* row_sums = log_sums + sparsify_log_sums_width * r;
+    const int entry = detail::log_sums_problem(row_sums);
+    if (entry >= 0) detail::throw_bad_log_sums(fn, r, entry, row_sums[entry]);
   }
-  detail::first_sparse_problem(fn, policy.threads, shard_logits.rows, 4 * std::size_t(sparse_max_entries),
-                               [&](std::size_t r) {
-                                 detail::index_slot scratch[sparse_max_entries];
-                                 const detail::cpu::sparse_problem p =
-                                     detail::check_support_row(support, r, "support", scratch);
-                                 return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad (NaN or infinite)");
-                               });
+  detail::first_sorted_row_problem(fn, policy.threads, shard_logits.rows, [&](std::size_t r, detail::index_slot* scratch) {
+    const detail::cpu::sparse_problem p =
+        detail::check_support_row(support, r, "support", scratch);
+    return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad (NaN or infinite)");
+  });
   const std::size_t end = vocab_offset + shard_logits.cols;
   detail::cpu::parallel_for(policy.threads, shard_logits.rows, 3 * shard_logits.cols, [&](std::size_t r) {
     detail::index_slot slots[sparse_max_entries];
@@ -586,7 +595,11 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
     }
     detail::sort_by_index(slots, n);
     detail::cpu::sparse_scatter_row(shard_logits.row(r), shard_logits.cols, vocab_offset, slots, n, grad.row(r),
-                                    double(grad.log_remainder[r]), sum_g, log_sums[2 * r], log_sums[2 * r + 1],
+                                    double(grad.log_remainder[r]), sum_g,
+                                    detail::row_log_sums{log_sums[sparsify_log_sums_width * r],
+                                                         log_sums[sparsify_log_sums_width * r + 1],
+                                                         log_sums[sparsify_log_sums_width * r + 2],
+                                                         log_sums[sparsify_log_sums_width * r + 3]},
                                     grad_shard.row(r));
   });
 }
@@ -614,8 +627,7 @@ template <class T, class NewProblem>
 void check_union_capacity(const char* fn, unsigned threads, const sparse_batch_view<const T>& new_side,
                           const sparse_batch_view<const T>& old_rows, std::size_t k_max, NewProblem new_problem) {
   const std::size_t cap = k_max < std::size_t(sparse_max_entries) ? k_max : sparse_max_entries;
-  first_sparse_problem(fn, threads, old_rows.rows, 4 * std::size_t(sparse_max_entries), [&](std::size_t r) {
-    index_slot scratch[sparse_max_entries];
+  first_sorted_row_problem(fn, threads, old_rows.rows, [&](std::size_t r, index_slot* scratch) {
     const cpu::sparse_problem p = new_problem(r, scratch);
     if (p) return p;
     const int u = new_side.rows != 0 ? union_size(new_side.row_indices(r), int(new_side.count(r)),
@@ -718,11 +730,10 @@ void align(cpu_policy policy, input_view<T> new_logits, sparse_input<T> new_supp
                         for (int i = 0; i < u; ++i) scratch[i] = detail::index_slot{indices[i], i};
                         detail::sort_by_index(scratch, u);
                         const T* z = new_logits.row(r);
-                        double log_total = 0.0, log_tail = 0.0;
-                        detail::cpu::log_sums_outside(z, new_logits.cols, scratch, u, log_total, log_tail);
-                        for (int i = 0; i < u; ++i) ln[i] = T(double(z[indices[i]]) - log_total);
-                        out.new_log_remainder[r] =
-                            T(log_tail == detail::neg_inf() ? log_tail : log_tail - log_total);
+                        const detail::row_log_sums sums =
+                            detail::cpu::log_sums_outside(z, new_logits.cols, scratch, u);
+                        for (int i = 0; i < u; ++i) ln[i] = T(sums.log_prob(double(z[indices[i]])));
+                        out.new_log_remainder[r] = T(sums.log_remainder());
                       });
   });
 }
@@ -740,27 +751,25 @@ void align_backward(cpu_policy policy, sparse_input<T> row, aligned_input<T> ali
   constexpr const char* fn = "align_backward";
   detail::check_align_backward_arguments(fn, row, aligned, grad_aligned, grad_row);
   detail::validate_sparse(fn, policy.threads, row, "row");
-  detail::first_sparse_problem(fn, policy.threads, row.rows, 4 * std::size_t(sparse_max_entries),
-                               [&](std::size_t r) {
-                                 detail::index_slot scratch[sparse_max_entries];
-                                 detail::cpu::sparse_problem p = detail::check_sparse_row_of(
-                                     aligned.new_side(), r, "aligned", scratch);
-                                 if (p) return p;
-                                 const int u = int(aligned.counts[r]);
-                                 for (int i = 0; i < u; ++i)
-                                   scratch[i] = detail::index_slot{aligned.indices[r * aligned.k_max + i], i};
-                                 detail::sort_by_index(scratch, u);
-                                 for (long long i = 0; i < row.count(r); ++i) {
-                                   if (detail::find_slot(scratch, u, row.row_indices(r)[i]) < 0) {
-                                     p.kind = detail::cpu::sparse_problem_kind::not_aligned;
-                                     p.operand = "row";
-                                     p.entry = i;
-                                     p.value = row.row_indices(r)[i];
-                                     return p;
-                                   }
-                                 }
-                                 return detail::check_grad_row(grad_aligned, r, u, "grad_aligned (NaN or infinite)");
-                               });
+  detail::first_sorted_row_problem(fn, policy.threads, row.rows, [&](std::size_t r, detail::index_slot* scratch) {
+    detail::cpu::sparse_problem p = detail::check_sparse_row_of(
+        aligned.new_side(), r, "aligned", scratch);
+    if (p) return p;
+    const int u = int(aligned.counts[r]);
+    for (int i = 0; i < u; ++i)
+      scratch[i] = detail::index_slot{aligned.indices[r * aligned.k_max + i], i};
+    detail::sort_by_index(scratch, u);
+    for (long long i = 0; i < row.count(r); ++i) {
+      if (detail::find_slot(scratch, u, row.row_indices(r)[i]) < 0) {
+        p.kind = detail::cpu::sparse_problem_kind::not_aligned;
+        p.operand = "row";
+        p.entry = i;
+        p.value = row.row_indices(r)[i];
+        return p;
+      }
+    }
+    return detail::check_grad_row(grad_aligned, r, u, "grad_aligned (NaN or infinite)");
+  });
   detail::cpu::parallel_for(policy.threads, row.rows, 8 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     detail::index_slot slots[sparse_max_entries];
     const int c = int(row.count(r)), u = int(aligned.counts[r]);
