@@ -577,7 +577,7 @@ void check_shards(const std::vector<T>& z, std::size_t rows, std::size_t vocab, 
   std::vector<troll::sparsify_state> merged = states[0];
   for (std::size_t s = 1; s < shards; ++s) troll::sparsify_merge(troll::cpu, merged.data(), states[s].data(), rows);
   sparse_rows<T> first(rows, k_max, vocab);
-  std::vector<double> tail_max(rows), log_sums(2 * rows), tail_sums(2 * rows * shards);
+  std::vector<double> tail_max(rows), log_sums(troll::sparsify_log_sums_width * rows), tail_sums(2 * rows * shards);
   troll::sparsify_finalize(troll::cpu, merged.data(), opt, first.view(), nullptr, tail_max.data());
   CHECK(first.indices == whole.indices);
   CHECK(first.counts == whole.counts);
@@ -651,23 +651,203 @@ TEST_CASE_TEMPLATE("vocabulary shards: adversarial rows, K = 1 and K > V, single
   }
 }
 
-TEST_CASE("limit: the sparse path holds log Σ e^z as an absolute double (float logits near ±3e38 at the top)") {
-  // Documented in docs/sparse.md ("Logit magnitude"): values are z_i − log Σ_j e^{z_j} with the
-  // log-sum an absolute double, so a row whose largest logits are beyond ~1e8 in magnitude loses
-  // |z_max|·2⁻⁵³ of each log-probability, and at float's ±3e38 tied top tokens collapse to 0.
-  // Pinned: no NaN, every value ≤ 0, and ordinary magnitudes (±1e4, above) stay exact.
-  const std::size_t vocab = 5;
-  std::vector<float> z{3e38f, 3e38f, -3e38f, 1.5e38f, 3e38f};
-  sparse_rows<float> old(1, 4, vocab);
-  put_row(old, 0, gather(z, {0}));
-  aligned_rows<float> out(1, 8, vocab);
-  troll::align(troll::cpu, troll::make_batch<const float>(z.data(), 1, vocab), troll::sparse_batch_view<const float>{},
-               old.view(), out.view());
-  for (int i = 0; i < out.counts[0]; ++i) {
-    CHECK(!std::isnan(out.new_log_probs[std::size_t(i)]));
-    CHECK(out.new_log_probs[std::size_t(i)] <= 0.0f);
+/// Rows whose largest logits are huge (float's ±3e38 tied at the top, rows mixing 3e38 and
+/// −3e38, −FLT_MAX masks, 1e30; in double 1e12 with O(1) gaps, ±1e300): every sparse entry point
+/// against the dense definition in long double (log-softmax relative to the row's max).
+template <class T>
+std::vector<std::vector<T>> huge_rows() {
+  std::vector<std::vector<T>> rows;
+  if constexpr (sizeof(T) == sizeof(float)) {
+    const float big = 3e38f, top = std::numeric_limits<float>::max(), low = std::numeric_limits<float>::lowest();
+    rows.push_back({big, big, -big, 1.5e38f, big, 0.0f, -1.0f});
+    rows.push_back({top, low, top, low, low, top, low});              // ties at FLT_MAX, −FLT_MAX masks
+    rows.push_back({-big, -big, -big, -big, -big, -big, -big});      // all tied at −3e38
+    rows.push_back({1e30f, std::nextafter(1e30f, 0.0f), 1e30f, -1e30f, 0.0f, low, 1e29f});
+    rows.push_back({low, low, 7.0f, low, 6.5f, low, 5.0f});            // −FLT_MAX masks, ordinary top
+    rows.push_back({-big, 3.0f, 1.0f, big, -1e30f, 2.0f, big});
+  } else {
+    rows.push_back({1e12, 1e12 + 0.5, 1e12 - 1.0, 1e12 + 2.0, 1e12 - 3.5, 1e12 + 0.25, 1e12 - 40.0});
+    rows.push_back({-1e12, -1e12 + 1.5, -1e12 - 0.75, -1e12 + 3.0, -1e12, -1e12 - 2.0, -1e12 + 0.125});
+    rows.push_back({1e300, 1e300, -1e300, 0.0, 1e300, -1.0, 5e299});
+    rows.push_back({3e38, 3e38, -3e38, 1.5e38, 3e38, 0.0, -1.0});
+    rows.push_back({1e30, 1e30 + 2 * 1.40737488355328e14, 1e30, -1e30, 0.0, -1e30, 1e30});
+    rows.push_back({-std::numeric_limits<double>::max() / 4, 7.0, -std::numeric_limits<double>::max() / 4, 6.5, 5.0,
+                    -1e300, 4.0});
   }
-  CHECK(out.new_log_remainder[0] <= 0.0f);
+  return rows;
+}
+
+/// log-softmax of z in long double, relative to the row's max (the dense definition).
+template <class T>
+std::vector<ld> log_softmax_ld(const std::vector<T>& z) {
+  ld m = -ld_inf;
+  for (T x : z) m = std::max(m, ld(x));
+  std::vector<ld> d(z.size());
+  for (std::size_t i = 0; i < z.size(); ++i) d[i] = ld(z[i]) - m;
+  const ld total = lse(d);
+  for (ld& x : d) x -= total;
+  return d;
+}
+
+/// The tolerance of one log-probability in T: a few ulps of the log-probability scale.
+template <class T>
+bool close_lp(T got, ld want) {
+  return close<T>(ld(got), want, 1.0, 8);
+}
+
+TEST_CASE_TEMPLATE("huge logits: every sparse entry point is exact to a few ulps of the log-probability (±3e38 ties, 1e30, 1e12, −FLT_MAX masks)", T, float, double) {
+  // Formerly a documented limit (the log-sum held as an absolute double lost |z_max|·2⁻⁵³, and
+  // float's tied ±3e38 tokens collapsed to log-probability 0 with the row's mass wrong). The
+  // values are now formed relative to the row's largest logit (detail::row_log_sums).
+  std::mt19937_64 g(77);
+  const std::vector<std::vector<T>> rows = huge_rows<T>();
+  const std::size_t vocab = rows[0].size(), n_rows = rows.size();
+  std::vector<T> z;
+  for (const auto& r : rows) z.insert(z.end(), r.begin(), r.end());
+  const auto logits = troll::make_batch<const T>(z.data(), n_rows, vocab);
+  for (int k : {1, 3, 5}) {
+    for (double delta : {0.0, 0.1}) {
+      for (bool with_sampled : {false, true}) {
+        CAPTURE(k);
+        CAPTURE(delta);
+        CAPTURE(with_sampled);
+        const troll::sparsify_options opt{k, delta};
+        std::vector<troll::token_id> sampled(n_rows);
+        for (std::size_t r = 0; r < n_rows; ++r) sampled[r] = troll::token_id((3 * r + 2) % vocab);
+        const troll::token_id* smp = with_sampled ? sampled.data() : nullptr;
+        // sparsify against the dense definition: values, remainder and mass.
+        sparse_rows<T> sp(n_rows, std::size_t(k) + 1, vocab);
+        troll::sparsify(troll::cpu, logits, smp, opt, sp.view());
+        for (std::size_t r = 0; r < n_rows; ++r) {
+          CAPTURE(r);
+          const std::vector<ld> lp = log_softmax_ld(rows[r]);
+          std::vector<int> support;
+          for (int i = 0; i < sp.counts[r]; ++i) support.push_back(sp.indices[r * sp.k_max + std::size_t(i)]);
+          REQUIRE(!support.empty());
+          // The support holds the K largest logits (ties to the lower index) at least.
+          const oracle_row o = gather(rows[r], support);
+          double mass = 0.0;
+          for (std::size_t i = 0; i < support.size(); ++i) {
+            const T got = sp.log_probs[r * sp.k_max + i];
+            CHECK(close_lp<T>(got, lp[std::size_t(support[i])]));
+            CHECK(close_lp<T>(got, o.lp[i]));
+            mass += std::exp(double(got));
+          }
+          CHECK(close_lp<T>(sp.log_remainder[r], o.log_r));
+          mass += std::exp(double(sp.log_remainder[r]));
+          CHECK(std::fabs(mass - 1.0) <= troll::sparse_mass_tolerance<T>());
+        }
+        // Vocabulary shards (2 and 3 pieces): bit for bit the whole-row sparsify, and the shards'
+        // backward bit for bit sparsify_backward (check_shards).
+        check_shards<T>(z, n_rows, vocab, {0, 3, vocab}, smp, opt, g);
+        check_shards<T>(z, n_rows, vocab, {0, 1, 5, vocab}, smp, opt, g);
+        // sparsify_backward against the formula in long double from the dense probabilities.
+        sparse_grads<T> up(n_rows, sp.k_max);
+        std::normal_distribution<double> n01(0.0, 1.0);
+        for (auto& x : up.log_probs) x = T(n01(g));
+        for (auto& x : up.log_remainder) x = T(n01(g));
+        std::vector<T> gz(n_rows * vocab, T(9));
+        troll::sparsify_backward(troll::cpu, logits, troll::sparse_input<T>(sp.view()),
+                                 troll::sparse_grad_input<T>(up.view()), troll::make_batch(gz.data(), n_rows, vocab));
+        for (std::size_t r = 0; r < n_rows; ++r) {
+          const std::vector<ld> lp = log_softmax_ld(rows[r]);
+          std::vector<char> in(vocab, 0);
+          ld sum_g = up.log_remainder[r];
+          for (int i = 0; i < sp.counts[r]; ++i) {
+            in[std::size_t(sp.indices[r * sp.k_max + std::size_t(i)])] = 1;
+            sum_g += ld(up.log_probs[r * sp.k_max + std::size_t(i)]);
+          }
+          // p_k / r: the tail's own softmax, relative to the tail's max (at ±3e38 even long
+          // double keeps none of the tail's shape in lp_k − log r).
+          ld m_tail = -ld_inf;
+          for (std::size_t j = 0; j < vocab; ++j)
+            if (!in[j]) m_tail = std::max(m_tail, ld(rows[r][j]));
+          std::vector<ld> tail;
+          for (std::size_t j = 0; j < vocab; ++j)
+            if (!in[j]) tail.push_back(ld(rows[r][j]) - m_tail);
+          const ld log_t = m_tail > -ld_inf ? lse(tail) : -ld_inf;
+          ld scale = 1;
+          std::vector<ld> want(vocab);
+          for (std::size_t j = 0; j < vocab; ++j) {
+            const ld p = std::exp(lp[j]);
+            want[j] = -p * sum_g;
+            if (!in[j] && log_t > -ld_inf)
+              want[j] += ld(up.log_remainder[r]) * std::exp((ld(rows[r][j]) - m_tail) - log_t);
+            scale = std::max(scale, std::fabs(want[j]));
+          }
+          for (int i = 0; i < sp.counts[r]; ++i)
+            want[std::size_t(sp.indices[r * sp.k_max + std::size_t(i)])] += ld(up.log_probs[r * sp.k_max + std::size_t(i)]);
+          for (std::size_t j = 0; j < vocab; ++j) {
+            CAPTURE(r);
+            CAPTURE(j);
+            CHECK(std::fabs(double(gz[r * vocab + j]) - double(want[j])) <= 16 * ulp<T>() * double(scale));
+          }
+        }
+        // align(new_logits, new_support = the sparsified rows, old): the new side on U gathered
+        // exactly, its bucket the exact tail.
+        sparse_rows<T> old(n_rows, 4, vocab);
+        for (std::size_t r = 0; r < n_rows; ++r) put_row(old, r, gather(rows[r], {int((r + 1) % vocab)}));
+        aligned_rows<T> al(n_rows, 16, vocab);
+        troll::align(troll::cpu, logits, troll::sparse_batch_view<const T>(sp.view()), old.view(), al.view());
+        for (std::size_t r = 0; r < n_rows; ++r) {
+          CAPTURE(r);
+          std::vector<int> u;
+          for (int i = 0; i < al.counts[r]; ++i) u.push_back(al.indices[r * al.k_max + std::size_t(i)]);
+          const oracle_row o = gather(rows[r], u);
+          double mass = std::exp(double(al.new_log_remainder[r]));
+          for (std::size_t i = 0; i < u.size(); ++i) {
+            CHECK(close_lp<T>(al.new_log_probs[r * al.k_max + i], o.lp[i]));
+            mass += std::exp(double(al.new_log_probs[r * al.k_max + i]));
+          }
+          CHECK(close_lp<T>(al.new_log_remainder[r], o.log_r));
+          CHECK(std::fabs(mass - 1.0) <= troll::sparse_mass_tolerance<T>());
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("huge logits: sparsify_backward on a row at 1e12 matches central differences of the long-double definition") {
+  // Finite differences are meaningful at 1e12 in long double (ulp 2⁻²⁴ there, step 2⁻¹⁰).
+  const std::vector<double> z = huge_rows<double>()[0];
+  const std::size_t vocab = z.size();
+  sparse_rows<double> sp(1, 4, vocab);
+  troll::sparsify(troll::cpu, troll::make_batch<const double>(z.data(), 1, vocab), nullptr, {3, 0.0}, sp.view());
+  std::vector<int> support;
+  for (int i = 0; i < sp.counts[0]; ++i) support.push_back(sp.indices[std::size_t(i)]);
+  sparse_grads<double> up(1, 4);
+  for (std::size_t i = 0; i < 4; ++i) up.log_probs[i] = 0.3 * double(i) - 0.7;
+  up.log_remainder[0] = 1.25;
+  // L(z) = Σ_S g_i log p_i + g_R log r, in long double.
+  auto loss = [&](const std::vector<ld>& x) {
+    ld m = -ld_inf;
+    for (ld v : x) m = std::max(m, v);
+    std::vector<ld> d(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) d[i] = x[i] - m;
+    const ld total = lse(d);
+    std::vector<char> in(x.size(), 0);
+    ld l = 0;
+    for (std::size_t i = 0; i < support.size(); ++i) {
+      in[std::size_t(support[i])] = 1;
+      l += ld(up.log_probs[i]) * (d[std::size_t(support[i])] - total);
+    }
+    std::vector<ld> tail;
+    for (std::size_t j = 0; j < x.size(); ++j)
+      if (!in[j]) tail.push_back(d[j]);
+    return l + ld(up.log_remainder[0]) * (lse(tail) - total);
+  };
+  std::vector<double> gz(vocab);
+  troll::sparsify_backward(troll::cpu, troll::make_batch<const double>(z.data(), 1, vocab),
+                           troll::sparse_input<double>(sp.view()), troll::sparse_grad_input<double>(up.view()),
+                           troll::make_batch(gz.data(), 1, vocab));
+  for (std::size_t j = 0; j < vocab; ++j) {
+    std::vector<ld> a(z.begin(), z.end()), b(z.begin(), z.end());
+    const ld h = 1.0L / 1024;  // exact at 1e12 in long double (ulp 2⁻²⁴)
+    a[j] += h, b[j] -= h;
+    const ld fd = (loss(a) - loss(b)) / (a[j] - b[j]);
+    CAPTURE(j);
+    CHECK(std::fabs(double(fd) - gz[j]) <= 1e-6 * (1 + std::fabs(gz[j])));
+  }
 }
 
 TEST_CASE("objectives: PPO clip / DPPO / TROLL losses against long double; gradients by central differences; A = 0, huge A, masks all zero") {
@@ -808,7 +988,7 @@ TEST_CASE("bad input: the lowest bad row is named and no output is touched (spar
   for (std::size_t r = 0; r < rows; ++r) std::copy(z.begin(), z.end(), logits.begin() + std::ptrdiff_t(r * vocab));
   sparse_grads<double> up(rows, 4);
   up.log_probs[3 * 4] = std::nan("");
-  std::vector<double> log_sums(2 * rows, 5.0);
+  std::vector<double> log_sums(troll::sparsify_log_sums_width * rows, 5.0);
   std::vector<double> gs(rows * vocab, 11.0);
   troll_test::expect_row_error<troll::domain_error>(
       [&] {

@@ -384,7 +384,7 @@ void shard_backward_matches_whole_row(std::size_t big, std::size_t shards, doubl
   }
   for (std::size_t s = 1; s < shards; ++s) troll::sparsify_merge(troll::cpu, states[0].data(), states[s].data(), rows);
   sparse_rows<T> support(rows, 17, big);
-  std::vector<double> log_sums(2 * rows);
+  std::vector<double> log_sums(troll::sparsify_log_sums_width * rows);
   troll::sparsify_finalize(troll::cpu, states[0].data(), opt, support.view(), log_sums.data());
   sparse_grads<T> g(rows, 17);
   for (std::size_t i = 0; i < g.log_probs.size(); ++i) g.log_probs[i] = T(std::sin(0.7 * double(i)));
@@ -422,7 +422,7 @@ TEST_CASE("sparsify_shard_backward rejects bad log-sums, shards outside the voca
   std::vector<double> z(rows * v);
   for (std::size_t i = 0; i < z.size(); ++i) z[i] = std::cos(double(i));
   sparse_rows<double> support(rows, 3, v);
-  std::vector<double> log_sums(2 * rows);
+  std::vector<double> log_sums(troll::sparsify_log_sums_width * rows);
   std::vector<troll::sparsify_state> st(rows);
   troll::sparsify_shard(troll::cpu, troll::batch_view<const double>{z.data(), rows, v, v}, 0, v, nullptr, {3, 0.0}, st.data());
   troll::sparsify_finalize(troll::cpu, st.data(), {3, 0.0}, support.view(), log_sums.data());
@@ -437,9 +437,20 @@ TEST_CASE("sparsify_shard_backward rejects bad log-sums, shards outside the voca
   CHECK_THROWS_AS(troll::sparsify_shard_backward(troll::cpu, shard, 6, support.view(), g.view(), bad.data(), grad_shard),
                   troll::domain_error);
   bad = log_sums;
-  bad[1] = bad[0] + 1.0;  // a tail above the total
+  bad[3] = bad[1] + (bad[0] - bad[2]) + 1.0;  // a tail mass above the total ({ref, total, tail_ref, tail})
   CHECK_THROWS_AS(troll::sparsify_shard_backward(troll::cpu, shard, 6, support.view(), g.view(), bad.data(), grad_shard),
                   troll::domain_error);
+  for (int entry : {0, 1}) {  // a reference or a total that is not finite
+    for (double x : {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+      bad = log_sums;
+      bad[troll::sparsify_log_sums_width + std::size_t(entry)] = x;  // row 1
+      out.assign(out.size(), -7.0);
+      CHECK_THROWS_WITH_AS(
+          troll::sparsify_shard_backward(troll::cpu, shard, 6, support.view(), g.view(), bad.data(), grad_shard),
+          doctest::Contains(entry == 0 ? "row 1: log_sums ref" : "row 1: log_sums total"), troll::domain_error);
+      CHECK(out[0] == -7.0);
+    }
+  }
   CHECK_THROWS_AS(troll::sparsify_shard_backward(troll::cpu, shard, 7, support.view(), g.view(), log_sums.data(), grad_shard),
                   troll::shape_error);
   g.log_remainder[1] = std::numeric_limits<double>::infinity();

@@ -121,7 +121,7 @@ void check_exact_shards() {
     // Stage 1: supports and tail maxima. Stage 2: every shard's exact tail sum, stacked in
     // another order, then the values.
     sparse_rows<T> first(rows, k_max, vocab);
-    std::vector<double> tail_max(rows), log_sums(2 * rows);
+    std::vector<double> tail_max(rows), log_sums(troll::sparsify_log_sums_width * rows);
     troll::sparsify_finalize(troll::cpu, merged.data(), opt, first.view(), nullptr, tail_max.data());
     CHECK(first.indices == whole.indices);
     CHECK(first.counts == whole.counts);

@@ -126,15 +126,14 @@ bool reference_row(const std::vector<T>& z, int k, long sampled, double log_delt
     const std::vector<long>* s;
     double operator[](int i) const { return double((*z)[std::size_t((*s)[std::size_t(i)])]); }
   };
-  double log_total = 0.0, log_tail = 0.0;
-  exact_log_sums(logits_of{&z, &support}, int(support.size()), m_tail, tail, log_total, log_tail);
+  const row_log_sums sums = exact_log_sums(logits_of{&z, &support}, int(support.size()), m_tail, tail);
   o.ok = true;
   o.count = int(support.size());
   for (std::size_t i = 0; i < support.size(); ++i) {
     o.indices[i] = troll::sparse_index(support[i]);
-    o.log_probs[i] = T(double(z[std::size_t(support[i])]) - log_total);
+    o.log_probs[i] = T(sums.log_prob(double(z[std::size_t(support[i])])));
   }
-  o.remainder = T(log_tail == -std::numeric_limits<double>::infinity() ? log_tail : log_tail - log_total);
+  o.remainder = T(sums.log_remainder());
   return true;
 }
 

@@ -50,7 +50,7 @@ enum class cuda_row_error : int {
   sparse_mass = 31,        ///< Σ_S p + r is `value`, beyond sparse_mass_tolerance<T> (`token` = sizeof(T)): domain_error
   sparse_wrong_token = 32, ///< log_probs entry `token` holds token id `value`, the aligned rows `operand`: shape_error
   sparse_masked_mass = 33, ///< backward: log_probs entry `token` is `value` > −inf where the new or old side is −inf: domain_error
-  bad_log_sums = 34,       ///< sparsify_shard_backward: log_sums {`value`, the double whose bits are `token`} unusable: domain_error
+  bad_log_sums = 34,       ///< sparsify_shard_backward: log_sums entry `operand` (0 ref, 1 total, 2 tail) = `value` unusable: domain_error
   bad_tail_max = 35,       ///< sparsify_tail_sums: tail_max is `value` (NaN or +inf): domain_error
   // Dense derivatives (troll/cuda.cuh: kl_backward, project_jvp, project_jacobian).
   infinite_kl = 40,        ///< kl_backward: KL(p‖q) is +inf (p has mass where q is −inf), no gradient: domain_error

@@ -125,7 +125,8 @@ inline void sparsify_merge(cuda_policy policy, sparsify_state* into, const spars
 /// checks as on the CPU, in its order: the state's k is options.k (invalid_input), out.k_max holds
 /// the row (shape_error), some shard held the sampled token, some logit is finite (domain_error);
 /// a rejected row gets count 0, padding and a NaN log_remainder (NaN log_sums and tail_max).
-/// `log_sums` (device, rows × 2 doubles, may be null) receives what the CPU overload writes there.
+/// `log_sums` (device, rows × sparsify_log_sums_width doubles {ref, total, tail}, may be null)
+/// receives what the CPU overload writes there.
 template <class T>
 void sparsify_finalize(cuda_policy policy, const sparsify_state* states, const sparsify_options& options,
                        sparse_batch_view<T> out, double* log_sums = nullptr, double* tail_max = nullptr,
@@ -343,7 +344,7 @@ void sparsify_backward(cuda_policy policy, batch_view<L> logits, sparse_input<T>
 
 /// Backward of sparsify over vocabulary shards on the device, as
 /// troll::sparsify_shard_backward(cpu_policy, ...): grad_shard = the columns [vocab_offset,
-/// vocab_offset + cols) of sparsify_backward's gradient, from `log_sums` (device, rows × 2, what
+/// vocab_offset + cols) of sparsify_backward's gradient, from `log_sums` (device, rows × sparsify_log_sums_width, what
 /// sparsify_finalize wrote). One pass per row, no communication. Host checks as on the CPU; rejected
 /// rows (NaN / +inf shard logits, unusable log_sums, a bad support row, a NaN / infinite gradient)
 /// get NaN, or throw the CPU's exception in checked mode (three validation stages in one pass, in the CPU's

@@ -393,8 +393,10 @@ inline void sparsify_merge(cpu_policy policy, sparsify_state* into, const sparsi
 /// `tail_sums` the values come from the merged states' running sums (within a few ulps). Throws before writing: the state problems of detail::throw_state_problem (a
 /// malformed state, k other than options.k, a state made for another V, a state that does not
 /// cover all of [0, V) — a shard never merged), shape_error for a too small out.k_max, and
-/// domain_error for a row whose logits were all −inf. `log_sums` (rows × 2 doubles, may be null)
-/// receives each row's {log Σ_j e^{z_j}, log Σ_{j∉S} e^{z_j}}, which sparsify_shard_backward takes.
+/// domain_error for a row whose logits were all −inf. `log_sums` (rows × sparsify_log_sums_width
+/// = 4 doubles, may be null) receives each row's {ref, log Σ_j e^{z_j − ref}, tail_ref,
+/// log Σ_{j∉S} e^{z_j − tail_ref}}, ref the row's and tail_ref the tail's largest logit (−inf: no
+/// tail mass; detail::row_log_sums), which sparsify_shard_backward takes.
 template <class T>
 void sparsify_finalize(cpu_policy policy, const sparsify_state* states, const sparsify_options& options,
                        sparse_batch_view<T> out, double* log_sums = nullptr, double* tail_max = nullptr,
@@ -433,7 +435,7 @@ void sparsify_finalize(cpu_policy policy, const sparsify_state* states, const sp
     }
     const detail::finalize_problem p =
         detail::finalize(st, log_delta, out.row_indices(r), out.row_log_probs(r), count, out.log_remainder[r],
-                         log_sums ? log_sums + 2 * r : nullptr, tail_max ? tail_max + r : nullptr,
+                         log_sums ? log_sums + sparsify_log_sums_width * r : nullptr, tail_max ? tail_max + r : nullptr,
                          tail_sums ? &tail : nullptr);
     (void)p;  // ruled out by the checks above
     out.counts[r] = count;
@@ -514,12 +516,15 @@ void sparsify_backward(cpu_policy policy, input_view<T> logits, sparse_input<T> 
 /// merged states of every shard (sparsify_finalize, which also wrote `log_sums`); this writes the
 /// gradient w.r.t. one shard's logits (the tokens [vocab_offset, vocab_offset + cols) of rows of
 /// support.vocab tokens), the columns of what sparsify_backward writes for the whole row:
-///     ∂L/∂z_k = [k∈S] g_k + [k∉S] g_R p_k / r − p_k (Σ_S g_i + g_R),  p_k = e^{z_k − log_sums[2r]},
-///     r = e^{log_sums[2r+1] − log_sums[2r]}.
+///     ∂L/∂z_k = [k∈S] g_k + [k∉S] g_R p_k / r − p_k (Σ_S g_i + g_R),
+///     p_k = e^{(z_k − ref) − total},  p_k / r = e^{(z_k − tail_ref) − tail},
+/// with {ref, total, tail_ref, tail} = log_sums[4r .. 4r + 4) (sparsify_log_sums_width a row).
 /// Needs no communication: every rank holds the whole sparse row, its upstream gradient and the
-/// row's two log-sums. O(cols) per row. Throws before writing: shape_error (shapes, a shard that
+/// row's log-sums. O(cols) per row. Throws before writing: shape_error (shapes, a shard that
 /// does not fit in [0, V), bad support indices), domain_error (NaN / +inf logits, NaN / infinite
-/// gradients, log-sums that are NaN, not finite in total, or a tail above the total).
+/// gradients, log-sums that detail::log_sums_problem rejects: ref or total not finite, a NaN or
+/// +inf tail_ref or one above ref, a tail not finite with a finite tail_ref, or a tail mass above
+/// the total).
 template <class T>
 void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std::size_t vocab_offset,
                              sparse_input<T> support, sparse_grad_input<T> grad, const double* log_sums,
@@ -530,8 +535,9 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
                                                   grad_shard);
   detail::validate_shard_values(fn, policy.threads, shard_logits);
   for (std::size_t r = 0; r < shard_logits.rows; ++r) {
-    if (!detail::log_sums_usable(log_sums[2 * r], log_sums[2 * r + 1]))
-      detail::throw_bad_log_sums(fn, r, log_sums[2 * r], log_sums[2 * r + 1]);
+    const double* row_sums = log_sums + sparsify_log_sums_width * r;
+    const int entry = detail::log_sums_problem(row_sums);
+    if (entry >= 0) detail::throw_bad_log_sums(fn, r, entry, row_sums[entry]);
   }
   detail::first_sparse_problem(fn, policy.threads, shard_logits.rows, 4 * std::size_t(sparse_max_entries),
                                [&](std::size_t r) {
@@ -553,7 +559,11 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
     }
     detail::sort_by_index(slots, n);
     detail::cpu::sparse_scatter_row(shard_logits.row(r), shard_logits.cols, vocab_offset, slots, n, grad.row(r),
-                                    double(grad.log_remainder[r]), sum_g, log_sums[2 * r], log_sums[2 * r + 1],
+                                    double(grad.log_remainder[r]), sum_g,
+                                    detail::row_log_sums{log_sums[sparsify_log_sums_width * r],
+                                                         log_sums[sparsify_log_sums_width * r + 1],
+                                                         log_sums[sparsify_log_sums_width * r + 2],
+                                                         log_sums[sparsify_log_sums_width * r + 3]},
                                     grad_shard.row(r));
   });
 }
@@ -685,11 +695,10 @@ void align(cpu_policy policy, input_view<T> new_logits, sparse_input<T> new_supp
                         for (int i = 0; i < u; ++i) scratch[i] = detail::index_slot{indices[i], i};
                         detail::sort_by_index(scratch, u);
                         const T* z = new_logits.row(r);
-                        double log_total = 0.0, log_tail = 0.0;
-                        detail::cpu::log_sums_outside(z, new_logits.cols, scratch, u, log_total, log_tail);
-                        for (int i = 0; i < u; ++i) ln[i] = T(double(z[indices[i]]) - log_total);
-                        out.new_log_remainder[r] =
-                            T(log_tail == detail::neg_inf() ? log_tail : log_tail - log_total);
+                        const detail::row_log_sums sums =
+                            detail::cpu::log_sums_outside(z, new_logits.cols, scratch, u);
+                        for (int i = 0; i < u; ++i) ln[i] = T(sums.log_prob(double(z[indices[i]])));
+                        out.new_log_remainder[r] = T(sums.log_remainder());
                       });
   });
 }

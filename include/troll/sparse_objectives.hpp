@@ -122,8 +122,7 @@ void gather_aligned_row(const T* z, std::size_t vocab, const sparse_batch_view<c
                               indices, new_pos, old_pos);
   for (int i = 0; i < u; ++i) scratch[i] = index_slot{indices[i], i};
   sort_by_index(scratch, u);
-  double log_total = 0.0, log_tail = 0.0;
-  cpu::log_sums_outside(z, vocab, scratch, u, log_total, log_tail);
+  const row_log_sums sums = cpu::log_sums_outside(z, vocab, scratch, u);
   const long long m_old = static_cast<long long>(vocab) - old_count;
   const long long m_u = static_cast<long long>(vocab) - u;
   const double lr_old = double(old_rows.log_remainder[r]);
@@ -131,11 +130,11 @@ void gather_aligned_row(const T* z, std::size_t vocab, const sparse_batch_view<c
   T* ln = out.new_log_probs + r_out * out.k_max;
   T* lo = out.old_log_probs + r_out * out.k_max;
   for (int i = 0; i < u; ++i) {
-    ln[i] = T(double(z[indices[i]]) - log_total);
+    ln[i] = T(sums.log_prob(double(z[indices[i]])));
     lo[i] = old_pos[i] >= 0 ? old_rows.row_log_probs(r)[old_pos[i]] : T(tail_old);
   }
   out.counts[r_out] = u;
-  out.new_log_remainder[r_out] = T(log_tail == neg_inf() ? log_tail : log_tail - log_total);
+  out.new_log_remainder[r_out] = T(sums.log_remainder());
   out.old_log_remainder[r_out] = T(shrink_log_remainder(lr_old, m_old, m_u));
   pad_row(indices, ln, std::size_t(u), out.k_max);
   for (std::size_t i = std::size_t(u); i < out.k_max; ++i) lo[i] = T(neg_inf());

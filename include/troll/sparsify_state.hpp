@@ -26,6 +26,12 @@ inline constexpr int sparse_max_entries = 1024;
 /// ranges, so a row split into n shards needs at most ⌈n / 2⌉ whatever the merge order.
 inline constexpr int sparsify_max_ranges = 32;
 
+/// Doubles per row of sparsify_finalize's `log_sums` (taken back by sparsify_shard_backward):
+/// {ref, log Σ_j e^{z_j − ref}, tail_ref, log Σ_{j∉S} e^{z_j − tail_ref}}, ref the row's and
+/// tail_ref the tail's largest logit (−inf: no tail mass) — each normaliser relative to its own
+/// reference, so that logits of any magnitude keep their digits (detail::row_log_sums).
+inline constexpr int sparsify_log_sums_width = 4;
+
 /// A half-open range [begin, end) of token ids.
 struct sparse_token_range {
   sparse_index begin;
@@ -39,6 +45,8 @@ struct log_sum_state {
   double m = neg_inf();
   double s = 0.0;
 
+  /// The absolute log-sum m + log s (a double of magnitude |m|: use log_sum_relative where m may
+  /// be large).
   TROLL_HOST_DEVICE double value() const { return m == neg_inf() ? neg_inf() : m + ::log(s); }
 };
 

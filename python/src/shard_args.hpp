@@ -77,7 +77,8 @@ struct finalize_args {
       fail(fn, "out has " + std::to_string(out.view.rows) + " rows but states hold " + std::to_string(rows));
     if (sums) {
       const auto ls = as_packed<double>(fn, "log_sums", *sums);
-      if (ls.rows != rows || ls.cols != 2) fail(fn, "log_sums must have shape (..., 2), one pair a row");
+      if (ls.rows != rows || ls.cols != std::size_t(troll::sparsify_log_sums_width))
+        fail(fn, "log_sums must have shape (..., 4), {ref, total, tail_ref, tail} a row");
       log_sums = ls.data;
     }
     if (max) tail_max = as_rows<double>(fn, "tail_max", *max, rows);
@@ -128,7 +129,8 @@ struct shard_backward_args {
     grad_shard = as_batch<T>(fn, "grad_shard", gx);
     require_disjoint(fn, "grad_shard", grad_shard, "shard_logits", logits);
     const auto ls = as_packed<const double>(fn, "log_sums", sums);
-    if (ls.rows != logits.rows || ls.cols != 2) fail(fn, "log_sums must have shape (..., 2), one pair a row");
+    if (ls.rows != logits.rows || ls.cols != std::size_t(troll::sparsify_log_sums_width))
+      fail(fn, "log_sums must have shape (..., 4), {ref, total, tail_ref, tail} a row");
     log_sums = ls.data;
   }
 };

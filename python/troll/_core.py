@@ -457,8 +457,10 @@ def sparsify_finalize(states: Any, vocab: int, k: int = 64, delta: float = 1e-5,
     """The sparse rows of a stack of shard states (shards, ..., bytes) that together cover the
     vocabulary: merged in stack order (exact, order-independent supports), then finalised as
     ``sparsify`` would finalise the whole rows. ``sampled`` says whether the states were made with
-    sampled tokens (capacity k + 1). Returns ``(SparseRows, log_sums)``, log_sums (..., 2)
-    float64 = {log sum_j e^z_j, log sum_{j not in S} e^z_j} per row (for the shards' backward),
+    sampled tokens (capacity k + 1). Returns ``(SparseRows, log_sums)``, log_sums (..., 4)
+    float64 = {ref, log sum_j e^(z_j - ref), tail_ref, log sum_{j not in S} e^(z_j - tail_ref)}
+    per row, ref the row's and tail_ref the tail's largest logit (-inf: no tail mass), for the
+    shards' backward,
     and with ``return_tail_max=True`` also tail_max (...) float64, the largest logit outside each
     row's support. Device states are merged and finalised on their device.
 
@@ -471,7 +473,7 @@ def sparsify_finalize(states: Any, vocab: int, k: int = 64, delta: float = 1e-5,
     rows = tuple(states.shape[1:-1])
     k_max = max(1, min(int(k) + bool(sampled), int(vocab)))
     out = sparse_empty(frame, rows, k_max, vocab, dtype)
-    log_sums = frame.empty(rows + (2,), "float64")
+    log_sums = frame.empty(rows + (4,), "float64")
     tail_max = frame.empty(rows, "float64") if return_tail_max else None
     args = (arg(states), int(k), float(delta), out, log_sums, tail_max, None if tail_sums is None else arg(tail_sums))
     if _on_cuda(states):

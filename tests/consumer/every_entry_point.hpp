@@ -178,7 +178,7 @@ step_results run_every_entry_point(Policy policy) {
                         tokens.get(), options, other.get());
   troll::sparsify_merge(policy, states.get(), other.get(), rows);
   // Two stages: the support and tail_max, each shard's exact tail sum, then the canonical values.
-  typename S::template array<double> log_sums(2 * rows), tail_max(rows), tail_sums(4 * rows);
+  typename S::template array<double> log_sums(troll::sparsify_log_sums_width * rows), tail_max(rows), tail_sums(4 * rows);
   static_assert(troll::workspace_bytes(Policy{}, troll::op::sparsify_tail_sums{}, rows, V) == 0,
                 "sparsify_tail_sums needs no workspace");
   troll::sparsify_finalize(policy, states.get(), options, finalized.view(rows, V), log_sums.get(), tail_max.get());

@@ -143,7 +143,7 @@ void finalize_exact(test_stream& s, const troll::sparsify_state* d_states, const
                     const L* d_z, std::size_t rows, std::size_t vocab, const std::vector<std::size_t>& cuts,
                     sparse_pair<T>& out) {
   const std::size_t shards = cuts.size() - 1;
-  device_array<double> tail_max(rows), tail_sums(2 * rows * shards), log_sums(2 * rows);
+  device_array<double> tail_max(rows), tail_sums(2 * rows * shards), log_sums(troll::sparsify_log_sums_width * rows);
   troll::sparsify_finalize(troll::cuda.on(s.stream).checked(), d_states, options, out.device(), log_sums.get(),
                            tail_max.get());
   const troll::sparse_input<T> support(out.device());

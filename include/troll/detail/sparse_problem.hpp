@@ -99,16 +99,29 @@ struct sparse_problem {
   throw invalid_input(msg.str() + ": unknown problem", row);
 }
 
-/// Whether sparsify_finalize's log-sums of a row are usable by sparsify_shard_backward: a finite
-/// total and a tail that is not NaN and not above it.
-TROLL_HOST_DEVICE inline bool log_sums_usable(double total, double tail) {
-  return total - total == 0.0 && tail == tail && !(tail > total);
+/// Which of sparsify_finalize's log-sums of a row ({ref, total, tail_ref, tail}, row_log_sums)
+/// keeps sparsify_shard_backward from using them, or −1 when none does: ref and total finite;
+/// tail_ref −inf (no tail mass, then tail −inf too) or finite and not above ref; a finite tail
+/// with a finite tail_ref; the tail's mass ((tail_ref − ref) + tail) not above the total.
+TROLL_HOST_DEVICE inline int log_sums_problem(const double* sums) {
+  if (!(sums[0] - sums[0] == 0.0)) return 0;
+  if (!(sums[1] - sums[1] == 0.0)) return 1;
+  if (sums[2] != sums[2] || sums[2] > sums[0]) return 2;
+  if (sums[2] == neg_inf()) return sums[3] == neg_inf() ? -1 : 3;
+  if (!(sums[3] - sums[3] == 0.0) || ((sums[2] - sums[0]) + sums[3]) > sums[1]) return 3;
+  return -1;
 }
 
-/// The exception of a row whose log-sums are not usable (sparsify_shard_backward, both backends).
-[[noreturn]] inline void throw_bad_log_sums(const char* function, std::size_t row, double total, double tail) {
-  throw domain_error(row_prefix(function, row) + "log_sums {" + std::to_string(total) + ", " + std::to_string(tail) +
-                         "} are not a finite total and a tail not above it (sparsify_finalize's log_sums)",
+/// The exception of a row whose log-sums are not usable (sparsify_shard_backward, both backends):
+/// `entry` (0 ref, 1 total, 2 tail) holds `value`.
+[[noreturn]] inline void throw_bad_log_sums(const char* function, std::size_t row, int entry, double value) {
+  static const char* const names[4] = {"ref", "total", "tail_ref", "tail"};
+  const char* name = entry >= 0 && entry < 4 ? names[entry] : "?";
+  throw domain_error(row_prefix(function, row) + "log_sums " + name + " (entry " + std::to_string(entry) + ") is " +
+                         std::to_string(value) +
+                         ": ref and total must be finite, tail_ref -inf or finite and not above ref, the tail "
+                         "finite with it and its mass not above the total (sparsify_finalize's log_sums, "
+                         "{ref, total, tail_ref, tail} a row)",
                      row);
 }
 

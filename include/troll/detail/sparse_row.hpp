@@ -61,6 +61,49 @@ TROLL_HOST_DEVICE inline log_sum_state merge(const log_sum_state& a, const log_s
   return r;
 }
 
+/// log Σ e^{w_i} of a log_sum_state relative to a reference: (m − ref) + log s, formed without
+/// the absolute log-sum (−inf for an empty state). Exact to a few ulps of the result for any
+/// finite m and ref (logits at float's ±3e38 included: their difference is formed in double).
+TROLL_HOST_DEVICE inline double log_sum_relative(const log_sum_state& st, double ref) {
+  return st.m == neg_inf() ? neg_inf() : (st.m - ref) + ::log(st.s);
+}
+
+/// The normalisers of a sparse row gathered from dense logits z, each held relative to its own
+/// reference (the largest logit it sums over) so that no absolute log-sum is ever formed:
+///     total = log Σ_j e^{z_j − ref},          ref = max_j z_j,
+///     tail  = log Σ_{j∉S} e^{z_j − tail_ref},  tail_ref = max_{j∉S} z_j (−inf: no tail mass).
+/// A token's log-probability is (z_k − ref) − total, the row's remainder
+/// ((tail_ref − ref) + tail) − total, and a tail token's share of the tail p_k / r =
+/// e^{(z_k − tail_ref) − tail}: each exact to a few ulps of its own scale for any finite logits,
+/// however large (an absolute log Σ e^z near 3e38 keeps none of its fractional digits, and a
+/// tail sum relative to a distant row maximum none of the tail's shape). sparsify_finalize
+/// exports it per row as sparsify_log_sums_width doubles {ref, total, tail_ref, tail};
+/// sparsify_shard_backward takes them back.
+struct row_log_sums {
+  double ref = 0.0;
+  double total = neg_inf();
+  double tail_ref = neg_inf();
+  double tail = neg_inf();
+
+  /// log p of a token of logit z.
+  TROLL_HOST_DEVICE double log_prob(double z) const { return (z - ref) - total; }
+  /// log r, the tail's share of the row (−inf for an empty tail).
+  TROLL_HOST_DEVICE double log_remainder() const {
+    return tail_ref == neg_inf() ? neg_inf() : ((tail_ref - ref) + tail) - total;
+  }
+};
+
+/// The row_log_sums of a row from its running log-sum states over all tokens and over the tail
+/// (the reference: the whole row's largest logit).
+TROLL_HOST_DEVICE inline row_log_sums relative_log_sums(const log_sum_state& all, const log_sum_state& tail) {
+  row_log_sums out;
+  if (all.m == neg_inf()) return out;
+  out.ref = all.m;
+  out.total = ::log(all.s);
+  if (tail.m > neg_inf()) out.tail_ref = tail.m, out.tail = ::log(tail.s);
+  return out;
+}
+
 /// A sum of non-negative terms kept as an unevaluated pair hi + lo (double-double, TwoSum).
 /// Summing n terms this way is within n²·eps² of the exact sum whatever their order, so the
 /// double it rounds to (value()) does not depend on how the terms were split or ordered — what
@@ -93,31 +136,31 @@ TROLL_HOST_DEVICE inline exact_sum exact_add(exact_sum a, const exact_sum& b) {
 /// The canonical log-sums of a sparse row gathered from dense logits z, from its support's
 /// logits `support_z` (n of them, any order; −inf entries carry no mass) and its tail — the
 /// tokens outside the support — given as m_tail = max_{j∉S} z_j and tail = Σ_{j∉S} e^{z_j − m_tail}
-/// (an exact_sum; m_tail = −inf for an empty or massless tail):
-///     log_tail  = m_tail + log(tail),
-///     log_total = m + log(Σ_S e^{z_i − m} + tail · e^{m_tail − m}),  m = max(z_S, m_tail).
+/// (an exact_sum; m_tail = −inf for an empty or massless tail), each relative to its own largest
+/// logit (row_log_sums): m = max(z_S, m_tail),
+///     total = log(Σ_S e^{z_i − m} + tail · e^{m_tail − m}),   tail_ref = m_tail,  tail = log(tail).
 /// Every input is a function of the row's values and its support alone, never of how the row
 /// was split into shards or scanned, and the support's terms are summed exactly too: the sparse
 /// rows of sparsify, of merged vocabulary shards, and the normalisers of their backward passes
 /// (log_sums_outside) agree to the last bit (up to a tie in the final rounding, ~n²·eps² away).
+/// A row whose every logit is −inf gets ref = 0 and total = tail = −inf.
 template <class Z>
-TROLL_HOST_DEVICE inline void exact_log_sums(const Z& support_z, int n, double m_tail, const exact_sum& tail,
-                                             double& log_total, double& log_tail) {
+TROLL_HOST_DEVICE inline row_log_sums exact_log_sums(const Z& support_z, int n, double m_tail, const exact_sum& tail) {
   const double t = tail.value();
   const bool has_tail = m_tail > neg_inf() && t > 0.0;
-  log_tail = has_tail ? m_tail + ::log(t) : neg_inf();
   double m = has_tail ? m_tail : neg_inf();
   for (int i = 0; i < n; ++i)
     if (support_z[i] > m) m = support_z[i];
-  if (m == neg_inf()) {
-    log_total = neg_inf();
-    return;
-  }
+  row_log_sums out;
+  if (m == neg_inf()) return out;
+  out.ref = m;
+  if (has_tail) out.tail_ref = m_tail, out.tail = ::log(t);
   exact_sum s;
   for (int i = 0; i < n; ++i)
     if (support_z[i] > neg_inf()) exact_add(s, ::exp(support_z[i] - m));
   if (has_tail) exact_add(s, t * ::exp(m_tail - m));
-  log_total = m + ::log(s.value());
+  out.total = ::log(s.value());
+  return out;
 }
 
 /// The token order of sparsify: larger logit first, ties to the lower index.
@@ -337,8 +380,9 @@ enum class finalize_problem { none, all_masked, sampled_missing };
 /// from merged log-sum-exp states only (never 1 − Σ). `log_delta` = log δ (−inf for δ = 0).
 /// The state's heap is consumed (sorted in place). Returns the problem, writing nothing, when
 /// every logit is −inf or the sampled token was never seen. When `log_sums` is given it receives
-/// the two sums in double, {log Σ_j e^{z_j}, log Σ_{j∉S} e^{z_j}} (what the backward of
-/// vocabulary shards needs: troll::sparsify_shard_backward). `forced_keep` ≥ 0 replaces the δ
+/// the row's row_log_sums as sparsify_log_sums_width doubles {ref, log Σ_j e^{z_j − ref},
+/// tail_ref, log Σ_{j∉S} e^{z_j − tail_ref}}, ref the row's and tail_ref the tail's largest logit (what the backward of vocabulary
+/// shards needs: troll::sparsify_shard_backward). Values are formed relative to ref. `forced_keep` ≥ 0 replaces the δ
 /// rule's prefix length by one the caller decided (sparsify: keep_with_margin, exact tail sum).
 /// The logits of a finalised support, read from finalize's sorted list: the first `keep`
 /// entries, then the sampled one when it ranks beyond them.
@@ -379,8 +423,9 @@ TROLL_HOST_DEVICE finalize_problem finalize(sparsify_state& st, double log_delta
   const int n = sort_with_sampled(st, list, st.size, sampled_pos);
   log_sum_state total = st.outside;
   for (int i = 0; i < n; ++i) push(total, list[i].logit);
-  const double log_total = total.value();
-  if (log_total == neg_inf()) return finalize_problem::all_masked;
+  if (total.m == neg_inf()) return finalize_problem::all_masked;
+  // Every log-sum relative to the row's largest logit (never an absolute log Σ e^z).
+  const double ref = total.m, log_total = ::log(total.s);
 
   // rest(j) = log-mass of everything ranked after the first j tokens (outside ∪ list[j..n)).
   // Scan backwards, remembering the smallest j ≤ K whose rest is within δ.
@@ -390,7 +435,7 @@ TROLL_HOST_DEVICE finalize_problem finalize(sparsify_state& st, double log_delta
   int keep = limit;
   for (int j = limit - 1; forced_keep < 0 && j >= 1; --j) {
     push(rest, list[j].logit);  // now rest = rest(j)
-    if (rest.value() - log_total <= log_delta) {
+    if (log_sum_relative(rest, ref) - log_total <= log_delta) {
       keep = j;
     } else {
       break;  // rest(j) grows as j falls: no shorter prefix qualifies
@@ -407,27 +452,29 @@ TROLL_HOST_DEVICE finalize_problem finalize(sparsify_state& st, double log_delta
   for (int i = keep; i < n; ++i)
     if (i != sampled_pos && list[i].logit > m_tail) m_tail = list[i].logit;
   if (tail_max) *tail_max = m_tail;
-  double log_sum = log_total, log_tail = tail.value();
+  row_log_sums sums = relative_log_sums(total, tail);
   if (exact_tail) {  // the canonical sums from the tail's exact sum (sparsify, sparsify_finalize)
     const finalized_support_logits z{list, keep, sampled_pos};
-    exact_log_sums(z, keep + (sampled_pos >= keep ? 1 : 0), m_tail, *exact_tail, log_sum, log_tail);
+    sums = exact_log_sums(z, keep + (sampled_pos >= keep ? 1 : 0), m_tail, *exact_tail);
   }
   int c = 0;
   for (int i = 0; i < keep; ++i) {
     indices[c] = list[i].index;
-    log_probs[c] = T(list[i].logit - log_sum);
+    log_probs[c] = T(sums.log_prob(list[i].logit));
     ++c;
   }
   if (sampled_pos >= keep) {
     indices[c] = list[sampled_pos].index;
-    log_probs[c] = T(list[sampled_pos].logit - log_sum);
+    log_probs[c] = T(sums.log_prob(list[sampled_pos].logit));
     ++c;
   }
   count = c;
-  log_remainder = T(log_tail == neg_inf() ? neg_inf() : log_tail - log_sum);
+  log_remainder = T(sums.log_remainder());
   if (log_sums) {
-    log_sums[0] = log_sum;
-    log_sums[1] = log_tail;
+    log_sums[0] = sums.ref;
+    log_sums[1] = sums.total;
+    log_sums[2] = sums.tail_ref;
+    log_sums[3] = sums.tail;
   }
   return finalize_problem::none;
 }

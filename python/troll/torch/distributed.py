@@ -112,8 +112,9 @@ def sparsify(local_logits: torch.Tensor, vocab_offset: int, vocab_size: int, k: 
     ``troll.torch.sparsify`` gives for the gathered logits (supports and values identical, bit for
     bit: both use troll's canonical exact sums) — differentiable w.r.t.
     ``local_logits``: the backward returns this rank's columns of the whole-row gradient,
-    computed locally. With ``return_log_sums=True`` also returns the rows' (..., 2) float64
-    {log sum_j e^z_j, log sum_{j not in S} e^z_j}."""
+    computed locally. With ``return_log_sums=True`` also returns the rows' (..., 4) float64
+    {ref, log sum_j e^(z_j - ref), tail_ref, log sum_{j not in S} e^(z_j - tail_ref)} (ref the
+    row's and tail_ref the tail's largest logit)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("troll.torch.distributed.sparsify: torch.distributed is not initialised")
     rows = tuple(local_logits.shape[:-1])

@@ -23,30 +23,41 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cpu {
 
-/// out[i] = e^{x[i] − shift} for i < count, in V (float or double), every entry through the same
-/// packet exponential (a partial last packet is padded), so an entry's value does not depend on
-/// its position. Arguments below the packet exp's range (where Eigen 3.4's vectorised exp
-/// returns a tiny constant, −inf included) are redone with std::exp, which gives the subnormal
-/// or 0; only a block that holds one pays.
+/// out[i] = e^{(x[i] − shift) − offset} for i < count, in V (float or double), every entry through
+/// the same packet exponential (a partial last packet is padded), so an entry's value does not
+/// depend on its position. The reference `shift` comes off first, so that logits of any
+/// magnitude keep their digits (shift: the row's largest logit, offset: a log-sum relative to it,
+/// row_log_sums); offset = 0 gives e^{x − shift} bit for bit. Arguments below the packet exp's
+/// range (where Eigen 3.4's vectorised exp returns a tiny constant, −inf included) are redone
+/// with std::exp, which gives the subnormal or 0; only a block that holds one pays.
 template <class V>
-inline void packet_exp(const V* x, Eigen::Index count, V shift, V* out) {
+inline void packet_exp(const V* x, Eigen::Index count, V shift, V* out, V offset = V(0)) {
   using packet = typename Eigen::internal::packet_traits<V>::type;
   constexpr Eigen::Index lanes = Eigen::internal::packet_traits<V>::size;
   constexpr V lowest = sizeof(V) == sizeof(double) ? V(-709.0) : V(-87.0);
   const packet s = Eigen::internal::pset1<packet>(shift);
+  const packet o = Eigen::internal::pset1<packet>(offset);
+  using namespace Eigen::internal;
   Eigen::Index i = 0;
-  for (; i + lanes <= count; i += lanes)
-    Eigen::internal::pstoreu(out + i, Eigen::internal::pexp(Eigen::internal::psub(Eigen::internal::ploadu<packet>(x + i), s)));
+  packet low = pset1<packet>(V(0));
+  for (; i + lanes <= count; i += lanes) {
+    const packet d = psub(psub(ploadu<packet>(x + i), s), o);
+    low = pmin(low, d);
+    pstoreu(out + i, pexp(d));
+  }
   if (i < count) {
     V in[lanes], res[lanes];
     for (Eigen::Index j = 0; j < lanes; ++j) in[j] = i + j < count ? x[i + j] : shift;
-    Eigen::internal::pstoreu(res, Eigen::internal::pexp(Eigen::internal::psub(Eigen::internal::ploadu<packet>(in), s)));
+    const packet d = psub(psub(ploadu<packet>(in), s), o);
+    low = pmin(low, d);
+    pstoreu(res, pexp(d));
     for (Eigen::Index j = 0; i + j < count; ++j) out[i + j] = res[j];
   }
-  using map = Eigen::Map<const Eigen::Array<V, Eigen::Dynamic, 1>>;
-  if (count > 0 && map(x, count).minCoeff() - shift < lowest) {
-    for (Eigen::Index k = 0; k < count; ++k)
-      if (!(x[k] - shift >= lowest)) out[k] = std::exp(x[k] - shift);
+  if (count > 0 && !(predux_min(low) >= lowest)) {
+    for (Eigen::Index k = 0; k < count; ++k) {
+      const V d = (x[k] - shift) - offset;
+      if (!(d >= lowest)) out[k] = std::exp(d);
+    }
   }
 }
 

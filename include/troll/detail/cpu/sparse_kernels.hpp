@@ -456,14 +456,14 @@ inline int keep_with_margin(const sparse_candidate* list, int n, int sampled_pos
   log_sum_state total = base;
   for (int i = 0; i < n; ++i)
     if (i < limit || i == sampled_pos) push(total, list[i].logit);
-  const double log_total = total.value();
-  if (log_total == neg_inf()) return limit;
+  if (total.m == neg_inf()) return limit;
+  const double ref = total.m, log_total = std::log(total.s);  // relative to the row's largest logit
   log_sum_state rest = base;
   if (sampled_pos >= limit) push(rest, list[sampled_pos].logit);
   int keep = limit;
   for (int j = limit - 1; j >= 1; --j) {
     push(rest, list[j].logit);
-    const double d = rest.value() - log_total;
+    const double d = log_sum_relative(rest, ref) - log_total;
     if (d == neg_inf()) {
       keep = j;
       continue;
@@ -621,14 +621,13 @@ inline sparse_problem check_sparse_row(const sparse_index* indices, const T* log
   return p;
 }
 
-/// The canonical log Σ_j e^{z_j} over all tokens and over the tokens outside a support given
-/// as slots sorted by index (detail::exact_log_sums): two passes over the row (the tail's max,
-/// then its exact sum) and the support's logits. The same bits as sparsify's values and as the
-/// merged vocabulary shards' log_sums, however the row is split. Exact: the tail sum never
-/// subtracts.
+/// The canonical log-sums (row_log_sums: relative to the row's largest logit) over all tokens and
+/// over the tokens outside a support given as slots sorted by index (detail::exact_log_sums): two
+/// passes over the row (the tail's max, then its exact sum) and the support's logits. The same
+/// bits as sparsify's values and as the merged vocabulary shards' log_sums, however the row is
+/// split. Exact: the tail sum never subtracts.
 template <class T>
-inline void log_sums_outside(const T* z, std::size_t size, const index_slot* sorted, int n,
-                             double& log_total, double& log_tail) {
+inline row_log_sums log_sums_outside(const T* z, std::size_t size, const index_slot* sorted, int n) {
   const double m_tail = tail_max(z, size, 0, sorted, n);
   const exact_sum tail = tail_exp_sum(z, size, 0, sorted, n, m_tail);
   struct support_logits {
@@ -636,24 +635,25 @@ inline void log_sums_outside(const T* z, std::size_t size, const index_slot* sor
     const index_slot* sorted;
     double operator[](int i) const { return static_cast<double>(z[sorted[i].index]); }
   };
-  exact_log_sums(support_logits{z, sorted}, n, m_tail, tail, log_total, log_tail);
+  return exact_log_sums(support_logits{z, sorted}, n, m_tail, tail);
 }
 
 /// Backward of gathering a sparse row from dense logits (math.md §4): with upstream g on the
 /// support U and g_R on the bucket log-mass log r = log Σ_{k∉U} p_k,
 ///     ∂L/∂z_k = [k∈U] g_k + [k∉U] g_R p_k / r − p_k (Σ_U g_i + g_R),
 /// written for the tokens [first, first + size) of the row (z and out point at token `first`)
-/// given the row's log-sums log_total = log Σ_j e^{z_j} and log_tail = log Σ_{j∉U} e^{z_j} and
-/// sum_g = Σ_U g_i + g_R. `sorted` holds the slots of the support tokens inside that range,
+/// given the row's log-sums (row_log_sums: p_k = e^{(z_k − ref) − total}, p_k / r =
+/// e^{(z_k − tail_ref) − tail}) and sum_g = Σ_U g_i + g_R. `sorted` holds the slots of the support tokens inside that range,
 /// sorted by (global) index (position = entry in g). O(size), one pass.
 template <class T>
 inline void sparse_scatter_row(const T* z, std::size_t size, std::size_t first, const index_slot* sorted, int n,
-                               const T* g, double g_remainder, double sum_g, double log_total, double log_tail,
+                               const T* g, double g_remainder, double sum_g, const row_log_sums& sums,
                                T* out) {
-  const bool tail_term = log_tail > neg_inf() && g_remainder != 0.0;
-  // p_k / r = p_k · e^{log_total − log_tail}: one exponential per logit unless r is so small
-  // that the factor would overflow (then exp(z_k − log_tail) directly).
-  const double log_inv_r = log_total - log_tail;
+  const double ref = sums.ref, log_total = sums.total;
+  const bool tail_term = sums.tail_ref > neg_inf() && g_remainder != 0.0;
+  // p_k / r = p_k · e^{−log r}: one exponential per logit unless r is so small that the factor
+  // would overflow (then e^{(z_k − tail_ref) − tail} directly, relative to the tail's own max).
+  const double log_inv_r = -sums.log_remainder();
   const bool scale_tail = log_inv_r < 600.0;
   const double g_over_r = scale_tail ? g_remainder * std::exp(log_inv_r) : 0.0;
   int next = 0;
@@ -662,14 +662,14 @@ inline void sparse_scatter_row(const T* z, std::size_t size, std::size_t first, 
     // packet_exp: a token's p_k does not depend on where its block starts (a shard's columns are
     // those of the whole row's gradient, bit for bit), and masked logits get 0.
     block_array p(count);
-    packet_exp(a.data(), count, log_total, p.data());
+    packet_exp(a.data(), count, ref, p.data(), log_total);
     block_array value = -sum_g * p;
     if (tail_term) {
       if (scale_tail) {
         value += g_over_r * p;
       } else {
         block_array scaled(count);
-        packet_exp(a.data(), count, log_tail, scaled.data());
+        packet_exp(a.data(), count, sums.tail_ref, scaled.data(), sums.tail);
         value += g_remainder * scaled;
       }
     }
@@ -686,11 +686,10 @@ inline void sparse_scatter_row(const T* z, std::size_t size, std::size_t first, 
 template <class T>
 inline void sparsify_backward_row(const T* z, std::size_t size, const index_slot* sorted, int n,
                                   const T* g, double g_remainder, T* out) {
-  double log_total = 0.0, log_tail = 0.0;
-  log_sums_outside(z, size, sorted, n, log_total, log_tail);
+  const row_log_sums sums = log_sums_outside(z, size, sorted, n);
   double sum_g = g_remainder;
   for (int i = 0; i < n; ++i) sum_g += static_cast<double>(g[i]);
-  sparse_scatter_row(z, size, 0, sorted, n, g, g_remainder, sum_g, log_total, log_tail, out);
+  sparse_scatter_row(z, size, 0, sorted, n, g, g_remainder, sum_g, sums, out);
 }
 
 /// The lumped (|U|+1)-category logits of one aligned side: the support's log-probs, then the

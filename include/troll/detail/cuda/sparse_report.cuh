@@ -87,11 +87,8 @@ struct sparse_thrower {
       case cuda_row_error::sparse_masked_mass:
       case cuda_row_error::sparse_wrong_token:
         throw_sparse_problem(function, row, as_sparse_problem(report, name));
-      case cuda_row_error::bad_log_sums: {
-        double tail = 0.0;
-        std::memcpy(&tail, &report.token, sizeof tail);
-        throw_bad_log_sums(function, row, report.value, tail);
-      }
+      case cuda_row_error::bad_log_sums:
+        throw_bad_log_sums(function, row, report.operand, report.value);
       case cuda_row_error::bad_tail_max:
         throw_bad_tail_max(function, row);
       case cuda_row_error::sparse_capacity:

@@ -148,13 +148,14 @@ __global__ void __launch_bounds__(state_warps * warp_lanes)
           tail = exact_add(tail, exact_sum{part[0], part[1]});
         }
         finalize(st, log_delta, indices, log_probs, count, out.log_remainder[r],
-                 log_sums != nullptr ? log_sums + 2 * r : nullptr, tail_max != nullptr ? tail_max + r : nullptr,
+                 log_sums != nullptr ? log_sums + sparsify_log_sums_width * r : nullptr, tail_max != nullptr ? tail_max + r : nullptr,
                  tail_sums != nullptr ? &tail : nullptr);
       }
       count = __shfl_sync(full_warp, count, 0);
     } else if (lane_id() == 0) {
       out.log_remainder[r] = static_cast<T>(quiet_nan());
-      if (log_sums != nullptr) log_sums[2 * r] = log_sums[2 * r + 1] = quiet_nan();
+      if (log_sums != nullptr)
+        for (int j = 0; j < sparsify_log_sums_width; ++j) log_sums[sparsify_log_sums_width * r + j] = quiet_nan();
       if (tail_max != nullptr) tail_max[r] = quiet_nan();
     }
     for (std::size_t i = std::size_t(count) + std::size_t(lane_id()); i < out.k_max; i += warp_lanes) {

@@ -557,11 +557,12 @@ __global__ void __launch_bounds__(block_threads)
     __syncthreads();
     const log_sum_state whole = listed > 0 ? merge(summary.outside, log_sum_state{sh.suffix_m[0], sh.suffix_s[0]})
                                            : summary.outside;
-    const double log_total = whole.value();
+    // Relative to the row's largest logit, as finalize (never an absolute log Σ e^z).
+    const double ref = whole.m, log_total = ::log(whole.s);
     const int limit = listed < k ? listed : k;
     for (int j = tid + 1; j < limit; j += block_threads) {
       const log_sum_state rest = merge(summary.outside, log_sum_state{sh.suffix_m[j], sh.suffix_s[j]});
-      if (!(rest.value() - log_total <= log_delta)) atomicMax(&sh.last_false, j);
+      if (!(log_sum_relative(rest, ref) - log_total <= log_delta)) atomicMax(&sh.last_false, j);
     }
     __syncthreads();
     const int keep = limit <= 1 ? limit : sh.last_false + 1;
@@ -580,20 +581,19 @@ __global__ void __launch_bounds__(block_threads)
     const exact_sum tail = canonical_tail_sum<Keys>(tail_storage, z, size, sh.keys, keep, has_sampled,
                                                     sampled_token, m_tail);
     const support_key_logits<key_type> support{sh.keys, keep, sampled_pos};
-    double log_sum = 0.0, log_tail = 0.0;
-    exact_log_sums(support, keep + (append_sampled ? 1 : 0), m_tail, tail, log_sum, log_tail);
+    const row_log_sums sums = exact_log_sums(support, keep + (append_sampled ? 1 : 0), m_tail, tail);
 
     const int count = keep + (append_sampled ? 1 : 0);
     for (int j = tid; j < count; j += block_threads) {
       const key_type key = sh.keys[j < keep ? j : sampled_pos];
       indices[j] = key_index(key);
-      log_probs[j] = static_cast<T>(static_cast<double>(key_logit(key)) - log_sum);
+      log_probs[j] = static_cast<T>(sums.log_prob(static_cast<double>(key_logit(key))));
     }
     for (std::size_t i = std::size_t(count) + std::size_t(tid); i < out.k_max; i += block_threads)
       indices[i] = -1, log_probs[i] = static_cast<T>(neg_inf());
     if (tid == 0) {
       out.counts[r] = count;
-      out.log_remainder[r] = static_cast<T>(log_tail == neg_inf() ? neg_inf() : log_tail - log_sum);
+      out.log_remainder[r] = static_cast<T>(sums.log_remainder());
     }
     __syncthreads();  // the shared keys are reused by the next row
   }
