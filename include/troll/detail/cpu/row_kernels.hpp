@@ -151,9 +151,14 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
       setup.new_top = tilt_ref{zn[at_new], zo[at_new]};
       setup.old_top = tilt_ref{zn[at_old], zo[at_old]};
       setup.spread = maximum(e.max_new, e.max_old) - minimum(e.min_new, e.min_old);
-      // the differences were rounded once in T: widen their range by that rounding
+      // the differences were rounded once in T: widen their range by that rounding, and by the
+      // rounding of the solver's own x = (z̃ − z̃_r) − (z° − z°_r) in double (a few ulps of the
+      // largest logit)
       constexpr double unit = std::is_same<T, float>::value ? 0x1p-24 : 0x1p-53;
-      setup.x_range = ((e.max_diff - e.min_diff) + 2.0 * unit * (::fabs(e.max_diff) + ::fabs(e.min_diff))) *
+      const double largest = maximum(maximum(::fabs(e.max_new), ::fabs(e.min_new)),
+                                     maximum(::fabs(e.max_old), ::fabs(e.min_old)));
+      setup.x_range = ((e.max_diff - e.min_diff) + 2.0 * unit * (::fabs(e.max_diff) + ::fabs(e.min_diff)) +
+                       8.0 * 0x1p-53 * largest) *
                       (1.0 + 0x1p-50);
       return p;
     }
