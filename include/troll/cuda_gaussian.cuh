@@ -32,6 +32,7 @@
 #include "detail/cuda/gaussian_checked.cuh"
 #include "detail/cuda/gaussian_full_block_kernels.cuh"
 #include "detail/cuda/gaussian_kernels.cuh"
+#include "detail/cuda/gaussian_launch.cuh"
 #include "detail/gaussian_checks.hpp"
 #include "detail/workspace.hpp"
 #include "detail/workspace_layout.hpp"
@@ -53,32 +54,16 @@ void project_gaussian(cuda_policy policy, const gaussian_call& call, batch_view<
   require_float_type<T>();
   const gaussian_call c = check_projection_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, stats,
                                                      eps_mean, eps_cov, opt);
-  const std::size_t max_dim = gaussian_max_dim(c.full);
-  if (c.dim > max_dim)
-    throw_shape(c.function, std::string("d = ") + std::to_string(c.dim) + " is above the CUDA backend's " +
-                                std::to_string(max_dim) + (c.full ? " for full covariances" : " for diagonal ones") +
-                                "; use the CPU backend");
+  check_gaussian_dim(c);
   check_saved_factorisation(c, mean.rows, saved);
-  const bool block_rows = c.full && c.dim > gaussian_full_max_dim;  // one block per row, workspace scratch
   const std::size_t row_bytes = gaussian_forward_row_bytes(c.dim);
-  if (block_rows) check_workspace(c.function, policy.workspace, gaussian_full_workspace_bytes(mean.rows, c.dim, row_bytes));
+  double* workspace = full_workspace(policy, c, mean.rows, row_bytes);  // one block per row above d = 32
   if (mean.rows == 0) return;
   check_gaussian_rows_on_host(policy, c, mean, cov, old_mean, old_cov);
   const gaussian_launch<T> launch{mean, cov, old_mean, old_cov, out_mean, out_cov, stats, eps_mean, eps_cov, opt,
                                   c.split, saved};
-  const unsigned grid = grid_for(mean.rows);
-  if (block_rows) {
-    const auto blocks = static_cast<unsigned>(gaussian_full_blocks(mean.rows, row_bytes));
-    gaussian_full_block_kernel<T><<<blocks, gaussian_full_threads, 0, policy.stream>>>(
-        launch, static_cast<double*>(policy.workspace.data), row_bytes / sizeof(double));
-  } else if (c.full) {
-    const std::size_t shared = (4 * c.dim * c.dim + 4 * c.dim) * sizeof(double);
-    gaussian_full_kernel<T><<<grid, gaussian_warp, shared, policy.stream>>>(launch);
-  } else {
-    const std::size_t shared = 2 * c.dim * sizeof(double);
-    gaussian_diag_kernel<T><<<grid, gaussian_warp, shared, policy.stream>>>(launch);
-  }
-  check_launch(c.function);
+  launch_gaussian_rows<T>(policy, c, mean.rows, workspace, row_bytes, full_forward_op<T>{launch},
+                          gaussian_full_kernel<T>, gaussian_diag_kernel<T>, 2 * c.dim * sizeof(double), launch);
 }
 
 }  // namespace cuda

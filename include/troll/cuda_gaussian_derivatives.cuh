@@ -35,7 +35,9 @@
 #include "detail/cuda/gaussian_full_block_kernels.cuh"
 #include "detail/cuda/gaussian_full_derivative_kernels.cuh"
 #include "detail/cuda/gaussian_kernels.cuh"
+#include "detail/cuda/gaussian_launch.cuh"
 #include "detail/gaussian_checks.hpp"
+#include "detail/gaussian_derivative_call.hpp"
 #include "detail/workspace.hpp"
 #include "detail/workspace_layout.hpp"
 #include "errors.hpp"
@@ -45,29 +47,6 @@
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cuda {
-
-/// shape_error unless the device takes d (gaussian_max_dim: full 256, diagonal 2048).
-inline void check_gaussian_dim(const gaussian_call& c) {
-  const std::size_t max_dim = gaussian_max_dim(c.full);
-  if (c.dim > max_dim)
-    throw_shape(c.function, std::string("d = ") + std::to_string(c.dim) + " is above the CUDA backend's " +
-                                std::to_string(max_dim) + (c.full ? " for full covariances" : " for diagonal ones") +
-                                "; use the CPU backend");
-}
-
-/// Full rows above d = 32 keep their scratch in the caller's workspace: shape_error unless it
-/// holds gaussian_full_workspace_bytes; returns it (null up to d = 32).
-inline double* full_workspace(const cuda_policy& policy, const gaussian_call& c, std::size_t rows,
-                              std::size_t row_bytes) {
-  if (!c.full || c.dim <= gaussian_full_max_dim) return nullptr;
-  check_workspace(c.function, policy.workspace, gaussian_full_workspace_bytes(rows, c.dim, row_bytes));
-  return static_cast<double*>(policy.workspace.data);
-}
-
-/// Grid of a full-row block kernel: gaussian_full_blocks with the workspace, grid_for without.
-inline unsigned full_grid(std::size_t rows, const double* workspace, std::size_t row_bytes) {
-  return workspace == nullptr ? grid_for(rows) : static_cast<unsigned>(gaussian_full_blocks(rows, row_bytes));
-}
 
 template <class T>
 void gaussian_kl(cuda_policy policy, const gaussian_call& call, batch_view<const T> mean, batch_view<const T> cov,
@@ -80,56 +59,8 @@ void gaussian_kl(cuda_policy policy, const gaussian_call& call, batch_view<const
   if (mean.rows == 0) return;
   check_gaussian_rows_on_host(policy, c, mean, cov, old_mean, old_cov);
   const gaussian_kl_launch<T> launch{mean, cov, old_mean, old_cov, out};
-  const unsigned grid = grid_for(mean.rows);
-  if (workspace != nullptr) {
-    gaussian_kl_full_block_kernel<T><<<full_grid(mean.rows, workspace, row_bytes), gaussian_full_threads, 0,
-                                       policy.stream>>>(launch, workspace, row_bytes / sizeof(double));
-  } else if (c.full) {
-    const std::size_t shared = (4 * c.dim * c.dim + 4 * c.dim) * sizeof(double);
-    gaussian_kl_full_kernel<T><<<grid, gaussian_warp, shared, policy.stream>>>(launch);
-  } else {
-    gaussian_kl_diag_kernel<T><<<grid, gaussian_warp, 0, policy.stream>>>(launch);
-  }
-  check_launch(c.function);
-}
-
-template <class T>
-void project_gaussian_diag_backward(cuda_policy policy, gaussian_call call, batch_view<const T> mean,
-                                    batch_view<const T> cov, batch_view<const T> old_mean,
-                                    batch_view<const T> old_cov, double eps_mean, double eps_cov,
-                                    batch_view<const T> out_mean, batch_view<const T> out_cov,
-                                    const gaussian::gaussian_stats* stats, batch_view<const T> grad_out_mean,
-                                    batch_view<const T> grad_out_cov, const gaussian::gaussian_grads<T>& grads) {
-  require_float_type<T>();
-  call = check_backward_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean, grad_out_cov,
-                                  stats, eps_mean, eps_cov, grads);
-  const char* fn = call.function;
-  check_gaussian_dim(call);
-  if (mean.rows == 0) return;
-  check_gaussian_rows_on_host(policy, call, mean, cov, old_mean, old_cov, stats, "backward");
-  const gaussian_vjp_launch<T> launch{mean,          cov,   old_mean, old_cov, out_mean, out_cov, grad_out_mean,
-                                      grad_out_cov,  stats, grads,    eps_mean, call.split};
-  gaussian_vjp_diag_kernel<T><<<grid_for(mean.rows), gaussian_warp, 0, policy.stream>>>(launch);
-  check_launch(fn);
-}
-
-template <class T>
-void project_gaussian_diag_jvp(cuda_policy policy, gaussian_call call, batch_view<const T> mean,
-                               batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
-                               double eps_mean, double eps_cov, batch_view<const T> out_mean,
-                               batch_view<const T> out_cov, const gaussian::gaussian_stats* stats,
-                               const gaussian::gaussian_tangents<T>& tangents, batch_view<T> tangent_out_mean,
-                               batch_view<T> tangent_out_cov) {
-  require_float_type<T>();
-  call = check_jvp_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
-                             tangent_out_cov, stats, eps_mean, eps_cov, tangents);
-  check_gaussian_dim(call);
-  if (mean.rows == 0) return;
-  check_gaussian_rows_on_host(policy, call, mean, cov, old_mean, old_cov, stats, "JVP");
-  const gaussian_jvp_launch<T> launch{mean,     cov,           old_mean,        old_cov, stats, tangents,
-                                      tangent_out_mean, tangent_out_cov, eps_mean, call.split};
-  gaussian_jvp_diag_kernel<T><<<grid_for(mean.rows), gaussian_warp, 0, policy.stream>>>(launch);
-  check_launch(call.function);
+  launch_gaussian_rows<T>(policy, c, mean.rows, workspace, row_bytes, full_kl_op<T>{launch},
+                          gaussian_kl_full_kernel<T>, gaussian_kl_diag_kernel<T>, 0, launch);
 }
 
 /// Dynamic shared memory of a full-covariance derivative row (the row scratch), raising the
@@ -142,57 +73,50 @@ std::size_t full_derivative_shared(Kernel kernel, std::size_t d, const char* fun
   return bytes;
 }
 
-template <class T>
-void project_gaussian_full_backward(cuda_policy policy, gaussian_call call, batch_view<const T> mean,
-                                    batch_view<const T> cov, batch_view<const T> old_mean,
-                                    batch_view<const T> old_cov, double eps_mean, double eps_cov,
-                                    batch_view<const T> out_mean, batch_view<const T> out_cov,
-                                    const gaussian::gaussian_stats* stats, batch_view<const T> grad_out_mean,
-                                    batch_view<const T> grad_out_cov, const gaussian::gaussian_grads<T>& grads,
-                                    gaussian::saved_factorisation<const double> saved) {
-  require_float_type<T>();
-  call = check_backward_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean, grad_out_cov,
-                                  stats, eps_mean, eps_cov, grads, saved);
-  const char* fn = call.function;
+/// The part of a backward or JVP after its argument checks (`what`: "backward" or "JVP"): the
+/// device's limit on d, the workspace of full rows above d = 32, the checked mode's row checks,
+/// then the launch — one warp a diagonal row (diag_op), one block a full row (full_op, its
+/// scratch in shared memory up to d = 32, else in the workspace).
+template <class T, class DiagOp, class FullOp>
+void launch_gaussian_derivative(const cuda_policy& policy, const gaussian_call& call, batch_view<const T> mean,
+                                batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
+                                const gaussian::gaussian_stats* stats, const char* what,
+                                gaussian::saved_factorisation<const double> saved, const DiagOp& diag_op,
+                                const FullOp& full_op) {
   check_gaussian_dim(call);
-  const std::size_t row_bytes = gaussian_derivative_row_bytes(call.dim);
+  const std::size_t row_bytes = call.full ? gaussian_derivative_row_bytes(call.dim) : 0;
   double* workspace = full_workspace(policy, call, mean.rows, row_bytes);
   if (mean.rows == 0) return;
-  check_gaussian_rows_on_host(policy, call, mean, cov, old_mean, old_cov, stats, "backward");
-  const gaussian_vjp_launch<T> launch{mean,          cov,   old_mean, old_cov, out_mean, out_cov, grad_out_mean,
-                                      grad_out_cov,  stats, grads,    eps_mean, call.split};
-  const std::size_t shared =
-      workspace != nullptr ? 0 : full_derivative_shared(gaussian_vjp_full_kernel<T>, call.dim, fn);
-  gaussian_vjp_full_kernel<T><<<full_grid(mean.rows, workspace, row_bytes), gaussian_full_threads, shared,
-                                policy.stream>>>(launch, saved, workspace, row_bytes / sizeof(double));
-  check_launch(fn);
-}
-
-template <class T>
-void project_gaussian_full_jvp(cuda_policy policy, gaussian_call call, batch_view<const T> mean,
-                               batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
-                               double eps_mean, double eps_cov, batch_view<const T> out_mean,
-                               batch_view<const T> out_cov, const gaussian::gaussian_stats* stats,
-                               const gaussian::gaussian_tangents<T>& tangents, batch_view<T> tangent_out_mean,
-                               batch_view<T> tangent_out_cov, gaussian::saved_factorisation<const double> saved) {
-  require_float_type<T>();
-  call = check_jvp_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
-                             tangent_out_cov, stats, eps_mean, eps_cov, tangents, saved);
-  check_gaussian_dim(call);
-  const std::size_t row_bytes = gaussian_derivative_row_bytes(call.dim);
-  double* workspace = full_workspace(policy, call, mean.rows, row_bytes);
-  if (mean.rows == 0) return;
-  check_gaussian_rows_on_host(policy, call, mean, cov, old_mean, old_cov, stats, "JVP");
-  const gaussian_jvp_launch<T> launch{mean,     cov,           old_mean,        old_cov, stats, tangents,
-                                      tangent_out_mean, tangent_out_cov, eps_mean, call.split};
-  const std::size_t shared =
-      workspace != nullptr ? 0 : full_derivative_shared(gaussian_jvp_full_kernel<T>, call.dim, call.function);
-  gaussian_jvp_full_kernel<T><<<full_grid(mean.rows, workspace, row_bytes), gaussian_full_threads, shared,
-                                policy.stream>>>(launch, out_cov, saved, workspace, row_bytes / sizeof(double));
+  check_gaussian_rows_on_host(policy, call, mean, cov, old_mean, old_cov, stats, what);
+  if (call.full) {
+    const auto kernel = gaussian_derivative_full_kernel<T, FullOp>;
+    const std::size_t shared = workspace != nullptr ? 0 : full_derivative_shared(kernel, call.dim, call.function);
+    kernel<<<full_grid(mean.rows, workspace, row_bytes), gaussian_full_threads, shared, policy.stream>>>(
+        full_op, saved, workspace, row_bytes / sizeof(double));
+  } else {
+    gaussian_derivative_diag_kernel<T><<<grid_for(mean.rows), gaussian_warp, 0, policy.stream>>>(diag_op);
+  }
   check_launch(call.function);
 }
 
 }  // namespace cuda
+
+/// The device's rows of a Gaussian backward after its argument checks (gaussian_derivative_call.hpp).
+template <class T>
+void gaussian_vjp_rows(const cuda_policy& policy, const gaussian_call& call, const gaussian_vjp_launch<T>& k,
+                       gaussian::saved_factorisation<const double> saved) {
+  cuda::launch_gaussian_derivative(policy, call, k.mean, k.cov, k.old_mean, k.old_cov, k.stats, "backward", saved,
+                                   cuda::diag_vjp_op<T>{k}, cuda::full_vjp_op<T>{k});
+}
+
+/// The device's rows of a Gaussian JVP after its argument checks; out_cov: the forward's factor.
+template <class T>
+void gaussian_jvp_rows(const cuda_policy& policy, const gaussian_call& call, const gaussian_jvp_launch<T>& k,
+                       batch_view<const T> out_cov, gaussian::saved_factorisation<const double> saved) {
+  cuda::launch_gaussian_derivative(policy, call, k.mean, k.cov, k.old_mean, k.old_cov, k.stats, "JVP", saved,
+                                   cuda::diag_jvp_op<T>{k}, cuda::full_jvp_op<T>{k, out_cov});
+}
+
 }  // namespace detail
 
 namespace gaussian {
@@ -221,7 +145,7 @@ void project_joint_diag_backward(cuda_policy policy, input_view<T> mean, input_v
                                  input_view<T> out_mean, input_view<T> out_std_dev, const gaussian_stats* stats,
                                  input_view<T> grad_out_mean, input_view<T> grad_out_std_dev,
                                  const gaussian_grads<T>& grads) {
-  detail::cuda::project_gaussian_diag_backward(
+  detail::project_gaussian_backward(
       policy, detail::gaussian_call{"gaussian::project_joint_diag_backward", false, false}, mean, std_dev, old_mean,
       old_std_dev, eps, eps, out_mean, out_std_dev, stats, grad_out_mean, grad_out_std_dev, grads);
 }
@@ -233,7 +157,7 @@ void project_split_diag_backward(cuda_policy policy, input_view<T> mean, input_v
                                  input_view<T> out_mean, input_view<T> out_std_dev, const gaussian_stats* stats,
                                  input_view<T> grad_out_mean, input_view<T> grad_out_std_dev,
                                  const gaussian_grads<T>& grads) {
-  detail::cuda::project_gaussian_diag_backward(
+  detail::project_gaussian_backward(
       policy, detail::gaussian_call{"gaussian::project_split_diag_backward", false, true}, mean, std_dev, old_mean,
       old_std_dev, eps_mean, eps_cov, out_mean, out_std_dev, stats, grad_out_mean, grad_out_std_dev, grads);
 }
@@ -244,7 +168,7 @@ void project_joint_diag_jvp(cuda_policy policy, input_view<T> mean, input_view<T
                             input_view<T> old_std_dev, double eps, input_view<T> out_mean, input_view<T> out_std_dev,
                             const gaussian_stats* stats, const gaussian_tangents<T>& tangents,
                             batch_view<T> tangent_out_mean, batch_view<T> tangent_out_std_dev) {
-  detail::cuda::project_gaussian_diag_jvp(policy,
+  detail::project_gaussian_jvp(policy,
                                           detail::gaussian_call{"gaussian::project_joint_diag_jvp", false, false},
                                           mean, std_dev, old_mean, old_std_dev, eps, eps, out_mean, out_std_dev,
                                           stats, tangents, tangent_out_mean, tangent_out_std_dev);
@@ -257,7 +181,7 @@ void project_split_diag_jvp(cuda_policy policy, input_view<T> mean, input_view<T
                             input_view<T> out_std_dev, const gaussian_stats* stats,
                             const gaussian_tangents<T>& tangents, batch_view<T> tangent_out_mean,
                             batch_view<T> tangent_out_std_dev) {
-  detail::cuda::project_gaussian_diag_jvp(policy,
+  detail::project_gaussian_jvp(policy,
                                           detail::gaussian_call{"gaussian::project_split_diag_jvp", false, true},
                                           mean, std_dev, old_mean, old_std_dev, eps_mean, eps_cov, out_mean,
                                           out_std_dev, stats, tangents, tangent_out_mean, tangent_out_std_dev);
@@ -272,7 +196,7 @@ void project_joint_backward(cuda_policy policy, input_view<T> mean, input_view<T
                             input_view<T> out_cov_chol, const gaussian_stats* stats, input_view<T> grad_out_mean,
                             input_view<T> grad_out_cov_chol, const gaussian_grads<T>& grads,
                             saved_factorisation<const double> saved = {}) {
-  detail::cuda::project_gaussian_full_backward(
+  detail::project_gaussian_backward(
       policy, detail::gaussian_call{"gaussian::project_joint_backward", true, false}, mean, cov_chol, old_mean,
       old_cov_chol, eps, eps, out_mean, out_cov_chol, stats, grad_out_mean, grad_out_cov_chol, grads, saved);
 }
@@ -284,7 +208,7 @@ void project_split_backward(cuda_policy policy, input_view<T> mean, input_view<T
                             input_view<T> out_cov_chol, const gaussian_stats* stats, input_view<T> grad_out_mean,
                             input_view<T> grad_out_cov_chol, const gaussian_grads<T>& grads,
                             saved_factorisation<const double> saved = {}) {
-  detail::cuda::project_gaussian_full_backward(
+  detail::project_gaussian_backward(
       policy, detail::gaussian_call{"gaussian::project_split_backward", true, true}, mean, cov_chol, old_mean,
       old_cov_chol, eps_mean, eps_cov, out_mean, out_cov_chol, stats, grad_out_mean, grad_out_cov_chol, grads, saved);
 }
@@ -295,7 +219,7 @@ void project_joint_jvp(cuda_policy policy, input_view<T> mean, input_view<T> cov
                        input_view<T> old_cov_chol, double eps, input_view<T> out_mean, input_view<T> out_cov_chol,
                        const gaussian_stats* stats, const gaussian_tangents<T>& tangents, batch_view<T> tangent_out_mean,
                        batch_view<T> tangent_out_cov_chol, saved_factorisation<const double> saved = {}) {
-  detail::cuda::project_gaussian_full_jvp(policy, detail::gaussian_call{"gaussian::project_joint_jvp", true, false},
+  detail::project_gaussian_jvp(policy, detail::gaussian_call{"gaussian::project_joint_jvp", true, false},
                                           mean, cov_chol, old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol,
                                           stats, tangents, tangent_out_mean, tangent_out_cov_chol, saved);
 }
@@ -307,7 +231,7 @@ void project_split_jvp(cuda_policy policy, input_view<T> mean, input_view<T> cov
                        input_view<T> out_cov_chol, const gaussian_stats* stats, const gaussian_tangents<T>& tangents,
                        batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov_chol,
                        saved_factorisation<const double> saved = {}) {
-  detail::cuda::project_gaussian_full_jvp(policy, detail::gaussian_call{"gaussian::project_split_jvp", true, true},
+  detail::project_gaussian_jvp(policy, detail::gaussian_call{"gaussian::project_split_jvp", true, true},
                                           mean, cov_chol, old_mean, old_cov_chol, eps_mean, eps_cov, out_mean,
                                           out_cov_chol, stats, tangents, tangent_out_mean, tangent_out_cov_chol, saved);
 }

@@ -12,6 +12,7 @@
 #include "detail/cpu/gaussian_backward_kernels.hpp"
 #include "detail/cpu/gaussian_derivative_rows.hpp"
 #include "detail/gaussian_checks.hpp"
+#include "detail/gaussian_derivative_call.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
 #include "gaussian_types.hpp"
@@ -19,20 +20,13 @@
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 
+/// The CPU's rows of a Gaussian backward after its argument checks (gaussian_derivative_call.hpp).
 template <class T>
-void project_gaussian_backward(cpu_policy policy, gaussian_call call, batch_view<const T> mean,
-                               batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
-                               double eps_mean, double eps_cov, batch_view<const T> out_mean,
-                               batch_view<const T> out_cov, const gaussian::gaussian_stats* stats,
-                               batch_view<const T> grad_out_mean, batch_view<const T> grad_out_cov,
-                               const gaussian::gaussian_grads<T>& grads,
-                               gaussian::saved_factorisation<const double> saved = {}) {
-  require_float_type<T>();
-  call = check_backward_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean, grad_out_cov,
-                                  stats, eps_mean, eps_cov, grads, saved);
+void gaussian_vjp_rows(cpu_policy policy, const gaussian_call& call, const gaussian_vjp_launch<T>& k,
+                       gaussian::saved_factorisation<const double> saved) {
   cpu::gaussian_derivative_rows(
-      policy, call, mean, cov, old_mean, old_cov, eps_mean, stats, saved, "backward",
-      [&](std::size_t r) { return vjp_row_io(out_cov, grad_out_mean, grad_out_cov, grads, r); },
+      policy, call, k.mean, k.cov, k.old_mean, k.old_cov, k.eps_mean, k.stats, saved, "backward",
+      [&](std::size_t r) { return vjp_row_io(k.out_cov, k.grad_out_mean, k.grad_out_cov, k.grads, r); },
       &cpu::gaussian_backward_full<T>, &cpu::gaussian_backward_diag<T>);
 }
 

@@ -13,6 +13,7 @@
 #include "detail/cpu/gaussian_jvp_kernels.hpp"
 #include "detail/cpu/gaussian_derivative_rows.hpp"
 #include "detail/gaussian_checks.hpp"
+#include "detail/gaussian_derivative_call.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
 #include "gaussian_backward.hpp"
@@ -21,19 +22,14 @@
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 
+/// The CPU's rows of a Gaussian JVP after its argument checks (gaussian_derivative_call.hpp);
+/// out_cov: the forward's output factor (read).
 template <class T>
-void project_gaussian_jvp(cpu_policy policy, gaussian_call call, batch_view<const T> mean, batch_view<const T> cov,
-                          batch_view<const T> old_mean, batch_view<const T> old_cov, double eps_mean, double eps_cov,
-                          batch_view<const T> out_mean, batch_view<const T> out_cov,
-                          const gaussian::gaussian_stats* stats, const gaussian::gaussian_tangents<T>& tangents,
-                          batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov,
-                          gaussian::saved_factorisation<const double> saved = {}) {
-  require_float_type<T>();
-  call = check_jvp_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, tangent_out_mean,
-                             tangent_out_cov, stats, eps_mean, eps_cov, tangents, saved);
+void gaussian_jvp_rows(cpu_policy policy, const gaussian_call& call, const gaussian_jvp_launch<T>& k,
+                       batch_view<const T> out_cov, gaussian::saved_factorisation<const double> saved) {
   cpu::gaussian_derivative_rows(
-      policy, call, mean, cov, old_mean, old_cov, eps_mean, stats, saved, "JVP",
-      [&](std::size_t r) { return jvp_row_io(out_cov, tangents, tangent_out_mean, tangent_out_cov, r); },
+      policy, call, k.mean, k.cov, k.old_mean, k.old_cov, k.eps_mean, k.stats, saved, "JVP",
+      [&](std::size_t r) { return jvp_row_io(out_cov, k.tangents, k.out_mean, k.out_cov, r); },
       &cpu::gaussian_jvp_full<T>, &cpu::gaussian_jvp_diag<T>);
 }
 

@@ -52,6 +52,16 @@ void first_sparse_problem(const char* fn, unsigned threads, std::size_t rows, st
   if (bad != rows) throw_sparse_problem(fn, bad, check(bad));
 }
 
+/// first_sparse_problem over checks that sort a row: check(r, scratch), `scratch` holding
+/// sparse_max_entries slots on the checking thread's stack (4·sparse_max_entries work a row).
+template <class Check>
+void first_sorted_row_problem(const char* fn, unsigned threads, std::size_t rows, Check&& check) {
+  first_sparse_problem(fn, threads, rows, 4 * std::size_t(sparse_max_entries), [&](std::size_t r) {
+    index_slot scratch[sparse_max_entries];
+    return check(r, scratch);
+  });
+}
+
 template <class T>
 cpu::sparse_problem check_sparse_row_of(const sparse_batch_view<T>& v, std::size_t r,
                                         const char* name, index_slot* scratch) {
@@ -120,8 +130,7 @@ void validate_sparse(const char* fn, unsigned threads, const sparse_batch_view<T
     return !sparse_row_fine(v, r, table);
   });
   if (bad == v.rows) return;
-  first_sparse_problem(fn, threads, v.rows, 4 * std::size_t(sparse_max_entries), [&](std::size_t r) {
-    index_slot scratch[sparse_max_entries];
+  first_sorted_row_problem(fn, threads, v.rows, [&](std::size_t r, index_slot* scratch) {
     return check_sparse_row_of(v, r, name, scratch);
   });
 }
@@ -461,11 +470,9 @@ void sparsify_tail_sums(cpu_policy policy, input_view<T> shard_logits, std::size
     if (!(tail_max[r] < detail::inf()))
       detail::throw_bad_tail_max(fn, r);
   }
-  detail::first_sparse_problem(fn, policy.threads, shard_logits.rows, 4 * std::size_t(sparse_max_entries),
-                               [&](std::size_t r) {
-                                 detail::index_slot scratch[sparse_max_entries];
-                                 return detail::check_support_row(support, r, "support", scratch, true);
-                               });
+  detail::first_sorted_row_problem(fn, policy.threads, shard_logits.rows, [&](std::size_t r, detail::index_slot* scratch) {
+    return detail::check_support_row(support, r, "support", scratch, true);
+  });
   const std::size_t end = vocab_offset + shard_logits.cols;
   detail::cpu::parallel_for(policy.threads, shard_logits.rows, 2 * shard_logits.cols, [&](std::size_t r) {
     detail::index_slot slots[sparse_max_entries];
@@ -495,13 +502,11 @@ void sparsify_backward(cpu_policy policy, input_view<T> logits, sparse_input<T> 
   constexpr const char* fn = "sparsify_backward";
   detail::check_sparsify_backward_arguments(fn, logits, support, grad, grad_logits);
   detail::validate_rows(fn, policy.threads, logits, "logits");
-  detail::first_sparse_problem(fn, policy.threads, logits.rows, 4 * std::size_t(sparse_max_entries),
-                               [&](std::size_t r) {
-                                 detail::index_slot scratch[sparse_max_entries];
-                                 const detail::cpu::sparse_problem p =
-                                     detail::check_support_row(support, r, "support", scratch);
-                                 return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad (NaN or infinite)");
-                               });
+  detail::first_sorted_row_problem(fn, policy.threads, logits.rows, [&](std::size_t r, detail::index_slot* scratch) {
+    const detail::cpu::sparse_problem p =
+        detail::check_support_row(support, r, "support", scratch);
+    return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad (NaN or infinite)");
+  });
   detail::cpu::parallel_for(policy.threads, logits.rows, 3 * logits.cols, [&](std::size_t r) {
     detail::index_slot slots[sparse_max_entries];
     const int n = static_cast<int>(support.count(r));
@@ -539,13 +544,11 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
     const int entry = detail::log_sums_problem(row_sums);
     if (entry >= 0) detail::throw_bad_log_sums(fn, r, entry, row_sums[entry]);
   }
-  detail::first_sparse_problem(fn, policy.threads, shard_logits.rows, 4 * std::size_t(sparse_max_entries),
-                               [&](std::size_t r) {
-                                 detail::index_slot scratch[sparse_max_entries];
-                                 const detail::cpu::sparse_problem p =
-                                     detail::check_support_row(support, r, "support", scratch);
-                                 return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad (NaN or infinite)");
-                               });
+  detail::first_sorted_row_problem(fn, policy.threads, shard_logits.rows, [&](std::size_t r, detail::index_slot* scratch) {
+    const detail::cpu::sparse_problem p =
+        detail::check_support_row(support, r, "support", scratch);
+    return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad (NaN or infinite)");
+  });
   const std::size_t end = vocab_offset + shard_logits.cols;
   detail::cpu::parallel_for(policy.threads, shard_logits.rows, 3 * shard_logits.cols, [&](std::size_t r) {
     detail::index_slot slots[sparse_max_entries];
@@ -591,8 +594,7 @@ template <class T, class NewProblem>
 void check_union_capacity(const char* fn, unsigned threads, const sparse_batch_view<const T>& new_side,
                           const sparse_batch_view<const T>& old_rows, std::size_t k_max, NewProblem new_problem) {
   const std::size_t cap = k_max < std::size_t(sparse_max_entries) ? k_max : sparse_max_entries;
-  first_sparse_problem(fn, threads, old_rows.rows, 4 * std::size_t(sparse_max_entries), [&](std::size_t r) {
-    index_slot scratch[sparse_max_entries];
+  first_sorted_row_problem(fn, threads, old_rows.rows, [&](std::size_t r, index_slot* scratch) {
     const cpu::sparse_problem p = new_problem(r, scratch);
     if (p) return p;
     const int u = new_side.rows != 0 ? union_size(new_side.row_indices(r), int(new_side.count(r)),
@@ -716,27 +718,25 @@ void align_backward(cpu_policy policy, sparse_input<T> row, aligned_input<T> ali
   constexpr const char* fn = "align_backward";
   detail::check_align_backward_arguments(fn, row, aligned, grad_aligned, grad_row);
   detail::validate_sparse(fn, policy.threads, row, "row");
-  detail::first_sparse_problem(fn, policy.threads, row.rows, 4 * std::size_t(sparse_max_entries),
-                               [&](std::size_t r) {
-                                 detail::index_slot scratch[sparse_max_entries];
-                                 detail::cpu::sparse_problem p = detail::check_sparse_row_of(
-                                     aligned.new_side(), r, "aligned", scratch);
-                                 if (p) return p;
-                                 const int u = int(aligned.counts[r]);
-                                 for (int i = 0; i < u; ++i)
-                                   scratch[i] = detail::index_slot{aligned.indices[r * aligned.k_max + i], i};
-                                 detail::sort_by_index(scratch, u);
-                                 for (long long i = 0; i < row.count(r); ++i) {
-                                   if (detail::find_slot(scratch, u, row.row_indices(r)[i]) < 0) {
-                                     p.kind = detail::cpu::sparse_problem_kind::not_aligned;
-                                     p.operand = "row";
-                                     p.entry = i;
-                                     p.value = row.row_indices(r)[i];
-                                     return p;
-                                   }
-                                 }
-                                 return detail::check_grad_row(grad_aligned, r, u, "grad_aligned (NaN or infinite)");
-                               });
+  detail::first_sorted_row_problem(fn, policy.threads, row.rows, [&](std::size_t r, detail::index_slot* scratch) {
+    detail::cpu::sparse_problem p = detail::check_sparse_row_of(
+        aligned.new_side(), r, "aligned", scratch);
+    if (p) return p;
+    const int u = int(aligned.counts[r]);
+    for (int i = 0; i < u; ++i)
+      scratch[i] = detail::index_slot{aligned.indices[r * aligned.k_max + i], i};
+    detail::sort_by_index(scratch, u);
+    for (long long i = 0; i < row.count(r); ++i) {
+      if (detail::find_slot(scratch, u, row.row_indices(r)[i]) < 0) {
+        p.kind = detail::cpu::sparse_problem_kind::not_aligned;
+        p.operand = "row";
+        p.entry = i;
+        p.value = row.row_indices(r)[i];
+        return p;
+      }
+    }
+    return detail::check_grad_row(grad_aligned, r, u, "grad_aligned (NaN or infinite)");
+  });
   detail::cpu::parallel_for(policy.threads, row.rows, 8 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     detail::index_slot slots[sparse_max_entries];
     const int c = int(row.count(r)), u = int(aligned.counts[r]);

@@ -67,6 +67,12 @@ struct gaussian_diag_vjp_sums {
   double kappa_bar = 0.0;  // split: Σ μ̄* (μ̃ − μ°)
   double t_bar = 0.0;      // ⟨θ̄_t, θ̃ − θ°⟩
   double info = 0.0;       // I(t)
+
+  /// f(field) for each sum, in declaration order (a team's reduction of the lanes' sums).
+  template <class F>
+  TROLL_HOST_DEVICE void for_each_field(F&& f) {
+    f(b2), f(kappa_bar), f(t_bar), f(info);
+  }
 };
 
 /// The scalars of a VJP row: the split mean's κ and k = κ̄κ/(2m), the IFT's c = t̄/(t I), and
@@ -198,6 +204,12 @@ struct gaussian_diag_jvp_sums {
   double m_dot = 0.0;   // split: m'
   double kl_dot = 0.0;  // ∂KL(π_t ‖ q) at fixed t along the tangents
   double info = 0.0;    // I(t)
+
+  /// f(field) for each sum, in declaration order (a team's reduction of the lanes' sums).
+  template <class F>
+  TROLL_HOST_DEVICE void for_each_field(F&& f) {
+    f(b2), f(m_dot), f(kl_dot), f(info);
+  }
 };
 
 /// The scalars of a JVP row: the split mean's κ and κ', and t'.

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 
 #include "../config.hpp"
@@ -490,6 +491,13 @@ TROLL_HOST_DEVICE inline double shrink_log_remainder(double log_remainder, long 
                                                      long long tail_to) {
   if (tail_to <= 0 || log_remainder == neg_inf()) return neg_inf();
   return log_remainder + ::log(double(tail_to) / double(tail_from));
+}
+
+/// A sparse row's count is usable: 0 ≤ count ≤ min(capacity k_max, vocab V, sparse_max_entries)
+/// (the count_range check of the CPU's check_sparse_row and of the device's warp checks).
+TROLL_HOST_DEVICE inline bool sparse_count_fits(long long count, std::size_t capacity, std::size_t vocab) {
+  return !(count < 0 || count > static_cast<long long>(capacity) || count > static_cast<long long>(vocab) ||
+           count > sparse_max_entries);
 }
 
 /// (index, position) pair for membership tests by sorted search.

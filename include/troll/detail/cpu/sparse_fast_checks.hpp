@@ -30,8 +30,7 @@ inline constexpr int distinct_table_slots = 2 * sparse_max_entries;
 /// used), in place of check_sparse_row's sort.
 inline bool sparse_indices_fine(const sparse_index* indices, long long count, std::size_t capacity,
                                 std::size_t vocab, sparse_index* table) {
-  if (count < 0 || count > static_cast<long long>(capacity) || count > static_cast<long long>(vocab) ||
-      count > sparse_max_entries)
+  if (!sparse_count_fits(count, capacity, vocab))
     return false;
   const int n = static_cast<int>(count);
   int bits = 4;
@@ -64,8 +63,7 @@ struct distinct_ids_scratch {
 /// sparsify writes), with nothing to clear per row.
 inline bool sparse_indices_fine(const sparse_index* indices, long long count, std::size_t capacity,
                                 std::size_t vocab, distinct_ids_scratch& scratch) {
-  if (count < 0 || count > static_cast<long long>(capacity) || count > static_cast<long long>(vocab) ||
-      count > sparse_max_entries)
+  if (!sparse_count_fits(count, capacity, vocab))
     return false;
   const int n = static_cast<int>(count);
   int bits = 4;

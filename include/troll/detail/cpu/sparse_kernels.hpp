@@ -553,8 +553,7 @@ inline sparse_problem check_sparse_row(const sparse_index* indices, const T* log
                                        const char* operand, index_slot* scratch) {
   sparse_problem p;
   p.operand = operand;
-  if (count < 0 || count > static_cast<long long>(capacity) || count > static_cast<long long>(vocab) ||
-      count > sparse_max_entries) {
+  if (!sparse_count_fits(count, capacity, vocab)) {
     p.kind = sparse_problem_kind::count_range;
     p.value = double(count);
     return p;

@@ -29,6 +29,38 @@ TROLL_HOST_DEVICE inline void push_tilt_token(lse_state& local, double a, double
   }
 }
 
+/// The tilted family's sums over one row by a team of device threads (a block or a warp), for
+/// an evaluator with e.for_each_pair(f) (f(z̃_i, z°_i) for this thread's share of the row) and
+/// e.team_reduce(state) (the team's lse_state reduction). Host-and-device only so that
+/// solve_row's host instantiation type-checks; only ever called from device code.
+template <class Eval>
+TROLL_HOST_DEVICE lse_state team_tilt_sums(const Eval& e, const tilt_param& u, const tilt_ref& ref) {
+#ifdef __CUDA_ARCH__
+  lse_state local;
+  e.for_each_pair([&](double a, double b) { push_tilt_token(local, a, b, ref, u); });
+  return e.team_reduce(local);
+#else
+  (void)e, (void)u, (void)ref;
+  return lse_state{};
+#endif
+}
+
+/// KL(π‖q) at an evaluated point as a team sum of non-negative kl_terms (tilt_family.hpp). The
+/// sum travels through the lse_state reduction as s0 of states with m = 0.
+template <class Eval>
+TROLL_HOST_DEVICE double team_exact_kl(const Eval& e, const tilt_point& p) {
+#ifdef __CUDA_ARCH__
+  double sum = 0.0;
+  e.for_each_pair([&](double a, double b) { sum += kl_term(a, b, p); });
+  lse_state part;
+  part.m = 0.0, part.s0 = sum;
+  return e.team_reduce(part).s0;
+#else
+  (void)e, (void)p;
+  return 0.0;
+#endif
+}
+
 /// The tilted-family reduction of trust_region_solver.hpp over one row, by the whole block:
 /// pairs w_i = (z°_i − M°) + t·x_i, x_i = d_i − c over the joint support (see that header).
 template <class T>
@@ -43,36 +75,18 @@ struct block_tilt_evaluator {
   /// The solver's `old_log_sum()`: already known from the scan, no extra pass.
   TROLL_HOST_DEVICE double old_log_sum() const { return log_sum_old; }
 
-  // Host-and-device only so that solve_row's host instantiation type-checks; it is only ever
-  // called from device code.
-  TROLL_HOST_DEVICE lse_state operator()(const tilt_param& u, const tilt_ref& ref) const {
-#ifdef __CUDA_ARCH__
-    lse_state local;
-    for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
-      push_tilt_token(local, static_cast<double>(new_logits[i]), static_cast<double>(old_logits[i]), ref, u);
-    }
-    return block_all_reduce(*storage, local, merge_lse{});
-#else
-    (void)u, (void)ref;
-    return lse_state{};
-#endif
-  }
-
-  /// KL(π‖q) at an evaluated point as a block sum of non-negative kl_terms (tilt_family.hpp).
-  /// The sum travels through the lse_state reduction as s0 of states with m = 0.
-  TROLL_HOST_DEVICE double exact_kl(const tilt_point& p) const {
-#ifdef __CUDA_ARCH__
-    double sum = 0.0;
+  /// f(z̃_i, z°_i) for this thread's tokens i of the row.
+  template <class F>
+  __device__ void for_each_pair(F&& f) const {
     for (std::size_t i = threadIdx.x; i < size; i += block_threads)
-      sum += kl_term(static_cast<double>(new_logits[i]), static_cast<double>(old_logits[i]), p);
-    lse_state part;
-    part.m = 0.0, part.s0 = sum;
-    return block_all_reduce(*storage, part, merge_lse{}).s0;
-#else
-    (void)p;
-    return 0.0;
-#endif
+      f(static_cast<double>(new_logits[i]), static_cast<double>(old_logits[i]));
   }
+  __device__ lse_state team_reduce(const lse_state& s) const { return block_all_reduce(*storage, s, merge_lse{}); }
+
+  TROLL_HOST_DEVICE lse_state operator()(const tilt_param& u, const tilt_ref& ref) const {
+    return team_tilt_sums(*this, u, ref);
+  }
+  TROLL_HOST_DEVICE double exact_kl(const tilt_point& p) const { return team_exact_kl(*this, p); }
 
   /// out_i = log π_t,i = w_i − log_norm at the evaluated point `p`; −inf off the joint support.
   __device__ void write(const tilt_point& p, T* out) const {
@@ -127,32 +141,38 @@ __global__ void __launch_bounds__(block_threads)
   }
 }
 
+/// A KL row's value (kl_kernel, sparse_kl_kernel): NaN for a rejected row, +inf where the new
+/// side has mass the old lacks, else the KL at t = 1 by the team evaluator make_eval() gives.
+template <class MakeEval>
+__device__ double kl_row_value(const pair_scan& scan, const cuda_row_report& report, MakeEval&& make_eval) {
+  double value = quiet_nan();
+  if (report.error == cuda_row_error::none) {
+    if (scan.new_only) {
+      value = inf();
+    } else {
+      value = evaluate_at_one(make_eval(), make_setup(scan), old_log_sum(scan)).kl;
+    }
+  }
+  return value;
+}
+
 /// Rows of `range`: kl_out[r] = KL(softmax(p) ‖ softmax(q)), +inf where p has mass q lacks.
 template <class T>
 __global__ void __launch_bounds__(block_threads)
     kl_kernel(batch_view<const T> p_logits, batch_view<const T> q_logits, T* kl_out, row_range range,
               device_checks checks) {
-  __shared__ reduce_storage<pair_scan> scan_storage;
   __shared__ reduce_storage<lse_state> lse_storage;
-  const std::size_t size = p_logits.cols, end = range.begin + range.count;
-  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
-    const T* zp = p_logits.row(r);
-    const T* zq = q_logits.row(r);
-    const pair_scan scan = scan_pair_row(zp, zq, size, scan_storage);
+  const std::size_t size = p_logits.cols;
+  for_each_pair_row(p_logits, q_logits, range,
+                    [&](std::size_t r, const T* zp, const T* zq, const pair_scan& scan) {
     const cuda_row_report report = kl_pair_problem(scan, zp, zq);
     if (threadIdx.x == 0) record_row(checks, range, r, report);
-    if (checks.validate_only) continue;
-    double value = quiet_nan();
-    if (report.error == cuda_row_error::none) {
-      if (scan.new_only) {
-        value = inf();
-      } else {
-        const block_tilt_evaluator<T> eval{zp, zq, size, scan.old.lse.m, old_log_sum(scan), &lse_storage};
-        value = evaluate_at_one(eval, make_setup(scan), old_log_sum(scan)).kl;
-      }
-    }
+    if (checks.validate_only) return;
+    const double value = kl_row_value(scan, report, [&] {
+      return block_tilt_evaluator<T>{zp, zq, size, scan.old.lse.m, old_log_sum(scan), &lse_storage};
+    });
     if (threadIdx.x == 0) kl_out[r] = static_cast<T>(value);
-  }
+  });
 }
 
 /// The solve of a row whose report is still none (others are skipped): an infeasible result
@@ -165,6 +185,29 @@ __device__ solve_result solve_checked_row(const Eval& eval, const row_setup& set
     result = solve_row(eval, setup, eps, options);
     if (result.status == row_status::infeasible)
       report.error = cuda_row_error::infeasible, report.value = result.point.kl;
+  }
+  return result;
+}
+
+/// The computing pass of a row after its checks: solve_checked_row, the row's record, then
+/// either NaN and the rejected stats (the report is not none; the caller returns) or log π*
+/// (the solved row's stats are the caller's to write, from the result).
+template <class T>
+__device__ solve_result solve_and_write_row(const block_tilt_evaluator<T>& eval, const row_setup& setup,
+                                            const pair_scan& scan, double eps, const projection_options& options,
+                                            cuda_row_report& report, device_checks checks, row_range range,
+                                            std::size_t r, T* out, projection_stats* stats) {
+  const solve_result result = solve_checked_row(eval, setup, eps, options, report);
+  if (threadIdx.x == 0) record_row(checks, range, r, report);
+  if (report.error != cuda_row_error::none) {
+    fill_nan(out, eval.size);
+    if (threadIdx.x == 0) stats[r] = rejected_stats(report.error);
+    return result;
+  }
+  if (result.status == row_status::inactive) {
+    write_log_softmax(eval.new_logits, scan.fresh.lse, eval.size, out);
+  } else {
+    eval.write(result.point, out);
   }
   return result;
 }
@@ -188,14 +231,11 @@ __global__ void __launch_bounds__(block_threads)
     project_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits, double eps,
                    projection_options options, batch_view<T> out_log_probs, projection_stats* stats,
                    row_range range, device_checks checks) {
-  __shared__ reduce_storage<pair_scan> scan_storage;
   __shared__ reduce_storage<lse_state> lse_storage;
-  const std::size_t size = new_logits.cols, end = range.begin + range.count;
-  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
-    const T* zn = new_logits.row(r);
-    const T* zo = old_logits.row(r);
+  const std::size_t size = new_logits.cols;
+  for_each_pair_row(new_logits, old_logits, range,
+                    [&](std::size_t r, const T* zn, const T* zo, const pair_scan& scan) {
     T* out = out_log_probs.row(r);
-    const pair_scan scan = scan_pair_row(zn, zo, size, scan_storage);
     cuda_row_report report = pair_problem(scan, zn, zo);
     const row_setup setup = make_setup(scan);
     const double log_sum_old = old_log_sum(scan);
@@ -204,23 +244,14 @@ __global__ void __launch_bounds__(block_threads)
     if (checks.validate_only) {
       check_feasible(eval, setup, log_sum_old, eps, report);
       if (threadIdx.x == 0) record_row(checks, range, r, report);
-      continue;
+      return;
     }
 
-    const solve_result result = solve_checked_row(eval, setup, eps, options, report);
-    if (threadIdx.x == 0) record_row(checks, range, r, report);
-    if (report.error != cuda_row_error::none) {
-      fill_nan(out, size);
-      if (threadIdx.x == 0) stats[r] = rejected_stats(report.error);
-      continue;
-    }
-    if (result.status == row_status::inactive) {
-      write_log_softmax(zn, scan.fresh.lse, size, out);
-    } else {
-      eval.write(result.point, out);
-    }
+    const solve_result result =
+        solve_and_write_row(eval, setup, scan, eps, options, report, checks, range, r, out, stats);
+    if (report.error != cuda_row_error::none) return;
     if (threadIdx.x == 0) stats[r] = make_stats(result);
-  }
+  });
 }
 
 }  // namespace cuda

@@ -14,6 +14,7 @@
 #include "../../config.hpp"
 #include "../../gaussian_types.hpp"
 #include "../../projection_types.hpp"
+#include "../gaussian_derivative_call.hpp"
 #include "../gaussian_diag_derivatives.hpp"
 #include "../gaussian_family.hpp"
 #include "../gaussian_row_io.hpp"
@@ -34,10 +35,12 @@ __device__ inline double at_or_zero(const T* row, std::size_t i) {
   return row == nullptr ? 0.0 : static_cast<double>(row[i]);
 }
 
-template <class T>
+/// NaN in n entries of `out` (none when null) by `Lanes` threads: a warp's row, or a block's
+/// (gaussian_full_threads).
+template <int Lanes = gaussian_warp, class T>
 __device__ inline void fill_row_nan(T* out, std::size_t n) {
   if (out == nullptr) return;
-  for (std::size_t i = threadIdx.x; i < n; i += gaussian_warp) out[i] = static_cast<T>(quiet_nan());
+  for (std::size_t i = threadIdx.x; i < n; i += Lanes) out[i] = static_cast<T>(quiet_nan());
 }
 
 // ---- KL ----------------------------------------------------------------------------------------
@@ -102,36 +105,27 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_kl_full_kernel(gaussia
 
 // ---- VJP of diagonal rows ------------------------------------------------------------------------
 
+/// The VJP's parts of a diagonal derivative row (gaussian_derivative_diag_kernel): the rejected
+/// row (NaN in everything it writes) and the row itself at the solved tilt t.
 template <class T>
-struct gaussian_vjp_launch {
-  batch_view<const T> mean, cov, old_mean, old_cov, out_mean, out_cov, grad_out_mean, grad_out_cov;
-  const gaussian::gaussian_stats* stats;
-  gaussian::gaussian_grads<T> grads;
-  double eps_mean;
-  bool split;
-};
+struct diag_vjp_op {
+  gaussian_vjp_launch<T> k;
 
-template <class T>
-__global__ void __launch_bounds__(gaussian_warp) gaussian_vjp_diag_kernel(gaussian_vjp_launch<T> k) {
-  const std::size_t d = k.mean.cols;
-  for (std::size_t r = blockIdx.x; r < k.mean.rows; r += gridDim.x) {
-    const T *mean = k.mean.row(r), *sd = k.cov.row(r), *old_mean = k.old_mean.row(r), *old_sd = k.old_cov.row(r);
+  __device__ void reject(std::size_t r, std::size_t d) const {
+    fill_row_nan(row_or_null(k.grads.mean, r), d);
+    fill_row_nan(row_or_null(k.grads.cov, r), d);
+    fill_row_nan(row_or_null(k.grads.old_mean, r), d);
+    fill_row_nan(row_or_null(k.grads.old_cov, r), d);
+    if (threadIdx.x == 0) {
+      if (k.grads.eps != nullptr) k.grads.eps[r] = quiet_nan();
+      if (k.grads.eps_mean != nullptr) k.grads.eps_mean[r] = quiet_nan();
+    }
+  }
+  __device__ void row(std::size_t r, std::size_t d, const T* mean, const T* sd, const T* old_mean, const T* old_sd,
+                      double t) const {
     const T *out_sd = k.out_cov.row(r), *up_mean = k.grad_out_mean.row(r), *up_sd = k.grad_out_cov.row(r);
     T *g_mean = row_or_null(k.grads.mean, r), *g_sd = row_or_null(k.grads.cov, r);
     T *g_old_mean = row_or_null(k.grads.old_mean, r), *g_old_sd = row_or_null(k.grads.old_cov, r);
-    const gaussian::gaussian_stats st = k.stats[r];
-    if (bad_operand(mean, sd, d, false) || bad_operand(old_mean, old_sd, d, false) || !usable_stats(st)) {
-      fill_row_nan(g_mean, d);
-      fill_row_nan(g_sd, d);
-      fill_row_nan(g_old_mean, d);
-      fill_row_nan(g_old_sd, d);
-      if (threadIdx.x == 0) {
-        if (k.grads.eps != nullptr) k.grads.eps[r] = quiet_nan();
-        if (k.grads.eps_mean != nullptr) k.grads.eps_mean[r] = quiet_nan();
-      }
-      continue;
-    }
-    const double t = solved_tilt(st);
     auto entry = [&](std::size_t i) { return diag_entry(mean, sd, old_mean, old_sd, i); };
     auto upstream = [&](std::size_t i) {
       return gaussian_diag_upstream{static_cast<double>(up_mean[i]), static_cast<double>(up_sd[i]),
@@ -140,10 +134,7 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_vjp_diag_kernel(gaussi
     gaussian_diag_vjp_sums sums;
     for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp)
       gaussian_diag_vjp_accumulate(entry(i), upstream(i), k.split, t, &sums);
-    sums.b2 = warp_sum(sums.b2);
-    sums.kappa_bar = warp_sum(sums.kappa_bar);
-    sums.t_bar = warp_sum(sums.t_bar);
-    sums.info = warp_sum(sums.info);
+    sums.for_each_field([](double& x) { x = warp_sum(x); });
     const gaussian_diag_vjp_scalars sc = gaussian_diag_vjp_finish(sums, k.split, t, k.eps_mean);
     for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp) {
       const gaussian_diag_vjp_out o = gaussian_diag_vjp_coordinate(entry(i), upstream(i), k.split, sc);
@@ -157,35 +148,24 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_vjp_diag_kernel(gaussi
       if (k.grads.eps_mean != nullptr) k.grads.eps_mean[r] = sc.eps_mean_bar;
     }
   }
-}
+};
 
 // ---- JVP of diagonal rows ------------------------------------------------------------------------
 
+/// The JVP's parts of a diagonal derivative row (gaussian_derivative_diag_kernel).
 template <class T>
-struct gaussian_jvp_launch {
-  batch_view<const T> mean, cov, old_mean, old_cov;
-  const gaussian::gaussian_stats* stats;
-  gaussian::gaussian_tangents<T> tangents;
-  batch_view<T> out_mean, out_cov;  // the tangents of μ* and σ*
-  double eps_mean;
-  bool split;
-};
+struct diag_jvp_op {
+  gaussian_jvp_launch<T> k;
 
-template <class T>
-__global__ void __launch_bounds__(gaussian_warp) gaussian_jvp_diag_kernel(gaussian_jvp_launch<T> k) {
-  const std::size_t d = k.mean.cols;
-  for (std::size_t r = blockIdx.x; r < k.mean.rows; r += gridDim.x) {
-    const T *mean = k.mean.row(r), *sd = k.cov.row(r), *old_mean = k.old_mean.row(r), *old_sd = k.old_cov.row(r);
+  __device__ void reject(std::size_t r, std::size_t d) const {
+    fill_row_nan(k.out_mean.row(r), d);
+    fill_row_nan(k.out_cov.row(r), d);
+  }
+  __device__ void row(std::size_t r, std::size_t d, const T* mean, const T* sd, const T* old_mean, const T* old_sd,
+                      double t) const {
     const T *d_mean = row_or_null(k.tangents.mean, r), *d_sd = row_or_null(k.tangents.cov, r);
     const T *d_old_mean = row_or_null(k.tangents.old_mean, r), *d_old_sd = row_or_null(k.tangents.old_cov, r);
     T *out_mean = k.out_mean.row(r), *out_sd = k.out_cov.row(r);
-    const gaussian::gaussian_stats st = k.stats[r];
-    if (bad_operand(mean, sd, d, false) || bad_operand(old_mean, old_sd, d, false) || !usable_stats(st)) {
-      fill_row_nan(out_mean, d);
-      fill_row_nan(out_sd, d);
-      continue;
-    }
-    const double t = solved_tilt(st);
     auto entry = [&](std::size_t i) { return diag_entry(mean, sd, old_mean, old_sd, i); };
     auto tangent = [&](std::size_t i) {
       return gaussian_diag_tangent{at_or_zero(d_mean, i), at_or_zero(d_sd, i), at_or_zero(d_old_mean, i),
@@ -194,10 +174,7 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_jvp_diag_kernel(gaussi
     gaussian_diag_jvp_sums sums;
     for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp)
       gaussian_diag_jvp_accumulate(entry(i), tangent(i), k.split, t, &sums);
-    sums.b2 = warp_sum(sums.b2);
-    sums.m_dot = warp_sum(sums.m_dot);
-    sums.kl_dot = warp_sum(sums.kl_dot);
-    sums.info = warp_sum(sums.info);
+    sums.for_each_field([](double& x) { x = warp_sum(x); });
     const gaussian_diag_jvp_scalars sc =
         gaussian_diag_jvp_finish(sums, k.split, t, k.eps_mean, k.tangents.eps, k.tangents.eps_mean);
     for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp) {
@@ -205,6 +182,23 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_jvp_diag_kernel(gaussi
       out_mean[i] = static_cast<T>(o.mean);
       out_sd[i] = static_cast<T>(o.std_dev);
     }
+  }
+};
+
+/// Diagonal derivative rows, one warp a row (diag_vjp_op or diag_jvp_op): a row with a bad
+/// operand pair or unusable stats is rejected, the others differentiated at their solved tilt.
+template <class T, class Op>
+__global__ void __launch_bounds__(gaussian_warp) gaussian_derivative_diag_kernel(Op op) {
+  const std::size_t d = op.k.mean.cols;
+  for (std::size_t r = blockIdx.x; r < op.k.mean.rows; r += gridDim.x) {
+    const T *mean = op.k.mean.row(r), *sd = op.k.cov.row(r), *old_mean = op.k.old_mean.row(r),
+            *old_sd = op.k.old_cov.row(r);
+    const gaussian::gaussian_stats st = op.k.stats[r];
+    if (bad_operand(mean, sd, d, false) || bad_operand(old_mean, old_sd, d, false) || !usable_stats(st)) {
+      op.reject(r, d);
+      continue;
+    }
+    op.row(r, d, mean, sd, old_mean, old_sd, solved_tilt(st));
   }
 }
 

@@ -27,56 +27,65 @@ static_assert(gaussian_forward_row_bytes(7) == forward_scratch_doubles(7) * size
 static_assert(gaussian_derivative_row_bytes(7) == full_scratch::doubles(7) * sizeof(double),
               "workspace_layout.hpp's derivative row size is gaussian_full_derivatives.hpp's scratch");
 
-/// A rejected full row by the whole block: NaN outputs and stats, status rejected.
+/// The forward projection's parts of a full row in gaussian_full_rows_kernel: a rejected row
+/// (NaN outputs and stats, status rejected) and a row with good operands.
 template <class T>
-__device__ void reject_full_row_block(const gaussian_launch<T>& k, std::size_t r) {
-  fill_nan_block(k.out_mean.row(r), k.out_mean.cols);
-  fill_nan_block(k.out_cov.row(r), k.out_cov.cols);
-  if (threadIdx.x == 0) k.stats[r] = rejected_gaussian_stats();
-}
+struct full_forward_op {
+  gaussian_launch<T> k;
 
-template <class T>
-__global__ void __launch_bounds__(gaussian_full_threads)
-    gaussian_full_block_kernel(gaussian_launch<T> k, double* workspace, std::size_t row_doubles) {
-  __shared__ double partial[gaussian_full_threads / gaussian_warp];
-  const block_team tm{partial};
-  const int d = static_cast<int>(k.mean.cols);
-  const full_scratch w{workspace + blockIdx.x * row_doubles, d, forward_matrices};
-  for (std::size_t r = blockIdx.x; r < k.mean.rows; r += gridDim.x) {
-    const T *mean = k.mean.row(r), *l_new = k.cov.row(r), *old_mean = k.old_mean.row(r), *l_old = k.old_cov.row(r);
-    const bool bad_new = bad_full_operand(mean, l_new, d, tm);
-    const bool bad_old = bad_full_operand(old_mean, l_old, d, tm);
-    if (bad_new || bad_old) {
-      reject_full_row_block(k, r);
-      continue;
-    }
+  __device__ void reject(std::size_t r) const {
+    fill_row_nan<gaussian_full_threads>(k.out_mean.row(r), k.out_mean.cols);
+    fill_row_nan<gaussian_full_threads>(k.out_cov.row(r), k.out_cov.cols);
+    if (threadIdx.x == 0) k.stats[r] = rejected_gaussian_stats();
+  }
+  __device__ void row(const block_team& tm, std::size_t r, const T* mean, const T* l_new, const T* old_mean,
+                      const T* l_old, const full_scratch& w) const {
     gaussian_full_forward_row(tm, k.split, mean, l_new, old_mean, l_old, k.eps_mean, k.eps_cov, k.options,
                               k.out_mean.row(r), k.out_cov.row(r), k.stats + r,
                               k.saved.data == nullptr ? nullptr : k.saved.row(r), w);
   }
-}
+};
 
+/// The KL's parts of a full row in gaussian_full_rows_kernel: NaN for a rejected row, else the
+/// KL at t = 1.
 template <class T>
-__global__ void __launch_bounds__(gaussian_full_threads)
-    gaussian_kl_full_block_kernel(gaussian_kl_launch<T> k, double* workspace, std::size_t row_doubles) {
-  __shared__ double partial[gaussian_full_threads / gaussian_warp];
-  const block_team tm{partial};
-  const int d = static_cast<int>(k.mean.cols);
-  const full_scratch w{workspace + blockIdx.x * row_doubles, d, forward_matrices};
-  for (std::size_t r = blockIdx.x; r < k.mean.rows; r += gridDim.x) {
-    const T *mean = k.mean.row(r), *l_new = k.cov.row(r), *old_mean = k.old_mean.row(r), *l_old = k.old_cov.row(r);
-    const bool bad_new = bad_full_operand(mean, l_new, d, tm);
-    const bool bad_old = bad_full_operand(old_mean, l_old, d, tm);
-    if (bad_new || bad_old) {
-      if (threadIdx.x == 0) k.out[r] = quiet_nan();
-      continue;
-    }
+struct full_kl_op {
+  gaussian_kl_launch<T> k;
+
+  __device__ void reject(std::size_t r) const {
+    if (threadIdx.x == 0) k.out[r] = quiet_nan();
+  }
+  __device__ void row(const block_team& tm, std::size_t r, const T* mean, const T* l_new, const T* old_mean,
+                      const T* l_old, const full_scratch& w) const {
+    const int d = w.d;
     factor_full_team(tm, mean, l_new, old_mean, l_old, w);
     const gaussian_point none;
     const gaussian_point p = gaussian_team_family<block_team>{tm, gaussian_spectrum{w.vec(0), w.vec(1), d, true}}
                                  .evaluate(tilt_near_one(0.0), none, 0.0, 0.0);
     if (threadIdx.x == 0) k.out[r] = p.kl;
     tm.sync();
+  }
+};
+
+/// Full rows one block a row with the row scratch in the caller's workspace (full_forward_op or
+/// full_kl_op): a row with a bad operand pair is rejected, the others computed.
+template <class T, class Op>
+__global__ void __launch_bounds__(gaussian_full_threads)
+    gaussian_full_rows_kernel(Op op, double* workspace, std::size_t row_doubles) {
+  __shared__ double partial[gaussian_full_threads / gaussian_warp];
+  const block_team tm{partial};
+  const int d = static_cast<int>(op.k.mean.cols);
+  const full_scratch w{workspace + blockIdx.x * row_doubles, d, forward_matrices};
+  for (std::size_t r = blockIdx.x; r < op.k.mean.rows; r += gridDim.x) {
+    const T *mean = op.k.mean.row(r), *l_new = op.k.cov.row(r), *old_mean = op.k.old_mean.row(r),
+            *l_old = op.k.old_cov.row(r);
+    const bool bad_new = bad_full_operand(mean, l_new, d, tm);
+    const bool bad_old = bad_full_operand(old_mean, l_old, d, tm);
+    if (bad_new || bad_old) {
+      op.reject(r);
+      continue;
+    }
+    op.row(tm, r, mean, l_new, old_mean, l_old, w);
   }
 }
 

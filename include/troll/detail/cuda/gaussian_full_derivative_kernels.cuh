@@ -101,72 +101,78 @@ __device__ void load_or_factor(const T* mean, const T* l_new, const T* old_mean,
   tm.sync();
 }
 
+/// The VJP's parts of a full-covariance derivative row (gaussian_derivative_full_kernel): the
+/// row's io, its rejection (NaN in everything it writes) and the row itself.
 template <class T>
-__device__ inline void fill_nan_block(T* out, std::size_t n) {
-  if (out == nullptr) return;
-  for (std::size_t i = threadIdx.x; i < n; i += gaussian_full_threads) out[i] = static_cast<T>(quiet_nan());
-}
+struct full_vjp_op {
+  gaussian_vjp_launch<T> k;
 
+  __device__ gaussian_vjp_io<T> io(std::size_t r) const {
+    return vjp_row_io(k.out_cov, k.grad_out_mean, k.grad_out_cov, k.grads, r);
+  }
+  __device__ static void reject(const gaussian_vjp_io<T>& io, int d, std::size_t dd) {
+    fill_row_nan<gaussian_full_threads>(io.mean, d);
+    fill_row_nan<gaussian_full_threads>(io.cov, dd);
+    fill_row_nan<gaussian_full_threads>(io.old_mean, d);
+    fill_row_nan<gaussian_full_threads>(io.old_cov, dd);
+    if (threadIdx.x == 0) {
+      if (io.eps != nullptr) *io.eps = quiet_nan();
+      if (io.eps_mean != nullptr) *io.eps_mean = quiet_nan();
+    }
+  }
+  __device__ void row(const block_team& tm, const T* mean, const T* l_new, const T* old_mean, double t,
+                      const gaussian_vjp_io<T>& io, const full_scratch& w) const {
+    gaussian_full_vjp_row(tm, k.split, mean, l_new, old_mean, k.eps_mean, t, io, w);
+  }
+};
+
+/// The JVP's parts of a full-covariance derivative row; out_cov: the forward's L* (read).
 template <class T>
+struct full_jvp_op {
+  gaussian_jvp_launch<T> k;
+  batch_view<const T> out_cov;
+
+  __device__ gaussian_jvp_io<T> io(std::size_t r) const {
+    return jvp_row_io(out_cov, k.tangents, k.out_mean, k.out_cov, r);
+  }
+  __device__ static void reject(const gaussian_jvp_io<T>& io, int d, std::size_t dd) {
+    fill_row_nan<gaussian_full_threads>(io.out_mean, d);
+    fill_row_nan<gaussian_full_threads>(io.out_cov_tangent, dd);
+  }
+  __device__ void row(const block_team& tm, const T* mean, const T* l_new, const T* old_mean, double t,
+                      const gaussian_jvp_io<T>& io, const full_scratch& w) const {
+    gaussian_full_jvp_row(tm, k.split, mean, l_new, old_mean, k.eps_mean, t, io, w);
+  }
+};
+
+/// Full-covariance derivative rows, one block a row (full_vjp_op or full_jvp_op): a row with a
+/// bad operand pair or unusable stats is rejected (the same verdict in every thread), the others
+/// factorised (or loaded from `saved`) and differentiated.
+template <class T, class Op>
 __global__ void __launch_bounds__(gaussian_full_threads)
-    gaussian_vjp_full_kernel(gaussian_vjp_launch<T> k, gaussian::saved_factorisation<const double> saved,
-                             double* workspace, std::size_t row_doubles) {
+    gaussian_derivative_full_kernel(Op op, gaussian::saved_factorisation<const double> saved, double* workspace,
+                                    std::size_t row_doubles) {
   extern __shared__ double gaussian_shared[];
   __shared__ double partial[gaussian_full_threads / gaussian_warp];
   const block_team tm{partial};
-  const int d = static_cast<int>(k.mean.cols);
+  const int d = static_cast<int>(op.k.mean.cols);
   const std::size_t dd = static_cast<std::size_t>(d) * d;
   const full_scratch w{workspace == nullptr ? gaussian_shared : workspace + blockIdx.x * row_doubles, d};
-  for (std::size_t r = blockIdx.x; r < k.mean.rows; r += gridDim.x) {
-    const T *mean = k.mean.row(r), *l_new = k.cov.row(r), *old_mean = k.old_mean.row(r), *l_old = k.old_cov.row(r);
-    const gaussian::gaussian_stats st = k.stats[r];
-    const gaussian_vjp_io<T> io = vjp_row_io(k.out_cov, k.grad_out_mean, k.grad_out_cov, k.grads, r);
+  for (std::size_t r = blockIdx.x; r < op.k.mean.rows; r += gridDim.x) {
+    const T *mean = op.k.mean.row(r), *l_new = op.k.cov.row(r), *old_mean = op.k.old_mean.row(r),
+            *l_old = op.k.old_cov.row(r);
+    const gaussian::gaussian_stats st = op.k.stats[r];
+    const auto io = op.io(r);
     const bool bad_new = bad_full_operand(mean, l_new, d, tm);  // both reached by every thread
     const bool bad_old = bad_full_operand(old_mean, l_old, d, tm);
     const bool bad = bad_new || bad_old || !usable_stats(st);
     if (bad) {  // the same verdict in every thread
-      fill_nan_block(io.mean, d);
-      fill_nan_block(io.cov, dd);
-      fill_nan_block(io.old_mean, d);
-      fill_nan_block(io.old_cov, dd);
-      if (threadIdx.x == 0) {
-        if (io.eps != nullptr) *io.eps = quiet_nan();
-        if (io.eps_mean != nullptr) *io.eps_mean = quiet_nan();
-      }
+      op.reject(io, d, dd);
       continue;
     }
     const double t = solved_tilt(st);
     load_or_factor(mean, l_new, old_mean, l_old, saved.data == nullptr ? nullptr : saved.row(r), w, tm);
-    gaussian_full_vjp_row(tm, k.split, mean, l_new, old_mean, k.eps_mean, t, io, w);
-  }
-}
-
-template <class T>
-__global__ void __launch_bounds__(gaussian_full_threads)
-    gaussian_jvp_full_kernel(gaussian_jvp_launch<T> k, batch_view<const T> out_cov,
-                             gaussian::saved_factorisation<const double> saved, double* workspace,
-                             std::size_t row_doubles) {
-  extern __shared__ double gaussian_shared[];
-  __shared__ double partial[gaussian_full_threads / gaussian_warp];
-  const block_team tm{partial};
-  const int d = static_cast<int>(k.mean.cols);
-  const std::size_t dd = static_cast<std::size_t>(d) * d;
-  const full_scratch w{workspace == nullptr ? gaussian_shared : workspace + blockIdx.x * row_doubles, d};
-  for (std::size_t r = blockIdx.x; r < k.mean.rows; r += gridDim.x) {
-    const T *mean = k.mean.row(r), *l_new = k.cov.row(r), *old_mean = k.old_mean.row(r), *l_old = k.old_cov.row(r);
-    const gaussian::gaussian_stats st = k.stats[r];
-    const gaussian_jvp_io<T> io = jvp_row_io(out_cov, k.tangents, k.out_mean, k.out_cov, r);
-    const bool bad_new = bad_full_operand(mean, l_new, d, tm);  // both reached by every thread
-    const bool bad_old = bad_full_operand(old_mean, l_old, d, tm);
-    const bool bad = bad_new || bad_old || !usable_stats(st);
-    if (bad) {
-      fill_nan_block(io.out_mean, d);
-      fill_nan_block(io.out_cov_tangent, dd);
-      continue;
-    }
-    const double t = solved_tilt(st);
-    load_or_factor(mean, l_new, old_mean, l_old, saved.data == nullptr ? nullptr : saved.row(r), w, tm);
-    gaussian_full_jvp_row(tm, k.split, mean, l_new, old_mean, k.eps_mean, t, io, w);
+    op.row(tm, mean, l_new, old_mean, t, io, w);
   }
 }
 

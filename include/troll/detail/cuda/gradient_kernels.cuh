@@ -78,13 +78,10 @@ __global__ void __launch_bounds__(block_threads)
     kl_backward_kernel(batch_view<const T> p_logits, batch_view<const T> q_logits, const T* grad_kl,
                        batch_view<T> grad_p, batch_view<T> grad_q, bool pairs_only, row_range range,
                        device_checks checks) {
-  __shared__ reduce_storage<pair_scan> scan_storage;
   __shared__ reduce_storage<lse_state> lse_storage;
-  const std::size_t size = p_logits.cols, end = range.begin + range.count;
-  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
-    const T* zp = p_logits.row(r);
-    const T* zq = q_logits.row(r);
-    const pair_scan scan = scan_pair_row(zp, zq, size, scan_storage);
+  const std::size_t size = p_logits.cols;
+  for_each_pair_row(p_logits, q_logits, range,
+                    [&](std::size_t r, const T* zp, const T* zq, const pair_scan& scan) {
     cuda_row_report report = kl_pair_problem(scan, zp, zq);
     const double g = static_cast<double>(grad_kl[r]);
     if (!pairs_only && report.error == cuda_row_error::none) {
@@ -95,14 +92,14 @@ __global__ void __launch_bounds__(block_threads)
       }
     }
     if (threadIdx.x == 0) record_row(checks, range, r, report);
-    if (checks.validate_only) continue;
+    if (checks.validate_only) return;
 
     T* out_p = grad_p.rows != 0 ? grad_p.row(r) : nullptr;
     T* out_q = grad_q.rows != 0 ? grad_q.row(r) : nullptr;
     if (report.error != cuda_row_error::none) {
       fill_nan(out_p, size);
       fill_nan(out_q, size);
-      continue;
+      return;
     }
     const double log_sum_q = old_log_sum(scan);
     const block_tilt_evaluator<T> eval{zp, zq, size, scan.old.lse.m, log_sum_q, &lse_storage};
@@ -120,7 +117,7 @@ __global__ void __launch_bounds__(block_threads)
         out_q[i] = static_cast<T>(g * (q - p));
       }
     }
-  }
+  });
 }
 
 // ---- project_jvp ----
@@ -197,14 +194,8 @@ __global__ void __launch_bounds__(block_threads)
     if (report.error == cuda_row_error::none && scan.first_bad_old != no_token)
       report.error = cuda_row_error::not_finite, report.operand = operand_tangent_old,
       report.token = scan.first_bad_old;
-    if (threadIdx.x == 0) record_row(checks, range, r, report);
-    if (checks.validate_only) continue;
-
+    if (record_or_reject(checks, range, r, report, tangent_out, size)) continue;
     T* out = tangent_out.row(r);
-    if (report.error != cuda_row_error::none) {
-      fill_nan(out, size);
-      continue;
-    }
 
     const bool projected = s.status == row_status::projected;
     const double t = projected ? s.t : 1.0;
@@ -251,13 +242,10 @@ __global__ void __launch_bounds__(block_threads)
     jacobian_rows_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits,
                          batch_view<const T> log_probs, const projection_stats* stats,
                          jacobian_row_terms* terms, row_range range, device_checks checks) {
-  __shared__ reduce_storage<pair_scan> scan_storage;
   __shared__ reduce_storage<std::size_t> token_storage;
-  const std::size_t size = new_logits.cols, end = range.begin + range.count;
-  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
-    const T* zn = new_logits.row(r);
-    const T* zo = old_logits.row(r);
-    const pair_scan scan = scan_pair_row(zn, zo, size, scan_storage);
+  const std::size_t size = new_logits.cols;
+  for_each_pair_row(new_logits, old_logits, range,
+                    [&](std::size_t r, const T* zn, const T* zo, const pair_scan& scan) {
     cuda_row_report report = derivative_problem(scan, zn, zo, stats[r]);
     // log_probs after the logits and before the stats, as the CPU checks them (block-uniform).
     if (report.error == cuda_row_error::none || report.error == cuda_row_error::bad_stats) {
@@ -268,7 +256,7 @@ __global__ void __launch_bounds__(block_threads)
         report.value = static_cast<double>(log_probs.row(r)[bad]);
       }
     }
-    if (threadIdx.x == 0) {  // not `continue`: a barrier added below must still see every thread
+    if (threadIdx.x == 0) {  // no early return: a barrier added below must still see every thread
       record_row(checks, range, r, report);
       if (!checks.validate_only) {
         const bool rejected = report.error != cuda_row_error::none;
@@ -276,7 +264,7 @@ __global__ void __launch_bounds__(block_threads)
                                       rejected ? 1 : 0};
       }
     }
-  }
+  });
 }
 
 /// One entry (row r, output i, input j) of the Jacobians, as cpu::jacobian_row computes it; the

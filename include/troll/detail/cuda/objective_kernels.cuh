@@ -110,15 +110,12 @@ __global__ void __launch_bounds__(block_threads)
                          token_batch<T> in, double eps, double alpha, projection_options options,
                          batch_view<T> log_probs, projection_stats* stats, T* token_loss,
                          objective_row_record* records, row_range range, device_checks checks) {
-  __shared__ reduce_storage<pair_scan> scan_storage;
   __shared__ reduce_storage<lse_state> lse_storage;
   __shared__ reduce_storage<double_pair> kl_storage;
-  const std::size_t size = new_logits.cols, end = range.begin + range.count;
-  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
-    const T* zn = new_logits.row(r);
-    const T* zo = old_logits.row(r);
+  const std::size_t size = new_logits.cols;
+  for_each_pair_row(new_logits, old_logits, range,
+                    [&](std::size_t r, const T* zn, const T* zo, const pair_scan& scan) {
     T* out = log_probs.row(r);
-    const pair_scan scan = scan_pair_row(zn, zo, size, scan_storage);
     const row_setup setup = make_setup(scan);
     const block_tilt_evaluator<T> eval{zn,          zo, size, setup.old_max, old_log_sum(scan),
                                        &lse_storage};
@@ -126,23 +123,16 @@ __global__ void __launch_bounds__(block_threads)
         objective_row_problem(in, r, size, zn, zo, scan, eval, eps, alpha, checks.validate_only);
     if (checks.validate_only) {
       if (threadIdx.x == 0) record_row(checks, range, r, report);
-      continue;
+      return;
     }
-    const solve_result result = solve_checked_row(eval, setup, eps, options, report);
-    if (threadIdx.x == 0) record_row(checks, range, r, report);
+    const solve_result result =
+        solve_and_write_row(eval, setup, scan, eps, options, report, checks, range, r, out, stats);
     if (report.error != cuda_row_error::none) {
-      fill_nan(out, size);
       if (threadIdx.x == 0) {
-        stats[r] = rejected_stats(report.error);
         records[r] = objective_row_record{quiet_nan(), quiet_nan(), quiet_nan(), 0.0, 0.0, 0.0};
         if (token_loss != nullptr) token_loss[r] = static_cast<T>(quiet_nan());
       }
-      continue;
-    }
-    if (result.status == row_status::inactive) {
-      write_log_softmax(zn, scan.fresh.lse, size, out);
-    } else {
-      eval.write(result.point, out);
+      return;
     }
     const projection_stats s = make_stats(result);
     const double w = mask_of(in, r);
@@ -169,7 +159,7 @@ __global__ void __launch_bounds__(block_threads)
       records[r] = record;
       if (token_loss != nullptr) token_loss[r] = static_cast<T>(record.loss);
     }
-  }
+  });
 }
 
 /// The per-thread sums of the aggregation kernels, merged in a fixed order.
@@ -344,17 +334,14 @@ __global__ void __launch_bounds__(block_threads)
                           batch_view<T> grad_new, double grad_loss,
                           const objective_row_record* header, const objective_row_record* records,
                           row_range range, device_checks checks) {
-  __shared__ reduce_storage<pair_scan> scan_storage;
   __shared__ reduce_storage<lse_state> lse_storage;
   __shared__ reduce_storage<double_pair> kl_storage;
   __shared__ reduce_storage<std::size_t> token_storage;
-  const std::size_t size = new_logits.cols, end = range.begin + range.count;
-  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
-    const T* zn = new_logits.row(r);
-    const T* zo = old_logits.row(r);
+  const std::size_t size = new_logits.cols;
+  for_each_pair_row(new_logits, old_logits, range,
+                    [&](std::size_t r, const T* zn, const T* zo, const pair_scan& scan) {
     const T* log_pi = log_probs.row(r);
     T* grad = grad_new.row(r);
-    const pair_scan scan = scan_pair_row(zn, zo, size, scan_storage);
     const block_tilt_evaluator<T> eval{zn,          zo, size, scan.old.lse.m, old_log_sum(scan),
                                        &lse_storage};
     cuda_row_report report =
@@ -374,16 +361,11 @@ __global__ void __launch_bounds__(block_threads)
       const int field = unusable_stats_field(s);
       if (field >= 0) report.error = cuda_row_error::bad_stats, report.operand = field;
     }
-    if (threadIdx.x == 0) record_row(checks, range, r, report);
-    if (checks.validate_only) continue;
-    if (report.error != cuda_row_error::none) {
-      fill_nan(grad, size);
-      continue;
-    }
+    if (record_or_reject(checks, range, r, report, grad_new, size)) return;
     const double weight = backward_row_weight(grad_loss, *header, records[r]);
     if (weight == 0.0) {
       for (std::size_t i = threadIdx.x; i < size; i += block_threads) grad[i] = T(0);
-      continue;
+      return;
     }
     const std::int64_t a = in.tokens[r];
     const double log_norm_new = scan.fresh.lse.log_sum();
@@ -401,7 +383,7 @@ __global__ void __launch_bounds__(block_threads)
       if (threadIdx.x == 0)
         record_row(checks, range, r, overflow_report(overflow, static_cast<double>(log_pi[a]) - log_q_a, a));
       fill_nan(grad, size);
-      continue;
+      return;
     }
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       const double lp = static_cast<double>(log_pi[i]);
@@ -414,7 +396,7 @@ __global__ void __launch_bounds__(block_threads)
       grad[i] = static_cast<T>(troll_gradient_entry(k, std::int64_t(i) == a, on_support,
                                                     lp_new > neg_inf(), lp, lp_new, centred));
     }
-  }
+  });
 }
 
 // ---- The ratio baselines: PPO clip and DPPO, ℓ from r = p̃_a / q_a (no projection) ----
@@ -599,17 +581,14 @@ __global__ void __launch_bounds__(block_threads)
     ratio_forward_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits,
                          token_batch<T> in, ratio_objective_spec spec, T* token_loss,
                          objective_row_record* records, row_range range, device_checks checks) {
-  __shared__ reduce_storage<pair_scan> scan_storage;
   __shared__ reduce_storage<lse_state> lse_storage;
   __shared__ topk_storage topk;
-  const std::size_t size = new_logits.cols, end = range.begin + range.count;
-  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
-    const T* zn = new_logits.row(r);
-    const T* zo = old_logits.row(r);
-    const pair_scan scan = scan_pair_row(zn, zo, size, scan_storage);
+  const std::size_t size = new_logits.cols;
+  for_each_pair_row(new_logits, old_logits, range,
+                    [&](std::size_t r, const T* zn, const T* zo, const pair_scan& scan) {
     const cuda_row_report report = ratio_row_problem(in, r, size, zn, zo, scan);
     if (threadIdx.x == 0) record_row(checks, range, r, report);
-    if (checks.validate_only) continue;
+    if (checks.validate_only) return;
     objective_row_record record;
     const double w = mask_of(in, r);
     if (report.error != cuda_row_error::none) {
@@ -639,7 +618,7 @@ __global__ void __launch_bounds__(block_threads)
       records[r] = record;
       if (token_loss != nullptr) token_loss[r] = static_cast<T>(record.loss);
     }
-  }
+  });
 }
 
 /// Rows of `range`: the backward of PPO clip or DPPO, ∂(cℓ)/∂z̃_j = c·(∂ℓ/∂r)·r·(δ_ja − p̃_j)
@@ -652,21 +631,13 @@ __global__ void __launch_bounds__(block_threads)
                           double grad_loss, const objective_row_record* header,
                           const objective_row_record* records, row_range range,
                           device_checks checks) {
-  __shared__ reduce_storage<pair_scan> scan_storage;
   __shared__ topk_storage topk;
-  const std::size_t size = new_logits.cols, end = range.begin + range.count;
-  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
-    const T* zn = new_logits.row(r);
-    const T* zo = old_logits.row(r);
+  const std::size_t size = new_logits.cols;
+  for_each_pair_row(new_logits, old_logits, range,
+                    [&](std::size_t r, const T* zn, const T* zo, const pair_scan& scan) {
     T* grad = grad_new.row(r);
-    const pair_scan scan = scan_pair_row(zn, zo, size, scan_storage);
     const cuda_row_report report = ratio_row_problem(in, r, size, zn, zo, scan);
-    if (threadIdx.x == 0) record_row(checks, range, r, report);
-    if (checks.validate_only) continue;
-    if (report.error != cuda_row_error::none) {
-      fill_nan(grad, size);
-      continue;
-    }
+    if (record_or_reject(checks, range, r, report, grad_new, size)) return;
     const double weight = backward_row_weight(grad_loss, *header, records[r]);
     double coef = 0.0, ratio = 0.0;
     std::int64_t a = -1;
@@ -681,7 +652,7 @@ __global__ void __launch_bounds__(block_threads)
       if (overflow >= 0) {
         if (threadIdx.x == 0) record_row(checks, range, r, overflow_report(overflow, ::log(ratio), a));
         fill_nan(grad, size);
-        continue;
+        return;
       }
     }
     const double log_norm_new = scan.fresh.lse.log_sum();
@@ -689,7 +660,7 @@ __global__ void __launch_bounds__(block_threads)
       const double p = coef != 0.0 ? ::exp(static_cast<double>(zn[i]) - log_norm_new) : 0.0;
       grad[i] = static_cast<T>(coef * ((std::int64_t(i) == a ? 1.0 : 0.0) - p));
     }
-  }
+  });
 }
 
 }  // namespace cuda

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <string>
 
+#include "../../batch.hpp"
 #include "../../config.hpp"
 #include "../../cuda_report.hpp"
 #include "../../errors.hpp"
@@ -68,6 +69,21 @@ template <class T>
 __device__ void fill_nan(T* out, std::size_t size) {
   if (out == nullptr) return;
   for (std::size_t i = threadIdx.x; i < size; i += block_threads) out[i] = static_cast<T>(quiet_nan());
+}
+
+/// The end of a row's checks in a kernel with one dense output: records the report (thread 0),
+/// then true (the caller ends the row) in a validation-only launch, or for a rejected row once
+/// row r of `out` (`size` entries) is NaN; false: the row goes on.
+template <class T>
+__device__ bool record_or_reject(const device_checks& checks, const row_range& range, std::size_t r,
+                                 const cuda_row_report& report, batch_view<T> out, std::size_t size) {
+  if (threadIdx.x == 0) record_row(checks, range, r, report);
+  if (checks.validate_only) return true;
+  if (report.error != cuda_row_error::none) {
+    fill_nan(out.row(r), size);
+    return true;
+  }
+  return false;
 }
 #endif
 

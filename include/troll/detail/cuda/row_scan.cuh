@@ -6,6 +6,7 @@
 
 #include <cstddef>
 
+#include "../../batch.hpp"
 #include "../../config.hpp"
 #include "../lse_state.hpp"
 #include "../numeric.hpp"
@@ -158,6 +159,22 @@ __device__ pair_scan scan_pair_row(const T* zn, const T* zo, std::size_t size,
   for (std::size_t i = threadIdx.x; i < size; i += block_threads)
     add(local, i, static_cast<double>(zn[i]), static_cast<double>(zo[i]));
   return block_all_reduce(storage, local, merge_pair_scan{});
+}
+
+/// The grid-stride loop of the dense row-pair kernels: the block takes rows range.begin +
+/// blockIdx.x, then every gridDim.x-th row of `range`, scans each pair with scan_pair_row and
+/// calls body(r, zp, zq, scan) (returning from the body ends that row).
+template <class T, class Body>
+__device__ void for_each_pair_row(batch_view<const T> p_logits, batch_view<const T> q_logits, row_range range,
+                                  Body&& body) {
+  __shared__ reduce_storage<pair_scan> storage;
+  const std::size_t size = p_logits.cols, end = range.begin + range.count;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const T* zp = p_logits.row(r);
+    const T* zq = q_logits.row(r);
+    const pair_scan scan = scan_pair_row(zp, zq, size, storage);
+    body(r, zp, zq, scan);
+  }
 }
 
 /// Scans one row with the whole block; every thread gets the block's summary.

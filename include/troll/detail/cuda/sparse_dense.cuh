@@ -105,6 +105,25 @@ __device__ void warp_support_and_grad(const sparse_batch_view<const T>& support,
   if (lane_id() == 0) sh.report.Alias() = report, sh.sum_g = sum_g, sh.count = report.error == cuda_row_error::none ? n : 0;
 }
 
+/// The grid-stride loop of the sparse gradient kernels and their shared scratch: per row r of
+/// `range`, its logits z, its gradient g and g_R, after a barrier (the previous row is done with
+/// the shared scratch), then body(r, z, g, g_r, sh, scan_storage) (returning from the body ends
+/// that row).
+template <class L, class T, class Body>
+__device__ void for_each_grad_row(batch_view<const L> logits, sparse_grad_view<const T> grad, const row_range& range,
+                                  Body&& body) {
+  __shared__ split_scan_storage sh;
+  __shared__ reduce_storage<split_scan> scan_storage;
+  const std::size_t end = range.begin + range.count;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const L* z = logits.row(r);
+    const T* g = grad.row(r);
+    const double g_r = static_cast<double>(grad.log_remainder[r]);
+    __syncthreads();  // the previous row is done with the shared scratch
+    body(r, z, g, g_r, sh, scan_storage);
+  }
+}
+
 /// Rows of `range`: grad_logits = ∂L/∂z from g on the support of `support` and g_R on its bucket:
 ///     ∂L/∂z_k = [k∈S] g_k + [k∉S] g_R p_k / r − p_k (Σ_S g_i + g_R).
 template <class L, class T>
@@ -112,27 +131,18 @@ __global__ void __launch_bounds__(block_threads)
     sparsify_backward_kernel(batch_view<const L> logits, sparse_batch_view<const T> support,
                              sparse_grad_view<const T> grad, batch_view<T> grad_logits, int slots, row_range range,
                              device_checks checks) {
-  __shared__ split_scan_storage sh;
-  __shared__ reduce_storage<split_scan> scan_storage;
-  const std::size_t size = logits.cols, end = range.begin + range.count;
-  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
-    const L* z = logits.row(r);
-    const T* g = grad.row(r);
-    const double g_r = static_cast<double>(grad.log_remainder[r]);
-    __syncthreads();  // the previous row is done with the shared scratch
+  const std::size_t size = logits.cols;
+  for_each_grad_row(logits, grad, range,
+                    [&](std::size_t r, const L* z, const T* g, double g_r, split_scan_storage& sh,
+                        reduce_storage<split_scan>& scan_storage) {
     if (threadIdx.x < warp_lanes) warp_support_and_grad(support, r, g, g_r, slots, sh);
     __syncthreads();
     const int n = sh.count;
     const split_scan scan = scan_split(z, size, sh.sorted, n, scan_storage);
     cuda_row_report report = logits_problem(scan, z);
     if (report.error == cuda_row_error::none) report = sh.report.Alias();
-    if (threadIdx.x == 0) record_row(checks, range, r, report);
-    if (checks.validate_only) continue;
+    if (record_or_reject(checks, range, r, report, grad_logits, size)) return;
     T* out = grad_logits.row(r);
-    if (report.error != cuda_row_error::none) {
-      fill_nan(out, size);
-      continue;
-    }
     // Relative to the row's largest logit (row_log_sums): p_k = e^{(z_k − ref) − total}.
     const row_log_sums sums = relative_log_sums(merge(scan.tail, scan.support), scan.tail);
     const double log_total = sums.total;
@@ -151,7 +161,7 @@ __global__ void __launch_bounds__(block_threads)
       }
       out[i] = static_cast<T>(value);
     }
-  }
+  });
 }
 
 /// Rows of `range`: grad_shard = the columns [offset, offset + cols) of sparsify_backward's
@@ -167,14 +177,10 @@ __global__ void __launch_bounds__(block_threads)
                                    sparse_batch_view<const T> support, sparse_grad_view<const T> grad,
                                    const double* log_sums, batch_view<T> grad_shard, int slots, int stage,
                                    row_range range, device_checks checks) {
-  __shared__ split_scan_storage sh;
-  __shared__ reduce_storage<split_scan> scan_storage;
-  const std::size_t size = shard_logits.cols, end = range.begin + range.count;
-  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
-    const L* z = shard_logits.row(r);
-    const T* g = grad.row(r);
-    const double g_r = static_cast<double>(grad.log_remainder[r]);
-    __syncthreads();  // the previous row is done with the shared scratch
+  const std::size_t size = shard_logits.cols;
+  for_each_grad_row(shard_logits, grad, range,
+                    [&](std::size_t r, const L* z, const T* g, double g_r, split_scan_storage& sh,
+                        reduce_storage<split_scan>& scan_storage) {
     if (threadIdx.x < warp_lanes) {
       if (stage >= 2) {
         warp_support_and_grad(support, r, g, g_r, slots, sh);
@@ -195,13 +201,8 @@ __global__ void __launch_bounds__(block_threads)
       report.value = row_sums[bad_entry];
     }
     if (report.error == cuda_row_error::none) report = sh.report.Alias();
-    if (threadIdx.x == 0) record_row(checks, range, r, report);
-    if (checks.validate_only) continue;
+    if (record_or_reject(checks, range, r, report, grad_shard, size)) return;
     T* out = grad_shard.row(r);
-    if (report.error != cuda_row_error::none) {
-      fill_nan(out, size);
-      continue;
-    }
     const double sum_g = sh.sum_g;
     // Relative to the row's and the tail's references (row_log_sums):
     // p_k = e^{(z_k − ref) − total},  p_k / r = e^{(z_k − tail_ref) − tail}.
@@ -224,7 +225,7 @@ __global__ void __launch_bounds__(block_threads)
         value = static_cast<double>(g[sh.sorted[cursor].position]) - sum_g * p;
       out[i] = static_cast<T>(value);
     }
-  }
+  });
 }
 
 /// Shared memory of sparsify_tail_sums_kernel.

@@ -102,16 +102,22 @@ struct sparse_objective_shared {
   cub::Uninitialized<cuda_row_report> report;
 };
 
-/// The first checks of a sparse objective's row r, in the CPU's order: the token data, then the
-/// dense new row z (NaN / +inf, all −inf), whose scan (block-wide) is left in `scan`.
-template <class T>
-__device__ cuda_row_report token_and_logits_problem(const token_batch<T>& in, std::size_t r, const T* z,
-                                                    std::size_t size, index_slot* sorted,
-                                                    reduce_storage<split_scan>& storage, split_scan& scan) {
-  cuda_row_report report = token_problem<T>(in, r, size, nullptr);
-  scan = scan_split(z, size, sorted, 0, storage);
-  if (report.error == cuda_row_error::none) report = logits_problem(scan, z);
-  return report;
+/// The grid-stride loop of the sparse objective's block-per-row check kernels: per row r of
+/// `range`, its dense new row z and its first checks in the CPU's order — the token data, then z
+/// (NaN / +inf, all −inf), whose block-wide scan is `scan` — then body(r, z, scan, report)
+/// (returning from the body ends that row).
+template <class T, class Body>
+__device__ void for_each_objective_row(batch_view<const T> new_logits, const token_batch<T>& in, index_slot* sorted,
+                                       const row_range& range, Body&& body) {
+  __shared__ reduce_storage<split_scan> storage;
+  const std::size_t size = new_logits.cols, end = range.begin + range.count;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const T* z = new_logits.row(r);
+    cuda_row_report report = token_problem<T>(in, r, size, nullptr);
+    const split_scan scan = scan_split(z, size, sorted, 0, storage);
+    if (report.error == cuda_row_error::none) report = logits_problem(scan, z);
+    body(r, z, scan, report);
+  }
 }
 
 /// Rows of `range`: the forward's checks before the alignment, in the CPU's order — token data,
@@ -124,12 +130,9 @@ __global__ void __launch_bounds__(block_threads)
                                   token_batch<T> in, int new_k, std::size_t capacity, int slots,
                                   cuda_row_report* outcome, row_range range, device_checks checks) {
   __shared__ sparse_objective_shared sh;
-  __shared__ reduce_storage<split_scan> scan_storage;
-  const std::size_t size = new_logits.cols, end = range.begin + range.count;
-  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
-    const T* z = new_logits.row(r);
-    split_scan scan;
-    cuda_row_report report = token_and_logits_problem(in, r, z, size, sh.sorted, scan_storage, scan);
+  const std::size_t size = new_logits.cols;
+  for_each_objective_row(new_logits, in, sh.sorted, range,
+                         [&](std::size_t r, const T* z, const split_scan& scan, cuda_row_report& report) {
     if (threadIdx.x < warp_lanes) {  // uniform: every thread holds the same report
       if (report.error == cuda_row_error::none) {
         const long long count = old_rows.counts[r];
@@ -162,7 +165,7 @@ __global__ void __launch_bounds__(block_threads)
       if (outcome != nullptr) outcome[r] = report;
     }
     __syncthreads();  // the next row rewrites the shared report and slots
-  }
+  });
 }
 
 /// The checks of the lumped categories of aligned row r (cpu check_lumped): the sparse rules and
@@ -307,12 +310,9 @@ __global__ void __launch_bounds__(block_threads)
                                      const objective_row_record* header, const objective_row_record* records,
                                      sparse_grad_view<T> upstream, int slots, row_range range, device_checks checks) {
   __shared__ sparse_objective_shared sh;
-  __shared__ reduce_storage<split_scan> scan_storage;
-  const std::size_t size = new_logits.cols, end = range.begin + range.count;
-  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
-    const T* z = new_logits.row(r);
-    split_scan dense;
-    cuda_row_report report = token_and_logits_problem(in, r, z, size, sh.sorted, scan_storage, dense);
+  const std::size_t size = new_logits.cols;
+  for_each_objective_row(new_logits, in, sh.sorted, range,
+                         [&](std::size_t r, const T* z, const split_scan& dense, cuda_row_report& report) {
     if (threadIdx.x < warp_lanes) {  // uniform: every thread holds the same report
       const sparse_index* indices = aligned.indices + r * aligned.k_max;
       const long long count = aligned.counts[r];
@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(block_threads)
       }
     }
     __syncthreads();  // the next row rewrites the shared slots
-  }
+  });
 }
 
 #endif  // __CUDACC__

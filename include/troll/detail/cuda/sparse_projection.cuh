@@ -77,38 +77,22 @@ struct warp_lumped_evaluator {
 
   TROLL_HOST_DEVICE double old_log_sum() const { return log_sum_old; }
 
-  TROLL_HOST_DEVICE lse_state operator()(const tilt_param& u, const tilt_ref& ref) const {
-#ifdef __CUDA_ARCH__
-    lse_state local;
+  /// f(a_i, b_i) for this lane's entries i of the lumped row.
+  template <class F>
+  __device__ void for_each_pair(F&& f) const {
     for (int i = lane_id(); i <= row.count; i += warp_lanes) {
       double a, b;
       row.at(i, a, b);
-      push_tilt_token(local, a, b, ref, u);
+      f(a, b);
     }
-    return warp_all_reduce(local, merge_lse{});
-#else
-    (void)u, (void)ref;
-    return lse_state{};
-#endif
   }
+  __device__ lse_state team_reduce(const lse_state& s) const { return warp_all_reduce(s, merge_lse{}); }
 
-  /// KL(π‖q) at an evaluated point as a warp sum of non-negative kl_terms (tilt_family.hpp).
-  TROLL_HOST_DEVICE double exact_kl(const tilt_point& p) const {
-#ifdef __CUDA_ARCH__
-    double sum = 0.0;
-    for (int i = lane_id(); i <= row.count; i += warp_lanes) {
-      double a, b;
-      row.at(i, a, b);
-      sum += kl_term(a, b, p);
-    }
-    lse_state part;
-    part.m = 0.0, part.s0 = sum;
-    return warp_all_reduce(part, merge_lse{}).s0;
-#else
-    (void)p;
-    return 0.0;
-#endif
+  TROLL_HOST_DEVICE lse_state operator()(const tilt_param& u, const tilt_ref& ref) const {
+    return team_tilt_sums(*this, u, ref);
   }
+  /// KL(π‖q) at an evaluated point as a warp sum (team_exact_kl).
+  TROLL_HOST_DEVICE double exact_kl(const tilt_point& p) const { return team_exact_kl(*this, p); }
 };
 
 struct merge_pair_scan_op {
@@ -298,15 +282,9 @@ __global__ void sparse_kl_kernel(aligned_batch_view<const T> rows, T* kl_out, in
     const cuda_row_report report = check_aligned_row(rows, r, slots, slots_per_array, scan);
     if (lane_id() == 0) record_row(checks, range, r, report);
     if (checks.validate_only) continue;
-    double value = quiet_nan();
-    if (report.error == cuda_row_error::none) {
-      if (scan.new_only) {
-        value = inf();
-      } else {
-        const warp_lumped_evaluator<T> eval{lumped_row(rows, r), scan.old.lse.m, old_log_sum(scan)};
-        value = evaluate_at_one(eval, make_setup(scan), old_log_sum(scan)).kl;
-      }
-    }
+    const double value = kl_row_value(scan, report, [&] {
+      return warp_lumped_evaluator<T>{lumped_row(rows, r), scan.old.lse.m, old_log_sum(scan)};
+    });
     if (lane_id() == 0) kl_out[r] = static_cast<T>(value);
   }
 }

@@ -487,6 +487,32 @@ __device__ exact_sum canonical_tail_sum(reduce_storage<exact_sum>& storage, cons
   });
 }
 
+/// The grid-stride loop of the sparsify row kernels: per row r of `range`, z = logits.row(r)
+/// (global token ids offset + i of a row of `vocab`), its sampled token (sampled[r]; −1 where
+/// sampled is null), stream_row, and the row's first problem in the CPU's order — a sampled
+/// token outside [0, vocab) (bad_sampled), then a NaN / +inf logit — then
+/// body(r, z, sampled_token, stream, report) (returning from the body ends that row).
+template <class Keys, class L, class Body>
+__device__ void for_each_streamed_row(sparsify_shared<Keys>& sh, batch_view<const L> logits, std::size_t offset,
+                                      std::size_t vocab, const token_id* sampled, int k, const row_range& range,
+                                      Body&& body) {
+  __shared__ reduce_storage<stream_summary> storage;
+  const std::size_t size = logits.cols, end = range.begin + range.count;
+  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
+    const L* z = logits.row(r);
+    const long long sampled_token = sampled != nullptr ? static_cast<long long>(sampled[r]) : -1;
+    const bool sampled_ok = sampled == nullptr || (sampled_token >= 0 && sampled_token < static_cast<long long>(vocab));
+    const stream_result stream = stream_row(sh, storage, z, size, offset, sampled_token, k);
+    cuda_row_report report;
+    if (!sampled_ok) {
+      report.error = cuda_row_error::bad_sampled, report.value = double(sampled_token);
+    } else if (stream.summary.first_bad != no_token) {
+      report = bad_value_report(0, stream.summary.first_bad, to_double(z[stream.summary.first_bad]));
+    }
+    body(r, z, sampled_token, stream, report);
+  }
+}
+
 /// Rows of `range`: the sparse rows of troll::sparsify (see troll/cuda_sparse.cuh). A rejected
 /// row (NaN / +inf logits, all −inf, a sampled token outside [0, V)) gets count 0, NaN
 /// log-remainder and padding.
@@ -497,30 +523,21 @@ __global__ void __launch_bounds__(block_threads)
   using Keys = sparsify_keys<L>;
   using key_type = typename Keys::key_type;
   __shared__ sparsify_shared<Keys> sh;
-  __shared__ reduce_storage<stream_summary> summary_storage;
   __shared__ reduce_storage<exact_sum> tail_storage;
   const int tid = int(threadIdx.x);
-  const std::size_t size = logits.cols, end = range.begin + range.count;
-  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
-    const L* z = logits.row(r);
-    const long long sampled_token = sampled != nullptr ? static_cast<long long>(sampled[r]) : -1;
-    const bool sampled_ok = sampled == nullptr || (sampled_token >= 0 && sampled_token < static_cast<long long>(size));
-    const stream_result stream = stream_row(sh, summary_storage, z, size, 0, sampled_token, k);
+  const std::size_t size = logits.cols;
+  for_each_streamed_row(sh, logits, 0, size, sampled, k, range,
+                        [&](std::size_t r, const L* z, long long sampled_token, const stream_result& stream,
+                            cuda_row_report& report) {
     const stream_summary& summary = stream.summary;
     const int kept = stream.kept;
     const bool has_sampled = stream.has_sampled;
     const double sampled_logit = stream.sampled_logit;
-
-    cuda_row_report report;
-    if (!sampled_ok) {
-      report.error = cuda_row_error::bad_sampled, report.value = double(sampled_token);
-    } else if (summary.first_bad != no_token) {
-      report = bad_value_report(0, summary.first_bad, to_double(z[summary.first_bad]));
-    } else if (kept == 0 && summary.outside.m == neg_inf() && !(sampled_logit > neg_inf())) {
+    if (report.error == cuda_row_error::none && kept == 0 && summary.outside.m == neg_inf() &&
+        !(sampled_logit > neg_inf()))
       report.error = cuda_row_error::all_masked;
-    }
     if (tid == 0) record_row(checks, range, r, report);
-    if (checks.validate_only) continue;
+    if (checks.validate_only) return;
     sparse_index* indices = out.row_indices(r);
     T* log_probs = out.row_log_probs(r);
     if (report.error != cuda_row_error::none) {
@@ -528,7 +545,7 @@ __global__ void __launch_bounds__(block_threads)
         indices[i] = -1, log_probs[i] = static_cast<T>(neg_inf());
       if (tid == 0) out.counts[r] = 0, out.log_remainder[r] = static_cast<T>(quiet_nan());
       __syncthreads();  // the shared keys are reused by the next row
-      continue;
+      return;
     }
 
     // The candidates and the sampled token, best first.
@@ -596,7 +613,7 @@ __global__ void __launch_bounds__(block_threads)
       out.log_remainder[r] = static_cast<T>(sums.log_remainder());
     }
     __syncthreads();  // the shared keys are reused by the next row
-  }
+  });
 }
 
 /// Rows of `range`: states[r] = the sparsify_state of shard row r (tokens offset .. offset +
@@ -612,22 +629,13 @@ __global__ void __launch_bounds__(block_threads)
   using Keys = sparsify_keys<L>;
   using key_type = typename Keys::key_type;
   __shared__ sparsify_shared<Keys> sh;
-  __shared__ reduce_storage<stream_summary> summary_storage;
   const int tid = int(threadIdx.x);
-  const std::size_t size = logits.cols, end = range.begin + range.count;
-  for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
-    const L* z = logits.row(r);
-    const long long sampled_token = sampled != nullptr ? static_cast<long long>(sampled[r]) : -1;
-    const bool sampled_ok = sampled == nullptr || (sampled_token >= 0 && sampled_token < static_cast<long long>(vocab));
-    const stream_result stream = stream_row(sh, summary_storage, z, size, offset, sampled_token, k);
-    cuda_row_report report;
-    if (!sampled_ok) {
-      report.error = cuda_row_error::bad_sampled, report.value = double(sampled_token);
-    } else if (stream.summary.first_bad != no_token) {
-      report = bad_value_report(0, stream.summary.first_bad, to_double(z[stream.summary.first_bad]));
-    }
+  const std::size_t size = logits.cols;
+  for_each_streamed_row(sh, logits, offset, vocab, sampled, k, range,
+                        [&](std::size_t r, const L* z, long long sampled_token, const stream_result& stream,
+                            cuda_row_report& report) {
     if (tid == 0) record_row(checks, range, r, report);
-    if (checks.validate_only) continue;
+    if (checks.validate_only) return;
     sparsify_state& st = states[r];
     if (report.error != cuda_row_error::none) {
       if (tid == 0) {  // k = 0: a state merge and finalize reject
@@ -635,7 +643,7 @@ __global__ void __launch_bounds__(block_threads)
               static_cast<sparse_index>(offset), static_cast<sparse_index>(offset + size));
       }
       __syncthreads();  // the shared keys are reused by the next row
-      continue;
+      return;
     }
     const int kept = stream.kept;
     for (int i = kept + tid; i < sorted_capacity; i += block_threads) sh.keys[i] = zero_key<key_type>();
@@ -652,7 +660,7 @@ __global__ void __launch_bounds__(block_threads)
       st.outside = stream.summary.outside;
     }
     __syncthreads();  // the shared keys are reused by the next row
-  }
+  });
 }
 
 #endif  // __CUDACC__

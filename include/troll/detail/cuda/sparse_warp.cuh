@@ -117,8 +117,7 @@ __device__ cuda_row_report warp_check_sparse_row(const sparse_index* indices, co
                                                  int operand, bool remainder_rules, index_slot* slots, int size) {
   cuda_row_report report;
   report.operand = operand;
-  if (count < 0 || count > static_cast<long long>(capacity) || count > static_cast<long long>(vocab) ||
-      count > sparse_max_entries) {
+  if (!sparse_count_fits(count, capacity, vocab)) {
     report.error = cuda_row_error::sparse_count;
     report.value = double(count);
     return report;
