@@ -51,7 +51,8 @@ struct projection_options {
 /// Per-row results of the forward projection, consumed by the backward passes.
 /// η = (1 − t)/t; μ and σ² are the mean and variance of d = z̃ − z° under π* (at t*), in
 /// absolute units. `iterations` counts the Newton evaluations (the two bracket-end evaluations
-/// at t = 0 and t = 1 are not counted; 0 for inactive and restricted rows).
+/// at t = 0 and t = 1 are not counted; 0 for inactive and restricted rows). A last member the
+/// solver predicted from the one before it instead of evaluating it counts as one.
 struct projection_stats {
   double eta = 0.0;
   double t = 1.0;

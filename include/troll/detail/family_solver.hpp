@@ -15,6 +15,8 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
+#include <utility>
 
 #include "../config.hpp"
 #include "../projection_types.hpp"
@@ -226,6 +228,14 @@ struct bracket_search {
     finished = iterations >= max_iterations;
   }
 
+  /// Takes a member at u that the family predicted (without evaluating it) and proved
+  /// converged: the search ends with it.
+  TROLL_HOST_DEVICE void accept_converged(const Point& predicted) {
+    point = predicted;
+    ++iterations;
+    converged = finished = true;
+  }
+
   /// The member to write: the converged one, else the best feasible one (KL < ε).
   TROLL_HOST_DEVICE bracket_solution<Point> solution() const {
     bracket_solution<Point> r;
@@ -245,6 +255,21 @@ struct bracket_search {
 /// and is at most half the step before last (the rtsafe rule), otherwise the bisection point: so
 /// the bracket shrinks at least geometrically, and a stall (steps that shrink slowly, a KL that
 /// underflows to 0 on the far side of a steep rise) turns into bisection within two iterations.
+///
+/// A family may also offer
+///     bool predict(const Point& last, const tilt_param& u, double eps, double tol, Point& out)
+/// which returns true with the member at u, computed from the member evaluated last without
+/// another evaluation, only where that member is provably within tol of ε: the solve then ends
+/// with it (the last Newton step is typically ~1e-7 relative, where a series in the step is
+/// exact; predict_member in tilt_family.hpp).
+template <class Family, class Point, class = void>
+struct family_predicts : std::false_type {};
+template <class Family, class Point>
+struct family_predicts<Family, Point,
+                       decltype(void(std::declval<const Family&>().predict(
+                           std::declval<const Point&>(), std::declval<const tilt_param&>(), 0.0, 0.0,
+                           std::declval<Point&>())))> : std::true_type {};
+
 #ifdef __CUDACC__
 #pragma nv_exec_check_disable
 #endif
@@ -254,7 +279,16 @@ TROLL_HOST_DEVICE bracket_solution<Point> solve_bracketed(const Family& family, 
                                                           const projection_options& opt) {
   bracket_search<Point> search;
   search.start(at_zero, at_one, eps, opt);
-  while (!search.done()) search.advance(family.evaluate(search.u, search.near(), eps, search.tol));
+  while (!search.done()) {
+    if constexpr (family_predicts<Family, Point>::value) {
+      Point predicted;
+      if (search.iterations > 0 && family.predict(search.point, search.u, eps, search.tol, predicted)) {
+        search.accept_converged(predicted);
+        break;
+      }
+    }
+    search.advance(family.evaluate(search.u, search.near(), eps, search.tol));
+  }
   return search.solution();
 }
 

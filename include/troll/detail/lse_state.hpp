@@ -1,6 +1,8 @@
 // troll/detail/lse_state.hpp — an online, mergeable log-sum-exp with the first two moments of a
 // companion value. One state summarises a set of pairs (w_i, x_i) as
-//     m = max w_i,   s_k = Σ exp(w_i − m) · x_i^k   (k = 0, 1, 2).
+//     m = max w_i,   s_k = Σ exp(w_i − m) · x_i^k   (k = 0, 1, 2),
+// and, where the reduction that made it keeps them, the third and fourth moments s3, s4 (k = 3, 4;
+// NaN where unknown: reductions that do not form them leave them NaN, and merge keeps them NaN).
 // States merge associatively (blocks, threads, warps, vocabulary shards all reduce the same way).
 // The tilted-family reduction also keeps the (z̃, z°) pair of the element that attains m, the
 // reference its next evaluation is written relative to (tilt_family.hpp).
@@ -21,6 +23,8 @@ struct lse_state {
   double s2 = 0.0;
   double ref_new = 0.0;  // z̃ of the pair attaining m (push_pair only)
   double ref_old = 0.0;  // z° of that pair
+  double s3 = quiet_nan();  // Σ exp(w_i − m) · x_i³, NaN where the reduction did not form it
+  double s4 = quiet_nan();  // Σ exp(w_i − m) · x_i⁴, likewise
 
   TROLL_HOST_DEVICE bool empty() const { return m == neg_inf(); }
   /// log Σ exp(w_i); −inf for an empty set.
@@ -33,6 +37,18 @@ struct lse_state {
     const double v = s2 / s0 - mu * mu;
     return v > 0.0 ? v : 0.0;
   }
+  /// Weighted third central moment (the third cumulant of x); NaN where s3 is unknown.
+  TROLL_HOST_DEVICE double third_cumulant() const {
+    const double mu = s1 / s0;
+    return s3 / s0 - mu * (3.0 * (s2 / s0) - 2.0 * mu * mu);
+  }
+  /// Weighted fourth cumulant of x (E(x−μ)⁴ − 3 Var²); NaN where s3 or s4 is unknown.
+  TROLL_HOST_DEVICE double fourth_cumulant() const {
+    const double mu = s1 / s0, m2 = s2 / s0, m3 = s3 / s0, m4 = s4 / s0;
+    const double central4 = m4 - mu * (4.0 * m3 - mu * (6.0 * m2 - 3.0 * mu * mu));
+    const double var = m2 - mu * mu;
+    return central4 - 3.0 * var * var;
+  }
 };
 
 /// Adds one pair (w, x); w = −inf contributes nothing.
@@ -43,6 +59,8 @@ TROLL_HOST_DEVICE inline void push(lse_state& st, double w, double x) {
     st.s0 = st.s0 * scale + 1.0;
     st.s1 = st.s1 * scale + x;
     st.s2 = st.s2 * scale + x * x;  // weight 1: x² overflows only if x itself is ~1e154+
+    st.s3 = (st.m == neg_inf() ? 0.0 : st.s3 * scale) + x * x * x;  // an empty state's s3 is NaN
+    st.s4 = (st.m == neg_inf() ? 0.0 : st.s4 * scale) + (x * x) * (x * x);
     st.m = w;
   } else {
     const double e = ::exp(w - st.m);
@@ -50,6 +68,8 @@ TROLL_HOST_DEVICE inline void push(lse_state& st, double w, double x) {
     st.s0 += e;
     st.s1 += ex;
     st.s2 += ex * x;
+    st.s3 += (ex * x) * x;
+    st.s4 += ((ex * x) * x) * x;
   }
 }
 
@@ -68,7 +88,8 @@ TROLL_HOST_DEVICE inline lse_state merge(const lse_state& a, const lse_state& b)
   const lse_state& hi = a_big ? a : b;
   const lse_state& lo = a_big ? b : a;
   const double scale = ::exp(lo.m - hi.m);
-  return lse_state{hi.m, hi.s0 + lo.s0 * scale, hi.s1 + lo.s1 * scale, hi.s2 + lo.s2 * scale, hi.ref_new, hi.ref_old};
+  return lse_state{hi.m,          hi.s0 + lo.s0 * scale, hi.s1 + lo.s1 * scale, hi.s2 + lo.s2 * scale,
+                   hi.ref_new,    hi.ref_old,            hi.s3 + lo.s3 * scale, hi.s4 + lo.s4 * scale};
 }
 
 }  // namespace detail

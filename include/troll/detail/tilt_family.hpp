@@ -67,6 +67,9 @@ struct tilt_point {
   double a_c = 0.0;       // log Σ_J q_i exp(t x_i) = log_norm + (z°_r − M°) − old_log_sum
   double mu = 0.0;        // E_πt[d] (absolute)
   double sigma2 = 0.0;    // Var_πt[d]
+  double mean_x = 0.0;    // E_πt[x] (x relative to ref)
+  double kappa3 = 0.0;    // third cumulant of d under π_t (NaN where the reduction did not form it)
+  double kappa4 = 0.0;    // fourth cumulant of d under π_t (likewise)
   double kl = 0.0;        // KL(π_t ‖ q)
   double kl_error = 0.0;  // a bound on the rounding error of `kl` as make_point computes it
   double old_max = 0.0;      // M° = max z° the point was made with
@@ -96,6 +99,9 @@ TROLL_HOST_DEVICE inline tilt_point make_point(const lse_state& st, const tilt_p
   const double mu_c = st.mean();
   p.mu = mu_c + ref.d();
   p.sigma2 = st.variance();
+  p.mean_x = mu_c;
+  p.kappa3 = st.third_cumulant();
+  p.kappa4 = st.fourth_cumulant();
   const double ref_offset = ref.zo - old_max;
   p.a_c = p.log_norm + ref_offset - old_log_sum;
   p.kl = u.t * mu_c - p.a_c;
@@ -104,6 +110,66 @@ TROLL_HOST_DEVICE inline tilt_point make_point(const lse_state& st, const tilt_p
                (4.0 + ::fabs(st.m) + ::fabs(log_s0) + ::fabs(ref_offset) + ::fabs(old_log_sum) +
                 u.t * spread * (4.0 + ::fabs(st.m)));
   return p;
+}
+
+/// The member at u predicted from the evaluated member p by the cumulant series of the family,
+/// instead of another pass over the row; true only where the prediction is provably converged.
+///
+/// Along the path, w_i moves by h·x_i from p to u (h = t_u − t_p, in either writing), so with
+/// K(h) = log E_πp[e^{h x}] = h μ + h²σ²/2 + h³κ3/6 + h⁴κ4/24 + R5 (the cumulants of x at p):
+///     log_norm_u = log_norm_p + K(h),   E_u[x] = K'(h),   Var_u = K''(h),
+///     KL_u − KL_p = t_u (K'(h) − μ) − (K(h) − h μ).
+/// Every remainder is bounded through the fifth cumulant along [t_p, t_u]: x lies in an interval
+/// of length L (x_range), so the central moments satisfy |m_k| ≤ L^{k−2}σ² and σ² ≤ L²/4, hence
+/// |κ5| = |m5 − 10 m3 σ²| ≤ 3.5 L³σ²; the variance at any τ between is at most e^{|h|L} ≤ 2
+/// times σ² (|h|L ≤ 1/2): |κ5| ≤ 7L³σ² =: B. Then K within |h|⁵B/120, E_u[x] within h⁴B/24,
+/// Var_u within |h|³B/6. κ3 and κ4, formed from raw moments about the reference (|x| ≤ L on J),
+/// carry a rounding of at most 1e-14·L³ and 1e-13·L⁴. The prediction is taken only where
+/// |KL_u − ε| plus every bound (and p's own kl_error) is within tol, and where log_norm, μ and σ²
+/// are as exact as an evaluation makes them (an ulp of log_norm, a few of E[x], E[x²]);
+/// otherwise the caller evaluates the member.
+TROLL_HOST_DEVICE inline bool predict_member(const tilt_point& p, const tilt_param& u, double x_range, double eps,
+                                             double tol, tilt_point& out) {
+  constexpr double ulp = 2.220446049250313e-16;
+  const double v = p.sigma2, k3 = p.kappa3, k4 = p.kappa4, L = x_range;
+  if (!(L < inf() && v > 0.0 && v < inf() && k3 - k3 == 0.0 && k4 - k4 == 0.0)) return false;
+  // h = t_u − t_p on whichever of t and s is exact at both (as bracket_search measures steps)
+  const double h = u.t <= 0.5 && p.t <= 0.5 ? u.t - p.t : p.s - u.s;
+  const double ah = ::fabs(h);
+  if (!(ah * L <= 0.5)) return false;
+  const double b5 = 7.0 * L * L * L * v, e3 = 1e-14 * L * L * L, e4 = 1e-13 * L * L * L * L;
+  const double h2 = h * h, ah3 = ah * h2, h4 = h2 * h2;
+  const double mu = p.mean_x;
+  // K(h) − hμ and K'(h) − μ to fourth order, with their bounds
+  const double dk = h2 * (0.5 * v + h * (k3 / 6.0 + h * (k4 / 24.0)));
+  const double dk_error = ah * h4 * b5 / 120.0 + ah3 * e3 / 6.0 + h4 * e4 / 24.0;
+  const double dmu = h * (v + h * (0.5 * k3 + h * (k4 / 6.0)));
+  const double mu_error = h4 * b5 / 24.0 + 0.5 * h2 * e3 + ah3 * e4 / 6.0;
+  const double v_u = v + h * (k3 + 0.5 * h * k4);
+  const double v_error = ah3 * b5 / 6.0 + ah * e3 + 0.5 * h2 * e4;
+  const double dkl = u.t * dmu - dk;
+  const double kl_u = p.kl + dkl;
+  const double kl_error = u.t * mu_error + dk_error + p.kl_error + 4.0 * ulp * (::fabs(p.kl) + ::fabs(dkl));
+  if (!(::fabs(kl_u - eps) + kl_error <= tol)) return false;
+  const double log_norm_u = p.log_norm + (h * mu + dk);
+  const double mu_u = mu + dmu;
+  // as exact as an evaluation: log_norm to an ulp of its size, E[x] and Var to a few ulps
+  if (!(dk_error <= ulp * (1.0 + ::fabs(log_norm_u)) && mu_error <= 4.0 * ulp * (::fabs(mu_u) + ::sqrt(v)) &&
+        v_error <= 8.0 * ulp * (v + mu * mu) && v_u > 0.0))
+    return false;
+  out = p;
+  out.t = u.t;
+  out.s = u.s;
+  out.log_norm = log_norm_u;
+  out.a_c = p.a_c + (h * mu + dk);
+  out.mean_x = mu_u;
+  out.mu = mu_u + p.ref.d();
+  out.sigma2 = v_u;
+  out.kappa3 = quiet_nan();  // not known to the precision a further prediction would need
+  out.kappa4 = quiet_nan();
+  out.kl = kl_u;
+  out.kl_error = kl_error;
+  return true;
 }
 
 /// q·φ(σ) with φ(σ) = σ e^σ − e^σ + 1 = Σ_{n≥2} (n−1) σ^n / n!, the non-negative per-token term

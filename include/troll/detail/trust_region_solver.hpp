@@ -13,6 +13,8 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
+#include <utility>
 
 #include "../config.hpp"
 #include "../projection_types.hpp"
@@ -33,6 +35,7 @@ struct row_setup {
   bool old_only = false;       // a token with z° finite and z̃ = −inf (q mass outside supp p̃)
   bool any_masked = false;     // some token is −inf in either row: evaluators must mask
   double spread = inf();       // max − min over the logits of both rows (CPU scan; +inf: unknown)
+  double x_range = inf();      // ≥ max − min of z̃ − z° over J (CPU scan of an all-finite pair; +inf: unknown)
 };
 
 struct solve_result {
@@ -41,6 +44,26 @@ struct solve_result {
   int iterations = 0;
   row_status status = row_status::inactive;
 };
+
+/// eval(u, ref, true) where the evaluator can also form the third and fourth moments (s3, s4),
+/// else eval(u, ref).
+template <class Eval, class = void>
+struct forms_cumulants : std::false_type {};
+template <class Eval>
+struct forms_cumulants<Eval, decltype(void(std::declval<const Eval&>()(tilt_param{}, tilt_ref{}, true)))>
+    : std::true_type {};
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
+template <class Eval>
+TROLL_HOST_DEVICE lse_state reduce(const Eval& eval, const tilt_param& u, const tilt_ref& ref, bool cumulants) {
+  if constexpr (forms_cumulants<Eval>::value) {
+    return eval(u, ref, cumulants);
+  } else {
+    (void)cumulants;
+    return eval(u, ref);
+  }
+}
 
 /// Evaluates the member at (u, ref) for the solve towards KL = ε within ±tol. The closed-form
 /// KL is kept where its rounding bound is well inside the tolerance, or where it is far enough
@@ -54,10 +77,11 @@ struct solve_result {
 /// the mode just found.
 template <class Eval>
 TROLL_HOST_DEVICE tilt_point evaluate_from(const Eval& eval, lse_state st, const tilt_param& u, tilt_ref ref,
-                                           double old_max, double old_log_sum, double eps, double tol) {
+                                           double old_max, double old_log_sum, double eps, double tol,
+                                           bool cumulants = false) {
   if (st.m > 64.0) {
     ref = tilt_ref{st.ref_new, st.ref_old};
-    st = eval(u, ref);
+    st = reduce(eval, u, ref, cumulants);
   }
   tilt_point p = make_point(st, u, ref, old_max, old_log_sum);
   const bool fine = p.kl_error <= 2.0 * tol;  // then |KL − ε| ≤ 3 tol: inside the 1e-10 guarantee
@@ -72,8 +96,8 @@ TROLL_HOST_DEVICE tilt_point evaluate_from(const Eval& eval, lse_state st, const
 /// evaluate_from of the reduction eval(u, ref).
 template <class Eval>
 TROLL_HOST_DEVICE tilt_point evaluate(const Eval& eval, const tilt_param& u, tilt_ref ref, double old_max,
-                                      double old_log_sum, double eps, double tol) {
-  return evaluate_from(eval, eval(u, ref), u, ref, old_max, old_log_sum, eps, tol);
+                                      double old_log_sum, double eps, double tol, bool cumulants = false) {
+  return evaluate_from(eval, reduce(eval, u, ref, cumulants), u, ref, old_max, old_log_sum, eps, tol, cumulants);
 }
 
 /// Replaces p.kl by the cancellation-free sum unless the closed form is good to 1e-11 relative.
@@ -132,8 +156,19 @@ struct categorical_family {
   const Eval& eval;
   double old_max;
   double old_log_sum;
+  double x_range;  // row_setup::x_range (+inf: unknown, nothing is predicted)
+  /// The member at u. Where it lies within |Δt|·L ≤ 0.1 of the member evaluated before it (a
+  /// Newton step that has nearly converged: the next one is likely small enough to predict), the
+  /// reduction also forms the third and fourth cumulants that predict() needs.
   TROLL_HOST_DEVICE tilt_point evaluate(const tilt_param& u, const tilt_point& near, double eps, double tol) const {
-    return detail::evaluate(eval, u, near.mode, old_max, old_log_sum, eps, tol);
+    const double step = u.t <= 0.5 && near.t <= 0.5 ? u.t - near.t : near.s - u.s;
+    const bool cumulants = ::fabs(step) * x_range <= 0.1;
+    return detail::evaluate(eval, u, near.mode, old_max, old_log_sum, eps, tol, cumulants);
+  }
+  /// The converged member at u from the last evaluated one without a pass (predict_member).
+  TROLL_HOST_DEVICE bool predict(const tilt_point& last, const tilt_param& u, double eps, double tol,
+                                 tilt_point& out) const {
+    return predict_member(last, u, x_range, eps, tol, out);
   }
 };
 
@@ -190,7 +225,9 @@ TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setu
   const tilt_point at_one = evaluate_at_one(eval, setup, old_log_sum);
   if (!needs_solve(setup, at_zero, at_one, eps, r)) return r;
   take_solution(
-      solve_bracketed(categorical_family<Eval>{eval, setup.old_max, old_log_sum}, at_zero, at_one, eps, opt), r);
+      solve_bracketed(categorical_family<Eval>{eval, setup.old_max, old_log_sum, setup.x_range}, at_zero, at_one,
+                      eps, opt),
+      r);
   return r;
 }
 

@@ -196,9 +196,12 @@ inline void store_from_double(T* p, const Packet& v) {
   }
 }
 
-/// Largest and smallest entries of a pair of double rows.
+/// Largest and smallest entries of a pair of double rows, and of their difference z̃ − z° as
+/// formed in the rows' own type (each rounded once: within a relative 2^-24 (float) or 2^-53 of
+/// the exact difference).
 struct pair_extremes {
   double max_new, max_old, min_new, min_old;
+  double max_diff, min_diff;
 };
 
 /// One packet pass over zn, zo[0..count) in T's own packets (float rows 16 lanes wide with
@@ -212,6 +215,7 @@ inline bool finite_extremes(const T* zn, const T* zo, long count, pair_extremes&
   const long whole = count - count % lanes;
   packet hi_n = pset1<packet>(-std::numeric_limits<T>::infinity()), hi_o = hi_n;
   packet lo_n = pset1<packet>(std::numeric_limits<T>::infinity()), lo_o = lo_n;
+  packet hi_d = hi_n, lo_d = lo_n;
   packet bad = pset1<packet>(T(0));
   for (long k = 0; k < whole; k += lanes) {
     const packet a = ploadu<packet>(zn + k), b = ploadu<packet>(zo + k);
@@ -220,17 +224,24 @@ inline bool finite_extremes(const T* zn, const T* zo, long count, pair_extremes&
     hi_o = pmax(hi_o, b);
     lo_n = pmin(lo_n, a);
     lo_o = pmin(lo_o, b);
+    const packet d = psub(a, b);  // ±inf where both are finite but far apart: max/min keep it
+    hi_d = pmax(hi_d, d);
+    lo_d = pmin(lo_d, d);
   }
   T odd = predux(bad);
   T most_n = predux_max(hi_n), most_o = predux_max(hi_o), least_n = predux_min(lo_n), least_o = predux_min(lo_o);
+  T most_d = predux_max(hi_d), least_d = predux_min(lo_d);
   for (long k = whole; k < count; ++k) {
     odd += (zn[k] - zn[k]) + (zo[k] - zo[k]);
     most_n = zn[k] > most_n ? zn[k] : most_n;
     most_o = zo[k] > most_o ? zo[k] : most_o;
     least_n = zn[k] < least_n ? zn[k] : least_n;
     least_o = zo[k] < least_o ? zo[k] : least_o;
+    const T d = zn[k] - zo[k];
+    most_d = d > most_d ? d : most_d;
+    least_d = d < least_d ? d : least_d;
   }
-  e = pair_extremes{double(most_n), double(most_o), double(least_n), double(least_o)};
+  e = pair_extremes{double(most_n), double(most_o), double(least_n), double(least_o), double(most_d), double(least_d)};
   return odd == T(0);
 }
 
@@ -411,7 +422,10 @@ inline lse_state tilt_reduce_finite(const double* zn, const double* zo, long cou
 /// (float widened in registers). The sums run in packet accumulators over chunks of 512 tokens,
 /// each chunk's sum added to the row's, as the blocked reduction does. Returns false (and
 /// leaves `st` alone) where w left that range: the caller then takes the two-pass reduction.
-template <class T>
+///
+/// With Cumulants, the same pass also forms s3 and s4 (two more multiplies and fused
+/// multiply-adds per packet), which the solver's prediction of a nearby member needs.
+template <bool Cumulants = false, class T>
 inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const tilt_param& u, const tilt_ref& ref,
                                  lse_state& st) {
   using namespace Eigen::internal;
@@ -433,10 +447,10 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
   packet most = pset1<packet>(neg_inf()), most_at = pset1<packet>(0.0), least = pset1<packet>(inf());
   packet token = plset<packet>(0.0);
   const packet step = pset1<packet>(double(lanes));
-  double t0 = 0.0, t1 = 0.0, t2 = 0.0;
+  double t0 = 0.0, t1 = 0.0, t2 = 0.0, t3 = 0.0, t4 = 0.0;
   const long whole = count - count % lanes;
   // One packet: x, w, e^w and the three weighted sums; returns w for the extremes.
-  auto body = [&](const packet& a, const packet& b, packet& s0, packet& s1, packet& s2) {
+  auto body = [&](const packet& a, const packet& b, packet& s0, packet& s1, packet& s2, packet& s3, packet& s4) {
     packet xk;
     const packet wk = weight(a, b, xk);
     const packet e = exp_bounded(wk);
@@ -444,18 +458,24 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
     s0 = padd(s0, e);
     s1 = padd(s1, ex);
     s2 = pmadd(ex, xk, s2);  // (e·x)·x, as tilt_evaluator
+    if constexpr (Cumulants) {
+      const packet exx = pmul(ex, xk);
+      s3 = pmadd(exx, xk, s3);  // ((e·x)·x)·x, as push
+      s4 = pmadd(pmul(exx, xk), xk, s4);
+    }
     return wk;
   };
   for (long begin = 0; begin < whole; begin += chunk) {
     const long end = begin + chunk < whole ? begin + chunk : whole;
-    packet s0 = pset1<packet>(0.0), s1 = s0, s2 = s0;
+    packet s0 = pset1<packet>(0.0), s1 = s0, s2 = s0, s3 = s0, s4 = s0;
     for (long k = begin; k < end; k += lanes) {
-      const packet wk = body(load_as_double<packet>(zn + k), load_as_double<packet>(zo + k), s0, s1, s2);
+      const packet wk = body(load_as_double<packet>(zn + k), load_as_double<packet>(zo + k), s0, s1, s2, s3, s4);
       keep_first_max(wk, token, most, most_at);
       least = pmin(least, wk);
       token = padd(token, step);
     }
     t0 += predux(s0), t1 += predux(s1), t2 += predux(s2);
+    if constexpr (Cumulants) t3 += predux(s3), t4 += predux(s4);
   }
   if (whole < count) {  // the last partial packet: padded with the reference (x = w = 0), weight 0
     packet pa, pb, use;
@@ -482,13 +502,14 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
       }
       pa = ploadu<packet>(a), pb = ploadu<packet>(b), use = ploadu<packet>(keep);
     }
-    packet s0 = pset1<packet>(0.0), s1 = s0, s2 = s0;
-    const packet wk = body(pa, pb, s0, s1, s2);
+    packet s0 = pset1<packet>(0.0), s1 = s0, s2 = s0, s3 = s0, s4 = s0;
+    const packet wk = body(pa, pb, s0, s1, s2, s3, s4);
     // padded lanes change nothing: kept out of the extremes, their sums multiplied by 0
     const packet pad = pcmp_eq(use, pset1<packet>(0.0));
     keep_first_max(pselect(pad, pset1<packet>(neg_inf()), wk), token, most, most_at);
     least = pmin(least, pselect(pad, pset1<packet>(inf()), wk));
     t0 += predux(pmul(s0, use)), t1 += predux(pmul(s1, use)), t2 += predux(pmul(s2, use));
+    if constexpr (Cumulants) t3 += predux(pmul(s3, use)), t4 += predux(pmul(s4, use));
   }
   const double m = predux_max(most);
   if (!(m <= 600.0 && predux_min(least) >= -707.0)) return false;
@@ -506,6 +527,7 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
   st.s0 = t0 * scale;
   st.s1 = t1 * scale;
   st.s2 = t2 * scale;
+  if constexpr (Cumulants) st.s3 = t3 * scale, st.s4 = t4 * scale;
   st.ref_new = double(zn[at]);
   st.ref_old = double(zo[at]);
   return true;

@@ -151,6 +151,15 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
       setup.new_top = tilt_ref{zn[at_new], zo[at_new]};
       setup.old_top = tilt_ref{zn[at_old], zo[at_old]};
       setup.spread = maximum(e.max_new, e.max_old) - minimum(e.min_new, e.min_old);
+      // the differences were rounded once in T: widen their range by that rounding, and by the
+      // rounding of the solver's own x = (z̃ − z̃_r) − (z° − z°_r) in double (a few ulps of the
+      // largest logit)
+      constexpr double unit = std::is_same<T, float>::value ? 0x1p-24 : 0x1p-53;
+      const double largest = maximum(maximum(::fabs(e.max_new), ::fabs(e.min_new)),
+                                     maximum(::fabs(e.max_old), ::fabs(e.min_old)));
+      setup.x_range = ((e.max_diff - e.min_diff) + 2.0 * unit * (::fabs(e.max_diff) + ::fabs(e.min_diff)) +
+                       8.0 * 0x1p-53 * largest) *
+                      (1.0 + 0x1p-50);
       return p;
     }
   }
@@ -302,14 +311,19 @@ struct tilt_evaluator {
   /// log Σ_i exp(z°_i − M°) over every finite old logit.
   double old_log_sum() const { return log_sum_exp_shifted(old_logits, size, old_max); }
 
-  lse_state operator()(const tilt_param& u, const tilt_ref& ref) const {
+  /// The reduction at (u, ref); with `cumulants`, also s3 and s4 where the one-pass reduction
+  /// runs (left NaN elsewhere: the solver then evaluates instead of predicting).
+  lse_state operator()(const tilt_param& u, const tilt_ref& ref, bool cumulants = false) const {
     // Exponents below −709 (where Eigen's exp is wrong, see exact_exp) need a logit spread
     // beyond 700 in one of the rows, or a masked token.
     const bool wide = masked || !(spread <= 700.0);
     lse_state total;
     block_array a, b, x, w, e;
     if (!wide) {  // the common row: one fused pass (finite_rows.hpp), else two per block
-      if (tilt_reduce_one_pass(new_logits, old_logits, static_cast<long>(size), u, ref, total)) return total;
+      const long n = static_cast<long>(size);
+      if (cumulants ? tilt_reduce_one_pass<true>(new_logits, old_logits, n, u, ref, total)
+                    : tilt_reduce_one_pass<false>(new_logits, old_logits, n, u, ref, total))
+        return total;
       for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
         lse_state part;
         if constexpr (std::is_same<T, double>::value) {
