@@ -183,7 +183,7 @@ bool same_setup(const troll::detail::row_setup& a, const troll::detail::row_setu
   return same_bits(a.old_max, b.old_max) && same_bits(a.new_top.zn, b.new_top.zn) &&
          same_bits(a.new_top.zo, b.new_top.zo) && same_bits(a.old_top.zn, b.old_top.zn) &&
          same_bits(a.old_top.zo, b.old_top.zo) && a.new_only == b.new_only && a.old_only == b.old_only &&
-         a.any_masked == b.any_masked && same_bits(a.spread, b.spread);
+         a.any_masked == b.any_masked && same_bits(a.spread, b.spread) && same_bits(a.x_range, b.x_range);
 }
 
 template <class T>

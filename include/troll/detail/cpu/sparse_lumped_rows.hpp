@@ -5,6 +5,7 @@
 #pragma once
 
 #include "eigen.hpp"
+#include <cmath>
 #include <cstddef>
 
 #include "../../config.hpp"
@@ -22,7 +23,8 @@ namespace cpu {
 /// −inf when the tail is empty) into zn, zo[0..count] with scan_pair's setup, when every value is
 /// finite: then no category is dropped (lumped_pair's slot[j] = j, n = count + 1) and the setup
 /// is the one scan_pair finds on the widened rows (extremes are exact in either type; the first
-/// index of a maximum is the same, the bucket coming last). Returns false otherwise (zn, zo then
+/// index of a maximum is the same, the bucket coming last; x_range from the differences in
+/// double, as scan_pair forms them on the widened rows). Returns false otherwise (zn, zo then
 /// hold nothing meaningful: the caller takes lumped_pair and scan_pair).
 template <class T>
 inline bool lumped_pair_finite(const T* new_lp, const T* old_lp, int count, T new_bucket, T old_bucket,
@@ -46,6 +48,20 @@ inline bool lumped_pair_finite(const T* new_lp, const T* old_lp, int count, T ne
   setup.new_top = tilt_ref{zn[at_new], zo[at_new]};
   setup.old_top = tilt_ref{zn[at_old], zo[at_old]};
   setup.spread = maximum(max_new, max_old) - minimum(min_new, min_old);
+  // scan_pair's x_range on the widened rows: the differences z̃ − z° taken in double (as there,
+  // not in T), widened by their rounding (unit 2^-53: scan_pair reads the double rows) and by
+  // that of the solver's own x.
+  double max_diff = zn[0] - zo[0], min_diff = max_diff;
+  for (int i = 1; i <= count; ++i) {
+    const double d = zn[i] - zo[i];
+    max_diff = d > max_diff ? d : max_diff;
+    min_diff = d < min_diff ? d : min_diff;
+  }
+  constexpr double unit = 0x1p-53;
+  const double largest = maximum(maximum(::fabs(max_new), ::fabs(min_new)), maximum(::fabs(max_old), ::fabs(min_old)));
+  setup.x_range =
+      ((max_diff - min_diff) + 2.0 * unit * (::fabs(max_diff) + ::fabs(min_diff)) + 8.0 * 0x1p-53 * largest) *
+      (1.0 + 0x1p-50);
   return true;
 }
 
