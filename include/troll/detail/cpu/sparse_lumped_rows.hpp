@@ -51,8 +51,23 @@ inline bool lumped_pair_finite(const T* new_lp, const T* old_lp, int count, T ne
   // scan_pair's x_range on the widened rows: the differences z̃ − z° taken in double (as there,
   // not in T), widened by their rounding (unit 2^-53: scan_pair reads the double rows) and by
   // that of the solver's own x.
+  // In packets (a scalar max/min chain does not vectorise); max and min round nothing.
+  using namespace Eigen::internal;
+  using packet = packet_traits<double>::type;
+  constexpr int lanes = int(sizeof(packet) / sizeof(double));
+  const int size = count + 1, whole = size - size % lanes;
   double max_diff = zn[0] - zo[0], min_diff = max_diff;
-  for (int i = 1; i <= count; ++i) {
+  if (whole > 0) {
+    packet hi = psub(ploadu<packet>(zn), ploadu<packet>(zo)), lo = hi;
+    for (int k = lanes; k < whole; k += lanes) {
+      const packet d = psub(ploadu<packet>(zn + k), ploadu<packet>(zo + k));
+      hi = pmax(hi, d);
+      lo = pmin(lo, d);
+    }
+    max_diff = predux_max(hi);
+    min_diff = predux_min(lo);
+  }
+  for (int i = whole; i < size; ++i) {
     const double d = zn[i] - zo[i];
     max_diff = d > max_diff ? d : max_diff;
     min_diff = d < min_diff ? d : min_diff;
