@@ -1,6 +1,6 @@
 // troll/cuda_gaussian.cuh — the CUDA backend of the Gaussian projections (nvcc only):
-// troll::gaussian::project_joint, project_split, project_joint_diag and project_split_diag under
-// the troll::cuda policy tag, with exactly the CPU overloads' argument lists (troll/gaussian.hpp):
+// troll::gaussian::project_joint, project_split, project_joint_diag and project_split_diag
+// (gaussian_api.hpp, one entry point for both policies) under the troll::cuda policy tag:
 //
 //   troll::gaussian::project_joint(troll::cuda.on(stream), mean, cov_chol, old_mean, old_cov_chol,
 //                                  eps, out_mean, out_cov_chol, stats);
@@ -17,7 +17,7 @@
 // written as NaN with stats.status = row_status::rejected; with troll::cuda.on(s).checked() the
 // rows are checked on the host first and the first bad one throws the CPU's exception, naming it,
 // before anything is written (detail/cuda/gaussian_checked.cuh). The KL and the diagonal rows'
-// VJP and JVP are in cuda_gaussian_derivatives.cuh (included below). Compiled in CI.
+// VJP and JVP are in cuda_gaussian_derivatives.cuh (included here). Compiled in CI.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -27,17 +27,20 @@
 
 #include "batch.hpp"
 #include "config.hpp"
+#include "cuda_gaussian_derivatives.cuh"  // the device rows of kl, the backward and the JVP
 #include "detail/arguments.hpp"
 #include "detail/cuda/error_check.cuh"
 #include "detail/cuda/gaussian_checked.cuh"
 #include "detail/cuda/gaussian_full_block_kernels.cuh"
 #include "detail/cuda/gaussian_kernels.cuh"
 #include "detail/cuda/gaussian_launch.cuh"
+#include "detail/gaussian_backend.hpp"
 #include "detail/gaussian_checks.hpp"
 #include "detail/workspace.hpp"
 #include "detail/workspace_layout.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
+#include "gaussian_api.hpp"
 #include "gaussian_types.hpp"
 #include "projection_types.hpp"
 
@@ -67,54 +70,19 @@ void project_gaussian(cuda_policy policy, const gaussian_call& call, batch_view<
 }
 
 }  // namespace cuda
+
+/// The CUDA backend of the Gaussian entry points of gaussian_api.hpp (the KL: cuda_gaussian_derivatives.cuh).
+template <>
+struct gaussian_backend<cuda_policy> {
+  template <class... Args>
+  static void project(const Args&... args) {
+    cuda::project_gaussian(args...);
+  }
+  template <class... Args>
+  static void kl(const Args&... args) {
+    cuda::gaussian_kl(args...);
+  }
+};
+
 }  // namespace detail
-
-namespace gaussian {
-
-/// project_joint on the device (troll/gaussian.hpp; rejected rows: NaN and status rejected).
-/// `saved` (optional, device memory): filled with each row's factorisation as on the CPU, for
-/// the backward / JVP of the same inputs (rejected rows leave it untouched).
-template <class T>
-void project_joint(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
-                   input_view<T> old_cov_chol, double eps, batch_view<T> out_mean, batch_view<T> out_cov_chol,
-                   gaussian_stats* stats, const projection_options& options = {},
-                   saved_factorisation<double> saved = {}) {
-  detail::cuda::project_gaussian(policy, detail::gaussian_call{"gaussian::project_joint", true, false}, mean,
-                                 cov_chol, old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol, stats, options,
-                                 saved);
-}
-
-/// project_split on the device.
-template <class T>
-void project_split(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
-                   input_view<T> old_cov_chol, double eps_mean, double eps_cov, batch_view<T> out_mean,
-                   batch_view<T> out_cov_chol, gaussian_stats* stats, const projection_options& options = {},
-                   saved_factorisation<double> saved = {}) {
-  detail::cuda::project_gaussian(policy, detail::gaussian_call{"gaussian::project_split", true, true}, mean,
-                                 cov_chol, old_mean, old_cov_chol, eps_mean, eps_cov, out_mean, out_cov_chol, stats,
-                                 options, saved);
-}
-
-/// project_joint_diag on the device.
-template <class T>
-void project_joint_diag(cuda_policy policy, input_view<T> mean, input_view<T> std_dev, input_view<T> old_mean,
-                        input_view<T> old_std_dev, double eps, batch_view<T> out_mean, batch_view<T> out_std_dev,
-                        gaussian_stats* stats, const projection_options& options = {}) {
-  detail::cuda::project_gaussian(policy, detail::gaussian_call{"gaussian::project_joint_diag", false, false}, mean,
-                                 std_dev, old_mean, old_std_dev, eps, eps, out_mean, out_std_dev, stats, options);
-}
-
-/// project_split_diag on the device.
-template <class T>
-void project_split_diag(cuda_policy policy, input_view<T> mean, input_view<T> std_dev, input_view<T> old_mean,
-                        input_view<T> old_std_dev, double eps_mean, double eps_cov, batch_view<T> out_mean,
-                        batch_view<T> out_std_dev, gaussian_stats* stats, const projection_options& options = {}) {
-  detail::cuda::project_gaussian(policy, detail::gaussian_call{"gaussian::project_split_diag", false, true}, mean,
-                                 std_dev, old_mean, old_std_dev, eps_mean, eps_cov, out_mean, out_std_dev, stats,
-                                 options);
-}
-
-}  // namespace gaussian
 TROLL_END_NAMESPACE
-
-#include "cuda_gaussian_derivatives.cuh"

@@ -1,8 +1,9 @@
 // troll/cuda_gaussian_derivatives.cuh — the CUDA backend of the Gaussian KL and of the
 // projections' derivatives (nvcc only): troll::gaussian::kl, kl_diag, project_joint_backward,
 // project_split_backward, project_joint_jvp, project_split_jvp and their _diag forms under the
-// troll::cuda policy tag, with exactly the CPU overloads' argument lists (troll/gaussian.hpp,
-// gaussian_backward.hpp, gaussian_jvp.hpp), the full ones with the optional saved factorisation:
+// troll::cuda policy tag (the entry points of gaussian_api.hpp, one for both policies; include
+// troll/cuda_gaussian.cuh, which includes this header), the full ones with the optional saved
+// factorisation:
 //
 //   troll::gaussian::project_joint_diag_backward(troll::cuda.on(stream), mean, std_dev, old_mean,
 //       old_std_dev, eps, out_mean, out_std_dev, stats, grad_out_mean, grad_out_std_dev, grads);
@@ -36,12 +37,14 @@
 #include "detail/cuda/gaussian_full_derivative_kernels.cuh"
 #include "detail/cuda/gaussian_kernels.cuh"
 #include "detail/cuda/gaussian_launch.cuh"
+#include "detail/gaussian_backend.hpp"
 #include "detail/gaussian_checks.hpp"
 #include "detail/gaussian_derivative_call.hpp"
 #include "detail/workspace.hpp"
 #include "detail/workspace_layout.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
+#include "gaussian_api.hpp"
 #include "gaussian_types.hpp"
 
 TROLL_BEGIN_NAMESPACE
@@ -102,139 +105,26 @@ void launch_gaussian_derivative(const cuda_policy& policy, const gaussian_call& 
 }  // namespace cuda
 
 /// The device's rows of a Gaussian backward after its argument checks (gaussian_derivative_call.hpp).
-template <class T>
-void gaussian_vjp_rows(const cuda_policy& policy, const gaussian_call& call, const gaussian_vjp_launch<T>& k,
-                       gaussian::saved_factorisation<const double> saved) {
-  cuda::launch_gaussian_derivative(policy, call, k.mean, k.cov, k.old_mean, k.old_cov, k.stats, "backward", saved,
-                                   cuda::diag_vjp_op<T>{k}, cuda::full_vjp_op<T>{k});
-}
+template <>
+struct gaussian_vjp_backend<cuda_policy> {
+  template <class T>
+  static void rows(const cuda_policy& policy, const gaussian_call& call, const gaussian_vjp_launch<T>& k,
+                   gaussian::saved_factorisation<const double> saved) {
+    cuda::launch_gaussian_derivative(policy, call, k.mean, k.cov, k.old_mean, k.old_cov, k.stats, "backward", saved,
+                                     cuda::diag_vjp_op<T>{k}, cuda::full_vjp_op<T>{k});
+  }
+};
 
 /// The device's rows of a Gaussian JVP after its argument checks; out_cov: the forward's factor.
-template <class T>
-void gaussian_jvp_rows(const cuda_policy& policy, const gaussian_call& call, const gaussian_jvp_launch<T>& k,
-                       batch_view<const T> out_cov, gaussian::saved_factorisation<const double> saved) {
-  cuda::launch_gaussian_derivative(policy, call, k.mean, k.cov, k.old_mean, k.old_cov, k.stats, "JVP", saved,
-                                   cuda::diag_jvp_op<T>{k}, cuda::full_jvp_op<T>{k, out_cov});
-}
+template <>
+struct gaussian_jvp_backend<cuda_policy> {
+  template <class T>
+  static void rows(const cuda_policy& policy, const gaussian_call& call, const gaussian_jvp_launch<T>& k,
+                   batch_view<const T> out_cov, gaussian::saved_factorisation<const double> saved) {
+    cuda::launch_gaussian_derivative(policy, call, k.mean, k.cov, k.old_mean, k.old_cov, k.stats, "JVP", saved,
+                                     cuda::diag_jvp_op<T>{k}, cuda::full_jvp_op<T>{k, out_cov});
+  }
+};
 
 }  // namespace detail
-
-namespace gaussian {
-
-/// kl on the device (troll/gaussian.hpp): full rows up to d = 256 (workspace above d = 32); out is
-/// device memory.
-template <class T>
-void kl(cuda_policy policy, batch_view<const T> mean, batch_view<const T> cov_chol, batch_view<const T> old_mean,
-        batch_view<const T> old_cov_chol, double* out) {
-  detail::cuda::gaussian_kl(policy, detail::gaussian_call{"gaussian::kl", true, false}, mean, cov_chol, old_mean,
-                            old_cov_chol, out);
-}
-
-/// kl_diag on the device: up to d = 2048.
-template <class T>
-void kl_diag(cuda_policy policy, batch_view<const T> mean, batch_view<const T> std_dev, batch_view<const T> old_mean,
-             batch_view<const T> old_std_dev, double* out) {
-  detail::cuda::gaussian_kl(policy, detail::gaussian_call{"gaussian::kl_diag", false, false}, mean, std_dev,
-                            old_mean, old_std_dev, out);
-}
-
-/// project_joint_diag_backward on the device (troll/gaussian_backward.hpp).
-template <class T>
-void project_joint_diag_backward(cuda_policy policy, input_view<T> mean, input_view<T> std_dev,
-                                 input_view<T> old_mean, input_view<T> old_std_dev, double eps,
-                                 input_view<T> out_mean, input_view<T> out_std_dev, const gaussian_stats* stats,
-                                 input_view<T> grad_out_mean, input_view<T> grad_out_std_dev,
-                                 const gaussian_grads<T>& grads) {
-  detail::project_gaussian_backward(
-      policy, detail::gaussian_call{"gaussian::project_joint_diag_backward", false, false}, mean, std_dev, old_mean,
-      old_std_dev, eps, eps, out_mean, out_std_dev, stats, grad_out_mean, grad_out_std_dev, grads);
-}
-
-/// project_split_diag_backward on the device.
-template <class T>
-void project_split_diag_backward(cuda_policy policy, input_view<T> mean, input_view<T> std_dev,
-                                 input_view<T> old_mean, input_view<T> old_std_dev, double eps_mean, double eps_cov,
-                                 input_view<T> out_mean, input_view<T> out_std_dev, const gaussian_stats* stats,
-                                 input_view<T> grad_out_mean, input_view<T> grad_out_std_dev,
-                                 const gaussian_grads<T>& grads) {
-  detail::project_gaussian_backward(
-      policy, detail::gaussian_call{"gaussian::project_split_diag_backward", false, true}, mean, std_dev, old_mean,
-      old_std_dev, eps_mean, eps_cov, out_mean, out_std_dev, stats, grad_out_mean, grad_out_std_dev, grads);
-}
-
-/// project_joint_diag_jvp on the device (troll/gaussian_jvp.hpp).
-template <class T>
-void project_joint_diag_jvp(cuda_policy policy, input_view<T> mean, input_view<T> std_dev, input_view<T> old_mean,
-                            input_view<T> old_std_dev, double eps, input_view<T> out_mean, input_view<T> out_std_dev,
-                            const gaussian_stats* stats, const gaussian_tangents<T>& tangents,
-                            batch_view<T> tangent_out_mean, batch_view<T> tangent_out_std_dev) {
-  detail::project_gaussian_jvp(policy,
-                                          detail::gaussian_call{"gaussian::project_joint_diag_jvp", false, false},
-                                          mean, std_dev, old_mean, old_std_dev, eps, eps, out_mean, out_std_dev,
-                                          stats, tangents, tangent_out_mean, tangent_out_std_dev);
-}
-
-/// project_split_diag_jvp on the device.
-template <class T>
-void project_split_diag_jvp(cuda_policy policy, input_view<T> mean, input_view<T> std_dev, input_view<T> old_mean,
-                            input_view<T> old_std_dev, double eps_mean, double eps_cov, input_view<T> out_mean,
-                            input_view<T> out_std_dev, const gaussian_stats* stats,
-                            const gaussian_tangents<T>& tangents, batch_view<T> tangent_out_mean,
-                            batch_view<T> tangent_out_std_dev) {
-  detail::project_gaussian_jvp(policy,
-                                          detail::gaussian_call{"gaussian::project_split_diag_jvp", false, true},
-                                          mean, std_dev, old_mean, old_std_dev, eps_mean, eps_cov, out_mean,
-                                          out_std_dev, stats, tangents, tangent_out_mean, tangent_out_std_dev);
-}
-
-/// project_joint_backward on the device (troll/gaussian_backward.hpp): one block per row, the
-/// shared matrix steps of detail/gaussian_full_derivatives.hpp; `saved` (optional, device memory):
-/// the factorisation the forward of these inputs saved.
-template <class T>
-void project_joint_backward(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
-                            input_view<T> old_cov_chol, double eps, input_view<T> out_mean,
-                            input_view<T> out_cov_chol, const gaussian_stats* stats, input_view<T> grad_out_mean,
-                            input_view<T> grad_out_cov_chol, const gaussian_grads<T>& grads,
-                            saved_factorisation<const double> saved = {}) {
-  detail::project_gaussian_backward(
-      policy, detail::gaussian_call{"gaussian::project_joint_backward", true, false}, mean, cov_chol, old_mean,
-      old_cov_chol, eps, eps, out_mean, out_cov_chol, stats, grad_out_mean, grad_out_cov_chol, grads, saved);
-}
-
-/// project_split_backward on the device.
-template <class T>
-void project_split_backward(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
-                            input_view<T> old_cov_chol, double eps_mean, double eps_cov, input_view<T> out_mean,
-                            input_view<T> out_cov_chol, const gaussian_stats* stats, input_view<T> grad_out_mean,
-                            input_view<T> grad_out_cov_chol, const gaussian_grads<T>& grads,
-                            saved_factorisation<const double> saved = {}) {
-  detail::project_gaussian_backward(
-      policy, detail::gaussian_call{"gaussian::project_split_backward", true, true}, mean, cov_chol, old_mean,
-      old_cov_chol, eps_mean, eps_cov, out_mean, out_cov_chol, stats, grad_out_mean, grad_out_cov_chol, grads, saved);
-}
-
-/// project_joint_jvp on the device (troll/gaussian_jvp.hpp).
-template <class T>
-void project_joint_jvp(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
-                       input_view<T> old_cov_chol, double eps, input_view<T> out_mean, input_view<T> out_cov_chol,
-                       const gaussian_stats* stats, const gaussian_tangents<T>& tangents, batch_view<T> tangent_out_mean,
-                       batch_view<T> tangent_out_cov_chol, saved_factorisation<const double> saved = {}) {
-  detail::project_gaussian_jvp(policy, detail::gaussian_call{"gaussian::project_joint_jvp", true, false},
-                                          mean, cov_chol, old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol,
-                                          stats, tangents, tangent_out_mean, tangent_out_cov_chol, saved);
-}
-
-/// project_split_jvp on the device.
-template <class T>
-void project_split_jvp(cuda_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
-                       input_view<T> old_cov_chol, double eps_mean, double eps_cov, input_view<T> out_mean,
-                       input_view<T> out_cov_chol, const gaussian_stats* stats, const gaussian_tangents<T>& tangents,
-                       batch_view<T> tangent_out_mean, batch_view<T> tangent_out_cov_chol,
-                       saved_factorisation<const double> saved = {}) {
-  detail::project_gaussian_jvp(policy, detail::gaussian_call{"gaussian::project_split_jvp", true, true},
-                                          mean, cov_chol, old_mean, old_cov_chol, eps_mean, eps_cov, out_mean,
-                                          out_cov_chol, stats, tangents, tangent_out_mean, tangent_out_cov_chol, saved);
-}
-
-}  // namespace gaussian
 TROLL_END_NAMESPACE

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <type_traits>
 
 #include "config.hpp"
 #include "cuda_report.hpp"
@@ -88,5 +89,16 @@ struct cuda_policy {
 
 inline constexpr cpu_policy cpu{};
 inline constexpr cuda_policy cuda{};
+
+/// True for troll's execution policies (cpu_policy, cuda_policy), cv-qualifiers and references
+/// ignored: the entry points written once for both backends accept exactly these first arguments.
+template <class T>
+struct is_execution_policy : std::false_type {};
+template <>
+struct is_execution_policy<cpu_policy> : std::true_type {};
+template <>
+struct is_execution_policy<cuda_policy> : std::true_type {};
+template <class T>
+inline constexpr bool is_execution_policy_v = is_execution_policy<std::remove_cv_t<std::remove_reference_t<T>>>::value;
 
 TROLL_END_NAMESPACE

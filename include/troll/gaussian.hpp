@@ -6,7 +6,8 @@
 //   split:  the mean μ* = (μ̃ + ω μ°)/(1 + ω) against ε_μ in closed form, the covariance
 //           Λ* = tΛ̃ + (1 − t)Λ° against ε_Σ (the trust-region layers of Otto et al., 2021).
 // Covariances come as row-major d×d lower-triangular Cholesky factors (N × d² views) or, in the
-// _diag variants, as standard deviations (N × d). Policy first, like troll::project:
+// _diag variants, as standard deviations (N × d). This header is the CPU backend; the entry
+// points, one for every policy, are in gaussian_api.hpp. Policy first, like troll::project:
 //   troll::gaussian::project_joint(troll::cpu, mean, chol, old_mean, old_chol, eps, out_mean,
 //                                  out_chol, stats);
 #pragma once
@@ -19,9 +20,11 @@
 #include "detail/arguments.hpp"
 #include "detail/cpu/gaussian_kernels.hpp"
 #include "detail/cpu/parallel.hpp"
+#include "detail/gaussian_backend.hpp"
 #include "detail/gaussian_checks.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
+#include "gaussian_api.hpp"
 #include "gaussian_types.hpp"
 #include "projection_types.hpp"
 
@@ -113,79 +116,20 @@ void gaussian_kl(cpu_policy policy, const gaussian_call& call, batch_view<const 
   });
 }
 
+/// The CPU backend of the Gaussian entry points of gaussian_api.hpp.
+template <>
+struct gaussian_backend<cpu_policy> {
+  template <class... Args>
+  static void project(const Args&... args) {
+    project_gaussian(args...);
+  }
+  template <class... Args>
+  static void kl(const Args&... args) {
+    gaussian_kl(args...);
+  }
+};
+
 }  // namespace detail
-
-namespace gaussian {
-
-/// Projects each new Gaussian N(mean, LLᵀ) onto the ball KL(· ‖ N(old_mean, L°L°ᵀ)) ≤ eps (joint
-/// bound) and writes the projected mean and Cholesky factor, and one gaussian_stats per row.
-/// Rows already inside the ball are copied bit for bit. `saved` (optional, caller-owned: see
-/// gaussian_types.hpp) receives each row's factorisation for project_joint_backward / _jvp. Projected rows satisfy
-/// |KL(π* ‖ q) − ε| ≤ atol + rtol·ε of the options, KL evaluated in double on the factorised row.
-///
-/// Shapes: means N × d, factors N × d² (row-major, lower-triangular: the strict upper triangle
-/// must be 0 and the diagonal > 0). Throws, before writing anything: shape_error (shapes, null
-/// pointers, d = 0), domain_error (a non-finite entry, a factor that is not lower-triangular
-/// with a positive diagonal, naming the row and entry; eps ≤ 0 or not finite; bad options).
-template <class T>
-void project_joint(cpu_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
-                   input_view<T> old_cov_chol, double eps, batch_view<T> out_mean, batch_view<T> out_cov_chol,
-                   gaussian_stats* stats, const projection_options& options = {},
-                   saved_factorisation<double> saved = {}) {
-  detail::project_gaussian(policy, detail::gaussian_call{"gaussian::project_joint", true, false}, mean, cov_chol,
-                           old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol, stats, options, saved);
-}
-
-/// The split projection: the mean against eps_mean (closed form, Σ°'s metric), the covariance
-/// against eps_cov (½[tr(Σ°⁻¹Σ) − d + log det Σ° − log det Σ] ≤ ε_Σ, by the solve). Shapes and
-/// errors as project_joint.
-template <class T>
-void project_split(cpu_policy policy, input_view<T> mean, input_view<T> cov_chol, input_view<T> old_mean,
-                   input_view<T> old_cov_chol, double eps_mean, double eps_cov, batch_view<T> out_mean,
-                   batch_view<T> out_cov_chol, gaussian_stats* stats, const projection_options& options = {},
-                   saved_factorisation<double> saved = {}) {
-  detail::project_gaussian(policy, detail::gaussian_call{"gaussian::project_split", true, true}, mean, cov_chol,
-                           old_mean, old_cov_chol, eps_mean, eps_cov, out_mean, out_cov_chol, stats, options, saved);
-}
-
-/// project_joint for diagonal covariances given as standard deviations (N × d, all > 0): O(d)
-/// per row.
-template <class T>
-void project_joint_diag(cpu_policy policy, input_view<T> mean, input_view<T> std_dev, input_view<T> old_mean,
-                        input_view<T> old_std_dev, double eps, batch_view<T> out_mean, batch_view<T> out_std_dev,
-                        gaussian_stats* stats, const projection_options& options = {}) {
-  detail::project_gaussian(policy, detail::gaussian_call{"gaussian::project_joint_diag", false, false}, mean,
-                           std_dev, old_mean, old_std_dev, eps, eps, out_mean, out_std_dev, stats, options);
-}
-
-/// project_split for diagonal covariances given as standard deviations.
-template <class T>
-void project_split_diag(cpu_policy policy, input_view<T> mean, input_view<T> std_dev, input_view<T> old_mean,
-                        input_view<T> old_std_dev, double eps_mean, double eps_cov, batch_view<T> out_mean,
-                        batch_view<T> out_std_dev, gaussian_stats* stats, const projection_options& options = {}) {
-  detail::project_gaussian(policy, detail::gaussian_call{"gaussian::project_split_diag", false, true}, mean,
-                           std_dev, old_mean, old_std_dev, eps_mean, eps_cov, out_mean, out_std_dev, stats,
-                           options);
-}
-
-/// KL(N(mean, LLᵀ) ‖ N(old_mean, L°L°ᵀ)) per row, into out[r] (double), from the same
-/// factorisation as the projection (O(d³) per row).
-template <class T>
-void kl(cpu_policy policy, batch_view<const T> mean, batch_view<const T> cov_chol, batch_view<const T> old_mean,
-        batch_view<const T> old_cov_chol, double* out) {
-  detail::gaussian_kl(policy, detail::gaussian_call{"gaussian::kl", true, false}, mean, cov_chol, old_mean,
-                      old_cov_chol, out);
-}
-
-/// kl for diagonal covariances given as standard deviations.
-template <class T>
-void kl_diag(cpu_policy policy, batch_view<const T> mean, batch_view<const T> std_dev,
-             batch_view<const T> old_mean, batch_view<const T> old_std_dev, double* out) {
-  detail::gaussian_kl(policy, detail::gaussian_call{"gaussian::kl_diag", false, false}, mean, std_dev, old_mean,
-                      old_std_dev, out);
-}
-
-}  // namespace gaussian
 TROLL_END_NAMESPACE
 
 #include "gaussian_backward.hpp"

@@ -1,13 +1,14 @@
 // troll/detail/gaussian_derivative_call.hpp — the Gaussian backward (VJP) and JVP entry shared by
 // the CPU and CUDA backends: the float-type check and every argument check that reads no row
-// values (gaussian_checks.hpp), then the backend's rows, found by argument-dependent lookup on
-// the policy: gaussian_vjp_rows / gaussian_jvp_rows(cpu_policy, ...) in gaussian_backward.hpp /
-// gaussian_jvp.hpp, (const cuda_policy&, ...) in cuda_gaussian_derivatives.cuh.
+// values (gaussian_checks.hpp), then the backend's rows: gaussian_vjp_backend<Policy>::rows /
+// gaussian_jvp_backend<Policy>::rows (gaussian_backend.hpp), specialised for cpu_policy in
+// gaussian_backward.hpp / gaussian_jvp.hpp and for cuda_policy in cuda_gaussian_derivatives.cuh.
 #pragma once
 
 #include "../batch.hpp"
 #include "../config.hpp"
 #include "../gaussian_types.hpp"
+#include "gaussian_backend.hpp"
 #include "gaussian_checks.hpp"
 
 TROLL_BEGIN_NAMESPACE
@@ -47,7 +48,7 @@ void project_gaussian_backward(Policy policy, gaussian_call call, batch_view<con
                                   stats, eps_mean, eps_cov, grads, saved);
   const gaussian_vjp_launch<T> k{mean,          cov,   old_mean, old_cov, out_mean, out_cov, grad_out_mean,
                                  grad_out_cov,  stats, grads,    eps_mean, call.split};
-  gaussian_vjp_rows(policy, call, k, saved);
+  gaussian_vjp_backend<Policy>::rows(policy, call, k, saved);
 }
 
 /// The JVP of the four Gaussian projections under `policy`, diagonal or full rows (call.full).
@@ -63,7 +64,7 @@ void project_gaussian_jvp(Policy policy, gaussian_call call, batch_view<const T>
                              tangent_out_cov, stats, eps_mean, eps_cov, tangents, saved);
   const gaussian_jvp_launch<T> k{mean,     cov,           old_mean,        old_cov, stats, tangents,
                                  tangent_out_mean, tangent_out_cov, eps_mean, call.split};
-  gaussian_jvp_rows(policy, call, k, out_cov, saved);
+  gaussian_jvp_backend<Policy>::rows(policy, call, k, out_cov, saved);
 }
 
 }  // namespace detail
