@@ -7,9 +7,32 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "consumer/every_entry_point.hpp"
+
+// The Gaussian entry points, written once over the policy (troll/gaussian_api.hpp), take troll's
+// policies as a caller writes them (value, const reference, builder result) and nothing else.
+namespace {
+template <class P, class = void>
+struct gaussian_kl_takes : std::false_type {};
+template <class P>
+struct gaussian_kl_takes<P, std::void_t<decltype(troll::gaussian::kl(std::declval<P>(), troll::batch_view<const double>{},
+                                                                     troll::batch_view<const double>{},
+                                                                     troll::batch_view<const double>{},
+                                                                     troll::batch_view<const double>{},
+                                                                     static_cast<double*>(nullptr)))>>
+    : std::true_type {};
+static_assert(gaussian_kl_takes<troll::cpu_policy>::value);
+static_assert(gaussian_kl_takes<const troll::cpu_policy&>::value);
+static_assert(gaussian_kl_takes<decltype(troll::cpu.with_threads(2))>::value);
+static_assert(gaussian_kl_takes<const troll::cuda_policy&>::value);
+static_assert(!gaussian_kl_takes<int>::value);
+static_assert(!gaussian_kl_takes<const double*>::value);
+static_assert(troll::is_execution_policy_v<const troll::cuda_policy&> && !troll::is_execution_policy_v<int>);
+}  // namespace
 
 TEST_CASE("every entry point runs under troll::cpu from one function template") {
   const consumer::step_results serial = consumer::run_every_entry_point(troll::cpu.with_threads(1));

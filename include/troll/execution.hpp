@@ -90,14 +90,12 @@ struct cuda_policy {
 inline constexpr cpu_policy cpu{};
 inline constexpr cuda_policy cuda{};
 
-/// True for troll's execution policies (cpu_policy, cuda_policy), cv-qualifiers and references
-/// ignored: the entry points written once for both backends accept exactly these first arguments.
+/// True for troll's execution policies (cpu_policy, cuda_policy); is_execution_policy_v ignores
+/// cv-qualifiers and references. The entry points written once for both backends
+/// (gaussian_api.hpp) accept exactly these first arguments.
 template <class T>
-struct is_execution_policy : std::false_type {};
-template <>
-struct is_execution_policy<cpu_policy> : std::true_type {};
-template <>
-struct is_execution_policy<cuda_policy> : std::true_type {};
+struct is_execution_policy
+    : std::bool_constant<std::is_same<T, cpu_policy>::value || std::is_same<T, cuda_policy>::value> {};
 template <class T>
 inline constexpr bool is_execution_policy_v = is_execution_policy<std::remove_cv_t<std::remove_reference_t<T>>>::value;
 
