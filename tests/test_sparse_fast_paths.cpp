@@ -98,11 +98,7 @@ void vjp_agrees(std::size_t vocab, std::size_t k_max, double eps, unsigned seed)
   std::mt19937_64 rng(seed);
   const std::size_t rows = 3 * (k_max + 1);
   const aligned_rows<T> a = make_rows<T>(rows, k_max, vocab, rng);
-  const troll::aligned_batch_view<const T> view{a.indices.data(),           a.counts.data(),
-                                                a.new_log_probs.data(),     a.old_log_probs.data(),
-                                                a.new_log_remainder.data(), a.old_log_remainder.data(),
-                                                rows,                       k_max,
-                                                vocab};
+  const troll::aligned_batch_view<const T> view = a.const_view();
   sparse_rows<T> out(rows, k_max, vocab);
   std::vector<troll::projection_stats> st(rows);
   troll::project(troll::cpu, view, eps, out.view(), st.data());
@@ -201,11 +197,7 @@ void setup_agrees(std::size_t vocab, std::size_t k_max, unsigned seed) {
     ln[count - 1] = top_n;
     if (r % 2 == 0 && count < vocab) a.new_log_remainder[r] = top_n, a.old_log_remainder[r] = top_o;
   }
-  const troll::aligned_batch_view<const T> view{a.indices.data(),           a.counts.data(),
-                                                a.new_log_probs.data(),     a.old_log_probs.data(),
-                                                a.new_log_remainder.data(), a.old_log_remainder.data(),
-                                                rows,                       k_max,
-                                                vocab};
+  const troll::aligned_batch_view<const T> view = a.const_view();
   const int m = troll::sparse_max_entries + 1;
   std::size_t fast_rows = 0;
   for (std::size_t r = 0; r < rows; ++r) {
@@ -259,11 +251,7 @@ TEST_CASE("a bad row at each position of a batch: the same typed error naming it
   std::mt19937_64 rng(5);
   const std::size_t rows = 40, k_max = 24, vocab = 300;
   aligned_rows<float> a = make_rows<float>(rows, k_max, vocab, rng);
-  const troll::aligned_batch_view<const float> view{a.indices.data(),           a.counts.data(),
-                                                    a.new_log_probs.data(),     a.old_log_probs.data(),
-                                                    a.new_log_remainder.data(), a.old_log_remainder.data(),
-                                                    rows,                       k_max,
-                                                    vocab};
+  const troll::aligned_batch_view<const float> view = a.const_view();
   sparse_rows<float> out(rows, k_max, vocab);
   std::vector<troll::projection_stats> st(rows);
   troll::project(troll::cpu, view, 0.05, out.view(), st.data());

@@ -52,6 +52,11 @@ struct aligned_rows {
             old_log_probs.data(),    new_log_remainder.data(), old_log_remainder.data(),
             rows,                    k_max,                   vocab};
   }
+  troll::aligned_batch_view<const T> const_view() const {
+    return {indices.data(),          counts.data(),           new_log_probs.data(),
+            old_log_probs.data(),    new_log_remainder.data(), old_log_remainder.data(),
+            rows,                    k_max,                   vocab};
+  }
 };
 
 template <class T>
