@@ -54,11 +54,9 @@ void sparsify(cuda_policy policy, batch_view<L> logits, const token_id* sampled,
               sparse_batch_view<T> out) {
   const cuda_checks& checks = policy.checks;
   using logit_type = std::remove_const_t<L>;
-  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
-                "troll::sparsify (CUDA): logits must be float, double, __half or __nv_bfloat16");
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify";
-  const batch_view<const logit_type> in{logits.data, logits.rows, logits.cols, logits.stride};
+  const batch_view<const logit_type> in = detail::cuda::sparsify_logits(logits);
   detail::check_sparsify_arguments(fn, in, sampled != nullptr, options, out);
   const double log_delta = options.delta > 0.0 ? std::log(options.delta) : detail::neg_inf();
   const detail::cuda::sparse_thrower thrower{{"logits"}, in.cols};
@@ -80,10 +78,8 @@ void sparsify_shard(cuda_policy policy, batch_view<L> shard_logits, std::size_t 
                     const token_id* sampled, const sparsify_options& options, sparsify_state* states) {
   const cuda_checks& checks = policy.checks;
   using logit_type = std::remove_const_t<L>;
-  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
-                "troll::sparsify_shard (CUDA): logits must be float, double, __half or __nv_bfloat16");
   constexpr const char* fn = "sparsify_shard";
-  const batch_view<const logit_type> in{shard_logits.data, shard_logits.rows, shard_logits.cols, shard_logits.stride};
+  const batch_view<const logit_type> in = detail::cuda::sparsify_logits(shard_logits);
   detail::check_sparsify_shard_arguments(fn, in, vocab_offset, vocab, options, states);
   const detail::cuda::sparse_thrower thrower{{"shard_logits"}, vocab};
   detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower,
@@ -154,11 +150,9 @@ template <class T, class L>
 void sparsify_tail_sums(cuda_policy policy, batch_view<L> shard_logits, std::size_t vocab_offset,
                         sparse_input<T> support, const double* tail_max, double* sums) {
   using logit_type = std::remove_const_t<L>;
-  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
-                "troll::sparsify_tail_sums (CUDA): logits must be float, double, __half or __nv_bfloat16");
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_tail_sums";
-  const batch_view<const logit_type> in{shard_logits.data, shard_logits.rows, shard_logits.cols, shard_logits.stride};
+  const batch_view<const logit_type> in = detail::cuda::sparsify_logits(shard_logits);
   detail::check_sparsify_tail_sums_arguments(fn, in, vocab_offset, support, tail_max, sums);
   const detail::cuda::sparse_thrower thrower{
       {"shard_logits", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, "support"}, 0};
@@ -202,11 +196,9 @@ void align(cuda_policy policy, batch_view<L> new_logits, sparse_input<T> new_sup
            aligned_batch_view<T> out) {
   const cuda_checks& checks = policy.checks;
   using logit_type = std::remove_const_t<L>;
-  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
-                "troll::align (CUDA): logits must be float, double, __half or __nv_bfloat16");
   detail::require_float_type<T>();
   constexpr const char* fn = "align";
-  const batch_view<const logit_type> in{new_logits.data, new_logits.rows, new_logits.cols, new_logits.stride};
+  const batch_view<const logit_type> in = detail::cuda::sparsify_logits(new_logits);
   detail::check_align_arguments(fn, in, new_support, old_rows, out);
   const bool with_support = new_support.rows != 0;
   const detail::cuda::sparse_thrower thrower{
@@ -296,11 +288,9 @@ void sparsify_backward(cuda_policy policy, batch_view<L> logits, sparse_input<T>
                        batch_view<T> grad_logits) {
   const cuda_checks& checks = policy.checks;
   using logit_type = std::remove_const_t<L>;
-  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
-                "troll::sparsify_backward (CUDA): logits must be float, double, __half or __nv_bfloat16");
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_backward";
-  const batch_view<const logit_type> in{logits.data, logits.rows, logits.cols, logits.stride};
+  const batch_view<const logit_type> in = detail::cuda::sparsify_logits(logits);
   detail::check_sparsify_backward_arguments(fn, in, support, grad, grad_logits);
   const detail::cuda::sparse_thrower thrower{
       {"logits", nullptr, nullptr, nullptr, nullptr, "grad (NaN or infinite)", nullptr, "support"}, 0};
@@ -323,11 +313,9 @@ void sparsify_shard_backward(cuda_policy policy, batch_view<L> shard_logits, std
                              sparse_input<T> support, sparse_grad_input<T> grad, const double* log_sums,
                              batch_view<T> grad_shard) {
   using logit_type = std::remove_const_t<L>;
-  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
-                "troll::sparsify_shard_backward (CUDA): logits must be float, double, __half or __nv_bfloat16");
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_shard_backward";
-  const batch_view<const logit_type> in{shard_logits.data, shard_logits.rows, shard_logits.cols, shard_logits.stride};
+  const batch_view<const logit_type> in = detail::cuda::sparsify_logits(shard_logits);
   detail::check_sparsify_shard_backward_arguments(fn, in, vocab_offset, support, grad, log_sums, grad_shard);
   const detail::cuda::sparse_thrower thrower{
       {"shard_logits", nullptr, nullptr, nullptr, nullptr, "grad (NaN or infinite)", nullptr, "support"}, 0};
