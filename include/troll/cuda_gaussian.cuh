@@ -48,17 +48,13 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cuda {
 
+/// The device's rows of a projection after its argument checks (gaussian_forward_call.hpp).
 template <class T>
-void project_gaussian(cuda_policy policy, const gaussian_call& call, batch_view<const T> mean,
+void project_gaussian(cuda_policy policy, const gaussian_call& c, batch_view<const T> mean,
                       batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
                       double eps_mean, double eps_cov, batch_view<T> out_mean, batch_view<T> out_cov,
                       gaussian::gaussian_stats* stats, const projection_options& opt,
-                      gaussian::saved_factorisation<double> saved = {}) {
-  require_float_type<T>();
-  const gaussian_call c = check_projection_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, stats,
-                                                     eps_mean, eps_cov, opt);
-  check_gaussian_dim(c);
-  check_saved_factorisation(c, mean.rows, saved);
+                      gaussian::saved_factorisation<double> saved) {
   const std::size_t row_bytes = gaussian_forward_row_bytes(c.dim);
   double* workspace = full_workspace(policy, c, mean.rows, row_bytes);  // one block per row above d = 32
   if (mean.rows == 0) return;
@@ -74,6 +70,7 @@ void project_gaussian(cuda_policy policy, const gaussian_call& call, batch_view<
 /// The CUDA backend of the Gaussian entry points of gaussian_api.hpp (the KL: cuda_gaussian_derivatives.cuh).
 template <>
 struct gaussian_backend<cuda_policy> {
+  static void check_dim(const gaussian_call& c) { cuda::check_gaussian_dim(c); }
   template <class... Args>
   static void project(const Args&... args) {
     cuda::project_gaussian(args...);
