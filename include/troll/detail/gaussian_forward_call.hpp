@@ -15,6 +15,19 @@
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 
+/// The operands, bounds and options of a projection after its checks: what the backends' rows
+/// read (the CUDA kernels' launch argument as well, cuda::gaussian_launch).
+template <class T>
+struct gaussian_forward_launch {
+  batch_view<const T> mean, cov, old_mean, old_cov;
+  batch_view<T> out_mean, out_cov;
+  gaussian::gaussian_stats* stats;
+  double eps_mean, eps_cov;
+  projection_options options;
+  bool split;
+  gaussian::saved_factorisation<double> saved{};  ///< full rows: V, g, b written when not empty
+};
+
 /// The four Gaussian projections under `policy`, diagonal or full rows (call.full).
 template <class Policy, class T>
 void project_gaussian_forward(Policy policy, const gaussian_call& call, batch_view<const T> mean,
@@ -27,8 +40,9 @@ void project_gaussian_forward(Policy policy, const gaussian_call& call, batch_vi
                                                      eps_mean, eps_cov, opt);
   gaussian_backend<Policy>::check_dim(c);
   check_saved_factorisation(c, mean.rows, saved);
-  gaussian_backend<Policy>::project(policy, c, mean, cov, old_mean, old_cov, eps_mean, eps_cov, out_mean, out_cov,
-                                    stats, opt, saved);
+  const gaussian_forward_launch<T> k{mean, cov, old_mean, old_cov, out_mean, out_cov, stats, eps_mean, eps_cov, opt,
+                                    c.split, saved};
+  gaussian_backend<Policy>::project(policy, c, k);
 }
 
 /// gaussian::kl / kl_diag under `policy`.
