@@ -135,7 +135,7 @@ TEST_CASE("cpu workspace: undersized, misaligned or null memory throws shape_err
                     "troll::project_backward: workspace holds 1 bytes but the call needs 2 (troll::workspace_bytes)");
   call(troll::cpu.with_workspace(memory, need));
   std::vector<double> own(grad);
-  call(troll::cpu);  // no workspace: the CPU allocates its own
+  call(troll::cpu);  // no workspace: the thread's arena
   CHECK(own == grad);
   for (double v : grad) CHECK(v != sentinel);
 }
@@ -145,7 +145,7 @@ namespace {
 /// Calls `call(policy)` with the policy's workspace too short (8 bytes: not even the weights of
 /// the rows), misaligned and null (each must throw shape_error and leave `out` as it was), then
 /// with `need` bytes, the query's answer (the results must equal those of the call that
-/// allocates its own scratch).
+/// takes its scratch from the thread's arena).
 template <class Call, class Out>
 void check_objective_workspace(std::size_t need, Call call, const Out& out) {
   REQUIRE(need > 0);
@@ -159,7 +159,7 @@ void check_objective_workspace(std::size_t need, Call call, const Out& out) {
   call(troll::cpu.with_workspace(bytes, need));
   const Out with_workspace = out;
   CHECK(with_workspace != before);
-  call(troll::cpu.with_threads(3));  // no workspace: the documented convenience allocates
+  call(troll::cpu.with_threads(3));  // no workspace: the thread's arena
   CHECK(out == with_workspace);
 }
 
@@ -255,4 +255,159 @@ TEST_CASE("cpu objectives draw their scratch from the policy's workspace (sized,
                                   make_batch(sparse_grad.data(), rows, V), 1.0);
       },
       sparse_grad);
+}
+
+// ---- The CPU's scratch without a workspace: a per-thread arena, grown once, then reused ----
+
+TEST_CASE("host_arena: 64-byte aligned blocks, grown only when a call needs more, one per nesting level") {
+  troll::detail::host_arena& arena = troll::detail::host_arena::local();
+  const troll::scratch_memory none{};
+  const std::size_t big = arena.capacity(0) + 1000;
+  std::size_t growths = arena.growths();
+  unsigned char* first = nullptr;
+  {
+    const troll::detail::host_scratch s("test", none, big);
+    first = s.data();
+    CHECK(reinterpret_cast<std::uintptr_t>(first) % 64 == 0);
+    CHECK(arena.growths() == growths + 1);
+    CHECK(arena.depth() == 1);
+    for (std::size_t i = 0; i < big; ++i) s.data()[i] = static_cast<unsigned char>(i);  // ASan: the bytes are ours
+    // A second scratch live at the same time gets its own block.
+    const troll::detail::host_scratch nested("test", none, 16);
+    CHECK(nested.data() != first);
+    CHECK(reinterpret_cast<std::uintptr_t>(nested.data()) % 64 == 0);
+    CHECK(arena.depth() == 2);
+  }
+  CHECK(arena.depth() == 0);
+  growths = arena.growths();
+  {
+    const troll::detail::host_scratch smaller("test", none, big / 2);
+    CHECK(smaller.data() == first);  // reused, not reallocated
+  }
+  {
+    const troll::detail::host_scratch same("test", none, big);
+    CHECK(same.data() == first);
+  }
+  CHECK(arena.growths() == growths);
+  // A caller's workspace is checked as before and never touches the arena.
+  alignas(16) unsigned char memory[32] = {};
+  CHECK_THROWS_AS(troll::detail::host_scratch("test", troll::scratch_memory{memory, 8}, 16), troll::shape_error);
+  CHECK_THROWS_AS(troll::detail::host_scratch("test", troll::scratch_memory{memory + 1, 16}, 16), troll::shape_error);
+  CHECK_THROWS_AS(troll::detail::host_scratch("test", troll::scratch_memory{nullptr, 16}, 16), troll::shape_error);
+  CHECK(troll::detail::host_scratch("test", troll::scratch_memory{memory, 16}, 16).data() == memory);
+  CHECK(arena.depth() == 0);
+  CHECK(arena.growths() == growths);
+}
+
+TEST_CASE("every entry point with scratch, called again without a workspace: same results, no new allocation") {
+  using troll::make_batch;
+  using T = double;
+  const std::size_t rows = 3, V = 10;
+  const std::vector<T> zn = consumer::logits(rows, V, 0.7), zo = consumer::logits(rows, V, 1.3);
+  const auto new_in = make_batch(zn.data(), rows, V);
+  const auto old_in = make_batch(zo.data(), rows, V);
+  const auto policy = troll::cpu.with_threads(1);
+  std::vector<T> lp(rows * V);
+  std::vector<troll::projection_stats> stats(rows);
+  troll::project(policy, new_in, old_in, 0.05, make_batch(lp.data(), rows, V), stats.data());
+  const auto lp_in = make_batch<const T>(lp.data(), rows, V);
+  std::vector<T> up(rows * V);
+  for (std::size_t i = 0; i < up.size(); ++i) up[i] = 0.1 * double(i % 7) - 0.3;
+  const auto up_in = make_batch<const T>(up.data(), rows, V);
+
+  const troll::detail::host_arena& arena = troll::detail::host_arena::local();
+  // Runs `call` three times: the first may grow the arena, the second and third must not, and
+  // all three must give `out` bit for bit.
+  auto twice = [&](const char* name, auto call, auto& out) {
+    CAPTURE(name);
+    call();
+    const auto first = out;
+    const std::size_t growths = arena.growths();
+    for (int again = 0; again < 2; ++again) {
+      for (auto& v : out) v = decltype(+v)(99);
+      call();
+      CHECK(out == first);
+    }
+    CHECK(arena.growths() == growths);
+    CHECK(arena.depth() == 0);
+  };
+
+  std::vector<T> grad(rows * V), tangent(rows * V);
+  twice("project_backward", [&] {
+    troll::project_backward(policy, new_in, old_in, lp_in, stats.data(), up_in, make_batch(grad.data(), rows, V));
+  }, grad);
+  twice("project_jvp", [&] {
+    troll::project_jvp(policy, new_in, old_in, lp_in, stats.data(), up_in, up_in, 0.5, make_batch(tangent.data(), rows, V));
+  }, tangent);
+
+  // Sparse rows: sparsify (its rows kept in scratch until every row has passed), align, project,
+  // the sparse backward.
+  troll::sparsify_options options;
+  options.k = 4;
+  options.delta = 1e-6;
+  const std::size_t k = 5, k_max = V;
+  const std::vector<troll::token_id> tokens{2, 5, 9};
+  std::vector<troll::sparse_index> ni(rows * k), nc(rows), oi(rows * k), oc(rows);
+  std::vector<T> nv(rows * k), nr(rows), ov(rows * k), orr(rows);
+  const troll::sparse_batch_view<T> new_rows{ni.data(), nv.data(), nc.data(), nr.data(), rows, k, V};
+  const troll::sparse_batch_view<T> old_rows{oi.data(), ov.data(), oc.data(), orr.data(), rows, k, V};
+  twice("sparsify", [&] { troll::sparsify(policy, new_in, tokens.data(), options, new_rows); }, nv);
+  troll::sparsify(policy, old_in, tokens.data(), options, old_rows);
+  std::vector<troll::sparse_index> ai(rows * k_max), ac(rows);
+  std::vector<T> anv(rows * k_max), aov(rows * k_max), anr(rows), aor(rows);
+  const troll::aligned_batch_view<T> aligned{ai.data(), ac.data(), anv.data(), aov.data(), anr.data(), aor.data(),
+                                             rows,      k_max,     V};
+  troll::align(policy, troll::sparse_input<T>(new_rows), troll::sparse_input<T>(old_rows), aligned);
+  std::vector<troll::sparse_index> pi(rows * k_max), pc(rows);
+  std::vector<T> pv(rows * k_max), pr(rows);
+  const troll::sparse_batch_view<T> projected{pi.data(), pv.data(), pc.data(), pr.data(), rows, k_max, V};
+  std::vector<troll::projection_stats> sparse_stats(rows);
+  troll::project(policy, troll::aligned_input<T>(aligned), 0.05, projected, sparse_stats.data());
+  std::vector<T> gav(rows * k_max, 0.02), gar(rows, 0.03), gnv(rows * k_max), gnr(rows);
+  twice("sparse project_backward", [&] {
+    troll::project_backward(policy, troll::aligned_input<T>(aligned), troll::sparse_input<T>(projected),
+                            sparse_stats.data(),
+                            troll::sparse_grad_input<T>(troll::sparse_grad_view<T>{gav.data(), gar.data(), rows, k_max}),
+                            troll::sparse_grad_view<T>{gnv.data(), gnr.data(), rows, k_max});
+  }, gnv);
+
+  // The objectives (their scratch: weights, row records, flags).
+  const std::vector<T> advantages{1.0, -0.5, 0.25};
+  troll::token_batch<T> batch;
+  batch.tokens = tokens.data();
+  batch.advantages = advantages.data();
+  std::vector<T> token_loss(rows), olp(rows * V), ograd(rows * V);
+  troll::objective_metrics metrics;
+  const troll::trust_region_objective troll_objective;
+  twice("trust region forward", [&] {
+    troll::objective_forward(policy, troll_objective, new_in, old_in, batch, make_batch(olp.data(), rows, V),
+                             stats.data(), token_loss.data(), &metrics);
+  }, token_loss);
+  twice("trust region backward", [&] {
+    troll::objective_backward(policy, troll_objective, new_in, old_in, batch, make_batch<const T>(olp.data(), rows, V),
+                              stats.data(), make_batch(ograd.data(), rows, V), 1.0);
+  }, ograd);
+  const troll::ppo_clip_objective ppo;
+  twice("ppo forward", [&] {
+    troll::objective_forward(policy, ppo, new_in, old_in, batch, token_loss.data(), &metrics);
+  }, token_loss);
+  twice("ppo backward", [&] {
+    troll::objective_backward(policy, ppo, new_in, old_in, batch, make_batch(ograd.data(), rows, V), 1.0);
+  }, ograd);
+  troll::sparse_trust_region_objective sparse_objective;
+  sparse_objective.new_support = options;
+  std::vector<troll::sparse_index> si(rows * k_max), sc(rows), li(rows * k_max), lc(rows);
+  std::vector<T> snv(rows * k_max), sov(rows * k_max), snr(rows), sor(rows), lv(rows * k_max), lr(rows);
+  const troll::aligned_batch_view<T> s_aligned{si.data(), sc.data(), snv.data(), sov.data(), snr.data(), sor.data(),
+                                               rows,      k_max,     V};
+  const troll::sparse_batch_view<T> s_log_probs{li.data(), lv.data(), lc.data(), lr.data(), rows, k_max, V};
+  twice("sparse trust region forward", [&] {
+    troll::objective_forward(policy, sparse_objective, new_in, troll::sparse_input<T>(old_rows), batch, s_aligned,
+                             s_log_probs, sparse_stats.data(), token_loss.data(), &metrics);
+  }, token_loss);
+  twice("sparse trust region backward", [&] {
+    troll::objective_backward(policy, sparse_objective, new_in, troll::aligned_input<T>(s_aligned), batch,
+                              troll::sparse_input<T>(s_log_probs), sparse_stats.data(), make_batch(ograd.data(), rows, V),
+                              1.0);
+  }, ograd);
 }

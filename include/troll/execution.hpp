@@ -39,7 +39,8 @@ constexpr Policy with_member(Policy policy, Member Policy::*member, const Value&
 ///
 /// * `threads`: 0 means "use std::thread::hardware_concurrency()"; 1 forces a serial run.
 /// * `workspace`: scratch for the entry points whose workspace_bytes is non-zero. When it is
-///   empty (the default) such an entry point allocates its scratch itself; when it is given it
+///   empty (the default) such an entry point takes its scratch from the calling thread's
+///   reusable arena (detail/workspace.hpp: allocates only when it grows); when it is given it
 ///   must hold workspace_bytes(...) bytes, else shape_error before anything is written.
 struct cpu_policy {
   unsigned threads = 0;

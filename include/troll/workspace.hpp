@@ -10,8 +10,9 @@
 //
 // 0 means the entry point needs none (most of them). The memory must be 8-byte aligned; a
 // workspace that is null, misaligned or smaller than the query's answer throws shape_error before
-// anything is written. A cpu_policy without a workspace lets the CPU entry points allocate their
-// scratch themselves; a cuda_policy must carry one wherever the answer is non-zero.
+// anything is written. A cpu_policy without a workspace lets the CPU entry points take their
+// scratch from the calling thread's reusable arena (it allocates only when it grows); a
+// cuda_policy must carry one wherever the answer is non-zero.
 #pragma once
 
 #include <cstddef>

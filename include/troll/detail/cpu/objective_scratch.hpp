@@ -1,6 +1,6 @@
 // troll/detail/cpu/objective_scratch.hpp — the CPU objectives' scratch memory: what each pass keeps
 // per row (the aggregation weights, the row results, flags), carved from the policy's workspace,
-// or from memory owned by the call when the policy carries none. No Eigen: the public size query
+// or from the calling thread's reusable arena (detail/workspace.hpp) when the policy carries none. No Eigen: the public size query
 // (troll/workspace.hpp) counts the same layouts.
 #pragma once
 
@@ -75,8 +75,8 @@ std::size_t scratch_bytes(std::size_t rows, std::size_t extra) {
 }
 
 /// One layout carved from the policy's workspace (checked: shape_error when it is null,
-/// misaligned or short, before anything is written) or, when the policy carries none, from
-/// memory owned here (the documented convenience: that call allocates).
+/// misaligned or short, before anything is written) or, when the policy carries none, from the
+/// calling thread's host_arena (allocates only when the arena grows).
 template <class Scratch>
 class carved_scratch {
  public:
