@@ -22,6 +22,7 @@
 #include "detail/cuda/objective_kernels.cuh"
 #include "detail/cuda/objective_launch.cuh"
 #include "detail/cuda/row_report.cuh"
+#include "detail/objective_arguments.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
 #include "objective_types.hpp"

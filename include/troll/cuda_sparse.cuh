@@ -33,6 +33,7 @@
 #include "detail/cuda/sparse_sparsify.cuh"
 #include "detail/cuda/sparse_warp.cuh"
 #include "detail/row_problem.hpp"
+#include "detail/sparse_arguments.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
 #include "projection_types.hpp"

@@ -25,6 +25,7 @@
 #include "detail/cpu/objective_scratch.hpp"
 #include "detail/cpu/parallel.hpp"
 #include "detail/cpu/row_kernels.hpp"
+#include "detail/objective_arguments.hpp"
 #include "detail/objective_row.hpp"
 #include "detail/row_problem.hpp"
 #include "errors.hpp"

@@ -28,6 +28,7 @@
 #include "detail/cpu/sparse_kernels.hpp"
 #include "detail/cpu/sparse_lumped_rows.hpp"
 #include "detail/row_problem.hpp"
+#include "detail/sparse_arguments.hpp"
 #include "detail/sparse_problem.hpp"
 #include "detail/sparse_row.hpp"
 #include "errors.hpp"

@@ -10,6 +10,8 @@
 #include "batch.hpp"
 #include "config.hpp"
 #include "detail/numeric.hpp"
+#include "detail/objective_arguments.hpp"
+#include "detail/sparse_arguments.hpp"
 #include "errors.hpp"
 #include "objective_types.hpp"
 #include "projection_types.hpp"

@@ -20,6 +20,7 @@
 
 #include "config.hpp"
 #include "detail/cpu/objective_scratch.hpp"
+#include "detail/objective_arguments.hpp"
 #include "detail/workspace_layout.hpp"
 #include "execution.hpp"
 #include "objective_types.hpp"

@@ -13,6 +13,7 @@
 #include "../../errors.hpp"
 #include "../../execution.hpp"
 #include "../../objective_types.hpp"
+#include "../objective_arguments.hpp"
 #include "../workspace.hpp"
 #include "error_check.cuh"
 #include "launch.cuh"
