@@ -216,7 +216,7 @@ TROLL_HOST_DEVICE inline surrogate_token dppo_token(double ratio, double advanta
 // ---- The ratio-based baselines as one spec (PPO clip and the four DPPO variants) ----
 
 /// Which surrogate a baseline row evaluates, with its parameters (built and checked on the host
-/// by make_spec in objective_types.hpp; the CPU and CUDA row passes take it as is).
+/// by make_spec in detail/objective_arguments.hpp; the CPU and CUDA row passes take it as is).
 struct ratio_objective_spec {
   enum class kind { ppo_clip, dppo_binary_tv, dppo_binary_kl, dppo_topk_tv, dppo_topk_kl };
   kind which = kind::ppo_clip;

@@ -15,6 +15,7 @@
 #include "../row_problem.hpp"
 #include "../sparse_problem.hpp"
 #include "../sparse_row.hpp"
+#include "../sparse_arguments.hpp"
 #include "../../sparse_types.hpp"
 #include "launch.cuh"
 #include "row_report.cuh"
