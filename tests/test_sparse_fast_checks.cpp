@@ -5,7 +5,9 @@
 // swept across both edges of the tolerance, masked entries, NaN / +inf / positive values at
 // every position of a packet, and the remainder masked or not. And the distinct-id check through
 // a scratch shared by a run of rows (sparse_indices_fine with distinct_ids_scratch, whose table
-// is emptied by a new stamp per row, not cleared) against sorting.
+// is emptied by a new stamp per row, not cleared) against sorting; with AVX-512, supports of up
+// to 128 ids take the packet compares of distinct_ids_lanes instead, tested against sorting with
+// a repeat at every pair of positions, and ids just outside [0, V).
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -134,4 +136,82 @@ TEST_CASE("sparse_indices_fine over a run of rows sharing one scratch agrees wit
   CHECK(!troll::detail::cpu::sparse_indices_fine(ids.data(), -1, 300, vocab, scratch));
   CHECK(!troll::detail::cpu::sparse_indices_fine(ids.data(), 3, 2, vocab, scratch));
   CHECK(!troll::detail::cpu::sparse_indices_fine(ids.data(), 3, 300, 2, scratch));
+}
+
+namespace {
+
+/// Whether ids are distinct and in [0, vocab), by sorting (the oracle).
+bool distinct_in_range(std::vector<sparse_index> ids, std::size_t vocab) {
+  std::sort(ids.begin(), ids.end());
+  const bool in_range = ids.empty() || (ids.front() >= 0 && std::size_t(ids.back()) < vocab);
+  return in_range && std::adjacent_find(ids.begin(), ids.end()) == ids.end();
+}
+
+}  // namespace
+
+TEST_CASE("sparse_indices_fine: a repeat at every pair of positions, counts 0 to 130") {
+  std::mt19937_64 rng(14);
+  const std::size_t vocab = 151936;
+  troll::detail::cpu::distinct_ids_scratch scratch;
+  for (int n = 0; n <= 130; ++n) {
+    CAPTURE(n);
+    // Distinct ids (a random sample of the vocabulary), some next to each other.
+    std::vector<sparse_index> ids;
+    while (int(ids.size()) < n) {
+      const sparse_index v = sparse_index(rng() % vocab);
+      if (std::find(ids.begin(), ids.end(), v) == ids.end()) ids.push_back(v);
+    }
+    CHECK(troll::detail::cpu::sparse_indices_fine(ids.data(), n, 200, vocab, scratch));
+    // Every pair (i, j), i < j, for the short rows; a spread of pairs for the long ones.
+    const int step = n <= 40 ? 1 : 7;
+    for (int i = 0; i < n; i += (i % step == 0 ? 1 : step)) {
+      for (int j = i + 1; j < n; ++j) {
+        std::vector<sparse_index> twice = ids;
+        twice[std::size_t(j)] = twice[std::size_t(i)];
+        CAPTURE(i);
+        CAPTURE(j);
+        REQUIRE(!troll::detail::cpu::sparse_indices_fine(twice.data(), n, 200, vocab, scratch));
+      }
+    }
+    // An id just outside [0, V), or −1 (the padding value of the packet compares), at each
+    // position; ids 0 and V − 1 are fine.
+    for (int i = 0; i < n; ++i) {
+      std::vector<sparse_index> bad = ids;
+      for (const sparse_index v : {sparse_index(-1), sparse_index(vocab),
+                                   std::numeric_limits<sparse_index>::min(),
+                                   std::numeric_limits<sparse_index>::max()}) {
+        bad[std::size_t(i)] = v;
+        CHECK(!troll::detail::cpu::sparse_indices_fine(bad.data(), n, 200, vocab, scratch));
+      }
+      for (const sparse_index v : {sparse_index(0), sparse_index(vocab - 1)}) {
+        bad[std::size_t(i)] = v;
+        CHECK(troll::detail::cpu::sparse_indices_fine(bad.data(), n, 200, vocab, scratch) ==
+              distinct_in_range(bad, vocab));
+      }
+    }
+  }
+}
+
+TEST_CASE("sparse_indices_fine: small and huge vocabularies, rows of 0 to 130 ids, against sorting") {
+  std::mt19937_64 rng(15);
+  troll::detail::cpu::distinct_ids_scratch scratch;
+  // V = 2^31 − 1 (every non-negative int32 but the largest), V above 2^31 (every non-negative id).
+  for (const std::size_t vocab : {std::size_t(130), std::size_t(200), std::size_t(2147483647),
+                                  std::size_t(1) << 33}) {
+    for (int row = 0; row < 2000; ++row) {
+      const int n = int(rng() % 131);
+      if (std::size_t(n) > vocab) continue;
+      CAPTURE(vocab);
+      CAPTURE(row);
+      std::vector<sparse_index> ids(static_cast<std::size_t>(n));
+      const std::uint64_t wide = std::uint64_t(1) << 31, narrow = 2 * std::uint64_t(n) + 1;
+      const std::uint64_t range = std::min<std::uint64_t>(vocab, row % 2 ? narrow : wide);
+      for (sparse_index& v : ids) v = sparse_index(rng() % range);
+      if (row % 5 == 0) std::sort(ids.begin(), ids.end());
+      if (row % 13 == 0 && n > 0)
+        ids[std::size_t(rng() % std::uint64_t(n))] = std::numeric_limits<sparse_index>::max();
+      CHECK(troll::detail::cpu::sparse_indices_fine(ids.data(), n, 200, vocab, scratch) ==
+            distinct_in_range(ids, vocab));
+    }
+  }
 }

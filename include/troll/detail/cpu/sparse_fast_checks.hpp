@@ -36,15 +36,79 @@ inline constexpr std::size_t prefetch_rows_ahead = 2;
 /// Slots of the hash table sparse_indices_fine needs: twice the largest support.
 inline constexpr int distinct_table_slots = 2 * sparse_max_entries;
 
+/// The longest support distinct_ids_lanes takes (eight packets of sixteen ids); longer ones go
+/// through the hash table.
+inline constexpr int distinct_lanes_max = 128;
+
+#if defined(__AVX512F__)
+/// Whether ids[0..n) (n ≤ distinct_lanes_max) are distinct ids in [0, V), all in registers: the
+/// ids in packets of sixteen (the last padded with −1), the range in one unsigned compare per
+/// packet, then each packet against every id of the packets before it (broadcast) and, with
+/// AVX512CD, against its own earlier lanes in one vpconflictd. About n²/32 packet operations,
+/// no branches on the data, no scratch: for the supports of K = 64 rows (|U| ≈ 70–130) about
+/// twice as fast as the hash table's probes.
+inline bool distinct_ids_lanes(const sparse_index* ids, int n, std::size_t vocab) {
+  const int packets = (n + 15) / 16;
+  __m512i v[distinct_lanes_max / 16];
+  // An id is in [0, V) exactly when, read as unsigned, it is below min(V, 2^31).
+  constexpr std::size_t above_ids = std::size_t(1) << 31;
+  const __m512i bound = _mm512_set1_epi32(int(std::uint32_t(vocab < above_ids ? vocab : above_ids)));
+  __mmask16 outside = 0;
+  for (int b = 0; b < packets; ++b) {
+    const int left = n - 16 * b;
+    const __mmask16 live = left >= 16 ? __mmask16(0xffffu) : __mmask16((1u << unsigned(left)) - 1u);
+    v[b] = _mm512_mask_loadu_epi32(_mm512_set1_epi32(-1), live, ids + 16 * b);
+    outside |= _mm512_mask_cmpge_epu32_mask(live, v[b], bound);
+  }
+  if (outside != 0) return false;
+  // Packet c against every id before it: acc = min(acc, v[c] XOR id) is zero in a lane exactly
+  // when that lane repeats the id (padding lanes hold −1, which no id in range equals). Plain
+  // vector ALU work in four independent accumulators (mask compares are slower here).
+  const __m512i ones = _mm512_set1_epi32(-1);
+  __m512i least = ones;
+  for (int c = 0; c < packets; ++c) {
+    const __m512i w = v[c];
+    __m512i a0 = ones, a1 = ones, a2 = ones, a3 = ones;
+    const int before = 16 * c;
+    int i = 0;
+    for (; i + 4 <= before; i += 4) {
+      a0 = _mm512_min_epu32(a0, _mm512_xor_si512(w, _mm512_set1_epi32(ids[i])));
+      a1 = _mm512_min_epu32(a1, _mm512_xor_si512(w, _mm512_set1_epi32(ids[i + 1])));
+      a2 = _mm512_min_epu32(a2, _mm512_xor_si512(w, _mm512_set1_epi32(ids[i + 2])));
+      a3 = _mm512_min_epu32(a3, _mm512_xor_si512(w, _mm512_set1_epi32(ids[i + 3])));
+    }
+    // Within packet c: each live lane against the lanes before it.
+    const int end = n - before < 16 ? n - before : 16;
+#if defined(__AVX512CD__)
+    const __mmask16 live = end == 16 ? __mmask16(0xffffu) : __mmask16((1u << unsigned(end)) - 1u);
+    // vpconflictd: in each lane, a bit for every earlier lane holding the same value.
+    const __mmask16 repeats = _mm512_mask_test_epi32_mask(live, _mm512_conflict_epi32(w), ones);
+    a1 = _mm512_mask_min_epu32(a1, repeats, a1, _mm512_setzero_si512());
+#else
+    for (int j = 0; j < end; ++j)
+      a0 = _mm512_mask_min_epu32(a0, __mmask16(0xfffeu << j), a0,
+                                 _mm512_xor_si512(w, _mm512_set1_epi32(ids[before + j])));
+#endif
+    const __m512i pairs = _mm512_min_epu32(_mm512_min_epu32(a0, a1), _mm512_min_epu32(a2, a3));
+    least = _mm512_min_epu32(least, pairs);
+  }
+  return _mm512_cmpeq_epi32_mask(least, _mm512_setzero_si512()) == 0;
+}
+#endif
+
 /// Whether count lies in [0, min(capacity, V, sparse_max_entries)] and indices[0..count) are
 /// distinct ids in [0, V): one pass through an open-addressed hash set in `table`
 /// (distinct_table_slots entries, of which the first power of two ≥ 2·count, at least 16, are
-/// used), in place of check_sparse_row's sort.
+/// used), in place of check_sparse_row's sort; with AVX-512, supports of at most
+/// distinct_lanes_max ids by distinct_ids_lanes instead.
 inline bool sparse_indices_fine(const sparse_index* indices, long long count, std::size_t capacity,
                                 std::size_t vocab, sparse_index* table) {
   if (!sparse_count_fits(count, capacity, vocab))
     return false;
   const int n = static_cast<int>(count);
+#if defined(__AVX512F__)
+  if (n <= distinct_lanes_max) return distinct_ids_lanes(indices, n, vocab);
+#endif
   int bits = 4;
   while ((1 << bits) < 2 * n) ++bits;
   const std::uint32_t mask = (std::uint32_t(1) << bits) - 1;
@@ -70,7 +134,8 @@ struct distinct_ids_scratch {
   std::uint64_t stamp = 0;
 };
 
-/// sparse_indices_fine through the stamped table of `scratch` (the first power of two ≥ 4·count
+/// sparse_indices_fine through the stamped table of `scratch` (with AVX-512, supports of at most
+/// distinct_lanes_max ids through distinct_ids_lanes instead; the first power of two ≥ 4·count
 /// slots, at least 16 and at most distinct_table_slots: a quarter full for the supports
 /// sparsify writes), with nothing to clear per row.
 inline bool sparse_indices_fine(const sparse_index* indices, long long count, std::size_t capacity,
@@ -78,6 +143,9 @@ inline bool sparse_indices_fine(const sparse_index* indices, long long count, st
   if (!sparse_count_fits(count, capacity, vocab))
     return false;
   const int n = static_cast<int>(count);
+#if defined(__AVX512F__)
+  if (n <= distinct_lanes_max) return distinct_ids_lanes(indices, n, vocab);
+#endif
   int bits = 4;
   while ((1 << bits) < 4 * n && (1 << bits) < distinct_table_slots) ++bits;
   const std::uint32_t mask = (std::uint32_t(1) << bits) - 1;
