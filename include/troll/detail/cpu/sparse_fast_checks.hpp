@@ -13,6 +13,7 @@
 #include "../../config.hpp"
 #include "../numeric.hpp"
 #include "../sparse_row.hpp"
+#include "exact_sums.hpp"
 #include "finite_rows.hpp"
 
 #include "eigen_warnings_push.inc"
@@ -209,6 +210,14 @@ inline fast_row_values fast_values(const T* log_probs, int n, T log_remainder) {
   constexpr int lanes = int(sizeof(packet) / sizeof(T));
   auto exp_of = [](const packet& l) {
     if constexpr (sizeof(T) < sizeof(double)) {
+#if defined(__AVX512F__) && defined(__FMA__)
+      if constexpr (lanes == 16) {
+        // Eigen's float exp in 13 operations (exp_eigen_bounded) on max(l, −87): the same bits
+        // for l ≥ −87; below, e^{−87} ≈ 1.6e-38 in place of a term below it (−inf included), a
+        // change far inside the error bound. NaN and +inf lanes are flagged bad, not summed.
+        return packet(exp_eigen_bounded(_mm512_max_ps(l, _mm512_set1_ps(-87.0f))));
+      }
+#endif
       return pexp(l);  // Eigen's float exp: exp(−inf) is a tiny positive number, harmless here
     } else {
       return exp_nonpositive(l);
