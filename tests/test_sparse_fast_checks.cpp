@@ -7,7 +7,8 @@
 // a scratch shared by a run of rows (sparse_indices_fine with distinct_ids_scratch, whose table
 // is emptied by a new stamp per row, not cleared) against sorting; with AVX-512, supports of up
 // to 128 ids take the packet compares of distinct_ids_lanes instead, tested against sorting with
-// a repeat at every pair of positions, and ids just outside [0, V).
+// a repeat at every pair of positions, and ids just outside [0, V). The value check of both sides
+// of an aligned row in one pass (aligned_values_fine) gives the verdicts of two single checks.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -46,6 +47,33 @@ void agree(const std::vector<T>& lp, T log_remainder, std::size_t vocab) {
   bool every_finite = log_remainder > -std::numeric_limits<T>::infinity();
   for (const T l : lp) every_finite = every_finite && l != -std::numeric_limits<T>::infinity();
   CHECK(finite == every_finite);
+  // Both sides in one pass (aligned_values_fine, fast_values_pair) beside a good row of the same
+  // length, in either order: the verdicts of two sparse_values_fine calls, the same sums and flags.
+  namespace cpu = troll::detail::cpu;
+  const int n = int(lp.size());
+  const std::vector<T> other(lp.size(), T(std::log(1.0 / (n + 1))));
+  const T other_r = T(std::log(1.0 / (n + 1)));
+  bool other_finite = false;
+  const bool other_fine = cpu::sparse_values_fine(other.data(), n, other_r, vocab, &other_finite);
+  bool f1 = false, f2 = false;
+  CHECK(cpu::aligned_values_fine(lp.data(), log_remainder, other.data(), other_r, n, vocab, &f1, &f2) ==
+        (fast && other_fine));
+  CHECK(f1 == finite);
+  CHECK(f2 == other_finite);
+  CHECK(cpu::aligned_values_fine(other.data(), other_r, lp.data(), log_remainder, n, vocab, &f1, &f2) ==
+        (fast && other_fine));
+  CHECK(f1 == other_finite);
+  CHECK(f2 == finite);
+  cpu::fast_row_values pa, pb;
+  cpu::fast_values_pair(lp.data(), log_remainder, other.data(), other_r, n, pa, pb);
+  const cpu::fast_row_values sa = cpu::fast_values(lp.data(), n, log_remainder);
+  const cpu::fast_row_values sb = cpu::fast_values(other.data(), n, other_r);
+  auto same = [](double x, double y) { return x == y || (x != x && y != y); };  // bit for bit, or both NaN
+  CHECK(same(pa.mass, sa.mass));
+  CHECK(same(pb.mass, sb.mass));
+  CHECK(pa.bad == sa.bad);
+  CHECK(pa.masked == sa.masked);
+  CHECK(pa.some == sa.some);
 }
 
 /// A row of n entries plus remainder whose probabilities sum to `mass` (remainder share 1/8, or

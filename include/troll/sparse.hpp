@@ -275,10 +275,9 @@ bool validate_aligned(const char* fn, unsigned threads, const aligned_batch_view
         bool new_finite = false, old_finite = false;
         if (!cpu::sparse_indices_fine(new_side.row_indices(r), new_side.count(r), new_side.k_max, new_side.vocab,
                                       ids) ||
-            !cpu::sparse_values_fine(new_side.row_log_probs(r), new_side.count(r), new_side.log_remainder[r],
-                                     new_side.vocab, &new_finite) ||
-            !cpu::sparse_values_fine(old_side.row_log_probs(r), old_side.count(r), old_side.log_remainder[r],
-                                     old_side.vocab, &old_finite))
+            !cpu::aligned_values_fine(new_side.row_log_probs(r), new_side.log_remainder[r],
+                                      old_side.row_log_probs(r), old_side.log_remainder[r], new_side.count(r),
+                                      new_side.vocab, &new_finite, &old_finite))
           return true;
         if (extra_bad(r)) return true;
         // Every lumped category finite on both sides (values ≤ 0, a non-empty tail): the lumped

@@ -32,7 +32,7 @@ inline void prefetch_entries(const T* p, long long count) {
 }
 
 /// How many rows ahead the passes over a sparse batch prefetch.
-inline constexpr std::size_t prefetch_rows_ahead = 2;
+inline constexpr std::size_t prefetch_rows_ahead = 4;
 
 /// Slots of the hash table sparse_indices_fine needs: twice the largest support.
 inline constexpr int distinct_table_slots = 2 * sparse_max_entries;
@@ -197,18 +197,23 @@ struct fast_row_values {
   bool bad = false, masked = false, some = false;
 };
 
-/// fast_row_values of log_probs[0..n) and log_remainder (the mass is meaningful only when
-/// nothing is bad), in whole packets (the last one padded with −inf, the remainder in its first
-/// padding lane, or in a packet of its own when n is whole packets). Float rows take their
-/// exponentials and the sum in float, sixteen lanes with AVX-512: each term within a few float
-/// ulps, so the total within (n + 3)·2.5e-7 of the exact sum when it is near 1 (every term is
-/// ≤ 1). Double rows in double (exp_nonpositive: e^{−700} at most for a term below −700).
+/// The running state of fast_values over one row: the sum of the exponentials and the flags as
+/// lane masks. Float rows take their exponentials and the sum in float, sixteen lanes with
+/// AVX-512: each term within a few float ulps, so the total within (n + 3)·2.5e-7 of the exact
+/// sum when it is near 1 (every term is ≤ 1). Double rows in double (exp_nonpositive: e^{−700}
+/// at most for a term below −700).
 template <class T>
-inline fast_row_values fast_values(const T* log_probs, int n, T log_remainder) {
-  using namespace Eigen::internal;
-  using packet = typename packet_traits<T>::type;
-  constexpr int lanes = int(sizeof(packet) / sizeof(T));
-  auto exp_of = [](const packet& l) {
+struct fast_values_state {
+  using packet = typename Eigen::internal::packet_traits<T>::type;
+  static constexpr int lanes = int(sizeof(packet) / sizeof(T));
+  packet acc, bad, masked, some;  // the flags as lane masks
+
+  fast_values_state() {
+    using namespace Eigen::internal;
+    acc = bad = masked = some = pset1<packet>(T(0));
+  }
+  static packet exp_of(const packet& l) {
+    using namespace Eigen::internal;
     if constexpr (sizeof(T) < sizeof(double)) {
 #if defined(__AVX512F__) && defined(__FMA__)
       if constexpr (lanes == 16) {
@@ -222,37 +227,87 @@ inline fast_row_values fast_values(const T* log_probs, int n, T log_remainder) {
     } else {
       return exp_nonpositive(l);
     }
-  };
-  const packet zero = pset1<packet>(T(0)), lowest = pset1<packet>(-std::numeric_limits<T>::infinity());
-  packet acc = zero, bad = zero, masked = zero, some = zero;  // the flags as lane masks
-  auto flags = [&](const packet& l) {
+  }
+  void flags(const packet& l) {
+    using namespace Eigen::internal;
+    const packet zero = pset1<packet>(T(0)), lowest = pset1<packet>(-std::numeric_limits<T>::infinity());
     bad = por(bad, pcmp_lt_or_nan(zero, l));  // !(l ≤ 0)
     masked = por(masked, pcmp_eq(l, lowest));
     some = por(some, pcmp_lt(lowest, l));
-  };
+  }
+  /// A whole packet of log-probs.
+  void add(const T* at) {
+    const packet l = Eigen::internal::ploadu<packet>(at);
+    flags(l);
+    acc = Eigen::internal::padd(acc, exp_of(l));
+  }
+  /// log_probs[k..n) (n − k < lanes, the whole packets before k added) and the remainder: the
+  /// last packet padded with −inf, the remainder in its first padding lane, or in a packet of
+  /// its own when n is whole packets; then the result.
+  fast_row_values finish(const T* log_probs, int k, int n, T log_remainder) {
+    using namespace Eigen::internal;
+    const packet zero = pset1<packet>(T(0)), lowest = pset1<packet>(-std::numeric_limits<T>::infinity());
+    const packet lane = plset<packet>(T(0)), first_pad = pset1<packet>(T(n - k));
+    if (k < n) {  // padding lanes are −inf: neither bad nor some, and kept out of masked
+      const packet l = load_padded<packet>(log_probs, k, n);
+      const packet masked_before = masked;
+      flags(l);
+      masked = por(masked_before, pand(pcmp_lt(lane, first_pad), pcmp_eq(l, lowest)));
+      acc = padd(acc, exp_of(pselect(pcmp_eq(lane, first_pad), pset1<packet>(log_remainder), l)));
+    } else {
+      acc = padd(acc, exp_of(pselect(pcmp_eq(lane, zero), pset1<packet>(log_remainder), lowest)));
+    }
+    fast_row_values v;
+    v.mass = static_cast<double>(predux(acc));
+    v.error = sizeof(T) < sizeof(double) ? (n + 3) * 2.5e-7 : 1e-9;
+    v.bad = predux_any(bad);
+    v.masked = predux_any(masked);
+    v.some = predux_any(some);
+    return v;
+  }
+};
+
+/// fast_row_values of log_probs[0..n) and log_remainder (the mass is meaningful only when
+/// nothing is bad), in whole packets (fast_values_state).
+template <class T>
+inline fast_row_values fast_values(const T* log_probs, int n, T log_remainder) {
+  fast_values_state<T> st;
+  constexpr int lanes = fast_values_state<T>::lanes;
+  int k = 0;
+  for (; k + lanes <= n; k += lanes) st.add(log_probs + k);
+  return st.finish(log_probs, k, n, log_remainder);
+}
+
+/// fast_values of two rows of the same length (an aligned row's new and old sides) in one loop:
+/// the same operations on each row as fast_values, so the same results, with the two rows'
+/// exponentials interleaved.
+template <class T>
+inline void fast_values_pair(const T* a, T a_remainder, const T* b, T b_remainder, int n, fast_row_values& va,
+                             fast_row_values& vb) {
+  fast_values_state<T> sa, sb;
+  constexpr int lanes = fast_values_state<T>::lanes;
   int k = 0;
   for (; k + lanes <= n; k += lanes) {
-    const packet l = ploadu<packet>(log_probs + k);
-    flags(l);
-    acc = padd(acc, exp_of(l));
+    sa.add(a + k);
+    sb.add(b + k);
   }
-  const packet lane = plset<packet>(T(0)), first_pad = pset1<packet>(T(n - k));
-  if (k < n) {  // padding lanes are −inf: neither bad nor some, and kept out of masked
-    const packet l = load_padded<packet>(log_probs, k, n);
-    const packet masked_before = masked;
-    flags(l);
-    masked = por(masked_before, pand(pcmp_lt(lane, first_pad), pcmp_eq(l, lowest)));
-    acc = padd(acc, exp_of(pselect(pcmp_eq(lane, first_pad), pset1<packet>(log_remainder), l)));
-  } else {
-    acc = padd(acc, exp_of(pselect(pcmp_eq(lane, zero), pset1<packet>(log_remainder), lowest)));
-  }
-  fast_row_values v;
-  v.mass = static_cast<double>(predux(acc));
-  v.error = sizeof(T) < sizeof(double) ? (n + 3) * 2.5e-7 : 1e-9;
-  v.bad = predux_any(bad);
-  v.masked = predux_any(masked);
-  v.some = predux_any(some);
-  return v;
+  va = sa.finish(a, k, n, a_remainder);
+  vb = sb.finish(b, k, n, b_remainder);
+}
+
+/// sparse_values_fine's verdict on a row from its fast_row_values.
+template <class T>
+inline bool values_fine_given(const fast_row_values& v, const T* log_probs, int n, T log_remainder,
+                              std::size_t vocab, bool* finite) {
+  const double r = static_cast<double>(log_remainder);
+  if (finite) *finite = !v.masked && r > neg_inf();
+  if (v.bad || !(r <= 0.0)) return false;
+  if (static_cast<std::size_t>(n) == vocab && r > neg_inf()) return false;
+  if (!v.some && !(r > neg_inf())) return false;
+  const double tol = sparse_mass_tolerance<T>();
+  if (v.mass >= 1.0 - tol + v.error && v.mass <= 1.0 + tol - v.error) return true;
+  const double exact = sparse_row_mass(log_probs, n, r);
+  return exact >= 1.0 - tol && exact <= 1.0 + tol;
 }
 
 /// Whether the values of a sparse row with distinct in-range indices pass check_sparse_row:
@@ -265,16 +320,21 @@ template <class T>
 inline bool sparse_values_fine(const T* log_probs, long long count, T log_remainder, std::size_t vocab,
                                bool* finite = nullptr) {
   const int n = static_cast<int>(count);
-  const fast_row_values v = fast_values(log_probs, n, log_remainder);
-  const double r = static_cast<double>(log_remainder);
-  if (finite) *finite = !v.masked && r > neg_inf();
-  if (v.bad || !(r <= 0.0)) return false;
-  if (static_cast<std::size_t>(n) == vocab && r > neg_inf()) return false;
-  if (!v.some && !(r > neg_inf())) return false;
-  const double tol = sparse_mass_tolerance<T>();
-  if (v.mass >= 1.0 - tol + v.error && v.mass <= 1.0 + tol - v.error) return true;
-  const double exact = sparse_row_mass(log_probs, n, r);
-  return exact >= 1.0 - tol && exact <= 1.0 + tol;
+  return values_fine_given(fast_values(log_probs, n, log_remainder), log_probs, n, log_remainder, vocab, finite);
+}
+
+/// sparse_values_fine of both sides of an aligned row (count entries each) in one pass
+/// (fast_values_pair): whether both pass, with each side's `finite`. The same verdicts as two
+/// calls of sparse_values_fine.
+template <class T>
+inline bool aligned_values_fine(const T* new_lp, T new_remainder, const T* old_lp, T old_remainder,
+                                long long count, std::size_t vocab, bool* new_finite, bool* old_finite) {
+  const int n = static_cast<int>(count);
+  fast_row_values vn, vo;
+  fast_values_pair(new_lp, new_remainder, old_lp, old_remainder, n, vn, vo);
+  const bool new_fine = values_fine_given(vn, new_lp, n, new_remainder, vocab, new_finite);
+  const bool old_fine = values_fine_given(vo, old_lp, n, old_remainder, vocab, old_finite);
+  return new_fine && old_fine;
 }
 
 /// Whether one entry (log π* = l, aligned sides zn, zo, upstream g) passes project_backward's
