@@ -366,11 +366,13 @@ inline bool backward_row_fine_scalar(const sparse_index* ids, const sparse_index
 /// backward_row_fine_scalar in packets of T: the ids compared in an integer OR-reduction the
 /// compiler vectorises, the four value rows as lane masks (the last partial packet's padding
 /// lanes read log π* = −inf, which no check refuses), the bucket by backward_entry_bad.
+/// `sides_finite` says the caller knows new_lp and old_lp hold no −inf (validate_aligned's value
+/// pass found none): the sides' test then cannot refuse an entry and they are not read.
 /// Accepts exactly the rows backward_row_fine_scalar accepts (tests/test_sparse_fast_checks.cpp).
 template <class T>
 inline bool backward_row_fine(const sparse_index* ids, const sparse_index* aligned_ids, const T* log_probs,
                               const T* new_lp, const T* old_lp, const T* g, int count, T log_remainder,
-                              T new_remainder, T old_remainder, T g_remainder) {
+                              T new_remainder, T old_remainder, T g_remainder, bool sides_finite = false) {
   using namespace Eigen::internal;
   using packet = typename packet_traits<T>::type;
   constexpr int lanes = int(sizeof(packet) / sizeof(T));
@@ -378,19 +380,25 @@ inline bool backward_row_fine(const sparse_index* ids, const sparse_index* align
   for (int i = 0; i < count; ++i) differ |= std::uint32_t(ids[i]) ^ std::uint32_t(aligned_ids[i]);
   const packet zero = pset1<packet>(T(0)), lowest = pset1<packet>(-std::numeric_limits<T>::infinity());
   packet bad = zero;
-  auto entry = [&](const packet& l, const packet& zn, const packet& zo, const packet& gk) {
+  auto entry = [&](const packet& l, const packet& side_masked, const packet& gk) {
     const packet live = pcmp_lt(lowest, l);
-    const packet side_masked = por(pcmp_eq(zn, lowest), pcmp_eq(zo, lowest));
     const packet g_odd = pcmp_lt_or_nan(zero, pabs(psub(gk, gk)));  // g − g is 0 unless g is NaN or ±inf
     bad = por(bad, por(pcmp_lt_or_nan(zero, l), pand(live, por(side_masked, g_odd))));
   };
+  auto masked_of = [&](const packet& zn, const packet& zo) { return por(pcmp_eq(zn, lowest), pcmp_eq(zo, lowest)); };
   int k = 0;
-  for (; k + lanes <= count; k += lanes)
-    entry(ploadu<packet>(log_probs + k), ploadu<packet>(new_lp + k), ploadu<packet>(old_lp + k),
-          ploadu<packet>(g + k));
-  if (k < count) {  // padding: log π* = −inf (not live, not above 0); the other rows' padding unread
-    entry(load_padded<packet>(log_probs, k, count), load_padded<packet>(new_lp, k, count),
-          load_padded<packet>(old_lp, k, count), load_padded<packet>(g, k, count));
+  if (sides_finite) {
+    for (; k + lanes <= count; k += lanes) entry(ploadu<packet>(log_probs + k), zero, ploadu<packet>(g + k));
+    if (k < count) entry(load_padded<packet>(log_probs, k, count), zero, load_padded<packet>(g, k, count));
+  } else {
+    for (; k + lanes <= count; k += lanes)
+      entry(ploadu<packet>(log_probs + k), masked_of(ploadu<packet>(new_lp + k), ploadu<packet>(old_lp + k)),
+            ploadu<packet>(g + k));
+    if (k < count) {  // padding: log π* = −inf (not live, not above 0); the other rows' padding unread
+      entry(load_padded<packet>(log_probs, k, count),
+            masked_of(load_padded<packet>(new_lp, k, count), load_padded<packet>(old_lp, k, count)),
+            load_padded<packet>(g, k, count));
+    }
   }
   return differ == 0 && !predux_any(bad) &&
          backward_entry_bad(log_remainder, new_remainder, old_remainder, g_remainder) == 0;
