@@ -183,8 +183,9 @@ inline std::int64_t tail_term_fixed(float z, float m) {
 inline void add_fixed(exact_sum& s, std::uint64_t q) {
   if (q == 0) return;
   exact_sum part;
-  exact_add(part, std::ldexp(double(q >> 32), 32 - tail_fixed_bits));
-  exact_add(part, std::ldexp(double(q & 0xFFFFFFFFu), -tail_fixed_bits));
+  static_assert(tail_fixed_bits == 50, "the scales below are 2^(32 − 50) and 2^−50");
+  exact_add(part, double(q >> 32) * 0x1p-18);
+  exact_add(part, double(q & 0xFFFFFFFFu) * 0x1p-50);
   s = exact_add(s, part);
 }
 
