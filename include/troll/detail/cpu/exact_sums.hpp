@@ -1,9 +1,11 @@
 // troll/detail/cpu/exact_sums.hpp — the CPU passes behind the canonical log-sums of sparse rows
 // (detail::exact_log_sums): the largest logit and the exact sum Σ e^{z − m} over the tokens of a
 // range that lie outside a support. The value each token adds depends on its logit and m only —
-// one exponential (Eigen's packet exp on every lane, a short tail padded into a full packet),
-// never on where a block or a vocabulary shard starts — and the terms are summed as an
-// exact_sum, so any split of a row into shards gives the same sum as the whole row.
+// never on where a block or a vocabulary shard starts — and the terms are summed exactly, so any
+// split of a row into shards gives the same sum as the whole row. Double rows: each term is
+// Eigen's packet exp (a short tail padded into a full packet), the terms summed as an
+// exact_sum. Float rows: each term is tail_term_fixed (a float exponential at the full vector
+// width, rounded to a multiple of 2^−50), the terms summed as 64-bit integers.
 #pragma once
 
 #include "eigen.hpp"
@@ -339,17 +341,20 @@ inline exact_sum tail_fixed_sum_avx2(const float* z, std::size_t size, std::size
 #endif
 
 /// Σ e^{z_j − m} over the tokens [first, first + size) outside the support, as an exact_sum.
-/// Block by block (held in L1): each term through Eigen's packet exp in T (float rows: eight or
-/// sixteen lanes, as sparsify's scan) into a buffer, the lanes below the packet exp's range
-/// redone with std::exp (only a block that holds one; as packet_exp), the support's own terms
-/// zeroed, then the buffer added to TwoSum lanes in double packets — a loop without calls, so
-/// the lanes stay in registers. A term's value depends on z_j and m only, and the exact_sum's
+/// Float rows: the terms tail_term_fixed (AVX-512 with DQ: 16 lanes; AVX2 + FMA: 8; otherwise
+/// token by token), summed exactly as integers. Double rows, below.
+/// Block by block (held in L1): each term through Eigen's packet exp into a buffer, the lanes
+/// below the packet exp's range redone with std::exp (only a block that holds one; as
+/// packet_exp), the support's own terms zeroed, then the buffer added to TwoSum lanes in double
+/// packets — a loop without calls, so the lanes stay in registers. A term's value depends on z_j and m only, and the exact_sum's
 /// value does not depend on the order of its terms, so any split of the row (vocabulary shards)
 /// gives the same sum. m = −inf (or a tail of masked tokens only) gives an empty sum.
 ///
-/// `ahead` (optional, size tokens): the row to be read next, asked into the cache line by line
-/// at the pace of this pass (sparsify: the next row's scan then reads it from cache while this
-/// pass's arithmetic hides the memory's latency). Prefetches change no value.
+/// `ahead` (optional, size tokens; double rows only): the row to be read next, asked into the
+/// cache line by line at the pace of this pass (sparsify: the next row's scan then reads it from
+/// cache while this pass's arithmetic hides the memory's latency). Prefetches change no value.
+/// Float rows do not prefetch: the next row's lines evicted this row's from L2 (slower, measured
+/// again with the fixed-point terms: no gain for a half or a quarter of the next row, T0 or T1).
 template <class T>
 inline exact_sum tail_exp_sum(const T* z, std::size_t size, std::size_t first, const index_slot* sorted, int n,
                               double m, const T* ahead = nullptr) {
