@@ -145,8 +145,8 @@ inline __mmask16 drop_support(__mmask16 keep, std::size_t i, std::size_t first, 
 /// integer — a function of z_j and m alone, in every build, shard and pass. So that the float
 /// exponential keeps its digits, z_j − m is formed exactly (a TwoSum in float: d + d_lo), reduced
 /// by k·ln 2 in two parts (the first exact), and e^r comes from a degree-6 polynomial on
-/// |r| ≤ ln 2 / 2: within ~2 float ulps of e^{z_j − m} (tests/test_exp_kernels.cpp checks ≤ 3
-/// against long double). Terms below 2^−51 (z_j − m below about −35.4) round to 0; the sum of the
+/// |r| ≤ ln 2 / 2: within 1.5 float ulps of e^{z_j − m} (measured 1.43; tests/test_exp_kernels.cpp
+/// checks ≤ 2.5 against long double). Rounding z_j − m alone would cost |z_j − m|·2⁻²⁴. Terms below 2^−51 (z_j − m below about −35.4) round to 0; the sum of the
 /// integers is exact (int64 lanes, then an exact_sum of multiples of 2^−50), so it does not depend
 /// on the order or split of its terms. The rounding to the grid moves the tail's sum (≥ 1: its
 /// largest term is 1) by at most n·2^−51 of it.
@@ -154,8 +154,9 @@ constexpr int tail_fixed_bits = 50;
 
 struct tail_exp_coefficients {
   static constexpr float log2e = 1.44269504088896341f;
-  static constexpr float ln2_hi = 0.693147182464599609375f;           // float(ln 2): k·ln2_hi is exact
+  static constexpr float ln2_hi = 0.693147182464599609375f;  // float(ln 2): d − k·ln2_hi is exact
   static constexpr float ln2_lo = -1.9046542999577679e-09f;  // ln 2 − ln2_hi, rounded
+  // e^r ≈ 1 + c1·r + … + c6·r⁶ on [−ln 2/2, ln 2/2] (fitted for this kernel, relative error)
   static constexpr float c1 = 1.0f, c2 = 0.4999999403953552f, c3 = 0.16666431725025177f,
                          c4 = 0.04166800156235695f, c5 = 0.008374163880944252f, c6 = 0.0013843643246218562f;
   static constexpr float lowest = -60.0f;  // below: the term is 0 (it would round to 0 anyway)
