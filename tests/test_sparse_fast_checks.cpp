@@ -8,7 +8,8 @@
 // is emptied by a new stamp per row, not cleared) against sorting; with AVX-512, supports of up
 // to 128 ids take the packet compares of distinct_ids_lanes instead, tested against sorting with
 // a repeat at every pair of positions, and ids just outside [0, V). The value check of both sides
-// of an aligned row in one pass (aligned_values_fine) gives the verdicts of two single checks.
+// of an aligned row in one pass (aligned_values_fine) gives the verdicts of two single checks;
+// its float exponential (exp_eigen_bounded) gives Eigen's bits on [−87, 0].
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -18,6 +19,8 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <vector>
@@ -243,3 +246,23 @@ TEST_CASE("sparse_indices_fine: small and huge vocabularies, rows of 0 to 130 id
     }
   }
 }
+
+#if defined(__AVX512F__) && defined(__FMA__)
+TEST_CASE("exp_eigen_bounded: Eigen's float exp bit for bit on [-87, 0]") {
+  std::mt19937_64 rng(16);
+  std::uniform_real_distribution<float> u(-87.0f, 0.0f);
+  std::vector<float> x(1 << 16);
+  for (float& v : x) v = u(rng);
+  const float edges[] = {-87.0f, -86.99999f, -64.0f, -1.0f, -0.5f, -1e-30f, -0.0f, 0.0f};
+  std::copy(std::begin(edges), std::end(edges), x.begin());
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < x.size(); i += 16) {
+    const __m512 p = _mm512_loadu_ps(x.data() + i);
+    float ours[16], eigen[16];
+    _mm512_storeu_ps(ours, troll::detail::cpu::exp_eigen_bounded(p));
+    Eigen::internal::pstoreu(eigen, Eigen::internal::pexp(Eigen::internal::Packet16f(p)));
+    for (int j = 0; j < 16; ++j) differ += std::memcmp(&ours[j], &eigen[j], sizeof(float)) != 0;
+  }
+  CHECK(differ == 0);
+}
+#endif
