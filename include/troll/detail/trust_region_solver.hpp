@@ -162,7 +162,10 @@ struct categorical_family {
   /// reduction also forms the third and fourth cumulants that predict() needs.
   TROLL_HOST_DEVICE tilt_point evaluate(const tilt_param& u, const tilt_point& near, double eps, double tol) const {
     const double step = u.t <= 0.5 && near.t <= 0.5 ? u.t - near.t : near.s - u.s;
-    const bool cumulants = ::fabs(step) * x_range <= 0.1;
+    // The first member from ends that formed κ₃, κ₄ (the septic start, first_guess) is
+    // typically within ~1e-6 / L of t*: its cumulants let the next member be predicted.
+    const bool from_end = (near.t == 0.0 || near.s == 0.0) && near.kappa3 - near.kappa3 == 0.0;
+    const bool cumulants = ::fabs(step) * x_range <= 0.1 || from_end;
     return detail::evaluate(eval, u, near.mode, old_max, old_log_sum, eps, tol, cumulants);
   }
   /// The converged member at u from the last evaluated one without a pass (predict_member).
@@ -219,10 +222,13 @@ TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setu
                                          const projection_options& opt) {
   solve_result r;
   // t = 0 first: its normaliser gives log q's, its variance seeds the first Newton guess.
-  const lse_state zero_state = eval(tilt_at(0.0), setup.old_top);
+  // Where the step to t* can be predicted (L known), the ends also form κ₃ and κ₄ for the
+  // septic first guess (first_guess, family_solver.hpp).
+  const bool cumulants = setup.x_range < inf();
+  const lse_state zero_state = reduce(eval, tilt_at(0.0), setup.old_top, cumulants);
   const double old_log_sum = ends_old_log_sum(eval, setup, zero_state);
   const tilt_point at_zero = zero_point(eval, setup, zero_state, old_log_sum);
-  const tilt_point at_one = evaluate_at_one(eval, setup, old_log_sum);
+  const tilt_point at_one = one_point(eval, setup, reduce(eval, tilt_at(1.0), setup.new_top, cumulants), old_log_sum);
   if (!needs_solve(setup, at_zero, at_one, eps, r)) return r;
   take_solution(
       solve_bracketed(categorical_family<Eval>{eval, setup.old_max, old_log_sum, setup.x_range}, at_zero, at_one,
