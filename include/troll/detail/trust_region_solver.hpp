@@ -36,6 +36,8 @@ struct row_setup {
   bool any_masked = false;     // some token is −inf in either row: evaluators must mask
   double spread = inf();       // max − min over the logits of both rows (CPU scan; +inf: unknown)
   double x_range = inf();      // ≥ max − min of z̃ − z° over J (CPU scan of an all-finite pair; +inf: unknown)
+  bool end_cumulants = false;  // the ends also form κ₃, κ₄ for the septic first guess (CPU rows long
+                               // enough that the pass it saves costs more than the guess)
 };
 
 struct solve_result {
@@ -222,9 +224,9 @@ TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setu
                                          const projection_options& opt) {
   solve_result r;
   // t = 0 first: its normaliser gives log q's, its variance seeds the first Newton guess.
-  // Where the step to t* can be predicted (L known), the ends also form κ₃ and κ₄ for the
-  // septic first guess (first_guess, family_solver.hpp).
-  const bool cumulants = setup.x_range < inf();
+  // Where the step to t* can be predicted (L known) and the row is long (end_cumulants), the
+  // ends also form κ₃ and κ₄ for the septic first guess (first_guess, family_solver.hpp).
+  const bool cumulants = setup.end_cumulants && setup.x_range < inf();
   const lse_state zero_state = reduce(eval, tilt_at(0.0), setup.old_top, cumulants);
   const double old_log_sum = ends_old_log_sum(eval, setup, zero_state);
   const tilt_point at_zero = zero_point(eval, setup, zero_state, old_log_sum);
