@@ -533,6 +533,82 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
   return true;
 }
 
+/// Largest and smallest entry of z[0..count) in T's own packets: false when some entry is NaN or
+/// ±inf (or count is 0), else true with both (exact: max and min round nothing).
+template <class T>
+inline bool finite_range(const T* z, long count, double& most, double& least) {
+  using namespace Eigen::internal;
+  using packet = typename packet_traits<T>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(T));
+  if (count <= 0) return false;
+  const long whole = count - count % lanes;
+  packet hi = pset1<packet>(-std::numeric_limits<T>::infinity());
+  packet lo = pset1<packet>(std::numeric_limits<T>::infinity());
+  packet bad = pset1<packet>(T(0));
+  for (long k = 0; k < whole; k += lanes) {
+    const packet a = ploadu<packet>(z + k);
+    bad = padd(bad, psub(a, a));
+    hi = pmax(hi, a);
+    lo = pmin(lo, a);
+  }
+  T odd = predux(bad), top = predux_max(hi), bottom = predux_min(lo);
+  for (long k = whole; k < count; ++k) {
+    odd += z[k] - z[k];
+    top = z[k] > top ? z[k] : top;
+    bottom = z[k] < bottom ? z[k] : bottom;
+  }
+  most = double(top);
+  least = double(bottom);
+  return odd == T(0);
+}
+
+/// Σ_k e^{z_k − top} of a finite row whose entries lie within 700 of `top` = max_k z_k: the
+/// arithmetic of tilt_reduce_one_pass's s0 at t = 1 relative to the row's first maximum, bit for
+/// bit (the same exponentials, packet sums over the same chunks, the same tail), so that an
+/// inactive row the projection writes from that pass's normaliser is log_softmax's to the bit.
+template <class T>
+inline double exp_sum_below_top(const T* z, long count, double top) {
+  using namespace Eigen::internal;
+  using packet = packet_traits<double>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(double));
+  constexpr long chunk = 512;
+  const packet rn = pset1<packet>(top);
+  double t0 = 0.0;
+  const long whole = count - count % lanes;
+  for (long begin = 0; begin < whole; begin += chunk) {
+    const long end = begin + chunk < whole ? begin + chunk : whole;
+    packet s0 = pset1<packet>(0.0);
+    for (long k = begin; k < end; k += lanes) s0 = padd(s0, exp_bounded(psub(load_as_double<packet>(z + k), rn)));
+    t0 += predux(s0);
+  }
+  if (whole < count) {  // as tilt_reduce_one_pass: padded with the reference, weight 0
+    packet pa, use;
+#if defined(__AVX512F__)
+    if constexpr (lanes == 8) {
+      const __mmask8 in = __mmask8((1u << unsigned(count - whole)) - 1u);
+      if constexpr (std::is_same<T, double>::value) {
+        pa = _mm512_mask_loadu_pd(rn, in, z + whole);
+      } else {
+        pa = _mm512_mask_mov_pd(rn, in, _mm512_cvtps_pd(_mm256_maskz_loadu_ps(in, z + whole)));
+      }
+      use = _mm512_maskz_mov_pd(in, _mm512_set1_pd(1.0));
+    } else
+#endif
+    {
+      double a[lanes], keep[lanes];
+      for (long j = 0; j < lanes; ++j) {
+        const bool in = whole + j < count;
+        a[j] = in ? double(z[whole + j]) : top;
+        keep[j] = in ? 1.0 : 0.0;
+      }
+      pa = ploadu<packet>(a), use = ploadu<packet>(keep);
+    }
+    const packet s0 = padd(pset1<packet>(0.0), exp_bounded(psub(pa, rn)));
+    t0 += predux(pmul(s0, use));
+  }
+  return t0;
+}
+
 /// out_i = log π_t,i = w_i − log_norm (tilt_family.hpp) of a row pair whose logits are all
 /// finite with a spread of at most 700 (no difference can overflow, so nothing is clamped): one
 /// packet pass reading the T rows directly (float widened in registers) and writing T, with w

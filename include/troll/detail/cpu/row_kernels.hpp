@@ -387,22 +387,56 @@ inline tilt_evaluator<T> make_evaluator(const T* zn, const T* zo, std::size_t si
   return tilt_evaluator<T>{zn, zo, size, setup.old_max, setup.any_masked, setup.spread};
 }
 
-/// out = log_softmax(z); the reference arithmetic for inactive rows: (z_i − M) − log Σ e^{z−M}.
+/// out_i = (z_i − top) − log_sum: the write of every log_softmax row.
 template <class T>
-inline void log_softmax_row(const T* z, std::size_t size, T* out) {
-  const double m = row_max(z, size);
-  const double log_sum = log_sum_exp_shifted(z, size, m);
+inline void write_log_softmax(const T* z, std::size_t size, double top, double log_sum, T* out) {
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-    store(out, begin, count, (load(z, begin, count) - m) - log_sum);
+    store(out, begin, count, (load(z, begin, count) - top) - log_sum);
   });
 }
 
+/// Whether log_softmax_row takes its packet path on z: every entry finite and within 700 of the
+/// maximum `top` (then every e^{z − top} is exp_bounded's, exact to 1.5 ulp).
+template <class T>
+inline bool log_softmax_packets(const T* z, std::size_t size, double& top) {
+  if constexpr (std::is_same<T, double>::value || std::is_same<T, float>::value) {
+    double least = 0.0;
+    return finite_range(z, static_cast<long>(size), top, least) && top - least <= 700.0;
+  } else {
+    (void)z, (void)size, (void)top;
+    return false;
+  }
+}
+
+/// out = log_softmax(z); the reference arithmetic for inactive rows: (z_i − M) − log Σ e^{z−M}.
+/// The common row (finite, a spread of at most 700) sums its exponentials as the tilted
+/// reduction at t = 1 does (exp_sum_below_top), so that write_solution can write an inactive
+/// row from that reduction without another pass, to the same bits.
+template <class T>
+inline void log_softmax_row(const T* z, std::size_t size, T* out) {
+  double m = 0.0;
+  if (log_softmax_packets(z, size, m)) {
+    write_log_softmax(z, size, m, ::log(exp_sum_below_top(z, static_cast<long>(size), m)), out);
+    return;
+  }
+  m = row_max(z, size);
+  write_log_softmax(z, size, m, log_sum_exp_shifted(z, size, m), out);
+}
+
 /// Writes log π* of a solved row (the log-softmax of the new row where inactive) and returns
-/// its statistics.
+/// its statistics. An inactive row whose t = 1 member came from the one-pass reduction (every
+/// logit finite, spread ≤ 700: then the new row alone takes log_softmax_row's packet path with
+/// the same sum) is written from that member's normaliser: log_softmax's bits, one pass fewer.
 template <class T>
 inline projection_stats write_solution(const tilt_evaluator<T>& eval, const solve_result& r, T* out) {
   if (r.status == row_status::inactive) {
-    log_softmax_row(eval.new_logits, eval.size, out);
+    const bool one_pass = (std::is_same<T, double>::value || std::is_same<T, float>::value) && !eval.masked &&
+                          eval.spread <= 700.0;
+    if (one_pass) {
+      write_log_softmax(eval.new_logits, eval.size, r.point.ref.zn, r.point.log_norm, out);
+    } else {
+      log_softmax_row(eval.new_logits, eval.size, out);
+    }
   } else {
     eval.write(r.point, out);
   }
