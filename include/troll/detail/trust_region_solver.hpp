@@ -67,6 +67,32 @@ TROLL_HOST_DEVICE lse_state reduce(const Eval& eval, const tilt_param& u, const 
   }
 }
 
+/// Whether the evaluator reduces both ends at once: eval.ends(zero_ref, one_ref, cumulants, zero,
+/// one) returns true with the states eval(tilt_at(0), zero_ref) and eval(tilt_at(1), one_ref)
+/// would give (bit for bit), or false where it cannot (the CPU's one-pass kernel for the common
+/// pair; the CUDA evaluators reduce each end on its own).
+template <class Eval, class = void>
+struct reduces_ends : std::false_type {};
+template <class Eval>
+struct reduces_ends<Eval, decltype(void(std::declval<const Eval&>().ends(
+                              tilt_ref{}, tilt_ref{}, true, std::declval<lse_state&>(), std::declval<lse_state&>())))>
+    : std::true_type {};
+
+/// The reductions of the two ends, t = 0 relative to setup.old_top and t = 1 relative to
+/// setup.new_top (with κ₃, κ₄ where `cumulants`): in one pass where the evaluator offers it.
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
+template <class Eval>
+TROLL_HOST_DEVICE void reduce_ends(const Eval& eval, const row_setup& setup, bool cumulants, lse_state& zero,
+                                   lse_state& one) {
+  if constexpr (reduces_ends<Eval>::value) {
+    if (eval.ends(setup.old_top, setup.new_top, cumulants, zero, one)) return;
+  }
+  zero = reduce(eval, tilt_at(0.0), setup.old_top, cumulants);
+  one = reduce(eval, tilt_at(1.0), setup.new_top, cumulants);
+}
+
 /// Evaluates the member at (u, ref) for the solve towards KL = ε within ±tol. The closed-form
 /// KL is kept where its rounding bound is well inside the tolerance, or where it is far enough
 /// from ε (and from 0) to decide the bracket side and to steer a Newton step; otherwise (tiny ε,
@@ -223,14 +249,16 @@ template <class Eval>
 TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setup, double eps,
                                          const projection_options& opt) {
   solve_result r;
-  // t = 0 first: its normaliser gives log q's, its variance seeds the first Newton guess.
+  // The ends, in one pass where the evaluator can: t = 0's normaliser gives log q's, both
+  // variances seed the first Newton guess.
   // Where the step to t* can be predicted (L known) and the row is long (end_cumulants), the
   // ends also form κ₃ and κ₄ for the septic first guess (first_guess, family_solver.hpp).
   const bool cumulants = setup.end_cumulants && setup.x_range < inf();
-  const lse_state zero_state = reduce(eval, tilt_at(0.0), setup.old_top, cumulants);
+  lse_state zero_state, one_state;
+  reduce_ends(eval, setup, cumulants, zero_state, one_state);
   const double old_log_sum = ends_old_log_sum(eval, setup, zero_state);
   const tilt_point at_zero = zero_point(eval, setup, zero_state, old_log_sum);
-  const tilt_point at_one = one_point(eval, setup, reduce(eval, tilt_at(1.0), setup.new_top, cumulants), old_log_sum);
+  const tilt_point at_one = one_point(eval, setup, one_state, old_log_sum);
   if (!needs_solve(setup, at_zero, at_one, eps, r)) return r;
   take_solution(
       solve_bracketed(categorical_family<Eval>{eval, setup.old_max, old_log_sum, setup.x_range}, at_zero, at_one,

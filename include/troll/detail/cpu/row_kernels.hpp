@@ -359,6 +359,25 @@ struct tilt_evaluator {
     return total;
   }
 
+  /// Both ends' reductions in one pass (tilt_reduce_ends: the same bits as two calls of
+  /// operator() with these references), for the common pair; false, computing nothing, elsewhere.
+  bool ends(const tilt_ref& zero_ref, const tilt_ref& one_ref, bool cumulants, lse_state& zero,
+            lse_state& one) const {
+    if constexpr (std::is_same<T, double>::value || std::is_same<T, float>::value) {
+      if (masked || !(spread <= 700.0)) return false;
+      const long n = static_cast<long>(size);
+      if (cumulants) {
+        tilt_reduce_ends<true>(new_logits, old_logits, n, zero_ref, one_ref, zero, one);
+      } else {
+        tilt_reduce_ends<false>(new_logits, old_logits, n, zero_ref, one_ref, zero, one);
+      }
+      return true;
+    } else {
+      (void)zero_ref, (void)one_ref, (void)cumulants, (void)zero, (void)one;
+      return false;
+    }
+  }
+
   /// KL(π‖q) at an evaluated point as the sum of non-negative kl_terms (no cancellation).
   double exact_kl(const tilt_point& p) const {
     double sum = 0.0;
