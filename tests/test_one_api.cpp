@@ -59,6 +59,9 @@ TEST_CASE("every entry point runs under troll::cpu from one function template") 
   for (double v : serial.gaussian_diag_grad_mean) CHECK(std::isfinite(v));
   for (double v : serial.gaussian_split_diag_jvp_std) CHECK(std::isfinite(v));
   CHECK(serial.gaussian_diag_grad_mean == threaded.gaussian_diag_grad_mean);
+  REQUIRE(serial.gaussian_full_derivatives.size() == 24);
+  for (double v : serial.gaussian_full_derivatives) CHECK(std::isfinite(v));
+  CHECK(serial.gaussian_full_derivatives == threaded.gaussian_full_derivatives);
   // Two shards finalised in two stages give sparsify's rows bit for bit (canonical tail sums).
   CHECK(serial.shard_rows == serial.whole_rows);
   CHECK(threaded.shard_rows == serial.shard_rows);

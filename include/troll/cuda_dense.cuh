@@ -46,11 +46,7 @@ void log_softmax(cuda_policy policy, input_view<T> logits, batch_view<T> out) {
   detail::check_same_shape(fn, "logits", logits, "out", out);
   static const char* const names[3] = {"logits", "logits", ""};
   detail::cuda::run(fn, policy.stream, logits.rows, checks, names,
-                    [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-                      detail::cuda::log_softmax_kernel<T>
-                          <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
-                             policy.stream>>>(logits, out, range, device);
-                    });
+                    detail::cuda::block_per_row(policy.stream, detail::cuda::log_softmax_kernel<T>, logits, out));
 }
 
 /// kl_out[r] = KL(softmax(p[r]) ‖ softmax(q[r])) on the device (kl_out: p.rows device entries),
@@ -64,11 +60,7 @@ void kl(cuda_policy policy, input_view<T> p_logits, input_view<T> q_logits, T* k
   detail::check_kl_arguments<T>(fn, p_logits, q_logits, kl_out);
   static const char* const names[3] = {"p_logits", "q_logits", ""};
   detail::cuda::run(fn, policy.stream, p_logits.rows, checks, names,
-                    [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-                      detail::cuda::kl_kernel<T>
-                          <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
-                             policy.stream>>>(p_logits, q_logits, kl_out, range, device);
-                    });
+                    detail::cuda::block_per_row(policy.stream, detail::cuda::kl_kernel<T>, p_logits, q_logits, kl_out));
 }
 
 /// Backward of kl on the device, as troll::kl_backward(cpu_policy, ...): given the upstream
@@ -87,11 +79,8 @@ void kl_backward(cuda_policy policy, input_view<T> p_logits, input_view<T> q_log
   detail::check_kl_backward_arguments(fn, p_logits, q_logits, grad_kl, grad_p, grad_q);
   static const char* const names[3] = {"p_logits", "q_logits", "grad_kl (NaN or infinite)"};
   auto launch = [&](bool pairs_only) {
-    return [&, pairs_only](detail::cuda::row_range range, detail::cuda::device_checks device) {
-      detail::cuda::kl_backward_kernel<T>
-          <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0, policy.stream>>>(
-              p_logits, q_logits, grad_kl, grad_p, grad_q, pairs_only, range, device);
-    };
+    return detail::cuda::block_per_row(policy.stream, detail::cuda::kl_backward_kernel<T>, p_logits, q_logits,
+                                       grad_kl, grad_p, grad_q, pairs_only);
   };
   const detail::cuda::throw_derivative_report thrower;
   cuda_checks unchecked = checks;
@@ -119,12 +108,8 @@ void project(cuda_policy policy, input_view<T> new_logits, input_view<T> old_log
   detail::check_projection_arguments(fn, new_logits, old_logits, out_log_probs, stats, eps, options);
   static const char* const names[3] = {"new_logits", "old_logits", ""};
   detail::cuda::run(fn, policy.stream, new_logits.rows, checks, names,
-                    [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-                      detail::cuda::project_kernel<T>
-                          <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
-                             policy.stream>>>(new_logits, old_logits, eps, options, out_log_probs,
-                                              stats, range, device);
-                    });
+                    detail::cuda::block_per_row(policy.stream, detail::cuda::project_kernel<T>, new_logits,
+                                                old_logits, eps, options, out_log_probs, stats));
 }
 
 /// Vector–Jacobian product of project() on the device, as troll::project_backward(cpu_policy,
@@ -146,12 +131,9 @@ void project_backward(cuda_policy policy, input_view<T> new_logits, input_view<T
                                input_view<T>{});
   static const char* const names[3] = {"new_logits", "old_logits", "grad_log_probs"};
   detail::cuda::run(fn, policy.stream, new_logits.rows, checks, names,
-                    [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-                      detail::cuda::project_backward_kernel<T>
-                          <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
-                             policy.stream>>>(new_logits, old_logits, log_probs, stats, grad_log_probs,
-                                              grad_new, grad_old, grad_eps, range, device);
-                    });
+                    detail::cuda::block_per_row(policy.stream, detail::cuda::project_backward_kernel<T>,
+                                                new_logits, old_logits, log_probs, stats, grad_log_probs,
+                                                grad_new, grad_old, grad_eps));
 }
 
 /// Jacobian–vector product of project() on the device, as troll::project_jvp(cpu_policy, ...):
@@ -174,15 +156,11 @@ void project_jvp(cuda_policy policy, input_view<T> new_logits, input_view<T> old
   detail::check_backward_views(fn, new_logits, old_logits, log_probs, stats, tangent_new, "tangent_new",
                                tangent_old);
   static const char* const names[3] = {"new_logits", "old_logits", "tangent_new"};
-  detail::cuda::run(
-      fn, policy.stream, new_logits.rows, checks, names,
-      [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-        detail::cuda::project_jvp_kernel<T>
-            <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0, policy.stream>>>(
-                new_logits, old_logits, log_probs, stats, tangent_new, tangent_old, tangent_eps, tangent_out,
-                range, device);
-      },
-      detail::cuda::throw_derivative_report{});
+  detail::cuda::run(fn, policy.stream, new_logits.rows, checks, names,
+                    detail::cuda::block_per_row(policy.stream, detail::cuda::project_jvp_kernel<T>, new_logits,
+                                                old_logits, log_probs, stats, tangent_new, tangent_old,
+                                                tangent_eps, tangent_out),
+                    detail::cuda::throw_derivative_report{});
 }
 
 /// Full Jacobians of project() on the device, as troll::project_jacobian(cpu_policy, ...): per row

@@ -36,6 +36,7 @@
 #include "detail/cuda/gaussian_launch.cuh"
 #include "detail/gaussian_backend.hpp"
 #include "detail/gaussian_checks.hpp"
+#include "detail/gaussian_forward_call.hpp"
 #include "detail/workspace.hpp"
 #include "detail/workspace_layout.hpp"
 #include "errors.hpp"
@@ -48,24 +49,14 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cuda {
 
+/// The device's rows of a projection after its argument checks (gaussian_forward_call.hpp).
 template <class T>
-void project_gaussian(cuda_policy policy, const gaussian_call& call, batch_view<const T> mean,
-                      batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
-                      double eps_mean, double eps_cov, batch_view<T> out_mean, batch_view<T> out_cov,
-                      gaussian::gaussian_stats* stats, const projection_options& opt,
-                      gaussian::saved_factorisation<double> saved = {}) {
-  require_float_type<T>();
-  const gaussian_call c = check_projection_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, stats,
-                                                     eps_mean, eps_cov, opt);
-  check_gaussian_dim(c);
-  check_saved_factorisation(c, mean.rows, saved);
-  const std::size_t row_bytes = gaussian_forward_row_bytes(c.dim);
-  double* workspace = full_workspace(policy, c, mean.rows, row_bytes);  // one block per row above d = 32
-  if (mean.rows == 0) return;
-  check_gaussian_rows_on_host(policy, c, mean, cov, old_mean, old_cov);
-  const gaussian_launch<T> launch{mean, cov, old_mean, old_cov, out_mean, out_cov, stats, eps_mean, eps_cov, opt,
-                                  c.split, saved};
-  launch_gaussian_rows<T>(policy, c, mean.rows, workspace, row_bytes, full_forward_op<T>{launch},
+void project_gaussian(cuda_policy policy, const gaussian_call& c, const gaussian_launch<T>& launch) {
+  const std::size_t rows = launch.mean.rows, row_bytes = gaussian_forward_row_bytes(c.dim);
+  double* workspace = full_workspace(policy, c, rows, row_bytes);  // one block per row above d = 32
+  if (rows == 0) return;
+  check_gaussian_rows_on_host(policy, c, launch.mean, launch.cov, launch.old_mean, launch.old_cov);
+  launch_gaussian_rows<T>(policy, c, rows, workspace, row_bytes, full_forward_op<T>{launch},
                           gaussian_full_kernel<T>, gaussian_diag_kernel<T>, 2 * c.dim * sizeof(double), launch);
 }
 
@@ -74,6 +65,7 @@ void project_gaussian(cuda_policy policy, const gaussian_call& call, batch_view<
 /// The CUDA backend of the Gaussian entry points of gaussian_api.hpp (the KL: cuda_gaussian_derivatives.cuh).
 template <>
 struct gaussian_backend<cuda_policy> {
+  static void check_dim(const gaussian_call& c) { cuda::check_gaussian_dim(c); }
   template <class... Args>
   static void project(const Args&... args) {
     cuda::project_gaussian(args...);

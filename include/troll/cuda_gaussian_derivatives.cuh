@@ -51,12 +51,10 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cuda {
 
+/// The device's rows of gaussian::kl / kl_diag after their argument checks (gaussian_forward_call.hpp).
 template <class T>
-void gaussian_kl(cuda_policy policy, const gaussian_call& call, batch_view<const T> mean, batch_view<const T> cov,
+void gaussian_kl(cuda_policy policy, const gaussian_call& c, batch_view<const T> mean, batch_view<const T> cov,
                  batch_view<const T> old_mean, batch_view<const T> old_cov, double* out) {
-  require_float_type<T>();
-  const gaussian_call c = check_kl_arguments(call, mean, cov, old_mean, old_cov, out);
-  check_gaussian_dim(c);
   const std::size_t row_bytes = gaussian_forward_row_bytes(c.dim);
   double* workspace = full_workspace(policy, c, mean.rows, row_bytes);
   if (mean.rows == 0) return;

@@ -54,15 +54,11 @@ void objective_forward(cuda_policy policy, const trust_region_objective& objecti
   using detail::cuda::objective_row_record;
   objective_row_record* records = static_cast<objective_row_record*>(workspace) + 1;
   static const char* const names[3] = {"new_logits", "old_logits", ""};
-  detail::cuda::run(
-      fn, policy.stream, new_logits.rows, checks, names,
-      [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-        detail::cuda::troll_forward_kernel<T><<<detail::cuda::grid_for(range.count),
-                                                detail::cuda::block_threads, 0, policy.stream>>>(
-            new_logits, old_logits, in, objective.eps, objective.alpha, objective.projection,
-            log_probs, stats, token_loss, records, range, device);
-      },
-      detail::cuda::throw_objective_report{});
+  detail::cuda::run(fn, policy.stream, new_logits.rows, checks, names,
+                    detail::cuda::block_per_row(policy.stream, detail::cuda::troll_forward_kernel<T>, new_logits,
+                                                old_logits, in, objective.eps, objective.alpha, objective.projection,
+                                                log_probs, stats, token_loss, records),
+                    detail::cuda::throw_objective_report{});
   detail::cuda::aggregate_kernel<T><<<1, detail::cuda::block_threads, 0, policy.stream>>>(
       in, new_logits.rows, stats, records, metrics);
   detail::cuda::check_launch(fn);
@@ -94,12 +90,9 @@ void objective_backward(cuda_policy policy, const trust_region_objective& object
   // The weights come first: the checked mode's validation launches do not read them.
   detail::cuda::enqueue_aggregation_weights(fn, policy.stream, in, new_logits.rows, header);
   auto launch = [&](const projection_stats* row_stats) {
-    return [&, row_stats](detail::cuda::row_range range, detail::cuda::device_checks device) {
-      detail::cuda::troll_backward_kernel<T><<<detail::cuda::grid_for(range.count),
-                                               detail::cuda::block_threads, 0, policy.stream>>>(
-          new_logits, old_logits, in, objective.eps, objective.alpha, log_probs, row_stats, grad_new,
-          grad_loss, header, records, range, device);
-    };
+    return detail::cuda::block_per_row(policy.stream, detail::cuda::troll_backward_kernel<T>, new_logits, old_logits,
+                                       in, objective.eps, objective.alpha, log_probs, row_stats, grad_new, grad_loss,
+                                       header, records);
   };
   const detail::cuda::throw_objective_report thrower;
   cuda_checks unchecked = checks;

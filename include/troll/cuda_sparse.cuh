@@ -54,20 +54,15 @@ void sparsify(cuda_policy policy, batch_view<L> logits, const token_id* sampled,
               sparse_batch_view<T> out) {
   const cuda_checks& checks = policy.checks;
   using logit_type = std::remove_const_t<L>;
-  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
-                "troll::sparsify (CUDA): logits must be float, double, __half or __nv_bfloat16");
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify";
-  const batch_view<const logit_type> in{logits.data, logits.rows, logits.cols, logits.stride};
+  const batch_view<const logit_type> in = detail::cuda::sparsify_logits(logits);
   detail::check_sparsify_arguments(fn, in, sampled != nullptr, options, out);
   const double log_delta = options.delta > 0.0 ? std::log(options.delta) : detail::neg_inf();
   const detail::cuda::sparse_thrower thrower{{"logits"}, in.cols};
   detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower,
-                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-                             detail::cuda::sparsify_kernel<logit_type, T>
-                                 <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
-                                    policy.stream>>>(in, sampled, options.k, log_delta, out, range, device);
-                           });
+                           detail::cuda::block_per_row(policy.stream, detail::cuda::sparsify_kernel<logit_type, T>, in,
+                                                       sampled, options.k, log_delta, out));
 }
 
 /// Vocabulary shards on the device, as troll::sparsify_shard(cpu_policy, ...): fills states[r]
@@ -83,19 +78,13 @@ void sparsify_shard(cuda_policy policy, batch_view<L> shard_logits, std::size_t 
                     const token_id* sampled, const sparsify_options& options, sparsify_state* states) {
   const cuda_checks& checks = policy.checks;
   using logit_type = std::remove_const_t<L>;
-  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
-                "troll::sparsify_shard (CUDA): logits must be float, double, __half or __nv_bfloat16");
   constexpr const char* fn = "sparsify_shard";
-  const batch_view<const logit_type> in{shard_logits.data, shard_logits.rows, shard_logits.cols, shard_logits.stride};
+  const batch_view<const logit_type> in = detail::cuda::sparsify_logits(shard_logits);
   detail::check_sparsify_shard_arguments(fn, in, vocab_offset, vocab, options, states);
   const detail::cuda::sparse_thrower thrower{{"shard_logits"}, vocab};
   detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower,
-                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-                             detail::cuda::sparsify_shard_kernel<logit_type>
-                                 <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
-                                    policy.stream>>>(in, vocab_offset, vocab, sampled, options.k, states, range,
-                                                     device);
-                           });
+                           detail::cuda::block_per_row(policy.stream, detail::cuda::sparsify_shard_kernel<logit_type>,
+                                                       in, vocab_offset, vocab, sampled, options.k, states));
 }
 
 /// into[r] ← merge(into[r], from[r]) for `rows` device states, as troll::sparsify_merge(cpu_policy,
@@ -161,21 +150,16 @@ template <class T, class L>
 void sparsify_tail_sums(cuda_policy policy, batch_view<L> shard_logits, std::size_t vocab_offset,
                         sparse_input<T> support, const double* tail_max, double* sums) {
   using logit_type = std::remove_const_t<L>;
-  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
-                "troll::sparsify_tail_sums (CUDA): logits must be float, double, __half or __nv_bfloat16");
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_tail_sums";
-  const batch_view<const logit_type> in{shard_logits.data, shard_logits.rows, shard_logits.cols, shard_logits.stride};
+  const batch_view<const logit_type> in = detail::cuda::sparsify_logits(shard_logits);
   detail::check_sparsify_tail_sums_arguments(fn, in, vocab_offset, support, tail_max, sums);
   const detail::cuda::sparse_thrower thrower{
       {"shard_logits", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, "support"}, 0};
   const int slots = detail::cuda::sort_slots(support.k_max);
   auto launch = [&](int stage) {
-    return [&, stage](detail::cuda::row_range range, detail::cuda::device_checks device) {
-      detail::cuda::sparsify_tail_sums_kernel<logit_type, T>
-          <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0, policy.stream>>>(
-              in, vocab_offset, support, tail_max, sums, slots, stage, range, device);
-    };
+    return detail::cuda::block_per_row(policy.stream, detail::cuda::sparsify_tail_sums_kernel<logit_type, T>, in,
+                                       vocab_offset, support, tail_max, sums, slots, stage);
   };
   cuda_checks checks = policy.checks;
   if (checks.checked && in.rows != 0) {
@@ -199,12 +183,8 @@ void align(cuda_policy policy, sparse_input<T> new_rows, sparse_input<T> old_row
   const detail::cuda::sparse_thrower thrower{
       {"new", "old", nullptr, nullptr, nullptr, nullptr, "out (the union of the supports)", nullptr}, 0};
   detail::cuda::run_sparse(fn, policy.stream, new_rows.rows, checks, thrower,
-                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-                             const detail::cuda::warp_launch l = detail::cuda::warp_launch_for(
-                                 range.count, detail::cuda::larger(new_rows.k_max, old_rows.k_max), 2);
-                             detail::cuda::align_kernel<T><<<l.grid, l.threads, l.shared_bytes, policy.stream>>>(
-                                 new_rows, old_rows, out, l.slots, range, device);
-                           });
+                           detail::cuda::warp_per_row(policy.stream, detail::cuda::larger(new_rows.k_max, old_rows.k_max),
+                                                      2, detail::cuda::align_kernel<T>, new_rows, old_rows, out));
 }
 
 /// Aligns dense new device logits (float, double, __half or __nv_bfloat16) with sparse old rows,
@@ -216,11 +196,9 @@ void align(cuda_policy policy, batch_view<L> new_logits, sparse_input<T> new_sup
            aligned_batch_view<T> out) {
   const cuda_checks& checks = policy.checks;
   using logit_type = std::remove_const_t<L>;
-  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
-                "troll::align (CUDA): logits must be float, double, __half or __nv_bfloat16");
   detail::require_float_type<T>();
   constexpr const char* fn = "align";
-  const batch_view<const logit_type> in{new_logits.data, new_logits.rows, new_logits.cols, new_logits.stride};
+  const batch_view<const logit_type> in = detail::cuda::sparsify_logits(new_logits);
   detail::check_align_arguments(fn, in, new_support, old_rows, out);
   const bool with_support = new_support.rows != 0;
   const detail::cuda::sparse_thrower thrower{
@@ -228,11 +206,8 @@ void align(cuda_policy policy, batch_view<L> new_logits, sparse_input<T> new_sup
   const int slots = detail::cuda::sort_slots(
       detail::cuda::larger(old_rows.k_max, with_support ? new_support.k_max : std::size_t(1)));
   detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower,
-                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-                             detail::cuda::align_dense_kernel<logit_type, T>
-                                 <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
-                                    policy.stream>>>(in, new_support, old_rows, out, slots, range, device);
-                           });
+                           detail::cuda::block_per_row(policy.stream, detail::cuda::align_dense_kernel<logit_type, T>,
+                                                       in, new_support, old_rows, out, slots));
 }
 
 /// Backward of align(new, old) for one side on the device, as troll::align_backward(cpu_policy,
@@ -249,12 +224,9 @@ void align_backward(cuda_policy policy, sparse_input<T> row, aligned_input<T> al
   const detail::cuda::sparse_thrower thrower{
       {"row", "aligned", nullptr, nullptr, nullptr, "grad_aligned (NaN or infinite)", nullptr, nullptr}, 0};
   detail::cuda::run_sparse(fn, policy.stream, row.rows, checks, thrower,
-                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-                             const detail::cuda::warp_launch l = detail::cuda::warp_launch_for(
-                                 range.count, detail::cuda::larger(row.k_max, aligned.k_max), 2);
-                             detail::cuda::align_backward_kernel<T><<<l.grid, l.threads, l.shared_bytes, policy.stream>>>(
-                                 row, aligned, grad_aligned, grad_row, l.slots, range, device);
-                           });
+                           detail::cuda::warp_per_row(policy.stream, detail::cuda::larger(row.k_max, aligned.k_max), 2,
+                                                      detail::cuda::align_backward_kernel<T>, row, aligned,
+                                                      grad_aligned, grad_row));
 }
 
 /// kl_out[r] = KL(new ‖ old) of aligned device rows (the lumped rows), +inf where new has mass old
@@ -268,11 +240,8 @@ void kl(cuda_policy policy, aligned_input<T> rows, T* kl_out) {
   if (rows.rows != 0 && kl_out == nullptr) detail::throw_shape(fn, "kl_out is a null pointer");
   const detail::cuda::sparse_thrower thrower{{"new", "old", "new (lumped)", "old (lumped)"}, 0};
   detail::cuda::run_sparse(fn, policy.stream, rows.rows, checks, thrower,
-                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-                             const detail::cuda::warp_launch l = detail::cuda::warp_launch_for(range.count, rows.k_max, 1);
-                             detail::cuda::sparse_kl_kernel<T><<<l.grid, l.threads, l.shared_bytes, policy.stream>>>(
-                                 rows, kl_out, l.slots, range, device);
-                           });
+                           detail::cuda::warp_per_row(policy.stream, rows.k_max, 1, detail::cuda::sparse_kl_kernel<T>,
+                                                      rows, kl_out));
 }
 
 /// The trust-region projection of aligned device rows, as troll::project(cpu_policy, rows, eps,
@@ -288,11 +257,8 @@ void project(cuda_policy policy, aligned_input<T> rows, double eps, sparse_batch
   detail::check_sparse_project_arguments(fn, rows, eps, out, stats, options);
   const detail::cuda::sparse_thrower thrower{{"new", "old", "new (lumped)", "old (lumped)", nullptr, nullptr, "out"}, 0};
   detail::cuda::run_sparse(fn, policy.stream, rows.rows, checks, thrower,
-                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-                             const detail::cuda::warp_launch l = detail::cuda::warp_launch_for(range.count, rows.k_max, 1);
-                             detail::cuda::sparse_project_kernel<T><<<l.grid, l.threads, l.shared_bytes, policy.stream>>>(
-                                 rows, eps, options, out, stats, l.slots, range, device);
-                           });
+                           detail::cuda::warp_per_row(policy.stream, rows.k_max, 1, detail::cuda::sparse_project_kernel<T>,
+                                                      rows, eps, options, out, stats));
 }
 
 /// VJP of the sparse project() on the device, as troll::project_backward(cpu_policy, rows,
@@ -308,12 +274,9 @@ void project_backward(cuda_policy policy, aligned_input<T> rows, sparse_input<T>
   const detail::cuda::sparse_thrower thrower{
       {"new", "old", "new (lumped)", "old (lumped)", "log_probs", "grad (NaN or infinite)"}, 0};
   detail::cuda::run_sparse(fn, policy.stream, rows.rows, checks, thrower,
-                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-                             const detail::cuda::warp_launch l = detail::cuda::warp_launch_for(range.count, rows.k_max, 1);
-                             detail::cuda::sparse_project_backward_kernel<T>
-                                 <<<l.grid, l.threads, l.shared_bytes, policy.stream>>>(
-                                     rows, log_probs, stats, grad, grad_new, grad_old, grad_eps, l.slots, range, device);
-                           });
+                           detail::cuda::warp_per_row(policy.stream, rows.k_max, 1,
+                                                      detail::cuda::sparse_project_backward_kernel<T>, rows, log_probs,
+                                                      stats, grad, grad_new, grad_old, grad_eps));
 }
 
 /// Backward of sparsify (and of align's new side) on the device, as
@@ -325,21 +288,17 @@ void sparsify_backward(cuda_policy policy, batch_view<L> logits, sparse_input<T>
                        batch_view<T> grad_logits) {
   const cuda_checks& checks = policy.checks;
   using logit_type = std::remove_const_t<L>;
-  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
-                "troll::sparsify_backward (CUDA): logits must be float, double, __half or __nv_bfloat16");
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_backward";
-  const batch_view<const logit_type> in{logits.data, logits.rows, logits.cols, logits.stride};
+  const batch_view<const logit_type> in = detail::cuda::sparsify_logits(logits);
   detail::check_sparsify_backward_arguments(fn, in, support, grad, grad_logits);
   const detail::cuda::sparse_thrower thrower{
       {"logits", nullptr, nullptr, nullptr, nullptr, "grad (NaN or infinite)", nullptr, "support"}, 0};
   const int slots = detail::cuda::sort_slots(support.k_max);
   detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower,
-                           [&](detail::cuda::row_range range, detail::cuda::device_checks device) {
-                             detail::cuda::sparsify_backward_kernel<logit_type, T>
-                                 <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0,
-                                    policy.stream>>>(in, support, grad, grad_logits, slots, range, device);
-                           });
+                           detail::cuda::block_per_row(policy.stream,
+                                                       detail::cuda::sparsify_backward_kernel<logit_type, T>, in,
+                                                       support, grad, grad_logits, slots));
 }
 
 /// Backward of sparsify over vocabulary shards on the device, as
@@ -354,21 +313,16 @@ void sparsify_shard_backward(cuda_policy policy, batch_view<L> shard_logits, std
                              sparse_input<T> support, sparse_grad_input<T> grad, const double* log_sums,
                              batch_view<T> grad_shard) {
   using logit_type = std::remove_const_t<L>;
-  static_assert(detail::cuda::is_sparsify_logit<logit_type>::value,
-                "troll::sparsify_shard_backward (CUDA): logits must be float, double, __half or __nv_bfloat16");
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_shard_backward";
-  const batch_view<const logit_type> in{shard_logits.data, shard_logits.rows, shard_logits.cols, shard_logits.stride};
+  const batch_view<const logit_type> in = detail::cuda::sparsify_logits(shard_logits);
   detail::check_sparsify_shard_backward_arguments(fn, in, vocab_offset, support, grad, log_sums, grad_shard);
   const detail::cuda::sparse_thrower thrower{
       {"shard_logits", nullptr, nullptr, nullptr, nullptr, "grad (NaN or infinite)", nullptr, "support"}, 0};
   const int slots = detail::cuda::sort_slots(support.k_max);
   auto launch = [&](int stage) {
-    return [&, stage](detail::cuda::row_range range, detail::cuda::device_checks device) {
-      detail::cuda::sparsify_shard_backward_kernel<logit_type, T>
-          <<<detail::cuda::grid_for(range.count), detail::cuda::block_threads, 0, policy.stream>>>(
-              in, vocab_offset, support, grad, log_sums, grad_shard, slots, stage, range, device);
-    };
+    return detail::cuda::block_per_row(policy.stream, detail::cuda::sparsify_shard_backward_kernel<logit_type, T>,
+                                       in, vocab_offset, support, grad, log_sums, grad_shard, slots, stage);
   };
   cuda_checks checks = policy.checks;
   if (checks.checked && in.rows != 0) {

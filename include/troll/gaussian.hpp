@@ -22,6 +22,7 @@
 #include "detail/cpu/parallel.hpp"
 #include "detail/gaussian_backend.hpp"
 #include "detail/gaussian_checks.hpp"
+#include "detail/gaussian_forward_call.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
 #include "gaussian_api.hpp"
@@ -79,30 +80,22 @@ gaussian::gaussian_stats project_gaussian_row(const gaussian_call& call, const T
   return stats;
 }
 
+/// The rows of a projection after its argument checks (gaussian_forward_call.hpp).
 template <class T>
-void project_gaussian(cpu_policy policy, const gaussian_call& call, batch_view<const T> mean,
-                      batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
-                      double eps_mean, double eps_cov, batch_view<T> out_mean, batch_view<T> out_cov,
-                      gaussian::gaussian_stats* stats, const projection_options& opt,
-                      gaussian::saved_factorisation<double> saved = {}) {
-  require_float_type<T>();
-  const gaussian_call c = check_projection_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, stats,
-                                                     eps_mean, eps_cov, opt);
-  check_saved_factorisation(c, mean.rows, saved);
-  validate_gaussian_rows(policy.threads, c, mean, cov, old_mean, old_cov);
+void project_gaussian(cpu_policy policy, const gaussian_call& c, const gaussian_forward_launch<T>& k) {
+  validate_gaussian_rows(policy.threads, c, k.mean, k.cov, k.old_mean, k.old_cov);
   const std::size_t work = c.full ? 40 * c.dim * c.dim * c.dim : 40 * c.dim;
-  cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
-    stats[r] = project_gaussian_row(c, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), eps_mean,
-                                    eps_cov, opt, out_mean.row(r), out_cov.row(r),
-                                    saved.data == nullptr ? nullptr : saved.row(r));
+  cpu::parallel_for(policy.threads, k.mean.rows, work, [&](std::size_t r) {
+    k.stats[r] = project_gaussian_row(c, k.mean.row(r), k.cov.row(r), k.old_mean.row(r), k.old_cov.row(r),
+                                      k.eps_mean, k.eps_cov, k.options, k.out_mean.row(r), k.out_cov.row(r),
+                                      k.saved.data == nullptr ? nullptr : k.saved.row(r));
   });
 }
 
+/// The rows of gaussian::kl / kl_diag after their argument checks.
 template <class T>
-void gaussian_kl(cpu_policy policy, const gaussian_call& call, batch_view<const T> mean, batch_view<const T> cov,
+void gaussian_kl(cpu_policy policy, const gaussian_call& c, batch_view<const T> mean, batch_view<const T> cov,
                  batch_view<const T> old_mean, batch_view<const T> old_cov, double* out) {
-  require_float_type<T>();
-  const gaussian_call c = check_kl_arguments(call, mean, cov, old_mean, old_cov, out);
   validate_gaussian_rows(policy.threads, c, mean, cov, old_mean, old_cov);
   const std::size_t work = c.full ? 40 * c.dim * c.dim * c.dim : 40 * c.dim;
   cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
@@ -116,9 +109,10 @@ void gaussian_kl(cpu_policy policy, const gaussian_call& call, batch_view<const 
   });
 }
 
-/// The CPU backend of the Gaussian entry points of gaussian_api.hpp.
+/// The CPU backend of the Gaussian entry points of gaussian_api.hpp (no limit on d).
 template <>
 struct gaussian_backend<cpu_policy> {
+  static void check_dim(const gaussian_call&) {}
   template <class... Args>
   static void project(const Args&... args) {
     project_gaussian(args...);

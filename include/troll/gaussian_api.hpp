@@ -14,6 +14,7 @@
 #include "detail/gaussian_backend.hpp"
 #include "detail/gaussian_checks.hpp"
 #include "detail/gaussian_derivative_call.hpp"
+#include "detail/gaussian_forward_call.hpp"
 #include "execution.hpp"
 #include "gaussian_types.hpp"
 #include "projection_types.hpp"
@@ -38,9 +39,9 @@ void project_joint(Policy policy, input_view<T> mean, input_view<T> cov_chol, in
                    input_view<T> old_cov_chol, double eps, batch_view<T> out_mean, batch_view<T> out_cov_chol,
                    gaussian_stats* stats, const projection_options& options = {},
                    saved_factorisation<double> saved = {}) {
-  detail::gaussian_backend<Policy>::project(policy, detail::gaussian_call{"gaussian::project_joint", true, false},
-                                            mean, cov_chol, old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol,
-                                            stats, options, saved);
+  detail::project_gaussian_forward(policy, detail::gaussian_call{"gaussian::project_joint", true, false},
+                                   mean, cov_chol, old_mean, old_cov_chol, eps, eps, out_mean, out_cov_chol,
+                                   stats, options, saved);
 }
 
 /// The split projection: the mean against eps_mean (closed form, Σ°'s metric), the covariance
@@ -51,9 +52,9 @@ void project_split(Policy policy, input_view<T> mean, input_view<T> cov_chol, in
                    input_view<T> old_cov_chol, double eps_mean, double eps_cov, batch_view<T> out_mean,
                    batch_view<T> out_cov_chol, gaussian_stats* stats, const projection_options& options = {},
                    saved_factorisation<double> saved = {}) {
-  detail::gaussian_backend<Policy>::project(policy, detail::gaussian_call{"gaussian::project_split", true, true},
-                                            mean, cov_chol, old_mean, old_cov_chol, eps_mean, eps_cov, out_mean,
-                                            out_cov_chol, stats, options, saved);
+  detail::project_gaussian_forward(policy, detail::gaussian_call{"gaussian::project_split", true, true},
+                                   mean, cov_chol, old_mean, old_cov_chol, eps_mean, eps_cov, out_mean,
+                                   out_cov_chol, stats, options, saved);
 }
 
 /// project_joint for diagonal covariances given as standard deviations (N × d, all > 0): O(d)
@@ -62,10 +63,10 @@ template <class T, class Policy, detail::if_execution_policy<Policy> = 0>
 void project_joint_diag(Policy policy, input_view<T> mean, input_view<T> std_dev, input_view<T> old_mean,
                         input_view<T> old_std_dev, double eps, batch_view<T> out_mean, batch_view<T> out_std_dev,
                         gaussian_stats* stats, const projection_options& options = {}) {
-  detail::gaussian_backend<Policy>::project(policy,
-                                            detail::gaussian_call{"gaussian::project_joint_diag", false, false}, mean,
-                                            std_dev, old_mean, old_std_dev, eps, eps, out_mean, out_std_dev, stats,
-                                            options, saved_factorisation<double>{});
+  detail::project_gaussian_forward(policy,
+                                   detail::gaussian_call{"gaussian::project_joint_diag", false, false}, mean,
+                                   std_dev, old_mean, old_std_dev, eps, eps, out_mean, out_std_dev, stats,
+                                   options, saved_factorisation<double>{});
 }
 
 /// project_split for diagonal covariances given as standard deviations.
@@ -73,10 +74,10 @@ template <class T, class Policy, detail::if_execution_policy<Policy> = 0>
 void project_split_diag(Policy policy, input_view<T> mean, input_view<T> std_dev, input_view<T> old_mean,
                         input_view<T> old_std_dev, double eps_mean, double eps_cov, batch_view<T> out_mean,
                         batch_view<T> out_std_dev, gaussian_stats* stats, const projection_options& options = {}) {
-  detail::gaussian_backend<Policy>::project(policy,
-                                            detail::gaussian_call{"gaussian::project_split_diag", false, true}, mean,
-                                            std_dev, old_mean, old_std_dev, eps_mean, eps_cov, out_mean, out_std_dev,
-                                            stats, options, saved_factorisation<double>{});
+  detail::project_gaussian_forward(policy,
+                                   detail::gaussian_call{"gaussian::project_split_diag", false, true}, mean,
+                                   std_dev, old_mean, old_std_dev, eps_mean, eps_cov, out_mean, out_std_dev,
+                                   stats, options, saved_factorisation<double>{});
 }
 
 /// KL(N(mean, LLᵀ) ‖ N(old_mean, L°L°ᵀ)) per row, into out[r] (double), from the same
@@ -84,16 +85,16 @@ void project_split_diag(Policy policy, input_view<T> mean, input_view<T> std_dev
 template <class T, class Policy, detail::if_execution_policy<Policy> = 0>
 void kl(Policy policy, batch_view<const T> mean, batch_view<const T> cov_chol, batch_view<const T> old_mean,
         batch_view<const T> old_cov_chol, double* out) {
-  detail::gaussian_backend<Policy>::kl(policy, detail::gaussian_call{"gaussian::kl", true, false}, mean, cov_chol,
-                                       old_mean, old_cov_chol, out);
+  detail::gaussian_kl_forward(policy, detail::gaussian_call{"gaussian::kl", true, false}, mean, cov_chol,
+                              old_mean, old_cov_chol, out);
 }
 
 /// kl for diagonal covariances given as standard deviations.
 template <class T, class Policy, detail::if_execution_policy<Policy> = 0>
 void kl_diag(Policy policy, batch_view<const T> mean, batch_view<const T> std_dev, batch_view<const T> old_mean,
              batch_view<const T> old_std_dev, double* out) {
-  detail::gaussian_backend<Policy>::kl(policy, detail::gaussian_call{"gaussian::kl_diag", false, false}, mean,
-                                       std_dev, old_mean, old_std_dev, out);
+  detail::gaussian_kl_forward(policy, detail::gaussian_call{"gaussian::kl_diag", false, false}, mean,
+                              std_dev, old_mean, old_std_dev, out);
 }
 
 /// The VJP of project_joint: given the forward's inputs, outputs and stats and the upstream

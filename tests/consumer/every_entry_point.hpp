@@ -50,6 +50,7 @@ struct step_results {
   std::vector<double> gaussian_kl, gaussian_kl_diag;                 ///< kl / kl_diag of the new vs old rows
   std::vector<double> gaussian_diag_grad_mean, gaussian_diag_grad_eps;  ///< project_joint_diag_backward
   std::vector<double> gaussian_split_diag_jvp_std;                   ///< project_split_diag_jvp
+  std::vector<double> gaussian_full_derivatives;  ///< the full rows' backward / JVP and the other diagonal ones
   double troll_loss = 0.0, ppo_loss = 0.0, dppo_loss = 0.0, sparse_troll_loss = 0.0;
 };
 
@@ -278,9 +279,11 @@ step_results run_every_entry_point(Policy policy) {
     typename S::template array<troll::gaussian::gaussian_stats> g_stats(4 * rows);
     static_assert(troll::workspace_bytes(Policy{}, troll::op::gaussian_project_joint{}, rows, d) == 0,
                   "the Gaussian projections need no scratch");
+    typename S::template array<double> saved(rows * troll::gaussian::saved_factorisation<double>::saved_doubles(d));
+    const troll::gaussian::saved_factorisation<double> saved_rows{saved.get(), rows, d};
     troll::gaussian::project_joint(policy, mu_in, chol_in, mu_old_in, chol_old_in, 0.05,
                                    troll::make_batch(m1.get(), rows, d), troll::make_batch(c1.get(), rows, d * d),
-                                   g_stats.get(), troll::projection_options{});
+                                   g_stats.get(), troll::projection_options{}, saved_rows);
     troll::gaussian::project_split(policy, mu_in, chol_in, mu_old_in, chol_old_in, 0.02, 0.05,
                                    troll::make_batch(m2.get(), rows, d), troll::make_batch(c2.get(), rows, d * d),
                                    g_stats.get() + rows, troll::projection_options{});
@@ -308,12 +311,47 @@ step_results run_every_entry_point(Policy policy) {
                                             g_stats.get() + 3 * rows, diag_tangents,
                                             troll::make_batch(t_mean.get(), rows, d),
                                             troll::make_batch(t_std.get(), rows, d));
+    // The full rows' derivatives (the joint ones reading the forward's saved factorisation) and
+    // the other two diagonal ones; upstream and tangents are the inputs themselves.
+    const auto m1_in = troll::make_batch<const T>(m1.get(), rows, d);
+    const auto c1_in = troll::make_batch<const T>(c1.get(), rows, d * d);
+    const auto m2_in = troll::make_batch<const T>(m2.get(), rows, d);
+    const auto c2_in = troll::make_batch<const T>(c2.get(), rows, d * d);
+    typename S::template array<T> f_mean(rows * d), f_chol(rows * d * d), f_tangent_mean(rows * d);
+    typename S::template array<T> f_tangent_chol(rows * d * d), f_tangent_std(rows * d), f_grad_std(rows * d);
+    typename S::template array<double> f_eps(rows), f_eps_mean(rows);
+    const troll::gaussian::gaussian_grads<T> full_grads{troll::make_batch(f_mean.get(), rows, d),
+                                                        troll::make_batch(f_chol.get(), rows, d * d), {}, {},
+                                                        f_eps.get(), f_eps_mean.get()};
+    const troll::gaussian::gaussian_tangents<T> full_tangents{mu_in, chol_in, {}, {}, 0.01, 0.005};
+    const auto f_tangent_mean_out = troll::make_batch(f_tangent_mean.get(), rows, d);
+    troll::gaussian::project_joint_backward(policy, mu_in, chol_in, mu_old_in, chol_old_in, 0.05, m1_in, c1_in,
+                                            g_stats.get(), m1_in, c1_in, full_grads, saved_rows);
+    troll::gaussian::project_split_backward(policy, mu_in, chol_in, mu_old_in, chol_old_in, 0.02, 0.05, m2_in, c2_in,
+                                            g_stats.get() + rows, m2_in, c2_in, full_grads);
+    troll::gaussian::project_joint_jvp(policy, mu_in, chol_in, mu_old_in, chol_old_in, 0.05, m1_in, c1_in,
+                                       g_stats.get(), full_tangents, f_tangent_mean_out,
+                                       troll::make_batch(f_tangent_chol.get(), rows, d * d), saved_rows);
+    troll::gaussian::project_split_jvp(policy, mu_in, chol_in, mu_old_in, chol_old_in, 0.02, 0.05, m2_in, c2_in,
+                                       g_stats.get() + rows, full_tangents, f_tangent_mean_out,
+                                       troll::make_batch(f_tangent_chol.get(), rows, d * d));
+    const troll::gaussian::gaussian_grads<T> std_grads{f_tangent_mean_out, troll::make_batch(f_grad_std.get(), rows, d),
+                                                       {}, {}, f_eps.get(), f_eps_mean.get()};
+    troll::gaussian::project_split_diag_backward(policy, mu_in, sd_in, mu_old_in, sd_old_in, 0.02, 0.05, m4_in,
+                                                 s4_in, g_stats.get() + 3 * rows, m4_in, s4_in, std_grads);
+    troll::gaussian::project_joint_diag_jvp(policy, mu_in, sd_in, mu_old_in, sd_old_in, 0.05, m3_in, s3_in,
+                                            g_stats.get() + 2 * rows, diag_tangents, f_tangent_mean_out,
+                                            troll::make_batch(f_tangent_std.get(), rows, d));
     S::sync(policy);
     out.gaussian_kl = kl_full.download();
     out.gaussian_kl_diag = kl_diag.download();
     out.gaussian_diag_grad_mean = as_double(g_mean.download());
     out.gaussian_diag_grad_eps = g_eps.download();
     out.gaussian_split_diag_jvp_std = as_double(t_std.download());
+    out.gaussian_full_derivatives = as_double(f_chol.download());
+    for (const T v : f_tangent_chol.download()) out.gaussian_full_derivatives.push_back(double(v));
+    for (const T v : f_grad_std.download()) out.gaussian_full_derivatives.push_back(double(v));
+    for (const T v : f_tangent_std.download()) out.gaussian_full_derivatives.push_back(double(v));
     out.gaussian_mean = as_double(m1.download());
     out.gaussian_chol = as_double(c1.download());
     out.gaussian_split_mean = as_double(m2.download());

@@ -77,6 +77,7 @@ TEST_SUITE("device") {
     close(gpu.gaussian_diag_grad_mean, cpu.gaussian_diag_grad_mean);
     close(gpu.gaussian_diag_grad_eps, cpu.gaussian_diag_grad_eps);
     close(gpu.gaussian_split_diag_jvp_std, cpu.gaussian_split_diag_jvp_std);
+    close(gpu.gaussian_full_derivatives, cpu.gaussian_full_derivatives);
     CHECK(std::abs(gpu.troll_loss - cpu.troll_loss) <= 1e-8 + 1e-8 * std::abs(cpu.troll_loss));
     CHECK(std::abs(gpu.sparse_troll_loss - cpu.sparse_troll_loss) <= 1e-8 + 1e-8 * std::abs(cpu.sparse_troll_loss));
   }

@@ -1,7 +1,8 @@
 // troll/detail/gaussian_backend.hpp — where the Gaussian entry points (troll/gaussian_api.hpp),
 // written once for every execution policy, find their backend: class templates specialised per
 // policy by the backend headers, looked up when an entry point is instantiated.
-//   gaussian_backend<P>:     project, kl   (gaussian.hpp; cuda_gaussian.cuh)
+//   gaussian_backend<P>:     check_dim, project, kl (gaussian.hpp; cuda_gaussian.cuh), called by
+//                            gaussian_forward_call.hpp after the shared argument checks
 //   gaussian_vjp_backend<P>: rows          (gaussian_backward.hpp; cuda_gaussian_derivatives.cuh)
 //   gaussian_jvp_backend<P>: rows          (gaussian_jvp.hpp; cuda_gaussian_derivatives.cuh)
 // The primary templates are there only to say, at compile time, which header is missing.

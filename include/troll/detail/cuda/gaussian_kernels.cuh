@@ -17,6 +17,7 @@
 #include "../../gaussian_types.hpp"
 #include "../../projection_types.hpp"
 #include "../gaussian_family.hpp"
+#include "../gaussian_forward_call.hpp"
 #include "../gaussian_jacobi.hpp"
 #include "../numeric.hpp"
 #include "../workspace_layout.hpp"
@@ -61,15 +62,7 @@ struct gaussian_warp_family {
 
 /// The device's view of one launch: the operands, the bounds and the options.
 template <class T>
-struct gaussian_launch {
-  batch_view<const T> mean, cov, old_mean, old_cov;
-  batch_view<T> out_mean, out_cov;
-  gaussian::gaussian_stats* stats;
-  double eps_mean, eps_cov;
-  projection_options options;
-  bool split;
-  gaussian::saved_factorisation<double> saved{};  ///< full rows: V, g, b written when not empty
-};
+using gaussian_launch = gaussian_forward_launch<T>;
 
 __device__ inline bool finite_value(double x) { return x - x == 0.0; }
 

@@ -85,6 +85,16 @@ void run(const char* function, cudaStream_t stream, std::size_t rows, const cuda
   check_launch(function);
 }
 
+/// The launch that run() and validate_*_or_throw call for a one-block-per-row kernel:
+/// kernel(args..., range, device) on grid_for(range.count) blocks of block_threads threads, no
+/// dynamic shared memory, on `stream`. The arguments are copied into the launch.
+template <class... Params, class... Args>
+auto block_per_row(cudaStream_t stream, void (*kernel)(Params...), const Args&... args) {
+  return [=](row_range range, device_checks device) {
+    kernel<<<grid_for(range.count), block_threads, 0, stream>>>(args..., range, device);
+  };
+}
+
 }  // namespace cuda
 }  // namespace detail
 TROLL_END_NAMESPACE

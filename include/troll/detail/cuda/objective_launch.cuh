@@ -36,12 +36,8 @@ void ratio_forward(const char* fn, cuda_policy policy, const ratio_objective_spe
   const cuda_checks& checks = policy.checks;
   objective_row_record* records = static_cast<objective_row_record*>(workspace) + 1;
   static const char* const names[3] = {"new_logits", "old_logits", ""};
-  run(
-      fn, policy.stream, new_logits.rows, checks, names,
-      [&](row_range range, device_checks device) {
-        ratio_forward_kernel<T><<<grid_for(range.count), block_threads, 0, policy.stream>>>(
-            new_logits, old_logits, in, spec, token_loss, records, range, device);
-      },
+  run(fn, policy.stream, new_logits.rows, checks, names,
+      block_per_row(policy.stream, ratio_forward_kernel<T>, new_logits, old_logits, in, spec, token_loss, records),
       throw_objective_report{});
   aggregate_kernel<T><<<1, block_threads, 0, policy.stream>>>(in, new_logits.rows, nullptr,
                                                                records, metrics);
@@ -62,13 +58,9 @@ void ratio_backward(const char* fn, cuda_policy policy, ratio_objective_spec spe
   objective_row_record* header = static_cast<objective_row_record*>(workspace);
   enqueue_aggregation_weights(fn, policy.stream, in, new_logits.rows, header);
   static const char* const names[3] = {"new_logits", "old_logits", ""};
-  run(
-      fn, policy.stream, new_logits.rows, checks, names,
-      [&](row_range range, device_checks device) {
-        ratio_backward_kernel<T><<<grid_for(range.count), block_threads, 0, policy.stream>>>(
-            new_logits, old_logits, in, spec, grad_new, grad_loss, header, header + 1, range,
-            device);
-      },
+  run(fn, policy.stream, new_logits.rows, checks, names,
+      block_per_row(policy.stream, ratio_backward_kernel<T>, new_logits, old_logits, in, spec, grad_new, grad_loss,
+                    header, header + 1),
       throw_objective_report{});
 }
 

@@ -20,19 +20,15 @@ namespace cuda {
 /// kind none for every other code.
 inline objective_problem as_objective_problem(const cuda_row_report& report) {
   using k = objective_problem::kind;
+  static constexpr code_kind<k> kinds[] = {
+      {cuda_row_error::bad_sampled, k::token_range},       {cuda_row_error::bad_advantage, k::advantage},
+      {cuda_row_error::bad_mask, k::mask},                 {cuda_row_error::sequence_order, k::sequence_order},
+      {cuda_row_error::old_token_masked, k::old_token_masked}, {cuda_row_error::regression_inf, k::regression_inf}};
+  if (report.error == cuda_row_error::objective_overflow)
+    return overflow_problem(report.operand, report.value, static_cast<std::int64_t>(report.token));
   objective_problem p;
   p.value = report.value;
-  switch (report.error) {
-    case cuda_row_error::bad_sampled: p.what = k::token_range; break;
-    case cuda_row_error::bad_advantage: p.what = k::advantage; break;
-    case cuda_row_error::bad_mask: p.what = k::mask; break;
-    case cuda_row_error::sequence_order: p.what = k::sequence_order; break;
-    case cuda_row_error::old_token_masked: p.what = k::old_token_masked; break;
-    case cuda_row_error::regression_inf: p.what = k::regression_inf; break;
-    case cuda_row_error::objective_overflow:
-      return overflow_problem(report.operand, report.value, static_cast<std::int64_t>(report.token));
-    default: p.what = k::none; break;
-  }
+  p.what = kind_of(report.error, kinds, k::none);
   return p;
 }
 

@@ -87,6 +87,32 @@ __device__ bool record_or_reject(const device_checks& checks, const row_range& r
 }
 #endif
 
+/// A device report code and the CPU problem kind it becomes: the rows of the checked mode's
+/// translation tables.
+template <class Kind>
+struct code_kind {
+  cuda_row_error code;
+  Kind kind;
+};
+
+/// The kind `table` gives `code`, or `otherwise` when it has no row for it.
+template <class Kind, std::size_t N>
+Kind kind_of(cuda_row_error code, const code_kind<Kind> (&table)[N], Kind otherwise) {
+  for (const code_kind<Kind>& row : table)
+    if (row.code == code) return row.kind;
+  return otherwise;
+}
+
+/// The row_problem kind of a report on a row's logits (nan_value ... infeasible); none for any
+/// other code.
+inline problem_kind logits_problem_kind(cuda_row_error code) {
+  static constexpr code_kind<problem_kind> kinds[] = {
+      {cuda_row_error::nan_value, problem_kind::nan_value},   {cuda_row_error::pos_inf, problem_kind::pos_inf},
+      {cuda_row_error::all_masked, problem_kind::all_masked}, {cuda_row_error::disjoint, problem_kind::disjoint},
+      {cuda_row_error::infeasible, problem_kind::infeasible}};
+  return kind_of(code, kinds, problem_kind::none);
+}
+
 /// The CPU backend's exception for a device report, with the same message.
 /// `operand_names` holds the names of operands 0, 1 and 2 of the calling entry point.
 [[noreturn]] inline void throw_report(const char* function, std::size_t row, const cuda_row_report& report,
@@ -100,12 +126,8 @@ __device__ bool record_or_reject(const device_checks& checks, const row_range& r
   p.operand = operand_names[operand];
   p.token = static_cast<std::size_t>(report.token);
   p.value = report.value;
+  p.kind = logits_problem_kind(report.error);
   switch (report.error) {
-    case cuda_row_error::nan_value: p.kind = problem_kind::nan_value; break;
-    case cuda_row_error::pos_inf: p.kind = problem_kind::pos_inf; break;
-    case cuda_row_error::all_masked: p.kind = problem_kind::all_masked; break;
-    case cuda_row_error::disjoint: p.kind = problem_kind::disjoint; break;
-    case cuda_row_error::infeasible: p.kind = problem_kind::infeasible; break;
     case cuda_row_error::bad_stats:
       p.kind = problem_kind::bad_stats;
       p.operand = stats_fields[report.operand >= 0 && report.operand < 5 ? report.operand : 3];
@@ -118,11 +140,11 @@ __device__ bool record_or_reject(const device_checks& checks, const row_range& r
                                             : problem_kind::masked_mass;
       p.operand = "log_probs";
       break;
-    case cuda_row_error::none:
-    default:
-      throw invalid_input(row_prefix(function, row) + "unknown device error code " +
-                              std::to_string(static_cast<int>(report.error)),
-                          row);
+    default:  // the logits' codes, else none or an unknown code
+      if (p.kind == problem_kind::none)
+        throw invalid_input(row_prefix(function, row) + "unknown device error code " +
+                                std::to_string(static_cast<int>(report.error)),
+                            row);
   }
   throw_problem(function, row, p);
 }

@@ -26,6 +26,19 @@ inline sparse_objective_problem as_sparse_objective_problem(const cuda_row_repor
   using k = sparse_objective_problem::kind;
   sparse_objective_problem p;
   p.value = static_cast<long long>(report.value);
+  const problem_kind logits = logits_problem_kind(report.error);
+  if (logits != problem_kind::none) {
+    // Operand 0: the dense new logits; 2 and 3: the lumped rows (sparse_operand).
+    static const char* const names[4] = {"new_logits", "new_logits", "new (lumped)", "old (lumped)"};
+    p.what = k::token;
+    p.token.what = objective_problem::kind::logits;
+    row_problem& q = p.token.logits;
+    q.kind = logits;
+    q.operand = names[report.operand >= 0 && report.operand < 4 ? report.operand : 0];
+    q.token = static_cast<std::size_t>(report.token);
+    q.value = report.value;
+    return p;
+  }
   switch (report.error) {
     case cuda_row_error::old_token_masked: p.what = k::old_token_masked; return p;
     case cuda_row_error::objective_capacity:
@@ -39,26 +52,6 @@ inline sparse_objective_problem as_sparse_objective_problem(const cuda_row_repor
       p.entry = report.token == ~0ull ? -1 : static_cast<long long>(report.token);
       p.other = report.operand;
       return p;
-    case cuda_row_error::nan_value:
-    case cuda_row_error::pos_inf:
-    case cuda_row_error::all_masked:
-    case cuda_row_error::disjoint:
-    case cuda_row_error::infeasible: {
-      // Operand 0: the dense new logits; 2 and 3: the lumped rows (sparse_operand).
-      static const char* const names[4] = {"new_logits", "new_logits", "new (lumped)", "old (lumped)"};
-      p.what = k::token;
-      p.token.what = objective_problem::kind::logits;
-      row_problem& q = p.token.logits;
-      q.kind = report.error == cuda_row_error::nan_value    ? problem_kind::nan_value
-               : report.error == cuda_row_error::pos_inf    ? problem_kind::pos_inf
-               : report.error == cuda_row_error::disjoint   ? problem_kind::disjoint
-               : report.error == cuda_row_error::infeasible ? problem_kind::infeasible
-                                                            : problem_kind::all_masked;
-      q.operand = names[report.operand >= 0 && report.operand < 4 ? report.operand : 0];
-      q.token = static_cast<std::size_t>(report.token);
-      q.value = report.value;
-      return p;
-    }
     default:
       p.token = as_objective_problem(report);
       p.what = p.token ? k::token : k::none;

@@ -30,29 +30,21 @@ inline sparse_problem as_sparse_problem(const cuda_row_report& report, const cha
   p.operand = name;
   p.entry = static_cast<long long>(report.token);
   p.value = report.value;
-  switch (report.error) {
-    case cuda_row_error::sparse_count: p.kind = sparse_problem_kind::count_range; break;
-    case cuda_row_error::sparse_index: p.kind = sparse_problem_kind::index_range; break;
-    case cuda_row_error::sparse_duplicate: p.kind = sparse_problem_kind::duplicate; break;
-    case cuda_row_error::sparse_nan: p.kind = sparse_problem_kind::nan_value; break;
-    case cuda_row_error::sparse_above_one: p.kind = sparse_problem_kind::above_one; break;
-    case cuda_row_error::sparse_no_tail: p.kind = sparse_problem_kind::remainder_no_tail; break;
-    case cuda_row_error::sparse_no_mass: p.kind = sparse_problem_kind::no_mass; break;
-    case cuda_row_error::sparse_not_aligned:
-      p.kind = sparse_problem_kind::not_aligned;
-      if (p.entry < 0) p.entry = 0;
-      break;
-    case cuda_row_error::sparse_mass:
-      p.kind = sparse_problem_kind::mass;
-      p.other = report.token == sizeof(float) ? sparse_mass_tolerance<float>() : sparse_mass_tolerance<double>();
-      break;
-    case cuda_row_error::sparse_masked_mass: p.kind = sparse_problem_kind::masked_mass; break;
-    case cuda_row_error::sparse_wrong_token:
-      p.kind = sparse_problem_kind::wrong_token;
-      p.operand = "log_probs";
-      p.other = static_cast<double>(report.operand);
-      break;
-    default: break;
+  using k = sparse_problem_kind;
+  static constexpr code_kind<k> kinds[] = {
+      {cuda_row_error::sparse_count, k::count_range},        {cuda_row_error::sparse_index, k::index_range},
+      {cuda_row_error::sparse_duplicate, k::duplicate},      {cuda_row_error::sparse_nan, k::nan_value},
+      {cuda_row_error::sparse_above_one, k::above_one},      {cuda_row_error::sparse_no_tail, k::remainder_no_tail},
+      {cuda_row_error::sparse_no_mass, k::no_mass},          {cuda_row_error::sparse_not_aligned, k::not_aligned},
+      {cuda_row_error::sparse_mass, k::mass},                {cuda_row_error::sparse_masked_mass, k::masked_mass},
+      {cuda_row_error::sparse_wrong_token, k::wrong_token}};
+  p.kind = kind_of(report.error, kinds, k::none);
+  if (p.kind == k::not_aligned && p.entry < 0) p.entry = 0;
+  if (p.kind == k::mass)
+    p.other = report.token == sizeof(float) ? sparse_mass_tolerance<float>() : sparse_mass_tolerance<double>();
+  if (p.kind == k::wrong_token) {
+    p.operand = "log_probs";
+    p.other = static_cast<double>(report.operand);
   }
   return p;
 }

@@ -53,6 +53,17 @@ struct is_sparsify_logit<__half> : std::true_type {};
 template <>
 struct is_sparsify_logit<__nv_bfloat16> : std::true_type {};
 
+/// The logits of a CUDA entry point that reads them in their own precision (sparsify,
+/// sparsify_shard, sparsify_tail_sums, align with dense logits, sparsify_backward,
+/// sparsify_shard_backward) as a read-only view; the element type must be a sparsify logit.
+template <class L>
+batch_view<const std::remove_const_t<L>> sparsify_logits(batch_view<L> logits) {
+  static_assert(is_sparsify_logit<std::remove_const_t<L>>::value,
+                "troll (CUDA sparsify, sparsify_shard, sparsify_tail_sums, align, sparsify_backward, "
+                "sparsify_shard_backward): logits must be float, double, __half or __nv_bfloat16");
+  return {logits.data, logits.rows, logits.cols, logits.stride};
+}
+
 /// A candidate key of a double logit: `high` the logit's order bits, `low` the index part (32
 /// bits); compared as the 96-bit number high·2³² + low. No initialisers: it lives in __shared__.
 struct wide_key {

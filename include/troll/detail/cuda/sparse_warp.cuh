@@ -255,6 +255,18 @@ inline warp_launch warp_launch_for(std::size_t rows, std::size_t k_max, int arra
   return l;
 }
 
+/// The launch that run_sparse() calls for a warp-per-row kernel sorting `arrays` supports of up
+/// to k_max entries: kernel(args..., slots, range, device) in warp_launch_for's shape on `stream`.
+/// The arguments are copied into the launch.
+template <class... Params, class... Args>
+auto warp_per_row(cudaStream_t stream, std::size_t k_max, int arrays, void (*kernel)(Params...),
+                  const Args&... args) {
+  return [=](row_range range, device_checks device) {
+    const warp_launch l = warp_launch_for(range.count, k_max, arrays);
+    kernel<<<l.grid, l.threads, l.shared_bytes, stream>>>(args..., l.slots, range, device);
+  };
+}
+
 /// This warp's scratch (arrays × slots index_slots) in the block's dynamic shared memory.
 __device__ inline index_slot* warp_scratch(int arrays, int slots) {
   extern __shared__ unsigned long long troll_sparse_shared[];
