@@ -256,9 +256,10 @@ TEST_CASE("the packet VJP of long rows agrees with the general path") {
 
 namespace {
 
-/// tail_exp_sum (one packet pass, TwoSum lanes) against the same terms — each through
-/// packet_exp, the block function sparsify used before — added one by one in token order with
-/// exact_add: the canonical sum rounds to the same double whatever the order of its terms.
+/// tail_exp_sum (one packet pass) against its definition: in double rows the terms of
+/// packet_exp, in float rows tail_term_fixed (summed by tail_fixed_sum_scalar, token by token);
+/// the canonical sum rounds to the same double whatever the order of its terms. Against long
+/// double too: float terms within a few float ulps plus the 2^−51 grid, double terms to 1e-15.
 template <class T>
 void check_tail_sum(std::size_t size, std::size_t first, int support, unsigned seed, bool near_floor = false) {
   std::mt19937_64 gen(seed);
@@ -267,10 +268,12 @@ void check_tail_sum(std::size_t size, std::size_t first, int support, unsigned s
   std::vector<T> z(size);
   for (std::size_t i = 0; i < size; ++i) {
     const int k = kind(gen);
-    // mostly ordinary logits, some masked, some far below the packet exp's range
+    // mostly ordinary logits, some masked, some far below the exponentials' range
     z[i] = k == 0 ? -std::numeric_limits<T>::infinity() : k == 1 ? T(-95.0 - 30.0 * std::fabs(logit(gen))) : T(logit(gen));
-    // near_floor: the max at 0 and the rest around the packet exp's floor (−87, subnormal terms)
-    if (near_floor && k != 0) z[i] = i == size / 2 ? T(0) : T(-80.0 - 2.0 * std::fabs(logit(gen)));
+    // near_floor: the max at 0 and the rest near the floor of the terms: double's packet exp
+    // (−87 in float before, subnormal terms), float's fixed grid (terms near 2^−51)
+    if (near_floor && k != 0)
+      z[i] = i == size / 2 ? T(0) : sizeof(T) == 4 ? T(-33.0 - 2.0 * std::fabs(logit(gen))) : T(-80.0 - 2.0 * std::fabs(logit(gen)));
   }
   std::vector<troll::detail::index_slot> slots;
   std::uniform_int_distribution<std::size_t> any(0, size - 1);
@@ -280,32 +283,57 @@ void check_tail_sum(std::size_t size, std::size_t first, int support, unsigned s
               slots.end());
   double m = -std::numeric_limits<double>::infinity();
   std::size_t s = 0;
+  std::vector<bool> in_support(size, false);
   for (std::size_t i = 0; i < size; ++i) {
     const bool in = s < slots.size() && std::size_t(slots[s].index) - first == i;
-    if (in) ++s;
-    else m = std::max(m, double(z[i]));
+    if (in) {
+      ++s;
+      in_support[i] = true;
+    } else {
+      m = std::max(m, double(z[i]));
+    }
   }
   const int n = int(slots.size());
   const exact_sum got = cpu::tail_exp_sum(z.data(), size, first, slots.data(), n, m);
-  std::vector<T> e(size);
-  cpu::packet_exp(z.data(), Eigen::Index(size), static_cast<T>(m), e.data());
-  for (const auto& slot : slots) e[std::size_t(slot.index) - first] = T(0);
-  exact_sum want;
-  long double plain = 0.0L;
-  for (std::size_t i = 0; i < size; ++i) {
-    exact_add(want, double(e[i]));
-    plain += static_cast<long double>(e[i]);
-  }
+  long double exact = 0.0L;
+  for (std::size_t i = 0; i < size; ++i)
+    if (!in_support[i] && m > -std::numeric_limits<double>::infinity())
+      exact += std::exp(static_cast<long double>(z[i]) - static_cast<long double>(m));
   INFO("size ", size, " first ", first, " support ", n);
-  CHECK(got.value() == want.value());
-  CHECK(std::fabs(static_cast<long double>(got.value()) - plain) <= 1e-15L * plain);
+  if constexpr (sizeof(T) == 4) {
+    const exact_sum want = cpu::tail_fixed_sum_scalar(z.data(), size, first, slots.data(), n, m);
+    CHECK(got.value() == want.value());
+    CHECK(std::fabs(static_cast<long double>(got.value()) - exact) <=
+          3.0L * 0x1p-24L * exact + static_cast<long double>(size) * 0x1p-51L);
+  } else {
+    std::vector<T> e(size);
+    cpu::packet_exp(z.data(), Eigen::Index(size), static_cast<T>(m), e.data());
+    for (const auto& slot : slots) e[std::size_t(slot.index) - first] = T(0);
+    exact_sum want;
+    for (std::size_t i = 0; i < size; ++i) exact_add(want, double(e[i]));
+    CHECK(got.value() == want.value());
+    CHECK(std::fabs(static_cast<long double>(got.value()) - exact) <= 1e-15L * exact);
+  }
+}
+
+/// The worst error of tail_term_fixed over logits zs below a tail max m, in float ulps of
+/// e^{z−m} once the 2^−50 grid's half step is allowed: |q·2^−50 − e^{z−m}| − 2^−51 over 2^−24·e^{z−m}.
+double worst_term_error(const std::vector<float>& zs, float m) {
+  double worst = 0.0;
+  for (float z : zs) {
+    const long double e = std::exp(static_cast<long double>(z) - static_cast<long double>(m));
+    const long double q = std::ldexp(static_cast<long double>(cpu::tail_term_fixed(z, m)), -cpu::tail_fixed_bits);
+    const long double excess = std::fabs(q - e) - 0x1p-51L;
+    if (excess > 0) worst = std::max(worst, static_cast<double>(excess / (e * 0x1p-24L)));
+  }
+  return worst;
 }
 
 }  // namespace
 
-TEST_CASE("tail_exp_sum in one packet pass gives the canonical sum of packet_exp's terms") {
+TEST_CASE("tail_exp_sum in one packet pass gives the canonical sum of its terms") {
   unsigned seed = 1;
-  for (std::size_t size : {1u, 5u, 16u, 17u, 100u, 511u, 512u, 513u, 5000u, 151936u}) {
+  for (std::size_t size : {1u, 5u, 16u, 17u, 31u, 33u, 100u, 511u, 512u, 513u, 5000u, 151936u, 300000u}) {
     for (std::size_t first : {0u, 1000u}) {
       for (int support : {0, 1, 65}) {
         check_tail_sum<float>(size, first, support, ++seed);
@@ -316,23 +344,42 @@ TEST_CASE("tail_exp_sum in one packet pass gives the canonical sum of packet_exp
   }
 }
 
-#if defined(__AVX512F__) && defined(__FMA__)
-TEST_CASE("exp_eigen_bounded gives Eigen's AVX-512 float exp bit for bit on [-87, 0]") {
-  // Every 61st float of [-87, 0] (-0 included; the whole range was checked once, 1.1e9 values)
-  // and the ends.
-  std::uint32_t end = 0;
-  const float lowest = -87.0f;
-  std::memcpy(&end, &lowest, sizeof end);
-  alignas(64) std::uint32_t bits[16];
-  long mismatches = 0;
-  for (std::uint64_t u = 0x80000000u; u <= end + 16u * 61u; u += 16u * 61u) {
-    for (int j = 0; j < 16; ++j) bits[j] = std::uint32_t(std::min<std::uint64_t>(u + std::uint64_t(j) * 61u, end));
-    const __m512 x = _mm512_load_ps(reinterpret_cast<const float*>(bits));
-    const __m512 eigen = Eigen::internal::pexp<Eigen::internal::Packet16f>(x);
-    const __m512 ours = troll::detail::cpu::exp_eigen_bounded(x);
-    mismatches += __builtin_popcount(
-        _mm512_cmp_epi32_mask(_mm512_castps_si512(eigen), _mm512_castps_si512(ours), _MM_CMPINT_NE));
+TEST_CASE("tail_term_fixed: float rows' tail terms within 2.5 float ulps of long double") {
+  std::mt19937_64 gen(20261124);
+  std::vector<float> zs;
+  auto check = [&](float m, const char* what) {
+    INFO(what, " m = ", m);
+    CHECK(worst_term_error(zs, m) <= 2.5);
+    for (float z : zs) CHECK(cpu::tail_term_fixed(z, m) >= 0);
+  };
+  // flat, Zipf-like and wide rows below their tail max, m of several magnitudes (z − m then
+  // rounds in float; the TwoSum keeps its error)
+  for (float m : {0.0f, 0.3f, -4.52573586f, 20.3f, 31.999998f, -50.25f}) {
+    zs.clear();
+    std::normal_distribution<double> flat(double(m) - 0.5, 0.2);
+    std::uniform_real_distribution<double> wide(double(m) - 40.0, double(m));
+    for (int i = 0; i < 20000; ++i) zs.push_back(std::min(m, float(flat(gen))));
+    for (int i = 0; i < 20000; ++i) zs.push_back(float(wide(gen)));
+    for (int rank = 1; rank <= 20000; ++rank) zs.push_back(std::min(m, float(double(m) - 1.1 * std::log(double(rank)))));
+    zs.push_back(m);
+    zs.push_back(std::nextafter(m, -1e30f));
+    check(m, "rows");
   }
-  CHECK(mismatches == 0);
+  // a sharp row: the tail far below its own max and a dense sweep of d = z − m over [−36, 0]
+  zs.clear();
+  for (float z = -36.0f; z <= 0.0f; z += 0.0009765625f) zs.push_back(z);
+  check(0.0f, "sweep");
+  // huge logits: tail tokens just below a tail max near float's largest (and −3e38, 1e30)
+  for (float m : {3.0e38f, std::numeric_limits<float>::max(), -3.0e38f, 1.0e30f}) {
+    zs.clear();
+    float z = m;
+    for (int i = 0; i < 200; ++i) zs.push_back(z = std::nextafter(z, -std::numeric_limits<float>::infinity()));
+    zs.push_back(-std::numeric_limits<float>::max());
+    zs.push_back(-std::numeric_limits<float>::infinity());
+    check(m, "huge");
+  }
+  CHECK(cpu::tail_term_fixed(-std::numeric_limits<float>::infinity(), 1.0f) == 0);
+  CHECK(cpu::tail_term_fixed(-3.0e38f, 3.0e38f) == 0);
+  CHECK(cpu::tail_term_fixed(-40.0f, 0.0f) == 0);
+  CHECK(cpu::tail_term_fixed(2.0f, 2.0f) == (std::int64_t(1) << cpu::tail_fixed_bits));
 }
-#endif

@@ -5,7 +5,8 @@
 // (sparsify_scan_topk), the δ rule decided on the exact tail sum (keep_with_margin), against
 //  * the path of block sums in the scan and finalize's own δ rule (fast = false), bit for bit;
 //  * a straightforward reference: every token sorted by (logit desc, index asc), the top K, the
-//    δ rule in long double, the tail's sum as packet_exp terms added one by one in token order,
+//    δ rule in long double, the tail's sum as its canonical terms (double rows: packet_exp; float
+//    rows: tail_term_fixed) added one by one in token order,
 //    exact_log_sums — bit for bit where the δ rule is not within 1e-2 of log δ in long double.
 // Rows: random, Zipf-like, heavy ties at the K-th value (ties go to the lower index), −inf
 // masks (runs, nearly all masked), sampled token inside / outside the top K and masked, K ≥ V,
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -115,7 +117,12 @@ bool reference_row(const std::vector<T>& z, int k, long sampled, double log_delt
   for (long i = 0; i < V; ++i)
     if (!in_support[std::size_t(i)]) m_tail = std::max(m_tail, double(z[std::size_t(i)]));
   exact_sum tail;
-  if (m_tail > -std::numeric_limits<double>::infinity()) {
+  if (m_tail > -std::numeric_limits<double>::infinity() && sizeof(T) == sizeof(float)) {
+    // float rows: the canonical terms tail_term_fixed (integers of 2^−50), one by one
+    for (long i = 0; i < V; ++i)
+      if (!in_support[std::size_t(i)])
+        cpu::add_fixed(tail, std::uint64_t(cpu::tail_term_fixed(float(z[std::size_t(i)]), float(m_tail))));
+  } else if (m_tail > -std::numeric_limits<double>::infinity()) {
     std::vector<T> e(static_cast<std::size_t>(V));
     cpu::packet_exp(z.data(), Eigen::Index(V), static_cast<T>(m_tail), e.data());
     for (long i = 0; i < V; ++i)

@@ -1,15 +1,18 @@
 // troll/detail/cpu/exact_sums.hpp — the CPU passes behind the canonical log-sums of sparse rows
 // (detail::exact_log_sums): the largest logit and the exact sum Σ e^{z − m} over the tokens of a
 // range that lie outside a support. The value each token adds depends on its logit and m only —
-// one exponential (Eigen's packet exp on every lane, a short tail padded into a full packet),
-// never on where a block or a vocabulary shard starts — and the terms are summed as an
-// exact_sum, so any split of a row into shards gives the same sum as the whole row.
+// never on where a block or a vocabulary shard starts — and the terms are summed exactly, so any
+// split of a row into shards gives the same sum as the whole row. Double rows: each term is
+// Eigen's packet exp (a short tail padded into a full packet), the terms summed as an
+// exact_sum. Float rows: each term is tail_term_fixed (a float exponential at the full vector
+// width, rounded to a multiple of 2^−50), the terms summed as 64-bit integers.
 #pragma once
 
 #include "eigen.hpp"
 #include <cmath>
 #include <limits>
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 
 #include "../../config.hpp"
@@ -125,48 +128,7 @@ inline void add_terms(sum_packet& hi0, sum_packet& lo0, sum_packet& hi1, sum_pac
   }
 }
 
-#if defined(__AVX512F__) && defined(__FMA__)
-/// Eigen 3.4's AVX-512 float exponential (`pexp<Packet16f>`: the same operations in the same
-/// order, so the same bits) for arguments in [−87, 0], where Eigen's clamps and its final max
-/// change nothing and 2^m (m ≥ −126) times the polynomial is a normal float: the scaling is one
-/// `scalef` instead of the exponent-field construction and multiply. 13 operations, not 19.
-/// Outside [−87, 0] the value is unspecified (tail_exp_sum_avx512 redoes those lanes).
-inline __m512 exp_eigen_bounded(__m512 x) {
-  const __m512 m = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(m, _mm512_set1_ps(-0.6931471805599453f), x);
-  const __m512 r2 = _mm512_mul_ps(r, r);
-  const __m512 r3 = _mm512_mul_ps(r2, r);
-  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500E-4f), r, _mm512_set1_ps(1.3981999507E-3f));
-  __m512 y1 = _mm512_fmadd_ps(_mm512_set1_ps(4.1665795894E-2f), r, _mm512_set1_ps(1.6666665459E-1f));
-  const __m512 y2 = _mm512_add_ps(r, _mm512_set1_ps(1.0f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
-  y1 = _mm512_fmadd_ps(y1, r, _mm512_set1_ps(5.0000001201E-1f));
-  y = _mm512_fmadd_ps(y, r3, y1);
-  y = _mm512_fmadd_ps(y, r2, y2);
-  return _mm512_scalef_ps(y, m);
-}
-
-/// (hi, lo) ← (hi, lo) + v lane by lane when hi ≥ 1 ≥ v ≥ 0 (Fast2Sum: hi + v rounded, and the
-/// rounding error v − ((hi + v) − hi), exact because hi's exponent is at least v's).
-inline void fast_two_sum_lanes(__m512d& hi, __m512d& lo, __m512d v) {
-  const __m512d t = _mm512_add_pd(hi, v);
-  lo = _mm512_add_pd(lo, _mm512_sub_pd(v, _mm512_sub_pd(t, hi)));
-  hi = t;
-}
-
-/// One packet of tail terms: z − shift through exp_eigen_bounded, the lanes not in `keep` zeroed;
-/// `far` collects the kept lanes below −87 (finite: e^{−inf} = 0 adds nothing), whose terms are
-/// left out here and added by the caller's scalar pass.
-inline __m512 tail_terms(const float* z, __mmask16 valid, __mmask16 keep, __m512 shift, __mmask16& far) {
-  // A whole packet is a plain load: masked loads from memory defeat the hardware prefetcher
-  // (3× slower over rows not in cache on this Zen 5).
-  const __m512 d = _mm512_sub_ps(valid == 0xFFFF ? _mm512_loadu_ps(z) : _mm512_maskz_loadu_ps(valid, z), shift);
-  const __mmask16 low = _mm512_mask_cmp_ps_mask(keep, d, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  far = __mmask16(far | (low & _mm512_cmp_ps_mask(d, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ)));
-  return _mm512_maskz_mov_ps(__mmask16(keep & ~low), exp_eigen_bounded(d));
-}
-
+#if defined(__AVX512F__)
 /// The support's lanes among the 16 tokens from i (relative to `first`), off `keep`.
 inline __mmask16 drop_support(__mmask16 keep, std::size_t i, std::size_t first, const index_slot* sorted, int n,
                               int& next) {
@@ -176,71 +138,224 @@ inline __mmask16 drop_support(__mmask16 keep, std::size_t i, std::size_t first, 
   }
   return keep;
 }
+#endif
 
-/// tail_exp_sum for float rows with AVX-512: the same terms (Eigen's packet exp of z − shift,
-/// bit for bit; std::exp below −87; the support's zeroed), in one loop over the row without a
-/// buffer: a packet's support lanes and a partial last packet are masked loads. The terms (each
-/// in [0, 1]) go to four Fast2Sum lanes of eight doubles that start at 1 — so hi ≥ 1 ≥ v and
-/// 4 operations per add instead of TwoSum's 7, and four independent chains — and the offsets
-/// come off exactly at the end (h − 1 is exact for h ≥ 1). Terms below −87 (rare: masked or
-/// hopeless tokens) are added by a scalar pass, only where the row has one. Which lane adds a
-/// term changes with the split of the row anyway (shards start anywhere); the exact_sum's value
-/// does not. No prefetch of the next row (tail_exp_sum's `ahead`): here it made sparsify ~7%
-/// slower, the next row's lines pushing this row's out of L2 before this pass read them.
-inline exact_sum tail_exp_sum_avx512(const float* z, std::size_t size, std::size_t first, const index_slot* sorted,
-                                     int n, double m) {
+/// The canonical tail terms of float rows: token j adds q_j · 2^−tail_fixed_bits, where q_j is
+/// e^{z_j − m} (m: the tail's largest logit) in float, scaled by 2^50 and rounded to the nearest
+/// integer — a function of z_j and m alone, in every build, shard and pass. So that the float
+/// exponential keeps its digits, z_j − m is formed exactly (a TwoSum in float: d + d_lo), reduced
+/// by k·ln 2 in two parts (the first exact), and e^r comes from a degree-6 polynomial on
+/// |r| ≤ ln 2 / 2: within 1.5 float ulps of e^{z_j − m} (measured 1.43; tests/test_exp_kernels.cpp
+/// checks ≤ 2.5 against long double). Rounding z_j − m alone would cost |z_j − m|·2⁻²⁴. Terms below 2^−51 (z_j − m below about −35.4) round to 0; the sum of the
+/// integers is exact (int64 lanes, then an exact_sum of multiples of 2^−50), so it does not depend
+/// on the order or split of its terms. The rounding to the grid moves the tail's sum (≥ 1: its
+/// largest term is 1) by at most n·2^−51 of it.
+constexpr int tail_fixed_bits = 50;
+
+struct tail_exp_coefficients {
+  static constexpr float log2e = 1.44269504088896341f;
+  static constexpr float ln2_hi = 0.693147182464599609375f;  // float(ln 2): d − k·ln2_hi is exact
+  static constexpr float ln2_lo = -1.9046542999577679e-09f;  // ln 2 − ln2_hi, rounded
+  // e^r ≈ 1 + c1·r + … + c6·r⁶ on [−ln 2/2, ln 2/2] (fitted for this kernel, relative error)
+  static constexpr float c1 = 1.0f, c2 = 0.4999999403953552f, c3 = 0.16666431725025177f,
+                         c4 = 0.04166800156235695f, c5 = 0.008374163880944252f, c6 = 0.0013843643246218562f;
+  static constexpr float lowest = -60.0f;  // below: the term is 0 (it would round to 0 anyway)
+};
+
+/// q_j for one token (the definition; the packet kernels do the same operations in the same
+/// order). z = −inf or z − m below −60 gives 0; m is a float logit of the row.
+inline std::int64_t tail_term_fixed(float z, float m) {
+  using c = tail_exp_coefficients;
+  const float d = z - m;
+  if (!(d >= c::lowest)) return 0;
+  const float bv = d - z, av = d - bv;
+  const float d_lo = (z - av) + (-m - bv);  // z − m = d + d_lo exactly (TwoSum)
+  const float k = std::nearbyint(d * c::log2e);
+  const float r = std::fma(k, -c::ln2_hi, d) + std::fma(k, -c::ln2_lo, d_lo);
+  float p = std::fma(c::c6, r, c::c5);
+  p = std::fma(p, r, c::c4);
+  p = std::fma(p, r, c::c3);
+  p = std::fma(p, r, c::c2);
+  p = std::fma(p, r, c::c1);
+  p = std::fma(p, r, 1.0f);
+  return static_cast<std::int64_t>(std::llrint(std::ldexp(p, static_cast<int>(k) + tail_fixed_bits)));
+}
+
+/// Adds a non-negative integer count of 2^−tail_fixed_bits to an exact_sum, exactly (two halves
+/// of 32 bits, each a double without rounding; the sums stay on the 2^−50 grid within 106 bits).
+inline void add_fixed(exact_sum& s, std::uint64_t q) {
+  if (q == 0) return;
+  exact_sum part;
+  static_assert(tail_fixed_bits == 50, "the scales below are 2^(32 − 50) and 2^−50");
+  exact_add(part, double(q >> 32) * 0x1p-18);
+  exact_add(part, double(q & 0xFFFFFFFFu) * 0x1p-50);
+  s = exact_add(s, part);
+}
+
+/// The float tail sum token by token (builds without AVX-512 or AVX2 + FMA): the same terms.
+inline exact_sum tail_fixed_sum_scalar(const float* z, std::size_t size, std::size_t first, const index_slot* sorted,
+                                       int n, double m) {
   exact_sum total;
   if (m == neg_inf()) return total;
   const float shift = static_cast<float>(m);
-  const __m512 ps = _mm512_set1_ps(shift);
-  __m512d hi0 = _mm512_set1_pd(1.0), hi1 = hi0, hi2 = hi0, hi3 = hi0;
-  __m512d lo0 = _mm512_setzero_pd(), lo1 = lo0, lo2 = lo0, lo3 = lo0;
-  __mmask16 far = 0;
+  std::uint64_t acc = 0;
   int next = 0;
+  for (std::size_t j = 0; j < size; ++j) {
+    if (next < n && std::size_t(sorted[next].index) - first == j) {
+      ++next;
+      continue;
+    }
+    acc += std::uint64_t(tail_term_fixed(z[j], shift));
+    if ((j & 4095u) == 4095u) add_fixed(total, acc), acc = 0;
+  }
+  add_fixed(total, acc);
+  return total;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__FMA__)
+/// tail_term_fixed on 16 lanes (the same operations), lanes not in `keep` 0, as two int64 packets.
+inline void tail_terms_fixed(__m512 zv, __m512 mv, __mmask16 keep, __m512i& q0, __m512i& q1) {
+  using c = tail_exp_coefficients;
+  const __m512 d = _mm512_sub_ps(zv, mv);
+  keep = __mmask16(keep & _mm512_cmp_ps_mask(d, _mm512_set1_ps(c::lowest), _CMP_GE_OQ));
+  const __m512 bv = _mm512_sub_ps(d, zv), av = _mm512_sub_ps(d, bv);
+  const __m512 d_lo = _mm512_add_ps(_mm512_sub_ps(zv, av), _mm512_sub_ps(_mm512_sub_ps(_mm512_setzero_ps(), mv), bv));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(d, _mm512_set1_ps(c::log2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_add_ps(_mm512_fmadd_ps(k, _mm512_set1_ps(-c::ln2_hi), d),
+                                 _mm512_fmadd_ps(k, _mm512_set1_ps(-c::ln2_lo), d_lo));
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(c::c6), r, _mm512_set1_ps(c::c5));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c::c4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c::c3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c::c2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c::c1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512 y = _mm512_scalef_ps(p, _mm512_add_ps(k, _mm512_set1_ps(float(tail_fixed_bits))));
+  q0 = _mm512_maskz_cvtps_epi64(__mmask8(keep), _mm512_castps512_ps256(y));
+  q1 = _mm512_maskz_cvtps_epi64(__mmask8(keep >> 8), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1)));
+}
+
+/// The float tail sum with AVX-512: 32 tokens a step, the support's lanes and a partial last
+/// packet masked, the integers in four int64 packets (at most 4,096 terms a lane between
+/// flushes: < 2^63), flushed exactly into the exact_sum.
+inline exact_sum tail_fixed_sum_avx512(const float* z, std::size_t size, std::size_t first, const index_slot* sorted,
+                                       int n, double m) {
+  exact_sum total;
+  if (m == neg_inf()) return total;
+  const __m512 mv = _mm512_set1_ps(static_cast<float>(m));
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  auto flush = [&] {
+    alignas(64) std::uint64_t q[32];
+    _mm512_store_si512(q, a0), _mm512_store_si512(q + 8, a1), _mm512_store_si512(q + 16, a2), _mm512_store_si512(q + 24, a3);
+    for (int j = 0; j < 32; ++j) add_fixed(total, q[j]);
+    a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  };
+  int next = 0, steps = 0;
   for (std::size_t i = 0; i < size; i += 32) {
     const std::size_t left = size - i;
     const __mmask16 valid0 = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
     const __mmask16 valid1 = left >= 32 ? __mmask16(0xFFFF) : left <= 16 ? __mmask16(0) : __mmask16((1u << (left - 16)) - 1u);
     const __mmask16 keep0 = drop_support(valid0, i, first, sorted, n, next);
     const __mmask16 keep1 = drop_support(valid1, i + 16, first, sorted, n, next);
-    const __m512 e0 = tail_terms(z + i, valid0, keep0, ps, far);
-    const __m512 e1 = tail_terms(left > 16 ? z + i + 16 : z + i, valid1, keep1, ps, far);
-    fast_two_sum_lanes(hi0, lo0, _mm512_cvtps_pd(_mm512_castps512_ps256(e0)));
-    fast_two_sum_lanes(hi1, lo1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e0), 1))));
-    fast_two_sum_lanes(hi2, lo2, _mm512_cvtps_pd(_mm512_castps512_ps256(e1)));
-    fast_two_sum_lanes(hi3, lo3, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e1), 1))));
+    // Whole packets are plain loads (masked loads defeat the hardware prefetcher).
+    const __m512 z0 = valid0 == 0xFFFF ? _mm512_loadu_ps(z + i) : _mm512_maskz_loadu_ps(valid0, z + i);
+    const __m512 z1 = valid1 == 0xFFFF ? _mm512_loadu_ps(z + i + 16) : _mm512_maskz_loadu_ps(valid1, left > 16 ? z + i + 16 : z + i);
+    __m512i q0, q1, q2, q3;
+    tail_terms_fixed(z0, mv, keep0, q0, q1);
+    tail_terms_fixed(z1, mv, keep1, q2, q3);
+    a0 = _mm512_add_epi64(a0, q0), a1 = _mm512_add_epi64(a1, q1);
+    a2 = _mm512_add_epi64(a2, q2), a3 = _mm512_add_epi64(a3, q3);
+    if (++steps == 4096) flush(), steps = 0;
   }
-  const __m512d one = _mm512_set1_pd(1.0);
-  alignas(64) double h[32], l[32];
-  _mm512_store_pd(h, _mm512_sub_pd(hi0, one)), _mm512_store_pd(h + 8, _mm512_sub_pd(hi1, one));
-  _mm512_store_pd(h + 16, _mm512_sub_pd(hi2, one)), _mm512_store_pd(h + 24, _mm512_sub_pd(hi3, one));
-  _mm512_store_pd(l, lo0), _mm512_store_pd(l + 8, lo1), _mm512_store_pd(l + 16, lo2), _mm512_store_pd(l + 24, lo3);
-  for (int j = 0; j < 32; ++j) total = exact_add(total, exact_sum{h[j], l[j]});
-  if (far) {  // the terms below −87 (subnormal or 0), one by one
-    int s = 0;
-    for (std::size_t j = 0; j < size; ++j) {
-      while (s < n && std::size_t(sorted[s].index) - first < j) ++s;
-      if (s < n && std::size_t(sorted[s].index) - first == j) continue;
-      const float d = z[j] - shift;
-      if (d < -87.0f && d > -std::numeric_limits<float>::infinity()) exact_add(total, double(std::exp(d)));
+  flush();
+  return total;
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512F__) && defined(__AVX512DQ__))
+/// tail_term_fixed on 8 lanes with AVX2 (the same operations; 2^{k+50} built in the exponent
+/// field, the product exact), as the 8 terms y = q_j (floats holding integers' reals, 0 off `keep`).
+inline __m256 tail_terms_fixed(__m256 zv, __m256 mv, __m256 keep) {
+  using c = tail_exp_coefficients;
+  const __m256 d = _mm256_sub_ps(zv, mv);
+  keep = _mm256_and_ps(keep, _mm256_cmp_ps(d, _mm256_set1_ps(c::lowest), _CMP_GE_OQ));
+  const __m256 bv = _mm256_sub_ps(d, zv), av = _mm256_sub_ps(d, bv);
+  const __m256 d_lo = _mm256_add_ps(_mm256_sub_ps(zv, av), _mm256_sub_ps(_mm256_sub_ps(_mm256_setzero_ps(), mv), bv));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(d, _mm256_set1_ps(c::log2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_add_ps(_mm256_fmadd_ps(k, _mm256_set1_ps(-c::ln2_hi), d),
+                                 _mm256_fmadd_ps(k, _mm256_set1_ps(-c::ln2_lo), d_lo));
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(c::c6), r, _mm256_set1_ps(c::c5));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c::c4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c::c3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c::c2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c::c1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // k + 50 + 127 ∈ [30, 177] for d ∈ [−60, 0]; masked lanes may hold anything (zeroed below)
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(_mm256_add_ps(k, _mm256_set1_ps(float(tail_fixed_bits + 127)))), 23);
+  return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/// The float tail sum with AVX2 + FMA: 8 tokens a step; each term (< 2^51) goes to double and
+/// through + 1.5·2^52, whose bits are then the rounded integer plus a constant (taken off at
+/// each flush); int64 lanes, flushed exactly every 4,096 steps.
+inline exact_sum tail_fixed_sum_avx2(const float* z, std::size_t size, std::size_t first, const index_slot* sorted,
+                                     int n, double m) {
+  exact_sum total;
+  if (m == neg_inf()) return total;
+  const __m256 mv = _mm256_set1_ps(static_cast<float>(m));
+  const __m256d magic = _mm256_set1_pd(6755399441055744.0);  // 1.5·2^52
+  const std::uint64_t magic_bits = 0x4338000000000000u;
+  const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+  std::uint64_t steps = 0;
+  auto flush = [&] {
+    alignas(32) std::uint64_t q[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q), a0), _mm256_store_si256(reinterpret_cast<__m256i*>(q + 4), a1);
+    for (int j = 0; j < 8; ++j) add_fixed(total, q[j] - steps * magic_bits);
+    a0 = _mm256_setzero_si256(), a1 = a0, steps = 0;
+  };
+  int next = 0;
+  for (std::size_t i = 0; i < size; i += 8) {
+    const std::size_t left = size - i;
+    unsigned keep = left >= 8 ? 0xFFu : (1u << left) - 1u;
+    while (next < n && std::size_t(sorted[next].index) - first < i + 8) {
+      keep &= ~(1u << (std::size_t(sorted[next].index) - first - i));
+      ++next;
     }
+    __m256 zv;
+    if (left >= 8) {
+      zv = _mm256_loadu_ps(z + i);
+    } else {
+      alignas(32) float last[8] = {};
+      for (std::size_t j = 0; j < left; ++j) last[j] = z[i + j];
+      zv = _mm256_load_ps(last);
+    }
+    const __m256 lanes = _mm256_castsi256_ps(
+        _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(keep)), lane_bits), lane_bits));
+    const __m256 y = tail_terms_fixed(zv, mv, lanes);
+    a0 = _mm256_add_epi64(a0, _mm256_castpd_si256(_mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(y)), magic)));
+    a1 = _mm256_add_epi64(a1, _mm256_castpd_si256(_mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(y, 1)), magic)));
+    if (++steps == 4096) flush();
   }
+  flush();
   return total;
 }
 #endif
 
 /// Σ e^{z_j − m} over the tokens [first, first + size) outside the support, as an exact_sum.
-/// Block by block (held in L1): each term through Eigen's packet exp in T (float rows: eight or
-/// sixteen lanes, as sparsify's scan) into a buffer, the lanes below the packet exp's range
-/// redone with std::exp (only a block that holds one; as packet_exp), the support's own terms
-/// zeroed, then the buffer added to TwoSum lanes in double packets — a loop without calls, so
-/// the lanes stay in registers. A term's value depends on z_j and m only, and the exact_sum's
+/// Float rows: the terms tail_term_fixed (AVX-512 with DQ: 16 lanes; AVX2 + FMA: 8; otherwise
+/// token by token), summed exactly as integers. Double rows, below.
+/// Block by block (held in L1): each term through Eigen's packet exp into a buffer, the lanes
+/// below the packet exp's range redone with std::exp (only a block that holds one; as
+/// packet_exp), the support's own terms zeroed, then the buffer added to TwoSum lanes in double
+/// packets — a loop without calls, so the lanes stay in registers. A term's value depends on z_j and m only, and the exact_sum's
 /// value does not depend on the order of its terms, so any split of the row (vocabulary shards)
 /// gives the same sum. m = −inf (or a tail of masked tokens only) gives an empty sum.
 ///
-/// `ahead` (optional, size tokens): the row to be read next, asked into the cache line by line
-/// at the pace of this pass (sparsify: the next row's scan then reads it from cache while this
-/// pass's arithmetic hides the memory's latency). Prefetches change no value.
+/// `ahead` (optional, size tokens; double rows only): the row to be read next, asked into the
+/// cache line by line at the pace of this pass (sparsify: the next row's scan then reads it from
+/// cache while this pass's arithmetic hides the memory's latency). Prefetches change no value.
+/// Float rows do not prefetch: the next row's lines evicted this row's from L2 (slower, measured
+/// again with the fixed-point terms: no gain for a half or a quarter of the next row, T0 or T1).
 template <class T>
 inline exact_sum tail_exp_sum(const T* z, std::size_t size, std::size_t first, const index_slot* sorted, int n,
                               double m, const T* ahead = nullptr) {
@@ -249,13 +364,16 @@ inline exact_sum tail_exp_sum(const T* z, std::size_t size, std::size_t first, c
   constexpr long lanes = long(sizeof(packet) / sizeof(T));
   constexpr T lowest = sizeof(T) == sizeof(double) ? T(-709.0) : T(-87.0);
   static_assert(block_size % lanes == 0, "blocks hold whole packets");
-#if defined(__AVX512F__) && defined(__FMA__)
-  if constexpr (std::is_same<T, float>::value && sizeof(packet) == sizeof(__m512))
-    {
-    (void)ahead;  // not prefetched here: the next row's lines evicted this row's from L2 (slower)
-    return tail_exp_sum_avx512(z, size, first, sorted, n, m);
-  }
+  if constexpr (std::is_same<T, float>::value) {
+    (void)ahead;  // not prefetched: the next row's lines evicted this row's from L2 (slower)
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__FMA__)
+    return tail_fixed_sum_avx512(z, size, first, sorted, n, m);
+#elif defined(__AVX2__) && defined(__FMA__)
+    return tail_fixed_sum_avx2(z, size, first, sorted, n, m);
+#else
+    return tail_fixed_sum_scalar(z, size, first, sorted, n, m);
 #endif
+  }
   exact_sum total;
   if (m == neg_inf()) return total;
   const T shift = static_cast<T>(m);  // m is one of the row's logits: exact in T
