@@ -2,7 +2,8 @@
 // logits against sparse old rows) against troll's finite-difference checker (double): the loss
 // composed from troll's public sparse pieces (sparsify → align → project) with lumped log p̃ in
 // long double and the regression term against a frozen π*, both aggregations, each term alone,
-// U = S_old only, and LLM-like rows in random directions.
+// U = S_old only, masked (−inf) new tokens with sampled tokens outside the old top-K, and LLM-like
+// rows in random directions.
 //
 // One body compiled per backend (as bodies/backward_gradient.hpp): tests/test_sparse_objectives.cpp
 // includes it with troll_test::oracle_backend = backend<cpu_policy>,
@@ -171,4 +172,45 @@ TEST_CASE("sparse TROLL gradient on LLM-like rows (random directions, V = 4096, 
   CHECK(r.ok);
   const backend_sparse_run run = backend_run_sparse(c, o, c.new_logits.data());
   CHECK(run.metrics.projected_fraction > 0.0);
+}
+
+TEST_CASE("sparse TROLL with masked new tokens and a sampled token outside the old top-K") {
+  // A −inf new logit in the tail takes the checked path (a lumped category may be −inf); it is
+  // legal while the old row has tail mass. Rows 0, 3, 6 sample a token sparsify had to add.
+  soc::sparse_case c = soc::make_case(7, 40, 31);
+  for (std::size_t r = 0; r < c.rows; ++r) {
+    const double* zo = c.old_logits.data() + r * c.vocab;
+    std::size_t lowest = 0;
+    for (std::size_t j = 1; j < c.vocab; ++j)
+      if (zo[j] < zo[lowest] && std::int64_t(j) != c.tokens[r]) lowest = j;
+    c.new_logits[r * c.vocab + lowest] = soc::minus_inf;
+  }
+  const troll::sparse_trust_region_objective o = soc::objective(1.0);
+  const backend_sparse_run run = backend_run_sparse(c, o, c.new_logits.data());
+  CHECK(std::isfinite(run.metrics.loss));
+  for (std::size_t k = 0; k < run.grad.size(); ++k)  // zero up to Eigen's clamped exp(−inf)
+    if (c.new_logits[k] == soc::minus_inf) CHECK(std::fabs(run.grad[k]) < 1e-300);
+  // Finite differences over the finite logits only (the −inf ones stay −inf).
+  std::vector<std::size_t> free;
+  for (std::size_t k = 0; k < c.new_logits.size(); ++k)
+    if (c.new_logits[k] > soc::minus_inf) free.push_back(k);
+  std::vector<double> x0;
+  for (std::size_t k : free) x0.push_back(c.new_logits[k]);
+  auto expand = [&](const double* x) {
+    std::vector<double> full = c.new_logits;
+    for (std::size_t i = 0; i < free.size(); ++i) full[free[i]] = x[i];
+    return full;
+  };
+  std::vector<std::vector<double>> frozen(c.rows);
+  for (std::size_t r = 0; r < c.rows; ++r)
+    frozen[r] = soc::oracle_forward(c, r, c.new_logits.data() + r * c.vocab, o).log_pi;
+  auto loss = [&](const double* x) { return soc::loss_frozen(c, expand(x).data(), o, frozen); };
+  auto grad = [&](const double* x, double* gx) {
+    const std::vector<double> full = expand(x);
+    const backend_sparse_run at = backend_run_sparse(c, o, full.data());  // on the backend
+    for (std::size_t i = 0; i < free.size(); ++i) gx[i] = at.grad[free[i]];
+  };
+  const troll::gradcheck_result r = troll::check_gradient(loss, grad, x0, sparse_objective_fd_options<double>());
+  INFO(r.report());
+  CHECK(r.ok);
 }
