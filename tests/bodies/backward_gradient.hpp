@@ -328,3 +328,36 @@ TEST_CASE("JVP and VJP agree: <u, J v> computed both ways on a mixed batch") {
     }
   }
 }
+
+TEST_CASE("project_backward, random directions, V up to 4096") {
+  for (std::size_t v : {std::size_t(257), std::size_t(1024), std::size_t(4096)}) {
+    rng g(1000 + v);
+    pair_batch b(2, v);
+    for (std::size_t r = 0; r < 2; ++r) {
+      std::vector<double> zo = g.normals(v, 2.0), zn = zo;
+      for (double& z : zn) z += (r == 0 ? 1.0 : 0.01) * g.normal();
+      if (r == 0) zo[v / 3] = neg_inf, zn[v / 2] = neg_inf, zo[v / 2] = -6.0;
+      b.set_row(r, zn, zo);
+    }
+    const double eps = 0.05;
+    const forward_result f = forward(b, eps);
+    REQUIRE(f.stats[0].status == troll::row_status::projected);
+    REQUIRE(f.stats[0].kl_before > 2 * eps);
+    REQUIRE(f.stats[1].status == troll::row_status::inactive);
+    REQUIRE(f.stats[1].kl_before < 0.5 * eps);
+
+    const packing pack(b, true, true, eps);
+    troll::gradcheck_options o = opts(1e-8, 1e-5);
+    o.directions = 12;
+    const troll::gradcheck_result rv = troll::check_vjp_random(
+        projection_function{&pack}, backend_vjp{&pack}, pack.x0(), pack.outputs(), o);
+    INFO("V = " << v << "\n" << rv.report());
+    CHECK(rv.ok);
+    CHECK(rv.checked == 12);
+    o.seed = 99;
+    const troll::gradcheck_result rj = troll::check_jvp_random(
+        projection_function{&pack}, backend_jvp{&pack}, pack.x0(), pack.outputs(), o);
+    INFO("V = " << v << "\n" << rj.report());
+    CHECK(rj.ok);
+  }
+}
