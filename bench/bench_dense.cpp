@@ -14,6 +14,7 @@
 #include <iterator>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -193,7 +194,14 @@ struct threading {
 
 const threading modes[] = {{"serial", troll::cpu.with_threads(1), false},
                            {"parallel", troll::cpu, true}};
-const std::pair<const char*, double> mixes[] = {{"active100", 1.0}, {"active25", 0.25}};
+// active50 (the issue-15 dense workload: half the rows active) only where it is quoted, float
+// rows of V = 151,936 on one thread (mix_wanted), to keep the run short.
+const std::pair<const char*, double> mixes[] = {{"active100", 1.0}, {"active25", 0.25}, {"active50", 0.5}};
+
+template <class T>
+bool mix_wanted(double fraction, const shape& s, const threading& mode) {
+  return fraction != 0.5 || (std::is_same<T, float>::value && s.vocab == 151936 && !mode.parallel);
+}
 
 benchmark::internal::Benchmark* timing(benchmark::internal::Benchmark* b, const threading& mode) {
   b->Unit(benchmark::kMicrosecond);
@@ -212,6 +220,7 @@ void register_shape(const char* type, const shape& s, const threading& mode) {
   const troll::cpu_policy policy = mode.policy;
   const std::string head = std::string(type) + "/";
   for (const auto& mix : mixes) {
+    if (!mix_wanted<T>(mix.second, s, mode)) continue;
     const std::string tail = head + mix.first + "/" + mode.name;
     const double fraction = mix.second;
     finish(benchmark::RegisterBenchmark(

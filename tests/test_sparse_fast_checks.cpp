@@ -5,7 +5,11 @@
 // swept across both edges of the tolerance, masked entries, NaN / +inf / positive values at
 // every position of a packet, and the remainder masked or not. And the distinct-id check through
 // a scratch shared by a run of rows (sparse_indices_fine with distinct_ids_scratch, whose table
-// is emptied by a new stamp per row, not cleared) against sorting.
+// is emptied by a new stamp per row, not cleared) against sorting; with AVX-512, supports of up
+// to 128 ids take the packet compares of distinct_ids_lanes instead, tested against sorting with
+// a repeat at every pair of positions, and ids just outside [0, V). The value check of both sides
+// of an aligned row in one pass (aligned_values_fine) gives the verdicts of two single checks;
+// its float exponential (exp_eigen_bounded) gives Eigen's bits on [−87, 0].
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -15,6 +19,8 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <vector>
@@ -44,6 +50,33 @@ void agree(const std::vector<T>& lp, T log_remainder, std::size_t vocab) {
   bool every_finite = log_remainder > -std::numeric_limits<T>::infinity();
   for (const T l : lp) every_finite = every_finite && l != -std::numeric_limits<T>::infinity();
   CHECK(finite == every_finite);
+  // Both sides in one pass (aligned_values_fine, fast_values_pair) beside a good row of the same
+  // length, in either order: the verdicts of two sparse_values_fine calls, the same sums and flags.
+  namespace cpu = troll::detail::cpu;
+  const int n = int(lp.size());
+  const std::vector<T> other(lp.size(), T(std::log(1.0 / (n + 1))));
+  const T other_r = T(std::log(1.0 / (n + 1)));
+  bool other_finite = false;
+  const bool other_fine = cpu::sparse_values_fine(other.data(), n, other_r, vocab, &other_finite);
+  bool f1 = false, f2 = false;
+  CHECK(cpu::aligned_values_fine(lp.data(), log_remainder, other.data(), other_r, n, vocab, &f1, &f2) ==
+        (fast && other_fine));
+  CHECK(f1 == finite);
+  CHECK(f2 == other_finite);
+  CHECK(cpu::aligned_values_fine(other.data(), other_r, lp.data(), log_remainder, n, vocab, &f1, &f2) ==
+        (fast && other_fine));
+  CHECK(f1 == other_finite);
+  CHECK(f2 == finite);
+  cpu::fast_row_values pa, pb;
+  cpu::fast_values_pair(lp.data(), log_remainder, other.data(), other_r, n, pa, pb);
+  const cpu::fast_row_values sa = cpu::fast_values(lp.data(), n, log_remainder);
+  const cpu::fast_row_values sb = cpu::fast_values(other.data(), n, other_r);
+  auto same = [](double x, double y) { return x == y || (x != x && y != y); };  // bit for bit, or both NaN
+  CHECK(same(pa.mass, sa.mass));
+  CHECK(same(pb.mass, sb.mass));
+  CHECK(pa.bad == sa.bad);
+  CHECK(pa.masked == sa.masked);
+  CHECK(pa.some == sa.some);
 }
 
 /// A row of n entries plus remainder whose probabilities sum to `mass` (remainder share 1/8, or
@@ -135,3 +168,101 @@ TEST_CASE("sparse_indices_fine over a run of rows sharing one scratch agrees wit
   CHECK(!troll::detail::cpu::sparse_indices_fine(ids.data(), 3, 2, vocab, scratch));
   CHECK(!troll::detail::cpu::sparse_indices_fine(ids.data(), 3, 300, 2, scratch));
 }
+
+namespace {
+
+/// Whether ids are distinct and in [0, vocab), by sorting (the oracle).
+bool distinct_in_range(std::vector<sparse_index> ids, std::size_t vocab) {
+  std::sort(ids.begin(), ids.end());
+  const bool in_range = ids.empty() || (ids.front() >= 0 && std::size_t(ids.back()) < vocab);
+  return in_range && std::adjacent_find(ids.begin(), ids.end()) == ids.end();
+}
+
+}  // namespace
+
+TEST_CASE("sparse_indices_fine: a repeat at every pair of positions, counts 0 to 130") {
+  std::mt19937_64 rng(14);
+  const std::size_t vocab = 151936;
+  troll::detail::cpu::distinct_ids_scratch scratch;
+  for (int n = 0; n <= 130; ++n) {
+    CAPTURE(n);
+    // Distinct ids (a random sample of the vocabulary), some next to each other.
+    std::vector<sparse_index> ids;
+    while (int(ids.size()) < n) {
+      const sparse_index v = sparse_index(rng() % vocab);
+      if (std::find(ids.begin(), ids.end(), v) == ids.end()) ids.push_back(v);
+    }
+    CHECK(troll::detail::cpu::sparse_indices_fine(ids.data(), n, 200, vocab, scratch));
+    // Every pair (i, j), i < j, for the short rows; a spread of pairs for the long ones.
+    const int step = n <= 40 ? 1 : 7;
+    for (int i = 0; i < n; i += (i % step == 0 ? 1 : step)) {
+      for (int j = i + 1; j < n; ++j) {
+        std::vector<sparse_index> twice = ids;
+        twice[std::size_t(j)] = twice[std::size_t(i)];
+        CAPTURE(i);
+        CAPTURE(j);
+        REQUIRE(!troll::detail::cpu::sparse_indices_fine(twice.data(), n, 200, vocab, scratch));
+      }
+    }
+    // An id just outside [0, V), or −1 (the padding value of the packet compares), at each
+    // position; ids 0 and V − 1 are fine.
+    for (int i = 0; i < n; ++i) {
+      std::vector<sparse_index> bad = ids;
+      for (const sparse_index v : {sparse_index(-1), sparse_index(vocab),
+                                   std::numeric_limits<sparse_index>::min(),
+                                   std::numeric_limits<sparse_index>::max()}) {
+        bad[std::size_t(i)] = v;
+        CHECK(!troll::detail::cpu::sparse_indices_fine(bad.data(), n, 200, vocab, scratch));
+      }
+      for (const sparse_index v : {sparse_index(0), sparse_index(vocab - 1)}) {
+        bad[std::size_t(i)] = v;
+        CHECK(troll::detail::cpu::sparse_indices_fine(bad.data(), n, 200, vocab, scratch) ==
+              distinct_in_range(bad, vocab));
+      }
+    }
+  }
+}
+
+TEST_CASE("sparse_indices_fine: small and huge vocabularies, rows of 0 to 130 ids, against sorting") {
+  std::mt19937_64 rng(15);
+  troll::detail::cpu::distinct_ids_scratch scratch;
+  // V = 2^31 − 1 (every non-negative int32 but the largest), V above 2^31 (every non-negative id).
+  for (const std::size_t vocab : {std::size_t(130), std::size_t(200), std::size_t(2147483647),
+                                  std::size_t(1) << 33}) {
+    for (int row = 0; row < 2000; ++row) {
+      const int n = int(rng() % 131);
+      if (std::size_t(n) > vocab) continue;
+      CAPTURE(vocab);
+      CAPTURE(row);
+      std::vector<sparse_index> ids(static_cast<std::size_t>(n));
+      const std::uint64_t wide = std::uint64_t(1) << 31, narrow = 2 * std::uint64_t(n) + 1;
+      const std::uint64_t range = std::min<std::uint64_t>(vocab, row % 2 ? narrow : wide);
+      for (sparse_index& v : ids) v = sparse_index(rng() % range);
+      if (row % 5 == 0) std::sort(ids.begin(), ids.end());
+      if (row % 13 == 0 && n > 0)
+        ids[std::size_t(rng() % std::uint64_t(n))] = std::numeric_limits<sparse_index>::max();
+      CHECK(troll::detail::cpu::sparse_indices_fine(ids.data(), n, 200, vocab, scratch) ==
+            distinct_in_range(ids, vocab));
+    }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__FMA__)
+TEST_CASE("exp_eigen_bounded: Eigen's float exp bit for bit on [-87, 0]") {
+  std::mt19937_64 rng(16);
+  std::uniform_real_distribution<float> u(-87.0f, 0.0f);
+  std::vector<float> x(1 << 16);
+  for (float& v : x) v = u(rng);
+  const float edges[] = {-87.0f, -86.99999f, -64.0f, -1.0f, -0.5f, -1e-30f, -0.0f, 0.0f};
+  std::copy(std::begin(edges), std::end(edges), x.begin());
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < x.size(); i += 16) {
+    const __m512 p = _mm512_loadu_ps(x.data() + i);
+    float ours[16], eigen[16];
+    _mm512_storeu_ps(ours, troll::detail::cpu::exp_eigen_bounded(p));
+    Eigen::internal::pstoreu(eigen, Eigen::internal::pexp(Eigen::internal::Packet16f(p)));
+    for (int j = 0; j < 16; ++j) differ += std::memcmp(&ours[j], &eigen[j], sizeof(float)) != 0;
+  }
+  CHECK(differ == 0);
+}
+#endif

@@ -3,8 +3,8 @@
 // gives the bits of the lumped path (lumped_pair, vjp_row, the scatter), reproduced here, on rows
 // of every count from 0 to 130, float and double, with masked entries on one side or both, empty
 // tails and inactive rows (which take the lumped path or the fast one as they qualify).
-// (2) backward_row_fine (packets) accepts exactly the rows backward_row_fine_scalar accepts, with
-// a bad value or id at every position. (3) A bad row at each position of a batch throws the same
+// (2) backward_row_fine (packets; also told that the sides are finite) accepts exactly the rows
+// backward_row_fine_scalar accepts, with a bad value or id at every position. (3) A bad row at each position of a batch throws the same
 // typed error naming that row, and nothing is written. (4) The forward's lumped pair and setup of
 // a finite row (lumped_pair_finite) equal lumped_pair + scan_pair bit for bit, and it refuses
 // exactly the rows with a masked category or an empty tail.
@@ -168,6 +168,14 @@ void fine_agrees() {
         CAPTURE(how);
         CHECK(fast == scalar);
         CHECK(scalar == (how == 7 || (how == 0 && at == count)));
+        // Told the sides hold no −inf entry (true unless an entry's side was masked above): the
+        // sides are not read, and the verdict is the same.
+        if (!((how == 4 || how == 5) && at < count)) {
+          const bool told = troll::detail::cpu::backward_row_fine(ids.data(), aligned.data(), lp.data(), zn.data(),
+                                                                  zo.data(), g.data(), count, lp[c], zn[c], zo[c],
+                                                                  g[c], true);
+          CHECK(told == scalar);
+        }
       }
     }
   }

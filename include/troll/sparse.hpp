@@ -228,7 +228,7 @@ std::size_t first_bad_row_with_ids(unsigned threads, std::size_t rows, std::size
 
 /// Never refuses a row: validate_aligned's default extra check.
 struct no_extra_check {
-  bool operator()(std::size_t) const { return false; }
+  bool operator()(std::size_t, bool) const { return false; }
 };
 /// Prefetches nothing: validate_aligned's default for the caller's own operands.
 struct no_prefetch {
@@ -237,7 +237,8 @@ struct no_prefetch {
 
 /// Validates an aligned batch for KL / projection: both sides' sparse checks, then the dense
 /// row checks on the lumped rows (disjoint supports; with eps > 0, infeasibility). `extra_bad`
-/// is a caller's own yes/no check of row r, run in the same fast pass while the row is in cache
+/// is a caller's own yes/no check of row r (told whether every lumped category of the row is
+/// finite on both sides), run in the same fast pass while the row is in cache
 /// (project_backward's checks of its other operands); returns whether it passed every row, so
 /// that only a batch with a refused row runs the caller's full checks (after these).
 template <class T, class Extra = no_extra_check, class Prefetch = no_prefetch>
@@ -275,15 +276,15 @@ bool validate_aligned(const char* fn, unsigned threads, const aligned_batch_view
         bool new_finite = false, old_finite = false;
         if (!cpu::sparse_indices_fine(new_side.row_indices(r), new_side.count(r), new_side.k_max, new_side.vocab,
                                       ids) ||
-            !cpu::sparse_values_fine(new_side.row_log_probs(r), new_side.count(r), new_side.log_remainder[r],
-                                     new_side.vocab, &new_finite) ||
-            !cpu::sparse_values_fine(old_side.row_log_probs(r), old_side.count(r), old_side.log_remainder[r],
-                                     old_side.vocab, &old_finite))
+            !cpu::aligned_values_fine(new_side.row_log_probs(r), new_side.log_remainder[r],
+                                      old_side.row_log_probs(r), old_side.log_remainder[r], new_side.count(r),
+                                      new_side.vocab, &new_finite, &old_finite))
           return true;
-        if (extra_bad(r)) return true;
         // Every lumped category finite on both sides (values ≤ 0, a non-empty tail): the lumped
         // checks cannot fail (no NaN or +inf, nothing masked, so nothing disjoint or infeasible).
-        if (new_finite && old_finite && a.vocab > std::size_t(a.counts[r])) return false;
+        const bool all_finite = new_finite && old_finite && a.vocab > std::size_t(a.counts[r]);
+        if (extra_bad(r, all_finite)) return true;
+        if (all_finite) return false;
         return bool(problem(r));
       });
   if (any_bad == a.rows) return true;
@@ -886,7 +887,7 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
   // One fast yes/no pass over the aligned rows and, while each row is in cache, the output and
   // upstream gradient of the same row; only a batch with a bad row runs the checks below, which
   // name it (after validate_aligned's own, in that order).
-  const bool all_fine = detail::validate_aligned(fn, policy.threads, rows, 0.0, [&](std::size_t r) {
+  const bool all_fine = detail::validate_aligned(fn, policy.threads, rows, 0.0, [&](std::size_t r, bool finite) {
         const sparse_index c = log_probs.counts[r];
         if (c < 0 || std::size_t(c) > log_probs.k_max || c != rows.counts[r]) return true;
         const bool tail = rows.vocab > std::size_t(c);
@@ -896,7 +897,7 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
             log_probs.row_indices(r), rows.indices + at, log_probs.row_log_probs(r), rows.new_log_probs + at,
             rows.old_log_probs + at, grad.row(r), int(c), log_probs.log_remainder[r],
             tail ? rows.new_log_remainder[r] : masked, tail ? rows.old_log_remainder[r] : masked,
-            grad.log_remainder[r]);
+            grad.log_remainder[r], finite);
       }, [&](std::size_t r, long long c) {  // the same row's output and upstream gradient
         detail::cpu::prefetch_entries(log_probs.row_indices(r), c);
         detail::cpu::prefetch_entries(log_probs.row_log_probs(r), c);

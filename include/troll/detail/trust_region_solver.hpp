@@ -36,6 +36,8 @@ struct row_setup {
   bool any_masked = false;     // some token is −inf in either row: evaluators must mask
   double spread = inf();       // max − min over the logits of both rows (CPU scan; +inf: unknown)
   double x_range = inf();      // ≥ max − min of z̃ − z° over J (CPU scan of an all-finite pair; +inf: unknown)
+  bool end_cumulants = false;  // the ends also form κ₃, κ₄ for the septic first guess (CPU rows long
+                               // enough that the pass it saves costs more than the guess)
 };
 
 struct solve_result {
@@ -63,6 +65,32 @@ TROLL_HOST_DEVICE lse_state reduce(const Eval& eval, const tilt_param& u, const 
     (void)cumulants;
     return eval(u, ref);
   }
+}
+
+/// Whether the evaluator reduces both ends at once: eval.ends(zero_ref, one_ref, cumulants, zero,
+/// one) returns true with the states eval(tilt_at(0), zero_ref) and eval(tilt_at(1), one_ref)
+/// would give (bit for bit), or false where it cannot (the CPU's one-pass kernel for the common
+/// pair; the CUDA evaluators reduce each end on its own).
+template <class Eval, class = void>
+struct reduces_ends : std::false_type {};
+template <class Eval>
+struct reduces_ends<Eval, decltype(void(std::declval<const Eval&>().ends(
+                              tilt_ref{}, tilt_ref{}, true, std::declval<lse_state&>(), std::declval<lse_state&>())))>
+    : std::true_type {};
+
+/// The reductions of the two ends, t = 0 relative to setup.old_top and t = 1 relative to
+/// setup.new_top (with κ₃, κ₄ where `cumulants`): in one pass where the evaluator offers it.
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
+template <class Eval>
+TROLL_HOST_DEVICE void reduce_ends(const Eval& eval, const row_setup& setup, bool cumulants, lse_state& zero,
+                                   lse_state& one) {
+  if constexpr (reduces_ends<Eval>::value) {
+    if (eval.ends(setup.old_top, setup.new_top, cumulants, zero, one)) return;
+  }
+  zero = reduce(eval, tilt_at(0.0), setup.old_top, cumulants);
+  one = reduce(eval, tilt_at(1.0), setup.new_top, cumulants);
 }
 
 /// Evaluates the member at (u, ref) for the solve towards KL = ε within ±tol. The closed-form
@@ -162,7 +190,10 @@ struct categorical_family {
   /// reduction also forms the third and fourth cumulants that predict() needs.
   TROLL_HOST_DEVICE tilt_point evaluate(const tilt_param& u, const tilt_point& near, double eps, double tol) const {
     const double step = u.t <= 0.5 && near.t <= 0.5 ? u.t - near.t : near.s - u.s;
-    const bool cumulants = ::fabs(step) * x_range <= 0.1;
+    // The first member from ends that formed κ₃, κ₄ (the septic start, first_guess) is
+    // typically within ~1e-6 / L of t*: its cumulants let the next member be predicted.
+    const bool from_end = (near.t == 0.0 || near.s == 0.0) && near.kappa3 - near.kappa3 == 0.0;
+    const bool cumulants = ::fabs(step) * x_range <= 0.1 || from_end;
     return detail::evaluate(eval, u, near.mode, old_max, old_log_sum, eps, tol, cumulants);
   }
   /// The converged member at u from the last evaluated one without a pass (predict_member).
@@ -218,11 +249,16 @@ template <class Eval>
 TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setup, double eps,
                                          const projection_options& opt) {
   solve_result r;
-  // t = 0 first: its normaliser gives log q's, its variance seeds the first Newton guess.
-  const lse_state zero_state = eval(tilt_at(0.0), setup.old_top);
+  // The ends, in one pass where the evaluator can: t = 0's normaliser gives log q's, both
+  // variances seed the first Newton guess.
+  // Where the step to t* can be predicted (L known) and the row is long (end_cumulants), the
+  // ends also form κ₃ and κ₄ for the septic first guess (first_guess, family_solver.hpp).
+  const bool cumulants = setup.end_cumulants && setup.x_range < inf();
+  lse_state zero_state, one_state;
+  reduce_ends(eval, setup, cumulants, zero_state, one_state);
   const double old_log_sum = ends_old_log_sum(eval, setup, zero_state);
   const tilt_point at_zero = zero_point(eval, setup, zero_state, old_log_sum);
-  const tilt_point at_one = evaluate_at_one(eval, setup, old_log_sum);
+  const tilt_point at_one = one_point(eval, setup, one_state, old_log_sum);
   if (!needs_solve(setup, at_zero, at_one, eps, r)) return r;
   take_solution(
       solve_bracketed(categorical_family<Eval>{eval, setup.old_max, old_log_sum, setup.x_range}, at_zero, at_one,

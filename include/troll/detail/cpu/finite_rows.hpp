@@ -533,6 +533,194 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
   return true;
 }
 
+/// The reductions of both ends, t = 0 relative to `zero_ref` and t = 1 relative to `one_ref`, in
+/// one pass over the rows: what tilt_reduce_one_pass gives for each, bit for bit, where the
+/// references are the first tokens of the largest z° and z̃ respectively and the pair is finite
+/// with a spread of at most 700 (scan_pair's row_setup::old_top and new_top). There w is
+/// exactly z° − z°_r at t = 0 and z̃ − z̃_r at t = 1 (tilt_reduce_one_pass's fused multiply-add by
+/// a zero slope changes nothing), at most 0 with its maximum 0 at the reference: so no maximum
+/// is sought, the sums need no rescaling, and the reference is the state's mode. Each end pads
+/// the last partial packet with its own reference, as tilt_reduce_one_pass does.
+template <bool Cumulants = false, class T>
+inline void tilt_reduce_ends(const T* zn, const T* zo, long count, const tilt_ref& zero_ref, const tilt_ref& one_ref,
+                             lse_state& zero, lse_state& one) {
+  using namespace Eigen::internal;
+  using packet = packet_traits<double>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(double));
+  constexpr long chunk = 512;
+  const packet rn0 = pset1<packet>(zero_ref.zn), ro0 = pset1<packet>(zero_ref.zo);
+  const packet rn1 = pset1<packet>(one_ref.zn), ro1 = pset1<packet>(one_ref.zo);
+  struct sums {
+    packet s0, s1, s2, s3, s4;
+  };
+  // One end's packet: x, e^w and the weighted sums, as tilt_reduce_one_pass's body.
+  auto add = [](const packet& w, const packet& xk, sums& s) {
+    const packet e = exp_bounded(w);
+    const packet ex = pmul(e, xk);
+    s.s0 = padd(s.s0, e);
+    s.s1 = padd(s.s1, ex);
+    s.s2 = pmadd(ex, xk, s.s2);
+    if constexpr (Cumulants) {
+      const packet exx = pmul(ex, xk);
+      s.s3 = pmadd(exx, xk, s.s3);
+      s.s4 = pmadd(pmul(exx, xk), xk, s.s4);
+    }
+  };
+  auto zero_sums = [] {
+    const packet z = pset1<packet>(0.0);
+    return sums{z, z, z, z, z};
+  };
+  double u[5] = {0, 0, 0, 0, 0}, v[5] = {0, 0, 0, 0, 0};  // the t = 0 and t = 1 totals
+  auto total = [](double* t, const sums& s, const packet& use) {
+    t[0] += predux(pmul(s.s0, use)), t[1] += predux(pmul(s.s1, use)), t[2] += predux(pmul(s.s2, use));
+    if constexpr (Cumulants) t[3] += predux(pmul(s.s3, use)), t[4] += predux(pmul(s.s4, use));
+  };
+  auto chunk_total = [](double* t, const sums& s) {
+    t[0] += predux(s.s0), t[1] += predux(s.s1), t[2] += predux(s.s2);
+    if constexpr (Cumulants) t[3] += predux(s.s3), t[4] += predux(s.s4);
+  };
+  const long whole = count - count % lanes;
+  for (long begin = 0; begin < whole; begin += chunk) {
+    const long end = begin + chunk < whole ? begin + chunk : whole;
+    sums a0 = zero_sums(), a1 = zero_sums();
+    for (long k = begin; k < end; k += lanes) {
+      const packet a = load_as_double<packet>(zn + k), b = load_as_double<packet>(zo + k);
+      const packet dn0 = psub(a, rn0), do0 = psub(b, ro0);
+      add(do0, psub(dn0, do0), a0);
+      const packet dn1 = psub(a, rn1), do1 = psub(b, ro1);
+      add(dn1, psub(dn1, do1), a1);
+    }
+    chunk_total(u, a0);
+    chunk_total(v, a1);
+  }
+  if (whole < count) {  // the last partial packet: each end padded with its reference, weight 0
+    packet pa0, pb0, pa1, pb1, use;
+#if defined(__AVX512F__)
+    if constexpr (lanes == 8) {
+      const __mmask8 in = __mmask8((1u << unsigned(count - whole)) - 1u);
+      packet a, b;
+      if constexpr (std::is_same<T, double>::value) {
+        a = _mm512_maskz_loadu_pd(in, zn + whole);
+        b = _mm512_maskz_loadu_pd(in, zo + whole);
+      } else {
+        a = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(in, zn + whole));
+        b = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(in, zo + whole));
+      }
+      pa0 = _mm512_mask_mov_pd(rn0, in, a), pb0 = _mm512_mask_mov_pd(ro0, in, b);
+      pa1 = _mm512_mask_mov_pd(rn1, in, a), pb1 = _mm512_mask_mov_pd(ro1, in, b);
+      use = _mm512_maskz_mov_pd(in, _mm512_set1_pd(1.0));
+    } else
+#endif
+    {
+      double a0[lanes], b0[lanes], a1[lanes], b1[lanes], keep[lanes];
+      for (long j = 0; j < lanes; ++j) {
+        const bool in = whole + j < count;
+        a0[j] = in ? double(zn[whole + j]) : zero_ref.zn;
+        b0[j] = in ? double(zo[whole + j]) : zero_ref.zo;
+        a1[j] = in ? double(zn[whole + j]) : one_ref.zn;
+        b1[j] = in ? double(zo[whole + j]) : one_ref.zo;
+        keep[j] = in ? 1.0 : 0.0;
+      }
+      pa0 = ploadu<packet>(a0), pb0 = ploadu<packet>(b0), pa1 = ploadu<packet>(a1), pb1 = ploadu<packet>(b1);
+      use = ploadu<packet>(keep);
+    }
+    sums a0 = zero_sums(), a1 = zero_sums();
+    const packet dn0 = psub(pa0, rn0), do0 = psub(pb0, ro0);
+    add(do0, psub(dn0, do0), a0);
+    const packet dn1 = psub(pa1, rn1), do1 = psub(pb1, ro1);
+    add(dn1, psub(dn1, do1), a1);
+    total(u, a0, use);
+    total(v, a1, use);
+  }
+  auto state = [](const double* t, const tilt_ref& ref) {
+    lse_state st;
+    st.m = 0.0;
+    st.s0 = t[0], st.s1 = t[1], st.s2 = t[2];
+    if constexpr (Cumulants) st.s3 = t[3], st.s4 = t[4];
+    st.ref_new = ref.zn;
+    st.ref_old = ref.zo;
+    return st;
+  };
+  zero = state(u, zero_ref);
+  one = state(v, one_ref);
+}
+
+/// Largest and smallest entry of z[0..count) in T's own packets: false when some entry is NaN or
+/// ±inf (or count is 0), else true with both (exact: max and min round nothing).
+template <class T>
+inline bool finite_range(const T* z, long count, double& most, double& least) {
+  using namespace Eigen::internal;
+  using packet = typename packet_traits<T>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(T));
+  if (count <= 0) return false;
+  const long whole = count - count % lanes;
+  packet hi = pset1<packet>(-std::numeric_limits<T>::infinity());
+  packet lo = pset1<packet>(std::numeric_limits<T>::infinity());
+  packet bad = pset1<packet>(T(0));
+  for (long k = 0; k < whole; k += lanes) {
+    const packet a = ploadu<packet>(z + k);
+    bad = padd(bad, psub(a, a));
+    hi = pmax(hi, a);
+    lo = pmin(lo, a);
+  }
+  T odd = predux(bad), top = predux_max(hi), bottom = predux_min(lo);
+  for (long k = whole; k < count; ++k) {
+    odd += z[k] - z[k];
+    top = z[k] > top ? z[k] : top;
+    bottom = z[k] < bottom ? z[k] : bottom;
+  }
+  most = double(top);
+  least = double(bottom);
+  return odd == T(0);
+}
+
+/// Σ_k e^{z_k − top} of a finite row whose entries lie within 700 of `top` = max_k z_k: the
+/// arithmetic of tilt_reduce_one_pass's s0 at t = 1 relative to the row's first maximum, bit for
+/// bit (the same exponentials, packet sums over the same chunks, the same tail), so that an
+/// inactive row the projection writes from that pass's normaliser is log_softmax's to the bit.
+template <class T>
+inline double exp_sum_below_top(const T* z, long count, double top) {
+  using namespace Eigen::internal;
+  using packet = packet_traits<double>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(double));
+  constexpr long chunk = 512;
+  const packet rn = pset1<packet>(top);
+  double t0 = 0.0;
+  const long whole = count - count % lanes;
+  for (long begin = 0; begin < whole; begin += chunk) {
+    const long end = begin + chunk < whole ? begin + chunk : whole;
+    packet s0 = pset1<packet>(0.0);
+    for (long k = begin; k < end; k += lanes) s0 = padd(s0, exp_bounded(psub(load_as_double<packet>(z + k), rn)));
+    t0 += predux(s0);
+  }
+  if (whole < count) {  // as tilt_reduce_one_pass: padded with the reference, weight 0
+    packet pa, use;
+#if defined(__AVX512F__)
+    if constexpr (lanes == 8) {
+      const __mmask8 in = __mmask8((1u << unsigned(count - whole)) - 1u);
+      if constexpr (std::is_same<T, double>::value) {
+        pa = _mm512_mask_loadu_pd(rn, in, z + whole);
+      } else {
+        pa = _mm512_mask_mov_pd(rn, in, _mm512_cvtps_pd(_mm256_maskz_loadu_ps(in, z + whole)));
+      }
+      use = _mm512_maskz_mov_pd(in, _mm512_set1_pd(1.0));
+    } else
+#endif
+    {
+      double a[lanes], keep[lanes];
+      for (long j = 0; j < lanes; ++j) {
+        const bool in = whole + j < count;
+        a[j] = in ? double(z[whole + j]) : top;
+        keep[j] = in ? 1.0 : 0.0;
+      }
+      pa = ploadu<packet>(a), use = ploadu<packet>(keep);
+    }
+    const packet s0 = padd(pset1<packet>(0.0), exp_bounded(psub(pa, rn)));
+    t0 += predux(pmul(s0, use));
+  }
+  return t0;
+}
+
 /// out_i = log π_t,i = w_i − log_norm (tilt_family.hpp) of a row pair whose logits are all
 /// finite with a spread of at most 700 (no difference can overflow, so nothing is clamped): one
 /// packet pass reading the T rows directly (float widened in registers) and writing T, with w

@@ -160,6 +160,10 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
       setup.x_range = ((e.max_diff - e.min_diff) + 2.0 * unit * (::fabs(e.max_diff) + ::fabs(e.min_diff)) +
                        8.0 * 0x1p-53 * largest) *
                       (1.0 + 0x1p-50);
+      // The septic first guess saves a pass on most active rows but costs its own solve and
+      // two more multiply-adds per token at the ends: worth it on long rows (dense), not on
+      // the ~100-entry rows of the sparse path, where per-row work dominates.
+      setup.end_cumulants = size >= 1024;
       return p;
     }
   }
@@ -355,6 +359,25 @@ struct tilt_evaluator {
     return total;
   }
 
+  /// Both ends' reductions in one pass (tilt_reduce_ends: the same bits as two calls of
+  /// operator() with these references), for the common pair; false, computing nothing, elsewhere.
+  bool ends(const tilt_ref& zero_ref, const tilt_ref& one_ref, bool cumulants, lse_state& zero,
+            lse_state& one) const {
+    if constexpr (std::is_same<T, double>::value || std::is_same<T, float>::value) {
+      if (masked || !(spread <= 700.0)) return false;
+      const long n = static_cast<long>(size);
+      if (cumulants) {
+        tilt_reduce_ends<true>(new_logits, old_logits, n, zero_ref, one_ref, zero, one);
+      } else {
+        tilt_reduce_ends<false>(new_logits, old_logits, n, zero_ref, one_ref, zero, one);
+      }
+      return true;
+    } else {
+      (void)zero_ref, (void)one_ref, (void)cumulants, (void)zero, (void)one;
+      return false;
+    }
+  }
+
   /// KL(π‖q) at an evaluated point as the sum of non-negative kl_terms (no cancellation).
   double exact_kl(const tilt_point& p) const {
     double sum = 0.0;
@@ -383,22 +406,56 @@ inline tilt_evaluator<T> make_evaluator(const T* zn, const T* zo, std::size_t si
   return tilt_evaluator<T>{zn, zo, size, setup.old_max, setup.any_masked, setup.spread};
 }
 
-/// out = log_softmax(z); the reference arithmetic for inactive rows: (z_i − M) − log Σ e^{z−M}.
+/// out_i = (z_i − top) − log_sum: the write of every log_softmax row.
 template <class T>
-inline void log_softmax_row(const T* z, std::size_t size, T* out) {
-  const double m = row_max(z, size);
-  const double log_sum = log_sum_exp_shifted(z, size, m);
+inline void write_log_softmax(const T* z, std::size_t size, double top, double log_sum, T* out) {
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-    store(out, begin, count, (load(z, begin, count) - m) - log_sum);
+    store(out, begin, count, (load(z, begin, count) - top) - log_sum);
   });
 }
 
+/// Whether log_softmax_row takes its packet path on z: every entry finite and within 700 of the
+/// maximum `top` (then every e^{z − top} is exp_bounded's, exact to 1.5 ulp).
+template <class T>
+inline bool log_softmax_packets(const T* z, std::size_t size, double& top) {
+  if constexpr (std::is_same<T, double>::value || std::is_same<T, float>::value) {
+    double least = 0.0;
+    return finite_range(z, static_cast<long>(size), top, least) && top - least <= 700.0;
+  } else {
+    (void)z, (void)size, (void)top;
+    return false;
+  }
+}
+
+/// out = log_softmax(z); the reference arithmetic for inactive rows: (z_i − M) − log Σ e^{z−M}.
+/// The common row (finite, a spread of at most 700) sums its exponentials as the tilted
+/// reduction at t = 1 does (exp_sum_below_top), so that write_solution can write an inactive
+/// row from that reduction without another pass, to the same bits.
+template <class T>
+inline void log_softmax_row(const T* z, std::size_t size, T* out) {
+  double m = 0.0;
+  if (log_softmax_packets(z, size, m)) {
+    write_log_softmax(z, size, m, ::log(exp_sum_below_top(z, static_cast<long>(size), m)), out);
+    return;
+  }
+  m = row_max(z, size);
+  write_log_softmax(z, size, m, log_sum_exp_shifted(z, size, m), out);
+}
+
 /// Writes log π* of a solved row (the log-softmax of the new row where inactive) and returns
-/// its statistics.
+/// its statistics. An inactive row whose t = 1 member came from the one-pass reduction (every
+/// logit finite, spread ≤ 700: then the new row alone takes log_softmax_row's packet path with
+/// the same sum) is written from that member's normaliser: log_softmax's bits, one pass fewer.
 template <class T>
 inline projection_stats write_solution(const tilt_evaluator<T>& eval, const solve_result& r, T* out) {
   if (r.status == row_status::inactive) {
-    log_softmax_row(eval.new_logits, eval.size, out);
+    const bool one_pass = (std::is_same<T, double>::value || std::is_same<T, float>::value) && !eval.masked &&
+                          eval.spread <= 700.0;
+    if (one_pass) {
+      write_log_softmax(eval.new_logits, eval.size, r.point.ref.zn, r.point.log_norm, out);
+    } else {
+      log_softmax_row(eval.new_logits, eval.size, out);
+    }
   } else {
     eval.write(r.point, out);
   }
