@@ -3,10 +3,12 @@
 
 // Tests of troll/objectives.hpp: TROLL's objective and the PPO-clip / DPPO baselines. Gradients
 // are checked with troll's finite-difference checker in double, through the projection; the
-// regression term KL(p̃ ‖ stopgrad(π*)) is differenced with π* frozen at the base point. Values
-// are checked against hand-computed numbers and long-double oracles; masks, aggregation and bad
-// input are covered.
+// regression term KL(p̃ ‖ stopgrad(π*)) is differenced with π* frozen at the base point: those
+// checks are the one body tests/bodies/objective_gradients.hpp, compiled here for troll::cpu (and
+// for troll::cuda by tests/cuda/test_cuda_objectives.cu). Values are checked against
+// hand-computed numbers and long-double oracles; masks, aggregation and bad input are covered.
 
+#include <troll/gradcheck.hpp>
 #include <troll/objectives.hpp>
 #include <troll/projection.hpp>
 
@@ -15,175 +17,29 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "backend.hpp"
 #include "grad_helpers.hpp"
 #include "objective_batch.hpp"
+#include "objective_cases.hpp"
 #include "oracle.hpp"
+
+namespace troll_test {
+using oracle_backend = backend<troll::cpu_policy>;
+}  // namespace troll_test
+
+#include "../bodies/objective_gradients.hpp"
 
 namespace {
 
 using grad_helpers::neg_inf;
 using grad_helpers::pair_batch;
 namespace oracle = troll_test::oracle;
+using namespace troll_test::objective_cases;
 
 const double nan_value = std::numeric_limits<double>::quiet_NaN();
-
-/// A batch of token rows with everything an objective reads.
-struct token_case {
-  pair_batch logits;
-  std::vector<std::int64_t> tokens, sequence_ids;
-  std::vector<double> advantages, mask;
-  troll::loss_aggregation aggregation = troll::loss_aggregation::token_mean;
-
-  troll::token_batch<double> batch() const {
-    troll::token_batch<double> b;
-    b.tokens = tokens.data();
-    b.advantages = advantages.data();
-    b.loss_mask = mask.empty() ? nullptr : mask.data();
-    b.sequence_ids = sequence_ids.empty() ? nullptr : sequence_ids.data();
-    b.aggregation = aggregation;
-    return b;
-  }
-  std::size_t rows() const { return logits.rows; }
-  std::size_t cols() const { return logits.cols; }
-};
-
-/// N rows over V tokens: old logits ~ 2·N(0,1); new = old + step_r·N(0,1) with steps cycling
-/// through small (inactive under ε = 0.05) and large (projected) values. Three sequences.
-token_case make_case(std::size_t rows, std::size_t cols, std::uint64_t seed) {
-  grad_helpers::rng g(seed);
-  token_case c;
-  c.logits = pair_batch(rows, cols);
-  const double steps[4] = {0.03, 0.9, 1.6, 0.5};
-  for (std::size_t r = 0; r < rows; ++r) {
-    for (std::size_t j = 0; j < cols; ++j) {
-      c.logits.old_row(r)[j] = 2.0 * g.normal();
-      c.logits.new_row(r)[j] = c.logits.old_row(r)[j] + steps[r % 4] * g.normal();
-    }
-    c.tokens.push_back(std::int64_t((r * 5 + 3) % cols));
-    c.advantages.push_back(r % 3 == 0 ? -0.8 : 1.1 + 0.1 * double(r));
-    c.mask.push_back(r % 5 == 4 ? 0.0 : (r % 2 ? 1.0 : 0.5));
-    c.sequence_ids.push_back(std::int64_t(r * 3 / rows));
-  }
-  return c;
-}
-
-/// The aggregation weights c_r, computed here from the definition (not by troll).
-std::vector<double> weights_of(const token_case& c) {
-  const std::size_t n = c.rows();
-  std::vector<double> w(n, 0.0);
-  auto m = [&](std::size_t r) { return c.mask.empty() ? 1.0 : c.mask[r]; };
-  if (c.aggregation == troll::loss_aggregation::token_mean) {
-    double total = 0;
-    for (std::size_t r = 0; r < n; ++r) total += m(r);
-    for (std::size_t r = 0; r < n; ++r) w[r] = total > 0 ? m(r) / total : 0.0;
-    return w;
-  }
-  std::vector<std::int64_t> ids;
-  for (std::int64_t id : c.sequence_ids)
-    if (ids.empty() || ids.back() != id) ids.push_back(id);
-  double counted = 0;
-  for (std::int64_t id : ids) {
-    double total = 0;
-    for (std::size_t r = 0; r < n; ++r)
-      if (c.sequence_ids[r] == id) total += m(r);
-    if (total > 0) counted += 1;
-  }
-  for (std::int64_t id : ids) {
-    double total = 0;
-    for (std::size_t r = 0; r < n; ++r)
-      if (c.sequence_ids[r] == id) total += m(r);
-    for (std::size_t r = 0; r < n; ++r)
-      if (c.sequence_ids[r] == id && total > 0) w[r] = m(r) / total / counted;
-  }
-  return w;
-}
-
-troll::trust_region_objective tight_troll(double alpha = 1.0) {
-  troll::trust_region_objective o;
-  o.alpha = alpha;
-  o.projection = grad_helpers::tight_options();
-  return o;
-}
-
-/// TROLL's batch loss at new logits `b`, evaluated independently of objectives.hpp: π* from
-/// troll::project, log p̃ and log q in long double, and the regression term against a *frozen*
-/// π* (`frozen_log_pi`, the projection at the base point): stopgrad as finite differences see it.
-double troll_loss_frozen(const token_case& c, const pair_batch& b, const troll::trust_region_objective& o,
-                         const std::vector<double>& frozen_log_pi) {
-  const grad_helpers::forward_result f = grad_helpers::forward(b, o.eps, o.projection);
-  const std::vector<double> w = weights_of(c);
-  const std::size_t V = b.cols;
-  long double loss = 0;
-  for (std::size_t r = 0; r < b.rows; ++r) {
-    if (w[r] == 0.0) continue;
-    const auto lq = oracle::log_softmax(b.old_logits.data() + r * V, V);
-    const auto lp = oracle::log_softmax(b.new_logits.data() + r * V, V);
-    const std::size_t a = std::size_t(c.tokens[r]);
-    const long double ratio = std::exp((long double)f.log_probs[r * V + a] - lq[a]);
-    long double kl = 0;
-    for (std::size_t j = 0; j < V; ++j)
-      if (oracle::finite_logit(lp[j])) kl += std::exp(lp[j]) * (lp[j] - frozen_log_pi[r * V + j]);
-    loss += w[r] * (-ratio * c.advantages[r] + o.alpha * kl);
-  }
-  return double(loss);
-}
-
-/// Gradient check of TROLL's objective_backward against central differences of
-/// troll_loss_frozen over the finite new logits.
-troll::gradcheck_result check_troll_gradient(const token_case& c, const troll::trust_region_objective& o) {
-  const grad_helpers::packing pack(c.logits, false, false, o.eps);
-  const grad_helpers::forward_result base = grad_helpers::forward(c.logits, o.eps, o.projection);
-  auto loss = [&](const double* x) {
-    pair_batch b;
-    double eps;
-    pack.unpack(x, b, eps);
-    return troll_loss_frozen(c, b, o, base.log_probs);
-  };
-  auto grad = [&](const double* x, double* gx) {
-    pair_batch b;
-    double eps;
-    pack.unpack(x, b, eps);
-    const std::size_t N = b.rows, V = b.cols;
-    std::vector<double> log_probs(N * V), g(N * V);
-    std::vector<troll::projection_stats> stats(N);
-    troll::objective_forward(troll::cpu, o, troll::make_batch(b.new_logits.data(), N, V),
-                             troll::make_batch(b.old_logits.data(), N, V), c.batch(),
-                             troll::make_batch(log_probs.data(), N, V), stats.data());
-    troll::objective_backward(troll::cpu, o, troll::make_batch(b.new_logits.data(), N, V),
-                              troll::make_batch(b.old_logits.data(), N, V), c.batch(),
-                              troll::make_batch(log_probs.data(), N, V), stats.data(),
-                              troll::make_batch(g.data(), N, V));
-    pack.pack_gradient(g, {}, {}, eps, gx);
-  };
-  return troll::check_gradient(loss, grad, pack.x0());
-}
-
-/// Gradient check of a baseline's objective_backward against differences of its forward.
-template <class Objective>
-troll::gradcheck_result check_baseline_gradient(const token_case& c, const Objective& o) {
-  const grad_helpers::packing pack(c.logits, false, false, 0.05);
-  auto loss = [&](const double* x) {
-    pair_batch b;
-    double eps;
-    pack.unpack(x, b, eps);
-    return troll::objective_forward(troll::cpu, o, troll::make_batch(b.new_logits.data(), b.rows, b.cols),
-                                    troll::make_batch(b.old_logits.data(), b.rows, b.cols), c.batch())
-        .loss;
-  };
-  auto grad = [&](const double* x, double* gx) {
-    pair_batch b;
-    double eps;
-    pack.unpack(x, b, eps);
-    std::vector<double> g(b.rows * b.cols);
-    troll::objective_backward(troll::cpu, o, troll::make_batch(b.new_logits.data(), b.rows, b.cols),
-                              troll::make_batch(b.old_logits.data(), b.rows, b.cols), c.batch(),
-                              troll::make_batch(g.data(), b.rows, b.cols));
-    pack.pack_gradient(g, {}, {}, eps, gx);
-  };
-  return troll::check_gradient(loss, grad, pack.x0());
-}
 
 struct troll_run {
   std::vector<double> log_probs, token_loss, grad;
@@ -220,41 +76,6 @@ token_case three_token_row(double p0, double p1, double p2, double advantage) {
 }
 
 }  // namespace
-
-TEST_CASE("TROLL gradient through the projection, stopgrad(pi*) in the regression term") {
-  for (auto aggregation : {troll::loss_aggregation::token_mean, troll::loss_aggregation::sequence_mean}) {
-    token_case c = make_case(10, 12, 11);
-    c.aggregation = aggregation;
-    CAPTURE(int(aggregation));
-    const troll::gradcheck_result full = check_troll_gradient(c, tight_troll(1.0));
-    INFO(full.report());
-    CHECK(full.ok);
-    // The two parts separately: the ratio term alone (α = 0) and the regression term alone (A = 0).
-    const troll::gradcheck_result ratio_only = check_troll_gradient(c, tight_troll(0.0));
-    INFO(ratio_only.report());
-    CHECK(ratio_only.ok);
-    token_case regression = c;
-    for (double& a : regression.advantages) a = 0.0;
-    const troll::gradcheck_result reg_only = check_troll_gradient(regression, tight_troll(2.5));
-    INFO(reg_only.report());
-    CHECK(reg_only.ok);
-  }
-}
-
-TEST_CASE("TROLL gradient with masked tokens (both rows, and new-row masks inside the ball)") {
-  token_case c = make_case(4, 10, 23);
-  c.logits.new_row(0)[2] = c.logits.old_row(0)[2] = neg_inf;  // masked in both
-  c.logits.new_row(3)[5] = c.logits.old_row(3)[5] = neg_inf;
-  c.tokens[0] = 3;
-  for (std::size_t r = 1; r < 3; ++r) {  // the new row masks a small old mass (projected rows)
-    c.logits.new_row(r)[7] = neg_inf;
-    c.logits.old_row(r)[7] = -6.0;
-  }
-  c.tokens[1] = 4, c.tokens[2] = 3;
-  const troll::gradcheck_result r = check_troll_gradient(c, tight_troll(1.0));
-  INFO(r.report());
-  CHECK(r.ok);
-}
 
 TEST_CASE("TROLL values: loss, projection and metrics against independent evaluation") {
   token_case c = make_case(12, 16, 5);
@@ -526,34 +347,6 @@ TEST_CASE_TEMPLATE("DPPO top-K with K at or above the finite entries: the whole 
       CHECK(std::fabs(s.kl() - kl) <= 1e-12 + 64 * u * kl);
       CHECK(std::fabs(s.tv() - tv) <= 1e-12 + 64 * u * tv);
     }
-  }
-}
-
-TEST_CASE("PPO clip and DPPO gradients with the finite-difference checker") {
-  token_case c = make_case(10, 12, 77);
-  troll::ppo_clip_objective ppo;
-  ppo.dual_clip = 3.0;
-  const troll::gradcheck_result r1 = check_baseline_gradient(c, ppo);
-  INFO(r1.report());
-  CHECK(r1.ok);
-  for (auto d : {troll::dppo_divergence::binary_tv, troll::dppo_divergence::binary_kl,
-                 troll::dppo_divergence::topk_tv, troll::dppo_divergence::topk_kl}) {
-    CAPTURE(int(d));
-    troll::dppo_objective o = troll::dppo_objective::defaults(d);
-    o.top_k = 4;
-    token_case s = c;
-    s.aggregation = troll::loss_aggregation::sequence_mean;
-    // Move the sampled tokens clearly (both ways) so some cross the bounds and some do not.
-    for (std::size_t r = 0; r < s.rows(); ++r)
-      s.logits.new_row(r)[std::size_t(s.tokens[r])] += (r % 2 ? 2.5 : -2.5) * double(r % 3);
-    const troll::gradcheck_result r = check_baseline_gradient(s, o);
-    INFO(r.report());
-    CHECK(r.ok);
-    // Some tokens are masked and some are not, so both branches were checked.
-    const auto m = troll::objective_forward(troll::cpu, o, troll::make_batch(s.logits.new_logits.data(), s.rows(), s.cols()),
-                                            troll::make_batch(s.logits.old_logits.data(), s.rows(), s.cols()), s.batch());
-    CHECK(m.limited_fraction > 0.0);
-    CHECK(m.limited_fraction < 1.0);
   }
 }
 

@@ -1,5 +1,7 @@
 // tests/bodies/kl_gradient.hpp — troll::kl against a long-double reference and troll::kl_backward
-// (both gradients) against troll's gradient checker (finite differences), masked tokens included:
+// (both gradients) against troll's gradient checker (finite differences), masked tokens included,
+// full Jacobians and random directions at V = 4096; and the composite loss KL(p̃ ‖ π*) + Σ w log π*
+// chaining kl_backward into project_backward (also with a masked new token):
 // one body compiled per backend (as bodies/projection_oracle.hpp): tests/test_kl_gradient.cpp
 // includes it with troll_test::oracle_backend = backend<cpu_policy>,
 // tests/cuda/test_cuda_kl_gradient.cu with backend<cuda_policy> inside its "device" suite.
@@ -116,4 +118,102 @@ TEST_CASE("kl_backward: full Jacobian check of both gradients, masked tokens inc
     CHECK(r.ok);
     CHECK(r.checked == b.rows * pack.size());
   }
+}
+
+TEST_CASE("kl_backward: random directions at V = 4096") {
+  rng g(12);
+  const pair_batch b = kl_rows(g, 4096);
+  const packing pack(b, true, false, 0.0);
+  troll::gradcheck_options o = opts(1e-8, 1e-5);
+  o.directions = 12;
+  const troll::gradcheck_result r =
+      troll::check_vjp_random(kl_function{&pack}, kl_vjp{&pack}, pack.x0(), b.rows, o);
+  INFO(r.report());
+  CHECK(r.ok);
+  CHECK(r.checked == 12);
+}
+
+namespace {
+
+/// L = Σ_r KL(p̃_r ‖ π*_r) + Σ w log π* through kl_backward and project_backward, checked with
+/// check_gradient over (z̃, z°, log ε): the loss through the CPU, the gradient's kl_backward and
+/// project_backward on the backend (fed the CPU forward). KL's gradient w.r.t. the logits of its second argument,
+/// fed log π* as logits, is the upstream ∂L/∂log π* of the projection (log π* is normalised, so
+/// log_softmax is the identity there). With `new_row_mask`, row 1's new logits mask a token.
+void check_composite_kl_loss(bool new_row_mask) {
+  rng g(21);
+  const std::size_t v = 9, rows = 3;
+  pair_batch b(rows, v);
+  for (std::size_t r = 0; r < rows; ++r) {
+    std::vector<double> zo = g.normals(v, 1.0), zn = zo;
+    for (double& z : zn) z += (r == 2 ? 0.02 : 1.4) * g.normal();
+    if (r == 1 && new_row_mask) zn[3] = neg_inf, zo[3] = -4.0;  // π* masks it too
+    b.set_row(r, zn, zo);
+  }
+  const double eps = 0.06;
+  const std::vector<double> w = g.normals(rows * v, 1.0);
+  const packing pack(b, true, true, eps);
+
+  auto loss = [&](const double* x) {
+    pair_batch bb;
+    double e;
+    pack.unpack(x, bb, e);
+    const forward_result f = forward(bb, e);
+    std::vector<double> k(rows);
+    troll::kl(troll::cpu, troll::make_batch(bb.new_logits.data(), rows, v),
+              troll::make_batch(f.log_probs.data(), rows, v), k.data());
+    double total = 0;
+    for (std::size_t r = 0; r < rows; ++r) {
+      total += k[r];
+      for (std::size_t j = 0; j < v; ++j)
+        if (f.log_probs[r * v + j] != neg_inf) total += w[r * v + j] * f.log_probs[r * v + j];
+    }
+    return total;
+  };
+  auto grad = [&](const double* x, double* gx) {  // kl_backward and project_backward on the backend
+    pair_batch bb;
+    double e;
+    pack.unpack(x, bb, e);
+    const forward_result f = forward(bb, e);
+    using buffer = typename backend::template buffer<double>;
+    buffer zn(bb.new_logits), zo(bb.old_logits), lp(f.log_probs), ones(std::vector<double>(rows, 1.0)),
+        gp(std::vector<double>(rows * v, 0.0)), gq(std::vector<double>(rows * v, 0.0));
+    typename backend::template buffer<troll::projection_stats> stats(f.stats);
+    troll::kl_backward(backend::policy(), troll::make_batch<const double>(zn.get(), rows, v),
+                       troll::make_batch<const double>(lp.get(), rows, v), static_cast<const double*>(ones.get()),
+                       troll::make_batch(gp.get(), rows, v), troll::make_batch(gq.get(), rows, v));
+    const std::vector<double> gp_host = gp.download(), gq_host = gq.download();
+    std::vector<double> up(rows * v);
+    for (std::size_t k = 0; k < up.size(); ++k) up[k] = gq_host[k] + w[k];
+    buffer up_b(up), gn(std::vector<double>(rows * v, 0.0)), go(std::vector<double>(rows * v, 0.0)),
+        ge(std::vector<double>(rows, 0.0));
+    troll::project_backward(backend::policy(), troll::make_batch<const double>(zn.get(), rows, v),
+                            troll::make_batch<const double>(zo.get(), rows, v),
+                            troll::make_batch<const double>(lp.get(), rows, v),
+                            static_cast<const troll::projection_stats*>(stats.get()),
+                            troll::make_batch<const double>(up_b.get(), rows, v), troll::make_batch(gn.get(), rows, v),
+                            troll::make_batch(go.get(), rows, v), ge.get());
+    std::vector<double> gn_host = gn.download();
+    for (std::size_t k = 0; k < gn_host.size(); ++k) gn_host[k] += gp_host[k];  // the direct p̃ path of KL
+    pack.pack_gradient(gn_host, go.download(), ge.download(), e, gx);
+  };
+  const forward_result f0 = forward(b, eps);
+  CHECK(f0.stats[0].status == troll::row_status::projected);
+  CHECK(f0.stats[1].status == troll::row_status::projected);
+  CHECK(f0.stats[2].status == troll::row_status::inactive);
+  const troll::gradcheck_result r = troll::check_gradient(loss, grad, pack.x0(), opts());
+  INFO(r.report());
+  CHECK(r.ok);
+}
+
+}  // namespace
+
+TEST_CASE("composite: L = KL(p̃ ‖ π*) + Σ w log π*, kl_backward chained into project_backward") {
+  check_composite_kl_loss(false);
+}
+
+TEST_CASE("composite KL(p̃ ‖ π*) loss when the new row masks a token") {
+  // The TROLL regulariser KL(p̃ ‖ π*) on a row whose new logits mask a token: p̃ and π* are then
+  // both −inf there and nothing else is masked (was NaN, through the bug above).
+  check_composite_kl_loss(true);
 }

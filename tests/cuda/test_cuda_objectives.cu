@@ -1,7 +1,9 @@
 // tests/cuda/test_cuda_objectives.cu — TROLL's objective and PPO clip under the CUDA policy
 // (troll/cuda_objectives.cuh) against the CPU objectives: forward (log π*, stats, per-token
 // losses, metrics) and backward, both aggregations, masks; device row reports, the checked
-// mode's exceptions, and the host-side argument checks.
+// mode's exceptions, and the host-side argument checks. Also the objectives' gradients against
+// troll's finite-difference checker (tests/bodies/objective_gradients.hpp, the body of
+// tests/test_objectives.cpp) run on the device.
 //
 // Without a CUDA device the "device" test suite is excluded, "SKIPPED: no CUDA device" is
 // printed, the host-only cases still run and the exit code is 0.
@@ -16,13 +18,23 @@
 #include <cstdio>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "backend.hpp"
 #include "cuda_objective_batch.cuh"
+#include "grad_helpers.hpp"
 #include "objective_batch.hpp"
+#include "objective_cases.hpp"
+#include "oracle.hpp"
 #include "tolerance.hpp"
 #include "troll/cuda.cuh"
+#include "troll/gradcheck.hpp"
 #include "troll/objectives.hpp"
+
+namespace troll_test {
+using oracle_backend = backend<troll::cuda_policy>;
+}  // namespace troll_test
 
 namespace {
 
@@ -383,6 +395,10 @@ TEST_SUITE("device") {
     CHECK(!want.empty());
     CHECK(got == want);
   }
+}
+
+TEST_SUITE("device") {
+#include "../bodies/objective_gradients.hpp"
 }
 
 int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }

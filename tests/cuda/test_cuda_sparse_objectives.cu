@@ -3,7 +3,10 @@
 // forward (aligned rows, log π*, stats, per-token losses, metrics) and fused backward, float and
 // double, new_k 0 and > 0, both aggregations, masks, projected and inactive rows; rejected rows
 // (reports, NaN outputs) and the checked mode's exceptions; the host-side argument checks, the
-// workspace size and the translation of device reports into the CPU's messages.
+// workspace size and the translation of device reports into the CPU's messages. Also the sparse
+// objective's gradient against troll's finite-difference checker
+// (tests/bodies/sparse_objective_gradients.hpp, the body of tests/test_sparse_objectives.cpp) run
+// on the device.
 //
 // Without a CUDA device the "device" test suite is excluded, "SKIPPED: no CUDA device" is
 // printed, the host-only cases still run and the exit code is 0.
@@ -11,20 +14,34 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "backend.hpp"
 #include "cuda_objective_batch.cuh"
 #include "cuda_sparse_batch.cuh"
+#include "grad_helpers.hpp"
 #include "objective_batch.hpp"
+#include "sparse_objective_cases.hpp"
+#include "sparse_oracle.hpp"
 #include "tolerance.hpp"
 #include "troll/cuda.cuh"
+#include "troll/gradcheck.hpp"
+#include "troll/objectives.hpp"
 #include "troll/sparse_objectives.hpp"
+
+namespace troll_test {
+using oracle_backend = backend<troll::cuda_policy>;
+}  // namespace troll_test
 
 namespace {
 
@@ -578,6 +595,10 @@ TEST_SUITE("device") {
     for (std::size_t r = 0; r < rows; ++r) check_row(got, want, r, b.k_max, b.vocab);
     check_metrics<T>(got.metrics, want.metrics);
   }
+}
+
+TEST_SUITE("device") {
+#include "../bodies/sparse_objective_gradients.hpp"
 }
 
 int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }

@@ -1,17 +1,25 @@
-// tests/cuda/test_cuda_sparse_projection_oracle.cu — the projection of aligned sparse rows against
-// its long-double bisection oracle (tests/bodies/sparse_projection_oracle.hpp), run on the device:
-// the same test body as tests/test_sparse.cpp, compiled for troll::cuda. Without a GPU the "device"
-// suite is skipped and only the compile is checked.
+// tests/cuda/test_cuda_sparse_projection_oracle.cu — the sparse path's oracle properties run on
+// the device: the projection of aligned sparse rows against its long-double bisection oracle
+// (tests/bodies/sparse_projection_oracle.hpp, the body of tests/test_sparse.cpp) and the sparse
+// backward entry points against troll's finite-difference gradient checker and against each other
+// (tests/bodies/sparse_gradients.hpp, the body of tests/test_sparse_gradients.cpp), compiled for
+// troll::cuda. Without a GPU the "device" suite is skipped and only the compile is checked.
 #include "cuda_support.cuh"  // first: doctest's main, EIGEN_NO_CUDA, warning suppressions
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
+#include <numeric>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "backend.hpp"
 #include "sparse_oracle.hpp"
+#include "tolerance.hpp"
 #include "troll/cuda.cuh"
+#include "troll/gradcheck.hpp"
 #include "troll/projection.hpp"
 #include "troll/sparse.hpp"
 
@@ -23,6 +31,7 @@ using oracle_backend = backend<troll::cuda_policy>;
 
 TEST_SUITE("device") {
 #include "../bodies/sparse_projection_oracle.hpp"
+#include "../bodies/sparse_gradients.hpp"
 }
 
 int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }
