@@ -332,7 +332,7 @@ void sparsify(cpu_policy policy, input_view<T> logits, const token_id* sampled,
   // scratch of k_max entries per row. Only when every row has passed are the rows copied to
   // `out`; a bad row makes validate_rows name the first one and throw, with `out` untouched.
   // The scratch (troll::workspace_bytes(policy, op::sparsify{}, rows, V, k_max)): the policy's
-  // workspace, else allocated here. Doubles first (log-probs, remainders: room for T ≤ double),
+  // workspace, else the calling thread's arena. Doubles first (log-probs, remainders: room for T ≤ double),
   // then the 4-byte indices and counts, then one flag per row.
   const std::size_t k_max = out.k_max, rows = logits.rows;
   const detail::host_scratch scratch(fn, policy.workspace, workspace_bytes(policy, op::sparsify{}, rows, logits.cols, k_max));
