@@ -21,6 +21,8 @@
 #include <random>
 #include <vector>
 
+#include "support/llm_rows.hpp"
+
 namespace {
 
 using namespace troll::detail;
@@ -43,18 +45,8 @@ bool same_state(const lse_state& a, const lse_state& b, bool cumulants) {
 template <class T>
 void make_rows(std::mt19937_64& rng, std::size_t n, int shape, double scale, std::vector<T>& zn,
                std::vector<T>& zo) {
-  std::normal_distribution<double> normal;
-  zn.resize(n);
-  zo.resize(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const double old = -1.1 * std::log1p(double(i * 7919 % n)) + 0.5 * normal(rng);
-    zo[i] = T(old);
-    zn[i] = T(old + scale * normal(rng));
-  }
-  if (shape == 1) {
-    zo[n / 3] = T(30.0);
-    zn[n / 2] = T(25.0);
-  } else if (shape == 2 && n > 2) {
+  troll_test::llm_like_pair(rng, n, scale, shape == 1, zn, zo);
+  if (shape == 2 && n > 2) {
     zo[n - 1] = T(-690.0);
     zn[n - 2] = T(-690.0);
   } else if (shape == 3 && n > 2) {

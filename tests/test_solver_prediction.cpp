@@ -18,6 +18,8 @@
 #include <random>
 #include <vector>
 
+#include "support/llm_rows.hpp"
+
 namespace {
 
 using namespace troll::detail;
@@ -95,20 +97,9 @@ member long_double_member(const T* zn, const T* zo, std::size_t n, const tilt_po
 template <class T>
 void make_pair(std::mt19937_64& rng, std::size_t n, double eps, int shape, std::vector<T>& zn,
                std::vector<T>& zo) {
-  std::normal_distribution<double> normal;
   std::uniform_real_distribution<double> unit;
-  zn.resize(n);
-  zo.resize(n);
   const double scale = std::sqrt(2.0 * eps) * (shape == 2 ? 1.05 : 1.5 + 5.0 * unit(rng));
-  for (std::size_t i = 0; i < n; ++i) {
-    const double old = -1.1 * std::log1p(double(i * 7919 % n)) + 0.5 * normal(rng);
-    zo[i] = T(old);
-    zn[i] = T(old + scale * normal(rng));
-  }
-  if (shape == 1) {
-    zo[n / 3] = T(30.0);
-    zn[n / 2] = T(25.0);
-  }
+  troll_test::llm_like_pair(rng, n, scale, shape == 1, zn, zo);
 }
 
 template <class T>

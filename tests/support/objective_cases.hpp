@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "grad_helpers.hpp"
+#include "token_fields.hpp"
 
 namespace troll_test {
 namespace objective_cases {
@@ -20,21 +21,8 @@ namespace objective_cases {
 using grad_helpers::pair_batch;
 
 /// A batch of token rows with everything an objective reads.
-struct token_case {
+struct token_case : token_fields {
   pair_batch logits;
-  std::vector<std::int64_t> tokens, sequence_ids;
-  std::vector<double> advantages, mask;
-  troll::loss_aggregation aggregation = troll::loss_aggregation::token_mean;
-
-  troll::token_batch<double> batch() const {
-    troll::token_batch<double> b;
-    b.tokens = tokens.data();
-    b.advantages = advantages.data();
-    b.loss_mask = mask.empty() ? nullptr : mask.data();
-    b.sequence_ids = sequence_ids.empty() ? nullptr : sequence_ids.data();
-    b.aggregation = aggregation;
-    return b;
-  }
   std::size_t rows() const { return logits.rows; }
   std::size_t cols() const { return logits.cols; }
 };

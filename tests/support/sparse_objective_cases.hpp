@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "grad_helpers.hpp"
+#include "token_fields.hpp"
 #include "sparse_oracle.hpp"
 
 namespace troll_test {
@@ -36,23 +37,10 @@ const double minus_inf = -std::numeric_limits<double>::infinity();
 
 /// A batch: dense new logits (the variable), dense old logits and the sparse old rows made from
 /// them with the sampled tokens kept, and the token data.
-struct sparse_case {
+struct sparse_case : token_fields {
   std::size_t rows = 0, vocab = 0, old_k = 0;
   std::vector<double> new_logits, old_logits;
   sparse_rows<double> old;
-  std::vector<std::int64_t> tokens, sequence_ids;
-  std::vector<double> advantages, mask;
-  troll::loss_aggregation aggregation = troll::loss_aggregation::token_mean;
-
-  troll::token_batch<double> batch() const {
-    troll::token_batch<double> b;
-    b.tokens = tokens.data();
-    b.advantages = advantages.data();
-    b.loss_mask = mask.empty() ? nullptr : mask.data();
-    b.sequence_ids = sequence_ids.empty() ? nullptr : sequence_ids.data();
-    b.aggregation = aggregation;
-    return b;
-  }
   /// Row r of the old sparse rows as a one-row batch.
   troll::sparse_batch_view<const double> old_row(std::size_t r) const {
     return {old.indices.data() + r * old.k_max,
