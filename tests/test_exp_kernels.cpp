@@ -62,7 +62,14 @@ std::vector<double> exp_points(double lo, double hi, int random_count) {
 
 }  // namespace
 
-TEST_CASE("exp_bounded is within 1.5 ulp of expl on [-708, 708]") {
+// exp_bounded's own kernels (AVX-512, AVX2 double packets): 1.5 ulp; elsewhere Eigen's pexp: 2.
+#if defined(__AVX512F__) || defined(__AVX2__)
+constexpr double exp_bounded_ulps = 1.5;
+#else
+constexpr double exp_bounded_ulps = 2.0;
+#endif
+
+TEST_CASE("exp_bounded is within 1.5 ulp of expl on [-708, 708] (2 ulp on Eigen's pexp)") {
   const std::vector<double> xs = exp_points(-708.0, 708.0, 400000);
   const std::vector<double> got = apply_packets(xs, [](const packet& p) { return cpu::exp_bounded(p); });
   double worst = 0.0, worst_at = 0.0;
@@ -71,7 +78,7 @@ TEST_CASE("exp_bounded is within 1.5 ulp of expl on [-708, 708]") {
     if (e > worst) worst = e, worst_at = xs[k];
   }
   INFO("worst ", worst, " ulp at x = ", worst_at);
-  CHECK(worst <= 1.5);
+  CHECK(worst <= exp_bounded_ulps);
   CHECK(got[2] == 1.0);  // e^0 exactly
   CHECK(got[3] == 1.0);
 }
