@@ -23,27 +23,21 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cpu {
 
-/// e^x for x ∈ [−700, 64] (inputs below are clamped to −700): x = n·ln 2 + r with |r| ≤ ln 2 / 2,
-/// e^r by its Taylor polynomial of degree 13 (truncation below 1e-17 relative) in Horner form,
-/// and 2^n built in the exponent bits; within about 1 ulp, a rational-free and division-free
-/// path several times cheaper than Eigen 3.4's pexp. Packets other than AVX-512's and AVX2's
-/// double packets use Eigen's pexp (within 2 ulp) on the same clamped input: Eigen 3.4's
-/// vectorised exp returns ~5.6e-309, not e^{−700}, below −709.8 (−inf included).
+/// The argument reduction of the double exponentials below: x (clamped below to `lowest`) =
+/// n·ln 2 + r with |r| ≤ ln 2 / 2; returns r, and n as a double.
 template <class Packet>
-inline Packet exp_nonpositive(const Packet& x) {
-  using namespace Eigen::internal;
-  return pexp(pmax(x, pset1<Packet>(-700.0)));
-}
-
-/// The shared arithmetic of exp_nonpositive: n (as a double) and the polynomial of r.
-template <class Packet>
-inline Packet exp_reduced_polynomial(const Packet& x, Packet& n, double lowest = -700.0) {
+inline Packet exp_reduce(const Packet& x, Packet& n, double lowest) {
   using namespace Eigen::internal;
   const Packet clamped = pmax(x, pset1<Packet>(lowest));
   n = pfloor(pmadd(clamped, pset1<Packet>(1.4426950408889634), pset1<Packet>(0.5)));
   // r = x − n·ln 2 in two parts (the first exact for |n| < 2^11).
   Packet r = psub(clamped, pmul(n, pset1<Packet>(0.693145751953125)));
-  r = psub(r, pmul(n, pset1<Packet>(1.42860682030941723212e-6)));
+  return psub(r, pmul(n, pset1<Packet>(1.42860682030941723212e-6)));
+}
+
+/// 1/k! for the Taylor polynomial of e^r, k = 0..13 (truncation below 1e-17 relative on
+/// |r| ≤ ln 2 / 2).
+struct exp_taylor {
   static constexpr double inverse_factorial[14] = {1.0,
                                                    1.0,
                                                    1.0 / 2,
@@ -58,9 +52,47 @@ inline Packet exp_reduced_polynomial(const Packet& x, Packet& n, double lowest =
                                                    1.0 / 39916800,
                                                    1.0 / 479001600,
                                                    1.0 / 6227020800.0};
-  Packet p = pset1<Packet>(inverse_factorial[13]);
-  for (int k = 12; k >= 0; --k) p = pmadd(p, r, pset1<Packet>(inverse_factorial[k]));
+};
+
+/// The shared arithmetic of exp_nonpositive's and exp_bounded's own kernels (AVX-512's and
+/// AVX2's double packets, with fused multiply-adds): n (as a double) and e^r in Horner form.
+template <class Packet>
+inline Packet exp_reduced_polynomial(const Packet& x, Packet& n, double lowest = -700.0) {
+  using namespace Eigen::internal;
+  const Packet r = exp_reduce(x, n, lowest);
+  Packet p = pset1<Packet>(exp_taylor::inverse_factorial[13]);
+  for (int k = 12; k >= 0; --k) p = pmadd(p, r, pset1<Packet>(exp_taylor::inverse_factorial[k]));
   return p;
+}
+
+/// e^x for x ∈ [lowest, highest] (clamped to it; lowest ≥ −708, highest ≤ 708) on the other
+/// packets — SSE2 (baseline x86-64), NEON, or a scalar double: the same reduction and Taylor
+/// coefficients, e^r written 1 + (r + r²·q) so that the last rounding dominates where pmadd is
+/// not fused (SSE2: two roundings each; the full Horner form measured 1.13 ulp there, this one
+/// 0.94), and 2^n by Eigen's pldexp (exact: every result is a normal double). Within 1 ulp
+/// (tests/test_exp_kernels.cpp, test_tilt_kernels.cpp in a baseline build). Eigen 3.4's own pexp
+/// is not used: 1.64 ulp on SSE2, and ~5.6e-309 in place of 0 below −709.8 (−inf included).
+template <class Packet>
+inline Packet exp_portable(const Packet& x, double lowest, double highest) {
+  using namespace Eigen::internal;
+  static_assert(std::is_same<typename unpacket_traits<Packet>::type, double>::value, "double packets only");
+  Packet n;
+  const Packet r = exp_reduce(pmin(x, pset1<Packet>(highest)), n, lowest);
+  Packet q = pset1<Packet>(exp_taylor::inverse_factorial[13]);
+  for (int k = 12; k >= 2; --k) q = pmadd(q, r, pset1<Packet>(exp_taylor::inverse_factorial[k]));
+  const Packet e = padd(pset1<Packet>(1.0), padd(r, pmul(pmul(r, r), q)));
+  return pldexp(e, n);
+}
+
+/// e^x for x ∈ [−700, 64] (inputs below are clamped to −700): x = n·ln 2 + r with |r| ≤ ln 2 / 2,
+/// e^r by its Taylor polynomial of degree 13 (truncation below 1e-17 relative) in Horner form,
+/// and 2^n built in the exponent bits; within about 1 ulp, a rational-free and division-free
+/// path several times cheaper than Eigen 3.4's pexp. Packets other than AVX-512's and AVX2's
+/// double packets take exp_portable (within 1 ulp as well): never Eigen 3.4's vectorised exp,
+/// which returns ~5.6e-309, not e^{−700}, below −709.8 (−inf included).
+template <class Packet>
+inline Packet exp_nonpositive(const Packet& x) {
+  return exp_portable(x, -700.0, 708.0);
 }
 
 #if defined(__AVX512F__)
@@ -104,12 +136,11 @@ inline __m256d exp_nonpositive(const __m256d& x) { return exp_reduced_scaled(x, 
 /// with the sixteen 2^{j/16} (correctly rounded) held in two registers and picked by one
 /// permutation, and e^r by its Taylor polynomial of degree 7 (truncation below 1.3e-18 relative), added to the
 /// table entry with one rounding: within 1.5 ulp of the exact value (1.01 measured) (tests/test_exp_kernels.cpp), about half the multiply-adds of
-/// exp_nonpositive's degree 13. Other packets: the degree-13 polynomial (AVX2) or Eigen's pexp
-/// (within 2 ulp: 1.63 measured on SSE2).
+/// exp_nonpositive's degree 13. Other packets: the degree-13 polynomial (AVX2, 0.87 ulp
+/// measured) or exp_portable (SSE2, NEON: within 1 ulp, 0.94 measured on SSE2).
 template <class Packet>
 inline Packet exp_bounded(const Packet& x) {
-  using namespace Eigen::internal;
-  return pexp(pmin(pmax(x, pset1<Packet>(-708.0)), pset1<Packet>(708.0)));
+  return exp_portable(x, -708.0, 708.0);
 }
 
 #if defined(__AVX512F__)
