@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The full check: install the dependencies, build the release preset (tests, benchmarks,
 # examples; warnings are errors) and run ctest and a smoke run of every benchmark binary
-# (scripts/bench-smoke.sh), then build the asan preset (AddressSanitizer +
+# (scripts/bench-smoke.sh), then the tests of the kernels with per-ISA branches built for
+# baseline x86-64 and x86-64-v3 (scripts/arch-test.sh), then build the asan preset (AddressSanitizer +
 # UBSan, tests only) and run ctest again, then run the libFuzzer target for ~60 s
 # (scripts/fuzz.sh; FUZZ_SECONDS overrides), and last the Python package (scripts/python-test.sh:
 # a venv under build/, pip install ./python, pytest). Exits non-zero at the first failure.
@@ -32,6 +33,9 @@ stage "release: ctest"
 ctest --preset release -j "$jobs"
 stage "release: benchmark smoke run (every bench_* binary, a few ms per benchmark)"
 bash scripts/bench-smoke.sh build/release
+
+stage "arch: the per-ISA kernels' tests built for baseline x86-64 (SSE2) and x86-64-v3 (AVX2 + FMA)"
+bash scripts/arch-test.sh
 
 stage "asan: configure"
 cmake --preset asan

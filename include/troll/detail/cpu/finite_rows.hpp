@@ -777,7 +777,9 @@ inline void write_tilted(const T* zn, const T* zo, long count, const tilt_param&
   }
   for (long k = whole; k < count; ++k) {
     const double dn = double(zn[k]) - ref.zn, dold = double(zo[k]) - ref.zo;
-    out[k] = T(std::fma(slope, dn - dold, low ? dold : dn) - log_norm);
+    // Eigen's scalar pmadd: std::fma where the packets' pmadd is fused (FMA builds), a·b + c
+    // where it is not (SSE2) — the packets' arithmetic, and tilt_reduce_one_pass's, in every build
+    out[k] = T(pmadd(slope, dn - dold, low ? dold : dn) - log_norm);
   }
 }
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The CPU kernels' other instruction sets: troll's own builds use -march=native (AVX-512 on the CI
+# machine), but a consumer may compile <troll/...> for baseline x86-64 (SSE2: Eigen's generic
+# packets and troll's portable paths) or x86-64-v3 (AVX2 + FMA: the Python package's flags).
+# Builds the tests whose kernels have per-ISA branches (packet exponentials, tilted reductions,
+# sparse fast checks, the float tail sums) with TROLL_NATIVE_ARCH=OFF and each set of flags, in
+# build/arch-<name>, and runs them. ARCH_TEST_SETS picks the sets (default "baseline v3").
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+jobs=$(nproc 2>/dev/null || echo 2)
+tests=(test_exp_kernels test_tilt_kernels test_end_passes test_sparse_fast_checks test_sparsify_rows
+       test_sparse_fast_paths test_hard_rows test_float_vs_double)
+
+for set in ${ARCH_TEST_SETS:-baseline v3}; do
+  case "$set" in
+    baseline) flags="" ;;                  # x86-64: SSE2 only
+    v3)                                     # AVX2 + FMA, no AVX-512
+      if [ "$(uname -m)" != x86_64 ]; then echo "-- arch-test: v3 skipped (not x86-64)"; continue; fi
+      flags="-march=x86-64-v3" ;;
+    *) echo "arch-test.sh: unknown set '$set' (baseline or v3)" >&2; exit 2 ;;
+  esac
+  dir="build/arch-$set"
+  echo "-- arch-test: $set (CXXFLAGS '${flags}') in $dir"
+  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS="$flags" -DTROLL_NATIVE_ARCH=OFF \
+    -DTROLL_WARNINGS_AS_ERRORS=ON -DTROLL_ENABLE_CUDA=OFF -DTROLL_BUILD_BENCH=OFF -DTROLL_BUILD_EXAMPLES=OFF \
+    -DTROLL_BUILD_PACKAGING_TESTS=OFF >/dev/null
+  cmake --build "$dir" -j "$jobs" --target "${tests[@]}"
+  regex="^($(IFS='|'; echo "${tests[*]}"))\$"
+  ctest --test-dir "$dir" -R "$regex" -j "$jobs" --output-on-failure
+done
