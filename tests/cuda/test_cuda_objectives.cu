@@ -3,7 +3,7 @@
 // losses, metrics) and backward, both aggregations, masks; device row reports, the checked
 // mode's exceptions, and the host-side argument checks. Also the objectives' gradients against
 // troll's finite-difference checker (tests/bodies/objective_gradients.hpp, the body of
-// tests/test_objectives.cpp) run on the device.
+// tests/test_objectives.cpp) run on the device. DPPO's CUDA tests are tests/cuda/test_cuda_dppo.cu.
 //
 // Without a CUDA device the "device" test suite is excluded, "SKIPPED: no CUDA device" is
 // printed, the host-only cases still run and the exit code is 0.
