@@ -690,99 +690,10 @@ TEST_CASE("huge logits: sparsify_backward on a row at 1e12 matches central diffe
   }
 }
 
-TEST_CASE("objectives: PPO clip / DPPO / TROLL losses against long double; gradients by central differences; A = 0, huge A, masks all zero") {
-  std::mt19937_64 g(51);
-  std::normal_distribution<double> n01(0.0, 1.0);
-  for (std::size_t vocab : {std::size_t(1), std::size_t(2), std::size_t(3), std::size_t(17)}) {
-    const std::size_t rows = 4;
-    std::vector<double> zn(rows * vocab), zo(rows * vocab), adv{0.0, 1.0, -1e6, 2.5}, mask{1, 1, 1, 0.5};
-    std::vector<troll::token_id> tok(rows);
-    for (std::size_t i = 0; i < rows * vocab; ++i) zo[i] = 2 * n01(g), zn[i] = zo[i] + n01(g);
-    for (std::size_t r = 0; r < rows; ++r) tok[r] = troll::token_id(r % vocab);
-    troll::token_batch<double> in;
-    in.tokens = tok.data();
-    in.advantages = adv.data();
-    in.loss_mask = mask.data();
-    // Oracle PPO clip loss (token mean), long double.
-    ld num = 0, den = 0;
-    for (std::size_t r = 0; r < rows; ++r) {
-      std::vector<ld> a(vocab), b(vocab);
-      for (std::size_t i = 0; i < vocab; ++i) a[i] = zn[r * vocab + i], b[i] = zo[r * vocab + i];
-      const ld la = a[std::size_t(tok[r])] - lse(a), lb = b[std::size_t(tok[r])] - lse(b);
-      const ld ratio = std::exp(la - lb), A = adv[r];
-      const ld clipped = std::min(std::max(ratio, ld(0.8)), ld(1.2));
-      num += mask[r] * -std::min(ratio * A, clipped * A);
-      den += mask[r];
-    }
-    troll::ppo_clip_objective ppo;
-    const troll::objective_metrics m =
-        troll::objective_forward(troll::cpu, ppo, troll::make_batch<const double>(zn.data(), rows, vocab),
-                                 troll::make_batch<const double>(zo.data(), rows, vocab), in);
-    CHECK(std::fabs(m.loss - double(num / den)) <= 1e-12 * (1 + std::fabs(double(num / den))));
-    // Gradients of the whole loss: PPO clip, DPPO (binary TV), TROLL with α = 0 (its regression
-    // term differentiates p̃ only; α = 0 makes the loss a function of the logits).
-    auto grad_check = [&](auto objective, bool troll_objective) {
-      auto loss = [&](const double* x) {
-        std::vector<double> lp(rows * vocab);
-        std::vector<troll::projection_stats> st(rows);
-        if constexpr (std::is_same<decltype(objective), troll::trust_region_objective>::value)
-          return troll::objective_forward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
-                                          troll::make_batch<const double>(zo.data(), rows, vocab), in,
-                                          troll::make_batch(lp.data(), rows, vocab), st.data()).loss;
-        else
-          return troll::objective_forward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
-                                          troll::make_batch<const double>(zo.data(), rows, vocab), in).loss;
-      };
-      auto grad = [&](const double* x, double* gx) {
-        std::vector<double> lp(rows * vocab);
-        std::vector<troll::projection_stats> st(rows);
-        if constexpr (std::is_same<decltype(objective), troll::trust_region_objective>::value) {
-          troll::objective_forward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
-                                   troll::make_batch<const double>(zo.data(), rows, vocab), in,
-                                   troll::make_batch(lp.data(), rows, vocab), st.data());
-          troll::objective_backward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
-                                    troll::make_batch<const double>(zo.data(), rows, vocab), in,
-                                    troll::make_batch<const double>(lp.data(), rows, vocab), st.data(),
-                                    troll::make_batch(gx, rows, vocab));
-        } else {
-          troll::objective_backward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
-                                    troll::make_batch<const double>(zo.data(), rows, vocab), in,
-                                    troll::make_batch(gx, rows, vocab));
-        }
-      };
-      troll::gradcheck_options opt;
-      opt.atol = 1e-6 * 1e6;  // the loss carries A = −1e6
-      opt.rtol = 1e-5;
-      const troll::gradcheck_result res = troll::check_gradient(loss, grad, zn, opt);
-      INFO("V ", vocab, " troll ", troll_objective, "\n", res.report());
-      CHECK(res.ok);
-    };
-    troll::ppo_clip_objective wide;  // unclipped everywhere: a smooth loss for the differences
-    wide.clip_high = 1e6;
-    wide.clip_low = 0.999;
-    grad_check(wide, false);
-    troll::dppo_objective dppo;
-    dppo.delta_low = dppo.delta_high = 10;  // no token masked: smooth
-    grad_check(dppo, false);
-    troll::trust_region_objective tr;
-    tr.alpha = 0;
-    tr.eps = 0.01;
-    grad_check(tr, true);
-
-    // Masks all zero: loss 0, every gradient 0.
-    std::vector<double> zero_mask(rows, 0.0), gx(rows * vocab, 7.0);
-    troll::token_batch<double> none = in;
-    none.loss_mask = zero_mask.data();
-    const troll::objective_metrics z0 =
-        troll::objective_forward(troll::cpu, ppo, troll::make_batch<const double>(zn.data(), rows, vocab),
-                                 troll::make_batch<const double>(zo.data(), rows, vocab), none);
-    CHECK(z0.loss == 0.0);
-    troll::objective_backward(troll::cpu, ppo, troll::make_batch<const double>(zn.data(), rows, vocab),
-                              troll::make_batch<const double>(zo.data(), rows, vocab), none,
-                              troll::make_batch(gx.data(), rows, vocab));
-    for (double x : gx) CHECK(x == 0.0);
-  }
-}
+// The objectives on adversarial batches (oracle loss, gradients by central differences, zero
+// masks), one body for every backend (also compiled for troll::cuda by
+// tests/cuda/test_cuda_objectives.cu).
+#include "../bodies/adversarial_objectives.hpp"
 
 TEST_CASE("bad input: the lowest bad row is named and no output is touched (sparse entry points, objectives)") {
   std::mt19937_64 g(61);

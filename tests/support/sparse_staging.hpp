@@ -86,7 +86,9 @@ void project_on(const sparse_test::aligned_rows<T>& rows, double eps, sparse_tes
   staged_aligned<Backend, T> din(rows);
   staged_sparse<Backend, T> dout(out);
   typename Backend::template buffer<troll::projection_stats> dst(stats.size());
-  troll::project(Backend::policy(), din.input(), eps, dout.view(), dst.get());
+  // Unqualified: argument-dependent lookup at instantiation finds the backend's overload, also
+  // when its header (troll/cuda.cuh) comes after this one.
+  project(Backend::policy(), din.input(), eps, dout.view(), dst.get());
   dout.download_to(out);
   stats = dst.download();
 }
@@ -104,9 +106,10 @@ void project_backward_on(const sparse_test::aligned_rows<T>& rows, const sparse_
   staged_grads<Backend, T> dg(grad), dgn(grad_new);
   staged_grads<Backend, T> dgo(grad_old != nullptr ? *grad_old : sparse_test::sparse_grads<T>(0, 0));
   typename Backend::template buffer<T> dge(1);
-  troll::project_backward(Backend::policy(), din.input(), dlp.input(), dst.get(), dg.input(), dgn.view(),
-                          grad_old != nullptr ? dgo.view() : troll::sparse_grad_view<T>{},
-                          grad_eps != nullptr ? dge.get() : nullptr);
+  project_backward(Backend::policy(), din.input(), dlp.input(), dst.get(), dg.input(), dgn.view(),
+                   grad_old != nullptr ? dgo.view() : troll::sparse_grad_view<T>{},
+                   grad_eps != nullptr ? dge.get() : nullptr);  // unqualified, as in project_on
+
   dgn.download_to(grad_new);
   if (grad_old != nullptr) dgo.download_to(*grad_old);
   if (grad_eps != nullptr) *grad_eps = dge.download()[0];
