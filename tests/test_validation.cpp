@@ -600,3 +600,156 @@ TEST_CASE("sparse rows whose mass is far from 1 are rejected; rounding-level err
   expect_rejected<troll::domain_error>([&] { troll::align(troll::cpu, f.view(), f.view(), fa.view()); }, 0,
                                        "sum to");
 }
+
+// ---------------------------------------------------------------------------------------------
+// One code set (troll::row_error) and one message table for every row check.
+
+namespace {
+
+enum class error_class { invalid, shape, domain, infeasible };
+
+/// The exception class troll/row_error.hpp documents for each code the table serves.
+struct documented_code {
+  troll::row_error code;
+  error_class cls;
+};
+
+error_class class_of(const troll::invalid_input& e) {
+  if (dynamic_cast<const troll::infeasible_error*>(&e)) return error_class::infeasible;
+  if (dynamic_cast<const troll::domain_error*>(&e)) return error_class::domain;
+  if (dynamic_cast<const troll::shape_error*>(&e)) return error_class::shape;
+  return error_class::invalid;
+}
+
+/// The code, row and message of what `f` throws (code none and an empty message: nothing thrown).
+template <class F>
+std::pair<troll::row_error, std::string> code_of(F&& f, std::size_t* row = nullptr) {
+  try {
+    f();
+  } catch (const troll::invalid_input& e) {
+    if (row) *row = e.row();
+    return {e.code(), e.what()};
+  }
+  return {troll::row_error::none, ""};
+}
+
+}  // namespace
+
+TEST_CASE("the message table: every row code throws its documented class, names the row and carries the code") {
+  using e = troll::row_error;
+  using c = error_class;
+  const documented_code codes[] = {
+      {e::nan_value, c::domain},           {e::pos_inf, c::domain},
+      {e::all_masked, c::domain},          {e::disjoint, c::infeasible},
+      {e::infeasible, c::infeasible},      {e::bad_stats, c::domain},
+      {e::not_finite, c::domain},          {e::sparse_count, c::shape},
+      {e::sparse_index, c::shape},         {e::sparse_duplicate, c::shape},
+      {e::sparse_nan, c::domain},          {e::sparse_above_one, c::domain},
+      {e::sparse_no_tail, c::domain},      {e::sparse_no_mass, c::domain},
+      {e::sparse_not_aligned, c::shape},   {e::sparse_capacity, c::shape},
+      {e::bad_sampled, c::domain},         {e::bad_mask, c::domain},
+      {e::bad_advantage, c::domain},       {e::sequence_order, c::domain},
+      {e::old_token_masked, c::domain},    {e::regression_inf, c::domain},
+      {e::state_mismatch, c::invalid},     {e::state_k, c::invalid},
+      {e::state_capacity, c::shape},       {e::sampled_missing, c::domain},
+      {e::no_support, c::domain},          {e::bad_state, c::invalid},
+      {e::sparse_mass, c::domain},         {e::sparse_wrong_token, c::shape},
+      {e::sparse_masked_mass, c::domain},  {e::bad_log_sums, c::domain},
+      {e::bad_tail_max, c::domain},        {e::above_zero, c::domain},
+      {e::masked_mass, c::domain},         {e::token_range, c::domain},
+      {e::old_entry_masked, c::domain},    {e::infinite_kl, c::domain},
+      {e::objective_capacity, c::shape},   {e::not_in_support, c::domain},
+      {e::not_in_aligned, c::domain},      {e::log_probs_mismatch, c::shape},
+      {e::objective_overflow, c::domain},  {e::state_bad_k, c::shape},
+      {e::state_bad_size, c::shape},       {e::state_bad_vocab, c::shape},
+      {e::state_bad_ranges, c::shape},     {e::state_bad_sampled, c::shape},
+      {e::state_sampled_logit, c::domain}, {e::state_sampled_unseen, c::domain},
+      {e::state_heap_logit, c::domain},    {e::state_heap_index, c::shape},
+      {e::state_heap_duplicate, c::shape}, {e::state_heap_order, c::shape},
+      {e::state_bad_outside, c::domain},   {e::state_k_mismatch, c::invalid},
+      {e::state_sampled_mismatch, c::invalid}, {e::state_vocab_mismatch, c::shape},
+      {e::state_overlap, c::invalid},      {e::state_too_many_ranges, c::invalid},
+      {e::state_incomplete, c::invalid},
+  };
+  for (const documented_code& d : codes) {
+    CAPTURE(static_cast<int>(d.code));
+    troll::detail::row_problem p = troll::detail::make_problem(d.code, "operand", 2, 5.0, 7.0);
+    p.quantity = "loss";
+    p.type_name = "float";
+    bool thrown = false;
+    try {
+      troll::detail::throw_row_problem("f", 7, p);
+    } catch (const troll::invalid_input& error) {
+      thrown = true;
+      CHECK(error.row() == 7);
+      CHECK(error.code() == d.code);
+      CHECK(class_of(error) == d.cls);
+      const std::string what = error.what();
+      CHECK(what.rfind("troll::f: row 7: ", 0) == 0);
+      CHECK(what.find("unknown") == std::string::npos);
+      CHECK(what.size() > std::string("troll::f: row 7: ").size() + 8);
+    }
+    CHECK(thrown);
+  }
+  // The device-only codes whose translation names the CPU's code, and none, are not the table's.
+  for (troll::row_error code : {e::none, e::bad_log_probs, e::state_invalid}) {
+    const auto got = code_of([&] { troll::detail::throw_row_problem("f", 1, troll::detail::make_problem(code, "x")); });
+    CHECK(got.second.find("unknown problem") != std::string::npos);
+  }
+}
+
+TEST_CASE("row codes of real calls: dense, sparse, objective, shard states; shape errors carry none") {
+  using e = troll::row_error;
+  const std::size_t rows = 3, vocab = 6;
+  std::vector<double> zn(rows * vocab, 0.0), zo(rows * vocab, 0.0), lp(rows * vocab);
+  for (std::size_t i = 0; i < zn.size(); ++i) zn[i] = std::sin(double(i)), zo[i] = std::cos(double(i));
+  std::vector<troll::projection_stats> st(rows);
+  auto project = [&] {
+    troll::project(troll::cpu, troll::make_batch(zn.data(), rows, vocab), troll::make_batch(zo.data(), rows, vocab),
+                   0.05, troll::make_batch(lp.data(), rows, vocab), st.data());
+  };
+  std::size_t row = 0;
+  zn[vocab + 2] = nan_value;
+  CHECK(code_of(project, &row).first == e::nan_value);
+  CHECK(row == 1);
+  zn[vocab + 2] = std::numeric_limits<double>::infinity();
+  CHECK(code_of(project).first == e::pos_inf);
+  zn[vocab + 2] = 0.0;
+  for (std::size_t i = 0; i < vocab; ++i) (i < 3 ? zn : zo)[2 * vocab + i] = -std::numeric_limits<double>::infinity();
+  CHECK(code_of(project, &row).first == e::disjoint);
+  CHECK(row == 2);
+  for (std::size_t i = 0; i < vocab; ++i) zn[2 * vocab + i] = zo[2 * vocab + i] = 0.5;
+  CHECK(code_of(project).first == e::none);  // nothing thrown
+  // A shape problem is no row's.
+  const auto shape = code_of([&] {
+    troll::project(troll::cpu, troll::make_batch(zn.data(), rows, vocab), troll::make_batch(zo.data(), rows - 1, vocab),
+                   0.05, troll::make_batch(lp.data(), rows, vocab), st.data());
+  });
+  CHECK(shape.first == e::none);
+  CHECK(!shape.second.empty());
+  // Sparse: a sampled token outside the vocabulary.
+  sparse_rows<double> out(rows, 8, vocab);
+  std::vector<troll::token_id> sampled{0, 1, 9};
+  CHECK(code_of([&] {
+          troll::sparsify(troll::cpu, troll::make_batch(zn.data(), rows, vocab), sampled.data(), {4, 1e-5}, out.view());
+        }, &row).first == e::bad_sampled);
+  CHECK(row == 2);
+  // Objective: a NaN advantage at row 1.
+  std::vector<std::int64_t> tokens{0, 1, 2};
+  std::vector<double> advantages{1.0, nan_value, -1.0};
+  troll::token_batch<double> in;
+  in.tokens = tokens.data();
+  in.advantages = advantages.data();
+  CHECK(code_of([&] {
+          troll::objective_forward(troll::cpu, troll::trust_region_objective{}, troll::make_batch(zn.data(), rows, vocab),
+                                   troll::make_batch(zo.data(), rows, vocab), in, troll::make_batch(lp.data(), rows, vocab),
+                                   st.data());
+        }, &row).first == e::bad_advantage);
+  CHECK(row == 1);
+  // Shard states: the same shard merged twice.
+  std::vector<troll::sparsify_state> a(rows), b(rows);
+  troll::sparsify_shard(troll::cpu, troll::make_batch<const double>(zn.data(), rows, vocab), 0, vocab, nullptr, {4, 1e-5}, a.data());
+  troll::sparsify_shard(troll::cpu, troll::make_batch<const double>(zn.data(), rows, vocab), 0, vocab, nullptr, {4, 1e-5}, b.data());
+  CHECK(code_of([&] { troll::sparsify_merge(troll::cpu, a.data(), b.data(), rows); }, &row).first == e::state_overlap);
+  CHECK(row == 0);
+}

@@ -33,9 +33,9 @@ row_problem find_nonfinite(const T* z, std::size_t size, const char* operand) {
   for (std::size_t k = 0; k < size; ++k) {
     const double x = static_cast<double>(z[k]);
     if (!(x - x == 0.0)) {
-      p.kind = problem_kind::nan_value;
+      p.kind = row_error::nan_value;
       p.operand = operand;
-      p.token = k;
+      p.entry = static_cast<long long>(k);
       p.value = x;
       return p;
     }
@@ -61,12 +61,12 @@ row_problem find_bad_log_prob(const T* log_probs, const T* new_logits, const T* 
     const double x = static_cast<double>(log_probs[k]);
     const bool masked = !(static_cast<double>(new_logits[k]) > neg_inf() && static_cast<double>(old_logits[k]) > neg_inf());
     if (x <= 0.0 && !(masked && x > neg_inf())) continue;
-    p.kind = x != x ? problem_kind::nan_value
-             : x == inf() ? problem_kind::pos_inf
-             : x > 0.0    ? problem_kind::above_zero
-                          : problem_kind::masked_mass;
+    p.kind = x != x ? row_error::nan_value
+             : x == inf() ? row_error::pos_inf
+             : x > 0.0    ? row_error::above_zero
+                          : row_error::masked_mass;
     p.operand = operand;
-    p.token = k;
+    p.entry = static_cast<long long>(k);
     p.value = x;
     return p;
   }
@@ -75,7 +75,7 @@ row_problem find_bad_log_prob(const T* log_probs, const T* new_logits, const T* 
 
 inline row_problem check_stats(const projection_stats& s) {
   row_problem p;
-  p.kind = problem_kind::bad_stats;
+  p.kind = row_error::bad_stats;
   switch (s.status) {
     case row_status::inactive:
     case row_status::restricted:
@@ -149,7 +149,7 @@ void validate_backward(const char* fn, unsigned threads, batch_view<const T> new
     if (!p && upstream_old.rows != 0) p = find_nonfinite(upstream_old.row(r), size, "tangent_old");
     return p;
   };
-  cpu::throw_first_problem(fn, threads, new_logits.rows, 3 * size, problem, &throw_problem);
+  cpu::throw_first_problem(fn, threads, new_logits.rows, 3 * size, problem, &throw_row_problem);
 }
 
 }  // namespace detail

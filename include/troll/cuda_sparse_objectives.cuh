@@ -95,7 +95,7 @@ void objective_forward(cuda_policy policy, const sparse_trust_region_objective& 
   const projection_options options = objective.projection;
   cudaStream_t stream = policy.stream;
   const dc::device_checks quiet{nullptr, nullptr, false};
-  const dc::throw_sparse_objective_report<> thrower{false, static_cast<long long>(capacity_k)};
+  const dc::throw_sparse_objective_report thrower{false, static_cast<long long>(capacity_k)};
   // Checked mode validates on lumped rows built in its own allocation (freed on return), so a
   // throw leaves `aligned` as the caller passed it.
   std::unique_ptr<dc::stream_allocation> check_memory;
@@ -175,7 +175,7 @@ void objective_backward(cuda_policy policy, const sparse_trust_region_objective&
         dc::sparsify_backward_kernel<T, T><<<grid, dc::block_threads, 0, stream>>>(
             new_logits, aligned.new_side(), upstream_in, grad_new, scatter_slots, range, quiet);
       },
-      dc::throw_sparse_objective_report<>{true, 0});
+      dc::throw_sparse_objective_report{true, 0});
 }
 
 TROLL_END_NAMESPACE

@@ -8,20 +8,25 @@
 #include <string>
 
 #include "config.hpp"
+#include "row_error.hpp"
 
 TROLL_BEGIN_NAMESPACE
 
 /// Base of every error about the caller's arguments. `row()` is the offending row, or npos when
-/// the problem is not tied to one row (a shape mismatch, a bad option).
+/// the problem is not tied to one row (a shape mismatch, a bad option); `code()` says what is
+/// wrong with that row (troll/row_error.hpp; the same code on both backends), row_error::none
+/// when the problem is not a row's.
 class invalid_input : public std::invalid_argument {
  public:
   static constexpr std::size_t npos = static_cast<std::size_t>(-1);
-  invalid_input(const std::string& what, std::size_t row = npos)
-      : std::invalid_argument(what), row_(row) {}
+  invalid_input(const std::string& what, std::size_t row = npos, row_error code = row_error::none)
+      : std::invalid_argument(what), row_(row), code_(code) {}
   std::size_t row() const noexcept { return row_; }
+  row_error code() const noexcept { return code_; }
 
  private:
   std::size_t row_;
+  row_error code_;
 };
 
 /// Shapes disagree, a pointer is null, a dimension is zero, a stride is too small.

@@ -23,10 +23,10 @@ void validate_pairs(const char* function, unsigned threads, batch_view<const T> 
   auto problem = [&](std::size_t r) {
     row_setup setup;
     row_problem p = cpu::scan_pair(a.row(r), b.row(r), a.cols, setup, name_a, name_b);
-    if (p.kind == problem_kind::disjoint) p = row_problem{};
+    if (p.kind == row_error::disjoint) p = row_problem{};
     return p;
   };
-  cpu::throw_first_problem(function, threads, a.rows, 2 * a.cols, problem, &throw_problem);
+  cpu::throw_first_problem(function, threads, a.rows, 2 * a.cols, problem, &throw_row_problem);
 }
 
 template <class T>
@@ -34,7 +34,7 @@ void validate_rows(const char* function, unsigned threads, batch_view<const T> a
   auto problem = [&](std::size_t r) {
     row_problem p = cpu::find_bad_value(a.row(r), a.cols, name);
     if (!p && cpu::row_max(a.row(r), a.cols) == neg_inf()) {
-      p.kind = problem_kind::all_masked;
+      p.kind = row_error::all_masked;
       p.operand = name;
     }
     return p;
@@ -42,7 +42,7 @@ void validate_rows(const char* function, unsigned threads, batch_view<const T> a
   // One fused pass per row; problem() names what is wrong with the first bad row.
   const std::size_t bad =
       cpu::first_bad_row(threads, a.rows, a.cols, [&](std::size_t r) { return !cpu::row_values_fine(a.row(r), a.cols); });
-  if (bad != a.rows) throw_problem(function, bad, problem(bad));
+  if (bad != a.rows) throw_row_problem(function, bad, problem(bad));
 }
 }  // namespace detail
 
@@ -92,20 +92,17 @@ void kl_backward(cpu_policy policy, input_view<T> p_logits, input_view<T> q_logi
   auto problem = [&](std::size_t r) {
     detail::row_problem pr;
     if (!(grad_kl[r] - grad_kl[r] == 0)) {
-      pr.kind = detail::problem_kind::nan_value;
+      pr.kind = row_error::nan_value;
       pr.operand = "grad_kl (NaN or infinite)";
       return pr;
     }
     detail::row_setup setup;
     detail::cpu::scan_pair(p_logits.row(r), q_logits.row(r), size, setup, "", "");
-    if (setup.new_only) {
-      pr.kind = detail::problem_kind::bad_stats;
-      pr.operand = "KL(p||q) is +inf (p has mass where q is -inf): no gradient";
-    }
+    if (setup.new_only) pr.kind = row_error::infinite_kl;
     return pr;
   };
   detail::cpu::throw_first_problem(fn, policy.threads, p_logits.rows, 2 * size, problem,
-                                   &detail::throw_problem);
+                                   &detail::throw_row_problem);
 
   using detail::cpu::block_array;
   detail::cpu::parallel_for(policy.threads, p_logits.rows, 6 * size, [&](std::size_t r) {

@@ -41,37 +41,37 @@ namespace detail {
 /// order, the old logit at the sampled token (skipped when `old_row` is null: sparse old rows
 /// check their own entry). Logit rows are checked by the caller.
 template <class T>
-objective_problem check_token_row(const token_batch<T>& in, std::size_t r, std::size_t size,
+row_problem check_token_row(const token_batch<T>& in, std::size_t r, std::size_t size,
                                   const T* old_row) {
-  objective_problem p;
-  using k = objective_problem::kind;
+  row_problem p;
+  using k = row_error;
   if (in.aggregation == loss_aggregation::sequence_mean && r > 0 &&
       in.sequence_ids[r] < in.sequence_ids[r - 1]) {
-    p.what = k::sequence_order;
+    p.kind = k::sequence_order;
     p.value = double(in.sequence_ids[r]);
     return p;
   }
   const double w = in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0;
   if (!(w >= 0.0 && w < inf())) {
-    p.what = k::mask;
+    p.kind = k::bad_mask;
     p.value = w;
     return p;
   }
   if (w == 0.0) return p;
   const std::int64_t a = in.tokens[r];
   if (a < 0 || std::uint64_t(a) >= size) {
-    p.what = k::token_range;
+    p.kind = k::token_range;
     p.value = double(a);
     return p;
   }
   const double adv = static_cast<double>(in.advantages[r]);
   if (!(adv - adv == 0.0)) {
-    p.what = k::advantage;
+    p.kind = k::bad_advantage;
     p.value = adv;
     return p;
   }
   if (old_row != nullptr && is_masked(static_cast<double>(old_row[a]))) {
-    p.what = k::old_token_masked;
+    p.kind = k::old_token_masked;
     p.value = double(a);
   }
   return p;
@@ -117,36 +117,34 @@ void validate_objective(const char* fn, unsigned threads, batch_view<const T> ne
                         double eps, bool regression) {
   const std::size_t size = new_logits.cols;
   auto problem = [&](std::size_t r) {
-    objective_problem p = check_token_row(in, r, size, old_logits.row(r));
+    row_problem p = check_token_row(in, r, size, old_logits.row(r));
     if (p) return p;
-    row_problem& lp = p.logits;
     if (pair_scan) {
       row_setup setup;
-      lp = cpu::scan_pair(new_logits.row(r), old_logits.row(r), size, setup, "new_logits",
+      p = cpu::scan_pair(new_logits.row(r), old_logits.row(r), size, setup, "new_logits",
                           "old_logits");
-      if (!lp && setup.old_only) {
+      if (!p && setup.old_only) {
         const double floor = cpu::min_reachable_kl(new_logits.row(r), old_logits.row(r), size, setup);
         if (floor >= eps) {
-          lp.kind = problem_kind::infeasible;
-          lp.value = floor;
+          p.kind = row_error::infeasible;
+          p.value = floor;
         }
       }
-      if (!lp && regression && setup.new_only) p.what = objective_problem::kind::regression_inf;
+      if (!p && regression && setup.new_only) p.kind = row_error::regression_inf;
     } else {
       const char* names[2] = {"new_logits", "old_logits"};
       const T* rows[2] = {new_logits.row(r), old_logits.row(r)};
-      for (int side = 0; side < 2 && !lp; ++side) {
-        lp = cpu::find_bad_value(rows[side], size, names[side]);
-        if (!lp && cpu::row_max(rows[side], size) == neg_inf()) {
-          lp.kind = problem_kind::all_masked;
-          lp.operand = names[side];
+      for (int side = 0; side < 2 && !p; ++side) {
+        p = cpu::find_bad_value(rows[side], size, names[side]);
+        if (!p && cpu::row_max(rows[side], size) == neg_inf()) {
+          p.kind = row_error::all_masked;
+          p.operand = names[side];
         }
       }
     }
-    if (lp) p.what = objective_problem::kind::logits;
     return p;
   };
-  cpu::throw_first_problem(fn, threads, new_logits.rows, 2 * size, problem, &throw_objective_problem);
+  cpu::throw_first_problem(fn, threads, new_logits.rows, 2 * size, problem, &throw_row_problem);
 }
 
 /// Reduces per-row results to the batch metrics, in row order (deterministic).
@@ -188,7 +186,7 @@ objective_metrics finish_troll_forward(const token_batch<T>& in, std::size_t row
   auto counted = [&](std::size_t r) { return (in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0; };
   for (std::size_t r = 0; r < rows; ++r) {
     if (!counted(r)) continue;
-    const objective_problem p =
+    const row_problem p =
         check_token_result<T>(results[r].ratio, results[r].log_ratio, results[r].loss, c[r], in.tokens[r]);
     if (p) throw_problem(r, p);
   }
@@ -226,9 +224,9 @@ objective_metrics ratio_forward(const char* fn, cpu_policy policy, const cpu::ra
   });
   for (std::size_t r = 0; r < rows; ++r) {
     if (!counted[r]) continue;
-    const objective_problem p = check_token_result<T>(results[r].ratio, results[r].log_ratio,
+    const row_problem p = check_token_result<T>(results[r].ratio, results[r].log_ratio,
                                                       results[r].token.loss, c[r], in.tokens[r]);
-    if (p) throw_objective_problem(fn, r, p);
+    if (p) throw_row_problem(fn, r, p);
   }
   for (std::size_t r = 0; r < rows; ++r) {
     if (token_loss) token_loss[r] = T(counted[r] ? results[r].token.loss : 0.0);
@@ -252,7 +250,7 @@ void ratio_backward(const char* fn, cpu_policy policy, cpu::ratio_objective_spec
   const double* c = scratch.parts.weights;
   double* coef = scratch.parts.extra;
   double* log_norm_new = scratch.parts.extra + rows;
-  objective_problem* problems = scratch.parts.records;
+  row_problem* problems = scratch.parts.records;
   aggregation_weights(in, rows, grad_loss, nullptr, scratch.parts.weights);
   spec.compute_kl = false;
   // Every row's coefficient c·(∂ℓ/∂r)·r first: a row whose gradient overflows T is reported
@@ -268,7 +266,7 @@ void ratio_backward(const char* fn, cpu_policy policy, cpu::ratio_objective_spec
     if (coef[r] != 0.0) log_norm_new[r] = cpu::log_normaliser(zn, size);
   });
   for (std::size_t r = 0; r < rows; ++r)
-    if (problems[r]) throw_objective_problem(fn, r, problems[r]);
+    if (problems[r]) throw_row_problem(fn, r, problems[r]);
   cpu::parallel_for(policy.threads, rows, 2 * size, [&](std::size_t r) {
     cpu::ratio_backward_row(new_logits.row(r), size, log_norm_new[r], coef[r],
                             coef[r] != 0.0 ? in.tokens[r] : 0, grad_new.row(r));
@@ -318,8 +316,8 @@ objective_metrics objective_forward(cpu_policy policy, const trust_region_object
     const detail::cpu::troll_row_result x = detail::cpu::troll_forward_row(
         new_logits.row(r), old_logits.row(r), size, objective.eps, objective.projection, true, a,
         static_cast<double>(in.advantages[r]), objective.alpha, ws.extra);
-    const detail::objective_problem p = detail::check_token_result<T>(x.ratio, x.log_ratio, x.loss, 1.0, a);
-    if (p) detail::throw_objective_problem(fn, r, p);
+    const detail::row_problem p = detail::check_token_result<T>(x.ratio, x.log_ratio, x.loss, 1.0, a);
+    if (p) detail::throw_row_problem(fn, r, p);
   }
 
   detail::metrics_sum sum;
@@ -334,8 +332,8 @@ objective_metrics objective_forward(cpu_policy policy, const trust_region_object
     stats[r] = ws.records[r].stats;
   });
   return detail::finish_troll_forward(in, rows, ws.weights, ws.records, token_loss, sum,
-                                      [&](std::size_t r, const detail::objective_problem& p) {
-                                        detail::throw_objective_problem(fn, r, p);
+                                      [&](std::size_t r, const detail::row_problem& p) {
+                                        detail::throw_row_problem(fn, r, p);
                                       });
 }
 
@@ -375,18 +373,18 @@ void objective_backward(cpu_policy policy, const trust_region_objective& objecti
                                               "log_probs"));
       });
   if (bad_log_probs != log_probs.rows)
-    detail::throw_problem(fn, bad_log_probs,
+    detail::throw_row_problem(fn, bad_log_probs,
                           detail::find_bad_log_prob(log_probs.row(bad_log_probs), new_logits.row(bad_log_probs),
                                                     old_logits.row(bad_log_probs), log_probs.cols, "log_probs"));
   for (std::size_t r = 0; r < new_logits.rows; ++r) {
     const detail::row_problem p = detail::check_stats(stats[r]);
-    if (p) detail::throw_problem(fn, r, p);
+    if (p) detail::throw_row_problem(fn, r, p);
   }
   const std::size_t rows = new_logits.rows, size = new_logits.cols;
   const detail::cpu::carved_scratch<detail::cpu::troll_backward_scratch> scratch(fn, policy.workspace, rows, rows);
   const double* c = scratch.parts.weights;
   detail::cpu::troll_backward_plan* plans = scratch.parts.records;
-  detail::objective_problem* problems = scratch.parts.extra;
+  detail::row_problem* problems = scratch.parts.extra;
   unsigned char* overflowed = scratch.parts.flags;
   detail::aggregation_weights(in, rows, grad_loss, nullptr, scratch.parts.weights);
   // Every row's coefficients first, so that a ratio term that overflows T (the sampled token's
@@ -400,7 +398,7 @@ void objective_backward(cpu_policy policy, const trust_region_objective& objecti
     problems[r] = detail::check_token_gradient<T>(plans[r].ratio, plans[r].log_ratio, plans[r].ratio_scale(), token);
   });
   for (std::size_t r = 0; r < rows; ++r)
-    if (problems[r]) detail::throw_objective_problem(fn, r, problems[r]);
+    if (problems[r]) detail::throw_row_problem(fn, r, problems[r]);
   // A last guard: an entry beyond the sampled token's that overflows (a huge regression term or
   // cross term) is reported after the pass; grad_new then holds unspecified values.
   detail::cpu::parallel_for(policy.threads, rows, 4 * size, [&](std::size_t r) {
@@ -412,7 +410,7 @@ void objective_backward(cpu_policy policy, const trust_region_objective& objecti
   });
   for (std::size_t r = 0; r < rows; ++r)
     if (overflowed[r])
-      detail::throw_objective_problem(
+      detail::throw_row_problem(
           fn, r, detail::overflow_problem(detail::overflow_operand<T>(detail::overflow_quantity::gradient),
                                    plans[r].log_ratio, in.tokens[r]));
 }

@@ -38,13 +38,13 @@ void validate_projection_rows(const char* function, unsigned threads, batch_view
     if (!p && setup.old_only) {
       const double floor = cpu::min_reachable_kl(new_logits.row(r), old_logits.row(r), size, setup);
       if (floor >= eps) {
-        p.kind = problem_kind::infeasible;
+        p.kind = row_error::infeasible;
         p.value = floor;
       }
     }
     return p;
   };
-  cpu::throw_first_problem(function, threads, new_logits.rows, 2 * size, problem, &throw_problem);
+  cpu::throw_first_problem(function, threads, new_logits.rows, 2 * size, problem, &throw_row_problem);
 }
 }  // namespace detail
 

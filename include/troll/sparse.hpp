@@ -29,7 +29,6 @@
 #include "detail/cpu/sparse_lumped_rows.hpp"
 #include "detail/row_problem.hpp"
 #include "detail/sparse_arguments.hpp"
-#include "detail/sparse_problem.hpp"
 #include "detail/sparse_row.hpp"
 #include "errors.hpp"
 #include "execution.hpp"
@@ -46,27 +45,27 @@ TROLL_BEGIN_NAMESPACE
 
 namespace detail {
 
-/// Runs check(r) → sparse_problem over all rows and throws the problem of the lowest bad row.
+/// Runs check(r) → row_problem over all rows and throws the problem of the lowest bad row.
 template <class Check>
-void first_sparse_problem(const char* fn, unsigned threads, std::size_t rows, std::size_t work,
+void first_row_problem(const char* fn, unsigned threads, std::size_t rows, std::size_t work,
                           Check&& check) {
   const std::size_t bad =
       cpu::first_bad_row(threads, rows, work, [&](std::size_t r) { return bool(check(r)); });
-  if (bad != rows) throw_sparse_problem(fn, bad, check(bad));
+  if (bad != rows) throw_row_problem(fn, bad, check(bad));
 }
 
-/// first_sparse_problem over checks that sort a row: check(r, scratch), `scratch` holding
+/// first_row_problem over checks that sort a row: check(r, scratch), `scratch` holding
 /// sparse_max_entries slots on the checking thread's stack (4·sparse_max_entries work a row).
 template <class Check>
 void first_sorted_row_problem(const char* fn, unsigned threads, std::size_t rows, Check&& check) {
-  first_sparse_problem(fn, threads, rows, 4 * std::size_t(sparse_max_entries), [&](std::size_t r) {
+  first_row_problem(fn, threads, rows, 4 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     index_slot scratch[sparse_max_entries];
     return check(r, scratch);
   });
 }
 
 template <class T>
-cpu::sparse_problem check_sparse_row_of(const sparse_batch_view<T>& v, std::size_t r,
+row_problem check_sparse_row_of(const sparse_batch_view<T>& v, std::size_t r,
                                         const char* name, index_slot* scratch) {
   return cpu::check_sparse_row(v.row_indices(r), v.row_log_probs(r), v.count(r), v.log_remainder[r],
                                v.k_max, v.vocab, name, scratch);
@@ -76,27 +75,27 @@ cpu::sparse_problem check_sparse_row_of(const sparse_batch_view<T>& v, std::size
 /// indices and counts checked as check_sparse_row does, the mass checks skipped (and with
 /// `any_values`, the value checks too).
 template <class T>
-cpu::sparse_problem check_support_row(const sparse_batch_view<T>& support, std::size_t r, const char* name,
+row_problem check_support_row(const sparse_batch_view<T>& support, std::size_t r, const char* name,
                                       index_slot* scratch, bool any_values = false) {
-  cpu::sparse_problem p = cpu::check_sparse_row(support.row_indices(r), support.row_log_probs(r),
+  row_problem p = cpu::check_sparse_row(support.row_indices(r), support.row_log_probs(r),
                                                 support.count(r), T(0), support.k_max, support.vocab, name,
                                                 scratch);
-  using kind = cpu::sparse_problem_kind;
-  const bool skipped = p.kind == kind::no_mass || p.kind == kind::remainder_no_tail || p.kind == kind::mass ||
-                       (any_values && (p.kind == kind::nan_value || p.kind == kind::above_one));
-  return skipped ? cpu::sparse_problem{} : p;
+  using kind = row_error;
+  const bool skipped = p.kind == kind::sparse_no_mass || p.kind == kind::sparse_no_tail || p.kind == kind::sparse_mass ||
+                       (any_values && (p.kind == kind::sparse_nan || p.kind == kind::sparse_above_one));
+  return skipped ? row_problem{} : p;
 }
 
 /// The first NaN or infinite entry of an upstream sparse gradient's row r (entries −1 = the
 /// bucket, then 0 … count − 1), as a problem naming `operand`.
 template <class T>
-cpu::sparse_problem check_grad_row(const sparse_grad_view<const T>& grad, std::size_t r, long long count,
+row_problem check_grad_row(const sparse_grad_view<const T>& grad, std::size_t r, long long count,
                                    const char* operand) {
-  cpu::sparse_problem p;
+  row_problem p;
   for (long long i = -1; i < count; ++i) {
     const double g = i < 0 ? double(grad.log_remainder[r]) : double(grad.row(r)[i]);
     if (!(g - g == 0.0)) {
-      p.kind = cpu::sparse_problem_kind::nan_value;
+      p.kind = row_error::sparse_nan;
       p.operand = operand;
       p.entry = i;
       return p;
@@ -114,7 +113,7 @@ void validate_shard_values(const char* fn, unsigned threads, batch_view<const T>
   };
   const std::size_t bad = cpu::first_bad_row(threads, shard_logits.rows, shard_logits.cols,
                                              [&](std::size_t r) { return bool(problem(r)); });
-  if (bad != shard_logits.rows) throw_problem(fn, bad, problem(bad));
+  if (bad != shard_logits.rows) throw_row_problem(fn, bad, problem(bad));
 }
 
 /// Whether row r of a sparse batch passes check_sparse_row (the fast yes/no checks).
@@ -144,9 +143,7 @@ inline void validate_sampled(const char* fn, const token_id* sampled, std::size_
   if (!sampled) return;
   for (std::size_t r = 0; r < rows; ++r) {
     if (sampled[r] < 0 || std::size_t(sampled[r]) >= vocab)
-      throw domain_error(row_prefix(fn, r) + "sampled token " + std::to_string(sampled[r]) +
-                             " is outside the vocabulary [0, " + std::to_string(vocab) + ")",
-                         r);
+      throw_row_problem(fn, r, make_problem(row_error::bad_sampled, "", 0, double(sampled[r]), double(vocab)));
   }
 }
 
@@ -227,6 +224,27 @@ std::size_t first_bad_row_with_ids(unsigned threads, std::size_t rows, std::size
   return first.load();
 }
 
+/// The checks the projection and the regression term need on the lumped pair of aligned row r:
+/// disjoint supports, infeasibility at eps (when eps > 0) and, with `regression`, new mass on a
+/// category the old row has none on (KL(p̃ ‖ π*) = +inf).
+template <class T>
+row_problem check_lumped(const aligned_batch_view<const T>& a, std::size_t r, double eps, bool regression) {
+  double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
+  int slot[sparse_max_entries + 1];
+  const int n = lumped_pair(a, r, zn, zo, slot);
+  row_setup setup;
+  row_problem p = cpu::scan_pair(zn, zo, std::size_t(n), setup, "new (lumped)", "old (lumped)");
+  if (!p && eps > 0.0 && setup.old_only) {
+    const double floor = cpu::min_reachable_kl(zn, zo, std::size_t(n), setup);
+    if (floor >= eps) {
+      p.kind = row_error::infeasible;
+      p.value = floor;
+    }
+  }
+  if (!p && regression && setup.new_only) p.kind = row_error::regression_inf;
+  return p;
+}
+
 /// Never refuses a row: validate_aligned's default extra check.
 struct no_extra_check {
   bool operator()(std::size_t, bool) const { return false; }
@@ -245,21 +263,7 @@ struct no_prefetch {
 template <class T, class Extra = no_extra_check, class Prefetch = no_prefetch>
 bool validate_aligned(const char* fn, unsigned threads, const aligned_batch_view<const T>& a, double eps,
                       Extra&& extra_bad = Extra{}, Prefetch&& prefetch_extra = Prefetch{}) {
-  auto problem = [&](std::size_t r) {
-    double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
-    int slot[sparse_max_entries + 1];
-    const int n = lumped_pair(a, r, zn, zo, slot);
-    row_setup setup;
-    row_problem p = cpu::scan_pair(zn, zo, std::size_t(n), setup, "new (lumped)", "old (lumped)");
-    if (!p && eps > 0.0 && setup.old_only) {
-      const double floor = cpu::min_reachable_kl(zn, zo, std::size_t(n), setup);
-      if (floor >= eps) {
-        p.kind = problem_kind::infeasible;
-        p.value = floor;
-      }
-    }
-    return p;
-  };
+  auto problem = [&](std::size_t r) { return check_lumped(a, r, eps, false); };
   // One fast pass over both sides and the lumped rows; a batch with a bad row then runs the
   // checks in their documented order (every row's new side, then old, then the lumped rows).
   const sparse_batch_view<const T> new_side = a.new_side(), old_side = a.old_side();
@@ -293,7 +297,7 @@ bool validate_aligned(const char* fn, unsigned threads, const aligned_batch_view
   validate_sparse(fn, threads, old_side, "old");
   const std::size_t bad = cpu::first_bad_row(threads, a.rows, 4 * std::size_t(sparse_max_entries),
                                              [&](std::size_t r) { return bool(problem(r)); });
-  if (bad != a.rows) throw_problem(fn, bad, problem(bad));
+  if (bad != a.rows) throw_row_problem(fn, bad, problem(bad));
   return false;
 }
 
@@ -462,11 +466,9 @@ void sparsify_finalize(cpu_policy policy, const sparsify_state* states, const sp
     }
     const std::size_t need = std::size_t(states[r].size) + (states[r].sampled >= 0 ? 1 : 0);
     if (out.k_max < need)
-      throw shape_error(detail::row_prefix(fn, r) + "out has capacity " + std::to_string(out.k_max) +
-                            " but the row needs " + std::to_string(need),
-                        r);
+      detail::throw_row_problem(fn, r, detail::make_problem(row_error::state_capacity, "", (long long)out.k_max, double(need)));
     if (detail::state_has_no_support(states[r]))
-      throw domain_error(detail::row_prefix(fn, r) + "every logit is -inf (the row has no support)", r);
+      detail::throw_row_problem(fn, r, detail::make_problem(row_error::no_support, ""));
   }
   const double log_delta = options.delta > 0.0 ? std::log(options.delta) : detail::neg_inf();
   detail::cpu::parallel_for(policy.threads, out.rows, 4 * sparsify_max_k, [&](std::size_t r) {
@@ -503,7 +505,7 @@ void sparsify_tail_sums(cpu_policy policy, input_view<T> shard_logits, std::size
   detail::validate_shard_values(fn, policy.threads, shard_logits);
   for (std::size_t r = 0; r < shard_logits.rows; ++r) {
     if (!(tail_max[r] < detail::inf()))
-      detail::throw_bad_tail_max(fn, r);
+      detail::throw_row_problem(fn, r, detail::make_problem(row_error::bad_tail_max, ""));
   }
   detail::first_sorted_row_problem(fn, policy.threads, shard_logits.rows, [&](std::size_t r, detail::index_slot* scratch) {
     return detail::check_support_row(support, r, "support", scratch, true);
@@ -538,7 +540,7 @@ void sparsify_backward(cpu_policy policy, input_view<T> logits, sparse_input<T> 
   detail::check_sparsify_backward_arguments(fn, logits, support, grad, grad_logits);
   detail::validate_rows(fn, policy.threads, logits, "logits");
   detail::first_sorted_row_problem(fn, policy.threads, logits.rows, [&](std::size_t r, detail::index_slot* scratch) {
-    const detail::cpu::sparse_problem p =
+    const detail::row_problem p =
         detail::check_support_row(support, r, "support", scratch);
     return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad (NaN or infinite)");
   });
@@ -577,10 +579,10 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
   for (std::size_t r = 0; r < shard_logits.rows; ++r) {
     const double* row_sums = log_sums + sparsify_log_sums_width * r;
     const int entry = detail::log_sums_problem(row_sums);
-    if (entry >= 0) detail::throw_bad_log_sums(fn, r, entry, row_sums[entry]);
+    if (entry >= 0) detail::throw_row_problem(fn, r, detail::make_problem(row_error::bad_log_sums, "", entry, row_sums[entry]));
   }
   detail::first_sorted_row_problem(fn, policy.threads, shard_logits.rows, [&](std::size_t r, detail::index_slot* scratch) {
-    const detail::cpu::sparse_problem p =
+    const detail::row_problem p =
         detail::check_support_row(support, r, "support", scratch);
     return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad (NaN or infinite)");
   });
@@ -612,10 +614,10 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
 namespace detail {
 
 /// The problem of a row whose union of supports (u entries) exceeds align's output capacity.
-inline cpu::sparse_problem union_capacity_problem(int u, std::size_t cap) {
-  cpu::sparse_problem p;
+inline row_problem union_capacity_problem(int u, std::size_t cap) {
+  row_problem p;
   if (std::size_t(u) > cap) {
-    p.kind = cpu::sparse_problem_kind::count_range;
+    p.kind = row_error::sparse_count;
     p.operand = "out (the union of the supports)";
     p.value = u;
   }
@@ -630,7 +632,7 @@ void check_union_capacity(const char* fn, unsigned threads, const sparse_batch_v
                           const sparse_batch_view<const T>& old_rows, std::size_t k_max, NewProblem new_problem) {
   const std::size_t cap = k_max < std::size_t(sparse_max_entries) ? k_max : sparse_max_entries;
   first_sorted_row_problem(fn, threads, old_rows.rows, [&](std::size_t r, index_slot* scratch) {
-    const cpu::sparse_problem p = new_problem(r, scratch);
+    const row_problem p = new_problem(r, scratch);
     if (p) return p;
     const int u = new_side.rows != 0 ? union_size(new_side.row_indices(r), int(new_side.count(r)),
                                                   old_rows.row_indices(r), int(old_rows.count(r)), scratch)
@@ -690,7 +692,7 @@ void align(cpu_policy policy, sparse_input<T> new_rows, sparse_input<T> old_rows
   detail::validate_sparse(fn, policy.threads, new_rows, "new");
   detail::validate_sparse(fn, policy.threads, old_rows, "old");
   detail::check_union_capacity(fn, policy.threads, new_rows, old_rows, out.k_max,
-                               [](std::size_t, detail::index_slot*) { return detail::cpu::sparse_problem{}; });
+                               [](std::size_t, detail::index_slot*) { return detail::row_problem{}; });
   detail::cpu::parallel_for(policy.threads, out.rows, 8 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     const int cn = int(new_rows.count(r));
     detail::align_row(out, r, new_rows.row_indices(r), cn, old_rows,
@@ -723,7 +725,7 @@ void align(cpu_policy policy, input_view<T> new_logits, sparse_input<T> new_supp
   detail::check_union_capacity(fn, policy.threads, new_support, old_rows, out.k_max,
                                [&](std::size_t r, detail::index_slot* scratch) {
                                  return with_support ? detail::check_support_row(new_support, r, "new_support", scratch)
-                                                     : detail::cpu::sparse_problem{};
+                                                     : detail::row_problem{};
                                });
   detail::cpu::parallel_for(policy.threads, out.rows, 2 * new_logits.cols, [&](std::size_t r) {
     const int cn = with_support ? int(new_support.count(r)) : 0;
@@ -754,7 +756,7 @@ void align_backward(cpu_policy policy, sparse_input<T> row, aligned_input<T> ali
   detail::check_align_backward_arguments(fn, row, aligned, grad_aligned, grad_row);
   detail::validate_sparse(fn, policy.threads, row, "row");
   detail::first_sorted_row_problem(fn, policy.threads, row.rows, [&](std::size_t r, detail::index_slot* scratch) {
-    detail::cpu::sparse_problem p = detail::check_sparse_row_of(
+    detail::row_problem p = detail::check_sparse_row_of(
         aligned.new_side(), r, "aligned", scratch);
     if (p) return p;
     const int u = int(aligned.counts[r]);
@@ -763,7 +765,7 @@ void align_backward(cpu_policy policy, sparse_input<T> row, aligned_input<T> ali
     detail::sort_by_index(scratch, u);
     for (long long i = 0; i < row.count(r); ++i) {
       if (detail::find_slot(scratch, u, row.row_indices(r)[i]) < 0) {
-        p.kind = detail::cpu::sparse_problem_kind::not_aligned;
+        p.kind = row_error::sparse_not_aligned;
         p.operand = "row";
         p.entry = i;
         p.value = row.row_indices(r)[i];
@@ -858,9 +860,8 @@ void project(cpu_policy policy, aligned_input<T> rows, double eps, sparse_batch_
   detail::validate_aligned(fn, policy.threads, rows, eps);
   for (std::size_t r = 0; r < rows.rows; ++r) {
     if (std::size_t(rows.counts[r]) > out.k_max)
-      throw shape_error(detail::row_prefix(fn, r) + "out has capacity " + std::to_string(out.k_max) +
-                            " but the row has " + std::to_string(rows.counts[r]) + " entries",
-                        r);
+      detail::throw_row_problem(fn, r, detail::make_problem(row_error::sparse_capacity, "", (long long)out.k_max,
+                                                            double(rows.counts[r])));
   }
   detail::cpu::parallel_for(policy.threads, rows.rows, 16 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1];
@@ -904,19 +905,19 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
         detail::cpu::prefetch_entries(log_probs.row_log_probs(r), c);
         detail::cpu::prefetch_entries(grad.row(r), c);
       });
-  detail::first_sparse_problem(fn, policy.threads, all_fine ? 0 : rows.rows,
+  detail::first_row_problem(fn, policy.threads, all_fine ? 0 : rows.rows,
                                4 * std::size_t(sparse_max_entries),
                                [&](std::size_t r) {
-                                 detail::cpu::sparse_problem p;
+                                 detail::row_problem p;
                                  p.operand = "log_probs";
                                  // Its own capacity first: the entries below are read up to count.
                                  if (log_probs.counts[r] < 0 || std::size_t(log_probs.counts[r]) > log_probs.k_max) {
-                                   p.kind = detail::cpu::sparse_problem_kind::count_range;
+                                   p.kind = row_error::sparse_count;
                                    p.value = double(log_probs.counts[r]);
                                    return p;
                                  }
                                  if (log_probs.counts[r] != rows.counts[r]) {
-                                   p.kind = detail::cpu::sparse_problem_kind::not_aligned;
+                                   p.kind = row_error::sparse_not_aligned;
                                    p.value = double(log_probs.counts[r]);
                                    return p;
                                  }
@@ -928,19 +929,19 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
                                    // project() writes the aligned support in its order: any other
                                    // id (permuted, negative, out of range) is not its output.
                                    if (i >= 0 && log_probs.row_indices(r)[i] != rows.indices[r * rows.k_max + std::size_t(i)]) {
-                                     p.kind = detail::cpu::sparse_problem_kind::wrong_token;
+                                     p.kind = row_error::sparse_wrong_token;
                                      p.entry = i;
                                      p.value = double(log_probs.row_indices(r)[i]);
                                      p.other = double(rows.indices[r * rows.k_max + std::size_t(i)]);
                                      return p;
                                    }
                                    if (l != l) {
-                                     p.kind = detail::cpu::sparse_problem_kind::nan_value;
+                                     p.kind = row_error::sparse_nan;
                                      p.entry = i;
                                      return p;
                                    }
                                    if (l > 0.0) {  // +inf included
-                                     p.kind = detail::cpu::sparse_problem_kind::above_one;
+                                     p.kind = row_error::sparse_above_one;
                                      p.entry = i;
                                      p.value = l;
                                      return p;
@@ -953,13 +954,13 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
                                                                  : double(rows.old_log_probs[at]);
                                    // π* ≪ p̃ and π* ≪ q for every status.
                                    if (l > detail::neg_inf() && (new_side == detail::neg_inf() || old_side == detail::neg_inf())) {
-                                     p.kind = detail::cpu::sparse_problem_kind::masked_mass;
+                                     p.kind = row_error::sparse_masked_mass;
                                      p.entry = i;
                                      p.value = l;
                                      return p;
                                    }
                                    if (l > detail::neg_inf() && !(g - g == 0.0)) {
-                                     p.kind = detail::cpu::sparse_problem_kind::nan_value;
+                                     p.kind = row_error::sparse_nan;
                                      p.operand = "grad (NaN or infinite)";
                                      p.entry = i;
                                      return p;
@@ -968,7 +969,7 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
                                  return p;
                                });
   for (std::size_t r = 0; r < rows.rows; ++r) {
-    if (const detail::row_problem p = detail::check_stats(stats[r])) detail::throw_problem(fn, r, p);
+    if (const detail::row_problem p = detail::check_stats(stats[r])) detail::throw_row_problem(fn, r, p);
   }
   const detail::host_scratch scratch(fn, policy.workspace, workspace_bytes(policy, op::project_backward{}, rows.rows));
   unsigned char* overflowed = scratch.data();

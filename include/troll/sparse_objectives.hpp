@@ -26,7 +26,6 @@
 #include "detail/cpu/row_kernels.hpp"
 #include "detail/cpu/sparse_kernels.hpp"
 #include "detail/objective_arguments.hpp"
-#include "detail/objective_problem.hpp"
 #include "detail/objective_row.hpp"
 #include "detail/row_problem.hpp"
 #include "detail/sparse_row.hpp"
@@ -60,14 +59,14 @@ logit_scan scan_logits(const T* z, std::size_t size, const char* operand) {
     const double top = a.template maxCoeff<Eigen::PropagateNaN>();
     if (!(top < inf())) {
       s.problem = cpu::find_bad_value(z + begin, std::size_t(count), operand);
-      s.problem.token += begin;
+      s.problem.entry += static_cast<long long>(begin);
       return;
     }
     any_finite = any_finite || top > neg_inf();
     s.any_masked = s.any_masked || a.minCoeff() == neg_inf();
   });
   if (!s.problem && !any_finite) {
-    s.problem.kind = problem_kind::all_masked;
+    s.problem.kind = row_error::all_masked;
     s.problem.operand = operand;
   }
   return s;
@@ -155,60 +154,18 @@ int lumped_category_of(const aligned_batch_view<const T>& a, std::size_t r, cons
   return -1;
 }
 
-/// The checks the projection and the regression term need on the lumped pair of aligned row r:
-/// disjoint supports, infeasibility at eps (when eps > 0) and, with `regression`, new mass on a
-/// category the old row has none on (KL(p̃ ‖ π*) = +inf).
-template <class T>
-objective_problem check_lumped(const aligned_batch_view<const T>& a, std::size_t r, double eps,
-                               bool regression) {
-  double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
-  int slot[sparse_max_entries + 1];
-  const int n = lumped_pair(a, r, zn, zo, slot);
-  objective_problem p;
-  row_setup setup;
-  p.logits = cpu::scan_pair(zn, zo, std::size_t(n), setup, "new (lumped)", "old (lumped)");
-  if (!p.logits && eps > 0.0 && setup.old_only) {
-    const double floor = cpu::min_reachable_kl(zn, zo, std::size_t(n), setup);
-    if (floor >= eps) {
-      p.logits.kind = problem_kind::infeasible;
-      p.logits.value = floor;
-    }
-  }
-  if (p.logits) {
-    p.what = objective_problem::kind::logits;
-  } else if (regression && setup.new_only) {
-    p.what = objective_problem::kind::regression_inf;
-  }
-  return p;
-}
-
-inline sparse_objective_problem as_token_problem(const objective_problem& t) {
-  sparse_objective_problem p;
-  p.what = sparse_objective_problem::kind::token;
-  p.token = t;
-  return p;
-}
-
-inline sparse_objective_problem as_logit_problem(const row_problem& r) {
-  objective_problem t;
-  t.what = objective_problem::kind::logits;
-  t.logits = r;
-  return as_token_problem(t);
-}
-
 /// The first checks of a sparse objective's row r, shared by forward and backward: the token
 /// data, then the dense new logits (their scan is left in `scan`).
 template <class T>
-sparse_objective_problem check_token_and_logits(const token_batch<T>& in, std::size_t r,
-                                                batch_view<const T> new_logits, logit_scan& scan) {
-  const objective_problem token = check_token_row(in, r, new_logits.cols, static_cast<const T*>(nullptr));
-  if (token) return as_token_problem(token);
+row_problem check_token_and_logits(const token_batch<T>& in, std::size_t r, batch_view<const T> new_logits,
+                                   logit_scan& scan) {
+  const row_problem token = check_token_row(in, r, new_logits.cols, static_cast<const T*>(nullptr));
+  if (token) return token;
   scan = scan_logits(new_logits.row(r), new_logits.cols, "new_logits");
-  return scan.problem ? as_logit_problem(scan.problem) : sparse_objective_problem{};
+  return scan.problem;
 }
 template <class T>
-sparse_objective_problem check_token_and_logits(const token_batch<T>& in, std::size_t r,
-                                                batch_view<const T> new_logits) {
+row_problem check_token_and_logits(const token_batch<T>& in, std::size_t r, batch_view<const T> new_logits) {
   logit_scan scan;
   return check_token_and_logits(in, r, new_logits, scan);
 }
@@ -251,25 +208,18 @@ objective_metrics objective_forward(cpu_policy policy,
       std::min({aligned.k_max, log_probs.k_max, std::size_t(sparse_max_entries)});
   const bool regression = objective.alpha > 0.0;
 
-  using problem_t = detail::sparse_objective_problem;
-  auto problem = [&](std::size_t r) -> problem_t {
+  auto problem = [&](std::size_t r) -> detail::row_problem {
     detail::logit_scan scan;
-    problem_t p = detail::check_token_and_logits(in, r, new_logits, scan);
+    detail::row_problem p = detail::check_token_and_logits(in, r, new_logits, scan);
     if (p) return p;
     detail::index_slot scratch[sparse_max_entries];
-    p.sparse = detail::check_sparse_row_of(old_rows, r, "old", scratch);
-    if (p.sparse) {
-      p.what = problem_t::kind::sparse;
-      return p;
-    }
+    p = detail::check_sparse_row_of(old_rows, r, "old", scratch);
+    if (p) return p;
     const long long count = old_rows.count(r);
     const long long need = std::min<long long>(static_cast<long long>(vocab), count + new_k);
-    if (need > static_cast<long long>(capacity)) {
-      p.what = problem_t::kind::capacity;
-      p.value = need;
-      p.other = static_cast<long long>(std::min(aligned.k_max, log_probs.k_max));
-      return p;
-    }
+    if (need > static_cast<long long>(capacity))
+      return detail::make_problem(row_error::objective_capacity, "", 0, double(need),
+                                  double(std::min(aligned.k_max, log_probs.k_max)));
     const T* old_lp = old_rows.row_log_probs(r);
     bool may_overflow = false;
     if ((in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0) {
@@ -277,15 +227,9 @@ objective_metrics objective_forward(cpu_policy policy,
       long long at = -1;
       for (long long i = 0; i < count; ++i)
         if (old_rows.row_indices(r)[i] == a) at = i;
-      p.value = a;
-      if (at < 0) {
-        p.what = problem_t::kind::not_in_support;
-        return p;
-      }
-      if (detail::is_masked(static_cast<double>(old_lp[at]))) {
-        p.what = problem_t::kind::old_token_masked;
-        return p;
-      }
+      if (at < 0) return detail::make_problem(row_error::not_in_support, "", 0, double(a));
+      if (detail::is_masked(static_cast<double>(old_lp[at])))
+        return detail::make_problem(row_error::old_entry_masked, "", 0, double(a));
       // A token far in the old row's tail: its ratio and loss, from a projection into scratch
       // memory (below), must fit before anything is written.
       may_overflow = detail::ratio_may_overflow<T>(-static_cast<double>(old_lp[at]),
@@ -301,8 +245,8 @@ objective_metrics objective_forward(cpu_policy policy,
       detail::aligned_row_buffer<T> buffer;
       const aligned_batch_view<const T> one = buffer.view(vocab);
       detail::gather_aligned_row(new_logits.row(r), vocab, old_rows, r, new_k, log_delta, buffer.view(vocab), 0);
-      const detail::objective_problem lumped = detail::check_lumped(one, 0, objective.eps, regression);
-      if (lumped) return detail::as_token_problem(lumped);
+      const detail::row_problem lumped = detail::check_lumped(one, 0, objective.eps, regression);
+      if (lumped) return lumped;
       if (may_overflow) {
         double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1];
         int slot[sparse_max_entries + 1];
@@ -311,16 +255,14 @@ objective_metrics objective_forward(cpu_policy policy,
             zn, zo, std::size_t(n), objective.eps, objective.projection, true,
             detail::lumped_category_of(one, 0, slot, n, in.tokens[r]), static_cast<double>(in.advantages[r]),
             objective.alpha, lp);
-        const detail::objective_problem overflow =
+        const detail::row_problem overflow =
             detail::check_token_result<T>(x.ratio, x.log_ratio, x.loss, 1.0, in.tokens[r]);
-        if (overflow) return detail::as_token_problem(overflow);
+        if (overflow) return overflow;
       }
     }
-    p.what = problem_t::kind::none;
-    return p;
+    return detail::row_problem{};
   };
-  detail::cpu::throw_first_problem(fn, policy.threads, rows, 2 * vocab, problem,
-                                   &detail::throw_sparse_objective_problem);
+  detail::cpu::throw_first_problem(fn, policy.threads, rows, 2 * vocab, problem, &detail::throw_row_problem);
 
   const detail::cpu::carved_scratch<detail::cpu::sparse_forward_scratch> scratch(fn, policy.workspace, rows, 0);
   detail::cpu::troll_row_result* results = scratch.parts.records;
@@ -342,8 +284,8 @@ objective_metrics objective_forward(cpu_policy policy,
     detail::write_lumped_row(aligned_in, r, slot, n, lp, log_probs);
   });
   return detail::finish_troll_forward(in, rows, scratch.parts.weights, results, token_loss, sum,
-                                      [&](std::size_t r, const detail::objective_problem& p) {
-                                        detail::throw_sparse_objective_problem(fn, r, detail::as_token_problem(p));
+                                      [&](std::size_t r, const detail::row_problem& p) {
+                                        detail::throw_row_problem(fn, r, p);
                                       });
 }
 
@@ -379,72 +321,43 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
   const std::size_t rows = new_logits.rows, vocab = new_logits.cols;
   const bool regression = objective.alpha > 0.0;
 
-  using problem_t = detail::sparse_objective_problem;
-  auto problem = [&](std::size_t r) -> problem_t {
+  auto problem = [&](std::size_t r) -> detail::row_problem {
     detail::index_slot scratch[sparse_max_entries];
-    problem_t p = detail::check_token_and_logits(in, r, new_logits);
+    detail::row_problem p = detail::check_token_and_logits(in, r, new_logits);
     if (p) return p;
-    p.sparse = detail::check_sparse_row_of(aligned.new_side(), r, "aligned (new side)", scratch);
-    if (!p.sparse)
-      p.sparse = detail::check_sparse_row_of(aligned.old_side(), r, "aligned (old side)", scratch);
-    detail::cpu::sparse_problem log_probs_mass;  // reported after the support match below
-    if (!p.sparse) p.sparse = detail::check_sparse_row_of(log_probs, r, "log_probs", scratch);
-    if (p.sparse.kind == detail::cpu::sparse_problem_kind::mass) std::swap(p.sparse, log_probs_mass);
-    if (p.sparse) {
-      p.what = problem_t::kind::sparse;
-      return p;
-    }
+    p = detail::check_sparse_row_of(aligned.new_side(), r, "aligned (new side)", scratch);
+    if (!p) p = detail::check_sparse_row_of(aligned.old_side(), r, "aligned (old side)", scratch);
+    detail::row_problem log_probs_mass;  // reported after the support match below
+    if (!p) p = detail::check_sparse_row_of(log_probs, r, "log_probs", scratch);
+    if (p.kind == row_error::sparse_mass) std::swap(p, log_probs_mass);
+    if (p) return p;
     const long long count = aligned.counts[r];
-    if (log_probs.count(r) != count) {
-      p.what = problem_t::kind::log_probs_mismatch;
-      p.value = log_probs.count(r);
-      p.other = count;
-      return p;
-    }
+    if (log_probs.count(r) != count)
+      return detail::make_problem(row_error::log_probs_mismatch, "", -1, double(log_probs.count(r)), double(count));
     for (long long i = 0; i < count; ++i) {
       const sparse_index index = log_probs.row_indices(r)[i];
       const sparse_index want = aligned.indices[r * aligned.k_max + std::size_t(i)];
-      if (index != want) {
-        p.what = problem_t::kind::log_probs_mismatch;
-        p.entry = i;
-        p.value = index;
-        p.other = want;
-        return p;
-      }
+      if (index != want) return detail::make_problem(row_error::log_probs_mismatch, "", i, double(index), double(want));
     }
-    if (log_probs_mass) {
-      p.sparse = log_probs_mass;
-      p.what = problem_t::kind::sparse;
-      return p;
-    }
+    if (log_probs_mass) return log_probs_mass;
     if ((in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0) {
       const std::int64_t a = in.tokens[r];
       long long at = -1;
       for (long long i = 0; i < count; ++i)
         if (aligned.indices[r * aligned.k_max + std::size_t(i)] == a) at = i;
-      p.value = a;
-      if (at < 0) {
-        p.what = problem_t::kind::not_in_aligned;
-        return p;
-      }
-      if (detail::is_masked(
-              static_cast<double>(aligned.old_log_probs[r * aligned.k_max + std::size_t(at)]))) {
-        p.what = problem_t::kind::old_token_masked;
-        return p;
-      }
+      if (at < 0) return detail::make_problem(row_error::not_in_aligned, "", 0, double(a));
+      if (detail::is_masked(static_cast<double>(aligned.old_log_probs[r * aligned.k_max + std::size_t(at)])))
+        return detail::make_problem(row_error::old_entry_masked, "", 0, double(a));
     }
-    const detail::objective_problem lumped = detail::check_lumped(aligned, r, 0.0, regression);
-    if (lumped) return detail::as_token_problem(lumped);
-    const detail::row_problem s = detail::check_stats(stats[r]);
-    if (s) return detail::as_logit_problem(s);
-    return p;
+    const detail::row_problem lumped = detail::check_lumped(aligned, r, 0.0, regression);
+    if (lumped) return lumped;
+    return detail::check_stats(stats[r]);
   };
-  detail::cpu::throw_first_problem(fn, policy.threads, rows, vocab, problem,
-                                   &detail::throw_sparse_objective_problem);
+  detail::cpu::throw_first_problem(fn, policy.threads, rows, vocab, problem, &detail::throw_row_problem);
 
   const detail::cpu::carved_scratch<detail::cpu::sparse_backward_scratch> scratch(fn, policy.workspace, rows, 0);
   const double* c = scratch.parts.weights;
-  detail::objective_problem* problems = scratch.parts.records;
+  detail::row_problem* problems = scratch.parts.records;
   unsigned char* overflowed = scratch.parts.flags;
   detail::aggregation_weights(in, rows, grad_loss, nullptr, scratch.parts.weights);
   // One row's lumped pair (new, old and π* over the categories of U and the remainder).
@@ -473,7 +386,7 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
     problems[r] = detail::check_token_gradient<T>(plan.ratio, plan.log_ratio, plan.ratio_scale(), in.tokens[r]);
   });
   for (std::size_t r = 0; r < rows; ++r)
-    if (problems[r]) detail::throw_sparse_objective_problem(fn, r, detail::as_token_problem(problems[r]));
+    if (problems[r]) detail::throw_row_problem(fn, r, problems[r]);
   detail::cpu::parallel_for(policy.threads, rows, 4 * vocab, [&](std::size_t r) {
     T* out = grad_new.row(r);
     if (c[r] == 0.0) {
@@ -511,9 +424,9 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
   // A last guard (an entry beyond the sampled token's overflows): grad_new is then unspecified.
   for (std::size_t r = 0; r < rows; ++r)
     if (overflowed[r])
-      detail::throw_sparse_objective_problem(
-          fn, r, detail::as_token_problem(detail::overflow_problem(
-                        detail::overflow_operand<T>(detail::overflow_quantity::gradient), detail::quiet_nan(), in.tokens[r])));
+      detail::throw_row_problem(fn, r,
+                                detail::overflow_problem(detail::overflow_operand<T>(detail::overflow_quantity::gradient),
+                                                         detail::quiet_nan(), in.tokens[r]));
 }
 
 TROLL_END_NAMESPACE

@@ -26,10 +26,11 @@ inline error_classes& errors() {
   return e;
 }
 
-inline void raise(PyObject* cls, const char* message, std::size_t row) {
+inline void raise(PyObject* cls, const troll::invalid_input& x) {
   nanobind::object row_object = nanobind::none();
-  if (row != troll::invalid_input::npos) row_object = nanobind::int_(row);
-  nanobind::object instance = nanobind::borrow(cls)(nanobind::str(message), row_object);
+  if (x.row() != troll::invalid_input::npos) row_object = nanobind::int_(x.row());
+  nanobind::object instance = nanobind::borrow(cls)(nanobind::str(x.what()), row_object,
+                                                    nanobind::int_(static_cast<int>(x.code())));
   PyErr_SetObject(cls, instance.ptr());
 }
 
@@ -38,13 +39,13 @@ inline void translate(const std::exception_ptr& p, void*) {
   try {
     std::rethrow_exception(p);
   } catch (const troll::shape_error& x) {
-    raise(e.shape_error, x.what(), x.row());
+    raise(e.shape_error, x);
   } catch (const troll::infeasible_error& x) {
-    raise(e.infeasible_error, x.what(), x.row());
+    raise(e.infeasible_error, x);
   } catch (const troll::domain_error& x) {
-    raise(e.domain_error, x.what(), x.row());
+    raise(e.domain_error, x);
   } catch (const troll::invalid_input& x) {
-    raise(e.invalid_input, x.what(), x.row());
+    raise(e.invalid_input, x);
   } catch (const troll::backend_error& x) {
     // BackendError is a RuntimeError: the message is its only argument (no row).
     PyErr_SetString(e.backend_error, x.what());

@@ -92,10 +92,12 @@ def test_bad_sparse_input_raises_before_writing(gen):
     with pytest.raises(troll.DomainError) as e:
         tt.sparsify(logits, k=4, sampled=torch.tensor([0, 25, 1]))
     assert e.value.row == 1
+    assert e.value.code == 17  # troll::row_error::bad_sampled, as in C++
     broken = troll.SparseRows(rows.indices.clone(), rows.log_probs, rows.counts, rows.log_remainder, 20)
     broken.indices[2, 1] = broken.indices[2, 0]  # a duplicate token
     with pytest.raises(troll.ShapeError) as e:
         tt.project_sparse(logits, broken, 0.05)
     assert e.value.row == 2
+    assert e.value.code == 10  # troll::row_error::sparse_duplicate
     with pytest.raises(troll.ShapeError):
         tt.project_sparse(logits[:2], rows, 0.05)

@@ -7,11 +7,15 @@ from typing import Optional
 
 class InvalidInput(ValueError):
     """An argument troll cannot use. ``row`` is the lowest offending row (of the flattened
-    leading dimensions), or None when no single row is at fault. Nothing was written."""
+    leading dimensions), or None when no single row is at fault; ``code`` says what is wrong with
+    it (``troll::row_error``, 0: none). Nothing was written."""
 
-    def __init__(self, message: str, row: Optional[int] = None) -> None:
+    def __init__(self, message: str, row: Optional[int] = None, code: int = 0) -> None:
         super().__init__(message)
         self.row = row
+        #: What is wrong with that row: the C++ ``troll::row_error`` value (the same on both
+        #: backends; 0 when the problem is not one row's). See include/troll/row_error.hpp.
+        self.code = code
 
 
 class ShapeError(InvalidInput):

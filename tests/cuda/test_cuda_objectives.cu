@@ -136,50 +136,40 @@ TEST_CASE("cuda objective entry points check their arguments on the host, before
 }
 
 TEST_CASE("device reports of objective rows become the CPU's exceptions, message for message") {
-  using kind = troll::detail::objective_problem::kind;
+  using e = troll::row_error;
   struct pair {
-    troll::cuda_row_error error;
-    kind what;
+    e error;
+    e kind;  // the CPU's code for the same row
     double value;
   };
   const pair cases[] = {
-      {troll::cuda_row_error::bad_sampled, kind::token_range, 99.0},
-      {troll::cuda_row_error::bad_advantage, kind::advantage, nan_value},
-      {troll::cuda_row_error::bad_mask, kind::mask, -1.0},
-      {troll::cuda_row_error::sequence_order, kind::sequence_order, 2.0},
-      {troll::cuda_row_error::old_token_masked, kind::old_token_masked, 5.0},
-      {troll::cuda_row_error::regression_inf, kind::regression_inf, 0.0},
+      {e::bad_sampled, e::token_range, 99.0},          {e::bad_advantage, e::bad_advantage, nan_value},
+      {e::bad_mask, e::bad_mask, -1.0},                {e::sequence_order, e::sequence_order, 2.0},
+      {e::old_token_masked, e::old_token_masked, 5.0}, {e::regression_inf, e::regression_inf, 0.0},
   };
   static const char* const names[3] = {"new_logits", "old_logits", ""};
   for (const pair& c : cases) {
     troll::cuda_row_report report;
     report.error = c.error;
     report.value = c.value;
-    troll::detail::objective_problem p;
-    p.what = c.what;
-    p.value = c.value;
-    const std::string want =
-        message_of([&] { troll::detail::throw_objective_problem("objective_forward", 3, p); });
+    const troll::detail::row_problem p = troll::detail::make_problem(c.kind, "", 0, c.value);
+    const std::string want = message_of([&] { troll::detail::throw_row_problem("objective_forward", 3, p); });
     const std::string got = message_of([&] {
       troll::detail::cuda::throw_objective_report{}("objective_forward", 3, report, names);
     });
     CHECK(!want.empty());
     CHECK(got == want);
   }
-  // Logit problems go through the projection's translation, as the CPU's objective_problem::logits.
+  // Logit problems go through the projection's translation, as the CPU's logit checks.
   troll::cuda_row_report report;
   report.error = troll::cuda_row_error::nan_value;
   report.operand = 1;
   report.token = 4;
-  troll::detail::objective_problem p;
-  p.what = kind::logits;
-  p.logits.kind = troll::detail::problem_kind::nan_value;
-  p.logits.operand = "old_logits";
-  p.logits.token = 4;
+  const troll::detail::row_problem p = troll::detail::make_problem(e::nan_value, "old_logits", 4, 0.0);
   CHECK(message_of([&] {
           troll::detail::cuda::throw_objective_report{}("objective_forward", 0, report, names);
         }) ==
-        message_of([&] { troll::detail::throw_objective_problem("objective_forward", 0, p); }));
+        message_of([&] { troll::detail::throw_row_problem("objective_forward", 0, p); }));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -344,9 +344,7 @@ TEST_CASE("cuda sparse objective entry points check their arguments on the host,
 }
 
 TEST_CASE("device reports of sparse objective rows become the CPU's exceptions, message for message") {
-  using problem = troll::detail::sparse_objective_problem;
-  using pk = problem::kind;
-  using ok = troll::detail::objective_problem::kind;
+  using problem = troll::detail::row_problem;
   struct expectation {
     troll::cuda_row_report report;
     problem want;
@@ -357,64 +355,50 @@ TEST_CASE("device reports of sparse objective rows become the CPU's exceptions, 
     r.error = e, r.value = value, r.operand = operand, r.token = token;
     return r;
   };
-  auto sparse_kind = [](pk what, long long value, long long other = 0, long long entry = -1) {
-    problem p;
-    p.what = what, p.value = value, p.other = other, p.entry = entry;
-    return p;
+  using e = troll::row_error;
+  auto make = [](e kind, const char* operand, long long entry, double value, double other = 0.0) {
+    return troll::detail::make_problem(kind, operand, entry, value, other);
   };
-  auto token_kind = [](ok what, double value) {
-    troll::detail::objective_problem t;
-    t.what = what, t.value = value;
-    return troll::detail::as_token_problem(t);
-  };
-  auto logit_kind = [](troll::detail::problem_kind kind, const char* operand, std::size_t token, double value) {
-    troll::detail::row_problem q;
-    q.kind = kind, q.operand = operand, q.token = token, q.value = value;
-    return troll::detail::as_logit_problem(q);
-  };
-  auto sparse_row = [](troll::detail::cpu::sparse_problem_kind kind, const char* operand, long long entry,
-                       double value) {
-    problem p;
-    p.what = pk::sparse;
-    p.sparse.kind = kind, p.sparse.operand = operand, p.sparse.entry = entry, p.sparse.value = value;
-    return p;
-  };
-  using e = troll::cuda_row_error;
-  using sk = troll::detail::cpu::sparse_problem_kind;
-  using dk = troll::detail::problem_kind;
   const long long capacity = 12;
   const expectation cases[] = {
-      {report(e::bad_sampled, 99.0), token_kind(ok::token_range, 99.0), false},
-      {report(e::bad_advantage, nan_value), token_kind(ok::advantage, nan_value), false},
-      {report(e::bad_mask, -1.0), token_kind(ok::mask, -1.0), true},
-      {report(e::sequence_order, 2.0), token_kind(ok::sequence_order, 2.0), false},
-      {report(e::regression_inf, 0.0), token_kind(ok::regression_inf, 0.0), true},
-      {report(e::old_token_masked, 5.0), sparse_kind(pk::old_token_masked, 5), false},
-      {report(e::objective_capacity, 20.0), sparse_kind(pk::capacity, 20, capacity), false},
-      {report(e::not_in_support, 7.0), sparse_kind(pk::not_in_support, 7), false},
-      {report(e::not_in_aligned, 7.0), sparse_kind(pk::not_in_aligned, 7), true},
-      {report(e::log_probs_mismatch, 3.0, 5, ~0ull), sparse_kind(pk::log_probs_mismatch, 3, 5), true},
-      {report(e::log_probs_mismatch, 11.0, 13, 2), sparse_kind(pk::log_probs_mismatch, 11, 13, 2), true},
-      {report(e::nan_value, nan_value, 0, 4), logit_kind(dk::nan_value, "new_logits", 4, nan_value), false},
-      {report(e::pos_inf, inf_value, 0, 6), logit_kind(dk::pos_inf, "new_logits", 6, inf_value), true},
-      {report(e::all_masked, 0.0, 0), logit_kind(dk::all_masked, "new_logits", 0, 0.0), false},
-      {report(e::all_masked, 0.0, 3), logit_kind(dk::all_masked, "old (lumped)", 0, 0.0), false},
-      {report(e::disjoint, 0.0), logit_kind(dk::disjoint, "new_logits", 0, 0.0), true},
-      {report(e::infeasible, 0.25), logit_kind(dk::infeasible, "new_logits", 0, 0.25), false},
-      {report(e::sparse_index, 40.0, 1, 2), sparse_row(sk::index_range, "old", 2, 40.0), false},
-      {report(e::sparse_nan, nan_value, 1, ~0ull), sparse_row(sk::nan_value, "old", -1, nan_value), false},
-      {report(e::sparse_above_one, 0.5, 0, 1), sparse_row(sk::above_one, "aligned (new side)", 1, 0.5), true},
-      {report(e::sparse_duplicate, 3.0, 4, 2), sparse_row(sk::duplicate, "log_probs", 2, 3.0), true},
+      {report(e::bad_sampled, 99.0), make(e::token_range, "", 0, 99.0), false},
+      {report(e::bad_advantage, nan_value), make(e::bad_advantage, "", 0, nan_value), false},
+      {report(e::bad_mask, -1.0), make(e::bad_mask, "", 0, -1.0), true},
+      {report(e::sequence_order, 2.0), make(e::sequence_order, "", 0, 2.0), false},
+      {report(e::regression_inf, 0.0), make(e::regression_inf, "", 0, 0.0), true},
+      {report(e::old_token_masked, 5.0), make(e::old_entry_masked, "", 0, 5.0), false},
+      {report(e::objective_capacity, 20.0), make(e::objective_capacity, "", 0, 20.0, double(capacity)), false},
+      {report(e::not_in_support, 7.0), make(e::not_in_support, "", 0, 7.0), false},
+      {report(e::not_in_aligned, 7.0), make(e::not_in_aligned, "", 0, 7.0), true},
+      {report(e::log_probs_mismatch, 3.0, 5, ~0ull), make(e::log_probs_mismatch, "", -1, 3.0, 5.0), true},
+      {report(e::log_probs_mismatch, 11.0, 13, 2), make(e::log_probs_mismatch, "", 2, 11.0, 13.0), true},
+      {report(e::nan_value, nan_value, 0, 4), make(e::nan_value, "new_logits", 4, nan_value), false},
+      {report(e::pos_inf, inf_value, 0, 6), make(e::pos_inf, "new_logits", 6, inf_value), true},
+      {report(e::all_masked, 0.0, 0), make(e::all_masked, "new_logits", 0, 0.0), false},
+      {report(e::all_masked, 0.0, 3), make(e::all_masked, "old (lumped)", 0, 0.0), false},
+      {report(e::disjoint, 0.0), make(e::disjoint, "new_logits", 0, 0.0), true},
+      {report(e::infeasible, 0.25), make(e::infeasible, "new_logits", 0, 0.25), false},
+      {report(e::sparse_index, 40.0, 1, 2), make(e::sparse_index, "old", 2, 40.0), false},
+      {report(e::sparse_nan, nan_value, 1, ~0ull), make(e::sparse_nan, "old", -1, nan_value), false},
+      {report(e::sparse_above_one, 0.5, 0, 1), make(e::sparse_above_one, "aligned (new side)", 1, 0.5), true},
+      {report(e::sparse_duplicate, 3.0, 4, 2), make(e::sparse_duplicate, "log_probs", 2, 3.0), true},
   };
   for (const expectation& c : cases) {
     const char* fn = c.backward ? "objective_backward" : "objective_forward";
     CAPTURE(static_cast<int>(c.report.error));
-    const std::string want = message_of([&] { troll::detail::throw_sparse_objective_problem(fn, 3, c.want); });
+    const std::string want = message_of([&] { troll::detail::throw_row_problem(fn, 3, c.want); });
     const std::string got = message_of([&] {
-      troll::detail::cuda::throw_sparse_objective_report<>{c.backward, capacity}(fn, 3, c.report, nullptr);
+      troll::detail::cuda::throw_sparse_objective_report{c.backward, capacity}(fn, 3, c.report, nullptr);
     });
     CHECK(!want.empty());
     CHECK(got == want);
+    // The exception carries the CPU's code.
+    try {
+      troll::detail::cuda::throw_sparse_objective_report{c.backward, capacity}(fn, 3, c.report, nullptr);
+    } catch (const troll::invalid_input& error) {
+      CHECK(error.code() == c.want.kind);
+      CHECK(error.row() == 3);
+    }
   }
   // Unusable stats: the CPU's check_stats wording.
   troll::projection_stats bad;
@@ -422,10 +406,9 @@ TEST_CASE("device reports of sparse objective rows become the CPU's exceptions, 
   bad.t = 2.0;
   troll::cuda_row_report stats_report = report(e::bad_stats, 0.0, 0);
   CHECK(message_of([&] {
-          troll::detail::cuda::throw_sparse_objective_report<>{true, 0}("objective_backward", 1, stats_report, nullptr);
+          troll::detail::cuda::throw_sparse_objective_report{true, 0}("objective_backward", 1, stats_report, nullptr);
         }) == message_of([&] {
-          troll::detail::throw_sparse_objective_problem("objective_backward", 1,
-                                                        troll::detail::as_logit_problem(troll::detail::check_stats(bad)));
+          troll::detail::throw_row_problem("objective_backward", 1, troll::detail::check_stats(bad));
         }));
 }
 

@@ -18,7 +18,6 @@
 #include "../projection_types.hpp"
 #include "arguments.hpp"
 #include "numeric.hpp"
-#include "objective_problem.hpp"
 #include "objective_row.hpp"
 #include "row_problem.hpp"
 
@@ -28,19 +27,19 @@ namespace detail {
 
 /// The forward's check of a counted token: ρ (double), ℓ (T) and c·ℓ (double) fit.
 template <class T>
-objective_problem check_token_result(double ratio, double log_ratio, double loss, double weight,
+row_problem check_token_result(double ratio, double log_ratio, double loss, double weight,
                                      std::int64_t token) {
   int operand = forward_overflow<T>(ratio, loss);
   if (operand < 0 && !fits_in<double>(weight * loss))
     operand = overflow_operand<double>(overflow_quantity::weighted_loss);
-  return operand < 0 ? objective_problem{} : overflow_problem(operand, log_ratio, token);
+  return operand < 0 ? row_problem{} : overflow_problem(operand, log_ratio, token);
 }
 
 /// The backward's check of a counted token: ρ (double) and the sampled token's term (T) fit.
 template <class T>
-objective_problem check_token_gradient(double ratio, double log_ratio, double scale, std::int64_t token) {
+row_problem check_token_gradient(double ratio, double log_ratio, double scale, std::int64_t token) {
   const int operand = backward_overflow<T>(ratio, scale);
-  return operand < 0 ? objective_problem{} : overflow_problem(operand, log_ratio, token);
+  return operand < 0 ? row_problem{} : overflow_problem(operand, log_ratio, token);
 }
 
 /// Whether a counted token's ratio term might not fit: ρ = π_a / q_a ≤ 1 / q_a, so only a token

@@ -16,6 +16,7 @@
 #include "../sparse_types.hpp"
 #include "arguments.hpp"
 #include "numeric.hpp"
+#include "row_problem.hpp"
 #include "sparse_row.hpp"
 
 TROLL_BEGIN_NAMESPACE
@@ -247,78 +248,14 @@ void check_sparsify_shard_arguments(const char* fn, const batch_view<const L>& s
 }
 
 /// The typed exception for a problem with row `row`'s state (named `name`) in sparsify_merge or
-/// sparsify_finalize; shared by the CPU and the CUDA backend (one message table).
+/// sparsify_finalize, through the one message table (row_error::state_bad_k … state_incomplete):
 ///   shape_error: k, size, vocab, covered ranges, heap ids, vocabulary of another state or of out;
 ///   domain_error: a NaN / infinite logit or outside sum, the sampled token covered but not held;
 ///   invalid_input: states that do not belong together (k, sampled token, overlapping coverage,
 ///   too many ranges) and a state that does not cover the whole vocabulary.
 [[noreturn]] inline void throw_state_problem(const char* fn, std::size_t row, const char* name,
                                              const state_problem& p) {
-  using kind = state_problem_kind;
-  const std::string at = row_prefix(fn, row) + name + ": ";
-  const auto num = [](double x) {
-    if (x != x) return std::string("nan");
-    if (x == inf() || x == -inf()) return std::string(x > 0 ? "inf" : "-inf");
-    if (x > -9e15 && x < 9e15 && x == double(static_cast<long long>(x))) return std::to_string(static_cast<long long>(x));
-    return std::to_string(x);
-  };
-  const std::string entry = std::to_string(p.entry);
-  switch (p.kind) {
-    case kind::bad_k:
-      throw shape_error(at + "the state has k = " + num(p.value) + " outside [1, " + std::to_string(sparsify_max_k) +
-                            "] (a row sparsify_shard rejected, or not a sparsify_state)", row);
-    case kind::bad_size:
-      throw shape_error(at + "the state's heap size " + num(p.value) +
-                            " is negative or exceeds k or the tokens it covers", row);
-    case kind::bad_vocab:
-      throw shape_error(at + "the state's vocabulary size " + num(p.value) + " is not positive", row);
-    case kind::bad_ranges:
-      throw shape_error(at + (p.entry < 0 ? "the state's range count " + num(p.value) + " is not in [1, " +
-                                                std::to_string(sparsify_max_ranges) + "]"
-                                          : "covered range " + entry + " (begin " + num(p.value) +
-                                                ") is empty, outside [0, V), or not sorted apart from the previous one"),
-                        row);
-    case kind::bad_sampled:
-      throw shape_error(at + "the state's sampled token " + num(p.value) +
-                            " is outside [-1, V) or held without being covered", row);
-    case kind::sampled_logit:
-      throw domain_error(at + "the sampled token's logit is " + num(p.value) + " (NaN or +inf)", row);
-    case kind::sampled_unseen:
-      throw domain_error(at + "the state covers the sampled token " + num(p.value) + " but does not hold it", row);
-    case kind::heap_logit:
-      throw domain_error(at + "heap entry " + entry + " has logit " + num(p.value) + " (not finite)", row);
-    case kind::heap_index:
-      throw shape_error(at + "heap entry " + entry + " has token id " + num(p.value) +
-                            ", which the state does not cover (or the sampled token)", row);
-    case kind::heap_duplicate:
-      throw shape_error(at + "heap entry " + entry + " repeats token id " + num(p.value), row);
-    case kind::heap_order:
-      throw shape_error(at + "heap entry " + entry + " (token " + num(p.value) +
-                            ") ranks after its parent: the heap order is broken", row);
-    case kind::bad_outside:
-      throw domain_error(at + "the outside log-sum (max " + num(p.value) +
-                             ") is NaN, infinite, badly scaled, or ranks above the heap", row);
-    case kind::k_mismatch:
-      throw invalid_input(at + "the states were made with different k (other: " + num(p.value) + ")", row);
-    case kind::sampled_mismatch:
-      throw invalid_input(at + "the states were made with different sampled tokens (other: " + num(p.value) + ")",
-                          row);
-    case kind::vocab_mismatch:
-      throw shape_error(at + "the state was made for a vocabulary of " + num(p.value) +
-                            " tokens, not the one it is combined with", row);
-    case kind::overlap:
-      throw invalid_input(at + "both states cover token " + num(p.value) +
-                              " (the same shard merged twice, or overlapping shards)", row);
-    case kind::too_many_ranges:
-      throw invalid_input(at + "the merged state would cover " + num(p.value) + " disjoint token ranges, more than " +
-                              std::to_string(sparsify_max_ranges) + " (merge adjacent shards first)", row);
-    case kind::incomplete:
-      throw invalid_input(at + "the state covers " + entry + " tokens of the vocabulary, not all of them (token " +
-                              num(p.value) + " is missing: not every shard was merged)", row);
-    case kind::none:
-      break;
-  }
-  throw invalid_input(at + "unknown state problem", row);
+  throw_row_problem(fn, row, make_problem(state_error(static_cast<int>(p.kind)), name, p.entry, p.value));
 }
 
 /// The host-side check of sparsify_merge: both state pointers set when rows > 0.

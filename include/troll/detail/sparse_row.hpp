@@ -321,6 +321,19 @@ TROLL_HOST_DEVICE inline void merge_into(sparsify_state& into, const sparsify_st
   for (int i = 0; i < sparsify_max_ranges; ++i) into.covered[i] = i < n ? ranges[i] : sparse_token_range{0, 0};
 }
 
+/// Which of sparsify_finalize's log-sums of a row ({ref, total, tail_ref, tail}, row_log_sums)
+/// keeps sparsify_shard_backward from using them, or −1 when none does: ref and total finite;
+/// tail_ref −inf (no tail mass, then tail −inf too) or finite and not above ref; a finite tail
+/// with a finite tail_ref; the tail's mass ((tail_ref − ref) + tail) not above the total.
+TROLL_HOST_DEVICE inline int log_sums_problem(const double* sums) {
+  if (!(sums[0] - sums[0] == 0.0)) return 0;
+  if (!(sums[1] - sums[1] == 0.0)) return 1;
+  if (sums[2] != sums[2] || sums[2] > sums[0]) return 2;
+  if (sums[2] == neg_inf()) return sums[3] == neg_inf() ? -1 : 3;
+  if (!(sums[3] - sums[3] == 0.0) || ((sums[2] - sums[0]) + sums[3]) > sums[1]) return 3;
+  return -1;
+}
+
 /// What can be wrong with a sparsify_state, alone (check_state), with the state it is merged
 /// with (check_merge), or as a whole row (check_whole_row). `entry` and `value` as commented.
 enum class state_problem_kind : int {

@@ -10,7 +10,7 @@
 #include <type_traits>
 
 #include "../../config.hpp"
-#include "../objective_problem.hpp"
+#include "../row_problem.hpp"
 #include "../workspace.hpp"
 #include "objective_records.hpp"
 
@@ -59,11 +59,11 @@ struct row_scratch {
 
 template <class T>
 using troll_forward_scratch = row_scratch<troll_row_result, T>;                      // extra: cols
-using troll_backward_scratch = row_scratch<troll_backward_plan, objective_problem>;  // extra: rows
+using troll_backward_scratch = row_scratch<troll_backward_plan, row_problem>;  // extra: rows
 using ratio_forward_scratch = row_scratch<ratio_row_result>;                         // extra: 0
-using ratio_backward_scratch = row_scratch<objective_problem, double>;               // extra: 2 rows
+using ratio_backward_scratch = row_scratch<row_problem, double>;               // extra: 2 rows
 using sparse_forward_scratch = row_scratch<troll_row_result>;                        // extra: 0
-using sparse_backward_scratch = row_scratch<objective_problem>;                      // extra: 0
+using sparse_backward_scratch = row_scratch<row_problem>;                      // extra: 0
 
 /// Bytes one layout takes for `rows` rows and `extra` further elements.
 template <class Scratch>

@@ -123,9 +123,9 @@ inline row_problem find_bad_value(const T* z, std::size_t size, const char* oper
   for (std::size_t k = 0; k < size; ++k) {
     const double x = static_cast<double>(z[k]);
     if (!(x < inf())) {
-      p.kind = x != x ? problem_kind::nan_value : problem_kind::pos_inf;
+      p.kind = x != x ? row_error::nan_value : row_error::pos_inf;
       p.operand = operand;
-      p.token = k;
+      p.entry = static_cast<long long>(k);
       return p;
     }
   }
@@ -186,9 +186,9 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
         const bool bad_new = !(a[k] < inf());
         if (!bad_new && b[k] < inf()) continue;
         const double v = bad_new ? a[k] : b[k];
-        p.kind = v != v ? problem_kind::nan_value : problem_kind::pos_inf;
+        p.kind = v != v ? row_error::nan_value : row_error::pos_inf;
         p.operand = bad_new ? new_name : old_name;
-        p.token = begin + std::size_t(k);
+        p.entry = static_cast<long long>(begin + std::size_t(k));
       }
       return;
     }
@@ -234,13 +234,13 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
   if (p) return p;
   setup.spread = highest - lowest;
   if (!any_new) {
-    p.kind = problem_kind::all_masked;
+    p.kind = row_error::all_masked;
     p.operand = new_name;
   } else if (!any_old) {
-    p.kind = problem_kind::all_masked;
+    p.kind = row_error::all_masked;
     p.operand = old_name;
   } else if (best_new == neg_inf()) {
-    p.kind = problem_kind::disjoint;
+    p.kind = row_error::disjoint;
   }
   return p;
 }

@@ -15,7 +15,7 @@
 
 #include "../../config.hpp"
 #include "../numeric.hpp"
-#include "../sparse_problem.hpp"
+#include "../row_problem.hpp"
 #include "../sparse_row.hpp"
 #include "exact_sums.hpp"
 #include "row_kernels.hpp"
@@ -548,13 +548,13 @@ inline bool sparsify_row(const T* z, std::size_t size, int k, sparse_index sampl
 /// sparse_mass_tolerance<T>() of 1 (callers that read only the support drop the value problems).
 /// `scratch` holds sparse_max_entries slots.
 template <class T>
-inline sparse_problem check_sparse_row(const sparse_index* indices, const T* log_probs, long long count,
+inline row_problem check_sparse_row(const sparse_index* indices, const T* log_probs, long long count,
                                        T log_remainder, std::size_t capacity, std::size_t vocab,
                                        const char* operand, index_slot* scratch) {
-  sparse_problem p;
+  row_problem p;
   p.operand = operand;
   if (!sparse_count_fits(count, capacity, vocab)) {
-    p.kind = sparse_problem_kind::count_range;
+    p.kind = row_error::sparse_count;
     p.value = double(count);
     return p;
   }
@@ -563,19 +563,19 @@ inline sparse_problem check_sparse_row(const sparse_index* indices, const T* log
   for (int i = 0; i < n; ++i) {
     const long long index = indices[i];
     if (index < 0 || index >= static_cast<long long>(vocab)) {
-      p.kind = sparse_problem_kind::index_range;
+      p.kind = row_error::sparse_index;
       p.entry = i;
       p.value = double(index);
       return p;
     }
     const double l = static_cast<double>(log_probs[i]);
     if (l != l) {
-      p.kind = sparse_problem_kind::nan_value;
+      p.kind = row_error::sparse_nan;
       p.entry = i;
       return p;
     }
     if (l > 0.0) {
-      p.kind = sparse_problem_kind::above_one;
+      p.kind = row_error::sparse_above_one;
       p.entry = i;
       p.value = l;
       return p;
@@ -585,18 +585,18 @@ inline sparse_problem check_sparse_row(const sparse_index* indices, const T* log
   }
   const double r = static_cast<double>(log_remainder);
   if (r != r || r > 0.0) {
-    p.kind = r != r ? sparse_problem_kind::nan_value : sparse_problem_kind::above_one;
+    p.kind = r != r ? row_error::sparse_nan : row_error::sparse_above_one;
     p.entry = -1;
     p.value = r;
     return p;
   }
   if (static_cast<std::size_t>(n) == vocab && r > neg_inf()) {
-    p.kind = sparse_problem_kind::remainder_no_tail;
+    p.kind = row_error::sparse_no_tail;
     p.value = r;
     return p;
   }
   if (!any_mass && !(r > neg_inf())) {
-    p.kind = sparse_problem_kind::no_mass;
+    p.kind = row_error::sparse_no_mass;
     return p;
   }
   sort_by_index(scratch, n);
@@ -604,7 +604,7 @@ inline sparse_problem check_sparse_row(const sparse_index* indices, const T* log
     if (scratch[i].index == scratch[i - 1].index) {
       const int later = scratch[i].position > scratch[i - 1].position ? scratch[i].position
                                                                       : scratch[i - 1].position;
-      p.kind = sparse_problem_kind::duplicate;
+      p.kind = row_error::sparse_duplicate;
       p.entry = later;
       p.value = double(scratch[i].index);
       return p;
@@ -612,7 +612,7 @@ inline sparse_problem check_sparse_row(const sparse_index* indices, const T* log
   }
   const double mass = sparse_row_mass(log_probs, n, r);
   if (!(mass >= 1.0 - sparse_mass_tolerance<T>() && mass <= 1.0 + sparse_mass_tolerance<T>())) {
-    p.kind = sparse_problem_kind::mass;
+    p.kind = row_error::sparse_mass;
     p.entry = -1;
     p.value = mass;
     p.other = sparse_mass_tolerance<T>();

@@ -51,18 +51,9 @@ constexpr int operand_tangent_old = 3;
 struct throw_derivative_report {
   [[noreturn]] void operator()(const char* function, std::size_t row, const cuda_row_report& report,
                                const char* const operand_names[3]) const {
-    row_problem p;
-    if (report.error == cuda_row_error::infinite_kl) {
-      p.kind = problem_kind::bad_stats;
-      p.operand = "KL(p||q) is +inf (p has mass where q is -inf): no gradient";
-      throw_problem(function, row, p);
-    }
-    if (report.error == cuda_row_error::not_finite && report.operand == operand_tangent_old) {
-      p.kind = problem_kind::nan_value;
-      p.operand = "tangent_old";
-      p.token = static_cast<std::size_t>(report.token);
-      throw_problem(function, row, p);
-    }
+    if (report.error == cuda_row_error::not_finite && report.operand == operand_tangent_old)
+      throw_row_problem(function, row,
+                        make_problem(row_error::nan_value, "tangent_old", static_cast<long long>(report.token)));
     throw_report(function, row, report, operand_names);
   }
 };

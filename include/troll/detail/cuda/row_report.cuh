@@ -87,66 +87,56 @@ __device__ bool record_or_reject(const device_checks& checks, const row_range& r
 }
 #endif
 
-/// A device report code and the CPU problem kind it becomes: the rows of the checked mode's
-/// translation tables.
-template <class Kind>
-struct code_kind {
-  cuda_row_error code;
-  Kind kind;
-};
-
-/// The kind `table` gives `code`, or `otherwise` when it has no row for it.
-template <class Kind, std::size_t N>
-Kind kind_of(cuda_row_error code, const code_kind<Kind> (&table)[N], Kind otherwise) {
-  for (const code_kind<Kind>& row : table)
-    if (row.code == code) return row.kind;
-  return otherwise;
-}
-
-/// The row_problem kind of a report on a row's logits (nan_value ... infeasible); none for any
-/// other code.
-inline problem_kind logits_problem_kind(cuda_row_error code) {
-  static constexpr code_kind<problem_kind> kinds[] = {
-      {cuda_row_error::nan_value, problem_kind::nan_value},   {cuda_row_error::pos_inf, problem_kind::pos_inf},
-      {cuda_row_error::all_masked, problem_kind::all_masked}, {cuda_row_error::disjoint, problem_kind::disjoint},
-      {cuda_row_error::infeasible, problem_kind::infeasible}};
-  return kind_of(code, kinds, problem_kind::none);
-}
-
-/// The CPU backend's exception for a device report, with the same message.
-/// `operand_names` holds the names of operands 0, 1 and 2 of the calling entry point.
-[[noreturn]] inline void throw_report(const char* function, std::size_t row, const cuda_row_report& report,
-                                      const char* const operand_names[3]) {
+/// The CPU's record of a dense entry point's device report (one code set: mostly the same
+/// code): operand_names[o] names operand o; bad_stats names the field, not_finite reads as the
+/// CPU's nan_value, bad_log_probs becomes the CPU's own code for the value. Kind none for a code
+/// that is not a dense row's.
+inline row_problem dense_problem(const cuda_row_report& report, const char* const operand_names[3]) {
   static const char* const stats_fields[5] = {
       "t of a projected row is not in (0, 1]", "sigma2 of a projected row is not finite and > 0",
       "mu of a projected row is not finite", "status is not inactive, projected or restricted",
       "kl_after of a projected row is not finite and >= 0"};
   const int operand = report.operand >= 0 && report.operand < 3 ? report.operand : 0;
-  row_problem p;
-  p.operand = operand_names[operand];
-  p.token = static_cast<std::size_t>(report.token);
-  p.value = report.value;
-  p.kind = logits_problem_kind(report.error);
+  row_problem p = make_problem(report.error, operand_names[operand], static_cast<long long>(report.token), report.value);
   switch (report.error) {
-    case cuda_row_error::bad_stats:
-      p.kind = problem_kind::bad_stats;
+    case row_error::nan_value:
+    case row_error::pos_inf:
+    case row_error::all_masked:
+    case row_error::disjoint:
+    case row_error::infeasible:
+    case row_error::infinite_kl:
+      break;
+    case row_error::bad_stats:
       p.operand = stats_fields[report.operand >= 0 && report.operand < 5 ? report.operand : 3];
       break;
-    case cuda_row_error::not_finite: p.kind = problem_kind::nan_value; break;  // the CPU's wording
-    case cuda_row_error::bad_log_probs:
-      p.kind = report.value != report.value ? problem_kind::nan_value
-               : report.value == inf()      ? problem_kind::pos_inf
-               : report.value > 0.0         ? problem_kind::above_zero
-                                            : problem_kind::masked_mass;
+    case row_error::not_finite: p.kind = row_error::nan_value; break;
+    case row_error::bad_log_probs:
+      p.kind = report.value != report.value ? row_error::nan_value
+               : report.value == inf()      ? row_error::pos_inf
+               : report.value > 0.0         ? row_error::above_zero
+                                            : row_error::masked_mass;
       p.operand = "log_probs";
       break;
-    default:  // the logits' codes, else none or an unknown code
-      if (p.kind == problem_kind::none)
-        throw invalid_input(row_prefix(function, row) + "unknown device error code " +
-                                std::to_string(static_cast<int>(report.error)),
-                            row);
+    default: p.kind = row_error::none;
   }
-  throw_problem(function, row, p);
+  return p;
+}
+
+/// Throws the CPU's exception for `p`, or invalid_input naming an unknown device code.
+[[noreturn]] inline void throw_translated(const char* function, std::size_t row, const cuda_row_report& report,
+                                         const row_problem& p) {
+  if (!p)
+    throw invalid_input(row_prefix(function, row) + "unknown device error code " +
+                            std::to_string(static_cast<int>(report.error)),
+                        row);
+  throw_row_problem(function, row, p);
+}
+
+/// The CPU backend's exception for a device report of a dense entry point, with the same message.
+/// `operand_names` holds the names of operands 0, 1 and 2 of the calling entry point.
+[[noreturn]] inline void throw_report(const char* function, std::size_t row, const cuda_row_report& report,
+                                      const char* const operand_names[3]) {
+  throw_translated(function, row, report, dense_problem(report, operand_names));
 }
 
 }  // namespace cuda

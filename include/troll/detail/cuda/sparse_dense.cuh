@@ -12,7 +12,6 @@
 #include "../../config.hpp"
 #include "../../sparse_types.hpp"
 #include "../numeric.hpp"
-#include "../sparse_problem.hpp"
 #include "../sparse_row.hpp"
 #include "block_reduce.cuh"
 #include "row_report.cuh"

@@ -1,5 +1,6 @@
 // troll/detail/cuda/sparse_report.cuh — the translation of a sparse entry point's device report into
-// the CPU backend's exception and message, and the launch helper of the sparse entry points.
+// the CPU's row_problem (thrown through the one message table), and the launch helper of the sparse
+// entry points.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,7 +14,6 @@
 #include "../../cuda_report.hpp"
 #include "../../errors.hpp"
 #include "../row_problem.hpp"
-#include "../sparse_problem.hpp"
 #include "../sparse_row.hpp"
 #include "../sparse_arguments.hpp"
 #include "../../sparse_types.hpp"
@@ -24,107 +24,72 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cuda {
 
-/// The sparse_problem of a device report of a sparse-row check (codes sparse_count ... sparse_mass,
-/// sparse_masked_mass, sparse_wrong_token): `token` is the entry (~0: the log-remainder).
-inline sparse_problem as_sparse_problem(const cuda_row_report& report, const char* name) {
-  sparse_problem p;
-  p.operand = name;
-  p.entry = static_cast<long long>(report.token);
-  p.value = report.value;
-  using k = sparse_problem_kind;
-  static constexpr code_kind<k> kinds[] = {
-      {cuda_row_error::sparse_count, k::count_range},        {cuda_row_error::sparse_index, k::index_range},
-      {cuda_row_error::sparse_duplicate, k::duplicate},      {cuda_row_error::sparse_nan, k::nan_value},
-      {cuda_row_error::sparse_above_one, k::above_one},      {cuda_row_error::sparse_no_tail, k::remainder_no_tail},
-      {cuda_row_error::sparse_no_mass, k::no_mass},          {cuda_row_error::sparse_not_aligned, k::not_aligned},
-      {cuda_row_error::sparse_mass, k::mass},                {cuda_row_error::sparse_masked_mass, k::masked_mass},
-      {cuda_row_error::sparse_wrong_token, k::wrong_token}};
-  p.kind = kind_of(report.error, kinds, k::none);
-  if (p.kind == k::not_aligned && p.entry < 0) p.entry = 0;
-  if (p.kind == k::mass)
-    p.other = report.token == sizeof(float) ? sparse_mass_tolerance<float>() : sparse_mass_tolerance<double>();
-  if (p.kind == k::wrong_token) {
-    p.operand = "log_probs";
-    p.other = static_cast<double>(report.operand);
+/// The CPU's record of a sparse entry point's device report: names[o] is the CPU's name of
+/// operand o (see sparse_operand; null: none), `vocab` serves bad_sampled. Sparse-row codes keep
+/// their code (`token` is the entry, ~0 the log-remainder), the state and shard codes add their
+/// second number, state_invalid becomes the state's own code, and the rest are a dense row's.
+inline row_problem sparse_report_problem(const cuda_row_report& report, const char* const names[8],
+                                         std::size_t vocab) {
+  const int o = report.operand >= 0 && report.operand < 8 && report.error != cuda_row_error::sparse_wrong_token
+                    ? report.operand
+                    : 0;
+  const char* name = names[o] != nullptr ? names[o] : "";
+  row_problem p = make_problem(report.error, name, static_cast<long long>(report.token), report.value);
+  switch (report.error) {
+    case row_error::sparse_count:
+    case row_error::sparse_index:
+    case row_error::sparse_duplicate:
+    case row_error::sparse_nan:
+    case row_error::sparse_above_one:
+    case row_error::sparse_no_tail:
+    case row_error::sparse_no_mass:
+    case row_error::sparse_masked_mass:
+    case row_error::sparse_capacity:
+    case row_error::state_mismatch:
+    case row_error::state_k:
+    case row_error::state_capacity:
+    case row_error::sampled_missing:
+    case row_error::no_support:
+    case row_error::bad_state:
+    case row_error::bad_tail_max:
+      return p;
+    case row_error::sparse_not_aligned:
+      if (p.entry < 0) p.entry = 0;
+      return p;
+    case row_error::sparse_mass:
+      p.other = report.token == sizeof(float) ? sparse_mass_tolerance<float>() : sparse_mass_tolerance<double>();
+      return p;
+    case row_error::sparse_wrong_token:
+      p.operand = "log_probs";
+      p.other = static_cast<double>(report.operand);
+      return p;
+    case row_error::bad_log_sums:
+      p.entry = report.operand;
+      return p;
+    case row_error::bad_sampled:
+      p.other = static_cast<double>(vocab);
+      return p;
+    case row_error::state_invalid: {
+      const int which = report.operand / 32 == 1 ? 1 : 0;
+      p.kind = state_error(report.operand % 32);
+      p.operand = names[which] != nullptr ? names[which] : "";
+      return p;
+    }
+    default: {  // bad_stats (every field, kl_after included) and the dense codes
+      const char* const dense_names[3] = {name, name, name};
+      return dense_problem(report, dense_names);
+    }
   }
-  return p;
 }
 
-/// Turns a sparse entry point's device report into the CPU backend's exception and message.
-/// names[o] is the CPU's name of operand o (see sparse_operand); `vocab` serves bad_sampled.
+/// Checked mode of the sparse entry points: a device report becomes the CPU's exception.
 struct sparse_thrower {
   const char* names[8];
   std::size_t vocab = 0;
 
   [[noreturn]] void operator()(const char* function, std::size_t row, const cuda_row_report& report,
                                const char* const* /*dense names*/) const {
-    const int o = report.operand >= 0 && report.operand < 8 && report.error != cuda_row_error::sparse_wrong_token
-                      ? report.operand
-                      : 0;
-    const char* name = names[o] != nullptr ? names[o] : "";
-    std::ostringstream msg;
-    msg.precision(17);
-    msg << row_prefix(function, row);
-    const long long entry = static_cast<long long>(report.token);
-    switch (report.error) {
-      // Sparse-row problems: the CPU's record and message table (detail/sparse_problem.hpp).
-      case cuda_row_error::sparse_count:
-      case cuda_row_error::sparse_index:
-      case cuda_row_error::sparse_duplicate:
-      case cuda_row_error::sparse_nan:
-      case cuda_row_error::sparse_above_one:
-      case cuda_row_error::sparse_no_tail:
-      case cuda_row_error::sparse_no_mass:
-      case cuda_row_error::sparse_not_aligned:
-      case cuda_row_error::sparse_mass:
-      case cuda_row_error::sparse_masked_mass:
-      case cuda_row_error::sparse_wrong_token:
-        throw_sparse_problem(function, row, as_sparse_problem(report, name));
-      case cuda_row_error::bad_log_sums:
-        throw_bad_log_sums(function, row, report.operand, report.value);
-      case cuda_row_error::bad_tail_max:
-        throw_bad_tail_max(function, row);
-      case cuda_row_error::sparse_capacity:
-        msg << "out has capacity " << report.token << " but the row has " << report.value << " entries";
-        throw shape_error(msg.str(), row);
-      case cuda_row_error::bad_sampled:
-        msg << "sampled token " << static_cast<long long>(report.value) << " is outside the vocabulary [0, "
-            << vocab << ")";
-        throw domain_error(msg.str(), row);
-      case cuda_row_error::state_mismatch:
-        msg << "the two states were made with different k or sampled tokens";
-        throw invalid_input(msg.str(), row);
-      case cuda_row_error::state_k:
-        msg << "the state was made with k = " << static_cast<long long>(report.value) << ", options.k is "
-            << report.token;
-        throw invalid_input(msg.str(), row);
-      case cuda_row_error::state_capacity:
-        msg << "out has capacity " << report.token << " but the row needs " << static_cast<long long>(report.value);
-        throw shape_error(msg.str(), row);
-      case cuda_row_error::sampled_missing:
-        msg << "no shard held the sampled token " << static_cast<long long>(report.value);
-        throw domain_error(msg.str(), row);
-      case cuda_row_error::no_support:
-        msg << "every logit is -inf (the row has no support)";
-        throw domain_error(msg.str(), row);
-      case cuda_row_error::bad_state:
-        msg << name << ": the state has k = " << static_cast<long long>(report.value) << " and size = " << entry
-            << " (k must be in [1, " << sparsify_max_k << "] and size in [0, k]: a row sparsify_shard rejected, or "
-            << "not a sparsify_state)";
-        throw invalid_input(msg.str(), row);
-      case cuda_row_error::state_invalid: {
-        const int which = report.operand / 32 == 1 ? 1 : 0;
-        state_problem p;
-        p.kind = static_cast<state_problem_kind>(report.operand % 32);
-        p.entry = entry;
-        p.value = report.value;
-        throw_state_problem(function, row, names[which] != nullptr ? names[which] : "", p);
-      }
-      default:  // bad_stats (every field, kl_after included) and the dense codes
-        break;
-    }
-    const char* dense_names[3] = {name, name, name};
-    throw_report(function, row, report, dense_names);
+    throw_translated(function, row, report, sparse_report_problem(report, names, vocab));
   }
 };
 
