@@ -28,12 +28,17 @@ struct staged_projection {
   buffer<double> zn, zo, log_probs;
   buffer<troll::projection_stats> stats;
   staged_projection(const double* x, std::size_t size, const troll::projection_options& options)
-      : n(size), zn(std::vector<double>(x, x + size)), zo(std::vector<double>(x + size, x + 2 * size)),
-        log_probs(size), stats(1) {
-    troll::project(backend::policy(), row(zn), row(zo), x[2 * n], troll::make_batch(log_probs.get(), 1, n),
-                   stats.get(), options);
+      : n(size),
+        zn(std::vector<double>(x, x + size)),
+        zo(std::vector<double>(x + size, x + 2 * size)),
+        log_probs(size),
+        stats(1) {
+    troll::project(backend::policy(), row(zn), row(zo), x[2 * n],
+                   troll::make_batch(log_probs.get(), 1, n), stats.get(), options);
   }
-  troll::batch_view<const double> row(buffer<double>& b) const { return troll::make_batch<const double>(b.get(), 1, n); }
+  troll::batch_view<const double> row(buffer<double>& b) const {
+    return troll::make_batch<const double>(b.get(), 1, n);
+  }
 };
 
 /// The derivatives of project() on one row pair (x = [z̃, z°, ε]) against central differences
@@ -54,9 +59,9 @@ void check_derivatives(const row_case& c, double eps) {
   auto vjp = [&](const double* in, const double* gy, double* gx) {
     staged_projection s(in, n, tight);
     buffer<double> up(std::vector<double>(gy, gy + n)), gn(n), go(n), ge(std::vector<double>{0.0});
-    troll::project_backward(backend::policy(), s.row(s.zn), s.row(s.zo), s.row(s.log_probs), s.stats.get(),
-                            s.row(up), troll::make_batch(gn.get(), 1, n), troll::make_batch(go.get(), 1, n),
-                            ge.get());
+    troll::project_backward(backend::policy(), s.row(s.zn), s.row(s.zo), s.row(s.log_probs),
+                            s.stats.get(), s.row(up), troll::make_batch(gn.get(), 1, n),
+                            troll::make_batch(go.get(), 1, n), ge.get());
     const std::vector<double> gn_host = gn.download(), go_host = go.download();
     std::copy(gn_host.begin(), gn_host.end(), gx);
     std::copy(go_host.begin(), go_host.end(), gx + n);
@@ -64,9 +69,11 @@ void check_derivatives(const row_case& c, double eps) {
   };
   auto jvp = [&](const double* in, const double* dx, double* dy) {
     staged_projection s(in, n, tight);
-    buffer<double> dn(std::vector<double>(dx, dx + n)), dold(std::vector<double>(dx + n, dx + 2 * n)), out(n);
-    troll::project_jvp(backend::policy(), s.row(s.zn), s.row(s.zo), s.row(s.log_probs), s.stats.get(), s.row(dn),
-                       s.row(dold), dx[2 * n], troll::make_batch(out.get(), 1, n));
+    buffer<double> dn(std::vector<double>(dx, dx + n)),
+        dold(std::vector<double>(dx + n, dx + 2 * n)), out(n);
+    troll::project_jvp(backend::policy(), s.row(s.zn), s.row(s.zo), s.row(s.log_probs),
+                       s.stats.get(), s.row(dn), s.row(dold), dx[2 * n],
+                       troll::make_batch(out.get(), 1, n));
     const std::vector<double> host = out.download();
     std::copy(host.begin(), host.end(), dy);
   };
@@ -80,7 +87,8 @@ void check_derivatives(const row_case& c, double eps) {
                             s.row(s.log_probs), s.stats.get(), jn_b.get(), jo_b.get(), je_b.get());
     const std::vector<double> jn = jn_b.download(), jo = jo_b.download(), je = je_b.download();
     for (std::size_t i = 0; i < n; ++i) {
-      for (std::size_t j = 0; j < n; ++j) J[i * (2 * n + 1) + j] = jn[i * n + j], J[i * (2 * n + 1) + n + j] = jo[i * n + j];
+      for (std::size_t j = 0; j < n; ++j)
+        J[i * (2 * n + 1) + j] = jn[i * n + j], J[i * (2 * n + 1) + n + j] = jo[i * n + j];
       J[i * (2 * n + 1) + 2 * n] = je[i];
     }
   };

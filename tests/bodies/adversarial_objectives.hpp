@@ -5,12 +5,12 @@
 // masks all zero give loss 0 and zero gradients. Forward and backward run on the backend, inputs
 // uploaded and scratch sized by troll::workspace_bytes for the backend's policy.
 //
-// One body compiled per backend (as bodies/objective_gradients.hpp): tests/test_adversarial_sparse.cpp
-// includes it with troll_test::oracle_backend = backend<cpu_policy>,
-// tests/cuda/test_cuda_objectives.cu with backend<cuda_policy> inside its "device" suite. Its names
-// live in namespace adversarial_objectives. Include after <troll/gradcheck.hpp>,
-// <troll/objectives.hpp>, "backend.hpp", "sparse_oracle.hpp" (log_sum_exp) and the definition of
-// troll_test::oracle_backend.
+// One body compiled per backend (as bodies/objective_gradients.hpp):
+// tests/test_adversarial_sparse.cpp includes it with troll_test::oracle_backend =
+// backend<cpu_policy>, tests/cuda/test_cuda_objectives.cu with backend<cuda_policy> inside its
+// "device" suite. Its names live in namespace adversarial_objectives. Include after
+// <troll/gradcheck.hpp>, <troll/objectives.hpp>, "backend.hpp", "sparse_oracle.hpp" (log_sum_exp)
+// and the definition of troll_test::oracle_backend.
 
 namespace adversarial_objectives {
 
@@ -24,8 +24,9 @@ struct staged_tokens {
   std::size_t rows, vocab;
   buffer<double> old, advantages, mask;
   buffer<troll::token_id> tokens;
-  staged_tokens(const std::vector<double>& zo, const std::vector<troll::token_id>& tok, const std::vector<double>& adv,
-                const std::vector<double>& weights, std::size_t vocab_size)
+  staged_tokens(const std::vector<double>& zo, const std::vector<troll::token_id>& tok,
+                const std::vector<double>& adv, const std::vector<double>& weights,
+                std::size_t vocab_size)
       : rows(tok.size()), vocab(vocab_size), old(zo), advantages(adv), mask(weights), tokens(tok) {}
   troll::token_batch<double> batch() {
     troll::token_batch<double> in;
@@ -34,7 +35,9 @@ struct staged_tokens {
     in.loss_mask = mask.get();
     return in;
   }
-  troll::input_view<double> old_view() { return troll::make_batch<const double>(old.get(), rows, vocab); }
+  troll::input_view<double> old_view() {
+    return troll::make_batch<const double>(old.get(), rows, vocab);
+  }
 };
 
 /// One objective's forward (and backward) on the backend at new logits `zn` (host), with the
@@ -48,19 +51,27 @@ struct objective_on {
   buffer<double> fresh, log_probs, scratch;
   buffer<troll::projection_stats> stats;
   objective_on(const Objective& o, staged_tokens& staged, const double* zn)
-      : objective(o), s(staged),
-        bytes(troll::workspace_bytes(backend::policy(), troll::op::objective_forward{}, o, staged.rows, staged.vocab)),
-        fresh(std::vector<double>(zn, zn + staged.rows * staged.vocab)), log_probs(staged.rows * staged.vocab),
-        scratch(bytes / sizeof(double) + 1), stats(staged.rows) {}
+      : objective(o),
+        s(staged),
+        bytes(troll::workspace_bytes(backend::policy(), troll::op::objective_forward{}, o,
+                                     staged.rows, staged.vocab)),
+        fresh(std::vector<double>(zn, zn + staged.rows * staged.vocab)),
+        log_probs(staged.rows * staged.vocab),
+        scratch(bytes / sizeof(double) + 1),
+        stats(staged.rows) {}
   auto policy() { return backend::policy().with_workspace(scratch.get(), bytes); }
-  troll::input_view<double> new_view() { return troll::make_batch<const double>(fresh.get(), s.rows, s.vocab); }
+  troll::input_view<double> new_view() {
+    return troll::make_batch<const double>(fresh.get(), s.rows, s.vocab);
+  }
   troll::objective_metrics forward() {
     buffer<troll::objective_metrics> metrics(1);
     if constexpr (is_troll)
       troll::objective_forward(policy(), objective, new_view(), s.old_view(), s.batch(),
-                               troll::make_batch(log_probs.get(), s.rows, s.vocab), stats.get(), nullptr, metrics.get());
+                               troll::make_batch(log_probs.get(), s.rows, s.vocab), stats.get(),
+                               nullptr, metrics.get());
     else
-      troll::objective_forward(policy(), objective, new_view(), s.old_view(), s.batch(), nullptr, metrics.get());
+      troll::objective_forward(policy(), objective, new_view(), s.old_view(), s.batch(), nullptr,
+                               metrics.get());
     return metrics.download()[0];
   }
   /// The gradient to gx; its buffer starts at 7 so that an entry left unwritten shows.
@@ -81,12 +92,15 @@ struct objective_on {
   }
 };
 
-TEST_CASE("objectives: PPO clip / DPPO / TROLL losses against long double; gradients by central differences; A = 0, huge A, masks all zero") {
+TEST_CASE(
+    "objectives: PPO clip / DPPO / TROLL losses against long double; gradients by central "
+    "differences; A = 0, huge A, masks all zero") {
   std::mt19937_64 g(51);
   std::normal_distribution<double> n01(0.0, 1.0);
   for (std::size_t vocab : {std::size_t(1), std::size_t(2), std::size_t(3), std::size_t(17)}) {
     const std::size_t rows = 4;
-    std::vector<double> zn(rows * vocab), zo(rows * vocab), adv{0.0, 1.0, -1e6, 2.5}, mask{1, 1, 1, 0.5};
+    std::vector<double> zn(rows * vocab), zo(rows * vocab), adv{0.0, 1.0, -1e6, 2.5},
+        mask{1, 1, 1, 0.5};
     std::vector<troll::token_id> tok(rows);
     for (std::size_t i = 0; i < rows * vocab; ++i) zo[i] = 2 * n01(g), zn[i] = zo[i] + n01(g);
     for (std::size_t r = 0; r < rows; ++r) tok[r] = troll::token_id(r % vocab);
@@ -104,14 +118,19 @@ TEST_CASE("objectives: PPO clip / DPPO / TROLL losses against long double; gradi
       den += mask[r];
     }
     troll::ppo_clip_objective ppo;
-    const troll::objective_metrics m = objective_on<troll::ppo_clip_objective>(ppo, staged, zn.data()).forward();
+    const troll::objective_metrics m =
+        objective_on<troll::ppo_clip_objective>(ppo, staged, zn.data()).forward();
     CHECK(std::fabs(m.loss - double(num / den)) <= 1e-12 * (1 + std::fabs(double(num / den))));
     // Gradients of the whole loss: PPO clip, DPPO (binary TV), TROLL with α = 0 (its regression
     // term differentiates p̃ only; α = 0 makes the loss a function of the logits).
     auto grad_check = [&](auto objective, bool troll_objective) {
       using Objective = decltype(objective);
-      auto loss = [&](const double* x) { return objective_on<Objective>(objective, staged, x).forward().loss; };
-      auto grad = [&](const double* x, double* gx) { objective_on<Objective>(objective, staged, x).backward(gx); };
+      auto loss = [&](const double* x) {
+        return objective_on<Objective>(objective, staged, x).forward().loss;
+      };
+      auto grad = [&](const double* x, double* gx) {
+        objective_on<Objective>(objective, staged, x).backward(gx);
+      };
       troll::gradcheck_options opt;
       opt.atol = 1e-6 * 1e6;  // the loss carries A = −1e6
       opt.rtol = 1e-5;

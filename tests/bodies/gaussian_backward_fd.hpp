@@ -34,8 +34,9 @@ struct problem {
 std::vector<real> oracle_output(const problem& p) {
   const gauss::normal target = p.full ? gauss::normal::from_factor(p.mean.data(), p.cov.data(), p.d)
                                       : gauss::normal::from_std(p.mean.data(), p.cov.data(), p.d);
-  const gauss::normal old = p.full ? gauss::normal::from_factor(p.old_mean.data(), p.old_cov.data(), p.d)
-                                   : gauss::normal::from_std(p.old_mean.data(), p.old_cov.data(), p.d);
+  const gauss::normal old =
+      p.full ? gauss::normal::from_factor(p.old_mean.data(), p.old_cov.data(), p.d)
+             : gauss::normal::from_std(p.old_mean.data(), p.old_cov.data(), p.d);
   const real t = gauss::solve_t(target, old, p.split ? p.eps_cov : p.eps, !p.split);
   gauss::normal out = gauss::member(target, old, t, !p.split);
   if (p.split) {
@@ -61,16 +62,10 @@ struct forward {
   troll::gaussian::gaussian_stats stats;
 };
 
-/// The backend's policy with a workspace of the size Op needs for one row of dimension d (none
-/// for the CPU; above d = 32 for CUDA's full rows).
+/// The backend's policy with the workspace Op needs for one row of dimension d (none for the
+/// CPU; above d = 32 for CUDA's full rows).
 template <class Op>
-struct scratch_policy {
-  std::size_t bytes;
-  buffer memory;
-  explicit scratch_policy(std::size_t d)
-      : bytes(troll::workspace_bytes(backend::policy(), Op{}, 1, d)), memory(bytes / sizeof(double) + 1) {}
-  auto get() { return backend::policy().with_workspace(memory.get(), bytes); }
-};
+using scratch_policy = troll_test::workspace_policy<backend, Op>;
 
 /// Host values on the backend as one row (zeros where `size` asks for a new output).
 struct row_buffer {
@@ -78,14 +73,17 @@ struct row_buffer {
   buffer data;
   explicit row_buffer(const std::vector<double>& v) : size(v.size()), data(v) {}
   explicit row_buffer(std::size_t n) : size(n), data(std::vector<double>(n, 0.0)) {}
-  troll::batch_view<const double> in() { return troll::make_batch(static_cast<const double*>(data.get()), 1, size); }
+  troll::batch_view<const double> in() {
+    return troll::make_batch(static_cast<const double*>(data.get()), 1, size);
+  }
   troll::batch_view<double> out() { return troll::make_batch(data.get(), 1, size); }
 };
 
 /// A problem's inputs staged on the backend.
 struct staged_problem {
   row_buffer mean, cov, old_mean, old_cov;
-  explicit staged_problem(const problem& p) : mean(p.mean), cov(p.cov), old_mean(p.old_mean), old_cov(p.old_cov) {}
+  explicit staged_problem(const problem& p)
+      : mean(p.mean), cov(p.cov), old_mean(p.old_mean), old_cov(p.old_cov) {}
 };
 
 /// The backend's forward of one problem, downloaded.
@@ -96,17 +94,19 @@ forward troll_forward(const problem& p) {
   row_buffer ym(p.d), yc(p.cov_size());
   typename backend::template buffer<g::gaussian_stats> st(1);
   if (p.full && !p.split)
-    g::project_joint(scratch_policy<op::gaussian_project_joint>(p.d).get(), s.mean.in(), s.cov.in(), s.old_mean.in(),
-                     s.old_cov.in(), p.eps, ym.out(), yc.out(), st.get());
+    g::project_joint(scratch_policy<op::gaussian_project_joint>(1, p.d).get(), s.mean.in(),
+                     s.cov.in(), s.old_mean.in(), s.old_cov.in(), p.eps, ym.out(), yc.out(),
+                     st.get());
   if (p.full && p.split)
-    g::project_split(scratch_policy<op::gaussian_project_split>(p.d).get(), s.mean.in(), s.cov.in(), s.old_mean.in(),
-                     s.old_cov.in(), p.eps, p.eps_cov, ym.out(), yc.out(), st.get());
+    g::project_split(scratch_policy<op::gaussian_project_split>(1, p.d).get(), s.mean.in(),
+                     s.cov.in(), s.old_mean.in(), s.old_cov.in(), p.eps, p.eps_cov, ym.out(),
+                     yc.out(), st.get());
   if (!p.full && !p.split)
-    g::project_joint_diag(backend::policy(), s.mean.in(), s.cov.in(), s.old_mean.in(), s.old_cov.in(), p.eps,
-                          ym.out(), yc.out(), st.get());
+    g::project_joint_diag(backend::policy(), s.mean.in(), s.cov.in(), s.old_mean.in(),
+                          s.old_cov.in(), p.eps, ym.out(), yc.out(), st.get());
   if (!p.full && p.split)
-    g::project_split_diag(backend::policy(), s.mean.in(), s.cov.in(), s.old_mean.in(), s.old_cov.in(), p.eps,
-                          p.eps_cov, ym.out(), yc.out(), st.get());
+    g::project_split_diag(backend::policy(), s.mean.in(), s.cov.in(), s.old_mean.in(),
+                          s.old_cov.in(), p.eps, p.eps_cov, ym.out(), yc.out(), st.get());
   return forward{ym.data.download(), yc.data.download(), st.download()[0]};
 }
 
@@ -133,21 +133,25 @@ gradients troll_backward(const problem& p, const std::vector<double>& upstream) 
   row_buffer up_cov(std::vector<double>(upstream.begin() + long(p.d), upstream.end()));
   typename backend::template buffer<g::gaussian_stats> st(std::vector<g::gaussian_stats>{f.stats});
   buffer eps_bar(std::vector<double>{0.0}), eps_mean_bar(std::vector<double>{0.0});
-  const g::gaussian_grads<double> grads{gm.out(), gc.out(), gom.out(), goc.out(), eps_bar.get(), eps_mean_bar.get()};
+  const g::gaussian_grads<double> grads{gm.out(),  gc.out(),      gom.out(),
+                                        goc.out(), eps_bar.get(), eps_mean_bar.get()};
   if (p.full && !p.split)
-    g::project_joint_backward(scratch_policy<op::gaussian_project_joint_backward>(p.d).get(), s.mean.in(), s.cov.in(),
-                              s.old_mean.in(), s.old_cov.in(), p.eps, ym.in(), yc.in(), st.get(), up_mean.in(),
-                              up_cov.in(), grads);
+    g::project_joint_backward(scratch_policy<op::gaussian_project_joint_backward>(1, p.d).get(),
+                              s.mean.in(), s.cov.in(), s.old_mean.in(), s.old_cov.in(), p.eps,
+                              ym.in(), yc.in(), st.get(), up_mean.in(), up_cov.in(), grads);
   if (p.full && p.split)
-    g::project_split_backward(scratch_policy<op::gaussian_project_split_backward>(p.d).get(), s.mean.in(), s.cov.in(),
-                              s.old_mean.in(), s.old_cov.in(), p.eps, p.eps_cov, ym.in(), yc.in(), st.get(),
-                              up_mean.in(), up_cov.in(), grads);
+    g::project_split_backward(scratch_policy<op::gaussian_project_split_backward>(1, p.d).get(),
+                              s.mean.in(), s.cov.in(), s.old_mean.in(), s.old_cov.in(), p.eps,
+                              p.eps_cov, ym.in(), yc.in(), st.get(), up_mean.in(), up_cov.in(),
+                              grads);
   if (!p.full && !p.split)
-    g::project_joint_diag_backward(backend::policy(), s.mean.in(), s.cov.in(), s.old_mean.in(), s.old_cov.in(), p.eps,
-                                   ym.in(), yc.in(), st.get(), up_mean.in(), up_cov.in(), grads);
+    g::project_joint_diag_backward(backend::policy(), s.mean.in(), s.cov.in(), s.old_mean.in(),
+                                   s.old_cov.in(), p.eps, ym.in(), yc.in(), st.get(), up_mean.in(),
+                                   up_cov.in(), grads);
   if (!p.full && p.split)
-    g::project_split_diag_backward(backend::policy(), s.mean.in(), s.cov.in(), s.old_mean.in(), s.old_cov.in(), p.eps,
-                                   p.eps_cov, ym.in(), yc.in(), st.get(), up_mean.in(), up_cov.in(), grads);
+    g::project_split_diag_backward(backend::policy(), s.mean.in(), s.cov.in(), s.old_mean.in(),
+                                   s.old_cov.in(), p.eps, p.eps_cov, ym.in(), yc.in(), st.get(),
+                                   up_mean.in(), up_cov.in(), grads);
   gradients out;
   out.mean = gm.data.download();
   out.cov = gc.data.download();
@@ -155,7 +159,7 @@ gradients troll_backward(const problem& p, const std::vector<double>& upstream) 
   out.old_cov = goc.data.download();
   const double e = eps_bar.download()[0], em = eps_mean_bar.download()[0];
   if (p.split) {
-    out.eps = em;  // ε of the problem is ε_μ for split
+    out.eps = em;      // ε of the problem is ε_μ for split
     out.eps_mean = e;  // and eps_cov is ε_Σ
   } else {
     out.eps = e;
@@ -165,8 +169,8 @@ gradients troll_backward(const problem& p, const std::vector<double>& upstream) 
 
 /// Checks ⟨∇, v⟩ against the central difference of ⟨upstream, output⟩ along v, for v a random
 /// direction of each input in turn (factor directions lower-triangular) and of each bound.
-void check_vjp(const problem& p, const std::function<std::vector<real>(const problem&)>& output, double h,
-               double rtol, gauss::generator& gen, const std::string& what) {
+void check_vjp(const problem& p, const std::function<std::vector<real>(const problem&)>& output,
+               double h, double rtol, gauss::generator& gen, const std::string& what) {
   INFO(what, " d=", p.d, " full=", p.full, " split=", p.split, " eps=", p.eps);
   std::vector<double> upstream(p.d + p.cov_size());
   for (std::size_t i = 0; i < upstream.size(); ++i) {
@@ -180,8 +184,8 @@ void check_vjp(const problem& p, const std::function<std::vector<real>(const pro
     for (std::size_t i = 0; i < out.size(); ++i) s += static_cast<real>(upstream[i]) * out[i];
     return s;
   };
-  auto check_direction = [&](const char* name, std::vector<double> problem::*field, const std::vector<double>& grad,
-                             bool is_cov) {
+  auto check_direction = [&](const char* name, std::vector<double> problem::*field,
+                             const std::vector<double>& grad, bool is_cov) {
     std::vector<double> dir((p.*field).size());
     double analytic = 0;
     for (std::size_t i = 0; i < dir.size(); ++i) {
@@ -230,7 +234,6 @@ problem random_problem(gauss::generator& gen, std::size_t d, bool full, bool spl
   return p;
 }
 
-
 TEST_CASE("VJP against finite differences of the long-double oracle") {
   gauss::generator gen(41);
   for (const bool full : {true, false}) {
@@ -258,7 +261,6 @@ TEST_CASE("VJP against finite differences of troll's forward at larger d") {
 }
 
 // ---- JVP (forward mode) ----
-
 
 /// A direction in the space of every input: one entry per input value, and the bounds'.
 struct direction {
@@ -315,18 +317,21 @@ std::vector<double> troll_jvp(const problem& p, const direction& v) {
   tan.eps = p.split ? v.eps_cov : v.eps;
   tan.eps_mean = p.split ? v.eps : 0.0;
   if (p.full && !p.split)
-    g::project_joint_jvp(scratch_policy<op::gaussian_project_joint_jvp>(p.d).get(), s.mean.in(), s.cov.in(),
-                         s.old_mean.in(), s.old_cov.in(), p.eps, ym.in(), yc.in(), st.get(), tan, tm.out(), tc.out());
+    g::project_joint_jvp(scratch_policy<op::gaussian_project_joint_jvp>(1, p.d).get(), s.mean.in(),
+                         s.cov.in(), s.old_mean.in(), s.old_cov.in(), p.eps, ym.in(), yc.in(),
+                         st.get(), tan, tm.out(), tc.out());
   if (p.full && p.split)
-    g::project_split_jvp(scratch_policy<op::gaussian_project_split_jvp>(p.d).get(), s.mean.in(), s.cov.in(),
-                         s.old_mean.in(), s.old_cov.in(), p.eps, p.eps_cov, ym.in(), yc.in(), st.get(), tan, tm.out(),
-                         tc.out());
+    g::project_split_jvp(scratch_policy<op::gaussian_project_split_jvp>(1, p.d).get(), s.mean.in(),
+                         s.cov.in(), s.old_mean.in(), s.old_cov.in(), p.eps, p.eps_cov, ym.in(),
+                         yc.in(), st.get(), tan, tm.out(), tc.out());
   if (!p.full && !p.split)
-    g::project_joint_diag_jvp(backend::policy(), s.mean.in(), s.cov.in(), s.old_mean.in(), s.old_cov.in(), p.eps,
-                              ym.in(), yc.in(), st.get(), tan, tm.out(), tc.out());
+    g::project_joint_diag_jvp(backend::policy(), s.mean.in(), s.cov.in(), s.old_mean.in(),
+                              s.old_cov.in(), p.eps, ym.in(), yc.in(), st.get(), tan, tm.out(),
+                              tc.out());
   if (!p.full && p.split)
-    g::project_split_diag_jvp(backend::policy(), s.mean.in(), s.cov.in(), s.old_mean.in(), s.old_cov.in(), p.eps,
-                              p.eps_cov, ym.in(), yc.in(), st.get(), tan, tm.out(), tc.out());
+    g::project_split_diag_jvp(backend::policy(), s.mean.in(), s.cov.in(), s.old_mean.in(),
+                              s.old_cov.in(), p.eps, p.eps_cov, ym.in(), yc.in(), st.get(), tan,
+                              tm.out(), tc.out());
   std::vector<double> flat = tm.data.download();
   const std::vector<double> cov = tc.data.download();
   flat.insert(flat.end(), cov.begin(), cov.end());
@@ -335,8 +340,8 @@ std::vector<double> troll_jvp(const problem& p, const direction& v) {
 
 /// J v against the central difference of the output along v, entry by entry (atol + rtol·scale,
 /// scale the largest entry of the difference).
-void check_jvp_fd(const problem& p, const std::function<std::vector<real>(const problem&)>& output, double h,
-                  double rtol, gauss::generator& gen, const std::string& what) {
+void check_jvp_fd(const problem& p, const std::function<std::vector<real>(const problem&)>& output,
+                  double h, double rtol, gauss::generator& gen, const std::string& what) {
   INFO(what, " d=", p.d, " full=", p.full, " split=", p.split, " eps=", p.eps);
   const direction v = random_direction(p, gen);
   const std::vector<double> jv = troll_jvp(p, v);
@@ -353,14 +358,14 @@ void check_jvp_fd(const problem& p, const std::function<std::vector<real>(const 
   }
 }
 
-
 TEST_CASE("JVP against finite differences of the long-double oracle") {
   gauss::generator gen(47);
   for (const bool full : {true, false})
     for (const bool split : {false, true})
       for (const std::size_t d : {std::size_t(1), std::size_t(3)})
-        for (const double eps : {1e-3, 0.1, 1e4}) check_jvp_fd(random_problem(gen, d, full, split, eps), oracle_output,
-                                                              1e-6, 1e-6, gen, "oracle");
+        for (const double eps : {1e-3, 0.1, 1e4})
+          check_jvp_fd(random_problem(gen, d, full, split, eps), oracle_output, 1e-6, 1e-6, gen,
+                       "oracle");
 }
 
 TEST_CASE("JVP against finite differences of troll's forward at larger d") {
@@ -368,7 +373,8 @@ TEST_CASE("JVP against finite differences of troll's forward at larger d") {
   for (const bool full : {true, false})
     for (const bool split : {false, true})
       for (const std::size_t d : {std::size_t(12), std::size_t(48)})
-        check_jvp_fd(random_problem(gen, d, full, split, 0.2), troll_output, 1e-6, 1e-5, gen, "troll forward");
+        check_jvp_fd(random_problem(gen, d, full, split, 0.2), troll_output, 1e-6, 1e-5, gen,
+                     "troll forward");
 }
 
 TEST_CASE("JVP and VJP are adjoint: <u, J v> = <J^T u, v>") {

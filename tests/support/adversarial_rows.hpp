@@ -29,7 +29,8 @@ inline std::string describe(const row_case& c) {
 }
 
 /// n logits shift + N(0, scale²).
-inline std::vector<double> gaussian_row(std::mt19937_64& g, std::size_t n, double scale, double shift = 0) {
+inline std::vector<double> gaussian_row(std::mt19937_64& g, std::size_t n, double scale,
+                                        double shift = 0) {
   std::normal_distribution<double> d(0.0, scale);
   std::vector<double> z(n);
   for (auto& v : z) v = shift + d(g);

@@ -1,7 +1,7 @@
 // tests/support/adversarial_sparse_rows.hpp — the adversarial sparse rows of
 // tests/test_adversarial_sparse.cpp (and its shared body bodies/adversarial_sparse_backward.hpp):
-// dense logits of eight kinds (huge shift, near-deterministic, ties, masks, all but one masked, wide
-// spread, ±1e4), supports of their top tokens, sparse rows with exact long-double values on a
+// dense logits of eight kinds (huge shift, near-deterministic, ties, masks, all but one masked,
+// wide spread, ±1e4), supports of their top tokens, sparse rows with exact long-double values on a
 // support, and aligned pairs built from them through the CPU's troll::align.
 #pragma once
 
@@ -77,8 +77,10 @@ std::vector<T> dense_row(std::mt19937_64& g, std::size_t vocab, int kind) {
       break;
     case 4:  // masked tokens
       for (std::size_t i = 0; i < vocab; i += 3) z[i] = T(-inf);
-      if (vocab >= 2) z[1] = T(1);
-      else z[0] = T(0);
+      if (vocab >= 2)
+        z[1] = T(1);
+      else
+        z[0] = T(0);
       break;
     case 5:  // all but one masked
       for (auto& x : z) x = T(-inf);
@@ -102,16 +104,19 @@ template <class T>
 std::vector<int> top_support(const std::vector<T>& z, std::size_t k, int extra = -1) {
   std::vector<int> order(z.size());
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return z[std::size_t(a)] > z[std::size_t(b)]; });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return z[std::size_t(a)] > z[std::size_t(b)]; });
   order.resize(std::min(k, z.size()));
-  if (extra >= 0 && std::find(order.begin(), order.end(), extra) == order.end()) order.push_back(extra);
+  if (extra >= 0 && std::find(order.begin(), order.end(), extra) == order.end())
+    order.push_back(extra);
   return order;
 }
 
 /// Aligned rows (count rows) from random adversarial dense pairs, through the oracle's exact
 /// sparse rows and the CPU's troll::align.
 template <class T>
-sparse_test::aligned_rows<T> make_aligned(std::mt19937_64& g, std::size_t vocab, std::size_t rows, int kind0) {
+sparse_test::aligned_rows<T> make_aligned(std::mt19937_64& g, std::size_t vocab, std::size_t rows,
+                                          int kind0) {
   const std::size_t k_max = std::min<std::size_t>(vocab, 12) * 2 + 2;
   sparse_test::sparse_rows<T> a(rows, k_max, vocab), b(rows, k_max, vocab);
   std::uniform_int_distribution<std::size_t> pick_k(0, std::min<std::size_t>(vocab, 12));
@@ -123,7 +128,8 @@ sparse_test::aligned_rows<T> make_aligned(std::mt19937_64& g, std::size_t vocab,
       zo[vocab - 1] = T(double(zo[vocab - 1]) + 40);
     // Masks that leave a joint support: the old row's mask never covers every finite new token.
     bool joint = false;
-    for (std::size_t i = 0; i < vocab; ++i) joint |= std::isfinite(double(zn[i])) && std::isfinite(double(zo[i]));
+    for (std::size_t i = 0; i < vocab; ++i)
+      joint |= std::isfinite(double(zn[i])) && std::isfinite(double(zo[i]));
     if (!joint) zo = dense_row<T>(g, vocab, 0);
     put_row(a, r, gather(zn, top_support(zn, pick_k(g))));
     put_row(b, r, gather(zo, top_support(zo, pick_k(g))));

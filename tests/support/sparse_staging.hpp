@@ -23,8 +23,13 @@ struct staged_sparse {
   buffer<troll::sparse_index> indices, counts;
   buffer<T> log_probs, log_remainder;
   explicit staged_sparse(const sparse_test::sparse_rows<T>& h)
-      : rows(h.rows), k_max(h.k_max), vocab(h.vocab), indices(h.indices), counts(h.counts),
-        log_probs(h.log_probs), log_remainder(h.log_remainder) {}
+      : rows(h.rows),
+        k_max(h.k_max),
+        vocab(h.vocab),
+        indices(h.indices),
+        counts(h.counts),
+        log_probs(h.log_probs),
+        log_remainder(h.log_remainder) {}
   troll::sparse_batch_view<T> view() {
     return {indices.get(), log_probs.get(), counts.get(), log_remainder.get(), rows, k_max, vocab};
   }
@@ -46,10 +51,18 @@ struct staged_aligned {
   buffer<troll::sparse_index> indices, counts;
   buffer<T> new_lp, old_lp, new_rem, old_rem;
   explicit staged_aligned(const sparse_test::aligned_rows<T>& h)
-      : rows(h.rows), k_max(h.k_max), vocab(h.vocab), indices(h.indices), counts(h.counts), new_lp(h.new_log_probs),
-        old_lp(h.old_log_probs), new_rem(h.new_log_remainder), old_rem(h.old_log_remainder) {}
+      : rows(h.rows),
+        k_max(h.k_max),
+        vocab(h.vocab),
+        indices(h.indices),
+        counts(h.counts),
+        new_lp(h.new_log_probs),
+        old_lp(h.old_log_probs),
+        new_rem(h.new_log_remainder),
+        old_rem(h.old_log_remainder) {}
   troll::aligned_batch_view<T> view() {
-    return {indices.get(), counts.get(), new_lp.get(), old_lp.get(), new_rem.get(), old_rem.get(), rows, k_max, vocab};
+    return {indices.get(), counts.get(), new_lp.get(), old_lp.get(), new_rem.get(),
+            old_rem.get(), rows,         k_max,        vocab};
   }
   troll::aligned_batch_view<const T> input() { return troll::aligned_batch_view<const T>(view()); }
   void download_to(sparse_test::aligned_rows<T>& h) const {
@@ -81,8 +94,8 @@ struct staged_grads {
 
 /// The backend's sparse project of host aligned rows into host `out` and `stats`.
 template <class Backend, class T>
-void project_on(const sparse_test::aligned_rows<T>& rows, double eps, sparse_test::sparse_rows<T>& out,
-                std::vector<troll::projection_stats>& stats) {
+void project_on(const sparse_test::aligned_rows<T>& rows, double eps,
+                sparse_test::sparse_rows<T>& out, std::vector<troll::projection_stats>& stats) {
   staged_aligned<Backend, T> din(rows);
   staged_sparse<Backend, T> dout(out);
   typename Backend::template buffer<troll::projection_stats> dst(stats.size());
@@ -96,15 +109,18 @@ void project_on(const sparse_test::aligned_rows<T>& rows, double eps, sparse_tes
 /// The backend's sparse project_backward on host batches; `grad_old` and `grad_eps` may be null
 /// (not requested).
 template <class Backend, class T>
-void project_backward_on(const sparse_test::aligned_rows<T>& rows, const sparse_test::sparse_rows<T>& log_probs,
-                         const std::vector<troll::projection_stats>& stats, const sparse_test::sparse_grads<T>& grad,
-                         sparse_test::sparse_grads<T>& grad_new, sparse_test::sparse_grads<T>* grad_old = nullptr,
-                         T* grad_eps = nullptr) {
+void project_backward_on(const sparse_test::aligned_rows<T>& rows,
+                         const sparse_test::sparse_rows<T>& log_probs,
+                         const std::vector<troll::projection_stats>& stats,
+                         const sparse_test::sparse_grads<T>& grad,
+                         sparse_test::sparse_grads<T>& grad_new,
+                         sparse_test::sparse_grads<T>* grad_old = nullptr, T* grad_eps = nullptr) {
   staged_aligned<Backend, T> din(rows);
   staged_sparse<Backend, T> dlp(log_probs);
   typename Backend::template buffer<troll::projection_stats> dst(stats);
   staged_grads<Backend, T> dg(grad), dgn(grad_new);
-  staged_grads<Backend, T> dgo(grad_old != nullptr ? *grad_old : sparse_test::sparse_grads<T>(0, 0));
+  staged_grads<Backend, T> dgo(grad_old != nullptr ? *grad_old
+                                                   : sparse_test::sparse_grads<T>(0, 0));
   typename Backend::template buffer<T> dge(1);
   project_backward(Backend::policy(), din.input(), dlp.input(), dst.get(), dg.input(), dgn.view(),
                    grad_old != nullptr ? dgo.view() : troll::sparse_grad_view<T>{},
