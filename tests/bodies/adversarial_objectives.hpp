@@ -19,6 +19,9 @@ template <class E>
 using buffer = typename backend::template buffer<E>;
 using ld = long double;
 
+/// Whether this instantiation is the CPU's (its bounds are the ones the CPU suite always asserted).
+constexpr bool cpu_instance = std::is_same<backend, troll_test::backend<troll::cpu_policy>>::value;
+
 /// A batch's old logits and token data staged on the backend.
 struct staged_tokens {
   std::size_t rows, vocab;
@@ -120,7 +123,9 @@ TEST_CASE(
     troll::ppo_clip_objective ppo;
     const troll::objective_metrics m =
         objective_on<troll::ppo_clip_objective>(ppo, staged, zn.data()).forward();
-    CHECK(std::fabs(m.loss - double(num / den)) <= 1e-12 * (1 + std::fabs(double(num / den))));
+    // The CPU's bound; on a device docs/cuda.md's device-vs-CPU bound for the objectives (1e-9).
+    const double loss_rtol = cpu_instance ? 1e-12 : 1e-9;
+    CHECK(std::fabs(m.loss - double(num / den)) <= loss_rtol * (1 + std::fabs(double(num / den))));
     // Gradients of the whole loss: PPO clip, DPPO (binary TV), TROLL with α = 0 (its regression
     // term differentiates p̃ only; α = 0 makes the loss a function of the logits).
     auto grad_check = [&](auto objective, bool troll_objective) {
