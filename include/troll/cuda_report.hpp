@@ -35,7 +35,9 @@ struct cuda_row_report {
 ///   caller reads them whenever it synchronises anyway.
 /// * `checked = true`: a validation kernel runs first, the stream is synchronised and the first
 ///   rejected row is thrown as the CPU backend's typed exception, naming the row, before any
-///   output is written. It allocates a few bytes with cudaMallocAsync and synchronises twice:
+///   output is written (the same class, message and row_error code). The validation writes
+///   every row's report to stream-ordered scratch (cudaMallocAsync, a report per row) and finds
+///   the lowest rejected row with one atomicMin: one validation pass and one synchronisation,
 ///   meant for debugging and tests, not for the training hot path.
 struct cuda_checks {
   cuda_row_report* reports = nullptr;

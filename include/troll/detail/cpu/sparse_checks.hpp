@@ -1,0 +1,401 @@
+// troll/detail/cpu/sparse_checks.hpp — the CPU sparse entry points' row checks and the row helpers
+// they share (validation of sparse and aligned rows, the lumped (|U|+1)-category pair, the union's
+// capacity, writing a lumped row back), kept out of the public <troll/sparse.hpp>. Host-only.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "../../backward.hpp"
+#include "../../batch.hpp"
+#include "../../config.hpp"
+#include "backward_kernels.hpp"
+#include "parallel.hpp"
+#include "row_kernels.hpp"
+#include "sparse_backward_rows.hpp"
+#include "sparse_fast_checks.hpp"
+#include "sparse_kernels.hpp"
+#include "sparse_lumped_rows.hpp"
+#include "../row_problem.hpp"
+#include "../sparse_arguments.hpp"
+#include "../sparse_row.hpp"
+#include "../../errors.hpp"
+#include "../../execution.hpp"
+#include "../workspace.hpp"
+#include "../../workspace.hpp"
+#include "../../kl.hpp"
+#include "../../projection_types.hpp"
+#include "../../sparse_types.hpp"
+
+TROLL_BEGIN_NAMESPACE
+
+namespace detail {
+
+/// Runs check(r) → row_problem over all rows and throws the problem of the lowest bad row.
+template <class Check>
+void first_row_problem(const char* fn, unsigned threads, std::size_t rows, std::size_t work,
+                          Check&& check) {
+  const std::size_t bad =
+      cpu::first_bad_row(threads, rows, work, [&](std::size_t r) { return bool(check(r)); });
+  if (bad != rows) throw_row_problem(fn, bad, check(bad));
+}
+
+/// first_row_problem over checks that sort a row: check(r, scratch), `scratch` holding
+/// sparse_max_entries slots on the checking thread's stack (4·sparse_max_entries work a row).
+template <class Check>
+void first_sorted_row_problem(const char* fn, unsigned threads, std::size_t rows, Check&& check) {
+  first_row_problem(fn, threads, rows, 4 * std::size_t(sparse_max_entries), [&](std::size_t r) {
+    index_slot scratch[sparse_max_entries];
+    return check(r, scratch);
+  });
+}
+
+template <class T>
+row_problem check_sparse_row_of(const sparse_batch_view<T>& v, std::size_t r,
+                                        const char* name, index_slot* scratch) {
+  return cpu::check_sparse_row(v.row_indices(r), v.row_log_probs(r), v.count(r), v.log_remainder[r],
+                               v.k_max, v.vocab, name, scratch);
+}
+
+/// Row r of a support whose values are not read (sparsify_backward's and align's `support`): its
+/// indices and counts checked as check_sparse_row does, the mass checks skipped (and with
+/// `any_values`, the value checks too).
+template <class T>
+row_problem check_support_row(const sparse_batch_view<T>& support, std::size_t r, const char* name,
+                                      index_slot* scratch, bool any_values = false) {
+  row_problem p = cpu::check_sparse_row(support.row_indices(r), support.row_log_probs(r),
+                                                support.count(r), T(0), support.k_max, support.vocab, name,
+                                                scratch);
+  using kind = row_error;
+  const bool skipped = p.kind == kind::sparse_no_mass || p.kind == kind::sparse_no_tail || p.kind == kind::sparse_mass ||
+                       (any_values && (p.kind == kind::sparse_nan || p.kind == kind::sparse_above_one));
+  return skipped ? row_problem{} : p;
+}
+
+/// The first NaN or infinite entry of an upstream sparse gradient's row r (entries −1 = the
+/// bucket, then 0 … count − 1), as a problem naming `operand`.
+template <class T>
+row_problem check_grad_row(const sparse_grad_view<const T>& grad, std::size_t r, long long count,
+                                   const char* operand) {
+  row_problem p;
+  for (long long i = -1; i < count; ++i) {
+    const double g = i < 0 ? double(grad.log_remainder[r]) : double(grad.row(r)[i]);
+    if (!(g - g == 0.0)) {
+      p.kind = row_error::sparse_nan;
+      p.operand = operand;
+      p.entry = i;
+      return p;
+    }
+  }
+  return p;
+}
+
+/// NaN / +inf anywhere in a shard's logits (an all −inf shard is fine: another shard may hold
+/// the mass); throws the lowest bad row's problem.
+template <class T>
+void validate_shard_values(const char* fn, unsigned threads, batch_view<const T> shard_logits) {
+  auto problem = [&](std::size_t r) {
+    return cpu::find_bad_value(shard_logits.row(r), shard_logits.cols, "shard_logits");
+  };
+  const std::size_t bad = cpu::first_bad_row(threads, shard_logits.rows, shard_logits.cols,
+                                             [&](std::size_t r) { return bool(problem(r)); });
+  if (bad != shard_logits.rows) throw_row_problem(fn, bad, problem(bad));
+}
+
+/// Whether row r of a sparse batch passes check_sparse_row (the fast yes/no checks).
+template <class T>
+bool sparse_row_fine(const sparse_batch_view<T>& v, std::size_t r, sparse_index* table) {
+  return cpu::sparse_indices_fine(v.row_indices(r), v.count(r), v.k_max, v.vocab, table) &&
+         cpu::sparse_values_fine(v.row_log_probs(r), v.count(r), v.log_remainder[r], v.vocab);
+}
+
+/// Validates every row of a sparse batch (parallel); throws the lowest bad row's problem. One
+/// fast pass; only a batch with a bad row runs the full checks, which name it.
+template <class T>
+void validate_sparse(const char* fn, unsigned threads, const sparse_batch_view<T>& v, const char* name) {
+  const std::size_t bad = cpu::first_bad_row(threads, v.rows, 4 * std::size_t(v.k_max) + 64, [&](std::size_t r) {
+    sparse_index table[cpu::distinct_table_slots];
+    return !sparse_row_fine(v, r, table);
+  });
+  if (bad == v.rows) return;
+  first_sorted_row_problem(fn, threads, v.rows, [&](std::size_t r, index_slot* scratch) {
+    return check_sparse_row_of(v, r, name, scratch);
+  });
+}
+
+/// Sampled tokens must lie in [0, V).
+inline void validate_sampled(const char* fn, const token_id* sampled, std::size_t rows,
+                             std::size_t vocab) {
+  if (!sampled) return;
+  for (std::size_t r = 0; r < rows; ++r) {
+    if (sampled[r] < 0 || std::size_t(sampled[r]) >= vocab)
+      throw_row_problem(fn, r, make_problem(row_error::bad_sampled, "", 0, double(sampled[r]), double(vocab)));
+  }
+}
+
+/// The lumped (|U|+1)-category rows of aligned row r: new and old logits on the support entries
+/// and the bucket. Categories that are −inf on both sides carry no mass in any π_t and are left
+/// out (the dense row maths wants each token finite on at least one side); slot[j] is the entry
+/// of lumped category j (count = the bucket). Returns the number of categories kept.
+template <class T>
+int lumped_pair(const aligned_batch_view<const T>& a, std::size_t r, double* zn, double* zo, int* slot) {
+  const int count = static_cast<int>(a.counts[r]);
+  const bool tail = static_cast<long long>(a.vocab) > count;
+  const T* new_lp = a.new_log_probs + r * a.k_max;
+  const T* old_lp = a.old_log_probs + r * a.k_max;
+  // Widen every entry (a loop the compiler vectorises), then drop the categories masked on both
+  // sides, which are rare, in a second pass only when there are any.
+  // Separate loops: GCC vectorises each (one mixing the widening, the ids and the test did not).
+  for (int i = 0; i < count; ++i) zn[i] = double(new_lp[i]);
+  for (int i = 0; i < count; ++i) zo[i] = double(old_lp[i]);
+  for (int i = 0; i < count; ++i) slot[i] = i;
+  int both_masked = 0;
+  constexpr T lowest = -std::numeric_limits<T>::infinity();
+  for (int i = 0; i < count; ++i) both_masked |= int(new_lp[i] == lowest) & int(old_lp[i] == lowest);
+  zn[count] = tail ? double(a.new_log_remainder[r]) : neg_inf();
+  zo[count] = tail ? double(a.old_log_remainder[r]) : neg_inf();
+  slot[count] = count;
+  both_masked |= int(zn[count] == neg_inf()) & int(zo[count] == neg_inf());
+  if (both_masked == 0) return count + 1;
+  int n = 0;
+  for (int i = 0; i <= count; ++i) {
+    if (zn[i] == neg_inf() && zo[i] == neg_inf()) continue;
+    zn[n] = zn[i];
+    zo[n] = zo[i];
+    slot[n] = i;
+    ++n;
+  }
+  return n;
+}
+
+/// lumped_pair and scan_pair's setup of aligned row r (solver-ready): the common row, every
+/// category finite on both sides, in one pass of the caller's type (cpu::lumped_pair_finite),
+/// any other through lumped_pair and scan_pair. Returns the number of categories kept.
+template <class T>
+int lumped_pair_setup(const aligned_batch_view<const T>& a, std::size_t r, double* zn, double* zo, int* slot,
+                      row_setup& setup) {
+  const int count = static_cast<int>(a.counts[r]);
+  const std::size_t at = r * a.k_max;
+  const T masked = T(neg_inf());
+  const bool tail = a.vocab > std::size_t(count);
+  if (cpu::lumped_pair_finite(a.new_log_probs + at, a.old_log_probs + at, count,
+                              tail ? a.new_log_remainder[r] : masked, tail ? a.old_log_remainder[r] : masked, zn, zo,
+                              setup))
+    return count + 1;  // slot[j] = j: not written (write_lumped_row reads slot only when n < count + 1)
+  const int n = lumped_pair(a, r, zn, zo, slot);
+  cpu::scan_pair(zn, zo, std::size_t(n), setup, "", "");
+  return n;
+}
+
+/// cpu::first_bad_row for checks that test distinct ids: the rows in runs of 256, each run on one
+/// thread with one distinct_ids_scratch (on its stack, cleared once per run); check(r, scratch)
+/// says whether row r is bad. Returns the lowest bad row, or rows.
+template <class Check>
+std::size_t first_bad_row_with_ids(unsigned threads, std::size_t rows, std::size_t work_per_row, Check&& check) {
+  constexpr std::size_t run = 256;
+  std::atomic<std::size_t> first{rows};
+  cpu::parallel_for(threads, (rows + run - 1) / run, run * work_per_row, [&](std::size_t b) {
+    cpu::distinct_ids_scratch scratch;
+    const std::size_t end = std::min(rows, (b + 1) * run);
+    for (std::size_t r = b * run; r < end; ++r) {
+      if (r >= first.load(std::memory_order_relaxed)) return;
+      if (check(r, scratch)) {
+        std::size_t seen = first.load();
+        while (r < seen && !first.compare_exchange_weak(seen, r)) {
+        }
+        return;
+      }
+    }
+  });
+  return first.load();
+}
+
+/// The checks the projection and the regression term need on the lumped pair of aligned row r:
+/// disjoint supports, infeasibility at eps (when eps > 0) and, with `regression`, new mass on a
+/// category the old row has none on (KL(p̃ ‖ π*) = +inf).
+template <class T>
+row_problem check_lumped(const aligned_batch_view<const T>& a, std::size_t r, double eps, bool regression) {
+  double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
+  int slot[sparse_max_entries + 1];
+  const int n = lumped_pair(a, r, zn, zo, slot);
+  row_setup setup;
+  row_problem p = cpu::scan_pair(zn, zo, std::size_t(n), setup, "new (lumped)", "old (lumped)");
+  if (!p && eps > 0.0 && setup.old_only) {
+    const double floor = cpu::min_reachable_kl(zn, zo, std::size_t(n), setup);
+    if (floor >= eps) {
+      p.kind = row_error::infeasible;
+      p.value = floor;
+    }
+  }
+  if (!p && regression && setup.new_only) p.kind = row_error::regression_inf;
+  return p;
+}
+
+/// Never refuses a row: validate_aligned's default extra check.
+struct no_extra_check {
+  bool operator()(std::size_t, bool) const { return false; }
+};
+/// Prefetches nothing: validate_aligned's default for the caller's own operands.
+struct no_prefetch {
+  void operator()(std::size_t, long long) const {}
+};
+
+/// Validates an aligned batch for KL / projection: both sides' sparse checks, then the dense
+/// row checks on the lumped rows (disjoint supports; with eps > 0, infeasibility). `extra_bad`
+/// is a caller's own yes/no check of row r (told whether every lumped category of the row is
+/// finite on both sides), run in the same fast pass while the row is in cache
+/// (project_backward's checks of its other operands); returns whether it passed every row, so
+/// that only a batch with a refused row runs the caller's full checks (after these).
+template <class T, class Extra = no_extra_check, class Prefetch = no_prefetch>
+bool validate_aligned(const char* fn, unsigned threads, const aligned_batch_view<const T>& a, double eps,
+                      Extra&& extra_bad = Extra{}, Prefetch&& prefetch_extra = Prefetch{}) {
+  auto problem = [&](std::size_t r) { return check_lumped(a, r, eps, false); };
+  // One fast pass over both sides and the lumped rows; a batch with a bad row then runs the
+  // checks in their documented order (every row's new side, then old, then the lumped rows).
+  const sparse_batch_view<const T> new_side = a.new_side(), old_side = a.old_side();
+  const std::size_t any_bad =
+      first_bad_row_with_ids(threads, a.rows, 16 * std::size_t(a.k_max) + 64,
+                             [&](std::size_t r, cpu::distinct_ids_scratch& ids) {
+        if (r + cpu::prefetch_rows_ahead < a.rows) {  // the rows ahead, while this one is checked
+          const std::size_t ahead = r + cpu::prefetch_rows_ahead, at = ahead * a.k_max;
+          const long long c = a.counts[ahead];
+          cpu::prefetch_entries(a.indices + at, c);
+          cpu::prefetch_entries(a.new_log_probs + at, c);
+          cpu::prefetch_entries(a.old_log_probs + at, c);
+          prefetch_extra(ahead, c);
+        }
+        bool new_finite = false, old_finite = false;
+        if (!cpu::sparse_indices_fine(new_side.row_indices(r), new_side.count(r), new_side.k_max, new_side.vocab,
+                                      ids) ||
+            !cpu::aligned_values_fine(new_side.row_log_probs(r), new_side.log_remainder[r],
+                                      old_side.row_log_probs(r), old_side.log_remainder[r], new_side.count(r),
+                                      new_side.vocab, &new_finite, &old_finite))
+          return true;
+        // Every lumped category finite on both sides (values ≤ 0, a non-empty tail): the lumped
+        // checks cannot fail (no NaN or +inf, nothing masked, so nothing disjoint or infeasible).
+        const bool all_finite = new_finite && old_finite && a.vocab > std::size_t(a.counts[r]);
+        if (extra_bad(r, all_finite)) return true;
+        if (all_finite) return false;
+        return bool(problem(r));
+      });
+  if (any_bad == a.rows) return true;
+  validate_sparse(fn, threads, new_side, "new");
+  validate_sparse(fn, threads, old_side, "old");
+  const std::size_t bad = cpu::first_bad_row(threads, a.rows, 4 * std::size_t(sparse_max_entries),
+                                             [&](std::size_t r) { return bool(problem(r)); });
+  if (bad != a.rows) throw_row_problem(fn, bad, problem(bad));
+  return false;
+}
+
+template <class T>
+void pad_row(sparse_index* indices, T* log_probs, std::size_t from, std::size_t k_max) {
+  for (std::size_t i = from; i < k_max; ++i) {
+    indices[i] = -1;
+    log_probs[i] = T(neg_inf());
+  }
+}
+
+}  // namespace detail
+
+namespace detail {
+
+/// The problem of a row whose union of supports (u entries) exceeds align's output capacity.
+inline row_problem union_capacity_problem(int u, std::size_t cap) {
+  row_problem p;
+  if (std::size_t(u) > cap) {
+    p.kind = row_error::sparse_count;
+    p.operand = "out (the union of the supports)";
+    p.value = u;
+  }
+  return p;
+}
+
+/// Throws (naming the lowest row) where `new_problem(r, scratch)` reports a problem of the new
+/// side's row r or where U = S_new ∪ S_old is larger than align's output capacity; S_new is
+/// new_side's support, empty when new_side.rows = 0. `scratch` holds sparse_max_entries slots.
+template <class T, class NewProblem>
+void check_union_capacity(const char* fn, unsigned threads, const sparse_batch_view<const T>& new_side,
+                          const sparse_batch_view<const T>& old_rows, std::size_t k_max, NewProblem new_problem) {
+  const std::size_t cap = k_max < std::size_t(sparse_max_entries) ? k_max : sparse_max_entries;
+  first_sorted_row_problem(fn, threads, old_rows.rows, [&](std::size_t r, index_slot* scratch) {
+    const row_problem p = new_problem(r, scratch);
+    if (p) return p;
+    const int u = new_side.rows != 0 ? union_size(new_side.row_indices(r), int(new_side.count(r)),
+                                                  old_rows.row_indices(r), int(old_rows.count(r)), scratch)
+                                     : int(old_rows.count(r));
+    return union_capacity_problem(u, cap);
+  });
+}
+
+/// The old side of align's output row r, U (u tokens) already in out.indices and old_pos[i] the
+/// old row's entry of U_i (−1 where it has none): the old row's values, its uniform tail value
+/// log(r/m) on U∖S_old, the bucket shrunk to V∖U, −inf padding; and out.counts[r] = u.
+template <class T>
+void write_aligned_old(const aligned_batch_view<T>& out, std::size_t r, int u,
+                       const sparse_batch_view<const T>& old_rows, const int* old_pos) {
+  const long long vocab = static_cast<long long>(out.vocab);
+  const long long m_old = vocab - old_rows.count(r), m_u = vocab - u;
+  const double lr_old = double(old_rows.log_remainder[r]);
+  const double tail_old = tail_log_value(lr_old, m_old);
+  T* lo = out.old_log_probs + r * out.k_max;
+  for (int i = 0; i < u; ++i) lo[i] = old_pos[i] >= 0 ? old_rows.row_log_probs(r)[old_pos[i]] : T(tail_old);
+  for (std::size_t i = std::size_t(u); i < out.k_max; ++i) lo[i] = T(neg_inf());
+  out.counts[r] = u;
+  out.old_log_remainder[r] = T(shrink_log_remainder(lr_old, m_old, m_u));
+}
+
+/// One row of align: U = new_indices ∪ S_old (union_support) into out's indices, the new side's
+/// log-probs on U (and its bucket) by new_side(u, indices, new_pos, scratch, ln), then the
+/// padding and the old side (write_aligned_old).
+template <class T, class NewSide>
+void align_row(const aligned_batch_view<T>& out, std::size_t r, const sparse_index* new_indices, int new_count,
+               const sparse_batch_view<const T>& old_rows, NewSide&& new_side) {
+  index_slot scratch[sparse_max_entries];
+  int new_pos[sparse_max_entries], old_pos[sparse_max_entries];
+  sparse_index* indices = out.indices + r * out.k_max;
+  const int u = union_support(new_indices, new_count, old_rows.row_indices(r), int(old_rows.count(r)), scratch,
+                              indices, new_pos, old_pos);
+  T* ln = out.new_log_probs + r * out.k_max;
+  new_side(u, indices, new_pos, scratch, ln);
+  pad_row(indices, ln, std::size_t(u), out.k_max);
+  write_aligned_old(out, r, u, old_rows, old_pos);
+}
+
+}  // namespace detail
+
+namespace detail {
+
+/// Row r of a sparse output on the aligned rows' support U from log π* over the n lumped
+/// categories (slot[j]: the entry of U of category j, or count for the bucket): U's ids, log π*
+/// on U (−inf on entries no category reached), the bucket, the count, padding.
+template <class T>
+void write_lumped_row(const aligned_batch_view<const T>& rows, std::size_t r, const int* slot, int n,
+                      const double* lp, const sparse_batch_view<T>& out) {
+  const int count = static_cast<int>(rows.counts[r]);
+  T* out_lp = out.row_log_probs(r);
+  sparse_index* out_ids = out.row_indices(r);
+  const sparse_index* ids = rows.indices + r * rows.k_max;
+  for (int i = 0; i < count; ++i) out_ids[i] = ids[i];
+  if (n == count + 1) {  // every category kept: slot[j] = j
+    for (int i = 0; i < count; ++i) out_lp[i] = T(lp[i]);
+    out.log_remainder[r] = T(lp[count]);
+  } else {
+    for (int i = 0; i < count; ++i) out_lp[i] = T(neg_inf());
+    out.log_remainder[r] = T(neg_inf());
+    for (int j = 0; j < n; ++j) (slot[j] < count ? out_lp[slot[j]] : out.log_remainder[r]) = T(lp[j]);
+  }
+  out.counts[r] = count;
+  pad_row(out.row_indices(r), out_lp, std::size_t(count), out.k_max);
+}
+
+}  // namespace detail
+
+TROLL_END_NAMESPACE
