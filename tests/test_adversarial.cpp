@@ -2,14 +2,15 @@
 // 262,144, logits at ±1e4 and at float's ±3e38, −inf masks (all but one token), ties in the
 // maximum, near-deterministic rows, p == q, ε from 1e-12 to 50, float and double, strided rows,
 // 1 and 2 threads, empty batches. Every expectation comes from the long-double oracle written
-// below (bisection on t, KL as a sum of non-negative terms), never from troll's own output.
+// below (bisection on t, KL as a sum of non-negative terms), never from troll's own output. The
+// derivatives against central differences are the body tests/bodies/adversarial_derivatives.hpp
+// (also compiled for troll::cuda).
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <random>
@@ -19,6 +20,9 @@
 #include "troll/gradcheck.hpp"
 #include "troll/projection.hpp"
 #include "troll/sparse.hpp"
+
+#include "adversarial_rows.hpp"
+#include "backend.hpp"
 
 namespace {
 
@@ -133,20 +137,8 @@ constexpr double ulp() {
   return double(std::numeric_limits<T>::epsilon());
 }
 
-struct row_case {
-  std::string name;
-  std::vector<double> zn, zo;
-};
-
-std::string describe(const row_case& c) {
-  std::string out;
-  char buf[80];
-  for (std::size_t i = 0; i < c.zn.size(); ++i) {
-    std::snprintf(buf, sizeof buf, "(%.17g, %.17g) ", c.zn[i], c.zo[i]);
-    out += buf;
-  }
-  return out;
-}
+using troll_test::describe;
+using troll_test::row_case;
 
 /// Checks troll::project on one row pair in T against the oracle. Returns the stats.
 template <class T>
@@ -254,12 +246,7 @@ troll::projection_stats check_projection(const row_case& c, double eps, unsigned
 // ---------------------------------------------------------------------------------------------
 // Row generators.
 // ---------------------------------------------------------------------------------------------
-std::vector<double> gaussian_row(std::mt19937_64& g, std::size_t n, double scale, double shift = 0) {
-  std::normal_distribution<double> d(0.0, scale);
-  std::vector<double> z(n);
-  for (auto& v : z) v = shift + d(g);
-  return z;
-}
+using troll_test::gaussian_row;
 
 std::vector<row_case> adversarial_cases(std::mt19937_64& g, std::size_t n) {
   std::vector<row_case> cases;
@@ -404,89 +391,13 @@ TEST_CASE("dense projection: random adversarial rows, float and double") {
   }
 }
 
-namespace {
+namespace troll_test {
+using oracle_backend = backend<troll::cpu_policy>;
+}  // namespace troll_test
 
-/// The derivatives of project() on one row pair (x = [z̃, z°, ε]) against central differences
-/// of project() itself: project_backward (new, old, ε), project_jvp and project_jacobian.
-void check_derivatives(const row_case& c, double eps) {
-  const std::size_t n = c.zn.size();
-  INFO(c.name, " eps=", eps, " rows ", describe(c));
-  std::vector<double> x(c.zn);
-  x.insert(x.end(), c.zo.begin(), c.zo.end());
-  x.push_back(eps);
-  troll::projection_options tight;
-  tight.rtol = 1e-14;  // the differences need the solve well below their step
-  auto forward = [&](const double* in, double* lp, troll::projection_stats* st) {
-    troll::project(troll::cpu, troll::make_batch<const double>(in, 1, n), troll::make_batch<const double>(in + n, 1, n),
-                   in[2 * n], troll::make_batch(lp, 1, n), st, tight);
-  };
-  auto f = [&](const double* in, double* y) {
-    troll::projection_stats st;
-    forward(in, y, &st);
-  };
-  auto vjp = [&](const double* in, const double* gy, double* gx) {
-    std::vector<double> lp(n);
-    troll::projection_stats st;
-    forward(in, lp.data(), &st);
-    double ge = 0;
-    troll::project_backward(troll::cpu, troll::make_batch<const double>(in, 1, n),
-                            troll::make_batch<const double>(in + n, 1, n), troll::make_batch<const double>(lp.data(), 1, n),
-                            &st, troll::make_batch<const double>(gy, 1, n), troll::make_batch(gx, 1, n),
-                            troll::make_batch(gx + n, 1, n), &ge);
-    gx[2 * n] = ge;
-  };
-  auto jvp = [&](const double* in, const double* dx, double* dy) {
-    std::vector<double> lp(n);
-    troll::projection_stats st;
-    forward(in, lp.data(), &st);
-    troll::project_jvp(troll::cpu, troll::make_batch<const double>(in, 1, n), troll::make_batch<const double>(in + n, 1, n),
-                       troll::make_batch<const double>(lp.data(), 1, n), &st, troll::make_batch<const double>(dx, 1, n),
-                       troll::make_batch<const double>(dx + n, 1, n), dx[2 * n], troll::make_batch(dy, 1, n));
-  };
-  auto jac = [&](const double* in, double* J) {  // m × (2n + 1), from project_jacobian
-    std::vector<double> lp(n), jn(n * n), jo(n * n), je(n);
-    troll::projection_stats st;
-    forward(in, lp.data(), &st);
-    troll::project_jacobian(troll::cpu, troll::make_batch<const double>(in, 1, n),
-                            troll::make_batch<const double>(in + n, 1, n), troll::make_batch<const double>(lp.data(), 1, n),
-                            &st, jn.data(), jo.data(), je.data());
-    for (std::size_t i = 0; i < n; ++i) {
-      for (std::size_t j = 0; j < n; ++j) J[i * (2 * n + 1) + j] = jn[i * n + j], J[i * (2 * n + 1) + n + j] = jo[i * n + j];
-      J[i * (2 * n + 1) + 2 * n] = je[i];
-    }
-  };
-  troll::gradcheck_options opt;
-  opt.atol = 1e-6;
-  opt.rtol = 1e-5;
-  const auto a = troll::check_vjp(f, vjp, x, n, opt);
-  CHECK_MESSAGE(a.ok, a.report());
-  const auto b = troll::check_jvp(f, jvp, x, n, opt);
-  CHECK_MESSAGE(b.ok, b.report());
-  const auto d = troll::check_jacobian(f, jac, x, n, opt);
-  CHECK_MESSAGE(d.ok, d.report());
-}
-
-}  // namespace
-
-TEST_CASE("derivatives of project against central differences on adversarial rows") {
-  std::mt19937_64 g(5);
-  for (std::size_t n : {1, 2, 3, 17}) {
-    for (double eps : {1e-3, 0.05, 1.0}) {
-      check_derivatives(row_case{"gaussian", gaussian_row(g, n, 2), gaussian_row(g, n, 2)}, eps);
-      std::vector<double> a(n, -3.0), b(n, -3.0);  // ties, modes differ
-      a[0] = 5, b[n - 1] = 5;
-      check_derivatives(row_case{"ties", a, b}, eps);
-      a = gaussian_row(g, n, 1), b = gaussian_row(g, n, 1);  // near-deterministic old row
-      b[n / 2] += 25;
-      check_derivatives(row_case{"sharp old", a, b}, eps);
-      a = gaussian_row(g, n, 1), b = gaussian_row(g, n, 1);  // near-deterministic new row
-      a[0] += 25;
-      check_derivatives(row_case{"sharp new", a, b}, eps);
-      a = gaussian_row(g, n, 1, 1e3), b = gaussian_row(g, n, 1, -1e3);  // shifted rows
-      check_derivatives(row_case{"shifted", a, b}, eps);
-    }
-  }
-}
+// The finite-difference checks of project's derivatives, one body for every backend (also
+// compiled for troll::cuda by tests/cuda/test_cuda_backward_gradient.cu).
+#include "../bodies/adversarial_derivatives.hpp"
 
 namespace {
 

@@ -29,8 +29,11 @@
 #include "troll/sparse.hpp"
 #include "troll/sparse_objectives.hpp"
 
+#include "adversarial_sparse_rows.hpp"
+#include "backend.hpp"
 #include "expect_error.hpp"
 #include "sparse_oracle.hpp"
+#include "sparse_staging.hpp"
 
 namespace {
 
@@ -38,6 +41,12 @@ using ld = long double;
 using sparse_test::aligned_rows;
 using sparse_test::sparse_grads;
 using sparse_test::sparse_rows;
+using adversarial_sparse::dense_row;
+using adversarial_sparse::gather;
+using adversarial_sparse::make_aligned;
+using adversarial_sparse::oracle_row;
+using adversarial_sparse::put_row;
+using adversarial_sparse::top_support;
 constexpr double inf = std::numeric_limits<double>::infinity();
 const ld ld_inf = std::numeric_limits<ld>::infinity();
 
@@ -59,50 +68,12 @@ ld lse(const std::vector<ld>& v) {
   return m + std::log(s);
 }
 
-// ---------------------------------------------------------------------------------------------
-// Sparse rows built by the oracle: exact long-double values on a given support, rounded to T.
-// ---------------------------------------------------------------------------------------------
-struct oracle_row {
-  std::vector<int> support;
-  std::vector<ld> lp;  // on the support
-  ld log_r = 0;        // bucket log-mass
-};
-
-template <class T>
-oracle_row gather(const std::vector<T>& z, const std::vector<int>& support) {
-  // Differences from the maximum first, so that rows at ±1e4 or ±3e38 lose nothing to the shift.
-  ld m = -ld_inf;
-  for (T x : z) m = std::max(m, ld(x));
-  std::vector<ld> all(z.size());
-  for (std::size_t i = 0; i < z.size(); ++i) all[i] = ld(z[i]) - m;
-  const ld total = lse(all);
-  std::vector<char> in(z.size(), 0);
-  oracle_row o;
-  o.support = support;
-  for (int i : support) in[std::size_t(i)] = 1, o.lp.push_back(all[std::size_t(i)] - total);
-  std::vector<ld> tail;
-  for (std::size_t i = 0; i < z.size(); ++i)
-    if (!in[i]) tail.push_back(all[i]);
-  o.log_r = lse(tail) - total;
-  return o;
-}
-
 /// The V-vector a sparse row stands for (uniform tail).
 std::vector<ld> expand(const std::vector<int>& support, const std::vector<ld>& lp, ld log_r, std::size_t vocab) {
   const std::size_t m = vocab - support.size();
   std::vector<ld> e(vocab, m ? log_r - std::log(ld(m)) : -ld_inf);
   for (std::size_t i = 0; i < support.size(); ++i) e[std::size_t(support[i])] = lp[i];
   return e;
-}
-
-template <class T>
-void put_row(sparse_rows<T>& s, std::size_t r, const oracle_row& o) {
-  s.counts[r] = troll::sparse_index(o.support.size());
-  for (std::size_t i = 0; i < o.support.size(); ++i) {
-    s.indices[r * s.k_max + i] = o.support[i];
-    s.log_probs[r * s.k_max + i] = T(o.lp[i]);
-  }
-  s.log_remainder[r] = T(o.log_r);
 }
 
 /// |a − b| within a few ulps of T at the value's scale (both −inf counts as equal).
@@ -234,56 +205,6 @@ void check_sparse_projection(const aligned_rows<T>& a, std::size_t r, double eps
   }
 }
 
-// Random sparse-row factory: dense logits of a given kind, supports chosen by the oracle.
-template <class T>
-std::vector<T> dense_row(std::mt19937_64& g, std::size_t vocab, int kind) {
-  std::normal_distribution<double> n01(0.0, 1.0);
-  std::vector<T> z(vocab);
-  for (auto& x : z) x = T(2 * n01(g));
-  switch (kind % 8) {
-    case 1:  // huge shift
-      for (auto& x : z) x = T(double(x) + 1e4);
-      break;
-    case 2:  // near-deterministic
-      z[vocab / 2] = T(double(z[vocab / 2]) + 60);
-      break;
-    case 3:  // ties everywhere
-      for (std::size_t i = 0; i < vocab; ++i) z[i] = T(double(i % 3));
-      break;
-    case 4:  // masked tokens
-      for (std::size_t i = 0; i < vocab; i += 3) z[i] = T(-inf);
-      if (vocab >= 2) z[1] = T(1);
-      else z[0] = T(0);
-      break;
-    case 5:  // all but one masked
-      for (auto& x : z) x = T(-inf);
-      z[vocab / 3] = T(0.25);
-      break;
-    case 6:  // a wide spread (tail mass far below one ulp)
-      for (auto& x : z) x = T(double(x) * 300);
-      break;
-    case 7:  // float-sized extremes when T = float; double big otherwise
-      for (std::size_t i = 0; i < vocab; ++i)
-        z[i] = T((i % 2 ? 1e4 : -1e4) * (n01(g) > 0 ? 1 : 0.5));  // ±3e38: see the limit test below
-      break;
-    default:
-      break;
-  }
-  return z;
-}
-
-
-/// A support of size k: the k largest logits (ties to the lower index), optionally one more token.
-template <class T>
-std::vector<int> top_support(const std::vector<T>& z, std::size_t k, int extra = -1) {
-  std::vector<int> order(z.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return z[std::size_t(a)] > z[std::size_t(b)]; });
-  order.resize(std::min(k, z.size()));
-  if (extra >= 0 && std::find(order.begin(), order.end(), extra) == order.end()) order.push_back(extra);
-  return order;
-}
-
 const std::size_t vocab_list[] = {1, 2, 3, 17, 4097};
 
 }  // namespace
@@ -401,34 +322,6 @@ TEST_CASE_TEMPLATE("align(dense logits, support, old): exact gathered values and
   }
 }
 
-namespace {
-
-/// Aligned rows (count rows) from random adversarial dense pairs, through the oracle's exact
-/// sparse rows and troll::align (checked above).
-template <class T>
-aligned_rows<T> make_aligned(std::mt19937_64& g, std::size_t vocab, std::size_t rows, int kind0) {
-  const std::size_t k_max = std::min<std::size_t>(vocab, 12) * 2 + 2;
-  sparse_rows<T> a(rows, k_max, vocab), b(rows, k_max, vocab);
-  std::uniform_int_distribution<std::size_t> pick_k(0, std::min<std::size_t>(vocab, 12));
-  for (std::size_t r = 0; r < rows; ++r) {
-    const int kind = kind0 + int(r);
-    std::vector<T> zn = dense_row<T>(g, vocab, kind), zo = dense_row<T>(g, vocab, kind + 3);
-    if (kind % 4 == 1) zo = zn;  // p == q
-    if (kind % 5 == 2)           // the old row near-deterministic somewhere else
-      zo[vocab - 1] = T(double(zo[vocab - 1]) + 40);
-    // Masks that leave a joint support: the old row's mask never covers every finite new token.
-    bool joint = false;
-    for (std::size_t i = 0; i < vocab; ++i) joint |= std::isfinite(double(zn[i])) && std::isfinite(double(zo[i]));
-    if (!joint) zo = dense_row<T>(g, vocab, 0);
-    put_row(a, r, gather(zn, top_support(zn, pick_k(g))));
-    put_row(b, r, gather(zo, top_support(zo, pick_k(g))));
-  }
-  aligned_rows<T> out(rows, k_max, vocab);
-  troll::align(troll::cpu, a.view(), b.view(), out.view());
-  return out;
-}
-
-}  // namespace
 
 TEST_CASE_TEMPLATE("sparse kl and project against the lumped long-double oracle", T, float, double) {
   std::mt19937_64 g(21);
@@ -487,71 +380,13 @@ TEST_CASE_TEMPLATE("sparse kl and project against the lumped long-double oracle"
   }
 }
 
-TEST_CASE("sparse project_backward: the VJP against central differences of the sparse project (double)") {
-  std::mt19937_64 g(31);
-  int checked = 0;
-  for (std::size_t vocab : {std::size_t(2), std::size_t(3), std::size_t(17), std::size_t(4097)}) {
-    for (int kind : {0, 2, 3, 4, 6}) {
-      for (double eps : {1e-4, 0.05, 1.0}) {
-        aligned_rows<double> a = make_aligned<double>(g, vocab, 1, kind);
-        const std::size_t c = std::size_t(a.counts[0]), k = a.k_max;
-        const bool tail = vocab > c;
-        // x = (new entries, new bucket, old entries, old bucket); y = log π* (entries, bucket).
-        std::vector<double> x;
-        for (std::size_t i = 0; i < c; ++i) x.push_back(a.new_log_probs[i]);
-        x.push_back(tail ? a.new_log_remainder[0] : 0.0);
-        for (std::size_t i = 0; i < c; ++i) x.push_back(a.old_log_probs[i]);
-        x.push_back(tail ? a.old_log_remainder[0] : 0.0);
-        bool finite = true;
-        for (std::size_t i = 0; i < x.size(); ++i) finite &= std::isfinite(x[i]) && x[i] < -1e-5;  // a step must stay ≤ 0
-        if (!finite || !tail) continue;  // −inf inputs are constants; tested through the dense maths
-        troll::projection_stats st0;
-        auto run = [&](const double* at, double* y, troll::projection_stats* st, sparse_rows<double>* keep) {
-          aligned_rows<double> b = a;
-          for (std::size_t i = 0; i < c; ++i) b.new_log_probs[i] = at[i], b.old_log_probs[i] = at[c + 1 + i];
-          b.new_log_remainder[0] = at[c];
-          b.old_log_remainder[0] = at[2 * c + 1];
-          sparse_rows<double> out(1, k, vocab);
-          troll::project(troll::cpu, troll::aligned_input<double>(b.view()), eps, out.view(), st);
-          for (std::size_t i = 0; i < c; ++i) y[i] = out.log_probs[i];
-          y[c] = out.log_remainder[0];
-          if (keep) *keep = out;
-          return b;
-        };
-        auto f = [&](const double* at, double* y) {
-          troll::projection_stats st;
-          run(at, y, &st, nullptr);
-        };
-        auto vjp = [&](const double* at, const double* gy, double* gx) {
-          std::vector<double> y(c + 1);
-          sparse_rows<double> out;
-          aligned_rows<double> b = run(at, y.data(), &st0, &out);
-          sparse_grads<double> up(1, k), gn(1, k), go(1, k);
-          for (std::size_t i = 0; i < c; ++i) up.log_probs[i] = gy[i];
-          up.log_remainder[0] = gy[c];
-          troll::project_backward(troll::cpu, troll::aligned_input<double>(b.view()), out.view(), &st0,
-                                  troll::sparse_grad_input<double>(up.view()), gn.view(), go.view());
-          for (std::size_t i = 0; i < c; ++i) gx[i] = gn.log_probs[i], gx[c + 1 + i] = go.log_probs[i];
-          gx[c] = gn.log_remainder[0];
-          gx[2 * c + 1] = go.log_remainder[0];
-        };
-        troll::gradcheck_options opt;
-        opt.rtol = 1e-5;
-        // The differences' own noise: outputs of rows with logits near −5000 (kind 4) carry
-        // rounding of a few ulp(5000) ≈ 1e-12, which Richardson's differences over a step of
-        // 1e-6 turn into ~5e-6 (AVX-512 builds passed 1e-6 by chance; SSE2 and AVX2 did not).
-        double largest = 0.0;
-        for (double v : x) largest = std::max(largest, std::fabs(v));
-        opt.atol = std::max(1e-6, 8 * std::numeric_limits<double>::epsilon() * largest / opt.step);
-        const troll::gradcheck_result res = troll::check_vjp(f, vjp, x, c + 1, opt);
-        INFO("V ", vocab, " kind ", kind, " eps ", eps, " status ", troll::status_name(st0.status), "\n", res.report());
-        CHECK(res.ok);
-        ++checked;
-      }
-    }
-  }
-  CHECK(checked >= 12);
-}
+namespace troll_test {
+using oracle_backend = backend<troll::cpu_policy>;
+}  // namespace troll_test
+
+// The sparse VJP against central differences, one body for every backend (also compiled for
+// troll::cuda by tests/cuda/test_cuda_sparse_projection_oracle.cu).
+#include "../bodies/adversarial_sparse_backward.hpp"
 
 namespace {
 
@@ -855,99 +690,10 @@ TEST_CASE("huge logits: sparsify_backward on a row at 1e12 matches central diffe
   }
 }
 
-TEST_CASE("objectives: PPO clip / DPPO / TROLL losses against long double; gradients by central differences; A = 0, huge A, masks all zero") {
-  std::mt19937_64 g(51);
-  std::normal_distribution<double> n01(0.0, 1.0);
-  for (std::size_t vocab : {std::size_t(1), std::size_t(2), std::size_t(3), std::size_t(17)}) {
-    const std::size_t rows = 4;
-    std::vector<double> zn(rows * vocab), zo(rows * vocab), adv{0.0, 1.0, -1e6, 2.5}, mask{1, 1, 1, 0.5};
-    std::vector<troll::token_id> tok(rows);
-    for (std::size_t i = 0; i < rows * vocab; ++i) zo[i] = 2 * n01(g), zn[i] = zo[i] + n01(g);
-    for (std::size_t r = 0; r < rows; ++r) tok[r] = troll::token_id(r % vocab);
-    troll::token_batch<double> in;
-    in.tokens = tok.data();
-    in.advantages = adv.data();
-    in.loss_mask = mask.data();
-    // Oracle PPO clip loss (token mean), long double.
-    ld num = 0, den = 0;
-    for (std::size_t r = 0; r < rows; ++r) {
-      std::vector<ld> a(vocab), b(vocab);
-      for (std::size_t i = 0; i < vocab; ++i) a[i] = zn[r * vocab + i], b[i] = zo[r * vocab + i];
-      const ld la = a[std::size_t(tok[r])] - lse(a), lb = b[std::size_t(tok[r])] - lse(b);
-      const ld ratio = std::exp(la - lb), A = adv[r];
-      const ld clipped = std::min(std::max(ratio, ld(0.8)), ld(1.2));
-      num += mask[r] * -std::min(ratio * A, clipped * A);
-      den += mask[r];
-    }
-    troll::ppo_clip_objective ppo;
-    const troll::objective_metrics m =
-        troll::objective_forward(troll::cpu, ppo, troll::make_batch<const double>(zn.data(), rows, vocab),
-                                 troll::make_batch<const double>(zo.data(), rows, vocab), in);
-    CHECK(std::fabs(m.loss - double(num / den)) <= 1e-12 * (1 + std::fabs(double(num / den))));
-    // Gradients of the whole loss: PPO clip, DPPO (binary TV), TROLL with α = 0 (its regression
-    // term differentiates p̃ only; α = 0 makes the loss a function of the logits).
-    auto grad_check = [&](auto objective, bool troll_objective) {
-      auto loss = [&](const double* x) {
-        std::vector<double> lp(rows * vocab);
-        std::vector<troll::projection_stats> st(rows);
-        if constexpr (std::is_same<decltype(objective), troll::trust_region_objective>::value)
-          return troll::objective_forward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
-                                          troll::make_batch<const double>(zo.data(), rows, vocab), in,
-                                          troll::make_batch(lp.data(), rows, vocab), st.data()).loss;
-        else
-          return troll::objective_forward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
-                                          troll::make_batch<const double>(zo.data(), rows, vocab), in).loss;
-      };
-      auto grad = [&](const double* x, double* gx) {
-        std::vector<double> lp(rows * vocab);
-        std::vector<troll::projection_stats> st(rows);
-        if constexpr (std::is_same<decltype(objective), troll::trust_region_objective>::value) {
-          troll::objective_forward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
-                                   troll::make_batch<const double>(zo.data(), rows, vocab), in,
-                                   troll::make_batch(lp.data(), rows, vocab), st.data());
-          troll::objective_backward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
-                                    troll::make_batch<const double>(zo.data(), rows, vocab), in,
-                                    troll::make_batch<const double>(lp.data(), rows, vocab), st.data(),
-                                    troll::make_batch(gx, rows, vocab));
-        } else {
-          troll::objective_backward(troll::cpu, objective, troll::make_batch<const double>(x, rows, vocab),
-                                    troll::make_batch<const double>(zo.data(), rows, vocab), in,
-                                    troll::make_batch(gx, rows, vocab));
-        }
-      };
-      troll::gradcheck_options opt;
-      opt.atol = 1e-6 * 1e6;  // the loss carries A = −1e6
-      opt.rtol = 1e-5;
-      const troll::gradcheck_result res = troll::check_gradient(loss, grad, zn, opt);
-      INFO("V ", vocab, " troll ", troll_objective, "\n", res.report());
-      CHECK(res.ok);
-    };
-    troll::ppo_clip_objective wide;  // unclipped everywhere: a smooth loss for the differences
-    wide.clip_high = 1e6;
-    wide.clip_low = 0.999;
-    grad_check(wide, false);
-    troll::dppo_objective dppo;
-    dppo.delta_low = dppo.delta_high = 10;  // no token masked: smooth
-    grad_check(dppo, false);
-    troll::trust_region_objective tr;
-    tr.alpha = 0;
-    tr.eps = 0.01;
-    grad_check(tr, true);
-
-    // Masks all zero: loss 0, every gradient 0.
-    std::vector<double> zero_mask(rows, 0.0), gx(rows * vocab, 7.0);
-    troll::token_batch<double> none = in;
-    none.loss_mask = zero_mask.data();
-    const troll::objective_metrics z0 =
-        troll::objective_forward(troll::cpu, ppo, troll::make_batch<const double>(zn.data(), rows, vocab),
-                                 troll::make_batch<const double>(zo.data(), rows, vocab), none);
-    CHECK(z0.loss == 0.0);
-    troll::objective_backward(troll::cpu, ppo, troll::make_batch<const double>(zn.data(), rows, vocab),
-                              troll::make_batch<const double>(zo.data(), rows, vocab), none,
-                              troll::make_batch(gx.data(), rows, vocab));
-    for (double x : gx) CHECK(x == 0.0);
-  }
-}
+// The objectives on adversarial batches (oracle loss, gradients by central differences, zero
+// masks), one body for every backend (also compiled for troll::cuda by
+// tests/cuda/test_cuda_objectives.cu).
+#include "../bodies/adversarial_objectives.hpp"
 
 TEST_CASE("bad input: the lowest bad row is named and no output is touched (sparse entry points, objectives)") {
   std::mt19937_64 g(61);

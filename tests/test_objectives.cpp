@@ -293,7 +293,7 @@ void full_row_divergences(const T* zn, const T* zo, std::size_t n, long double& 
 TEST_CASE_TEMPLATE("DPPO top-K with K at or above the finite entries: the whole row's divergence, "
                    "any summation order (rests summed, not 1 - sum over K)", T, float, double) {
   // The batch and K of the device comparison that failed on an H100 (tests/cuda/
-  // test_cuda_objectives_more.cu, "K above the finite entries"): with every finite entry in K,
+  // test_cuda_dppo.cu, "K above the finite entries"): with every finite entry in K,
   // 1 − Σ_K p and 1 − Σ_K q were ±1e-16 rounding noise, and a positive rest_p against a rest_q
   // clamped to 0 made the KL +inf (CPU rows 2, 6 and 11; row 0 under the device's order).
   troll_test::host_batch<T> h(12, 16, 41u);

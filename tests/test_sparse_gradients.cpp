@@ -24,6 +24,7 @@
 
 #include "backend.hpp"
 #include "sparse_oracle.hpp"
+#include "sparse_staging.hpp"
 #include "tolerance.hpp"
 
 using namespace sparse_test;

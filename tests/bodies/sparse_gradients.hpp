@@ -13,7 +13,8 @@
 // device forward feeds the device backward. Inputs are uploaded and outputs downloaded per call.
 // The float-vs-double and shard comparisons run entirely on the backend.
 //
-// Include after <troll/gradcheck.hpp>, <troll/sparse.hpp>, "backend.hpp", "sparse_oracle.hpp", "tolerance.hpp",
+// Include after <troll/gradcheck.hpp>, <troll/sparse.hpp>, "backend.hpp", "sparse_oracle.hpp",
+// "sparse_staging.hpp", "tolerance.hpp",
 // `using namespace sparse_test;` and the definition of troll_test::oracle_backend.
 
 namespace {
@@ -56,62 +57,13 @@ troll_test::tolerance shard_tolerance() {
   return {rel * 1e-3, rel};
 }
 
-/// A sparse batch staged on the backend (uploaded on construction).
+/// Sparse batches staged on the backend (support/sparse_staging.hpp).
 template <class T>
-struct staged_sparse {
-  std::size_t rows, k_max, vocab;
-  grad_buffer<troll::sparse_index> indices, counts;
-  grad_buffer<T> log_probs, log_remainder;
-  explicit staged_sparse(const sparse_rows<T>& h)
-      : rows(h.rows), k_max(h.k_max), vocab(h.vocab), indices(h.indices), counts(h.counts),
-        log_probs(h.log_probs), log_remainder(h.log_remainder) {}
-  troll::sparse_batch_view<T> view() {
-    return {indices.get(), log_probs.get(), counts.get(), log_remainder.get(), rows, k_max, vocab};
-  }
-  troll::sparse_batch_view<const T> input() { return troll::sparse_batch_view<const T>(view()); }
-  void download_to(sparse_rows<T>& h) const {
-    h.indices = indices.download();
-    h.counts = counts.download();
-    h.log_probs = log_probs.download();
-    h.log_remainder = log_remainder.download();
-  }
-};
-
+using staged_sparse = troll_test::staged_sparse<grad_backend, T>;
 template <class T>
-struct staged_aligned {
-  std::size_t rows, k_max, vocab;
-  grad_buffer<troll::sparse_index> indices, counts;
-  grad_buffer<T> new_lp, old_lp, new_rem, old_rem;
-  explicit staged_aligned(const aligned_rows<T>& h)
-      : rows(h.rows), k_max(h.k_max), vocab(h.vocab), indices(h.indices), counts(h.counts), new_lp(h.new_log_probs),
-        old_lp(h.old_log_probs), new_rem(h.new_log_remainder), old_rem(h.old_log_remainder) {}
-  troll::aligned_batch_view<T> view() {
-    return {indices.get(), counts.get(), new_lp.get(), old_lp.get(), new_rem.get(), old_rem.get(), rows, k_max, vocab};
-  }
-  troll::aligned_batch_view<const T> input() { return troll::aligned_batch_view<const T>(view()); }
-  void download_to(aligned_rows<T>& h) const {
-    h.indices = indices.download();
-    h.counts = counts.download();
-    h.new_log_probs = new_lp.download();
-    h.old_log_probs = old_lp.download();
-    h.new_log_remainder = new_rem.download();
-    h.old_log_remainder = old_rem.download();
-  }
-};
-
+using staged_aligned = troll_test::staged_aligned<grad_backend, T>;
 template <class T>
-struct staged_grads {
-  std::size_t rows, k_max;
-  grad_buffer<T> log_probs, log_remainder;
-  explicit staged_grads(const sparse_grads<T>& h)
-      : rows(h.rows), k_max(h.k_max), log_probs(h.log_probs), log_remainder(h.log_remainder) {}
-  troll::sparse_grad_view<T> view() { return {log_probs.get(), log_remainder.get(), rows, k_max}; }
-  troll::sparse_grad_view<const T> input() { return troll::sparse_grad_view<const T>(view()); }
-  void download_to(sparse_grads<T>& h) const {
-    h.log_probs = log_probs.download();
-    h.log_remainder = log_remainder.download();
-  }
-};
+using staged_grads = troll_test::staged_grads<grad_backend, T>;
 
 /// Host tokens (null: none) staged on the backend; get() is null when there are none.
 struct staged_tokens {
@@ -154,35 +106,6 @@ void bk_align(const sparse_rows<T>& new_rows, const sparse_rows<T>& old_rows, al
   staged_aligned<T> dout(out);
   troll::align(grad_backend::policy(), dn.input(), dold.input(), dout.view());
   dout.download_to(out);
-}
-
-template <class T>
-void bk_project(const aligned_rows<T>& rows, double eps, sparse_rows<T>& out,
-                std::vector<troll::projection_stats>& stats) {
-  staged_aligned<T> din(rows);
-  staged_sparse<T> dout(out);
-  grad_buffer<troll::projection_stats> dst(stats.size());
-  troll::project(grad_backend::policy(), din.input(), eps, dout.view(), dst.get());
-  dout.download_to(out);
-  stats = dst.download();
-}
-
-/// The backend's project_backward; `grad_old` and `grad_eps` may be null (not requested).
-template <class T>
-void bk_project_backward(const aligned_rows<T>& rows, const sparse_rows<T>& log_probs,
-                         const std::vector<troll::projection_stats>& stats, const sparse_grads<T>& grad,
-                         sparse_grads<T>& grad_new, sparse_grads<T>* grad_old = nullptr, T* grad_eps = nullptr) {
-  staged_aligned<T> din(rows);
-  staged_sparse<T> dlp(log_probs);
-  grad_buffer<troll::projection_stats> dst(stats);
-  staged_grads<T> dg(grad), dgn(grad_new), dgo(grad_old != nullptr ? *grad_old : sparse_grads<T>(0, 0));
-  grad_buffer<T> dge(1);
-  troll::project_backward(grad_backend::policy(), din.input(), dlp.input(), dst.get(), dg.input(), dgn.view(),
-                          grad_old != nullptr ? dgo.view() : troll::sparse_grad_view<T>{},
-                          grad_eps != nullptr ? dge.get() : nullptr);
-  dgn.download_to(grad_new);
-  if (grad_old != nullptr) dgo.download_to(*grad_old);
-  if (grad_eps != nullptr) *grad_eps = dge.download()[0];
 }
 
 template <class T>
@@ -293,11 +216,11 @@ TEST_CASE("composition: dense logits -> sparsify -> align(logits, support, old) 
       std::vector<troll::projection_stats> st(1);
       bk_sparsify(z, 1, vocab, &fx.sampled, {5, 0.0}, sn);
       bk_align(z, 1, vocab, sn, fx.so, al);
-      bk_project(al, fx.eps, out, st);
+      troll_test::project_on<grad_backend>(al, fx.eps, out, st);
       CHECK(st[0].status == troll::row_status::projected);
       sparse_grads<double> g(1, 16), gnew(1, 16);
       fx.seed_grad(out, g);
-      bk_project_backward(al, out, st, g, gnew);
+      troll_test::project_backward_on<grad_backend>(al, out, st, g, gnew);
       const std::vector<double> gz = bk_sparsify_backward(z, 1, vocab, al, gnew);
       std::copy(gz.begin(), gz.end(), gx);
     };
@@ -336,11 +259,11 @@ TEST_CASE("composition: dense logits -> sparsify -> align(sparse, sparse) -> pro
       std::vector<troll::projection_stats> st(1);
       bk_sparsify(z, 1, vocab, &fx.sampled, opt, sn);
       bk_align(sn, fx.so, al);
-      bk_project(al, fx.eps, out, st);
+      troll_test::project_on<grad_backend>(al, fx.eps, out, st);
       CHECK(st[0].status == troll::row_status::projected);
       sparse_grads<double> g(1, 20), gal(1, 20), gsn(1, 9);
       fx.seed_grad(out, g);
-      bk_project_backward(al, out, st, g, gal);
+      troll_test::project_backward_on<grad_backend>(al, out, st, g, gal);
       bk_align_backward(sn, al, gal, gsn);
       const std::vector<double> gz = bk_sparsify_backward(z, 1, vocab, sn, gsn);
       std::copy(gz.begin(), gz.end(), gx);
@@ -398,13 +321,13 @@ TEST_CASE("project_backward on aligned rows: full Jacobian in new, old and eps")
     unpack(x, al);
     sparse_rows<double> out(1, 14, vocab);
     std::vector<troll::projection_stats> st(1);
-    bk_project(al, x[2 * m], out, st);
+    troll_test::project_on<grad_backend>(al, x[2 * m], out, st);
     REQUIRE(st[0].status == troll::row_status::projected);
     sparse_grads<double> g(1, 14), gn(1, 14), go(1, 14);
     std::copy(gy, gy + u, g.log_probs.begin());
     g.log_remainder[0] = gy[u];
     double ge = 0.0;
-    bk_project_backward(al, out, st, g, gn, &go, &ge);
+    troll_test::project_backward_on<grad_backend>(al, out, st, g, gn, &go, &ge);
     for (int i = 0; i < u; ++i) {
       gx[i] = gn.log_probs[std::size_t(i)];
       gx[m + std::size_t(i)] = go.log_probs[std::size_t(i)];
@@ -505,11 +428,11 @@ TEST_CASE("float backward agrees with double") {
     bk_sparsify(z_old, rows, big, nullptr, {64, 1e-5}, so);
     bk_align(z_new, rows, big, sn, so, al);
     std::vector<troll::projection_stats> st(rows);
-    bk_project(al, 0.05, out, st);
+    troll_test::project_on<grad_backend>(al, 0.05, out, st);
     sparse_grads<T> g(rows, 130), gn(rows, 130);
     for (std::size_t r = 0; r < rows; ++r)
       for (int i = 0; i < out.counts[r]; ++i) g.log_probs[r * 130 + std::size_t(i)] = T(std::sin(double(out.indices[r * 130 + std::size_t(i)])));
-    bk_project_backward(al, out, st, g, gn);
+    troll_test::project_backward_on<grad_backend>(al, out, st, g, gn);
     const std::vector<T> gz = bk_sparsify_backward(z_new, rows, big, al, gn);
     grad_out.assign(gz.begin(), gz.end());
   };

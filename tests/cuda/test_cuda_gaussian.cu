@@ -1,7 +1,9 @@
 // tests/cuda/test_cuda_gaussian.cu — the CUDA Gaussian projections (troll/cuda_gaussian.cuh)
 // against the CPU backend: joint and split bounds, diagonal and full covariances, float and
 // double, inactive and projected rows, rows the device rejects (NaN outputs, status rejected),
-// and the host-side argument checks (which run without a device).
+// and the host-side argument checks (which run without a device). Also the projections and
+// gaussian::kl against the long-double oracle, run on the device
+// (tests/bodies/gaussian_projection_oracle.hpp, the body of tests/test_gaussian.cpp).
 //
 // Without a CUDA device the "device" suite is skipped and "SKIPPED: no CUDA device" is printed.
 #include "cuda_support.cuh"  // first: doctest's main, EIGEN_NO_CUDA, warning suppressions
@@ -15,9 +17,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "backend.hpp"
 #include "gaussian_oracle.hpp"
 #include "troll/cuda_gaussian.cuh"
 #include "troll/gaussian.hpp"
+#include "troll/workspace.hpp"
+
+namespace troll_test {
+using oracle_backend = backend<troll::cuda_policy>;
+}  // namespace troll_test
 
 namespace {
 
@@ -194,6 +202,10 @@ TEST_CASE("host-side checks, as the CPU's (no device needed)") {
   CHECK_THROWS_AS(troll::gaussian::project_joint(troll::cuda, m2, bad, m2, bad, 0.1, y2,
                                                  troll::make_batch(reinterpret_cast<double*>(8), 2, 4), &one),
                   troll::shape_error);
+}
+
+TEST_SUITE("device") {
+#include "../bodies/gaussian_projection_oracle.hpp"
 }
 
 int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }

@@ -4,7 +4,10 @@
 // the CPU backend (itself checked against finite differences of the long-double oracle), with
 // and without the factorisation a CUDA forward saved; bad rows: NaN unchecked, the CPU's typed
 // error naming the row with nothing written in checked mode; host-side argument checks, which
-// run without a device.
+// run without a device. Also the VJP / JVP of every Gaussian projection (full and diagonal)
+// against central differences of the long-double oracle and of the device forward, and the two
+// adjoint, run on the device (tests/bodies/gaussian_backward_fd.hpp, the body of
+// tests/test_gaussian_backward.cpp).
 //
 // Without a CUDA device the "device" suite is skipped and "SKIPPED: no CUDA device" is printed.
 #include "cuda_support.cuh"  // first: doctest's main, EIGEN_NO_CUDA, warning suppressions
@@ -14,12 +17,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "backend.hpp"
 #include "troll/cuda_gaussian.cuh"
 #include "troll/gaussian.hpp"
 #include "troll/workspace.hpp"
+
+namespace troll_test {
+using oracle_backend = backend<troll::cuda_policy>;
+}  // namespace troll_test
 
 namespace {
 
@@ -414,6 +423,10 @@ TEST_CASE("host-side checks of the CUDA full-covariance derivatives (no device n
                                           none9,
                                           g::gaussian_grads<double>{none_out, none_out9, none_out, none_out9, nullptr,
                                                                     nullptr}));
+}
+
+TEST_SUITE("device") {
+#include "../bodies/gaussian_backward_fd.hpp"
 }
 
 int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }

@@ -3,7 +3,10 @@
 // losses, metrics) and backward, both aggregations, masks; device row reports, the checked
 // mode's exceptions, and the host-side argument checks. Also the objectives' gradients against
 // troll's finite-difference checker (tests/bodies/objective_gradients.hpp, the body of
-// tests/test_objectives.cpp) run on the device.
+// tests/test_objectives.cpp) run on the device, and the adversarial batches of
+// tests/bodies/adversarial_objectives.hpp (the body of tests/test_adversarial_sparse.cpp: PPO
+// clip's loss against long double, PPO clip / DPPO / TROLL gradients against central differences
+// of the device forward, zero masks). DPPO's CUDA tests are tests/cuda/test_cuda_dppo.cu.
 //
 // Without a CUDA device the "device" test suite is excluded, "SKIPPED: no CUDA device" is
 // printed, the host-only cases still run and the exit code is 0.
@@ -17,6 +20,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <random>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -27,6 +31,7 @@
 #include "objective_batch.hpp"
 #include "objective_cases.hpp"
 #include "oracle.hpp"
+#include "sparse_oracle.hpp"
 #include "tolerance.hpp"
 #include "troll/cuda.cuh"
 #include "troll/gradcheck.hpp"
@@ -389,6 +394,7 @@ TEST_SUITE("device") {
 
 TEST_SUITE("device") {
 #include "../bodies/objective_gradients.hpp"
+#include "../bodies/adversarial_objectives.hpp"
 }
 
 int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }

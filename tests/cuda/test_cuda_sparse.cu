@@ -2,7 +2,8 @@
 // backend: sparsify from fp32, fp16 and bf16 logits (the CPU fed the same values as float), align
 // (sparse and dense), kl, project, project_backward and sparsify_backward, device reports and
 // the checked mode. Without a CUDA device the "device" suite is skipped as in
-// test_cuda_projection.cu ("SKIPPED: no CUDA device", exit 0). Tolerances: docs/cuda.md.
+// test_cuda_projection.cu ("SKIPPED: no CUDA device", exit 0). Tolerances: docs/cuda.md. The
+// vocabulary shards, align_backward and double sparsify are tests/cuda/test_cuda_sparse_shards.cu.
 #include "cuda_support.cuh"  // first: doctest's main, EIGEN_NO_CUDA, warning suppressions
 
 #include <cuda_bf16.h>

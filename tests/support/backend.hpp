@@ -1,12 +1,14 @@
 // tests/support/backend.hpp — the tiny memory helper that lets one test body run on every
 // backend: backend<Policy>::policy() and backend<Policy>::buffer<E> (get(), download()). The CPU's
-// is here; the CUDA one (device_array underneath) is in cuda_support.cuh.
+// is here; the CUDA one (device_array underneath) is in cuda_support.cuh. workspace_policy<Backend,
+// Op> is a backend's policy carrying the scratch troll::workspace_bytes asks for.
 #pragma once
 
 #include <cstddef>
 #include <vector>
 
 #include <troll/execution.hpp>
+#include <troll/workspace.hpp>
 
 namespace troll_test {
 
@@ -27,6 +29,20 @@ struct backend<troll::cpu_policy> {
    private:
     std::vector<E> host_;
   };
+};
+
+/// Backend::policy() with a workspace of the size Op needs for `rows` rows of `cols` (for the
+/// Gaussian entry points `cols` is d), held in the backend's memory for this object's lifetime.
+template <class Backend, class Op>
+class workspace_policy {
+ public:
+  workspace_policy(std::size_t rows, std::size_t cols)
+      : bytes_(troll::workspace_bytes(Backend::policy(), Op{}, rows, cols)), memory_(bytes_ / sizeof(double) + 1) {}
+  auto get() { return Backend::policy().with_workspace(memory_.get(), bytes_); }
+
+ private:
+  std::size_t bytes_;
+  typename Backend::template buffer<double> memory_;
 };
 
 }  // namespace troll_test

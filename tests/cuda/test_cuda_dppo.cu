@@ -1,4 +1,4 @@
-// tests/cuda/test_cuda_objectives_more.cu — DPPO under the CUDA policy (troll/cuda_objectives.cuh)
+// tests/cuda/test_cuda_dppo.cu — DPPO under the CUDA policy (troll/cuda_objectives.cuh)
 // against the CPU objective: the four divergences (binary TV / KL, top-K TV / KL) with masks in
 // both directions, token and sequence mean, loss masks, float and double; top-K selections with
 // exact ties (and −0 against +0) at the K-th old logit, K above the finite entries and K = 256

@@ -1,14 +1,15 @@
-// tests/cuda/test_cuda_sparse_more.cu — the rest of the CUDA sparse path against the CPU backend:
-// sparsify from double logits, vocabulary shards (sparsify_shard / sparsify_merge /
-// sparsify_finalize, GPU states merged with each other and with CPU states) and align_backward,
-// with device reports and the checked mode giving the CPU's exceptions and messages. Host-side
-// argument checks and the report→exception translation run without a device; the "device" suite
-// is skipped without one ("SKIPPED: no CUDA device", exit 0).
+// tests/cuda/test_cuda_sparse_shards.cu — the CUDA vocabulary shards (sparsify_shard /
+// sparsify_merge / sparsify_finalize, GPU states merged with each other and with CPU states),
+// align_backward and sparsify from double logits against the CPU backend (the rest of the sparse
+// path is tests/cuda/test_cuda_sparse.cu), with device reports and the checked mode giving the
+// CPU's exceptions and messages. Host-side argument checks and the report→exception translation
+// run without a device; the "device" suite is skipped without one ("SKIPPED: no CUDA device",
+// exit 0).
 //
 // Tolerances (double): indices and counts exact; log-probs and log-remainders to 1e-12 absolute
 // + relative against the CPU (the backends' exponentials differ); a sharded CUDA sparsify
-// finalised in two stages (canonical tail sums) equals the whole-row CUDA sparsify bit for bit; align_backward entries exact
-// (copies), its remainder to 1e-13.
+// finalised in two stages (canonical tail sums) equals the whole-row CUDA sparsify bit for bit;
+// align_backward entries exact (copies), its remainder to 1e-13.
 #include "cuda_support.cuh"  // first: doctest's main, EIGEN_NO_CUDA, warning suppressions
 
 #include <cuda_bf16.h>
