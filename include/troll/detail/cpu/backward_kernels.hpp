@@ -10,10 +10,24 @@
 //   ∂log π_i/∂ε   = (d_i − μ) / (t σ²)
 // Inactive and restricted rows: ∂log π_i/∂z̃_j = δ_ij − π_j on J, nothing else depends.
 // Entries off J (masked outputs) take no upstream gradient and give none to masked inputs.
+//
+// Centring. μ arrives in absolute units (projection_stats), so d_j − μ formed in double carries
+// a rounding of ~ulp·(|μ| + |d_j|). Where π* is nearly one-hot on large logits (scale 1e4, t*
+// small) the dominant token's true d_j − μ is ~π_minor·Δd, far below that rounding, and it is
+// multiplied by Σ g_i (d_i − μ) / σ², which is large: the gradient came out wrong in the fourth
+// digit (double). Every path therefore re-centres: with c_j = d_j − μ as rounded and
+// m = Σ_J π_j c_j (0 in exact arithmetic), it uses c_j − m, which cancels μ's rounding and, for
+// the tokens that carry the mass, d's own (the error left is Σ π_i e_i − e_j, weighted by the
+// small masses). The sums linear in c are corrected afterwards (Σ g c − m Σ g). m is formed from
+// π read back from log π* in T, so it carries its own noise of about ulp_T·Σ π_j |c_j| (1 + |log π_j|)
+// (float: ~6e-8 relative per token); it is applied only where it exceeds twice that estimate
+// (centring_step), i.e. where μ's rounding, not π's, dominates.
 #pragma once
 
 #include "eigen.hpp"
+#include <cmath>
 #include <cstddef>
+#include <limits>
 #include <type_traits>
 
 #include "../../config.hpp"
@@ -42,6 +56,17 @@ inline old_normaliser normalise_old(const T* zo, std::size_t size) {
   return n;
 }
 
+/// The centring correction m = Σ π (d − μ) and its noise estimate (the top of this file); `step()`
+/// is m where it exceeds twice its noise, else 0.
+struct centring_sums {
+  double m = 0.0, spread = 0.0;  // Σ π c and Σ π |c| (1 + |log π|)
+  template <class T>
+  double step() const {
+    const double noise = double(std::numeric_limits<T>::epsilon()) * spread;
+    return ::fabs(m) > 2.0 * noise ? m : 0.0;
+  }
+};
+
 /// Everything the backward formulas need from one row at one block. Blocks without a masked
 /// token (the common case) skip every select: Eigen 3.4 evaluates a select with a boolean
 /// condition one coefficient at a time, which would also de-vectorise the exp inside it.
@@ -50,10 +75,17 @@ struct backward_block {
   block_mask on_support;  // J within the block; meaningful only when !full
   block_array pi;         // π (0 off J)
   block_array centred;    // d − μ (0 off J)
+  block_array log_pi;     // log π* (0 off J)
 
   /// Zeroes `values` off J.
   void restrict(block_array& values) const {
     if (!full) values = on_support.select(values, 0.0);
+  }
+  /// Subtracts the centring correction m (see the top of this file) from d − μ on J.
+  void recentre(double m) {
+    if (m == 0.0) return;
+    centred -= m;
+    restrict(centred);
   }
   /// J as a mask, also when the block is full.
   block_mask support(Eigen::Index count) const {
@@ -67,12 +99,14 @@ inline void load_backward_block(const T* zn, const T* zo, const T* logp, double 
   const block_array lp = load(logp, begin, count);
   b.pi = exact_exp(lp);
   b.centred = load(zn, begin, count) - load(zo, begin, count) - mu;
+  b.log_pi = lp;
   b.full = lp.minCoeff() > neg_inf();
   if (b.full) return;
   // Off J: Eigen's vectorised exp clamps its argument (exp(−inf) ≈ 1e-308) and d may be NaN.
   b.on_support = lp > neg_inf();
   b.restrict(b.pi);
   b.restrict(b.centred);
+  b.restrict(b.log_pi);
 }
 
 /// expm1(x) for |x| ≤ 1/2 by its Taylor series to x^17 (truncation < 1e-19 relative), nested as
@@ -140,7 +174,7 @@ inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s,
   if (size > long(block_size) || size == 0) return -1;
   const long padded = (size + lanes - 1) / lanes * lanes;
   const bool projected = s.status == row_status::projected;
-  double pi[block_size], centred[block_size], gd[block_size];
+  double pi[block_size], centred[block_size], gd[block_size], lp_of[block_size];
   const packet mu = pset1<packet>(s.mu);
   packet lowest = pset1<packet>(0.0), odd = pset1<packet>(0.0), sg = odd, sgc = odd;
   for (long k = 0; k < padded; k += lanes) {
@@ -151,17 +185,25 @@ inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s,
     odd = padd(odd, padd(psub(c, c), psub(lp, lp)));  // NaN unless every d − μ and log π is finite
     pstoreu(pi + k, exp_bounded(lp));
     pstoreu(centred + k, c);
+    pstoreu(lp_of + k, lp);
     pstoreu(gd + k, gk);
     sg = padd(sg, gk);
     sgc = padd(sgc, pmul(gk, c));
   }
   if (!(predux_min(lowest) >= -700.0 && predux(odd) == 0.0)) return -1;
-  const double sum_g = predux(sg), sum_gc = projected ? predux(sgc) : 0.0;
+  centring_sums cs;  // the centring correction (top of this file); read below from double rows
+  for (long k = 0; k < size; ++k) {
+    const double pc = pi[k] * centred[k];
+    cs.m += pc;
+    cs.spread += ::fabs(pc) * (1.0 - lp_of[k]);
+  }
+  const double m = projected ? cs.step<double>() : 0.0;
+  const double sum_g = predux(sg), sum_gc = projected ? predux(sgc) - m * sum_g : 0.0;
   const double t = projected ? s.t : 1.0;
   const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
   int overflow = 0;  // an OR-reduction the compiler vectorises with the loop
   for (long k = 0; k < size; ++k) {
-    const double gn = t * ((gd[k] - pi[k] * sum_g) - pi[k] * centred[k] * h_over_var);
+    const double gn = t * ((gd[k] - pi[k] * sum_g) - pi[k] * (centred[k] - m) * h_over_var);
     overflow |= !(gn - gn == 0.0);
     grad_new[k] = gn;
   }
@@ -200,6 +242,7 @@ inline int vjp_row_short(const double* zn, const double* zo, const double* logp,
 /// finite (so every logit is), every log π* in [−700, 0].
 struct vjp_sums {
   double sum_g = 0.0, sum_gc = 0.0;
+  centring_sums centring;  ///< Σ π (d − μ), the centring correction (top of this file)
   bool fine = false;
 };
 
@@ -214,7 +257,12 @@ inline vjp_sums vjp_first_pass(const T* zn, const T* zo, const T* logp, const T*
   const long whole = size - size % lanes;
   const packet mu = pset1<packet>(mu_value);
   packet lowest = pset1<packet>(0.0), highest = pset1<packet>(-1.0), odd = pset1<packet>(0.0);
-  auto first = [&](const packet& lp, const packet& c, const packet& gk, packet& sg, packet& sgc) {
+  const packet one = pset1<packet>(1.0);
+  auto first = [&](const packet& lp, const packet& c, const packet& gk, packet& sg, packet& sgc, packet& spc,
+                   packet& spread) {
+    const packet pc = pmul(exp_bounded(lp), c);  // meaningful only when the row is `fine`
+    spc = padd(spc, pc);
+    spread = padd(spread, pmul(pabs(pc), psub(one, lp)));
     lowest = pmin(lowest, lp);
     highest = pmax(highest, lp);
     // NaN unless every d − μ, log π and g is finite
@@ -224,12 +272,13 @@ inline vjp_sums vjp_first_pass(const T* zn, const T* zo, const T* logp, const T*
   };
   for (long begin = 0; begin < whole; begin += chunk) {
     const long end = begin + chunk < whole ? begin + chunk : whole;
-    packet sg = pset1<packet>(0.0), sgc = sg;
+    packet sg = pset1<packet>(0.0), sgc = sg, spc = sg, spread = sg;
     for (long k = begin; k < end; k += lanes) {
       const packet c = psub(psub(load_as_double<packet>(zn + k), load_as_double<packet>(zo + k)), mu);
-      first(load_as_double<packet>(logp + k), c, load_as_double<packet>(g + k), sg, sgc);
+      first(load_as_double<packet>(logp + k), c, load_as_double<packet>(g + k), sg, sgc, spc, spread);
     }
     r.sum_g += predux(sg), r.sum_gc += predux(sgc);
+    r.centring.m += predux(spc), r.centring.spread += predux(spread);
   }
   if (whole < size) {  // padded with g = 0, d = μ and log π = 0: adds nothing
     double tail_zn[lanes], tail_zo[lanes], tail_lp[lanes], tail_g[lanes];
@@ -240,10 +289,11 @@ inline vjp_sums vjp_first_pass(const T* zn, const T* zo, const T* logp, const T*
       tail_lp[j] = in ? double(logp[whole + j]) : 0.0;
       tail_g[j] = in ? double(g[whole + j]) : 0.0;
     }
-    packet sg = pset1<packet>(0.0), sgc = sg;
+    packet sg = pset1<packet>(0.0), sgc = sg, spc = sg, spread = sg;
     const packet c = psub(psub(ploadu<packet>(tail_zn), ploadu<packet>(tail_zo)), mu);
-    first(ploadu<packet>(tail_lp), c, ploadu<packet>(tail_g), sg, sgc);
+    first(ploadu<packet>(tail_lp), c, ploadu<packet>(tail_g), sg, sgc, spc, spread);
     r.sum_g += predux(sg), r.sum_gc += predux(sgc);
+    r.centring.m += predux(spc), r.centring.spread += predux(spread);
   }
   r.fine = predux_min(lowest) >= -700.0 && predux_max(highest) <= 0.0 && predux(odd) == 0.0;
   return r;
@@ -268,15 +318,16 @@ inline int vjp_row_packets(const T* zn, const T* zo, const T* logp, const T* g, 
     const bool in = whole + j < size;
     tail_zn[j] = in ? double(zn[whole + j]) : s.mu;
     tail_zo[j] = in ? double(zo[whole + j]) : 0.0;
-    tail_lp[j] = in ? double(logp[whole + j]) : 0.0;
+    tail_lp[j] = in ? double(logp[whole + j]) : -700.0;  // π ≈ 0: the padding adds nothing
     tail_g[j] = in ? double(g[whole + j]) : 0.0;
   }
   const bool projected = s.status == row_status::projected;
-  const packet mu = pset1<packet>(s.mu);
   const vjp_sums sums = pre ? *pre : vjp_first_pass(zn, zo, logp, g, size, s.mu);
   if (!sums.fine) return -1;
+  const double m = projected ? sums.centring.step<T>() : 0.0;  // the centring correction (top of this file)
+  const packet mu = pset1<packet>(s.mu), pm = pset1<packet>(m);
   const double sum_g = sums.sum_g;
-  double sum_gc = sums.sum_gc;
+  double sum_gc = sums.sum_gc - m * sum_g;
   if (!projected) sum_gc = 0.0;
   const double t = projected ? s.t : 1.0;
   const packet pt = pset1<packet>(t), psum_g = pset1<packet>(sum_g);
@@ -292,11 +343,11 @@ inline int vjp_row_packets(const T* zn, const T* zo, const T* logp, const T* g, 
     return gn;
   };
   for (long k = 0; k < whole; k += lanes) {
-    const packet c = psub(psub(load_as_double<packet>(zn + k), load_as_double<packet>(zo + k)), mu);
+    const packet c = psub(psub(psub(load_as_double<packet>(zn + k), load_as_double<packet>(zo + k)), mu), pm);
     store_from_double(grad_new + k, second(load_as_double<packet>(logp + k), c, load_as_double<packet>(g + k)));
   }
   if (whole < size) {
-    const packet c = psub(psub(ploadu<packet>(tail_zn), ploadu<packet>(tail_zo)), mu);
+    const packet c = psub(psub(psub(ploadu<packet>(tail_zn), ploadu<packet>(tail_zo)), mu), pm);
     double out[lanes];
     pstoreu(out, second(ploadu<packet>(tail_lp), c, ploadu<packet>(tail_g)));
     for (long k = whole; k < size; ++k) grad_new[k] = T(out[k - whole]);
@@ -329,19 +380,27 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
   const double mu = s.mu;
   backward_block b;
   double sum_g = 0.0, sum_gc = 0.0;
+  centring_sums cs;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     load_backward_block(zn, zo, logp, mu, begin, count, b);
     block_array gb = load(g, begin, count);
     b.restrict(gb);
     sum_g += gb.sum();
-    if (projected) sum_gc += (gb * b.centred).sum();
+    if (projected) {
+      sum_gc += (gb * b.centred).sum();
+      cs.m += (b.pi * b.centred).sum();
+      cs.spread += ((b.pi * b.centred).abs() * (1.0 - b.log_pi)).sum();
+    }
   });
+  const double m = cs.step<T>();  // the centring correction (top of this file)
+  sum_gc -= m * sum_g;
   const double t = projected ? s.t : 1.0;
   const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
   const old_normaliser on = (projected && grad_old) ? normalise_old(zo, size) : old_normaliser{};
   double largest = 0.0;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     load_backward_block(zn, zo, logp, mu, begin, count, b);
+    b.recentre(m);
     block_array gb = load(g, begin, count);
     b.restrict(gb);
     const block_array explicit_part = gb - b.pi * sum_g;  // 0 off J since g, π are 0 there
@@ -361,6 +420,19 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
   return fits_in<T>(largest) && fits_in<T>(*grad_eps);
 }
 
+/// Σ_J π_j (d_j − μ) of a row: the centring correction (top of this file).
+template <class T>
+inline double centring_correction(const T* zn, const T* zo, const T* logp, double mu, std::size_t size) {
+  backward_block b;
+  centring_sums cs;
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    load_backward_block(zn, zo, logp, mu, begin, count, b);
+    cs.m += (b.pi * b.centred).sum();
+    cs.spread += ((b.pi * b.centred).abs() * (1.0 - b.log_pi)).sum();
+  });
+  return cs.step<T>();
+}
+
 /// JVP of one row: tangent_old may be null (treated as zero). Returns false when an output does
 /// not fit T.
 template <class T>
@@ -370,9 +442,11 @@ inline bool jvp_row(const T* zn, const T* zo, const T* logp, const T* tn, const 
   const double mu = s.mu, t = projected ? s.t : 1.0;
   const old_normaliser on = (projected && to) ? normalise_old(zo, size) : old_normaliser{};
   backward_block b;
+  const double m = projected ? centring_correction(zn, zo, logp, mu, size) : 0.0;
   double pi_tn = 0.0, pi_to = 0.0, t_dot = 0.0;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     load_backward_block(zn, zo, logp, mu, begin, count, b);
+    b.recentre(m);
     block_array un = load(tn, begin, count);
     b.restrict(un);
     pi_tn += (b.pi * un).sum();
@@ -387,6 +461,7 @@ inline bool jvp_row(const T* zn, const T* zo, const T* logp, const T* tn, const 
   double largest = 0.0;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     load_backward_block(zn, zo, logp, mu, begin, count, b);
+    b.recentre(m);
     block_array value = t * (load(tn, begin, count) - pi_tn) + b.centred * t_dot;
     if (projected && to) value += (1.0 - t) * (load(to, begin, count) - pi_to);
     b.restrict(value);
@@ -406,8 +481,9 @@ inline void jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t si
   const old_normaliser on = projected ? normalise_old(zo, size) : old_normaliser{};
   auto on_support = [&](std::size_t i) { return static_cast<double>(logp[i]) > neg_inf(); };
   auto pi = [&](std::size_t i) { return on_support(i) ? ::exp(static_cast<double>(logp[i])) : 0.0; };
+  const double m = projected ? centring_correction(zn, zo, logp, s.mu, size) : 0.0;
   auto centred = [&](std::size_t i) {
-    return on_support(i) ? static_cast<double>(zn[i]) - static_cast<double>(zo[i]) - s.mu : 0.0;
+    return on_support(i) ? (static_cast<double>(zn[i]) - static_cast<double>(zo[i]) - s.mu) - m : 0.0;
   };
   auto dt_dold = [&](std::size_t j) {
     const double zj = static_cast<double>(zo[j]);
