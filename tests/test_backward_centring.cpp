@@ -1,0 +1,116 @@
+// test_backward_centring.cpp — the derivatives of troll::project on rows whose π* is nearly
+// one-hot on large logits (|d| ~ 1e4, minor masses ~1e-13): the dominant token's d − μ is then
+// ~π_minor·Δd, far below the rounding of μ (held in absolute units in projection_stats), and the
+// VJP / JVP / Jacobian multiply it by Σ g (d − μ)/σ², which is large. Before the backward
+// re-centred d − μ (detail/cpu/backward_kernels.hpp, "Centring") the double VJP of the first row
+// here was off by 1.6e-3 relative. Reference: math.md §3 in long double at the forward's t, with
+// d − μ formed as Σ_i π_i (d_j − d_i) (no absolute mean).
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <troll/projection.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <vector>
+
+namespace {
+
+struct reference {
+  std::vector<long double> pi, centred;
+  long double sigma2 = 0;
+};
+
+// π_t = softmax(z° + t d) and the centred d, in long double.
+template <class T>
+reference at_t(const std::vector<T>& zn, const std::vector<T>& zo, double t) {
+  const std::size_t n = zn.size();
+  reference r;
+  std::vector<long double> u(n), d(n);
+  long double top = -INFINITY;
+  for (std::size_t i = 0; i < n; ++i) {
+    d[i] = static_cast<long double>(zn[i]) - static_cast<long double>(zo[i]);
+    u[i] = static_cast<long double>(zo[i]) + static_cast<long double>(t) * d[i];
+    top = std::max(top, u[i]);
+  }
+  long double sum = 0;
+  r.pi.resize(n);
+  for (std::size_t i = 0; i < n; ++i) sum += (r.pi[i] = std::exp(u[i] - top));
+  for (auto& p : r.pi) p /= sum;
+  r.centred.resize(n);
+  for (std::size_t j = 0; j < n; ++j) {
+    long double c = 0;
+    for (std::size_t i = 0; i < n; ++i) c += r.pi[i] * (d[j] - d[i]);
+    r.centred[j] = c;
+  }
+  for (std::size_t i = 0; i < n; ++i) r.sigma2 += r.pi[i] * r.centred[i] * r.centred[i];
+  return r;
+}
+
+template <class T>
+void check_row(std::vector<T> zn, std::vector<T> zo, double eps, double tolerance) {
+  const std::size_t n = zn.size();
+  std::vector<T> log_probs(n), g(n), grad_new(n), grad_new_general(n), grad_old(n), jvp(n), jac(n * n);
+  for (std::size_t i = 0; i < n; ++i) g[i] = T(std::cos(0.7 * double(i)) + 0.25);
+  troll::projection_stats stats;
+  auto nv = troll::make_batch(static_cast<const T*>(zn.data()), 1, n);
+  auto ov = troll::make_batch(static_cast<const T*>(zo.data()), 1, n);
+  troll::project(troll::cpu, nv, ov, eps, troll::make_batch(log_probs.data(), 1, n), &stats);
+  REQUIRE(stats.status == troll::row_status::projected);
+  const reference r = at_t(zn, zo, stats.t);
+  const long double t = stats.t;
+
+  // VJP w.r.t. z̃: t [g_j − π_j Σg − π_j c_j Σ g c / σ²]
+  long double sg = 0, sgc = 0;
+  for (std::size_t i = 0; i < n; ++i) sg += g[i], sgc += g[i] * r.centred[i];
+  std::vector<long double> want(n);
+  long double scale = 0;
+  for (std::size_t j = 0; j < n; ++j) {
+    want[j] = t * (g[j] - r.pi[j] * sg - r.pi[j] * r.centred[j] * sgc / r.sigma2);
+    scale = std::max(scale, std::fabs(want[j]));
+  }
+  auto lp = troll::make_batch(static_cast<const T*>(log_probs.data()), 1, n);
+  auto gv = troll::make_batch(static_cast<const T*>(g.data()), 1, n);
+  troll::project_backward(troll::cpu, nv, ov, lp, &stats, gv, troll::make_batch(grad_new.data(), 1, n));
+  troll::project_backward(troll::cpu, nv, ov, lp, &stats, gv, troll::make_batch(grad_new_general.data(), 1, n),
+                          troll::make_batch(grad_old.data(), 1, n));
+  for (std::size_t j = 0; j < n; ++j) {
+    CAPTURE(j);
+    CHECK(std::fabs(double(grad_new[j] - T(want[j]))) <= tolerance * double(scale));
+    CHECK(std::fabs(double(grad_new_general[j] - T(want[j]))) <= tolerance * double(scale));
+  }
+
+  // JVP along u = g (z̃ only): t (u_i − Σ π u − c_i Σ π c u / σ²); and the Jacobian's rows.
+  long double spu = 0, spcu = 0;
+  for (std::size_t j = 0; j < n; ++j) spu += r.pi[j] * g[j], spcu += r.pi[j] * r.centred[j] * g[j];
+  troll::project_jvp(troll::cpu, nv, ov, lp, &stats, gv, troll::input_view<T>{}, 0.0,
+                     troll::make_batch(jvp.data(), 1, n));
+  if (n <= 64) troll::project_jacobian(troll::cpu, nv, ov, lp, &stats, jac.data());
+  for (std::size_t i = 0; i < n; ++i) {
+    const long double want_jvp = t * (g[i] - spu - r.centred[i] * spcu / r.sigma2);
+    CAPTURE(i);
+    CHECK(std::fabs(double(jvp[i] - T(want_jvp))) <= tolerance * (std::fabs(double(want_jvp)) + 1.0));
+    if (n > 64) continue;
+    long double jv = 0;
+    for (std::size_t j = 0; j < n; ++j) jv += static_cast<long double>(jac[i * n + j]) * g[j];
+    CHECK(std::fabs(double(jv - want_jvp)) <= tolerance * (std::fabs(double(want_jvp)) + 1.0));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("derivatives of near-one-hot rows with large logits: d − mu is re-centred") {
+  // double: the short VJP path (V = 3), the general one (grad_old), the JVP and the Jacobian
+  check_row<double>({1e4, -1e4, 0.0}, {-1e4, 1e4, 5.0}, 1e-9, 1e-10);
+  check_row<double>({12000.0, -17000.0, 25.0}, {-17000.0, 12000.0, 0.0}, 1e-9, 1e-10);
+  check_row<double>({3e4, 0.0, 1.0}, {0.0, 2e4, 1.0}, 1e-6, 1e-10);
+  check_row<float>({1e4f, -1e4f, 0.0f}, {-1e4f, 1e4f, 5.0f}, 1e-9, 1e-5);
+  // a long row (the packet VJP path): the same three tokens among 997 far-below ones
+  std::vector<double> zn(1000, -3e4), zo(1000, -3e4);
+  zn[0] = 1e4, zn[500] = -1e4, zn[999] = 0.0;
+  zo[0] = -1e4, zo[500] = 1e4, zo[999] = 5.0;
+  check_row<double>(zn, zo, 1e-9, 1e-10);
+  std::vector<float> fn(zn.begin(), zn.end()), fo(zo.begin(), zo.end());
+  check_row<float>(fn, fo, 1e-9, 1e-5);
+}
