@@ -114,7 +114,8 @@ void throw_overflowed(const char* fn, const unsigned char* overflowed, std::size
       throw domain_error(row_prefix(fn, r) + "a derivative does not fit " +
                              (sizeof(T) == sizeof(float) ? "float" : "double") +
                              " (its true value overflows: an upstream gradient on a token of "
-                             "near-zero probability, with a tiny variance sigma2)",
+                             "near-zero probability, with a tiny variance sigma2; or dL/deps, "
+                             "~1/sqrt(eps), at a tiny eps such as 1e-300 in float)",
                          r);
 }
 
