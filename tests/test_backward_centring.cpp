@@ -8,6 +8,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <troll/objectives.hpp>
 #include <troll/projection.hpp>
 
 #include <algorithm>
@@ -113,4 +114,55 @@ TEST_CASE("derivatives of near-one-hot rows with large logits: d − mu is re-ce
   check_row<double>(zn, zo, 1e-9, 1e-10);
   std::vector<float> fn(zn.begin(), zn.end()), fo(zo.begin(), zo.end());
   check_row<float>(fn, fo, 1e-9, 1e-5);
+}
+
+TEST_CASE("TROLL objective backward on a near-one-hot row with large logits: d - mu is re-centred") {
+  // α = 0, one row, token_mean: ℓ = −ρ A, ∂ℓ/∂z̃_j = −A ρ t (δ_aj − π_j − c_a c_j π_j / σ²), with
+  // the sampled token a the dominant one (its c_a = d_a − μ is the small, hard one).
+  for (int long_row = 0; long_row < 2; ++long_row) {
+    std::vector<double> zn{1e4, -1e4, 0.0}, zo{-1e4, 1e4, 5.0};
+    if (long_row) {
+      zn.assign(700, -3e4), zo.assign(700, -3e4);
+      zn[0] = 1e4, zn[1] = -1e4, zn[2] = 0.0, zo[0] = -1e4, zo[1] = 1e4, zo[2] = 5.0;
+    }
+    const std::size_t n = zn.size();
+    const troll::token_id token = 1;
+    const double advantage = 0.75;
+    troll::token_batch<double> batch;
+    batch.tokens = &token;
+    batch.advantages = &advantage;
+    troll::trust_region_objective objective;
+    objective.eps = 1e-9;
+    objective.alpha = 0.0;
+    std::vector<double> log_probs(n), grad(n);
+    troll::projection_stats stats;
+    double loss = 0;
+    troll::objective_metrics metrics;
+    auto nv = troll::make_batch(static_cast<const double*>(zn.data()), 1, n);
+    auto ov = troll::make_batch(static_cast<const double*>(zo.data()), 1, n);
+    troll::objective_forward(troll::cpu, objective, nv, ov, batch, troll::make_batch(log_probs.data(), 1, n),
+                             &stats, &loss, &metrics);
+    REQUIRE(stats.status == troll::row_status::projected);
+    troll::objective_backward(troll::cpu, objective, nv, ov, batch,
+                              troll::make_batch(static_cast<const double*>(log_probs.data()), 1, n), &stats,
+                              troll::make_batch(grad.data(), 1, n));
+    const reference r = at_t(zn, zo, stats.t);
+    long double old_top = -INFINITY, old_sum = 0;
+    for (double z : zo) old_top = std::max(old_top, static_cast<long double>(z));
+    for (double z : zo) old_sum += std::exp(static_cast<long double>(z) - old_top);
+    const long double log_q_a = zo[token] - old_top - std::log(old_sum);
+    const long double rho = std::exp(std::log(r.pi[token]) - log_q_a);
+    for (std::size_t j = 0; j < n; ++j) {
+      // per entry: the three terms cancel at the dominant token, so each entry is held to 1e-10 of
+      // its own terms' size (the minor tokens' third term is where a lost c_a shows)
+      const long double delta = j == std::size_t(token) ? 1 : 0;
+      const long double third = r.centred[token] * r.centred[j] * r.pi[j] / r.sigma2;
+      const long double factor = -advantage * rho * stats.t;
+      const long double want = factor * (delta - r.pi[j] - third);
+      const long double size = std::fabs(factor) * (delta + r.pi[j] + std::fabs(third));
+      CAPTURE(long_row);
+      CAPTURE(j);
+      CHECK(std::fabs(double(grad[j] - want)) <= 1e-10 * double(size) + 1e-300);
+    }
+  }
 }

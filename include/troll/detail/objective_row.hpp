@@ -86,10 +86,11 @@ TROLL_HOST_DEVICE inline double troll_token_loss(double ratio, double advantage,
   return -ratio * advantage + alpha * kl_reg;
 }
 
-/// The coefficients of one row's backward. `d_a` = z̃_a − z°_a at the sampled token.
+/// The coefficients of one row's backward. `d_a` = z̃_a − z°_a at the sampled token; `centring`
+/// is subtracted from d_a − μ (the CPU's re-centring, detail/cpu/backward_kernels.hpp).
 TROLL_HOST_DEVICE inline troll_row_coefficients troll_coefficients(
     double weight, double advantage, double ratio, double alpha, double kl_reg, double d_a,
-    const projection_stats& s) {
+    const projection_stats& s, double centring = 0.0) {
   troll_row_coefficients k;
   k.ratio_coef = -weight * advantage * ratio;
   k.reg_coef = weight * alpha;
@@ -98,7 +99,7 @@ TROLL_HOST_DEVICE inline troll_row_coefficients troll_coefficients(
   // perturbation and the ratio term has no gradient (d_a = −inf must not reach it).
   if (s.status == row_status::projected && ratio > 0.0) {
     k.t = s.t;
-    k.centred_a = d_a - s.mu;
+    k.centred_a = (d_a - s.mu) - centring;
     k.inv_sigma2 = 1.0 / s.sigma2;
   }
   return k;

@@ -13,6 +13,7 @@
 #include "../../projection_types.hpp"
 #include "../numeric.hpp"
 #include "../objective_row.hpp"
+#include "backward_kernels.hpp"
 #include "objective_records.hpp"
 #include "row_kernels.hpp"
 
@@ -93,7 +94,9 @@ inline troll_backward_plan troll_backward_prepare(const T* zn, const T* zo, cons
   plan.with_reg = alpha != 0.0 && s.status != row_status::inactive;
   const double kl_reg = plan.with_reg ? kl_logits_to_log_probs(zn, plan.log_norm_new, log_pi, size) : 0.0;
   const double d_a = static_cast<double>(zn[token]) - static_cast<double>(zo[token]);
-  plan.k = troll_coefficients(weight, advantage, plan.ratio, plan.with_reg ? alpha : 0.0, kl_reg, d_a, s);
+  if (s.status == row_status::projected) plan.centring = centring_correction(zn, zo, log_pi, s.mu, size);
+  plan.k = troll_coefficients(weight, advantage, plan.ratio, plan.with_reg ? alpha : 0.0, kl_reg, d_a, s,
+                              plan.centring);
   return plan;
 }
 
@@ -120,7 +123,7 @@ inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std:
     const block_array pi = lp.exp();
     block_array g = -ratio_scale * pi;
     if (cross != 0.0) {
-      block_array centred = a - load(zo, begin, count) - s.mu;
+      block_array centred = (a - load(zo, begin, count) - s.mu) - plan->centring;
       zero_where_masked(lp, centred);
       g -= ratio_scale * cross * pi * centred;
     }

@@ -28,6 +28,9 @@ struct troll_backward_plan {
   double log_norm_new = 0.0;
   double ratio = 0.0, log_ratio = 0.0;
   bool with_reg = false;
+  /// m = Σ π* (d − μ) where it is significant, subtracted from every d − μ (the centring of
+  /// detail/cpu/backward_kernels.hpp: μ in absolute units loses the dominant token's d − μ).
+  double centring = 0.0;
   /// The size of the sampled token's ratio term, |c·A·ρ·t|: what must fit the output type.
   double ratio_scale() const { return k.ratio_coef * k.t; }
 };
