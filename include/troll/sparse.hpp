@@ -404,7 +404,7 @@ void align(cpu_policy policy, input_view<T> new_logits, sparse_input<T> new_supp
                         const detail::row_log_sums sums =
                             detail::cpu::log_sums_outside(z, new_logits.cols, scratch, u);
                         for (int i = 0; i < u; ++i) ln[i] = T(sums.log_prob(double(z[indices[i]])));
-                        out.new_log_remainder[r] = T(sums.log_remainder());
+                        out.new_log_remainder[r] = T(sums.stored_log_remainder());
                       });
   });
 }
