@@ -131,6 +131,14 @@ void sparsify_shard(cpu_policy policy, batch_view<const T> shard_logits, std::si
   });
 }
 
+/// sparsify_shard with logits given as a non-const view (batch_view<float> from make_batch(float*)):
+/// the same call, T deduced.
+template <class T, class = std::enable_if_t<!std::is_const<T>::value>>
+void sparsify_shard(cpu_policy policy, batch_view<T> shard_logits, std::size_t vocab_offset, std::size_t vocab,
+                    const token_id* sampled, const sparsify_options& options, sparsify_state* states) {
+  sparsify_shard<T>(policy, batch_view<const T>(shard_logits), vocab_offset, vocab, sampled, options, states);
+}
+
 /// into[r] ← merge(into[r], from[r]) for rows rows: the state of the union of two disjoint token
 /// sets of the same row. Every state is validated first (detail::check_state: k, size, V, covered
 /// ranges, heap entries, sums), then each pair (same k, sampled token and V; coverages that do
@@ -258,6 +266,18 @@ void sparsify_tail_sums(cpu_policy policy, input_view<T> shard_logits, std::size
     sums[2 * r] = s.hi;
     sums[2 * r + 1] = s.lo;
   });
+}
+
+/// sparsify_tail_sums with T deduced from the views (the overload above names T only in
+/// non-deduced positions, so a call without <T> lands here): logits and support of one element
+/// type, each const or not.
+template <class L, class S,
+          class = std::enable_if_t<std::is_same<std::remove_const_t<L>, std::remove_const_t<S>>::value>>
+void sparsify_tail_sums(cpu_policy policy, batch_view<L> shard_logits, std::size_t vocab_offset,
+                        sparse_batch_view<S> support, const double* tail_max, double* sums) {
+  using T = std::remove_const_t<L>;
+  sparsify_tail_sums<T>(policy, batch_view<const T>(shard_logits), vocab_offset, sparse_batch_view<const T>(support),
+                        tail_max, sums);
 }
 
 /// Backward of sparsify (and of the new side of align(logits, ...)): scatters an upstream
