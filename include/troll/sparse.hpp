@@ -51,8 +51,9 @@ TROLL_BEGIN_NAMESPACE
 /// `sampled` is given, else ≥ k; out.vocab = V): the shortest prefix of tokens by logit (ties to
 /// the lower index) whose mass reaches 1 − delta, at most k, then sampled[r] if it is missing
 /// (sampled may be null: no sampled token). Entries are written in that order; log_remainder is
-/// the exact log tail mass (a log-sum-exp over the tail, never log(1 − Σ)). One streaming pass
-/// over each row. −inf logits are legal (masked tokens; they never enter the support unless
+/// the exact log tail mass (a log-sum-exp over the tail, never log(1 − Σ)). One read of each row
+/// from memory picks the support (no exponentials); a second pass while the row is in cache takes
+/// the tail's exact sum (docs/sparse.md, "Sparsify"). −inf logits are legal (masked tokens; they never enter the support unless
 /// sampled). Throws before writing: shape_error (shapes, capacity), domain_error (k outside
 /// [1, 256], delta outside [0, 1), NaN / +inf logits, an all −inf row, a sampled token outside
 /// [0, V)), each naming the row where there is one.
