@@ -14,8 +14,10 @@
 
 #include <troll/sparse.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -123,3 +125,4 @@ TEST_CASE("a short support of small mass stores log r ≈ −Σ_S p to relative 
     CHECK(rel(anr[0], std::log1p(-mass_u / total)) <= 1e-13);
   }
 }
+
