@@ -266,7 +266,10 @@ def sparsify(logits: Any, k: int = 64, delta: float = 1e-5, sampled: Any = None,
 def align(new_logits: Any, old: SparseRows, new_support: Optional[SparseRows] = None, *,
           threads: int = 0) -> AlignedRows:
     """Aligns dense new logits with sparse old rows on U = S_new | S_old (S_new: the support of
-    ``new_support``, none when None)."""
+    ``new_support``, none when None). ``old`` and ``new_support`` may be plain 5-tuples."""
+    old = check_sparse_rows(old, "old")
+    if new_support is not None:
+        new_support = check_sparse_rows(new_support, "new_support")
     frame = Framework(new_logits)
     dtype = _float_dtype(frame, new_logits)
     rows = leading_shape(new_logits, "new_logits")
@@ -410,9 +413,14 @@ def metrics_dict(metrics: Any) -> dict:
             for i, f in enumerate(METRIC_FIELDS)}
 
 
-def check_sparse_rows(rows: Any, name: str) -> None:
-    if not isinstance(rows, tuple) or len(rows) != 5:
+def check_sparse_rows(rows: Any, name: str) -> SparseRows:
+    """``rows`` as SparseRows: a SparseRows, or any 5-sequence (indices, log_probs, counts,
+    log_remainder, vocab) such as a plain tuple; ShapeError otherwise."""
+    if isinstance(rows, SparseRows):
+        return rows
+    if not isinstance(rows, (tuple, list)) or len(rows) != 5:
         raise ShapeError(f"troll: {name} must be SparseRows (indices, log_probs, counts, log_remainder, vocab)")
+    return SparseRows(*rows)
 
 
 # ---- Vocabulary shards ----
