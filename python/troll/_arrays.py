@@ -4,7 +4,9 @@ tensor that requires grad cannot be exported through DLPack). No maths here."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import ctypes
+import functools
+from typing import Any, Callable, Sequence, Tuple, TypeVar
 
 import numpy as np
 
@@ -79,3 +81,95 @@ def leading_shape(x: Any, name: str) -> tuple:
 def require_shape(x: Any, shape: tuple, name: str, ref: str) -> None:
     if tuple(x.shape) != tuple(shape):
         raise ShapeError(f"troll: {name} has shape {tuple(x.shape)} but {ref} needs {tuple(shape)}")
+
+
+# ---- Raw DLPack capsules ----
+#
+# A PyCapsule named "dltensor" (or "dltensor_versioned") is a DLPack array without its framework:
+# it has no shape or dtype attributes and no __dlpack__. troll takes one as an array of the
+# capsule's device: a host capsule becomes a NumPy array (so the results are NumPy arrays), a CUDA
+# capsule a torch tensor (or a CuPy array without torch). No copy either way; the capsule is
+# consumed, as DLPack requires.
+
+_DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST = 1, 2, 3
+
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype = ctypes.c_char_p
+_capsule_name.argtypes = [ctypes.py_object]
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+# Where DLTensor.device sits: DLManagedTensor starts with the DLTensor {void* data; DLDevice
+# device; ...}; DLManagedTensorVersioned has {DLPackVersion (8 bytes), manager_ctx, deleter,
+# uint64 flags} before it.
+_DEVICE_OFFSET = {b"dltensor": 8, b"dltensor_versioned": 40}
+
+
+def is_capsule(x: Any) -> bool:
+    return type(x).__name__ == "PyCapsule"
+
+
+def _capsule_device(cap: Any) -> Tuple[int, int]:
+    name = _capsule_name(cap)
+    if name not in _DEVICE_OFFSET:
+        used = name is not None and name.startswith(b"used_")
+        raise TypeError(f"troll: a PyCapsule named {name!r} is not a DLPack array"
+                        + (" (it was consumed already: a DLPack capsule can be read only once)" if used else ""))
+    pointer = _capsule_pointer(cap, name)
+    device = (ctypes.c_int32 * 2).from_address(pointer + _DEVICE_OFFSET[name])
+    return int(device[0]), int(device[1])
+
+
+class _Capsule:
+    """A capsule with the DLPack protocol around it, for np.from_dlpack."""
+
+    def __init__(self, cap: Any, device: Tuple[int, int]) -> None:
+        self._cap, self._device = cap, device
+
+    def __dlpack__(self, **_kwargs: Any) -> Any:
+        return self._cap
+
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        return self._device
+
+
+def from_capsule(cap: Any) -> Any:
+    """The array a DLPack capsule holds (see above)."""
+    device = _capsule_device(cap)
+    if device[0] in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
+        try:
+            return np.from_dlpack(_Capsule(cap, (_DLPACK_CPU, 0)))
+        except (BufferError, RuntimeError, ValueError) as e:  # e.g. bfloat16, which NumPy lacks
+            raise TypeError(f"troll: cannot read the DLPack capsule's array ({e}); troll computes on float32 "
+                            "and float64 (int32 for token ids)") from e
+    if device[0] == _DLPACK_CUDA:
+        try:
+            import torch
+        except ImportError:  # pragma: no cover - CuPy without torch
+            import cupy
+
+            return cupy.from_dlpack(_Capsule(cap, device))
+        return torch.utils.dlpack.from_dlpack(cap)
+    raise TypeError(f"troll: the DLPack capsule's device type {device[0]} is neither host nor CUDA memory")
+
+
+def _ingest(x: Any) -> Any:
+    if is_capsule(x):
+        return from_capsule(x)
+    if type(x) is tuple and any(is_capsule(a) for a in x):  # e.g. a gradient pair (g_lp, g_lr)
+        return tuple(_ingest(a) for a in x)
+    return x
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def accepts_capsules(fn: F) -> F:
+    """Lets ``fn`` take raw DLPack capsules wherever it takes arrays (and inside plain tuples)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*(_ingest(a) for a in args), **{k: _ingest(v) for k, v in kwargs.items()})
+
+    return wrapper  # type: ignore[return-value]

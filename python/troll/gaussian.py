@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from . import _core, _troll
-from ._arrays import Framework, arg, require_shape
+from ._arrays import Framework, accepts_capsules, arg, require_shape
 from ._core import INACTIVE, PROJECTED, STATUS_NAMES
 from ._errors import ShapeError
 
@@ -113,6 +113,7 @@ def _project(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: float, 
     return frame.result(out_mean), frame.result(out_cov), stats
 
 
+@accepts_capsules
 def project_joint(mean: Any, cov_chol: Any, old_mean: Any, old_cov_chol: Any, eps: float, *,
                   out: Optional[Tuple[Any, Any]] = None, stats: Optional[GaussianStats] = None,
                   rtol: float = 1e-11, atol: float = 0.0, max_iterations: int = 100,
@@ -126,6 +127,7 @@ def project_joint(mean: Any, cov_chol: Any, old_mean: Any, old_cov_chol: Any, ep
                     max_iterations, threads, saved)
 
 
+@accepts_capsules
 def project_split(mean: Any, cov_chol: Any, old_mean: Any, old_cov_chol: Any, eps_mean: float, eps_cov: float,
                   *, out: Optional[Tuple[Any, Any]] = None, stats: Optional[GaussianStats] = None,
                   rtol: float = 1e-11, atol: float = 0.0, max_iterations: int = 100,
@@ -137,6 +139,7 @@ def project_split(mean: Any, cov_chol: Any, old_mean: Any, old_cov_chol: Any, ep
                     atol, max_iterations, threads, saved)
 
 
+@accepts_capsules
 def project_joint_diag(mean: Any, std: Any, old_mean: Any, old_std: Any, eps: float, *,
                        out: Optional[Tuple[Any, Any]] = None, stats: Optional[GaussianStats] = None,
                        rtol: float = 1e-11, atol: float = 0.0, max_iterations: int = 100,
@@ -147,6 +150,7 @@ def project_joint_diag(mean: Any, std: Any, old_mean: Any, old_std: Any, eps: fl
                     max_iterations, threads)
 
 
+@accepts_capsules
 def project_split_diag(mean: Any, std: Any, old_mean: Any, old_std: Any, eps_mean: float, eps_cov: float, *,
                        out: Optional[Tuple[Any, Any]] = None, stats: Optional[GaussianStats] = None,
                        rtol: float = 1e-11, atol: float = 0.0, max_iterations: int = 100,
@@ -156,6 +160,7 @@ def project_split_diag(mean: Any, std: Any, old_mean: Any, old_std: Any, eps_mea
                     max_iterations, threads)
 
 
+@accepts_capsules
 def project_backward(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: float, eps_cov: float,
                      out_mean: Any, out_cov: Any, stats: GaussianStats, grad_out_mean: Any, grad_out_cov: Any,
                      *, full: bool, split: bool, old: bool = False, eps: bool = False,
@@ -190,6 +195,7 @@ def project_backward(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean:
             None if ge is None else res(ge), None if gem is None else res(gem))
 
 
+@accepts_capsules
 def project_jvp(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: float, eps_cov: float,
                 out_mean: Any, out_cov: Any, stats: GaussianStats, tangent_mean: Any = None,
                 tangent_cov: Any = None, tangent_old_mean: Any = None, tangent_old_cov: Any = None,
@@ -228,11 +234,13 @@ def _kl(mean: Any, cov: Any, old_mean: Any, old_cov: Any, full: bool, threads: i
     return frame.result(out)
 
 
+@accepts_capsules
 def kl(mean: Any, cov_chol: Any, old_mean: Any, old_cov_chol: Any, *, threads: int = 0) -> Any:
     """KL(N(mean, LLᵀ) || N(old_mean, L°L°ᵀ)) per row (float64, the rows' leading shape)."""
     return _kl(mean, cov_chol, old_mean, old_cov_chol, True, threads)
 
 
+@accepts_capsules
 def kl_diag(mean: Any, std: Any, old_mean: Any, old_std: Any, *, threads: int = 0) -> Any:
     """kl for diagonal covariances given as standard deviations."""
     return _kl(mean, std, old_mean, old_std, False, threads)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Union
 
+import numpy as np
 import torch
 
 from .. import _core
 from .._core import AlignedRows, ProjectionStats, SparseRows
+from .._arrays import is_capsule
 from .._errors import DomainError
 from ._autograd import guard
 
@@ -33,6 +35,23 @@ def _eps_value(eps: Union[float, torch.Tensor]) -> float:
             raise _core.ShapeError("troll: eps must be a number or a one-element tensor (one bound for all rows)")
         return float(eps.detach().reshape(()).item())
     return float(eps)
+
+
+def _tensor(x: Any, name: str, fn: str) -> torch.Tensor:
+    """A torch tensor, as given; any other DLPack array (NumPy, a raw DLPack capsule, ...) as the
+    tensor torch.from_dlpack makes of it (no copy); anything else: TypeError."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if is_capsule(x):
+        return torch.utils.dlpack.from_dlpack(x)
+    if hasattr(x, "__dlpack__"):
+        try:
+            return torch.from_dlpack(x)
+        except (BufferError, RuntimeError, TypeError, ValueError):
+            if isinstance(x, np.ndarray):  # e.g. a read-only array, which NumPy does not export
+                return torch.as_tensor(x)
+            raise
+    raise TypeError(f"troll.torch.{fn}: {name} is a {type(x).__name__}; a torch tensor (or a DLPack array) is needed")
 
 
 def _grad_in(g: torch.Tensor) -> torch.Tensor:
@@ -74,6 +93,7 @@ def project(new_logits: torch.Tensor, old_logits: torch.Tensor, eps: Union[float
     """log pi* of the KL trust-region projection (see troll.project), differentiable w.r.t.
     ``new_logits``, ``old_logits`` and ``eps`` when it is a one-element tensor. With
     ``return_stats=True`` returns ``(log_probs, ProjectionStats)``."""
+    new_logits, old_logits = _tensor(new_logits, "new_logits", "project"), _tensor(old_logits, "old_logits", "project")
     options = dict(rtol=rtol, atol=atol, max_iterations=max_iterations, threads=threads)
     info: Dict[str, Any] = {}
     log_probs = _Project.apply(new_logits, old_logits, eps, options, info)
@@ -116,7 +136,7 @@ def sparsify(logits: torch.Tensor, k: int = 64, delta: float = 1e-5,
     """Sparse rows (top-k tokens by logit whose mass reaches 1 - delta, plus the ``sampled``
     token of each row, and the exact log-mass of the rest) for storing the old policy compactly
     at rollout time. Not differentiable (the old policy is a constant)."""
-    logits = logits.detach()
+    logits = _tensor(logits, "logits", "sparsify").detach()
     return _core.sparsify(logits, k, delta, _sampled_index(sampled, logits),
                           threads=threads)
 
@@ -161,6 +181,7 @@ def project_sparse(new_logits: torch.Tensor, old_sparse: SparseRows, eps: Union[
     vocabulary lumped into one bucket. Returns SparseRows of log pi* (U and the bucket),
     differentiable w.r.t. ``new_logits`` (the scatter of docs/sparse.md) and ``eps`` (tensor)."""
     old_sparse = _core.check_sparse_rows(old_sparse, "old_sparse")
+    new_logits = _tensor(new_logits, "new_logits", "project_sparse")
     support = None
     if new_k > 0:
         support = _core.sparsify(new_logits.detach(), new_k, new_delta,
@@ -271,8 +292,11 @@ def trust_region_loss(new_logits: torch.Tensor, old: Union[torch.Tensor, SparseR
     the rows weighted by ``mask``. ``old`` is the old policy's dense logits or its SparseRows
     (troll.torch.sparsify with the sampled tokens). Returns the scalar loss (and the metrics dict
     with ``return_metrics=True``); its gradient w.r.t. ``new_logits`` is troll's fused backward."""
-    if not isinstance(old, torch.Tensor):
+    new_logits = _tensor(new_logits, "new_logits", "trust_region_loss")
+    if isinstance(old, (tuple, list)):
         old = _core.check_sparse_rows(old, "old")
+    else:
+        old = _tensor(old, "old", "trust_region_loss")
     batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation, "trust_region_loss")
     params = dict(eps=float(eps), alpha=float(alpha), rtol=rtol, atol=atol, max_iterations=max_iterations,
                   new_k=int(new_k), new_delta=float(new_delta), threads=threads)
@@ -312,6 +336,8 @@ def ppo_clip_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: to
                   return_metrics: bool = False, threads: int = 0):
     """PPO's clipped surrogate loss ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` with
     r = p_new(a) / q(a) (and the dual clip when ``dual_clip`` > 1), troll's forward and backward."""
+    new_logits = _tensor(new_logits, "new_logits", "ppo_clip_loss")
+    old_logits = _tensor(old_logits, "old_logits", "ppo_clip_loss")
     batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation, "ppo_clip_loss")
     args = (float(clip_low), float(clip_high), float(dual_clip))
     info: Dict[str, Any] = {}
@@ -329,6 +355,8 @@ def dppo_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: torch.
     (A > 0, moved up) or ``delta_low`` (A < 0, moved down); the bounds default to 0.15 for TV
     and 0.05 for KL."""
     default = 0.15 if divergence.endswith("tv") else 0.05
+    new_logits = _tensor(new_logits, "new_logits", "dppo_loss")
+    old_logits = _tensor(old_logits, "old_logits", "dppo_loss")
     batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation, "dppo_loss")
     args = (str(divergence), float(default if delta_low is None else delta_low),
             float(default if delta_high is None else delta_high), int(top_k))

@@ -120,6 +120,9 @@ def sparsify(local_logits: torch.Tensor, vocab_offset: int, vocab_size: int, k: 
     row's and tail_ref the tail's largest logit)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("troll.torch.distributed.sparsify: torch.distributed is not initialised")
+    from . import _tensor
+
+    local_logits = _tensor(local_logits, "local_logits", "distributed.sparsify")
     rows = tuple(local_logits.shape[:-1])
     sampled_i32 = None
     if sampled is not None:

@@ -98,6 +98,10 @@ class _Project(torch.autograd.Function):
 
 def _apply(mean, cov, old_mean, old_cov, eps_mean, eps_cov, full, split, return_stats, rtol, atol,
            max_iterations, threads):
+    from . import _tensor
+
+    mean, cov, old_mean, old_cov = (_tensor(x, n, "gaussian") for x, n in
+                                    zip((mean, cov, old_mean, old_cov), ("mean", "cov", "old_mean", "old_cov")))
     cfg = dict(full=full, split=split, rtol=rtol, atol=atol, max_iterations=max_iterations, threads=threads)
     info: Dict[str, Any] = {}
     # Joint bounds pass one eps in both slots and return its gradient once (in the first).

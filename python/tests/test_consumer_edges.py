@@ -1,0 +1,231 @@
+"""What a generic consumer runs into (the Python audit, issue 12's follow-up): double backward,
+integer id arrays, SparseRows as plain tuples, raw DLPack capsules, non-torch arrays given to
+troll.torch, empty batches and V = 1. Each case failed (silently or with an untyped error) before
+its fix; all run in well under a second."""
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+import troll
+import troll.torch as tt
+import troll.torch.gaussian as tg
+
+import oracle
+
+D = torch.float64
+
+
+def logits(gen, *shape):
+    return oracle.make_logits(gen, *shape)
+
+
+# ---- double backward: an error, never a silent zero ----
+
+
+def _first_order(fn, x):
+    """The gradient of fn at x with create_graph=True, and the plain one."""
+    xa = x.clone().requires_grad_()
+    (g_graph,) = torch.autograd.grad(fn(xa), xa, create_graph=True)
+    xb = x.clone().requires_grad_()
+    (g_plain,) = torch.autograd.grad(fn(xb), xb)
+    return xa, g_graph, g_plain
+
+
+def _losses(gen):
+    old = logits(gen, 2, 3, 7)
+    tokens = torch.randint(0, 7, (2, 3), generator=gen)
+    adv = torch.randn(2, 3, generator=gen, dtype=D)
+    w = torch.randn(2, 3, 7, generator=gen, dtype=D)
+    sparse_old = tt.sparsify(old, 3, sampled=tokens)
+    return {
+        "project": lambda x: (tt.project(x, old, 0.05) * w).sum(),
+        "project_sparse": lambda x: tt.project_sparse(x, sparse_old, 0.05, new_k=2).log_remainder.sum(),
+        "trust_region_loss": lambda x: tt.trust_region_loss(x, old, tokens, adv),
+        "trust_region_loss_sparse": lambda x: tt.trust_region_loss(x, sparse_old, tokens, adv),
+        "ppo_clip_loss": lambda x: tt.ppo_clip_loss(x, old, tokens, adv),
+        "dppo_loss": lambda x: tt.dppo_loss(x, old, tokens, adv),
+    }
+
+
+@pytest.mark.parametrize("name", ["project", "project_sparse", "trust_region_loss", "trust_region_loss_sparse",
+                                  "ppo_clip_loss", "dppo_loss"])
+def test_double_backward_raises_and_create_graph_keeps_the_first_order(gen, name):
+    fn = _losses(gen)[name]
+    x, g_graph, g_plain = _first_order(fn, logits(gen, 2, 3, 7))
+    torch.testing.assert_close(g_graph, g_plain, rtol=0, atol=0)
+    assert g_graph.requires_grad  # tied to x: differentiating it again must not give 0 silently
+    with pytest.raises(RuntimeError, match="double backward is not implemented"):
+        torch.autograd.grad((g_graph * torch.randn_like(g_graph)).sum(), x)
+
+
+def test_double_backward_raises_through_eps_and_old_logits(gen):
+    new, old = logits(gen, 3, 6).requires_grad_(), logits(gen, 3, 6).requires_grad_()
+    eps = torch.tensor(0.05, dtype=D, requires_grad=True)
+    g = torch.autograd.grad((tt.project(new, old, eps) ** 2).sum(), (new, old, eps), create_graph=True)
+    for gi, xi in zip(g, (new, old, eps)):
+        with pytest.raises(RuntimeError, match="double backward"):
+            torch.autograd.grad(gi.sum(), xi)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.gradgradcheck(lambda a: tt.project(a, old.detach(), 0.05), (new,))
+
+
+def test_gaussian_double_backward_raises_and_forward_mode_still_works(gen):
+    m, om = torch.randn(3, 2, generator=gen, dtype=D), torch.randn(3, 2, generator=gen, dtype=D)
+    s, os_ = torch.rand(3, 2, generator=gen, dtype=D) + 0.5, torch.rand(3, 2, generator=gen, dtype=D) + 0.5
+    mr = m.clone().requires_grad_()
+    out = tg.project_joint_diag(mr, s, om, os_, 0.01)
+    (g,) = torch.autograd.grad((out[0] ** 2).sum() + out[1].sum(), mr, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(g.sum(), mr)
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        tangent = torch.randn_like(m)
+        mean_p, _ = tg.project_joint_diag(fwAD.make_dual(m, tangent), s, om, os_, 0.01)
+        jvp = fwAD.unpack_dual(mean_p).tangent
+    assert jvp is not None and torch.isfinite(jvp).all()
+
+
+# ---- integer id arrays ----
+
+
+def test_sampled_ids_outside_int32_raise_instead_of_wrapping(gen):
+    x = logits(gen, 2, 5)
+    bad = torch.tensor([1, 2 ** 32 + 1])  # wrapped to int32 this would be token 1
+    with pytest.raises(troll.DomainError) as info:
+        tt.sparsify(x, 2, sampled=bad)
+    assert info.value.row == 1
+    with pytest.raises(troll.DomainError):
+        tt.project_sparse(x, tt.sparsify(x, 2), 0.05, sampled=bad)
+    ok = tt.sparsify(x, 2, sampled=torch.tensor([1, 4]))  # int64 in range: fine
+    assert ok.counts.dtype == torch.int32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool])
+def test_non_integer_ids_raise_type_error(gen, dtype):
+    x = logits(gen, 2, 5).requires_grad_()
+    ids = torch.tensor([1, 0]).to(dtype)
+    adv = torch.ones(2, dtype=D)
+    with pytest.raises(TypeError, match="integer ids"):
+        tt.sparsify(x, 2, sampled=ids)
+    with pytest.raises(TypeError, match="integer ids"):
+        tt.trust_region_loss(x, x.detach(), ids, adv)
+    with pytest.raises(TypeError, match="integer ids"):
+        tt.ppo_clip_loss(x, x.detach(), torch.tensor([1, 0]), adv, sequence_ids=ids, aggregation="sequence_mean")
+
+
+def test_distributed_sampled_outside_int32_raises(gen):
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs an uninitialised torch.distributed")
+    path = os.path.join(tempfile.mkdtemp(), "pg")
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    try:
+        x = logits(gen, 2, 6)
+        with pytest.raises(troll.DomainError):
+            tt.distributed.sparsify(x, 0, 6, 2, sampled=torch.tensor([0, 2 ** 32 + 3]))
+        rows = tt.distributed.sparsify(x.numpy(), 0, 6, 2, sampled=[0, 3])  # NumPy logits, list ids
+        ref = tt.sparsify(x, 2, sampled=torch.tensor([0, 3]))
+        for a, b in zip(rows[:4], ref[:4]):
+            assert torch.equal(a, b)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- SparseRows as plain tuples ----
+
+
+def test_plain_tuples_are_sparse_rows(gen):
+    new, old = logits(gen, 3, 8), logits(gen, 3, 8)
+    tokens = torch.tensor([0, 1, 2])
+    rows = tt.sparsify(old, 3, sampled=tokens)
+    for as_seq in (tuple, list):
+        plain = as_seq(rows)
+        got = tt.project_sparse(new, plain, 0.05)
+        want = tt.project_sparse(new, rows, 0.05)
+        assert all(torch.equal(a, b) for a, b in zip(got[:4], want[:4]))
+        assert tt.trust_region_loss(new, plain, tokens, torch.ones(3, dtype=D)).item() == pytest.approx(
+            tt.trust_region_loss(new, rows, tokens, torch.ones(3, dtype=D)).item(), rel=0, abs=0)
+        aligned = troll.align(new, plain, new_support=as_seq(rows))
+        assert torch.equal(aligned.counts, troll.align(new, rows, new_support=rows).counts)
+
+
+# ---- raw DLPack capsules and non-torch arrays ----
+
+
+def test_dlpack_capsules_are_arrays(gen):
+    p, q = logits(gen, 2, 3, 6), logits(gen, 2, 3, 6)
+    got = troll.kl(p.__dlpack__(), torch.utils.dlpack.to_dlpack(q))  # versioned / legacy capsules
+    assert isinstance(got, np.ndarray) and got.shape == (2, 3)
+    np.testing.assert_allclose(got, oracle.kl(p, q).numpy(), rtol=1e-12, atol=1e-14)
+    lp, stats = troll.project(p.__dlpack__(), q.__dlpack__(), 0.05)
+    np.testing.assert_allclose(lp, oracle.project(p, q, 0.05)[0].numpy(), rtol=1e-9, atol=1e-9)
+    assert isinstance(stats.t, np.ndarray)
+    g = troll.sparsify_backward(p.__dlpack__(), troll.sparsify(p, 2),
+                                (torch.ones(2, 3, 2, dtype=D).__dlpack__(), torch.ones(2, 3, dtype=D).__dlpack__()))
+    assert g.shape == (2, 3, 6)
+    m = torch.randn(4, 2, generator=gen, dtype=D)
+    s = torch.ones(4, 2, dtype=D)
+    np.testing.assert_allclose(troll.gaussian.kl_diag(m.__dlpack__(), s.__dlpack__(), m, s), 0.0, atol=1e-15)
+
+
+def test_bad_capsules_raise_type_error(gen):
+    p = logits(gen, 2, 6)
+    cap = p.__dlpack__()
+    troll.kl(cap, p)
+    with pytest.raises(TypeError, match="consumed"):
+        troll.kl(cap, p)
+    with pytest.raises(TypeError):
+        troll.kl(p.float().bfloat16().__dlpack__(), p)
+
+
+def test_troll_torch_takes_numpy_and_capsules_and_rejects_lists(gen):
+    new, old = logits(gen, 3, 6), logits(gen, 3, 6)
+    want = tt.project(new, old, 0.05)
+    assert torch.equal(tt.project(new.numpy(), old.numpy(), 0.05), want)
+    assert torch.equal(tt.project(new.__dlpack__(), old.__dlpack__(), 0.05), want)
+    read_only = old.numpy().copy()
+    read_only.setflags(write=False)
+    x = new.clone().requires_grad_()
+    tt.project(x, read_only, 0.05).sum().backward()  # the tensor input still gets its gradient
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    tokens, adv = np.array([0, 1, 2]), np.ones(3)
+    assert torch.isfinite(tt.ppo_clip_loss(new, old.numpy(), tokens, adv))
+    assert torch.isfinite(tt.trust_region_loss(new, old.numpy(), tokens, adv))
+    with pytest.raises(TypeError, match="torch tensor"):
+        tt.project(new.tolist(), old, 0.05)
+
+
+# ---- empty batches, V = 1, dtypes ----
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (2, 0, 5), (3, 1), (1,), (4, 1, 1)])
+def test_empty_batches_and_one_token_rows(gen, shape):
+    new = logits(gen, *shape).requires_grad_()
+    old = logits(gen, *shape)
+    lp = tt.project(new, old, 0.05)
+    assert lp.shape == new.shape and lp.dtype == D
+    if shape[-1] == 1 and lp.numel():
+        assert torch.equal(lp, torch.zeros_like(lp))  # one token: probability 1
+    lp.sum().backward()
+    assert new.grad.shape == new.shape and not new.grad.abs().sum()
+    rows = shape[:-1]
+    tokens = torch.zeros(rows, dtype=torch.long)
+    adv = torch.ones(rows, dtype=D)
+    for loss in (tt.trust_region_loss(new, old, tokens, adv), tt.ppo_clip_loss(new, old, tokens, adv),
+                 tt.trust_region_loss(new, tt.sparsify(old, 3, sampled=tokens), tokens, adv)):
+        assert loss.shape == () and loss.dtype == D and torch.isfinite(loss)
+    assert troll.kl(new.detach(), old).shape == rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int64])
+def test_unsupported_dtypes_raise_type_error(gen, dtype):
+    x = logits(gen, 2, 5).to(dtype)
+    for call in (lambda: troll.kl(x, x), lambda: tt.project(x, x, 0.05), lambda: tt.sparsify(x, 2)):
+        with pytest.raises(TypeError):
+            call()
