@@ -229,3 +229,24 @@ def test_unsupported_dtypes_raise_type_error(gen, dtype):
     for call in (lambda: troll.kl(x, x), lambda: tt.project(x, x, 0.05), lambda: tt.sparsify(x, 2)):
         with pytest.raises(TypeError):
             call()
+
+
+# ---- bounds: a number or a one-element array, else ShapeError ----
+
+
+def test_bounds_take_one_element_arrays_and_reject_per_row_ones(gen):
+    new, old = logits(gen, 3, 6), logits(gen, 3, 6)
+    want = troll.project(new, old, 0.05)[0]
+    for eps in (np.float32(0.05), np.array([0.05]), torch.tensor(0.05), torch.tensor([[0.05]], dtype=D)):
+        torch.testing.assert_close(troll.project(new, old, eps)[0], want, rtol=1e-6, atol=1e-7)
+    tokens, adv = torch.tensor([0, 1, 2]), torch.ones(3, dtype=D)
+    for per_row in (torch.full((3,), 0.05), np.full(3, 0.05)):
+        with pytest.raises(troll.ShapeError, match="one bound"):
+            troll.project(new, old, per_row)
+        with pytest.raises(troll.ShapeError, match="one bound"):
+            troll.project_sparse(troll.align(new, troll.sparsify(old, 2)), per_row)
+        with pytest.raises(troll.ShapeError, match="one bound"):
+            tt.trust_region_loss(new, old, tokens, adv, eps=per_row)
+        m, s = torch.zeros(3, 2, dtype=D), torch.ones(3, 2, dtype=D)
+        with pytest.raises(troll.ShapeError, match="one bound"):
+            troll.gaussian.project_joint_diag(m, s, m, s, per_row)

@@ -122,6 +122,21 @@ def _out(frame: Framework, out: Any, shape: tuple, dtype: str, name: str) -> Any
     return out
 
 
+def _bound(eps: Any, name: str = "eps") -> float:
+    """A bound given as a number or a one-element array (torch, NumPy, ...): one bound for every
+    row; anything with more elements raises ShapeError (per-row bounds are not supported)."""
+    shape = getattr(eps, "shape", None)
+    if shape is not None:
+        size = 1
+        for extent in tuple(shape):
+            size *= int(extent)
+        if size != 1:
+            raise ShapeError(f"troll: {name} must be a number or a one-element array (one bound for all rows), "
+                             f"got shape {tuple(shape)}")
+        return float(eps.item())
+    return float(eps)
+
+
 def _float_dtype(frame: Framework, x: Any) -> str:
     dtype = frame.dtype_name(x)
     if dtype not in ("float32", "float64"):
@@ -198,10 +213,10 @@ def project(
     st = stats if stats is not None else ProjectionStats.empty(frame, rows)
     if _on_cuda(new_logits):
         cuda, stream = _cuda_call(frame, new_logits, "project")
-        cuda.project(arg(new_logits), arg(old_logits), float(eps), y, st.values, st.counters,
+        cuda.project(arg(new_logits), arg(old_logits), _bound(eps), y, st.values, st.counters,
                      rtol, atol, max_iterations, stream, CUDA_CHECKED)
     else:
-        _troll.project(arg(new_logits), arg(old_logits), float(eps), y, st.values, st.counters,
+        _troll.project(arg(new_logits), arg(old_logits), _bound(eps), y, st.values, st.counters,
                        rtol, atol, max_iterations, threads)
     return frame.result(y), ProjectionStats(frame.result(st.values), frame.result(st.counters))
 
@@ -309,7 +324,7 @@ def project_sparse(rows: AlignedRows, eps: float, *, rtol: float = 1e-12, atol: 
     lead = tuple(rows.counts.shape)
     out = sparse_empty(frame, lead, int(rows.indices.shape[-1]), rows.vocab, dtype)
     st = ProjectionStats.empty(frame, lead)
-    args = (_sparse_arg(rows), float(eps), out, st.values, st.counters, rtol, atol, max_iterations)
+    args = (_sparse_arg(rows), _bound(eps), out, st.values, st.counters, rtol, atol, max_iterations)
     if _on_cuda(rows.new_log_probs):
         cuda, stream = _cuda_call(frame, rows.new_log_probs, "project_sparse")
         cuda.project_sparse(*args, stream, CUDA_CHECKED)

@@ -103,11 +103,11 @@ def _project(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: float, 
         stats = GaussianStats.empty(frame, rows)
     if _core._on_cuda(mean):
         cuda, stream = _core._cuda_call(frame, mean, "gaussian.project")
-        cuda.gaussian_project(arg(mean), arg(cov), arg(old_mean), arg(old_cov), float(eps_mean), float(eps_cov),
+        cuda.gaussian_project(arg(mean), arg(cov), arg(old_mean), arg(old_cov), _core._bound(eps_mean, "eps_mean"), _core._bound(eps_cov, "eps_cov"),
                               full, split, out_mean, out_cov, stats.values, stats.counters, rtol, atol,
                               max_iterations, stream, _core.CUDA_CHECKED, saved=saved)
     else:
-        _troll.gaussian_project(arg(mean), arg(cov), arg(old_mean), arg(old_cov), float(eps_mean), float(eps_cov),
+        _troll.gaussian_project(arg(mean), arg(cov), arg(old_mean), arg(old_cov), _core._bound(eps_mean, "eps_mean"), _core._bound(eps_cov, "eps_cov"),
                                 full, split, out_mean, out_cov, stats.values, stats.counters, rtol, atol,
                                 max_iterations, threads, saved=saved)
     return frame.result(out_mean), frame.result(out_cov), stats
@@ -181,7 +181,7 @@ def project_backward(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean:
     goc = frame.empty(tuple(cov.shape), dtype) if old else None
     ge = frame.empty(rows, "float64") if eps else None
     gem = frame.empty(rows, "float64") if eps and split else None
-    args = (arg(mean), arg(cov), arg(old_mean), arg(old_cov), float(eps_mean), float(eps_cov), full, split,
+    args = (arg(mean), arg(cov), arg(old_mean), arg(old_cov), _core._bound(eps_mean, "eps_mean"), _core._bound(eps_cov, "eps_cov"), full, split,
             arg(out_mean), arg(out_cov), arg(stats.values), arg(stats.counters), arg(grad_out_mean),
             arg(grad_out_cov), gm, gc, gom, goc, ge, gem)
     sv = None if saved is None else arg(saved)
@@ -210,7 +210,7 @@ def project_jvp(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: floa
     dtype = _dtype(frame, mean)
     tm, tc = frame.empty(tuple(mean.shape), dtype), frame.empty(tuple(cov.shape), dtype)
     opt = [None if x is None else arg(x) for x in (tangent_mean, tangent_cov, tangent_old_mean, tangent_old_cov)]
-    args = (arg(mean), arg(cov), arg(old_mean), arg(old_cov), float(eps_mean), float(eps_cov), full, split,
+    args = (arg(mean), arg(cov), arg(old_mean), arg(old_cov), _core._bound(eps_mean, "eps_mean"), _core._bound(eps_cov, "eps_cov"), full, split,
             arg(out_mean), arg(out_cov), arg(stats.values), arg(stats.counters), *opt, float(tangent_eps),
             float(tangent_eps_mean), tm, tc)
     sv = None if saved is None else arg(saved)

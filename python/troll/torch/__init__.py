@@ -298,7 +298,7 @@ def trust_region_loss(new_logits: torch.Tensor, old: Union[torch.Tensor, SparseR
     else:
         old = _tensor(old, "old", "trust_region_loss")
     batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation, "trust_region_loss")
-    params = dict(eps=float(eps), alpha=float(alpha), rtol=rtol, atol=atol, max_iterations=max_iterations,
+    params = dict(eps=_core._bound(eps), alpha=float(alpha), rtol=rtol, atol=atol, max_iterations=max_iterations,
                   new_k=int(new_k), new_delta=float(new_delta), threads=threads)
     info: Dict[str, Any] = {}
     loss = _TrustRegionLoss.apply(new_logits, old, batch, params, info)
