@@ -250,3 +250,23 @@ def test_bounds_take_one_element_arrays_and_reject_per_row_ones(gen):
         m, s = torch.zeros(3, 2, dtype=D), torch.ones(3, 2, dtype=D)
         with pytest.raises(troll.ShapeError, match="one bound"):
             troll.gaussian.project_joint_diag(m, s, m, s, per_row)
+
+
+# ---- torch tensors DLPack cannot carry: a typed error, not garbage or nanobind's TypeError ----
+
+
+def test_tensors_dlpack_cannot_carry_raise_shape_error(gen):
+    x = logits(gen, 3, 6)
+    cases = {
+        "meta": torch.empty(3, 6, dtype=D, device="meta"),
+        "sparse": x.to_sparse(),
+        "negated view": torch._neg_view(x),  # DLPack would export the stored, un-negated values
+    }
+    for name, bad in cases.items():
+        with pytest.raises(troll.ShapeError):
+            troll.kl(bad, x)
+        with pytest.raises(troll.ShapeError):
+            troll.kl(x, bad)
+        with pytest.raises(troll.ShapeError):
+            tt.project(bad, x, 0.05)
+    np.testing.assert_allclose(troll.kl(torch._neg_view(x).resolve_neg(), x), oracle.kl(-x, x), rtol=1e-12)

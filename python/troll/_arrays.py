@@ -154,10 +154,26 @@ def from_capsule(cap: Any) -> Any:
     raise TypeError(f"troll: the DLPack capsule's device type {device[0]} is neither host nor CUDA memory")
 
 
+def _check_torch(x: Any) -> None:
+    """What DLPack would carry wrongly or not at all: a torch tensor must be dense (strided), in
+    host or CUDA memory, and hold its values as stored (a lazily negated / conjugated view would
+    be read without its sign: silently wrong)."""
+    if str(x.layout) != "torch.strided":
+        raise ShapeError(f"troll: a {x.layout} tensor was given; troll takes dense (strided) arrays (.to_dense() it)")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ShapeError(f"troll: a tensor on device {x.device} was given; troll takes host (CPU) and CUDA arrays")
+    if x.is_neg() or x.is_conj():
+        raise ShapeError("troll: a tensor with torch's lazy negation / conjugation bit was given; its memory does "
+                         "not hold its values (call .resolve_neg() / .resolve_conj() first)")
+
+
 def _ingest(x: Any) -> Any:
     if is_capsule(x):
         return from_capsule(x)
-    if type(x) is tuple and any(is_capsule(a) for a in x):  # e.g. a gradient pair (g_lp, g_lr)
+    if _module_of(x) == "torch" and hasattr(x, "layout"):
+        _check_torch(x)
+        return x
+    if type(x) is tuple:  # e.g. a gradient pair (g_lp, g_lr)
         return tuple(_ingest(a) for a in x)
     return x
 
@@ -166,7 +182,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def accepts_capsules(fn: F) -> F:
-    """Lets ``fn`` take raw DLPack capsules wherever it takes arrays (and inside plain tuples)."""
+    """Lets ``fn`` take raw DLPack capsules wherever it takes arrays (and inside plain tuples), and
+    checks torch tensors for what DLPack cannot carry (``_check_torch``)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
