@@ -270,3 +270,46 @@ def test_tensors_dlpack_cannot_carry_raise_shape_error(gen):
         with pytest.raises(troll.ShapeError):
             tt.project(bad, x, 0.05)
     np.testing.assert_allclose(troll.kl(torch._neg_view(x).resolve_neg(), x), oracle.kl(-x, x), rtol=1e-12)
+
+
+# ---- no reference cycles: a call's graph (new logits included) dies with its outputs ----
+
+
+def _dies(make_output, x):
+    import gc
+    import weakref
+
+    leaf = x.clone().requires_grad_()
+    out = make_output(leaf)
+    refs = [weakref.ref(leaf)] + [weakref.ref(t) for t in (out if isinstance(out, tuple) else (out,))
+                                  if isinstance(t, torch.Tensor)]
+    del leaf, out
+    gc.collect()
+    return all(r() is None for r in refs)
+
+
+def test_outputs_hold_no_reference_cycles(gen):
+    x, old = logits(gen, 4, 30), logits(gen, 4, 30)
+    tokens, adv = torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=D)
+    sparse_old = tt.sparsify(old, 3, sampled=tokens)
+    m, s = torch.randn(4, 3, generator=gen, dtype=D), torch.ones(4, 3, dtype=D)
+    factor = torch.eye(3, dtype=D).expand(4, 3, 3).contiguous()
+    calls = {
+        "project": lambda n: tt.project(n, old, 0.05),
+        # held its outputs on ctx: every call leaked its whole graph
+        "project_sparse": lambda n: tuple(tt.project_sparse(n, sparse_old, 0.05, new_k=3)[:4]),
+        "trust_region_loss": lambda n: tt.trust_region_loss(n, sparse_old, tokens, adv),
+        "ppo_clip_loss": lambda n: tt.ppo_clip_loss(n, old, tokens, adv),
+        "gaussian": lambda n: tg.project_joint(n[:, :3], factor, m, 2 * factor, 0.01),
+        "gaussian_diag": lambda n: tg.project_joint_diag(n[:, :3], s, m, 2 * s, 0.01),
+    }
+    leaking = [name for name, call in calls.items() if not _dies(call, x)]
+    assert not leaking
+
+
+def test_in_place_edits_of_sparse_outputs_are_detected(gen):
+    x, old = logits(gen, 3, 20).requires_grad_(), logits(gen, 3, 20)
+    rows = tt.project_sparse(x, tt.sparsify(old, 3), 0.05, new_k=3)
+    rows.log_probs.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        rows.log_probs.sum().backward()

@@ -147,8 +147,12 @@ class _ProjectSparse(torch.autograd.Function):
         threads = options["threads"]
         aligned = _core.align(new_logits.detach(), old, support, threads=threads)
         out, stats = _core.project_sparse(aligned, _eps_value(eps), **options)
-        ctx.save_for_backward(new_logits)
-        ctx.aligned, ctx.out, ctx.stats, ctx.threads = aligned, out, stats, threads
+        # The outputs go through save_for_backward, never onto ctx: an output held by ctx is a
+        # reference cycle through the autograd graph that Python's collector cannot see (every
+        # call leaked its graph, new logits included), and in-place edits would go unnoticed.
+        ctx.save_for_backward(new_logits, *out[:4])
+        ctx.vocab = out.vocab
+        ctx.aligned, ctx.stats, ctx.threads = aligned, stats, threads
         ctx.eps_shape = eps.shape if isinstance(eps, torch.Tensor) else None
         ctx.eps = eps if isinstance(eps, torch.Tensor) else None
         ctx.mark_non_differentiable(out.indices, out.counts)
@@ -157,11 +161,12 @@ class _ProjectSparse(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _g_indices, g_log_probs, _g_counts, g_log_remainder):  # type: ignore[override]
-        (new_logits,) = ctx.saved_tensors
+        new_logits, *out = ctx.saved_tensors
+        out = SparseRows(*out, ctx.vocab)
         aligned: AlignedRows = ctx.aligned
         want_eps = ctx.eps_shape is not None and ctx.needs_input_grad[1]
         grad_aligned, _, grad_eps = _core.project_sparse_backward(
-            aligned, ctx.out, ctx.stats, (_grad_in(g_log_probs), _grad_in(g_log_remainder)), eps=want_eps,
+            aligned, out, ctx.stats, (_grad_in(g_log_probs), _grad_in(g_log_remainder)), eps=want_eps,
             threads=ctx.threads)
         grad_new = _core.sparsify_backward(new_logits, aligned.new_side(), grad_aligned, threads=ctx.threads)
         if grad_eps is not None:
