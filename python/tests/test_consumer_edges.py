@@ -313,3 +313,71 @@ def test_in_place_edits_of_sparse_outputs_are_detected(gen):
     rows.log_probs.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         rows.log_probs.sum().backward()
+
+
+# ---- the keyword names docs/python.md's tables give ----
+
+
+def test_documented_keyword_arguments(gen):
+    new, old = logits(gen, 2, 8), logits(gen, 2, 8)
+    tokens = torch.tensor([1, 2])
+    adv = torch.ones(2, dtype=D)
+    troll.kl(p_logits=new, q_logits=old, out=torch.empty(2, dtype=D))
+    troll.log_softmax(logits=new, out=torch.empty(2, 8, dtype=D))
+    troll.kl_backward(p_logits=new, q_logits=old, grad_kl=adv)
+    lp, st = troll.project(new_logits=new, old_logits=old, eps=0.05, out=None, stats=None, rtol=1e-12, atol=1e-15,
+                           max_iterations=50)
+    troll.project_backward(new_logits=new, old_logits=old, log_probs=lp, stats=st, grad_log_probs=torch.ones_like(lp),
+                           old=True, eps=True)
+    rows = troll.sparsify(logits=old, k=3, delta=1e-5, sampled=tokens.int())
+    aligned = troll.align(new_logits=new, old=rows, new_support=None)
+    out, st2 = troll.project_sparse(rows=aligned, eps=0.05)
+    troll.kl_sparse(rows=aligned)
+    grad = (torch.ones_like(out.log_probs), torch.ones_like(out.log_remainder))
+    g_new, _, _ = troll.project_sparse_backward(rows=aligned, log_probs=out, stats=st2, grad=grad, old=True, eps=True)
+    troll.sparsify_backward(logits=new, support=aligned.new_side(), grad=g_new)
+    states = np.stack([troll.sparsify_shard(shard_logits=old[:, :5].numpy(), vocab_offset=0, vocab=8, k=3, delta=1e-5,
+                                            sampled=tokens.int().numpy()),
+                       troll.sparsify_shard(shard_logits=old[:, 5:].numpy(), vocab_offset=5, vocab=8, k=3, delta=1e-5,
+                                            sampled=tokens.int().numpy())])
+    rows1, _, tail_max = troll.sparsify_finalize(states=states, vocab=8, k=3, delta=1e-5, sampled=True,
+                                                 dtype="float64", return_tail_max=True)
+    sums = np.stack([troll.sparsify_tail_sums(shard_logits=old[:, :5].numpy(), vocab_offset=0, rows=rows1,
+                                              tail_max=tail_max),
+                     troll.sparsify_tail_sums(shard_logits=old[:, 5:].numpy(), vocab_offset=5, rows=rows1,
+                                              tail_max=tail_max)])
+    rows2, log_sums = troll.sparsify_finalize(states=states, vocab=8, k=3, delta=1e-5, sampled=True, dtype="float64",
+                                              tail_sums=sums)
+    for a, b in zip(rows2[:4], rows[:4]):
+        np.testing.assert_array_equal(a, b.numpy())
+    troll.sparsify_shard_backward(shard_logits=old[:, 5:].numpy(), vocab_offset=5, support=rows2,
+                                  grad=(np.ones(rows2.log_probs.shape), np.ones(2)), log_sums=log_sums)
+    x = new.clone().requires_grad_()
+    tt.project(new_logits=x, old_logits=old, eps=0.05, return_stats=True)
+    tt.sparsify(logits=old, k=3, delta=1e-5, sampled=tokens)
+    tt.project_sparse(new_logits=x, old_sparse=rows, eps=0.05, sampled=tokens, new_k=2, new_delta=1e-5)
+    tt.trust_region_loss(new_logits=x, old=rows, tokens=tokens, advantages=adv, eps=0.05, alpha=1.0, mask=None,
+                         sequence_ids=torch.tensor([0, 1]), aggregation="sequence_mean", new_k=2, new_delta=1e-5,
+                         return_metrics=True)
+    tt.ppo_clip_loss(new_logits=x, old_logits=old, tokens=tokens, advantages=adv, clip_low=0.2, clip_high=0.2,
+                     dual_clip=3.0, mask=torch.ones(2), return_metrics=True)
+    tt.dppo_loss(new_logits=x, old_logits=old, tokens=tokens, advantages=adv, divergence="topk_kl", delta_low=0.05,
+                 delta_high=0.05, top_k=3, mask=None, return_metrics=True)
+    m, s = torch.zeros(2, 3, dtype=D), torch.ones(2, 3, dtype=D)
+    factor = torch.eye(3, dtype=D).expand(2, 3, 3).contiguous()
+    troll.gaussian.project_joint(mean=m, cov_chol=factor, old_mean=m + 1, old_cov_chol=factor, eps=0.05)
+    troll.gaussian.project_split(mean=m, cov_chol=factor, old_mean=m + 1, old_cov_chol=factor, eps_mean=0.05,
+                                 eps_cov=0.05)
+    troll.gaussian.project_joint_diag(mean=m, std=s, old_mean=m + 1, old_std=s, eps=0.05)
+    troll.gaussian.project_split_diag(mean=m, std=s, old_mean=m + 1, old_std=s, eps_mean=0.05, eps_cov=0.05)
+    troll.gaussian.kl(mean=m, cov_chol=factor, old_mean=m, old_cov_chol=factor)
+    troll.gaussian.kl_diag(mean=m, std=s, old_mean=m, old_std=s)
+    tg.project_split_diag(mean=m, std=s, old_mean=m + 1, old_std=s, eps_mean=0.05, eps_cov=0.05, return_stats=True)
+
+
+def test_numpy_masked_arrays_raise_type_error(gen):
+    x = logits(gen, 2, 5).numpy()
+    with pytest.raises(TypeError, match="masked"):
+        troll.kl(np.ma.masked_array(x, mask=x > 0), x)
+    np.testing.assert_allclose(troll.kl(np.ma.filled(np.ma.masked_array(x, mask=x > 3), -np.inf), x),
+                               troll.kl(np.where(x > 3, -np.inf, x), x))

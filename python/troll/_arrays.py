@@ -170,6 +170,9 @@ def _check_torch(x: Any) -> None:
 def _ingest(x: Any) -> Any:
     if is_capsule(x):
         return from_capsule(x)
+    if isinstance(x, np.ma.MaskedArray):  # DLPack carries its data, not its mask
+        raise TypeError("troll: a NumPy masked array was given; its mask would be ignored (pass "
+                        "np.ma.filled(x, -np.inf) for masked logits, or x.data)")
     if _module_of(x) == "torch" and hasattr(x, "layout"):
         _check_torch(x)
         return x
