@@ -381,3 +381,33 @@ def test_numpy_masked_arrays_raise_type_error(gen):
         troll.kl(np.ma.masked_array(x, mask=x > 0), x)
     np.testing.assert_allclose(troll.kl(np.ma.filled(np.ma.masked_array(x, mask=x > 3), -np.inf), x),
                                troll.kl(np.where(x > 3, -np.inf, x), x))
+
+
+# ---- out= / stats= buffers troll must not write ----
+
+
+def test_out_buffers_troll_must_not_write_raise_type_error(gen):
+    p, q = logits(gen, 3, 6), logits(gen, 3, 6)
+    read_only = np.zeros(3)
+    read_only.setflags(write=False)
+    for bad in (read_only, torch.zeros(3, dtype=D, requires_grad=True)):
+        with pytest.raises(TypeError):
+            troll.kl(p, q, out=bad)
+        assert not np.asarray(bad.detach() if isinstance(bad, torch.Tensor) else bad).any()  # untouched
+    stats = troll.ProjectionStats(torch.zeros(3, 6, dtype=D, requires_grad=True), torch.zeros(3, 2, dtype=torch.int32))
+    with pytest.raises(TypeError):
+        troll.project(p, q, 0.05, stats=stats)
+    m, s = torch.zeros(3, 2, dtype=D), torch.ones(3, 2, dtype=D)
+    with pytest.raises(TypeError):
+        troll.gaussian.project_joint_diag(m, s, m + 1, s, 0.05, out=(np.broadcast_to(read_only[:, None], (3, 2)),
+                                                                   s.numpy().copy()))
+
+
+def test_jax_arrays_are_not_written():
+    jnp = pytest.importorskip("jax.numpy")
+    p = jnp.asarray(np.linspace(-1.0, 1.0, 12, dtype=np.float32).reshape(2, 6))
+    q = jnp.asarray(np.linspace(1.0, -1.0, 12, dtype=np.float32).reshape(2, 6))
+    buffer = jnp.zeros(2, dtype=jnp.float32)
+    with pytest.raises(TypeError, match="immutable"):
+        troll.kl(p, q, out=buffer)
+    assert not np.asarray(buffer).any()

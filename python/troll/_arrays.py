@@ -71,6 +71,22 @@ def arg(x: Any) -> Any:
     return x
 
 
+def writable(x: Any, name: str) -> Any:
+    """``x`` if troll may write into it (an ``out=`` / ``stats=`` buffer), else TypeError: JAX
+    arrays are immutable (writing would change every array sharing the buffer), read-only NumPy
+    arrays say so, and a torch tensor that requires grad would change behind autograd's back."""
+    module = _module_of(x)
+    if module in ("jax", "jaxlib"):
+        raise TypeError(f"troll: {name} is a JAX array; JAX arrays are immutable (pass no {name}=, troll allocates "
+                        "the result)")
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise TypeError(f"troll: {name} is a read-only NumPy array")
+    if module == "torch" and getattr(x, "requires_grad", False):
+        raise TypeError(f"troll: {name} requires grad; troll writes it outside autograd (pass a tensor that "
+                        "does not, or detach it)")
+    return x
+
+
 def leading_shape(x: Any, name: str) -> tuple:
     shape = tuple(x.shape)
     if len(shape) == 0:

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import _troll
-from ._arrays import Framework, accepts_capsules, arg, leading_shape, require_shape
+from ._arrays import Framework, accepts_capsules, arg, leading_shape, require_shape, writable
 from ._errors import ShapeError
 
 try:  # the CUDA extension, built where nvcc was present (docs/python.md, CUDA)
@@ -118,7 +118,7 @@ class AlignedRows(NamedTuple):
 def _out(frame: Framework, out: Any, shape: tuple, dtype: str, name: str) -> Any:
     if out is None:
         return frame.empty(shape, dtype)
-    require_shape(out, shape, name, "this call")
+    require_shape(writable(out, name), shape, name, "this call")
     return out
 
 
@@ -211,6 +211,9 @@ def project(
     rows = leading_shape(new_logits, "new_logits")
     y = _out(frame, out, tuple(new_logits.shape), dtype, "out")
     st = stats if stats is not None else ProjectionStats.empty(frame, rows)
+    if stats is not None:
+        writable(st.values, "stats.values")
+        writable(st.counters, "stats.counters")
     if _on_cuda(new_logits):
         cuda, stream = _cuda_call(frame, new_logits, "project")
         cuda.project(arg(new_logits), arg(old_logits), _bound(eps), y, st.values, st.counters,

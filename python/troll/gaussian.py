@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from . import _core, _troll
-from ._arrays import Framework, accepts_capsules, arg, require_shape
+from ._arrays import Framework, accepts_capsules, arg, require_shape, writable
 from ._core import INACTIVE, PROJECTED, STATUS_NAMES
 from ._errors import ShapeError
 
@@ -96,18 +96,24 @@ def _project(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: float, 
     if out is None:
         out_mean, out_cov = frame.empty(tuple(mean.shape), dtype), frame.empty(tuple(cov.shape), dtype)
     else:
-        out_mean, out_cov = out
+        out_mean, out_cov = writable(out[0], "out[0]"), writable(out[1], "out[1]")
         require_shape(out_mean, tuple(mean.shape), "out[0]", "mean")
         require_shape(out_cov, tuple(cov.shape), "out[1]", "the covariance")
     if stats is None:
         stats = GaussianStats.empty(frame, rows)
+    else:
+        writable(stats.values, "stats.values")
+        writable(stats.counters, "stats.counters")
+    if saved is not None:
+        writable(saved, "saved")
+    eps_mean, eps_cov = _core._bound(eps_mean, "eps_mean"), _core._bound(eps_cov, "eps_cov")
     if _core._on_cuda(mean):
         cuda, stream = _core._cuda_call(frame, mean, "gaussian.project")
-        cuda.gaussian_project(arg(mean), arg(cov), arg(old_mean), arg(old_cov), _core._bound(eps_mean, "eps_mean"), _core._bound(eps_cov, "eps_cov"),
+        cuda.gaussian_project(arg(mean), arg(cov), arg(old_mean), arg(old_cov), eps_mean, eps_cov,
                               full, split, out_mean, out_cov, stats.values, stats.counters, rtol, atol,
                               max_iterations, stream, _core.CUDA_CHECKED, saved=saved)
     else:
-        _troll.gaussian_project(arg(mean), arg(cov), arg(old_mean), arg(old_cov), _core._bound(eps_mean, "eps_mean"), _core._bound(eps_cov, "eps_cov"),
+        _troll.gaussian_project(arg(mean), arg(cov), arg(old_mean), arg(old_cov), eps_mean, eps_cov,
                                 full, split, out_mean, out_cov, stats.values, stats.counters, rtol, atol,
                                 max_iterations, threads, saved=saved)
     return frame.result(out_mean), frame.result(out_cov), stats
@@ -181,7 +187,8 @@ def project_backward(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean:
     goc = frame.empty(tuple(cov.shape), dtype) if old else None
     ge = frame.empty(rows, "float64") if eps else None
     gem = frame.empty(rows, "float64") if eps and split else None
-    args = (arg(mean), arg(cov), arg(old_mean), arg(old_cov), _core._bound(eps_mean, "eps_mean"), _core._bound(eps_cov, "eps_cov"), full, split,
+    eps_mean, eps_cov = _core._bound(eps_mean, "eps_mean"), _core._bound(eps_cov, "eps_cov")
+    args = (arg(mean), arg(cov), arg(old_mean), arg(old_cov), eps_mean, eps_cov, full, split,
             arg(out_mean), arg(out_cov), arg(stats.values), arg(stats.counters), arg(grad_out_mean),
             arg(grad_out_cov), gm, gc, gom, goc, ge, gem)
     sv = None if saved is None else arg(saved)
@@ -210,7 +217,8 @@ def project_jvp(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: floa
     dtype = _dtype(frame, mean)
     tm, tc = frame.empty(tuple(mean.shape), dtype), frame.empty(tuple(cov.shape), dtype)
     opt = [None if x is None else arg(x) for x in (tangent_mean, tangent_cov, tangent_old_mean, tangent_old_cov)]
-    args = (arg(mean), arg(cov), arg(old_mean), arg(old_cov), _core._bound(eps_mean, "eps_mean"), _core._bound(eps_cov, "eps_cov"), full, split,
+    eps_mean, eps_cov = _core._bound(eps_mean, "eps_mean"), _core._bound(eps_cov, "eps_cov")
+    args = (arg(mean), arg(cov), arg(old_mean), arg(old_cov), eps_mean, eps_cov, full, split,
             arg(out_mean), arg(out_cov), arg(stats.values), arg(stats.counters), *opt, float(tangent_eps),
             float(tangent_eps_mean), tm, tc)
     sv = None if saved is None else arg(saved)

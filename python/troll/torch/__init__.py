@@ -125,7 +125,8 @@ def _index_rows(x: Any, rows: tuple, name: str, fn: str, device: torch.device, d
     return x.to(device=device, dtype=dtype).contiguous()
 
 
-def _sampled_index(sampled: Optional[torch.Tensor], logits: torch.Tensor, fn: str = "sparsify") -> Optional[torch.Tensor]:
+def _sampled_index(sampled: Optional[torch.Tensor], logits: torch.Tensor,
+                   fn: str = "sparsify") -> Optional[torch.Tensor]:
     if sampled is None:
         return None
     return _index_rows(sampled, tuple(logits.shape[:-1]), "sampled", fn, logits.device, torch.int32)
