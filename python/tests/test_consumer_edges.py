@@ -411,3 +411,32 @@ def test_jax_arrays_are_not_written():
     with pytest.raises(TypeError, match="immutable"):
         troll.kl(p, q, out=buffer)
     assert not np.asarray(buffer).any()
+
+
+# ---- CUDA arrays of other frameworks (JAX on a GPU, ...): outputs on their device ----
+
+
+def test_other_frameworks_cuda_arrays_get_device_outputs(monkeypatch):
+    """Outputs of a CUDA array from a framework troll does not allocate in (here the fake of
+    test_cuda_host_errors) were host NumPy buffers, which the CUDA module rejected ("out ... is not
+    in CUDA device memory" for an out= nobody passed). Now they are device buffers: with a
+    stand-in allocator making fake device arrays, every check passes and the call reaches the
+    CUDA runtime, which (without a GPU) fails as BackendError."""
+    from test_cuda_host_errors import _FLOAT, _INT, FakeCudaArray, cuda
+
+    if cuda is None or cuda.device_count() > 0:
+        pytest.skip("needs the CUDA extension and no GPU (the fake arrays hold host memory)")
+    kinds = {"float32": (_FLOAT, 32), "float64": (_FLOAT, 64), "int32": (_INT, 32)}
+    made = []
+
+    def fake_empty(shape, dtype, device, framework):
+        assert device == 0 and framework == "test_cuda_host_errors"
+        made.append(FakeCudaArray(shape, *kinds[dtype]))
+        return made[-1]
+
+    monkeypatch.setattr(troll._arrays, "_cuda_empty", fake_empty)
+    with pytest.raises(troll.BackendError):
+        troll.kl(FakeCudaArray((3, 10)), FakeCudaArray((3, 10)))
+    with pytest.raises(troll.BackendError):
+        troll.project(FakeCudaArray((3, 10)), FakeCudaArray((3, 10)), 0.05)
+    assert len(made) == 1 + 3  # kl's out; project's log-probs and two stats buffers

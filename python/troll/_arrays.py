@@ -38,6 +38,12 @@ class Framework:
                 f"troll: {type(like).__name__} is not an array (it has no __dlpack__); "
                 "pass a torch tensor, a NumPy array or any DLPack-exporting array"
             )
+        #: The CUDA device of another framework's array (JAX on a GPU, ...), else None.
+        self.cuda_device = None
+        if self.name not in ("torch", "numpy", "cupy") and hasattr(like, "__dlpack_device__"):
+            kind, index = like.__dlpack_device__()
+            if int(kind) == 2:  # kDLCUDA
+                self.cuda_device = int(index)
 
     def dtype_name(self, x: Any) -> str:
         """'float32', 'float64', ... of an array of this framework."""
@@ -50,7 +56,9 @@ class Framework:
         if self.name == "cupy":
             with self._cupy.cuda.Device(self.like.device.id):
                 return self._cupy.empty(shape, dtype=dtype)
-        # NumPy, and host memory for any other framework (wrapped back by `result`).
+        if self.cuda_device is not None:
+            return _cuda_empty(shape, dtype, self.cuda_device, self.name)
+        # NumPy, and host memory for any other framework's host arrays (wrapped back by `result`).
         return np.empty(shape, dtype=dtype)
 
     def result(self, x: Any) -> Any:
@@ -62,6 +70,22 @@ class Framework:
 
             return jnp.from_dlpack(x)
         return x
+
+
+def _cuda_empty(shape: tuple, dtype: str, device: int, framework: str) -> Any:
+    """Device memory for the outputs of another framework's CUDA arrays (JAX on a GPU, ...): a
+    torch tensor, else a CuPy array; `Framework.result` hands it back through DLPack."""
+    try:
+        import torch
+    except ImportError:
+        try:
+            import cupy
+        except ImportError:
+            raise ShapeError(f"troll: the {framework} array is in CUDA memory; troll allocates the outputs of "
+                             "such arrays with torch or CuPy, and neither is installed") from None
+        with cupy.cuda.Device(device):
+            return cupy.empty(shape, dtype=dtype)
+    return torch.empty(shape, dtype=getattr(torch, dtype), device=torch.device("cuda", device))
 
 
 def arg(x: Any) -> Any:
