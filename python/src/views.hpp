@@ -14,6 +14,8 @@
 
 #include <troll/projection.hpp>
 
+#include "errors.hpp"
+
 namespace troll_py {
 
 namespace nb = nanobind;
@@ -25,6 +27,7 @@ using out_array = nb::ndarray<>;
 [[noreturn]] inline void fail(const char* fn, const std::string& what) {
   throw troll::shape_error(std::string("troll.") + fn + ": " + what);
 }
+
 
 /// "(2, 3, 5)" for error messages.
 template <class A>
@@ -77,8 +80,8 @@ void require_host_dtype(const char* fn, const char* name, const A& a) {
   if (a.device_type() != module_device)
     fail(fn, std::string(name) + " (device type " + std::to_string(a.device_type()) + ") " + module_device_text);
   if (!(a.dtype() == nb::dtype<T>()))
-    fail(fn, std::string(name) + " has dtype " + dtype_text(a) + " but " + dtype_name<T>() +
-                 " is needed here");
+    throw dtype_error(std::string("troll.") + fn + ": " + name + " has dtype " + dtype_text(a) + " but " +
+                      dtype_name<T>() + " is needed here");
 }
 
 /// The shape of `a` without its last dimension (the rows), as a vector.

@@ -440,3 +440,22 @@ def test_other_frameworks_cuda_arrays_get_device_outputs(monkeypatch):
     with pytest.raises(troll.BackendError):
         troll.project(FakeCudaArray((3, 10)), FakeCudaArray((3, 10)), 0.05)
     assert len(made) == 1 + 3  # kl's out; project's log-probs and two stats buffers
+
+
+# ---- a mismatched element type is both a ShapeError (as documented) and a TypeError ----
+
+
+def test_mismatched_dtypes_raise_dtype_error(gen):
+    p = logits(gen, 3, 6)
+    calls = [lambda: troll.kl(p, p.float()),
+             lambda: troll.project(p, p.float(), 0.05),
+             lambda: tt.project(p.float(), p, 0.05),
+             lambda: troll.kl(p, p, out=torch.empty(3)),
+             lambda: troll.sparsify(p, 2, sampled=torch.zeros(3, dtype=torch.int64)),
+             lambda: tt.trust_region_loss(p, tt.sparsify(p.float(), 2, sampled=torch.zeros(3, dtype=torch.long)),
+                                          torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=D))]
+    for call in calls:
+        with pytest.raises(troll.DTypeError) as info:
+            call()
+        assert isinstance(info.value, troll.ShapeError) and isinstance(info.value, TypeError)
+        assert "dtype" in str(info.value)
