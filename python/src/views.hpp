@@ -205,6 +205,22 @@ void require_disjoint(const char* fn, const char* out_name, const troll::batch_v
                  " (troll does not compute in place; pass a separate out= buffer)");
 }
 
+/// project()'s statistics buffers (a caller's stats=) must overlap neither the call's arrays nor
+/// each other: troll writes them while (CUDA) or after (host) it reads the logits.
+template <class T>
+void require_stats_disjoint(const char* fn, const troll::batch_view<double>& values,
+                            const troll::batch_view<std::int32_t>& counters,
+                            const troll::batch_view<const T>& new_logits,
+                            const troll::batch_view<const T>& old_logits, const troll::batch_view<T>& out) {
+  require_disjoint(fn, "stats.values", values, "stats.counters", counters);
+  require_disjoint(fn, "stats.values", values, "new_logits", new_logits);
+  require_disjoint(fn, "stats.values", values, "old_logits", old_logits);
+  require_disjoint(fn, "stats.values", values, "out", out);
+  require_disjoint(fn, "stats.counters", counters, "new_logits", new_logits);
+  require_disjoint(fn, "stats.counters", counters, "old_logits", old_logits);
+  require_disjoint(fn, "stats.counters", counters, "out", out);
+}
+
 /// `out` after require_disjoint(out, in): for checks in a constructor's initialiser list.
 template <class T, class U>
 troll::batch_view<T> disjoint_from(const char* fn, const char* out_name, const troll::batch_view<T>& out,

@@ -459,3 +459,20 @@ def test_mismatched_dtypes_raise_dtype_error(gen):
             call()
         assert isinstance(info.value, troll.ShapeError) and isinstance(info.value, TypeError)
         assert "dtype" in str(info.value)
+
+
+def test_stats_buffers_overlapping_the_call_raise_shape_error(gen):
+    p, q = logits(gen, 4, 12), logits(gen, 4, 12)
+    counters = torch.zeros(4, 2, dtype=torch.int32)
+    for values, name in ((p[:, :6], "new_logits"), (q[:, 6:], "old_logits")):
+        before = (p.clone(), q.clone())
+        with pytest.raises(troll.ShapeError, match=f"stats.values overlaps {name}"):
+            troll.project(p, q, 0.05, stats=troll.ProjectionStats(values, counters))
+        assert torch.equal(before[0], p) and torch.equal(before[1], q)
+    out = torch.empty(4, 12, dtype=D)
+    with pytest.raises(troll.ShapeError, match="overlaps out"):
+        troll.project(p, q, 0.05, out=out, stats=troll.ProjectionStats(out[:, 6:], counters))
+    shared = torch.zeros(4 * 7, dtype=D)
+    with pytest.raises(troll.ShapeError, match="stats.values overlaps stats.counters"):
+        troll.project(p, q, 0.05, stats=troll.ProjectionStats(shared[:24].view(4, 6),
+                                                              shared[20:].view(torch.int32).view(4, 4)[:, :2]))
