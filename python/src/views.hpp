@@ -80,8 +80,8 @@ void require_host_dtype(const char* fn, const char* name, const A& a) {
   if (a.device_type() != module_device)
     fail(fn, std::string(name) + " (device type " + std::to_string(a.device_type()) + ") " + module_device_text);
   if (!(a.dtype() == nb::dtype<T>()))
-    throw dtype_error(std::string("troll.") + fn + ": " + name + " has dtype " + dtype_text(a) + " but " +
-                      dtype_name<T>() + " is needed here");
+    throw dtype_error(std::string("troll.") + fn + ": " + name + " has dtype " + dtype_text(a) +
+                      " but " + dtype_name<T>() + " is needed here");
 }
 
 /// The shape of `a` without its last dimension (the rows), as a vector.
@@ -211,7 +211,8 @@ template <class T>
 void require_stats_disjoint(const char* fn, const troll::batch_view<double>& values,
                             const troll::batch_view<std::int32_t>& counters,
                             const troll::batch_view<const T>& new_logits,
-                            const troll::batch_view<const T>& old_logits, const troll::batch_view<T>& out) {
+                            const troll::batch_view<const T>& old_logits,
+                            const troll::batch_view<T>& out) {
   require_disjoint(fn, "stats.values", values, "stats.counters", counters);
   require_disjoint(fn, "stats.values", values, "new_logits", new_logits);
   require_disjoint(fn, "stats.values", values, "old_logits", old_logits);
