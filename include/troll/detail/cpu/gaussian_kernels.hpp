@@ -7,6 +7,8 @@
 #include "eigen.hpp"  // first: Eigen/Core with GCC 12's AVX-512 headers warning-free
 #include <Eigen/Cholesky>
 #include <Eigen/Eigenvalues>
+#include <Eigen/QR>
+#include <Eigen/SVD>
 #include <cmath>
 #include <cstddef>
 
@@ -73,6 +75,25 @@ inline void factor_full(const T* mean, const T* chol, const T* old_mean, const T
   out.vectors = eig.eigenvectors();
   out.g.resize(eig.eigenvalues().size());
   for (Eigen::Index i = 0; i < out.g.size(); ++i) out.g[i] = gain_from_excess(eig.eigenvalues()[i]);
+  // The eigenvalues of S − I carry an absolute error ~d·u·max|λ − 1|: where that is not far
+  // below the smallest λ (a whitened covariance spanning more than ~1e4 of the doubles' 1/u, e.g.
+  // an old or new covariance with condition number 1e12 against a well-conditioned other one),
+  // the small λ — and so the large gains γ − 1 — lose their digits (or round to λ ≤ 0). There
+  // the whitened factor M = L°⁻¹L̃ (S = MMᵀ) is decomposed instead by the QR-preconditioned
+  // two-sided Jacobi SVD, whose singular values σ = sqrt(λ) keep their relative accuracy on such
+  // graded factors: V = U, g = 1/σ² − 1 = −((σ − 1)/σ)((σ + 1)/σ).
+  const double spread = eig.eigenvalues().cwiseAbs().maxCoeff();
+  const double smallest = 1.0 + eig.eigenvalues()[0];
+  if (!(smallest > 1e4 * static_cast<double>(d) * 2.220446049250313e-16 * spread)) {
+    const gaussian_matrix m = lower.solve(load_factor(chol, d));
+    const Eigen::JacobiSVD<gaussian_matrix, Eigen::ColPivHouseholderQRPreconditioner> svd(m, Eigen::ComputeFullU);
+    out.vectors = svd.matrixU();
+    for (Eigen::Index i = 0; i < out.g.size(); ++i) {
+      const double sv = svd.singularValues()[i];
+      out.g[i] = sv > 0.0 ? minimum(-((sv - 1.0) / sv) * ((sv + 1.0) / sv), largest_finite<double>())
+                          : largest_finite<double>();
+    }
+  }
   const gaussian_vector delta = lower.solve(load_vector(mean, d) - load_vector(old_mean, d));
   out.b = out.vectors.transpose() * delta;
 }
@@ -132,7 +153,7 @@ struct gaussian_member_coords {
 inline gaussian_member_coords member_coords(const gaussian_basis& basis, double t) {
   gaussian_member_coords c;
   c.a = (1.0 + t * basis.g.array()).matrix();
-  c.m = (t * (1.0 + basis.g.array()) * basis.b.array() / c.a.array()).matrix();
+  c.m = ((t * (1.0 + basis.g.array()) / c.a.array()) * basis.b.array()).matrix();  // tγ/a first
   return c;
 }
 
@@ -165,7 +186,19 @@ inline void write_member_cov(const gaussian_basis& basis, const gaussian_member_
     return;
   }
   const gaussian_matrix inner = basis.vectors * c.a.cwiseInverse().asDiagonal() * basis.vectors.transpose();
-  const gaussian_matrix inner_factor = Eigen::LLT<gaussian_matrix>(inner).matrixL();
+  const Eigen::LLT<gaussian_matrix> llt(inner);
+  gaussian_matrix inner_factor = llt.matrixL();
+  if (llt.info() != Eigen::Success || !(inner_factor.diagonal().array() > 0.0).all() ||
+      !inner_factor.allFinite()) {
+    // 1/a spanning more than the doubles resolve (a near-singular or very wide new covariance):
+    // the Cholesky factor of B Bᵀ, B = V diag(a^{-1/2}), from the Householder QR of Bᵀ = QR
+    // (B Bᵀ = RᵀR), which needs no positive pivots.
+    const gaussian_matrix bt = (basis.vectors * c.a.cwiseInverse().cwiseSqrt().asDiagonal()).transpose();
+    const Eigen::HouseholderQR<gaussian_matrix> qr(bt);
+    inner_factor = qr.matrixQR().triangularView<Eigen::Upper>().toDenseMatrix().transpose();
+    for (Eigen::Index j = 0; j < n; ++j)
+      if (inner_factor(j, j) < 0.0) inner_factor.col(j) = -inner_factor.col(j);
+  }
   const gaussian_matrix factor = basis.old_factor.triangularView<Eigen::Lower>() * inner_factor;
   for (Eigen::Index i = 0; i < n; ++i)
     for (Eigen::Index j = 0; j < n; ++j) out[i * n + j] = j <= i ? static_cast<T>(factor(i, j)) : T(0);
