@@ -34,8 +34,16 @@ struct gaussian_basis {
   gaussian_vector old_scale;   // σ° (diag)
   gaussian_vector g;           // γ_i − 1
   gaussian_vector b;           // W⁻¹(μ̃ − μ°)
+  gaussian_vector gamma;       // γ_i, accurate relative to themselves (the forward's; may be empty)
   gaussian_spectrum spectrum(bool with_mean) const {
     return gaussian_spectrum{g.data(), b.data(), static_cast<int>(g.size()), with_mean};
+  }
+  /// The forward's spectrum: with γ where factorised (a = s + tγ for g < −½; gaussian_spectrum).
+  /// The derivatives keep spectrum(), so that a saved factorisation (V, g, b) reproduces them.
+  gaussian_spectrum forward_spectrum(bool with_mean) const {
+    gaussian_spectrum r = spectrum(with_mean);
+    if (gamma.size() == g.size()) r.gamma = gamma.data();
+    return r;
   }
 };
 
@@ -74,17 +82,22 @@ inline void factor_full(const T* mean, const T* chol, const T* old_mean, const T
   Eigen::SelfAdjointEigenSolver<gaussian_matrix> eig(excess);
   out.vectors = eig.eigenvectors();
   out.g.resize(eig.eigenvalues().size());
-  for (Eigen::Index i = 0; i < out.g.size(); ++i) out.g[i] = gain_from_excess(eig.eigenvalues()[i]);
-  // The eigenvalues of S − I carry an absolute error ~d·u·max|λ − 1|: where that is not far
-  // below the smallest λ (a whitened covariance spanning more than ~1e4 of the doubles' 1/u, e.g.
-  // an old or new covariance with condition number 1e12 against a well-conditioned other one),
-  // the small λ — and so the large gains γ − 1 — lose their digits (or round to λ ≤ 0). There
+  out.gamma.resize(out.g.size());
+  for (Eigen::Index i = 0; i < out.g.size(); ++i) {
+    out.g[i] = gain_from_excess(eig.eigenvalues()[i]);
+    out.gamma[i] = 1.0 / (1.0 + eig.eigenvalues()[i]);  // used only where g < −½ (λ > 2: exact)
+  }
+  // The eigenvalues of S − I carry an absolute error ~d·u·max|λ − 1|: where that would cost the
+  // smallest λ more than ~1e-12 of itself (λ_min below ~2e-4·d·max|λ − 1|: a new covariance
+  // narrower than ~1/70 of the old along some direction, or an old or new covariance with
+  // condition number 1e12 against a well-conditioned other one), the small λ — and so the large
+  // gains γ − 1 — lose their digits (or round to λ ≤ 0). There
   // the whitened factor M = L°⁻¹L̃ (S = MMᵀ) is decomposed instead by the QR-preconditioned
   // two-sided Jacobi SVD, whose singular values σ = sqrt(λ) keep their relative accuracy on such
   // graded factors: V = U, g = 1/σ² − 1 = −((σ − 1)/σ)((σ + 1)/σ).
   const double spread = eig.eigenvalues().cwiseAbs().maxCoeff();
   const double smallest = 1.0 + eig.eigenvalues()[0];
-  if (!(smallest > 1e4 * static_cast<double>(d) * 2.220446049250313e-16 * spread)) {
+  if (!(smallest > 1e12 * static_cast<double>(d) * 2.220446049250313e-16 * spread)) {
     const gaussian_matrix m = lower.solve(load_factor(chol, d));
     const Eigen::JacobiSVD<gaussian_matrix, Eigen::ColPivHouseholderQRPreconditioner> svd(m, Eigen::ComputeFullU);
     out.vectors = svd.matrixU();
@@ -92,6 +105,7 @@ inline void factor_full(const T* mean, const T* chol, const T* old_mean, const T
       const double sv = svd.singularValues()[i];
       out.g[i] = sv > 0.0 ? minimum(-((sv - 1.0) / sv) * ((sv + 1.0) / sv), largest_finite<double>())
                           : largest_finite<double>();
+      out.gamma[i] = (1.0 / sv) * (1.0 / sv);
     }
   }
   const gaussian_vector delta = lower.solve(load_vector(mean, d) - load_vector(old_mean, d));
@@ -137,11 +151,14 @@ inline void factor_diag(const T* mean, const T* std_dev, const T* old_mean, cons
   out.old_scale.resize(n);
   out.g.resize(n);
   out.b.resize(n);
+  out.gamma.resize(n);
   for (Eigen::Index i = 0; i < n; ++i) {
     const double so = static_cast<double>(old_std[i]);
     out.old_scale[i] = so;
     gaussian_diag_coordinate(static_cast<double>(mean[i]), static_cast<double>(std_dev[i]),
                              static_cast<double>(old_mean[i]), so, &out.g[i], &out.b[i]);
+    const double inverse_ratio = so / static_cast<double>(std_dev[i]);
+    out.gamma[i] = inverse_ratio * inverse_ratio;
   }
 }
 
@@ -150,6 +167,21 @@ struct gaussian_member_coords {
   gaussian_vector a;
   gaussian_vector m;
 };
+/// The forward's member at (t, s): a and γ as forward_spectrum's (gaussian_precision_ratio).
+inline gaussian_member_coords forward_member_coords(const gaussian_basis& basis, double t, double s) {
+  const Eigen::Index n = basis.g.size();
+  const double* gamma = basis.gamma.size() == n ? basis.gamma.data() : nullptr;
+  gaussian_member_coords c;
+  c.a.resize(n);
+  c.m.resize(n);
+  for (Eigen::Index i = 0; i < n; ++i) {
+    const double g = basis.g[i];
+    c.a[i] = gaussian_precision_ratio(g, gamma, static_cast<int>(i), t, s);
+    const double gi = gamma != nullptr && g < -0.5 ? gamma[i] : 1.0 + g;
+    c.m[i] = (t * gi / c.a[i]) * basis.b[i];
+  }
+  return c;
+}
 inline gaussian_member_coords member_coords(const gaussian_basis& basis, double t) {
   gaussian_member_coords c;
   c.a = (1.0 + t * basis.g.array()).matrix();
