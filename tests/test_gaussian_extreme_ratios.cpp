@@ -5,6 +5,9 @@
 //     longer clamped to the smallest-normal gain (which put the whole KL budget on that axis and
 //     left the others at the old covariance); checked against a long-double bisection oracle;
 //   * a ratio above ~1e8 (γ rounds to 0, a = 0 at t = 1): KL(p̃ ‖ q) is +∞, not NaN;
+//   * a much wider new covariance with a large ε (t* within 1e-7 of 1): the member's precision
+//     ratio a = s + tγ keeps γ's digits, so the solve converges (before: not_converged, the KL
+//     resolved only to ~1e-10 of ε);
 //   * full rows whose whitened covariance spans more than the doubles resolve (an eigenvalue of
 //     S − I rounding below −1): the outputs stay finite, the factor lower-triangular with a
 //     positive diagonal (before: NaN factors with status not_converged);
@@ -220,5 +223,37 @@ TEST_CASE("full rows with a covariance of condition number 1e12: t*, mean and fa
       for (std::size_t j = 0; j < d; ++j)
         CHECK(std::fabs(out_l[i * d + j] - r.out_chol[i * d + j]) <= 1e-10 * std::fabs(r.out_chol[i * d + j]) + 1e-14 * largest);
     }
+  }
+}
+
+TEST_CASE("a much wider new covariance with a large bound: converged, KL = eps (diagonal and full)") {
+  struct row {
+    double ratio, eps;
+  };
+  for (const row& r : {row{1e4, 1e6}, row{1e6, 1e9}, row{3e3, 2e5}}) {
+    CAPTURE(r.ratio);
+    const std::vector<double> mean = {0.1, 0.0}, sd = {r.ratio, 1.5}, zero = {0.0, 0.0}, one = {1.0, 1.0};
+    std::vector<double> out_m(2), out_s(2);
+    gaussian_stats st;
+    troll::gaussian::project_joint_diag(troll::cpu, troll::make_batch(mean.data(), 1, 2),
+                                        troll::make_batch(sd.data(), 1, 2), troll::make_batch(zero.data(), 1, 2),
+                                        troll::make_batch(one.data(), 1, 2), r.eps, troll::make_batch(out_m.data(), 1, 2),
+                                        troll::make_batch(out_s.data(), 1, 2), &st);
+    CHECK(st.status == troll::row_status::projected);
+    check_close(st.kl_after, r.eps, 1e-11);
+    long double kl = 0.0L;
+    for (int i = 0; i < 2; ++i) {
+      const long double x = out_s[i], z = out_m[i];
+      kl += 0.5L * (x * x - 1.0L - 2.0L * std::log(x) + z * z);
+    }
+    check_close(static_cast<double>(kl), r.eps, 1e-9);
+    // Full: L̃ = [[r, 0], [0.3 r, 1.5]] against L° = I.
+    const std::vector<double> l = {r.ratio, 0.0, 0.3 * r.ratio, 1.5}, lo = {1.0, 0.0, 0.0, 1.0};
+    std::vector<double> out_l(4);
+    troll::gaussian::project_joint(troll::cpu, troll::make_batch(mean.data(), 1, 2), troll::make_batch(l.data(), 1, 4),
+                                   troll::make_batch(zero.data(), 1, 2), troll::make_batch(lo.data(), 1, 4), r.eps,
+                                   troll::make_batch(out_m.data(), 1, 2), troll::make_batch(out_l.data(), 1, 4), &st);
+    CHECK(st.status == troll::row_status::projected);
+    check_close(st.kl_after, r.eps, 1e-11);
   }
 }
