@@ -20,6 +20,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <string>
 #include <vector>
 
 #include "troll/gaussian.hpp"
