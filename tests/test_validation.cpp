@@ -753,3 +753,25 @@ TEST_CASE("row codes of real calls: dense, sparse, objective, shard states; shap
   CHECK(code_of([&] { troll::sparsify_merge(troll::cpu, a.data(), b.data(), rows); }, &row).first == e::state_overlap);
   CHECK(row == 0);
 }
+
+TEST_CASE("argument messages print numbers as the shortest text that reads back, not std::to_string's six decimals") {
+  CHECK(troll::detail::number_text(1e-300) == "1e-300");
+  CHECK(troll::detail::number_text(-0.1) == "-0.1");
+  CHECK(troll::detail::number_text(0.99999999999) == "0.99999999999");
+  CHECK(troll::detail::number_text(1.0 / 3.0) == "0.3333333333333333");
+  CHECK(troll::detail::number_text(std::numeric_limits<double>::infinity()) == "inf");
+  const std::size_t rows = 2, vocab = 5;
+  std::vector<double> z(rows * vocab, 0.25), lp(rows * vocab);
+  std::vector<troll::projection_stats> st(rows);
+  const auto eps_message = code_of([&] {
+    troll::project(troll::cpu, troll::make_batch(z.data(), rows, vocab), troll::make_batch(z.data(), rows, vocab),
+                   -1e-300, troll::make_batch(lp.data(), rows, vocab), st.data());
+  }).second;
+  CHECK(eps_message.find("-1e-300") != std::string::npos);
+  CHECK(eps_message.find("0.000000") == std::string::npos);
+  sparse_rows<double> out(rows, 8, vocab);
+  const auto delta_message = code_of([&] {
+    troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), nullptr, {4, 1.25}, out.view());
+  }).second;
+  CHECK(delta_message.find("1.25") != std::string::npos);
+}

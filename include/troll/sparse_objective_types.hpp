@@ -16,6 +16,7 @@
 #include "objective_types.hpp"
 #include "projection_types.hpp"
 #include "sparse_types.hpp"
+#include "detail/number_text.hpp"
 
 TROLL_BEGIN_NAMESPACE
 
@@ -49,7 +50,7 @@ inline void check_sparse_objective(const char* fn, const sparse_trust_region_obj
     check_sparsify_options(fn, o.new_support);
   } else if (!(o.new_support.delta >= 0.0 && o.new_support.delta < 1.0)) {
     throw domain_error(std::string("troll::") + fn + ": new_support.delta must be in [0, 1), got " +
-                       std::to_string(o.new_support.delta));
+                       detail::number_text(o.new_support.delta));
   }
 }
 

@@ -106,6 +106,10 @@ void project(const in_array& new_logits, const in_array& old_logits, double eps,
     using T = decltype(tag);
     const project_args<T> a(fn, new_logits, old_logits, out);
     const packed_stats_out st(fn, stats_values, stats_counters, a.new_logits.rows, stats_buffers_text);
+    const std::size_t rows = a.new_logits.rows;
+    const troll::batch_view<double> values{st.values, rows, st_values, st_values};
+    const troll::batch_view<std::int32_t> counters{st.counters, rows, st_counters, st_counters};
+    require_stats_disjoint(fn, values, counters, a.new_logits, a.old_logits, a.out);
     use_device_of(fn, new_logits, old_logits, out, stats_values, stats_counters);
     const troll::projection_options options = projection_settings(rtol, atol, max_iterations);
     nb::gil_scoped_release release;

@@ -11,11 +11,19 @@
 
 namespace troll_py {
 
+/// An array of the wrong element type next to the right ones (float32 with float64 logits, int64
+/// ids for int32): Python's troll.DTypeError, both a ShapeError and a TypeError.
+class dtype_error : public troll::shape_error {
+ public:
+  using troll::shape_error::shape_error;
+};
+
 /// The Python exception classes, looked up once per module at import and held for the life of
 /// the process (translators may run during interpreter shutdown).
 struct error_classes {
   PyObject* invalid_input = nullptr;
   PyObject* shape_error = nullptr;
+  PyObject* dtype_error = nullptr;
   PyObject* domain_error = nullptr;
   PyObject* infeasible_error = nullptr;
   PyObject* backend_error = nullptr;
@@ -38,6 +46,8 @@ inline void translate(const std::exception_ptr& p, void*) {
   const error_classes& e = errors();
   try {
     std::rethrow_exception(p);
+  } catch (const dtype_error& x) {
+    raise(e.dtype_error, x);
   } catch (const troll::shape_error& x) {
     raise(e.shape_error, x);
   } catch (const troll::infeasible_error& x) {
@@ -58,6 +68,7 @@ inline void register_errors() {
   error_classes& e = errors();
   e.invalid_input = nb::object(err.attr("InvalidInput")).release().ptr();
   e.shape_error = nb::object(err.attr("ShapeError")).release().ptr();
+  e.dtype_error = nb::object(err.attr("DTypeError")).release().ptr();
   e.domain_error = nb::object(err.attr("DomainError")).release().ptr();
   e.infeasible_error = nb::object(err.attr("InfeasibleError")).release().ptr();
   e.backend_error = nb::object(err.attr("BackendError")).release().ptr();

@@ -55,6 +55,7 @@ void project(const in_array& new_logits, const in_array& old_logits, double eps,
   dispatch_float(fn, "new_logits", new_logits, [&](auto tag) {
     const project_args<decltype(tag)> a(fn, new_logits, old_logits, out);
     const stats_out st(fn, stats_values, stats_counters, a.new_logits.rows);
+    require_stats_disjoint(fn, st.values, st.counters, a.new_logits, a.old_logits, a.out);
     const troll::projection_options options = projection_settings(rtol, atol, max_iterations);
     std::vector<troll::projection_stats> stats(a.new_logits.rows);
     {

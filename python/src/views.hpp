@@ -14,6 +14,8 @@
 
 #include <troll/projection.hpp>
 
+#include "errors.hpp"
+
 namespace troll_py {
 
 namespace nb = nanobind;
@@ -25,6 +27,7 @@ using out_array = nb::ndarray<>;
 [[noreturn]] inline void fail(const char* fn, const std::string& what) {
   throw troll::shape_error(std::string("troll.") + fn + ": " + what);
 }
+
 
 /// "(2, 3, 5)" for error messages.
 template <class A>
@@ -77,8 +80,8 @@ void require_host_dtype(const char* fn, const char* name, const A& a) {
   if (a.device_type() != module_device)
     fail(fn, std::string(name) + " (device type " + std::to_string(a.device_type()) + ") " + module_device_text);
   if (!(a.dtype() == nb::dtype<T>()))
-    fail(fn, std::string(name) + " has dtype " + dtype_text(a) + " but " + dtype_name<T>() +
-                 " is needed here");
+    throw dtype_error(std::string("troll.") + fn + ": " + name + " has dtype " + dtype_text(a) +
+                      " but " + dtype_name<T>() + " is needed here");
 }
 
 /// The shape of `a` without its last dimension (the rows), as a vector.
@@ -200,6 +203,23 @@ void require_disjoint(const char* fn, const char* out_name, const troll::batch_v
   if (a.first && b.first && a.first < b.second && b.first < a.second)
     fail(fn, std::string(out_name) + " overlaps " + in_name +
                  " (troll does not compute in place; pass a separate out= buffer)");
+}
+
+/// project()'s statistics buffers (a caller's stats=) must overlap neither the call's arrays nor
+/// each other: troll writes them while (CUDA) or after (host) it reads the logits.
+template <class T>
+void require_stats_disjoint(const char* fn, const troll::batch_view<double>& values,
+                            const troll::batch_view<std::int32_t>& counters,
+                            const troll::batch_view<const T>& new_logits,
+                            const troll::batch_view<const T>& old_logits,
+                            const troll::batch_view<T>& out) {
+  require_disjoint(fn, "stats.values", values, "stats.counters", counters);
+  require_disjoint(fn, "stats.values", values, "new_logits", new_logits);
+  require_disjoint(fn, "stats.values", values, "old_logits", old_logits);
+  require_disjoint(fn, "stats.values", values, "out", out);
+  require_disjoint(fn, "stats.counters", counters, "new_logits", new_logits);
+  require_disjoint(fn, "stats.counters", counters, "old_logits", old_logits);
+  require_disjoint(fn, "stats.counters", counters, "out", out);
 }
 
 /// `out` after require_disjoint(out, in): for checks in a constructor's initialiser list.

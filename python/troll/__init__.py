@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._errors import BackendError, DomainError, InfeasibleError, InvalidInput, ShapeError
+from ._errors import BackendError, DomainError, DTypeError, InfeasibleError, InvalidInput, ShapeError
 from . import _troll
 from ._core import (
     INACTIVE,
@@ -42,7 +42,7 @@ from . import gaussian  # troll.gaussian: Gaussian trust regions (docs/gaussian.
 __version__: str = _troll.__version__
 
 __all__ = [
-    "InvalidInput", "ShapeError", "DomainError", "InfeasibleError", "BackendError",
+    "InvalidInput", "ShapeError", "DTypeError", "DomainError", "InfeasibleError", "BackendError",
     "INACTIVE", "PROJECTED", "RESTRICTED", "STATUS_NAMES",
     "ProjectionStats", "SparseRows", "AlignedRows",
     "log_softmax", "kl", "kl_backward", "project", "project_backward", "cuda_available",

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import _troll
-from ._arrays import Framework, arg, leading_shape, require_shape
+from ._arrays import Framework, accepts_capsules, arg, leading_shape, require_shape, writable
 from ._errors import ShapeError
 
 try:  # the CUDA extension, built where nvcc was present (docs/python.md, CUDA)
@@ -118,8 +118,23 @@ class AlignedRows(NamedTuple):
 def _out(frame: Framework, out: Any, shape: tuple, dtype: str, name: str) -> Any:
     if out is None:
         return frame.empty(shape, dtype)
-    require_shape(out, shape, name, "this call")
+    require_shape(writable(out, name), shape, name, "this call")
     return out
+
+
+def _bound(eps: Any, name: str = "eps") -> float:
+    """A bound given as a number or a one-element array (torch, NumPy, ...): one bound for every
+    row; anything with more elements raises ShapeError (per-row bounds are not supported)."""
+    shape = getattr(eps, "shape", None)
+    if shape is not None:
+        size = 1
+        for extent in tuple(shape):
+            size *= int(extent)
+        if size != 1:
+            raise ShapeError(f"troll: {name} must be a number or a one-element array (one bound for all rows), "
+                             f"got shape {tuple(shape)}")
+        return float(eps.item())
+    return float(eps)
 
 
 def _float_dtype(frame: Framework, x: Any) -> str:
@@ -129,6 +144,7 @@ def _float_dtype(frame: Framework, x: Any) -> str:
     return dtype
 
 
+@accepts_capsules
 def log_softmax(logits: Any, *, out: Any = None, threads: int = 0) -> Any:
     """log_softmax over the last dimension, into ``out`` when given."""
     frame = Framework(logits)
@@ -142,6 +158,7 @@ def log_softmax(logits: Any, *, out: Any = None, threads: int = 0) -> Any:
     return frame.result(y)
 
 
+@accepts_capsules
 def kl(p_logits: Any, q_logits: Any, *, out: Any = None, threads: int = 0) -> Any:
     """Per-row KL(softmax(p) || softmax(q)) over the last dimension: an array of shape
     ``p_logits.shape[:-1]`` (+inf where p has mass that q masks with -inf)."""
@@ -156,6 +173,7 @@ def kl(p_logits: Any, q_logits: Any, *, out: Any = None, threads: int = 0) -> An
     return frame.result(y)
 
 
+@accepts_capsules
 def kl_backward(p_logits: Any, q_logits: Any, grad_kl: Any, *, threads: int = 0) -> Tuple[Any, Any]:
     """Gradients of sum(grad_kl * kl(p, q)) w.r.t. p_logits and q_logits."""
     frame = Framework(p_logits)
@@ -170,6 +188,7 @@ def kl_backward(p_logits: Any, q_logits: Any, grad_kl: Any, *, threads: int = 0)
     return frame.result(gp), frame.result(gq)
 
 
+@accepts_capsules
 def project(
     new_logits: Any,
     old_logits: Any,
@@ -192,16 +211,20 @@ def project(
     rows = leading_shape(new_logits, "new_logits")
     y = _out(frame, out, tuple(new_logits.shape), dtype, "out")
     st = stats if stats is not None else ProjectionStats.empty(frame, rows)
+    if stats is not None:
+        writable(st.values, "stats.values")
+        writable(st.counters, "stats.counters")
     if _on_cuda(new_logits):
         cuda, stream = _cuda_call(frame, new_logits, "project")
-        cuda.project(arg(new_logits), arg(old_logits), float(eps), y, st.values, st.counters,
+        cuda.project(arg(new_logits), arg(old_logits), _bound(eps), y, st.values, st.counters,
                      rtol, atol, max_iterations, stream, CUDA_CHECKED)
     else:
-        _troll.project(arg(new_logits), arg(old_logits), float(eps), y, st.values, st.counters,
+        _troll.project(arg(new_logits), arg(old_logits), _bound(eps), y, st.values, st.counters,
                        rtol, atol, max_iterations, threads)
     return frame.result(y), ProjectionStats(frame.result(st.values), frame.result(st.counters))
 
 
+@accepts_capsules
 def project_backward(
     new_logits: Any,
     old_logits: Any,
@@ -241,6 +264,7 @@ def sparse_empty(frame: Framework, rows: tuple, k_max: int, vocab: int, dtype: s
                       frame.empty(rows, "int32"), frame.empty(rows, dtype), int(vocab))
 
 
+@accepts_capsules
 def sparsify(logits: Any, k: int = 64, delta: float = 1e-5, sampled: Any = None, *,
              threads: int = 0) -> SparseRows:
     """Top-k + remainder rows of dense logits (..., V): per row the shortest prefix of tokens
@@ -263,10 +287,14 @@ def sparsify(logits: Any, k: int = 64, delta: float = 1e-5, sampled: Any = None,
     return SparseRows(*(frame.result(a) for a in out[:4]), vocab)
 
 
+@accepts_capsules
 def align(new_logits: Any, old: SparseRows, new_support: Optional[SparseRows] = None, *,
           threads: int = 0) -> AlignedRows:
     """Aligns dense new logits with sparse old rows on U = S_new | S_old (S_new: the support of
-    ``new_support``, none when None)."""
+    ``new_support``, none when None). ``old`` and ``new_support`` may be plain 5-tuples."""
+    old = check_sparse_rows(old, "old")
+    if new_support is not None:
+        new_support = check_sparse_rows(new_support, "new_support")
     frame = Framework(new_logits)
     dtype = _float_dtype(frame, new_logits)
     rows = leading_shape(new_logits, "new_logits")
@@ -289,6 +317,7 @@ def _sparse_arg(rows: Any) -> tuple:
     return tuple(arg(a) for a in rows[:-1]) + (int(rows[-1]),)
 
 
+@accepts_capsules
 def project_sparse(rows: AlignedRows, eps: float, *, rtol: float = 1e-12, atol: float = 1e-15,
                    max_iterations: int = 50, threads: int = 0) -> Tuple[SparseRows, ProjectionStats]:
     """The projection of aligned rows (the |U| + 1 lumped categories): log pi* on U and the
@@ -298,7 +327,7 @@ def project_sparse(rows: AlignedRows, eps: float, *, rtol: float = 1e-12, atol: 
     lead = tuple(rows.counts.shape)
     out = sparse_empty(frame, lead, int(rows.indices.shape[-1]), rows.vocab, dtype)
     st = ProjectionStats.empty(frame, lead)
-    args = (_sparse_arg(rows), float(eps), out, st.values, st.counters, rtol, atol, max_iterations)
+    args = (_sparse_arg(rows), _bound(eps), out, st.values, st.counters, rtol, atol, max_iterations)
     if _on_cuda(rows.new_log_probs):
         cuda, stream = _cuda_call(frame, rows.new_log_probs, "project_sparse")
         cuda.project_sparse(*args, stream, CUDA_CHECKED)
@@ -308,6 +337,7 @@ def project_sparse(rows: AlignedRows, eps: float, *, rtol: float = 1e-12, atol: 
             ProjectionStats(frame.result(st.values), frame.result(st.counters)))
 
 
+@accepts_capsules
 def kl_sparse(rows: AlignedRows, *, threads: int = 0) -> Any:
     """Per-row KL(new || old) of aligned rows (their lumped categories)."""
     frame = Framework(rows.new_log_probs)
@@ -321,6 +351,7 @@ def kl_sparse(rows: AlignedRows, *, threads: int = 0) -> Any:
     return frame.result(y)
 
 
+@accepts_capsules
 def project_sparse_backward(rows: AlignedRows, log_probs: SparseRows, stats: ProjectionStats,
                             grad: Tuple[Any, Any], *, old: bool = False, eps: bool = False,
                             threads: int = 0) -> Tuple[Tuple[Any, Any], Optional[Tuple[Any, Any]], Optional[Any]]:
@@ -349,6 +380,7 @@ def project_sparse_backward(rows: AlignedRows, log_probs: SparseRows, stats: Pro
             None if grad_eps is None else frame.result(grad_eps))
 
 
+@accepts_capsules
 def sparsify_backward(logits: Any, support: SparseRows, grad: Tuple[Any, Any], *, threads: int = 0) -> Any:
     """The gradient w.r.t. dense ``logits`` (..., V) of a loss whose gradient on sparse rows
     gathered from them (the support of ``support``, its bucket the rest) is ``grad`` =
@@ -410,9 +442,14 @@ def metrics_dict(metrics: Any) -> dict:
             for i, f in enumerate(METRIC_FIELDS)}
 
 
-def check_sparse_rows(rows: Any, name: str) -> None:
-    if not isinstance(rows, tuple) or len(rows) != 5:
+def check_sparse_rows(rows: Any, name: str) -> SparseRows:
+    """``rows`` as SparseRows: a SparseRows, or any 5-sequence (indices, log_probs, counts,
+    log_remainder, vocab) such as a plain tuple; ShapeError otherwise."""
+    if isinstance(rows, SparseRows):
+        return rows
+    if not isinstance(rows, (tuple, list)) or len(rows) != 5:
         raise ShapeError(f"troll: {name} must be SparseRows (indices, log_probs, counts, log_remainder, vocab)")
+    return SparseRows(*rows)
 
 
 # ---- Vocabulary shards ----
@@ -430,6 +467,7 @@ def _rows_dtype(frame: Framework, logits: Any) -> str:
     return _float_dtype(frame, logits)
 
 
+@accepts_capsules
 def sparsify_shard(shard_logits: Any, vocab_offset: int, vocab: int, k: int = 64, delta: float = 1e-5,
                    sampled: Any = None, *, threads: int = 0) -> Any:
     """The partial sparsify states of one vocabulary shard: ``shard_logits`` (..., V_shard) are
@@ -451,6 +489,7 @@ def sparsify_shard(shard_logits: Any, vocab_offset: int, vocab: int, k: int = 64
     return frame.result(states)
 
 
+@accepts_capsules
 def sparsify_finalize(states: Any, vocab: int, k: int = 64, delta: float = 1e-5, *, sampled: bool = False,
                       dtype: str = "float32", tail_sums: Any = None, return_tail_max: bool = False,
                       threads: int = 0) -> Tuple[Any, ...]:
@@ -485,6 +524,7 @@ def sparsify_finalize(states: Any, vocab: int, k: int = 64, delta: float = 1e-5,
     return result + (frame.result(tail_max),) if return_tail_max else result
 
 
+@accepts_capsules
 def sparsify_tail_sums(shard_logits: Any, vocab_offset: int, rows: SparseRows, tail_max: Any, *,
                        threads: int = 0) -> Any:
     """One shard's share of the exact tail sums (sparsify_finalize's second stage): (..., 2)
@@ -502,6 +542,7 @@ def sparsify_tail_sums(shard_logits: Any, vocab_offset: int, rows: SparseRows, t
     return frame.result(out)
 
 
+@accepts_capsules
 def sparsify_shard_backward(shard_logits: Any, vocab_offset: int, support: SparseRows, grad: Tuple[Any, Any],
                             log_sums: Any, *, threads: int = 0) -> Any:
     """The gradient w.r.t. one shard's logits of a loss whose gradient on the sparse rows

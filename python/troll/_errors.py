@@ -22,6 +22,12 @@ class ShapeError(InvalidInput):
     """Shapes, dtypes of index arrays, strides, devices or capacities do not fit."""
 
 
+class DTypeError(ShapeError, TypeError):
+    """An array whose element type does not fit the call: float32 next to float64 logits, int64
+    ids where int32 is needed, ... Both a ShapeError (what troll raised for it before) and a
+    TypeError (what Python raises for a wrong type)."""
+
+
 class DomainError(InvalidInput):
     """A value is outside the domain: NaN or +inf logits, an all -inf row, eps <= 0, ..."""
 

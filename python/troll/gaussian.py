@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from . import _core, _troll
-from ._arrays import Framework, arg, require_shape
+from ._arrays import Framework, accepts_capsules, arg, require_shape, writable
 from ._core import INACTIVE, PROJECTED, STATUS_NAMES
 from ._errors import ShapeError
 
@@ -96,23 +96,30 @@ def _project(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: float, 
     if out is None:
         out_mean, out_cov = frame.empty(tuple(mean.shape), dtype), frame.empty(tuple(cov.shape), dtype)
     else:
-        out_mean, out_cov = out
+        out_mean, out_cov = writable(out[0], "out[0]"), writable(out[1], "out[1]")
         require_shape(out_mean, tuple(mean.shape), "out[0]", "mean")
         require_shape(out_cov, tuple(cov.shape), "out[1]", "the covariance")
     if stats is None:
         stats = GaussianStats.empty(frame, rows)
+    else:
+        writable(stats.values, "stats.values")
+        writable(stats.counters, "stats.counters")
+    if saved is not None:
+        writable(saved, "saved")
+    eps_mean, eps_cov = _core._bound(eps_mean, "eps_mean"), _core._bound(eps_cov, "eps_cov")
     if _core._on_cuda(mean):
         cuda, stream = _core._cuda_call(frame, mean, "gaussian.project")
-        cuda.gaussian_project(arg(mean), arg(cov), arg(old_mean), arg(old_cov), float(eps_mean), float(eps_cov),
+        cuda.gaussian_project(arg(mean), arg(cov), arg(old_mean), arg(old_cov), eps_mean, eps_cov,
                               full, split, out_mean, out_cov, stats.values, stats.counters, rtol, atol,
                               max_iterations, stream, _core.CUDA_CHECKED, saved=saved)
     else:
-        _troll.gaussian_project(arg(mean), arg(cov), arg(old_mean), arg(old_cov), float(eps_mean), float(eps_cov),
+        _troll.gaussian_project(arg(mean), arg(cov), arg(old_mean), arg(old_cov), eps_mean, eps_cov,
                                 full, split, out_mean, out_cov, stats.values, stats.counters, rtol, atol,
                                 max_iterations, threads, saved=saved)
     return frame.result(out_mean), frame.result(out_cov), stats
 
 
+@accepts_capsules
 def project_joint(mean: Any, cov_chol: Any, old_mean: Any, old_cov_chol: Any, eps: float, *,
                   out: Optional[Tuple[Any, Any]] = None, stats: Optional[GaussianStats] = None,
                   rtol: float = 1e-11, atol: float = 0.0, max_iterations: int = 100,
@@ -126,6 +133,7 @@ def project_joint(mean: Any, cov_chol: Any, old_mean: Any, old_cov_chol: Any, ep
                     max_iterations, threads, saved)
 
 
+@accepts_capsules
 def project_split(mean: Any, cov_chol: Any, old_mean: Any, old_cov_chol: Any, eps_mean: float, eps_cov: float,
                   *, out: Optional[Tuple[Any, Any]] = None, stats: Optional[GaussianStats] = None,
                   rtol: float = 1e-11, atol: float = 0.0, max_iterations: int = 100,
@@ -137,6 +145,7 @@ def project_split(mean: Any, cov_chol: Any, old_mean: Any, old_cov_chol: Any, ep
                     atol, max_iterations, threads, saved)
 
 
+@accepts_capsules
 def project_joint_diag(mean: Any, std: Any, old_mean: Any, old_std: Any, eps: float, *,
                        out: Optional[Tuple[Any, Any]] = None, stats: Optional[GaussianStats] = None,
                        rtol: float = 1e-11, atol: float = 0.0, max_iterations: int = 100,
@@ -147,6 +156,7 @@ def project_joint_diag(mean: Any, std: Any, old_mean: Any, old_std: Any, eps: fl
                     max_iterations, threads)
 
 
+@accepts_capsules
 def project_split_diag(mean: Any, std: Any, old_mean: Any, old_std: Any, eps_mean: float, eps_cov: float, *,
                        out: Optional[Tuple[Any, Any]] = None, stats: Optional[GaussianStats] = None,
                        rtol: float = 1e-11, atol: float = 0.0, max_iterations: int = 100,
@@ -156,6 +166,7 @@ def project_split_diag(mean: Any, std: Any, old_mean: Any, old_std: Any, eps_mea
                     max_iterations, threads)
 
 
+@accepts_capsules
 def project_backward(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: float, eps_cov: float,
                      out_mean: Any, out_cov: Any, stats: GaussianStats, grad_out_mean: Any, grad_out_cov: Any,
                      *, full: bool, split: bool, old: bool = False, eps: bool = False,
@@ -176,7 +187,8 @@ def project_backward(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean:
     goc = frame.empty(tuple(cov.shape), dtype) if old else None
     ge = frame.empty(rows, "float64") if eps else None
     gem = frame.empty(rows, "float64") if eps and split else None
-    args = (arg(mean), arg(cov), arg(old_mean), arg(old_cov), float(eps_mean), float(eps_cov), full, split,
+    eps_mean, eps_cov = _core._bound(eps_mean, "eps_mean"), _core._bound(eps_cov, "eps_cov")
+    args = (arg(mean), arg(cov), arg(old_mean), arg(old_cov), eps_mean, eps_cov, full, split,
             arg(out_mean), arg(out_cov), arg(stats.values), arg(stats.counters), arg(grad_out_mean),
             arg(grad_out_cov), gm, gc, gom, goc, ge, gem)
     sv = None if saved is None else arg(saved)
@@ -190,6 +202,7 @@ def project_backward(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean:
             None if ge is None else res(ge), None if gem is None else res(gem))
 
 
+@accepts_capsules
 def project_jvp(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: float, eps_cov: float,
                 out_mean: Any, out_cov: Any, stats: GaussianStats, tangent_mean: Any = None,
                 tangent_cov: Any = None, tangent_old_mean: Any = None, tangent_old_cov: Any = None,
@@ -204,7 +217,8 @@ def project_jvp(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: floa
     dtype = _dtype(frame, mean)
     tm, tc = frame.empty(tuple(mean.shape), dtype), frame.empty(tuple(cov.shape), dtype)
     opt = [None if x is None else arg(x) for x in (tangent_mean, tangent_cov, tangent_old_mean, tangent_old_cov)]
-    args = (arg(mean), arg(cov), arg(old_mean), arg(old_cov), float(eps_mean), float(eps_cov), full, split,
+    eps_mean, eps_cov = _core._bound(eps_mean, "eps_mean"), _core._bound(eps_cov, "eps_cov")
+    args = (arg(mean), arg(cov), arg(old_mean), arg(old_cov), eps_mean, eps_cov, full, split,
             arg(out_mean), arg(out_cov), arg(stats.values), arg(stats.counters), *opt, float(tangent_eps),
             float(tangent_eps_mean), tm, tc)
     sv = None if saved is None else arg(saved)
@@ -228,11 +242,13 @@ def _kl(mean: Any, cov: Any, old_mean: Any, old_cov: Any, full: bool, threads: i
     return frame.result(out)
 
 
+@accepts_capsules
 def kl(mean: Any, cov_chol: Any, old_mean: Any, old_cov_chol: Any, *, threads: int = 0) -> Any:
     """KL(N(mean, LLᵀ) || N(old_mean, L°L°ᵀ)) per row (float64, the rows' leading shape)."""
     return _kl(mean, cov_chol, old_mean, old_cov_chol, True, threads)
 
 
+@accepts_capsules
 def kl_diag(mean: Any, std: Any, old_mean: Any, old_std: Any, *, threads: int = 0) -> Any:
     """kl for diagonal covariances given as standard deviations."""
     return _kl(mean, std, old_mean, old_std, False, threads)

@@ -11,6 +11,7 @@
 #include "../errors.hpp"
 #include "../projection_types.hpp"
 #include "numeric.hpp"
+#include "number_text.hpp"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
@@ -19,7 +20,7 @@ namespace detail {
 inline void check_eps(const char* function, double eps) {
   if (!(eps > 0.0) || !(eps < inf()))
     throw domain_error(std::string("troll::") + function +
-                       ": the bound eps must be finite and > 0, got " + std::to_string(eps));
+                       ": the bound eps must be finite and > 0, got " + number_text(eps));
 }
 
 /// Throws domain_error unless rtol and atol are finite and ≥ 0 with a positive sum and
@@ -30,8 +31,8 @@ inline void check_solver_options(const char* function, double rtol, double atol,
       max_iterations < 1)
     throw domain_error(std::string("troll::") + function + ": " + type +
                        " need finite rtol >= 0 and atol >= 0 with rtol + atol > 0, and "
-                       "max_iterations >= 1 (got rtol = " + std::to_string(rtol) + ", atol = " +
-                       std::to_string(atol) + ", max_iterations = " + std::to_string(max_iterations) + ")");
+                       "max_iterations >= 1 (got rtol = " + number_text(rtol) + ", atol = " +
+                       number_text(atol) + ", max_iterations = " + std::to_string(max_iterations) + ")");
 }
 
 inline void check_options(const char* function, const projection_options& opt) {

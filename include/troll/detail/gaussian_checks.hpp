@@ -14,6 +14,7 @@
 #include "arguments.hpp"
 #include "cpu/parallel.hpp"
 #include "numeric.hpp"
+#include "number_text.hpp"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
@@ -130,7 +131,7 @@ template <class Stats>
 std::string gaussian_stats_problem(const Stats& stats, const char* what) {
   if (stats.solved() && stats.t > 0.0 && stats.t <= 1.0) return std::string();
   return std::string("forward statistics are unusable: status ") + status_name(stats.status) +
-         ", t = " + std::to_string(stats.t) + " (the " + what + " needs a solved row: inactive or projected)";
+         ", t = " + number_text(stats.t) + " (the " + what + " needs a solved row: inactive or projected)";
 }
 
 /// Throws domain_error naming the first row whose statistics gaussian_stats_problem rejects.

@@ -20,6 +20,7 @@
 #include "numeric.hpp"
 #include "objective_row.hpp"
 #include "row_problem.hpp"
+#include "number_text.hpp"
 
 TROLL_BEGIN_NAMESPACE
 
@@ -70,10 +71,10 @@ void check_objective_shapes(const char* fn, batch_view<const T> new_logits,
 inline void check_trust_region(const char* fn, const trust_region_objective& obj) {
   if (!(obj.eps > 0.0) || !(obj.eps < inf()))
     throw domain_error(std::string("troll::") + fn + ": eps must be finite and > 0, got " +
-                       std::to_string(obj.eps));
+                       number_text(obj.eps));
   if (!(obj.alpha >= 0.0) || !(obj.alpha < inf()))
     throw domain_error(std::string("troll::") + fn + ": alpha must be finite and >= 0, got " +
-                       std::to_string(obj.alpha));
+                       number_text(obj.alpha));
   detail::check_options(fn, obj.projection);
 }
 

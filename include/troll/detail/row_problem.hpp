@@ -15,6 +15,7 @@
 #include "../row_error.hpp"
 #include "../sparsify_state.hpp"
 #include "numeric.hpp"
+#include "number_text.hpp"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
@@ -67,7 +68,7 @@ inline std::string num(double x) {
   if (x != x) return "nan";
   if (x == inf() || x == -inf()) return x > 0 ? "inf" : "-inf";
   if (x > -9e15 && x < 9e15 && x == double(static_cast<long long>(x))) return std::to_string(static_cast<long long>(x));
-  return std::to_string(x);
+  return number_text(x);
 }
 
 /// Writes p's message (after the row prefix) to `msg`; returns the exception class.
@@ -181,7 +182,7 @@ inline type write(std::ostringstream& msg, const row_problem& p) {
     case e::bad_log_sums: {
       static const char* const names[4] = {"ref", "total", "tail_ref", "tail"};
       msg << "log_sums " << (p.entry >= 0 && p.entry < 4 ? names[p.entry] : "?") << " (entry " << p.entry << ") is "
-          << std::to_string(p.value)
+          << number_text(p.value)
           << ": ref and total must be finite, tail_ref -inf or finite and not above ref, the tail "
              "finite with it and its mass not above the total (sparsify_finalize's log_sums, "
              "{ref, total, tail_ref, tail} a row)";

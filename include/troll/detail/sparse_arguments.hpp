@@ -18,6 +18,7 @@
 #include "numeric.hpp"
 #include "row_problem.hpp"
 #include "sparse_row.hpp"
+#include "number_text.hpp"
 
 TROLL_BEGIN_NAMESPACE
 
@@ -103,7 +104,7 @@ void check_sparsify_tail_sums_arguments(const char* fn, const batch_view<const L
 inline void check_sparse_eps(const char* fn, double eps, const projection_options& opt) {
   if (!(eps > 0.0) || !(eps < inf()))
     throw domain_error(std::string("troll::") + fn + ": the bound eps must be finite and > 0, got " +
-                       std::to_string(eps));
+                       number_text(eps));
   check_options(fn, opt);
 }
 
@@ -113,7 +114,7 @@ inline void check_sparsify_options(const char* fn, const sparsify_options& o) {
                        std::to_string(sparsify_max_k) + "], got " + std::to_string(o.k));
   if (!(o.delta >= 0.0 && o.delta < 1.0))
     throw domain_error(std::string("troll::") + fn + ": sparsify_options.delta must be in [0, 1), got " +
-                       std::to_string(o.delta));
+                       number_text(o.delta));
 }
 
 template <class T>

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Union
 
+import numpy as np
 import torch
 
 from .. import _core
 from .._core import AlignedRows, ProjectionStats, SparseRows
+from .._arrays import is_capsule
+from .._errors import DomainError
+from ._autograd import guard
 
 __all__ = [
     "project",
@@ -33,6 +37,23 @@ def _eps_value(eps: Union[float, torch.Tensor]) -> float:
     return float(eps)
 
 
+def _tensor(x: Any, name: str, fn: str) -> torch.Tensor:
+    """A torch tensor, as given; any other DLPack array (NumPy, a raw DLPack capsule, ...) as the
+    tensor torch.from_dlpack makes of it (no copy); anything else: TypeError."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if is_capsule(x):
+        return torch.utils.dlpack.from_dlpack(x)
+    if hasattr(x, "__dlpack__"):
+        try:
+            return torch.from_dlpack(x)
+        except (BufferError, RuntimeError, TypeError, ValueError):
+            if isinstance(x, np.ndarray):  # e.g. a read-only array, which NumPy does not export
+                return torch.as_tensor(x)
+            raise
+    raise TypeError(f"troll.torch.{fn}: {name} is a {type(x).__name__}; a torch tensor (or a DLPack array) is needed")
+
+
 def _grad_in(g: torch.Tensor) -> torch.Tensor:
     # Upstream gradients often arrive expanded (stride 0, e.g. from .sum()); troll reads rows.
     return g.contiguous()
@@ -41,9 +62,11 @@ def _grad_in(g: torch.Tensor) -> torch.Tensor:
 class _Project(torch.autograd.Function):
     @staticmethod
     def forward(ctx, new_logits, old_logits, eps, options, info):  # type: ignore[override]
-        new_logits, old_logits = new_logits.detach(), old_logits.detach()
-        log_probs, stats = _core.project(new_logits, old_logits, _eps_value(eps), **options)
+        # The inputs themselves are saved (troll reads them detached): under create_graph the
+        # backward ties its gradients to them (guard: double backward raises, never silently 0).
+        log_probs, stats = _core.project(new_logits.detach(), old_logits.detach(), _eps_value(eps), **options)
         ctx.save_for_backward(new_logits, old_logits, log_probs, stats.values, stats.counters)
+        ctx.eps = eps if isinstance(eps, torch.Tensor) else None
         ctx.eps_shape = eps.shape if isinstance(eps, torch.Tensor) else None
         ctx.threads = options.get("threads", 0)
         info["stats"] = stats
@@ -59,6 +82,8 @@ class _Project(torch.autograd.Function):
             old=want_old, eps=want_eps, threads=ctx.threads)
         if grad_eps is not None:
             grad_eps = grad_eps.sum().reshape(ctx.eps_shape)
+        grad_new, grad_old, grad_eps = guard("project", (grad_new, grad_old, grad_eps),
+                                             (new_logits, old_logits, ctx.eps, grad))
         return grad_new, grad_old, grad_eps, None, None
 
 
@@ -68,20 +93,43 @@ def project(new_logits: torch.Tensor, old_logits: torch.Tensor, eps: Union[float
     """log pi* of the KL trust-region projection (see troll.project), differentiable w.r.t.
     ``new_logits``, ``old_logits`` and ``eps`` when it is a one-element tensor. With
     ``return_stats=True`` returns ``(log_probs, ProjectionStats)``."""
+    new_logits, old_logits = _tensor(new_logits, "new_logits", "project"), _tensor(old_logits, "old_logits", "project")
     options = dict(rtol=rtol, atol=atol, max_iterations=max_iterations, threads=threads)
     info: Dict[str, Any] = {}
     log_probs = _Project.apply(new_logits, old_logits, eps, options, info)
     return (log_probs, info["stats"]) if return_stats else log_probs
 
 
-def _sampled_index(sampled: Optional[torch.Tensor], logits: torch.Tensor) -> Optional[torch.Tensor]:
+#: The range of troll's int32 token ids (sparsify's ``sampled``).
+_INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+def _index_rows(x: Any, rows: tuple, name: str, fn: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A per-row integer array (token ids, sequence ids) as a contiguous tensor of ``dtype`` on
+    ``device``: its shape must be the logits' rows (ShapeError), its dtype an integer one
+    (TypeError: a float or bool id would be truncated silently), and narrowing to int32 must not
+    wrap a value around (DomainError naming the row: 2**32 + 1 would become token 1)."""
+    x = torch.as_tensor(x).detach()
+    if tuple(x.shape) != rows:
+        raise _core.ShapeError(f"troll: {name} has shape {tuple(x.shape)} but the logits' rows are {rows}")
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise TypeError(f"troll.{fn}: {name} has dtype {str(x.dtype).replace('torch.', '')}; "
+                        "integer ids are needed (int32 or int64)")
+    if dtype == torch.int32 and x.numel() > 0 and x.dtype not in (torch.int32, torch.int16, torch.int8, torch.uint8):
+        bad = ((x < _INT32_MIN) | (x > _INT32_MAX)).reshape(-1)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0, 0])
+            value = int(x.reshape(-1)[row])
+            raise DomainError(f"troll.{fn}: row {row}: {name} token {value} is outside the vocabulary (and int32)",
+                              row=row, code=17)  # troll::row_error::bad_sampled
+    return x.to(device=device, dtype=dtype).contiguous()
+
+
+def _sampled_index(sampled: Optional[torch.Tensor], logits: torch.Tensor,
+                   fn: str = "sparsify") -> Optional[torch.Tensor]:
     if sampled is None:
         return None
-    rows = tuple(logits.shape[:-1])
-    sampled = torch.as_tensor(sampled)
-    if tuple(sampled.shape) != rows:
-        raise _core.ShapeError(f"troll: sampled has shape {tuple(sampled.shape)} but the logits' rows are {rows}")
-    return sampled.to(device=logits.device, dtype=torch.int32).contiguous()
+    return _index_rows(sampled, tuple(logits.shape[:-1]), "sampled", fn, logits.device, torch.int32)
 
 
 def sparsify(logits: torch.Tensor, k: int = 64, delta: float = 1e-5,
@@ -89,7 +137,7 @@ def sparsify(logits: torch.Tensor, k: int = 64, delta: float = 1e-5,
     """Sparse rows (top-k tokens by logit whose mass reaches 1 - delta, plus the ``sampled``
     token of each row, and the exact log-mass of the rest) for storing the old policy compactly
     at rollout time. Not differentiable (the old policy is a constant)."""
-    logits = logits.detach()
+    logits = _tensor(logits, "logits", "sparsify").detach()
     return _core.sparsify(logits, k, delta, _sampled_index(sampled, logits),
                           threads=threads)
 
@@ -97,28 +145,35 @@ def sparsify(logits: torch.Tensor, k: int = 64, delta: float = 1e-5,
 class _ProjectSparse(torch.autograd.Function):
     @staticmethod
     def forward(ctx, new_logits, eps, old, support, options, info):  # type: ignore[override]
-        new_logits = new_logits.detach()
         threads = options["threads"]
-        aligned = _core.align(new_logits, old, support, threads=threads)
+        aligned = _core.align(new_logits.detach(), old, support, threads=threads)
         out, stats = _core.project_sparse(aligned, _eps_value(eps), **options)
-        ctx.save_for_backward(new_logits)
-        ctx.aligned, ctx.out, ctx.stats, ctx.threads = aligned, out, stats, threads
+        # The outputs go through save_for_backward, never onto ctx: an output held by ctx is a
+        # reference cycle through the autograd graph that Python's collector cannot see (every
+        # call leaked its graph, new logits included), and in-place edits would go unnoticed.
+        ctx.save_for_backward(new_logits, *out[:4])
+        ctx.vocab = out.vocab
+        ctx.aligned, ctx.stats, ctx.threads = aligned, stats, threads
         ctx.eps_shape = eps.shape if isinstance(eps, torch.Tensor) else None
+        ctx.eps = eps if isinstance(eps, torch.Tensor) else None
         ctx.mark_non_differentiable(out.indices, out.counts)
         info["stats"] = stats
         return out.indices, out.log_probs, out.counts, out.log_remainder
 
     @staticmethod
     def backward(ctx, _g_indices, g_log_probs, _g_counts, g_log_remainder):  # type: ignore[override]
-        (new_logits,) = ctx.saved_tensors
+        new_logits, *out = ctx.saved_tensors
+        out = SparseRows(*out, ctx.vocab)
         aligned: AlignedRows = ctx.aligned
         want_eps = ctx.eps_shape is not None and ctx.needs_input_grad[1]
         grad_aligned, _, grad_eps = _core.project_sparse_backward(
-            aligned, ctx.out, ctx.stats, (_grad_in(g_log_probs), _grad_in(g_log_remainder)), eps=want_eps,
+            aligned, out, ctx.stats, (_grad_in(g_log_probs), _grad_in(g_log_remainder)), eps=want_eps,
             threads=ctx.threads)
         grad_new = _core.sparsify_backward(new_logits, aligned.new_side(), grad_aligned, threads=ctx.threads)
         if grad_eps is not None:
             grad_eps = grad_eps.sum().reshape(ctx.eps_shape)
+        grad_new, grad_eps = guard("project_sparse", (grad_new, grad_eps),
+                                   (new_logits, ctx.eps, g_log_probs, g_log_remainder))
         return grad_new, grad_eps, None, None, None, None
 
 
@@ -131,11 +186,12 @@ def project_sparse(new_logits: torch.Tensor, old_sparse: SparseRows, eps: Union[
     (mass 1 - ``new_delta``, plus ``sampled``; ``new_k=0``: U = S_old), with the rest of the
     vocabulary lumped into one bucket. Returns SparseRows of log pi* (U and the bucket),
     differentiable w.r.t. ``new_logits`` (the scatter of docs/sparse.md) and ``eps`` (tensor)."""
-    _core.check_sparse_rows(old_sparse, "old_sparse")
+    old_sparse = _core.check_sparse_rows(old_sparse, "old_sparse")
+    new_logits = _tensor(new_logits, "new_logits", "project_sparse")
     support = None
     if new_k > 0:
         support = _core.sparsify(new_logits.detach(), new_k, new_delta,
-                                 _sampled_index(sampled, new_logits), threads=threads)
+                                 _sampled_index(sampled, new_logits, "project_sparse"), threads=threads)
     options = dict(rtol=rtol, atol=atol, max_iterations=max_iterations, threads=threads)
     info: Dict[str, Any] = {}
     result = _ProjectSparse.apply(new_logits, eps, old_sparse, support, options, info)
@@ -146,7 +202,7 @@ def project_sparse(new_logits: torch.Tensor, old_sparse: SparseRows, eps: Union[
 # ---- Losses ----
 
 
-def _token_batch(new_logits: torch.Tensor, tokens, advantages, mask, sequence_ids, aggregation) -> tuple:
+def _token_batch(new_logits: torch.Tensor, tokens, advantages, mask, sequence_ids, aggregation, fn: str) -> tuple:
     rows = tuple(new_logits.shape[:-1])
     dtype, device = new_logits.dtype, new_logits.device
 
@@ -156,10 +212,10 @@ def _token_batch(new_logits: torch.Tensor, tokens, advantages, mask, sequence_id
             raise _core.ShapeError(f"troll: {name} has shape {tuple(x.shape)} but the logits' rows are {rows}")
         return x.detach().to(device=device, dtype=kind).contiguous()
 
-    return (per_row(tokens, "tokens", torch.int64),
+    return (_index_rows(tokens, rows, "tokens", fn, device, torch.int64),
             per_row(advantages, "advantages", dtype),
             None if mask is None else per_row(mask, "mask", dtype),
-            None if sequence_ids is None else per_row(sequence_ids, "sequence_ids", torch.int64),
+            None if sequence_ids is None else _index_rows(sequence_ids, rows, "sequence_ids", fn, device, torch.int64),
             str(aggregation))
 
 
@@ -177,6 +233,7 @@ def _empty_like_rows(x: torch.Tensor) -> torch.Tensor:
 class _TrustRegionLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, new_logits, old, batch, params, info):  # type: ignore[override]
+        given = new_logits  # saved for the backward (guard); troll reads it detached
         new_logits = new_logits.detach()
         frame = _core.Framework(new_logits)
         lead = tuple(new_logits.shape[:-1])
@@ -188,7 +245,7 @@ class _TrustRegionLoss(torch.autograd.Function):
             metrics = _core.objective_forward(
                 "trust_region_forward", new_logits,
                 (new_logits, old.detach(), batch, *common, log_probs, stats.values, stats.counters), threads=threads)
-            ctx.save_for_backward(new_logits, old.detach(), log_probs)
+            ctx.save_for_backward(given, old.detach(), log_probs)
         else:
             vocab = int(new_logits.shape[-1])
             k_max = min(int(old.indices.shape[-1]) + params["new_k"], vocab, _core._troll.SPARSE_MAX_ENTRIES)
@@ -201,7 +258,7 @@ class _TrustRegionLoss(torch.autograd.Function):
                 "sparse_trust_region_forward", new_logits,
                 (new_logits, _core._sparse_arg(old), batch, *common, params["new_k"], params["new_delta"], aligned,
                  log_probs, stats.values, stats.counters), threads=threads)
-            ctx.save_for_backward(new_logits)
+            ctx.save_for_backward(given)
             ctx.aligned, ctx.sparse_log_probs = aligned, log_probs
         ctx.dense = isinstance(old, torch.Tensor)
         ctx.batch, ctx.params, ctx.stats = batch, params, stats
@@ -212,7 +269,8 @@ class _TrustRegionLoss(torch.autograd.Function):
     def backward(ctx, grad_loss):  # type: ignore[override]
         p = ctx.params
         common = (p["eps"], p["alpha"], p["rtol"], p["atol"], p["max_iterations"])
-        new_logits = ctx.saved_tensors[0]
+        given = ctx.saved_tensors[0]
+        new_logits = given.detach()
         grad_new = _empty_like_rows(new_logits)
         if ctx.dense:
             _, old, log_probs = ctx.saved_tensors
@@ -224,6 +282,7 @@ class _TrustRegionLoss(torch.autograd.Function):
                     _core._sparse_arg(ctx.sparse_log_probs), ctx.stats.values, ctx.stats.counters, grad_new,
                     float(grad_loss))
             _core.objective_backward("sparse_trust_region_backward", new_logits, args, threads=p["threads"])
+        (grad_new,) = guard("trust_region_loss", (grad_new,), (given, grad_loss))
         return grad_new, None, None, None, None
 
 
@@ -239,10 +298,13 @@ def trust_region_loss(new_logits: torch.Tensor, old: Union[torch.Tensor, SparseR
     the rows weighted by ``mask``. ``old`` is the old policy's dense logits or its SparseRows
     (troll.torch.sparsify with the sampled tokens). Returns the scalar loss (and the metrics dict
     with ``return_metrics=True``); its gradient w.r.t. ``new_logits`` is troll's fused backward."""
-    if not isinstance(old, torch.Tensor):
-        _core.check_sparse_rows(old, "old")
-    batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation)
-    params = dict(eps=float(eps), alpha=float(alpha), rtol=rtol, atol=atol, max_iterations=max_iterations,
+    new_logits = _tensor(new_logits, "new_logits", "trust_region_loss")
+    if isinstance(old, (tuple, list)):
+        old = _core.check_sparse_rows(old, "old")
+    else:
+        old = _tensor(old, "old", "trust_region_loss")
+    batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation, "trust_region_loss")
+    params = dict(eps=_core._bound(eps), alpha=float(alpha), rtol=rtol, atol=atol, max_iterations=max_iterations,
                   new_k=int(new_k), new_delta=float(new_delta), threads=threads)
     info: Dict[str, Any] = {}
     loss = _TrustRegionLoss.apply(new_logits, old, batch, params, info)
@@ -252,21 +314,24 @@ def trust_region_loss(new_logits: torch.Tensor, old: Union[torch.Tensor, SparseR
 class _RatioLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, new_logits, old_logits, batch, name, args, threads, info):  # type: ignore[override]
+        given = new_logits  # saved for the backward (guard); troll reads it detached
         new_logits, old_logits = new_logits.detach(), old_logits.detach()
         metrics = _core.objective_forward(f"{name}_forward", new_logits,
                                           (new_logits, old_logits, batch, *args, True), threads=threads)
-        ctx.save_for_backward(new_logits, old_logits)
+        ctx.save_for_backward(given, old_logits)
         ctx.batch, ctx.name, ctx.args, ctx.threads = batch, name, args, threads
         info["metrics"] = metrics
         return _loss_value(metrics, new_logits)
 
     @staticmethod
     def backward(ctx, grad_loss):  # type: ignore[override]
-        new_logits, old_logits = ctx.saved_tensors
+        given, old_logits = ctx.saved_tensors
+        new_logits = given.detach()
         grad_new = _empty_like_rows(new_logits)
         _core.objective_backward(f"{ctx.name}_backward", new_logits,
                                  (new_logits, old_logits, ctx.batch, *ctx.args, grad_new, float(grad_loss)),
                                  threads=ctx.threads)
+        (grad_new,) = guard(f"{ctx.name}_loss", (grad_new,), (given, grad_loss))
         return grad_new, None, None, None, None, None, None
 
 
@@ -277,7 +342,9 @@ def ppo_clip_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: to
                   return_metrics: bool = False, threads: int = 0):
     """PPO's clipped surrogate loss ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` with
     r = p_new(a) / q(a) (and the dual clip when ``dual_clip`` > 1), troll's forward and backward."""
-    batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation)
+    new_logits = _tensor(new_logits, "new_logits", "ppo_clip_loss")
+    old_logits = _tensor(old_logits, "old_logits", "ppo_clip_loss")
+    batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation, "ppo_clip_loss")
     args = (float(clip_low), float(clip_high), float(dual_clip))
     info: Dict[str, Any] = {}
     loss = _RatioLoss.apply(new_logits, old_logits, batch, "ppo_clip", args, threads, info)
@@ -294,7 +361,9 @@ def dppo_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: torch.
     (A > 0, moved up) or ``delta_low`` (A < 0, moved down); the bounds default to 0.15 for TV
     and 0.05 for KL."""
     default = 0.15 if divergence.endswith("tv") else 0.05
-    batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation)
+    new_logits = _tensor(new_logits, "new_logits", "dppo_loss")
+    old_logits = _tensor(old_logits, "old_logits", "dppo_loss")
+    batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation, "dppo_loss")
     args = (str(divergence), float(default if delta_low is None else delta_low),
             float(default if delta_high is None else delta_high), int(top_k))
     info: Dict[str, Any] = {}

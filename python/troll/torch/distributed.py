@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .. import _core
 from .._core import SparseRows
+from ._autograd import guard
 
 __all__ = ["sparsify", "sparsify_state_bytes"]
 
@@ -80,7 +81,8 @@ class _ShardedSparsify(torch.autograd.Function):
         parts = _gather(_core.sparsify_tail_sums(x, offset, rows, tail_max, threads=threads), group, comm)
         rows, log_sums = _core.sparsify_finalize(stacked, vocab, k, delta, sampled=has_sampled, dtype=dtype,
                                                  tail_sums=parts, threads=threads)
-        ctx.save_for_backward(x, rows.indices, rows.log_probs, rows.counts, rows.log_remainder, log_sums)
+        ctx.save_for_backward(x, rows.indices, rows.log_probs, rows.counts, rows.log_remainder, log_sums,
+                              local_logits)
         ctx.offset, ctx.vocab, ctx.threads, ctx.device = offset, vocab, threads, device
         out = tuple(t.to(device) for t in rows[:4])
         ctx.mark_non_differentiable(out[0], out[2])
@@ -89,14 +91,15 @@ class _ShardedSparsify(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _g_indices, g_log_probs, _g_counts, g_log_remainder):  # type: ignore[override]
-        x, indices, log_probs, counts, log_remainder, log_sums = ctx.saved_tensors
+        x, indices, log_probs, counts, log_remainder, log_sums, given = ctx.saved_tensors
         support = SparseRows(indices, log_probs, counts, log_remainder, ctx.vocab)
         work = x.device
         g = (g_log_probs.to(work, log_probs.dtype).contiguous(), g_log_remainder.to(work, log_probs.dtype).contiguous())
         # 16-bit logits: the gradient of their exact float32 values, rounded back.
         xs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         grad = _core.sparsify_shard_backward(xs, ctx.offset, support, g, log_sums, threads=ctx.threads)
-        return grad.to(ctx.device, x.dtype), None, None, None
+        (grad,) = guard("distributed.sparsify", (grad.to(ctx.device, x.dtype),), (given, g_log_probs, g_log_remainder))
+        return grad, None, None, None
 
 
 def sparsify(local_logits: torch.Tensor, vocab_offset: int, vocab_size: int, k: int = 64, delta: float = 1e-5,
@@ -117,13 +120,16 @@ def sparsify(local_logits: torch.Tensor, vocab_offset: int, vocab_size: int, k: 
     row's and tail_ref the tail's largest logit)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("troll.torch.distributed.sparsify: torch.distributed is not initialised")
+    from . import _tensor
+
+    local_logits = _tensor(local_logits, "local_logits", "distributed.sparsify")
     rows = tuple(local_logits.shape[:-1])
     sampled_i32 = None
     if sampled is not None:
-        sampled_i32 = torch.as_tensor(sampled)
-        if tuple(sampled_i32.shape) != rows:
-            raise _core.ShapeError(f"troll: sampled has shape {tuple(sampled_i32.shape)} but the logits' rows are {rows}")
-        sampled_i32 = sampled_i32.detach().to(dtype=torch.int32).contiguous()
+        from . import _index_rows  # the checks of troll.torch.sparsify's sampled (dtype, shape, int32 range)
+
+        sampled_i32 = _index_rows(sampled, rows, "sampled", "distributed.sparsify", torch.as_tensor(sampled).device,
+                                  torch.int32)
     params = dict(k=int(k), delta=float(delta), vocab=int(vocab_size), offset=int(vocab_offset), group=group,
                   threads=threads)
     info: Dict[str, Any] = {}

@@ -13,6 +13,7 @@ import torch
 
 from .. import gaussian as _g
 from ..gaussian import GaussianStats
+from ._autograd import guard
 
 __all__ = ["project_joint", "project_split", "project_joint_diag", "project_split_diag", "GaussianStats"]
 
@@ -30,7 +31,8 @@ def _bound_value(eps: Bound, name: str) -> float:
 class _Project(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mean, cov, old_mean, old_cov, eps_mean, eps_cov, cfg, info):  # type: ignore[override]
-        inputs = [x.detach() for x in (mean, cov, old_mean, old_cov)]
+        given = (mean, cov, old_mean, old_cov)  # saved as given (guard); troll reads them detached
+        inputs = [x.detach() for x in given]
         em, ec = _bound_value(eps_mean, "eps"), _bound_value(eps_cov, "eps_cov")
         # Full rows: the forward's factorisation is kept for the backward / JVP (no second one).
         saved = _g.empty_saved(inputs[0]) if cfg["full"] else None
@@ -39,10 +41,11 @@ class _Project(torch.autograd.Function):
                                                saved)
         if saved is None:
             saved = stats.values.new_empty((0,))
-        ctx.save_for_backward(*inputs, out_mean, out_cov, stats.values, stats.counters, saved)
+        ctx.save_for_backward(*given, out_mean, out_cov, stats.values, stats.counters, saved)
         ctx.save_for_forward(*inputs, out_mean, out_cov, stats.values, stats.counters, saved)
         ctx.cfg, ctx.eps = cfg, (em, ec)
         ctx.eps_shapes = tuple(e.shape if isinstance(e, torch.Tensor) else None for e in (eps_mean, eps_cov))
+        ctx.bounds = tuple(e for e in (eps_mean, eps_cov) if isinstance(e, torch.Tensor))
         info["stats"] = stats
         return out_mean, out_cov
 
@@ -68,7 +71,9 @@ class _Project(torch.autograd.Function):
                 grad_eps_mean = bound_grads[0].sum().to(mean.dtype).reshape(shapes[0])
             if cfg["split"] and shapes[1] is not None and needs[5]:
                 grad_eps_cov = bound_grads[1].sum().to(mean.dtype).reshape(shapes[1])
-        return grad_in[0], grad_in[1], grad_in[2], grad_in[3], grad_eps_mean, grad_eps_cov, None, None
+        out = guard("gaussian", (*grad_in, grad_eps_mean, grad_eps_cov),
+                    (mean, cov, old_mean, old_cov, *ctx.bounds, grad_mean, grad_cov))
+        return (*out, None, None)
 
 
     @staticmethod
@@ -93,6 +98,10 @@ class _Project(torch.autograd.Function):
 
 def _apply(mean, cov, old_mean, old_cov, eps_mean, eps_cov, full, split, return_stats, rtol, atol,
            max_iterations, threads):
+    from . import _tensor
+
+    mean, cov, old_mean, old_cov = (_tensor(x, n, "gaussian") for x, n in
+                                    zip((mean, cov, old_mean, old_cov), ("mean", "cov", "old_mean", "old_cov")))
     cfg = dict(full=full, split=split, rtol=rtol, atol=atol, max_iterations=max_iterations, threads=threads)
     info: Dict[str, Any] = {}
     # Joint bounds pass one eps in both slots and return its gradient once (in the first).

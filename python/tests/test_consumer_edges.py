@@ -1,0 +1,478 @@
+"""What a generic consumer runs into (the Python audit, issue 12's follow-up): double backward,
+integer id arrays, SparseRows as plain tuples, raw DLPack capsules, non-torch arrays given to
+troll.torch, empty batches and V = 1. Each case failed (silently or with an untyped error) before
+its fix; all run in well under a second."""
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+import troll
+import troll.torch as tt
+import troll.torch.gaussian as tg
+
+import oracle
+
+D = torch.float64
+
+
+def logits(gen, *shape):
+    return oracle.make_logits(gen, *shape)
+
+
+# ---- double backward: an error, never a silent zero ----
+
+
+def _first_order(fn, x):
+    """The gradient of fn at x with create_graph=True, and the plain one."""
+    xa = x.clone().requires_grad_()
+    (g_graph,) = torch.autograd.grad(fn(xa), xa, create_graph=True)
+    xb = x.clone().requires_grad_()
+    (g_plain,) = torch.autograd.grad(fn(xb), xb)
+    return xa, g_graph, g_plain
+
+
+def _losses(gen):
+    old = logits(gen, 2, 3, 7)
+    tokens = torch.randint(0, 7, (2, 3), generator=gen)
+    adv = torch.randn(2, 3, generator=gen, dtype=D)
+    w = torch.randn(2, 3, 7, generator=gen, dtype=D)
+    sparse_old = tt.sparsify(old, 3, sampled=tokens)
+    return {
+        "project": lambda x: (tt.project(x, old, 0.05) * w).sum(),
+        "project_sparse": lambda x: tt.project_sparse(x, sparse_old, 0.05, new_k=2).log_remainder.sum(),
+        "trust_region_loss": lambda x: tt.trust_region_loss(x, old, tokens, adv),
+        "trust_region_loss_sparse": lambda x: tt.trust_region_loss(x, sparse_old, tokens, adv),
+        "ppo_clip_loss": lambda x: tt.ppo_clip_loss(x, old, tokens, adv),
+        "dppo_loss": lambda x: tt.dppo_loss(x, old, tokens, adv),
+    }
+
+
+@pytest.mark.parametrize("name", ["project", "project_sparse", "trust_region_loss", "trust_region_loss_sparse",
+                                  "ppo_clip_loss", "dppo_loss"])
+def test_double_backward_raises_and_create_graph_keeps_the_first_order(gen, name):
+    fn = _losses(gen)[name]
+    x, g_graph, g_plain = _first_order(fn, logits(gen, 2, 3, 7))
+    torch.testing.assert_close(g_graph, g_plain, rtol=0, atol=0)
+    assert g_graph.requires_grad  # tied to x: differentiating it again must not give 0 silently
+    with pytest.raises(RuntimeError, match="double backward is not implemented"):
+        torch.autograd.grad((g_graph * torch.randn_like(g_graph)).sum(), x)
+
+
+def test_double_backward_raises_through_eps_and_old_logits(gen):
+    new, old = logits(gen, 3, 6).requires_grad_(), logits(gen, 3, 6).requires_grad_()
+    eps = torch.tensor(0.05, dtype=D, requires_grad=True)
+    g = torch.autograd.grad((tt.project(new, old, eps) ** 2).sum(), (new, old, eps), create_graph=True)
+    for gi, xi in zip(g, (new, old, eps)):
+        with pytest.raises(RuntimeError, match="double backward"):
+            torch.autograd.grad(gi.sum(), xi)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.gradgradcheck(lambda a: tt.project(a, old.detach(), 0.05), (new,))
+
+
+def test_gaussian_double_backward_raises_and_forward_mode_still_works(gen):
+    m, om = torch.randn(3, 2, generator=gen, dtype=D), torch.randn(3, 2, generator=gen, dtype=D)
+    s, os_ = torch.rand(3, 2, generator=gen, dtype=D) + 0.5, torch.rand(3, 2, generator=gen, dtype=D) + 0.5
+    mr = m.clone().requires_grad_()
+    out = tg.project_joint_diag(mr, s, om, os_, 0.01)
+    (g,) = torch.autograd.grad((out[0] ** 2).sum() + out[1].sum(), mr, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(g.sum(), mr)
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        tangent = torch.randn_like(m)
+        mean_p, _ = tg.project_joint_diag(fwAD.make_dual(m, tangent), s, om, os_, 0.01)
+        jvp = fwAD.unpack_dual(mean_p).tangent
+    assert jvp is not None and torch.isfinite(jvp).all()
+
+
+# ---- integer id arrays ----
+
+
+def test_sampled_ids_outside_int32_raise_instead_of_wrapping(gen):
+    x = logits(gen, 2, 5)
+    bad = torch.tensor([1, 2 ** 32 + 1])  # wrapped to int32 this would be token 1
+    with pytest.raises(troll.DomainError) as info:
+        tt.sparsify(x, 2, sampled=bad)
+    assert info.value.row == 1
+    with pytest.raises(troll.DomainError):
+        tt.project_sparse(x, tt.sparsify(x, 2), 0.05, sampled=bad)
+    ok = tt.sparsify(x, 2, sampled=torch.tensor([1, 4]))  # int64 in range: fine
+    assert ok.counts.dtype == torch.int32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool])
+def test_non_integer_ids_raise_type_error(gen, dtype):
+    x = logits(gen, 2, 5).requires_grad_()
+    ids = torch.tensor([1, 0]).to(dtype)
+    adv = torch.ones(2, dtype=D)
+    with pytest.raises(TypeError, match="integer ids"):
+        tt.sparsify(x, 2, sampled=ids)
+    with pytest.raises(TypeError, match="integer ids"):
+        tt.trust_region_loss(x, x.detach(), ids, adv)
+    with pytest.raises(TypeError, match="integer ids"):
+        tt.ppo_clip_loss(x, x.detach(), torch.tensor([1, 0]), adv, sequence_ids=ids, aggregation="sequence_mean")
+
+
+def test_distributed_sampled_outside_int32_raises(gen):
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs an uninitialised torch.distributed")
+    path = os.path.join(tempfile.mkdtemp(), "pg")
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    try:
+        x = logits(gen, 2, 6)
+        with pytest.raises(troll.DomainError):
+            tt.distributed.sparsify(x, 0, 6, 2, sampled=torch.tensor([0, 2 ** 32 + 3]))
+        rows = tt.distributed.sparsify(x.numpy(), 0, 6, 2, sampled=[0, 3])  # NumPy logits, list ids
+        ref = tt.sparsify(x, 2, sampled=torch.tensor([0, 3]))
+        for a, b in zip(rows[:4], ref[:4]):
+            assert torch.equal(a, b)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- SparseRows as plain tuples ----
+
+
+def test_plain_tuples_are_sparse_rows(gen):
+    new, old = logits(gen, 3, 8), logits(gen, 3, 8)
+    tokens = torch.tensor([0, 1, 2])
+    rows = tt.sparsify(old, 3, sampled=tokens)
+    for as_seq in (tuple, list):
+        plain = as_seq(rows)
+        got = tt.project_sparse(new, plain, 0.05)
+        want = tt.project_sparse(new, rows, 0.05)
+        assert all(torch.equal(a, b) for a, b in zip(got[:4], want[:4]))
+        assert tt.trust_region_loss(new, plain, tokens, torch.ones(3, dtype=D)).item() == pytest.approx(
+            tt.trust_region_loss(new, rows, tokens, torch.ones(3, dtype=D)).item(), rel=0, abs=0)
+        aligned = troll.align(new, plain, new_support=as_seq(rows))
+        assert torch.equal(aligned.counts, troll.align(new, rows, new_support=rows).counts)
+
+
+# ---- raw DLPack capsules and non-torch arrays ----
+
+
+def test_dlpack_capsules_are_arrays(gen):
+    p, q = logits(gen, 2, 3, 6), logits(gen, 2, 3, 6)
+    got = troll.kl(p.__dlpack__(), torch.utils.dlpack.to_dlpack(q))  # versioned / legacy capsules
+    assert isinstance(got, np.ndarray) and got.shape == (2, 3)
+    np.testing.assert_allclose(got, oracle.kl(p, q).numpy(), rtol=1e-12, atol=1e-14)
+    lp, stats = troll.project(p.__dlpack__(), q.__dlpack__(), 0.05)
+    np.testing.assert_array_equal(lp, troll.project(p, q, 0.05)[0].numpy())  # the same call on the tensors
+    assert isinstance(stats.t, np.ndarray)
+    g = troll.sparsify_backward(p.__dlpack__(), troll.sparsify(p, 2),
+                                (torch.ones(2, 3, 2, dtype=D).__dlpack__(), torch.ones(2, 3, dtype=D).__dlpack__()))
+    assert g.shape == (2, 3, 6)
+    m = torch.randn(4, 2, generator=gen, dtype=D)
+    s = torch.ones(4, 2, dtype=D)
+    np.testing.assert_allclose(troll.gaussian.kl_diag(m.__dlpack__(), s.__dlpack__(), m, s), 0.0, atol=1e-15)
+
+
+def test_bad_capsules_raise_type_error(gen):
+    p = logits(gen, 2, 6)
+    cap = p.__dlpack__()
+    troll.kl(cap, p)
+    with pytest.raises(TypeError, match="consumed"):
+        troll.kl(cap, p)
+    with pytest.raises(TypeError):
+        troll.kl(p.float().bfloat16().__dlpack__(), p)
+
+
+def test_troll_torch_takes_numpy_and_capsules_and_rejects_lists(gen):
+    new, old = logits(gen, 3, 6), logits(gen, 3, 6)
+    want = tt.project(new, old, 0.05)
+    assert torch.equal(tt.project(new.numpy(), old.numpy(), 0.05), want)
+    assert torch.equal(tt.project(new.__dlpack__(), old.__dlpack__(), 0.05), want)
+    read_only = old.numpy().copy()
+    read_only.setflags(write=False)
+    x = new.clone().requires_grad_()
+    tt.project(x, read_only, 0.05).sum().backward()  # the tensor input still gets its gradient
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    tokens, adv = np.array([0, 1, 2]), np.ones(3)
+    assert torch.isfinite(tt.ppo_clip_loss(new, old.numpy(), tokens, adv))
+    assert torch.isfinite(tt.trust_region_loss(new, old.numpy(), tokens, adv))
+    with pytest.raises(TypeError, match="torch tensor"):
+        tt.project(new.tolist(), old, 0.05)
+
+
+# ---- empty batches, V = 1, dtypes ----
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (2, 0, 5), (3, 1), (1,), (4, 1, 1)])
+def test_empty_batches_and_one_token_rows(gen, shape):
+    new = logits(gen, *shape).requires_grad_()
+    old = logits(gen, *shape)
+    lp = tt.project(new, old, 0.05)
+    assert lp.shape == new.shape and lp.dtype == D
+    if shape[-1] == 1 and lp.numel():
+        assert torch.equal(lp, torch.zeros_like(lp))  # one token: probability 1
+    lp.sum().backward()
+    assert new.grad.shape == new.shape and not new.grad.abs().sum()
+    rows = shape[:-1]
+    tokens = torch.zeros(rows, dtype=torch.long)
+    adv = torch.ones(rows, dtype=D)
+    for loss in (tt.trust_region_loss(new, old, tokens, adv), tt.ppo_clip_loss(new, old, tokens, adv),
+                 tt.trust_region_loss(new, tt.sparsify(old, 3, sampled=tokens), tokens, adv)):
+        assert loss.shape == () and loss.dtype == D and torch.isfinite(loss)
+    assert troll.kl(new.detach(), old).shape == rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int64])
+def test_unsupported_dtypes_raise_type_error(gen, dtype):
+    x = logits(gen, 2, 5).to(dtype)
+    for call in (lambda: troll.kl(x, x), lambda: tt.project(x, x, 0.05), lambda: tt.sparsify(x, 2)):
+        with pytest.raises(TypeError):
+            call()
+
+
+# ---- bounds: a number or a one-element array, else ShapeError ----
+
+
+def test_bounds_take_one_element_arrays_and_reject_per_row_ones(gen):
+    new, old = logits(gen, 3, 6), logits(gen, 3, 6)
+    want = troll.project(new, old, 0.05)[0]
+    for eps in (np.float32(0.05), np.array([0.05]), torch.tensor(0.05), torch.tensor([[0.05]], dtype=D)):
+        torch.testing.assert_close(troll.project(new, old, eps)[0], want, rtol=1e-6, atol=1e-7)
+    tokens, adv = torch.tensor([0, 1, 2]), torch.ones(3, dtype=D)
+    for per_row in (torch.full((3,), 0.05), np.full(3, 0.05)):
+        with pytest.raises(troll.ShapeError, match="one bound"):
+            troll.project(new, old, per_row)
+        with pytest.raises(troll.ShapeError, match="one bound"):
+            troll.project_sparse(troll.align(new, troll.sparsify(old, 2)), per_row)
+        with pytest.raises(troll.ShapeError, match="one bound"):
+            tt.trust_region_loss(new, old, tokens, adv, eps=per_row)
+        m, s = torch.zeros(3, 2, dtype=D), torch.ones(3, 2, dtype=D)
+        with pytest.raises(troll.ShapeError, match="one bound"):
+            troll.gaussian.project_joint_diag(m, s, m, s, per_row)
+
+
+# ---- torch tensors DLPack cannot carry: a typed error, not garbage or nanobind's TypeError ----
+
+
+def test_tensors_dlpack_cannot_carry_raise_shape_error(gen):
+    x = logits(gen, 3, 6)
+    cases = {
+        "meta": torch.empty(3, 6, dtype=D, device="meta"),
+        "sparse": x.to_sparse(),
+        "negated view": torch._neg_view(x),  # DLPack would export the stored, un-negated values
+    }
+    for name, bad in cases.items():
+        with pytest.raises(troll.ShapeError):
+            troll.kl(bad, x)
+        with pytest.raises(troll.ShapeError):
+            troll.kl(x, bad)
+        with pytest.raises(troll.ShapeError):
+            tt.project(bad, x, 0.05)
+    np.testing.assert_allclose(troll.kl(torch._neg_view(x).resolve_neg(), x), oracle.kl(-x, x), rtol=1e-12)
+
+
+# ---- no reference cycles: a call's graph (new logits included) dies with its outputs ----
+
+
+def _dies(make_output, x):
+    import gc
+    import weakref
+
+    leaf = x.clone().requires_grad_()
+    out = make_output(leaf)
+    refs = [weakref.ref(leaf)] + [weakref.ref(t) for t in (out if isinstance(out, tuple) else (out,))
+                                  if isinstance(t, torch.Tensor)]
+    del leaf, out
+    gc.collect()
+    return all(r() is None for r in refs)
+
+
+def test_outputs_hold_no_reference_cycles(gen):
+    x, old = logits(gen, 4, 30), logits(gen, 4, 30)
+    tokens, adv = torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=D)
+    sparse_old = tt.sparsify(old, 3, sampled=tokens)
+    m, s = torch.randn(4, 3, generator=gen, dtype=D), torch.ones(4, 3, dtype=D)
+    factor = torch.eye(3, dtype=D).expand(4, 3, 3).contiguous()
+    calls = {
+        "project": lambda n: tt.project(n, old, 0.05),
+        # held its outputs on ctx: every call leaked its whole graph
+        "project_sparse": lambda n: tuple(tt.project_sparse(n, sparse_old, 0.05, new_k=3)[:4]),
+        "trust_region_loss": lambda n: tt.trust_region_loss(n, sparse_old, tokens, adv),
+        "ppo_clip_loss": lambda n: tt.ppo_clip_loss(n, old, tokens, adv),
+        "gaussian": lambda n: tg.project_joint(n[:, :3], factor, m, 2 * factor, 0.01),
+        "gaussian_diag": lambda n: tg.project_joint_diag(n[:, :3], s, m, 2 * s, 0.01),
+    }
+    leaking = [name for name, call in calls.items() if not _dies(call, x)]
+    assert not leaking
+
+
+def test_in_place_edits_of_sparse_outputs_are_detected(gen):
+    x, old = logits(gen, 3, 20).requires_grad_(), logits(gen, 3, 20)
+    rows = tt.project_sparse(x, tt.sparsify(old, 3), 0.05, new_k=3)
+    rows.log_probs.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        rows.log_probs.sum().backward()
+
+
+# ---- the keyword names docs/python.md's tables give ----
+
+
+def test_documented_keyword_arguments(gen):
+    new, old = logits(gen, 2, 8), logits(gen, 2, 8)
+    tokens = torch.tensor([1, 2])
+    adv = torch.ones(2, dtype=D)
+    troll.kl(p_logits=new, q_logits=old, out=torch.empty(2, dtype=D))
+    troll.log_softmax(logits=new, out=torch.empty(2, 8, dtype=D))
+    troll.kl_backward(p_logits=new, q_logits=old, grad_kl=adv)
+    lp, st = troll.project(new_logits=new, old_logits=old, eps=0.05, out=None, stats=None, rtol=1e-12, atol=1e-15,
+                           max_iterations=50)
+    troll.project_backward(new_logits=new, old_logits=old, log_probs=lp, stats=st, grad_log_probs=torch.ones_like(lp),
+                           old=True, eps=True)
+    rows = troll.sparsify(logits=old, k=3, delta=1e-5, sampled=tokens.int())
+    aligned = troll.align(new_logits=new, old=rows, new_support=None)
+    out, st2 = troll.project_sparse(rows=aligned, eps=0.05)
+    troll.kl_sparse(rows=aligned)
+    grad = (torch.ones_like(out.log_probs), torch.ones_like(out.log_remainder))
+    g_new, _, _ = troll.project_sparse_backward(rows=aligned, log_probs=out, stats=st2, grad=grad, old=True, eps=True)
+    troll.sparsify_backward(logits=new, support=aligned.new_side(), grad=g_new)
+    states = np.stack([troll.sparsify_shard(shard_logits=old[:, :5].numpy(), vocab_offset=0, vocab=8, k=3, delta=1e-5,
+                                            sampled=tokens.int().numpy()),
+                       troll.sparsify_shard(shard_logits=old[:, 5:].numpy(), vocab_offset=5, vocab=8, k=3, delta=1e-5,
+                                            sampled=tokens.int().numpy())])
+    rows1, _, tail_max = troll.sparsify_finalize(states=states, vocab=8, k=3, delta=1e-5, sampled=True,
+                                                 dtype="float64", return_tail_max=True)
+    sums = np.stack([troll.sparsify_tail_sums(shard_logits=old[:, :5].numpy(), vocab_offset=0, rows=rows1,
+                                              tail_max=tail_max),
+                     troll.sparsify_tail_sums(shard_logits=old[:, 5:].numpy(), vocab_offset=5, rows=rows1,
+                                              tail_max=tail_max)])
+    rows2, log_sums = troll.sparsify_finalize(states=states, vocab=8, k=3, delta=1e-5, sampled=True, dtype="float64",
+                                              tail_sums=sums)
+    for a, b in zip(rows2[:4], rows[:4]):
+        np.testing.assert_array_equal(a, b.numpy())
+    troll.sparsify_shard_backward(shard_logits=old[:, 5:].numpy(), vocab_offset=5, support=rows2,
+                                  grad=(np.ones(rows2.log_probs.shape), np.ones(2)), log_sums=log_sums)
+    x = new.clone().requires_grad_()
+    tt.project(new_logits=x, old_logits=old, eps=0.05, return_stats=True)
+    tt.sparsify(logits=old, k=3, delta=1e-5, sampled=tokens)
+    tt.project_sparse(new_logits=x, old_sparse=rows, eps=0.05, sampled=tokens, new_k=2, new_delta=1e-5)
+    tt.trust_region_loss(new_logits=x, old=rows, tokens=tokens, advantages=adv, eps=0.05, alpha=1.0, mask=None,
+                         sequence_ids=torch.tensor([0, 1]), aggregation="sequence_mean", new_k=2, new_delta=1e-5,
+                         return_metrics=True)
+    tt.ppo_clip_loss(new_logits=x, old_logits=old, tokens=tokens, advantages=adv, clip_low=0.2, clip_high=0.2,
+                     dual_clip=3.0, mask=torch.ones(2), return_metrics=True)
+    tt.dppo_loss(new_logits=x, old_logits=old, tokens=tokens, advantages=adv, divergence="topk_kl", delta_low=0.05,
+                 delta_high=0.05, top_k=3, mask=None, return_metrics=True)
+    m, s = torch.zeros(2, 3, dtype=D), torch.ones(2, 3, dtype=D)
+    factor = torch.eye(3, dtype=D).expand(2, 3, 3).contiguous()
+    troll.gaussian.project_joint(mean=m, cov_chol=factor, old_mean=m + 1, old_cov_chol=factor, eps=0.05)
+    troll.gaussian.project_split(mean=m, cov_chol=factor, old_mean=m + 1, old_cov_chol=factor, eps_mean=0.05,
+                                 eps_cov=0.05)
+    troll.gaussian.project_joint_diag(mean=m, std=s, old_mean=m + 1, old_std=s, eps=0.05)
+    troll.gaussian.project_split_diag(mean=m, std=s, old_mean=m + 1, old_std=s, eps_mean=0.05, eps_cov=0.05)
+    troll.gaussian.kl(mean=m, cov_chol=factor, old_mean=m, old_cov_chol=factor)
+    troll.gaussian.kl_diag(mean=m, std=s, old_mean=m, old_std=s)
+    tg.project_split_diag(mean=m, std=s, old_mean=m + 1, old_std=s, eps_mean=0.05, eps_cov=0.05, return_stats=True)
+
+
+def test_numpy_masked_arrays_raise_type_error(gen):
+    x = logits(gen, 2, 5).numpy()
+    with pytest.raises(TypeError, match="masked"):
+        troll.kl(np.ma.masked_array(x, mask=x > 0), x)
+    np.testing.assert_allclose(troll.kl(np.ma.filled(np.ma.masked_array(x, mask=x > 3), -np.inf), x),
+                               troll.kl(np.where(x > 3, -np.inf, x), x))
+
+
+# ---- out= / stats= buffers troll must not write ----
+
+
+def test_out_buffers_troll_must_not_write_raise_type_error(gen):
+    p, q = logits(gen, 3, 6), logits(gen, 3, 6)
+    read_only = np.zeros(3)
+    read_only.setflags(write=False)
+    for bad in (read_only, torch.zeros(3, dtype=D, requires_grad=True)):
+        with pytest.raises(TypeError):
+            troll.kl(p, q, out=bad)
+        assert not np.asarray(bad.detach() if isinstance(bad, torch.Tensor) else bad).any()  # untouched
+    stats = troll.ProjectionStats(torch.zeros(3, 6, dtype=D, requires_grad=True), torch.zeros(3, 2, dtype=torch.int32))
+    with pytest.raises(TypeError):
+        troll.project(p, q, 0.05, stats=stats)
+    m, s = torch.zeros(3, 2, dtype=D), torch.ones(3, 2, dtype=D)
+    with pytest.raises(TypeError):
+        troll.gaussian.project_joint_diag(m, s, m + 1, s, 0.05, out=(np.broadcast_to(read_only[:, None], (3, 2)),
+                                                                   s.numpy().copy()))
+
+
+def test_jax_arrays_are_not_written():
+    jnp = pytest.importorskip("jax.numpy")
+    p = jnp.asarray(np.linspace(-1.0, 1.0, 12, dtype=np.float32).reshape(2, 6))
+    q = jnp.asarray(np.linspace(1.0, -1.0, 12, dtype=np.float32).reshape(2, 6))
+    buffer = jnp.zeros(2, dtype=jnp.float32)
+    with pytest.raises(TypeError, match="immutable"):
+        troll.kl(p, q, out=buffer)
+    assert not np.asarray(buffer).any()
+
+
+# ---- CUDA arrays of other frameworks (JAX on a GPU, ...): outputs on their device ----
+
+
+def test_other_frameworks_cuda_arrays_get_device_outputs(monkeypatch):
+    """Outputs of a CUDA array from a framework troll does not allocate in (here the fake of
+    test_cuda_host_errors) were host NumPy buffers, which the CUDA module rejected ("out ... is not
+    in CUDA device memory" for an out= nobody passed). Now they are device buffers: with a
+    stand-in allocator making fake device arrays, every check passes and the call reaches the
+    CUDA runtime, which (without a GPU) fails as BackendError."""
+    from test_cuda_host_errors import _FLOAT, _INT, FakeCudaArray, cuda
+
+    if cuda is None or cuda.device_count() > 0:
+        pytest.skip("needs the CUDA extension and no GPU (the fake arrays hold host memory)")
+    kinds = {"float32": (_FLOAT, 32), "float64": (_FLOAT, 64), "int32": (_INT, 32)}
+    made = []
+
+    def fake_empty(shape, dtype, device, framework):
+        assert device == 0 and framework == "test_cuda_host_errors"
+        made.append(FakeCudaArray(shape, *kinds[dtype]))
+        return made[-1]
+
+    monkeypatch.setattr(troll._arrays, "_cuda_empty", fake_empty)
+    with pytest.raises(troll.BackendError):
+        troll.kl(FakeCudaArray((3, 10)), FakeCudaArray((3, 10)))
+    with pytest.raises(troll.BackendError):
+        troll.project(FakeCudaArray((3, 10)), FakeCudaArray((3, 10)), 0.05)
+    assert len(made) == 1 + 3  # kl's out; project's log-probs and two stats buffers
+
+
+# ---- a mismatched element type is both a ShapeError (as documented) and a TypeError ----
+
+
+def test_mismatched_dtypes_raise_dtype_error(gen):
+    p = logits(gen, 3, 6)
+    calls = [lambda: troll.kl(p, p.float()),
+             lambda: troll.project(p, p.float(), 0.05),
+             lambda: tt.project(p.float(), p, 0.05),
+             lambda: troll.kl(p, p, out=torch.empty(3)),
+             lambda: troll.sparsify(p, 2, sampled=torch.zeros(3, dtype=torch.int64)),
+             lambda: tt.trust_region_loss(p, tt.sparsify(p.float(), 2, sampled=torch.zeros(3, dtype=torch.long)),
+                                          torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=D))]
+    for call in calls:
+        with pytest.raises(troll.DTypeError) as info:
+            call()
+        assert isinstance(info.value, troll.ShapeError) and isinstance(info.value, TypeError)
+        assert "dtype" in str(info.value)
+
+
+def test_stats_buffers_overlapping_the_call_raise_shape_error(gen):
+    p, q = logits(gen, 4, 12), logits(gen, 4, 12)
+    counters = torch.zeros(4, 2, dtype=torch.int32)
+    for values, name in ((p[:, :6], "new_logits"), (q[:, 6:], "old_logits")):
+        before = (p.clone(), q.clone())
+        with pytest.raises(troll.ShapeError, match=f"stats.values overlaps {name}"):
+            troll.project(p, q, 0.05, stats=troll.ProjectionStats(values, counters))
+        assert torch.equal(before[0], p) and torch.equal(before[1], q)
+    out = torch.empty(4, 12, dtype=D)
+    with pytest.raises(troll.ShapeError, match="overlaps out"):
+        troll.project(p, q, 0.05, out=out, stats=troll.ProjectionStats(out[:, 6:], counters))
+    shared = torch.zeros(4 * 7, dtype=D)
+    with pytest.raises(troll.ShapeError, match="stats.values overlaps stats.counters"):
+        troll.project(p, q, 0.05, stats=troll.ProjectionStats(shared[:24].view(4, 6),
+                                                              shared[20:].view(torch.int32).view(4, 4)[:, :2]))
