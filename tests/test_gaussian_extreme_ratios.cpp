@@ -258,3 +258,29 @@ TEST_CASE("a much wider new covariance with a large bound: converged, KL = eps (
     check_close(st.kl_after, r.eps, 1e-11);
   }
 }
+
+TEST_CASE("a bad bound is named in the error (eps, eps_mean, eps_cov) with its value, before anything is written") {
+  const std::vector<double> mean = {0.1, 0.2}, sd = {1.0, 2.0}, old_mean = {0.0, 0.0}, old_sd = {1.5, 1.0};
+  std::vector<double> out_m(2, -7.0), out_s(2, -7.0);
+  gaussian_stats st;
+  auto b = [](const std::vector<double>& x) { return troll::make_batch(x.data(), 1, 2); };
+  auto o = [](std::vector<double>& x) { return troll::make_batch(x.data(), 1, 2); };
+  auto message = [&](double eps_mean, double eps_cov, bool split) {
+    try {
+      if (split)
+        troll::gaussian::project_split_diag(troll::cpu, b(mean), b(sd), b(old_mean), b(old_sd), eps_mean, eps_cov,
+                                            o(out_m), o(out_s), &st);
+      else
+        troll::gaussian::project_joint_diag(troll::cpu, b(mean), b(sd), b(old_mean), b(old_sd), eps_mean, o(out_m),
+                                            o(out_s), &st);
+    } catch (const troll::domain_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK(message(0.1, 0.0, true).find("eps_cov must be finite and > 0, got 0") != std::string::npos);
+  CHECK(message(-1e-300, 0.1, true).find("eps_mean must be finite and > 0, got -1e-300") !=
+        std::string::npos);
+  CHECK(message(std::nan(""), 0.1, false).find("the bound eps must be finite and > 0, got nan") != std::string::npos);
+  for (int i = 0; i < 2; ++i) CHECK((out_m[i] == -7.0 && out_s[i] == -7.0));
+}
