@@ -227,3 +227,34 @@ TEST_CASE("sparsify_tail_sums rejects what it cannot sum, naming the row") {
     CHECK(e.row() == 1);
   }
 }
+
+TEST_CASE("the shard functions deduce T from plain views, as docs/sparse.md writes the calls") {
+  // sparsify_tail_sums names T only in non-deduced positions, and sparsify_shard takes const
+  // logits: a call without <T>, on the non-const view make_batch(float*) gives, must compile and
+  // give the explicit call's bits.
+  const std::size_t vocab = 40, cut = 17;
+  std::vector<float> z(vocab);
+  for (std::size_t i = 0; i < vocab; ++i) z[i] = float(std::sin(0.7 * double(i)));
+  troll::sparsify_state a, b;
+  troll::sparsify_shard(troll::cpu, troll::make_batch(z.data(), 1, cut, vocab), 0, vocab, nullptr, {4, 0.0}, &a);
+  troll::sparsify_shard(troll::cpu, troll::make_batch(z.data() + cut, 1, vocab - cut, vocab), cut, vocab, nullptr,
+                        {4, 0.0}, &b);
+  troll::sparsify_merge(troll::cpu, &a, &b, 1);
+  std::vector<troll::sparse_index> idx(4);
+  std::vector<float> lp(4);
+  troll::sparse_index count = 0;
+  float lr = 0.0f;
+  double tail_max = 0.0;
+  const troll::sparse_batch_view<float> out{idx.data(), lp.data(), &count, &lr, 1, 4, vocab};
+  troll::sparsify_finalize(troll::cpu, &a, {4, 0.0}, out, nullptr, &tail_max);
+  double deduced[2] = {0, 0}, deduced_const[2] = {0, 0}, explicit_t[2] = {0, 0};
+  troll::sparsify_tail_sums(troll::cpu, troll::make_batch(z.data(), 1, cut, vocab), 0, out, &tail_max, deduced);
+  const troll::batch_view<const float> shard = troll::make_batch(static_cast<const float*>(z.data()), 1, cut, vocab);
+  troll::sparsify_tail_sums(troll::cpu, shard, 0, troll::sparse_batch_view<const float>(out), &tail_max, deduced_const);
+  troll::sparsify_tail_sums<float>(troll::cpu, shard, 0, out, &tail_max, explicit_t);
+  CHECK(deduced[0] == explicit_t[0]);
+  CHECK(deduced[1] == explicit_t[1]);
+  CHECK(deduced_const[0] == explicit_t[0]);
+  CHECK(deduced_const[1] == explicit_t[1]);
+  CHECK(explicit_t[0] >= 1.0);
+}

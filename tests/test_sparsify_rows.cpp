@@ -140,7 +140,7 @@ bool reference_row(const std::vector<T>& z, int k, long sampled, double log_delt
     o.indices[i] = troll::sparse_index(support[i]);
     o.log_probs[i] = T(sums.log_prob(double(z[std::size_t(support[i])])));
   }
-  o.remainder = T(sums.log_remainder());
+  o.remainder = T(sums.stored_log_remainder());
   return true;
 }
 

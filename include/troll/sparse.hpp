@@ -51,8 +51,9 @@ TROLL_BEGIN_NAMESPACE
 /// `sampled` is given, else ≥ k; out.vocab = V): the shortest prefix of tokens by logit (ties to
 /// the lower index) whose mass reaches 1 − delta, at most k, then sampled[r] if it is missing
 /// (sampled may be null: no sampled token). Entries are written in that order; log_remainder is
-/// the exact log tail mass (a log-sum-exp over the tail, never log(1 − Σ)). One streaming pass
-/// over each row. −inf logits are legal (masked tokens; they never enter the support unless
+/// the exact log tail mass (a log-sum-exp over the tail, never log(1 − Σ)). One read of each row
+/// from memory picks the support (no exponentials); a second pass while the row is in cache takes
+/// the tail's exact sum (docs/sparse.md, "Sparsify"). −inf logits are legal (masked tokens; they never enter the support unless
 /// sampled). Throws before writing: shape_error (shapes, capacity), domain_error (k outside
 /// [1, 256], delta outside [0, 1), NaN / +inf logits, an all −inf row, a sampled token outside
 /// [0, V)), each naming the row where there is one.
@@ -129,6 +130,14 @@ void sparsify_shard(cpu_policy policy, batch_view<const T> shard_logits, std::si
                   static_cast<sparse_index>(vocab_offset + shard_logits.cols));
     detail::cpu::sparsify_scan(shard_logits.row(r), shard_logits.cols, vocab_offset, states[r]);
   });
+}
+
+/// sparsify_shard with logits given as a non-const view (batch_view<float> from make_batch(float*)):
+/// the same call, T deduced.
+template <class T, class = std::enable_if_t<!std::is_const<T>::value>>
+void sparsify_shard(cpu_policy policy, batch_view<T> shard_logits, std::size_t vocab_offset, std::size_t vocab,
+                    const token_id* sampled, const sparsify_options& options, sparsify_state* states) {
+  sparsify_shard<T>(policy, batch_view<const T>(shard_logits), vocab_offset, vocab, sampled, options, states);
 }
 
 /// into[r] ← merge(into[r], from[r]) for rows rows: the state of the union of two disjoint token
@@ -258,6 +267,18 @@ void sparsify_tail_sums(cpu_policy policy, input_view<T> shard_logits, std::size
     sums[2 * r] = s.hi;
     sums[2 * r + 1] = s.lo;
   });
+}
+
+/// sparsify_tail_sums with T deduced from the views (the overload above names T only in
+/// non-deduced positions, so a call without <T> lands here): logits and support of one element
+/// type, each const or not.
+template <class L, class S,
+          class = std::enable_if_t<std::is_same<std::remove_const_t<L>, std::remove_const_t<S>>::value>>
+void sparsify_tail_sums(cpu_policy policy, batch_view<L> shard_logits, std::size_t vocab_offset,
+                        sparse_batch_view<S> support, const double* tail_max, double* sums) {
+  using T = std::remove_const_t<L>;
+  sparsify_tail_sums<T>(policy, batch_view<const T>(shard_logits), vocab_offset, sparse_batch_view<const T>(support),
+                        tail_max, sums);
 }
 
 /// Backward of sparsify (and of the new side of align(logits, ...)): scatters an upstream
@@ -404,7 +425,7 @@ void align(cpu_policy policy, input_view<T> new_logits, sparse_input<T> new_supp
                         const detail::row_log_sums sums =
                             detail::cpu::log_sums_outside(z, new_logits.cols, scratch, u);
                         for (int i = 0; i < u; ++i) ln[i] = T(sums.log_prob(double(z[indices[i]])));
-                        out.new_log_remainder[r] = T(sums.log_remainder());
+                        out.new_log_remainder[r] = T(sums.stored_log_remainder());
                       });
   });
 }

@@ -88,9 +88,21 @@ struct row_log_sums {
 
   /// log p of a token of logit z.
   TROLL_HOST_DEVICE double log_prob(double z) const { return (z - ref) - total; }
-  /// log r, the tail's share of the row (−inf for an empty tail).
+  /// log r as exact_log_sums found it where the tail holds at least half the row's mass
+  /// (−log1p(Σ_S p / r), no cancellation between `tail` and `total`); NaN: not known.
+  double near_one_log_r = quiet_nan();
+
+  /// log r, the tail's share of the row (−inf for an empty tail), from the four normalisers
+  /// alone (what every consumer of sparsify_finalize's log_sums computes).
   TROLL_HOST_DEVICE double log_remainder() const {
     return tail_ref == neg_inf() ? neg_inf() : ((tail_ref - ref) + tail) - total;
+  }
+  /// The log r a sparse row stores: near_one_log_r where known, else log_remainder(). When r is
+  /// close to 1 (a short support of small mass: δ near 1, flat rows) the difference
+  /// ((tail_ref − ref) + tail) − total cancels to an absolute error of ~eps·log V, which is a
+  /// large relative error of a log r of −1e-5.
+  TROLL_HOST_DEVICE double stored_log_remainder() const {
+    return near_one_log_r == near_one_log_r ? near_one_log_r : log_remainder();
   }
 };
 
@@ -159,8 +171,17 @@ TROLL_HOST_DEVICE inline row_log_sums exact_log_sums(const Z& support_z, int n, 
   exact_sum s;
   for (int i = 0; i < n; ++i)
     if (support_z[i] > neg_inf()) exact_add(s, ::exp(support_z[i] - m));
-  if (has_tail) exact_add(s, t * ::exp(m_tail - m));
-  out.total = ::log(s.value());
+  const exact_sum support = s;
+  const double tail_mass = has_tail ? t * ::exp(m_tail - m) : 0.0;
+  if (has_tail) exact_add(s, tail_mass);
+  // s ≥ 1 (the largest term is e^0 = 1, or the tail's t ≥ 1 when the tail holds the maximum), and
+  // s.hi − 1 is exact: log1p keeps the relative accuracy of a total close to 0 (a near-
+  // deterministic row, whose top log-probability is −total ≈ −Σ_{others} p: log(s) would round
+  // 1 + 1e-22 to 1 and write 0).
+  out.total = ::log1p((s.hi - 1.0) + s.lo);
+  // A tail of at least half the mass: log r = −log1p(Σ_S e^{z−m} / (tail · e^{m_tail − m})).
+  if (has_tail && support.value() <= tail_mass && tail_mass > 1e-300)
+    out.near_one_log_r = -::log1p(support.value() / tail_mass);
   return out;
 }
 
@@ -483,7 +504,7 @@ TROLL_HOST_DEVICE finalize_problem finalize(sparsify_state& st, double log_delta
     ++c;
   }
   count = c;
-  log_remainder = T(sums.log_remainder());
+  log_remainder = T(sums.stored_log_remainder());
   if (log_sums) {
     log_sums[0] = sums.ref;
     log_sums[1] = sums.total;

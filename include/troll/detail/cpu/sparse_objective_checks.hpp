@@ -127,7 +127,7 @@ void gather_aligned_row(const T* z, std::size_t vocab, const sparse_batch_view<c
     lo[i] = old_pos[i] >= 0 ? old_rows.row_log_probs(r)[old_pos[i]] : T(tail_old);
   }
   out.counts[r_out] = u;
-  out.new_log_remainder[r_out] = T(sums.log_remainder());
+  out.new_log_remainder[r_out] = T(sums.stored_log_remainder());
   out.old_log_remainder[r_out] = T(shrink_log_remainder(lr_old, m_old, m_u));
   pad_row(indices, ln, std::size_t(u), out.k_max);
   for (std::size_t i = std::size_t(u); i < out.k_max; ++i) lo[i] = T(neg_inf());

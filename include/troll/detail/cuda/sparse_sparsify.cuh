@@ -621,7 +621,7 @@ __global__ void __launch_bounds__(block_threads)
       indices[i] = -1, log_probs[i] = static_cast<T>(neg_inf());
     if (tid == 0) {
       out.counts[r] = count;
-      out.log_remainder[r] = static_cast<T>(sums.log_remainder());
+      out.log_remainder[r] = static_cast<T>(sums.stored_log_remainder());
     }
     __syncthreads();  // the shared keys are reused by the next row
   });
