@@ -207,6 +207,8 @@ TROLL_HOST_DEVICE inline void gaussian_diag_coordinate(double mean, double std_d
   const double r = std_dev / old_std;
   if (r > 1e150) {
     *g = -1.0;
+  } else if (!(r > 1e-300)) {  // r underflowed (or nearly): g beyond the doubles
+    *g = largest_finite<double>();
   } else {
     const double r_minus_one = (std_dev - old_std) / old_std;
     *g = minimum(-(r_minus_one / r) * ((r + 1.0) / r), largest_finite<double>());

@@ -85,7 +85,8 @@ inline void factor_full(const T* mean, const T* chol, const T* old_mean, const T
   out.gamma.resize(out.g.size());
   for (Eigen::Index i = 0; i < out.g.size(); ++i) {
     out.g[i] = gain_from_excess(eig.eigenvalues()[i]);
-    out.gamma[i] = 1.0 / (1.0 + eig.eigenvalues()[i]);  // used only where g < −½ (λ > 2: exact)
+    const double lambda = 1.0 + eig.eigenvalues()[i];
+    out.gamma[i] = lambda > 0.0 ? 1.0 / lambda : 0.0;  // read only where g < −½ (λ > 2: exact)
   }
   // The eigenvalues of S − I carry an absolute error ~d·u·max|λ − 1|: where that would cost the
   // smallest λ more than ~1e-12 of itself (λ_min below ~2e-4·d·max|λ − 1|: a new covariance
@@ -116,7 +117,7 @@ inline void factor_full(const T* mean, const T* chol, const T* old_mean, const T
       const double sv = singular[i];
       out.g[i] = sv > 0.0 ? minimum(-((sv - 1.0) / sv) * ((sv + 1.0) / sv), largest_finite<double>())
                           : largest_finite<double>();
-      out.gamma[i] = (1.0 / sv) * (1.0 / sv);
+      out.gamma[i] = sv > 0.0 ? (1.0 / sv) * (1.0 / sv) : 0.0;  // read only where g < −½
     }
   }
   const gaussian_vector delta = lower.solve(load_vector(mean, d) - load_vector(old_mean, d));
