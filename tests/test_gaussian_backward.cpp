@@ -3,7 +3,7 @@
 // (support/gaussian_oracle.hpp: bisection for t*, explicit inverses), in random directions of
 // every input and of the bounds; at larger d against differences of troll's own forward: the body
 // tests/bodies/gaussian_backward_fd.hpp compiled for the CPU (also compiled for troll::cuda). Then
-// CPU-only checks: unsolved rows rejected, float against double, the clamped gain, saved
+// CPU-only checks: unsolved rows rejected, float against double, a gain of 1e24, saved
 // factorisations.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
@@ -49,7 +49,7 @@ TEST_CASE("the backward rejects unsolved rows") {
                   troll::domain_error);
 }
 
-// ---- float, and the singular-covariance clamp (CPU only) ----
+// ---- float, and a near-singular new covariance (CPU only) ----
 
 namespace {
 
@@ -111,11 +111,11 @@ TEST_CASE("the backward in float agrees with double") {
     }
 }
 
-TEST_CASE("a new covariance singular to working precision against the old one (the clamped gain)") {
-  // σ̃/σ° = 1e-12 along one axis: λ − 1 = r² − 1 rounds to −1, the gain is clamped to
-  // 1/DBL_MIN instead of 1e24. The answer does not depend on the gain: with equal means the
-  // projection moves only along that axis, to a* > 1 with ψ(log a*) = 1/a* − 1 + log a* = 2ε,
-  // σ* = σ°/sqrt(a*), and (t* ~ 1e-307 instead of ~1e-24) leaves the other axis at σ°.
+TEST_CASE("a new covariance 1e-12 of the old along one axis (the gain 1e24, exact)") {
+  // σ̃/σ° = 1e-12 along one axis: λ − 1 = r² − 1 would round to −1, so the gain is formed from r
+  // (diagonal: 1/r² − 1; full: the Jacobi SVD of L°⁻¹L̃) and is exact, 1e24. With equal means the
+  // projection moves essentially along that axis only, to a* > 1 with ψ(log a*) = 1/a* − 1 +
+  // log a* = 2ε, σ* = σ°/sqrt(a*), t* = (a* − 1)/(1e24 − 1), and leaves the other axis at σ°.
   const double eps = 0.05;
   long double lo = 1, hi = 1e6;
   for (int i = 0; i < 200; ++i) {
@@ -131,8 +131,7 @@ TEST_CASE("a new covariance singular to working precision against the old one (t
   troll::gaussian::project_joint_diag(troll::cpu, in(mean), in(std_dev), in(mean), in(old_std), eps, out(om), out(os),
                                       &stats);
   CHECK(stats.status == troll::row_status::projected);
-  CHECK(stats.t > 0.0);
-  CHECK(stats.t < 1e-300);
+  CHECK(stats.t == doctest::Approx((a_star - 1.0) / 1e24).epsilon(1e-9));
   CHECK(os[0] == doctest::Approx(old_std[0] / std::sqrt(a_star)).epsilon(1e-10));
   CHECK(os[1] == doctest::Approx(old_std[1]).epsilon(1e-12));
   CHECK(om[0] == doctest::Approx(mean[0]).epsilon(1e-15));
@@ -142,6 +141,7 @@ TEST_CASE("a new covariance singular to working precision against the old one (t
   std::vector<double> ol(4);
   troll::gaussian::project_joint(troll::cpu, in(mean), in(l_new), in(mean), in(l_old), eps, out(om), out(ol), &stats);
   CHECK(stats.status == troll::row_status::projected);
+  CHECK(stats.t == doctest::Approx((a_star - 1.0) / 1e24).epsilon(1e-9));
   CHECK(ol[0] == doctest::Approx(old_std[0] / std::sqrt(a_star)).epsilon(1e-10));
   CHECK(ol[3] == doctest::Approx(old_std[1]).epsilon(1e-12));
   CHECK(ol[2] == doctest::Approx(0.0));

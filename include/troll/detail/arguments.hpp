@@ -17,10 +17,10 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 
 /// Throws domain_error unless 0 < eps < inf.
-inline void check_eps(const char* function, double eps) {
+inline void check_eps(const char* function, double eps, const char* name = "eps") {
   if (!(eps > 0.0) || !(eps < inf()))
-    throw domain_error(std::string("troll::") + function +
-                       ": the bound eps must be finite and > 0, got " + number_text(eps));
+    throw domain_error(std::string("troll::") + function + ": the bound " + name + " must be finite and > 0, got " +
+                       number_text(eps));
 }
 
 /// Throws domain_error unless rtol and atol are finite and ≥ 0 with a positive sum and

@@ -71,8 +71,8 @@ gaussian_call check_projection_arguments(gaussian_call call, batch_view<const T>
                                          double eps_mean, double eps_cov, const projection_options& opt) {
   const gaussian_call c = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov);
   if (stats == nullptr && mean.rows != 0) throw_shape(c.function, "stats is a null pointer");
-  check_eps(c.function, eps_mean);
-  if (c.split) check_eps(c.function, eps_cov);
+  check_eps(c.function, eps_mean, c.split ? "eps_mean" : "eps");
+  if (c.split) check_eps(c.function, eps_cov, "eps_cov");
   check_options(c.function, opt);
   return c;
 }
@@ -108,8 +108,8 @@ gaussian_call check_derivative_arguments(gaussian_call call, batch_view<const T>
   call = check_gaussian_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov);
   check_gaussian_arguments(call, mean, cov, old_mean, old_cov, second_mean, second_cov);
   if (stats == nullptr && mean.rows != 0) throw_shape(call.function, "stats is a null pointer");
-  check_eps(call.function, eps_mean);
-  if (call.split) check_eps(call.function, eps_cov);
+  check_eps(call.function, eps_mean, call.split ? "eps_mean" : "eps");
+  if (call.split) check_eps(call.function, eps_cov, "eps_cov");
   return call;
 }
 

@@ -60,7 +60,8 @@ TROLL_HOST_DEVICE inline double gaussian_psi(double sigma) {
     const double u0 = s0 + s1 * x8;
     return 0.5 * x2 * (u0 + r4 * x16);
   }
-  return ::expm1(-sigma) + sigma;
+  // σ = −∞ (a member with a zero precision, a = 0): ψ = +∞, not ∞ − ∞.
+  return sigma == neg_inf() ? inf() : ::expm1(-sigma) + sigma;
 }
 
 /// One row in the basis of the header comment: `dim` coordinates g_i = γ_i − 1 and b_i (b is
@@ -70,6 +71,11 @@ struct gaussian_spectrum {
   const double* b = nullptr;
   int dim = 0;
   bool with_mean = true;
+  /// Optional γ_i themselves, accurate relative to themselves (the CPU forward's): where g < −½
+  /// (a new variance above twice the old) the member uses a = s + tγ (s = 1 − t exact near t = 1)
+  /// instead of 1 + tg, whose cancellation near t = 1 costs the digits of a small γ (ε ≫ 1 with a
+  /// much wider new covariance). Null: a = 1 + tg throughout.
+  const double* gamma = nullptr;
 };
 
 /// One evaluated member: the point type of solve_bracketed (sigma2 = I(t)).
@@ -83,19 +89,35 @@ struct gaussian_point {
 /// One coordinate's terms of the member at t: adds ψ(log a) (+ m² with the mean) to *kl2 (twice
 /// the KL) and ½ g²/a² (+ γ²b²/a³) to *info. Shared by the host loop below and the device's
 /// warp-parallel sums.
-TROLL_HOST_DEVICE inline void gaussian_coordinate(double g, double b, double t, bool with_mean, double* kl2,
-                                                  double* info) {
-  const double tg = t * g;
-  const double a = 1.0 + tg;
+TROLL_HOST_DEVICE inline void gaussian_coordinate_at(double g, double gamma, double a, double b, double t,
+                                                     bool with_mean, double* kl2, double* info) {
+  if (!(a > 0.0)) {  // γ rounded to 0 (g = −1: a new variance above ~1e16 of the old) at t = 1
+    *kl2 += inf();
+    *info += inf();
+    return;
+  }
   const double ratio = g / a;
-  *kl2 += gaussian_psi(::log1p(tg));
+  *kl2 += gaussian_psi(a < 0.5 ? ::log(a) : ::log1p(t * g));
   *info += 0.5 * ratio * ratio;
   if (with_mean) {
-    const double gamma_b = (1.0 + g) * b;
-    const double m = t * gamma_b / a;
+    // m = (tγ/a) b and γb/a, ordered so that a huge γ (a near-singular new covariance) with t = 0
+    // gives m = 0 and a large b no overflow in γb: tγ/a ≤ max(1, t).
+    const double m = (t * gamma / a) * b;
+    const double gamma_b_a = (gamma / a) * b;
     *kl2 += m * m;
-    *info += gamma_b * gamma_b / (a * a * a);
+    *info += gamma_b_a * gamma_b_a / a;
   }
+}
+
+/// gaussian_coordinate_at with γ = 1 + g and a = 1 + tg.
+TROLL_HOST_DEVICE inline void gaussian_coordinate(double g, double b, double t, bool with_mean, double* kl2,
+                                                  double* info) {
+  gaussian_coordinate_at(g, 1.0 + g, 1.0 + t * g, b, t, with_mean, kl2, info);
+}
+
+/// a = 1 + tg, or s + tγ where γ is given and below ½ (gaussian_spectrum::gamma).
+TROLL_HOST_DEVICE inline double gaussian_precision_ratio(double g, const double* gamma, int i, double t, double s) {
+  return gamma != nullptr && g < -0.5 ? s + t * gamma[i] : 1.0 + t * g;
 }
 
 /// The point of the sums of gaussian_coordinate at u.
@@ -111,7 +133,15 @@ TROLL_HOST_DEVICE inline gaussian_point gaussian_point_at(const tilt_param& u, d
 /// The member at u: KL(π_u ‖ q) and I(t), one pass over the coordinates.
 TROLL_HOST_DEVICE inline gaussian_point gaussian_member(const gaussian_spectrum& r, const tilt_param& u) {
   double kl2 = 0.0, info = 0.0;
-  for (int i = 0; i < r.dim; ++i) gaussian_coordinate(r.g[i], r.with_mean ? r.b[i] : 0.0, u.t, r.with_mean, &kl2, &info);
+  if (r.gamma == nullptr) {
+    for (int i = 0; i < r.dim; ++i) gaussian_coordinate(r.g[i], r.with_mean ? r.b[i] : 0.0, u.t, r.with_mean, &kl2, &info);
+  } else {
+    for (int i = 0; i < r.dim; ++i) {
+      const double gamma = r.g[i] < -0.5 ? r.gamma[i] : 1.0 + r.g[i];
+      gaussian_coordinate_at(r.g[i], gamma, gaussian_precision_ratio(r.g[i], r.gamma, i, u.t, u.s),
+                             r.with_mean ? r.b[i] : 0.0, u.t, r.with_mean, &kl2, &info);
+    }
+  }
   return gaussian_point_at(u, kl2, info);
 }
 
@@ -159,19 +189,30 @@ TROLL_HOST_DEVICE inline gaussian_solve_result solve_gaussian(const gaussian_spe
 
 /// γ − 1 from λ − 1, λ = 1/γ an eigenvalue of the whitened new covariance: g = −(λ − 1)/λ.
 /// A λ that rounding put at or below 0 (a new covariance singular to working precision against
-/// the old one) is taken as the smallest normal double (docs/gaussian.md, Accuracy).
+/// the old one) is taken as the smallest normal double, and the gain kept finite (an excess
+/// that rounding put below −1 would otherwise give +∞, and 0·∞ = NaN at t = 0; docs/gaussian.md,
+/// Accuracy).
 TROLL_HOST_DEVICE inline double gaussian_gain(double excess) {
   const double lambda = maximum(1.0 + excess, 2.2250738585072014e-308);
-  return -excess / lambda;
+  return minimum(-excess / lambda, largest_finite<double>());
 }
 
-/// One coordinate of a diagonal row pair in the basis: λ = r², r = σ̃/σ°, formed as
-/// λ − 1 = (r − 1)(r + 1) with r − 1 = (σ̃ − σ°)/σ° (no digits lost for nearly equal scales);
-/// g = gaussian_gain(λ − 1) and b = (μ̃ − μ°)/σ°. Shared by the CPU and device factorisations.
+/// One coordinate of a diagonal row pair in the basis: with r = σ̃/σ° and r − 1 = (σ̃ − σ°)/σ°
+/// (no digits lost for nearly equal scales), g = γ − 1 = 1/r² − 1 = −((r − 1)/r)((r + 1)/r),
+/// exact to a few ulps for every ratio (two quotients: r² never underflows; a ratio below ~1e-154,
+/// where g passes the doubles, gives the largest finite double; above ~1e8 g rounds to −1, as
+/// 1/r² is below half an ulp of 1). b = (μ̃ − μ°)/σ°. Shared by the CPU and device factorisations.
 TROLL_HOST_DEVICE inline void gaussian_diag_coordinate(double mean, double std_dev, double old_mean, double old_std,
                                                        double* g, double* b) {
-  const double r_minus_one = (std_dev - old_std) / old_std;
-  *g = gaussian_gain(r_minus_one * (r_minus_one + 2.0));
+  const double r = std_dev / old_std;
+  if (r > 1e150) {
+    *g = -1.0;
+  } else if (!(r > 1e-300)) {  // r underflowed (or nearly): g beyond the doubles
+    *g = largest_finite<double>();
+  } else {
+    const double r_minus_one = (std_dev - old_std) / old_std;
+    *g = minimum(-(r_minus_one / r) * ((r + 1.0) / r), largest_finite<double>());
+  }
   *b = (mean - old_mean) / old_std;
 }
 

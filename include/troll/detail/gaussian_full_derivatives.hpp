@@ -158,7 +158,7 @@ TROLL_HOST_DEVICE void gaussian_full_vjp_row(const Team& tm, bool split, const T
     const double s = 1.0 - t;
     for (int i = tm.lane(); i < d; i += tm.size()) {
       a[i] = 1.0 + t * g[i];
-      cm[i] = t * (1.0 + g[i]) * b[i] / a[i];
+      cm[i] = (t * (1.0 + g[i]) / a[i]) * b[i];
       x[i] = 1.0 / a[i];
     }
     tm.sync();
@@ -201,7 +201,7 @@ TROLL_HOST_DEVICE void gaussian_full_vjp_row(const Team& tm, bool split, const T
     tm.sync();
     steps::mul_diag(tm, d, w_mat, x, t2);
     if (!split) {
-      for (int i = tm.lane(); i < d; i += tm.size()) x[i] = (1.0 + g[i]) * b[i] / (a[i] * a[i]);
+      for (int i = tm.lane(); i < d; i += tm.size()) x[i] = ((1.0 + g[i]) / a[i]) * b[i] / a[i];
       tm.sync();
       steps::mul_vec(tm, d, w_mat, false, x, eh_dot);
       steps::add_rank2(tm, d, eh_dot, mu_star, -0.5, t1);
@@ -295,7 +295,7 @@ TROLL_HOST_DEVICE void gaussian_full_jvp_row(const Team& tm, bool split, const T
   for (int i = tm.lane(); i < d; i += tm.size()) x[i] = -t * g[i] / a[i];
   tm.sync();
   steps::mul_diag(tm, d, w_mat, x, sig_gap);  // Σ_t − Σ°
-  for (int i = tm.lane(); i < d; i += tm.size()) x[i] = t * (1.0 + g[i]) * b[i] / a[i];
+  for (int i = tm.lane(); i < d; i += tm.size()) x[i] = (t * (1.0 + g[i]) / a[i]) * b[i];
   tm.sync();
   steps::mul_vec(tm, d, w_mat, false, x, delta);  // μ_t − μ°
   steps::axpby(tm, d, 1.0, mu_old, 1.0, delta, mu_t);

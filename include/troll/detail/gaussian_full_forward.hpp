@@ -143,7 +143,7 @@ TROLL_HOST_DEVICE void gaussian_full_forward_row(const Team& tm, bool split, con
     const double t = s.point.t;
     for (int i = tm.lane(); i < d; i += tm.size()) {
       a[i] = 1.0 + t * g[i];
-      m[i] = t * (1.0 + g[i]) * b[i] / a[i];
+      m[i] = (t * (1.0 + g[i]) / a[i]) * b[i];  // tγ/a first: no overflow for a huge γ
       x[i] = 1.0 / a[i];
     }
     tm.sync();

@@ -7,6 +7,8 @@
 #include "eigen.hpp"  // first: Eigen/Core with GCC 12's AVX-512 headers warning-free
 #include <Eigen/Cholesky>
 #include <Eigen/Eigenvalues>
+#include <Eigen/QR>
+#include <Eigen/SVD>
 #include <cmath>
 #include <cstddef>
 
@@ -32,8 +34,16 @@ struct gaussian_basis {
   gaussian_vector old_scale;   // σ° (diag)
   gaussian_vector g;           // γ_i − 1
   gaussian_vector b;           // W⁻¹(μ̃ − μ°)
+  gaussian_vector gamma;       // γ_i, accurate relative to themselves (the forward's; may be empty)
   gaussian_spectrum spectrum(bool with_mean) const {
     return gaussian_spectrum{g.data(), b.data(), static_cast<int>(g.size()), with_mean};
+  }
+  /// The forward's spectrum: with γ where factorised (a = s + tγ for g < −½; gaussian_spectrum).
+  /// The derivatives keep spectrum(), so that a saved factorisation (V, g, b) reproduces them.
+  gaussian_spectrum forward_spectrum(bool with_mean) const {
+    gaussian_spectrum r = spectrum(with_mean);
+    if (gamma.size() == g.size()) r.gamma = gamma.data();
+    return r;
   }
 };
 
@@ -72,7 +82,44 @@ inline void factor_full(const T* mean, const T* chol, const T* old_mean, const T
   Eigen::SelfAdjointEigenSolver<gaussian_matrix> eig(excess);
   out.vectors = eig.eigenvectors();
   out.g.resize(eig.eigenvalues().size());
-  for (Eigen::Index i = 0; i < out.g.size(); ++i) out.g[i] = gain_from_excess(eig.eigenvalues()[i]);
+  out.gamma.resize(out.g.size());
+  for (Eigen::Index i = 0; i < out.g.size(); ++i) {
+    out.g[i] = gain_from_excess(eig.eigenvalues()[i]);
+    const double lambda = 1.0 + eig.eigenvalues()[i];
+    out.gamma[i] = lambda > 0.0 ? 1.0 / lambda : 0.0;  // read only where g < −½ (λ > 2: exact)
+  }
+  // The eigenvalues of S − I carry an absolute error ~d·u·max|λ − 1|: where that would cost the
+  // smallest λ more than ~1e-12 of itself (λ_min below ~2e-4·d·max|λ − 1|: a new covariance
+  // narrower than ~1/70 of the old along some direction, or an old or new covariance with
+  // condition number 1e12 against a well-conditioned other one), the small λ — and so the large
+  // gains γ − 1 — lose their digits (or round to λ ≤ 0). There
+  // the whitened factor M = L°⁻¹L̃ (S = MMᵀ) is decomposed instead by the QR-preconditioned
+  // two-sided Jacobi SVD (d ≤ 16; BDCSVD above), whose singular values σ = sqrt(λ) keep their
+  // relative accuracy on such graded factors: V = U, g = 1/σ² − 1 = −((σ − 1)/σ)((σ + 1)/σ).
+  const double spread = eig.eigenvalues().cwiseAbs().maxCoeff();
+  const double smallest = 1.0 + eig.eigenvalues()[0];
+  if (!(smallest > 1e12 * static_cast<double>(d) * 2.220446049250313e-16 * spread)) {
+    const gaussian_matrix m = lower.solve(load_factor(chol, d));
+    gaussian_vector singular;
+    if (d <= 16) {
+      const Eigen::JacobiSVD<gaussian_matrix, Eigen::ColPivHouseholderQRPreconditioner> svd(m, Eigen::ComputeFullU);
+      out.vectors = svd.matrixU();
+      singular = svd.singularValues();
+    } else {
+      // Above d = 16 the two-sided Jacobi costs ~60× the eigensolver (d = 256); the
+      // divide-and-conquer SVD keeps σ to ~u·σ_max absolute, i.e. λ_min to ~u·sqrt(λ_max/λ_min)
+      // relative — still far better than S − I's u·λ_max/λ_min — at a few times its cost.
+      const Eigen::BDCSVD<gaussian_matrix> svd(m, Eigen::ComputeFullU);
+      out.vectors = svd.matrixU();
+      singular = svd.singularValues();
+    }
+    for (Eigen::Index i = 0; i < out.g.size(); ++i) {
+      const double sv = singular[i];
+      out.g[i] = sv > 0.0 ? minimum(-((sv - 1.0) / sv) * ((sv + 1.0) / sv), largest_finite<double>())
+                          : largest_finite<double>();
+      out.gamma[i] = sv > 0.0 ? (1.0 / sv) * (1.0 / sv) : 0.0;  // read only where g < −½
+    }
+  }
   const gaussian_vector delta = lower.solve(load_vector(mean, d) - load_vector(old_mean, d));
   out.b = out.vectors.transpose() * delta;
 }
@@ -116,11 +163,14 @@ inline void factor_diag(const T* mean, const T* std_dev, const T* old_mean, cons
   out.old_scale.resize(n);
   out.g.resize(n);
   out.b.resize(n);
+  out.gamma.resize(n);
   for (Eigen::Index i = 0; i < n; ++i) {
     const double so = static_cast<double>(old_std[i]);
     out.old_scale[i] = so;
     gaussian_diag_coordinate(static_cast<double>(mean[i]), static_cast<double>(std_dev[i]),
                              static_cast<double>(old_mean[i]), so, &out.g[i], &out.b[i]);
+    const double inverse_ratio = so / static_cast<double>(std_dev[i]);
+    out.gamma[i] = inverse_ratio * inverse_ratio;
   }
 }
 
@@ -129,10 +179,25 @@ struct gaussian_member_coords {
   gaussian_vector a;
   gaussian_vector m;
 };
+/// The forward's member at (t, s): a and γ as forward_spectrum's (gaussian_precision_ratio).
+inline gaussian_member_coords forward_member_coords(const gaussian_basis& basis, double t, double s) {
+  const Eigen::Index n = basis.g.size();
+  const double* gamma = basis.gamma.size() == n ? basis.gamma.data() : nullptr;
+  gaussian_member_coords c;
+  c.a.resize(n);
+  c.m.resize(n);
+  for (Eigen::Index i = 0; i < n; ++i) {
+    const double g = basis.g[i];
+    c.a[i] = gaussian_precision_ratio(g, gamma, static_cast<int>(i), t, s);
+    const double gi = gamma != nullptr && g < -0.5 ? gamma[i] : 1.0 + g;
+    c.m[i] = (t * gi / c.a[i]) * basis.b[i];
+  }
+  return c;
+}
 inline gaussian_member_coords member_coords(const gaussian_basis& basis, double t) {
   gaussian_member_coords c;
   c.a = (1.0 + t * basis.g.array()).matrix();
-  c.m = (t * (1.0 + basis.g.array()) * basis.b.array() / c.a.array()).matrix();
+  c.m = ((t * (1.0 + basis.g.array()) / c.a.array()) * basis.b.array()).matrix();  // tγ/a first
   return c;
 }
 
@@ -165,7 +230,19 @@ inline void write_member_cov(const gaussian_basis& basis, const gaussian_member_
     return;
   }
   const gaussian_matrix inner = basis.vectors * c.a.cwiseInverse().asDiagonal() * basis.vectors.transpose();
-  const gaussian_matrix inner_factor = Eigen::LLT<gaussian_matrix>(inner).matrixL();
+  const Eigen::LLT<gaussian_matrix> llt(inner);
+  gaussian_matrix inner_factor = llt.matrixL();
+  if (llt.info() != Eigen::Success || !(inner_factor.diagonal().array() > 0.0).all() ||
+      !inner_factor.allFinite()) {
+    // 1/a spanning more than the doubles resolve (a near-singular or very wide new covariance):
+    // the Cholesky factor of B Bᵀ, B = V diag(a^{-1/2}), from the Householder QR of Bᵀ = QR
+    // (B Bᵀ = RᵀR), which needs no positive pivots.
+    const gaussian_matrix bt = (basis.vectors * c.a.cwiseInverse().cwiseSqrt().asDiagonal()).transpose();
+    const Eigen::HouseholderQR<gaussian_matrix> qr(bt);
+    inner_factor = qr.matrixQR().triangularView<Eigen::Upper>().toDenseMatrix().transpose();
+    for (Eigen::Index j = 0; j < n; ++j)
+      if (inner_factor(j, j) < 0.0) inner_factor.col(j) = -inner_factor.col(j);
+  }
   const gaussian_matrix factor = basis.old_factor.triangularView<Eigen::Lower>() * inner_factor;
   for (Eigen::Index i = 0; i < n; ++i)
     for (Eigen::Index j = 0; j < n; ++j) out[i * n + j] = j <= i ? static_cast<T>(factor(i, j)) : T(0);

@@ -49,7 +49,7 @@ gaussian::gaussian_stats project_gaussian_row(const gaussian_call& call, const T
       out_mean[i] = kappa < 1.0 ? static_cast<T>(mo + kappa * (static_cast<double>(mean[i]) - mo)) : mean[i];
     }
   }
-  const gaussian_solve_result r = solve_gaussian(basis.spectrum(!call.split), call.split ? eps_cov : eps_mean, opt);
+  const gaussian_solve_result r = solve_gaussian(basis.forward_spectrum(!call.split), call.split ? eps_cov : eps_mean, opt);
   stats.status = r.status;
   stats.kl_before = r.kl_before;
   stats.iterations = r.iterations;
@@ -65,7 +65,7 @@ gaussian::gaussian_stats project_gaussian_row(const gaussian_call& call, const T
   stats.eta = r.point.s / r.point.t;
   stats.kl_after = r.point.kl;
   stats.fisher = r.point.sigma2;
-  const cpu::gaussian_member_coords coords = cpu::member_coords(basis, r.point.t);
+  const cpu::gaussian_member_coords coords = cpu::forward_member_coords(basis, r.point.t, r.point.s);
   cpu::write_member_cov(basis, coords, out_cov);
   if (!call.split) cpu::write_member_mean(basis, coords, old_mean, out_mean);
   return stats;
@@ -96,7 +96,7 @@ void gaussian_kl(cpu_policy policy, const gaussian_call& c, batch_view<const T> 
     } else {
       cpu::factor_diag(mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), c.dim, basis);
     }
-    out[r] = gaussian_member(basis.spectrum(true), tilt_near_one(0.0)).kl;
+    out[r] = gaussian_member(basis.forward_spectrum(true), tilt_near_one(0.0)).kl;
   });
 }
 

@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_diag_kernel(gaussian_l
         const double so = static_cast<double>(old_sd[i]);
         const double a = 1.0 + t * g[i];
         out_sd[i] = static_cast<T>(so / ::sqrt(a));
-        if (!k.split) out_mean[i] = static_cast<T>(static_cast<double>(old_mean[i]) + so * (t * (1.0 + g[i]) * b[i] / a));
+        if (!k.split) out_mean[i] = static_cast<T>(static_cast<double>(old_mean[i]) + so * ((t * (1.0 + g[i]) / a) * b[i]));
       }
     }
     if (lane == 0) k.stats[r] = stats;

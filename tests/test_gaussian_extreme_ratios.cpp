@@ -1,0 +1,286 @@
+// tests/test_gaussian_extreme_ratios.cpp — Gaussian rows whose new covariance is far narrower or
+// far wider than the old one (standard-deviation ratios 1e-12 … 1e12), found by the adversarial
+// audit against an mpmath oracle (docs/gaussian.md, Accuracy):
+//   * diagonal rows: γ − 1 = 1/r² − 1 is formed from r directly, so a ratio below 1e-8 is no
+//     longer clamped to the smallest-normal gain (which put the whole KL budget on that axis and
+//     left the others at the old covariance); checked against a long-double bisection oracle;
+//   * a ratio above ~1e8 (γ rounds to 0, a = 0 at t = 1): KL(p̃ ‖ q) is +∞, not NaN;
+//   * a much wider new covariance with a large ε (t* within 1e-7 of 1): the member's precision
+//     ratio a = s + tγ keeps γ's digits, so the solve converges (before: not_converged, the KL
+//     resolved only to ~1e-10 of ε);
+//   * full rows whose whitened covariance spans more than the doubles resolve (an eigenvalue of
+//     S − I rounding below −1): the outputs stay finite, the factor lower-triangular with a
+//     positive diagonal (before: NaN factors with status not_converged);
+//   * full rows with an old or new covariance of condition number 1e12 against a well-conditioned
+//     other one (whitened spectrum spanning 1e12): t*, μ* and L* against mpmath references
+//     (60 digits, from math.md §6: explicit whitening, mp.eigsy, bisection in t) to 1e-10
+//     (before: t* off by 3e-6 … 7e-5, the small eigenvalues of S − I losing their digits).
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "troll/gaussian.hpp"
+
+namespace {
+
+using troll::gaussian::gaussian_stats;
+
+/// KL(π_t ‖ q) of a diagonal row in long double (the textbook per-axis terms): a = 1 + t(γ − 1),
+/// the member N(μ° + σ° tγb/a, σ°²/a) against N(μ°, σ°²), γ = 1/r², b = (μ̃ − μ°)/σ°.
+long double diag_kl(const std::vector<long double>& gamma, const std::vector<long double>& b, long double t,
+                    bool with_mean) {
+  long double s = 0.0L;
+  for (std::size_t i = 0; i < gamma.size(); ++i) {
+    const long double a = 1.0L + t * (gamma[i] - 1.0L);
+    s += 1.0L / a - 1.0L + std::log(a);
+    if (with_mean) {
+      const long double m = t * gamma[i] * b[i] / a;
+      s += m * m;
+    }
+  }
+  return 0.5L * s;
+}
+
+struct diag_oracle {
+  long double t = 1.0L;
+  std::vector<double> mean, std_dev;
+};
+
+/// The joint projection of a diagonal row by geometric bisection in t (long double).
+diag_oracle project_diag_oracle(const std::vector<double>& mean, const std::vector<double>& sd,
+                                const std::vector<double>& old_mean, const std::vector<double>& old_sd, double eps) {
+  const std::size_t d = mean.size();
+  std::vector<long double> gamma(d), b(d);
+  for (std::size_t i = 0; i < d; ++i) {
+    const long double r = static_cast<long double>(sd[i]) / old_sd[i];
+    gamma[i] = 1.0L / (r * r);
+    b[i] = (static_cast<long double>(mean[i]) - old_mean[i]) / old_sd[i];
+  }
+  long double lo = 1e-300L, hi = 1.0L;
+  for (int k = 0; k < 400; ++k) {
+    const long double mid = std::sqrt(lo) * std::sqrt(hi);
+    (diag_kl(gamma, b, mid, true) > eps ? hi : lo) = mid;
+  }
+  diag_oracle o;
+  o.t = std::sqrt(lo) * std::sqrt(hi);
+  for (std::size_t i = 0; i < d; ++i) {
+    const long double a = 1.0L + o.t * (gamma[i] - 1.0L);
+    o.mean.push_back(static_cast<double>(old_mean[i] + old_sd[i] * (o.t * gamma[i] * b[i] / a)));
+    o.std_dev.push_back(static_cast<double>(old_sd[i] / std::sqrt(a)));
+  }
+  return o;
+}
+
+void check_close(double got, double want, double rtol) {
+  CHECK(std::fabs(got - want) <= rtol * std::fabs(want));
+}
+
+}  // namespace
+
+TEST_CASE("diagonal rows with a new standard deviation 1e-9 … 1e-12 of the old: every axis against the oracle") {
+  struct row {
+    std::vector<double> mean, sd, old_mean, old_sd;
+    double eps;
+  };
+  const std::vector<row> rows = {
+      {{0.5, 1e-3, 0.2}, {1e-9, 3e-4, 2.0}, {0.0, 0.0, 0.0}, {1.0, 1.0, 1.0}, 2.0},
+      {{1.0, -2.0, 0.3, 4.0}, {1e-12, 1e-6, 0.5, 30.0}, {0.9, -2.1, 0.0, 3.0}, {1.0, 2.0, 1.0, 3.0}, 5.0},
+      {{0.0, 0.0}, {1e-9, 1.0}, {0.0, 0.0}, {1.0, 1.0}, 0.1},
+  };
+  for (const row& r : rows) {
+    const std::size_t d = r.mean.size();
+    std::vector<double> out_m(d), out_s(d);
+    gaussian_stats st;
+    troll::gaussian::project_joint_diag(troll::cpu, troll::make_batch(r.mean.data(), 1, d),
+                                        troll::make_batch(r.sd.data(), 1, d), troll::make_batch(r.old_mean.data(), 1, d),
+                                        troll::make_batch(r.old_sd.data(), 1, d), r.eps,
+                                        troll::make_batch(out_m.data(), 1, d), troll::make_batch(out_s.data(), 1, d),
+                                        &st);
+    const diag_oracle o = project_diag_oracle(r.mean, r.sd, r.old_mean, r.old_sd, r.eps);
+    CAPTURE(st.t);
+    CAPTURE(static_cast<double>(o.t));
+    REQUIRE(st.status == troll::row_status::projected);
+    check_close(st.t, static_cast<double>(o.t), 1e-9);
+    for (std::size_t i = 0; i < d; ++i) {
+      CAPTURE(i);
+      check_close(out_s[i], o.std_dev[i], 1e-9);
+      CHECK(std::fabs(out_m[i] - o.mean[i]) <= 1e-9 * (std::fabs(o.mean[i]) + r.old_sd[i]));
+    }
+  }
+}
+
+TEST_CASE("diagonal rows with a new standard deviation 1e9 … 1e12 of the old: finite KL statistics, on the bound") {
+  for (const double ratio : {1e8, 1e9, 1e12}) {
+    const std::vector<double> mean = {0.1, 0.0}, sd = {ratio, 1.5}, old_mean = {0.0, 0.0}, old_sd = {1.0, 1.0};
+    std::vector<double> out_m(2), out_s(2);
+    gaussian_stats st;
+    const double eps = 0.1;
+    troll::gaussian::project_joint_diag(troll::cpu, troll::make_batch(mean.data(), 1, 2),
+                                        troll::make_batch(sd.data(), 1, 2), troll::make_batch(old_mean.data(), 1, 2),
+                                        troll::make_batch(old_sd.data(), 1, 2), eps,
+                                        troll::make_batch(out_m.data(), 1, 2), troll::make_batch(out_s.data(), 1, 2),
+                                        &st);
+    CAPTURE(ratio);
+    CHECK(st.status == troll::row_status::projected);
+    CHECK_FALSE(std::isnan(st.kl_before));
+    CHECK(st.kl_before > 1e14);
+    long double kl = 0.0L;
+    for (int i = 0; i < 2; ++i) {
+      REQUIRE(std::isfinite(out_s[i]));
+      REQUIRE(std::isfinite(out_m[i]));
+      const long double r = static_cast<long double>(out_s[i]) / old_sd[i];
+      const long double z = (static_cast<long double>(out_m[i]) - old_mean[i]) / old_sd[i];
+      kl += 0.5L * (r * r - 1.0L - 2.0L * std::log(r) + z * z);
+    }
+    check_close(static_cast<double>(kl), eps, 1e-9);
+  }
+}
+
+TEST_CASE("full rows whose whitened covariance spans beyond the doubles: finite outputs, a valid factor") {
+  // Σ° = I; L̃ with diagonal 1e9 … 1e-2 and large off-diagonal entries below the first column:
+  // S − I has entries ~1e18, so its eigenvalues near −1 carry an absolute error ~1e2 and some
+  // round below −1 (the clamped gain).
+  constexpr std::size_t d = 4;
+  const std::vector<double> l = {1e9, 0, 0, 0, 3e8, 1e-2, 0, 0, -2e8, 0.5, 0.05, 0, 1e8, 0.3, -0.2, 1.5};
+  std::vector<double> lo(d * d, 0.0);
+  for (std::size_t i = 0; i < d; ++i) lo[i * d + i] = 1.0;
+  for (const double eps : {1e-6, 0.1, 1e3}) {
+    for (const bool split : {false, true}) {
+      const std::vector<double> mean = {0.3, -0.2, 0.1, 0.5}, old_mean = {0.0, 0.0, 0.0, 0.0};
+      std::vector<double> out_m(d), out_l(d * d);
+      gaussian_stats st;
+      auto b = [](const std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), 1, cols); };
+      auto o = [](std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), 1, cols); };
+      if (split)
+        troll::gaussian::project_split(troll::cpu, b(mean, d), b(l, d * d), b(old_mean, d), b(lo, d * d), eps, eps,
+                                       o(out_m, d), o(out_l, d * d), &st);
+      else
+        troll::gaussian::project_joint(troll::cpu, b(mean, d), b(l, d * d), b(old_mean, d), b(lo, d * d), eps,
+                                       o(out_m, d), o(out_l, d * d), &st);
+      CAPTURE(eps);
+      CAPTURE(split);
+      CHECK(st.solved());
+      for (std::size_t i = 0; i < d; ++i) {
+        CHECK(std::isfinite(out_m[i]));
+        for (std::size_t j = 0; j < d; ++j) {
+          CHECK(std::isfinite(out_l[i * d + j]));
+          if (j > i) CHECK(out_l[i * d + j] == 0.0);
+        }
+        CHECK(out_l[i * d + i] > 0.0);
+      }
+    }
+  }
+}
+
+TEST_CASE("full rows with a covariance of condition number 1e12: t*, mean and factor against mpmath references") {
+  struct reference {
+    const char* name;
+    bool split;
+    std::vector<double> mean, chol, old_mean, old_chol;
+    double eps_mean, eps_cov;
+    double t;
+    std::vector<double> out_mean, out_chol;
+  };
+  // Generated by an mpmath oracle written from math.md §6 (60 digits); inputs are the doubles
+  // below, taken as exact.
+  const std::vector<reference> refs = {
+  {"old-conditioned, joint", false, {0.5450154585194084, 1.0431230223239165, -0.20585762343990954, -0.8148001227603776}, {0.8000517956459158, 0.0, 0.0, 0.0, -0.26110219258415135, 1.1224324297677046, 0.0, 0.0, -0.5761021770354086, -0.24421609918360784, 1.2400736117361666, 0.0, -0.4477391652189101, 0.010991348083441526, 0.26917477701832426, 0.913928279389107}, {0.5446678079208929, 1.0428754765829538, -0.20695643620832396, -0.8135155419815723}, {78.72997071851908, 0.0, 0.0, 0.0, 786.089717935757, 68.67282017984934, 0.0, 0.0, -208.54920358299273, -23.755049864975337, 0.11940729192243006, 0.0, 569.2437377301355, 56.15214814598733, -0.13107179845312739, 0.0015489925727756218}, 0.1, 0.05,
+   1.0573613676861328479e-6, {0.5446387473851373, 1.0425814688571013, -0.20687812577184858, -0.8137288065494119},
+   {55.51319409293778, 0.0, 0.0, 0.0, 549.9452265089933, 68.39365631113075, 0.0, 0.0, -145.55082365372644, -23.6584810818258, 0.11940735260276511, 0.0, 397.8353163188046, 55.923880839953476, -0.1310718650606484, 0.0015489933916963713}},
+  {"old-conditioned, split", true, {0.5450154585194084, 1.0431230223239165, -0.20585762343990954, -0.8148001227603776}, {0.8000517956459158, 0.0, 0.0, 0.0, -0.26110219258415135, 1.1224324297677046, 0.0, 0.0, -0.5761021770354086, -0.24421609918360784, 1.2400736117361666, 0.0, -0.4477391652189101, 0.010991348083441526, 0.26917477701832426, 0.913928279389107}, {0.5446678079208929, 1.0428754765829538, -0.20695643620832396, -0.8135155419815723}, {78.72997071851908, 0.0, 0.0, 0.0, 786.089717935757, 68.67282017984934, 0.0, 0.0, -208.54920358299273, -23.755049864975337, 0.11940729192243006, 0.0, 569.2437377301355, 56.15214814598733, -0.13107179845312739, 0.0015489925727756218}, 0.1, 0.05,
+   6.3933520289302927118e-7, {0.5450154585194084, 1.0431230223239165, -0.20585762343990954, -0.8148001227603776},
+   {61.98181556859685, 0.0, 0.0, 0.0, 615.9305437232164, 68.50361585007809, 0.0, 0.0, -163.16944208062856, -23.69651845076239, 0.1194073286128784, 0.0, 445.74912835450033, 56.01379279044707, -0.1310718387274569, 0.0015489930679371772}},
+  {"new-conditioned, joint", false, {0.29520306122561824, -0.342480674578336, -1.5642558339278327, -0.7422713517815503}, {467.59259939463124, 0.0, 0.0, 0.0, -213.4048208271175, 1.983614607511069, 0.0, 0.0, 840.4062768690587, -11.6074744379034, 0.5428369454526952, 0.0, -171.43634627033433, 10.156369423255626, -0.5547172156250781, 0.0019860747905112784}, {-1.0066649349770713, 1.2571886134731436, -1.2617379934445705, 0.5669454657347489}, {0.6237080360009021, 0.0, 0.0, 0.0, 0.10285545519529665, 1.3033521772682843, 0.0, 0.0, 0.14774478710377284, -0.15655125190103633, 1.1497224352076896, 0.0, -0.05340750741580102, 0.18958714712808303, 0.3779265484075875, 0.9722345140187507}, 0.1, 0.05,
+   2.1388619012675871409e-7, {-0.9495936308579129, 0.984435341647751, -1.5503698944191282, 0.2326365453977499},
+   {0.6205437521144239, 0.0, 0.0, 0.0, 0.1336805096137773, 1.2655053020028684, 0.0, 0.0, 0.18057926994778734, -0.24346084485136607, 1.0842712540435633, 0.0, -0.016524112292566145, 0.1056013354790649, 0.28501347153697737, 0.9482374538031746}},
+  {"new-conditioned, split", true, {0.29520306122561824, -0.342480674578336, -1.5642558339278327, -0.7422713517815503}, {467.59259939463124, 0.0, 0.0, 0.0, -213.4048208271175, 1.983614607511069, 0.0, 0.0, 840.4062768690587, -11.6074744379034, 0.5428369454526952, 0.0, -171.43634627033433, 10.156369423255626, -0.5547172156250781, 0.0019860747905112784}, {-1.0066649349770713, 1.2571886134731436, -1.2617379934445705, 0.5669454657347489}, {0.6237080360009021, 0.0, 0.0, 0.0, 0.10285545519529665, 1.3033521772682843, 0.0, 0.0, 0.14774478710377284, -0.15655125190103633, 1.1497224352076896, 0.0, -0.05340750741580102, 0.18958714712808303, 0.3779265484075875, 0.9722345140187507}, 0.1, 0.05,
+   4.9850420825268887923e-7, {-0.7908402090988319, 0.9919941493672783, -1.3118896449069448, 0.34990244633507395},
+   {0.6179338450548687, 0.0, 0.0, 0.0, 0.15921489804589609, 1.2329601831046226, 0.0, 0.0, 0.20778757519901556, -0.3204547554437597, 1.0193258296626275, 0.0, 0.014033710257469363, 0.031443424553466354, 0.18815408979496223, 0.9188973327042034}}
+  };
+  constexpr std::size_t d = 4;
+  for (const reference& r : refs) {
+    CAPTURE(r.name);
+    std::vector<double> out_m(d), out_l(d * d);
+    gaussian_stats st;
+    auto b = [](const std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), 1, cols); };
+    auto o = [](std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), 1, cols); };
+    if (r.split)
+      troll::gaussian::project_split(troll::cpu, b(r.mean, d), b(r.chol, d * d), b(r.old_mean, d),
+                                     b(r.old_chol, d * d), r.eps_mean, r.eps_cov, o(out_m, d), o(out_l, d * d), &st);
+    else
+      troll::gaussian::project_joint(troll::cpu, b(r.mean, d), b(r.chol, d * d), b(r.old_mean, d),
+                                     b(r.old_chol, d * d), r.eps_mean, o(out_m, d), o(out_l, d * d), &st);
+    REQUIRE(st.status == troll::row_status::projected);
+    check_close(st.t, r.t, 1e-10);
+    double largest = 0.0;
+    for (const double x : r.out_chol) largest = std::fmax(largest, std::fabs(x));
+    for (std::size_t i = 0; i < d; ++i) {
+      CAPTURE(i);
+      CHECK(std::fabs(out_m[i] - r.out_mean[i]) <= 1e-10 * std::fabs(r.out_mean[i]) + 1e-14);
+      for (std::size_t j = 0; j < d; ++j)
+        CHECK(std::fabs(out_l[i * d + j] - r.out_chol[i * d + j]) <= 1e-10 * std::fabs(r.out_chol[i * d + j]) + 1e-14 * largest);
+    }
+  }
+}
+
+TEST_CASE("a much wider new covariance with a large bound: converged, KL = eps (diagonal and full)") {
+  struct row {
+    double ratio, eps;
+  };
+  for (const row& r : {row{1e4, 1e6}, row{1e6, 1e9}, row{3e3, 2e5}}) {
+    CAPTURE(r.ratio);
+    const std::vector<double> mean = {0.1, 0.0}, sd = {r.ratio, 1.5}, zero = {0.0, 0.0}, one = {1.0, 1.0};
+    std::vector<double> out_m(2), out_s(2);
+    gaussian_stats st;
+    troll::gaussian::project_joint_diag(troll::cpu, troll::make_batch(mean.data(), 1, 2),
+                                        troll::make_batch(sd.data(), 1, 2), troll::make_batch(zero.data(), 1, 2),
+                                        troll::make_batch(one.data(), 1, 2), r.eps, troll::make_batch(out_m.data(), 1, 2),
+                                        troll::make_batch(out_s.data(), 1, 2), &st);
+    CHECK(st.status == troll::row_status::projected);
+    check_close(st.kl_after, r.eps, 1e-11);
+    long double kl = 0.0L;
+    for (int i = 0; i < 2; ++i) {
+      const long double x = out_s[i], z = out_m[i];
+      kl += 0.5L * (x * x - 1.0L - 2.0L * std::log(x) + z * z);
+    }
+    check_close(static_cast<double>(kl), r.eps, 1e-9);
+    // Full: L̃ = [[r, 0], [0.3 r, 1.5]] against L° = I.
+    const std::vector<double> l = {r.ratio, 0.0, 0.3 * r.ratio, 1.5}, lo = {1.0, 0.0, 0.0, 1.0};
+    std::vector<double> out_l(4);
+    troll::gaussian::project_joint(troll::cpu, troll::make_batch(mean.data(), 1, 2), troll::make_batch(l.data(), 1, 4),
+                                   troll::make_batch(zero.data(), 1, 2), troll::make_batch(lo.data(), 1, 4), r.eps,
+                                   troll::make_batch(out_m.data(), 1, 2), troll::make_batch(out_l.data(), 1, 4), &st);
+    CHECK(st.status == troll::row_status::projected);
+    check_close(st.kl_after, r.eps, 1e-11);
+  }
+}
+
+TEST_CASE("a bad bound is named in the error (eps, eps_mean, eps_cov) with its value, before anything is written") {
+  const std::vector<double> mean = {0.1, 0.2}, sd = {1.0, 2.0}, old_mean = {0.0, 0.0}, old_sd = {1.5, 1.0};
+  std::vector<double> out_m(2, -7.0), out_s(2, -7.0);
+  gaussian_stats st;
+  auto b = [](const std::vector<double>& x) { return troll::make_batch(x.data(), 1, 2); };
+  auto o = [](std::vector<double>& x) { return troll::make_batch(x.data(), 1, 2); };
+  auto message = [&](double eps_mean, double eps_cov, bool split) {
+    try {
+      if (split)
+        troll::gaussian::project_split_diag(troll::cpu, b(mean), b(sd), b(old_mean), b(old_sd), eps_mean, eps_cov,
+                                            o(out_m), o(out_s), &st);
+      else
+        troll::gaussian::project_joint_diag(troll::cpu, b(mean), b(sd), b(old_mean), b(old_sd), eps_mean, o(out_m),
+                                            o(out_s), &st);
+    } catch (const troll::domain_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK(message(0.1, 0.0, true).find("eps_cov must be finite and > 0, got 0") != std::string::npos);
+  CHECK(message(-1e-300, 0.1, true).find("eps_mean must be finite and > 0, got -1e-300") !=
+        std::string::npos);
+  CHECK(message(std::nan(""), 0.1, false).find("the bound eps must be finite and > 0, got nan") != std::string::npos);
+  for (int i = 0; i < 2; ++i) CHECK((out_m[i] == -7.0 && out_s[i] == -7.0));
+}
