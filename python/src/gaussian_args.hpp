@@ -120,6 +120,15 @@ struct gaussian_project_args {
         counters.cols != gs_counters)
       fail(fn, "the stats buffers must be (rows, 8) float64 and (rows, 2) int32 for " +
                    std::to_string(in.mean.rows) + " rows");
+    // The stats are written after the outputs: a buffer overlapping an input or an output would
+    // overwrite it silently.
+    require_disjoint(fn, "stats.values", values, "stats.counters", counters);
+    in.require_disjoint_from(fn, "stats.values", values);
+    in.require_disjoint_from(fn, "stats.counters", counters);
+    require_disjoint(fn, "stats.values", values, "out_mean", out_mean);
+    require_disjoint(fn, "stats.values", values, "out_cov", out_cov);
+    require_disjoint(fn, "stats.counters", counters, "out_mean", out_mean);
+    require_disjoint(fn, "stats.counters", counters, "out_cov", out_cov);
     options.rtol = rtol;
     options.atol = atol;
     options.max_iterations = max_iterations;

@@ -476,3 +476,21 @@ def test_stats_buffers_overlapping_the_call_raise_shape_error(gen):
     with pytest.raises(troll.ShapeError, match="stats.values overlaps stats.counters"):
         troll.project(p, q, 0.05, stats=troll.ProjectionStats(shared[:24].view(4, 6),
                                                               shared[20:].view(torch.int32).view(4, 4)[:, :2]))
+
+
+def test_gaussian_stats_buffers_overlapping_the_call_raise_shape_error():
+    import troll.gaussian as gauss
+    rows, d = 3, 8
+    mean, old_mean = torch.randn(rows, d, dtype=D), torch.randn(rows, d, dtype=D)
+    std, old_std = torch.rand(rows, d, dtype=D) + 0.5, torch.rand(rows, d, dtype=D) + 0.5
+    counters = torch.zeros(rows, 2, dtype=torch.int32)
+    before = (mean.clone(), std.clone())
+    for values, name in ((mean, "mean"), (std, "std|cov")):
+        with pytest.raises(troll.ShapeError, match=f"stats.values overlaps ({name})"):
+            gauss.project_joint_diag(mean, std, old_mean, old_std, 0.01,
+                                     stats=gauss.GaussianStats(values, counters))
+    assert torch.equal(before[0], mean) and torch.equal(before[1], std)
+    out_mean, out_std = torch.empty(rows, d, dtype=D), torch.empty(rows, d, dtype=D)
+    with pytest.raises(troll.ShapeError, match="stats.values overlaps out_mean"):
+        gauss.project_joint_diag(mean, std, old_mean, old_std, 0.01, out=(out_mean, out_std),
+                                 stats=gauss.GaussianStats(out_mean, counters))
