@@ -4,6 +4,12 @@
 // KL ~ 1e-17 before kl_centred), and on equal rows (exactly 0, also with masks).
 // Reference (long double): KL = Σ p_i ψ(δ_i), ψ(x) = x + e^{−x} − 1 ≥ 0, δ_i = d_i − c,
 // c = log1p(Σ q_i expm1(d_i)); first-order insensitive to c's rounding, no cancellation.
+// Also troll::kl at KL ~1e-31 (the sum's log-ratio from log-sums was off by ~1e-16 there, which
+// moved the KL by ~δ²/2: 54% wrong), and troll::kl_backward on nearly equal rows and on near
+// one-hot rows whose minor tokens barely differ (the textbook p(log p − log q − KL) and q − p
+// cancelled: normwise errors of 0.65 at KL ~1e-31 and 1.0 on the one-hot rows, float included).
+// Gradient reference: ∂KL/∂z_p,j = p_j (δ_j − KL) = p_j (x_j − E_p[x]) with x = d − d_mode,
+// ∂KL/∂z_q,j = −q_j expm1(δ_j).
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -13,6 +19,7 @@
 #include <cmath>
 #include <cstddef>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -47,6 +54,64 @@ long double reference_kl(const std::vector<double>& p_logits, const std::vector<
     kl += q * std::exp(delta) * psi(delta);
   }
   return kl;
+}
+
+/// The reference gradients (math.md §1) of one unmasked row pair, in long double.
+void reference_gradients(const std::vector<double>& p_logits, const std::vector<double>& q_logits,
+                         std::vector<long double>& grad_p, std::vector<long double>& grad_q) {
+  const std::size_t n = p_logits.size();
+  long double q_top = -INFINITY, q_sum = 0, shift = 0;
+  for (double z : q_logits) q_top = std::max(q_top, static_cast<long double>(z));
+  for (double z : q_logits) q_sum += std::exp(z - q_top);
+  // differences taken against the mode r of p, so that δ_r = log p_r − log q_r (tiny on near
+  // one-hot rows) is not the difference of two numbers of the size of d_r
+  const std::size_t r = std::size_t(std::max_element(p_logits.begin(), p_logits.end()) - p_logits.begin());
+  const long double d_r = static_cast<long double>(p_logits[r]) - q_logits[r];
+  std::vector<long double> q(n), x(n), delta(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    q[i] = std::exp(q_logits[i] - q_top) / q_sum;
+    x[i] = (static_cast<long double>(p_logits[i]) - q_logits[i]) - d_r;
+    shift += q[i] * std::expm1(x[i]);
+  }
+  const long double c = std::log1p(shift);
+  for (std::size_t i = 0; i < n; ++i) delta[i] = x[i] - c;
+  // δ_j − KL = x_j − E_p[x] (KL = E_p[δ], δ = x − c): on near one-hot rows δ_r and KL agree to
+  // many digits, so their difference is taken in this form
+  long double mean_x = 0;
+  for (std::size_t i = 0; i < n; ++i) mean_x += q[i] * std::exp(delta[i]) * x[i];
+  grad_p.resize(n);
+  grad_q.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const long double p = q[i] * std::exp(delta[i]);
+    grad_p[i] = p * (x[i] - mean_x);
+    grad_q[i] = -q[i] * std::expm1(delta[i]);
+  }
+}
+
+/// max_j |got_j − want_j| / max_j |want_j| (both gradients), the rows given in T.
+template <class T>
+double normwise_gradient_error(const std::vector<T>& zp, const std::vector<T>& zq) {
+  const std::size_t n = zp.size();
+  std::vector<T> gp(n), gq(n);
+  const T one = 1;
+  troll::kl_backward(troll::cpu, troll::make_batch(static_cast<const T*>(zp.data()), 1, n),
+                     troll::make_batch(static_cast<const T*>(zq.data()), 1, n), &one,
+                     troll::make_batch(gp.data(), 1, n), troll::make_batch(gq.data(), 1, n));
+  std::vector<long double> wp, wq;
+  reference_gradients(std::vector<double>(zp.begin(), zp.end()), std::vector<double>(zq.begin(), zq.end()), wp,
+                      wq);
+  double worst = 0;
+  for (int side = 0; side < 2; ++side) {
+    const std::vector<T>& got = side == 0 ? gp : gq;
+    const std::vector<long double>& want = side == 0 ? wp : wq;
+    long double scale = 0, error = 0;
+    for (std::size_t j = 0; j < n; ++j) {
+      scale = std::max(scale, std::fabs(want[j]));
+      error = std::max(error, std::fabs(static_cast<long double>(got[j]) - want[j]));
+    }
+    worst = std::max(worst, double(error / scale));
+  }
+  return worst;
 }
 
 }  // namespace
@@ -90,5 +155,64 @@ TEST_CASE("kl of equal rows is exactly 0, masks included") {
     CAPTURE(size);
     CHECK(got == 0.0);
     CHECK(got_f == 0.0f);
+  }
+}
+
+TEST_CASE("kl at KL ~1e-31: nearly equal double rows a few ulps apart") {
+  std::mt19937_64 rng(5);
+  std::normal_distribution<double> normal;
+  for (std::size_t size : {3u, 64u, 4097u}) {
+    for (double delta : {1e-15, 1e-14}) {
+      std::vector<double> q(size), p(size);
+      for (std::size_t i = 0; i < size; ++i) {
+        q[i] = 2.0 * normal(rng);
+        p[i] = q[i] + delta * normal(rng);
+      }
+      double got = -1.0;
+      troll::kl(troll::cpu, troll::make_batch(static_cast<const double*>(p.data()), 1, size),
+                troll::make_batch(static_cast<const double*>(q.data()), 1, size), &got);
+      const long double want = reference_kl(p, q);
+      CAPTURE(size);
+      CAPTURE(delta);
+      CAPTURE(double(want));
+      CHECK(std::fabs(double(got - want)) <= 1e-12 * double(want));
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("kl_backward on nearly equal rows and near one-hot rows, against long double", T, double,
+                   float) {
+  // normwise, relative to the largest entry of each gradient; measured: double ≤ 3e-14 over the
+  // audit's rows, float ≤ 7e-8
+  const double tol = std::is_same<T, double>::value ? 1e-12 : 1e-6;
+  std::mt19937_64 rng(17);
+  std::normal_distribution<double> normal;
+  for (std::size_t size : {3u, 200u, 4097u}) {
+    CAPTURE(size);
+    // nearly equal rows (double: δ down to a few ulps; float: a few ulps of each logit)
+    for (double delta : {1e-4, 1e-8, 1e-15}) {
+      std::vector<T> p(size), q(size);
+      for (std::size_t i = 0; i < size; ++i) {
+        q[i] = T(2.0 * normal(rng));
+        p[i] = std::is_same<T, double>::value ? T(double(q[i]) + delta * normal(rng))
+                                              : std::nextafter(q[i], T(normal(rng) > 0 ? 10 : -10));
+      }
+      CAPTURE(delta);
+      CHECK(normwise_gradient_error(p, q) <= tol);
+    }
+    // near one-hot rows: one token `gap` above the rest, the minor tokens moved by ~1e-3 (same
+    // top), or both rows one-hot on token 0 with different minor tokens
+    for (double gap : {30.0, 200.0}) {
+      if (!std::is_same<T, double>::value && gap > 60) continue;  // float: the minor masses underflow
+      std::vector<T> p(size), q(size), r(size);
+      for (std::size_t i = 0; i < size; ++i) {
+        p[i] = T(normal(rng) + (i == 0 ? gap : 0.0));
+        q[i] = i == 0 ? p[i] : T(double(p[i]) + 1e-3 * normal(rng));
+        r[i] = T(normal(rng) + (i == 0 ? 0.9 * gap : 0.0));
+      }
+      CAPTURE(gap);
+      CHECK(normwise_gradient_error(p, q) <= tol);
+      CHECK(normwise_gradient_error(p, r) <= tol);
+    }
   }
 }

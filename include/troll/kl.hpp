@@ -7,6 +7,7 @@
 #include "batch.hpp"
 #include "config.hpp"
 #include "detail/arguments.hpp"
+#include "detail/cpu/kl_backward_row.hpp"
 #include "detail/cpu/parallel.hpp"
 #include "detail/cpu/row_kernels.hpp"
 #include "errors.hpp"
@@ -104,37 +105,13 @@ void kl_backward(cpu_policy policy, input_view<T> p_logits, input_view<T> q_logi
   detail::cpu::throw_first_problem(fn, policy.threads, p_logits.rows, 2 * size, problem,
                                    &detail::throw_row_problem);
 
-  using detail::cpu::block_array;
-  detail::cpu::parallel_for(policy.threads, p_logits.rows, 6 * size, [&](std::size_t r) {
+  detail::cpu::parallel_for(policy.threads, p_logits.rows, 8 * size, [&](std::size_t r) {
     const T* zp = p_logits.row(r);
     const T* zq = q_logits.row(r);
     detail::row_setup setup;
     detail::cpu::scan_pair(zp, zq, size, setup, "", "");
-    const double kl_value = detail::cpu::kl_row(zp, zq, size, setup);
-    const double mp = detail::cpu::row_max(zp, size), mq = setup.old_max;
-    const double sp = detail::cpu::log_sum_exp_shifted(zp, size, mp);
-    const double sq = detail::cpu::log_sum_exp_shifted(zq, size, mq);
-    const double g = static_cast<double>(grad_kl[r]);
-    detail::cpu::for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-      const block_array a = (detail::cpu::load(zp, begin, count) - mp) - sp;  // log p
-      const block_array b = (detail::cpu::load(zq, begin, count) - mq) - sq;  // log q
-      // Eigen's vectorised exp clamps its argument (exp(−inf) ≈ 1e-308), so masked entries are
-      // zeroed by a select; Eigen 3.4 runs selects one coefficient at a time, so only blocks
-      // that hold a masked token pay for one.
-      const bool p_masked = a.minCoeff() == detail::neg_inf();
-      block_array p = a.exp();
-      if (p_masked) p = (a > detail::neg_inf()).select(p, 0.0);
-      if (want_p) {
-        block_array term = p * (a - b - kl_value);
-        if (p_masked) term = (a > detail::neg_inf()).select(term, 0.0);
-        detail::cpu::store(grad_p.row(r), begin, count, g * term);
-      }
-      if (want_q) {
-        block_array q = b.exp();
-        if (b.minCoeff() == detail::neg_inf()) q = (b > detail::neg_inf()).select(q, 0.0);
-        detail::cpu::store(grad_q.row(r), begin, count, g * (q - p));
-      }
-    });
+    detail::cpu::kl_backward_row(zp, zq, size, setup, static_cast<double>(grad_kl[r]),
+                                 want_p ? grad_p.row(r) : nullptr, want_q ? grad_q.row(r) : nullptr);
   });
 }
 

@@ -109,18 +109,7 @@ inline void load_backward_block(const T* zn, const T* zo, const T* logp, double 
   b.restrict(b.log_pi);
 }
 
-/// expm1(x) for |x| ≤ 1/2 by its Taylor series to x^17 (truncation < 1e-19 relative), nested as
-/// x·(1 + x/2·(1 + x/3·(…))) in vectorised block arithmetic: within 1.5 ulp of the exact value
-/// (checked against long double over 10^6 points), where Eigen 3.4's double expm1 is a scalar
-/// call per coefficient. Inputs outside [−1/2, 1/2] must be clamped by the caller.
-inline block_array expm1_near_zero(const block_array& x) {
-  static constexpr double inverse[18] = {0.0,        1.0,        1.0 / 2,  1.0 / 3,  1.0 / 4,  1.0 / 5,
-                                         1.0 / 6,    1.0 / 7,    1.0 / 8,  1.0 / 9,  1.0 / 10, 1.0 / 11,
-                                         1.0 / 12,   1.0 / 13,   1.0 / 14, 1.0 / 15, 1.0 / 16, 1.0 / 17};
-  block_array p = block_array::Ones(x.size());
-  for (int k = 17; k >= 2; --k) p = 1.0 + (x * inverse[k]) * p;
-  return x * p;
-}
+// expm1_near_zero (the block expm1 for |x| ≤ 1/2) lives in row_kernels.hpp.
 
 /// ∂t/∂z°_j on a block (math at the top of this file); 0 where z° = −inf.
 template <class T>
