@@ -751,3 +751,39 @@ TEST_CASE("the direction generator is splitmix64 + Box-Muller, the same on every
   CHECK(std::fabs(mean) < 4 / std::sqrt(double(samples)));
   CHECK(std::fabs(sum_squares / samples - mean * mean - 1) < 4 * std::sqrt(2.0 / samples));
 }
+
+TEST_CASE("random mode differences along the direction actually taken (large inputs, small step)") {
+  // log Σ exp(x_j − c) at x_j ≈ c = 1e8 (logits with a large common offset): its curvature is
+  // O(1) whatever c is, so the step must be absolute (step = 1e-14 relative gives h = 1e-6). x + h·v
+  // then rounds each coordinate to ulp(1e8) ≈ 1.5e-8, a few per cent of h·v_j: the random mode
+  // compared the difference along that rounded direction with ⟨vjp(u), v⟩ along the exact one and
+  // failed a correct VJP (error ratio ~950 before). The full mode divides by the step taken and
+  // passes; both modes must still fail a VJP 1% off.
+  constexpr double offset = 1e8;
+  const std::size_t n = 40;
+  std::vector<double> x(n);
+  for (std::size_t j = 0; j < n; ++j) x[j] = offset + std::sin(1.7 * double(j + 1));
+  auto f = [&](const double* z, double* y) {
+    double largest = minus_inf, sum = 0;
+    for (std::size_t j = 0; j < n; ++j) largest = std::max(largest, z[j] - offset);
+    for (std::size_t j = 0; j < n; ++j) sum += std::exp((z[j] - offset) - largest);
+    y[0] = largest + std::log(sum);
+  };
+  auto make_vjp = [&](double error) {
+    return [&, error](const double* z, const double* gy, double* gx) {
+      std::vector<double> shifted(n);
+      for (std::size_t j = 0; j < n; ++j) shifted[j] = z[j] - offset;
+      const std::vector<double> p = softmax(shifted.data(), n);
+      for (std::size_t j = 0; j < n; ++j) gx[j] = gy[0] * p[j] * (j == 0 ? 1.0 + error : 1.0);
+    };
+  };
+  troll::gradcheck_options options;
+  options.step = 1e-14;
+  const troll::gradcheck_result random = troll::check_vjp_random(f, make_vjp(0.0), x, 1, options);
+  INFO(random.report());
+  CHECK(random.ok);
+  CHECK(random.max_error_ratio < 0.01);
+  CHECK(troll::check_vjp(f, make_vjp(0.0), x, 1, options).ok);
+  CHECK_FALSE(troll::check_vjp_random(f, make_vjp(0.5), x, 1, options).ok);
+  CHECK_FALSE(troll::check_vjp(f, make_vjp(0.01), x, 1, options).ok);
+}

@@ -26,6 +26,10 @@
 // derivative therefore passes with margin, and a wrong one is flagged once its error exceeds
 // about 1e-4 relative (1e-6 absolute near zero). For functions with large values (|f| ≳ 1e4)
 // round-off dominates: raise `step` to 1e-4..1e-3 and keep Richardson on.
+// The step is relative to |x|: for functions whose curvature does not grow with x (logits with a
+// large common offset: a correct KL gradient fails from offsets of 1e6 with the default), take
+// step = 1e-6 / max|x| (≥ 4·DBL_EPSILON). For functions computed in float, step = 1e-2 with
+// rtol = 1e-3, atol = 1e-4 (docs/api.md, "Gradient checker", has the measurements).
 //
 // Full-Jacobian modes (check_jacobian, check_vjp, check_jvp) build the numeric Jacobian column by
 // column (2n evaluations of f, 4n with Richardson) and compare every entry (i, j):
@@ -34,7 +38,8 @@
 // 2 or 4 evaluations of f per direction whatever n and m are. For each direction it draws
 // independent Gaussian u ∈ ℝᵐ and v ∈ ℝⁿ, normalised to unit length, and compares the scalar
 // numeric ⟨u, J v⟩ (a central difference of f along v, step h = step · max(1, ‖x‖∞)) with the
-// analytic ⟨vjp(u), v⟩ or ⟨u, jvp(v)⟩:
+// analytic ⟨vjp(u), v'⟩ or ⟨u, jvp(v')⟩, v' the direction the difference actually took (x + h·v
+// rounded to the ulps of x, Richardson-combined as the differences are; v' = v where x is small):
 //   pass  iff  |a − b| ≤ atol · ‖u‖‖v‖ + rtol · max(|a|, |b|)      (‖u‖ = ‖v‖ = 1).
 // An error E in the Jacobian shows up as ⟨u, E v⟩, of typical size ‖E‖_F / √(mn); the random
 // mode is a cheap screen for large problems, the full modes are the exact test for small ones.
