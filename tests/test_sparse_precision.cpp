@@ -126,3 +126,33 @@ TEST_CASE("a short support of small mass stores log r ≈ −Σ_S p to relative 
   }
 }
 
+
+TEST_CASE("align shrinks a remainder close to 1 to relative accuracy (log1p of the moved share)") {
+  // Two sparse rows over V = 100,000 with four tokens each of mass ~1e-5 (log r ≈ −4e-5), on
+  // disjoint supports: align moves four uniform tail tokens of each row into U, so the bucket is
+  // log r + log((m − 4) / m). Taken as log of the rounded quotient, that factor carried an ulp of
+  // 1 (1.1e-16 absolute): 1e-13 relative on the bucket's log-mass of −9e-5 (seen on sparsified
+  // flat rows in the 13th session's audit). Reference in long double.
+  const std::size_t V = 100000;
+  std::vector<troll::sparse_index> ni = {0, 1, 2, 3}, oi = {10, 11, 12, 13}, ai(8), ac(1), nc = {4}, oc = {4};
+  std::vector<double> nv(4), ov(4), nr(1), orr(1), an(8), ao(8), anr(1), aor(1);
+  ld new_mass = 0, old_mass = 0;
+  for (int j = 0; j < 4; ++j) {
+    nv[std::size_t(j)] = std::log(1e-5 * (1.0 + 0.1 * j));
+    ov[std::size_t(j)] = std::log(1.3e-5 * (1.0 + 0.07 * j));
+    new_mass += std::exp(ld(nv[std::size_t(j)]));
+    old_mass += std::exp(ld(ov[std::size_t(j)]));
+  }
+  nr[0] = double(std::log1p(-new_mass));
+  orr[0] = double(std::log1p(-old_mass));
+  const troll::sparse_batch_view<double> new_row{ni.data(), nv.data(), nc.data(), nr.data(), 1, 4, V};
+  const troll::sparse_batch_view<double> old_row{oi.data(), ov.data(), oc.data(), orr.data(), 1, 4, V};
+  troll::aligned_batch_view<double> out{ai.data(), ac.data(), an.data(), ao.data(), anr.data(), aor.data(), 1, 8, V};
+  troll::align(troll::cpu, troll::sparse_input<double>(new_row), troll::sparse_input<double>(old_row), out);
+  REQUIRE(ac[0] == 8);
+  const ld m = ld(V - 4), factor = std::log1p(ld(-4) / m);
+  const ld want_new = ld(nr[0]) + factor, want_old = ld(orr[0]) + factor;
+  CAPTURE(double(want_new));
+  CHECK(std::fabs(ld(anr[0]) - want_new) <= 4 * std::numeric_limits<double>::epsilon() * std::fabs(want_new));
+  CHECK(std::fabs(ld(aor[0]) - want_old) <= 4 * std::numeric_limits<double>::epsilon() * std::fabs(want_old));
+}
