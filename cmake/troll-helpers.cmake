@@ -86,6 +86,46 @@ function(troll_add_test source)
   endif()
 endfunction()
 
+# troll_add_test_group(<target> <source>...): test files that instantiate the same heavy templates
+# (the Gaussian family's Eigen decompositions take minutes per translation unit at -O3) compiled as
+# ONE translation unit (a unity build) into one executable, so the shared code is compiled once.
+# The files must coexist in one translation unit (no clashing names at namespace scope). Each
+# source stays its own ctest test, `test_x`, which runs only the test cases written in that file
+# and in the tests/bodies/ headers it includes (doctest's --source-file filter; __FILE__ keeps the
+# original paths in a unity build); it fails if it ran no test case. `<target>.coverage` fails if
+# some test case of the executable is in none of those filters (it would never run).
+function(troll_add_test_group target first)
+  troll_add_program(${target} ${first})
+  target_sources(${target} PRIVATE ${ARGN})
+  set(sources ${first} ${ARGN})
+  target_link_libraries(${target} PRIVATE troll_doctest)
+  target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/tests/support)
+  set_target_properties(${target} PROPERTIES UNITY_BUILD ON UNITY_BUILD_MODE BATCH
+                                             UNITY_BUILD_BATCH_SIZE 0)
+  set(all_filters "")
+  foreach(source IN LISTS sources)
+    get_filename_component(name ${source} NAME_WE)
+    get_filename_component(file ${source} NAME)
+    set(filters "*/${file}")
+    file(STRINGS ${source} body_includes REGEX "^#include \"(\\.\\./)?bodies/[A-Za-z0-9_]+\\.hpp\"")
+    foreach(line IN LISTS body_includes)
+      string(REGEX MATCH "bodies/[A-Za-z0-9_]+\\.hpp" body "${line}")
+      string(APPEND filters ",*/${body}")
+    endforeach()
+    set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${source})
+    add_test(NAME ${name} COMMAND ${target} --source-file=${filters})
+    # A file none of whose test cases ran (a filter that matches nothing) fails.
+    set_tests_properties(${name} PROPERTIES SKIP_RETURN_CODE 77
+                                            FAIL_REGULAR_EXPRESSION "test cases: +0 [|]")
+    list(APPEND all_filters ${filters})
+  endforeach()
+  string(REPLACE ";" "," all_filters "${all_filters}")
+  add_test(NAME ${target}.coverage
+           COMMAND ${target} --count --source-file-exclude=${all_filters})
+  set_tests_properties(${target}.coverage PROPERTIES
+                       PASS_REGULAR_EXPRESSION "passing the current filters: 0[^0-9]")
+endfunction()
+
 # troll_add_bench(<source>): bench/bench_x.cpp (or bench/cuda/bench_x.cu) becomes `bench_x`.
 function(troll_add_bench source)
   get_filename_component(name ${source} NAME_WE)

@@ -18,6 +18,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <string>
@@ -223,6 +224,41 @@ TEST_CASE("full rows with a covariance of condition number 1e12: t*, mean and fa
       CHECK(std::fabs(out_m[i] - r.out_mean[i]) <= 1e-10 * std::fabs(r.out_mean[i]) + 1e-14);
       for (std::size_t j = 0; j < d; ++j)
         CHECK(std::fabs(out_l[i * d + j] - r.out_chol[i * d + j]) <= 1e-10 * std::fabs(r.out_chol[i * d + j]) + 1e-14 * largest);
+    }
+    // The same row five times over, block-diagonal (d = 20, past the two-sided Jacobi's d ≤ 16:
+    // the one-sided Jacobi SVD) with five times the bound: the KL of each member is five times
+    // the d = 4 one, so t* and every block of the output are the reference's.
+    constexpr std::size_t copies = 5, big = copies * d;
+    auto tile = [&](const std::vector<double>& v) {
+      std::vector<double> x(big);
+      for (std::size_t c = 0; c < copies; ++c) std::copy(v.begin(), v.end(), x.begin() + static_cast<std::ptrdiff_t>(c * d));
+      return x;
+    };
+    auto tile_chol = [&](const std::vector<double>& l) {
+      std::vector<double> x(big * big, 0.0);
+      for (std::size_t c = 0; c < copies; ++c)
+        for (std::size_t i = 0; i < d; ++i)
+          for (std::size_t j = 0; j < d; ++j) x[(c * d + i) * big + c * d + j] = l[i * d + j];
+      return x;
+    };
+    const std::vector<double> mean5 = tile(r.mean), chol5 = tile_chol(r.chol), old_mean5 = tile(r.old_mean),
+                              old_chol5 = tile_chol(r.old_chol), want_m = tile(r.out_mean), want_l = tile_chol(r.out_chol);
+    std::vector<double> out_m5(big), out_l5(big * big);
+    gaussian_stats st5;
+    if (r.split)
+      troll::gaussian::project_split(troll::cpu, b(mean5, big), b(chol5, big * big), b(old_mean5, big),
+                                     b(old_chol5, big * big), copies * r.eps_mean, copies * r.eps_cov, o(out_m5, big),
+                                     o(out_l5, big * big), &st5);
+    else
+      troll::gaussian::project_joint(troll::cpu, b(mean5, big), b(chol5, big * big), b(old_mean5, big),
+                                     b(old_chol5, big * big), copies * r.eps_mean, o(out_m5, big), o(out_l5, big * big), &st5);
+    REQUIRE(st5.status == troll::row_status::projected);
+    check_close(st5.t, r.t, 1e-9);
+    for (std::size_t i = 0; i < big; ++i) {
+      CAPTURE(i);
+      CHECK(std::fabs(out_m5[i] - want_m[i]) <= 1e-9 * std::fabs(want_m[i]) + 1e-14);
+      for (std::size_t j = 0; j < big; ++j)
+        CHECK(std::fabs(out_l5[i * big + j] - want_l[i * big + j]) <= 1e-9 * std::fabs(want_l[i * big + j]) + 1e-13 * largest);
     }
   }
 }

@@ -15,6 +15,7 @@
 #include "../../config.hpp"
 #include "../gaussian_family.hpp"
 #include "../numeric.hpp"
+#include "one_sided_jacobi.hpp"
 
 #include "eigen_warnings_push.inc"
 
@@ -94,22 +95,29 @@ inline void factor_full(const T* mean, const T* chol, const T* old_mean, const T
   // condition number 1e12 against a well-conditioned other one), the small λ — and so the large
   // gains γ − 1 — lose their digits (or round to λ ≤ 0). There
   // the whitened factor M = L°⁻¹L̃ (S = MMᵀ) is decomposed instead by the QR-preconditioned
-  // two-sided Jacobi SVD (d ≤ 16; BDCSVD above), whose singular values σ = sqrt(λ) keep their
+  // two-sided Jacobi SVD (d ≤ 16; a one-sided Jacobi above), whose singular values σ = sqrt(λ) keep their
   // relative accuracy on such graded factors: V = U, g = 1/σ² − 1 = −((σ − 1)/σ)((σ + 1)/σ).
   const double spread = eig.eigenvalues().cwiseAbs().maxCoeff();
   const double smallest = 1.0 + eig.eigenvalues()[0];
   if (!(smallest > 1e12 * static_cast<double>(d) * 2.220446049250313e-16 * spread)) {
     const gaussian_matrix m = lower.solve(load_factor(chol, d));
     gaussian_vector singular;
-    if (d <= 16) {
+    // Above d = 16 Eigen's two-sided Jacobi costs ~60× the eigensolver (d = 256): there the
+    // one-sided Jacobi of M's columns (one_sided_jacobi.hpp) keeps σ to ~u·σ_max absolute or
+    // better, i.e. λ_min to ~u·sqrt(λ_max/λ_min) relative — still far better than S − I's
+    // u·λ_max/λ_min. (Eigen's divide-and-conquer SVD, used here before, is as accurate but took
+    // minutes to compile in every translation unit.) Should it not converge, the two-sided one.
+    bool done = false;
+    if (d > 16) {
+      const left_singular_pairs svd = one_sided_jacobi_svd(m);
+      if (svd.converged) {
+        out.vectors = svd.u;
+        singular = svd.sigma;
+        done = true;
+      }
+    }
+    if (!done) {
       const Eigen::JacobiSVD<gaussian_matrix, Eigen::ColPivHouseholderQRPreconditioner> svd(m, Eigen::ComputeFullU);
-      out.vectors = svd.matrixU();
-      singular = svd.singularValues();
-    } else {
-      // Above d = 16 the two-sided Jacobi costs ~60× the eigensolver (d = 256); the
-      // divide-and-conquer SVD keeps σ to ~u·σ_max absolute, i.e. λ_min to ~u·sqrt(λ_max/λ_min)
-      // relative — still far better than S − I's u·λ_max/λ_min — at a few times its cost.
-      const Eigen::BDCSVD<gaussian_matrix> svd(m, Eigen::ComputeFullU);
       out.vectors = svd.matrixU();
       singular = svd.singularValues();
     }
