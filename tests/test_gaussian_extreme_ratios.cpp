@@ -15,11 +15,16 @@
 //     other one (whitened spectrum spanning 1e12): t*, μ* and L* against mpmath references
 //     (60 digits, from math.md §6: explicit whitening, mp.eigsy, bisection in t) to 1e-10
 //     (before: t* off by 3e-6 … 7e-5, the small eigenvalues of S − I losing their digits).
+//   * the full-covariance VJP and JVP with an old or new covariance of condition number 1e8 … 1e12
+//     (and both at 1e6), d = 4 and 8, joint and split: ⟨u, J v⟩ along each input against sixth-order
+//     central differences of the forward to 1e-6 (before, with explicit precisions: 43 of the 534
+//     checks failed, errors up to 1.3e2 relative along the old covariance).
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstddef>
 #include <string>
 #include <vector>
@@ -319,4 +324,254 @@ TEST_CASE("a bad bound is named in the error (eps, eps_mean, eps_cov) with its v
         std::string::npos);
   CHECK(message(std::nan(""), 0.1, false).find("the bound eps must be finite and > 0, got nan") != std::string::npos);
   for (int i = 0; i < 2; ++i) CHECK((out_m[i] == -7.0 && out_s[i] == -7.0));
+}
+
+namespace {
+
+/// A deterministic generator for the derivative checks below (uniform in (−1, 1)).
+struct lcg {
+  unsigned long long state;
+  double next() {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<double>(state >> 11) * (2.0 / 9007199254740992.0) - 1.0;
+  }
+};
+
+/// The Cholesky factor (row-major, lower) of U diag(s) Uᵀ with U a random rotation and s
+/// log-spaced from `scale` down to scale/condition, in long double.
+std::vector<double> conditioned_factor(std::size_t d, double condition, double scale, lcg& rng) {
+  std::vector<long double> u(d * d), sigma(d * d, 0.0L), l(d * d, 0.0L);
+  for (auto& x : u) x = rng.next();
+  for (std::size_t j = 0; j < d; ++j) {  // Gram–Schmidt on the columns, twice
+    for (int pass = 0; pass < 2; ++pass)
+      for (std::size_t k = 0; k < j; ++k) {
+        long double p = 0.0L;
+        for (std::size_t i = 0; i < d; ++i) p += u[i * d + j] * u[i * d + k];
+        for (std::size_t i = 0; i < d; ++i) u[i * d + j] -= p * u[i * d + k];
+      }
+    long double n = 0.0L;
+    for (std::size_t i = 0; i < d; ++i) n += u[i * d + j] * u[i * d + j];
+    for (std::size_t i = 0; i < d; ++i) u[i * d + j] /= std::sqrt(n);
+  }
+  for (std::size_t k = 0; k < d; ++k) {
+    const long double s =
+        scale * std::pow(static_cast<long double>(condition), -static_cast<long double>(k) / (d > 1 ? d - 1 : 1));
+    for (std::size_t i = 0; i < d; ++i)
+      for (std::size_t j = 0; j < d; ++j) sigma[i * d + j] += u[i * d + k] * s * u[j * d + k];
+  }
+  for (std::size_t j = 0; j < d; ++j) {
+    long double diag = sigma[j * d + j];
+    for (std::size_t k = 0; k < j; ++k) diag -= l[j * d + k] * l[j * d + k];
+    l[j * d + j] = std::sqrt(diag);
+    for (std::size_t i = j + 1; i < d; ++i) {
+      long double x = sigma[i * d + j];
+      for (std::size_t k = 0; k < j; ++k) x -= l[i * d + k] * l[j * d + k];
+      l[i * d + j] = x / l[j * d + j];
+    }
+  }
+  return std::vector<double>(l.begin(), l.end());
+}
+
+struct derivative_row {
+  bool split;
+  std::size_t d;
+  std::vector<double> mean, chol, old_mean, old_chol;
+  double eps_mean, eps_cov;
+};
+
+struct forward_out {
+  std::vector<double> mean, chol;
+  gaussian_stats stats;
+};
+
+forward_out run_forward(const derivative_row& r) {
+  const std::size_t d = r.d;
+  forward_out o{std::vector<double>(d), std::vector<double>(d * d), {}};
+  auto b = [](const std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), 1, cols); };
+  auto w = [](std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), 1, cols); };
+  if (r.split)
+    troll::gaussian::project_split(troll::cpu, b(r.mean, d), b(r.chol, d * d), b(r.old_mean, d), b(r.old_chol, d * d),
+                                   r.eps_mean, r.eps_cov, w(o.mean, d), w(o.chol, d * d), &o.stats);
+  else
+    troll::gaussian::project_joint(troll::cpu, b(r.mean, d), b(r.chol, d * d), b(r.old_mean, d), b(r.old_chol, d * d),
+                                   r.eps_mean, w(o.mean, d), w(o.chol, d * d), &o.stats);
+  return o;
+}
+
+/// The input's direction k (0 mean, 1 cov, 2 old_mean, 3 old_cov) scaled to the inputs: a mean
+/// tangent L°z (the metric of the KL), a factor tangent L Z (Z lower-triangular) of its own factor,
+/// so that the perturbation is of the same relative size along every axis however
+/// ill-conditioned L is.
+std::vector<double> scaled_direction(const derivative_row& r, int k, lcg& rng) {
+  const std::size_t d = r.d;
+  const std::vector<double>& l = k == 1 ? r.chol : r.old_chol;
+  if (k % 2 == 0) {
+    std::vector<double> z(d), v(d, 0.0);
+    for (auto& x : z) x = rng.next();
+    for (std::size_t i = 0; i < d; ++i)
+      for (std::size_t j = 0; j <= i; ++j) v[i] += l[i * d + j] * z[j];
+    return v;
+  }
+  std::vector<double> z(d * d, 0.0), v(d * d, 0.0);
+  for (std::size_t i = 0; i < d; ++i)
+    for (std::size_t j = 0; j <= i; ++j) z[i * d + j] = rng.next();
+  for (std::size_t i = 0; i < d; ++i)
+    for (std::size_t j = 0; j <= i; ++j)
+      for (std::size_t m = j; m <= i; ++m) v[i * d + j] += l[i * d + m] * z[m * d + j];
+  return v;
+}
+
+/// ⟨u, out(r + h v)⟩ along input k.
+double pairing_at(const derivative_row& r, int k, const std::vector<double>& v, double h,
+                  const std::vector<double>& u_mean, const std::vector<double>& u_chol) {
+  derivative_row p = r;
+  std::vector<double>& x = k == 0 ? p.mean : k == 1 ? p.chol : k == 2 ? p.old_mean : p.old_chol;
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] += h * v[i];
+  const forward_out o = run_forward(p);
+  double s = 0.0;
+  for (std::size_t i = 0; i < r.d; ++i) s += u_mean[i] * o.mean[i];
+  for (std::size_t i = 0; i < r.d * r.d; ++i) s += u_chol[i] * o.chol[i];
+  return s;
+}
+
+struct derivative_errors {
+  double vjp[4] = {0, 0, 0, 0}, jvp[4] = {0, 0, 0, 0};
+};
+
+/// ⟨u, J v⟩ along each input by the VJP and by the JVP against a sixth-order central difference
+/// of the forward (relative perturbations h = 1e-3; the spread against h = 3e-3 is reported as
+/// the reference's own error).
+derivative_errors derivative_check(const derivative_row& r, unsigned long long seed, double* fd_spread) {
+  const std::size_t d = r.d;
+  lcg rng{seed};
+  const forward_out f = run_forward(r);
+  REQUIRE(f.stats.status == troll::row_status::projected);
+  std::vector<double> u_mean(d), u_chol(d * d, 0.0);
+  for (auto& x : u_mean) x = rng.next();
+  for (std::size_t i = 0; i < d; ++i)
+    for (std::size_t j = 0; j <= i; ++j) u_chol[i * d + j] = rng.next();
+  std::vector<double> g_mean(d), g_chol(d * d), g_old_mean(d), g_old_chol(d * d);
+  double g_eps = 0.0, g_eps_mean = 0.0;
+  auto b = [](const std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), 1, cols); };
+  auto w = [](std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), 1, cols); };
+  const troll::gaussian::gaussian_grads<double> grads{w(g_mean, d), w(g_chol, d * d), w(g_old_mean, d),
+                                                      w(g_old_chol, d * d), &g_eps, &g_eps_mean};
+  if (r.split)
+    troll::gaussian::project_split_backward(troll::cpu, b(r.mean, d), b(r.chol, d * d), b(r.old_mean, d),
+                                            b(r.old_chol, d * d), r.eps_mean, r.eps_cov, b(f.mean, d),
+                                            b(f.chol, d * d), &f.stats, b(u_mean, d), b(u_chol, d * d), grads);
+  else
+    troll::gaussian::project_joint_backward(troll::cpu, b(r.mean, d), b(r.chol, d * d), b(r.old_mean, d),
+                                            b(r.old_chol, d * d), r.eps_mean, b(f.mean, d), b(f.chol, d * d),
+                                            &f.stats, b(u_mean, d), b(u_chol, d * d), grads);
+  // The differences' rounding floor: the forward rounds its output to ~u Σ|u||out|, so a central
+  // difference with h = 1e-3 resolves ⟨u, J v⟩ only to ~1e-13 Σ|u||out| (rows whose output barely
+  // moves: t* ~ 1e-12, or a split mean scaled by κ ~ 1e-6); errors are relative to
+  // max(|⟨u, J v⟩|, 1e-6 Σ|u||out|).
+  double size = 0.0;
+  for (std::size_t i = 0; i < d; ++i) size += std::fabs(u_mean[i] * f.mean[i]);
+  for (std::size_t i = 0; i < d * d; ++i) size += std::fabs(u_chol[i] * f.chol[i]);
+  derivative_errors e;
+  *fd_spread = 0.0;
+  for (int k = 0; k < 4; ++k) {
+    const std::vector<double> v = scaled_direction(r, k, rng);
+    auto fd = [&](double h) {
+      const double f1 = pairing_at(r, k, v, h, u_mean, u_chol) - pairing_at(r, k, v, -h, u_mean, u_chol);
+      const double f2 = pairing_at(r, k, v, 2 * h, u_mean, u_chol) - pairing_at(r, k, v, -2 * h, u_mean, u_chol);
+      const double f3 = pairing_at(r, k, v, 3 * h, u_mean, u_chol) - pairing_at(r, k, v, -3 * h, u_mean, u_chol);
+      return (45.0 * f1 - 9.0 * f2 + f3) / (60.0 * h);
+    };
+    const double ref = fd(1e-3), ref2 = fd(3e-3);
+    const double scale = std::fmax(std::fabs(ref), 1e-6 * size);
+    *fd_spread = std::fmax(*fd_spread, std::fabs(ref - ref2) / scale);
+    const std::vector<double>& gv = k == 0 ? g_mean : k == 1 ? g_chol : k == 2 ? g_old_mean : g_old_chol;
+    double vjp = 0.0;
+    for (std::size_t i = 0; i < v.size(); ++i) vjp += gv[i] * v[i];
+    std::vector<double> tm(d), tc(d * d);
+    troll::gaussian::gaussian_tangents<double> tan{};
+    if (k == 0) tan.mean = b(v, d);
+    if (k == 1) tan.cov = b(v, d * d);
+    if (k == 2) tan.old_mean = b(v, d);
+    if (k == 3) tan.old_cov = b(v, d * d);
+    if (r.split)
+      troll::gaussian::project_split_jvp(troll::cpu, b(r.mean, d), b(r.chol, d * d), b(r.old_mean, d),
+                                         b(r.old_chol, d * d), r.eps_mean, r.eps_cov, b(f.mean, d), b(f.chol, d * d),
+                                         &f.stats, tan, w(tm, d), w(tc, d * d));
+    else
+      troll::gaussian::project_joint_jvp(troll::cpu, b(r.mean, d), b(r.chol, d * d), b(r.old_mean, d),
+                                         b(r.old_chol, d * d), r.eps_mean, b(f.mean, d), b(f.chol, d * d), &f.stats,
+                                         tan, w(tm, d), w(tc, d * d));
+    double jvp = 0.0;
+    for (std::size_t i = 0; i < d; ++i) jvp += u_mean[i] * tm[i];
+    for (std::size_t i = 0; i < d * d; ++i) jvp += u_chol[i] * tc[i];
+    e.vjp[k] = std::fabs(vjp - ref) / scale;
+    e.jvp[k] = std::fabs(jvp - ref) / scale;
+  }
+  return e;
+}
+
+derivative_row conditioned_row(std::size_t d, bool split, double cond_new, double cond_old, lcg& rng) {
+  derivative_row r{split, d, std::vector<double>(d), {}, std::vector<double>(d), {}, 0.1, 0.05};
+  r.chol = conditioned_factor(d, cond_new, 1.5, rng);
+  r.old_chol = conditioned_factor(d, cond_old, 1.0, rng);
+  for (std::size_t i = 0; i < d; ++i) r.old_mean[i] = rng.next();
+  // The new mean a few old standard deviations (along the widest axes) away.
+  for (std::size_t i = 0; i < d; ++i) {
+    double x = 0.0;
+    for (std::size_t j = 0; j <= i; ++j) x += r.old_chol[i * d + j] * rng.next();
+    r.mean[i] = r.old_mean[i] + 2.0 * x;
+  }
+  if (split) r.eps_mean = 0.02;  // away from the mean step's kink at ½‖b‖² = ε_μ
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("full-row VJP and JVP against central differences of the forward, ill-conditioned covariances") {
+  struct config {
+    std::size_t d;
+    double cond_new, cond_old;
+  };
+  const std::vector<config> configs = {{4, 1.0, 1e8},  {4, 1.0, 1e10}, {4, 1.0, 1e12}, {4, 1e8, 1.0},
+                                       {4, 1e12, 1.0}, {4, 1e6, 1e6},  {8, 1.0, 1e12}, {8, 1e12, 1.0}};
+  const char* names[4] = {"mean", "cov", "old_mean", "old_cov"};
+  for (const config& c : configs) {
+    for (const bool split : {false, true}) {
+      derivative_errors worst;
+      double spread = 0.0;
+      for (unsigned long long seed = 1; seed <= 3; ++seed) {
+        lcg rng{seed * 7919 + c.d};
+        const derivative_row r = conditioned_row(c.d, split, c.cond_new, c.cond_old, rng);
+        double s = 0.0;
+        const derivative_errors e = derivative_check(r, seed, &s);
+        spread = std::fmax(spread, s);
+        for (int k = 0; k < 4; ++k) {
+          worst.vjp[k] = std::fmax(worst.vjp[k], e.vjp[k]);
+          worst.jvp[k] = std::fmax(worst.jvp[k], e.jvp[k]);
+        }
+      }
+      char head[96];
+      std::snprintf(head, sizeof head, "d=%zu cond_new=%.0e cond_old=%.0e %s", c.d, c.cond_new, c.cond_old,
+                    split ? "split" : "joint");
+      std::string line = std::string(head) +
+                         " fd_spread=";
+      {
+        char buf[16];
+        std::snprintf(buf, sizeof buf, "%.1e", spread);
+        line += buf;
+      }
+      for (int k = 0; k < 4; ++k) {
+        char buf[96];
+        std::snprintf(buf, sizeof buf, " | %s vjp %.1e jvp %.1e", names[k], worst.vjp[k], worst.jvp[k]);
+        line += buf;
+      }
+      MESSAGE(line);
+      CAPTURE(line);
+      CHECK(spread <= 1e-6);
+      for (int k = 0; k < 4; ++k) {
+        CHECK(worst.vjp[k] <= 1e-6);
+        CHECK(worst.jvp[k] <= 1e-6);
+      }
+    }
+  }
 }

@@ -5,8 +5,10 @@
 // θ_t = θ° + t(θ̃ − θ°) and F(t, θ̃, θ°) = KL(π_t ‖ q) − ε = 0, where
 //     ∂F/∂t = t I(t),   ∂F/∂θ̃ = t² η̇_t,   ∂F/∂θ° = η° − η_t + t(1 − t) η̇_t   (η̇_t = dη_t/dt).
 // So with t̄ = ⟨θ̄_t, θ̃ − θ°⟩ and c = t̄/(t I): θ̃̄ = t θ̄_t − c t² η̇_t,
-// θ°̄ = (1 − t) θ̄_t − c(η° − η_t + t(1 − t) η̇_t), ε̄ = c. Every difference (θ̃ − θ°, η° − η_t)
-// is formed in the factorised basis, free of cancellation. The covariance part of the split
+// θ°̄ = (1 − t) θ̄_t − c(η° − η_t + t(1 − t) η̇_t), ε̄ = c. Full rows run this in the forward's
+// whitened eigenbasis (gaussian_whitened.hpp), where every θ and η above is diagonal up to the
+// mean's rank-one terms: no precision matrix is formed, free of cancellation however
+// ill-conditioned a covariance is. The covariance part of the split
 // projection is the same with the mean terms dropped; its mean step is differentiated directly.
 #pragma once
 
@@ -19,6 +21,7 @@
 #include "../gaussian_family.hpp"
 #include "../gaussian_row_io.hpp"
 #include "gaussian_kernels.hpp"
+#include "gaussian_whitened.hpp"
 
 #include "eigen_warnings_push.inc"
 
@@ -26,34 +29,13 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cpu {
 
-/// Σ̄ (symmetric) from L̄ for L = chol(Σ): Σ̄ = ½(M + Mᵀ), M = L⁻ᵀ Φ(Lᵀ L̄) L⁻¹, Φ the lower
-/// triangle with the diagonal halved.
-inline gaussian_matrix cholesky_backward(const gaussian_matrix& l, const gaussian_matrix& l_bar) {
-  gaussian_matrix p = (l.transpose() * l_bar).triangularView<Eigen::Lower>();
-  p.diagonal() *= 0.5;
-  const auto upper = l.triangularView<Eigen::Lower>().transpose();
-  const gaussian_matrix left = upper.solve(p);                             // L⁻ᵀ P
-  const gaussian_matrix m = upper.solve(left.transpose()).transpose();     // L⁻ᵀ P L⁻¹
-  return 0.5 * (m + m.transpose());
-}
-
-/// Natural-parameter gradients (h̄, Λ̄ symmetric) and direct mean gradients of one Gaussian,
-/// turned into gradients of its mean and covariance factor (h = Λμ, Λ = Σ⁻¹, Σ = LLᵀ).
-template <class T>
-void natural_to_factor(const gaussian_vector& mean, const gaussian_matrix& factor, const gaussian_matrix& precision,
-                       const gaussian_vector& h_bar, const gaussian_matrix& lambda_bar, const gaussian_vector& mean_bar,
-                       T* out_mean, T* out_cov) {
-  const Eigen::Index n = mean.size();
-  if (out_mean != nullptr) store_vector(gaussian_vector(mean_bar + precision * h_bar), out_mean);
-  if (out_cov == nullptr) return;
-  const gaussian_matrix total = lambda_bar + 0.5 * (h_bar * mean.transpose() + mean * h_bar.transpose());
-  const gaussian_matrix sigma_bar = -(precision * total * precision);
-  const gaussian_matrix l_bar = 2.0 * sigma_bar * factor.triangularView<Eigen::Lower>();
-  for (Eigen::Index i = 0; i < n; ++i)
-    for (Eigen::Index j = 0; j < n; ++j) out_cov[i * n + j] = j <= i ? static_cast<T>(l_bar(i, j)) : T(0);
-}
-
-/// The VJP of one full-covariance row (validated inputs; a solved row: inactive or projected).
+/// The VJP of one full-covariance row (validated inputs; a solved row: inactive or projected),
+/// in the whitened eigenbasis (gaussian_whitened.hpp). There, with Σ̄_y and μ̄_y the upstream
+/// gradients of the output's covariance and mean, Λ̄ = −diag(1/a) Σ̄_y diag(1/a), h̄ = μ̄_y/a,
+/// Λ̄ −= sym(h̄ mᵀ); t̄ = ⟨Λ̄, diag(g)⟩ + ⟨h̄, γb⟩, c = t̄/(tI); η̇_Λ = diag(g/2a²) − sym(ṁ mᵀ),
+/// ṁ = γb/a²; η° − η_t = (−½ diag(tg/a) + ½ mmᵀ, −m). The inputs' natural gradients become mean
+/// and covariance gradients in y (new: μ̄ = γ h̄, Σ̄ = −Γ(Λ̄ + sym(h̄ bᵀ))Γ; old: μ̄ = h̄, Σ̄ = −Λ̄),
+/// then factor gradients in x: L̃̄ = 2 lower(L°⁻ᵀ V Σ̄ Vᵀ L°⁻¹L̃), L°̄ = 2 lower(L°⁻ᵀ V Σ̄ Vᵀ).
 template <class T>
 void gaussian_backward_full(bool split, std::size_t d, const T* mean, const T* cov, const T* old_mean,
                             const T* old_cov, double eps_mean, double t, const gaussian_vjp_io<T>& io,
@@ -61,86 +43,94 @@ void gaussian_backward_full(bool split, std::size_t d, const T* mean, const T* c
   const auto n = static_cast<Eigen::Index>(d);
   gaussian_basis basis;
   factor_full_or_saved(mean, cov, old_mean, old_cov, d, saved, basis);
-  const gaussian_vector mu_new = load_vector(mean, d), mu_old = load_vector(old_mean, d);
   const gaussian_vector g_mean = load_vector(io.grad_out_mean, d);
-  const gaussian_matrix g_factor = gaussian_matrix(load_factor(io.grad_out_cov, d));
-  const gaussian_matrix& lo = basis.old_factor;
-  const gaussian_matrix lo_inv = lo.triangularView<Eigen::Lower>().solve(gaussian_matrix::Identity(n, n));
-  const gaussian_matrix precision_old = lo_inv.transpose() * lo_inv;
-  const gaussian_matrix w = lo.triangularView<Eigen::Lower>() * basis.vectors;  // x = μ° + W y
-  const gaussian_matrix w_inv_t = lo_inv.transpose() * basis.vectors;           // W⁻ᵀ
-  const gaussian_matrix precision_step = w_inv_t * basis.g.asDiagonal() * w_inv_t.transpose();  // Λ̃ − Λ°
-  const gaussian_matrix precision_new = precision_old + precision_step;
+  const gaussian_array b = basis.b.array();
 
-  gaussian_vector h_new = gaussian_vector::Zero(n), h_old = gaussian_vector::Zero(n);
+  // Gradients of the inputs' means in x (direct) and in y, of their covariances in y.
   gaussian_vector mean_new = gaussian_vector::Zero(n), mean_old = gaussian_vector::Zero(n);
-  gaussian_matrix lam_new = gaussian_matrix::Zero(n, n), lam_old = gaussian_matrix::Zero(n, n);
+  gaussian_vector y_mean_new = gaussian_vector::Zero(n), y_mean_old = gaussian_vector::Zero(n);
+  gaussian_matrix y_cov_new = gaussian_matrix::Zero(n, n), y_cov_old = gaussian_matrix::Zero(n, n);
   double eps_bar = 0.0, eps_mean_bar = 0.0;
 
   if (split) {
-    const gaussian_vector diff = mu_new - mu_old;
+    const gaussian_vector diff = load_vector(mean, d) - load_vector(old_mean, d);
     const double m = 0.5 * basis.b.squaredNorm();
     const double kappa = split_mean_scale(m, eps_mean);
     if (kappa < 1.0) {
       const double kappa_bar = g_mean.dot(diff);
       const double k = kappa_bar * kappa / (2.0 * m);
-      const gaussian_vector diff_bar = kappa * g_mean - k * (precision_old * diff);
+      const gaussian_vector diff_bar = kappa * g_mean - k * from_whitened_gradient(basis, basis.b);  // Λ°(μ̃ − μ°)
       mean_new += diff_bar;
       mean_old += g_mean - diff_bar;
-      lam_old -= 0.5 * k * diff * diff.transpose();
+      y_cov_old += 0.5 * k * basis.b * basis.b.transpose();  // −Λ̄° of m = ½ bᵀb
       eps_mean_bar = kappa_bar * kappa / (2.0 * eps_mean);
     } else {
       mean_new += g_mean;
     }
   }
   const bool inactive = t >= 1.0;
+  gaussian_matrix y_new;  // Vᵀ L°⁻¹ L̃
+  if (!inactive && (io.cov != nullptr || needs_whitened_new_factor(basis))) y_new = whitened_new_factor(basis, cov, d);
   if (inactive) {
     if (!split) mean_new += g_mean;
   } else {
     const double s = 1.0 - t;
-    const gaussian_member_coords c = member_coords(basis, t);
-    const gaussian_array inv_a = c.a.array().inverse();
-    const gaussian_matrix sigma = w * inv_a.matrix().asDiagonal() * w.transpose();
+    const whitened_member w = make_whitened_member(basis, t, y_new);
+    const gaussian_array g = basis.g.array(), a = w.a, gamma = w.gamma;
+    // Σ̄_y = ½ diag(√a) sym(Qᵀ P Q) diag(√a), P = Φ(L*ᵀ L̄*); so Λ̄ = −½ diag(1/√a) sym(QᵀPQ) diag(1/√a).
     const gaussian_matrix out_factor = load_factor(io.out_cov, d);
-    const gaussian_matrix lambda_bar_from_sigma = -(sigma * cholesky_backward(out_factor, g_factor) * sigma);
-    gaussian_matrix lambda_bar = lambda_bar_from_sigma;
+    gaussian_matrix p = (out_factor.transpose() * load_factor(io.grad_out_cov, d)).template triangularView<Eigen::Lower>();
+    p.diagonal() *= 0.5;
+    const gaussian_matrix cq = w.q.transpose() * p * w.q;
+    const gaussian_array inv_root = w.root.inverse();
+    gaussian_matrix lambda_bar = -0.5 * inv_root.matrix().asDiagonal() * (cq + cq.transpose()) *
+                                 inv_root.matrix().asDiagonal();
     gaussian_vector h_bar = gaussian_vector::Zero(n);
-    const gaussian_vector delta = w * c.m;  // μ* − μ°
-    const gaussian_vector mu_star = mu_old + delta;
-    const gaussian_array g = basis.g.array();
+    const gaussian_vector m = w.m.matrix();
     if (!split) {
-      h_bar = sigma * g_mean;
-      lambda_bar -= 0.5 * (h_bar * mu_star.transpose() + mu_star * h_bar.transpose());
+      h_bar = ((basis.vectors.transpose() * (basis.old_factor.transpose() * g_mean)).array() / a).matrix();
+      lambda_bar -= 0.5 * (h_bar * m.transpose() + m * h_bar.transpose());
     }
-    double t_bar = lambda_bar.cwiseProduct(precision_step).sum();
-    if (!split) t_bar += h_bar.dot(precision_new * (mu_new - mu_old) + precision_step * mu_old);
+    double t_bar = (lambda_bar.diagonal().array() * g).sum();
+    if (!split) t_bar += (h_bar.array() * gamma * b).sum();
     const double info = gaussian_member(basis.spectrum(!split), tilt_param{t, s}).sigma2;
     const double cst = t_bar / (t * info);
-    const gaussian_matrix sigma_dot = w * (-g / (c.a.array() * c.a.array())).matrix().asDiagonal() * w.transpose();
-    gaussian_matrix eta_lam_dot = -0.5 * sigma_dot;
-    gaussian_matrix eta_lam_gap = -0.5 * (w * (t * g * inv_a).matrix().asDiagonal() * w.transpose());  // η° − η_t
+    gaussian_matrix eta_lam_dot = (g / (2.0 * a * a)).matrix().asDiagonal();
+    gaussian_matrix eta_lam_gap = (-0.5 * t * g / a).matrix().asDiagonal();
     gaussian_vector eta_h_dot = gaussian_vector::Zero(n), eta_h_gap = gaussian_vector::Zero(n);
     if (!split) {
-      eta_h_dot = w * ((1.0 + g) * basis.b.array() / (c.a.array() * c.a.array())).matrix();
-      eta_lam_dot -= 0.5 * (eta_h_dot * mu_star.transpose() + mu_star * eta_h_dot.transpose());
-      eta_lam_gap += 0.5 * (mu_old * delta.transpose() + delta * mu_old.transpose() + delta * delta.transpose());
-      eta_h_gap = -delta;
+      eta_h_dot = (gamma * b / (a * a)).matrix();
+      eta_lam_dot -= 0.5 * (eta_h_dot * m.transpose() + m * eta_h_dot.transpose());
+      eta_lam_gap += 0.5 * m * m.transpose();
+      eta_h_gap = -m;
     }
-    lam_new += t * lambda_bar - cst * t * t * eta_lam_dot;
-    lam_old += s * lambda_bar - cst * (eta_lam_gap + t * s * eta_lam_dot);
-    h_new += t * h_bar - cst * t * t * eta_h_dot;
-    h_old += s * h_bar - cst * (eta_h_gap + t * s * eta_h_dot);
+    const gaussian_matrix lam_new = t * lambda_bar - cst * t * t * eta_lam_dot;
+    const gaussian_matrix lam_old = s * lambda_bar - cst * (eta_lam_gap + t * s * eta_lam_dot);
+    const gaussian_vector h_new = t * h_bar - cst * t * t * eta_h_dot;
+    const gaussian_vector h_old = s * h_bar - cst * (eta_h_gap + t * s * eta_h_dot);
+    y_mean_new += (gamma * h_new.array()).matrix();
+    y_mean_old += h_old;
+    const gaussian_matrix total = lam_new + 0.5 * (h_new * basis.b.transpose() + basis.b * h_new.transpose());
+    y_cov_new -= gamma.matrix().asDiagonal() * total * gamma.matrix().asDiagonal();
+    y_cov_old -= lam_old;
     eps_bar = cst;
   }
-  if (inactive) {
-    if (io.mean != nullptr) store_vector(mean_new, io.mean);
-    if (io.cov != nullptr)
-      for (Eigen::Index i = 0; i < n; ++i)
-        for (Eigen::Index j = 0; j < n; ++j) io.cov[i * n + j] = j <= i ? static_cast<T>(g_factor(i, j)) : T(0);
-  } else {
-    natural_to_factor(mu_new, load_factor(cov, d), precision_new, h_new, lam_new, mean_new, io.mean, io.cov);
+  // Back to x: μ̄ = L°⁻ᵀ V μ̄_y; Σ̄ = L°⁻ᵀ V Σ̄_y Vᵀ L°⁻¹ and L̄ = 2 lower(Σ̄ L).
+  if (io.mean != nullptr) store_vector(gaussian_vector(mean_new + from_whitened_gradient(basis, y_mean_new)), io.mean);
+  if (io.cov != nullptr) {
+    if (inactive) {
+      store_lower_factor(load_factor(io.grad_out_cov, d), io.cov);
+    } else {
+      const gaussian_matrix inner = basis.vectors * y_cov_new * y_new;
+      store_lower_factor(gaussian_matrix(2.0 * basis.old_factor.transpose().template triangularView<Eigen::Upper>().solve(inner)), io.cov);
+    }
   }
-  natural_to_factor(mu_old, lo, precision_old, h_old, lam_old, mean_old, io.old_mean, io.old_cov);
+  if (io.old_mean != nullptr)
+    store_vector(gaussian_vector(mean_old + from_whitened_gradient(basis, y_mean_old)), io.old_mean);
+  if (io.old_cov != nullptr) {
+    const gaussian_matrix inner = basis.vectors * y_cov_old * basis.vectors.transpose();
+    store_lower_factor(gaussian_matrix(2.0 * basis.old_factor.transpose().template triangularView<Eigen::Upper>().solve(inner)), io.old_cov);
+  }
   if (io.eps != nullptr) *io.eps = eps_bar;
   if (io.eps_mean != nullptr) *io.eps_mean = eps_mean_bar;
 }

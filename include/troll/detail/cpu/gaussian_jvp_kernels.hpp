@@ -6,9 +6,11 @@
 //   and the partial dF·v; t' = (ε' − dF·v)/(t I(t)); the output's natural tangent is
 //   (Λ_t' + t'(Λ̃ − Λ°), h_t' + t'(h̃ − h°)), turned into (μ', L') of the Cholesky factor.
 // The partial of the KL at fixed t is taken on KL = ½[tr(Λ°Σ_t) + δᵀΛ°δ − d − log det Λ° −
-// log det Σ_t] (δ = μ_t − μ°), written with the differences Λ° − Λ_t = −t(Λ̃ − Λ°) and
-// Σ_t − Σ° = W diag(1/a − 1) Wᵀ from the factorised basis, so no large terms cancel. The split
-// projection's covariance part drops the δ terms; its closed-form mean is differentiated directly.
+// log det Σ_t] (δ = μ_t − μ°). Full rows run all of it in the forward's whitened eigenbasis
+// (gaussian_whitened.hpp), where Λ° = I, Λ̃ − Λ° = diag(g) and Σ_t − Σ° = diag(1/a − 1), so no
+// precision matrix is formed and nothing large cancels however ill-conditioned a covariance is.
+// The split projection's covariance part drops the δ terms; its closed-form mean is
+// differentiated directly.
 #pragma once
 
 #include "eigen.hpp"
@@ -20,6 +22,7 @@
 #include "../gaussian_family.hpp"
 #include "../gaussian_row_io.hpp"
 #include "gaussian_kernels.hpp"
+#include "gaussian_whitened.hpp"
 
 #include "eigen_warnings_push.inc"
 
@@ -41,46 +44,40 @@ gaussian_vector load_tangent_vector(const T* x, std::size_t d) {
   return load_vector(x, d);
 }
 
-/// The tangent of a Cholesky factor L given the tangent of Σ = LLᵀ: L' = L Φ(L⁻¹ Σ' L⁻ᵀ), Φ the
-/// lower triangle with the diagonal halved.
-inline gaussian_matrix cholesky_tangent(const gaussian_matrix& l, const gaussian_matrix& sigma_dot) {
-  const auto lower = l.triangularView<Eigen::Lower>();
-  const gaussian_matrix left = lower.solve(sigma_dot);                          // L⁻¹ Σ'
-  gaussian_matrix inner = lower.solve(left.transpose()).transpose();            // L⁻¹ Σ' L⁻ᵀ
-  inner = inner.triangularView<Eigen::Lower>();
-  inner.diagonal() *= 0.5;
-  return l.triangularView<Eigen::Lower>() * inner;
-}
-
-/// The JVP of one full-covariance row (validated inputs; a solved row, t = 1 when inactive).
-/// Writes μ*' and L*' (lower-triangular).
+/// The JVP of one full-covariance row (validated inputs; a solved row, t = 1 when inactive), in
+/// the whitened eigenbasis (gaussian_whitened.hpp). The input tangents in y: μ' → Vᵀ L°⁻¹ μ';
+/// Σ°_y' = Vᵀ(A + Aᵀ)V, A = L°⁻¹L°'; Σ̃_y' = X Yᵀ + Y Xᵀ, X = Vᵀ L°⁻¹ L̃', Y = Vᵀ L°⁻¹ L̃; then
+/// Λ°' = −Σ°_y', h°' = μ°_y', Λ̃' = −Γ Σ̃_y' Γ, h̃' = Λ̃' b + Γ μ̃_y'. At fixed t, Λ_t' = tΛ̃' + sΛ°',
+/// h_t' = t h̃' + s h°', μ_t' = (h_t' − Λ_t' m)/a and ∂KL = ½ Σ_i [−Λ°'_ii t g_i/a_i +
+/// t g_i Λ_t'_ii/a_i²] (+ mᵀ(μ_t' − μ°') + ½ mᵀΛ°'m joint); t' = (ε' − ∂KL)/(tI), Λ*' = Λ_t' +
+/// t' diag(g), h*' = h_t' + t' γb. Out: μ*' = μ°' + L°V(μ*_y' − μ°_y') and
+/// L*' = L* Φ(Q diag(√a) Σ*_y' diag(√a) Qᵀ) = L* Φ(−Q diag(a^{-½}) Λ*' diag(a^{-½}) Qᵀ).
 template <class T>
 void gaussian_jvp_full(bool split, std::size_t d, const T* mean, const T* cov, const T* old_mean, const T* old_cov,
                        double eps_mean, double t, const gaussian_jvp_io<T>& io,
                        const double* saved = nullptr) {
   const auto n = static_cast<Eigen::Index>(d);
-  const gaussian_vector mu_new = load_vector(mean, d), mu_old = load_vector(old_mean, d);
   const gaussian_vector dmu_new = load_tangent_vector(io.mean, d), dmu_old = load_tangent_vector(io.old_mean, d);
-  const gaussian_matrix dl_new = load_tangent_factor(io.cov, d), dl_old = load_tangent_factor(io.old_cov, d);
   gaussian_vector mean_dot = gaussian_vector::Zero(n);
-  auto store_factor = [&](const gaussian_matrix& m) {
-    for (Eigen::Index i = 0; i < n; ++i)
-      for (Eigen::Index j = 0; j < n; ++j) io.out_cov_tangent[i * n + j] = j <= i ? static_cast<T>(m(i, j)) : T(0);
-  };
   gaussian_basis basis;
   factor_full_or_saved(mean, cov, old_mean, old_cov, d, saved, basis);
-  const gaussian_matrix& lo = basis.old_factor;
-  const gaussian_matrix lo_inv = lo.triangularView<Eigen::Lower>().solve(gaussian_matrix::Identity(n, n));
-  const gaussian_matrix precision_old = lo_inv.transpose() * lo_inv;
-  const gaussian_matrix sigma_old_dot = dl_old * lo.transpose() + lo * dl_old.transpose();
-  const gaussian_matrix lam_old_dot = -(precision_old * sigma_old_dot * precision_old);
+  const auto lower = basis.old_factor.triangularView<Eigen::Lower>();
+  const gaussian_matrix& v = basis.vectors;
+  const gaussian_vector& b = basis.b;
+  const gaussian_vector y_dmu_new = to_whitened(basis, dmu_new), y_dmu_old = to_whitened(basis, dmu_old);
+  // Λ°' in y: −Vᵀ(A + Aᵀ)V.
+  gaussian_matrix lam_old_dot = gaussian_matrix::Zero(n, n);
+  if (io.old_cov != nullptr) {
+    const gaussian_matrix va = v.transpose() * lower.solve(load_factor(io.old_cov, d)) * v;
+    lam_old_dot = -(va + va.transpose());
+  }
 
   if (split) {
-    const gaussian_vector diff = mu_new - mu_old, diff_dot = dmu_new - dmu_old;
-    const double m = 0.5 * basis.b.squaredNorm();
+    const gaussian_vector diff = load_vector(mean, d) - load_vector(old_mean, d), diff_dot = dmu_new - dmu_old;
+    const double m = 0.5 * b.squaredNorm();
     const double kappa = split_mean_scale(m, eps_mean);
     if (kappa < 1.0) {
-      const double m_dot = diff.dot(precision_old * diff_dot) + 0.5 * diff.dot(lam_old_dot * diff);
+      const double m_dot = b.dot(y_dmu_new - y_dmu_old) + 0.5 * b.dot(lam_old_dot * b);
       const double kappa_dot = 0.5 * kappa * (io.eps_mean / eps_mean - m_dot / m);
       mean_dot = dmu_old + kappa * diff_dot + kappa_dot * diff;
     } else {
@@ -90,47 +87,45 @@ void gaussian_jvp_full(bool split, std::size_t d, const T* mean, const T* cov, c
   if (t >= 1.0) {  // inactive: the output is the input
     if (!split) mean_dot = dmu_new;
     store_vector(mean_dot, io.out_mean);
-    store_factor(dl_new);
+    store_lower_factor(load_tangent_factor(io.cov, d), io.out_cov_tangent);
     return;
   }
   const double s = 1.0 - t;
-  const gaussian_matrix l_new = load_factor(cov, d);
-  const gaussian_matrix w = lo.triangularView<Eigen::Lower>() * basis.vectors;
-  const gaussian_matrix w_inv_t = lo_inv.transpose() * basis.vectors;
-  const gaussian_matrix precision_step = w_inv_t * basis.g.asDiagonal() * w_inv_t.transpose();  // Λ̃ − Λ°
-  const gaussian_matrix precision_new = precision_old + precision_step;
-  const gaussian_member_coords c = member_coords(basis, t);
-  const gaussian_array a = c.a.array();
-  const gaussian_matrix sigma = w * a.inverse().matrix().asDiagonal() * w.transpose();
-  const gaussian_matrix sigma_gap = w * (-t * basis.g.array() / a).matrix().asDiagonal() * w.transpose();  // Σ_t − Σ°
-  const gaussian_vector delta = w * c.m;  // μ_t − μ°
-  const gaussian_vector mu_t = mu_old + delta;
-
-  const gaussian_matrix sigma_new_dot = dl_new * l_new.transpose() + l_new * dl_new.transpose();
-  const gaussian_matrix lam_new_dot = -(precision_new * sigma_new_dot * precision_new);
+  gaussian_matrix y_new;  // Vᵀ L°⁻¹ L̃
+  if (io.cov != nullptr || needs_whitened_new_factor(basis)) y_new = whitened_new_factor(basis, cov, d);
+  const whitened_member w = make_whitened_member(basis, t, y_new);
+  const gaussian_array g = basis.g.array(), a = w.a, gamma = w.gamma;
+  const gaussian_vector m = w.m.matrix();
+  gaussian_matrix lam_new_dot = gaussian_matrix::Zero(n, n);
+  if (io.cov != nullptr) {
+    const gaussian_matrix x = v.transpose() * lower.solve(load_factor(io.cov, d));
+    const gaussian_matrix xy = x * y_new.transpose();
+    lam_new_dot = -(gamma.matrix().asDiagonal() * (xy + xy.transpose()) * gamma.matrix().asDiagonal());
+  }
   gaussian_matrix lam_t_dot = t * lam_new_dot + s * lam_old_dot;
-  const gaussian_matrix sigma_t_dot = -(sigma * lam_t_dot * sigma);
-  // ∂KL at fixed t: ½[tr(Λ°'(Σ_t − Σ°)) − t tr((Λ̃ − Λ°) Σ_t')] (+ the mean terms when joint).
-  double kl_dot = 0.5 * (lam_old_dot.cwiseProduct(sigma_gap).sum() - t * precision_step.cwiseProduct(sigma_t_dot).sum());
-  gaussian_vector h_t_dot = gaussian_vector::Zero(n), h_gap = gaussian_vector::Zero(n);
+  double kl_dot = 0.5 * t * (-(lam_old_dot.diagonal().array() * g / a) + g * lam_t_dot.diagonal().array() / (a * a)).sum();
+  gaussian_vector h_t_dot = gaussian_vector::Zero(n);
   if (!split) {
-    const gaussian_vector h_new_dot = lam_new_dot * mu_new + precision_new * dmu_new;
-    const gaussian_vector h_old_dot = lam_old_dot * mu_old + precision_old * dmu_old;
-    h_t_dot = t * h_new_dot + s * h_old_dot;
-    h_gap = precision_new * (mu_new - mu_old) + precision_step * mu_old;  // h̃ − h°
-    const gaussian_vector mu_t_dot = sigma * (h_t_dot - lam_t_dot * mu_t);
-    kl_dot += delta.dot(precision_old * (mu_t_dot - dmu_old)) + 0.5 * delta.dot(lam_old_dot * delta);
+    const gaussian_vector h_new_dot = lam_new_dot * b + (gamma * y_dmu_new.array()).matrix();
+    h_t_dot = t * h_new_dot + s * y_dmu_old;
+    const gaussian_vector mu_t_dot = ((h_t_dot - lam_t_dot * m).array() / a).matrix();
+    kl_dot += m.dot(mu_t_dot - y_dmu_old) + 0.5 * m.dot(lam_old_dot * m);
   }
   const double info = gaussian_member(basis.spectrum(!split), tilt_param{t, s}).sigma2;
   const double t_dot = (io.eps - kl_dot) / (t * info);
-  lam_t_dot += t_dot * precision_step;
-  const gaussian_matrix sigma_out_dot = -(sigma * lam_t_dot * sigma);
+  lam_t_dot.diagonal() += (t_dot * g).matrix();
   if (!split) {
-    h_t_dot += t_dot * h_gap;
-    mean_dot = sigma * (h_t_dot - lam_t_dot * mu_t);
+    h_t_dot += (t_dot * gamma * b.array()).matrix();
+    const gaussian_vector y_mean_dot = ((h_t_dot - lam_t_dot * m).array() / a).matrix();
+    mean_dot = dmu_old + basis.old_factor.triangularView<Eigen::Lower>() * (v * (y_mean_dot - y_dmu_old));
   }
   store_vector(mean_dot, io.out_mean);
-  store_factor(cholesky_tangent(load_factor(io.out_cov, d), sigma_out_dot));
+  const gaussian_array inv_root = w.root.inverse();
+  const gaussian_matrix scaled = -(inv_root.matrix().asDiagonal() * lam_t_dot * inv_root.matrix().asDiagonal());
+  gaussian_matrix inner = (w.q * scaled * w.q.transpose()).triangularView<Eigen::Lower>();
+  inner.diagonal() *= 0.5;
+  store_lower_factor(gaussian_matrix(load_factor(io.out_cov, d).template triangularView<Eigen::Lower>() * inner),
+                     io.out_cov_tangent);
 }
 
 /// The JVP of one diagonal row: gaussian_diag_derivatives.hpp's two passes over the coordinates.
