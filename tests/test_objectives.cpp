@@ -589,3 +589,78 @@ TEST_CASE("Bad input is rejected before anything is written, naming the row") {
     for (double v : grad) CHECK(v == 42.0);
   }
 }
+
+namespace {
+
+/// Every objective's loss and gradient on one row pair, in double.
+struct shifted_run {
+  double loss = 0.0;
+  std::vector<double> grad;
+};
+
+template <class Objective>
+shifted_run run_shifted(const Objective& o, const std::vector<double>& zn, const std::vector<double>& zo,
+                        std::int64_t token, double advantage) {
+  const std::size_t V = zn.size();
+  shifted_run out;
+  out.grad.assign(V, 0.0);
+  troll::token_batch<double> in;
+  in.tokens = &token;
+  in.advantages = &advantage;
+  const auto n = troll::make_batch(zn.data(), 1, V), q = troll::make_batch(zo.data(), 1, V);
+  if constexpr (std::is_same<Objective, troll::trust_region_objective>::value) {
+    std::vector<double> log_probs(V);
+    troll::projection_stats stats;
+    out.loss = troll::objective_forward(troll::cpu, o, n, q, in, troll::make_batch(log_probs.data(), 1, V), &stats).loss;
+    troll::objective_backward(troll::cpu, o, n, q, in, troll::make_batch(log_probs.data(), 1, V), &stats,
+                              troll::make_batch(out.grad.data(), 1, V));
+  } else {
+    out.loss = troll::objective_forward(troll::cpu, o, n, q, in).loss;
+    troll::objective_backward(troll::cpu, o, n, q, in, troll::make_batch(out.grad.data(), 1, V));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("Logits with a huge common offset: every objective as accurate as on the unshifted row") {
+  // The rows below are exact multiples of 1/64, so z + 1e4 and z ± 1e8 are the same distributions
+  // bit for bit. A log-probability formed as z_a − (max + log Σ) rounds to the ulp of the offset
+  // (7.5e-9 at 1e8): before the fix the ratio, the loss and the gradient of every objective were
+  // off by up to 7e-9 relative at 1e8 (4e-11 at 1e6) against a 50-digit oracle; now 4e-16
+  // (TROLL: 1.1e-12, its root solve's tolerance).
+  const std::vector<double> base_new = {0.75, -0.5, 0.25, 1.5, -1.25, 0.125};
+  const std::vector<double> base_old = {0.5, 0.0, 0.25, -0.25, 0.375, -1.0};
+  troll::ppo_clip_objective ppo;
+  ppo.clip_high = 10.0;  // the ratio here is ≈ 4.4: unclipped, so the gradient is not 0
+  const auto dppo_kl = troll::dppo_objective::defaults(troll::dppo_divergence::topk_kl);
+  troll::trust_region_objective troll_loss;  // ε = 0.05: this row is projected
+  for (const double advantage : {1.0, -1.0}) {
+    for (const double shift : {1e4, 1e8, -1e8}) {
+      CAPTURE(advantage);
+      CAPTURE(shift);
+      std::vector<double> zn = base_new, zo = base_old;
+      for (double& z : zn) z += shift;
+      for (double& z : zo) z -= shift / 2;
+      auto same = [&](const shifted_run& shifted, const shifted_run& plain) {
+        CHECK(std::abs(shifted.loss - plain.loss) <= 1e-14 + 1e-13 * std::abs(plain.loss));
+        double largest = 0.0;
+        for (double g : plain.grad) largest = std::max(largest, std::abs(g));
+        for (std::size_t j = 0; j < zn.size(); ++j)
+          CHECK(std::abs(shifted.grad[j] - plain.grad[j]) <= 1e-14 + 1e-13 * largest);
+      };
+      same(run_shifted(ppo, zn, zo, 3, advantage), run_shifted(ppo, base_new, base_old, 3, advantage));
+      same(run_shifted(dppo_kl, zn, zo, 3, advantage), run_shifted(dppo_kl, base_new, base_old, 3, advantage));
+      same(run_shifted(troll_loss, zn, zo, 3, advantage),
+           run_shifted(troll_loss, base_new, base_old, 3, advantage));
+      // PPO's loss against long double: −r·A, r = p̃_3 / q_3 from the unshifted rows.
+      long double sn = 0, so = 0;
+      for (std::size_t j = 0; j < zn.size(); ++j) {
+        sn += std::exp(static_cast<long double>(base_new[j]));
+        so += std::exp(static_cast<long double>(base_old[j]));
+      }
+      const long double r = std::exp(static_cast<long double>(base_new[3] - base_old[3])) * so / sn;
+      CHECK(std::abs(run_shifted(ppo, zn, zo, 3, advantage).loss + double(r) * advantage) <= 1e-13 * double(r));
+    }
+  }
+}

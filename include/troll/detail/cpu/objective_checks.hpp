@@ -238,10 +238,11 @@ void ratio_backward(const char* fn, cpu_policy policy, cpu::ratio_objective_spec
   check_ratio_backward_arguments<T>(fn, new_logits, old_logits, in, grad_new, grad_loss);
   validate_objective(fn, policy.threads, new_logits, old_logits, in, false, 0.0, false);
   const std::size_t rows = new_logits.rows, size = new_logits.cols;
-  const cpu::carved_scratch<cpu::ratio_backward_scratch> scratch(fn, policy.workspace, rows, 2 * rows);
+  const cpu::carved_scratch<cpu::ratio_backward_scratch> scratch(fn, policy.workspace, rows, 3 * rows);
   const double* c = scratch.parts.weights;
   double* coef = scratch.parts.extra;
-  double* log_norm_new = scratch.parts.extra + rows;
+  double* norm_max = scratch.parts.extra + rows;  // the new rows' log-normalisers, in two parts
+  double* norm_log_sum = scratch.parts.extra + 2 * rows;
   row_problem* problems = scratch.parts.records;
   aggregation_weights(in, rows, grad_loss, nullptr, scratch.parts.weights);
   spec.compute_kl = false;
@@ -255,12 +256,18 @@ void ratio_backward(const char* fn, cpu_policy policy, cpu::ratio_objective_spec
         zn, old_logits.row(r), size, spec, token, static_cast<double>(in.advantages[r]));
     coef[r] = c[r] * x.token.dloss_dr * x.ratio;
     problems[r] = check_token_gradient<T>(x.ratio, x.log_ratio, coef[r], token);
-    if (coef[r] != 0.0) log_norm_new[r] = cpu::log_normaliser(zn, size);
+    if (coef[r] != 0.0) {
+      const cpu::log_normaliser_parts n = cpu::log_normaliser(zn, size);
+      norm_max[r] = n.max;
+      norm_log_sum[r] = n.log_sum;
+    }
   });
   for (std::size_t r = 0; r < rows; ++r)
     if (problems[r]) throw_row_problem(fn, r, problems[r]);
   cpu::parallel_for(policy.threads, rows, 2 * size, [&](std::size_t r) {
-    cpu::ratio_backward_row(new_logits.row(r), size, log_norm_new[r], coef[r],
+    cpu::log_normaliser_parts n;
+    if (coef[r] != 0.0) n = {norm_max[r], norm_log_sum[r]};
+    cpu::ratio_backward_row(new_logits.row(r), size, n, coef[r],
                             coef[r] != 0.0 ? in.tokens[r] : 0, grad_new.row(r));
   });
 }

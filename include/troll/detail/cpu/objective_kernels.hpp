@@ -23,22 +23,25 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cpu {
 
-/// log Σ_i exp(z_i) of a row with at least one finite entry.
+/// log Σ_i exp(z_i) of a row with at least one finite entry, as its two parts
+/// (log_normaliser_parts, objective_records.hpp).
 template <class T>
-inline double log_normaliser(const T* z, std::size_t size) {
-  const double m = row_max(z, size);
-  return m + log_sum_exp_shifted(z, size, m);
+inline log_normaliser_parts log_normaliser(const T* z, std::size_t size) {
+  log_normaliser_parts n;
+  n.max = row_max(z, size);
+  n.log_sum = log_sum_exp_shifted(z, size, n.max);
+  return n;
 }
 
-/// KL(p̃ ‖ π) = Σ_j p̃_j (log p̃_j − log π_j) from new logits (normaliser `log_norm_new`) and a
+/// KL(p̃ ‖ π) = Σ_j p̃_j (log p̃_j − log π_j) from new logits (normaliser `norm_new`) and a
 /// row of log-probabilities; +inf when p̃ has mass where π has none.
 template <class T>
-inline double kl_logits_to_log_probs(const T* zn, double log_norm_new, const T* log_pi,
+inline double kl_logits_to_log_probs(const T* zn, const log_normaliser_parts& norm_new, const T* log_pi,
                                      std::size_t size) {
   double sum = 0.0;
   bool infinite = false;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-    const block_array lp_new = load(zn, begin, count) - log_norm_new;
+    const block_array lp_new = (load(zn, begin, count) - norm_new.max) - norm_new.log_sum;
     const block_array lp = load(log_pi, begin, count);
     const block_array term = lp_new.exp() * (lp_new - lp);
     // NaN only where p̃_j = 0 (0·(−inf − log π_j)) or p̃_j > 0 = π_j; a NaN term makes the
@@ -70,7 +73,7 @@ inline troll_row_result troll_forward_row(const T* zn, const T* zo, std::size_t 
   scan_pair(zn, zo, size, setup, "", "");
   r.stats = project_row(zn, zo, size, setup, eps, opt, out);
   if (!counted) return r;
-  const double log_q_a = static_cast<double>(zo[token]) - log_normaliser(zo, size);
+  const double log_q_a = log_normaliser(zo, size).log_prob(static_cast<double>(zo[token]));
   r.log_ratio = static_cast<double>(out[token]) - log_q_a;
   r.ratio = ::exp(r.log_ratio);
   // An inactive row is log_softmax(z̃) bit for bit: KL(p̃‖π*) = 0 exactly.
@@ -88,7 +91,7 @@ inline troll_backward_plan troll_backward_prepare(const T* zn, const T* zo, cons
                                                   std::int64_t token, double advantage, double alpha) {
   troll_backward_plan plan;
   plan.log_norm_new = log_normaliser(zn, size);
-  const double log_q_a = static_cast<double>(zo[token]) - log_normaliser(zo, size);
+  const double log_q_a = log_normaliser(zo, size).log_prob(static_cast<double>(zo[token]));
   plan.log_ratio = static_cast<double>(log_pi[token]) - log_q_a;
   plan.ratio = ::exp(plan.log_ratio);
   plan.with_reg = alpha != 0.0 && s.status != row_status::inactive;
@@ -128,7 +131,7 @@ inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std:
       g -= ratio_scale * cross * pi * centred;
     }
     if (plan->with_reg) {
-      const block_array lp_new = a - plan->log_norm_new;
+      const block_array lp_new = (a - plan->log_norm_new.max) - plan->log_norm_new.log_sum;
       block_array reg = lp_new.exp();
       reg = k.reg_coef * reg * (lp_new - lp - k.kl_reg);
       zero_where_masked(lp_new, reg);
@@ -163,8 +166,9 @@ using detail::ratio_objective_spec;
 /// The sums over the old row's top-K tokens (by logit, ties to the lower index; P old, Q new),
 /// and the rests over every other token, summed directly (topk_sums).
 template <class T>
-inline topk_sums gather_topk_sums(const T* zn, const T* zo, std::size_t size, double log_norm_new,
-                                  double log_norm_old, int k) {
+inline topk_sums gather_topk_sums(const T* zn, const T* zo, std::size_t size,
+                                  const log_normaliser_parts& norm_new, const log_normaliser_parts& norm_old,
+                                  int k) {
   running_top_k<dppo_max_top_k> top(k);
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     const block_array b = load(zo, begin, count);
@@ -176,15 +180,15 @@ inline topk_sums gather_topk_sums(const T* zn, const T* zo, std::size_t size, do
   for (int i = 0; i < top.size; ++i) {
     const std::int64_t j = top.index[i];
     taken[i] = j;
-    sums.add(static_cast<double>(zo[j]) - log_norm_old, static_cast<double>(zn[j]) - log_norm_new);
+    sums.add(norm_old.log_prob(static_cast<double>(zo[j])), norm_new.log_prob(static_cast<double>(zn[j])));
   }
   // The rests: every block's exponentials with the top-K entries zeroed (exact_exp: 0 at −inf).
   std::sort(taken, taken + top.size);
   const std::int64_t* next = taken;
   const std::int64_t* const last = taken + top.size;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
-    block_array p = exact_exp(load(zo, begin, count) - log_norm_old);
-    block_array q = exact_exp(load(zn, begin, count) - log_norm_new);
+    block_array p = exact_exp((load(zo, begin, count) - norm_old.max) - norm_old.log_sum);
+    block_array q = exact_exp((load(zn, begin, count) - norm_new.max) - norm_new.log_sum);
     for (; next != last && *next < std::int64_t(begin) + count; ++next)
       p[*next - std::int64_t(begin)] = q[*next - std::int64_t(begin)] = 0.0;
     sums.rest_p += p.sum();
@@ -199,9 +203,9 @@ inline ratio_row_result ratio_forward_row(const T* zn, const T* zo, std::size_t 
                                           const ratio_objective_spec& spec, std::int64_t token,
                                           double advantage) {
   ratio_row_result r;
-  const double log_norm_new = log_normaliser(zn, size), log_norm_old = log_normaliser(zo, size);
-  const double log_p_a = static_cast<double>(zn[token]) - log_norm_new;
-  const double log_q_a = static_cast<double>(zo[token]) - log_norm_old;
+  const log_normaliser_parts norm_new = log_normaliser(zn, size), norm_old = log_normaliser(zo, size);
+  const double log_p_a = norm_new.log_prob(static_cast<double>(zn[token]));
+  const double log_q_a = norm_old.log_prob(static_cast<double>(zo[token]));
   r.log_ratio = log_p_a - log_q_a;
   r.ratio = ::exp(r.log_ratio);
   if (spec.compute_kl) {
@@ -210,7 +214,7 @@ inline ratio_row_result ratio_forward_row(const T* zn, const T* zo, std::size_t 
     r.kl = kl_row(zn, zo, size, setup);
   }
   const topk_sums sums = spec.needs_top_k()
-                             ? gather_topk_sums(zn, zo, size, log_norm_new, log_norm_old, spec.top_k)
+                             ? gather_topk_sums(zn, zo, size, norm_new, norm_old, spec.top_k)
                              : topk_sums{};
   r.token = ratio_token(spec, r.ratio, advantage, log_p_a, log_q_a, sums, r.divergence);
   return r;
@@ -218,14 +222,14 @@ inline ratio_row_result ratio_forward_row(const T* zn, const T* zo, std::size_t 
 
 /// Backward of a ratio-based loss on one row: ∂(c·ℓ)/∂z̃_j = c·(∂ℓ/∂r)·r·(δ_ja − p̃_j).
 template <class T>
-inline void ratio_backward_row(const T* zn, std::size_t size, double log_norm_new, double coef,
+inline void ratio_backward_row(const T* zn, std::size_t size, const log_normaliser_parts& norm_new, double coef,
                                std::int64_t token, T* grad) {
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     if (coef == 0.0) {
       store(grad, begin, count, block_array::Zero(count));
       return;
     }
-    store(grad, begin, count, -coef * (load(zn, begin, count) - log_norm_new).exp());
+    store(grad, begin, count, -coef * ((load(zn, begin, count) - norm_new.max) - norm_new.log_sum).exp());
   });
   grad[token] = T(static_cast<double>(grad[token]) + coef);
 }

@@ -20,12 +20,22 @@ struct troll_row_result {
   double loss = 0.0;       ///< −ρA + α KL(p̃‖π*)
 };
 
+/// log Σ_i exp(z_i) of a row with at least one finite entry, kept as its two parts: the row's
+/// maximum and log Σ_i exp(z_i − max). A log-probability is (z_j − max) − log_sum, never
+/// z_j − (max + log_sum): the sum would round to the ulp of the maximum (7.5e-9 at logits
+/// of 1e8, 1.8e-12 at 1e4) and every ratio and p̃_j derived from it would carry that error.
+struct log_normaliser_parts {
+  double max = 0.0;
+  double log_sum = 0.0;
+  double log_prob(double z) const { return (z - max) - log_sum; }
+};
+
 /// What TROLL's backward needs of one row before it writes: the coefficients of
 /// objective_row.hpp and the new row's log-normaliser. Computed for every row first, so that a
 /// row whose gradient overflows is reported before anything is written.
 struct troll_backward_plan {
   troll_row_coefficients k;
-  double log_norm_new = 0.0;
+  log_normaliser_parts log_norm_new;
   double ratio = 0.0, log_ratio = 0.0;
   bool with_reg = false;
   /// m = Σ π* (d − μ) where it is significant, subtracted from every d − μ (the centring of

@@ -43,7 +43,7 @@ class scratch_arena {
 /// One objective pass's scratch: the aggregation weights c, one record per row (a row's result,
 /// plan or problem), one flag per row, and `extra` further elements (TROLL's dense forward: one
 /// row of T to project a row without writing; the dense backward: every row's problem; the ratio
-/// baselines' backward: c·(∂ℓ/∂r)·r and the new rows' log-normalisers, 2 × rows doubles).
+/// baselines' backward: c·(∂ℓ/∂r)·r and the new rows' log-normalisers in two parts, 3 × rows doubles).
 template <class Record, class Extra = unsigned char>
 struct row_scratch {
   double* weights;
@@ -61,7 +61,7 @@ template <class T>
 using troll_forward_scratch = row_scratch<troll_row_result, T>;                      // extra: cols
 using troll_backward_scratch = row_scratch<troll_backward_plan, row_problem>;  // extra: rows
 using ratio_forward_scratch = row_scratch<ratio_row_result>;                         // extra: 0
-using ratio_backward_scratch = row_scratch<row_problem, double>;               // extra: 2 rows
+using ratio_backward_scratch = row_scratch<row_problem, double>;               // extra: 3 rows
 using sparse_forward_scratch = row_scratch<troll_row_result>;                        // extra: 0
 using sparse_backward_scratch = row_scratch<row_problem>;                      // extra: 0
 
@@ -99,7 +99,7 @@ inline std::size_t dense_troll_bytes(std::size_t rows, std::size_t cols) {
                   scratch_bytes<troll_backward_scratch>(rows, rows));
 }
 inline std::size_t ratio_bytes(std::size_t rows) {
-  return std::max(scratch_bytes<ratio_forward_scratch>(rows, 0), scratch_bytes<ratio_backward_scratch>(rows, 2 * rows));
+  return std::max(scratch_bytes<ratio_forward_scratch>(rows, 0), scratch_bytes<ratio_backward_scratch>(rows, 3 * rows));
 }
 inline std::size_t sparse_troll_bytes(std::size_t rows) {
   return std::max(scratch_bytes<sparse_forward_scratch>(rows, 0), scratch_bytes<sparse_backward_scratch>(rows, 0));
