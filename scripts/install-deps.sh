@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs what building and testing troll needs (Debian/Ubuntu, apt). Idempotent: packages
 # already present are skipped, and nothing is fetched when all are. Runs as root, or via sudo
-# when that exists. gnuplot-nox (for the plots in docs/) is optional.
+# when that exists. gnuplot-nox (for the plots in docs/) and ninja-build are optional.
 set -euo pipefail
 
 # clang + libclang-rt-14-dev: libFuzzer and the sanitizer runtimes for scripts/fuzz.sh.
 required=(build-essential cmake libeigen3-dev doctest-dev libbenchmark-dev clang libclang-rt-14-dev)
-optional=(gnuplot-nox)
+# ninja-build: scripts/arch-test.sh builds its targets in parallel with it (Makefiles otherwise).
+optional=(gnuplot-nox ninja-build)
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q '^install ok installed$'; }
 
