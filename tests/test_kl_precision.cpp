@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <cstddef>
 #include <random>
 #include <type_traits>
@@ -114,16 +115,16 @@ double normwise_gradient_error(const std::vector<T>& zp, const std::vector<T>& z
   return worst;
 }
 
-}  // namespace
-
-TEST_CASE("kl of nearly equal double rows is accurate to 1e-12 relative") {
-  std::mt19937_64 rng(11);
+/// kl of p = q + δ·N(0, 1) against the long-double reference, to 1e-12 relative, for q = scale·N(0, 1).
+void check_nearly_equal_kl(unsigned seed, double scale, std::initializer_list<std::size_t> sizes,
+                           std::initializer_list<double> deltas) {
+  std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal;
-  for (std::size_t size : {5u, 50u, 1000u}) {
-    for (double delta : {1e-2, 1e-4, 1e-6, 1e-8}) {
+  for (std::size_t size : sizes) {
+    for (double delta : deltas) {
       std::vector<double> q(size), p(size);
       for (std::size_t i = 0; i < size; ++i) {
-        q[i] = 3.0 * normal(rng);
+        q[i] = scale * normal(rng);
         p[i] = q[i] + delta * normal(rng);
       }
       double got = -1.0;
@@ -136,6 +137,12 @@ TEST_CASE("kl of nearly equal double rows is accurate to 1e-12 relative") {
       CHECK(std::fabs(double(got - want)) <= 1e-12 * double(want));
     }
   }
+}
+
+}  // namespace
+
+TEST_CASE("kl of nearly equal double rows is accurate to 1e-12 relative") {
+  check_nearly_equal_kl(11, 3.0, {5u, 50u, 1000u}, {1e-2, 1e-4, 1e-6, 1e-8});
 }
 
 TEST_CASE("kl of equal rows is exactly 0, masks included") {
@@ -159,25 +166,7 @@ TEST_CASE("kl of equal rows is exactly 0, masks included") {
 }
 
 TEST_CASE("kl at KL ~1e-31: nearly equal double rows a few ulps apart") {
-  std::mt19937_64 rng(5);
-  std::normal_distribution<double> normal;
-  for (std::size_t size : {3u, 64u, 4097u}) {
-    for (double delta : {1e-15, 1e-14}) {
-      std::vector<double> q(size), p(size);
-      for (std::size_t i = 0; i < size; ++i) {
-        q[i] = 2.0 * normal(rng);
-        p[i] = q[i] + delta * normal(rng);
-      }
-      double got = -1.0;
-      troll::kl(troll::cpu, troll::make_batch(static_cast<const double*>(p.data()), 1, size),
-                troll::make_batch(static_cast<const double*>(q.data()), 1, size), &got);
-      const long double want = reference_kl(p, q);
-      CAPTURE(size);
-      CAPTURE(delta);
-      CAPTURE(double(want));
-      CHECK(std::fabs(double(got - want)) <= 1e-12 * double(want));
-    }
-  }
+  check_nearly_equal_kl(5, 2.0, {3u, 64u, 4097u}, {1e-15, 1e-14});
 }
 
 TEST_CASE_TEMPLATE("kl_backward on nearly equal rows and near one-hot rows, against long double", T, double,
