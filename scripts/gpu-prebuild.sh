@@ -13,9 +13,11 @@ build=build/gpu$arch
 [ -d .gpu-deps/usr ] || bash scripts/gpu-bundle.sh
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTROLL_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" \
   -DTROLL_BUILD_TESTS=ON -DTROLL_BUILD_BENCH=ON -DTROLL_BUILD_EXAMPLES=ON -DTROLL_BUILD_PACKAGING_TESTS=OFF >/dev/null
-targets=()
-for f in tests/cuda/test_*.cu bench/cuda/bench_*.cu; do targets+=("$(basename "$f" .cu)"); done
+# The CUDA test binaries (a group binary holds several test files) from the configure-time
+# manifest, and the benchmarks.
+targets=($(cut -d' ' -f2 "$build/tests/cuda_tests.txt" | sort -u))
+for f in bench/cuda/bench_*.cu; do targets+=("$(basename "$f" .cu)"); done
 ninja -C "$build" -j "$(nproc)" "${targets[@]}" quickstart_cuda
 mkdir -p .gpubin
-tar -C "$build" -cf - tests/test_cuda_* bench/bench_cuda_* examples/quickstart_cuda | xz -T0 -6 >.gpubin/gpu.tar.xz
+tar -C "$build" -cf - tests/cuda_tests.txt tests/test_cuda_* bench/bench_cuda_* examples/quickstart_cuda | xz -T0 -6 >.gpubin/gpu.tar.xz
 du -h .gpubin/gpu.tar.xz

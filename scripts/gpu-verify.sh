@@ -8,8 +8,9 @@
 # build     configures build/gpu (Release, CUDA on, CMAKE_CUDA_ARCHITECTURES from
 #           TROLL_GPU_ARCH, default "native") and builds every CUDA test, benchmark and example;
 #           every other stage builds first, so one stage alone is a complete command.
-# test      runs each tests/cuda binary; a binary that prints "SKIPPED: no CUDA device" fails.
-# sanitize  compute-sanitizer memcheck, racecheck, synccheck and initcheck on each test binary
+# test      runs each CUDA test (the manifest build/.../tests/cuda_tests.txt says how); a test that
+#           prints "SKIPPED: no CUDA device" fails.
+# sanitize  compute-sanitizer memcheck, racecheck, synccheck and initcheck on each CUDA test
 #           (TROLL_SANITIZE_FILTER: a doctest -tc filter to keep racecheck short).
 # bench     the CUDA benchmarks, console and JSON.
 # profile   Nsight Compute (ncu) sections for the slowest kernels (sparsify, dense fwd+bwd).
@@ -23,7 +24,7 @@
 # TROLL_GPU_ARCH=90, and carried along) instead of configuring and building.
 # TROLL_TEST_TIMEOUT: seconds one test, sanitizer or benchmark run may take (default 600).
 # TROLL_SANITIZE_JOBS: how many compute-sanitizer runs share the GPU at once (default 4).
-# TROLL_SANITIZE_SKIP: test binaries (space-separated names) the sanitize stage leaves out.
+# TROLL_SANITIZE_SKIP: CUDA tests (space-separated names) the sanitize stage leaves out.
 # TROLL_SANITIZE_TOOLS: which compute-sanitizer tools (default: memcheck racecheck synccheck initcheck).
 # TROLL_BENCH_ARGS: extra arguments for every benchmark binary (e.g. --benchmark_repetitions=5).
 # TROLL_GPU_PACK=1: at the end, pack every log into $OUT/logs.tgz and keep only it and
@@ -53,14 +54,28 @@ fi
 failed=()
 log() { printf '[gpu-verify %4ds] %s\n' "$SECONDS" "$*" | tee -a "$out/summary.txt"; }
 
-cuda_tests() { for f in tests/cuda/test_*.cu; do basename "$f" .cu; done; }
+# The CUDA ctest tests and how to run each: <build>/tests/cuda_tests.txt, written at configure
+# time, one line "<test> <binary> <args>" (tests/CMakeLists.txt compiles the files in groups; a
+# test runs its own file's cases of the group binary through doctest's --source-file filter).
+manifest() { cat "$build/tests/cuda_tests.txt"; }
+cuda_tests() { manifest | cut -d' ' -f1; }
+cuda_test_binaries() { manifest | cut -d' ' -f2 | sort -u; }
+# test_command <test>: fills the array `cmd` with the binary's path and the test's arguments
+# (read -a: no pathname expansion of the filter's '*').
+test_command() {
+  local name binary args
+  read -r name binary args < <(manifest | awk -v t="$1" '$1 == t')
+  read -r -a cmd <<<"$args"
+  cmd=("$build/tests/$binary" "${cmd[@]}")
+}
 cuda_benches() { for f in bench/cuda/bench_*.cu; do basename "$f" .cu; done; }
 
 built=0
 do_build() {
   [ $built -eq 1 ] && return 0
   if [ -n "${TROLL_GPU_PREBUILT:-}" ]; then
-    for t in $(cuda_tests); do [ -x "$build/tests/$t" ] || { log "prebuilt: $build/tests/$t missing"; return 1; }; done
+    [ -f "$build/tests/cuda_tests.txt" ] || { log "prebuilt: $build/tests/cuda_tests.txt missing"; return 1; }
+    for t in $(cuda_test_binaries); do [ -x "$build/tests/$t" ] || { log "prebuilt: $build/tests/$t missing"; return 1; }; done
     log "device: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'nvidia-smi not available')"
     built=1
     return 0
@@ -75,16 +90,17 @@ do_build() {
     -DTROLL_BUILD_TESTS=ON -DTROLL_BUILD_BENCH=ON -DTROLL_BUILD_EXAMPLES=ON -DTROLL_BUILD_PACKAGING_TESTS=OFF \
     "${deps[@]}" >"$out/configure.log" 2>&1 || { log "configure FAILED (see configure.log)"; return 1; }
   # shellcheck disable=SC2046
-  cmake --build "$build" -j "$jobs" --target $(cuda_tests) $(cuda_benches) quickstart_cuda \
+  cmake --build "$build" -j "$jobs" --target $(cuda_test_binaries) $(cuda_benches) quickstart_cuda \
     >"$out/build.log" 2>&1 || { log "build FAILED (see build.log)"; return 1; }
   built=1
-  log "build: ok ($(cuda_tests | wc -l) test binaries, $(cuda_benches | wc -l) benchmarks)"
+  log "build: ok ($(cuda_test_binaries | wc -l) test binaries for $(cuda_tests | wc -l) tests, $(cuda_benches | wc -l) benchmarks)"
 }
 
 # One test binary: writes <binary>.log and a verdict line.
 test_one() {
-  local t=$1
-  if timeout "${TROLL_TEST_TIMEOUT:-600}" "$build/tests/$t" >"$out/$t.log" 2>&1 && ! grep -q "SKIPPED: no CUDA device" "$out/$t.log"; then
+  local t=$1 cmd
+  test_command "$t"
+  if timeout "${TROLL_TEST_TIMEOUT:-600}" "${cmd[@]}" >"$out/$t.log" 2>&1 && ! grep -q "SKIPPED: no CUDA device" "$out/$t.log"; then
     log "test $t: passed ($(grep -m1 'test cases:' "$out/$t.log" | tr -s ' '))"
   else
     log "test $t: FAILED (see $t.log)"
@@ -107,12 +123,13 @@ do_test() {
 
 # One compute-sanitizer run: tool, binary. Writes sanitize-<tool>-<binary>.log and a verdict line.
 sanitize_one() {
-  local tool=$1 t=$2 filter=()
+  local tool=$1 t=$2 filter=() cmd
+  test_command "$t"
   [ -n "${TROLL_SANITIZE_FILTER:-}" ] && filter=(-tc="$TROLL_SANITIZE_FILTER")
   # (compute-sanitizer 2025's --track-unused-memory takes no value: "no" after it was read as
   # the program, so initcheck never ran on the first GPU machine. Its default is off.)
   local extra=()
-  if timeout "${TROLL_TEST_TIMEOUT:-600}" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 99 "$build/tests/$t" "${filter[@]}" \
+  if timeout "${TROLL_TEST_TIMEOUT:-600}" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 99 "${cmd[@]}" "${filter[@]}" \
     >"$out/sanitize-$tool-$t.log" 2>&1; then
     log "compute-sanitizer $tool $t: clean ($(grep -m1 'ERROR SUMMARY' "$out/sanitize-$tool-$t.log"))"
   else

@@ -5,7 +5,6 @@
 // below (bisection on t, KL as a sum of non-negative terms), never from troll's own output. The
 // derivatives against central differences are the body tests/bodies/adversarial_derivatives.hpp
 // (also compiled for troll::cuda).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <algorithm>

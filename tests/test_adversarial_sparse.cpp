@@ -9,7 +9,6 @@
 // strided rows; 1 and 2 threads; 0 rows; advantages 0 and huge; masks all zero. Expectations come
 // from long-double oracles written here from math.md, never from troll's own output (except
 // where the contract itself is "equal to another entry point", as for the shards).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <algorithm>

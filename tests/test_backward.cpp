@@ -3,7 +3,6 @@
 // logits and ε (full-Jacobian mode for small V, random directions up to V = 4096), the JVP, the
 // full Jacobians, and their mutual consistency. Rows sit well inside their regime (inactive,
 // projected, restricted) so no finite-difference step flips the status.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include "grad_helpers.hpp"  // first: it silences a GCC false positive in troll's headers

@@ -5,7 +5,6 @@
 // re-centred d − μ (detail/cpu/backward_kernels.hpp, "Centring") the double VJP of the first row
 // here was off by 1.6e-3 relative. Reference: math.md §3 in long double at the forward's t, with
 // d − μ formed as Σ_i π_i (d_j − d_i) (no absolute mean).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <troll/objectives.hpp>

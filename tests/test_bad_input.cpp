@@ -3,7 +3,6 @@
 // double: the exact exception type, `.row()`, a message naming the row and the problem, and
 // not one byte written to any output (outputs are pre-filled with a sentinel bit pattern and
 // compared with memcmp after the call).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include "grad_helpers.hpp"  // first: it silences a GCC false positive in troll's headers

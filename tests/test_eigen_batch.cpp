@@ -2,7 +2,6 @@
 // padding, blocks and Ref give the right pointer, shape and stride, const where the object is;
 // column-major or non-contiguous rows throw shape_error. A projection through such views matches
 // the one through raw pointers.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <type_traits>

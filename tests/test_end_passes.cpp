@@ -1,4 +1,3 @@
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 // The dense rows' end passes (detail/cpu/finite_rows.hpp): both ends reduced in one pass

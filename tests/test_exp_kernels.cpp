@@ -1,4 +1,3 @@
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 // The CPU backend's packet exponentials, the one-pass tilted reduction (detail/cpu/finite_rows.hpp)

@@ -3,7 +3,6 @@
 // difference measures troll's float path alone: forward (log π*, stats, KL, log_softmax) and
 // backward (VJP w.r.t. new, old, ε; JVP; Jacobians) must sit within the documented float
 // tolerance of double (docs/api.md: rtol 1e-4, atol 1e-6 for float outputs).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include "grad_helpers.hpp"  // first: it silences a GCC false positive in troll's headers

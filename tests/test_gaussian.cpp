@@ -4,7 +4,6 @@
 // ill-conditioned covariances, d = 1 and d = 256); float against double: the body
 // tests/bodies/gaussian_projection_oracle.hpp compiled for the CPU (also compiled for troll::cuda).
 // Then, CPU only: bad input.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <cmath>

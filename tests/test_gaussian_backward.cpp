@@ -5,7 +5,6 @@
 // tests/bodies/gaussian_backward_fd.hpp compiled for the CPU (also compiled for troll::cuda). Then
 // CPU-only checks: unsolved rows rejected, float against double, a gain of 1e24, saved
 // factorisations.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include "troll/detail/cpu/eigen.hpp"  // Eigen/Core first, AVX-512-clean on GCC 12

@@ -1,7 +1,6 @@
 // test_gaussian_diag_derivatives.cpp — the Gaussian KL and the diagonal projections' VJP / JVP on
 // the CPU backend (tests/bodies/gaussian_diag_derivatives.hpp, also compiled for troll::cuda by
 // tests/cuda/test_cuda_gaussian_derivatives.cu).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include "gaussian_oracle.hpp"  // first: Eigen/Core before troll's headers

@@ -19,7 +19,6 @@
 //     (and both at 1e6), d = 4 and 8, joint and split: ⟨u, J v⟩ along each input against sixth-order
 //     central differences of the forward to 1e-6 (before, with explicit precisions: 43 of the 534
 //     checks failed, errors up to 1.3e2 relative along the old covariance).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <algorithm>

@@ -4,7 +4,6 @@
 // (gaussian_backward / gaussian_jvp), row by row, joint and split, projected and inactive rows.
 // The Eigen version is itself checked against finite differences of the long-double oracle
 // (test_gaussian_backward.cpp), so this ties the shared steps to that oracle without a GPU.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include "troll/detail/cpu/eigen.hpp"  // Eigen/Core first, AVX-512-clean on GCC 12

@@ -1,4 +1,3 @@
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 // Tests of troll/gradcheck.hpp: correct derivatives pass in every mode, wrong ones fail and the

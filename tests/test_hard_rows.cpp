@@ -3,7 +3,6 @@
 // lowest()), tiny ε, bad solver options. Every expectation comes from the long-double oracle of
 // support/precise_oracle.hpp (bisection in s = 1 − t, KL as a sum of non-negative terms), never
 // from troll's own output.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <algorithm>

@@ -3,7 +3,6 @@
 // rows. Batches that cross that boundary must give every row exactly what a one-row call gives
 // (bit for bit, stats included), on one and two threads, and a bad row on either side of the
 // boundary must be reported as the lowest bad row, before anything is written.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <troll/projection.hpp>

@@ -1,4 +1,3 @@
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 // Correctness of troll::log_softmax and troll::kl (math.md §1) on the fixed-seed corpus: the

@@ -2,7 +2,6 @@
 // gradients) against troll's gradient checker with masked tokens, and composite losses that chain
 // kl_backward into project_backward: the body tests/bodies/kl_gradient.hpp compiled for the CPU;
 // then CPU-only checks (one gradient at a time, regressions).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include "grad_helpers.hpp"  // first: it silences a GCC false positive in troll's headers

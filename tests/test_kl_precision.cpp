@@ -10,7 +10,6 @@
 // cancelled: normwise errors of 0.65 at KL ~1e-31 and 1.0 on the one-hot rows, float included).
 // Gradient reference: ∂KL/∂z_p,j = p_j (δ_j − KL) = p_j (x_j − E_p[x]) with x = d − d_mode,
 // ∂KL/∂z_q,j = −q_j expm1(δ_j).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <troll/kl.hpp>

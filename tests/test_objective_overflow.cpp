@@ -1,4 +1,3 @@
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 // Tokens far in the old policy's tail (issue 10, item 4): the importance ratio ρ = π_a / q_a of

@@ -1,4 +1,3 @@
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 // Tests of troll/objectives.hpp: TROLL's objective and the PPO-clip / DPPO baselines. Gradients

@@ -2,7 +2,6 @@
 // function template over the policy; here it runs under troll::cpu (serial and threaded, the
 // results identical), and the workspace mechanism is checked: the size query and an undersized,
 // misaligned or null workspace refused with shape_error before anything is written.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <cmath>

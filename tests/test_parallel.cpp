@@ -2,7 +2,6 @@
 // exactly once, whatever the thread count (more than the hardware has included), an exception
 // reaches the caller and leaves the pool usable, a loop inside a loop and loops from several
 // caller threads all finish, and first_bad_row finds the lowest bad row.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <atomic>

@@ -1,4 +1,3 @@
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 // The solver's last member predicted by the cumulant series (predict_member, tilt_family.hpp)

@@ -1,4 +1,3 @@
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 // Forward semantics of the sparse path (math.md §4): sparsify against a sort-everything long

@@ -10,7 +10,6 @@
 // a repeat at every pair of positions, and ids just outside [0, V). The value check of both sides
 // of an aligned row in one pass (aligned_values_fine) gives the verdicts of two single checks;
 // its float exponential (exp_eigen_bounded) gives Eigen's bits on [−87, 0].
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <troll/sparse.hpp>

@@ -8,7 +8,6 @@
 // typed error naming that row, and nothing is written. (4) The forward's lumped pair and setup of
 // a finite row (lumped_pair_finite) equal lumped_pair + scan_pair bit for bit, and it refuses
 // exactly the rows with a masked category or an empty tail.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <troll/sparse.hpp>

@@ -1,4 +1,3 @@
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 // Tests of troll/sparse_objectives.hpp: TROLL's objective with dense new logits against sparse

@@ -1,4 +1,3 @@
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 // Vocabulary shards made exact: rows split into 1..8 slices of any widths, states merged in any

@@ -1,4 +1,3 @@
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 // sparsify's row kernel (detail::cpu::sparsify_row): the one-read scan without exponentials

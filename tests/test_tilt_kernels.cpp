@@ -2,7 +2,6 @@
 // exponential (exp_nonpositive) against expl, the one-pass tilted reduction (tilt_reduce_finite)
 // against the same sums taken in long double and against the two-pass reduction it falls back to,
 // and the solver's first Newton guess (newton_start) on curves where the exact answer is known.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <troll/detail/cpu/finite_rows.hpp>

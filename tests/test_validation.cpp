@@ -3,7 +3,6 @@
 // validate themselves (corrupted fields, a state made for another vocabulary, a shard merged
 // twice, shards missing, offsets that would wrap); sparse rows must hold mass 1 within the
 // documented tolerance. Every rejection is a typed error naming the row, with outputs untouched.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <troll/objectives.hpp>

@@ -36,8 +36,8 @@ using troll_test::test_stream;
 using troll_test::tolerance;
 using troll_test::unit_roundoff;
 
-const double nan_value = std::numeric_limits<double>::quiet_NaN();
-const double inf_value = std::numeric_limits<double>::infinity();
+using troll_test::nan_value;
+using troll_test::inf_value;
 
 /// Every odd row samples the old row's most likely token, so that μ = q_a is large enough for
 /// the binary divergences to cross their bounds.
@@ -416,4 +416,6 @@ TEST_SUITE("device") {
   }
 }
 
+#ifndef TROLL_TEST_GROUP  // grouped, the generated translation unit supplies main
 int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }
+#endif

@@ -109,4 +109,6 @@ TEST_CASE("host-side checks of the CUDA Gaussian derivatives (no device needed)"
                                                                                nullptr, nullptr}));
 }
 
+#ifndef TROLL_TEST_GROUP  // grouped, the generated translation unit supplies main
 int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }
+#endif

@@ -30,8 +30,8 @@ using troll_test::message_of;
 using troll_test::test_stream;
 using troll_test::unit_roundoff;
 
-constexpr double minus_inf = -std::numeric_limits<double>::infinity();
-const double nan_value = std::numeric_limits<double>::quiet_NaN();
+using troll_test::minus_inf;
+using troll_test::nan_value;
 
 /// Message and row of the troll exception a call throws ("" when none).
 struct thrown {
@@ -50,14 +50,7 @@ thrown catch_invalid(Call&& call) {
   return t;
 }
 
-/// Largest |finite entry| of a row: the magnitude every rounding scales with.
-template <class T>
-double finite_scale(const T* z, std::size_t size) {
-  double s = 0.0;
-  for (std::size_t i = 0; i < size; ++i)
-    if (std::isfinite(static_cast<double>(z[i]))) s = std::max(s, std::fabs(static_cast<double>(z[i])));
-  return s;
-}
+using troll_test::finite_scale;
 
 /// Absolute round-off of a log-probability (log-sum-exp) formed on one backend or the other: a
 /// few double ulps of the logits' scale, growing with the length of the sums (blocked on the CPU,
@@ -68,7 +61,7 @@ double log_sum_spread(double scale, std::size_t cols) {
 
 /// Rows of one corpus block as a packed batch (row stride V + 3, NaN padding).
 template <class T>
-struct pair_batch {
+struct pair_block {
   std::size_t rows = 0, cols = 0, stride = 0;
   std::vector<T> fresh, old;
   std::vector<std::string> labels;
@@ -77,8 +70,8 @@ struct pair_batch {
 };
 
 template <class T>
-pair_batch<T> pack_rows(const std::vector<const troll_test::row_pair*>& rows, std::size_t cols) {
-  pair_batch<T> b;
+pair_block<T> pack_rows(const std::vector<const troll_test::row_pair*>& rows, std::size_t cols) {
+  pair_block<T> b;
   b.rows = rows.size();
   b.cols = cols;
   b.stride = cols + 3;
@@ -89,7 +82,7 @@ pair_batch<T> pack_rows(const std::vector<const troll_test::row_pair*>& rows, st
 }
 
 template <class T>
-pair_batch<T> pack_block(const troll_test::corpus_block& block) {
+pair_block<T> pack_pair_block(const troll_test::corpus_block& block) {
   std::vector<const troll_test::row_pair*> rows;
   for (const auto& r : block.rows) rows.push_back(&r);
   return pack_rows<T>(rows, block.cols);
@@ -108,7 +101,7 @@ std::vector<troll_test::row_pair> zipf_rows(std::size_t rows, std::size_t cols) 
 /// kl_backward on the device for every row of `b`, compared with the CPU row by row: rows the CPU
 /// rejects are reported and NaN; the others agree within the round-off of log p, log q and KL.
 template <class T>
-void check_kl_backward(const pair_batch<T>& b, cudaStream_t stream) {
+void check_kl_backward(const pair_block<T>& b, cudaStream_t stream) {
   const std::size_t rows = b.rows, cols = b.cols, stride = b.stride;
   troll_test::rng gen(0x6B1 + cols);
   std::vector<T> g(rows);
@@ -629,7 +622,7 @@ TEST_SUITE("device") {
     test_stream s;
     for (const auto& block : troll_test::make_corpus()) {
       CAPTURE(block.cols);
-      check_kl_backward(pack_block<T>(block), s.stream);
+      check_kl_backward(pack_pair_block<T>(block), s.stream);
     }
   }
 
@@ -889,4 +882,6 @@ TEST_SUITE("device") {
   }
 }
 
+#ifndef TROLL_TEST_GROUP  // grouped, the generated translation unit supplies main
 int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }
+#endif

@@ -53,7 +53,7 @@ using troll_test::test_stream;
 using troll_test::tolerance;
 using troll_test::unit_roundoff;
 
-const double nan_value = std::numeric_limits<double>::quiet_NaN();
+using troll_test::nan_value;
 
 }  // namespace
 
@@ -397,4 +397,6 @@ TEST_SUITE("device") {
 #include "../bodies/adversarial_objectives.hpp"
 }
 
+#ifndef TROLL_TEST_GROUP  // grouped, the generated translation unit supplies main
 int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }
+#endif

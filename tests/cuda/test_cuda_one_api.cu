@@ -83,4 +83,6 @@ TEST_SUITE("device") {
   }
 }
 
-int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, "test_cuda_one_api.cu"); }
+#ifndef TROLL_TEST_GROUP  // grouped, the generated translation unit supplies main
+int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }
+#endif

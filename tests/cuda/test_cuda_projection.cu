@@ -31,8 +31,8 @@ using troll_test::test_stream;
 using troll_test::tolerance;
 using troll_test::unit_roundoff;
 
-constexpr double minus_inf = -std::numeric_limits<double>::infinity();
-const double nan_value = std::numeric_limits<double>::quiet_NaN();
+using troll_test::minus_inf;
+using troll_test::nan_value;
 
 /// One batch of rows packed with a row stride larger than V; the padding holds NaN so that a
 /// kernel reading past a row's end poisons its result.
@@ -58,14 +58,7 @@ packed_batch<T> pack_block(const troll_test::corpus_block& block) {
   return b;
 }
 
-/// Largest |finite entry| of a row: the magnitude every rounding scales with.
-template <class T>
-double finite_scale(const T* z, std::size_t size) {
-  double s = 0.0;
-  for (std::size_t i = 0; i < size; ++i)
-    if (std::isfinite(static_cast<double>(z[i]))) s = std::max(s, std::fabs(static_cast<double>(z[i])));
-  return s;
-}
+using troll_test::finite_scale;
 
 /// KL tolerance of one row pair between two backends that both reduce in double.
 template <class T>
@@ -692,4 +685,6 @@ TEST_SUITE("device") {
   }
 }
 
+#ifndef TROLL_TEST_GROUP  // grouped, the generated translation unit supplies main
 int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }
+#endif

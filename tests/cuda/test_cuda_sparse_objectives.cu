@@ -54,8 +54,8 @@ using troll_test::test_stream;
 using troll_test::tolerance;
 using troll_test::unit_roundoff;
 
-const double nan_value = std::numeric_limits<double>::quiet_NaN();
-const double inf_value = std::numeric_limits<double>::infinity();
+using troll_test::nan_value;
+using troll_test::inf_value;
 
 /// Tolerance between the two backends: both reduce in double (in different orders, and the
 /// solver's stopping test may fall an iteration apart, as in test_cuda_sparse.cu's 1e-8 for the
@@ -584,4 +584,6 @@ TEST_SUITE("device") {
 #include "../bodies/sparse_objective_gradients.hpp"
 }
 
+#ifndef TROLL_TEST_GROUP  // grouped, the generated translation unit supplies main
 int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }
+#endif

@@ -40,4 +40,6 @@ TEST_SUITE("device") {
 #include "../bodies/adversarial_sparse_backward.hpp"
 }
 
+#ifndef TROLL_TEST_GROUP  // grouped, the generated translation unit supplies main
 int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }
+#endif

@@ -351,23 +351,23 @@ void check_bf16_shards(std::size_t rows, std::size_t vocab, int k, unsigned seed
 }
 
 /// Aligned rows on the host and the device (owner of both copies).
-struct aligned_pair {
+struct shard_rows {
   std::size_t rows, k_max, vocab;
   std::vector<troll::sparse_index> indices, counts;
   std::vector<double> ln, lo, rn, ro;
-  aligned_pair(std::size_t n, std::size_t k, std::size_t v)
+  shard_rows(std::size_t n, std::size_t k, std::size_t v)
       : rows(n), k_max(k), vocab(v), indices(n * k), counts(n), ln(n * k), lo(n * k), rn(n), ro(n) {}
   troll::aligned_batch_view<double> host() {
     return {indices.data(), counts.data(), ln.data(), lo.data(), rn.data(), ro.data(), rows, k_max, vocab};
   }
 };
 
-/// A device copy of an aligned_pair's rows.
+/// A device copy of a shard_rows' rows.
 struct aligned_device {
   device_array<troll::sparse_index> indices, counts;
   device_array<double> ln, lo, rn, ro;
   std::size_t rows, k_max, vocab;
-  explicit aligned_device(const aligned_pair& a)
+  explicit aligned_device(const shard_rows& a)
       : indices(a.indices), counts(a.counts), ln(a.ln), lo(a.lo), rn(a.rn), ro(a.ro), rows(a.rows), k_max(a.k_max),
         vocab(a.vocab) {}
   troll::aligned_batch_view<const double> view() const {
@@ -379,7 +379,7 @@ struct aligned_device {
 struct align_fixture {
   static constexpr std::size_t rows = 12, vocab = 2000, k = 24, k_max = k + 1, u_max = 2 * k_max;
   sparse_pair<double> fresh{rows, k_max, vocab}, old{rows, k_max, vocab};
-  aligned_pair aligned{rows, u_max, vocab};
+  shard_rows aligned{rows, u_max, vocab};
   std::vector<double> g, g_r;
 
   align_fixture() {
@@ -814,4 +814,6 @@ TEST_SUITE("device") {
   }
 }
 
+#ifndef TROLL_TEST_GROUP  // grouped, the generated translation unit supplies main
 int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }
+#endif

@@ -2,20 +2,22 @@
 // memory freed on scope exit, a private stream per case, and the main() that skips the "device"
 // test suite cleanly when no CUDA device is present.
 //
-// A binary includes this first (it defines DOCTEST_CONFIG_IMPLEMENT and EIGEN_NO_CUDA and
+// A test file includes this first (it defines EIGEN_NO_CUDA and
 // silences the warnings below before doctest and Eigen are seen) and ends with
 //
+//   #ifndef TROLL_TEST_GROUP
 //   int main(int argc, char** argv) { return troll_test::run_cuda_tests(argc, argv, __FILE__); }
+//   #endif
 //
-// Cases that need a device go in TEST_SUITE("device"); everything else (host-side argument
-// checks) runs with or without one. Without a device the binary prints "SKIPPED: no CUDA device",
-// runs the host-only cases and exits with their result.
+// (tests/CMakeLists.txt compiles the CUDA test files in groups, one translation unit per group;
+// the group's generated source supplies main). Cases that need a device go in
+// TEST_SUITE("device"); everything else (host-side argument checks) runs with or without one.
+// Without a device the binary prints "SKIPPED: no CUDA device", runs the host-only cases and
+// exits with their result (77, skipped, when none was selected).
 #pragma once
 
-// Every CUDA test binary supplies its own main() (run_cuda_tests below).
-#ifndef DOCTEST_CONFIG_IMPLEMENT
-#define DOCTEST_CONFIG_IMPLEMENT
-#endif
+// doctest's implementation is compiled once, in tests/support/doctest_runner.cpp (C++, no main);
+// every CUDA test binary supplies its own main() (run_cuda_tests below).
 // Eigen serves the CPU reference only. Without EIGEN_NO_CUDA nvcc sees Eigen's __host__
 // __device__ annotations; and the CPU backend's host instantiation of the shared solve_row (an
 // Eigen evaluator) makes nvcc warn (#20011, #20014) although it only ever runs on the host.
@@ -36,7 +38,9 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cmath>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -51,6 +55,21 @@
   } while (false)
 
 namespace troll_test {
+
+/// The non-finite values the CUDA tests plant in their inputs (one definition for the whole
+/// test group, which compiles the files as one translation unit).
+inline const double nan_value = std::numeric_limits<double>::quiet_NaN();
+inline const double inf_value = std::numeric_limits<double>::infinity();
+inline constexpr double minus_inf = -std::numeric_limits<double>::infinity();
+
+/// Largest |finite entry| of a row: the magnitude every rounding scales with.
+template <class T>
+double finite_scale(const T* z, std::size_t size) {
+  double s = 0.0;
+  for (std::size_t i = 0; i < size; ++i)
+    if (std::isfinite(static_cast<double>(z[i]))) s = std::max(s, std::fabs(static_cast<double>(z[i])));
+  return s;
+}
 
 /// Device memory of n elements of E (at least one element is allocated), freed on scope exit.
 template <class E>
@@ -127,8 +146,40 @@ inline bool cuda_device_present(std::string* why = nullptr) {
   return status == cudaSuccess && count > 0;
 }
 
+/// How many test cases the last doctest run executed (a listener: doctest calls it beside the
+/// reporter). `ended` stays false for a query such as --count, which runs nothing.
+struct run_counter : doctest::IReporter {
+  struct totals {
+    bool ended = false;
+    unsigned ran = 0;
+  };
+  static totals& last() {
+    static totals t;
+    return t;
+  }
+  explicit run_counter(const doctest::ContextOptions&) {}
+  void test_run_end(const doctest::TestRunStats& stats) override {
+    last().ended = true;
+    last().ran = stats.numTestCasesPassingFilters;
+  }
+  void report_query(const doctest::QueryData&) override {}
+  void test_run_start() override {}
+  void test_case_start(const doctest::TestCaseData&) override {}
+  void test_case_reenter(const doctest::TestCaseData&) override {}
+  void test_case_end(const doctest::CurrentTestCaseStats&) override {}
+  void test_case_exception(const doctest::TestCaseException&) override {}
+  void subcase_start(const doctest::SubcaseSignature&) override {}
+  void subcase_end() override {}
+  void log_assert(const doctest::AssertData&) override {}
+  void log_message(const doctest::MessageData&) override {}
+  void test_case_skipped(const doctest::TestCaseData&) override {}
+};
+DOCTEST_REGISTER_LISTENER("troll_run_counter", 0, run_counter);
+
 /// The body of every CUDA test binary's main(): runs doctest, excluding the "device" suite (and
 /// saying so) when no device is present. `file` names the binary's source in the messages.
+/// Without a device, a run whose selection holds only device cases exits with 77 (ctest's
+/// SKIP_RETURN_CODE: skipped, not passed).
 inline int run_cuda_tests(int argc, char** argv, const char* file) {
   std::string why;
   const bool has_device = cuda_device_present(&why);
@@ -145,7 +196,13 @@ inline int run_cuda_tests(int argc, char** argv, const char* file) {
   }
   context.applyCommandLine(argc, argv);
   const int result = context.run();
-  if (!has_device) std::printf("SKIPPED: no CUDA device; nothing in this binary ran on a GPU.\n");
+  if (!has_device) {
+    std::printf("SKIPPED: no CUDA device; nothing in this binary ran on a GPU.\n");
+    if (result == 0 && run_counter::last().ended && run_counter::last().ran == 0) {
+      std::printf("SKIPPED: every selected test case needs a device.\n");
+      return 77;
+    }
+  }
   return result;
 }
 
