@@ -88,21 +88,24 @@ struct row_log_sums {
 
   /// log p of a token of logit z.
   TROLL_HOST_DEVICE double log_prob(double z) const { return (z - ref) - total; }
-  /// log r as exact_log_sums found it where the tail holds at least half the row's mass
-  /// (−log1p(Σ_S p / r), no cancellation between `tail` and `total`); NaN: not known.
-  double near_one_log_r = quiet_nan();
+  /// log r as exact_log_sums found it wherever the tail's mass relative to the row's maximum
+  /// is above 1e-300 (−log1p(Σ_S p / r), no cancellation between `tail` and `total`); NaN: not
+  /// known.
+  double direct_log_r = quiet_nan();
 
   /// log r, the tail's share of the row (−inf for an empty tail), from the four normalisers
   /// alone (what every consumer of sparsify_finalize's log_sums computes).
   TROLL_HOST_DEVICE double log_remainder() const {
     return tail_ref == neg_inf() ? neg_inf() : ((tail_ref - ref) + tail) - total;
   }
-  /// The log r a sparse row stores: near_one_log_r where known, else log_remainder(). When r is
-  /// close to 1 (a short support of small mass: δ near 1, flat rows) the difference
-  /// ((tail_ref − ref) + tail) − total cancels to an absolute error of ~eps·log V, which is a
-  /// large relative error of a log r of −1e-5.
+  /// The log r a sparse row stores: direct_log_r where known, else log_remainder(). The
+  /// difference ((tail_ref − ref) + tail) − total cancels to an absolute error of ~eps·log V:
+  /// a large relative error of a log r of −1e-5 (r close to 1: a short support of small mass,
+  /// δ near 1, flat rows), and still 8 eps (11 ulps) at r just below 1/2 (log r ≈ −0.69, V =
+  /// 20,000). It is only taken where the tail's mass underflows (log r below about −690,
+  /// where its relative error is that of its own size).
   TROLL_HOST_DEVICE double stored_log_remainder() const {
-    return near_one_log_r == near_one_log_r ? near_one_log_r : log_remainder();
+    return direct_log_r == direct_log_r ? direct_log_r : log_remainder();
   }
 };
 
@@ -179,9 +182,10 @@ TROLL_HOST_DEVICE inline row_log_sums exact_log_sums(const Z& support_z, int n, 
   // deterministic row, whose top log-probability is −total ≈ −Σ_{others} p: log(s) would round
   // 1 + 1e-22 to 1 and write 0).
   out.total = ::log1p((s.hi - 1.0) + s.lo);
-  // A tail of at least half the mass: log r = −log1p(Σ_S e^{z−m} / (tail · e^{m_tail − m})).
-  if (has_tail && support.value() <= tail_mass && tail_mass > 1e-300)
-    out.near_one_log_r = -::log1p(support.value() / tail_mass);
+  // log r = −log1p(Σ_S e^{z−m} / (tail · e^{m_tail − m})) for any tail mass the quotient can take
+  // (Σ_S e^{z−m} ≤ 1024, so it stays below 1e303): exact to a few ulps for r near 1 and near 1/2
+  // alike. It used to be taken only for tails of at least half the mass.
+  if (has_tail && tail_mass > 1e-300) out.direct_log_r = -::log1p(support.value() / tail_mass);
   return out;
 }
 
