@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -222,6 +223,75 @@ TEST_CASE("sparsify_row: bad rows are reported by both paths") {
     std::vector<float> masked(77, -std::numeric_limits<float>::infinity());
     CHECK_FALSE(run_row(masked, 8, 5, -1.0, fast).ok);
     CHECK_FALSE(run_row(masked, 8, -1, -1.0, fast).ok);
+  }
+}
+
+TEST_CASE("sparsify_row: a NaN or +inf at any position of the packet groups makes the row bad") {
+  // The one-read scan tests groups of four packets: NaN by comparing the packets' lanes in pairs,
+  // +inf through the group's max, which then beats any threshold. Every position of the first
+  // groups, on a flat row (the threshold stays low) and on a random one (it rises).
+  std::mt19937_64 gen(20261125);
+  std::normal_distribution<float> n01(0.0f, 1.0f);
+  for (bool flat : {true, false}) {
+    std::vector<float> base(300);
+    for (float& v : base) v = flat ? 0.5f : n01(gen);
+    for (std::size_t p = 0; p < base.size(); ++p) {
+      for (float bad : {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(),
+                        std::numeric_limits<float>::infinity()}) {
+        std::vector<float> z = base;
+        z[p] = bad;
+        INFO("flat ", flat, " position ", p, " value ", bad);
+        CHECK_FALSE(run_row(z, 8, -1, -1.0, true).ok);
+        CHECK_FALSE(run_row(z, 8, troll::sparse_index((p + 150) % z.size()), -1.0, true).ok);
+      }
+    }
+  }
+}
+
+TEST_CASE("topk_buffer::select keeps the K best in token order, ties to the lower index") {
+  // Against a stable sort by value: random buffers of K + 1 … capacity candidates, with normal
+  // values, heavy ties, ±0, −inf and magnitudes over 60 binades (the float select of AVX-512
+  // builds, and the scalar one it falls back to on ties at the K-th value).
+  std::mt19937_64 gen(7);
+  using buffer = cpu::topk_buffer<float>;
+  constexpr int capacity = troll::sparsify_max_k + buffer::extra + buffer::slack;
+  for (int it = 0; it < 4000; ++it) {
+    buffer b;
+    b.k = 1 + int(gen() % troll::sparsify_max_k);
+    b.count = std::min(capacity, b.k + 1 + int(gen() % (buffer::extra + buffer::slack)));
+    b.out_max = it % 3 == 0 ? -1.0 : -std::numeric_limits<double>::infinity();
+    const int mode = it % 4;
+    for (int i = 0; i < b.count; ++i) {
+      float v = 0.0f;
+      if (mode == 0) v = std::normal_distribution<float>(0.0f, 1.0f)(gen);
+      if (mode == 1) v = float(int(gen() % 8)) - 4.0f;
+      if (mode == 2) v = (gen() % 2 ? -0.0f : 0.0f) + (gen() % 3 == 0 ? -1e30f : 0.0f);
+      if (mode == 3) v = std::ldexp(float(gen() % 1000), int(gen() % 60) - 30) * (gen() % 2 ? 1.0f : -1.0f);
+      if (gen() % 50 == 0) v = -std::numeric_limits<float>::infinity();
+      b.values[i] = v;
+      b.indices[i] = troll::sparse_index(3 * i + 1);
+    }
+    const buffer before = b;
+    b.select();
+    std::vector<int> order(std::size_t(before.count));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int x, int y) { return before.values[x] + 0.0f > before.values[y] + 0.0f; });
+    std::vector<int> kept(order.begin(), order.begin() + before.k);
+    std::sort(kept.begin(), kept.end());
+    double out_max = before.out_max;
+    for (std::size_t i = std::size_t(before.k); i < order.size(); ++i)
+      out_max = std::max(out_max, double(before.values[order[i]]));
+    float worst = std::numeric_limits<float>::infinity();
+    for (int x : kept) worst = std::min(worst, before.values[x]);
+    INFO("iteration ", it, " k ", before.k, " count ", before.count, " mode ", mode);
+    REQUIRE(b.count == before.k);
+    CHECK(b.out_max == out_max);
+    CHECK(b.threshold == worst);
+    for (int i = 0; i < before.k; ++i) {
+      CHECK(b.indices[i] == before.indices[kept[std::size_t(i)]]);
+      CHECK(same_bits(b.values[i], before.values[kept[std::size_t(i)]]));
+    }
   }
 }
 

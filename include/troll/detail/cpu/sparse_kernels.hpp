@@ -246,6 +246,11 @@ struct topk_buffer {
   /// (a count of the keys at or above each trial key: no data-dependent branch), then one stable
   /// compaction.
   void select() {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same<T, float>::value) {
+      if (select_packets()) return;
+    }
+#endif
     using key_type = typename std::conditional<sizeof(T) == 4, std::uint32_t, std::uint64_t>::type;
     constexpr int bits = int(8 * sizeof(T));
     if (count > k) {
@@ -284,6 +289,76 @@ struct topk_buffer {
       threshold = worst;  // a T: exactly threshold_below<T> of its double
     }
   }
+#if defined(__AVX512F__)
+  /// select() for float buffers with AVX-512, the same result: the keys 16 at a time, the bitwise
+  /// search only below the highest bit in which the keys differ (the bits above are the same in
+  /// every key, so the search would take them as they are), the compaction by compress stores.
+  /// Returns false, having changed nothing, when the K-th key is tied with one that would be
+  /// dropped: the scalar select then breaks the tie by token order.
+  bool select_packets() {
+    if (count <= k || k <= 0) return false;
+    constexpr int capacity = sparsify_max_k + extra + slack;
+    alignas(64) std::uint32_t keys[capacity + 16];
+    const int packets = (count + 15) / 16;
+    const __m512i sign = _mm512_set1_epi32(int(0x80000000u));
+    __m512i all_and = _mm512_set1_epi32(-1), all_or = _mm512_setzero_si512();
+    for (int p = 0; p < packets; ++p) {
+      const int left = count - 16 * p;
+      const __mmask16 valid = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+      // −0 → +0, then the order-preserving key: negative values' bits flipped, others' sign set
+      const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(valid, values + 16 * p), _mm512_setzero_ps());
+      const __m512i u = _mm512_castps_si512(v);
+      const __mmask16 negative = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
+      __m512i key = _mm512_mask_xor_epi32(_mm512_or_si512(u, sign), negative, u, _mm512_set1_epi32(-1));
+      key = _mm512_maskz_mov_epi32(valid, key);  // padding: key 0, below every trial key
+      _mm512_store_si512(keys + 16 * p, key);
+      all_and = _mm512_mask_and_epi32(all_and, valid, all_and, key);
+      all_or = _mm512_or_si512(all_or, key);
+    }
+    const std::uint32_t common_and = std::uint32_t(_mm512_reduce_and_epi32(all_and));
+    const std::uint32_t differ = common_and ^ std::uint32_t(_mm512_reduce_or_epi32(all_or));
+    if (differ == 0) return false;  // every key equal: a tie, broken by token order
+    const int top_bit = 31 - __builtin_clz(differ);
+    // the bits above top_bit as every key has them, the rest searched (2u << 31 wraps to 0)
+    std::uint32_t kth = common_and & ~((2u << top_bit) - 1u);
+    for (int bit = top_bit; bit >= 0; --bit) {
+      const std::uint32_t trial = kth | (1u << bit);
+      const __m512i tv = _mm512_set1_epi32(int(trial));
+      int at_or_above = 0;
+      for (int p = 0; p < packets; ++p)
+        at_or_above += __builtin_popcount(unsigned(_mm512_cmpge_epu32_mask(_mm512_load_si512(keys + 16 * p), tv)));
+      kth = at_or_above >= k ? trial : kth;
+    }
+    const __m512i kv = _mm512_set1_epi32(int(kth));
+    int above = 0, equal = 0;
+    for (int p = 0; p < packets; ++p) {
+      const __m512i key = _mm512_load_si512(keys + 16 * p);
+      above += __builtin_popcount(unsigned(_mm512_cmpgt_epu32_mask(key, kv)));
+      equal += __builtin_popcount(unsigned(_mm512_cmpeq_epu32_mask(key, kv)));
+    }
+    if (above + equal != k) return false;  // the K-th key tied with a dropped one
+    int kept = 0;
+    __m512 dropped = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), worst = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+    for (int p = 0; p < packets; ++p) {
+      const int left = count - 16 * p;
+      const __mmask16 valid = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+      const __mmask16 keep = __mmask16(valid & _mm512_cmpge_epu32_mask(_mm512_load_si512(keys + 16 * p), kv));
+      const __m512 v = _mm512_maskz_loadu_ps(valid, values + 16 * p);
+      const __m512i ids = _mm512_maskz_loadu_epi32(valid, indices + 16 * p);
+      dropped = _mm512_mask_max_ps(dropped, __mmask16(valid & ~keep), dropped, v);
+      worst = _mm512_mask_min_ps(worst, keep, worst, v);
+      // in place: kept ≤ 16·p, so the stores never pass the packet being read
+      _mm512_mask_storeu_ps(values + kept, __mmask16((1u << __builtin_popcount(keep)) - 1u), _mm512_maskz_compress_ps(keep, v));
+      _mm512_mask_storeu_epi32(indices + kept, __mmask16((1u << __builtin_popcount(keep)) - 1u), _mm512_maskz_compress_epi32(keep, ids));
+      kept += __builtin_popcount(keep);
+    }
+    const double most_dropped = static_cast<double>(_mm512_reduce_max_ps(dropped));
+    out_max = most_dropped > out_max ? most_dropped : out_max;
+    count = kept;
+    threshold = _mm512_reduce_min_ps(worst);
+    return true;
+  }
+#endif
   /// After candidates were appended: selects when the buffer is full, or when it first holds K.
   void settle() {
     if (count >= full() || (count >= k && threshold == -std::numeric_limits<T>::infinity())) select();
@@ -361,17 +436,15 @@ inline double sparsify_scan_topk(const T* z, std::size_t size, sparsify_state& s
       const __m512 x0 = _mm512_loadu_ps(z + i), x1 = _mm512_loadu_ps(z + i + 16);
       const __m512 x2 = _mm512_loadu_ps(z + i + 32), x3 = _mm512_loadu_ps(z + i + 48);
       const __m512 t = _mm512_set1_ps(top.threshold);
-      const unsigned bad = unsigned(_mm512_cmp_ps_mask(x0, infinity, _CMP_NLT_UQ)) | _mm512_cmp_ps_mask(x1, infinity, _CMP_NLT_UQ) |
-                           _mm512_cmp_ps_mask(x2, infinity, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(x3, infinity, _CMP_NLT_UQ);
-      const unsigned hit = unsigned(_mm512_cmp_ps_mask(x0, t, _CMP_GT_OQ)) | _mm512_cmp_ps_mask(x1, t, _CMP_GT_OQ) |
-                           _mm512_cmp_ps_mask(x2, t, _CMP_GT_OQ) | _mm512_cmp_ps_mask(x3, t, _CMP_GT_OQ);
-      if (bad) {
+      const __m512 most = _mm512_max_ps(_mm512_max_ps(x0, x1), _mm512_max_ps(x2, x3));
+      const unsigned nan = unsigned(_mm512_cmp_ps_mask(x0, x1, _CMP_UNORD_Q)) | _mm512_cmp_ps_mask(x2, x3, _CMP_UNORD_Q);
+      if (!(nan | _mm512_cmp_ps_mask(most, t, _CMP_GT_OQ)) && !(sampled >= i && sampled < i + group)) {
+        rest = _mm512_max_ps(rest, most);
+        continue;
+      }
+      if (nan || _mm512_cmp_ps_mask(most, infinity, _CMP_EQ_OQ)) {
         check.bad = true;
         return 0.0;
-      }
-      if (!hit && !(sampled >= i && sampled < i + group)) {
-        rest = _mm512_max_ps(rest, _mm512_max_ps(_mm512_max_ps(x0, x1), _mm512_max_ps(x2, x3)));
-        continue;
       }
       // The group's candidates (above the threshold it was tested against) compressed into the
       // buffer, values and token ids; every other lane, the sampled token's aside, into `rest`.
