@@ -433,11 +433,12 @@ struct finalized_support_logits {
   TROLL_HOST_DEVICE double operator[](int i) const { return i < keep ? list[i].logit : list[sampled_pos].logit; }
 };
 
-/// Sorts list[0, n) best first and inserts the state's sampled token in order when it holds one
-/// (list has a spare slot). Returns the new n; sampled_pos is the sampled token's place (−1: none).
+/// Sorts list[0, n) best first (unless `sorted`: it is already) and inserts the state's sampled
+/// token in order when it holds one (list has a spare slot). Returns the new n; sampled_pos is
+/// the sampled token's place (−1: none).
 TROLL_HOST_DEVICE inline int sort_with_sampled(const sparsify_state& st, sparse_candidate* list, int n,
-                                               int& sampled_pos) {
-  sort_best_first(list, n);
+                                               int& sampled_pos, bool sorted = false) {
+  if (!sorted) sort_best_first(list, n);
   sampled_pos = -1;
   if (!st.has_sampled) return n;
   const sparse_candidate s{st.sampled_logit, st.sampled};
@@ -455,11 +456,12 @@ template <class T>
 TROLL_HOST_DEVICE finalize_problem finalize(sparsify_state& st, double log_delta, sparse_index* indices,
                                             T* log_probs, int& count, T& log_remainder,
                                             double* log_sums = nullptr, double* tail_max = nullptr,
-                                            const exact_sum* exact_tail = nullptr, int forced_keep = -1) {
+                                            const exact_sum* exact_tail = nullptr, int forced_keep = -1,
+                                            bool heap_sorted = false) {
   if (st.sampled >= 0 && !st.has_sampled) return finalize_problem::sampled_missing;
   sparse_candidate* list = st.heap;  // heap, then the sampled token, sorted best first
   int sampled_pos = -1;
-  const int n = sort_with_sampled(st, list, st.size, sampled_pos);
+  const int n = sort_with_sampled(st, list, st.size, sampled_pos, heap_sorted);
   log_sum_state total = st.outside;
   for (int i = 0; i < n; ++i) push(total, list[i].logit);
   if (total.m == neg_inf()) return finalize_problem::all_masked;

@@ -503,12 +503,13 @@ inline double sparsify_scan_topk(const T* z, std::size_t size, sparsify_state& s
   return m_out;
 }
 
-/// finalize's list for a whole-row state, without consuming the state: the heap sorted best first
-/// with the sampled token inserted in order (list holds k + 1 slots). Returns n; sampled_pos is
-/// the sampled token's place (−1: none).
-inline int ordered_support(const sparsify_state& st, sparse_candidate* list, int& sampled_pos) {
+/// finalize's list for a whole-row state: the heap sorted best first in place (finalize is then
+/// told so, and does not sort it again), copied with the sampled token inserted in order (list
+/// holds k + 1 slots). Returns n; sampled_pos is the sampled token's place (−1: none).
+inline int ordered_support(sparsify_state& st, sparse_candidate* list, int& sampled_pos) {
+  sort_best_first(st.heap, st.size);
   for (int i = 0; i < st.size; ++i) list[i] = st.heap[i];
-  return sort_with_sampled(st, list, st.size, sampled_pos);
+  return sort_with_sampled(st, list, st.size, sampled_pos, true);
 }
 
 /// How far sparsify's δ rule may be from finalize's on the scan's block sums, in log-mass: those
@@ -594,7 +595,7 @@ inline bool sparsify_row(const T* z, std::size_t size, int k, sparse_index sampl
     const int keep = keep_with_margin(list, n, sampled_pos, k, tail.second, tail.first, log_delta);
     if (keep >= 0) {
       if (keep != limit) tail = tail_for(keep, nullptr);
-      finalize(st, log_delta, indices, log_probs, count, log_remainder, nullptr, nullptr, &tail.first, keep);
+      finalize(st, log_delta, indices, log_probs, count, log_remainder, nullptr, nullptr, &tail.first, keep, true);
       return true;
     }
     reset(st, k, sampled, vocab, 0, vocab);  // a δ decision too close to call: the block sums decide
