@@ -224,7 +224,7 @@ TEST_CASE("the parallel-order Jacobi eigensolver against Eigen's") {
   }
 }
 
-TEST_CASE("the one-sided Jacobi SVD (full rows above d = 16) against Eigen's QR-preconditioned Jacobi SVD") {
+TEST_CASE("the one-sided Jacobi SVD (the full rows' SVD route) against Eigen's QR-preconditioned Jacobi SVD") {
   using troll::detail::cpu::one_sided_jacobi_svd;
   using matrix = troll::detail::cpu::gaussian_matrix;  // the library's type: its instantiations
   constexpr double u = 2.220446049250313e-16;

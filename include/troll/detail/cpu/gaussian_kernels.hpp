@@ -94,21 +94,26 @@ inline void factor_full(const T* mean, const T* chol, const T* old_mean, const T
   // narrower than ~1/70 of the old along some direction, or an old or new covariance with
   // condition number 1e12 against a well-conditioned other one), the small λ — and so the large
   // gains γ − 1 — lose their digits (or round to λ ≤ 0). There
-  // the whitened factor M = L°⁻¹L̃ (S = MMᵀ) is decomposed instead by the QR-preconditioned
-  // two-sided Jacobi SVD (d ≤ 16; a one-sided Jacobi above), whose singular values σ = sqrt(λ) keep their
-  // relative accuracy on such graded factors: V = U, g = 1/σ² − 1 = −((σ − 1)/σ)((σ + 1)/σ).
+  // the whitened factor M = L°⁻¹L̃ (S = MMᵀ) is decomposed instead by a two-stage one-sided
+  // Jacobi SVD (one_sided_jacobi.hpp: M's columns, then the rows of VᵀM), whose singular values
+  // σ = sqrt(λ) keep their relative accuracy on such graded factors and whose V diagonalises S to
+  // working precision relative to each λ: V = U, g = 1/σ² − 1 = −((σ − 1)/σ)((σ + 1)/σ).
   const double spread = eig.eigenvalues().cwiseAbs().maxCoeff();
   const double smallest = 1.0 + eig.eigenvalues()[0];
   if (!(smallest > 1e12 * static_cast<double>(d) * 2.220446049250313e-16 * spread)) {
     const gaussian_matrix m = lower.solve(load_factor(chol, d));
     gaussian_vector singular;
-    // Above d = 16 Eigen's two-sided Jacobi costs ~60× the eigensolver (d = 256): there the
-    // one-sided Jacobi of M's columns (one_sided_jacobi.hpp) keeps σ to ~u·σ_max absolute or
-    // better, i.e. λ_min to ~u·sqrt(λ_max/λ_min) relative — still far better than S − I's
-    // u·λ_max/λ_min. (Eigen's divide-and-conquer SVD, used here before, is as accurate but took
-    // minutes to compile in every translation unit.) Should it not converge, the two-sided one.
+    // The column stage alone (the route above d = 16 until the second stage was added) left V
+    // diagonalising S only to ~1e-9 of sqrt(λ_iλ_j) when L° is ill-conditioned (M's rows
+    // graded): enough for the forward, not for the derivatives (covariance gradient off by up to
+    // 1.4e-7 at d = 24 against mpmath, 9e-4 with both covariances at 1e12). Eigen's
+    // QR-preconditioned two-sided Jacobi, used up to d = 16 before, was accurate for one graded
+    // covariance but not for both (6.6e-5 at d = 8) and costs ~60× the eigensolver at d = 256; it
+    // stays as the fallback should the one-sided sweeps not converge or a column vanish.
+    // (Eigen's divide-and-conquer SVD, used here earlier, took minutes to compile in every
+    // translation unit.)
     bool done = false;
-    if (d > 16) {
+    {
       const left_singular_pairs svd = one_sided_jacobi_svd(m);
       if (svd.converged) {
         out.vectors = svd.u;
