@@ -226,26 +226,39 @@ TEST_CASE("sparsify_row: bad rows are reported by both paths") {
   }
 }
 
-TEST_CASE("sparsify_row: a NaN or +inf at any position of the packet groups makes the row bad") {
-  // The one-read scan tests groups of four packets: NaN by comparing the packets' lanes in pairs,
-  // +inf through the group's max, which then beats any threshold. Every position of the first
-  // groups, on a flat row (the threshold stays low) and on a random one (it rises).
+namespace {
+
+/// A NaN, −NaN or +inf at every position of the first groups of a flat row (the threshold stays
+/// low) and of a random one (it rises), and a +inf next to a −inf: the row is bad.
+template <class T>
+void bad_at_every_position() {
   std::mt19937_64 gen(20261125);
-  std::normal_distribution<float> n01(0.0f, 1.0f);
+  std::normal_distribution<double> n01(0.0, 1.0);
+  const T nan = std::numeric_limits<T>::quiet_NaN(), inf = std::numeric_limits<T>::infinity();
   for (bool flat : {true, false}) {
-    std::vector<float> base(300);
-    for (float& v : base) v = flat ? 0.5f : n01(gen);
+    std::vector<T> base(300);
+    for (T& v : base) v = flat ? T(0.5) : T(n01(gen));
     for (std::size_t p = 0; p < base.size(); ++p) {
-      for (float bad : {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(),
-                        std::numeric_limits<float>::infinity()}) {
-        std::vector<float> z = base;
+      for (T bad : {nan, -nan, inf}) {
+        std::vector<T> z = base;
         z[p] = bad;
-        INFO("flat ", flat, " position ", p, " value ", bad);
+        if (bad == inf) z[(p + 5) % z.size()] = -inf;  // the group's sum is NaN, its max +inf
+        INFO("flat ", flat, " position ", p, " value ", double(bad));
         CHECK_FALSE(run_row(z, 8, -1, -1.0, true).ok);
         CHECK_FALSE(run_row(z, 8, troll::sparse_index((p + 150) % z.size()), -1.0, true).ok);
       }
     }
   }
+}
+
+}  // namespace
+
+TEST_CASE("sparsify_row: a NaN or +inf at any position of the packet groups makes the row bad") {
+  // The one-read scan tests groups of four packets at once: float rows with AVX-512 through the
+  // group's max against the threshold (+inf beats any) and unordered compares of packet pairs
+  // for NaN; other rows with a compare of every packet. Float and double rows.
+  bad_at_every_position<float>();
+  bad_at_every_position<double>();
 }
 
 TEST_CASE("topk_buffer::select keeps the K best in token order, ties to the lower index") {
