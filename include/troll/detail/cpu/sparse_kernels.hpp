@@ -300,11 +300,14 @@ struct topk_buffer {
     constexpr int capacity = sparsify_max_k + extra + slack;
     alignas(64) std::uint32_t keys[capacity + 16];
     const int packets = (count + 15) / 16;
+    auto valid_lanes = [this](int p) {  // the lanes of packet p below count
+      const int left = count - 16 * p;
+      return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+    };
     const __m512i sign = _mm512_set1_epi32(int(0x80000000u));
     __m512i all_and = _mm512_set1_epi32(-1), all_or = _mm512_setzero_si512();
     for (int p = 0; p < packets; ++p) {
-      const int left = count - 16 * p;
-      const __mmask16 valid = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+      const __mmask16 valid = valid_lanes(p);
       // −0 → +0, then the order-preserving key: negative values' bits flipped, others' sign set
       const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(valid, values + 16 * p), _mm512_setzero_ps());
       const __m512i u = _mm512_castps_si512(v);
@@ -340,17 +343,18 @@ struct topk_buffer {
     int kept = 0;
     __m512 dropped = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), worst = _mm512_set1_ps(std::numeric_limits<float>::infinity());
     for (int p = 0; p < packets; ++p) {
-      const int left = count - 16 * p;
-      const __mmask16 valid = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+      const __mmask16 valid = valid_lanes(p);
       const __mmask16 keep = __mmask16(valid & _mm512_cmpge_epu32_mask(_mm512_load_si512(keys + 16 * p), kv));
       const __m512 v = _mm512_maskz_loadu_ps(valid, values + 16 * p);
       const __m512i ids = _mm512_maskz_loadu_epi32(valid, indices + 16 * p);
       dropped = _mm512_mask_max_ps(dropped, __mmask16(valid & ~keep), dropped, v);
       worst = _mm512_mask_min_ps(worst, keep, worst, v);
       // in place: kept ≤ 16·p, so the stores never pass the packet being read
-      _mm512_mask_storeu_ps(values + kept, __mmask16((1u << __builtin_popcount(keep)) - 1u), _mm512_maskz_compress_ps(keep, v));
-      _mm512_mask_storeu_epi32(indices + kept, __mmask16((1u << __builtin_popcount(keep)) - 1u), _mm512_maskz_compress_epi32(keep, ids));
-      kept += __builtin_popcount(keep);
+      const int n_keep = __builtin_popcount(keep);
+      const __mmask16 first = __mmask16((1u << n_keep) - 1u);
+      _mm512_mask_storeu_ps(values + kept, first, _mm512_maskz_compress_ps(keep, v));
+      _mm512_mask_storeu_epi32(indices + kept, first, _mm512_maskz_compress_epi32(keep, ids));
+      kept += n_keep;
     }
     const double most_dropped = static_cast<double>(_mm512_reduce_max_ps(dropped));
     out_max = most_dropped > out_max ? most_dropped : out_max;
@@ -369,15 +373,13 @@ struct topk_buffer {
     ++count;
     settle();
   }
-  /// The kept candidates into the state's heap (worst at the root), everything else dropped.
+  /// The kept candidates into st.heap in token order, everything else dropped. Not heap-ordered:
+  /// sparsify_row's only reader, ordered_support, sorts them best first (a heap built here would
+  /// be undone by that sort).
   void into(sparsify_state& st) {
     select();
-    st.size = 0;
-    for (int i = 0; i < count; ++i) {
-      st.heap[i] = sparse_candidate{static_cast<double>(values[i]), indices[i]};
-      sift_up_worst(st.heap, i);
-      ++st.size;
-    }
+    for (int i = 0; i < count; ++i) st.heap[i] = sparse_candidate{static_cast<double>(values[i]), indices[i]};
+    st.size = count;
   }
 };
 
