@@ -118,9 +118,11 @@ TROLL_HOST_DEVICE inline double newton_start(double kl0, double sigma2_0, double
 /// K''' = 2κ₃ + tκ₄: at t = 0, g = t·sqrt(σ²/2 + tκ₃/3 + t²κ₄/8 + …); at t = 1, g's derivatives
 /// follow from K's by the chain rule. On LLM-like rows at V = 151,936 the cubic guess lies
 /// 3e-4 … 1e-2 / L from t* and this one ~1e-8 … 1e-5 / L (L: the range of d), close enough for
-/// the member after the first Newton evaluation to be predicted (predict_member). Only a guess:
-/// kept where it lies inside (0, 1) within 0.05 of the cubic's (ends whose interpolant wanders
-/// keep the cubic), else the cubic's guess `cubic`. Rows, stopping rule and bracket unchanged.
+/// the member after the first Newton evaluation to be predicted (predict_member). On the
+/// ~80-category rows of the sparse path the cubic guess can lie 0.1 from t* and this one a few
+/// 1e-3. Only a guess: kept where it lies inside (0, 1) within 0.25 of the cubic's (ends whose
+/// interpolant wanders keep the cubic), else the cubic's guess `cubic`. Rows, stopping rule and
+/// bracket unchanged.
 TROLL_HOST_DEVICE inline double newton_start_septic(double cubic, double kl0, double sigma2_0, double k3_0,
                                                     double k4_0, double kl1, double sigma2_1, double k3_1,
                                                     double k4_1, double eps) {
@@ -140,7 +142,7 @@ TROLL_HOST_DEVICE inline double newton_start_septic(double cubic, double kl0, do
   const double c4 = 35.0 * r0 - 15.0 * r1 + 2.5 * r2 - r3 / 6.0, c5 = -84.0 * r0 + 39.0 * r1 - 7.0 * r2 + 0.5 * r3,
                c6 = 70.0 * r0 - 34.0 * r1 + 6.5 * r2 - 0.5 * r3, c7 = -20.0 * r0 + 10.0 * r1 - 2.0 * r2 + r3 / 6.0;
   if (!(::fabs(c2) + ::fabs(c3) + ::fabs(c4) + ::fabs(c5) + ::fabs(c6) + ::fabs(c7) < inf())) return cubic;
-  const double start_lo = maximum(0.0, cubic - 0.05), start_hi = minimum(1.0, cubic + 0.05);
+  const double start_lo = maximum(0.0, cubic - 0.25), start_hi = minimum(1.0, cubic + 0.25);
   auto value = [&](double x) {
     return x * (c1 + x * (c2 + x * (c3 + x * (c4 + x * (c5 + x * (c6 + x * c7)))))) - target;
   };
@@ -190,6 +192,17 @@ TROLL_HOST_DEVICE double first_guess(const Point& at_zero, const Point& at_one, 
   return cubic;
 }
 
+/// d²KL/dt² = Var_πt[d] + t κ₃ of a member that carries κ₃, else NaN (no Halley step).
+template <class Point>
+TROLL_HOST_DEVICE double second_derivative(const Point& p, double t) {
+  if constexpr (point_has_cumulants<Point>::value) {
+    return p.sigma2 + t * p.kappa3;
+  } else {
+    (void)p, (void)t;
+    return quiet_nan();
+  }
+}
+
 /// How a bracketed solve ended: the member to write (the converged one, else the best feasible
 /// one, KL < ε) and the number of members evaluated.
 template <class Point>
@@ -208,10 +221,9 @@ struct bracket_solution {
 /// half the step before last (the rtsafe rule), otherwise the bisection point: so the bracket
 /// shrinks at least geometrically, and a stall (steps that shrink slowly, a KL that underflows
 /// to 0 on the far side of a steep rise) turns into bisection within two iterations.
-/// solve_bracketed's iteration, one member at a time, so that a caller can hold several rows'
-/// solves at once (the CPU's rows-in-lanes driver evaluates the pending members of eight rows
-/// in one packet pass) and still take exactly solve_bracketed's decisions: start(), then while
-/// !done(): evaluate the member at u (near() is its hint) and hand it to advance().
+/// solve_bracketed's iteration, one member at a time (a caller could hold several rows' solves
+/// at once and still take exactly solve_bracketed's decisions): start(), then while !done():
+/// evaluate the member at u (near() is its hint) and hand it to advance().
 template <class Point>
 struct bracket_search {
   double eps = 0.0, tol = 0.0, sqrt_eps = 0.0;
@@ -268,7 +280,14 @@ struct bracket_search {
     // leads. Whichever leads, the other is the fallback when the first leaves the bracket.
     // dKL/dt = t I(t). A KL that is 0 (underflow) or a slope that is 0 or not finite gives no
     // step: bisection.
+    //
+    // Where the member carries κ₃ (the reductions formed it: members near t*, the septic start's
+    // ends), the step is Halley's on the same transform, with d²KL/dt² = I(t) + t κ₃(t): cubic
+    // rather than quadratic convergence, so that a member a few 1e-3 from t* is followed by one
+    // within ~1e-9 and the next is predicted (predict_member) instead of evaluated. Taken only
+    // where Halley's factor moves the Newton step by at most a factor of two.
     const double dkl = u.t * point.sigma2;
+    const double d2kl = second_derivative(point, u.t);
     tilt_param next = u;
     bool newton = false;
     if (point.kl > 0.0 && dkl > 0.0 && dkl < inf()) {
@@ -276,13 +295,17 @@ struct bracket_search {
       for (int k = 0; k < 2; ++k) {
         // The sqrt step first unless far above; each taken only when needed (a log is not free).
         const bool take_log = far_above == (k == 0);
-        double delta;
+        double delta, curvature;  // the Newton step f/f′ and f″/f′ of the transform f
         if (take_log) {
           delta = ::log(point.kl / eps) * point.kl / dkl;
+          curvature = d2kl / dkl - dkl / point.kl;  // f′ = KL′/KL, f″ = KL″/KL − f′²
         } else {
           const double root_kl = ::sqrt(point.kl);
           delta = (root_kl - sqrt_eps) * 2.0 * root_kl / dkl;
+          curvature = d2kl / dkl - 0.5 * dkl / point.kl;  // f′ = KL′/(2√KL), f″ = KL″/(2√KL) − KL′²/(4 KL^{3/2})
         }
+        const double halley = 1.0 - 0.5 * delta * curvature;
+        if (halley >= 0.5 && halley <= 2.0) delta /= halley;  // false for a NaN κ₃
         if (!(::fabs(delta) <= 0.5 * step_before)) continue;  // not shrinking fast enough
         const tilt_param candidate = tilt_step(u, delta);
         if (tilt_less(lo, candidate) && tilt_less(candidate, hi)) {
