@@ -249,7 +249,7 @@ inline vjp_sums vjp_first_pass(const T* zn, const T* zo, const T* logp, const T*
   const packet one = pset1<packet>(1.0);
   auto first = [&](const packet& lp, const packet& c, const packet& gk, packet& sg, packet& sgc, packet& spc,
                    packet& spread) {
-    const packet pc = pmul(exp_bounded(lp), c);  // meaningful only when the row is `fine`
+    const packet pc = pmul(exp_in_range(lp), c);  // meaningful only when the row is `fine`
     spc = padd(spc, pc);
     spread = padd(spread, pmul(pabs(pc), psub(one, lp)));
     lowest = pmin(lowest, lp);
@@ -325,7 +325,7 @@ inline int vjp_row_packets(const T* zn, const T* zo, const T* logp, const T* g, 
   // gn = t·((g − π·Σg) − π·(d − μ)·h/σ²), written in T; the largest |gn| and a NaN unless every
   // gn is finite, for the check that they fit T.
   auto second = [&](const packet& lp, const packet& c, const packet& gk) {
-    const packet pi = exp_bounded(lp);
+    const packet pi = exp_in_range(lp);  // lp ∈ [−700, 0]: the row is `fine`
     const packet gn = pmul(pt, psub(psub(gk, pmul(pi, psum_g)), pmul(pmul(pi, c), ph)));
     largest = pmax(largest, pabs(gn));
     bad = padd(bad, psub(gn, gn));

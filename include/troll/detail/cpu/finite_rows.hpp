@@ -144,8 +144,8 @@ inline Packet exp_bounded(const Packet& x) {
 }
 
 #if defined(__AVX512F__)
-inline __m512d exp_bounded(const __m512d& x) {
-  const __m512d clamped = _mm512_min_pd(_mm512_max_pd(x, _mm512_set1_pd(-708.0)), _mm512_set1_pd(708.0));
+/// exp_bounded's AVX-512 kernel without the clamp (exp_in_range below).
+inline __m512d exp_in_range(const __m512d& clamped) {
   // n = round(x·16/ln 2), |n| ≤ 16,342, by the shifter 1.5·2^52: the sum's low mantissa bits
   // hold n in two's complement, and subtracting the shifter again gives n as a double, exactly.
   const __m512d shifter = _mm512_set1_pd(6755399441055744.0);
@@ -179,11 +179,25 @@ inline __m512d exp_bounded(const __m512d& x) {
   // 2^{j/16}·e^r = 2^{j/16} + 2^{j/16}·(e^r − 1) with one rounding; the power of 2 is exact
   return _mm512_mul_pd(_mm512_fmadd_pd(table, expm1_r, table), _mm512_castsi512_pd(bits));
 }
+
+inline __m512d exp_bounded(const __m512d& x) {
+  return exp_in_range(_mm512_min_pd(_mm512_max_pd(x, _mm512_set1_pd(-708.0)), _mm512_set1_pd(708.0)));
+}
 #elif defined(__AVX2__)
 inline __m256d exp_bounded(const __m256d& x) {
   return exp_reduced_scaled(_mm256_min_pd(x, _mm256_set1_pd(708.0)), -708.0);
 }
 #endif
+
+/// exp_bounded without its clamp, for callers whose x is known to lie in [−708, 708] or that
+/// discard the result otherwise (a reduction that checks its w afterwards, a pass whose `fine`
+/// flag rejects the row): the same bits in range, unspecified values (never a trap with the
+/// default floating-point environment) outside it. Two vector operations fewer per packet on
+/// AVX-512 (the overload above); exp_bounded itself on other packets.
+template <class Packet>
+inline Packet exp_in_range(const Packet& x) {
+  return exp_bounded(x);
+}
 
 /// A packet of doubles from `lanes` consecutive T (float widened exactly; in registers where the
 /// packet is AVX-512's or AVX's).
@@ -487,7 +501,7 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
   auto body = [&](const packet& a, const packet& b, packet& s0, packet& s1, packet& s2, packet& s3, packet& s4) {
     packet xk;
     const packet wk = weight(a, b, xk);
-    const packet e = exp_bounded(wk);
+    const packet e = exp_in_range(wk);  // w outside [−707, 600]: the pass returns false below
     const packet ex = pmul(e, xk);
     s0 = padd(s0, e);
     s1 = padd(s1, ex);
@@ -589,7 +603,7 @@ inline void tilt_reduce_ends(const T* zn, const T* zo, long count, const tilt_re
   };
   // One end's packet: x, e^w and the weighted sums, as tilt_reduce_one_pass's body.
   auto add = [](const packet& w, const packet& xk, sums& s) {
-    const packet e = exp_bounded(w);
+    const packet e = exp_in_range(w);  // w ∈ [−700, 0]
     const packet ex = pmul(e, xk);
     s.s0 = padd(s.s0, e);
     s.s1 = padd(s.s1, ex);
@@ -724,7 +738,7 @@ inline double exp_sum_below_top(const T* z, long count, double top) {
   for (long begin = 0; begin < whole; begin += chunk) {
     const long end = begin + chunk < whole ? begin + chunk : whole;
     packet s0 = pset1<packet>(0.0);
-    for (long k = begin; k < end; k += lanes) s0 = padd(s0, exp_bounded(psub(load_as_double<packet>(z + k), rn)));
+    for (long k = begin; k < end; k += lanes) s0 = padd(s0, exp_in_range(psub(load_as_double<packet>(z + k), rn)));
     t0 += predux(s0);
   }
   if (whole < count) {  // as tilt_reduce_one_pass: padded with the reference, weight 0
@@ -749,7 +763,7 @@ inline double exp_sum_below_top(const T* z, long count, double top) {
       }
       pa = ploadu<packet>(a), use = ploadu<packet>(keep);
     }
-    const packet s0 = padd(pset1<packet>(0.0), exp_bounded(psub(pa, rn)));
+    const packet s0 = padd(pset1<packet>(0.0), exp_in_range(psub(pa, rn)));
     t0 += predux(pmul(s0, use));
   }
   return t0;
