@@ -163,29 +163,33 @@ inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s,
   if (size > long(block_size) || size == 0) return -1;
   const long padded = (size + lanes - 1) / lanes * lanes;
   const bool projected = s.status == row_status::projected;
-  double pi[block_size], centred[block_size], gd[block_size], lp_of[block_size];
-  const packet mu = pset1<packet>(s.mu);
-  packet lowest = pset1<packet>(0.0), odd = pset1<packet>(0.0), sg = odd, sgc = odd;
+  double pi[block_size], centred[block_size], gd[block_size];
+  const packet mu = pset1<packet>(s.mu), one = pset1<packet>(1.0), zero = pset1<packet>(0.0);
+  packet lowest = zero, odd = zero, sg = zero, sgc = zero, spc = zero, spread = zero;
+  // lane j of the packet at k holds entry k + j: the padding's π c (e^{−700}·(−μ)) is kept out
+  // of the centring sums
+  const packet lane = plset<packet>(0.0), last = pset1<packet>(double(size));
   for (long k = 0; k < padded; k += lanes) {
     packet zn, zo, lp, gk;
     read(k, zn, zo, lp, gk);
     const packet c = psub(psub(zn, zo), mu);
     lowest = pmin(lowest, lp);
     odd = padd(odd, padd(psub(c, c), psub(lp, lp)));  // NaN unless every d − μ and log π is finite
-    pstoreu(pi + k, exp_bounded(lp));
+    const packet p = exp_bounded(lp);
+    pstoreu(pi + k, p);
     pstoreu(centred + k, c);
-    pstoreu(lp_of + k, lp);
     pstoreu(gd + k, gk);
     sg = padd(sg, gk);
     sgc = padd(sgc, pmul(gk, c));
+    // the centring correction (top of this file), in packets: Σ π c and Σ |π c| (1 − log π)
+    const packet pc = pand(pmul(p, c), pcmp_lt(padd(lane, pset1<packet>(double(k))), last));
+    spc = padd(spc, pc);
+    spread = padd(spread, pmul(pabs(pc), psub(one, lp)));
   }
   if (!(predux_min(lowest) >= -700.0 && predux(odd) == 0.0)) return -1;
-  centring_sums cs;  // the centring correction (top of this file); read below from double rows
-  for (long k = 0; k < size; ++k) {
-    const double pc = pi[k] * centred[k];
-    cs.m += pc;
-    cs.spread += ::fabs(pc) * (1.0 - lp_of[k]);
-  }
+  centring_sums cs;
+  cs.m = predux(spc);
+  cs.spread = predux(spread);
   const double m = projected ? cs.step<double>() : 0.0;
   const double sum_g = predux(sg), sum_gc = projected ? predux(sgc) - m * sum_g : 0.0;
   const double t = projected ? s.t : 1.0;
