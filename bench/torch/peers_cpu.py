@@ -11,7 +11,8 @@ allocations are not timed):
 * sparsify      — top-64 of 64 x 151,936 float32 logits plus the log of the tail mass
                   (torch.logsumexp + torch.topk, in calls of 16 rows), the peer of troll::sparsify;
 * log_softmax   — forward + backward of 64 x 151,936 float32 (the two aten kernels autograd runs,
-                  into preallocated outputs): the floor of the dense projection;
+                  into preallocated outputs): the floor of the dense projection; and the same on
+                  16 rows (log_softmax_fwd_bwd_16), the shape of bench_dense's rows:16 cases;
 * dense_bisect  — the prime-rl-style dense projection of 64 x 151,936 float32 rows (in calls of
                   16 rows), half of them active: 24 bisection steps on t under no_grad, then
                   log_softmax(log q + t (log p - log q)) with autograd to the new logits (t held
@@ -139,6 +140,18 @@ def main():
 
     s = timed(lsm, reps)
     results["log_softmax_fwd_bwd"] = {"rows": rows, "ms": s * 1e3, "rows/s": rows / s}
+
+    # The same on 16 rows, the shape of bench_dense's project_vjp/.../rows:16 (its working set,
+    # ~39 MB, partly held by a large L3 where the 64 rows' 155 MB are not: compare like with like)
+    n16, g16, y16, dx16 = new[:16].clone(), g[:16].clone(), y[:16].clone(), dx[:16].clone()
+
+    def lsm16():
+        torch.ops.aten._log_softmax.out(n16, -1, False, out=y16)
+        torch.ops.aten._log_softmax_backward_data.out(g16, y16, -1, torch.float32, out=dx16)
+
+    s = timed(lsm16, reps * 2)
+    results["log_softmax_fwd_bwd_16"] = {"rows": 16, "ms": s * 1e3, "rows/s": 16 / s}
+    del n16, g16, y16, dx16
 
     def dense():
         for n, o, u in zip(new.split(CHUNK), old.split(CHUNK), g.split(CHUNK)):
