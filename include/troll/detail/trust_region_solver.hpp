@@ -36,8 +36,6 @@ struct row_setup {
   bool any_masked = false;     // some token is −inf in either row: evaluators must mask
   double spread = inf();       // max − min over the logits of both rows (CPU scan; +inf: unknown)
   double x_range = inf();      // ≥ max − min of z̃ − z° over J (CPU scan of an all-finite pair; +inf: unknown)
-  bool end_cumulants = false;  // the ends also form κ₃, κ₄ for the septic first guess (the CPU's
-                               // finite rows; the CUDA evaluators form no cumulants)
 };
 
 struct solve_result {
@@ -251,10 +249,10 @@ TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setu
   solve_result r;
   // The ends, in one pass where the evaluator can: t = 0's normaliser gives log q's, both
   // variances seed the first Newton guess.
-  // Where the step to t* can be predicted (L known) and the evaluator asks for it
-  // (end_cumulants), the ends also form κ₃ and κ₄ for the septic first guess (first_guess,
-  // family_solver.hpp).
-  const bool cumulants = setup.end_cumulants && setup.x_range < inf();
+  // Where the step to t* can be predicted (L known: the CPU's finite rows, dense and sparse
+  // alike), the ends also form κ₃ and κ₄ for the septic first guess (first_guess,
+  // family_solver.hpp); evaluators that cannot form them (CUDA's) ignore the request.
+  const bool cumulants = setup.x_range < inf();
   lse_state zero_state, one_state;
   reduce_ends(eval, setup, cumulants, zero_state, one_state);
   const double old_log_sum = ends_old_log_sum(eval, setup, zero_state);

@@ -161,10 +161,6 @@ inline row_problem scan_pair(const T* zn, const T* zo, std::size_t size, row_set
       setup.x_range = ((e.max_diff - e.min_diff) + 2.0 * unit * (::fabs(e.max_diff) + ::fabs(e.min_diff)) +
                        8.0 * 0x1p-53 * largest) *
                       (1.0 + 0x1p-50);
-      // The septic first guess (κ₃, κ₄ at the ends: two more multiply-adds per token) followed
-      // by Halley steps brings most active rows to two evaluated members and a predicted one,
-      // long rows (dense) and the ~80-category rows of the sparse path alike.
-      setup.end_cumulants = true;
       return p;
     }
   }

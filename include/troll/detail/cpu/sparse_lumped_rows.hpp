@@ -48,7 +48,6 @@ inline bool lumped_pair_finite(const T* new_lp, const T* old_lp, int count, T ne
   setup.new_top = tilt_ref{zn[at_new], zo[at_new]};
   setup.old_top = tilt_ref{zn[at_old], zo[at_old]};
   setup.spread = maximum(max_new, max_old) - minimum(min_new, min_old);
-  setup.end_cumulants = true;  // as scan_pair
   // scan_pair's x_range on the widened rows: the differences z̃ − z° taken in double (as there,
   // not in T), widened by their rounding (unit 2^-53: scan_pair reads the double rows) and by
   // that of the solver's own x.
