@@ -1,6 +1,8 @@
-// python/src/module.cpp — the extension module troll._troll: troll's exceptions as Python
-// exceptions (troll/_errors.py), and the dense entry points (log_softmax, kl, project and their
-// backward passes). Every function takes caller-allocated outputs and releases the GIL while
+// python/src/module.cpp — the CPU extension module: troll's exceptions as Python exceptions
+// (troll/_errors.py), and the dense entry points (log_softmax, kl, project and their backward
+// passes). The same sources build troll._troll (the baseline: AVX2 + FMA on x86-64) and, where
+// the compiler can target x86-64-v4, troll._troll_avx512 (TROLL_PY_MODULE, TROLL_PY_ISA); the
+// Python layer runs the second on CPUs that have AVX-512 (troll/_cpu.py). Every function takes caller-allocated outputs and releases the GIL while
 // troll runs; the Python layer (troll/_core.py) allocates outputs in the caller's framework.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -105,9 +107,34 @@ void bind_dense(nb::module_& m) {
 
 }  // namespace troll_py
 
-NB_MODULE(_troll, m) {
+#ifndef TROLL_PY_MODULE
+#define TROLL_PY_MODULE _troll
+#endif
+#ifndef TROLL_PY_ISA
+#define TROLL_PY_ISA "generic"
+#endif
+
+NB_MODULE(TROLL_PY_MODULE, m) {
   namespace nb = nanobind;
   troll_py::register_errors();
+  // The instruction set this module was compiled for, and whether the running CPU (and its OS)
+  // can run the x86-64-v4 build: AVX-512 F, BW, CD, DQ and VL (the CPUID bits and the saved
+  // register state, as GCC and Clang's __builtin_cpu_supports read them).
+  m.attr("ISA") = TROLL_PY_ISA;
+  m.def("cpu_supports_avx512", [] {
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("x86-64-v4") != 0;  // every feature the level implies
+#elif (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
+#else
+    return false;
+#endif
+  }, "Whether this CPU runs troll._troll_avx512 (x86-64-v4: AVX-512 F, BW, CD, DQ, VL).");
   m.attr("__version__") = std::to_string(troll::version.major) + "." +
                           std::to_string(troll::version.minor) + "." +
                           std::to_string(troll::version.patch);

@@ -14,7 +14,8 @@ import torch
 
 import troll
 import troll.torch as tt
-from troll import _core, _troll
+from troll import _core
+from troll._cpu import kernels as _troll  # the CPU build the host path runs
 
 _FORWARDS = {"trust_region_forward", "sparse_trust_region_forward", "ppo_clip_forward", "dppo_forward"}
 

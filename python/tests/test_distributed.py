@@ -87,7 +87,7 @@ def _check_group(rank: int, world: int, group) -> None:
         loss = (torch.where(valid, rows.log_probs, 0) * grad_lp).sum() + (rows.log_remainder * grad_lr).sum()
         loss.backward()
         expected = torch.empty_like(z)
-        troll._troll.sparsify_backward(z.reshape(-1, VOCAB), troll._core._sparse_arg(
+        troll._core._troll.sparsify_backward(z.reshape(-1, VOCAB), troll._core._sparse_arg(
             troll.SparseRows(*(t.reshape((-1,) + tuple(t.shape[2:])) for t in whole[:4]), VOCAB)),
             ((grad_lp * valid).reshape(-1, K + 1).contiguous(), grad_lr.reshape(-1).contiguous()),
             expected.reshape(-1, VOCAB), 0)

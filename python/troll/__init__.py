@@ -10,6 +10,7 @@ from typing import Any
 
 from ._errors import BackendError, DomainError, DTypeError, InfeasibleError, InvalidInput, ShapeError
 from . import _troll
+from ._cpu import isa as cpu_isa
 from ._core import (
     INACTIVE,
     PROJECTED,
@@ -45,7 +46,7 @@ __all__ = [
     "InvalidInput", "ShapeError", "DTypeError", "DomainError", "InfeasibleError", "BackendError",
     "INACTIVE", "PROJECTED", "RESTRICTED", "STATUS_NAMES",
     "ProjectionStats", "SparseRows", "AlignedRows",
-    "log_softmax", "kl", "kl_backward", "project", "project_backward", "cuda_available",
+    "log_softmax", "kl", "kl_backward", "project", "project_backward", "cuda_available", "cpu_isa",
     "sparsify", "sparsify_backward", "align", "project_sparse", "project_sparse_backward", "kl_sparse",
     "sparsify_shard", "sparsify_finalize", "sparsify_tail_sums", "sparsify_shard_backward", "sparsify_state_bytes",
     "gaussian",

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import _troll
+from ._cpu import kernels as _troll  # troll._troll, or troll._troll_avx512 where the CPU has it
 from ._arrays import Framework, accepts_capsules, arg, leading_shape, require_shape, writable
 from ._errors import ShapeError
 

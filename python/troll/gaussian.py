@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-from . import _core, _troll
+from . import _core
+from ._cpu import kernels as _troll
 from ._arrays import Framework, accepts_capsules, arg, require_shape, writable
 from ._core import INACTIVE, PROJECTED, STATUS_NAMES
 from ._errors import ShapeError
