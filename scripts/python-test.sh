@@ -51,4 +51,11 @@ if [ "$status" -eq 5 ]; then
   exit 1
 fi
 [ "$status" -eq 0 ] || exit "$status"
+# Where the AVX-512 build ran the tests above (troll.cpu_isa() == "avx512"), the baseline build
+# (AVX2 + FMA) takes the same tests again: both modules ship in the package (troll/_cpu.py).
+isa=$(cd python/tests && "../../$venv/bin/python" -c "import troll; print(troll.cpu_isa())")
+if [ "$isa" = avx512 ]; then
+  step "pytest python/tests with TROLL_CPU_ISA=baseline"
+  (cd python && TROLL_CPU_ISA=baseline "../$venv/bin/pytest" -q tests --ignore=tests/test_trl.py)
+fi
 step "python tests passed"

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <troll/detail/cpu/finite_rows.hpp>
+#include <troll/detail/cpu/row_kernels.hpp>
 #include <troll/detail/family_solver.hpp>
 
 #include <cmath>
@@ -208,4 +209,69 @@ TEST_CASE("newton_start: exact on curves the interpolant reproduces, inside (0, 
     REQUIRE(t > 0.0);
     REQUIRE(t < 1.0);
   }
+}
+
+// exact_kl_finite (the packet sum of kl_term the solver asks for where the closed-form KL is too
+// coarse) against kl_term summed token by token in long double: rows nearly equal to the old one
+// (KL down to ~1e-20), ordinary rows, members at t from 1 down to 0.01 (|σ| ≥ 1 on some tokens:
+// the π(σ − 1) + q branch), float and double rows, lengths that leave a partial packet, and
+// tokens 699 below the old row's maximum whose log q falls below −708 (those packets are taken
+// by kl_term itself).
+TEST_CASE("exact_kl_finite: the cancellation-free KL in packets, against kl_term in long double") {
+  namespace td = troll::detail;
+  std::mt19937_64 rng(17);
+  std::normal_distribution<double> n01(0.0, 1.0);
+  double worst = 0.0;
+  int cases = 0, deep = 0;
+  auto run = [&](auto zero, std::size_t size, double noise, bool deep_tail) {
+    using T = decltype(zero);
+    std::vector<T> zn(size), zo(size);
+    // deep_tail: most old logits near 0 (log Σ e^{z°} ≈ log V) and every seventh 699.8 below,
+    // so that log q ≈ −699.8 − log V < −708 while the spread stays under 700
+    const double scale = deep_tail ? 0.01 : 3.0;
+    for (std::size_t j = 0; j < size; ++j) {
+      zo[j] = T(scale * n01(rng));
+      zn[j] = T(double(zo[j]) + noise * n01(rng));
+    }
+    if (deep_tail) {
+      for (std::size_t j = 0; j < size; j += 7) {
+        zo[j] = T(-699.8 + 0.001 * double(j % 100));
+        zn[j] = T(double(zo[j]) + 0.5);
+      }
+    }
+    td::row_setup setup;
+    REQUIRE_FALSE(td::cpu::scan_pair(zn.data(), zo.data(), size, setup, "new", "old"));
+    REQUIRE(setup.spread <= 700.0);
+    const td::cpu::tilt_evaluator<T> eval = td::cpu::make_evaluator(zn.data(), zo.data(), size, setup);
+    const double old_log_sum = eval.old_log_sum();
+    for (double t : {1.0, 0.7, 0.3, 0.01}) {
+      const td::tilt_point p = td::make_point(eval(tilt_at(t), setup.new_top), tilt_at(t), setup.new_top,
+                                              setup.old_max, old_log_sum);
+      long double exact = 0.0L;
+      bool below = false;
+      for (std::size_t j = 0; j < size; ++j) {
+        exact += (long double)td::kl_term(double(zn[j]), double(zo[j]), p);
+        below = below || (double(zo[j]) - p.old_max) - p.old_log_sum < -708.0;
+      }
+      deep += below ? 1 : 0;
+      const double got = td::cpu::exact_kl_finite(zn.data(), zo.data(), long(size), p);
+      CHECK(eval.exact_kl(p) == got);  // the evaluator's sum on such rows
+      const long double diff = std::fabs((long double)got - exact);
+      if (exact > 0.0L) worst = std::max(worst, double(diff / exact));
+      ++cases;
+      INFO("size ", size, " noise ", noise, " t ", t, " got ", got, " exact ", double(exact));
+      CHECK(double(diff) <= 1e-13 * double(exact));  // a single token: KL = 0 exactly
+    }
+  };
+  for (std::size_t size : {1, 7, 8, 9, 63, 1000, 4099, 20000})
+    for (double noise : {1e-9, 1e-5, 1e-2, 1.0}) {
+      run(0.0, size, noise, false);
+      run(0.0f, size, noise, false);
+    }
+  for (std::size_t size : {64, 5000}) {
+    run(0.0, size, 1e-3, true);
+    run(0.0f, size, 1e-3, true);
+  }
+  MESSAGE("exact_kl_finite: worst ", worst, " relative over ", cases, " sums (", deep, " with log q < -708)");
+  CHECK(deep > 0);
 }

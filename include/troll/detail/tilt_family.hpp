@@ -172,25 +172,32 @@ TROLL_HOST_DEVICE inline bool predict_member(const tilt_point& p, const tilt_par
   return true;
 }
 
+/// The coefficients of φ(σ)/σ² = Σ_{n≥2} c_n σ^{n−2}, c_n = (n−1)/n! (n = 2..21; the tail is
+/// below 1e-18 relative for |σ| < 1), in Horner order: kl_series_coefficient(k) is c_{21−k}, k =
+/// 0..kl_series_terms − 1. Shared by kl_term_value and the CPU's packet sum (exact_kl_finite).
+constexpr int kl_series_terms = 20;
+TROLL_HOST_DEVICE inline double kl_series_coefficient(int k) {
+  constexpr double c[kl_series_terms] = {
+      3.9145882126782523e-19, 7.809603484293113e-18, 1.4797143443923793e-16,
+      2.6552651846596585e-15, 4.498331606952833e-14, 7.169215998581078e-13,
+      1.0706029224547743e-11, 1.4911969277048643e-10, 1.9270852604185937e-09,
+      2.296443268665491e-08, 2.505210838544172e-07, 2.48015873015873e-06,
+      2.2045855379188714e-05, 0.00017361111111111112, 0.0011904761904761906,
+      0.006944444444444444, 0.03333333333333333, 0.125,
+      0.3333333333333333, 0.5};
+  return c[k];
+}
+
 /// q·φ(σ) with φ(σ) = σ e^σ − e^σ + 1 = Σ_{n≥2} (n−1) σ^n / n!, the non-negative per-token term
 /// of KL(π‖q) = Σ_i q_i φ(log π_i/q_i) (valid because Σπ = Σq = 1). For |σ| < 1 the series
-/// (20 terms, Horner; the tail is below 1e-18 relative), else π(σ − 1) + q, which cannot cancel
-/// by more than a factor of four there; formed from log π where π is near the subnormals (a
-/// token the old row masks with a finite value near −DBL_MAX) and σ·π is not.
+/// (kl_series_coefficient), else π(σ − 1) + q, which cannot cancel by more than a factor of four there;
+/// formed from log π where π is near the subnormals (a token the old row masks with a finite
+/// value near −DBL_MAX) and σ·π is not.
 TROLL_HOST_DEVICE inline double kl_term_value(double sigma, double log_pi, double q) {
   if (::fabs(sigma) < 1.0) {
-    // φ(σ) = σ² Σ_{n≥2} c_n σ^{n−2}, c_n = (n−1)/n! (n = 2..21).
     const double x = sigma;
-    constexpr double c[20] = {  // c_21 … c_2, for Horner's scheme
-        3.9145882126782523e-19, 7.809603484293113e-18, 1.4797143443923793e-16,
-        2.6552651846596585e-15, 4.498331606952833e-14, 7.169215998581078e-13,
-        1.0706029224547743e-11, 1.4911969277048643e-10, 1.9270852604185937e-09,
-        2.296443268665491e-08, 2.505210838544172e-07, 2.48015873015873e-06,
-        2.2045855379188714e-05, 0.00017361111111111112, 0.0011904761904761906,
-        0.006944444444444444, 0.03333333333333333, 0.125,
-        0.3333333333333333, 0.5};
-    double acc = c[0];
-    for (int n = 1; n < 20; ++n) acc = acc * x + c[n];
+    double acc = kl_series_coefficient(0);
+    for (int k = 1; k < kl_series_terms; ++k) acc = acc * x + kl_series_coefficient(k);
     return q * (x * x) * acc;
   }
   const double pi = ::exp(log_pi);

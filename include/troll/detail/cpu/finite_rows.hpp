@@ -797,6 +797,69 @@ inline void write_tilted(const T* zn, const T* zo, long count, const tilt_param&
   }
 }
 
+/// KL(π_p‖q) at an evaluated point p as the sum of kl_term (tilt_family.hpp) over a row pair whose
+/// logits are all finite with a spread of at most 700 (nothing to clamp, every token on J), in
+/// packets: the same formulas — σ by kl_centred's rule, the series where |σ| < 1, else
+/// π(σ − 1) + q — with the exponentials by exp_in_range (within 1.5 ulp) in place of std::exp,
+/// and the non-negative terms summed in packet accumulators over chunks of 512 tokens. A packet
+/// that holds a log q below −708 or a term of the subnormal branch (σ > 1, π < 1e-290) is taken
+/// token by token by kl_term itself. The solver asks for this sum where the closed-form KL is too
+/// coarse (a KL far below its normalisers' rounding: rows nearly equal to the old ones, which is
+/// where PPO-style training starts every update), so its cost is that of one member's pass.
+template <class T>
+inline double exact_kl_finite(const T* zn, const T* zo, long count, const tilt_point& p) {
+  using namespace Eigen::internal;
+  using packet = packet_traits<double>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(double));
+  constexpr long chunk = 512;
+  const bool low = p.t <= 0.5;
+  const double slope = low ? p.t : -p.s, ref_d = p.ref.zn - p.ref.zo;
+  const packet rn = pset1<packet>(p.ref.zn), ro = pset1<packet>(p.ref.zo), ps = pset1<packet>(slope);
+  const packet pt = pset1<packet>(p.t), ac = pset1<packet>(p.a_c), norm = pset1<packet>(p.log_norm);
+  const packet old_max = pset1<packet>(p.old_max), old_log_sum = pset1<packet>(p.old_log_sum);
+  const packet rd = pset1<packet>(ref_d), abs_rd = pset1<packet>(::fabs(ref_d));
+  const packet one = pset1<packet>(1.0), zero = pset1<packet>(0.0);
+  const packet q_floor = pset1<packet>(-708.0), pi_floor = pset1<packet>(-667.0);  // e^-667 < 1e-290
+  // One packet's terms, or false where a lane needs kl_term's own branches.
+  auto terms = [&](const packet& a, const packet& b, packet& out) {
+    const packet dn = psub(a, rn), dold = psub(b, ro), x = psub(dn, dold);
+    const packet d = psub(a, b);
+    // kl_centred: the row difference where it rounds less than the differences to the reference
+    const packet by_row = pcmp_lt(padd(pabs(d), abs_rd), padd(pabs(dn), pabs(dold)));
+    const packet sigma = psub(pmul(pt, pselect(by_row, psub(d, rd), x)), ac);
+    const packet log_pi = psub(pmadd(ps, x, low ? dold : dn), norm);
+    const packet log_q = psub(psub(b, old_max), old_log_sum);
+    const packet small = pcmp_lt(pabs(sigma), one);
+    if (predux_any(pcmp_lt(log_q, q_floor)) || predux_any(pandnot(pcmp_lt(log_pi, pi_floor), small))) return false;
+    const packet q = exp_in_range(log_q);
+    packet acc = pset1<packet>(kl_series_coefficient(0));
+    for (int k = 1; k < kl_series_terms; ++k) acc = pmadd(acc, sigma, pset1<packet>(kl_series_coefficient(k)));
+    const packet series = pmul(pmul(q, pmul(sigma, sigma)), acc);
+    const packet far = pmadd(exp_in_range(log_pi), psub(sigma, one), q);
+    out = pselect(small, series, far);
+    return true;
+  };
+  double total = 0.0;
+  const long whole = count - count % lanes;
+  for (long begin = 0; begin < whole; begin += chunk) {
+    const long end = begin + chunk < whole ? begin + chunk : whole;
+    packet sum = zero;
+    for (long k = begin; k < end; k += lanes) {
+      packet term;
+      if (terms(load_as_double<packet>(zn + k), load_as_double<packet>(zo + k), term)) {
+        sum = padd(sum, term);
+      } else {
+        double one_by_one = 0.0;
+        for (long j = k; j < k + lanes; ++j) one_by_one += kl_term(double(zn[j]), double(zo[j]), p);
+        total += one_by_one;
+      }
+    }
+    total += predux(sum);
+  }
+  for (long k = whole; k < count; ++k) total += kl_term(double(zn[k]), double(zo[k]), p);
+  return total;
+}
+
 }  // namespace cpu
 }  // namespace detail
 TROLL_END_NAMESPACE

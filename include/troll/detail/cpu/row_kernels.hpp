@@ -390,6 +390,8 @@ struct tilt_evaluator {
 
   /// KL(π‖q) at an evaluated point as the sum of non-negative kl_terms (no cancellation).
   double exact_kl(const tilt_point& p) const {
+    if (!masked && spread <= 700.0)  // the common pair: in packets (finite_rows.hpp)
+      return exact_kl_finite(new_logits, old_logits, static_cast<long>(size), p);
     double sum = 0.0;
     for (std::size_t i = 0; i < size; ++i)
       sum += kl_term(static_cast<double>(new_logits[i]), static_cast<double>(old_logits[i]), p);
