@@ -797,6 +797,62 @@ inline void write_tilted(const T* zn, const T* zo, long count, const tilt_param&
   }
 }
 
+/// expm1(x) for |x| ≤ 1/2 on one packet: x·Σ_{k=0}^{16} x^k/(k+1)! in Horner form (the terms of
+/// expm1_near_zero, 17 operations instead of 32; within 1.46 ulp of expm1l over 2·10^6 points,
+/// as the nested form).
+template <class Packet>
+inline Packet expm1_near_zero_packet(const Packet& x) {
+  using namespace Eigen::internal;
+  constexpr double c[17] = {1.0,
+                            1.0 / 2,
+                            1.0 / 6,
+                            1.0 / 24,
+                            1.0 / 120,
+                            1.0 / 720,
+                            1.0 / 5040,
+                            1.0 / 40320,
+                            1.0 / 362880,
+                            1.0 / 3628800,
+                            1.0 / 39916800,
+                            1.0 / 479001600,
+                            1.0 / 6227020800.0,
+                            1.0 / 87178291200.0,
+                            1.0 / 1307674368000.0,
+                            1.0 / 20922789888000.0,
+                            1.0 / 355687428096000.0};
+  Packet p = pset1<Packet>(c[16]);
+#if defined(__GNUC__)
+#pragma GCC unroll 16
+#endif
+  for (int k = 15; k >= 0; --k) p = pmadd(p, x, pset1<Packet>(c[k]));
+  return pmul(x, p);
+}
+
+/// e^x of one packet: exp_in_range where every lane lies in [−708, 708], else std::exp lane by
+/// lane (subnormal results, 0, +inf: what exact_exp gives).
+template <class Packet>
+inline Packet exp_any(const Packet& x) {
+  using namespace Eigen::internal;
+  constexpr int lanes = int(sizeof(Packet) / sizeof(double));
+  if (!predux_any(por(pcmp_lt(x, pset1<Packet>(-708.0)), pcmp_lt(pset1<Packet>(708.0), x))))
+    return exp_in_range(x);
+  double v[lanes];
+  pstoreu(v, x);
+  for (int j = 0; j < lanes; ++j) v[j] = std::exp(v[j]);
+  return ploadu<Packet>(v);
+}
+
+/// kl_centred (tilt_family.hpp) on one packet of a finite pair with a spread of at most 700
+/// (nothing to clamp): the row difference d − d_r where it rounds less than the differences to
+/// the reference, x = (z̃ − z̃_r) − (z° − z°_r) elsewhere. rd = z̃_r − z°_r, abs_rd = |rd|.
+template <class Packet>
+inline Packet kl_centred_packet(const Packet& a, const Packet& b, const Packet& rn, const Packet& ro,
+                                const Packet& rd, const Packet& abs_rd) {
+  using namespace Eigen::internal;
+  const Packet dn = psub(a, rn), dq = psub(b, ro), d = psub(a, b);
+  return pselect(pcmp_lt(padd(pabs(d), abs_rd), padd(pabs(dn), pabs(dq))), psub(d, rd), psub(dn, dq));
+}
+
 /// KL(π_p‖q) at an evaluated point p as the sum of kl_term (tilt_family.hpp) over a row pair whose
 /// logits are all finite with a spread of at most 700 (nothing to clamp, every token on J), in
 /// packets: the same formulas — σ by kl_centred's rule, the series where |σ| < 1, else
@@ -820,23 +876,26 @@ inline double exact_kl_finite(const T* zn, const T* zo, long count, const tilt_p
   const packet rd = pset1<packet>(ref_d), abs_rd = pset1<packet>(::fabs(ref_d));
   const packet one = pset1<packet>(1.0), zero = pset1<packet>(0.0);
   const packet q_floor = pset1<packet>(-708.0), pi_floor = pset1<packet>(-667.0);  // e^-667 < 1e-290
+  // The series' coefficients as packets, set once (the Horner chain then runs in registers).
+  packet coefficient[kl_series_terms];
+  for (int k = 0; k < kl_series_terms; ++k) coefficient[k] = pset1<packet>(kl_series_coefficient(k));
   // One packet's terms, or false where a lane needs kl_term's own branches.
   auto terms = [&](const packet& a, const packet& b, packet& out) {
     const packet dn = psub(a, rn), dold = psub(b, ro), x = psub(dn, dold);
-    const packet d = psub(a, b);
-    // kl_centred: the row difference where it rounds less than the differences to the reference
-    const packet by_row = pcmp_lt(padd(pabs(d), abs_rd), padd(pabs(dn), pabs(dold)));
-    const packet sigma = psub(pmul(pt, pselect(by_row, psub(d, rd), x)), ac);
+    const packet sigma = psub(pmul(pt, kl_centred_packet(a, b, rn, ro, rd, abs_rd)), ac);
     const packet log_pi = psub(pmadd(ps, x, low ? dold : dn), norm);
     const packet log_q = psub(psub(b, old_max), old_log_sum);
     const packet small = pcmp_lt(pabs(sigma), one);
-    if (predux_any(pcmp_lt(log_q, q_floor)) || predux_any(pandnot(pcmp_lt(log_pi, pi_floor), small))) return false;
+    if (predux_any(por(pcmp_lt(log_q, q_floor), pandnot(pcmp_lt(log_pi, pi_floor), small)))) return false;
     const packet q = exp_in_range(log_q);
-    packet acc = pset1<packet>(kl_series_coefficient(0));
-    for (int k = 1; k < kl_series_terms; ++k) acc = pmadd(acc, sigma, pset1<packet>(kl_series_coefficient(k)));
-    const packet series = pmul(pmul(q, pmul(sigma, sigma)), acc);
-    const packet far = pmadd(exp_in_range(log_pi), psub(sigma, one), q);
-    out = pselect(small, series, far);
+    packet acc = coefficient[0];
+#if defined(__GNUC__)
+#pragma GCC unroll 20
+#endif
+    for (int k = 1; k < kl_series_terms; ++k) acc = pmadd(acc, sigma, coefficient[k]);
+    out = pmul(pmul(q, pmul(sigma, sigma)), acc);
+    if (predux_any(pcmp_le(one, pabs(sigma))))  // some |σ| ≥ 1: π(σ − 1) + q there
+      out = pselect(small, out, pmadd(exp_in_range(log_pi), psub(sigma, one), q));
     return true;
   };
   double total = 0.0;

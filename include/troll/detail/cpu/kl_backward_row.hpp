@@ -45,11 +45,113 @@ inline void load_kl_block(const T* zp, const T* zq, std::size_t begin, Eigen::In
   b.q = exact_exp(b.log_q);
 }
 
+/// kl_backward_row for a pair whose logits are all finite with a spread of at most 700 (no
+/// masks, nothing to clamp): the same formulas in packets, reading T in place, in two passes and
+/// without block temporaries. The first pass sums, relative to the rows' maxima (the setup's),
+/// e^{z_p − M_p}, e^{z_q − M_q}, e^{z_p − M_p}·x and e^{z_q − M_q}·expm1(x) (e^{z_q − M_q + x} −
+/// e^{z_q − M_q} where |x| > 1/2): the normalisers, E_p[x] and e^a − 1 = Σ q_i expm1(x_i) in one
+/// go (every exponent of the normalisers in [−700, 0]); the second writes the gradients. Returns
+/// false, writing nothing, for any other pair.
+template <class T>
+inline bool kl_backward_row_finite(const T* zp, const T* zq, std::size_t size, const row_setup& setup, double g,
+                                   T* grad_p, T* grad_q) {
+  using namespace Eigen::internal;
+  using packet = packet_traits<double>::type;
+  constexpr long lanes = long(sizeof(packet) / sizeof(double));
+  constexpr long chunk = 512;
+  if (setup.any_masked || !(setup.spread <= 700.0) || size == 0) return false;
+  const long n = static_cast<long>(size), whole = n - n % lanes, padded = (n + lanes - 1) / lanes * lanes;
+  const tilt_ref ref = setup.new_top;  // a token both rows keep; its z_p is the row's maximum
+  const double p_max = ref.zn, q_max = setup.old_max, ref_d = ref.zn - ref.zo;
+  // Every packet of the row, the last one padded with the reference token's logits (x = 0,
+  // exponents in range), which the sums weight by 0 and the writes skip.
+  auto read = [&](long k, packet& a, packet& b) {
+    if (k < whole) {
+      a = load_as_double<packet>(zp + k);
+      b = load_as_double<packet>(zq + k);
+      return;
+    }
+    double ta[lanes], tb[lanes];
+    for (long j = 0; j < lanes; ++j) {
+      ta[j] = k + j < n ? double(zp[k + j]) : ref.zn;
+      tb[j] = k + j < n ? double(zq[k + j]) : ref.zo;
+    }
+    a = ploadu<packet>(ta);
+    b = ploadu<packet>(tb);
+  };
+  const packet pm = pset1<packet>(p_max), qm = pset1<packet>(q_max), half = pset1<packet>(0.5);
+  const packet rn = pset1<packet>(ref.zn), ro = pset1<packet>(ref.zo), rd = pset1<packet>(ref_d);
+  const packet abs_rd = pset1<packet>(::fabs(ref_d));
+  auto centred = [&](const packet& a, const packet& b) { return kl_centred_packet(a, b, rn, ro, rd, abs_rd); };
+  double sum_p = 0.0, sum_q = 0.0, sum_px = 0.0, sum_t = 0.0;
+  for (long begin = 0; begin < padded; begin += chunk) {
+    const long end = begin + chunk < padded ? begin + chunk : padded;
+    packet sp = pset1<packet>(0.0), sq = sp, spx = sp, st = sp;
+    for (long k = begin; k < end; k += lanes) {
+      packet a, b;
+      read(k, a, b);
+      const packet x = centred(a, b), uq = psub(b, qm);
+      packet ep = exp_in_range(psub(a, pm)), eq = exp_in_range(uq);  // exponents in [−700, 0]
+      packet term = pmul(eq, expm1_near_zero_packet(pmax(pmin(x, half), pnegate(half))));
+      if (predux_any(pcmp_lt(half, pabs(x))))  // some |x| > 1/2
+        term = pselect(pcmp_le(pabs(x), half), term, psub(exp_any(padd(uq, x)), eq));
+      if (k + lanes > n) {  // the padded packet: weight 0 on the padding
+        double w[lanes];
+        for (long j = 0; j < lanes; ++j) w[j] = k + j < n ? 1.0 : 0.0;
+        const packet live = ploadu<packet>(w);
+        ep = pmul(ep, live), eq = pmul(eq, live), term = pmul(term, live);
+      }
+      sp = padd(sp, ep);
+      sq = padd(sq, eq);
+      spx = pmadd(ep, x, spx);
+      st = padd(st, term);
+    }
+    sum_p += predux(sp), sum_q += predux(sq), sum_px += predux(spx), sum_t += predux(st);
+  }
+  const double p_log_sum = ::log(sum_p), q_log_sum = ::log(sum_q);
+  const double mean_x = sum_px / sum_p, sum = sum_t / sum_q;  // E_p[x], Σ q_i expm1(x_i)
+  double a_log = 0.0;
+  if (!(sum > -0.5 && sum < inf())) {  // the rows are far apart: the closed form is exact enough
+    a_log = ((ref.zo - q_max) - q_log_sum) - ((ref.zn - p_max) - p_log_sum);
+  } else {
+    a_log = ::log1p(sum);
+  }
+  // Second pass: the gradients.
+  const packet pls = pset1<packet>(p_log_sum), qls = pset1<packet>(q_log_sum);
+  const packet mx = pset1<packet>(mean_x), pa = pset1<packet>(a_log), pg = pset1<packet>(g);
+  for (long k = 0; k < padded; k += lanes) {
+    packet a, b;
+    read(k, a, b);
+    const packet x = centred(a, b);
+    const packet p = exp_any(psub(psub(a, pm), pls)), q = exp_any(psub(psub(b, qm), qls));
+    const packet gp = pmul(pg, pmul(p, psub(x, mx)));
+    const packet sigma = psub(x, pa);
+    packet gq = pnegate(pmul(q, expm1_near_zero_packet(pmax(pmin(sigma, half), pnegate(half)))));
+    if (predux_any(pcmp_lt(half, pabs(sigma))))  // some |σ| > 1/2: q − p there
+      gq = pselect(pcmp_le(pabs(sigma), half), gq, psub(q, p));
+    gq = pmul(pg, gq);
+    if (k + lanes <= n) {
+      if (grad_p) store_from_double(grad_p + k, gp);
+      if (grad_q) store_from_double(grad_q + k, gq);
+    } else {
+      double tp[lanes], tq[lanes];
+      pstoreu(tp, gp);
+      pstoreu(tq, gq);
+      for (long j = 0; k + j < n; ++j) {
+        if (grad_p) grad_p[k + j] = T(tp[j]);
+        if (grad_q) grad_q[k + j] = T(tq[j]);
+      }
+    }
+  }
+  return true;
+}
+
 /// grad_p[j] = g ∂KL/∂z_p,j and grad_q[j] = g ∂KL/∂z_q,j of one validated row pair with a finite
 /// KL (setup from scan_pair); either output may be null.
 template <class T>
 inline void kl_backward_row(const T* zp, const T* zq, std::size_t size, const row_setup& setup, double g,
                             T* grad_p, T* grad_q) {
+  if (kl_backward_row_finite(zp, zq, size, setup, g, grad_p, grad_q)) return;
   const tilt_ref ref = setup.new_top;  // a token both rows keep
   const double p_max = row_max(zp, size), q_max = setup.old_max;
   const double p_log_sum = log_sum_exp_shifted(zp, size, p_max);
