@@ -10,7 +10,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 jobs=$(nproc 2>/dev/null || echo 2)
 tests=(test_exp_kernels test_tilt_kernels test_end_passes test_sparse_fast_checks test_sparsify_rows
-       test_sparse_fast_paths test_hard_rows test_float_vs_double test_solver_prediction test_adversarial_sparse)
+       test_sparse_fast_paths test_hard_rows test_float_vs_double test_solver_prediction test_adversarial_sparse
+       test_kl_precision)
 
 for set in ${ARCH_TEST_SETS:-baseline v3}; do
   case "$set" in

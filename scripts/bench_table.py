@@ -20,7 +20,7 @@ import sys
 
 BEGIN = "<!-- BEGIN bench_table.py output: regenerate, do not edit by hand -->"
 END = "<!-- END bench_table.py output -->"
-DENSE_OPS = {"project", "project_vjp", "log_softmax", "kl", "read"}
+DENSE_OPS = {"project", "project_vjp", "log_softmax", "kl", "kl_backward", "read"}
 VJP_ARRAYS = 8
 FORWARD_ARRAYS = 3
 
@@ -55,7 +55,7 @@ def parse_dense(b):
     for part in parts[2:]:
         if part in ("serial", "parallel"):
             fields["threads"] = part
-        elif re.fullmatch(r"active\d+", part):
+        elif re.fullmatch(r"active\d+|nearly_equal", part):
             fields["mix"] = part
         elif ":" in part:
             key, value = part.split(":", 1)
@@ -132,13 +132,13 @@ def dense_tables(runs):
                     f"{f['time'] / read:.1f}" if read else "–"))
             out.append("")
 
-    base = [f for f in rows if f["op"] in ("log_softmax", "kl", "read")]
+    base = [f for f in rows if f["op"] in ("log_softmax", "kl", "kl_backward", "read")]
     if base:
         out.append("#### Baselines: `troll::log_softmax`, `troll::kl`, plain read\n")
         out.append("| op | type | V | rows | threads | rows/s | GB/s | ns/element | cv | "
                    "× log_softmax |")
         out.append("|:---|:---|---:|---:|:---|---:|---:|---:|---:|---:|")
-        order = {"log_softmax": 0, "kl": 1, "read": 2}
+        order = {"log_softmax": 0, "kl": 1, "kl_backward": 2, "read": 3}
         base.sort(key=lambda f: (f["type"] != "float", f["V"], f["rows"], f["threads"] != "serial",
                                  order[f["op"]], f.get("arrays") or 0))
         for f in base:

@@ -60,7 +60,8 @@ inline void zipf_row(std::mt19937_64& rng, std::size_t size, double* out) {
 
 /// Generates `rows` row pairs over `vocab` tokens. Row r uses its own seed, so a batch of k rows
 /// is the prefix of any larger batch with the same arguments. An active row aims at
-/// KL(p̃ ‖ q) ∈ [2ε, 8ε] (log-uniform), an inactive one at [0.1ε, 0.5ε]; the perturbation
+/// KL(p̃ ‖ q) ∈ [2ε, 8ε] (log-uniform), an inactive one at [0.1ε, 0.5ε] (with active_fraction < 0,
+/// every row at [1e-7, 1e-5]: nearly equal rows); the perturbation
 /// z̃ − z° = δ·g (g standard normal per token) is scaled by a few fixed-point steps
 /// δ ← δ·sqrt(target / KL(δ)), which land within a few per cent of the target.
 inline logit_pair make_logit_pair(std::size_t rows, std::size_t vocab, double active_fraction,
@@ -83,7 +84,10 @@ inline logit_pair make_logit_pair(std::size_t rows, std::size_t vocab, double ac
     const bool active = is_active_row(r, active_fraction);
     out.active[r] = active ? 1 : 0;
     std::uniform_real_distribution<double> unit;
-    const double low = active ? 2.0 * eps : 0.1 * eps, high = active ? 8.0 * eps : 0.5 * eps;
+    // active_fraction < 0: every row nearly equal to its old row (KL from 1e-7 to 1e-5, far below
+    // ε: the first steps of every PPO update), else inactive rows at 0.1–0.5 ε
+    const bool near = active_fraction < 0.0;
+    const double low = active ? 2.0 * eps : near ? 1e-7 : 0.1 * eps, high = active ? 8.0 * eps : near ? 1e-5 : 0.5 * eps;
     const double target = low * std::pow(high / low, unit(rng));
 
     auto perturb = [&](double scale) {

@@ -93,7 +93,7 @@ inline bool kl_backward_row_finite(const T* zp, const T* zq, std::size_t size, c
       const packet x = centred(a, b), uq = psub(b, qm);
       packet ep = exp_in_range(psub(a, pm)), eq = exp_in_range(uq);  // exponents in [−700, 0]
       packet term = pmul(eq, expm1_near_zero_packet(pmax(pmin(x, half), pnegate(half))));
-      if (predux_any(pcmp_lt(half, pabs(x))))  // some |x| > 1/2
+      if (any_lane(pcmp_lt(half, pabs(x))))  // some |x| > 1/2
         term = pselect(pcmp_le(pabs(x), half), term, psub(exp_any(padd(uq, x)), eq));
       if (k + lanes > n) {  // the padded packet: weight 0 on the padding
         double w[lanes];
@@ -127,7 +127,7 @@ inline bool kl_backward_row_finite(const T* zp, const T* zq, std::size_t size, c
     const packet gp = pmul(pg, pmul(p, psub(x, mx)));
     const packet sigma = psub(x, pa);
     packet gq = pnegate(pmul(q, expm1_near_zero_packet(pmax(pmin(sigma, half), pnegate(half)))));
-    if (predux_any(pcmp_lt(half, pabs(sigma))))  // some |σ| > 1/2: q − p there
+    if (any_lane(pcmp_lt(half, pabs(sigma))))  // some |σ| > 1/2: q − p there
       gq = pselect(pcmp_le(pabs(sigma), half), gq, psub(q, p));
     gq = pmul(pg, gq);
     if (k + lanes <= n) {

@@ -565,7 +565,7 @@ inline bool centred_log_ratio(const T* zp, const T* zq, std::size_t size, const 
       const packet log_q = psub(zqk, shift);
       const packet q = exp_any(log_q);
       packet term = pmul(q, expm1_near_zero_packet(pmax(pmin(x, half), pnegate(half))));
-      if (predux_any(pcmp_lt(half, pabs(x))))  // some |x| > 1/2
+      if (any_lane(pcmp_lt(half, pabs(x))))  // some |x| > 1/2
         term = pselect(pcmp_le(pabs(x), half), term, psub(exp_any(padd(log_q, x)), q));
       acc = padd(acc, pmul(term, live));
     };
