@@ -87,7 +87,8 @@ inline logit_pair make_logit_pair(std::size_t rows, std::size_t vocab, double ac
     // active_fraction < 0: every row nearly equal to its old row (KL from 1e-7 to 1e-5, far below
     // ε: the first steps of every PPO update), else inactive rows at 0.1–0.5 ε
     const bool near = active_fraction < 0.0;
-    const double low = active ? 2.0 * eps : near ? 1e-7 : 0.1 * eps, high = active ? 8.0 * eps : near ? 1e-5 : 0.5 * eps;
+    const double low = active ? 2.0 * eps : near ? 1e-7 : 0.1 * eps;
+    const double high = active ? 8.0 * eps : near ? 1e-5 : 0.5 * eps;
     const double target = low * std::pow(high / low, unit(rng));
 
     auto perturb = [&](double scale) {

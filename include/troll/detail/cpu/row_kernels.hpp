@@ -573,7 +573,8 @@ inline bool centred_log_ratio(const T* zp, const T* zq, std::size_t size, const 
     for (long begin = 0; begin < whole; begin += 512) {
       const long end = begin + 512 < whole ? begin + 512 : whole;
       packet acc = pset1<packet>(0.0);
-      for (long k = begin; k < end; k += lanes) add(load_as_double<packet>(zp + k), load_as_double<packet>(zq + k), one, acc);
+      for (long k = begin; k < end; k += lanes)
+        add(load_as_double<packet>(zp + k), load_as_double<packet>(zq + k), one, acc);
       total += predux(acc);
     }
     if (whole < n) {  // the last partial packet, padded with the reference token (weight 0)
