@@ -102,7 +102,7 @@ inline void load_backward_block(const T* zn, const T* zo, const T* logp, double 
   b.log_pi = lp;
   b.full = lp.minCoeff() > neg_inf();
   if (b.full) return;
-  // Off J: Eigen's vectorised exp clamps its argument (exp(−inf) ≈ 1e-308) and d may be NaN.
+  // Off J: π is 0 (block_exp(−inf)) and d may be NaN.
   b.on_support = lp > neg_inf();
   b.restrict(b.pi);
   b.restrict(b.centred);

@@ -1,7 +1,7 @@
 // troll/detail/cpu/finite_rows.hpp — fused SIMD passes (Eigen's packet primitives: AVX-512, AVX2,
 // SSE or NEON as compiled, scalar otherwise) for the common row pair: every logit finite and a
-// logit spread of at most 700, so no exponent falls below −700 (where Eigen's vectorised exp is
-// wrong) and no difference can overflow. The scan that recognises such a pair and the tilted
+// logit spread of at most 700, so no exponent falls below −700 (where the packet exponentials
+// clamp) and no difference can overflow. The scan that recognises such a pair and the tilted
 // reduction (tilt_family.hpp, lse_state.hpp) in two passes per block: x, w and their maximum, then
 // the exponentials and the three weighted sums together. Rows of a few dozen entries (the lumped
 // sparse rows) pay no per-expression setup.

@@ -43,7 +43,7 @@ inline double kl_logits_to_log_probs(const T* zn, const log_normaliser_parts& no
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     const block_array lp_new = (load(zn, begin, count) - norm_new.max) - norm_new.log_sum;
     const block_array lp = load(log_pi, begin, count);
-    const block_array term = lp_new.exp() * (lp_new - lp);
+    const block_array term = block_exp(lp_new) * (lp_new - lp);
     // NaN only where p̃_j = 0 (0·(−inf − log π_j)) or p̃_j > 0 = π_j; a NaN term makes the
     // (vectorised) block sum NaN, and only then is the block walked term by term.
     const double block_sum = term.sum();
@@ -123,7 +123,7 @@ inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std:
     // Every exp is evaluated on its own, outside the selects of zero_where_masked.
     const block_array lp = load(log_pi, begin, count);
     const block_array a = load(zn, begin, count);
-    const block_array pi = lp.exp();
+    const block_array pi = block_exp(lp);
     block_array g = -ratio_scale * pi;
     if (cross != 0.0) {
       block_array centred = (a - load(zo, begin, count) - s.mu) - plan->centring;
@@ -132,7 +132,7 @@ inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std:
     }
     if (plan->with_reg) {
       const block_array lp_new = (a - plan->log_norm_new.max) - plan->log_norm_new.log_sum;
-      block_array reg = lp_new.exp();
+      block_array reg = block_exp(lp_new);
       reg = k.reg_coef * reg * (lp_new - lp - k.kl_reg);
       zero_where_masked(lp_new, reg);
       g += reg;
@@ -229,7 +229,7 @@ inline void ratio_backward_row(const T* zn, std::size_t size, const log_normalis
       store(grad, begin, count, block_array::Zero(count));
       return;
     }
-    store(grad, begin, count, -coef * ((load(zn, begin, count) - norm_new.max) - norm_new.log_sum).exp());
+    store(grad, begin, count, -coef * block_exp((load(zn, begin, count) - norm_new.max) - norm_new.log_sum));
   });
   grad[token] = T(static_cast<double>(grad[token]) + coef);
 }
