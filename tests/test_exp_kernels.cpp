@@ -396,3 +396,57 @@ TEST_CASE("tail_term_fixed: float rows' tail terms within 2.5 float ulps of long
   CHECK(cpu::tail_term_fixed(-40.0f, 0.0f) == 0);
   CHECK(cpu::tail_term_fixed(2.0f, 2.0f) == (std::int64_t(1) << cpu::tail_fixed_bits));
 }
+
+TEST_CASE("expm1_near_zero_packet is within 1.5 ulp of expm1l on [-1/2, 1/2]") {
+  std::vector<double> xs = exp_points(-0.5, 0.5, 200000);
+  for (int e = 1; e < 60; ++e) {  // tiny arguments, where expm1(x) ≈ x
+    xs.push_back(std::ldexp(1.0, -e));
+    xs.push_back(-std::ldexp(1.0, -e) * 0.75);
+  }
+  const std::vector<double> got =
+      apply_packets(xs, [](const packet& x) { return cpu::expm1_near_zero_packet(x); });
+  double worst = 0.0;
+  for (std::size_t k = 0; k < xs.size(); ++k) {
+    if (xs[k] == 0.0) {
+      CHECK(got[k] == 0.0);
+      continue;
+    }
+    worst = std::max(worst, ulps(got[k], std::expm1(static_cast<long double>(xs[k]))));
+  }
+  INFO("worst ", worst, " ulp");
+  CHECK(worst <= 1.5);
+}
+
+TEST_CASE("block_exp: exp_in_range's 1.5 ulp in range, std::exp's values outside, any block length") {
+  // Blocks of every length mod the packet width, holding in-range arguments, arguments below
+  // −708 (subnormal results, 0), −inf, above 708, +inf and NaN.
+  std::mt19937_64 gen(3);
+  std::uniform_real_distribution<double> u(-700.0, 700.0);
+  const double specials[] = {-709.5, -745.0, -800.0, -std::numeric_limits<double>::infinity(), 708.5, 709.7,
+                             710.0, std::numeric_limits<double>::infinity()};
+  double worst = 0.0;
+  for (Eigen::Index size : {1, 7, 8, 9, 15, 16, 17, 63, 512}) {
+    for (int with_special = 0; with_special < 2; ++with_special) {
+      cpu::block_array x(size);
+      for (Eigen::Index k = 0; k < size; ++k) x[k] = u(gen);
+      if (with_special)
+        for (Eigen::Index k = 0; k < size; k += 5) x[k] = specials[(k / 5) % 8];
+      const cpu::block_array e = cpu::block_exp(x);
+      for (Eigen::Index k = 0; k < size; ++k) {
+        const double want = std::exp(x[k]);
+        if (x[k] >= -708.0 && x[k] <= 708.0) {
+          worst = std::max(worst, ulps(e[k], std::exp(static_cast<long double>(x[k]))));
+        } else {
+          CHECK(e[k] == want);  // libm's: subnormals, 0 at −inf, +inf above ~709.78
+        }
+      }
+    }
+  }
+  cpu::block_array nan_block = cpu::block_array::Constant(9, 1.0);
+  nan_block[4] = std::numeric_limits<double>::quiet_NaN();
+  const cpu::block_array e = cpu::block_exp(nan_block);
+  CHECK(std::isnan(e[4]));
+  if (lanes > 1) CHECK(e[5] == std::exp(1.0));  // its packet (with entry 4) went through std::exp
+  INFO("worst ", worst, " ulp");
+  CHECK(worst <= exp_bounded_ulps);
+}

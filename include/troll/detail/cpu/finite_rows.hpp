@@ -35,10 +35,10 @@ inline Packet exp_reduce(const Packet& x, Packet& n, double lowest) {
   return psub(r, pmul(n, pset1<Packet>(1.42860682030941723212e-6)));
 }
 
-/// 1/k! for the Taylor polynomial of e^r, k = 0..13 (truncation below 1e-17 relative on
-/// |r| ≤ ln 2 / 2).
+/// 1/k!, k = 0..17: the Taylor polynomial of e^r uses k = 0..13 (truncation below 1e-17 relative
+/// on |r| ≤ ln 2 / 2), expm1_near_zero_packet k = 1..17.
 struct exp_taylor {
-  static constexpr double inverse_factorial[14] = {1.0,
+  static constexpr double inverse_factorial[18] = {1.0,
                                                    1.0,
                                                    1.0 / 2,
                                                    1.0 / 6,
@@ -51,7 +51,11 @@ struct exp_taylor {
                                                    1.0 / 3628800,
                                                    1.0 / 39916800,
                                                    1.0 / 479001600,
-                                                   1.0 / 6227020800.0};
+                                                   1.0 / 6227020800.0,
+                                                   1.0 / 87178291200.0,
+                                                   1.0 / 1307674368000.0,
+                                                   1.0 / 20922789888000.0,
+                                                   1.0 / 355687428096000.0};
 };
 
 /// The shared arithmetic of exp_nonpositive's and exp_bounded's own kernels (AVX-512's and
@@ -803,28 +807,11 @@ inline void write_tilted(const T* zn, const T* zo, long count, const tilt_param&
 template <class Packet>
 inline Packet expm1_near_zero_packet(const Packet& x) {
   using namespace Eigen::internal;
-  constexpr double c[17] = {1.0,
-                            1.0 / 2,
-                            1.0 / 6,
-                            1.0 / 24,
-                            1.0 / 120,
-                            1.0 / 720,
-                            1.0 / 5040,
-                            1.0 / 40320,
-                            1.0 / 362880,
-                            1.0 / 3628800,
-                            1.0 / 39916800,
-                            1.0 / 479001600,
-                            1.0 / 6227020800.0,
-                            1.0 / 87178291200.0,
-                            1.0 / 1307674368000.0,
-                            1.0 / 20922789888000.0,
-                            1.0 / 355687428096000.0};
-  Packet p = pset1<Packet>(c[16]);
+  Packet p = pset1<Packet>(exp_taylor::inverse_factorial[17]);
 #if defined(__GNUC__)
 #pragma GCC unroll 16
 #endif
-  for (int k = 15; k >= 0; --k) p = pmadd(p, x, pset1<Packet>(c[k]));
+  for (int k = 16; k >= 1; --k) p = pmadd(p, x, pset1<Packet>(exp_taylor::inverse_factorial[k]));
   return pmul(x, p);
 }
 
