@@ -847,6 +847,18 @@ inline Packet exp_any(const Packet& x) {
   return ploadu<Packet>(v);
 }
 
+/// q·expm1(x) where |x| ≤ 1/2 and e^{log q + x} − q elsewhere, on one packet (q = e^{log q}):
+/// centred_ratio_terms' term (row_kernels.hpp) without its masks, for kl's and kl_backward's
+/// packet passes. An overflow of e^{log q + x} gives +inf (exp_any), which the callers reject.
+template <class Packet>
+inline Packet ratio_term_packet(const Packet& q, const Packet& log_q, const Packet& x) {
+  using namespace Eigen::internal;
+  const Packet half = pset1<Packet>(0.5);
+  const Packet term = pmul(q, expm1_near_zero_packet(pmax(pmin(x, half), pnegate(half))));
+  if (!any_lane(pcmp_lt(half, pabs(x)))) return term;  // every |x| ≤ 1/2
+  return pselect(pcmp_le(pabs(x), half), term, psub(exp_any(padd(log_q, x)), q));
+}
+
 /// kl_centred (tilt_family.hpp) on one packet of a finite pair with a spread of at most 700
 /// (nothing to clamp): the row difference d − d_r where it rounds less than the differences to
 /// the reference, x = (z̃ − z̃_r) − (z° − z°_r) elsewhere. rd = z̃_r − z°_r, abs_rd = |rd|.

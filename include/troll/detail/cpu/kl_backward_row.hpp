@@ -92,9 +92,7 @@ inline bool kl_backward_row_finite(const T* zp, const T* zq, std::size_t size, c
       read(k, a, b);
       const packet x = centred(a, b), uq = psub(b, qm);
       packet ep = exp_in_range(psub(a, pm)), eq = exp_in_range(uq);  // exponents in [−700, 0]
-      packet term = pmul(eq, expm1_near_zero_packet(pmax(pmin(x, half), pnegate(half))));
-      if (any_lane(pcmp_lt(half, pabs(x))))  // some |x| > 1/2
-        term = pselect(pcmp_le(pabs(x), half), term, psub(exp_any(padd(uq, x)), eq));
+      packet term = ratio_term_packet(eq, uq, x);  // relative to M_q: scaled by 1/Σ below
       if (k + lanes > n) {  // the padded packet: weight 0 on the padding
         double w[lanes];
         for (long j = 0; j < lanes; ++j) w[j] = k + j < n ? 1.0 : 0.0;

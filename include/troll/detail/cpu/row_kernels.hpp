@@ -561,7 +561,7 @@ inline bool centred_ratio_terms(const block_array& zp, const block_array& x, con
 /// moderate (below −1/2, or an overflow): the rows are then far apart and the closed form is fine.
 ///
 /// A pair whose logits are all finite with a spread of at most 700 (`finite`) takes the same
-/// terms in packets (kl_centred_packet, expm1_near_zero_packet, exp_any), reading T in place.
+/// terms in packets (kl_centred_packet, ratio_term_packet), reading T in place.
 template <class T>
 inline bool centred_log_ratio(const T* zp, const T* zq, std::size_t size, const tilt_ref& ref, double q_max,
                               double q_log_sum, double& a, bool finite = false) {
@@ -573,16 +573,11 @@ inline bool centred_log_ratio(const T* zp, const T* zq, std::size_t size, const 
     const double ref_d = ref.zn - ref.zo;
     const packet rn = pset1<packet>(ref.zn), ro = pset1<packet>(ref.zo), rd = pset1<packet>(ref_d);
     const packet abs_rd = pset1<packet>(::fabs(ref_d)), shift = pset1<packet>(q_max + q_log_sum);
-    const packet half = pset1<packet>(0.5);
     double total = 0.0;
     auto add = [&](const packet& zpk, const packet& zqk, const packet& live, packet& acc) {
       const packet x = kl_centred_packet(zpk, zqk, rn, ro, rd, abs_rd);
       const packet log_q = psub(zqk, shift);
-      const packet q = exp_any(log_q);
-      packet term = pmul(q, expm1_near_zero_packet(pmax(pmin(x, half), pnegate(half))));
-      if (any_lane(pcmp_lt(half, pabs(x))))  // some |x| > 1/2
-        term = pselect(pcmp_le(pabs(x), half), term, psub(exp_any(padd(log_q, x)), q));
-      acc = padd(acc, pmul(term, live));
+      acc = padd(acc, pmul(ratio_term_packet(exp_any(log_q), log_q, x), live));
     };
     const packet one = pset1<packet>(1.0);
     for (long begin = 0; begin < whole; begin += 512) {
