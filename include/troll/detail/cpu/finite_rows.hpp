@@ -896,7 +896,6 @@ inline double exact_kl_finite(const T* zn, const T* zo, long count, const tilt_p
   // The series' coefficients as packets, set once (the Horner chain then runs in registers).
   packet coefficient[kl_series_terms];
   for (int k = 0; k < kl_series_terms; ++k) coefficient[k] = pset1<packet>(kl_series_coefficient(k));
-  // One packet's terms, or false where a lane needs kl_term's own branches.
   // The series from coefficient `first` on: the terms it drops are below 1e-17 of φ(σ) where
   // max|σ| ≤ 1/16 (first = 10, n ≤ 11 kept) or ≤ 1/256 (first = 14, n ≤ 7), as on rows nearly
   // equal to the old ones; all twenty terms otherwise.
@@ -906,6 +905,7 @@ inline double exact_kl_finite(const T* zn, const T* zo, long count, const tilt_p
     return acc;
   };
   const packet sixteenth = pset1<packet>(1.0 / 16), two56th = pset1<packet>(1.0 / 256);
+  // One packet's terms, or false where a lane needs kl_term's own branches.
   auto terms = [&](const packet& a, const packet& b, packet& out) {
     const packet dn = psub(a, rn), dold = psub(b, ro), x = psub(dn, dold);
     const packet sigma = psub(pmul(pt, kl_centred_packet(a, b, rn, ro, rd, abs_rd)), ac);
