@@ -443,3 +443,65 @@ TEST_CASE("the checks can fail: slightly wrong derivatives are caught at these t
     CHECK_FALSE(r.ok);
   }
 }
+
+TEST_CASE("float rows on the packet VJP: inactive rows against long double, projected against double") {
+  // Rows of V = 3,000 float logits, no grad_old: the two-pass packet VJP (vjp_row_packets),
+  // which for rows that are not projected skips the centring sums and both logit rows in its
+  // second pass. Inactive rows: g_j − p_j Σg with p = softmax(z̃), in long double from the same
+  // float inputs. The projected row: the double backward of the same float inputs, widened.
+  rng g(47);
+  const std::size_t v = 3000, rows = 3;
+  std::vector<float> zn(rows * v), zo(rows * v), up(rows * v);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const double shift = r == 2 ? 0.6 : 0.004;  // rows 0 and 1 inactive at ε = 0.05, row 2 projected
+    for (std::size_t j = 0; j < v; ++j) {
+      const double o = 3.0 * g.normal();
+      zo[r * v + j] = float(o);
+      zn[r * v + j] = float(o + shift * g.normal());
+      up[r * v + j] = float(g.normal());
+    }
+  }
+  up[v + 7] = 40.0f;  // a large upstream entry on one inactive row
+  const double eps = 0.05;
+  std::vector<float> lp(rows * v), gn(rows * v, 9.0f), ge(rows, 9.0f);
+  std::vector<troll::projection_stats> st(rows);
+  troll::project(troll::cpu, troll::make_batch(zn.data(), rows, v), troll::make_batch(zo.data(), rows, v), eps,
+                 troll::make_batch(lp.data(), rows, v), st.data());
+  REQUIRE(st[0].status == troll::row_status::inactive);
+  REQUIRE(st[1].status == troll::row_status::inactive);
+  REQUIRE(st[2].status == troll::row_status::projected);
+  troll::project_backward(troll::cpu, troll::make_batch(zn.data(), rows, v), troll::make_batch(zo.data(), rows, v),
+                          troll::make_batch(lp.data(), rows, v), st.data(), troll::make_batch(up.data(), rows, v),
+                          troll::make_batch(gn.data(), rows, v), troll::batch_view<float>{}, ge.data());
+  for (std::size_t r = 0; r < 2; ++r) {
+    CHECK(ge[r] == 0.0f);
+    long double m = -INFINITY, s = 0, sum_g = 0;
+    for (std::size_t j = 0; j < v; ++j) m = std::max(m, (long double)zn[r * v + j]);
+    for (std::size_t j = 0; j < v; ++j) s += std::exp((long double)zn[r * v + j] - m), sum_g += up[r * v + j];
+    double worst = 0.0;
+    for (std::size_t j = 0; j < v; ++j) {
+      const long double p = std::exp((long double)zn[r * v + j] - m) / s;
+      const long double ref = (long double)up[r * v + j] - p * sum_g;
+      // float output rounding and π read back from the float log π* (|log π| ≤ ~30 here)
+      const long double scale = std::fabs((long double)up[r * v + j]) + p * std::fabs(sum_g);
+      worst = std::max(worst, double(std::fabs((long double)gn[r * v + j] - ref) / scale));
+    }
+    INFO("row " << r);
+    CHECK(worst < 4e-6);
+  }
+  // The projected row: against the double backward of the widened inputs (its own forward).
+  std::vector<double> dn(zn.begin() + long(2 * v), zn.end()), dold(zo.begin() + long(2 * v), zo.end()),
+      dup(up.begin() + long(2 * v), up.end()), dlp(v), dgn(v);
+  troll::projection_stats ds;
+  double dge = 0.0;
+  troll::project(troll::cpu, troll::make_batch(dn.data(), 1, v), troll::make_batch(dold.data(), 1, v), eps,
+                 troll::make_batch(dlp.data(), 1, v), &ds);
+  troll::project_backward(troll::cpu, troll::make_batch(dn.data(), 1, v), troll::make_batch(dold.data(), 1, v),
+                          troll::make_batch(dlp.data(), 1, v), &ds, troll::make_batch(dup.data(), 1, v),
+                          troll::make_batch(dgn.data(), 1, v), troll::batch_view<double>{}, &dge);
+  double largest = 0.0, worst = 0.0;
+  for (std::size_t j = 0; j < v; ++j) largest = std::max(largest, std::fabs(dgn[j]));
+  for (std::size_t j = 0; j < v; ++j) worst = std::max(worst, std::fabs(double(gn[2 * v + j]) - dgn[j]));
+  CHECK(worst <= 1e-4 * largest);
+  CHECK(double(ge[2]) == doctest::Approx(dge).epsilon(1e-4));
+}

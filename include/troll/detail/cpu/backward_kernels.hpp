@@ -230,17 +230,19 @@ inline int vjp_row_short(const double* zn, const double* zo, const double* logp,
 }
 
 /// The first pass of vjp_row_packets: Σg and Σg(d − μ) of a row (chunk sums added up, as the
-/// blocks do), read once from T. `fine` comes back true only where the packet path applies and
-/// the row passes every value check of the backward's validation at once: every d − μ and g
-/// finite (so every logit is), every log π* in [−700, 0].
+/// blocks do), read once from T, and with `centring` the centring sums Σ π (d − μ) and its noise
+/// (the one exponential of the pass; only a projected row applies the correction, so the others
+/// skip it and leave them 0). `fine` comes back true only where the packet path applies and the
+/// row passes every value check of the backward's validation at once: every d − μ and g finite
+/// (so every logit is), every log π* in [−700, 0] (with or without `centring`).
 struct vjp_sums {
   double sum_g = 0.0, sum_gc = 0.0;
   centring_sums centring;  ///< Σ π (d − μ), the centring correction (top of this file)
   bool fine = false;
 };
 
-template <class T>
-inline vjp_sums vjp_first_pass(const T* zn, const T* zo, const T* logp, const T* g, long size, double mu_value) {
+template <bool Centring, class T>
+inline vjp_sums vjp_first_pass_of(const T* zn, const T* zo, const T* logp, const T* g, long size, double mu_value) {
   using namespace Eigen::internal;
   using packet = packet_traits<double>::type;
   constexpr long lanes = long(sizeof(packet) / sizeof(double));
@@ -253,9 +255,11 @@ inline vjp_sums vjp_first_pass(const T* zn, const T* zo, const T* logp, const T*
   const packet one = pset1<packet>(1.0);
   auto first = [&](const packet& lp, const packet& c, const packet& gk, packet& sg, packet& sgc, packet& spc,
                    packet& spread) {
-    const packet pc = pmul(exp_in_range(lp), c);  // meaningful only when the row is `fine`
-    spc = padd(spc, pc);
-    spread = padd(spread, pmul(pabs(pc), psub(one, lp)));
+    if constexpr (Centring) {
+      const packet pc = pmul(exp_in_range(lp), c);  // meaningful only when the row is `fine`
+      spc = padd(spc, pc);
+      spread = padd(spread, pmul(pabs(pc), psub(one, lp)));
+    }
     lowest = pmin(lowest, lp);
     highest = pmax(highest, lp);
     // NaN unless every d − μ, log π and g is finite
@@ -292,6 +296,13 @@ inline vjp_sums vjp_first_pass(const T* zn, const T* zo, const T* logp, const T*
   return r;
 }
 
+template <class T>
+inline vjp_sums vjp_first_pass(const T* zn, const T* zo, const T* logp, const T* g, long size, double mu_value,
+                               bool centring = true) {
+  return centring ? vjp_first_pass_of<true>(zn, zo, logp, g, size, mu_value)
+                  : vjp_first_pass_of<false>(zn, zo, logp, g, size, mu_value);
+}
+
 /// vjp_row without grad_old for a row of any length whose d − μ are finite and whose log π* all
 /// lie in [−700, 0] (every token on J; exp_bounded exact there): two packet passes reading T
 /// directly, the first for Σg and Σg(d − μ) (no exponential, nothing kept), the second for π and
@@ -315,7 +326,7 @@ inline int vjp_row_packets(const T* zn, const T* zo, const T* logp, const T* g, 
     tail_g[j] = in ? double(g[whole + j]) : 0.0;
   }
   const bool projected = s.status == row_status::projected;
-  const vjp_sums sums = pre ? *pre : vjp_first_pass(zn, zo, logp, g, size, s.mu);
+  const vjp_sums sums = pre ? *pre : vjp_first_pass(zn, zo, logp, g, size, s.mu, projected);
   if (!sums.fine) return -1;
   const double m = projected ? sums.centring.step<T>() : 0.0;  // the centring correction (top of this file)
   const packet mu = pset1<packet>(s.mu), pm = pset1<packet>(m);
@@ -335,14 +346,29 @@ inline int vjp_row_packets(const T* zn, const T* zo, const T* logp, const T* g, 
     bad = padd(bad, psub(gn, gn));
     return gn;
   };
-  for (long k = 0; k < whole; k += lanes) {
-    const packet c = psub(psub(psub(load_as_double<packet>(zn + k), load_as_double<packet>(zo + k)), mu), pm);
-    store_from_double(grad_new + k, second(load_as_double<packet>(logp + k), c, load_as_double<packet>(g + k)));
+  // A row that is not projected has h = 0 and t = 1: gn = g − π·Σg, which reads neither logit
+  // row (both passed the first pass's checks).
+  auto second_unprojected = [&](const packet& lp, const packet& gk) {
+    const packet gn = psub(gk, pmul(exp_in_range(lp), psum_g));
+    largest = pmax(largest, pabs(gn));
+    bad = padd(bad, psub(gn, gn));
+    return gn;
+  };
+  if (projected) {
+    for (long k = 0; k < whole; k += lanes) {
+      const packet c = psub(psub(psub(load_as_double<packet>(zn + k), load_as_double<packet>(zo + k)), mu), pm);
+      store_from_double(grad_new + k, second(load_as_double<packet>(logp + k), c, load_as_double<packet>(g + k)));
+    }
+  } else {
+    for (long k = 0; k < whole; k += lanes)
+      store_from_double(grad_new + k,
+                        second_unprojected(load_as_double<packet>(logp + k), load_as_double<packet>(g + k)));
   }
   if (whole < size) {
     const packet c = psub(psub(psub(ploadu<packet>(tail_zn), ploadu<packet>(tail_zo)), mu), pm);
     double out[lanes];
-    pstoreu(out, second(ploadu<packet>(tail_lp), c, ploadu<packet>(tail_g)));
+    pstoreu(out, projected ? second(ploadu<packet>(tail_lp), c, ploadu<packet>(tail_g))
+                           : second_unprojected(ploadu<packet>(tail_lp), ploadu<packet>(tail_g)));
     for (long k = whole; k < size; ++k) grad_new[k] = T(out[k - whole]);
   }
   const double most = predux_max(largest);

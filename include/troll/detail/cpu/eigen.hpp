@@ -18,3 +18,15 @@
 #else
 #include <Eigen/Core>
 #endif
+
+// The packet kernels that run once per packet of a hot loop (the exponentials): always inlined.
+// GCC's size heuristics otherwise leave some of their uses out of line once a header calls them
+// from enough places, and a call per packet costs the loop its registers (measured: the dense
+// VJP 10% slower when GCC stopped inlining exp_in_range into it).
+#if defined(__GNUC__) || defined(__clang__)
+#define TROLL_PACKET_INLINE inline __attribute__((always_inline))
+#elif defined(_MSC_VER)
+#define TROLL_PACKET_INLINE __forceinline
+#else
+#define TROLL_PACKET_INLINE inline
+#endif

@@ -149,7 +149,7 @@ inline Packet exp_bounded(const Packet& x) {
 
 #if defined(__AVX512F__)
 /// exp_bounded's AVX-512 kernel without the clamp (exp_in_range below).
-inline __m512d exp_in_range(const __m512d& clamped) {
+TROLL_PACKET_INLINE __m512d exp_in_range(const __m512d& clamped) {
   // n = round(x·16/ln 2), |n| ≤ 16,342, by the shifter 1.5·2^52: the sum's low mantissa bits
   // hold n in two's complement, and subtracting the shifter again gives n as a double, exactly.
   const __m512d shifter = _mm512_set1_pd(6755399441055744.0);
@@ -184,11 +184,11 @@ inline __m512d exp_in_range(const __m512d& clamped) {
   return _mm512_mul_pd(_mm512_fmadd_pd(table, expm1_r, table), _mm512_castsi512_pd(bits));
 }
 
-inline __m512d exp_bounded(const __m512d& x) {
+TROLL_PACKET_INLINE __m512d exp_bounded(const __m512d& x) {
   return exp_in_range(_mm512_min_pd(_mm512_max_pd(x, _mm512_set1_pd(-708.0)), _mm512_set1_pd(708.0)));
 }
 #elif defined(__AVX2__)
-inline __m256d exp_bounded(const __m256d& x) {
+TROLL_PACKET_INLINE __m256d exp_bounded(const __m256d& x) {
   return exp_reduced_scaled(_mm256_min_pd(x, _mm256_set1_pd(708.0)), -708.0);
 }
 #endif
@@ -199,7 +199,7 @@ inline __m256d exp_bounded(const __m256d& x) {
 /// default floating-point environment) outside it. Two vector operations fewer per packet on
 /// AVX-512 (the overload above); exp_bounded itself on other packets.
 template <class Packet>
-inline Packet exp_in_range(const Packet& x) {
+TROLL_PACKET_INLINE Packet exp_in_range(const Packet& x) {
   return exp_bounded(x);
 }
 
