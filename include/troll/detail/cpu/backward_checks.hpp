@@ -135,8 +135,7 @@ void validate_backward(const char* fn, unsigned threads, batch_view<const T> new
     // its first problem.
     if (four && r < kept_rows && !check_stats(stats[r])) {  // the VJP's first pass is the check; sums kept
       kept[r] = cpu::vjp_first_pass(new_logits.row(r), old_logits.row(r), log_probs.row(r), upstream.row(r),
-                                    static_cast<long>(size), stats[r].mu,
-                                    stats[r].status == row_status::projected);
+                                    static_cast<long>(size), stats[r]);
       if (kept[r].fine) return row_problem{};
     } else if (four && cpu::backward_row_fine(new_logits.row(r), old_logits.row(r), log_probs.row(r),
                                               upstream.row(r), size)) {

@@ -238,6 +238,7 @@ inline int vjp_row_short(const double* zn, const double* zo, const double* logp,
 struct vjp_sums {
   double sum_g = 0.0, sum_gc = 0.0;
   centring_sums centring;  ///< Σ π (d − μ), the centring correction (top of this file)
+  double widest = 0.0;     ///< max |d − μ| over the row
   bool fine = false;
 };
 
@@ -252,9 +253,11 @@ inline vjp_sums vjp_first_pass_of(const T* zn, const T* zo, const T* logp, const
   const long whole = size - size % lanes;
   const packet mu = pset1<packet>(mu_value);
   packet lowest = pset1<packet>(0.0), highest = pset1<packet>(-1.0), odd = pset1<packet>(0.0);
+  packet widest = pset1<packet>(0.0);
   const packet one = pset1<packet>(1.0);
   auto first = [&](const packet& lp, const packet& c, const packet& gk, packet& sg, packet& sgc, packet& spc,
                    packet& spread) {
+    widest = pmax(widest, pabs(c));
     if constexpr (Centring) {
       const packet pc = pmul(exp_in_range(lp), c);  // meaningful only when the row is `fine`
       spc = padd(spc, pc);
@@ -293,14 +296,44 @@ inline vjp_sums vjp_first_pass_of(const T* zn, const T* zo, const T* logp, const
     r.centring.m += predux(spc), r.centring.spread += predux(spread);
   }
   r.fine = predux_min(lowest) >= -700.0 && predux_max(highest) <= 0.0 && predux(odd) == 0.0;
+  r.widest = predux_max(widest);
   return r;
 }
 
+/// Whether the centring correction of a projected row of T (`size` tokens, μ and σ² from its
+/// stats, L = max |d − μ|) provably stays below its threshold, so that m need not be formed.
+/// With c_j = d_j − μ as rounded, m = Σ π c is, besides its own rounding, the error δμ' of μ (the
+/// forward's sums: a few thousand ulps of |μ| + 4L at most, k below, plus c's own roundings)
+/// plus Σ π α c, α the relative error of π read back from log π* in T (ulp_T·|log π|: inside the
+/// noise estimate ulp_T Σ π |c| (1 + |log π|)). Where δμ' ≤ ulp_T Σ π |c| / 4, |m| stays below
+/// the noise, never above twice it, and the correction is 0 whatever the exponentials give;
+/// Σ π |c| ≥ Σ π c² / L = σ² / L makes that checkable before the pass. Holds on ordinary float
+/// rows by orders of magnitude ((|μ| + 4L)·L/σ² ~ 1e3 against ~1e4 … 1e5 allowed); fails where
+/// the centring matters (a nearly one-hot π* on large logits: σ² tiny against L²), and always
+/// in double (ulp_T = ulp of double).
 template <class T>
-inline vjp_sums vjp_first_pass(const T* zn, const T* zo, const T* logp, const T* g, long size, double mu_value,
-                               bool centring = true) {
-  return centring ? vjp_first_pass_of<true>(zn, zo, logp, g, size, mu_value)
-                  : vjp_first_pass_of<false>(zn, zo, logp, g, size, mu_value);
+inline bool centring_negligible(double mu, double sigma2, double widest, long size) {
+  if constexpr (!(sizeof(T) < sizeof(double))) {
+    (void)mu, (void)sigma2, (void)widest, (void)size;
+    return false;
+  } else {
+    const double unit = std::numeric_limits<double>::epsilon(), unit_t = std::numeric_limits<T>::epsilon();
+    const double k = 4.0 * (double(size) / 512.0 + 128.0);  // the sums' depth, with margin
+    return k * unit * (::fabs(mu) + 4.0 * widest) * widest <= 0.25 * unit_t * sigma2;
+  }
+}
+
+/// The first pass of row s: the centring sums only for a projected row that needs them
+/// (centring_negligible decides from the pass without them, whose sums it then keeps).
+template <class T>
+inline vjp_sums vjp_first_pass(const T* zn, const T* zo, const T* logp, const T* g, long size,
+                               const projection_stats& s) {
+  if (s.status != row_status::projected) return vjp_first_pass_of<false>(zn, zo, logp, g, size, s.mu);
+  if constexpr (sizeof(T) < sizeof(double)) {
+    const vjp_sums r = vjp_first_pass_of<false>(zn, zo, logp, g, size, s.mu);
+    if (!r.fine || centring_negligible<T>(s.mu, s.sigma2, r.widest, size)) return r;
+  }
+  return vjp_first_pass_of<true>(zn, zo, logp, g, size, s.mu);
 }
 
 /// vjp_row without grad_old for a row of any length whose d − μ are finite and whose log π* all
@@ -326,7 +359,7 @@ inline int vjp_row_packets(const T* zn, const T* zo, const T* logp, const T* g, 
     tail_g[j] = in ? double(g[whole + j]) : 0.0;
   }
   const bool projected = s.status == row_status::projected;
-  const vjp_sums sums = pre ? *pre : vjp_first_pass(zn, zo, logp, g, size, s.mu, projected);
+  const vjp_sums sums = pre ? *pre : vjp_first_pass(zn, zo, logp, g, size, s);
   if (!sums.fine) return -1;
   const double m = projected ? sums.centring.step<T>() : 0.0;  // the centring correction (top of this file)
   const packet mu = pset1<packet>(s.mu), pm = pset1<packet>(m);
