@@ -35,6 +35,30 @@ namespace {
 
 using troll::gaussian::gaussian_stats;
 
+/// A full row's projection: outputs and stats.
+struct projected_row {
+  std::vector<double> mean, chol;
+  gaussian_stats stats;
+};
+
+/// project_split (r.split) or project_joint (bound r.eps_mean) of the full row of a reference
+/// (fields mean, chol, old_mean, old_chol, eps_mean, eps_cov, split; dimension mean.size()).
+template <class Reference>
+projected_row project_reference(const Reference& r) {
+  const std::size_t d = r.mean.size();
+  projected_row p{std::vector<double>(d), std::vector<double>(d * d), {}};
+  auto b = [](const std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), 1, cols); };
+  auto o = [](std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), 1, cols); };
+  if (r.split)
+    troll::gaussian::project_split(troll::cpu, b(r.mean, d), b(r.chol, d * d), b(r.old_mean, d),
+                                   b(r.old_chol, d * d), r.eps_mean, r.eps_cov, o(p.mean, d), o(p.chol, d * d),
+                                   &p.stats);
+  else
+    troll::gaussian::project_joint(troll::cpu, b(r.mean, d), b(r.chol, d * d), b(r.old_mean, d),
+                                   b(r.old_chol, d * d), r.eps_mean, o(p.mean, d), o(p.chol, d * d), &p.stats);
+  return p;
+}
+
 /// KL(π_t ‖ q) of a diagonal row in long double (the textbook per-axis terms): a = 1 + t(γ − 1),
 /// the member N(μ° + σ° tγb/a, σ°²/a) against N(μ°, σ°²), γ = 1/r², b = (μ̃ − μ°)/σ°.
 long double diag_kl(const std::vector<long double>& gamma, const std::vector<long double>& b, long double t,
@@ -210,16 +234,11 @@ TEST_CASE("full rows with a covariance of condition number 1e12: t*, mean and fa
   constexpr std::size_t d = 4;
   for (const reference& r : refs) {
     CAPTURE(r.name);
-    std::vector<double> out_m(d), out_l(d * d);
-    gaussian_stats st;
+    const projected_row p = project_reference(r);
+    const std::vector<double>&out_m = p.mean, &out_l = p.chol;
+    const gaussian_stats& st = p.stats;
     auto b = [](const std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), 1, cols); };
     auto o = [](std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), 1, cols); };
-    if (r.split)
-      troll::gaussian::project_split(troll::cpu, b(r.mean, d), b(r.chol, d * d), b(r.old_mean, d),
-                                     b(r.old_chol, d * d), r.eps_mean, r.eps_cov, o(out_m, d), o(out_l, d * d), &st);
-    else
-      troll::gaussian::project_joint(troll::cpu, b(r.mean, d), b(r.chol, d * d), b(r.old_mean, d),
-                                     b(r.old_chol, d * d), r.eps_mean, o(out_m, d), o(out_l, d * d), &st);
     REQUIRE(st.status == troll::row_status::projected);
     check_close(st.t, r.t, 1e-10);
     double largest = 0.0;
@@ -278,7 +297,7 @@ TEST_CASE("full rows with t* near 1 and a new covariance ill-conditioned against
     const char* name;
     bool split;
     std::vector<double> mean, chol, old_mean, old_chol;
-    double eps_mean, eps_cov;  // joint rows: the bound is eps_cov
+    double eps_mean, eps_cov;  // joint rows: the bound is eps_mean (eps_cov the same)
     long double t, eta;
     std::vector<double> out_mean, out_chol;
   };
@@ -289,25 +308,17 @@ TEST_CASE("full rows with t* near 1 and a new covariance ill-conditioned against
   {"b_new_split_full_d4_e1000_s516045", true, {9.522200077562271, -6.106584997897655, -1.5150080285048309, 5.917217285296971}, {467.9754086594454, 0.0, 0.0, 0.0, 24.509650320295915, 5.087230798700134, 0.0, 0.0, -882.0714638758203, -0.6861299182845445, 0.04855571336422056, 0.0, 48.444843106646005, 8.656951029980394, -0.19442079420816907, 0.008651022029280265}, {0.936114974843669, -0.593213731842927, -0.4676035350263993, 1.4057640699716327}, {1.1817649683701739, 0.0, 0.0, 0.0, -0.11433707105852471, 1.1073929724748655, 0.0, 0.0, 0.09649014929738715, -0.07171713740080184, 1.132892790137458, 0.0, 0.06393920777322216, 0.1680402471836685, 0.07775303212542709, 1.2147828962676348}, 1000.0, 1000.0,
    0.99948473132561364752L, 0.00051553431306844794006, {9.522200077562271, -6.106584997897655, -1.5150080285048309, 5.917217285296971},
    {22.773063331225377, 0.0, 0.0, 0.0, 1.0755607251131578, 5.007122845875389, 0.0, 0.0, -42.90834403659942, -0.6752990745172939, 0.048567873061465754, 0.0, 2.15789672883879, 8.520525066322062, -0.19446947739537274, 0.008653251578178771}},
-  {"b_new_joint_full_d4_e1000_s16045 1-t=1e-5", false, {0.42007626621875394, 1.3502865164637041, 0.998474897514769, 1.106353048900839}, {82.50277409710479, 0.0, 0.0, 0.0, -387.17798888287655, 22.770871558678472, 0.0, 0.0, 360.7249575684776, -10.75647510074531, 0.1661635342159101, 0.0, 843.7260767660312, -27.49311128211773, 0.4543428516065511, 0.003203419142685277}, {0.42270715269595555, 1.349079764489681, 1.0038252763281375, 1.110621913739204}, {1.0768209495990055, 0.0, 0.0, 0.0, 0.16875969552331702, 0.9331436655910813, 0.0, 0.0, 0.22169913891072887, 0.032679430807071974, 1.090494272096454, 0.0, 0.16741875922188829, 0.09197776476273944, 0.12639445887135078, 0.9366765644023155}, 1000.0, 45813.1907993669,
+  {"b_new_joint_full_d4_e1000_s16045 1-t=1e-5", false, {0.42007626621875394, 1.3502865164637041, 0.998474897514769, 1.106353048900839}, {82.50277409710479, 0.0, 0.0, 0.0, -387.17798888287655, 22.770871558678472, 0.0, 0.0, 360.7249575684776, -10.75647510074531, 0.1661635342159101, 0.0, 843.7260767660312, -27.49311128211773, 0.4543428516065511, 0.003203419142685277}, {0.42270715269595555, 1.349079764489681, 1.0038252763281375, 1.110621913739204}, {1.0768209495990055, 0.0, 0.0, 0.0, 0.16875969552331702, 0.9331436655910813, 0.0, 0.0, 0.22169913891072887, 0.032679430807071974, 1.090494272096454, 0.0, 0.16741875922188829, 0.09197776476273944, 0.12639445887135078, 0.9366765644023155}, 45813.1907993669, 45813.1907993669,
    0.99999L, 0.000010000100001000011357, {0.4204716492971934, 1.3484296564525022, 1.0002042660425563, 1.1103981357271722},
    {24.18152089730544, 0.0, 0.0, 0.0, -110.80431113826688, 22.58798013509925, 0.0, 0.0, 104.46335152655699, -10.670055210963735, 0.16616416649207363, 0.0, 244.06248392267779, -27.272220953538614, 0.4543445803956055, 0.003203435159713776}}
   };
   constexpr std::size_t d = 4;
   for (const reference& r : refs) {
     CAPTURE(r.name);
-    std::vector<double> out_m(d), out_l(d * d);
-    gaussian_stats st;
-    auto b = [](const std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), 1, cols); };
-    auto o = [](std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), 1, cols); };
-    if (r.split)
-      troll::gaussian::project_split(troll::cpu, b(r.mean, d), b(r.chol, d * d), b(r.old_mean, d),
-                                     b(r.old_chol, d * d), r.eps_mean, r.eps_cov, o(out_m, d), o(out_l, d * d), &st);
-    else
-      troll::gaussian::project_joint(troll::cpu, b(r.mean, d), b(r.chol, d * d), b(r.old_mean, d),
-                                     b(r.old_chol, d * d), r.eps_cov, o(out_m, d), o(out_l, d * d), &st);
-    REQUIRE(st.status == troll::row_status::projected);
-    CHECK(std::fabs((long double)st.eta - r.eta) <= 1e-9L * r.eta);  // 1 − t, relative
+    const projected_row p = project_reference(r);
+    const std::vector<double>&out_m = p.mean, &out_l = p.chol;
+    REQUIRE(p.stats.status == troll::row_status::projected);
+    CHECK(std::fabs((long double)p.stats.eta - r.eta) <= 1e-9L * r.eta);  // 1 − t, relative
     for (std::size_t i = 0; i < d; ++i)
       CHECK(std::fabs(out_m[i] - r.out_mean[i]) <= 1e-10 * (std::fabs(r.out_mean[i]) + 1.0));
     // max |L_ref⁻¹ L* − I| by forward substitution in long double (L_ref's condition ~1e4 here)
