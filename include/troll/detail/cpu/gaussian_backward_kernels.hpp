@@ -38,7 +38,7 @@ namespace cpu {
 /// then factor gradients in x: L̃̄ = 2 lower(L°⁻ᵀ V Σ̄ Vᵀ L°⁻¹L̃), L°̄ = 2 lower(L°⁻ᵀ V Σ̄ Vᵀ).
 template <class T>
 void gaussian_backward_full(bool split, std::size_t d, const T* mean, const T* cov, const T* old_mean,
-                            const T* old_cov, double eps_mean, double t, const gaussian_vjp_io<T>& io,
+                            const T* old_cov, double eps_mean, double t, double s, const gaussian_vjp_io<T>& io,
                             const double* saved = nullptr) {
   const auto n = static_cast<Eigen::Index>(d);
   gaussian_basis basis;
@@ -74,8 +74,7 @@ void gaussian_backward_full(bool split, std::size_t d, const T* mean, const T* c
   if (inactive) {
     if (!split) mean_new += g_mean;
   } else {
-    const double s = 1.0 - t;
-    const whitened_member w = make_whitened_member(basis, t, y_new);
+    const whitened_member w = make_whitened_member(basis, t, s, y_new);
     const gaussian_array g = basis.g.array(), a = w.a, gamma = w.gamma;
     // Σ̄_y = ½ diag(√a) sym(Qᵀ P Q) diag(√a), P = Φ(L*ᵀ L̄*); so Λ̄ = −½ diag(1/√a) sym(QᵀPQ) diag(1/√a).
     const gaussian_matrix out_factor = load_factor(io.out_cov, d);
@@ -93,7 +92,7 @@ void gaussian_backward_full(bool split, std::size_t d, const T* mean, const T* c
     }
     double t_bar = (lambda_bar.diagonal().array() * g).sum();
     if (!split) t_bar += (h_bar.array() * gamma * b).sum();
-    const double info = gaussian_member(basis.spectrum(!split), tilt_param{t, s}).sigma2;
+    const double info = gaussian_member(w.spectrum(basis, !split), tilt_param{t, s}).sigma2;
     const double cst = t_bar / (t * info);
     gaussian_matrix eta_lam_dot = (g / (2.0 * a * a)).matrix().asDiagonal();
     gaussian_matrix eta_lam_gap = (-0.5 * t * g / a).matrix().asDiagonal();

@@ -25,7 +25,7 @@ void gaussian_derivative_rows(cpu_policy policy, const gaussian_call& call, batc
                               double eps_mean, const gaussian::gaussian_stats* stats,
                               gaussian::saved_factorisation<const double> saved, const char* what, MakeIo make_io,
                               void (*full)(bool, std::size_t, const T*, const T*, const T*, const T*, double, double,
-                                           const Io&, const double*),
+                                           double, const Io&, const double*),
                               void (*diag)(bool, std::size_t, const T*, const T*, const T*, const T*, double, double,
                                            const Io&)) {
   validate_gaussian_rows(policy.threads, call, mean, cov, old_mean, old_cov);
@@ -35,7 +35,11 @@ void gaussian_derivative_rows(cpu_policy policy, const gaussian_call& call, batc
     const Io io = make_io(r);
     const double t = solved_tilt(stats[r]);
     if (call.full) {
-      full(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), eps_mean, t, io,
+      // s = 1 − t from η = s/t (formed from the exact 1 − t*) where t > ½: 1 − t from the stored t
+      // carries half an ulp of t, 5e-10 of s at 1 − t* = 1e-7 (the old mean's derivative moved by
+      // as much)
+      const double s = t < 1.0 && t > 0.5 ? stats[r].eta * t : 1.0 - t;
+      full(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), eps_mean, t, s, io,
            saved.data == nullptr ? nullptr : saved.row(r));
     } else {
       diag(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), eps_mean, t, io);

@@ -54,7 +54,7 @@ gaussian_vector load_tangent_vector(const T* x, std::size_t d) {
 /// L*' = L* Φ(Q diag(√a) Σ*_y' diag(√a) Qᵀ) = L* Φ(−Q diag(a^{-½}) Λ*' diag(a^{-½}) Qᵀ).
 template <class T>
 void gaussian_jvp_full(bool split, std::size_t d, const T* mean, const T* cov, const T* old_mean, const T* old_cov,
-                       double eps_mean, double t, const gaussian_jvp_io<T>& io,
+                       double eps_mean, double t, double s, const gaussian_jvp_io<T>& io,
                        const double* saved = nullptr) {
   const auto n = static_cast<Eigen::Index>(d);
   const gaussian_vector dmu_new = load_tangent_vector(io.mean, d), dmu_old = load_tangent_vector(io.old_mean, d);
@@ -90,10 +90,9 @@ void gaussian_jvp_full(bool split, std::size_t d, const T* mean, const T* cov, c
     store_lower_factor(load_tangent_factor(io.cov, d), io.out_cov_tangent);
     return;
   }
-  const double s = 1.0 - t;
   gaussian_matrix y_new;  // Vᵀ L°⁻¹ L̃
   if (io.cov != nullptr || needs_whitened_new_factor(basis)) y_new = whitened_new_factor(basis, cov, d);
-  const whitened_member w = make_whitened_member(basis, t, y_new);
+  const whitened_member w = make_whitened_member(basis, t, s, y_new);
   const gaussian_array g = basis.g.array(), a = w.a, gamma = w.gamma;
   const gaussian_vector m = w.m.matrix();
   gaussian_matrix lam_new_dot = gaussian_matrix::Zero(n, n);
@@ -111,7 +110,7 @@ void gaussian_jvp_full(bool split, std::size_t d, const T* mean, const T* cov, c
     const gaussian_vector mu_t_dot = ((h_t_dot - lam_t_dot * m).array() / a).matrix();
     kl_dot += m.dot(mu_t_dot - y_dmu_old) + 0.5 * m.dot(lam_old_dot * m);
   }
-  const double info = gaussian_member(basis.spectrum(!split), tilt_param{t, s}).sigma2;
+  const double info = gaussian_member(w.spectrum(basis, !split), tilt_param{t, s}).sigma2;
   const double t_dot = (io.eps - kl_dot) / (t * info);
   lam_t_dot.diagonal() += (t_dot * g).matrix();
   if (!split) {

@@ -26,11 +26,17 @@ namespace cpu {
 
 /// The member at t in the eigenbasis, with what both derivatives read.
 struct whitened_member {
-  gaussian_array a;      // 1 + t g
-  gaussian_array gamma;  // 1 + g
+  gaussian_array a;      // 1 + t g, or s + t γ where g < −½ (as the forward's members)
+  gaussian_array gamma;  // 1 + g, or γ itself where g < −½
   gaussian_array m;      // t γ b / a
   gaussian_array root;   // √a
   gaussian_matrix q;     // Q = K⁻¹ V diag(a^{-½}), orthogonal
+  /// The basis' spectrum with these γ (so that I(t) takes the same a).
+  gaussian_spectrum spectrum(const gaussian_basis& basis, bool with_mean) const {
+    gaussian_spectrum r = basis.spectrum(with_mean);
+    r.gamma = gamma.data();
+    return r;
+  }
 };
 
 /// Vᵀ L°⁻¹ L̃ (= diag(σ) Rᵀ for the SVD M = L°⁻¹L̃ = V diag(σ) Rᵀ).
@@ -42,15 +48,21 @@ inline gaussian_matrix whitened_new_factor(const gaussian_basis& basis, const T*
 /// `y_new` = whitened_new_factor (read only where some g < −½). γ = 1 + g, except where g < −½
 /// (a new covariance wider than the old along v_i: λ_i = 1/γ_i > 2), where 1 + g would keep only
 /// ~u/γ of γ's digits: there γ = 1/λ with λ the Rayleigh quotient ‖v_iᵀM‖² (both the fresh and a
-/// saved factorisation give the same V and g, so the two stay bit for bit equal).
-inline whitened_member make_whitened_member(const gaussian_basis& basis, double t, const gaussian_matrix& y_new) {
+/// saved factorisation give the same V and g, so the two stay bit for bit equal). There a = s + tγ
+/// (s = 1 − t, exact near t = 1), as the forward's members (gaussian_precision_ratio): 1 + tg
+/// would keep only ~u/a of a's digits where t is near 1.
+inline whitened_member make_whitened_member(const gaussian_basis& basis, double t, double s,
+                                            const gaussian_matrix& y_new) {
   const Eigen::Index n = basis.g.size();
   whitened_member w;
   const gaussian_array g = basis.g.array();
   w.a = 1.0 + t * g;
   w.gamma = 1.0 + g;
-  for (Eigen::Index i = 0; i < n; ++i)
-    if (g[i] < -0.5) w.gamma[i] = 1.0 / y_new.row(i).squaredNorm();
+  for (Eigen::Index i = 0; i < n; ++i) {
+    if (!(g[i] < -0.5)) continue;
+    w.gamma[i] = 1.0 / y_new.row(i).squaredNorm();
+    w.a[i] = s + t * w.gamma[i];
+  }
   w.m = (t * w.gamma / w.a) * basis.b.array();
   w.root = w.a.sqrt();
   // diag(a^{-½}) Vᵀ = Q_h R  ⇒  V diag(a^{-½}) = (Rᵀ S)(S Q_hᵀ), S = sign(diag R): K = Rᵀ S, Q = S Q_hᵀ.
