@@ -61,8 +61,45 @@ std::vector<double> exp_points(double lo, double hi, int random_count) {
 
 }  // namespace
 
-// In every build: AVX-512's table kernel, AVX2's degree-13 polynomial and exp_portable (SSE2, NEON).
+// In every build: AVX-512's sixteen-entry table kernel, AVX2's two-entry one (AVX2 without FMA:
+// the degree-13 polynomial) and exp_portable (SSE2, NEON).
 constexpr double exp_bounded_ulps = 1.5;
+
+TEST_CASE("exp_bounded is within 1.5 ulp of expl where the reductions switch n (|r| at its largest)") {
+  // x = (k + 1/2)·ln 2 / 16 and its neighbours: the half-way points of the AVX-512 kernel's
+  // reduction, which include those of AVX2's (ln 2 / 4) and of the degree-13 kernels (ln 2 / 2)
+  std::vector<double> xs;
+  const long double step = std::log(2.0L) / 16;
+  for (long k = -16358; k <= 16356; ++k) {
+    const double x = static_cast<double>((k + 0.5L) * step);
+    if (x < -708.0 || x > 708.0) continue;
+    double lo = x, hi = x;
+    xs.push_back(x);
+    for (int j = 0; j < 3; ++j) {
+      lo = std::nextafter(lo, -1e300), hi = std::nextafter(hi, 1e300);
+      xs.push_back(lo), xs.push_back(hi);
+    }
+  }
+  const std::vector<double> got = apply_packets(xs, [](const packet& p) { return cpu::exp_bounded(p); });
+  double worst = 0.0, worst_at = 0.0;
+  for (std::size_t k = 0; k < xs.size(); ++k) {
+    const double e = ulps(got[k], std::exp(static_cast<long double>(xs[k])));
+    if (e > worst) worst = e, worst_at = xs[k];
+  }
+  INFO("worst ", worst, " ulp at x = ", worst_at, " over ", xs.size(), " points");
+  CHECK(worst <= exp_bounded_ulps);
+}
+
+TEST_CASE("exp_bounded gives the powers of two and of sqrt 2 to within an ulp") {
+  // e^{k·ln 2 / 2}: r near 0, the result the table entry (1 or sqrt 2) times 2^{floor(k/2)}
+  std::vector<double> xs;
+  for (long k = -2040; k <= 2040; ++k) xs.push_back(static_cast<double>(k * (std::log(2.0L) / 2)));
+  const std::vector<double> got = apply_packets(xs, [](const packet& p) { return cpu::exp_bounded(p); });
+  double worst = 0.0;
+  for (std::size_t k = 0; k < xs.size(); ++k) worst = std::max(worst, ulps(got[k], std::exp(static_cast<long double>(xs[k]))));
+  INFO("worst ", worst, " ulp");
+  CHECK(worst <= 1.0);
+}
 
 TEST_CASE("exp_bounded is within 1.5 ulp of expl on [-708, 708]") {
   const std::vector<double> xs = exp_points(-708.0, 708.0, 400000);

@@ -130,7 +130,7 @@ inline Packet exp_reduced_scaled(const Packet& x, double lowest) {
 #if defined(__AVX512F__)
 inline __m512d exp_nonpositive(const __m512d& x) { return exp_reduced_scaled(x, -700.0); }
 #endif
-#if defined(__AVX2__)
+#if defined(__AVX2__) && !defined(__FMA__)
 inline __m256d exp_nonpositive(const __m256d& x) { return exp_reduced_scaled(x, -700.0); }
 #endif
 
@@ -140,8 +140,9 @@ inline __m256d exp_nonpositive(const __m256d& x) { return exp_reduced_scaled(x, 
 /// with the sixteen 2^{j/16} (correctly rounded) held in two registers and picked by one
 /// permutation, and e^r by its Taylor polynomial of degree 7 (truncation below 1.3e-18 relative), added to the
 /// table entry with one rounding: within 1.5 ulp of the exact value (1.01 measured) (tests/test_exp_kernels.cpp), about half the multiply-adds of
-/// exp_nonpositive's degree 13. Other packets: the degree-13 polynomial (AVX2, 0.87 ulp
-/// measured) or exp_portable (SSE2, NEON: within 1 ulp, 0.94 measured on SSE2).
+/// exp_nonpositive's degree 13. AVX2 + FMA: a two-entry table and a fitted polynomial of degree 10
+/// (the kernel below; 0.86 ulp measured); AVX2 without FMA: the degree-13 polynomial; other
+/// packets: exp_portable (SSE2, NEON: within 1 ulp, 0.94 measured on SSE2).
 template <class Packet>
 inline Packet exp_bounded(const Packet& x) {
   return exp_portable(x, -708.0, 708.0);
@@ -187,6 +188,58 @@ TROLL_PACKET_INLINE __m512d exp_in_range(const __m512d& clamped) {
 TROLL_PACKET_INLINE __m512d exp_bounded(const __m512d& x) {
   return exp_in_range(_mm512_min_pd(_mm512_max_pd(x, _mm512_set1_pd(-708.0)), _mm512_set1_pd(708.0)));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/// exp_bounded's AVX2 kernel without the clamp (exp_in_range below). AVX2 has no two-register
+/// permute, so the table is the two entries 2^{j/2}, j = n mod 2, picked by one blend: x =
+/// (n/2)·ln 2 + r with |r| ≤ ln 2 / 4, e^x = 2^{⌊n/2⌋}·2^{j/2}·e^r. n comes from the shifter
+/// 1.5·2^52 + 2046, whose sum's low bits then hold n + 2046 = 2(⌊n/2⌋ + 1023) + j: one logical
+/// shift gives the biased exponent, another j. e^r − 1 = r·P(r) with P of degree 9 fitted to
+/// (e^r − 1)/r on |r| ≤ 1.0001·ln 2 / 4 (Chebyshev nodes in 60 digits, then rounded; the fit's own
+/// relative error 4e-19), and 2^{⌊n/2⌋}·2^{j/2} — the exponent field, or'ed with the mantissa
+/// of √2 where j = 1, exact — times e^r with one rounding: (s·(e^r − 1)) + s in one fused
+/// multiply-add. 14 operations on the multiply-add pipes where the degree-13 Taylor kernel (with
+/// floor, unfused products and double → int → int64 conversions) took 17: the passes that call
+/// it are bound there on AVX2 cores. Within 1.5 ulp, 0.86 measured (tests/test_exp_kernels.cpp;
+/// the Taylor kernel measured 0.87).
+TROLL_PACKET_INLINE __m256d exp_in_range(const __m256d& x) {
+  const __m256d shifter = _mm256_set1_pd(6755399441055744.0 + 2046.0);
+  const __m256d shifted = _mm256_fmadd_pd(x, _mm256_set1_pd(2.8853900817779268), shifter);  // 2/ln 2
+  const __m256d n = _mm256_sub_pd(shifted, shifter);
+  // r = x − n·(ln 2)/2 in two parts: the first has 16 significant bits, so n times it is exact
+  __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(0.693145751953125 / 2), x);
+  r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.42860682030941723212e-6 / 2), r);
+  __m256d p = _mm256_set1_pd(2.7572998907936827e-07);
+  p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(2.757613568572883e-06));
+  p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(2.480158318060961e-05));
+  p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(0.00019841264895805152));
+  p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(0.0013888888889330945));
+  p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(0.008333333333863834));
+  p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(0.0416666666666665));
+  p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(0.1666666666666647));
+  p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(0.5));
+  p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
+  // ⌊n/2⌋ + 1023 ∈ [1, 2044] for x ∈ [−708, 708]: bits 1..12 of `shifted`, moved to the
+  // exponent field (higher bits fall off); j (bit 0) moved to the sign bit steers the blends
+  const __m256i bits = _mm256_castpd_si256(shifted);
+  const __m256i power = _mm256_slli_epi64(_mm256_srli_epi64(bits, 1), 52);
+  const __m256d odd = _mm256_castsi256_pd(_mm256_slli_epi64(bits, 63));
+  const __m256d zero = _mm256_setzero_pd();
+  const __m256d root2_mantissa = _mm256_castsi256_pd(_mm256_set1_epi64x(0x0006a09e667f3bcdLL));
+  const __m256d scale = _mm256_or_pd(_mm256_castsi256_pd(power), _mm256_blendv_pd(zero, root2_mantissa, odd));
+  // √2 rounded to a double is off by a relative −6.8e-17 (0.44 ulp): that correction joins
+  // e^r − 1 in the multiply-add that forms r·P(r), so no operation is added for it (1.26 ulp
+  // measured without it)
+  const __m256d root2_error = _mm256_blendv_pd(zero, _mm256_set1_pd(-6.835808657661922e-17), odd);
+  const __m256d expm1_r = _mm256_fmadd_pd(p, r, root2_error);
+  return _mm256_fmadd_pd(scale, expm1_r, scale);
+}
+
+TROLL_PACKET_INLINE __m256d exp_bounded(const __m256d& x) {
+  return exp_in_range(_mm256_min_pd(_mm256_max_pd(x, _mm256_set1_pd(-708.0)), _mm256_set1_pd(708.0)));
+}
+
+/// exp_nonpositive on AVX2 + FMA: the kernel above on max(x, −700).
+TROLL_PACKET_INLINE __m256d exp_nonpositive(const __m256d& x) { return exp_in_range(_mm256_max_pd(x, _mm256_set1_pd(-700.0))); }
 #elif defined(__AVX2__)
 TROLL_PACKET_INLINE __m256d exp_bounded(const __m256d& x) {
   return exp_reduced_scaled(_mm256_min_pd(x, _mm256_set1_pd(708.0)), -708.0);
@@ -228,7 +281,8 @@ inline Packet load_as_double(const T* p) {
   }
 }
 
-/// Stores a packet of doubles as `lanes` consecutive T (rounded to float for float rows).
+/// Stores a packet of doubles as `lanes` consecutive T (rounded to float for float rows; in
+/// registers where the packet is AVX-512's or AVX's).
 template <class T, class Packet>
 inline void store_from_double(T* p, const Packet& v) {
   using namespace Eigen::internal;
@@ -238,6 +292,12 @@ inline void store_from_double(T* p, const Packet& v) {
 #if defined(__AVX512F__)
     if constexpr (std::is_same<T, float>::value && sizeof(Packet) == sizeof(__m512d)) {
       _mm256_storeu_ps(p, _mm512_cvtpd_ps(v));
+      return;
+    }
+#endif
+#if defined(__AVX__)
+    if constexpr (std::is_same<T, float>::value && sizeof(Packet) == sizeof(__m256d)) {
+      _mm_storeu_ps(p, _mm256_cvtpd_ps(v));  // rounded to nearest, as float(double)
       return;
     }
 #endif

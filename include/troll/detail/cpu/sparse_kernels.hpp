@@ -471,6 +471,60 @@ inline double sparsify_scan_topk(const T* z, std::size_t size, sparsify_state& s
     }
     rest_scalar = _mm512_reduce_max_ps(rest);
   } else
+#elif defined(__AVX2__)
+  if constexpr (std::is_same<T, float>::value && lanes == 8) {
+    // The AVX-512 path's tests with AVX2's compares: the group's max against the threshold, NaN
+    // by two unordered compares, +inf through the max (caught on the candidate path). A group
+    // with candidates adds them from the compare's bit mask (tested against the threshold the
+    // group started with, as above); only the tail of the row is walked token by token.
+    const __m256 infinity = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+    const __m256 lowest = _mm256_set1_ps(minus_inf);
+    const __m256i lane_ids = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    constexpr long prefetch_distance = 2048;  // tokens (8 KiB) ahead
+    __m256 rest = lowest;
+    for (; i + group <= n; i += group) {
+      if (i + prefetch_distance + group <= n)
+        for (long line = 0; line < group; line += 16) _mm_prefetch(reinterpret_cast<const char*>(z + i + prefetch_distance + line), _MM_HINT_T0);
+      const __m256 x0 = _mm256_loadu_ps(z + i), x1 = _mm256_loadu_ps(z + i + 8);
+      const __m256 x2 = _mm256_loadu_ps(z + i + 16), x3 = _mm256_loadu_ps(z + i + 24);
+      const __m256 t = _mm256_set1_ps(top.threshold);
+      const __m256 most = _mm256_max_ps(_mm256_max_ps(x0, x1), _mm256_max_ps(x2, x3));
+      const __m256 nan = _mm256_or_ps(_mm256_cmp_ps(x0, x1, _CMP_UNORD_Q), _mm256_cmp_ps(x2, x3, _CMP_UNORD_Q));
+      const __m256 flagged = _mm256_or_ps(nan, _mm256_cmp_ps(most, t, _CMP_GT_OQ));
+      if (_mm256_testz_ps(flagged, flagged) && !(sampled >= i && sampled < i + group)) {
+        rest = _mm256_max_ps(rest, most);
+        continue;
+      }
+      if (!_mm256_testz_ps(nan, nan) || _mm256_movemask_ps(_mm256_cmp_ps(most, infinity, _CMP_EQ_OQ))) {
+        check.bad = true;
+        return 0.0;
+      }
+      const __m256 xs[4] = {x0, x1, x2, x3};
+      for (long p = 0; p < 4; ++p) {
+        const long base = i + 8 * p;
+        __m256 taken = _mm256_cmp_ps(xs[p], t, _CMP_GT_OQ);  // candidates, then the sampled lane too
+        unsigned own = 0;
+        if (sampled >= base && sampled < base + 8) {
+          own = 1u << unsigned(sampled - base);
+          st.has_sampled = true;
+          st.sampled_logit = static_cast<double>(z[sampled]);
+          taken = _mm256_or_ps(taken, _mm256_castsi256_ps(_mm256_cmpeq_epi32(lane_ids, _mm256_set1_epi32(int(sampled - base)))));
+        }
+        rest = _mm256_max_ps(rest, _mm256_blendv_ps(xs[p], lowest, taken));
+        for (unsigned cand = unsigned(_mm256_movemask_ps(taken)) & ~own; cand != 0; cand &= cand - 1u) {
+          const long at = base + __builtin_ctz(cand);
+          top.values[top.count] = z[at];
+          top.indices[top.count] = static_cast<sparse_index>(at);
+          ++top.count;
+        }
+      }
+      top.settle();
+    }
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(rest), _mm256_extractf128_ps(rest, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_max_ss(half, _mm_shuffle_ps(half, half, 1));
+    rest_scalar = _mm_cvtss_f32(half);
+  } else
 #endif
   {
     const packet infinity = pset1<packet>(std::numeric_limits<T>::infinity());
