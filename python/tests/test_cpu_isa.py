@@ -7,6 +7,7 @@ skip."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -18,10 +19,13 @@ import troll
 from troll import _core, _cpu, _troll
 from troll import gaussian as tg
 
-try:
+# Whether the package has the AVX-512 build, asked without importing it: its module initialisation
+# is compiled for x86-64-v4 too, so importing it on a CPU without AVX-512 dies of SIGILL (an AVX2
+# Zen 3 core did). It is imported only where it can run, as troll/_cpu.py does.
+avx512_built = importlib.util.find_spec("troll._troll_avx512") is not None
+_troll_avx512 = None
+if avx512_built and _troll.cpu_supports_avx512():
     from troll import _troll_avx512
-except ImportError:  # built without it (TROLL_PYTHON_AVX512=OFF, or not x86-64)
-    _troll_avx512 = None
 
 both = pytest.mark.skipif(_troll_avx512 is None or not _troll.cpu_supports_avx512(),
                           reason="needs troll._troll_avx512 and a CPU with AVX-512")

@@ -9,7 +9,11 @@ bit (the kernels' sums are taken in different packet widths).
 ``kernels`` is the module every CPU call goes through: the AVX-512 build where this CPU (and its
 OS) can run it and it was built, else the baseline. The environment variable ``TROLL_CPU_ISA``,
 read once at import, overrides the choice: ``auto`` (the default), ``baseline`` (always
-``troll._troll``) or ``avx512`` (fail at import where it cannot run)."""
+``troll._troll``) or ``avx512`` (fail at import where it cannot run).
+
+``troll._troll_avx512`` is imported only after the CPU check: the module's own initialisation is
+compiled for x86-64-v4 as well, so importing it on a CPU without AVX-512 stops the process with
+SIGILL rather than raising ImportError."""
 
 from __future__ import annotations
 
