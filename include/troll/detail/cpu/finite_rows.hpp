@@ -130,7 +130,8 @@ inline Packet exp_reduced_scaled(const Packet& x, double lowest) {
 #if defined(__AVX512F__)
 inline __m512d exp_nonpositive(const __m512d& x) { return exp_reduced_scaled(x, -700.0); }
 #endif
-#if defined(__AVX2__) && !defined(__FMA__)
+#if defined(__AVX2__) && (defined(__AVX512F__) || !defined(__FMA__))
+// (AVX2 + FMA without AVX-512: the table kernel below, after exp_bounded's)
 inline __m256d exp_nonpositive(const __m256d& x) { return exp_reduced_scaled(x, -700.0); }
 #endif
 
