@@ -264,4 +264,28 @@ TEST_CASE("exp_eigen_bounded: Eigen's float exp bit for bit on [-87, 0]") {
   }
   CHECK(differ == 0);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+TEST_CASE("exp_eigen_bounded (AVX2): Eigen's float exp bit for bit on [-87, 0]") {
+  std::mt19937_64 rng(16);
+  std::uniform_real_distribution<float> u(-87.0f, 0.0f);
+  std::vector<float> x(1 << 18);
+  for (float& v : x) v = u(rng);
+  // the ends, the points where Eigen's m changes (x·log2 e + 1/2 crossing an integer) and their
+  // neighbours, tiny arguments and signed zeros
+  std::vector<float> edges{-87.0f, -86.99999f, -64.0f, -1.0f, -0.5f, -1e-30f, -0.0f, 0.0f};
+  for (int m = -125; m <= 0; ++m) {
+    const float at = static_cast<float>((m - 0.5) / 1.4426950408889634);
+    edges.insert(edges.end(), {at, std::nextafter(at, 0.0f), std::nextafter(at, -100.0f)});
+  }
+  std::copy(edges.begin(), edges.end(), x.begin());
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < x.size(); i += 8) {
+    const __m256 p = _mm256_loadu_ps(x.data() + i);
+    float ours[8], eigen[8];
+    _mm256_storeu_ps(ours, troll::detail::cpu::exp_eigen_bounded(p));
+    Eigen::internal::pstoreu(eigen, Eigen::internal::pexp(Eigen::internal::Packet8f(p)));
+    for (int j = 0; j < 8; ++j) differ += std::memcmp(&ours[j], &eigen[j], sizeof(float)) != 0;
+  }
+  CHECK(differ == 0);
+}
 #endif

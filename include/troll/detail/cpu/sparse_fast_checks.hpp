@@ -207,6 +207,30 @@ inline __m512 exp_eigen_bounded(__m512 x) {
   const __m512 y = _mm512_fmadd_ps(_mm512_fmadd_ps(odd, r3, even), r2, low);
   return _mm512_scalef_ps(y, m);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/// Eigen 3.4's float exponential on AVX2 (`pexp<Packet8f>`, the generic `pexp_float`: its
+/// operations in its order, so its bits) for x in [−87, 0], where its clamps and its final max
+/// change nothing and 2^m · polynomial is a normal float: the scaling is one multiplication by
+/// 2^m built in the exponent bits (exact, as Eigen's four-factor pldexp is there), 16 operations
+/// where Eigen's generic path takes about twice as many. Outside [−87, 0] the value is
+/// unspecified; fast_values clamps its arguments to −87 first.
+inline __m256 exp_eigen_bounded(__m256 x) {
+  const __m256 m = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  // Eigen's two-part reduction and its (Cephes') coefficients in its two interleaved Horner chains
+  __m256 r = _mm256_fmadd_ps(m, _mm256_set1_ps(-0.693359375f), x);
+  r = _mm256_fmadd_ps(m, _mm256_set1_ps(2.12194440e-4f), r);
+  const __m256 r2 = _mm256_mul_ps(r, r), r3 = _mm256_mul_ps(r2, r);
+  __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500E-4f), r, _mm256_set1_ps(1.3981999507E-3f));
+  __m256 y1 = _mm256_fmadd_ps(_mm256_set1_ps(4.1665795894E-2f), r, _mm256_set1_ps(1.6666665459E-1f));
+  const __m256 y2 = _mm256_add_ps(r, _mm256_set1_ps(1.0f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
+  y1 = _mm256_fmadd_ps(y1, r, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, r3, y1);
+  y = _mm256_fmadd_ps(y, r2, y2);
+  // m ∈ [−126, 0]: 2^m is a normal float, its biased exponent m + 127 ∈ [1, 127]
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(m), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(power));
+}
 #endif
 
 /// What one packet pass over a sparse row's log-probs finds: Σ_i exp(l_i) + exp(log_remainder)
@@ -241,6 +265,10 @@ struct fast_values_state {
         // for l ≥ −87; below, e^{−87} ≈ 1.6e-38 in place of a term below it (−inf included), a
         // change far inside the error bound. NaN and +inf lanes are flagged bad, not summed.
         return packet(exp_eigen_bounded(_mm512_max_ps(l, _mm512_set1_ps(-87.0f))));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      if constexpr (lanes == 8) {  // the same with AVX2: Eigen's bits for l ≥ −87, e^{−87} below
+        return packet(exp_eigen_bounded(_mm256_max_ps(l, _mm256_set1_ps(-87.0f))));
       }
 #endif
       return pexp(l);  // Eigen's float exp: exp(−inf) is a tiny positive number, harmless here
