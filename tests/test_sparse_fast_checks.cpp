@@ -246,45 +246,39 @@ TEST_CASE("sparse_indices_fine: small and huge vocabularies, rows of 0 to 130 id
   }
 }
 
-#if defined(__AVX512F__) && defined(__FMA__)
-TEST_CASE("exp_eigen_bounded: Eigen's float exp bit for bit on [-87, 0]") {
+#if defined(__FMA__) && (defined(__AVX512F__) || defined(__AVX2__))
+namespace {
+
+/// Arguments of Eigen's float exponential on [−87, 0]: random points, then the ends, the points
+/// where its m changes (x·log2 e + 1/2 crossing an integer) and their neighbours, tiny arguments
+/// and signed zeros.
+std::vector<float> eigen_exp_points(std::size_t count) {
   std::mt19937_64 rng(16);
   std::uniform_real_distribution<float> u(-87.0f, 0.0f);
-  std::vector<float> x(1 << 16);
+  std::vector<float> x(count);
   for (float& v : x) v = u(rng);
-  const float edges[] = {-87.0f, -86.99999f, -64.0f, -1.0f, -0.5f, -1e-30f, -0.0f, 0.0f};
-  std::copy(std::begin(edges), std::end(edges), x.begin());
-  std::size_t differ = 0;
-  for (std::size_t i = 0; i < x.size(); i += 16) {
-    const __m512 p = _mm512_loadu_ps(x.data() + i);
-    float ours[16], eigen[16];
-    _mm512_storeu_ps(ours, troll::detail::cpu::exp_eigen_bounded(p));
-    Eigen::internal::pstoreu(eigen, Eigen::internal::pexp(Eigen::internal::Packet16f(p)));
-    for (int j = 0; j < 16; ++j) differ += std::memcmp(&ours[j], &eigen[j], sizeof(float)) != 0;
-  }
-  CHECK(differ == 0);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-TEST_CASE("exp_eigen_bounded (AVX2): Eigen's float exp bit for bit on [-87, 0]") {
-  std::mt19937_64 rng(16);
-  std::uniform_real_distribution<float> u(-87.0f, 0.0f);
-  std::vector<float> x(1 << 18);
-  for (float& v : x) v = u(rng);
-  // the ends, the points where Eigen's m changes (x·log2 e + 1/2 crossing an integer) and their
-  // neighbours, tiny arguments and signed zeros
   std::vector<float> edges{-87.0f, -86.99999f, -64.0f, -1.0f, -0.5f, -1e-30f, -0.0f, 0.0f};
   for (int m = -125; m <= 0; ++m) {
     const float at = static_cast<float>((m - 0.5) / 1.4426950408889634);
     edges.insert(edges.end(), {at, std::nextafter(at, 0.0f), std::nextafter(at, -100.0f)});
   }
   std::copy(edges.begin(), edges.end(), x.begin());
+  return x;
+}
+
+}  // namespace
+
+TEST_CASE("exp_eigen_bounded: Eigen's float exp bit for bit on [-87, 0]") {
+  using packet = Eigen::internal::packet_traits<float>::type;  // the packet exp_eigen_bounded takes
+  constexpr std::size_t lanes = sizeof(packet) / sizeof(float);
+  const std::vector<float> x = eigen_exp_points(std::size_t(1) << 18);
   std::size_t differ = 0;
-  for (std::size_t i = 0; i < x.size(); i += 8) {
-    const __m256 p = _mm256_loadu_ps(x.data() + i);
-    float ours[8], eigen[8];
-    _mm256_storeu_ps(ours, troll::detail::cpu::exp_eigen_bounded(p));
-    Eigen::internal::pstoreu(eigen, Eigen::internal::pexp(Eigen::internal::Packet8f(p)));
-    for (int j = 0; j < 8; ++j) differ += std::memcmp(&ours[j], &eigen[j], sizeof(float)) != 0;
+  for (std::size_t i = 0; i < x.size(); i += lanes) {
+    const packet p = Eigen::internal::ploadu<packet>(x.data() + i);
+    float ours[lanes], eigen[lanes];
+    Eigen::internal::pstoreu(ours, packet(troll::detail::cpu::exp_eigen_bounded(p)));
+    Eigen::internal::pstoreu(eigen, Eigen::internal::pexp(p));
+    for (std::size_t j = 0; j < lanes; ++j) differ += std::memcmp(&ours[j], &eigen[j], sizeof(float)) != 0;
   }
   CHECK(differ == 0);
 }

@@ -188,6 +188,21 @@ inline Packet load_padded(const T* log_probs, int k, int n) {
   return ploadu<Packet>(last);
 }
 
+/// e^r on the reduced argument r of Eigen 3.4's float exponentials (`pexp_float` and the AVX-512
+/// `pexp<Packet16f>` share it): Eigen's (Cephes') coefficients in Eigen's two interleaved Horner
+/// chains, with fused multiply-adds as Eigen's pmadd has them where FMA is on, so Eigen's bits.
+template <class Packet>
+inline Packet eigen_exp_polynomial(const Packet& r) {
+  using namespace Eigen::internal;
+  const Packet r2 = pmul(r, r), r3 = pmul(r2, r);
+  Packet odd = pmadd(pset1<Packet>(1.9875691500E-4f), r, pset1<Packet>(1.3981999507E-3f));
+  Packet even = pmadd(pset1<Packet>(4.1665795894E-2f), r, pset1<Packet>(1.6666665459E-1f));
+  const Packet low = padd(r, pset1<Packet>(1.0f));
+  odd = pmadd(odd, r, pset1<Packet>(8.3334519073E-3f));
+  even = pmadd(even, r, pset1<Packet>(5.0000001201E-1f));
+  return pmadd(pmadd(odd, r3, even), r2, low);
+}
+
 #if defined(__AVX512F__) && defined(__FMA__)
 /// Eigen 3.4's AVX-512 float exponential (`pexp<Packet16f>`: its operations in its order, so its
 /// bits) for x in [−87, 0], where Eigen's clamps change nothing and 2^m · polynomial is a normal
@@ -197,15 +212,7 @@ inline __m512 exp_eigen_bounded(__m512 x) {
   const __m512 half = _mm512_set1_ps(0.5f), log2e = _mm512_set1_ps(1.44269504088896341f);
   const __m512 m = _mm512_roundscale_ps(_mm512_fmadd_ps(x, log2e, half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_fmadd_ps(m, _mm512_set1_ps(-0.6931471805599453f), x);
-  const __m512 r2 = _mm512_mul_ps(r, r), r3 = _mm512_mul_ps(r2, r);
-  // Eigen's (Cephes') coefficients, in Eigen's two interleaved Horner chains.
-  __m512 odd = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500E-4f), r, _mm512_set1_ps(1.3981999507E-3f));
-  __m512 even = _mm512_fmadd_ps(_mm512_set1_ps(4.1665795894E-2f), r, _mm512_set1_ps(1.6666665459E-1f));
-  const __m512 low = _mm512_add_ps(r, _mm512_set1_ps(1.0f));
-  odd = _mm512_fmadd_ps(odd, r, _mm512_set1_ps(8.3334519073E-3f));
-  even = _mm512_fmadd_ps(even, r, _mm512_set1_ps(5.0000001201E-1f));
-  const __m512 y = _mm512_fmadd_ps(_mm512_fmadd_ps(odd, r3, even), r2, low);
-  return _mm512_scalef_ps(y, m);
+  return _mm512_scalef_ps(eigen_exp_polynomial(Eigen::internal::Packet16f(r)), m);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 /// Eigen 3.4's float exponential on AVX2 (`pexp<Packet8f>`, the generic `pexp_float`: its
@@ -216,20 +223,12 @@ inline __m512 exp_eigen_bounded(__m512 x) {
 /// unspecified; fast_values clamps its arguments to −87 first.
 inline __m256 exp_eigen_bounded(__m256 x) {
   const __m256 m = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  // Eigen's two-part reduction and its (Cephes') coefficients in its two interleaved Horner chains
+  // Eigen's reduction in two parts
   __m256 r = _mm256_fmadd_ps(m, _mm256_set1_ps(-0.693359375f), x);
   r = _mm256_fmadd_ps(m, _mm256_set1_ps(2.12194440e-4f), r);
-  const __m256 r2 = _mm256_mul_ps(r, r), r3 = _mm256_mul_ps(r2, r);
-  __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500E-4f), r, _mm256_set1_ps(1.3981999507E-3f));
-  __m256 y1 = _mm256_fmadd_ps(_mm256_set1_ps(4.1665795894E-2f), r, _mm256_set1_ps(1.6666665459E-1f));
-  const __m256 y2 = _mm256_add_ps(r, _mm256_set1_ps(1.0f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
-  y1 = _mm256_fmadd_ps(y1, r, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, r3, y1);
-  y = _mm256_fmadd_ps(y, r2, y2);
   // m ∈ [−126, 0]: 2^m is a normal float, its biased exponent m + 127 ∈ [1, 127]
   const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(m), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(power));
+  return _mm256_mul_ps(eigen_exp_polynomial(Eigen::internal::Packet8f(r)), _mm256_castsi256_ps(power));
 }
 #endif
 
