@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The coefficients of the AVX2 double exponential (exp_in_range, detail/cpu/finite_rows.hpp).
+"""The coefficients of the AVX2 double exponential (exp_in_range, detail/cpu/packet_exp.hpp).
 
 That kernel reduces x = (n/2)·ln 2 + r with |r| <= ln 2 / 4 and forms e^r − 1 = r·P(r). P
 interpolates (e^r − 1)/r at the Chebyshev nodes of [−a, a], a = 1.0001·ln 2 / 4 (the slack

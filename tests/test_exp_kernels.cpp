@@ -1,8 +1,8 @@
 #include <doctest/doctest.h>
 
-// The CPU backend's packet exponentials, the one-pass tilted reduction (detail/cpu/finite_rows.hpp)
-// and the packet VJP of long rows (detail/cpu/backward_kernels.hpp), against long double oracles
-// and against the general paths they replace on the common rows.
+// The CPU backend's packet exponentials (detail/cpu/packet_exp.hpp), the one-pass tilted reduction
+// (detail/cpu/finite_rows.hpp) and the packet VJP of long rows (detail/cpu/backward_kernels.hpp),
+// against long double oracles and against the general paths they replace on the common rows.
 
 #include <troll/detail/cpu/finite_rows.hpp>
 #include <troll/detail/cpu/backward_kernels.hpp>

@@ -53,8 +53,8 @@ inline void store(T* p, std::size_t begin, Eigen::Index count, const Expr& value
   row_map_out<T>(p + begin, count) = values.template cast<T>();
 }
 
-/// e^x of a block: exp_in_range (finite_rows.hpp: within 1.5 ulp, a 16-entry table and a
-/// degree-7 polynomial with AVX-512) on every packet whose arguments lie in [−708, 708], std::exp
+/// e^x of a block: exp_in_range (packet_exp.hpp: within 1.5 ulp, a 16-entry table and a
+/// degree-7 polynomial with AVX-512, a 2-entry table and a degree-10 one with AVX2) on every packet whose arguments lie in [−708, 708], std::exp
 /// on the entries of any other packet and on the block's last partial packet — so subnormal
 /// results, exact zeros (−inf), +inf and NaN are std::exp's. Eigen 3.4's double exp, which this
 /// replaces, divides in every packet (a rational approximation) and returns ~5.6e-309 for every
