@@ -182,6 +182,7 @@ TEST_CASE_TEMPLATE("per-row shifts of the new or old logits change nothing beyon
 
 TEST_CASE("float and double agree on float-representable inputs") {
   // Both solve the same problem in double; float differs only in the rounding of its output.
+  constexpr troll_test::tolerance guarantee = troll_test::projection_guarantee<double>();
   for (const corpus_block& block : corpus()) {
     const std::size_t n = block.cols;
     std::vector<const row_pair*> rows;
@@ -212,7 +213,14 @@ TEST_CASE("float and double agree on float-representable inputs") {
       for (std::size_t j = 0; j < m; ++j) {
         INFO(live[j]->label(), " eps ", eps, " t float ", sf[j].t, " t double ", sd[j].t);
         CHECK(sf[j].status == sd[j].status);
-        CHECK(std::fabs(sf[j].t - sd[j].t) <= 1e-12 * sd[j].t);
+        // Two solutions of one problem agree within what the KL guarantee pins t* down to (as
+        // the shift test above): |KL − ε| within the bound moves t by up to bound / (t·σ²). The
+        // paths share their maths but not every rounding (GCC contracts a·b + c differently in
+        // the two instantiations), and near a small ε the closed-form KL's rounding is ~1e-12 of ε.
+        const double t_bound = sd[j].status == troll::row_status::projected
+                                   ? troll_test::t_tolerance(sd[j].t, sd[j].sigma2, 2.0 * guarantee.bound(eps), 1e-12)
+                                   : 1e-12 * sd[j].t;
+        CHECK(std::fabs(sf[j].t - sd[j].t) <= t_bound);
         CHECK(troll_test::tolerance{1e-300, 1e-12}.accepts(sf[j].kl_before, sd[j].kl_before));
         std::size_t bad = 0;
         for (std::size_t i = 0; i < n; ++i) {
