@@ -19,5 +19,10 @@ targets=($(cut -d' ' -f2 "$build/tests/cuda_tests.txt" | sort -u))
 for f in bench/cuda/bench_*.cu; do targets+=("$(basename "$f" .cu)"); done
 ninja -C "$build" -j "$(nproc)" "${targets[@]}" quickstart_cuda
 mkdir -p .gpubin
-tar -C "$build" -cf - tests/cuda_tests.txt tests/test_cuda_* bench/bench_cuda_* examples/quickstart_cuda | xz -T0 -6 >.gpubin/gpu.tar.xz
+# Paths relative to the build tree (tar -C does not expand globs; the shell would expand them here).
+files=(tests/cuda_tests.txt examples/quickstart_cuda)
+for t in "${targets[@]}"; do
+  if [ -f "$build/tests/$t" ]; then files+=("tests/$t"); else files+=("bench/$t"); fi
+done
+tar -C "$build" -cf - "${files[@]}" | xz -T0 -6 >.gpubin/gpu.tar.xz
 du -h .gpubin/gpu.tar.xz

@@ -165,17 +165,30 @@ do_bench() {
   return $status
 }
 
-# Nsight Compute's speed-of-light and memory sections for a few launches of the slowest
-# benchmarks' kernels (TROLL_PROFILE_FILTER: a benchmark filter; default: sparsify and the dense
-# forward + backward at 1,024 rows).
+# Nsight Compute on the slowest kernels: sparsify (bf16 → top-64), the sparse projection and its
+# backward at 2^20 rows, the dense projection and its backward at 1,024 rows. One launch each,
+# the full section set (speed of light, memory, occupancy, warp-state and source-level stall
+# samples), as text: ncu-<name>.txt (details) and ncu-<name>-sass.csv (per-instruction stall
+# samples). --clock-control none: the card's clocks are left as found.
+profile_one() {
+  local name=$1 bench=$2 filter=$3 kernels=$4 count=$5
+  ncu --clock-control none --set full --import-source no --kernel-name "regex:$kernels" --launch-skip 1 \
+    --launch-count "$count" -f -o "$out/ncu-$name" "$build/bench/$bench" --benchmark_filter="$filter" \
+    --benchmark_min_time=0.01 >"$out/ncu-$name.log" 2>&1 || return 1
+  ncu --import "$out/ncu-$name.ncu-rep" --page details >"$out/ncu-$name.txt" 2>&1
+  ncu --import "$out/ncu-$name.ncu-rep" --page source --print-source sass --csv >"$out/ncu-$name-sass.csv" 2>&1
+  rm -f "$out/ncu-$name.ncu-rep"
+  return 0
+}
+
 do_profile() {
-  local filter=${TROLL_PROFILE_FILTER:-'bm_sparsify_bf16/64'}
-  ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --launch-skip 4 --launch-count 6 \
-    "$build/bench/bench_cuda_sparse" --benchmark_filter="$filter" --benchmark_min_time=0.01 >"$out/ncu-sparse.txt" 2>&1 &&
-    ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --launch-skip 4 --launch-count 6 \
-      "$build/bench/bench_cuda_projection" --benchmark_filter='cuda_project_forward_backward/float/active:100%/V:151936/rows:1024' \
-      --benchmark_min_time=0.01 >"$out/ncu-dense.txt" 2>&1 &&
-    log "profile: ok (ncu-sparse.txt, ncu-dense.txt)" || { log "profile: FAILED"; return 1; }
+  local status=0
+  profile_one sparsify bench_cuda_sparse 'bm_sparsify_bf16/64' 'sparsify_kernel' 1 || status=1
+  profile_one sparse bench_cuda_sparse 'bm_sparse_project_fwd_bwd' 'sparse_project' 2 || status=1
+  profile_one dense bench_cuda_projection 'cuda_project_forward_backward/float/active:100%/V:151936/rows:1024' \
+    'project_kernel|project_backward_kernel' 2 || status=1
+  [ $status -eq 0 ] && log "profile: ok (ncu-*.txt, ncu-*-sass.csv)" || log "profile: FAILED (see ncu-*.log)"
+  return $status
 }
 
 do_peer() {
