@@ -23,6 +23,7 @@
 # machine for the device's architecture, e.g. by `scripts/gpu-verify.sh build` with
 # TROLL_GPU_ARCH=90, and carried along) instead of configuring and building.
 # TROLL_TEST_TIMEOUT: seconds one test, sanitizer or benchmark run may take (default 600).
+# TROLL_TEST_SKIP: CUDA tests (space-separated names) the test stage leaves out.
 # TROLL_SANITIZE_JOBS: how many compute-sanitizer runs share the GPU at once (default 4).
 # TROLL_SANITIZE_SKIP: CUDA tests (space-separated names) the sanitize stage leaves out.
 # TROLL_SANITIZE_TOOLS: which compute-sanitizer tools (default: memcheck racecheck synccheck initcheck).
@@ -112,6 +113,7 @@ test_one() {
 do_test() {
   local status=0 pids=()
   for t in $(cuda_tests); do
+    case " ${TROLL_TEST_SKIP:-} " in *" $t "*) log "test $t: skipped (TROLL_TEST_SKIP)"; continue ;; esac
     test_one "$t" &
     pids+=($!)
   done

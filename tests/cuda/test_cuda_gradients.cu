@@ -18,9 +18,11 @@
 #include <string>
 #include <vector>
 
+#include "backend.hpp"
 #include "corpus.hpp"
 #include "tolerance.hpp"
 #include "troll/cuda.cuh"
+#include "troll/objectives.hpp"
 #include "troll/projection.hpp"
 
 namespace {
@@ -880,6 +882,17 @@ TEST_SUITE("device") {
       if (!cpu_jac_error.message.empty()) CHECK(jac.download() == jac_sentinel);
     }
   }
+}
+
+// The re-centring of d − μ on nearly one-hot rows with large logits (tests/bodies/backward_centring.hpp,
+// also run on the CPU by tests/test_backward_centring.cpp): VJP, JVP, Jacobian and TROLL's objective
+// backward against the long-double formulas of math.md §3.
+namespace troll_test {
+using oracle_backend = backend<troll::cuda_policy>;
+}  // namespace troll_test
+
+TEST_SUITE("device") {
+#include "../bodies/backward_centring.hpp"
 }
 
 #ifndef TROLL_TEST_GROUP  // grouped, the generated translation unit supplies main

@@ -34,5 +34,41 @@ TROLL_HOST_DEVICE inline double dt_dold(bool on_support, double pi, double centr
   return -((1.0 - t) * t * pi * centred - pi_minus_q) / (t * s.sigma2);
 }
 
+/// The unit of the last place at 1 (machine epsilon) of the type a row's log π* is stored in:
+/// what the centring's noise estimate scales with. float and double only.
+template <class T>
+TROLL_HOST_DEVICE constexpr double storage_epsilon() {
+  return sizeof(T) == sizeof(float) ? 0x1p-23 : 0x1p-52;
+}
+
+/// The re-centring of d − μ shared by every derivative of the projection, CPU and CUDA (the
+/// "Centring" note at the top of detail/cpu/backward_kernels.hpp): μ arrives in absolute units,
+/// so c_j = d_j − μ as rounded can lose the dominant token's true value on nearly one-hot rows
+/// with large logits. m = Σ_J π_j c_j (0 in exact arithmetic) is subtracted from every c_j where
+/// it exceeds twice its own noise, ulp_T · Σ_J |π_j c_j| (1 − log π_j) (π read back from log π*
+/// stored in T). Sums linear in c are corrected afterwards: Σ g (c − m) = Σ g c − m Σ g.
+struct centring_sums {
+  double m = 0.0;       ///< Σ_J π c
+  double spread = 0.0;  ///< Σ_J |π c| (1 − log π)
+
+  /// One token of J: π_j, c_j = d_j − μ, log π_j.
+  TROLL_HOST_DEVICE void add(double pi, double centred, double log_pi) {
+    const double pc = pi * centred;
+    m += pc;
+    spread += ::fabs(pc) * (1.0 - log_pi);
+  }
+  TROLL_HOST_DEVICE centring_sums& operator+=(const centring_sums& o) {
+    m += o.m;
+    spread += o.spread;
+    return *this;
+  }
+  /// m where it exceeds twice its noise (log π* stored in T), else 0.
+  template <class T>
+  TROLL_HOST_DEVICE double step() const {
+    const double noise = storage_epsilon<T>() * spread;
+    return ::fabs(m) > 2.0 * noise ? m : 0.0;
+  }
+};
+
 }  // namespace detail
 TROLL_END_NAMESPACE

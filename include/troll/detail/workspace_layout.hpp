@@ -43,6 +43,7 @@ TROLL_HOST_DEVICE constexpr std::size_t objective_workspace_bytes(std::size_t ro
 struct jacobian_row_terms {
   double old_max;
   double old_log_sum;
+  double centring;  // the re-centring m of d − μ (detail::centring_sums; 0 unless projected)
   int rejected;
 };
 

@@ -56,16 +56,9 @@ inline old_normaliser normalise_old(const T* zo, std::size_t size) {
   return n;
 }
 
-/// The centring correction m = Σ π (d − μ) and its noise estimate (the top of this file); `step()`
-/// is m where it exceeds twice its noise, else 0.
-struct centring_sums {
-  double m = 0.0, spread = 0.0;  // Σ π c and Σ π |c| (1 + |log π|)
-  template <class T>
-  double step() const {
-    const double noise = double(std::numeric_limits<T>::epsilon()) * spread;
-    return ::fabs(m) > 2.0 * noise ? m : 0.0;
-  }
-};
+/// The centring correction m = Σ π (d − μ) and its noise estimate (the top of this file): the
+/// host/device detail::centring_sums of tilt_derivatives.hpp, shared with the CUDA kernels.
+using detail::centring_sums;
 
 /// Everything the backward formulas need from one row at one block. Blocks without a masked
 /// token (the common case) skip every select: Eigen 3.4 evaluates a select with a boolean

@@ -6,6 +6,8 @@
 //   ∂L/∂z°_j = (1 − t)(g_j − π_j Σg) + Σg(d−μ) · ∂t/∂z°_j,
 //        ∂t/∂z°_j = −[(1 − t) t π_j (d_j − μ) − (π_j − q_j)] / (t σ²),    ∂L/∂ε = Σg(d−μ) / (t σ²),
 //        (detail::dt_dold, troll/detail/tilt_derivatives.hpp: π_j − q_j from the log-ratio)
+// with d − μ re-centred by m = Σ_J π (d − μ) where that exceeds its noise, as the CPU
+// (detail::centring_sums; pass 1 forms the sums on projected rows).
 #pragma once
 
 #include <cstddef>
@@ -31,6 +33,7 @@ struct backward_scan {
   std::size_t first_bad_log_prob = no_token;  // log_probs NaN, +inf or above 0
   double sum_g = 0.0;
   double sum_gc = 0.0;  // Σ g (d − μ)
+  centring_sums centring;  // Σ π (d − μ) and its noise (projected rows)
 };
 
 struct merge_backward_scan {
@@ -41,9 +44,34 @@ struct merge_backward_scan {
     s.first_bad_log_prob = a.first_bad_log_prob < b.first_bad_log_prob ? a.first_bad_log_prob : b.first_bad_log_prob;
     s.sum_g = a.sum_g + b.sum_g;
     s.sum_gc = a.sum_gc + b.sum_gc;
+    s.centring = a.centring;
+    s.centring += b.centring;
     return s;
   }
 };
+
+/// centring_sums as a block reduction operator.
+struct merge_centring {
+  __device__ centring_sums operator()(const centring_sums& a, const centring_sums& b) const {
+    centring_sums s = a;
+    s += b;
+    return s;
+  }
+};
+
+/// The re-centring m of a projected row (detail::centring_sums over J = {log π* > −inf}), by the
+/// whole block (all threads call it; the result in every thread).
+template <class T>
+__device__ double block_centring(const T* zn, const T* zo, const T* log_probs, std::size_t size, double mu,
+                                 reduce_storage<centring_sums>& storage) {
+  centring_sums local;
+  for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+    const double lp = static_cast<double>(log_probs[i]);
+    if (lp > neg_inf())
+      local.add(::exp(lp), (static_cast<double>(zn[i]) - static_cast<double>(zo[i])) - mu, lp);
+  }
+  return block_all_reduce(storage, local, merge_centring{}).template step<T>();
+}
 
 /// The field of `s` a backward pass cannot use (cuda_row_report::operand for bad_stats: 0 t,
 /// 1 sigma2, 2 mu, 3 status, 4 kl_after), or −1. Mirrors check_stats of troll/backward.hpp.
@@ -105,7 +133,7 @@ __device__ inline double old_probability(double old_logit, double old_max, doubl
 /// Rows of `range`: grad_new (and grad_old when grad_old.rows != 0, grad_eps when not null) from
 /// the upstream gradient g = ∂L/∂log π*. Rejected rows get NaN gradients.
 template <class T>
-__global__ void __launch_bounds__(block_threads)
+__global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
     project_backward_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits,
                             batch_view<const T> log_probs, const projection_stats* stats,
                             batch_view<const T> grad_log_probs, batch_view<T> grad_new,
@@ -120,6 +148,7 @@ __global__ void __launch_bounds__(block_threads)
     const T* g = grad_log_probs.row(r);
     const projection_stats s = stats[r];
     const double mu = s.mu;
+    const bool projected = s.status == row_status::projected;
 
     backward_scan local;
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
@@ -131,8 +160,10 @@ __global__ void __launch_bounds__(block_threads)
       if (!(lp <= 0.0 && ((a > neg_inf() && b > neg_inf()) || lp == neg_inf())) && i < local.first_bad_log_prob)
         local.first_bad_log_prob = i;
       if (lp > neg_inf()) {
+        const double c = (a - b) - mu;
         local.sum_g += gi;
-        local.sum_gc += gi * ((a - b) - mu);
+        local.sum_gc += gi * c;
+        if (projected) local.centring.add(::exp(lp), c, lp);
       }
     }
     const backward_scan scan = block_all_reduce(scan_storage, local, merge_backward_scan{});
@@ -152,16 +183,17 @@ __global__ void __launch_bounds__(block_threads)
       continue;
     }
 
-    const bool projected = s.status == row_status::projected;
+    const double m = projected ? scan.centring.step<T>() : 0.0;  // the re-centring (top of this file)
+    const double sum_gc = scan.sum_gc - m * scan.sum_g;
     const double t = projected ? s.t : 1.0;
-    const double h_over_var = projected ? scan.sum_gc / s.sigma2 : 0.0;
+    const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
     const double old_max = scan.pair.old.lse.m, log_sum_old = old_log_sum(scan.pair);
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       const double lp = static_cast<double>(logp[i]);
       const bool on_support = lp > neg_inf();
       const double pi = ::exp(lp);
       const double a = static_cast<double>(zn[i]), b = static_cast<double>(zo[i]);
-      const double centred = on_support ? (a - b) - mu : 0.0;
+      const double centred = on_support ? ((a - b) - mu) - m : 0.0;
       const double gb = on_support ? static_cast<double>(g[i]) : 0.0;
       const double explicit_part = gb - pi * scan.sum_g;
       out_new[i] = static_cast<T>(t * (explicit_part - pi * centred * h_over_var));
@@ -171,10 +203,10 @@ __global__ void __launch_bounds__(block_threads)
         continue;
       }
       const double q = old_probability(b, old_max, log_sum_old);
-      out_old[i] = static_cast<T>((1.0 - t) * explicit_part + scan.sum_gc * dt_dold(on_support, pi, centred, q, s));
+      out_old[i] = static_cast<T>((1.0 - t) * explicit_part + sum_gc * dt_dold(on_support, pi, centred, q, s));
     }
     if (threadIdx.x == 0 && grad_eps != nullptr)
-      grad_eps[r] = static_cast<T>(projected ? scan.sum_gc / (s.t * s.sigma2) : 0.0);
+      grad_eps[r] = static_cast<T>(projected ? sum_gc / (s.t * s.sigma2) : 0.0);
   }
 }
 

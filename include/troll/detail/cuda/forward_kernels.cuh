@@ -227,7 +227,7 @@ __device__ void check_feasible(const Eval& eval, const row_setup& setup, double 
 /// checks.validate_only, only the CPU's pre-write validation runs (including the
 /// infeasibility floor −log q(J) ≥ ε) and nothing is written but the reports.
 template <class T>
-__global__ void __launch_bounds__(block_threads)
+__global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
     project_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits, double eps,
                    projection_options options, batch_view<T> out_log_probs, projection_stats* stats,
                    row_range range, device_checks checks) {

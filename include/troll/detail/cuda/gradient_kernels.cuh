@@ -7,6 +7,8 @@
 //        ṫ  = −t/σ² Σ_J π (d − μ) u + Σ_j ∂t/∂z°_j v_j + ε̇ / (t σ²)      (projected rows);
 //   ∂t/∂z°_j = −[(1 − t) t π_j (d_j − μ) − (π_j − q_j)] / (t σ²),
 //        π_j − q_j = q_j · expm1(t (d_j − μ) + KL(π‖q)) where that exponent is below 1/2.
+// Every d − μ of a projected row is re-centred by m = Σ_J π (d − μ) where that exceeds its noise,
+// as the CPU (detail::centring_sums, troll/detail/tilt_derivatives.hpp).
 #pragma once
 
 #include <cuda/std/functional>
@@ -122,6 +124,7 @@ struct jvp_scan {
   double pi_tn = 0.0;                    // Σ_J π u
   double pi_centred_tn = 0.0;            // Σ_J π (d − μ) u
   double pi_to = 0.0;                    // Σ_J π v
+  centring_sums centring;                // Σ_J π (d − μ) and its noise
 };
 
 struct merge_jvp_scan {
@@ -134,6 +137,8 @@ struct merge_jvp_scan {
     s.pi_tn = a.pi_tn + b.pi_tn;
     s.pi_centred_tn = a.pi_centred_tn + b.pi_centred_tn;
     s.pi_to = a.pi_to + b.pi_to;
+    s.centring = a.centring;
+    s.centring += b.centring;
     return s;
   }
 };
@@ -171,10 +176,11 @@ __global__ void __launch_bounds__(block_threads)
       if (!(lp <= 0.0 && ((a > neg_inf() && b > neg_inf()) || lp == neg_inf())) && i < local.first_bad_log_prob)
         local.first_bad_log_prob = i;
       if (lp > neg_inf()) {
-        const double pi = ::exp(lp);
+        const double pi = ::exp(lp), c = (a - b) - mu;
         local.pi_tn += pi * u;
-        local.pi_centred_tn += pi * ((a - b) - mu) * u;
+        local.pi_centred_tn += pi * c * u;
         local.pi_to += pi * v;
+        local.centring.add(pi, c, lp);
       }
     }
     const jvp_scan scan = block_all_reduce(scan_storage, local, merge_jvp_scan{});
@@ -190,9 +196,10 @@ __global__ void __launch_bounds__(block_threads)
 
     const bool projected = s.status == row_status::projected;
     const double t = projected ? s.t : 1.0;
+    const double m = projected ? scan.centring.step<T>() : 0.0;  // the re-centring (top of this file)
     double t_dot = 0.0;
     if (projected) {
-      t_dot = -t / s.sigma2 * scan.pi_centred_tn;
+      t_dot = -t / s.sigma2 * (scan.pi_centred_tn - m * scan.pi_tn);
       if (to != nullptr) {
         // Σ_j ∂t/∂z°_j v_j over every token z° gives mass to (off J too: there π_j − q_j = −q_j).
         const double old_max = scan.pair.old.lse.m, log_sum_old = old_log_sum(scan.pair);
@@ -203,7 +210,7 @@ __global__ void __launch_bounds__(block_threads)
           const double lp = static_cast<double>(logp[i]);
           const bool on_support = lp > neg_inf();
           const double pi = on_support ? ::exp(lp) : 0.0;
-          const double centred = on_support ? (static_cast<double>(zn[i]) - b) - mu : 0.0;
+          const double centred = on_support ? ((static_cast<double>(zn[i]) - b) - mu) - m : 0.0;
           const double q = old_probability(b, old_max, log_sum_old);
           partial += dt_dold(on_support, pi, centred, q, s) * static_cast<double>(to[i]);
         }
@@ -215,7 +222,7 @@ __global__ void __launch_bounds__(block_threads)
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       double value = 0.0;
       if (static_cast<double>(logp[i]) > neg_inf()) {
-        const double centred = (static_cast<double>(zn[i]) - static_cast<double>(zo[i])) - mu;
+        const double centred = ((static_cast<double>(zn[i]) - static_cast<double>(zo[i])) - mu) - m;
         value = t * (static_cast<double>(tn[i]) - scan.pi_tn) + centred * t_dot;
         if (old_term) value += (1.0 - t) * (static_cast<double>(to[i]) - scan.pi_to);
       }
@@ -234,10 +241,12 @@ __global__ void __launch_bounds__(block_threads)
                          batch_view<const T> log_probs, const projection_stats* stats,
                          jacobian_row_terms* terms, row_range range, device_checks checks) {
   __shared__ reduce_storage<std::size_t> token_storage;
+  __shared__ reduce_storage<centring_sums> centring_storage;
   const std::size_t size = new_logits.cols;
   for_each_pair_row(new_logits, old_logits, range,
                     [&](std::size_t r, const T* zn, const T* zo, const pair_scan& scan) {
-    cuda_row_report report = derivative_problem(scan, zn, zo, stats[r]);
+    const projection_stats s = stats[r];
+    cuda_row_report report = derivative_problem(scan, zn, zo, s);
     // log_probs after the logits and before the stats, as the CPU checks them (block-uniform).
     if (report.error == cuda_row_error::none || report.error == cuda_row_error::bad_stats) {
       const std::size_t bad = block_first_bad_log_prob(log_probs.row(r), zn, zo, size, token_storage);
@@ -247,13 +256,15 @@ __global__ void __launch_bounds__(block_threads)
         report.value = static_cast<double>(log_probs.row(r)[bad]);
       }
     }
+    const bool rejected = report.error != cuda_row_error::none;  // block-uniform
+    const double m = !checks.validate_only && !rejected && s.status == row_status::projected
+                         ? block_centring(zn, zo, log_probs.row(r), size, s.mu, centring_storage)
+                         : 0.0;
     if (threadIdx.x == 0) {  // no early return: a barrier added below must still see every thread
       record_row(checks, range, r, report);
-      if (!checks.validate_only) {
-        const bool rejected = report.error != cuda_row_error::none;
-        terms[r] = jacobian_row_terms{rejected ? 0.0 : scan.old.lse.m, rejected ? 0.0 : old_log_sum(scan),
+      if (!checks.validate_only)
+        terms[r] = jacobian_row_terms{rejected ? 0.0 : scan.old.lse.m, rejected ? 0.0 : old_log_sum(scan), m,
                                       rejected ? 1 : 0};
-      }
     }
   });
 }
@@ -292,8 +303,10 @@ struct jacobian_entry {
     const double lp_i = static_cast<double>(logp[i]), lp_j = static_cast<double>(logp[j]);
     const bool on_i = lp_i > neg_inf(), on_j = lp_j > neg_inf();
     const double pi_j = on_j ? ::exp(lp_j) : 0.0;
-    const double centred_i = on_i ? (static_cast<double>(zn[i]) - static_cast<double>(zo[i])) - s.mu : 0.0;
-    const double centred_j = on_j ? (static_cast<double>(zn[j]) - static_cast<double>(zo[j])) - s.mu : 0.0;
+    const double centred_i =
+        on_i ? ((static_cast<double>(zn[i]) - static_cast<double>(zo[i])) - s.mu) - row.centring : 0.0;
+    const double centred_j =
+        on_j ? ((static_cast<double>(zn[j]) - static_cast<double>(zo[j])) - s.mu) - row.centring : 0.0;
     const double delta = i == j ? 1.0 : 0.0;
     double jn = 0.0, jo = 0.0;
     if (on_i && on_j) {

@@ -105,7 +105,7 @@ __device__ double block_kl_to_log_probs(const T* zn, double log_norm_new, const 
 /// Rows of `range`: TROLL's forward (troll::objective_forward). Writes log π*, stats, the row's
 /// record and token_loss[r] (when not null). With checks.validate_only only the reports.
 template <class T>
-__global__ void __launch_bounds__(block_threads)
+__global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
     troll_forward_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits,
                          token_batch<T> in, double eps, double alpha, projection_options options,
                          batch_view<T> log_probs, projection_stats* stats, T* token_loss,
@@ -327,7 +327,7 @@ void enqueue_aggregation_weights(const char* fn, cudaStream_t stream, const toke
 /// Rows of `range`: TROLL's fused backward (troll::objective_backward), c_r = grad_loss ·
 /// weight_r / normaliser from aggregation_weights_kernel. Rejected rows get NaN gradients.
 template <class T>
-__global__ void __launch_bounds__(block_threads)
+__global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
     troll_backward_kernel(batch_view<const T> new_logits, batch_view<const T> old_logits,
                           token_batch<T> in, double eps, double alpha,
                           batch_view<const T> log_probs, const projection_stats* stats,
@@ -337,6 +337,7 @@ __global__ void __launch_bounds__(block_threads)
   __shared__ reduce_storage<lse_state> lse_storage;
   __shared__ reduce_storage<double_pair> kl_storage;
   __shared__ reduce_storage<std::size_t> token_storage;
+  __shared__ reduce_storage<centring_sums> centring_storage;
   const std::size_t size = new_logits.cols;
   for_each_pair_row(new_logits, old_logits, range,
                     [&](std::size_t r, const T* zn, const T* zo, const pair_scan& scan) {
@@ -375,9 +376,12 @@ __global__ void __launch_bounds__(block_threads)
     const double kl_reg =
         with_reg ? block_kl_to_log_probs(zn, log_norm_new, log_pi, size, kl_storage) : 0.0;
     const double d_a = static_cast<double>(zn[a]) - static_cast<double>(zo[a]);
+    const bool projected = s.status == row_status::projected;  // block-uniform
+    // The re-centring of d − μ, as the CPU's troll_backward_prepare (detail::centring_sums).
+    const double m = projected ? block_centring(zn, zo, log_pi, size, s.mu, centring_storage) : 0.0;
     const troll_row_coefficients k =
         troll_coefficients(weight, static_cast<double>(in.advantages[r]), ratio,
-                           with_reg ? alpha : 0.0, kl_reg, d_a, s);
+                           with_reg ? alpha : 0.0, kl_reg, d_a, s, m);
     const int overflow = backward_overflow<T>(ratio, k.ratio_coef * k.t);
     if (overflow >= 0) {  // uniform across the block
       if (threadIdx.x == 0)
@@ -389,9 +393,7 @@ __global__ void __launch_bounds__(block_threads)
       const double lp = static_cast<double>(log_pi[i]);
       const double zn_i = static_cast<double>(zn[i]);
       const bool on_support = lp > neg_inf();
-      const double centred = on_support && s.status == row_status::projected
-                                 ? (zn_i - static_cast<double>(zo[i])) - s.mu
-                                 : 0.0;
+      const double centred = on_support && projected ? ((zn_i - static_cast<double>(zo[i])) - s.mu) - m : 0.0;
       const double lp_new = zn_i - log_norm_new;
       grad[i] = static_cast<T>(troll_gradient_entry(k, std::int64_t(i) == a, on_support,
                                                     lp_new > neg_inf(), lp, lp_new, centred));

@@ -382,9 +382,22 @@ __global__ void __launch_bounds__(block_threads)
           const bool with_reg = alpha != 0.0 && s.status != row_status::inactive;
           const double kl_reg = with_reg ? warp_lumped_kl(row, lp_row, lp_bucket, log_norm_new) : 0.0;
           const double d_a = static_cast<double>(row.fresh[at]) - static_cast<double>(row.old[at]);
-          const troll_row_coefficients k = troll_coefficients(weight, static_cast<double>(in.advantages[r]), ratio,
-                                                              with_reg ? alpha : 0.0, kl_reg, d_a, s);
           const bool projected = s.status == row_status::projected;
+          // The re-centring of d − μ (detail::centring_sums) over the lumped row, as the CPU's
+          // troll_backward_prepare on its double lumped rows.
+          double m = 0.0;
+          if (projected) {
+            centring_sums centring;
+            for (int i = lane_id(); i <= row.count; i += warp_lanes) {
+              double x, y;
+              row.at(i, x, y);
+              const double lp = i < row.count ? static_cast<double>(lp_row[i]) : lp_bucket;
+              if (lp > neg_inf() && !(x == neg_inf() && y == neg_inf())) centring.add(::exp(lp), (x - y) - s.mu, lp);
+            }
+            m = warp_all_reduce(centring, merge_centring{}).step<double>();
+          }
+          const troll_row_coefficients k = troll_coefficients(weight, static_cast<double>(in.advantages[r]), ratio,
+                                                              with_reg ? alpha : 0.0, kl_reg, d_a, s, m);
           const int overflow = backward_overflow<T>(ratio, k.ratio_coef * k.t);
           if (overflow >= 0 && lane_id() == 0)  // uniform across the warp: NaN upstream below
             record_row(checks, range, r,
@@ -396,7 +409,7 @@ __global__ void __launch_bounds__(block_threads)
             if (!(x == neg_inf() && y == neg_inf())) {
               const double lp = i < row.count ? static_cast<double>(lp_row[i]) : lp_bucket;
               const bool on_support = lp > neg_inf();
-              const double centred = on_support && projected ? (x - y) - s.mu : 0.0;
+              const double centred = on_support && projected ? ((x - y) - s.mu) - m : 0.0;
               const double lp_new = x - log_norm_new;
               value = troll_gradient_entry(k, i == at, on_support, lp_new > neg_inf(), lp, lp_new, centred);
             }

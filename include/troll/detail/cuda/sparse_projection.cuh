@@ -293,7 +293,8 @@ __global__ void sparse_kl_kernel(aligned_batch_view<const T> rows, T* kl_out, in
 /// checks.validate_only only the CPU's pre-write validation runs (infeasibility and out's
 /// capacity included).
 template <class T>
-__global__ void sparse_project_kernel(aligned_batch_view<const T> rows, double eps, projection_options options,
+__global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
+    sparse_project_kernel(aligned_batch_view<const T> rows, double eps, projection_options options,
                                       sparse_batch_view<T> out, projection_stats* stats, int slots_per_array,
                                       row_range range, device_checks checks) {
   index_slot* slots = warp_scratch(1, slots_per_array);
@@ -359,7 +360,8 @@ __global__ void sparse_project_kernel(aligned_batch_view<const T> rows, double e
 /// Rows of `range`: the VJP of the sparse projection (see troll::project_backward) on the lumped
 /// categories, with the formulas of cpu::vjp_row (the π − q of ∂t/∂z° from log(π/q) where π ≈ q).
 template <class T>
-__global__ void sparse_project_backward_kernel(aligned_batch_view<const T> rows, sparse_batch_view<const T> log_probs,
+__global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
+    sparse_project_backward_kernel(aligned_batch_view<const T> rows, sparse_batch_view<const T> log_probs,
                                                const projection_stats* stats, sparse_grad_view<const T> grad,
                                                sparse_grad_view<T> grad_new, sparse_grad_view<T> grad_old,
                                                T* grad_eps, int slots_per_array, row_range range,
@@ -451,16 +453,22 @@ __global__ void sparse_project_backward_kernel(aligned_batch_view<const T> rows,
     const bool projected = s.status == row_status::projected;
     const double mu = s.mu;
     double_pair sums;
+    centring_sums centring;  // the re-centring of d − μ (detail::centring_sums), as the CPU's lumped VJP
     for (int i = lane_id(); i <= row.count; i += warp_lanes) {
       double a, b;
       row.at(i, a, b);
       const double l = i < row.count ? static_cast<double>(lp_row[i]) : lr;
       if (!(l > neg_inf()) || (a == neg_inf() && b == neg_inf())) continue;
       const double g = i < row.count ? static_cast<double>(g_row[i]) : g_r;
+      const double c = (a - b) - mu;
       sums.first += g;
-      sums.second += g * ((a - b) - mu);
+      sums.second += g * c;
+      if (projected) centring.add(::exp(l), c, l);
     }
     sums = warp_all_reduce(sums, add_pair{});
+    // The lumped rows are double on the CPU: its noise estimate is double's.
+    const double m = projected ? warp_all_reduce(centring, merge_centring{}).step<double>() : 0.0;
+    sums.second -= m * sums.first;
     const double t = projected ? s.t : 1.0;
     const double h_over_var = projected ? sums.second / s.sigma2 : 0.0;
     const double old_max = scan.old.lse.m, log_sum_old = old_log_sum(scan);
@@ -472,7 +480,7 @@ __global__ void sparse_project_backward_kernel(aligned_batch_view<const T> rows,
         const double l = i < row.count ? static_cast<double>(lp_row[i]) : lr;
         const bool on_support = l > neg_inf();
         const double pi = on_support ? ::exp(l) : 0.0;
-        const double centred = on_support ? (a - b) - mu : 0.0;
+        const double centred = on_support ? ((a - b) - mu) - m : 0.0;
         const double gb = on_support ? (i < row.count ? static_cast<double>(g_row[i]) : g_r) : 0.0;
         const double explicit_part = gb - pi * sums.first;
         gn = t * (explicit_part - pi * centred * h_over_var);

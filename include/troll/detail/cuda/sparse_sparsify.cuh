@@ -466,14 +466,43 @@ template <class Keys, class L, class InSupport>
 __device__ exact_sum tail_exp_sum(reduce_storage<exact_sum>& storage, const L* z, std::size_t size, double m_tail,
                                   InSupport in_support) {
   using value_type = typename Keys::value_type;
+  constexpr int items = Keys::items;
+  constexpr int tile = sparsify_layout<Keys>::tile;
   exact_sum part;
   if (m_tail > neg_inf()) {
     const value_type shift = static_cast<value_type>(m_tail);  // one of the row's logits: exact
-    for (std::size_t j = threadIdx.x; j < size; j += block_threads) {
-      const value_type x = to_value(z[j]);
-      if (in_support(j, x)) continue;
-      if (!(x > value_type(neg_inf()))) continue;  // a masked token has no mass
-      exact_add(part, static_cast<double>(exp_of(x - shift)));
+    const value_type minus_inf = static_cast<value_type>(neg_inf());
+    const bool vectors = reinterpret_cast<std::uintptr_t>(z) % sizeof(uint4) == 0;
+    // The thread's `items` consecutive tokens from `first` (−inf past the row).
+    auto load = [&](std::size_t first, bool full, value_type(&v)[items]) {
+      if (first < size) {
+        load_items(z + first, vectors && full, size - first, v);
+      } else {
+#pragma unroll
+        for (int i = 0; i < items; ++i) v[i] = minus_inf;
+      }
+    };
+    auto add = [&](std::size_t first, const value_type(&v)[items]) {
+#pragma unroll
+      for (int i = 0; i < items; ++i) {
+        const std::size_t j = first + std::size_t(i);
+        const value_type x = v[i];
+        if (!(x > minus_inf) || j >= size) continue;  // a masked token (or past the row) has no mass
+        if (in_support(j, x)) continue;
+        exact_add(part, static_cast<double>(exp_of(x - shift)));
+      }
+    };
+    // Two tiles a step, each thread's loads (16 bytes where aligned) issued before any is used:
+    // the stream's layout, so that several loads are in flight (the one-token-a-thread loop
+    // waited on every 2-byte load; Nsight Compute on an H200: 42% of sparsify's stall samples).
+    for (std::size_t base = 0; base < size; base += 2 * std::size_t(tile)) {
+      const std::size_t first0 = base + std::size_t(threadIdx.x) * items;
+      const std::size_t first1 = first0 + std::size_t(tile);
+      value_type v0[items], v1[items];
+      load(first0, base + tile <= size, v0);
+      load(first1, base + 2 * std::size_t(tile) <= size, v1);
+      add(first0, v0);
+      add(first1, v1);
     }
   }
   return block_all_reduce(storage, part, add_exact_sum{});

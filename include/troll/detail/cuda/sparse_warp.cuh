@@ -34,8 +34,13 @@ TROLL_HOST_DEVICE inline int sort_slots(std::size_t k_max) {
 
 #ifdef __CUDACC__
 
-/// Reduces one value per lane with `op` (associative; commutative bit for bit, as every troll
-/// merge is) by an xor butterfly: every lane ends with the same result. All 32 lanes must call it.
+/// Reduces one value per lane with `op` (associative) by an xor butterfly in which the lower
+/// lane's value is always the first operand: both lanes of a pair form the same merge, so every
+/// lane ends with the same result bit for bit. That order matters: lse_state's merge keeps the
+/// first operand's reference (its mode) on tied maxima, and with each lane's own value first the
+/// lanes of a row whose categories tie (a uniform old row at t = 0) each kept their own token as
+/// the mode, the solver's next member was centred differently in every lane, and the sparse
+/// projection ended not converged (found on an H200, 2026-11-28). All 32 lanes must call it.
 template <class V, class Op>
 __device__ V warp_all_reduce(V value, Op op) {
   static_assert(sizeof(V) % sizeof(int) == 0, "warp_all_reduce: size must be a multiple of 4 bytes");
@@ -47,7 +52,8 @@ __device__ V warp_all_reduce(V value, Op op) {
     for (int w = 0; w < words; ++w) theirs[w] = __shfl_xor_sync(full_warp, mine[w], offset);
     V other;
     std::memcpy(&other, theirs, sizeof(V));
-    value = op(value, other);
+    // (threadIdx.x & offset: the lane's bit at this stage, offset < 32, warps whole in x)
+    value = (threadIdx.x & unsigned(offset)) != 0u ? op(other, value) : op(value, other);
   }
   return value;
 }
