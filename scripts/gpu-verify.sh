@@ -215,10 +215,14 @@ do_python_build() {
 
 do_python_test() {
   local site=build/gpu-python
+  # pytest-xdist where the machine has it: a test that crashes the interpreter (a SIGSEGV on the
+  # first H200 run) then fails alone instead of ending the session, and -rfE names every failure.
+  local par=()
+  python3 -c "import xdist" 2>/dev/null && par=(-n 8)
   # Run from build/ so that `python3 -m pytest` (which puts its working directory first on
   # sys.path) imports the installed package, not the source tree's python/troll.
   (cd build && PYTHONPATH="$PWD/../$site" timeout "${TROLL_TEST_TIMEOUT:-600}" \
-    python3 -m pytest -q -p no:cacheprovider ../python/tests --ignore=../python/tests/test_trl.py) >"$out/python-test.log" 2>&1 &&
+    python3 -m pytest -q -rfE -p no:cacheprovider "${par[@]}" ../python/tests --ignore=../python/tests/test_trl.py) >"$out/python-test.log" 2>&1 &&
     log "python: $(tail -n 1 "$out/python-test.log")" ||
     { log "python: FAILED ($(tail -n 1 "$out/python-test.log"))"; return 1; }
 }

@@ -75,8 +75,13 @@ double finite_scale(const T* z, std::size_t size) {
 template <class E>
 class device_array {
  public:
+  /// n elements poisoned with 0xFF bytes (NaN for floating types, −1 for signed integers), so
+  /// that an entry a kernel leaves unwritten shows in the values, and a whole-buffer download
+  /// (row padding included) reads no uninitialised memory (compute-sanitizer initcheck).
   explicit device_array(std::size_t n) : size_(n) {
     CUDA_REQUIRE(cudaMalloc(reinterpret_cast<void**>(&data_), std::max<std::size_t>(n, 1) * sizeof(E)));
+    CUDA_REQUIRE(cudaMemset(data_, 0xFF, std::max<std::size_t>(n, 1) * sizeof(E)));
+    CUDA_REQUIRE(cudaDeviceSynchronize());
   }
   explicit device_array(const std::vector<E>& host) : device_array(host.size()) { upload(host); }
   device_array(const device_array&) = delete;

@@ -677,6 +677,13 @@ __global__ void __launch_bounds__(block_threads)
     if (tid == 0) record_row(checks, range, r, report);
     if (checks.validate_only) return;
     sparsify_state& st = states[r];
+    // Every byte of the state is written (padding and unused slots zero): sparsify_merge and
+    // sparsify_finalize copy states as whole words, and compute-sanitizer's initcheck reported
+    // those copies reading the bytes this kernel had left unwritten (H200, 2026-11-28).
+    auto* words = reinterpret_cast<unsigned long long*>(&st);
+    for (std::size_t i = std::size_t(tid); i < sizeof(sparsify_state) / sizeof(unsigned long long); i += block_threads)
+      words[i] = 0ull;
+    __syncthreads();
     if (report.error != cuda_row_error::none) {
       if (tid == 0) {  // k = 0: a state merge and finalize reject
         reset(st, 0, static_cast<sparse_index>(sampled_token), static_cast<sparse_index>(vocab),
