@@ -15,6 +15,7 @@
 # bench     the CUDA benchmarks, console and JSON.
 # profile   Nsight Compute (ncu) sections for the slowest kernels (sparsify, dense fwd+bwd).
 # peer      the plain-PyTorch peers of the benchmarks (bench/torch/peer_gpu.py; needs torch).
+# python-gdb  a native backtrace (cuda-gdb) of a crashing Python test (after python-build).
 # python    (= python-build python-test) builds the Python package with its CUDA extension into build/gpu-python (no network:
 #           the machine's own scikit-build-core, nanobind and torch) and runs python/tests there,
 #           the CUDA tests on torch CUDA tensors included.
@@ -227,6 +228,19 @@ do_python_test() {
     { log "python: FAILED ($(tail -n 1 "$out/python-test.log"))"; return 1; }
 }
 
+# A native backtrace of a Python test that crashes the interpreter (the CUDA extension's SIGSEGV
+# on the H100 and the H200): cuda-gdb (the device machines have no gdb) in batch mode on one test
+# file (TROLL_PYTEST_FILE, default test_cuda_gaussian.py) and -k filter (TROLL_PYTEST_K). Needs
+# python-build first.
+do_python_gdb() {
+  local site=build/gpu-python
+  (cd build && PYTHONPATH="$PWD/../$site" timeout "${TROLL_TEST_TIMEOUT:-600}" \
+    cuda-gdb -batch -ex run -ex bt -ex "info sharedlibrary" --args python3 -m pytest -q -p no:cacheprovider -x \
+    "../python/tests/${TROLL_PYTEST_FILE:-test_cuda_gaussian.py}" -k "${TROLL_PYTEST_K:-bad_row}") \
+    >"$out/python-gdb.log" 2>&1
+  log "python-gdb: done (python-gdb.log)"
+}
+
 pack() {
   [ "${TROLL_GPU_PACK:-0}" = 1 ] || return 0
   (cd "$out" && tar czf logs.tgz --exclude=logs.tgz --exclude=summary.txt . &&
@@ -243,6 +257,7 @@ for stage in "${stages[@]}"; do
     python) { do_python_build && do_python_test; } || failed+=(python) ;;
     python-build) do_python_build || failed+=(python-build) ;;
     python-test) do_python_test || failed+=(python-test) ;;
+    python-gdb) do_python_gdb || failed+=(python-gdb) ;;
     test | sanitize | bench)
       if ! do_build; then
         failed+=("$stage")
@@ -251,7 +266,7 @@ for stage in "${stages[@]}"; do
       "do_$stage" || failed+=("$stage")
       ;;
     *)
-      echo "gpu-verify: unknown stage '$stage' (build, test, sanitize, bench, profile, peer, python, python-build, python-test)" >&2
+      echo "gpu-verify: unknown stage '$stage' (build, test, sanitize, bench, profile, peer, python, python-build, python-test, python-gdb)" >&2
       exit 2
       ;;
   esac
