@@ -80,7 +80,10 @@ TROLL_HOST_DEVICE inline void push_pair(lse_state& st, double w, double x, doubl
   push(st, w, x);
 }
 
-/// The state of the union of two disjoint sets. Associative and commutative up to round-off.
+/// The state of the union of two disjoint sets. Associative and commutative up to round-off in
+/// its sums; on tied maxima it keeps the first operand's reference (ref_new, ref_old), so a
+/// parallel reduction whose results must agree across threads fixes the operand order
+/// (cuda::warp_all_reduce: the lower lane first).
 TROLL_HOST_DEVICE inline lse_state merge(const lse_state& a, const lse_state& b) {
   if (a.empty()) return b;
   if (b.empty()) return a;
