@@ -57,10 +57,11 @@ struct centring_sums {
     m += pc;
     spread += ::fabs(pc) * (1.0 - log_pi);
   }
-  TROLL_HOST_DEVICE centring_sums& operator+=(const centring_sums& o) {
-    m += o.m;
-    spread += o.spread;
-    return *this;
+  /// The sums of two disjoint parts of J (the reductions' merge).
+  TROLL_HOST_DEVICE friend centring_sums operator+(centring_sums a, const centring_sums& b) {
+    a.m += b.m;
+    a.spread += b.spread;
+    return a;
   }
   /// m where it exceeds twice its noise (log π* stored in T), else 0.
   template <class T>

@@ -44,19 +44,14 @@ struct merge_backward_scan {
     s.first_bad_log_prob = a.first_bad_log_prob < b.first_bad_log_prob ? a.first_bad_log_prob : b.first_bad_log_prob;
     s.sum_g = a.sum_g + b.sum_g;
     s.sum_gc = a.sum_gc + b.sum_gc;
-    s.centring = a.centring;
-    s.centring += b.centring;
+    s.centring = a.centring + b.centring;
     return s;
   }
 };
 
 /// centring_sums as a block reduction operator.
 struct merge_centring {
-  __device__ centring_sums operator()(const centring_sums& a, const centring_sums& b) const {
-    centring_sums s = a;
-    s += b;
-    return s;
-  }
+  __device__ centring_sums operator()(const centring_sums& a, const centring_sums& b) const { return a + b; }
 };
 
 /// The re-centring m of a projected row (detail::centring_sums over J = {log π* > −inf}), by the

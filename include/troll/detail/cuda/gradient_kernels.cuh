@@ -137,8 +137,7 @@ struct merge_jvp_scan {
     s.pi_tn = a.pi_tn + b.pi_tn;
     s.pi_centred_tn = a.pi_centred_tn + b.pi_centred_tn;
     s.pi_to = a.pi_to + b.pi_to;
-    s.centring = a.centring;
-    s.centring += b.centring;
+    s.centring = a.centring + b.centring;
     return s;
   }
 };
