@@ -92,6 +92,7 @@ function(troll_add_test source)
   target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/tests/support)
   add_test(NAME ${name} COMMAND ${name})
   set_tests_properties(${name} PROPERTIES SKIP_RETURN_CODE 77)
+  set_property(GLOBAL APPEND PROPERTY troll_test_targets "${name} ${name}")
   if(source MATCHES "\\.cu$")
     set_tests_properties(${name} PROPERTIES LABELS cuda)
     set_property(GLOBAL APPEND PROPERTY troll_cuda_test_manifest "${name} ${name}")
@@ -143,6 +144,7 @@ function(troll_add_test_group target first)
     endforeach()
     set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${source})
     add_test(NAME ${name} COMMAND ${target} --source-file=${filters})
+    set_property(GLOBAL APPEND PROPERTY troll_test_targets "${name} ${target}")
     # A file none of whose test cases ran (a filter that matches nothing) fails.
     set_tests_properties(${name} PROPERTIES SKIP_RETURN_CODE 77
                                             FAIL_REGULAR_EXPRESSION "test cases: +0 [|]")
@@ -165,6 +167,14 @@ endfunction()
 # (also under compute-sanitizer) without ctest.
 function(troll_write_cuda_test_manifest file)
   get_property(lines GLOBAL PROPERTY troll_cuda_test_manifest)
+  string(REPLACE ";" "\n" lines "${lines}")
+  file(CONFIGURE OUTPUT ${file} CONTENT "${lines}\n" @ONLY)
+endfunction()
+
+# troll_write_test_targets(<file>): one line per test file's ctest test, "<test> <target>" (the
+# executable that holds it: its own, or its group's), for scripts that build a few tests.
+function(troll_write_test_targets file)
+  get_property(lines GLOBAL PROPERTY troll_test_targets)
   string(REPLACE ";" "\n" lines "${lines}")
   file(CONFIGURE OUTPUT ${file} CONTENT "${lines}\n" @ONLY)
 endfunction()

@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include "grad_helpers.hpp"  // first: it silences a GCC false positive in troll's headers
+#include "special_values.hpp"
 
 #include <troll/projection.hpp>
 
@@ -202,8 +203,8 @@ void set_value(fixture<T>& fx, bool in_new, std::size_t row, std::size_t token, 
   (in_new ? fx.zn : fx.zo)[row * fx.v + token] = T(value);
 }
 
-constexpr double nan_value = std::numeric_limits<double>::quiet_NaN();
-constexpr double inf_value = std::numeric_limits<double>::infinity();
+using troll_test::inf_value;
+using troll_test::nan_value;
 
 }  // namespace
 

@@ -19,8 +19,11 @@
 #include <random>
 #include <vector>
 
+#include "bits.hpp"
+
 namespace {
 
+using troll_test::ulps;
 using namespace troll::detail;
 using packet = Eigen::internal::packet_traits<double>::type;
 constexpr int lanes = int(sizeof(packet) / sizeof(double));
@@ -34,13 +37,6 @@ std::vector<double> apply_packets(const std::vector<double>& xs, F f) {
     Eigen::internal::pstoreu(out.data() + k, f(Eigen::internal::ploadu<packet>(in.data() + k)));
   out.resize(xs.size());
   return out;
-}
-
-/// |got − exact| in units of the last place of the double nearest to exact.
-double ulps(double got, long double exact) {
-  const double near = static_cast<double>(exact);
-  const double ulp = std::nextafter(near, std::numeric_limits<double>::infinity()) - near;
-  return static_cast<double>(std::fabs(static_cast<long double>(got) - exact) / ulp);
 }
 
 /// Random points of [lo, hi] plus the ends, 0 and the points near multiples of ln 2 / 16 and of

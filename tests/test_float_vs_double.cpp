@@ -21,7 +21,7 @@ using troll_test::tolerance;
 
 namespace {
 
-constexpr double neg_inf = -std::numeric_limits<double>::infinity();
+using grad_helpers::neg_inf;
 constexpr double u_float = troll_test::unit_roundoff<float>();
 
 /// One row, run at element type T: forward, then backward, JVP and (small V) Jacobians.

@@ -14,10 +14,12 @@
 #include <utility>
 #include <vector>
 
+#include "special_values.hpp"
+
 namespace {
 
-const double minus_inf = -std::numeric_limits<double>::infinity();
-const double nan_value = std::numeric_limits<double>::quiet_NaN();
+using troll_test::minus_inf;
+using troll_test::nan_value;
 
 std::vector<double> softmax(const double* x, std::size_t n, double temperature = 1.0) {
   double largest = minus_inf;

@@ -24,6 +24,7 @@
 #include "objective_batch.hpp"
 #include "objective_cases.hpp"
 #include "oracle.hpp"
+#include "special_values.hpp"
 
 namespace troll_test {
 using oracle_backend = backend<troll::cpu_policy>;
@@ -38,7 +39,7 @@ using grad_helpers::pair_batch;
 namespace oracle = troll_test::oracle;
 using namespace troll_test::objective_cases;
 
-const double nan_value = std::numeric_limits<double>::quiet_NaN();
+using troll_test::nan_value;
 
 struct troll_run {
   std::vector<double> log_probs, token_loss, grad;
@@ -452,7 +453,7 @@ namespace {
 /// Runs TROLL's forward with outputs pre-filled by a sentinel; expects `E` naming `row` (npos
 /// for no row) and the outputs untouched.
 template <class E>
-void expect_rejected(const token_case& c, const troll::trust_region_objective& o, std::size_t row,
+void expect_objective_rejected(const token_case& c, const troll::trust_region_objective& o, std::size_t row,
                      const std::string& fragment, bool baselines_too = true) {
   const std::size_t N = c.rows(), V = c.cols();
   std::vector<double> lp(N * V, 42.0), token_loss(N, 42.0), grad(N * V, 42.0);
@@ -493,40 +494,40 @@ TEST_CASE("Bad input is rejected before anything is written, naming the row") {
   {
     token_case c = good;
     c.tokens[2] = 8;
-    expect_rejected<troll::domain_error>(c, {}, 2, "sampled token 8 is outside [0, V)");
+    expect_objective_rejected<troll::domain_error>(c, {}, 2, "sampled token 8 is outside [0, V)");
     c.tokens[2] = -1;
-    expect_rejected<troll::domain_error>(c, {}, 2, "outside [0, V)");
+    expect_objective_rejected<troll::domain_error>(c, {}, 2, "outside [0, V)");
   }
   {
     token_case c = good;
     c.advantages[3] = nan_value;
-    expect_rejected<troll::domain_error>(c, {}, 3, "advantage is nan");
+    expect_objective_rejected<troll::domain_error>(c, {}, 3, "advantage is nan");
   }
   {
     token_case c = good;
     c.mask[1] = -0.5;
-    expect_rejected<troll::domain_error>(c, {}, 1, "loss mask");
+    expect_objective_rejected<troll::domain_error>(c, {}, 1, "loss mask");
   }
   {
     token_case c = good;
     c.aggregation = troll::loss_aggregation::sequence_mean;
     c.sequence_ids[5] = 0;
-    expect_rejected<troll::domain_error>(c, {}, 5, "non-decreasing");
+    expect_objective_rejected<troll::domain_error>(c, {}, 5, "non-decreasing");
   }
   {
     token_case c = good;
     c.logits.old_row(0)[std::size_t(c.tokens[0])] = neg_inf;
-    expect_rejected<troll::domain_error>(c, {}, 0, "q_a = 0");
+    expect_objective_rejected<troll::domain_error>(c, {}, 0, "q_a = 0");
   }
   {
     token_case c = good;
     c.logits.new_row(3)[1] = nan_value;
-    expect_rejected<troll::domain_error>(c, {}, 3, "new_logits is NaN at token 1");
+    expect_objective_rejected<troll::domain_error>(c, {}, 3, "new_logits is NaN at token 1");
   }
   {
     token_case c = good;  // new mass where the old row masks: KL(p̃‖π*) = +inf with α > 0
     c.logits.old_row(1)[(std::size_t(c.tokens[1]) + 1) % 8] = neg_inf;
-    expect_rejected<troll::domain_error>(c, {}, 1, "KL(p_new || pi*)", false);
+    expect_objective_rejected<troll::domain_error>(c, {}, 1, "KL(p_new || pi*)", false);
     troll::trust_region_objective no_regression;
     no_regression.alpha = 0.0;
     const troll_run run = run_troll(c, no_regression);  // fine without the regression term
@@ -554,10 +555,10 @@ TEST_CASE("Bad input is rejected before anything is written, naming the row") {
   {
     troll::trust_region_objective o;
     o.eps = 0.0;
-    expect_rejected<troll::domain_error>(good, o, troll::invalid_input::npos, "eps must be finite", false);
+    expect_objective_rejected<troll::domain_error>(good, o, troll::invalid_input::npos, "eps must be finite", false);
     o.eps = 0.05;
     o.alpha = nan_value;
-    expect_rejected<troll::domain_error>(good, o, troll::invalid_input::npos, "alpha", false);
+    expect_objective_rejected<troll::domain_error>(good, o, troll::invalid_input::npos, "alpha", false);
   }
   {
     troll::ppo_clip_objective o;

@@ -24,7 +24,7 @@ using namespace sparse_test;
 
 namespace {
 
-const double nan_value = std::numeric_limits<double>::quiet_NaN();
+using troll_test::nan_value;
 
 struct valid_pair {
   static constexpr std::size_t vocab = 200, rows = 4, k = 9;

@@ -22,9 +22,12 @@
 #include <string>
 #include <vector>
 
+#include "bits.hpp"
 #include "sparse_oracle.hpp"
 
 namespace {
+
+using troll_test::same_bits;
 
 using troll::sparse_index;
 using namespace sparse_test;
@@ -85,11 +88,6 @@ int lumped_vjp(const troll::aligned_batch_view<const T>& rows, const troll::spar
   for (int j = 0; j < n; ++j) (slot[j] == count ? out_bucket : out[std::size_t(slot[j])]) = T(gn[j]);
   out_eps = T(eps);
   return fine ? 1 : 0;
-}
-
-template <class T>
-bool same_bits(T a, T b) {
-  return std::memcmp(&a, &b, sizeof(T)) == 0;
 }
 
 template <class T>

@@ -41,7 +41,7 @@ using sparse_test::ld;
 using sparse_test::sparse_rows;
 
 TEST_CASE("sparse TROLL values and metrics against the public sparse pieces") {
-  sparse_case c = make_case(12, 48, 5);
+  sparse_case c = make_sparse_case(12, 48, 5);
   const troll::sparse_trust_region_objective o = objective(0.7);
   const sparse_run<double> run = run_sparse(c, o);
   const std::vector<double> w = weights_of(c);
@@ -216,7 +216,7 @@ TEST_CASE("sparse TROLL equals dense TROLL when the tails outside U are exactly 
 }
 
 TEST_CASE("sparse TROLL in float agrees with double") {
-  const sparse_case c = make_case(8, 256, 17, 16, 1e-4);
+  const sparse_case c = make_sparse_case(8, 256, 17, 16, 1e-4);
   const troll::sparse_trust_region_objective o = objective(1.0, {16, 1e-5});
   const sparse_run<double> ref = run_sparse(c, o);
   const std::vector<float> x(c.new_logits.begin(), c.new_logits.end());
@@ -305,7 +305,7 @@ std::size_t sampled_entry(const sparse_case& c, std::size_t r) {
 }
 
 TEST_CASE("sparse TROLL forward rejects bad input before writing, naming the row") {
-  const sparse_case good = make_case(6, 24, 13);
+  const sparse_case good = make_sparse_case(6, 24, 13);
   const troll::sparse_trust_region_objective o = objective(1.0);
   {
     sparse_case c = good;
@@ -406,7 +406,7 @@ TEST_CASE("sparse TROLL forward rejects bad input before writing, naming the row
 }
 
 TEST_CASE("sparse TROLL backward rejects bad input before writing, naming the row") {
-  const sparse_case c = make_case(6, 24, 19);
+  const sparse_case c = make_sparse_case(6, 24, 19);
   const troll::sparse_trust_region_objective o = objective(1.0);
   const sparse_run<double> run = run_sparse(c, o);
   const std::size_t N = c.rows, V = c.vocab;
@@ -475,7 +475,7 @@ TEST_CASE("sparse TROLL: a sampled token far in the old row's tail overflows wit
   // Row 2's sampled token gets old log-prob −1e6 (its mass moves to the remainder): ρ = π*_a/q_a
   // ≈ e^(1e6·t*) overflows double. The forward names the row before writing a token loss; rows
   // whose ratio fits are unaffected (row 1, with −300, runs).
-  sparse_case c = make_case(4, 40, 77);
+  sparse_case c = make_sparse_case(4, 40, 77);
   c.mask = {1.0, 1.0, 1.0, 1.0};
   auto push_to_tail = [&](std::size_t r, double log_prob) {
     const std::size_t at = sampled_entry(c, r);

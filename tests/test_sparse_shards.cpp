@@ -20,11 +20,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "bits.hpp"
 #include "sparse_oracle.hpp"
 
 using namespace sparse_test;
 
 namespace {
+
+using troll_test::same_bits;
 
 static_assert(std::is_trivially_copyable<troll::sparsify_state>::value,
               "states are exchanged between processes as bytes");
@@ -60,11 +63,6 @@ std::vector<std::size_t> random_cuts(int shards, std::size_t vocab, std::mt19937
   }
   std::sort(cuts.begin(), cuts.end());
   return cuts;
-}
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
 template <class T>

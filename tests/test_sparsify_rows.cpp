@@ -23,14 +23,13 @@
 #include <random>
 #include <vector>
 
+#include "bits.hpp"
+
 namespace {
 
-using namespace troll::detail;
+using troll_test::same_bits;
 
-template <class T>
-bool same_bits(T a, T b) {
-  return std::memcmp(&a, &b, sizeof(T)) == 0;
-}
+using namespace troll::detail;
 
 template <class T>
 struct row_out {

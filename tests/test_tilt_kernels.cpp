@@ -13,22 +13,18 @@
 #include <random>
 #include <vector>
 
+#include "bits.hpp"
+
 namespace {
 
+using troll_test::ulps;
 using troll::detail::lse_state;
 using troll::detail::tilt_at;
 using troll::detail::tilt_near_one;
 using troll::detail::tilt_param;
 using troll::detail::tilt_ref;
 using packet = Eigen::internal::packet_traits<double>::type;
-constexpr int lanes = int(sizeof(packet) / sizeof(double));
-
-/// |a − b| in units of the last place of b (b a long double reference rounded to double).
-double ulps(double a, long double b) {
-  const double rb = double(b);
-  const double ulp = std::nextafter(rb, std::numeric_limits<double>::infinity()) - rb;
-  return double(std::fabs((long double)a - b) / (long double)ulp);
-}
+constexpr int double_lanes = int(sizeof(packet) / sizeof(double));
 
 /// What tilt_reduce_finite must return: w and x from the same differences as the kernel (in
 /// double, so a test tolerance covers the kernel's roundings, fused or not), the largest w, and
@@ -91,12 +87,12 @@ TEST_CASE("exp_nonpositive: within one ulp of expl on [−700, 64], e^{−700} b
   std::mt19937_64 rng(11);
   std::uniform_real_distribution<double> wide(-700.0, 64.0), near_zero(-1.0, 1.0);
   double worst = 0.0;
-  double in[lanes], out[lanes];
+  double in[double_lanes], out[double_lanes];
   for (int i = 0; i < 40000; ++i) {
-    for (int j = 0; j < lanes; ++j) in[j] = (i % 2 == 0) ? wide(rng) : near_zero(rng);
-    if (i == 0) in[0] = 0.0, in[1] = -700.0, in[lanes - 1] = 64.0;
+    for (int j = 0; j < double_lanes; ++j) in[j] = (i % 2 == 0) ? wide(rng) : near_zero(rng);
+    if (i == 0) in[0] = 0.0, in[1] = -700.0, in[double_lanes - 1] = 64.0;
     Eigen::internal::pstoreu(out, troll::detail::cpu::exp_nonpositive(Eigen::internal::ploadu<packet>(in)));
-    for (int j = 0; j < lanes; ++j) {
+    for (int j = 0; j < double_lanes; ++j) {
       const double e = ulps(out[j], std::exp((long double)in[j]));
       worst = e > worst ? e : worst;
       if (e > 1.0) {
@@ -106,9 +102,9 @@ TEST_CASE("exp_nonpositive: within one ulp of expl on [−700, 64], e^{−700} b
     }
   }
   MESSAGE("worst error: " << worst << " ulp");
-  for (int j = 0; j < lanes; ++j) in[j] = j % 2 ? -std::numeric_limits<double>::infinity() : -1e300;
+  for (int j = 0; j < double_lanes; ++j) in[j] = j % 2 ? -std::numeric_limits<double>::infinity() : -1e300;
   Eigen::internal::pstoreu(out, troll::detail::cpu::exp_nonpositive(Eigen::internal::ploadu<packet>(in)));
-  for (int j = 0; j < lanes; ++j) CHECK(out[j] == doctest::Approx(std::exp(-700.0)).epsilon(1e-15));
+  for (int j = 0; j < double_lanes; ++j) CHECK(out[j] == doctest::Approx(std::exp(-700.0)).epsilon(1e-15));
 }
 
 TEST_CASE("tilt_reduce_finite: one pass and two passes against long double sums") {
@@ -119,7 +115,7 @@ TEST_CASE("tilt_reduce_finite: one pass and two passes against long double sums"
   const tilt_param params[] = {tilt_at(0.0),          tilt_at(1e-300),      tilt_at(1e-9), tilt_at(0.3),
                                tilt_at(0.5),          tilt_near_one(0.49),  tilt_near_one(0.2),
                                tilt_near_one(1e-12), tilt_near_one(0.0)};
-  std::vector<double> x(512 + lanes), w(512 + lanes);
+  std::vector<double> x(512 + double_lanes), w(512 + double_lanes);
   int one_pass = 0, fallback = 0;
   for (int shape = 0; shape < 6; ++shape) {
     for (const long n : sizes) {

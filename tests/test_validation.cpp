@@ -31,9 +31,9 @@ using sparse_test::aligned_rows;
 using sparse_test::sparse_grads;
 using sparse_test::sparse_rows;
 
-const double nan_value = std::numeric_limits<double>::quiet_NaN();
-const double plus_inf = std::numeric_limits<double>::infinity();
-const double minus_inf = -plus_inf;
+using troll_test::minus_inf;
+using troll_test::nan_value;
+using troll_test::plus_inf;
 
 std::vector<double> random_logits(std::size_t n, double scale, std::mt19937_64& rng) {
   std::normal_distribution<double> normal(0.0, scale);

@@ -71,7 +71,7 @@ pair_batch kl_rows(rng& g, std::size_t v) {
   return b;
 }
 
-troll::gradcheck_options opts(double atol = 1e-7, double rtol = 1e-5) {
+troll::gradcheck_options kl_opts(double atol = 1e-7, double rtol = 1e-5) {
   troll::gradcheck_options o;
   o.atol = atol;
   o.rtol = rtol;
@@ -113,7 +113,7 @@ TEST_CASE("kl_backward: full Jacobian check of both gradients, masked tokens inc
     const pair_batch b = kl_rows(g, v);
     const packing pack(b, true, false, 0.0);
     const troll::gradcheck_result r =
-        troll::check_vjp(kl_function{&pack}, kl_vjp{&pack}, pack.x0(), b.rows, opts());
+        troll::check_vjp(kl_function{&pack}, kl_vjp{&pack}, pack.x0(), b.rows, kl_opts());
     INFO("V = " << v << "\n" << r.report());
     CHECK(r.ok);
     CHECK(r.checked == b.rows * pack.size());
@@ -124,7 +124,7 @@ TEST_CASE("kl_backward: random directions at V = 4096") {
   rng g(12);
   const pair_batch b = kl_rows(g, 4096);
   const packing pack(b, true, false, 0.0);
-  troll::gradcheck_options o = opts(1e-8, 1e-5);
+  troll::gradcheck_options o = kl_opts(1e-8, 1e-5);
   o.directions = 12;
   const troll::gradcheck_result r =
       troll::check_vjp_random(kl_function{&pack}, kl_vjp{&pack}, pack.x0(), b.rows, o);
@@ -201,7 +201,7 @@ void check_composite_kl_loss(bool new_row_mask) {
   CHECK(f0.stats[0].status == troll::row_status::projected);
   CHECK(f0.stats[1].status == troll::row_status::projected);
   CHECK(f0.stats[2].status == troll::row_status::inactive);
-  const troll::gradcheck_result r = troll::check_gradient(loss, grad, pack.x0(), opts());
+  const troll::gradcheck_result r = troll::check_gradient(loss, grad, pack.x0(), kl_opts());
   INFO(r.report());
   CHECK(r.ok);
 }

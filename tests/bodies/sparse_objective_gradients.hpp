@@ -109,7 +109,7 @@ TEST_CASE(
   for (auto aggregation :
        {troll::loss_aggregation::token_mean, troll::loss_aggregation::sequence_mean}) {
     CAPTURE(int(aggregation));
-    soc::sparse_case c = soc::make_case(10, 40, 11);
+    soc::sparse_case c = soc::make_sparse_case(10, 40, 11);
     c.aggregation = aggregation;
     REQUIRE(soc::min_rank_gap(c, 5) > 1e-3);
     const troll::gradcheck_result full = check_sparse_gradient(c, soc::objective(1.0));
@@ -134,7 +134,7 @@ TEST_CASE(
 }
 
 TEST_CASE("sparse TROLL gradient with U = S_old only (new_support.k = 0)") {
-  const soc::sparse_case c = soc::make_case(6, 32, 29);
+  const soc::sparse_case c = soc::make_sparse_case(6, 32, 29);
   const troll::gradcheck_result r = check_sparse_gradient(c, soc::objective(1.0, {0, 1e-5}));
   INFO(r.report());
   CHECK(r.ok);
@@ -177,7 +177,7 @@ TEST_CASE("sparse TROLL gradient on LLM-like rows (random directions, V = 4096, 
 TEST_CASE("sparse TROLL with masked new tokens and a sampled token outside the old top-K") {
   // A −inf new logit in the tail takes the checked path (a lumped category may be −inf); it is
   // legal while the old row has tail mass. Rows 0, 3, 6 sample a token sparsify had to add.
-  soc::sparse_case c = soc::make_case(7, 40, 31);
+  soc::sparse_case c = soc::make_sparse_case(7, 40, 31);
   for (std::size_t r = 0; r < c.rows; ++r) {
     const double* zo = c.old_logits.data() + r * c.vocab;
     std::size_t lowest = 0;

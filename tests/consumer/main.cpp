@@ -1,13 +1,17 @@
 // A consumer of the installed (or vendored) troll: it includes the public header, names a
-// policy, prints the version and runs a training step written once over the policy
-// (every_entry_point.hpp) under troll::cpu. With find_package, the package version must match the
-// header.
+// policy, prints the version and runs one projection. With TROLL_CONSUMER_EVERY_ENTRY_POINT
+// (the find_package mode, i.e. the installed headers) it runs instead a training step written
+// once over the policy (every_entry_point.hpp) under troll::cpu; tests/test_one_api.cpp runs the
+// same step from the source tree, so the other modes only check that the package is found and
+// links. With find_package, the package version must match the header.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <troll/projection.hpp>
 
+#ifdef TROLL_CONSUMER_EVERY_ENTRY_POINT
 #include "every_entry_point.hpp"
+#endif
 
 int main() {
   constexpr troll::cpu_policy policy = troll::cpu;
@@ -22,9 +26,23 @@ int main() {
     return 1;
   }
 #endif
+#ifdef TROLL_CONSUMER_EVERY_ENTRY_POINT
   const consumer::step_results step = consumer::run_every_entry_point(policy);
   std::printf("one step over every entry point: TROLL loss %.6f, sparse TROLL loss %.6f\n", step.troll_loss,
               step.sparse_troll_loss);
   if (!std::isfinite(step.troll_loss) || !std::isfinite(step.sparse_troll_loss)) return 1;
+#else
+  // One row of four tokens moved away from the old one, projected onto KL <= 0.01.
+  const float new_logits[4] = {2.0f, 0.0f, -1.0f, 0.5f};
+  const float old_logits[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float log_probs[4];
+  troll::projection_stats stats[1];
+  troll::project(policy, troll::make_batch(new_logits, 1, 4), troll::make_batch(old_logits, 1, 4),
+                 0.01, troll::make_batch(log_probs, 1, 4), stats);
+  std::printf("one row: %s, KL %.6f -> %.6f\n", troll::status_name(stats[0].status),
+              stats[0].kl_before, stats[0].kl_after);
+  if (stats[0].status != troll::row_status::projected || !(stats[0].kl_after <= 0.01 * (1 + 1e-6)))
+    return 1;
+#endif
   return 0;
 }

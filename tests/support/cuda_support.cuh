@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "special_values.hpp"  // nan_value, inf_value, minus_inf
 #include "troll/errors.hpp"
 #include "troll/execution.hpp"
 
@@ -55,12 +56,6 @@
   } while (false)
 
 namespace troll_test {
-
-/// The non-finite values the CUDA tests plant in their inputs (one definition for the whole
-/// test group, which compiles the files as one translation unit).
-inline const double nan_value = std::numeric_limits<double>::quiet_NaN();
-inline const double inf_value = std::numeric_limits<double>::infinity();
-inline constexpr double minus_inf = -std::numeric_limits<double>::infinity();
 
 /// Largest |finite entry| of a row: the magnitude every rounding scales with.
 template <class T>

@@ -1,5 +1,5 @@
 // tests/support/sparse_objective_cases.hpp — what the sparse-objective tests share: a batch of
-// dense new logits against sparse old rows (sparse_case, make_case), the aggregation weights from
+// dense new logits against sparse old rows (sparse_case, make_sparse_case), the aggregation weights from
 // their definition, TROLL with tight projection options, one row through troll's public sparse
 // pieces with lumped log p̃ in long double (oracle_forward), the loss evaluated without
 // sparse_objectives.hpp against a frozen π* (loss_frozen), and the CPU's fused forward + backward
@@ -21,6 +21,7 @@
 #include "grad_helpers.hpp"
 #include "token_fields.hpp"
 #include "sparse_oracle.hpp"
+#include "special_values.hpp"
 
 namespace troll_test {
 namespace sparse_objective_cases {
@@ -29,11 +30,11 @@ using sparse_test::aligned_rows;
 using sparse_test::ld;
 using sparse_test::sparse_rows;
 
-const double nan_value = std::numeric_limits<double>::quiet_NaN();
+using troll_test::nan_value;
 // A fixed thread count: the default (0 = every hardware thread) asks the OS on each call, which
 // dominates the thousands of tiny calls of a finite-difference check.
 const troll::cpu_policy cpu = troll::cpu.with_threads(2);
-const double minus_inf = -std::numeric_limits<double>::infinity();
+using troll_test::minus_inf;
 
 /// A batch: dense new logits (the variable), dense old logits and the sparse old rows made from
 /// them with the sampled tokens kept, and the token data.
@@ -64,7 +65,7 @@ struct sparse_case : token_fields {
 /// small (inactive at ε = 0.05) and large (projected) values. Rows r ≡ 0 (mod 3) sample a token
 /// ranked low in the old row (sparsify adds it), the others one of its top tokens. Three
 /// sequences; mask 0 on rows r ≡ 4 (mod 5).
-inline sparse_case make_case(std::size_t rows, std::size_t vocab, std::uint64_t seed, int old_k = 6,
+inline sparse_case make_sparse_case(std::size_t rows, std::size_t vocab, std::uint64_t seed, int old_k = 6,
                       double old_delta = 1e-3) {
   grad_helpers::rng g(seed);
   sparse_case c;

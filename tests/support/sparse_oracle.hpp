@@ -13,10 +13,12 @@
 #include <random>
 #include <vector>
 
+#include "special_values.hpp"
+
 namespace sparse_test {
 
 using ld = long double;
-const double minus_inf = -std::numeric_limits<double>::infinity();
+using troll_test::minus_inf;
 
 /// Owns the buffers of a padded sparse batch.
 template <class T>
