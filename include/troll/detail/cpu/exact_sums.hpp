@@ -310,9 +310,10 @@ inline __m256 tail_terms_fixed(__m256 zv, __m256 mv, __m256 keep) {
 /// integer plus a constant (taken off at each flush); flushed exactly every 4,096 steps. A step
 /// with no support token and 16 tokens left takes its terms without a lane mask; the others (a
 /// few per row) build it from the support's slots and the row's end (the last step's missing
-/// tokens read as 0, their terms masked to 0).
+/// tokens read as 0, their terms masked to 0). `ahead`: as tail_fixed_sum_avx512's, one line a
+/// step (measured on a Zen 3 core: sparsify's fastest runs 6–12% faster, its medians 0–6%).
 inline exact_sum tail_fixed_sum_avx2(const float* z, std::size_t size, std::size_t first, const index_slot* sorted,
-                                     int n, double m) {
+                                     int n, double m, const float* ahead = nullptr) {
   exact_sum total;
   if (m == neg_inf()) return total;
   const __m256 mv = _mm256_set1_ps(static_cast<float>(m));
@@ -357,6 +358,7 @@ inline exact_sum tail_fixed_sum_avx2(const float* z, std::size_t size, std::size
     }
     accumulate(tail_terms_fixed(z0, mv, keep0), a0, a1);
     accumulate(tail_terms_fixed(z1, mv, keep1), a2, a3);
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + i), _MM_HINT_T0);  // one line a step
     if (++steps == 4096) flush();
   }
   flush();
@@ -377,7 +379,7 @@ inline exact_sum tail_fixed_sum_avx2(const float* z, std::size_t size, std::size
 /// `ahead` (optional, size tokens; double rows only): the row to be read next, asked into the
 /// cache line by line at the pace of this pass (sparsify: the next row's scan then reads it from
 /// cache while this pass's arithmetic hides the memory's latency). Prefetches change no value.
-/// Float rows prefetch with AVX-512 only, the whole next row into L1 (T0). On the Zen 5 core of
+/// Float rows prefetch the whole next row into L1 (T0) with AVX-512 or AVX2. On the Zen 5 core of
 /// earlier measurements half or a quarter of the next row gained nothing; on a Zen 4 core the
 /// whole row with T0 took sparsify from 6.0–6.5 to 5.6–5.9 ms per 64 rows (T1: no gain).
 template <class T>
@@ -392,8 +394,7 @@ inline exact_sum tail_exp_sum(const T* z, std::size_t size, std::size_t first, c
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__FMA__)
     return tail_fixed_sum_avx512(z, size, first, sorted, n, m, ahead);
 #elif defined(__AVX2__) && defined(__FMA__)
-    (void)ahead;  // prefetching measured with AVX-512 only
-    return tail_fixed_sum_avx2(z, size, first, sorted, n, m);
+    return tail_fixed_sum_avx2(z, size, first, sorted, n, m, ahead);
 #else
     (void)ahead;
     return tail_fixed_sum_scalar(z, size, first, sorted, n, m);
