@@ -162,21 +162,24 @@ function(troll_add_test_group target first)
                        PASS_REGULAR_EXPRESSION "passing the current filters: 0[^0-9]")
 endfunction()
 
+# troll_write_lines(<property> <file>): the entries of a global list property, one a line.
+function(troll_write_lines property file)
+  get_property(lines GLOBAL PROPERTY ${property})
+  string(REPLACE ";" "\n" lines "${lines}")
+  file(CONFIGURE OUTPUT ${file} CONTENT "${lines}\n" @ONLY)
+endfunction()
+
 # troll_write_cuda_test_manifest(<file>): one line per CUDA ctest test, "<test> <binary> <args>",
 # binaries relative to the tests build folder: scripts/gpu-verify.sh runs the CUDA tests from it
 # (also under compute-sanitizer) without ctest.
 function(troll_write_cuda_test_manifest file)
-  get_property(lines GLOBAL PROPERTY troll_cuda_test_manifest)
-  string(REPLACE ";" "\n" lines "${lines}")
-  file(CONFIGURE OUTPUT ${file} CONTENT "${lines}\n" @ONLY)
+  troll_write_lines(troll_cuda_test_manifest ${file})
 endfunction()
 
 # troll_write_test_targets(<file>): one line per test file's ctest test, "<test> <target>" (the
 # executable that holds it: its own, or its group's), for scripts that build a few tests.
 function(troll_write_test_targets file)
-  get_property(lines GLOBAL PROPERTY troll_test_targets)
-  string(REPLACE ";" "\n" lines "${lines}")
-  file(CONFIGURE OUTPUT ${file} CONTENT "${lines}\n" @ONLY)
+  troll_write_lines(troll_test_targets ${file})
 endfunction()
 
 # troll_add_bench(<source>): bench/bench_x.cpp (or bench/cuda/bench_x.cu) becomes `bench_x`.
