@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The CPU kernels' other instruction sets: troll's own builds use -march=native (AVX-512 on the CI
+# The CPU kernels' other instruction sets: troll's own builds use -march=native (AVX-512 or AVX2, by CI
 # machine), but a consumer may compile <troll/...> for baseline x86-64 (SSE2: Eigen's generic
 # packets and troll's portable paths) or x86-64-v3 (AVX2 + FMA: the Python package's flags).
 # Builds the tests whose kernels have per-ISA branches (packet exponentials, tilted reductions,
 # sparse fast checks, the float tail sums) with TROLL_NATIVE_ARCH=OFF and each set of flags, in
-# build/arch-<name>, and runs them. ARCH_TEST_SETS picks the sets (default "baseline v3").
+# build/arch-<name>, and runs them. ARCH_TEST_SETS picks the sets. The default is "baseline v3",
+# less v3 where -march=native defines the same instruction-set macros as -march=x86-64-v3 (an
+# AVX2 + FMA machine without AVX-512): there the release build (-march=native) has already built
+# and run the same branches of these kernels, and a second build of them would repeat it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -13,7 +16,20 @@ tests=(test_exp_kernels test_tilt_kernels test_end_passes test_sparse_fast_check
        test_sparse_fast_paths test_hard_rows test_float_vs_double test_solver_prediction test_adversarial_sparse
        test_kl_precision)
 
-for set in ${ARCH_TEST_SETS:-baseline v3}; do
+# The predefined macros that select a branch in troll's kernels or in Eigen's packet code.
+isa_macros() {
+  echo | "${CXX:-c++}" "$@" -dM -E - 2>/dev/null |
+    grep -oE '^#define __(SSE[0-9_]*|SSSE3|AVX[0-9A-Z_]*|FMA|F16C)__ ' | sort | tr -d '\n'
+}
+default_sets="baseline v3"
+if [ -z "${ARCH_TEST_SETS:-}" ] && [ "$(uname -m)" = x86_64 ] &&
+   [ "$(isa_macros -march=native)" = "$(isa_macros -march=x86-64-v3)" ]; then
+  default_sets="baseline"
+  echo "-- arch-test: v3 skipped: -march=native here defines the same ISA macros as x86-64-v3," \
+       "so the release build's tests already ran these kernels' AVX2 + FMA branches"
+fi
+
+for set in ${ARCH_TEST_SETS:-$default_sets}; do
   case "$set" in
     baseline) flags="" ;;                  # x86-64: SSE2 only
     v3)                                     # AVX2 + FMA, no AVX-512

@@ -1,31 +1,23 @@
 #!/usr/bin/env bash
-# The Python package's check: a virtual environment this repository owns (build/venv, reused
-# between runs; pip's cache is reused too), the pinned build and test dependencies and CPU-usable
-# torch (python/requirements-test.txt), `pip install ./python` (the CPU extension, and the CUDA
-# extension where nvcc is present), then pytest on
-# python/tests. Exits non-zero on any failure, and when pytest collects no tests.
+# The Python package's check: the test environment of scripts/python-deps.sh (build/venv: the
+# pinned build and test dependencies and CPU-usable torch; skipped where TROLL_PYTHON_DEPS_READY=1
+# says it is ready), `pip install ./python` (the CPU extension, and the CUDA extension where nvcc
+# is present), then pytest on python/tests. Exits non-zero on any failure, and when pytest
+# collects no tests.
 #   TROLL_PYTHON_VENV   where the environment lives (default build/venv)
-#   TROLL_TORCH_VERSION the torch release to install (default below)
+#   TROLL_TORCH_VERSION the torch release python-deps.sh installs
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 venv=${TROLL_PYTHON_VENV:-build/venv}
-torch_version=${TROLL_TORCH_VERSION:-2.15.0}
-python=${PYTHON:-python3}
 started=$SECONDS
 step() { printf '\n---- [python-test.sh %4ds] %s ----\n' "$((SECONDS - started))" "$*"; }
 
-step "venv: $venv"
-if [ ! -x "$venv/bin/python" ]; then
-  "$python" -m venv "$venv"
+if [ "${TROLL_PYTHON_DEPS_READY:-0}" != 1 ]; then
+  step "dependencies: scripts/python-deps.sh"
+  bash scripts/python-deps.sh
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-
-step "dependencies (pinned; cached wheels are reused)"
-"${pip[@]}" install -q -r python/requirements-test.txt
-# PyPI's torch is the CUDA build; without --no-deps pip would fetch the whole CUDA toolkit.
-"${pip[@]}" install -q --no-deps "torch==$torch_version"
-"$venv/bin/python" -c "import torch; torch.zeros(1)"
 
 # The CUDA extension (troll._troll_cuda) is compiled too where nvcc is present (about 1.5 min on
 # 2 cores, one architecture); its tests skip without a GPU. TROLL_PYTHON_CUDA=0 skips it.
@@ -39,7 +31,8 @@ else
 fi
 
 step "pip install ./python (CPU extension${cuda_defines[1]:+ and CUDA extension})"
-# Build isolation off: the pinned scikit-build-core and nanobind above are the build backend.
+# Build isolation off: the pinned scikit-build-core and nanobind of python-deps.sh are the build
+# backend.
 "${pip[@]}" install -q --no-build-isolation -Ccmake.define.CMAKE_BUILD_PARALLEL_LEVEL=2 "${cuda_defines[@]}" ./python
 
 step "pytest python/tests"

@@ -2,8 +2,9 @@
 # troll inside real trainers: TRL's GRPO with troll's loss (python/tests/test_trl.py) and the
 # tiny-LM run TROLL vs PPO clip vs DPPO (examples/python/grpo_tiny_lm.py --quick), and the Gaussian
 # bandit PPO clip vs projection (examples/python/gaussian_bandit.py --quick). Runs after
-# scripts/python-test.sh, in its venv: adds the pinned TRL / Hugging Face stack and matplotlib of
-# python/requirements-trl.txt with --no-deps (pip never resolves torch or the CUDA toolkit).
+# scripts/python-test.sh, in its venv, with the pinned TRL / Hugging Face stack and matplotlib of
+# python/requirements-trl.txt (scripts/python-deps.sh --trl; --no-deps: pip never resolves torch
+# or the CUDA toolkit).
 # No hub access anywhere: the model and tokenizer are built locally, HF_HUB_OFFLINE=1.
 #   TROLL_PYTHON_VENV   the environment python-test.sh made (default build/venv)
 set -euo pipefail
@@ -18,9 +19,10 @@ if ! "$venv/bin/python" -c "import troll.torch" 2>/dev/null; then
   bash scripts/python-test.sh
 fi
 
-step "dependencies (python/requirements-trl.txt, --no-deps; cached wheels are reused)"
-"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r python/requirements-trl.txt
-"$venv/bin/python" -c "import torch, trl, transformers; print('torch', torch.__version__, 'trl', trl.__version__, 'transformers', transformers.__version__)"
+if [ "${TROLL_PYTHON_DEPS_READY:-0}" != 1 ] || ! "$venv/bin/python" -c "import trl" 2>/dev/null; then
+  step "dependencies: scripts/python-deps.sh --trl (python/requirements-trl.txt, --no-deps)"
+  bash scripts/python-deps.sh --trl
+fi
 
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
