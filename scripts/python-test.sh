@@ -26,6 +26,13 @@ nvcc=${CUDACXX:-/usr/local/cuda/bin/nvcc}
 if [ "${TROLL_PYTHON_CUDA:-1}" != 0 ] && [ -x "$nvcc" ]; then
   cuda_defines=(-Ccmake.define.TROLL_ENABLE_CUDA=ON "-Ccmake.define.CMAKE_CUDA_COMPILER=$nvcc"
                 "-Ccmake.define.CMAKE_CUDA_ARCHITECTURES=${TROLL_PYTHON_CUDA_ARCHITECTURES:-90}")
+  # No device here: the extension is a compile check (its tests skip), with cheaper flags
+  # (scripts/cuda-compile-only.sh; TROLL_CUDA_COMPILE_ONLY=0 keeps the release flags).
+  # shellcheck source=scripts/cuda-compile-only.sh
+  . scripts/cuda-compile-only.sh
+  if [ "$troll_cuda_compile_only" = 1 ]; then
+    cuda_defines+=("-Ccmake.define.CMAKE_CUDA_FLAGS_RELEASE=$troll_cuda_compile_only_flags")
+  fi
 else
   cuda_defines=(-Ccmake.define.TROLL_ENABLE_CUDA=OFF)
 fi

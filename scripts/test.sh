@@ -28,6 +28,14 @@ if [ -x /usr/local/cuda/bin/nvcc ]; then
   # 80;90: every kernel still goes through nvcc's front end, cicc and ptxas, at half the device
   # compile time. TROLL_TEST_CUDA_ARCHITECTURES overrides (e.g. "80;90").
   cuda_flags=(-DTROLL_ENABLE_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${TROLL_TEST_CUDA_ARCHITECTURES:-90}")
+  # Without a device the CUDA code is a compile check: cheaper optimisation flags for it
+  # (scripts/cuda-compile-only.sh says which and why; TROLL_CUDA_COMPILE_ONLY=0 keeps -O3).
+  # shellcheck source=scripts/cuda-compile-only.sh
+  . scripts/cuda-compile-only.sh
+  if [ "$troll_cuda_compile_only" = 1 ]; then
+    echo "test.sh: no NVIDIA device here: CUDA sources compile as a check ($troll_cuda_compile_only_flags)"
+    cuda_flags+=("-DCMAKE_CUDA_FLAGS_RELEASE=$troll_cuda_compile_only_flags")
+  fi
 fi
 
 # Ninja where it is installed (scripts/install-deps.sh adds it): it keeps both cores busy across
