@@ -85,7 +85,7 @@ side_by_side bench-smoke "bash scripts/bench-smoke.sh build/release" \
              python-deps "bash scripts/python-deps.sh --trl"
 export TROLL_PYTHON_DEPS_READY=1
 
-stage "arch: the per-ISA kernels' tests built for baseline x86-64 (SSE2) and x86-64-v3 (AVX2 + FMA)"
+stage "arch: the per-ISA kernels' tests built for baseline x86-64 (SSE2), and x86-64-v3 (AVX2 + FMA) where native is not that"
 bash scripts/arch-test.sh
 
 stage "asan: configure"
