@@ -10,6 +10,8 @@
 # and run the same branches of these kernels, and a second build of them would repeat it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/cmake-generator.sh
+. scripts/cmake-generator.sh
 
 jobs=$(nproc 2>/dev/null || echo 2)
 tests=(test_exp_kernels test_tilt_kernels test_end_passes test_sparse_fast_checks test_sparsify_rows
@@ -39,13 +41,9 @@ for set in ${ARCH_TEST_SETS:-$default_sets}; do
   esac
   dir="build/arch-$set"
   echo "-- arch-test: $set (CXXFLAGS '${flags}') in $dir"
-  # Ninja builds the listed targets in parallel; `cmake --build --target a b …` with Makefiles
-  # builds them one after another (one translation unit each: -j had no effect, ~5 min in CI).
-  generator=()
-  if command -v ninja >/dev/null 2>&1 &&
-     { [ ! -f "$dir/CMakeCache.txt" ] || grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja$' "$dir/CMakeCache.txt"; }; then
-    generator=(-G Ninja)
-  fi
+  # Ninja builds the listed targets in parallel (scripts/cmake-generator.sh).
+  # shellcheck disable=SC2207
+  generator=($(troll_generator_for "$dir"))
   cmake -S . -B "$dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS="$flags" -DTROLL_NATIVE_ARCH=OFF \
     -DTROLL_WARNINGS_AS_ERRORS=ON -DTROLL_ENABLE_CUDA=OFF -DTROLL_BUILD_BENCH=OFF -DTROLL_BUILD_EXAMPLES=OFF \
     -DTROLL_BUILD_PACKAGING_TESTS=OFF -DTROLL_GROUP_TESTS=OFF >/dev/null

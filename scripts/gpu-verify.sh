@@ -36,6 +36,8 @@
 # Exits non-zero when a stage fails; the remaining stages still run and a summary is printed.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/cmake-generator.sh
+. scripts/cmake-generator.sh
 
 out=${OUT:-build/gpu/out}
 mkdir -p "$out"
@@ -84,10 +86,10 @@ do_build() {
   fi
   log "device: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'nvidia-smi not available')"
   log "nvcc: $(nvcc --version 2>/dev/null | tail -n 1)"
-  # Ninja builds the listed targets in parallel; the Makefile generator builds several
-  # --target names one after another (seen on an H100 machine: 575 s for 9 of 19 binaries).
-  local generator=()
-  command -v ninja >/dev/null 2>&1 && [ ! -f "$build/Makefile" ] && generator=(-G Ninja)
+  # Ninja builds the listed targets in parallel (scripts/cmake-generator.sh; the Makefile
+  # generator built 9 of 19 binaries in 575 s on an H100 machine, one after another).
+  # shellcheck disable=SC2207
+  local generator=($(troll_generator_for "$build"))
   cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DTROLL_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" \
     -DTROLL_BUILD_TESTS=ON -DTROLL_BUILD_BENCH=ON -DTROLL_BUILD_EXAMPLES=ON -DTROLL_BUILD_PACKAGING_TESTS=OFF \
     "${deps[@]}" >"$out/configure.log" 2>&1 || { log "configure FAILED (see configure.log)"; return 1; }

@@ -38,15 +38,9 @@ if [ -x /usr/local/cuda/bin/nvcc ]; then
   fi
 fi
 
-# Ninja where it is installed (scripts/install-deps.sh adds it): it keeps both cores busy across
-# targets, where the Makefiles' recursive make idles between them (measured on the release build:
-# 1,105 s against 1,177 s). A build directory made earlier with another generator keeps it.
-generator_for() {
-  if command -v ninja >/dev/null 2>&1 &&
-     { [ ! -f "$1/CMakeCache.txt" ] || grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja$' "$1/CMakeCache.txt"; }; then
-    echo "-G Ninja"
-  fi
-}
+# Ninja where it is installed (scripts/cmake-generator.sh).
+# shellcheck source=scripts/cmake-generator.sh
+. scripts/cmake-generator.sh
 
 # Runs the named commands side by side, each one's output into build/logs/<name>.log, and then
 # prints every log in turn; fails when any of them failed. For the stages that use one core each.
@@ -70,7 +64,7 @@ side_by_side() {
 
 stage "release: configure"
 # shellcheck disable=SC2046
-cmake --preset release $(generator_for build/release) "${cuda_flags[@]}"
+cmake --preset release $(troll_generator_for build/release) "${cuda_flags[@]}"
 stage "release: build (-j$jobs)"
 cmake --build --preset release -j "$jobs"
 stage "release: ctest"
@@ -90,7 +84,7 @@ bash scripts/arch-test.sh
 
 stage "asan: configure"
 # shellcheck disable=SC2046
-cmake --preset asan $(generator_for build/asan)
+cmake --preset asan $(troll_generator_for build/asan)
 stage "asan: build (-j$jobs)"
 cmake --build --preset asan -j "$jobs"
 stage "asan: ctest"
