@@ -37,10 +37,25 @@ else
   cuda_defines=(-Ccmake.define.TROLL_ENABLE_CUDA=OFF)
 fi
 
+# A CPU without AVX-512 never imports troll._troll_avx512 (troll/_cpu.py): there it is built
+# as a compile check at -O0 (python/CMakeLists.txt; TROLL_PYTHON_AVX512_COMPILE_ONLY=0|1 forces
+# the choice).
+isa_defines=()
+avx512_only_compiled=${TROLL_PYTHON_AVX512_COMPILE_ONLY:-}
+if [ -z "$avx512_only_compiled" ]; then
+  avx512_only_compiled=0
+  if [ "$(uname -m)" = x86_64 ] && ! grep -qw avx512f /proc/cpuinfo 2>/dev/null; then avx512_only_compiled=1; fi
+fi
+if [ "$avx512_only_compiled" = 1 ]; then
+  echo "python-test.sh: no AVX-512 here: troll._troll_avx512 is a compile check (-O0)"
+  isa_defines=(-Ccmake.define.TROLL_PYTHON_AVX512_COMPILE_ONLY=ON)
+fi
+
 step "pip install ./python (CPU extension${cuda_defines[1]:+ and CUDA extension})"
 # Build isolation off: the pinned scikit-build-core and nanobind of python-deps.sh are the build
 # backend.
-"${pip[@]}" install -q --no-build-isolation -Ccmake.define.CMAKE_BUILD_PARALLEL_LEVEL=2 "${cuda_defines[@]}" ./python
+"${pip[@]}" install -q --no-build-isolation -Ccmake.define.CMAKE_BUILD_PARALLEL_LEVEL=2 "${cuda_defines[@]}" \
+  "${isa_defines[@]}" ./python
 
 step "pytest python/tests"
 status=0
