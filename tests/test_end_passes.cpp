@@ -143,6 +143,7 @@ struct separate_ends {
     return e(u, r, cumulants);
   }
   double exact_kl(const tilt_point& p) const { return e.exact_kl(p); }
+  double ratio_sum(const tilt_point& p) const { return e.ratio_sum(p); }
   double old_log_sum() const { return e.old_log_sum(); }
 };
 

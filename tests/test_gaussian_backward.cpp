@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstddef>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,137 @@ TEST_CASE("the backward rejects unsolved rows") {
                                                           in(p.old_cov), p.eps, in(f.mean), in(f.cov), &f.stats,
                                                           in(up_mean), in(up_cov), grads),
                   troll::domain_error);
+}
+
+// Found by an adversarial audit: a NaN upstream gradient gave a NaN gradient and an infinite
+// tangent a NaN JVP, without a word, where docs/api.md promises domain_error for "a non-finite
+// upstream gradient or tangent". Both now name the row, the operand and the entry, before writing.
+TEST_CASE("the backward and the JVP refuse non-finite upstream gradients and tangents, naming the row") {
+  const std::size_t rows = 3, d = 2;
+  const std::vector<double> mean{0.1, -0.2, 0.3, 0.0, -0.5, 0.4}, sd{1.5, 0.7, 1.0, 1.2, 0.8, 0.9};
+  const std::vector<double> old_mean{0.0, 0.0, 0.1, 0.2, 0.0, 0.0}, old_sd{1.0, 1.0, 1.1, 1.0, 1.0, 1.3};
+  std::vector<double> out_mean(rows * d), out_sd(rows * d);
+  std::vector<troll::gaussian::gaussian_stats> stats(rows);
+  auto in = [&](const std::vector<double>& v) { return troll::make_batch(v.data(), rows, d); };
+  troll::gaussian::project_joint_diag(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 0.05,
+                                      troll::make_batch(out_mean.data(), rows, d), troll::make_batch(out_sd.data(), rows, d),
+                                      stats.data());
+  std::vector<double> up_mean(rows * d, 1.0), up_sd(rows * d, -0.5);
+  up_sd[1 * d + 1] = std::nan("");
+  std::vector<double> gm(rows * d, 42.0), gs(rows * d, 42.0), gom(rows * d, 42.0), gos(rows * d, 42.0), ge(rows, 42.0);
+  const troll::gaussian::gaussian_grads<double> grads{troll::make_batch(gm.data(), rows, d),
+                                                      troll::make_batch(gs.data(), rows, d),
+                                                      troll::make_batch(gom.data(), rows, d),
+                                                      troll::make_batch(gos.data(), rows, d), ge.data(), nullptr};
+  try {
+    troll::gaussian::project_joint_diag_backward(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 0.05,
+                                                 in(out_mean), in(out_sd), stats.data(), in(up_mean), in(up_sd), grads);
+    FAIL("no exception");
+  } catch (const troll::domain_error& e) {
+    CHECK(e.row() == 1);
+    CHECK(std::string(e.what()).find("grad_out_std_dev is nan at entry 1") != std::string::npos);
+  }
+  for (const std::vector<double>* v : {&gm, &gs, &gom, &gos, &ge})
+    for (double x : *v) CHECK(x == 42.0);
+
+  std::vector<double> t_old(rows * d, 0.25), t_out_mean(rows * d, 42.0), t_out_sd(rows * d, 42.0);
+  t_old[2 * d] = std::numeric_limits<double>::infinity();
+  troll::gaussian::gaussian_tangents<double> tangents;
+  tangents.old_mean = in(t_old);
+  tangents.eps = 1.0;
+  try {
+    troll::gaussian::project_joint_diag_jvp(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 0.05, in(out_mean),
+                                            in(out_sd), stats.data(), tangents, troll::make_batch(t_out_mean.data(), rows, d),
+                                            troll::make_batch(t_out_sd.data(), rows, d));
+    FAIL("no exception");
+  } catch (const troll::domain_error& e) {
+    CHECK(e.row() == 2);
+    CHECK(std::string(e.what()).find("tangents.old_mean is inf at entry 0") != std::string::npos);
+  }
+  for (const std::vector<double>* v : {&t_out_mean, &t_out_sd})
+    for (double x : *v) CHECK(x == 42.0);
+  // Finite operands pass (and an empty tangent stays a zero tangent).
+  t_old[2 * d] = 0.5;
+  troll::gaussian::project_joint_diag_jvp(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 0.05, in(out_mean),
+                                          in(out_sd), stats.data(), tangents, troll::make_batch(t_out_mean.data(), rows, d),
+                                          troll::make_batch(t_out_sd.data(), rows, d));
+  for (double x : t_out_mean) CHECK(std::isfinite(x));
+}
+
+// Found by an adversarial audit: the diagonal VJP and JVP formed Σ_t², Λ̃², Λ°², which overflow
+// for standard deviations above ~1e77 and underflow below ~1e-77 (gradients inf or NaN, or 0.0205
+// for 0.0664 at 1e-100) while the forward was exact. A diagonal projection commutes with scaling
+// each coordinate, and the derivatives now work each coordinate in units of its old standard
+// deviation (a power of two), so scaling coordinate i by c_i = 2^k_i must scale the JVP's outputs
+// by c_i and, with the upstream gradients divided by c_i, the VJP's gradients by 1/c_i — exactly.
+TEST_CASE("diagonal derivatives at standard deviations from 2^-900 to 2^900 are the scaled ones, bit for bit") {
+  const std::size_t d = 3;
+  const std::vector<double> mean{0.4, -1.0, 0.2}, sd{1.5, 0.3, 2.0}, old_mean{0.0, 0.5, -0.1}, old_sd{1.0, 0.9, 1.4};
+  const std::vector<double> up_mean{1.0, -0.5, 0.25}, up_sd{0.75, 1.0, -2.0}, tangent{0.3, -0.2, 0.1};
+  struct result {
+    std::vector<double> gm, gs, gom, gos, jm, js;
+    double ge = 0.0;
+  };
+  auto run = [&](const std::vector<int>& k, bool split) {
+    auto scaled = [&](const std::vector<double>& v, int sign) {
+      std::vector<double> out(d);
+      for (std::size_t i = 0; i < d; ++i) out[i] = std::ldexp(v[i], sign * k[i]);
+      return out;
+    };
+    const std::vector<double> m = scaled(mean, 1), s = scaled(sd, 1), om = scaled(old_mean, 1), os = scaled(old_sd, 1);
+    const std::vector<double> um = scaled(up_mean, -1), us = scaled(up_sd, -1), tv = scaled(tangent, 1);
+    auto in = [&](const std::vector<double>& v) { return troll::make_batch(v.data(), 1, d); };
+    std::vector<double> out_m(d), out_s(d);
+    troll::gaussian::gaussian_stats st;
+    result r{std::vector<double>(d), std::vector<double>(d), std::vector<double>(d), std::vector<double>(d),
+             std::vector<double>(d), std::vector<double>(d)};
+    auto out = [&](std::vector<double>& v) { return troll::make_batch(v.data(), 1, d); };
+    const troll::gaussian::gaussian_grads<double> grads{out(r.gm), out(r.gs), out(r.gom), out(r.gos), &r.ge, nullptr};
+    troll::gaussian::gaussian_tangents<double> tangents;
+    tangents.mean = in(tv), tangents.cov = in(tv), tangents.old_mean = in(tv), tangents.old_cov = in(tv);
+    tangents.eps = 0.5;
+    if (split) {
+      troll::gaussian::project_split_diag(troll::cpu, in(m), in(s), in(om), in(os), 0.02, 0.05, out(out_m), out(out_s),
+                                          &st);
+      troll::gaussian::project_split_diag_backward(troll::cpu, in(m), in(s), in(om), in(os), 0.02, 0.05, in(out_m),
+                                                   in(out_s), &st, in(um), in(us), grads);
+      troll::gaussian::project_split_diag_jvp(troll::cpu, in(m), in(s), in(om), in(os), 0.02, 0.05, in(out_m),
+                                              in(out_s), &st, tangents, out(r.jm), out(r.js));
+    } else {
+      troll::gaussian::project_joint_diag(troll::cpu, in(m), in(s), in(om), in(os), 0.05, out(out_m), out(out_s), &st);
+      troll::gaussian::project_joint_diag_backward(troll::cpu, in(m), in(s), in(om), in(os), 0.05, in(out_m),
+                                                   in(out_s), &st, in(um), in(us), grads);
+      troll::gaussian::project_joint_diag_jvp(troll::cpu, in(m), in(s), in(om), in(os), 0.05, in(out_m), in(out_s),
+                                              &st, tangents, out(r.jm), out(r.js));
+    }
+    REQUIRE(st.status == troll::row_status::projected);
+    for (std::size_t i = 0; i < d; ++i) {  // back to the units of the unscaled row
+      r.gm[i] = std::ldexp(r.gm[i], k[i]), r.gs[i] = std::ldexp(r.gs[i], k[i]);
+      r.gom[i] = std::ldexp(r.gom[i], k[i]), r.gos[i] = std::ldexp(r.gos[i], k[i]);
+      r.jm[i] = std::ldexp(r.jm[i], -k[i]), r.js[i] = std::ldexp(r.js[i], -k[i]);
+    }
+    return r;
+  };
+  for (bool split : {false, true}) {
+    const result base = run({0, 0, 0}, split);
+    for (const std::vector<int>& k : std::vector<std::vector<int>>{
+             {260, 260, 260}, {-260, -260, -260}, {900, 900, 900}, {-900, -900, -900}, {300, -300, 0}, {-600, 5, 700}}) {
+      CAPTURE(split);
+      CAPTURE(k[0]);
+      CAPTURE(k[1]);
+      const result r = run(k, split);
+      for (std::size_t i = 0; i < d; ++i) {
+        CHECK(r.gm[i] == base.gm[i]);
+        CHECK(r.gs[i] == base.gs[i]);
+        CHECK(r.gom[i] == base.gom[i]);
+        CHECK(r.gos[i] == base.gos[i]);
+        CHECK(r.jm[i] == base.jm[i]);
+        CHECK(r.js[i] == base.js[i]);
+        CHECK(std::isfinite(base.gs[i]));
+      }
+      CHECK(r.ge == base.ge);
+    }
+  }
 }
 
 // ---- float, and a near-singular new covariance (CPU only) ----

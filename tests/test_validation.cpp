@@ -155,6 +155,114 @@ TEST_CASE("objective_backward (TROLL) rejects NaN, +inf and positive log_probs b
   }
 }
 
+// Float logits of both signs near FLT_MAX in one row: a token's true log π* (≈ −6e38) is below
+// float's range, and the forward rounds it to −inf (correctly: π* is 0 in any type). Its logits are
+// finite, so it is not masked: a derivative that took −inf for a mask would drop the token's
+// upstream gradient and give a wrong result without a word (found by an adversarial audit:
+// grad_new [0, 0, 0] against the exact [−1, 1, 0] for row 1 below; grad_eps 4.7 against −11.3 for
+// row 2). Every dense derivative now refuses the row, naming it, before writing anything; the same
+// rows in double have finite log-probabilities and differentiate.
+TEST_CASE("dense derivatives refuse a float row whose log-probability is below float's range") {
+  const std::size_t rows = 3, vocab = 4;
+  const float big = 3e38f;
+  // Row 0 ordinary; row 1 inactive (new = old), token 1 at −6e38; row 2 projected, token 1 at ≈ −6e38.
+  const std::vector<float> zn{0.5f, -1.0f, 2.0f, 0.0f, big, -big, 0.0f, 1.0f, big, big, 0.0f, 1.0f};
+  const std::vector<float> zo{0.0f, 0.5f, 1.0f, -1.0f, big, -big, 0.0f, 1.0f, big, -big, big, 2.0f};
+  std::vector<float> lp(rows * vocab);
+  std::vector<troll::projection_stats> stats(rows);
+  auto batch = [&](const std::vector<float>& v) { return troll::make_batch(v.data(), rows, vocab); };
+  troll::project(troll::cpu, batch(zn), batch(zo), 0.05, troll::make_batch(lp.data(), rows, vocab), stats.data());
+  REQUIRE(stats[1].status == troll::row_status::inactive);
+  REQUIRE(stats[2].status == troll::row_status::projected);
+  CHECK(lp[1 * vocab + 1] == -std::numeric_limits<float>::infinity());  // −6e38 rounded: the forward is right
+  CHECK(lp[2 * vocab + 1] == -std::numeric_limits<float>::infinity());
+  const std::vector<float> g{0.5f, -1.0f, 0.25f, 2.0f, 0.0f, 1.0f, 0.0f, 0.0f, 0.5f, -1.0f, 0.25f, 2.0f};
+  const std::string what = "log_probs is -inf at token 1, whose new and old logits are finite";
+
+  std::vector<float> grad_new(rows * vocab, 42.0f), grad_old(rows * vocab, 42.0f), grad_eps(rows, 42.0f);
+  expect_rejected<troll::domain_error>(
+      [&] {
+        troll::project_backward(troll::cpu, batch(zn), batch(zo), batch(lp), stats.data(), batch(g),
+                                troll::make_batch(grad_new.data(), rows, vocab),
+                                troll::make_batch(grad_old.data(), rows, vocab), grad_eps.data());
+      },
+      1, what);
+  for (float v : grad_new) CHECK(v == 42.0f);
+  for (float v : grad_old) CHECK(v == 42.0f);
+  for (float v : grad_eps) CHECK(v == 42.0f);
+  try {
+    troll::project_backward(troll::cpu, batch(zn), batch(zo), batch(lp), stats.data(), batch(g),
+                            troll::make_batch(grad_new.data(), rows, vocab));
+    FAIL("no exception");
+  } catch (const troll::domain_error& e) {
+    CHECK(e.row() == 1);
+    CHECK(e.code() == troll::row_error::log_prob_underflow);
+  }
+
+  std::vector<float> tangent_out(rows * vocab, 42.0f);
+  expect_rejected<troll::domain_error>(
+      [&] {
+        troll::project_jvp(troll::cpu, batch(zn), batch(zo), batch(lp), stats.data(), batch(g), batch(g), 0.5,
+                           troll::make_batch(tangent_out.data(), rows, vocab));
+      },
+      1, what);
+  for (float v : tangent_out) CHECK(v == 42.0f);
+
+  std::vector<float> jac(rows * vocab * vocab, 42.0f);
+  expect_rejected<troll::domain_error>(
+      [&] { troll::project_jacobian(troll::cpu, batch(zn), batch(zo), batch(lp), stats.data(), jac.data()); }, 1,
+      what);
+  for (float v : jac) CHECK(v == 42.0f);
+
+  // Only rows 2 on: the projected row is refused too.
+  std::vector<float> one(vocab, 42.0f);
+  expect_rejected<troll::domain_error>(
+      [&] {
+        troll::project_backward(troll::cpu, troll::make_batch(zn.data() + 2 * vocab, 1, vocab),
+                                troll::make_batch(zo.data() + 2 * vocab, 1, vocab),
+                                troll::make_batch(lp.data() + 2 * vocab, 1, vocab), stats.data() + 2,
+                                troll::make_batch(g.data() + 2 * vocab, 1, vocab), troll::make_batch(one.data(), 1, vocab));
+      },
+      0, what);
+
+  // The TROLL objective's backward reads the same log π* (rows 0 and 1: row 2's loss at any token
+  // overflows float already in the forward, a documented objective_overflow).
+  const std::size_t orows = 2;
+  std::vector<std::int64_t> tokens{0, 0};
+  std::vector<float> advantages{1.0f, -1.0f};
+  troll::token_batch<float> in;
+  in.tokens = tokens.data();
+  in.advantages = advantages.data();
+  const troll::trust_region_objective objective{};
+  std::vector<float> olp(orows * vocab);
+  std::vector<troll::projection_stats> ostats(orows);
+  auto obatch = [&](const std::vector<float>& v) { return troll::make_batch(v.data(), orows, vocab); };
+  troll::objective_forward(troll::cpu, objective, obatch(zn), obatch(zo), in,
+                           troll::make_batch(olp.data(), orows, vocab), ostats.data());
+  std::vector<float> ograd(orows * vocab, 42.0f);
+  expect_rejected<troll::domain_error>(
+      [&] {
+        troll::objective_backward(troll::cpu, objective, obatch(zn), obatch(zo), in, obatch(olp), ostats.data(),
+                                  troll::make_batch(ograd.data(), orows, vocab));
+      },
+      1, what);
+  for (float v : ograd) CHECK(v == 42.0f);
+
+  // In double the same rows fit: the inactive row's gradient is the exact g − π Σg = [−1, 1, 0, 0].
+  std::vector<double> dn(zn.begin(), zn.end()), dz(zo.begin(), zo.end()), dlp(rows * vocab), dg(g.begin(), g.end());
+  std::vector<troll::projection_stats> dstats(rows);
+  std::vector<double> dgrad(rows * vocab);
+  auto dbatch = [&](std::vector<double>& v) { return troll::make_batch<const double>(v.data(), rows, vocab); };
+  troll::project(troll::cpu, dbatch(dn), dbatch(dz), 0.05, troll::make_batch(dlp.data(), rows, vocab), dstats.data());
+  for (double v : dlp) CHECK(std::isfinite(v));
+  troll::project_backward(troll::cpu, dbatch(dn), dbatch(dz), dbatch(dlp), dstats.data(), dbatch(dg),
+                          troll::make_batch(dgrad.data(), rows, vocab));
+  CHECK(dgrad[1 * vocab + 0] == doctest::Approx(-1.0));
+  CHECK(dgrad[1 * vocab + 1] == doctest::Approx(1.0));
+  CHECK(dgrad[1 * vocab + 2] == doctest::Approx(0.0));
+  CHECK(dgrad[1 * vocab + 3] == doctest::Approx(0.0));
+}
+
 namespace {
 
 /// Two sparse rows per batch (V = 12), aligned and projected: the inputs of the sparse backward.
@@ -668,7 +776,7 @@ TEST_CASE("the message table: every row code throws its documented class, names 
       {e::state_bad_outside, c::domain},   {e::state_k_mismatch, c::invalid},
       {e::state_sampled_mismatch, c::invalid}, {e::state_vocab_mismatch, c::shape},
       {e::state_overlap, c::invalid},      {e::state_too_many_ranges, c::invalid},
-      {e::state_incomplete, c::invalid},
+      {e::state_incomplete, c::invalid},   {e::log_prob_underflow, c::domain},
   };
   for (const documented_code& d : codes) {
     CAPTURE(static_cast<int>(d.code));

@@ -82,13 +82,13 @@ template <class T, class DiagOp, class FullOp>
 void launch_gaussian_derivative(const cuda_policy& policy, const gaussian_call& call, batch_view<const T> mean,
                                 batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
                                 const gaussian::gaussian_stats* stats, const char* what,
-                                gaussian::saved_factorisation<const double> saved, const DiagOp& diag_op,
-                                const FullOp& full_op) {
+                                const finite_operands<T>& operands, gaussian::saved_factorisation<const double> saved,
+                                const DiagOp& diag_op, const FullOp& full_op) {
   check_gaussian_dim(call);
   const std::size_t row_bytes = call.full ? gaussian_derivative_row_bytes(call.dim) : 0;
   double* workspace = full_workspace(policy, call, mean.rows, row_bytes);
   if (mean.rows == 0) return;
-  check_gaussian_rows_on_host(policy, call, mean, cov, old_mean, old_cov, stats, what);
+  check_gaussian_rows_on_host(policy, call, mean, cov, old_mean, old_cov, stats, what, &operands);
   if (call.full) {
     const auto kernel = gaussian_derivative_full_kernel<T, FullOp>;
     const std::size_t shared = workspace != nullptr ? 0 : full_derivative_shared(kernel, call.dim, call.function);
@@ -108,7 +108,8 @@ struct gaussian_vjp_backend<cuda_policy> {
   template <class T>
   static void rows(const cuda_policy& policy, const gaussian_call& call, const gaussian_vjp_launch<T>& k,
                    gaussian::saved_factorisation<const double> saved) {
-    cuda::launch_gaussian_derivative(policy, call, k.mean, k.cov, k.old_mean, k.old_cov, k.stats, "backward", saved,
+    cuda::launch_gaussian_derivative(policy, call, k.mean, k.cov, k.old_mean, k.old_cov, k.stats, "backward",
+                                     upstream_operands(call, k.grad_out_mean, k.grad_out_cov), saved,
                                      cuda::diag_vjp_op<T>{k}, cuda::full_vjp_op<T>{k});
   }
 };
@@ -119,8 +120,9 @@ struct gaussian_jvp_backend<cuda_policy> {
   template <class T>
   static void rows(const cuda_policy& policy, const gaussian_call& call, const gaussian_jvp_launch<T>& k,
                    batch_view<const T> out_cov, gaussian::saved_factorisation<const double> saved) {
-    cuda::launch_gaussian_derivative(policy, call, k.mean, k.cov, k.old_mean, k.old_cov, k.stats, "JVP", saved,
-                                     cuda::diag_jvp_op<T>{k}, cuda::full_jvp_op<T>{k, out_cov});
+    cuda::launch_gaussian_derivative(policy, call, k.mean, k.cov, k.old_mean, k.old_cov, k.stats, "JVP",
+                                     tangent_operands(k.tangents), saved, cuda::diag_jvp_op<T>{k},
+                                     cuda::full_jvp_op<T>{k, out_cov});
   }
 };
 

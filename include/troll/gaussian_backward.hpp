@@ -31,6 +31,7 @@ struct gaussian_vjp_backend<cpu_policy> {
                    gaussian::saved_factorisation<const double> saved) {
     cpu::gaussian_derivative_rows(
         policy, call, k.mean, k.cov, k.old_mean, k.old_cov, k.eps_mean, k.stats, saved, "backward",
+        upstream_operands(call, k.grad_out_mean, k.grad_out_cov),
         [&](std::size_t r) { return vjp_row_io(k.out_cov, k.grad_out_mean, k.grad_out_cov, k.grads, r); },
         &cpu::gaussian_backward_full<T>, &cpu::gaussian_backward_diag<T>);
   }

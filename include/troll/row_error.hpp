@@ -46,8 +46,9 @@ enum class row_error : int {
   sampled_missing = 26,   ///< sparsify_finalize: no shard held the sampled token `value`: domain_error
   no_support = 27,        ///< sparsify_finalize: every logit of the row is −inf: domain_error
   bad_state = 28,         ///< (device) a state with k `value` and size `entry` out of range: invalid_input
-  bad_log_probs = 29,     ///< (device) a derivative's log_probs is `value` at `entry`: NaN, +inf, > 0, or finite
-                          ///< where a logit is −inf (the CPU names which: nan_value, pos_inf, above_zero, masked_mass)
+  bad_log_probs = 29,     ///< (device) a derivative's log_probs is `value` at `entry`: NaN, +inf, > 0, finite where
+                          ///< a logit is −inf, or −inf where both are finite (the CPU names which: nan_value,
+                          ///< pos_inf, above_zero, masked_mass, log_prob_underflow)
   state_invalid = 30,     ///< (device) sparsify_merge / _finalize: state problem `operand` % 32 of state `operand` / 32
                           ///< (0 into / states, 1 from), entry `entry`, `value` (the CPU names it: state_bad_k ...)
   sparse_mass = 31,       ///< Σ_S p + r is `value`, beyond sparse_mass_tolerance<T>: domain_error
@@ -85,6 +86,8 @@ enum class row_error : int {
   state_overlap = 66,          ///< merge: both states cover token `value`: invalid_input
   state_too_many_ranges = 67,  ///< merge: the union needs `value` ranges, more than sparsify_max_ranges: invalid_input
   state_incomplete = 68,       ///< finalize: token `value` is not covered (`entry` = tokens covered): invalid_input
+  // Dense derivatives (after the state codes: codes keep their numbers across releases).
+  log_prob_underflow = 69,  ///< `operand` is −inf at token `entry` where both logits are finite: its true log-probability is below the type's range: domain_error
 };
 
 TROLL_END_NAMESPACE

@@ -525,6 +525,12 @@ TEST_CASE("cuda mass, log_probs-id and dense log_probs reports become the CPU's 
   dense.value = std::numeric_limits<double>::quiet_NaN();
   CHECK_THROWS_WITH_AS(troll::detail::cuda::throw_report("project_jvp", 0, dense, names),
                        "troll::project_jvp: row 0: log_probs is NaN at token 5", troll::domain_error);
+  // −inf at a token both logits keep: a log-probability below the type's range (log_prob_underflow).
+  dense.value = -std::numeric_limits<double>::infinity();
+  CHECK_THROWS_WITH_AS(troll::detail::cuda::throw_report("project_jacobian", 1, dense, names),
+                       doctest::Contains("troll::project_jacobian: row 1: log_probs is -inf at token 5, whose new and "
+                                         "old logits are finite"),
+                       troll::domain_error);
 }
 
 TEST_CASE("cuda shard-state and align_backward reports become the CPU's exceptions and messages") {

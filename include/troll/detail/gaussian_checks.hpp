@@ -250,5 +250,64 @@ void validate_gaussian_rows(unsigned threads, const gaussian_call& call, batch_v
   if (bad != mean.rows) throw domain_error(row_prefix(call.function, bad) + problem(bad), bad);
 }
 
+/// A derivative's operands whose every entry must be finite: the backward's upstream gradients,
+/// the JVP's input tangents (docs/api.md: "a non-finite upstream gradient or tangent" is a
+/// domain_error). An empty view (data null) is skipped.
+template <class T>
+struct finite_operands {
+  const char* names[4] = {nullptr, nullptr, nullptr, nullptr};
+  batch_view<const T> views[4] = {};
+};
+
+/// The backward's upstream gradients as finite_operands.
+template <class T>
+finite_operands<T> upstream_operands(const gaussian_call& call, batch_view<const T> grad_out_mean,
+                                     batch_view<const T> grad_out_cov) {
+  finite_operands<T> ops;
+  ops.names[0] = "grad_out_mean", ops.views[0] = grad_out_mean;
+  ops.names[1] = call.full ? "grad_out_cov_chol" : "grad_out_std_dev", ops.views[1] = grad_out_cov;
+  return ops;
+}
+
+/// The JVP's input tangents as finite_operands.
+template <class T>
+finite_operands<T> tangent_operands(const gaussian::gaussian_tangents<T>& tangents) {
+  finite_operands<T> ops;
+  ops.names[0] = "tangents.mean", ops.views[0] = tangents.mean;
+  ops.names[1] = "tangents.cov", ops.views[1] = tangents.cov;
+  ops.names[2] = "tangents.old_mean", ops.views[2] = tangents.old_mean;
+  ops.names[3] = "tangents.old_cov", ops.views[3] = tangents.old_cov;
+  return ops;
+}
+
+/// The first NaN or ±inf of row r of `ops`, as a message ("" when every entry is finite).
+template <class T>
+std::string finite_operand_problem(const finite_operands<T>& ops, std::size_t r) {
+  for (int o = 0; o < 4; ++o) {
+    const batch_view<const T>& v = ops.views[o];
+    if (ops.names[o] == nullptr || v.data == nullptr) continue;
+    const T* row = v.row(r);
+    for (std::size_t j = 0; j < v.cols; ++j) {
+      const double x = static_cast<double>(row[j]);
+      if (x - x == 0.0) continue;
+      std::ostringstream msg;
+      msg << ops.names[o] << " is " << x << " at entry " << j << " (must be finite)";
+      return msg.str();
+    }
+  }
+  return std::string();
+}
+
+/// Throws domain_error naming the lowest row of `rows` with a non-finite entry in `ops`.
+template <class T>
+void validate_finite_operands(unsigned threads, const char* fn, std::size_t rows, const finite_operands<T>& ops) {
+  std::size_t work = 0;
+  for (const batch_view<const T>& v : ops.views) work += v.data == nullptr ? 0 : v.cols;
+  if (work == 0) return;
+  const std::size_t bad =
+      cpu::first_bad_row(threads, rows, work, [&](std::size_t r) { return !finite_operand_problem(ops, r).empty(); });
+  if (bad != rows) throw domain_error(row_prefix(fn, bad) + finite_operand_problem(ops, bad), bad);
+}
+
 }  // namespace detail
 TROLL_END_NAMESPACE

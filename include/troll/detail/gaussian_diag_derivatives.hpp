@@ -42,6 +42,34 @@ struct gaussian_diag_member {
   double delta = 0.0;         // μ_t − μ° = σ° t γ b / a
 };
 
+// ---- Units ----------------------------------------------------------------------------------
+//
+// The intermediates of these formulas span powers −4 … 4 of a coordinate's scale (Σ_t², Λ̃²,
+// Λ°²: the σ̄ of a row with standard deviations of 1e77 formed 1e308 and overflowed, one of
+// 1e-78 underflowed, and the gradients came out inf or NaN while the forward was exact). A
+// diagonal projection commutes with scaling each coordinate (KL is invariant under x ↦ Cx with
+// C = diag(c)): out(x) = C·out(C⁻¹x), so its Jacobian is C·J(C⁻¹x)·C⁻¹. Every coordinate is
+// therefore worked in units of c = 2^⌊log2 σ°⌋ (its old standard deviation in [1, 2)): the VJP
+// takes the upstream gradients times c and returns the gradients divided by c, the JVP takes the
+// tangents divided by c and returns its outputs times c. c is a power of two, so the scaling is
+// exact and, where nothing over- or underflowed before, every result is bit for bit the same.
+
+/// The power-of-two unit of a coordinate (1 where the scaled entry would not be finite: a mean
+/// far outside the standard deviations' range stays in its own units).
+TROLL_HOST_DEVICE inline int gaussian_diag_unit(const gaussian_diag_entry& e) {
+  if (!(e.old_std > 0.0 && e.old_std < inf())) return 0;
+  const int k = ::ilogb(e.old_std);
+  const double m = ::ldexp(e.mean, -k), om = ::ldexp(e.old_mean, -k), sd = ::ldexp(e.std_dev, -k);
+  if (!(m - m == 0.0 && om - om == 0.0 && sd > 0.0 && sd < inf())) return 0;
+  return k;
+}
+
+/// The entry in units of 2^k.
+TROLL_HOST_DEVICE inline gaussian_diag_entry gaussian_diag_scaled(const gaussian_diag_entry& e, int k) {
+  return gaussian_diag_entry{::ldexp(e.mean, -k), ::ldexp(e.std_dev, -k), ::ldexp(e.old_mean, -k),
+                             ::ldexp(e.old_std, -k)};
+}
+
 TROLL_HOST_DEVICE inline gaussian_diag_member gaussian_diag_member_at(const gaussian_diag_entry& e, double t) {
   gaussian_diag_member m;
   gaussian_diag_coordinate(e.mean, e.std_dev, e.old_mean, e.old_std, &m.g, &m.b);
@@ -103,9 +131,9 @@ TROLL_HOST_DEVICE inline void gaussian_diag_output_bar(const gaussian_diag_entry
   }
 }
 
-TROLL_HOST_DEVICE inline void gaussian_diag_vjp_accumulate(const gaussian_diag_entry& e,
-                                                           const gaussian_diag_upstream& up, bool split, double t,
-                                                           gaussian_diag_vjp_sums* sums) {
+TROLL_HOST_DEVICE inline void gaussian_diag_vjp_accumulate_units(const gaussian_diag_entry& e,
+                                                                 const gaussian_diag_upstream& up, bool split,
+                                                                 double t, gaussian_diag_vjp_sums* sums) {
   const gaussian_diag_member m = gaussian_diag_member_at(e, t);
   sums->b2 += m.b * m.b;
   if (split) sums->kappa_bar += up.mean * (e.mean - e.old_mean);
@@ -116,6 +144,19 @@ TROLL_HOST_DEVICE inline void gaussian_diag_vjp_accumulate(const gaussian_diag_e
   if (!split) sums->t_bar += h_bar * (m.pn * (e.mean - e.old_mean) + m.ps * e.old_mean);
   double kl2 = 0.0;
   gaussian_coordinate(m.g, m.b, t, !split, &kl2, &sums->info);
+}
+
+/// The upstream of a coordinate in units of 2^k: the gradients times 2^k, σ* divided by it.
+TROLL_HOST_DEVICE inline gaussian_diag_upstream gaussian_diag_scaled(const gaussian_diag_upstream& up, int k) {
+  return gaussian_diag_upstream{::ldexp(up.mean, k), ::ldexp(up.std_dev, k), ::ldexp(up.out_std, -k)};
+}
+
+/// The first pass of a VJP row, one coordinate (in its units: see "Units" above).
+TROLL_HOST_DEVICE inline void gaussian_diag_vjp_accumulate(const gaussian_diag_entry& e,
+                                                           const gaussian_diag_upstream& up, bool split, double t,
+                                                           gaussian_diag_vjp_sums* sums) {
+  const int k = gaussian_diag_unit(e);
+  gaussian_diag_vjp_accumulate_units(gaussian_diag_scaled(e, k), gaussian_diag_scaled(up, k), split, t, sums);
 }
 
 TROLL_HOST_DEVICE inline gaussian_diag_vjp_scalars gaussian_diag_vjp_finish(const gaussian_diag_vjp_sums& sums,
@@ -137,10 +178,8 @@ TROLL_HOST_DEVICE inline gaussian_diag_vjp_scalars gaussian_diag_vjp_finish(cons
   return s;
 }
 
-TROLL_HOST_DEVICE inline gaussian_diag_vjp_out gaussian_diag_vjp_coordinate(const gaussian_diag_entry& e,
-                                                                            const gaussian_diag_upstream& up,
-                                                                            bool split,
-                                                                            const gaussian_diag_vjp_scalars& sc) {
+TROLL_HOST_DEVICE inline gaussian_diag_vjp_out gaussian_diag_vjp_coordinate_units(
+    const gaussian_diag_entry& e, const gaussian_diag_upstream& up, bool split, const gaussian_diag_vjp_scalars& sc) {
   const double t = sc.t;
   const gaussian_diag_member m = gaussian_diag_member_at(e, t);
   double mean_new = 0.0, mean_old = 0.0, lam_new = 0.0, lam_old = 0.0, h_new = 0.0, h_old = 0.0;
@@ -189,6 +228,18 @@ TROLL_HOST_DEVICE inline gaussian_diag_vjp_out gaussian_diag_vjp_coordinate(cons
   out.old_mean = mean_old + m.po * h_old;
   out.old_std = 2.0 * e.old_std * (-(m.po * m.po) * (lam_old + h_old * e.old_mean));
   return out;
+}
+
+/// The gradients of one coordinate of the four inputs (worked in its units: see "Units" above).
+TROLL_HOST_DEVICE inline gaussian_diag_vjp_out gaussian_diag_vjp_coordinate(const gaussian_diag_entry& e,
+                                                                            const gaussian_diag_upstream& up,
+                                                                            bool split,
+                                                                            const gaussian_diag_vjp_scalars& sc) {
+  const int k = gaussian_diag_unit(e);
+  const gaussian_diag_vjp_out g =
+      gaussian_diag_vjp_coordinate_units(gaussian_diag_scaled(e, k), gaussian_diag_scaled(up, k), split, sc);
+  return gaussian_diag_vjp_out{::ldexp(g.mean, -k), ::ldexp(g.std_dev, -k), ::ldexp(g.old_mean, -k),
+                               ::ldexp(g.old_std, -k)};
 }
 
 // ---- JVP -------------------------------------------------------------------------------------
@@ -243,9 +294,9 @@ TROLL_HOST_DEVICE inline gaussian_diag_fixed_t gaussian_diag_fixed_t_tangent(con
   return f;
 }
 
-TROLL_HOST_DEVICE inline void gaussian_diag_jvp_accumulate(const gaussian_diag_entry& e,
-                                                           const gaussian_diag_tangent& d, bool split, double t,
-                                                           gaussian_diag_jvp_sums* sums) {
+TROLL_HOST_DEVICE inline void gaussian_diag_jvp_accumulate_units(const gaussian_diag_entry& e,
+                                                                 const gaussian_diag_tangent& d, bool split, double t,
+                                                                 gaussian_diag_jvp_sums* sums) {
   const gaussian_diag_member m = gaussian_diag_member_at(e, t);
   sums->b2 += m.b * m.b;
   if (split) {
@@ -267,6 +318,20 @@ TROLL_HOST_DEVICE inline void gaussian_diag_jvp_accumulate(const gaussian_diag_e
   gaussian_coordinate(m.g, m.b, t, !split, &kl2, &sums->info);
 }
 
+/// The input tangents of a coordinate in units of 2^k.
+TROLL_HOST_DEVICE inline gaussian_diag_tangent gaussian_diag_scaled(const gaussian_diag_tangent& d, int k) {
+  return gaussian_diag_tangent{::ldexp(d.mean, -k), ::ldexp(d.std_dev, -k), ::ldexp(d.old_mean, -k),
+                               ::ldexp(d.old_std, -k)};
+}
+
+/// The first pass of a JVP row, one coordinate (in its units: see "Units" above).
+TROLL_HOST_DEVICE inline void gaussian_diag_jvp_accumulate(const gaussian_diag_entry& e,
+                                                           const gaussian_diag_tangent& d, bool split, double t,
+                                                           gaussian_diag_jvp_sums* sums) {
+  const int k = gaussian_diag_unit(e);
+  gaussian_diag_jvp_accumulate_units(gaussian_diag_scaled(e, k), gaussian_diag_scaled(d, k), split, t, sums);
+}
+
 TROLL_HOST_DEVICE inline gaussian_diag_jvp_scalars gaussian_diag_jvp_finish(const gaussian_diag_jvp_sums& sums,
                                                                             bool split, double t, double eps_mean,
                                                                             double eps_dot, double eps_mean_dot) {
@@ -281,10 +346,8 @@ TROLL_HOST_DEVICE inline gaussian_diag_jvp_scalars gaussian_diag_jvp_finish(cons
   return s;
 }
 
-TROLL_HOST_DEVICE inline gaussian_diag_jvp_out gaussian_diag_jvp_coordinate(const gaussian_diag_entry& e,
-                                                                            const gaussian_diag_tangent& d,
-                                                                            bool split,
-                                                                            const gaussian_diag_jvp_scalars& sc) {
+TROLL_HOST_DEVICE inline gaussian_diag_jvp_out gaussian_diag_jvp_coordinate_units(
+    const gaussian_diag_entry& e, const gaussian_diag_tangent& d, bool split, const gaussian_diag_jvp_scalars& sc) {
   const double t = sc.t;
   gaussian_diag_jvp_out out;
   if (split)
@@ -306,6 +369,17 @@ TROLL_HOST_DEVICE inline gaussian_diag_jvp_out gaussian_diag_jvp_coordinate(cons
   // σ* = sqrt(Σ*): σ*' = Σ*'/(2σ*), Σ*' = −Σ*² Λ*'.
   out.std_dev = -(m.sigma * m.sigma * f.lam_t_dot) / (2.0 * ::sqrt(m.sigma));
   return out;
+}
+
+/// The output tangents of one coordinate (worked in its units: see "Units" above).
+TROLL_HOST_DEVICE inline gaussian_diag_jvp_out gaussian_diag_jvp_coordinate(const gaussian_diag_entry& e,
+                                                                            const gaussian_diag_tangent& d,
+                                                                            bool split,
+                                                                            const gaussian_diag_jvp_scalars& sc) {
+  const int k = gaussian_diag_unit(e);
+  const gaussian_diag_jvp_out o =
+      gaussian_diag_jvp_coordinate_units(gaussian_diag_scaled(e, k), gaussian_diag_scaled(d, k), split, sc);
+  return gaussian_diag_jvp_out{::ldexp(o.mean, k), ::ldexp(o.std_dev, k)};
 }
 
 }  // namespace detail

@@ -32,6 +32,15 @@ TROLL_HOST_DEVICE constexpr bool fits_in(double v) {
   return v <= largest_finite<T>() && v >= -largest_finite<T>();
 }
 
+/// Whether lp can be the forward's log π* at a token whose new and old logits are both above −inf
+/// (`open`: π* > 0 there for every status) or not (π* = 0): not NaN, ≤ 0, and above −inf exactly
+/// on the open tokens. −inf on an open token is a log-probability below the element type's
+/// range (float logits near ±3e38 in one row: log π ≈ −6e38), which the forward rounds to −inf
+/// and no derivative can take for a masked token's (detail::row_error::log_prob_underflow).
+TROLL_HOST_DEVICE constexpr bool log_prob_fits(double lp, bool open) {
+  return lp <= 0.0 && (open ? lp > neg_inf() : lp == neg_inf());
+}
+
 /// Every row-level reduction runs in double, whatever the element type: float inputs are widened
 /// on load and results rounded once on store. (float sums over 10^5 entries lose ~1e-5.)
 template <class T>

@@ -113,6 +113,12 @@ inline type write(std::ostringstream& msg, const row_problem& p) {
       msg << p.operand << " is " << p.value << " at token " << p.entry
           << ", which the new or old logits mask (-inf): not the projection's output for these logits";
       return type::domain;
+    case e::log_prob_underflow:
+      msg << p.operand << " is -inf at token " << p.entry
+          << ", whose new and old logits are finite: its log-probability is below the element type's range "
+             "(logits of both signs near the type's largest value in one row), so no derivative of the row "
+             "fits the type (use double)";
+      return type::domain;
     // ---- sparse rows ----
     case e::sparse_count:
       msg << p.operand << ": count " << p.value << " is negative or exceeds the capacity k_max, the "

@@ -72,6 +72,7 @@ struct tilt_point {
   double kappa4 = 0.0;    // fourth cumulant of d under π_t (likewise)
   double kl = 0.0;        // KL(π_t ‖ q)
   double kl_error = 0.0;  // a bound on the rounding error of `kl` as make_point computes it
+  double a_error = 0.0;   // a bound on the rounding error of `a_c` (refine_a_c)
   double old_max = 0.0;      // M° = max z° the point was made with
   double old_log_sum = 0.0;  // log Σ_i exp(z°_i − M°)
 };
@@ -106,9 +107,8 @@ TROLL_HOST_DEVICE inline tilt_point make_point(const lse_state& st, const tilt_p
   p.a_c = p.log_norm + ref_offset - old_log_sum;
   p.kl = u.t * mu_c - p.a_c;
   const double spread = st.s2 > 0.0 ? ::sqrt(st.s2 / st.s0) : 0.0;
-  p.kl_error = 16.0 * ulp *
-               (4.0 + ::fabs(st.m) + ::fabs(log_s0) + ::fabs(ref_offset) + ::fabs(old_log_sum) +
-                u.t * spread * (4.0 + ::fabs(st.m)));
+  p.a_error = 16.0 * ulp * (4.0 + ::fabs(st.m) + ::fabs(log_s0) + ::fabs(ref_offset) + ::fabs(old_log_sum));
+  p.kl_error = p.a_error + 16.0 * ulp * u.t * spread * (4.0 + ::fabs(st.m));
   return p;
 }
 
@@ -231,6 +231,23 @@ TROLL_HOST_DEVICE inline double kl_term(double zn, double zo, const tilt_point& 
   const double sigma = p.t * kl_centred(zn, zo, p.ref) - p.a_c;
   const double log_pi = tilt_weight(zn, zo, x, p.ref, tilt_param{p.t, p.s}) - p.log_norm;
   return kl_term_value(sigma, log_pi, q);
+}
+
+/// Token i's share of Σ_J q_i e^{σ_i} − 1 at the evaluated point p (σ_i = t·x_i − a_c as in
+/// kl_term): q_i·expm1(σ_i) on J (π_i − q_i from log π where |σ| ≥ 1/2, so nothing overflows),
+/// −q_i on an old-only token, 0 elsewhere. With a_c exact the shares sum to 0 (Σ_J π = 1); their
+/// sum s says a_c's own rounding: the exact value is a_c + log1p(s) (refine_a_c). Near t = 0
+/// every σ_i is tiny, so s is formed to an absolute ~1e-16·t·max|x|, far finer than a_c's
+/// rounding from the log-sums it is made of.
+TROLL_HOST_DEVICE inline double ratio_term(double zn, double zo, const tilt_point& p) {
+  if (zo == neg_inf()) return 0.0;
+  const double log_q = (zo - p.old_max) - p.old_log_sum;
+  const double q = ::exp(log_q);
+  if (zn == neg_inf()) return -q;
+  const double sigma = p.t * kl_centred(zn, zo, p.ref) - p.a_c;
+  if (::fabs(sigma) < 0.5) return q * ::expm1(sigma);
+  const double x = tilt_centred(zn, zo, p.ref);
+  return ::exp(tilt_weight(zn, zo, x, p.ref, tilt_param{p.t, p.s}) - p.log_norm) - q;
 }
 
 }  // namespace detail

@@ -6,6 +6,7 @@
 //     lse_state operator()(tilt_param u, tilt_ref r)  the reduction over J of the pairs (w_i, x_i)
 //                                                      of tilt_family.hpp, by push_pair;
 //     double exact_kl(const tilt_point& p)             Σ_i kl_term at an evaluated point;
+//     double ratio_sum(const tilt_point& p)            Σ_i ratio_term at an evaluated point;
 //     double old_log_sum()                             log Σ_i exp(z°_i − M°) (all old tokens).
 // The reference r is a token of J: the arg-max of z° at t = 0, of z̃ at t = 1, and the mode of
 // the last evaluation in between, so that every w and x stays the size of the row's logit
@@ -92,6 +93,22 @@ TROLL_HOST_DEVICE void reduce_ends(const Eval& eval, const row_setup& setup, boo
 }
 
 /// Evaluates the member at (u, ref) for the solve towards KL = ε within ±tol. The closed-form
+/// Corrects p.a_c by log1p(Σ ratio_term) (tilt_family.hpp) where its rounding could matter to the
+/// cancellation-free KL: an error δ in a_c moves Σ q φ(σ) by δ·KL + φ(δ) ≈ δ·KL + δ²/2, and with
+/// a_c formed from log-sums (δ up to a_error, ~1e-15) the δ²/2 alone is ~1e-31, which at a tiny ε
+/// (below ~1e-20) is larger than the KL's tolerance: the solver then converged on a wrong KL
+/// (t* 25% off at ε = 1e-200, reported `projected`). Runs only where a_error²/2 exceeds `slack`:
+/// never on rows with ε ≥ 1e-13 at the default tolerance.
+template <class Eval>
+TROLL_HOST_DEVICE void refine_a_c(const Eval& eval, tilt_point& p, double slack) {
+  if (!(0.5 * p.a_error * p.a_error > slack)) return;
+  const double s = eval.ratio_sum(p);
+  if (s > -0.5 && s < 0.5) {
+    p.a_c += ::log1p(s);
+    p.a_error = 0.0;
+  }
+}
+
 /// KL is kept where its rounding bound is well inside the tolerance, or where it is far enough
 /// from ε (and from 0) to decide the bracket side and to steer a Newton step; otherwise (tiny ε,
 /// near the root, a KL that has underflowed) it is replaced by the cancellation-free sum.
@@ -113,6 +130,7 @@ TROLL_HOST_DEVICE tilt_point evaluate_from(const Eval& eval, lse_state st, const
   const bool fine = p.kl_error <= 2.0 * tol;  // then |KL − ε| ≤ 3 tol: inside the 1e-10 guarantee
   const bool decided = ::fabs(p.kl - eps) > tol + p.kl_error && p.kl > 1e3 * p.kl_error;
   if (!(fine || decided)) {
+    refine_a_c(eval, p, 1e-3 * tol);
     p.kl = eval.exact_kl(p);
     p.kl_error = 0.0;
   }
@@ -130,6 +148,7 @@ TROLL_HOST_DEVICE tilt_point evaluate(const Eval& eval, const tilt_param& u, til
 template <class Eval>
 TROLL_HOST_DEVICE void settle_kl(const Eval& eval, tilt_point& p) {
   if (!(p.kl_error <= 1e-11 * p.kl)) {
+    refine_a_c(eval, p, 1e-13 * maximum(p.kl, 0.0));
     p.kl = eval.exact_kl(p);
     p.kl_error = 0.0;
   }

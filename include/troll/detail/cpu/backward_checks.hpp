@@ -43,10 +43,12 @@ row_problem find_nonfinite(const T* z, std::size_t size, const char* operand) {
   return p;
 }
 
-/// First entry of a row of log-probabilities (the forward's log π*) that cannot be one: NaN,
-/// +inf, a finite value above 0 (a probability above 1), or a value above −inf where the new or
-/// the old logits are −inf (π* ≪ p̃ and π* ≪ q for every status). −inf (a masked output) is fine.
-/// One vectorised scan; a bad row is then walked.
+/// First entry of a row of log-probabilities (the forward's log π*) that cannot be one
+/// (detail::log_prob_fits): NaN, +inf, a finite value above 0 (a probability above 1), a value
+/// above −inf where the new or the old logits are −inf (π* ≪ p̃ and π* ≪ q for every status), or
+/// −inf where both are finite (a log-probability below T's range: the forward rounds it to −inf,
+/// and the derivatives would take the token for a masked one). One vectorised scan; a bad row is
+/// then walked.
 template <class T>
 row_problem find_bad_log_prob(const T* log_probs, const T* new_logits, const T* old_logits, std::size_t size,
                               const char* operand) {
@@ -54,16 +56,17 @@ row_problem find_bad_log_prob(const T* log_probs, const T* new_logits, const T* 
   row_problem p;
   unsigned char all_fine = 1;
   for (std::size_t k = 0; k < size; ++k)
-    all_fine &= static_cast<unsigned char>(log_probs[k] <= T(0) && ((new_logits[k] > minus_inf && old_logits[k] > minus_inf) ||
-                                                                    log_probs[k] == minus_inf));
+    all_fine &= static_cast<unsigned char>(log_probs[k] <= T(0) && ((new_logits[k] > minus_inf && old_logits[k] > minus_inf) ==
+                                                                    (log_probs[k] > minus_inf)));
   if (all_fine) return p;
   for (std::size_t k = 0; k < size; ++k) {
     const double x = static_cast<double>(log_probs[k]);
-    const bool masked = !(static_cast<double>(new_logits[k]) > neg_inf() && static_cast<double>(old_logits[k]) > neg_inf());
-    if (x <= 0.0 && !(masked && x > neg_inf())) continue;
+    const bool open = static_cast<double>(new_logits[k]) > neg_inf() && static_cast<double>(old_logits[k]) > neg_inf();
+    if (log_prob_fits(x, open)) continue;
     p.kind = x != x ? row_error::nan_value
              : x == inf() ? row_error::pos_inf
              : x > 0.0    ? row_error::above_zero
+             : open       ? row_error::log_prob_underflow
                           : row_error::masked_mass;
     p.operand = operand;
     p.entry = static_cast<long long>(k);

@@ -121,13 +121,15 @@ inline bool row_values_fine(const T* z, std::size_t n) {
 }
 
 /// Whether a backward row pair passes every value check of validate_backward at once: z̃, z° and
-/// the upstream g all finite, and every log π* ≤ 0 (−inf included; with every logit finite no
-/// token is masked). One pass, an integer OR-reduction the compiler vectorises in T.
+/// the upstream g all finite, and every log π* finite and ≤ 0 (with every logit finite no token
+/// is masked, so −inf would be a log-probability below T's range: find_bad_log_prob names it).
+/// One pass, an integer OR-reduction the compiler vectorises in T.
 template <class T>
 inline bool backward_row_fine(const T* zn, const T* zo, const T* logp, const T* g, std::size_t n) {
   int bad = 0;
   for (std::size_t k = 0; k < n; ++k)
-    bad |= !(zn[k] - zn[k] == T(0)) | !(zo[k] - zo[k] == T(0)) | !(logp[k] <= T(0)) | !(g[k] - g[k] == T(0));
+    bad |= !(zn[k] - zn[k] == T(0)) | !(zo[k] - zo[k] == T(0)) | !(logp[k] <= T(0)) |
+           !(logp[k] >= std::numeric_limits<T>::lowest()) | !(g[k] - g[k] == T(0));
   return bad == 0 && n > 0;
 }
 
@@ -410,6 +412,14 @@ struct tilt_evaluator {
     double sum = 0.0;
     for (std::size_t i = 0; i < size; ++i)
       sum += kl_term(static_cast<double>(new_logits[i]), static_cast<double>(old_logits[i]), p);
+    return sum;
+  }
+
+  /// Σ_i ratio_term at an evaluated point (refine_a_c; only at a tiny ε, so one scalar pass).
+  double ratio_sum(const tilt_point& p) const {
+    double sum = 0.0;
+    for (std::size_t i = 0; i < size; ++i)
+      sum += ratio_term(static_cast<double>(new_logits[i]), static_cast<double>(old_logits[i]), p);
     return sum;
   }
 

@@ -30,7 +30,7 @@ namespace cuda {
 struct backward_scan {
   pair_scan pair;
   std::size_t first_bad_upstream = no_token;
-  std::size_t first_bad_log_prob = no_token;  // log_probs NaN, +inf or above 0
+  std::size_t first_bad_log_prob = no_token;  // log_probs that cannot be log π* (detail::log_prob_fits)
   double sum_g = 0.0;
   double sum_gc = 0.0;  // Σ g (d − μ)
   centring_sums centring;  // Σ π (d − μ) and its noise (projected rows)
@@ -106,8 +106,9 @@ __device__ cuda_row_report derivative_problem(const pair_scan& scan, const T* zn
   return report;
 }
 
-/// The first token at which log_probs cannot be the forward's log π* — NaN, +inf, above 0, or
-/// above −inf where a logit is −inf (no_token: none), by the whole block.
+/// The first token at which log_probs cannot be the forward's log π* (detail::log_prob_fits: NaN,
+/// +inf, above 0, above −inf where a logit is −inf, or −inf where both are finite; no_token:
+/// none), by the whole block.
 template <class T>
 __device__ std::size_t block_first_bad_log_prob(const T* log_probs, const T* new_logits, const T* old_logits,
                                                 std::size_t size, reduce_storage<std::size_t>& storage) {
@@ -115,7 +116,7 @@ __device__ std::size_t block_first_bad_log_prob(const T* log_probs, const T* new
   for (std::size_t i = threadIdx.x; i < size && first == no_token; i += block_threads) {
     const double lp = static_cast<double>(log_probs[i]);
     const bool open = static_cast<double>(new_logits[i]) > neg_inf() && static_cast<double>(old_logits[i]) > neg_inf();
-    if (!(lp <= 0.0 && (open || lp == neg_inf()))) first = i;
+    if (!log_prob_fits(lp, open)) first = i;
   }
   return block_all_reduce(storage, first, min_token{});
 }
@@ -152,7 +153,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
       const double gi = static_cast<double>(g[i]);
       if (!(gi - gi == 0.0) && i < local.first_bad_upstream) local.first_bad_upstream = i;
       const double lp = static_cast<double>(logp[i]);
-      if (!(lp <= 0.0 && ((a > neg_inf() && b > neg_inf()) || lp == neg_inf())) && i < local.first_bad_log_prob)
+      if (!log_prob_fits(lp, a > neg_inf() && b > neg_inf()) && i < local.first_bad_log_prob)
         local.first_bad_log_prob = i;
       if (lp > neg_inf()) {
         const double c = (a - b) - mu;

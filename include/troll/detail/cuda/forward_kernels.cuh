@@ -45,20 +45,32 @@ TROLL_HOST_DEVICE lse_state team_tilt_sums(const Eval& e, const tilt_param& u, c
 #endif
 }
 
-/// KL(π‖q) at an evaluated point as a team sum of non-negative kl_terms (tilt_family.hpp). The
-/// sum travels through the lse_state reduction as s0 of states with m = 0.
-template <class Eval>
-TROLL_HOST_DEVICE double team_exact_kl(const Eval& e, const tilt_point& p) {
+/// Σ_i term(z̃_i, z°_i, p) over the row as a team sum; the sum travels through the lse_state
+/// reduction as s0 of states with m = 0.
+template <class Eval, class Term>
+TROLL_HOST_DEVICE double team_point_sum(const Eval& e, const tilt_point& p, Term term) {
 #ifdef __CUDA_ARCH__
   double sum = 0.0;
-  e.for_each_pair([&](double a, double b) { sum += kl_term(a, b, p); });
+  e.for_each_pair([&](double a, double b) { sum += term(a, b, p); });
   lse_state part;
   part.m = 0.0, part.s0 = sum;
   return e.team_reduce(part).s0;
 #else
-  (void)e, (void)p;
+  (void)e, (void)p, (void)term;
   return 0.0;
 #endif
+}
+
+/// KL(π‖q) at an evaluated point as a team sum of non-negative kl_terms (tilt_family.hpp).
+template <class Eval>
+TROLL_HOST_DEVICE double team_exact_kl(const Eval& e, const tilt_point& p) {
+  return team_point_sum(e, p, [](double a, double b, const tilt_point& at) { return kl_term(a, b, at); });
+}
+
+/// Σ ratio_term at an evaluated point, as a team sum (the solver's refine_a_c).
+template <class Eval>
+TROLL_HOST_DEVICE double team_ratio_sum(const Eval& e, const tilt_point& p) {
+  return team_point_sum(e, p, [](double a, double b, const tilt_point& at) { return ratio_term(a, b, at); });
 }
 
 /// The tilted-family reduction of trust_region_solver.hpp over one row, by the whole block:
@@ -87,6 +99,7 @@ struct block_tilt_evaluator {
     return team_tilt_sums(*this, u, ref);
   }
   TROLL_HOST_DEVICE double exact_kl(const tilt_point& p) const { return team_exact_kl(*this, p); }
+  TROLL_HOST_DEVICE double ratio_sum(const tilt_point& p) const { return team_ratio_sum(*this, p); }
 
   /// out_i = log π_t,i = w_i − log_norm at the evaluated point `p`; −inf off the joint support.
   __device__ void write(const tilt_point& p, T* out) const {

@@ -32,11 +32,13 @@ void enqueue_download(batch_view<const T> v, std::vector<T>& host, cudaStream_t 
 }
 
 /// In checked mode: the CPU's value checks of every row (and, when `stats` is given, of the
-/// forward's stats for `what`, "backward" or "JVP"). Nothing happens otherwise.
+/// forward's stats for `what`, "backward" or "JVP", then of `operands`: the upstream gradients or
+/// input tangents). Nothing happens otherwise.
 template <class T>
 void check_gaussian_rows_on_host(const cuda_policy& policy, const gaussian_call& call, batch_view<const T> mean,
                                  batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
-                                 const gaussian::gaussian_stats* stats = nullptr, const char* what = nullptr) {
+                                 const gaussian::gaussian_stats* stats = nullptr, const char* what = nullptr,
+                                 const finite_operands<T>* operands = nullptr) {
   if (!policy.checks.checked || mean.rows == 0) return;
   const char* fn = call.function;
   std::vector<T> m, c, om, oc;
@@ -44,6 +46,10 @@ void check_gaussian_rows_on_host(const cuda_policy& policy, const gaussian_call&
   enqueue_download(cov, c, policy.stream, fn);
   enqueue_download(old_mean, om, policy.stream, fn);
   enqueue_download(old_cov, oc, policy.stream, fn);
+  std::vector<T> extra[4];
+  if (operands != nullptr)
+    for (int o = 0; o < 4; ++o)
+      if (operands->views[o].data != nullptr) enqueue_download(operands->views[o], extra[o], policy.stream, fn);
   std::vector<gaussian::gaussian_stats> s(stats == nullptr ? 0 : mean.rows);
   if (stats != nullptr)
     check(cudaMemcpyAsync(s.data(), stats, s.size() * sizeof(gaussian::gaussian_stats), cudaMemcpyDeviceToHost,
@@ -55,6 +61,12 @@ void check_gaussian_rows_on_host(const cuda_policy& policy, const gaussian_call&
   };
   validate_gaussian_rows(1, call, dense(m, mean), dense(c, cov), dense(om, old_mean), dense(oc, old_cov));
   if (stats != nullptr) validate_gaussian_stats(fn, s.data(), mean.rows, what);
+  if (operands != nullptr) {
+    finite_operands<T> host = *operands;
+    for (int o = 0; o < 4; ++o)
+      if (host.views[o].data != nullptr) host.views[o] = dense(extra[o], operands->views[o]);
+    validate_finite_operands(1, fn, mean.rows, host);
+  }
 }
 
 }  // namespace cuda

@@ -120,7 +120,7 @@ struct jvp_scan {
   pair_scan pair;
   std::size_t first_bad_new = no_token;  // tangent_new
   std::size_t first_bad_old = no_token;  // tangent_old
-  std::size_t first_bad_log_prob = no_token;  // log_probs NaN, +inf or above 0
+  std::size_t first_bad_log_prob = no_token;  // log_probs that cannot be log π* (detail::log_prob_fits)
   double pi_tn = 0.0;                    // Σ_J π u
   double pi_centred_tn = 0.0;            // Σ_J π (d − μ) u
   double pi_to = 0.0;                    // Σ_J π v
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(block_threads)
       const double v = to != nullptr ? static_cast<double>(to[i]) : 0.0;
       if (!(v - v == 0.0) && i < local.first_bad_old) local.first_bad_old = i;
       const double lp = static_cast<double>(logp[i]);
-      if (!(lp <= 0.0 && ((a > neg_inf() && b > neg_inf()) || lp == neg_inf())) && i < local.first_bad_log_prob)
+      if (!log_prob_fits(lp, a > neg_inf() && b > neg_inf()) && i < local.first_bad_log_prob)
         local.first_bad_log_prob = i;
       if (lp > neg_inf()) {
         const double pi = ::exp(lp), c = (a - b) - mu;

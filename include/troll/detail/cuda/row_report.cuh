@@ -114,6 +114,7 @@ inline row_problem dense_problem(const cuda_row_report& report, const char* cons
       p.kind = report.value != report.value ? row_error::nan_value
                : report.value == inf()      ? row_error::pos_inf
                : report.value > 0.0         ? row_error::above_zero
+               : report.value == neg_inf()  ? row_error::log_prob_underflow  // at a token both logits keep
                                             : row_error::masked_mass;
       p.operand = "log_probs";
       break;

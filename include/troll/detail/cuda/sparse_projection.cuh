@@ -93,6 +93,8 @@ struct warp_lumped_evaluator {
   }
   /// KL(π‖q) at an evaluated point as a warp sum (team_exact_kl).
   TROLL_HOST_DEVICE double exact_kl(const tilt_point& p) const { return team_exact_kl(*this, p); }
+  /// Σ ratio_term as a warp sum (team_ratio_sum).
+  TROLL_HOST_DEVICE double ratio_sum(const tilt_point& p) const { return team_ratio_sum(*this, p); }
 };
 
 struct merge_pair_scan_op {
