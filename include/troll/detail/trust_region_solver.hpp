@@ -92,7 +92,6 @@ TROLL_HOST_DEVICE void reduce_ends(const Eval& eval, const row_setup& setup, boo
   one = reduce(eval, tilt_at(1.0), setup.new_top, cumulants);
 }
 
-/// Evaluates the member at (u, ref) for the solve towards KL = ε within ±tol. The closed-form
 /// Corrects p.a_c by log1p(Σ ratio_term) (tilt_family.hpp) where its rounding could matter to the
 /// cancellation-free KL: an error δ in a_c moves Σ q φ(σ) by δ·KL + φ(δ) ≈ δ·KL + δ²/2, and with
 /// a_c formed from log-sums (δ up to a_error, ~1e-15) the δ²/2 alone is ~1e-31, which at a tiny ε
@@ -110,6 +109,7 @@ TROLL_HOST_DEVICE void refine_a_c(const Eval& eval, tilt_point& p, double slack)
   }
 }
 
+/// Evaluates the member at (u, ref) for the solve towards KL = ε within ±tol. The closed-form
 /// KL is kept where its rounding bound is well inside the tolerance, or where it is far enough
 /// from ε (and from 0) to decide the bracket side and to steer a Newton step; otherwise (tiny ε,
 /// near the root, a KL that has underflowed) it is replaced by the cancellation-free sum.
