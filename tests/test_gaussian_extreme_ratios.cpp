@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstddef>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -803,4 +804,81 @@ TEST_CASE("full-row VJP and JVP at d = 24, covariances of condition number 1e12:
       CHECK(std::fabs(pf.jvp[k] - pd.jvp[k]) <= 2e-5 * pd.jvp_scale[k]);
     }
   }
+}
+
+TEST_CASE("a mean step that overflows in the old Gaussian's coordinates is refused by the projections, +inf in kl") {
+  // Row 1: (μ̃ − μ°)/σ° = 2e300 / 1e-300 overflows (KL ≈ 2e600); before, the forward wrote NaN
+  // with status not_converged. Row 0 is ordinary and row 2 has a huge but finite step (1e300):
+  // both project onto the bound.
+  const std::size_t n = 3, d = 2;
+  const std::vector<double> mean = {0.1, 0.2, 1e300, -1e300, 1e300, -1e300},
+                            sd = {1.0, 2.0, 1e-300, 2e-300, 1.0, 2.0}, old_mean(n * d, 0.0),
+                            old_sd = {1.5, 1.0, 1e-300, 1e-300, 1.0, 1.0};
+  auto in = [&](const std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), n, cols); };
+  // Full rows: the diagonal factors as Cholesky factors (row-major d × d).
+  std::vector<double> chol(n * d * d, 0.0), old_chol(n * d * d, 0.0);
+  for (std::size_t r = 0; r < n; ++r)
+    for (std::size_t i = 0; i < d; ++i) {
+      chol[r * d * d + i * d + i] = sd[r * d + i];
+      old_chol[r * d * d + i * d + i] = old_sd[r * d + i];
+    }
+  for (const bool full : {false, true}) {
+    for (const bool split : {false, true}) {
+      CAPTURE(full);
+      CAPTURE(split);
+      const std::size_t cols = full ? d * d : d;
+      const std::vector<double>& cov = full ? chol : sd;
+      const std::vector<double>& old_cov = full ? old_chol : old_sd;
+      std::vector<double> out_m(n * d, -7.0), out_c(n * cols, -7.0);
+      std::vector<gaussian_stats> st(n);
+      auto forward = [&](troll::batch_view<const double> m) {
+        auto om = troll::make_batch(out_m.data(), n, d);
+        auto oc = troll::make_batch(out_c.data(), n, cols);
+        if (full && split)
+          troll::gaussian::project_split(troll::cpu, m, in(cov, cols), in(old_mean, d), in(old_cov, cols), 0.1, 0.1,
+                                         om, oc, st.data());
+        else if (full)
+          troll::gaussian::project_joint(troll::cpu, m, in(cov, cols), in(old_mean, d), in(old_cov, cols), 0.1, om,
+                                         oc, st.data());
+        else if (split)
+          troll::gaussian::project_split_diag(troll::cpu, m, in(cov, cols), in(old_mean, d), in(old_cov, cols), 0.1,
+                                              0.1, om, oc, st.data());
+        else
+          troll::gaussian::project_joint_diag(troll::cpu, m, in(cov, cols), in(old_mean, d), in(old_cov, cols), 0.1,
+                                              om, oc, st.data());
+      };
+      std::string what = "no error";
+      std::size_t row = 99;
+      try {
+        forward(in(mean, d));
+      } catch (const troll::domain_error& e) {
+        what = e.what();
+        row = e.row();
+      }
+      CHECK(row == 1);
+      CHECK_MESSAGE(what.find("mean step") != std::string::npos, what);
+      CHECK_MESSAGE(what.find("overflows a double at entry 0") != std::string::npos, what);
+      for (double x : out_m) CHECK(x == -7.0);
+      for (double x : out_c) CHECK(x == -7.0);
+      // Without row 1 (its mean set to the old one) every row projects, the huge step onto the bound.
+      std::vector<double> fixed = mean;
+      fixed[2] = fixed[3] = 0.0;
+      forward(in(fixed, d));
+      for (std::size_t r : {std::size_t(0), std::size_t(2)}) {
+        CAPTURE(r);
+        CHECK(st[r].status == troll::row_status::projected);
+        for (std::size_t i = 0; i < d; ++i) CHECK(std::isfinite(out_m[r * d + i]));
+      }
+      if (!split) CHECK(st[2].kl_after == doctest::Approx(0.1).epsilon(1e-9));
+      if (split) CHECK(st[2].mean_kl_after == doctest::Approx(0.1).epsilon(1e-9));
+    }
+  }
+  // kl: the overflowing row's KL is +inf (its true value, ~2e600, is past the doubles).
+  std::vector<double> kl(n, -7.0);
+  troll::gaussian::kl_diag(troll::cpu, in(mean, d), in(sd, d), in(old_mean, d), in(old_sd, d), kl.data());
+  CHECK(std::isfinite(kl[0]));
+  CHECK(kl[1] == std::numeric_limits<double>::infinity());
+  CHECK(kl[2] == std::numeric_limits<double>::infinity());  // ½ b² with b = 1e300
+  troll::gaussian::kl(troll::cpu, in(mean, d), in(chol, d * d), in(old_mean, d), in(old_chol, d * d), kl.data());
+  CHECK(kl[1] == std::numeric_limits<double>::infinity());
 }

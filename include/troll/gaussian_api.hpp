@@ -85,7 +85,7 @@ void project_split_diag(Policy policy, input_view<T> mean, input_view<T> std_dev
 template <class T, class Policy, detail::if_execution_policy<Policy> = 0>
 void kl(Policy policy, batch_view<const T> mean, batch_view<const T> cov_chol, batch_view<const T> old_mean,
         batch_view<const T> old_cov_chol, double* out) {
-  detail::gaussian_kl_forward(policy, detail::gaussian_call{"gaussian::kl", true, false}, mean, cov_chol,
+  detail::gaussian_kl_forward(policy, detail::gaussian_call{"gaussian::kl", true, false, 0, true}, mean, cov_chol,
                               old_mean, old_cov_chol, out);
 }
 
@@ -93,7 +93,7 @@ void kl(Policy policy, batch_view<const T> mean, batch_view<const T> cov_chol, b
 template <class T, class Policy, detail::if_execution_policy<Policy> = 0>
 void kl_diag(Policy policy, batch_view<const T> mean, batch_view<const T> std_dev, batch_view<const T> old_mean,
              batch_view<const T> old_std_dev, double* out) {
-  detail::gaussian_kl_forward(policy, detail::gaussian_call{"gaussian::kl_diag", false, false}, mean,
+  detail::gaussian_kl_forward(policy, detail::gaussian_call{"gaussian::kl_diag", false, false, 0, true}, mean,
                               std_dev, old_mean, old_std_dev, out);
 }
 

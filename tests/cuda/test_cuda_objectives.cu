@@ -181,11 +181,14 @@ namespace {
 /// Runs TROLL's forward and backward on both backends for one batch and compares everything.
 template <class T>
 void compare_with_cpu(std::size_t rows, std::size_t cols, unsigned seed,
-                      troll::loss_aggregation how, double alpha) {
+                      troll::loss_aggregation how, double alpha, int mask_exponent = 0) {
   CAPTURE(rows);
   CAPTURE(cols);
   CAPTURE(alpha);
-  const host_batch<T> h(rows, cols, seed);
+  CAPTURE(mask_exponent);
+  host_batch<T> h(rows, cols, seed);
+  // Masks scaled by 2^mask_exponent (2^1021: their sum overflows a double).
+  for (T& w : h.mask) w = T(std::ldexp(double(w), mask_exponent));
   troll::trust_region_objective objective;
   objective.eps = 0.02;
   objective.alpha = alpha;
@@ -254,10 +257,12 @@ void compare_with_cpu(std::size_t rows, std::size_t cols, unsigned seed,
 /// PPO clip on both backends for one batch (dual clip on, asymmetric bounds).
 template <class T>
 void compare_ppo_with_cpu(std::size_t rows, std::size_t cols, unsigned seed,
-                          troll::loss_aggregation how) {
+                          troll::loss_aggregation how, int mask_exponent = 0) {
   CAPTURE(rows);
   CAPTURE(cols);
-  const host_batch<T> h(rows, cols, seed);
+  CAPTURE(mask_exponent);
+  host_batch<T> h(rows, cols, seed);
+  for (T& w : h.mask) w = T(std::ldexp(double(w), mask_exponent));
   troll::ppo_clip_objective objective;
   objective.clip_low = 0.2;
   objective.clip_high = 0.28;
@@ -317,6 +322,16 @@ TEST_SUITE("device") {
       CAPTURE(static_cast<int>(how));
       compare_with_cpu<T>(24, 257, 11u, how, 1.0);
       compare_with_cpu<T>(9, 1031, 12u, how, 0.0);
+    }
+  }
+
+  TEST_CASE("loss masks whose sum overflows a double weigh by their ratios, as on the CPU") {
+    for (const auto how :
+         {troll::loss_aggregation::token_mean, troll::loss_aggregation::sequence_mean}) {
+      CAPTURE(static_cast<int>(how));
+      compare_ppo_with_cpu<double>(24, 257, 21u, how, 1021);
+      compare_with_cpu<double>(24, 257, 11u, how, 1.0, 1021);
+      compare_with_cpu<double>(24, 257, 11u, how, 1.0, -1060);  // subnormal masks
     }
   }
 

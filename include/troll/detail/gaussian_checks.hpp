@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "../batch.hpp"
 #include "../config.hpp"
@@ -27,6 +28,8 @@ struct gaussian_call {
   bool full = true;
   bool split = false;
   std::size_t dim = 0;
+  /// gaussian::kl / kl_diag: a KL that overflows is +inf, not an error (validate_gaussian_rows).
+  bool kl_only = false;
 };
 
 /// Checks the views: means N × d with d ≥ 1, covariances N × d² (full) or N × d, outputs alike.
@@ -235,13 +238,49 @@ std::string gaussian_operand_problem(const gaussian_call& call, const T* mean, c
   return std::string();
 }
 
-/// Throws domain_error naming the first bad row (the smallest index, whatever the threads).
+/// A projection's check of a row pair whose operands passed gaussian_operand_problem: the mean
+/// step in the old Gaussian's whitened coordinates, y = L°⁻¹(μ̃ − μ°) (y_i = (μ̃_i − μ°_i)/σ°_i
+/// for diagonal rows), must be finite. Where it overflows a double, KL(p̃ ‖ q) ≥ ½ y_i² is far past
+/// the doubles and the projection's t* ≈ sqrt(2ε)/|y| below them: no member along the path can
+/// be evaluated, so the row is refused rather than written as NaN (docs/gaussian.md, Accuracy).
+/// "" when fine.
+template <class T>
+std::string gaussian_mean_step_problem(const gaussian_call& call, const T* mean, const T* old_mean, const T* old_cov) {
+  const std::size_t d = call.dim;
+  // Forward substitution with the old factor (finite, positive diagonal: checked before).
+  std::vector<double> step(call.full ? d : 0);
+  for (std::size_t i = 0; i < d; ++i) {
+    double y = static_cast<double>(mean[i]) - static_cast<double>(old_mean[i]);
+    if (call.full) {
+      for (std::size_t j = 0; j < i; ++j) y -= static_cast<double>(old_cov[i * d + j]) * step[j];
+      y /= static_cast<double>(old_cov[i * d + i]);
+    } else {
+      y /= static_cast<double>(old_cov[i]);
+    }
+    if (!(y - y == 0.0)) {  // a NaN only from ±inf steps
+      std::ostringstream msg;
+      msg.precision(17);
+      msg << "the mean step " << (call.full ? "L_old^-1 (mean - old_mean)" : "(mean - old_mean) / old_std_dev")
+          << " overflows a double at entry " << i << " (mean " << static_cast<double>(mean[i]) << ", old_mean "
+          << static_cast<double>(old_mean[i])
+          << "): KL(new || old) and the projection's t are beyond the doubles";
+      return msg.str();
+    }
+    if (call.full) step[i] = y;
+  }
+  return std::string();
+}
+
+/// Throws domain_error naming the first bad row (the smallest index, whatever the threads): its
+/// operands (gaussian_operand_problem), then, for a projection or its derivatives (not kl), the
+/// mean step (gaussian_mean_step_problem).
 template <class T>
 void validate_gaussian_rows(unsigned threads, const gaussian_call& call, batch_view<const T> mean,
                             batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov) {
   auto problem = [&](std::size_t r) {
     std::string p = gaussian_operand_problem(call, mean.row(r), cov.row(r), false);
     if (p.empty()) p = gaussian_operand_problem(call, old_mean.row(r), old_cov.row(r), true);
+    if (p.empty() && !call.kl_only) p = gaussian_mean_step_problem(call, mean.row(r), old_mean.row(r), old_cov.row(r));
     return p;
   };
   const std::size_t work = 2 * (call.full ? call.dim * call.dim : call.dim);

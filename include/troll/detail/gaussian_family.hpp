@@ -216,6 +216,12 @@ TROLL_HOST_DEVICE inline void gaussian_diag_coordinate(double mean, double std_d
   *b = (mean - old_mean) / old_std;
 }
 
+/// kl's result for a row whose operands are valid. A NaN there can only come from an
+/// intermediate that overflowed (∞ − ∞ or 0·∞ in the whitened mean step or covariance: means 1e300
+/// apart against an old standard deviation of 1e-300), and every such intermediate bounds
+/// KL(p̃ ‖ q) from below by half its square: the KL is past the doubles, +∞.
+TROLL_HOST_DEVICE inline double gaussian_kl_result(double kl) { return kl == kl ? kl : inf(); }
+
 /// The split projection's mean step: with m = ½ (μ̃ − μ°)ᵀ Σ°⁻¹ (μ̃ − μ°) (= ½ Σ b_i²), the mean
 /// moves to μ° + κ(μ̃ − μ°), κ = min(1, sqrt(ε_μ / m)) = 1/(1 + ω).
 TROLL_HOST_DEVICE inline double split_mean_scale(double m, double eps_mean) {

@@ -29,6 +29,44 @@ TROLL_HOST_DEVICE inline double counted_weight(double mask) {
   return mask >= 0.0 && mask < inf() ? mask : 0.0;
 }
 
+/// The power of two s that brings the largest counted mask of a group (the batch for the token
+/// mean, one sequence for the sequence mean) into [1/2, 1): the group's normaliser Σ s·w then
+/// fits in a double however large the masks are (each mask is finite, so Σ s·w ≤ rows), and its
+/// weights s·w / Σ s·w are the masks' ratios. Scaling by a power of two is exact, so the weights
+/// are the unscaled ones bit for bit wherever those did not overflow; only masks below the
+/// largest by a factor of ~2^-1074, whose weights are 0 to double precision anyway, are lost.
+/// Tiny groups (subnormal masks) are scaled up, at most by 2^1022.
+TROLL_HOST_DEVICE inline double mask_scale(double largest) {
+  if (!(largest > 0.0) || !(largest < inf())) return 1.0;
+  int e = 0;
+  ::frexp(largest, &e);  // largest = f·2^e, f in [1/2, 1)
+  return ::ldexp(1.0, -e < 1022 ? -e : 1022);
+}
+
+/// A batch metric's sum of non-negative per-token values (ratios, KLs, η, divergences) whose
+/// mean must not overflow where the sum does: each value fits in a double, so their mean does,
+/// but two ratios of 1e308 already sum to +inf. Beside the plain sum it keeps the sum of the
+/// values times 2^-64, which cannot overflow for fewer than 2^64 tokens, and takes the mean from
+/// it when the plain sum overflowed. An infinite value (a divergence that is +inf) or a NaN still
+/// makes the mean +inf or NaN.
+struct metric_sum {
+  double plain = 0.0, scaled = 0.0;
+
+  TROLL_HOST_DEVICE void add(double x) {
+    plain += x;
+    scaled += x * 0x1p-64;
+  }
+  TROLL_HOST_DEVICE metric_sum& operator+=(const metric_sum& o) {
+    plain += o.plain;
+    scaled += o.scaled;
+    return *this;
+  }
+  /// Σ x / n (n > 0).
+  TROLL_HOST_DEVICE double mean(double n) const {
+    return plain < inf() ? plain / n : scaled / n * 0x1p64;
+  }
+};
+
 // ---- TROLL: ℓ = −(π*_a / q_a)·A + α·KL(p̃ ‖ stopgrad(π*)) ----
 
 /// Per-row coefficients of TROLL's fused backward. With c the token's aggregation weight
@@ -243,7 +281,12 @@ struct topk_sums {
   TROLL_HOST_DEVICE void add(double log_p, double log_q) {
     const double pv = ::exp(log_p), qv = ::exp(log_q);
     abs_diff += pv > qv ? pv - qv : qv - pv;
-    plog += log_q > neg_inf() ? pv * (log_p - log_q) : inf();
+    // q = 0 with p > 0 (log p is finite here): +inf. A p that underflows to 0 against q > 0
+    // adds p·log(p/q) → 0, not 0·(−inf).
+    if (!(log_q > neg_inf()))
+      plog = inf();
+    else if (pv > 0.0)
+      plog += pv * (log_p - log_q);
   }
   /// Adds one token outside the top K (either log-probability may be −inf).
   TROLL_HOST_DEVICE void add_rest(double log_p, double log_q) {

@@ -205,15 +205,29 @@ TROLL_HOST_DEVICE inline double kl_term_value(double sigma, double log_pi, doubl
   return pi * (sigma - 1.0) + q;
 }
 
-/// x_i for the KL terms: tilt_centred, or (z̃_i − z°_i) − (ref.zn − ref.zo) where that rounds less.
-/// Where the two rows are close (z̃ ≈ z°, KL(p̃‖q) tiny) tilt_centred's differences to the
-/// reference carry ulps of the logits, which the sum magnifies by ~1/sqrt(KL) (troll::kl was off
-/// by 2e-10 relative at KL ~ 1e-13 and 3e-8 at 1e-17); the row difference z̃ − z° is exact there.
+/// The rounding error of d = fl(a − b): a − b = d + difference_error(a, b, d) exactly (Knuth's
+/// TwoSum of a and −b; additions only, so no contraction into an FMA can change it). For finite
+/// a, b whose difference d is finite.
+TROLL_HOST_DEVICE inline double difference_error(double a, double b, double d) {
+  const double b_part = d - a;  // −b as the sum saw it
+  return (a - (d - b_part)) - (b + b_part);
+}
+
+/// x_i = (z̃_i − z°_i) − (z̃_r − z°_r) for the KL terms, to an ulp or two of itself. Where the two
+/// rows are close (z̃ ≈ z°, KL(p̃‖q) tiny) x is tiny, and any rounding of the differences it is
+/// formed from is magnified by ~1/sqrt(KL) in the sum (troll::kl was off by 2e-10 relative at
+/// KL ~ 1e-13, by 1e-4 on rows z̃ = z° + 100 + δ with δ ~ 1e-12). So x is formed from two
+/// differences that carry their rounding errors (difference_error): the row differences
+/// d_i − d_r where they are the smaller, else tilt_centred's differences to the reference
+/// (z̃_i − z̃_r) − (z°_i − z°_r). Either way the outer subtraction is exact (Sterbenz) or rounds at
+/// an ulp of x, and the errors add the rest. A difference that overflows (logits of opposite
+/// extremes) takes tilt_centred's clamped form.
 TROLL_HOST_DEVICE inline double kl_centred(double zn, double zo, const tilt_ref& ref) {
-  const double by_ref = tilt_centred(zn, zo, ref);
-  const double d = zn - zo, ref_d = ref.zn - ref.zo;
-  if (!(::fabs(d) + ::fabs(ref_d) < ::fabs(zn - ref.zn) + ::fabs(zo - ref.zo))) return by_ref;
-  return d - ref_d;
+  const double d = zn - zo, ref_d = ref.zn - ref.zo, dn = zn - ref.zn, dq = zo - ref.zo;
+  const double x = ::fabs(d) + ::fabs(ref_d) < ::fabs(dn) + ::fabs(dq)
+                       ? (d - ref_d) + (difference_error(zn, zo, d) - difference_error(ref.zn, ref.zo, ref_d))
+                       : (dn - dq) + (difference_error(zn, ref.zn, dn) - difference_error(zo, ref.zo, dq));
+  return x - x == 0.0 ? x : tilt_centred(zn, zo, ref);
 }
 
 /// Token i's share of KL(π_t‖q) at the evaluated point p; every share is ≥ 0, so the sum cannot

@@ -28,7 +28,7 @@ struct objective_row_record {
 /// header and the row's record.
 TROLL_HOST_DEVICE inline double backward_row_weight(double grad_loss, const objective_row_record& header,
                                                     const objective_row_record& row) {
-  return header.weight == 0.0 ? 0.0 : grad_loss * row.weight / header.weight;
+  return header.weight == 0.0 ? 0.0 : grad_loss * (row.weight / header.weight);
 }
 
 /// Workspace layout: one header record (its `weight` holds the normaliser Σ w or S), then one

@@ -641,15 +641,34 @@ inline Packet ratio_term_packet(const Packet& q, const Packet& log_q, const Pack
   return pselect(pcmp_le(pabs(x), half), term, psub(exp_any(padd(log_q, x)), q));
 }
 
+/// difference_error (tilt_family.hpp) on a packet: a − b = d + error exactly, d = fl(a − b).
+template <class Packet>
+inline Packet difference_error_packet(const Packet& a, const Packet& b, const Packet& d) {
+  using namespace Eigen::internal;
+  const Packet b_part = psub(d, a);
+  return psub(psub(a, psub(d, b_part)), padd(b, b_part));
+}
+
+/// The reference's part of kl_centred_packet: rd = z̃_r − z°_r, |rd| and rd's rounding error.
+struct centred_reference {
+  double rd = 0.0, abs_rd = 0.0, rd_error = 0.0;
+  explicit centred_reference(const tilt_ref& ref)
+      : rd(ref.zn - ref.zo), abs_rd(::fabs(rd)), rd_error(difference_error(ref.zn, ref.zo, rd)) {}
+};
+
 /// kl_centred (tilt_family.hpp) on one packet of a finite pair with a spread of at most 700
-/// (nothing to clamp): the row difference d − d_r where it rounds less than the differences to
-/// the reference, x = (z̃ − z̃_r) − (z° − z°_r) elsewhere. rd = z̃_r − z°_r, abs_rd = |rd|.
+/// (nothing to clamp): the row difference d − d_r where it is the smaller, x = (z̃ − z̃_r) −
+/// (z° − z°_r) elsewhere, each with its differences' rounding errors. rd = z̃_r − z°_r,
+/// abs_rd = |rd|, rd_error its rounding error (centred_reference).
 template <class Packet>
 inline Packet kl_centred_packet(const Packet& a, const Packet& b, const Packet& rn, const Packet& ro,
-                                const Packet& rd, const Packet& abs_rd) {
+                                const Packet& rd, const Packet& abs_rd, const Packet& rd_error) {
   using namespace Eigen::internal;
   const Packet dn = psub(a, rn), dq = psub(b, ro), d = psub(a, b);
-  return pselect(pcmp_lt(padd(pabs(d), abs_rd), padd(pabs(dn), pabs(dq))), psub(d, rd), psub(dn, dq));
+  const Packet by_row = padd(psub(d, rd), psub(difference_error_packet(a, b, d), rd_error));
+  const Packet by_ref =
+      padd(psub(dn, dq), psub(difference_error_packet(a, rn, dn), difference_error_packet(b, ro, dq)));
+  return pselect(pcmp_lt(padd(pabs(d), abs_rd), padd(pabs(dn), pabs(dq))), by_row, by_ref);
 }
 
 /// KL(π_p‖q) at an evaluated point p as the sum of kl_term (tilt_family.hpp) over a row pair whose
@@ -668,11 +687,12 @@ inline double exact_kl_finite(const T* zn, const T* zo, long count, const tilt_p
   constexpr long lanes = long(sizeof(packet) / sizeof(double));
   constexpr long chunk = 512;
   const bool low = p.t <= 0.5;
-  const double slope = low ? p.t : -p.s, ref_d = p.ref.zn - p.ref.zo;
+  const double slope = low ? p.t : -p.s;
   const packet rn = pset1<packet>(p.ref.zn), ro = pset1<packet>(p.ref.zo), ps = pset1<packet>(slope);
   const packet pt = pset1<packet>(p.t), ac = pset1<packet>(p.a_c), norm = pset1<packet>(p.log_norm);
   const packet old_max = pset1<packet>(p.old_max), old_log_sum = pset1<packet>(p.old_log_sum);
-  const packet rd = pset1<packet>(ref_d), abs_rd = pset1<packet>(::fabs(ref_d));
+  const centred_reference cr(p.ref);
+  const packet rd = pset1<packet>(cr.rd), abs_rd = pset1<packet>(cr.abs_rd), rd_error = pset1<packet>(cr.rd_error);
   const packet one = pset1<packet>(1.0), zero = pset1<packet>(0.0);
   const packet q_floor = pset1<packet>(-708.0), pi_floor = pset1<packet>(-667.0);  // e^-667 < 1e-290
   // The series' coefficients as packets, set once (the Horner chain then runs in registers).
@@ -690,7 +710,7 @@ inline double exact_kl_finite(const T* zn, const T* zo, long count, const tilt_p
   // One packet's terms, or false where a lane needs kl_term's own branches.
   auto terms = [&](const packet& a, const packet& b, packet& out) {
     const packet dn = psub(a, rn), dold = psub(b, ro), x = psub(dn, dold);
-    const packet sigma = psub(pmul(pt, kl_centred_packet(a, b, rn, ro, rd, abs_rd)), ac);
+    const packet sigma = psub(pmul(pt, kl_centred_packet(a, b, rn, ro, rd, abs_rd, rd_error)), ac);
     const packet log_q = psub(psub(b, old_max), old_log_sum);
     const packet abs_sigma = pabs(sigma);
     if (!any_lane(por(pcmp_lt(log_q, q_floor), pcmp_lt(sixteenth, abs_sigma)))) {

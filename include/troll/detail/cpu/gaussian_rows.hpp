@@ -96,7 +96,7 @@ void gaussian_kl(cpu_policy policy, const gaussian_call& c, batch_view<const T> 
     } else {
       cpu::factor_diag(mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), c.dim, basis);
     }
-    out[r] = gaussian_member(basis.forward_spectrum(true), tilt_near_one(0.0)).kl;
+    out[r] = gaussian_kl_result(gaussian_member(basis.forward_spectrum(true), tilt_near_one(0.0)).kl);
   });
 }
 

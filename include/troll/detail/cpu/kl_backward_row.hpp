@@ -62,7 +62,7 @@ inline bool kl_backward_row_finite(const T* zp, const T* zq, std::size_t size, c
   if (setup.any_masked || !(setup.spread <= 700.0) || size == 0) return false;
   const long n = static_cast<long>(size), whole = n - n % lanes, padded = (n + lanes - 1) / lanes * lanes;
   const tilt_ref ref = setup.new_top;  // a token both rows keep; its z_p is the row's maximum
-  const double p_max = ref.zn, q_max = setup.old_max, ref_d = ref.zn - ref.zo;
+  const double p_max = ref.zn, q_max = setup.old_max;
   // Every packet of the row, the last one padded with the reference token's logits (x = 0,
   // exponents in range), which the sums weight by 0 and the writes skip.
   auto read = [&](long k, packet& a, packet& b) {
@@ -80,9 +80,12 @@ inline bool kl_backward_row_finite(const T* zp, const T* zq, std::size_t size, c
     b = ploadu<packet>(tb);
   };
   const packet pm = pset1<packet>(p_max), qm = pset1<packet>(q_max), half = pset1<packet>(0.5);
-  const packet rn = pset1<packet>(ref.zn), ro = pset1<packet>(ref.zo), rd = pset1<packet>(ref_d);
-  const packet abs_rd = pset1<packet>(::fabs(ref_d));
-  auto centred = [&](const packet& a, const packet& b) { return kl_centred_packet(a, b, rn, ro, rd, abs_rd); };
+  const centred_reference cr(ref);
+  const packet rn = pset1<packet>(ref.zn), ro = pset1<packet>(ref.zo), rd = pset1<packet>(cr.rd);
+  const packet abs_rd = pset1<packet>(cr.abs_rd), rd_error = pset1<packet>(cr.rd_error);
+  auto centred = [&](const packet& a, const packet& b) {
+    return kl_centred_packet(a, b, rn, ro, rd, abs_rd, rd_error);
+  };
   double sum_p = 0.0, sum_q = 0.0, sum_px = 0.0, sum_t = 0.0;
   for (long begin = 0; begin < padded; begin += chunk) {
     const long end = begin + chunk < padded ? begin + chunk : padded;

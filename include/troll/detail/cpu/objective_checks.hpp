@@ -70,6 +70,8 @@ row_problem check_token_row(const token_batch<T>& in, std::size_t r, std::size_t
 }
 
 /// The aggregation weights c_r (times `scale`) of every row, and the number of counted sequences.
+/// Each group's masks are scaled by mask_scale of its largest first, so that masks whose sum
+/// overflows (two of 1e308) still give their ratios, as the CUDA backend does.
 template <class T>
 void aggregation_weights(const token_batch<T>& in, std::size_t rows, double scale, std::size_t* sequences,
                          double* c) {
@@ -77,23 +79,32 @@ void aggregation_weights(const token_batch<T>& in, std::size_t rows, double scal
   auto mask = [&](std::size_t r) {  // counted_weight: as the CUDA backend (validated rows: the mask)
     return in.loss_mask ? counted_weight(static_cast<double>(in.loss_mask[r])) : 1.0;
   };
+  // Σ s·w over [begin, end) with s = mask_scale(max w), through `s`.
+  auto scaled_total = [&](std::size_t begin, std::size_t end, double& s) {
+    double largest = 0.0;
+    for (std::size_t r = begin; r < end; ++r) largest = maximum(largest, mask(r));
+    s = mask_scale(largest);
+    double total = 0.0;
+    for (std::size_t r = begin; r < end; ++r) total += s * mask(r);
+    return total;
+  };
   if (sequences) *sequences = 0;
   if (in.aggregation == loss_aggregation::token_mean) {
-    double total = 0.0;
-    for (std::size_t r = 0; r < rows; ++r) total += mask(r);
+    double s = 1.0;
+    const double total = scaled_total(0, rows, s);
     if (total > 0.0)
-      for (std::size_t r = 0; r < rows; ++r) c[r] = scale * mask(r) / total;
+      for (std::size_t r = 0; r < rows; ++r) c[r] = scale * (s * mask(r) / total);
     return;
   }
   std::size_t counted = 0;
   for (std::size_t begin = 0, end; begin < rows; begin = end) {
     end = begin;
     while (end < rows && in.sequence_ids[end] == in.sequence_ids[begin]) ++end;
-    double total = 0.0;
-    for (std::size_t r = begin; r < end; ++r) total += mask(r);
+    double s = 1.0;
+    const double total = scaled_total(begin, end, s);
     if (!(total > 0.0)) continue;
     ++counted;
-    for (std::size_t r = begin; r < end; ++r) c[r] = mask(r) / total;
+    for (std::size_t r = begin; r < end; ++r) c[r] = s * mask(r) / total;
   }
   if (counted > 0)
     for (std::size_t r = 0; r < rows; ++r) c[r] *= scale / double(counted);
@@ -142,28 +153,28 @@ void validate_objective(const char* fn, unsigned threads, batch_view<const T> ne
 /// Reduces per-row results to the batch metrics, in row order (deterministic).
 struct metrics_sum {
   objective_metrics m;
-  double kl_before = 0, kl_after = 0, reg = 0, ratio = 0, eta = 0, limited = 0, projected = 0,
-         divergence = 0;
+  metric_sum kl_before, kl_after, reg, ratio, eta, divergence;  // means that must not overflow
+  double limited = 0, projected = 0;
   void add(double loss_contribution, double ratio_value, double kb, double ka) {
     m.loss += loss_contribution;
     ++m.tokens;
-    ratio += ratio_value;
-    kl_before += kb;
-    kl_after += ka;
+    ratio.add(ratio_value);
+    kl_before.add(kb);
+    kl_after.add(ka);
     m.kl_before_max = maximum(m.kl_before_max, kb);
     m.kl_after_max = maximum(m.kl_after_max, ka);
   }
   objective_metrics finish() {
     if (m.tokens == 0) return m;
     const double n = double(m.tokens);
-    m.ratio_mean = ratio / n;
-    m.kl_before_mean = kl_before / n;
-    m.kl_after_mean = kl_after / n;
-    m.regression_kl_mean = reg / n;
-    m.eta_mean = eta / n;
+    m.ratio_mean = ratio.mean(n);
+    m.kl_before_mean = kl_before.mean(n);
+    m.kl_after_mean = kl_after.mean(n);
+    m.regression_kl_mean = reg.mean(n);
+    m.eta_mean = eta.mean(n);
     m.projected_fraction = projected / n;
     m.limited_fraction = limited / n;
-    m.divergence_mean = divergence / n;
+    m.divergence_mean = divergence.mean(n);
     return m;
   }
 };
@@ -187,8 +198,8 @@ objective_metrics finish_troll_forward(const token_batch<T>& in, std::size_t row
     if (!counted(r)) continue;
     const cpu::troll_row_result& x = results[r];
     sum.add(c[r] * x.loss, x.ratio, x.stats.kl_before, x.stats.kl_after);
-    sum.reg += x.kl_reg;
-    sum.eta += x.stats.active() ? x.stats.eta : 0.0;
+    sum.reg.add(x.kl_reg);
+    sum.eta.add(x.stats.active() ? x.stats.eta : 0.0);
     sum.projected += x.stats.active() ? 1.0 : 0.0;
   }
   return sum.finish();
@@ -226,7 +237,7 @@ objective_metrics ratio_forward(const char* fn, cpu_policy policy, const cpu::ra
     const cpu::ratio_row_result& x = results[r];
     sum.add(c[r] * x.token.loss, x.ratio, x.kl, x.kl);
     sum.limited += x.token.limited ? 1.0 : 0.0;
-    sum.divergence += x.divergence;
+    sum.divergence.add(x.divergence);
   }
   return sum.finish();
 }

@@ -519,6 +519,7 @@ inline double min_reachable_kl(const T* zn, const T* zo, std::size_t size, const
 /// token, or Eigen 3.4's select, costs several times more on rows whose choice varies).
 inline void centred_block(const block_array& zp, const block_array& zq, const tilt_ref& ref, block_array& x) {
   const double big = max_difference(), ref_d = ref.zn - ref.zo, abs_ref_d = ::fabs(ref_d);
+  const double ref_error = difference_error(ref.zn, ref.zo, ref_d);
   const Eigen::Index n = zp.size();
   x.resize(n);
   const double* __restrict a = zp.data();
@@ -527,8 +528,13 @@ inline void centred_block(const block_array& zp, const block_array& zq, const ti
   for (Eigen::Index k = 0; k < n; ++k) {
     const double dn = a[k] - ref.zn, dq = b[k] - ref.zo, d = a[k] - b[k];
     const double cn = std::min(std::max(dn, -big), big), cq = std::min(std::max(dq, -big), big);
-    const double by_ref = std::min(std::max(cn - cq, -big), big);
-    const double by_row = std::min(std::max(d - ref_d, -big), big);
+    // kl_centred's rounding errors of dn and dq, where both are finite (else the clamped form).
+    const double en = difference_error(a[k], ref.zn, dn), eq = difference_error(b[k], ref.zo, dq);
+    const double fine = en - eq;
+    const double by_ref = std::min(std::max((cn - cq) + (fine - fine == 0.0 ? fine : 0.0), -big), big);
+    // With both differences' rounding errors (kl_centred); NaN where d or ref_d overflowed, and
+    // clamped so (std::max(−big, NaN) is −big), where w is 0.
+    const double by_row = std::min(big, std::max(-big, (d - ref_d) + (difference_error(a[k], b[k], d) - ref_error)));
     const double w = double(::fabs(d) + abs_ref_d < ::fabs(dn) + ::fabs(dq));  // kl_centred's choice
     out[k] = w * by_row + (1.0 - w) * by_ref;
   }
@@ -580,12 +586,13 @@ inline bool centred_log_ratio(const T* zp, const T* zq, std::size_t size, const 
     using packet = packet_traits<double>::type;
     constexpr long lanes = long(sizeof(packet) / sizeof(double));
     const long n = static_cast<long>(size), whole = n - n % lanes;
-    const double ref_d = ref.zn - ref.zo;
-    const packet rn = pset1<packet>(ref.zn), ro = pset1<packet>(ref.zo), rd = pset1<packet>(ref_d);
-    const packet abs_rd = pset1<packet>(::fabs(ref_d)), shift = pset1<packet>(q_max + q_log_sum);
+    const centred_reference cr(ref);
+    const packet rn = pset1<packet>(ref.zn), ro = pset1<packet>(ref.zo), rd = pset1<packet>(cr.rd);
+    const packet abs_rd = pset1<packet>(cr.abs_rd), rd_error = pset1<packet>(cr.rd_error);
+    const packet shift = pset1<packet>(q_max + q_log_sum);
     double total = 0.0;
     auto add = [&](const packet& zpk, const packet& zqk, const packet& live, packet& acc) {
-      const packet x = kl_centred_packet(zpk, zqk, rn, ro, rd, abs_rd);
+      const packet x = kl_centred_packet(zpk, zqk, rn, ro, rd, abs_rd, rd_error);
       const packet log_q = psub(zqk, shift);
       acc = padd(acc, pmul(ratio_term_packet(exp_any(log_q), log_q, x), live));
     };

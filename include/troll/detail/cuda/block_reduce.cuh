@@ -46,6 +46,11 @@ struct min_token {
   __device__ std::size_t operator()(std::size_t a, std::size_t b) const { return a < b ? a : b; }
 };
 
+/// The larger of two doubles (NaN-free operands) as a CUB reduction operator.
+struct larger_of {
+  __device__ double operator()(double a, double b) const { return a < b ? b : a; }
+};
+
 /// Sum of two doubles (the backward's Σ g and Σ g·(d − μ)).
 struct double_pair {
   double first = 0.0;

@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_kl_diag_kernel(gaussia
       gaussian_coordinate(g, b, u.t, true, &kl2, &info);
     }
     const gaussian_point p = gaussian_point_at(u, warp_sum(kl2), warp_sum(info));
-    if (threadIdx.x == 0) k.out[r] = p.kl;
+    if (threadIdx.x == 0) k.out[r] = gaussian_kl_result(p.kl);
   }
 }
 
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_kl_full_kernel(gaussia
     const gaussian_point none;
     const gaussian_point p =
         gaussian_warp_family{gaussian_spectrum{g, b, d, true}}.evaluate(tilt_near_one(0.0), none, 0.0, 0.0);
-    if (threadIdx.x == 0) k.out[r] = p.kl;
+    if (threadIdx.x == 0) k.out[r] = gaussian_kl_result(p.kl);
     __syncwarp();
   }
 }

@@ -166,8 +166,8 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
 struct objective_sums {
   double loss = 0.0;        // Σ w ℓ (token mean) or Σ_s (Σ w ℓ / Σ w) (sequence mean)
   double normaliser = 0.0;  // Σ w (token mean) or S (sequence mean)
-  double tokens = 0.0, ratio = 0.0, kl_before = 0.0, kl_after = 0.0, reg = 0.0, eta = 0.0,
-         projected = 0.0, limited = 0.0, divergence = 0.0;
+  double tokens = 0.0, projected = 0.0, limited = 0.0;
+  metric_sum ratio, kl_before, kl_after, reg, eta, divergence;  // means that must not overflow
   double kl_before_max = 0.0, kl_after_max = 0.0;
 };
 struct merge_objective_sums {
@@ -176,14 +176,14 @@ struct merge_objective_sums {
     s.loss = a.loss + b.loss;
     s.normaliser = a.normaliser + b.normaliser;
     s.tokens = a.tokens + b.tokens;
-    s.ratio = a.ratio + b.ratio;
-    s.kl_before = a.kl_before + b.kl_before;
-    s.kl_after = a.kl_after + b.kl_after;
-    s.reg = a.reg + b.reg;
-    s.eta = a.eta + b.eta;
+    (s.ratio = a.ratio) += b.ratio;
+    (s.kl_before = a.kl_before) += b.kl_before;
+    (s.kl_after = a.kl_after) += b.kl_after;
+    (s.reg = a.reg) += b.reg;
+    (s.eta = a.eta) += b.eta;
     s.projected = a.projected + b.projected;
     s.limited = a.limited + b.limited;
-    s.divergence = a.divergence + b.divergence;
+    (s.divergence = a.divergence) += b.divergence;
     s.kl_before_max = maximum(a.kl_before_max, b.kl_before_max);
     s.kl_after_max = maximum(a.kl_after_max, b.kl_after_max);
     return s;
@@ -198,28 +198,44 @@ __device__ inline bool opens_sequence(const token_batch<T>& in, std::size_t r) {
 
 /// The sums of the normaliser over the rows a thread owns: every row for the token mean, the
 /// sequences it opens for the sequence mean (each walked to its end, so each thread's work is
-/// its sequences' length). `per_row(r, w)` sees every counted row (w ≠ 0, a bad mask included);
-/// `per_sequence(begin, end, total)` every counted sequence. The normalisers take a bad mask
-/// (NaN, negative, +inf: a rejected row) as 0 (counted_weight), as the weights do.
+/// its sequences' length). `per_row(r, w)` sees every counted row (mask ≠ 0, a bad mask
+/// included) with w its mask times `scale`, the token mean's mask_scale (block_mask_scale);
+/// `per_sequence(begin, end, total, s)` every counted sequence, with s its own mask_scale and
+/// total = Σ s·w. The normalisers take a bad mask (NaN, negative, +inf: a rejected row) as 0
+/// (counted_weight), as the weights do.
 template <class T, class PerRow, class PerSequence>
-__device__ void for_owned_rows(const token_batch<T>& in, std::size_t rows, objective_sums& sums,
+__device__ void for_owned_rows(const token_batch<T>& in, std::size_t rows, double scale, objective_sums& sums,
                                const PerRow& per_row, const PerSequence& per_sequence) {
   for (std::size_t r = threadIdx.x; r < rows; r += block_threads) {
     const double w = mask_of(in, r);
-    if (w != 0.0) per_row(r, w);
+    if (w != 0.0) per_row(r, scale * w);
     if (in.aggregation == loss_aggregation::token_mean) {
-      sums.normaliser += counted_weight(w);
+      sums.normaliser += scale * counted_weight(w);
       continue;
     }
     if (!opens_sequence(in, r)) continue;
     std::size_t stop = r;
-    double total = 0.0;
+    double largest = 0.0;
     while (stop < rows && in.sequence_ids[stop] == in.sequence_ids[r])
-      total += counted_weight(mask_of(in, stop++));
+      largest = maximum(largest, counted_weight(mask_of(in, stop++)));
+    const double s = mask_scale(largest);
+    double total = 0.0;
+    for (std::size_t i = r; i < stop; ++i) total += s * counted_weight(mask_of(in, i));
     if (!(total > 0.0)) continue;
     sums.normaliser += 1.0;
-    per_sequence(r, stop, total);
+    per_sequence(r, stop, total, s);
   }
+}
+
+/// The token mean's mask_scale: of the largest counted mask of the batch (1 for the sequence
+/// mean, whose sequences take their own). Every thread of the block gets it.
+template <class T>
+__device__ double block_mask_scale(const token_batch<T>& in, std::size_t rows, reduce_storage<double>& storage) {
+  if (in.aggregation != loss_aggregation::token_mean || in.loss_mask == nullptr) return 1.0;
+  double largest = 0.0;
+  for (std::size_t r = threadIdx.x; r < rows; r += block_threads)
+    largest = maximum(largest, counted_weight(mask_of(in, r)));
+  return mask_scale(block_all_reduce(storage, largest, larger_of{}));
 }
 
 /// One block: the forward's loss and metrics from the row records and stats (objective_metrics,
@@ -229,40 +245,41 @@ __global__ void __launch_bounds__(block_threads)
     aggregate_kernel(token_batch<T> in, std::size_t rows, const projection_stats* stats,
                      const objective_row_record* records, objective_metrics* metrics) {
   __shared__ reduce_storage<objective_sums> storage;
+  __shared__ reduce_storage<double> scale_storage;
   objective_sums local;
   const bool token_mean = in.aggregation == loss_aggregation::token_mean;
   for_owned_rows(
-      in, rows, local,
+      in, rows, block_mask_scale(in, rows, scale_storage), local,
       [&](std::size_t r, double w) {
         const objective_row_record& x = records[r];
         local.tokens += 1.0;
-        local.ratio += x.ratio;
+        local.ratio.add(x.ratio);
         local.limited += x.limited;
-        local.divergence += x.divergence;
+        local.divergence.add(x.divergence);
         // A rejected row's record is NaN: it makes the loss NaN in both aggregations.
         if (token_mean || x.loss != x.loss) local.loss += w * x.loss;
         if (stats == nullptr) {
-          local.kl_before += x.kl_reg;
-          local.kl_after += x.kl_reg;
+          local.kl_before.add(x.kl_reg);
+          local.kl_after.add(x.kl_reg);
           local.kl_before_max = maximum(local.kl_before_max, x.kl_reg);
           local.kl_after_max = maximum(local.kl_after_max, x.kl_reg);
           return;
         }
         const projection_stats& s = stats[r];
-        local.kl_before += s.kl_before;
-        local.kl_after += s.kl_after;
+        local.kl_before.add(s.kl_before);
+        local.kl_after.add(s.kl_after);
         local.kl_before_max = maximum(local.kl_before_max, s.kl_before);
         local.kl_after_max = maximum(local.kl_after_max, s.kl_after);
-        local.reg += x.kl_reg;
+        local.reg.add(x.kl_reg);
         const bool active = s.active();
-        local.eta += active ? s.eta : 0.0;
+        local.eta.add(active ? s.eta : 0.0);
         local.projected += active ? 1.0 : 0.0;
       },
-      [&](std::size_t begin, std::size_t stop, double total) {
+      [&](std::size_t begin, std::size_t stop, double total, double scale) {
         double sum = 0.0;
         for (std::size_t r = begin; r < stop; ++r) {
           const double w = mask_of(in, r);
-          if (w != 0.0) sum += w * records[r].loss;
+          if (w != 0.0) sum += scale * w * records[r].loss;
         }
         local.loss += sum / total;
       });
@@ -276,14 +293,14 @@ __global__ void __launch_bounds__(block_threads)
   m.sequences = token_mean ? 0 : static_cast<std::size_t>(total.normaliser);
   if (m.tokens != 0) {
     const double n = total.tokens;
-    m.ratio_mean = total.ratio / n;
-    m.kl_before_mean = total.kl_before / n;
-    m.kl_after_mean = total.kl_after / n;
-    m.regression_kl_mean = total.reg / n;
-    m.eta_mean = total.eta / n;
+    m.ratio_mean = total.ratio.mean(n);
+    m.kl_before_mean = total.kl_before.mean(n);
+    m.kl_after_mean = total.kl_after.mean(n);
+    m.regression_kl_mean = total.reg.mean(n);
+    m.eta_mean = total.eta.mean(n);
     m.projected_fraction = total.projected / n;
     m.limited_fraction = total.limited / n;
-    m.divergence_mean = total.divergence / n;
+    m.divergence_mean = total.divergence.mean(n);
   }
   m.kl_before_max = total.kl_before_max;
   m.kl_after_max = total.kl_after_max;
@@ -299,17 +316,19 @@ __global__ void __launch_bounds__(block_threads)
     aggregation_weights_kernel(token_batch<T> in, std::size_t rows, objective_row_record* header,
                                objective_row_record* records) {
   __shared__ reduce_storage<objective_sums> storage;
+  __shared__ reduce_storage<double> scale_storage;
   objective_sums local;
   const bool token_mean = in.aggregation == loss_aggregation::token_mean;
+  const double scale = block_mask_scale(in, rows, scale_storage);
   for (std::size_t r = threadIdx.x; r < rows; r += block_threads)
-    records[r].weight = token_mean ? counted_weight(mask_of(in, r)) : 0.0;
+    records[r].weight = token_mean ? scale * counted_weight(mask_of(in, r)) : 0.0;
   // A thread that opens a sequence writes the weights of rows other threads zeroed above.
   __syncthreads();
   for_owned_rows(
-      in, rows, local, [](std::size_t, double) {},
-      [&](std::size_t begin, std::size_t stop, double total) {
+      in, rows, scale, local, [](std::size_t, double) {},
+      [&](std::size_t begin, std::size_t stop, double total, double s) {
         for (std::size_t r = begin; r < stop; ++r)
-          records[r].weight = counted_weight(mask_of(in, r)) / total;
+          records[r].weight = s * counted_weight(mask_of(in, r)) / total;
       });
   const objective_sums total = block_all_reduce(storage, local, merge_objective_sums{});
   if (threadIdx.x == 0) header->weight = total.normaliser;

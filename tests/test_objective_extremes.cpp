@@ -1,0 +1,179 @@
+#include <doctest/doctest.h>
+
+// The objectives' aggregation and metrics at the ends of double's range, where a sum overflows
+// although every term and every mean fits:
+//  * loss masks whose sum overflows (masks near 1e308) give the masks' ratios as weights, so the
+//    loss and the gradients are those of the same masks scaled down by a power of two;
+//  * the metric means (ratio, KL before / after, divergence) of values near 1e308 are their
+//    means, not +inf;
+//  * DPPO's top-K KL takes p·log(p/q) → 0 for an old probability that underflows to 0
+//    (log p = −inf from finite logits), not 0·(−inf) = NaN.
+// Expectations: the scaled batch bit for bit (scaling masks by a power of two is exact), and
+// long double closed forms.
+
+#include <troll/objectives.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using ld = long double;
+
+/// A small batch: `rows` rows of V logits from a fixed pattern, token r % V, advantages ±.
+struct batch_case {
+  std::size_t rows = 6, V = 5;
+  std::vector<double> zn, zo, adv;
+  std::vector<std::int64_t> tok, seq;
+
+  batch_case() {
+    for (std::size_t r = 0; r < rows; ++r) {
+      for (std::size_t j = 0; j < V; ++j) {
+        zn.push_back(0.3 * std::sin(double(3 * r + j)) + 0.05 * double(j));
+        zo.push_back(0.3 * std::sin(double(3 * r + j) + 0.4));
+      }
+      tok.push_back(std::int64_t(r % V));
+      adv.push_back(r % 2 == 0 ? 1.0 : -0.5);
+      seq.push_back(std::int64_t(r / 2));
+    }
+  }
+  troll::token_batch<double> batch(const std::vector<double>& mask, troll::loss_aggregation agg) const {
+    troll::token_batch<double> b;
+    b.tokens = tok.data();
+    b.advantages = adv.data();
+    b.loss_mask = mask.data();
+    b.sequence_ids = seq.data();
+    b.aggregation = agg;
+    return b;
+  }
+  troll::input_view<double> news() const { return troll::make_batch<const double>(zn.data(), rows, V); }
+  troll::input_view<double> olds() const { return troll::make_batch<const double>(zo.data(), rows, V); }
+};
+
+struct outcome {
+  double loss = 0.0;
+  std::vector<double> token_loss, grad;
+};
+
+template <class Objective>
+outcome run_ratio(const batch_case& c, const Objective& o, const troll::token_batch<double>& b) {
+  outcome out;
+  out.token_loss.assign(c.rows, 42.0);
+  out.grad.assign(c.rows * c.V, 42.0);
+  out.loss = troll::objective_forward(troll::cpu, o, c.news(), c.olds(), b, out.token_loss.data()).loss;
+  troll::objective_backward(troll::cpu, o, c.news(), c.olds(), b, troll::make_batch(out.grad.data(), c.rows, c.V), 1.5);
+  return out;
+}
+
+outcome run_troll(const batch_case& c, const troll::token_batch<double>& b) {
+  troll::trust_region_objective o;
+  o.eps = 0.01;
+  outcome out;
+  out.token_loss.assign(c.rows, 42.0);
+  out.grad.assign(c.rows * c.V, 42.0);
+  std::vector<double> lp(c.rows * c.V);
+  std::vector<troll::projection_stats> stats(c.rows);
+  out.loss = troll::objective_forward(troll::cpu, o, c.news(), c.olds(), b, troll::make_batch(lp.data(), c.rows, c.V),
+                                      stats.data(), out.token_loss.data())
+                 .loss;
+  troll::objective_backward(troll::cpu, o, c.news(), c.olds(), b, troll::make_batch<const double>(lp.data(), c.rows, c.V),
+                            stats.data(), troll::make_batch(out.grad.data(), c.rows, c.V), 1.5);
+  return out;
+}
+
+void check_same(const outcome& big, const outcome& small) {
+  CHECK(std::isfinite(big.loss));
+  CHECK(big.loss == small.loss);
+  CHECK(big.token_loss == small.token_loss);
+  CHECK(big.grad == small.grad);
+  bool any_nonzero = false;
+  for (double g : big.grad) any_nonzero = any_nonzero || g != 0.0;
+  CHECK(any_nonzero);
+}
+
+}  // namespace
+
+TEST_CASE("Loss masks whose sum overflows a double weigh by their ratios (token and sequence mean)") {
+  const batch_case c;
+  // Σ of the large masks is 15·2^1021 > DBL_MAX; every mask is finite.
+  const std::vector<double> small = {4.0, 6.0, 2.0, 0.0, 3.0, 0.5};
+  std::vector<double> big;
+  for (double w : small) big.push_back(std::ldexp(w, 1021));
+  for (auto agg : {troll::loss_aggregation::token_mean, troll::loss_aggregation::sequence_mean}) {
+    CAPTURE(int(agg));
+    check_same(run_troll(c, c.batch(big, agg)), run_troll(c, c.batch(small, agg)));
+    check_same(run_ratio(c, troll::ppo_clip_objective{}, c.batch(big, agg)),
+               run_ratio(c, troll::ppo_clip_objective{}, c.batch(small, agg)));
+    const auto dppo = troll::dppo_objective::defaults(troll::dppo_divergence::topk_kl);
+    check_same(run_ratio(c, dppo, c.batch(big, agg)), run_ratio(c, dppo, c.batch(small, agg)));
+  }
+  // Subnormal masks weigh as their ratios too (scaled up before the division).
+  std::vector<double> tiny;
+  for (double w : small) tiny.push_back(std::ldexp(w, -1060));
+  for (auto agg : {troll::loss_aggregation::token_mean, troll::loss_aggregation::sequence_mean})
+    check_same(run_troll(c, c.batch(tiny, agg)), run_troll(c, c.batch(small, agg)));
+}
+
+TEST_CASE("Metric means of values near DBL_MAX are their means, not +inf") {
+  // V = 2, new rows uniform, old rows (h, −h): q_1 = exp(−2h), so KL(p̃‖q) = h − log 2 + ~0 and
+  // the ratio at token 0 is 1/2. Four rows at h = 0.75e308 sum their KLs past DBL_MAX.
+  const double h = 0.75e308;
+  const std::size_t rows = 4, V = 2;
+  std::vector<double> zn(rows * V, 0.0), zo, adv(rows, 1.0);
+  for (std::size_t r = 0; r < rows; ++r) {
+    zo.push_back(h);
+    zo.push_back(-h);
+  }
+  std::vector<std::int64_t> tok(rows, 0);
+  troll::token_batch<double> b;
+  b.tokens = tok.data();
+  b.advantages = adv.data();
+  const troll::objective_metrics m = troll::objective_forward(
+      troll::cpu, troll::ppo_clip_objective{}, troll::make_batch<const double>(zn.data(), rows, V),
+      troll::make_batch<const double>(zo.data(), rows, V), b);
+  const ld kl = ld(h) - std::log(ld(2));  // ½·log(½/1) + ½·(log ½ + 2h)
+  CHECK(std::isfinite(m.kl_before_mean));
+  CHECK(m.kl_before_mean == doctest::Approx(double(kl)).epsilon(1e-14));
+  CHECK(m.kl_before_max == doctest::Approx(double(kl)).epsilon(1e-14));
+  CHECK(m.ratio_mean == doctest::Approx(0.5).epsilon(1e-15));
+
+  // Ratios near DBL_MAX: the old row puts the sampled token ~709.6 nats below the rest.
+  const double gap = std::log(1.5e308) + std::log(2.0);  // p̃_0 = 1/2, q_0 ≈ exp(−gap): ρ ≈ 1.5e308
+  std::vector<double> zo2;
+  for (std::size_t r = 0; r < rows; ++r) {
+    zo2.push_back(0.0);
+    zo2.push_back(gap);
+  }
+  const troll::objective_metrics m2 = troll::objective_forward(
+      troll::cpu, troll::ppo_clip_objective{}, troll::make_batch<const double>(zn.data(), rows, V),
+      troll::make_batch<const double>(zo2.data(), rows, V), b);
+  const ld log_q0 = -std::log1p(std::exp(ld(gap)));
+  const ld ratio = std::exp(std::log(ld(0.5)) - log_q0);
+  CHECK(std::isfinite(m2.ratio_mean));
+  CHECK(m2.ratio_mean == doctest::Approx(double(ratio)).epsilon(1e-12));
+}
+
+TEST_CASE("DPPO top-K KL: an old probability that underflows to 0 adds 0, not NaN") {
+  // Old row (h, −h) with h = 1e308: log q_1 = −2h is −inf in double though the logits are finite.
+  // Top-2 KL over tokens {0, 1}: q_0·log(q_0/p̃_0) + q_1·log(q_1/p̃_1) = log 2 + 0.
+  const double h = 1e308;
+  const std::size_t rows = 2, V = 2;
+  std::vector<double> zn(rows * V, 0.0), zo = {h, -h, h, -h}, adv = {1.0, -1.0};
+  std::vector<std::int64_t> tok = {0, 0};
+  troll::token_batch<double> b;
+  b.tokens = tok.data();
+  b.advantages = adv.data();
+  for (auto d : {troll::dppo_divergence::topk_kl, troll::dppo_divergence::topk_tv}) {
+    auto o = troll::dppo_objective::defaults(d);
+    o.top_k = 2;
+    o.kl_metrics = false;
+    const troll::objective_metrics m = troll::objective_forward(
+        troll::cpu, o, troll::make_batch<const double>(zn.data(), rows, V),
+        troll::make_batch<const double>(zo.data(), rows, V), b);
+    const double expect = d == troll::dppo_divergence::topk_kl ? std::log(2.0) : 0.5;
+    CHECK(m.divergence_mean == doctest::Approx(expect).epsilon(1e-15));
+    CHECK(std::isfinite(m.loss));
+  }
+}
