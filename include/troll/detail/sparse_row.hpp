@@ -493,11 +493,16 @@ TROLL_HOST_DEVICE finalize_problem finalize(sparsify_state& st, double log_delta
   for (int i = keep; i < n; ++i)
     if (i != sampled_pos && list[i].logit > m_tail) m_tail = list[i].logit;
   if (tail_max) *tail_max = m_tail;
-  row_log_sums sums = relative_log_sums(total, tail);
-  if (exact_tail) {  // the canonical sums from the tail's exact sum (sparsify, sparsify_finalize)
-    const finalized_support_logits z{list, keep, sampled_pos};
-    sums = exact_log_sums(z, keep + (sampled_pos >= keep ? 1 : 0), m_tail, *exact_tail);
-  }
+  // The canonical sums from the tail's exact sum (sparsify, two-stage sparsify_finalize). Without
+  // it (one-stage sparsify_finalize, the objectives' new rows) the tail's running sum stands in
+  // (tail.m is m_tail: push keeps the exact maximum): the same formulas — log1p of the total, the
+  // direct log r — so a top log-probability near 0 and a log r near 0 keep their relative digits
+  // (log(s) and the difference of log-sums had kept only absolute ones: 2.7e-9 relative on a
+  // near-deterministic row of 1e5 logits); only the tail's sum is a plain accumulation.
+  const exact_sum running_tail{tail.m > neg_inf() ? tail.s : 0.0, 0.0};
+  const finalized_support_logits z{list, keep, sampled_pos};
+  const row_log_sums sums =
+      exact_log_sums(z, keep + (sampled_pos >= keep ? 1 : 0), m_tail, exact_tail ? *exact_tail : running_tail);
   int c = 0;
   for (int i = 0; i < keep; ++i) {
     indices[c] = list[i].index;

@@ -369,7 +369,18 @@ __global__ void __launch_bounds__(block_threads)
         out.counts[r] = 0, out.new_log_remainder[r] = out.old_log_remainder[r] = static_cast<T>(quiet_nan());
       continue;
     }
-    const row_log_sums sums = relative_log_sums(merge(scan.tail, scan.support), scan.tail);
+    // As the CPU's log_sums_outside (detail::exact_log_sums): the union's terms summed exactly,
+    // log1p of the total, the direct log r; the tail from the scan's running sum. A new
+    // log-probability near 0 (a near-deterministic row) and a log r near 0 keep their relative
+    // digits, which log(s) and the difference of log-sums lose. Every thread forms the same sums
+    // from the u ≤ k_max union logits (indices were written before the barrier above).
+    struct union_logits {
+      const L* z;
+      const sparse_index* indices;
+      __device__ double operator[](int i) const { return to_double(z[indices[i]]); }
+    };
+    const exact_sum tail_sum{scan.tail.m > neg_inf() ? scan.tail.s : 0.0, 0.0};
+    const row_log_sums sums = exact_log_sums(union_logits{z, indices}, u, scan.tail.m, tail_sum);
     for (int i = int(threadIdx.x); i < u; i += block_threads)
       ln[i] = static_cast<T>(sums.log_prob(to_double(z[indices[i]])));
     for (std::size_t i = std::size_t(u) + threadIdx.x; i < out.k_max; i += block_threads) {
@@ -379,7 +390,7 @@ __global__ void __launch_bounds__(block_threads)
     if (threadIdx.x == 0) {
       const long long vocab = static_cast<long long>(out.vocab);
       out.counts[r] = u;
-      out.new_log_remainder[r] = static_cast<T>(sums.log_remainder());
+      out.new_log_remainder[r] = static_cast<T>(sums.stored_log_remainder());
       out.old_log_remainder[r] = static_cast<T>(shrink_log_remainder(lr_old, vocab - co, vocab - u));
     }
   }
