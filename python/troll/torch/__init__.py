@@ -88,8 +88,8 @@ class _Project(torch.autograd.Function):
 
 
 def project(new_logits: torch.Tensor, old_logits: torch.Tensor, eps: Union[float, torch.Tensor],
-            *, return_stats: bool = False, rtol: float = 1e-12, atol: float = 1e-15,
-            max_iterations: int = 50, threads: int = 0):
+            *, return_stats: bool = False, rtol: float = _core.DEFAULT_RTOL, atol: float = _core.DEFAULT_ATOL,
+            max_iterations: int = _core.DEFAULT_MAX_ITERATIONS, threads: int = 0):
     """log pi* of the KL trust-region projection (see troll.project), differentiable w.r.t.
     ``new_logits``, ``old_logits`` and ``eps`` when it is a one-element tensor. With
     ``return_stats=True`` returns ``(log_probs, ProjectionStats)``."""
@@ -102,6 +102,8 @@ def project(new_logits: torch.Tensor, old_logits: torch.Tensor, eps: Union[float
 
 #: The range of troll's int32 token ids (sparsify's ``sampled``).
 _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+#: Unsigned id dtypes wider than uint8 that this torch has (uint64 last when present).
+_WIDE_UNSIGNED = tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))
 
 
 def _index_rows(x: Any, rows: tuple, name: str, fn: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -115,6 +117,17 @@ def _index_rows(x: Any, rows: tuple, name: str, fn: str, device: torch.device, d
     if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
         raise TypeError(f"troll.{fn}: {name} has dtype {str(x.dtype).replace('torch.', '')}; "
                         "integer ids are needed (int32 or int64)")
+    if x.dtype in _WIDE_UNSIGNED:
+        # torch compares uint16/32/64 on few devices: widen to int64 first (lossless below 2**63;
+        # a uint64 id at or above it is outside every vocabulary).
+        if x.dtype == _WIDE_UNSIGNED[-1] and x.numel() > 0:
+            big = (x.cpu().numpy().reshape(-1) > np.uint64(2 ** 63 - 1)).nonzero()[0]
+            if big.size:
+                row = int(big[0])
+                code = 17 if dtype == torch.int32 else (38 if name == "tokens" else 0)  # bad_sampled, token_range
+                raise DomainError(f"troll.{fn}: row {row}: {name} {int(x.reshape(-1)[row].item())} is outside the "
+                                  "range of int64 ids", row=row, code=code)
+        x = x.to(torch.int64)
     if dtype == torch.int32 and x.numel() > 0 and x.dtype not in (torch.int32, torch.int16, torch.int8, torch.uint8):
         bad = ((x < _INT32_MIN) | (x > _INT32_MAX)).reshape(-1)
         if bool(bad.any()):
@@ -179,8 +192,8 @@ class _ProjectSparse(torch.autograd.Function):
 
 def project_sparse(new_logits: torch.Tensor, old_sparse: SparseRows, eps: Union[float, torch.Tensor],
                    sampled: Optional[torch.Tensor] = None, *, new_k: int = 64, new_delta: float = 1e-5,
-                   return_stats: bool = False, rtol: float = 1e-12, atol: float = 1e-15,
-                   max_iterations: int = 50, threads: int = 0):
+                   return_stats: bool = False, rtol: float = _core.DEFAULT_RTOL, atol: float = _core.DEFAULT_ATOL,
+                   max_iterations: int = _core.DEFAULT_MAX_ITERATIONS, threads: int = 0):
     """The projection of dense new logits (..., V) against sparse old rows (from
     troll.torch.sparsify): on U = S_new | S_old, S_new the new row's own top-``new_k`` prefix
     (mass 1 - ``new_delta``, plus ``sampled``; ``new_k=0``: U = S_old), with the rest of the
@@ -203,19 +216,30 @@ def project_sparse(new_logits: torch.Tensor, old_sparse: SparseRows, eps: Union[
 
 
 def _token_batch(new_logits: torch.Tensor, tokens, advantages, mask, sequence_ids, aggregation, fn: str) -> tuple:
+    """The per-row inputs of a loss as the backend reads them. Each is a private copy: the
+    backward reads them again, and a caller that edits its advantages, mask or ids in place
+    between forward and backward must still get the gradient of the loss it was given
+    (``.to(...).contiguous()`` returns the caller's own tensor when nothing needs converting).
+    ``aggregation`` None: 'sequence_mean' when ``sequence_ids`` are given, else 'token_mean'."""
     rows = tuple(new_logits.shape[:-1])
     dtype, device = new_logits.dtype, new_logits.device
+
+    def private(converted, given):
+        return converted.clone() if converted.data_ptr() == torch.as_tensor(given).data_ptr() else converted
 
     def per_row(x, name, kind):
         x = torch.as_tensor(x)
         if tuple(x.shape) != rows:
             raise _core.ShapeError(f"troll: {name} has shape {tuple(x.shape)} but the logits' rows are {rows}")
-        return x.detach().to(device=device, dtype=kind).contiguous()
+        return private(x.detach().to(device=device, dtype=kind).contiguous(), x)
 
-    return (_index_rows(tokens, rows, "tokens", fn, device, torch.int64),
+    if aggregation is None:
+        aggregation = "token_mean" if sequence_ids is None else "sequence_mean"
+    return (private(_index_rows(tokens, rows, "tokens", fn, device, torch.int64), tokens),
             per_row(advantages, "advantages", dtype),
             None if mask is None else per_row(mask, "mask", dtype),
-            None if sequence_ids is None else _index_rows(sequence_ids, rows, "sequence_ids", fn, device, torch.int64),
+            None if sequence_ids is None else
+            private(_index_rows(sequence_ids, rows, "sequence_ids", fn, device, torch.int64), sequence_ids),
             str(aggregation))
 
 
@@ -289,12 +313,13 @@ class _TrustRegionLoss(torch.autograd.Function):
 def trust_region_loss(new_logits: torch.Tensor, old: Union[torch.Tensor, SparseRows], tokens: torch.Tensor,
                       advantages: torch.Tensor, eps: float = 0.05, alpha: float = 1.0,
                       mask: Optional[torch.Tensor] = None, *, sequence_ids: Optional[torch.Tensor] = None,
-                      aggregation: str = "token_mean", new_k: int = 64, new_delta: float = 1e-5,
-                      return_metrics: bool = False, rtol: float = 1e-12, atol: float = 1e-15,
-                      max_iterations: int = 50, threads: int = 0):
+                      aggregation: Optional[str] = None, new_k: int = 64, new_delta: float = 1e-5,
+                      return_metrics: bool = False, rtol: float = _core.DEFAULT_RTOL, atol: float = _core.DEFAULT_ATOL,
+                      max_iterations: int = _core.DEFAULT_MAX_ITERATIONS, threads: int = 0):
     """TROLL's objective (docs/objectives.md): per token ``-(pi*_a / q_a) A + alpha KL(p_new ||
     stopgrad(pi*))`` with pi* the projection of the new logits onto KL(pi || q) <= eps,
-    aggregated by ``aggregation`` ('token_mean' or 'sequence_mean' with ``sequence_ids``) over
+    aggregated by ``aggregation`` ('token_mean', or 'sequence_mean' with ``sequence_ids``; the
+    default is 'sequence_mean' exactly when ``sequence_ids`` are given) over
     the rows weighted by ``mask``. ``old`` is the old policy's dense logits or its SparseRows
     (troll.torch.sparsify with the sampled tokens). Returns the scalar loss (and the metrics dict
     with ``return_metrics=True``); its gradient w.r.t. ``new_logits`` is troll's fused backward."""
@@ -338,7 +363,7 @@ class _RatioLoss(torch.autograd.Function):
 def ppo_clip_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: torch.Tensor,
                   advantages: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
                   dual_clip: float = 0.0, mask: Optional[torch.Tensor] = None, *,
-                  sequence_ids: Optional[torch.Tensor] = None, aggregation: str = "token_mean",
+                  sequence_ids: Optional[torch.Tensor] = None, aggregation: Optional[str] = None,
                   return_metrics: bool = False, threads: int = 0):
     """PPO's clipped surrogate loss ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` with
     r = p_new(a) / q(a) (and the dual clip when ``dual_clip`` > 1), troll's forward and backward."""
@@ -354,7 +379,7 @@ def ppo_clip_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: to
 def dppo_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: torch.Tensor,
               advantages: torch.Tensor, divergence: str = "binary_tv", delta_low: Optional[float] = None,
               delta_high: Optional[float] = None, top_k: int = 20, mask: Optional[torch.Tensor] = None, *,
-              sequence_ids: Optional[torch.Tensor] = None, aggregation: str = "token_mean",
+              sequence_ids: Optional[torch.Tensor] = None, aggregation: Optional[str] = None,
               return_metrics: bool = False, threads: int = 0):
     """DPPO's masked surrogate ``-M r A`` (docs/objectives.md): a token is dropped when its
     ``divergence`` ('binary_tv', 'binary_kl', 'topk_tv', 'topk_kl') exceeds ``delta_high``
