@@ -860,9 +860,22 @@ TEST_CASE("a mean step that overflows in the old Gaussian's coordinates is refus
       CHECK_MESSAGE(what.find("overflows a double at entry 0") != std::string::npos, what);
       for (double x : out_m) CHECK(x == -7.0);
       for (double x : out_c) CHECK(x == -7.0);
-      // Without row 1 (its mean set to the old one) every row projects, the huge step onto the bound.
+      // Without row 1 (its mean set to the old one) the joint bound projects every row, the huge
+      // step onto the bound. A split bound refuses row 2 instead: its mean KL ½|step|² = 1e600
+      // overflows (κ was taken as 0 and the old mean written); at a step of 1e150 it projects.
       std::vector<double> fixed = mean;
       fixed[2] = fixed[3] = 0.0;
+      if (split) {
+        std::size_t bad = 99;
+        try {
+          forward(in(fixed, d));
+        } catch (const troll::domain_error& e) {
+          bad = e.row();
+          CHECK_MESSAGE(std::string(e.what()).find("split mean step's KL") != std::string::npos, e.what());
+        }
+        CHECK(bad == 2);
+        fixed[4] = 1e150, fixed[5] = -1e150;
+      }
       forward(in(fixed, d));
       for (std::size_t r : {std::size_t(0), std::size_t(2)}) {
         CAPTURE(r);
@@ -870,7 +883,12 @@ TEST_CASE("a mean step that overflows in the old Gaussian's coordinates is refus
         for (std::size_t i = 0; i < d; ++i) CHECK(std::isfinite(out_m[r * d + i]));
       }
       if (!split) CHECK(st[2].kl_after == doctest::Approx(0.1).epsilon(1e-9));
-      if (split) CHECK(st[2].mean_kl_after == doctest::Approx(0.1).epsilon(1e-9));
+      if (split) {
+        // The projected mean itself: ½|μ* − μ°|² (old σ° = 1) on the bound, along the step.
+        const double m0 = out_m[4], m1 = out_m[5];
+        CHECK(0.5 * (m0 * m0 + m1 * m1) == doctest::Approx(0.1).epsilon(1e-12));
+        CHECK(m0 == doctest::Approx(-m1).epsilon(1e-15));
+      }
     }
   }
   // kl: the overflowing row's KL is +inf (its true value, ~2e600, is past the doubles).

@@ -140,7 +140,7 @@ troll::batch_view<T> as_layout(const char* fn, const char* name, const A& a) {
   for (std::size_t i = 0; i < last; ++i) rows *= a.shape(i);
   if (cols > 1 && rows > 0 && element_stride(a, last) != 1)
     fail(fn, std::string(name) + " of shape " + shape_text(a) +
-                 " is strided along its last dimension; the vocabulary must be contiguous");
+                 " is strided along its last dimension, which must be contiguous (make it .contiguous())");
   const std::size_t stride = rows == 0 ? cols : flat_stride(fn, name, a, last, cols);
   return troll::batch_view<T>{static_cast<T*>(a.data()), rows, cols, stride};
 }

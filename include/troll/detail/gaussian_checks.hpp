@@ -240,7 +240,7 @@ std::string gaussian_operand_problem(const gaussian_call& call, const T* mean, c
 
 /// A projection's check of a row pair whose operands passed gaussian_operand_problem: the mean
 /// step in the old Gaussian's whitened coordinates, y = L°⁻¹(μ̃ − μ°) (y_i = (μ̃_i − μ°_i)/σ°_i
-/// for diagonal rows), must be finite. Where it overflows a double, KL(p̃ ‖ q) ≥ ½ y_i² is far past
+/// for diagonal rows), must be finite, and for a split bound so must ½|y|². Where it overflows a double, KL(p̃ ‖ q) ≥ ½ y_i² is far past
 /// the doubles and the projection's t* ≈ sqrt(2ε)/|y| below them: no member along the path can
 /// be evaluated, so the row is refused rather than written as NaN (docs/gaussian.md, Accuracy).
 /// "" when fine.
@@ -249,6 +249,7 @@ std::string gaussian_mean_step_problem(const gaussian_call& call, const T* mean,
   const std::size_t d = call.dim;
   // Forward substitution with the old factor (finite, positive diagonal: checked before).
   std::vector<double> step(call.full ? d : 0);
+  double squares = 0.0;
   for (std::size_t i = 0; i < d; ++i) {
     double y = static_cast<double>(mean[i]) - static_cast<double>(old_mean[i]);
     if (call.full) {
@@ -267,6 +268,14 @@ std::string gaussian_mean_step_problem(const gaussian_call& call, const T* mean,
       return msg.str();
     }
     if (call.full) step[i] = y;
+    squares += y * y;
+  }
+  if (call.split && !(squares < inf())) {
+    // The split mean step's m = ½|y|² overflows (|y| above ~1.3e154): κ = sqrt(ε_μ/m) would be
+    // taken as 0 (the old mean written, ∂/∂ε_μ lost) where the true κ = sqrt(2ε_μ)/|y| is tiny
+    // but its step κ(μ̃ − μ°) is not.
+    return "the split mean step's KL, 1/2 |" + std::string(call.full ? "L_old^-1 (mean - old_mean)" : "(mean - old_mean) / old_std_dev") +
+           "|^2, overflows a double (|step| above ~1.3e154), which the split mean step does not support";
   }
   return std::string();
 }
