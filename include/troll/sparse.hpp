@@ -342,23 +342,27 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
   });
   const std::size_t end = vocab_offset + shard_logits.cols;
   detail::cpu::parallel_for(policy.threads, shard_logits.rows, 3 * shard_logits.cols, [&](std::size_t r) {
-    detail::index_slot slots[sparse_max_entries];
+    detail::index_slot slots[sparse_max_entries], all[sparse_max_entries];
     const int count = static_cast<int>(support.count(r));
-    double sum_g = double(grad.log_remainder[r]);
     int n = 0;
     for (int i = 0; i < count; ++i) {
       const sparse_index token = support.row_indices(r)[i];
-      sum_g += double(grad.row(r)[i]);
+      all[i] = detail::index_slot{token, i};
       if (std::size_t(token) >= vocab_offset && std::size_t(token) < end) slots[n++] = detail::index_slot{token, i};
     }
     detail::sort_by_index(slots, n);
+    detail::sort_by_index(all, count);  // the whole row's order: its counted sum bit for bit
+    const detail::row_log_sums sums{log_sums[sparsify_log_sums_width * r], log_sums[sparsify_log_sums_width * r + 1],
+                                    log_sums[sparsify_log_sums_width * r + 2],
+                                    log_sums[sparsify_log_sums_width * r + 3]};
+    // The support's values say which outputs are −inf (sparsify_finalize wrote them from these
+    // log-sums: the whole row's sparsify_backward finds the same from the logits).
+    const T* values = support.row_log_probs(r);
+    const detail::cpu::counted_grad counted = detail::cpu::count_grad(
+        grad.row(r), all, count, double(grad.log_remainder[r]), sums.log_remainder(),
+        [&](int i) { return static_cast<double>(values[all[i].position]) > detail::neg_inf(); });
     detail::cpu::sparse_scatter_row(shard_logits.row(r), shard_logits.cols, vocab_offset, slots, n, grad.row(r),
-                                    double(grad.log_remainder[r]), sum_g,
-                                    detail::row_log_sums{log_sums[sparsify_log_sums_width * r],
-                                                         log_sums[sparsify_log_sums_width * r + 1],
-                                                         log_sums[sparsify_log_sums_width * r + 2],
-                                                         log_sums[sparsify_log_sums_width * r + 3]},
-                                    grad_shard.row(r));
+                                    counted, sums, grad_shard.row(r));
   });
 }
 
@@ -434,7 +438,9 @@ void align(cpu_policy policy, input_view<T> new_logits, sparse_input<T> new_supp
 /// (∂L/∂ aligned log-probs and ∂L/∂ aligned log-remainder), writes the gradient w.r.t. the
 /// original sparse row `row` (the new or the old input of align): entries of S pass through;
 /// each token of U∖S had value log r − log m and the bucket log r + log(m_U/m), so
-///     ∂L/∂log r = g_R' + Σ_{u ∈ U∖S} g_u.
+///     ∂L/∂log r = g_R' + Σ_{u ∈ U∖S} g_u,
+/// each term only where its output is not −inf (its upstream gradient is ignored), and entries
+/// of the row that are −inf get 0.
 /// Throws shape_error when an entry of `row` is missing from the aligned support.
 template <class T>
 void align_backward(cpu_policy policy, sparse_input<T> row, aligned_input<T> aligned,
@@ -469,13 +475,22 @@ void align_backward(cpu_policy policy, sparse_input<T> row, aligned_input<T> ali
     detail::sort_by_index(slots, c);
     const T* g = grad_aligned.row(r);
     T* out = grad_row.row(r);
-    double g_remainder = double(grad_aligned.log_remainder[r]);
+    // Upstream gradients at −inf outputs are ignored (docs/api.md): a token of U∖S where the
+    // row's tail is massless (its value log r − log m is −inf), the bucket where it is too or U
+    // covers the vocabulary, an entry of S whose own value is −inf (a masked input: gradient 0).
+    const double lr = double(row.log_remainder[r]);
+    const long long vocab = static_cast<long long>(row.vocab), m = vocab - c, m_u = vocab - u;
+    const bool tail_counted = !detail::masked_value<T>(detail::tail_log_value(lr, m));
+    double g_remainder = detail::masked_value<T>(detail::shrink_log_remainder(lr, m, m_u))
+                             ? 0.0 : double(grad_aligned.log_remainder[r]);
+    const T* values = row.row_log_probs(r);
     for (int i = 0; i < c; ++i) out[i] = T(0);
     for (int i = 0; i < u; ++i) {
       const int slot = detail::find_slot(slots, c, aligned.indices[r * aligned.k_max + i]);
       if (slot >= 0) {
-        out[slots[slot].position] = g[i];
-      } else {
+        const int at = slots[slot].position;
+        out[at] = detail::masked_value<T>(double(values[at])) ? T(0) : g[i];
+      } else if (tail_counted) {
         g_remainder += double(g[i]);
       }
     }

@@ -525,6 +525,13 @@ TROLL_HOST_DEVICE finalize_problem finalize(sparsify_state& st, double log_delta
   return finalize_problem::none;
 }
 
+/// Whether a value formed in double is a masked (−inf) output in T: the backward passes ignore
+/// the upstream gradient there (docs/api.md).
+template <class T>
+TROLL_HOST_DEVICE inline bool masked_value(double value) {
+  return !(static_cast<double>(static_cast<T>(value)) > neg_inf());
+}
+
 /// log of one tail token's probability under a uniform tail: log(r / m); −inf for an empty tail.
 TROLL_HOST_DEVICE inline double tail_log_value(double log_remainder, long long tail_count) {
   return tail_count > 0 ? log_remainder - ::log(double(tail_count)) : neg_inf();

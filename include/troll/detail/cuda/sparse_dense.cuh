@@ -37,6 +37,8 @@ struct split_scan_storage {
   index_slot other[sparse_max_entries];
   cub::Uninitialized<cuda_row_report> report;
   double sum_g;
+  double sum_lo;    // the counted Σ g as an exact_sum (sum_g, sum_lo): block_count_grad
+  double g_bucket;  // the counted g_R
   int count;
 };
 
@@ -104,6 +106,36 @@ __device__ void warp_support_and_grad(const sparse_batch_view<const T>& support,
   if (lane_id() == 0) sh.report.Alias() = report, sh.sum_g = sum_g, sh.count = report.error == cuda_row_error::none ? n : 0;
 }
 
+/// The upstream gradient as the backward counts it (the CPU's detail::cpu::count_grad): Σ g over
+/// the support entries whose output is not −inf (`output_finite(e)` for slot e of sh.sorted, in
+/// index order) and g_R where log r is not −inf, as an exact_sum into sh.sum_g / sh.sum_lo, and
+/// the counted g_R into sh.g_bucket. Formed by thread 0 (n ≤ sparse_max_entries terms); every
+/// thread must reach it (it ends with a barrier).
+template <class T, class OutputFinite>
+__device__ void block_count_grad(split_scan_storage& sh, int n, const T* g, double g_r, double log_remainder,
+                                 OutputFinite&& output_finite) {
+  if (threadIdx.x == 0) {
+    exact_sum sum;
+    for (int i = 0; i < n; ++i)
+      if (output_finite(sh.sorted[i])) exact_add(sum, static_cast<double>(g[sh.sorted[i].position]));
+    double bucket = 0.0;
+    if (!masked_value<T>(log_remainder)) {
+      bucket = g_r;
+      exact_add(sum, g_r);
+    }
+    sh.sum_g = sum.hi, sh.sum_lo = sum.lo, sh.g_bucket = bucket;
+  }
+  __syncthreads();
+}
+
+/// One entry of a sparse row's scatter on the support (the CPU's sparse_scatter_row): 0 where its
+/// output log p is −inf, else g_k (1 − p_k) − p_k (G − g_k) with G − g_k from the exact sum.
+template <class T>
+__device__ double support_scatter_value(double gk, double log_p, double p, const split_scan_storage& sh) {
+  if (masked_value<T>(log_p)) return 0.0;
+  return gk * -::expm1(log_p) - p * ((sh.sum_g - gk) + sh.sum_lo);
+}
+
 /// The grid-stride loop of the sparse gradient kernels and their shared scratch: per row r of
 /// `range`, its logits z, its gradient g and g_R, after a barrier (the previous row is done with
 /// the shared scratch), then body(r, z, g, g_r, sh, scan_storage) (returning from the body ends
@@ -145,8 +177,12 @@ __global__ void __launch_bounds__(block_threads)
     // Relative to the row's largest logit (row_log_sums): p_k = e^{(z_k − ref) − total}.
     const row_log_sums sums = relative_log_sums(merge(scan.tail, scan.support), scan.tail);
     const double log_total = sums.total;
-    const bool tail_mass = sums.tail_ref > neg_inf() && g_r != 0.0;
-    const double sum_g = sh.sum_g;
+    block_count_grad<T>(sh, n, g, g_r, sums.log_remainder(), [&](const index_slot& e) {
+      return !masked_value<T>(sums.log_prob(to_double(z[e.index])));
+    });
+    const double g_bucket = sh.g_bucket;
+    const bool tail_mass = sums.tail_ref > neg_inf() && g_bucket != 0.0;
+    const double sum_g = sh.sum_g + sh.sum_lo;
     int cursor = 0;
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       const double zi = to_double(z[i]), x = zi - sums.ref;
@@ -154,9 +190,9 @@ __global__ void __launch_bounds__(block_threads)
       while (cursor < n && std::size_t(sh.sorted[cursor].index) < i) ++cursor;
       double value;
       if (cursor < n && std::size_t(sh.sorted[cursor].index) == i) {
-        value = static_cast<double>(g[sh.sorted[cursor].position]) - sum_g * p;
+        value = support_scatter_value<T>(static_cast<double>(g[sh.sorted[cursor].position]), x - log_total, p, sh);
       } else {
-        value = -sum_g * p + (tail_mass ? g_r * ::exp((zi - sums.tail_ref) - sums.tail) : 0.0);
+        value = -sum_g * p + (tail_mass ? g_bucket * ::exp((zi - sums.tail_ref) - sums.tail) : 0.0);
       }
       out[i] = static_cast<T>(value);
     }
@@ -202,15 +238,20 @@ __global__ void __launch_bounds__(block_threads)
     if (report.error == cuda_row_error::none) report = sh.report.Alias();
     if (record_or_reject(checks, range, r, report, grad_shard, size)) return;
     T* out = grad_shard.row(r);
-    const double sum_g = sh.sum_g;
     // Relative to the row's and the tail's references (row_log_sums):
     // p_k = e^{(z_k − ref) − total},  p_k / r = e^{(z_k − tail_ref) − tail}.
     const row_log_sums sums{row_sums[0], row_sums[1], row_sums[2], row_sums[3]};
+    // The support's values say which outputs are −inf (the CPU's sparsify_shard_backward).
+    const T* values = support.row_log_probs(r);
+    block_count_grad<T>(sh, n, g, g_r, sums.log_remainder(), [&](const index_slot& e) {
+      return static_cast<double>(values[e.position]) > neg_inf();
+    });
+    const double sum_g = sh.sum_g + sh.sum_lo, g_bucket = sh.g_bucket;
     const double ref = sums.ref, total = sums.total;
-    const bool tail_term = sums.tail_ref > neg_inf() && g_r != 0.0;
+    const bool tail_term = sums.tail_ref > neg_inf() && g_bucket != 0.0;
     const double log_inv_r = -sums.log_remainder();
     const bool scale_tail = log_inv_r < 600.0;
-    const double g_over_r = scale_tail ? g_r * ::exp(log_inv_r) : 0.0;
+    const double g_over_r = scale_tail ? g_bucket * ::exp(log_inv_r) : 0.0;
     int cursor = 0;
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       const double zi = to_double(z[i]), x = zi - ref;
@@ -219,9 +260,9 @@ __global__ void __launch_bounds__(block_threads)
       while (cursor < n && std::size_t(sh.sorted[cursor].index) < token) ++cursor;
       double value = -sum_g * p;
       if (tail_term)
-        value += scale_tail ? g_over_r * p : (x == neg_inf() ? 0.0 : g_r * ::exp((zi - sums.tail_ref) - sums.tail));
+        value += scale_tail ? g_over_r * p : (x == neg_inf() ? 0.0 : g_bucket * ::exp((zi - sums.tail_ref) - sums.tail));
       if (cursor < n && std::size_t(sh.sorted[cursor].index) == token)
-        value = static_cast<double>(g[sh.sorted[cursor].position]) - sum_g * p;
+        value = support_scatter_value<T>(static_cast<double>(g[sh.sorted[cursor].position]), x - total, p, sh);
       out[i] = static_cast<T>(value);
     }
   });

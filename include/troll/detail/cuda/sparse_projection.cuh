@@ -256,19 +256,28 @@ __global__ void align_backward_kernel(sparse_batch_view<const T> row, aligned_ba
       continue;
     }
     // Every entry of `row` is in U (checked), so the scatter writes out[0..c) exactly once.
+    // Upstream gradients at −inf outputs are ignored, as troll::align_backward(cpu_policy, ...):
+    // U∖S where the row's tail is massless, the bucket where it is too or U covers V, and −inf
+    // entries of the row get 0.
+    const double lr = static_cast<double>(row.log_remainder[r]);
+    const long long vocab = static_cast<long long>(row.vocab), m = vocab - c, m_u = vocab - u;
+    const bool tail_counted = !masked_value<T>(tail_log_value(lr, m));
+    const double g_bucket = masked_value<T>(shrink_log_remainder(lr, m, m_u)) ? 0.0 : g_r;
+    const T* values = row.row_log_probs(r);
     double outside = 0.0;
     for (int i = lane_id(); i < u; i += warp_lanes) {
       const int slot = find_slot(row_sorted, c, ai[i]);
       if (slot >= 0) {
-        out[row_sorted[slot].position] = g[i];
-      } else {
+        const int at = row_sorted[slot].position;
+        out[at] = masked_value<T>(static_cast<double>(values[at])) ? T(0) : g[i];
+      } else if (tail_counted) {
         outside += static_cast<double>(g[i]);
       }
     }
     outside = warp_all_reduce(outside, add_double{});
     for (std::size_t i = std::size_t(c) + std::size_t(lane_id()); i < grad_row.k_max; i += warp_lanes)
       out[i] = T(0);
-    if (lane_id() == 0) grad_row.log_remainder[r] = static_cast<T>(g_r + outside);
+    if (lane_id() == 0) grad_row.log_remainder[r] = static_cast<T>(g_bucket + outside);
   }
 }
 
