@@ -5,9 +5,9 @@
 //  * sparsify_backward / sparsify_shard_backward on near-deterministic rows: a support entry
 //    g_k − p_k G cancelled where p_k rounds to 1 (3.5e-5 relative at a gap of 30, 0 for 3.8e-17
 //    at 40); now g_k (1 − p_k) − p_k (G − g_k) with 1 − p_k = −expm1(log p_k);
-//  * upstream gradients at −inf outputs are ignored (docs/api.md): a masked token of the support,
-//    the bucket of a massless tail or of a support covering the vocabulary — before, they moved
-//    every other entry's gradient;
+//  * the bucket's upstream gradient is ignored where it is a masked output (a massless tail, or
+//    a support covering the vocabulary) — before, it moved every entry's gradient — and a masked
+//    support token (logit −inf) gets 0;
 //  * align_backward: the same for the aligned side's −inf values (U∖S of a massless tail, the
 //    bucket when U covers the vocabulary) and −inf entries of the row.
 
@@ -75,11 +75,15 @@ TEST_CASE_TEMPLATE("sparsify_backward on near-deterministic rows keeps 1 - p of 
   }
 }
 
-TEST_CASE("sparsify_backward ignores upstream gradients at -inf outputs") {
-  // A masked token in the support (output −inf): its g does not count, its gradient is 0.
+TEST_CASE("sparsify_backward: a massless bucket's gradient is ignored, masked inputs get 0") {
+  // A masked token in the support (logit −inf): a masked input, its gradient is 0 (it was its
+  // upstream g). Its g still enters Σ g (the other entries' −p_j Σ g): a shard's backward cannot
+  // tell a masked token of another shard from one whose log-probability underflows T.
   {
     const se::one_row<double> row({0.0, 1.0, se::NEG_INF, 2.0}, {3, 1, 2});
-    for (double v : row.backward({0.0, 0.0, 1.0}, 0.0)) CHECK(v == 0.0);
+    const std::vector<double> out = row.backward({0.0, 0.0, 1.0}, 0.0);
+    CHECK(out[2] == 0.0);
+    CHECK(out[0] < 0.0);
   }
   // The support covers the vocabulary: the bucket is −inf and g_R does not count.
   {

@@ -767,26 +767,23 @@ inline row_log_sums log_sums_outside(const T* z, std::size_t size, const index_s
   return exact_log_sums(support_logits{z, sorted}, n, m_tail, tail);
 }
 
-/// The upstream gradient of a gathered sparse row as its backward counts it: docs/api.md's
-/// "upstream gradients at masked outputs are ignored". An entry whose output value is −inf in T
-/// (a masked token of the support) and the bucket when log r is −inf in T (no tail mass: the
-/// support covers every token of mass) count as 0. `sum` is Σ of the counted g (support and
-/// bucket) as an exact_sum, so that Σ g − g_k keeps its digits (sparse_scatter_row); `bucket` is
-/// the counted g_R.
+/// The upstream gradient of a gathered sparse row as its backward counts it: `sum` = Σ_U g_k +
+/// g_R as an exact_sum (so that G − g_k keeps its digits: sparse_scatter_row), g_R counted only
+/// where the row's tail holds mass (`tail_has_mass`: tail_ref > −inf). A massless bucket (the
+/// support covers every token of mass) is a masked output, whose upstream gradient the backward
+/// passes ignore (docs/api.md); before, its g_R moved every entry's gradient. `bucket` is the
+/// counted g_R. The entries are summed in `sorted` order (by index), the same in the whole row's
+/// backward and in every shard's.
 struct counted_grad {
   exact_sum sum;
   double bucket = 0.0;
 };
 
-/// counted_grad of a row's upstream gradient g (entries `sorted[i].position`, the support tokens
-/// `sorted[i].index`) and g_R, an entry counted where `output_finite(i)` says its output is.
-template <class T, class OutputFinite>
-inline counted_grad count_grad(const T* g, const index_slot* sorted, int n, double g_remainder,
-                               double log_remainder, OutputFinite&& output_finite) {
+template <class T>
+inline counted_grad count_grad(const T* g, const index_slot* sorted, int n, double g_remainder, bool tail_has_mass) {
   counted_grad c;
-  for (int i = 0; i < n; ++i)
-    if (output_finite(i)) exact_add(c.sum, static_cast<double>(g[sorted[i].position]));
-  if (!masked_value<T>(log_remainder)) {
+  for (int i = 0; i < n; ++i) exact_add(c.sum, static_cast<double>(g[sorted[i].position]));
+  if (tail_has_mass) {
     c.bucket = g_remainder;
     exact_add(c.sum, g_remainder);
   }
@@ -802,7 +799,7 @@ inline counted_grad count_grad(const T* g, const index_slot* sorted, int n, doub
 /// e^{(z_k − tail_ref) − tail}). A support entry is formed as g_k (1 − p_k) − p_k (G − g_k), with
 /// 1 − p_k = −expm1(log p_k) and G − g_k from the exact sum: g_k − p_k G cancelled on a
 /// near-deterministic row (1 − p_k below the rounding of p_k G: 3.5e-5 relative at a gap of 30,
-/// 0 for 3.8e-17 at 40). A support entry whose output is −inf gets 0 (its g is not counted).
+/// 0 for 3.8e-17 at 40). A support entry whose logit is −inf (a masked input) gets 0.
 /// `sorted` holds the slots of the support tokens inside that range, sorted by (global) index
 /// (position = entry in g). O(size), one pass.
 template <class T>
@@ -836,7 +833,7 @@ inline void sparse_scatter_row(const T* z, std::size_t size, std::size_t first, 
     while (next < n && std::size_t(sorted[next].index) - first < begin + std::size_t(count)) {
       const Eigen::Index k = Eigen::Index(std::size_t(sorted[next].index) - first - begin);
       const double log_p = sums.log_prob(a[k]);
-      if (masked_value<T>(log_p)) {
+      if (!(a[k] > neg_inf())) {
         value[k] = 0.0;
       } else {
         const double gk = static_cast<double>(g[sorted[next].position]);
@@ -849,16 +846,12 @@ inline void sparse_scatter_row(const T* z, std::size_t size, std::size_t first, 
   });
 }
 
-/// sparse_scatter_row over a whole row (first = 0), its log-sums taken in one pass first; an
-/// entry's output is −inf where its log-probability is in T. O(V).
+/// sparse_scatter_row over a whole row (first = 0), its log-sums taken in one pass first. O(V).
 template <class T>
 inline void sparsify_backward_row(const T* z, std::size_t size, const index_slot* sorted, int n,
                                   const T* g, double g_remainder, T* out) {
   const row_log_sums sums = log_sums_outside(z, size, sorted, n);
-  const counted_grad counted =
-      count_grad(g, sorted, n, g_remainder, sums.log_remainder(), [&](int i) {
-        return !masked_value<T>(sums.log_prob(static_cast<double>(z[sorted[i].index])));
-      });
+  const counted_grad counted = count_grad(g, sorted, n, g_remainder, sums.tail_ref > neg_inf());
   sparse_scatter_row(z, size, 0, sorted, n, g, counted, sums, out);
 }
 

@@ -107,19 +107,16 @@ __device__ void warp_support_and_grad(const sparse_batch_view<const T>& support,
 }
 
 /// The upstream gradient as the backward counts it (the CPU's detail::cpu::count_grad): Σ g over
-/// the support entries whose output is not −inf (`output_finite(e)` for slot e of sh.sorted, in
-/// index order) and g_R where log r is not −inf, as an exact_sum into sh.sum_g / sh.sum_lo, and
-/// the counted g_R into sh.g_bucket. Formed by thread 0 (n ≤ sparse_max_entries terms); every
-/// thread must reach it (it ends with a barrier).
-template <class T, class OutputFinite>
-__device__ void block_count_grad(split_scan_storage& sh, int n, const T* g, double g_r, double log_remainder,
-                                 OutputFinite&& output_finite) {
+/// the support (sh.sorted, in index order) and g_R where the tail holds mass, as an exact_sum into
+/// sh.sum_g / sh.sum_lo, and the counted g_R into sh.g_bucket. Formed by thread 0 (n ≤
+/// sparse_max_entries terms); every thread must reach it (it ends with a barrier).
+template <class T>
+__device__ void block_count_grad(split_scan_storage& sh, int n, const T* g, double g_r, bool tail_has_mass) {
   if (threadIdx.x == 0) {
     exact_sum sum;
-    for (int i = 0; i < n; ++i)
-      if (output_finite(sh.sorted[i])) exact_add(sum, static_cast<double>(g[sh.sorted[i].position]));
+    for (int i = 0; i < n; ++i) exact_add(sum, static_cast<double>(g[sh.sorted[i].position]));
     double bucket = 0.0;
-    if (!masked_value<T>(log_remainder)) {
+    if (tail_has_mass) {
       bucket = g_r;
       exact_add(sum, g_r);
     }
@@ -129,10 +126,9 @@ __device__ void block_count_grad(split_scan_storage& sh, int n, const T* g, doub
 }
 
 /// One entry of a sparse row's scatter on the support (the CPU's sparse_scatter_row): 0 where its
-/// output log p is −inf, else g_k (1 − p_k) − p_k (G − g_k) with G − g_k from the exact sum.
-template <class T>
-__device__ double support_scatter_value(double gk, double log_p, double p, const split_scan_storage& sh) {
-  if (masked_value<T>(log_p)) return 0.0;
+/// logit is −inf (log p = −inf), else g_k (1 − p_k) − p_k (G − g_k) with G − g_k from the exact sum.
+__device__ inline double support_scatter_value(double gk, double log_p, double p, const split_scan_storage& sh) {
+  if (!(log_p > neg_inf())) return 0.0;
   return gk * -::expm1(log_p) - p * ((sh.sum_g - gk) + sh.sum_lo);
 }
 
@@ -177,9 +173,7 @@ __global__ void __launch_bounds__(block_threads)
     // Relative to the row's largest logit (row_log_sums): p_k = e^{(z_k − ref) − total}.
     const row_log_sums sums = relative_log_sums(merge(scan.tail, scan.support), scan.tail);
     const double log_total = sums.total;
-    block_count_grad<T>(sh, n, g, g_r, sums.log_remainder(), [&](const index_slot& e) {
-      return !masked_value<T>(sums.log_prob(to_double(z[e.index])));
-    });
+    block_count_grad<T>(sh, n, g, g_r, sums.tail_ref > neg_inf());
     const double g_bucket = sh.g_bucket;
     const bool tail_mass = sums.tail_ref > neg_inf() && g_bucket != 0.0;
     const double sum_g = sh.sum_g + sh.sum_lo;
@@ -190,7 +184,7 @@ __global__ void __launch_bounds__(block_threads)
       while (cursor < n && std::size_t(sh.sorted[cursor].index) < i) ++cursor;
       double value;
       if (cursor < n && std::size_t(sh.sorted[cursor].index) == i) {
-        value = support_scatter_value<T>(static_cast<double>(g[sh.sorted[cursor].position]), x - log_total, p, sh);
+        value = support_scatter_value(static_cast<double>(g[sh.sorted[cursor].position]), x - log_total, p, sh);
       } else {
         value = -sum_g * p + (tail_mass ? g_bucket * ::exp((zi - sums.tail_ref) - sums.tail) : 0.0);
       }
@@ -241,11 +235,7 @@ __global__ void __launch_bounds__(block_threads)
     // Relative to the row's and the tail's references (row_log_sums):
     // p_k = e^{(z_k − ref) − total},  p_k / r = e^{(z_k − tail_ref) − tail}.
     const row_log_sums sums{row_sums[0], row_sums[1], row_sums[2], row_sums[3]};
-    // The support's values say which outputs are −inf (the CPU's sparsify_shard_backward).
-    const T* values = support.row_log_probs(r);
-    block_count_grad<T>(sh, n, g, g_r, sums.log_remainder(), [&](const index_slot& e) {
-      return static_cast<double>(values[e.position]) > neg_inf();
-    });
+    block_count_grad<T>(sh, n, g, g_r, sums.tail_ref > neg_inf());
     const double sum_g = sh.sum_g + sh.sum_lo, g_bucket = sh.g_bucket;
     const double ref = sums.ref, total = sums.total;
     const bool tail_term = sums.tail_ref > neg_inf() && g_bucket != 0.0;
@@ -262,7 +252,7 @@ __global__ void __launch_bounds__(block_threads)
       if (tail_term)
         value += scale_tail ? g_over_r * p : (x == neg_inf() ? 0.0 : g_bucket * ::exp((zi - sums.tail_ref) - sums.tail));
       if (cursor < n && std::size_t(sh.sorted[cursor].index) == token)
-        value = support_scatter_value<T>(static_cast<double>(g[sh.sorted[cursor].position]), x - total, p, sh);
+        value = support_scatter_value(static_cast<double>(g[sh.sorted[cursor].position]), x - total, p, sh);
       out[i] = static_cast<T>(value);
     }
   });
