@@ -900,3 +900,274 @@ TEST_CASE("a mean step that overflows in the old Gaussian's coordinates is refus
   troll::gaussian::kl(troll::cpu, in(mean, d), in(chol, d * d), in(old_mean, d), in(old_chol, d * d), kl.data());
   CHECK(kl[1] == std::numeric_limits<double>::infinity());
 }
+
+namespace extreme_diag {
+
+/// KL(p̃ ‖ q) of a diagonal row in long double from the textbook per-axis terms
+/// ½[r² − 1 − 2 log r + b²] (no γ formed, so no overflow at r = 1e-300).
+long double kl_before(const std::vector<double>& mean, const std::vector<double>& sd,
+                      const std::vector<double>& old_mean, const std::vector<double>& old_sd) {
+  long double s = 0.0L;
+  for (std::size_t i = 0; i < mean.size(); ++i) {
+    const long double r = static_cast<long double>(sd[i]) / old_sd[i];
+    const long double b = (static_cast<long double>(mean[i]) - old_mean[i]) / old_sd[i];
+    s += r * r - 1.0L - 2.0L * std::log(r) + b * b;
+  }
+  return 0.5L * s;
+}
+
+}  // namespace extreme_diag
+
+TEST_CASE("diagonal rows with a ratio beyond the doubles' gamma: exact kl, the projections refuse, the edge projects") {
+  // r = σ̃/σ° below ~7.5e-155: γ − 1 = 1/r² − 1 overflows a double. Before, kl_diag and kl_before
+  // took it as the largest double (KL 354.4 for the true 460.0 at r = 1e-200, so a bound of 400
+  // left the row "inactive"), and the projections wrote a wrong member, t and KL with status
+  // `projected` (two such axes: standard deviations 0.0044 / 0.0044 for 2.8e-5 / 1).
+  const std::size_t d = 2;
+  const std::vector<double> ratios = {1e-155, 1e-160, 1e-200, 1e-300, 1e-310};
+  for (const double ratio : ratios) {
+    CAPTURE(ratio);
+    const std::vector<double> mean = {0.5, 3.0}, sd = {2.0 * ratio, 0.5}, old_mean = {0.0, 1.0},
+                              old_sd = {2.0, 1.0};
+    auto in = [&](const std::vector<double>& x) { return troll::make_batch(x.data(), 1, d); };
+    double kl = -7.0;
+    troll::gaussian::kl_diag(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), &kl);
+    const long double want = extreme_diag::kl_before(mean, sd, old_mean, old_sd);
+    CHECK(std::fabs(kl - static_cast<double>(want)) <= 4e-16 * static_cast<double>(want));
+    // Projections and derivatives: a domain_error naming row 0 and entry 0, nothing written.
+    std::vector<double> out_m(d, -7.0), out_s(d, -7.0);
+    gaussian_stats st;
+    auto om = troll::make_batch(out_m.data(), 1, d);
+    auto os = troll::make_batch(out_s.data(), 1, d);
+    auto expect_refused = [&](auto&& call) {
+      std::string what = "no error";
+      std::size_t row = 99;
+      try {
+        call();
+      } catch (const troll::domain_error& e) {
+        what = e.what();
+        row = e.row();
+      }
+      CHECK(row == 0);
+      CHECK_MESSAGE(what.find("std_dev / old_std_dev is") != std::string::npos, what);
+      CHECK_MESSAGE(what.find("at entry 0") != std::string::npos, what);
+      for (double x : out_m) CHECK(x == -7.0);
+      for (double x : out_s) CHECK(x == -7.0);
+    };
+    for (const double eps : {0.05, 10.0, 400.0}) {
+      CAPTURE(eps);
+      expect_refused([&] {
+        troll::gaussian::project_joint_diag(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), eps, om, os, &st);
+      });
+      expect_refused([&] {
+        troll::gaussian::project_split_diag(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), eps, eps, om, os,
+                                            &st);
+      });
+    }
+    const std::vector<double> g(d, 1.0);
+    troll::gaussian::gaussian_grads<double> grads{om, os, {}, {}, nullptr, nullptr};
+    expect_refused([&] {
+      troll::gaussian::project_joint_diag_backward(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 0.05,
+                                                   in(mean), in(sd), &st, in(g), in(g), grads);
+    });
+    troll::gaussian::gaussian_tangents<double> tangents{in(g), {}, {}, {}, 0.0, 0.0};
+    expect_refused([&] {
+      troll::gaussian::project_split_diag_jvp(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 0.05, 0.05,
+                                              in(mean), in(sd), &st, tangents, om, os);
+    });
+  }
+  // Just above the edge (r = 8e-155 and 1e-154, t* down among the subnormals at small ε), one or
+  // two such axes: the joint projection against the long-double bisection (lower end 1e-330).
+  for (const double ratio : {8e-155, 1e-154}) {
+    for (const bool two : {false, true}) {
+      for (const double eps : {1e-3, 0.1, 10.0}) {
+        CAPTURE(ratio);
+        CAPTURE(two);
+        CAPTURE(eps);
+        const std::vector<double> mean = {0.0, 0.0}, sd = {ratio, two ? 3.0 * ratio : 0.5}, old_mean = {0.0, 0.0},
+                                  old_sd = {1.0, 1.0};
+        std::vector<long double> gamma(d), b(d, 0.0L);
+        for (std::size_t i = 0; i < d; ++i) gamma[i] = 1.0L / (static_cast<long double>(sd[i]) * sd[i]);
+        long double lo = 1e-330L, hi = 1.0L;
+        for (int k = 0; k < 400; ++k) {
+          const long double mid = std::sqrt(lo) * std::sqrt(hi);
+          (diag_kl(gamma, b, mid, false) > eps ? hi : lo) = mid;
+        }
+        std::vector<double> out_m(d), out_s(d);
+        gaussian_stats st;
+        auto in = [&](const std::vector<double>& x) { return troll::make_batch(x.data(), 1, d); };
+        troll::gaussian::project_joint_diag(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), eps,
+                                            troll::make_batch(out_m.data(), 1, d),
+                                            troll::make_batch(out_s.data(), 1, d), &st);
+        CHECK(st.status == troll::row_status::projected);
+        CHECK(std::fabs(st.t - static_cast<double>(lo)) <= 1e-9 * static_cast<double>(lo));
+        for (std::size_t i = 0; i < d; ++i) {
+          const long double a = 1.0L + lo * (gamma[i] - 1.0L);
+          check_close(out_s[i], static_cast<double>(old_sd[i] / std::sqrt(a)), 1e-9);
+          CHECK(out_m[i] == 0.0);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("full rows with a factor ratio beyond the doubles' gamma: exact kl, the projections refuse") {
+  // Full factors whose diagonal ratio L̃_ii / L°_ii is below ~7.5e-155: the eigenvalue λ = 1/γ of
+  // Σ°⁻¹Σ̃ is below the smallest normal and its gain was clamped, so `kl` was 354.7 for 460.3 at
+  // 1e-200, and the projections were as wrong as the diagonal ones. And the row of the test above
+  // whose S − I rounds an eigenvalue below −1 (diagonal ratios ≥ 1e-2): kl from the
+  // log-determinant, against a long-double evaluation of the textbook formula.
+  constexpr std::size_t d = 3;
+  auto kl_want = [](const std::vector<double>& m, const std::vector<double>& l, const std::vector<double>& om,
+                    std::size_t dim) {
+    // Old factor I: tr(Σ̃) − d − log det Σ̃ + |μ̃ − μ°|², all in long double.
+    long double s = -static_cast<long double>(dim);
+    for (std::size_t i = 0; i < dim; ++i) {
+      for (std::size_t j = 0; j <= i; ++j) s += static_cast<long double>(l[i * dim + j]) * l[i * dim + j];
+      s -= 2.0L * std::log(static_cast<long double>(l[i * dim + i]));
+      const long double y = static_cast<long double>(m[i]) - om[i];
+      s += y * y;
+    }
+    return 0.5L * s;
+  };
+  for (const double ratio : {1e-160, 1e-200, 1e-300}) {
+    CAPTURE(ratio);
+    const std::vector<double> mean = {0.5, -1.0, 0.25}, old_mean = {0.0, 0.0, 0.0};
+    const std::vector<double> l = {0.7, 0, 0, 0.2, ratio, 0, -0.1, 0.3, 1.2};
+    std::vector<double> lo(d * d, 0.0);
+    for (std::size_t i = 0; i < d; ++i) lo[i * d + i] = 1.0;
+    auto in = [](const std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), 1, cols); };
+    double kl = -7.0;
+    troll::gaussian::kl(troll::cpu, in(mean, d), in(l, d * d), in(old_mean, d), in(lo, d * d), &kl);
+    const long double want = kl_want(mean, l, old_mean, d);
+    CHECK(std::fabs(kl - static_cast<double>(want)) <= 1e-14 * static_cast<double>(want));
+    std::vector<double> out_m(d, -7.0), out_l(d * d, -7.0);
+    gaussian_stats st;
+    for (const bool split : {false, true}) {
+      CAPTURE(split);
+      std::string what = "no error";
+      std::size_t row = 99;
+      try {
+        if (split)
+          troll::gaussian::project_split(troll::cpu, in(mean, d), in(l, d * d), in(old_mean, d), in(lo, d * d), 0.1,
+                                         0.1, troll::make_batch(out_m.data(), 1, d),
+                                         troll::make_batch(out_l.data(), 1, d * d), &st);
+        else
+          troll::gaussian::project_joint(troll::cpu, in(mean, d), in(l, d * d), in(old_mean, d), in(lo, d * d), 0.1,
+                                         troll::make_batch(out_m.data(), 1, d),
+                                         troll::make_batch(out_l.data(), 1, d * d), &st);
+      } catch (const troll::domain_error& e) {
+        what = e.what();
+        row = e.row();
+      }
+      CHECK(row == 0);
+      CHECK_MESSAGE(what.find("cov_chol[1][1] / old_cov_chol[1][1] is") != std::string::npos, what);
+      for (double x : out_m) CHECK(x == -7.0);
+      for (double x : out_l) CHECK(x == -7.0);
+    }
+  }
+  // Not refused (ratios 1e-6 … 1e-150 above the edge) and not graded: the factorisation's
+  // smallest eigenvalue has an absolute floor (kl was 77.4 for 230.6 at 1e-100), the
+  // log-determinant from the diagonals has none.
+  for (const double ratio : {1e-6, 1e-12, 1e-20, 1e-50, 1e-100, 1e-150}) {
+    CAPTURE(ratio);
+    const std::vector<double> mean = {0.5, -1.0, 0.25}, old_mean = {0.0, 0.0, 0.0};
+    const std::vector<double> l = {0.7, 0, 0, 0.2, ratio, 0, -0.1, 0.3, 1.2};
+    std::vector<double> lo(d * d, 0.0);
+    for (std::size_t i = 0; i < d; ++i) lo[i * d + i] = 1.0;
+    double kl = -7.0;
+    troll::gaussian::kl(troll::cpu, troll::make_batch(mean.data(), 1, d), troll::make_batch(l.data(), 1, d * d),
+                        troll::make_batch(old_mean.data(), 1, d), troll::make_batch<const double>(lo.data(), 1, d * d),
+                        &kl);
+    const long double want = kl_want(mean, l, old_mean, d);
+    CHECK(std::fabs(kl - static_cast<double>(want)) <= 1e-14 * static_cast<double>(want));
+  }
+  // The rounding case (d = 4, entries up to 1e9; no refusal: every diagonal ratio ≥ 1e-2).
+  const std::vector<double> l = {1e9, 0, 0, 0, 3e8, 1e-2, 0, 0, -2e8, 0.5, 0.05, 0, 1e8, 0.3, -0.2, 1.5};
+  const std::vector<double> mean = {0.3, -0.2, 0.1, 0.5}, old_mean(4, 0.0);
+  std::vector<double> lo(16, 0.0);
+  for (std::size_t i = 0; i < 4; ++i) lo[i * 4 + i] = 1.0;
+  double kl = -7.0;
+  troll::gaussian::kl(troll::cpu, troll::make_batch(mean.data(), 1, 4), troll::make_batch(l.data(), 1, 16),
+                      troll::make_batch(old_mean.data(), 1, 4), troll::make_batch<const double>(lo.data(), 1, 16), &kl);
+  const long double want = kl_want(mean, l, old_mean, 4);
+  CHECK(std::fabs(kl - static_cast<double>(want)) <= 1e-14 * static_cast<double>(want));
+}
+
+TEST_CASE("derivatives of rows projected with t* within an ulp of 1 (a much wider new covariance, huge eps)") {
+  // d = 1, σ° = 1, σ̃ = r, no mean step: σ*² = 1/a on the bound, and dσ*/dε = −sqrt(a)/(a − 1)
+  // (from dKL/da = (a − 1)/(2a²)), with a = 1/σ*² from the forward's own output in long double.
+  // Before: at ε = 4.99999e11 (r = 1e6) t* rounded to 1 in the stats and the derivatives were the
+  // inactive row's (∂σ*/∂ε = 0 for 1e-6, relative error 1); and the diagonal JVP formed
+  // a = 1 + tg, which kept only ~u/(1 − t*) of a small γ's digits (1.7e-5 off at 1 − t* = 1e-12).
+  struct case_t {
+    double r, eps;
+  };
+  for (const case_t c : {case_t{1e6, 4.99999e11}, case_t{1e6, 4.9e11}, case_t{1e6, 2.5e11}, case_t{1e5, 2.5e9},
+                         case_t{1e3, 1.0}}) {
+    for (const bool full : {false, true}) {
+      for (const bool split : {false, true}) {
+        CAPTURE(c.r);
+        CAPTURE(c.eps);
+        CAPTURE(full);
+        CAPTURE(split);
+        const std::vector<double> mean = {0.0}, sd = {c.r}, old_mean = {0.0}, old_sd = {1.0};
+        auto in = [](const std::vector<double>& x) { return troll::make_batch(x.data(), 1, 1); };
+        std::vector<double> out_m(1), out_s(1);
+        gaussian_stats st;
+        auto om = troll::make_batch(out_m.data(), 1, 1);
+        auto os = troll::make_batch(out_s.data(), 1, 1);
+        namespace g = troll::gaussian;
+        // A 1 × 1 Cholesky factor is the standard deviation itself.
+        if (full && split)
+          g::project_split(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 1.0, c.eps, om, os, &st);
+        else if (full)
+          g::project_joint(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), c.eps, om, os, &st);
+        else if (split)
+          g::project_split_diag(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 1.0, c.eps, om, os, &st);
+        else
+          g::project_joint_diag(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), c.eps, om, os, &st);
+        REQUIRE(st.status == troll::row_status::projected);
+        const long double sigma = out_s[0], a = 1.0L / (sigma * sigma);
+        const double want = static_cast<double>(-std::sqrt(a) / (a - 1.0L));
+        // VJP: upstream 1 on σ*, 0 on μ*: ∂L/∂ε (∂L/∂ε_Σ when split).
+        const std::vector<double> one = {1.0}, zero = {0.0};
+        double eps_bar = -7.0, eps_mean_bar = -7.0;
+        std::vector<double> gm(1), gs(1);
+        const g::gaussian_grads<double> grads{troll::make_batch(gm.data(), 1, 1), troll::make_batch(gs.data(), 1, 1),
+                                              {}, {}, &eps_bar, split ? &eps_mean_bar : nullptr};
+        if (full && split)
+          g::project_split_backward(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 1.0, c.eps, in(out_m),
+                                    in(out_s), &st, in(zero), in(one), grads);
+        else if (full)
+          g::project_joint_backward(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), c.eps, in(out_m), in(out_s),
+                                    &st, in(zero), in(one), grads);
+        else if (split)
+          g::project_split_diag_backward(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 1.0, c.eps,
+                                         in(out_m), in(out_s), &st, in(zero), in(one), grads);
+        else
+          g::project_joint_diag_backward(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), c.eps, in(out_m),
+                                         in(out_s), &st, in(zero), in(one), grads);
+        CHECK(std::fabs(eps_bar - want) <= 1e-9 * std::fabs(want));
+        // JVP: tangent 1 on the bound (ε, or ε_Σ when split), 0 elsewhere.
+        g::gaussian_tangents<double> tangents{{}, {}, {}, {}, 1.0, 0.0};
+        std::vector<double> tm(1, -7.0), ts(1, -7.0);
+        auto tmv = troll::make_batch(tm.data(), 1, 1);
+        auto tsv = troll::make_batch(ts.data(), 1, 1);
+        if (full && split)
+          g::project_split_jvp(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 1.0, c.eps, in(out_m), in(out_s),
+                               &st, tangents, tmv, tsv);
+        else if (full)
+          g::project_joint_jvp(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), c.eps, in(out_m), in(out_s), &st,
+                               tangents, tmv, tsv);
+        else if (split)
+          g::project_split_diag_jvp(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 1.0, c.eps, in(out_m),
+                                    in(out_s), &st, tangents, tmv, tsv);
+        else
+          g::project_joint_diag_jvp(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), c.eps, in(out_m),
+                                    in(out_s), &st, tangents, tmv, tsv);
+        CHECK(std::fabs(ts[0] - want) <= 1e-9 * std::fabs(want));
+      }
+    }
+  }
+}

@@ -127,9 +127,9 @@ TEST_CASE("the shared full-covariance VJP steps match the Eigen backward") {
         const troll::detail::gaussian_vjp_io<double> io{b.yl.data() + r * dd, up_m.data() + r * d, up_l.data() + r * dd,
                                                     om.data(),            ol.data(),           oom.data(),
                                                     ool.data(),           &oe,                 &oem};
-        const double t = b.st[r].status == troll::row_status::inactive ? 1.0 : b.st[r].t;
+        const double t = troll::detail::solved_tilt(b.st[r]), gap = troll::detail::solved_gap(b.st[r]);
         troll::detail::gaussian_full_vjp_row(troll::detail::host_team{}, split, b.m.data() + r * d,
-                                             b.l.data() + r * dd, b.om.data() + r * d, 0.05, t, io,
+                                             b.l.data() + r * dd, b.om.data() + r * d, 0.05, t, gap, io,
                                              troll::detail::full_scratch{ws.data(), static_cast<int>(d)});
         auto slice = [](const std::vector<double>& v, std::size_t r0, std::size_t len) {
           return std::vector<double>(v.begin() + static_cast<std::ptrdiff_t>(r0 * len),
@@ -179,9 +179,9 @@ TEST_CASE("the shared full-covariance JVP steps match the Eigen JVP") {
         const troll::detail::gaussian_jvp_io<double> io{b.yl.data() + r * dd, tm.data() + r * d, tl.data() + r * dd,
                                                     tom.data() + r * d,   tol.data() + r * dd, 0.01,
                                                     0.02,                 om.data(),           ol.data()};
-        const double t = b.st[r].status == troll::row_status::inactive ? 1.0 : b.st[r].t;
+        const double t = troll::detail::solved_tilt(b.st[r]), gap = troll::detail::solved_gap(b.st[r]);
         troll::detail::gaussian_full_jvp_row(troll::detail::host_team{}, split, b.m.data() + r * d,
-                                             b.l.data() + r * dd, b.om.data() + r * d, 0.05, t, io,
+                                             b.l.data() + r * dd, b.om.data() + r * d, 0.05, t, gap, io,
                                              troll::detail::full_scratch{ws.data(), static_cast<int>(d)});
         check_close(om, std::vector<double>(rm.begin() + static_cast<std::ptrdiff_t>(r * d),
                                             rm.begin() + static_cast<std::ptrdiff_t>((r + 1) * d)),

@@ -355,7 +355,7 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
     const detail::row_log_sums sums{log_sums[sparsify_log_sums_width * r], log_sums[sparsify_log_sums_width * r + 1],
                                     log_sums[sparsify_log_sums_width * r + 2],
                                     log_sums[sparsify_log_sums_width * r + 3]};
-    const detail::cpu::counted_grad counted = detail::cpu::count_grad(
+    const detail::counted_grad counted = detail::count_grad(
         grad.row(r), all, count, double(grad.log_remainder[r]), sums.tail_ref > detail::neg_inf());
     detail::cpu::sparse_scatter_row(shard_logits.row(r), shard_logits.cols, vocab_offset, slots, n, grad.row(r),
                                     counted, sums, grad_shard.row(r));

@@ -494,3 +494,31 @@ def test_gaussian_stats_buffers_overlapping_the_call_raise_shape_error():
     with pytest.raises(troll.ShapeError, match="stats.values overlaps out_mean"):
         gauss.project_joint_diag(mean, std, old_mean, old_std, 0.01, out=(out_mean, out_std),
                                  stats=gauss.GaussianStats(out_mean, counters))
+
+
+# ---- counts given as non-integers: an error, not a silent int() ----
+
+
+@pytest.mark.parametrize("bad", [10.5, 8.0, True, "8"])
+def test_non_integer_vocab_and_k_raise_shape_error(gen, bad):
+    new, old = logits(gen, 3, 8), logits(gen, 3, 8)
+    rows = troll.sparsify(old, 3)
+    broken = troll.SparseRows(*rows[:4], bad)
+    with pytest.raises(troll.ShapeError, match="vocab must be an integer"):
+        troll.align(new, broken)
+    with pytest.raises(troll.ShapeError, match="vocab must be an integer"):
+        tt.project_sparse(new, broken, 0.05)
+    with pytest.raises(troll.ShapeError, match="k must be an integer"):
+        troll.sparsify(old, bad)
+    states = troll.sparsify_shard(old, 0, 8, k=3)
+    with pytest.raises(troll.ShapeError, match="vocab must be an integer"):
+        troll.sparsify_finalize(states[None], bad, k=3)
+
+
+def test_integer_like_vocab_and_k_are_accepted(gen):
+    new, old = logits(gen, 3, 8), logits(gen, 3, 8)
+    rows = troll.sparsify(old, np.int64(3))
+    want = troll.align(new, rows)
+    for vocab in (np.int32(8), torch.tensor(8)):
+        got = troll.align(new, troll.SparseRows(*rows[:4], vocab))
+        assert torch.equal(got.counts, want.counts) and torch.equal(got.new_log_probs, want.new_log_probs)

@@ -4,6 +4,7 @@ points with the GIL released. No maths here: see include/troll/ and docs/python.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -269,7 +270,7 @@ def project_backward(
 
 def sparse_empty(frame: Framework, rows: tuple, k_max: int, vocab: int, dtype: str) -> SparseRows:
     return SparseRows(frame.empty(rows + (k_max,), "int32"), frame.empty(rows + (k_max,), dtype),
-                      frame.empty(rows, "int32"), frame.empty(rows, dtype), int(vocab))
+                      frame.empty(rows, "int32"), frame.empty(rows, dtype), _integer(vocab, "vocab"))
 
 
 @accepts_capsules
@@ -284,14 +285,14 @@ def sparsify(logits: Any, k: int = 64, delta: float = 1e-5, sampled: Any = None,
     dtype = _rows_dtype(frame, logits)
     rows = leading_shape(logits, "logits")
     vocab = int(logits.shape[-1])
-    k_max = max(1, min(int(k) + (sampled is not None), vocab))
+    k_max = max(1, min(_integer(k, "k") + (sampled is not None), vocab))
     out = sparse_empty(frame, rows, k_max, vocab, dtype)
     sampled_arg = None if sampled is None else arg(sampled)
     if on_cuda:
         cuda, stream = _cuda_call(frame, logits, "sparsify")
-        cuda.sparsify(arg(logits), sampled_arg, int(k), float(delta), out, stream, CUDA_CHECKED)
+        cuda.sparsify(arg(logits), sampled_arg, _integer(k, "k"), float(delta), out, stream, CUDA_CHECKED)
     else:
-        _troll.sparsify(arg(logits), sampled_arg, int(k), float(delta), out, threads)
+        _troll.sparsify(arg(logits), sampled_arg, _integer(k, "k"), float(delta), out, threads)
     return SparseRows(*(frame.result(a) for a in out[:4]), vocab)
 
 
@@ -321,8 +322,20 @@ def align(new_logits: Any, old: SparseRows, new_support: Optional[SparseRows] = 
     return AlignedRows(*(frame.result(a) for a in out[:6]), vocab)
 
 
+def _integer(value: Any, name: str) -> int:
+    """``value`` as a Python int where it is one (an int, a NumPy integer, a 0-d integer tensor):
+    a count or a token id such as ``vocab``, ``k`` or ``vocab_offset``. Anything else (10.5, but
+    also 10.0 and True) is a ShapeError naming ``name``, where ``int()`` would truncate silently."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ShapeError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ShapeError(f"{name} must be an integer, got {value!r}") from None
+
+
 def _sparse_arg(rows: Any) -> tuple:
-    return tuple(arg(a) for a in rows[:-1]) + (int(rows[-1]),)
+    return tuple(arg(a) for a in rows[:-1]) + (_integer(rows[-1], "vocab"),)
 
 
 @accepts_capsules
@@ -465,7 +478,7 @@ def check_sparse_rows(rows: Any, name: str) -> SparseRows:
 
 def sparsify_state_bytes(k: int) -> int:
     """Bytes of one packed sparsify state (one row of one vocabulary shard) for top-``k``."""
-    return int(_troll.sparsify_state_bytes(int(k)))
+    return int(_troll.sparsify_state_bytes(_integer(k, "k")))
 
 
 def _rows_dtype(frame: Framework, logits: Any) -> str:
@@ -487,8 +500,8 @@ def sparsify_shard(shard_logits: Any, vocab_offset: int, vocab: int, k: int = 64
     _rows_dtype(frame, shard_logits)
     rows = leading_shape(shard_logits, "shard_logits")
     states = frame.empty(rows + (sparsify_state_bytes(k),), "uint8")
-    args = (arg(shard_logits), int(vocab_offset), int(vocab), None if sampled is None else arg(sampled), int(k),
-            float(delta), states)
+    args = (arg(shard_logits), _integer(vocab_offset, "vocab_offset"), _integer(vocab, "vocab"),
+            None if sampled is None else arg(sampled), _integer(k, "k"), float(delta), states)
     if _on_cuda(shard_logits):
         cuda, stream = _cuda_call(frame, shard_logits, "sparsify_shard")
         cuda.sparsify_shard(*args, stream, CUDA_CHECKED)
@@ -518,17 +531,18 @@ def sparsify_finalize(states: Any, vocab: int, k: int = 64, delta: float = 1e-5,
     the canonical values."""
     frame = Framework(states)
     rows = tuple(states.shape[1:-1])
-    k_max = max(1, min(int(k) + bool(sampled), int(vocab)))
+    k_max = max(1, min(_integer(k, "k") + bool(sampled), _integer(vocab, "vocab")))
     out = sparse_empty(frame, rows, k_max, vocab, dtype)
     log_sums = frame.empty(rows + (4,), "float64")
     tail_max = frame.empty(rows, "float64") if return_tail_max else None
-    args = (arg(states), int(k), float(delta), out, log_sums, tail_max, None if tail_sums is None else arg(tail_sums))
+    args = (arg(states), _integer(k, "k"), float(delta), out, log_sums, tail_max,
+            None if tail_sums is None else arg(tail_sums))
     if _on_cuda(states):
         cuda, stream = _cuda_call(frame, states, "sparsify_finalize")
         cuda.sparsify_finalize(*args, stream, CUDA_CHECKED)
     else:
         _troll.sparsify_finalize(*args, threads)
-    result = (SparseRows(*(frame.result(a) for a in out[:4]), int(vocab)), frame.result(log_sums))
+    result = (SparseRows(*(frame.result(a) for a in out[:4]), _integer(vocab, "vocab")), frame.result(log_sums))
     return result + (frame.result(tail_max),) if return_tail_max else result
 
 
@@ -541,7 +555,7 @@ def sparsify_tail_sums(shard_logits: Any, vocab_offset: int, rows: SparseRows, t
     frame = Framework(shard_logits)
     _rows_dtype(frame, shard_logits)
     out = frame.empty(leading_shape(shard_logits, "shard_logits") + (2,), "float64")
-    args = (arg(shard_logits), int(vocab_offset), _sparse_arg(rows), arg(tail_max), out)
+    args = (arg(shard_logits), _integer(vocab_offset, "vocab_offset"), _sparse_arg(rows), arg(tail_max), out)
     if _on_cuda(shard_logits):
         cuda, stream = _cuda_call(frame, shard_logits, "sparsify_tail_sums")
         cuda.sparsify_tail_sums(*args, stream, CUDA_CHECKED)
@@ -558,8 +572,8 @@ def sparsify_shard_backward(shard_logits: Any, vocab_offset: int, support: Spars
     frame = Framework(shard_logits)
     dtype = _float_dtype(frame, shard_logits)
     out = frame.empty(tuple(shard_logits.shape), dtype)
-    args = (arg(shard_logits), int(vocab_offset), _sparse_arg(support), (arg(grad[0]), arg(grad[1])), arg(log_sums),
-            out)
+    args = (arg(shard_logits), _integer(vocab_offset, "vocab_offset"), _sparse_arg(support),
+            (arg(grad[0]), arg(grad[1])), arg(log_sums), out)
     if _on_cuda(shard_logits):
         cuda, stream = _cuda_call(frame, shard_logits, "sparsify_shard_backward")
         cuda.sparsify_shard_backward(*args, stream, CUDA_CHECKED)

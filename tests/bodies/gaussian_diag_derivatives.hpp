@@ -261,6 +261,71 @@ TEST_CASE("Gaussian KL (diagonal, and full at d <= 32) against the long-double f
   }
 }
 
+TEST_CASE("Gaussian kl_diag with ratios whose gamma - 1 overflows a double, against the long-double formula") {
+  // σ̃/σ° from 1e-155 to 1e-310 on some axes: γ − 1 = 1/r² − 1 is beyond the doubles, and kl_diag
+  // adds those axes' terms ½[r² − 1 − 2 log r + b²] exactly (before: γ − 1 was taken as the
+  // largest double, KL 354.4 for 460.0 at r = 1e-200).
+  const std::size_t n = 6, d = 40;
+  diag_batch b = make_diag(n, d, 77);
+  const double ratios[] = {1e-155, 1e-160, 1e-200, 1e-300, 1e-310};
+  for (std::size_t r = 0; r < n; ++r)
+    for (std::size_t i = r % 3; i < d; i += 13) b.sd[r * d + i] = ratios[(r + i) % 5] * b.old_sd[r * d + i];
+  using buf = backend::buffer<double>;
+  buf m(b.mean), s(b.sd), om(b.old_mean), os(b.old_sd), out(n);
+  auto in = [&](buf& x) { return troll::make_batch(static_cast<const double*>(x.get()), n, d); };
+  troll::gaussian::kl_diag(backend::policy(), in(m), in(s), in(om), in(os), out.get());
+  const std::vector<double> got = out.download();
+  for (std::size_t r = 0; r < n; ++r) {
+    long double want = 0.0L;
+    for (std::size_t i = r * d; i < (r + 1) * d; ++i) {
+      const long double q = static_cast<long double>(b.sd[i]) / b.old_sd[i];
+      const long double y = (static_cast<long double>(b.mean[i]) - b.old_mean[i]) / b.old_sd[i];
+      want += 0.5L * (q * q - 1.0L - 2.0L * std::log(q) + y * y);
+    }
+    CAPTURE(r);
+    CHECK(close(got[r], static_cast<double>(want), 0.0, 1e-14));
+  }
+}
+
+TEST_CASE("Gaussian kl of full rows with a tiny eigenvalue, against the long-double formula") {
+  // Old factor I, new factor lower triangular with one tiny diagonal entry r and an entry below
+  // it (not graded): the factorisation knows the smallest eigenvalue only to an absolute floor;
+  // kl takes the log-determinant from the diagonals there (d = 3, r = 1e-100: 230.6, not 77.4).
+  // d = 40 takes the device's block kernel.
+  const double ratios[] = {1e-6, 1e-20, 1e-100, 1e-200};
+  const std::size_t n = 4;
+  for (const std::size_t d : {std::size_t(3), std::size_t(40)}) {
+    CAPTURE(d);
+    std::vector<double> m(n * d), om(n * d, 0.0), l(n * d * d, 0.0), lo(n * d * d, 0.0);
+    for (std::size_t r = 0; r < n; ++r) {
+      double* f = &l[r * d * d];
+      for (std::size_t i = 0; i < d; ++i) {
+        f[i * d + i] = 1.0 + 0.1 * double(i % 5);
+        if (i > 0) f[i * d + i - 1] = 0.05 * double(i % 3) - 0.05;
+        lo[r * d * d + i * d + i] = 1.0;
+        m[r * d + i] = 0.25 * double(i % 4 + r) - 0.5;
+      }
+      f[0] = 0.7, f[d] = 0.2, f[d + 1] = ratios[r], f[2 * d] = -0.1, f[2 * d + 1] = 0.3, f[2 * d + 2] = 1.2;
+    }
+    using buf = backend::buffer<double>;
+    buf bm(m), bom(om), bl(l), blo(lo), out(n);
+    auto in = [&](buf& x, std::size_t cols) { return troll::make_batch(static_cast<const double*>(x.get()), n, cols); };
+    troll::gaussian::kl(backend::policy(), in(bm, d), in(bl, d * d), in(bom, d), in(blo, d * d), out.get());
+    const std::vector<double> got = out.download();
+    for (std::size_t r = 0; r < n; ++r) {
+      long double want = -static_cast<long double>(d);  // tr(Σ̃) − d − log det Σ̃ + |μ̃|², halved
+      for (std::size_t i = 0; i < d; ++i) {
+        for (std::size_t j = 0; j <= i; ++j)
+          want += static_cast<long double>(l[r * d * d + i * d + j]) * l[r * d * d + i * d + j];
+        want -= 2.0L * std::log(static_cast<long double>(l[r * d * d + i * d + i]));
+        want += static_cast<long double>(m[r * d + i]) * m[r * d + i];
+      }
+      CAPTURE(r);
+      CHECK(close(got[r], static_cast<double>(0.5L * want), 0.0, 1e-14));
+    }
+  }
+}
+
 TEST_CASE("Gaussian diag derivatives: a bad row throws naming it, before anything is written") {
   const std::size_t n = 4, d = 35;
   const double eps = 0.05;
@@ -269,13 +334,14 @@ TEST_CASE("Gaussian diag derivatives: a bad row throws naming it, before anythin
   using buf = backend::buffer<double>;
   namespace g = troll::gaussian;
   const double sentinel = 12345.0;
-  for (int kind = 0; kind < 3; ++kind) {
+  for (int kind = 0; kind < 4; ++kind) {
     CAPTURE(kind);
     diag_batch bad = b;
     std::vector<stats_t> stats = f.stats;
     if (kind == 0) bad.old_sd[2 * d + 7] = -1.0;                                     // row 2: std dev ≤ 0
     if (kind == 1) bad.mean[2 * d + 3] = std::numeric_limits<double>::quiet_NaN();  // row 2: NaN
     if (kind == 2) stats[2].status = troll::row_status::not_converged;              // row 2: unusable stats
+    if (kind == 3) bad.sd[2 * d + 9] = 1e-200 * bad.old_sd[2 * d + 9];  // row 2: γ − 1 beyond the doubles
     buf m(bad.mean), s(bad.sd), om(bad.old_mean), os(bad.old_sd), ym(f.mean), ys(f.sd);
     buf gm(std::vector<double>(n * d, sentinel)), ge(std::vector<double>(n, sentinel));
     backend::buffer<stats_t> st(stats);
@@ -294,7 +360,7 @@ TEST_CASE("Gaussian diag derivatives: a bad row throws naming it, before anythin
     const std::vector<double> hm = gm.download(), he = ge.download();
     CHECK(std::all_of(hm.begin(), hm.end(), [&](double x) { return x == sentinel; }));
     CHECK(std::all_of(he.begin(), he.end(), [&](double x) { return x == sentinel; }));
-    if (kind == 2) continue;
+    if (kind >= 2) continue;  // kl needs no stats, and takes a γ beyond the doubles exactly
     buf out(std::vector<double>(n, sentinel));
     CHECK_THROWS_AS(g::kl_diag(backend::policy(), in(m), in(s), in(om), in(os), out.get()), troll::domain_error);
     const std::vector<double> ho = out.download();

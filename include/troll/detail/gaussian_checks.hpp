@@ -14,6 +14,7 @@
 #include "../projection_types.hpp"
 #include "arguments.hpp"
 #include "cpu/parallel.hpp"
+#include "gaussian_family.hpp"
 #include "numeric.hpp"
 #include "number_text.hpp"
 
@@ -280,9 +281,40 @@ std::string gaussian_mean_step_problem(const gaussian_call& call, const T* mean,
   return std::string();
 }
 
+/// A projection's check of a row pair whose operands passed gaussian_operand_problem: no
+/// coordinate's γ − 1 = 1/r² − 1 may pass the doubles (gaussian_diag_beyond: r below ~7.5e-155),
+/// with r = σ̃/σ° on diagonal rows and r = L̃_ii / L°_ii on full rows (M = L°⁻¹L̃ is lower
+/// triangular with that diagonal, so its smallest singular value, the square root of the smallest
+/// eigenvalue λ = 1/γ of Σ°⁻¹Σ̃, is at most min r: a sufficient test, exact for diagonal factors).
+/// The solve in t sees such a coordinate only through t·(γ − 1) with γ − 1 clamped, and its t*
+/// lies near 1/γ, below the doubles: it would write a wrong t and a wrong KL(p̃ ‖ q) and, with
+/// two such coordinates, a wrong member, while reporting `projected` (docs/gaussian.md,
+/// Accuracy). KL(p̃ ‖ q) ≥ 354 there, so only a bound ε ≥ 354 could leave such a row inactive.
+/// "" when fine.
+template <class T>
+std::string gaussian_ratio_problem(const gaussian_call& call, const T* cov, const T* old_cov) {
+  const std::size_t step = call.full ? call.dim + 1 : 1;  // a factor's diagonal: entries (i, i)
+  for (std::size_t i = 0; i < call.dim; ++i) {
+    const double s = static_cast<double>(cov[i * step]), so = static_cast<double>(old_cov[i * step]);
+    if (!gaussian_diag_beyond(s, so)) continue;
+    std::ostringstream msg;
+    msg.precision(17);
+    if (call.full)
+      msg << "cov_chol[" << i << "][" << i << "] / old_cov_chol[" << i << "][" << i << "] is " << s / so << " ("
+          << s << " / " << so << ")";
+    else
+      msg << "std_dev / old_std_dev is " << s / so << " at entry " << i << " (std_dev " << s << ", old_std_dev "
+          << so << ")";
+    msg << ", below ~7.5e-155: the precision ratio 1/r^2 overflows a double, which the projection does not "
+           "support";
+    return msg.str();
+  }
+  return std::string();
+}
+
 /// Throws domain_error naming the first bad row (the smallest index, whatever the threads): its
 /// operands (gaussian_operand_problem), then, for a projection or its derivatives (not kl), the
-/// mean step (gaussian_mean_step_problem).
+/// mean step (gaussian_mean_step_problem) and a diagonal row's ratios (gaussian_ratio_problem).
 template <class T>
 void validate_gaussian_rows(unsigned threads, const gaussian_call& call, batch_view<const T> mean,
                             batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov) {
@@ -290,6 +322,7 @@ void validate_gaussian_rows(unsigned threads, const gaussian_call& call, batch_v
     std::string p = gaussian_operand_problem(call, mean.row(r), cov.row(r), false);
     if (p.empty()) p = gaussian_operand_problem(call, old_mean.row(r), old_cov.row(r), true);
     if (p.empty() && !call.kl_only) p = gaussian_mean_step_problem(call, mean.row(r), old_mean.row(r), old_cov.row(r));
+    if (p.empty() && !call.kl_only) p = gaussian_ratio_problem(call, cov.row(r), old_cov.row(r));
     return p;
   };
   const std::size_t work = 2 * (call.full ? call.dim * call.dim : call.dim);

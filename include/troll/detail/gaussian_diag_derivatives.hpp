@@ -35,9 +35,10 @@ TROLL_HOST_DEVICE gaussian_diag_entry diag_entry(const T* mean, const T* std_dev
 /// What a coordinate of the member at t needs, derived from the entry (t = 1: inactive).
 struct gaussian_diag_member {
   double g = 0.0, b = 0.0;    // γ − 1 and (μ̃ − μ°)/σ°
+  double gamma = 1.0;         // γ = (σ°/σ̃)², from the ratio itself where g < −½ (1 + g loses its digits)
   double po = 1.0;            // Λ° = 1/σ°²
   double ps = 0.0, pn = 1.0;  // Λ̃ − Λ° and Λ̃
-  double a = 1.0;             // 1 + t g
+  double a = 1.0;             // 1 + t g, or s + tγ where g < −½ (as the forward's member)
   double sigma = 1.0;         // Σ_t = σ°²/a
   double delta = 0.0;         // μ_t − μ° = σ° t γ b / a
 };
@@ -70,15 +71,23 @@ TROLL_HOST_DEVICE inline gaussian_diag_entry gaussian_diag_scaled(const gaussian
                              ::ldexp(e.old_std, -k)};
 }
 
-TROLL_HOST_DEVICE inline gaussian_diag_member gaussian_diag_member_at(const gaussian_diag_entry& e, double t) {
+/// The member at (t, s), s = 1 − t exact (solved_gap): a new variance above twice the old (g <
+/// −½) takes γ from the ratio and a = s + tγ, as the forward does (gaussian_precision_ratio), so
+/// that a near t = 1 keeps the digits of a small γ (1 + tg kept only ~u/γ of them: the derivatives
+/// at σ̃ = 1e6 σ° and 1 − t* = 1e-12 were 1.7e-5 off).
+TROLL_HOST_DEVICE inline gaussian_diag_member gaussian_diag_member_at(const gaussian_diag_entry& e, double t,
+                                                                      double s) {
   gaussian_diag_member m;
   gaussian_diag_coordinate(e.mean, e.std_dev, e.old_mean, e.old_std, &m.g, &m.b);
+  const double inverse_ratio = e.old_std / e.std_dev;
+  const bool wide = m.g < -0.5;
+  m.gamma = wide ? inverse_ratio * inverse_ratio : 1.0 + m.g;
   m.po = 1.0 / (e.old_std * e.old_std);
   m.ps = m.g * m.po;
-  m.pn = (1.0 + m.g) * m.po;
-  m.a = 1.0 + t * m.g;
+  m.pn = m.gamma * m.po;
+  m.a = wide ? s + t * m.gamma : 1.0 + t * m.g;
   m.sigma = e.old_std * e.old_std / m.a;
-  m.delta = e.old_std * (t * (1.0 + m.g) * m.b / m.a);
+  m.delta = e.old_std * (t * m.gamma * m.b / m.a);
   return m;
 }
 
@@ -107,6 +116,7 @@ struct gaussian_diag_vjp_sums {
 /// the bound gradients.
 struct gaussian_diag_vjp_scalars {
   double t = 1.0;
+  double s = 0.0;  // 1 − t, exact (solved_gap)
   double kappa = 1.0;
   double k = 0.0;
   double cst = 0.0;
@@ -133,8 +143,8 @@ TROLL_HOST_DEVICE inline void gaussian_diag_output_bar(const gaussian_diag_entry
 
 TROLL_HOST_DEVICE inline void gaussian_diag_vjp_accumulate_units(const gaussian_diag_entry& e,
                                                                  const gaussian_diag_upstream& up, bool split,
-                                                                 double t, gaussian_diag_vjp_sums* sums) {
-  const gaussian_diag_member m = gaussian_diag_member_at(e, t);
+                                                                 double t, double s, gaussian_diag_vjp_sums* sums) {
+  const gaussian_diag_member m = gaussian_diag_member_at(e, t, s);
   sums->b2 += m.b * m.b;
   if (split) sums->kappa_bar += up.mean * (e.mean - e.old_mean);
   if (t >= 1.0) return;
@@ -143,7 +153,7 @@ TROLL_HOST_DEVICE inline void gaussian_diag_vjp_accumulate_units(const gaussian_
   sums->t_bar += lambda_bar * m.ps;
   if (!split) sums->t_bar += h_bar * (m.pn * (e.mean - e.old_mean) + m.ps * e.old_mean);
   double kl2 = 0.0;
-  gaussian_coordinate(m.g, m.b, t, !split, &kl2, &sums->info);
+  gaussian_coordinate_at(m.g, m.gamma, m.a, split ? 0.0 : m.b, t, !split, &kl2, &sums->info);
 }
 
 /// The upstream of a coordinate in units of 2^k: the gradients times 2^k, σ* divided by it.
@@ -154,15 +164,17 @@ TROLL_HOST_DEVICE inline gaussian_diag_upstream gaussian_diag_scaled(const gauss
 /// The first pass of a VJP row, one coordinate (in its units: see "Units" above).
 TROLL_HOST_DEVICE inline void gaussian_diag_vjp_accumulate(const gaussian_diag_entry& e,
                                                            const gaussian_diag_upstream& up, bool split, double t,
-                                                           gaussian_diag_vjp_sums* sums) {
+                                                           double s, gaussian_diag_vjp_sums* sums) {
   const int k = gaussian_diag_unit(e);
-  gaussian_diag_vjp_accumulate_units(gaussian_diag_scaled(e, k), gaussian_diag_scaled(up, k), split, t, sums);
+  gaussian_diag_vjp_accumulate_units(gaussian_diag_scaled(e, k), gaussian_diag_scaled(up, k), split, t, s, sums);
 }
 
 TROLL_HOST_DEVICE inline gaussian_diag_vjp_scalars gaussian_diag_vjp_finish(const gaussian_diag_vjp_sums& sums,
-                                                                            bool split, double t, double eps_mean) {
+                                                                            bool split, double t, double gap,
+                                                                            double eps_mean) {
   gaussian_diag_vjp_scalars s;
   s.t = t;
+  s.s = gap;
   if (split) {
     const double m = 0.5 * sums.b2;
     s.kappa = split_mean_scale(m, eps_mean);
@@ -181,7 +193,7 @@ TROLL_HOST_DEVICE inline gaussian_diag_vjp_scalars gaussian_diag_vjp_finish(cons
 TROLL_HOST_DEVICE inline gaussian_diag_vjp_out gaussian_diag_vjp_coordinate_units(
     const gaussian_diag_entry& e, const gaussian_diag_upstream& up, bool split, const gaussian_diag_vjp_scalars& sc) {
   const double t = sc.t;
-  const gaussian_diag_member m = gaussian_diag_member_at(e, t);
+  const gaussian_diag_member m = gaussian_diag_member_at(e, t, sc.s);
   double mean_new = 0.0, mean_old = 0.0, lam_new = 0.0, lam_old = 0.0, h_new = 0.0, h_old = 0.0;
   if (split) {
     if (sc.kappa < 1.0) {
@@ -198,7 +210,7 @@ TROLL_HOST_DEVICE inline gaussian_diag_vjp_out gaussian_diag_vjp_coordinate_unit
   if (inactive) {
     if (!split) mean_new += up.mean;
   } else {
-    const double s = 1.0 - t;
+    const double s = sc.s;
     double lambda_bar = 0.0, h_bar = 0.0;
     gaussian_diag_output_bar(e, m, up, split, &lambda_bar, &h_bar);
     const double so2 = e.old_std * e.old_std;
@@ -206,7 +218,7 @@ TROLL_HOST_DEVICE inline gaussian_diag_vjp_out gaussian_diag_vjp_coordinate_unit
     double eta_lam_gap = -0.5 * so2 * t * m.g / m.a;
     double eta_h_dot = 0.0, eta_h_gap = 0.0;
     if (!split) {
-      eta_h_dot = e.old_std * (1.0 + m.g) * m.b / (m.a * m.a);
+      eta_h_dot = e.old_std * m.gamma * m.b / (m.a * m.a);
       eta_lam_dot -= eta_h_dot * (e.old_mean + m.delta);
       eta_lam_gap += e.old_mean * m.delta + 0.5 * m.delta * m.delta;
       eta_h_gap = -m.delta;
@@ -266,6 +278,7 @@ struct gaussian_diag_jvp_sums {
 /// The scalars of a JVP row: the split mean's κ and κ', and t'.
 struct gaussian_diag_jvp_scalars {
   double t = 1.0;
+  double s = 0.0;  // 1 − t, exact (solved_gap)
   double kappa = 1.0;
   double kappa_dot = 0.0;
   double t_dot = 0.0;
@@ -283,9 +296,8 @@ struct gaussian_diag_fixed_t {
 TROLL_HOST_DEVICE inline gaussian_diag_fixed_t gaussian_diag_fixed_t_tangent(const gaussian_diag_entry& e,
                                                                              const gaussian_diag_member& m,
                                                                              const gaussian_diag_tangent& d, bool split,
-                                                                             double t) {
+                                                                             double t, double s) {
   gaussian_diag_fixed_t f;
-  const double s = 1.0 - t;
   f.lam_old_dot = -2.0 * d.old_std / (e.old_std * e.old_std * e.old_std);
   const double lam_new_dot = -2.0 * d.std_dev * m.pn / e.std_dev;
   f.lam_t_dot = t * lam_new_dot + s * f.lam_old_dot;
@@ -296,8 +308,8 @@ TROLL_HOST_DEVICE inline gaussian_diag_fixed_t gaussian_diag_fixed_t_tangent(con
 
 TROLL_HOST_DEVICE inline void gaussian_diag_jvp_accumulate_units(const gaussian_diag_entry& e,
                                                                  const gaussian_diag_tangent& d, bool split, double t,
-                                                                 gaussian_diag_jvp_sums* sums) {
-  const gaussian_diag_member m = gaussian_diag_member_at(e, t);
+                                                                 double s, gaussian_diag_jvp_sums* sums) {
+  const gaussian_diag_member m = gaussian_diag_member_at(e, t, s);
   sums->b2 += m.b * m.b;
   if (split) {
     const double diff = e.mean - e.old_mean, diff_dot = d.mean - d.old_mean;
@@ -305,7 +317,7 @@ TROLL_HOST_DEVICE inline void gaussian_diag_jvp_accumulate_units(const gaussian_
     sums->m_dot += diff * m.po * diff_dot + 0.5 * diff * lam_old_dot * diff;
   }
   if (t >= 1.0) return;
-  const gaussian_diag_fixed_t f = gaussian_diag_fixed_t_tangent(e, m, d, split, t);
+  const gaussian_diag_fixed_t f = gaussian_diag_fixed_t_tangent(e, m, d, split, t, s);
   const double so2 = e.old_std * e.old_std;
   const double sigma_gap = -so2 * t * m.g / m.a;  // Σ_t − Σ°
   const double sigma_t_dot = -(m.sigma * m.sigma * f.lam_t_dot);
@@ -315,7 +327,7 @@ TROLL_HOST_DEVICE inline void gaussian_diag_jvp_accumulate_units(const gaussian_
     sums->kl_dot += m.delta * m.po * (mu_t_dot - d.old_mean) + 0.5 * m.delta * f.lam_old_dot * m.delta;
   }
   double kl2 = 0.0;
-  gaussian_coordinate(m.g, m.b, t, !split, &kl2, &sums->info);
+  gaussian_coordinate_at(m.g, m.gamma, m.a, split ? 0.0 : m.b, t, !split, &kl2, &sums->info);
 }
 
 /// The input tangents of a coordinate in units of 2^k.
@@ -327,16 +339,18 @@ TROLL_HOST_DEVICE inline gaussian_diag_tangent gaussian_diag_scaled(const gaussi
 /// The first pass of a JVP row, one coordinate (in its units: see "Units" above).
 TROLL_HOST_DEVICE inline void gaussian_diag_jvp_accumulate(const gaussian_diag_entry& e,
                                                            const gaussian_diag_tangent& d, bool split, double t,
-                                                           gaussian_diag_jvp_sums* sums) {
+                                                           double s, gaussian_diag_jvp_sums* sums) {
   const int k = gaussian_diag_unit(e);
-  gaussian_diag_jvp_accumulate_units(gaussian_diag_scaled(e, k), gaussian_diag_scaled(d, k), split, t, sums);
+  gaussian_diag_jvp_accumulate_units(gaussian_diag_scaled(e, k), gaussian_diag_scaled(d, k), split, t, s, sums);
 }
 
 TROLL_HOST_DEVICE inline gaussian_diag_jvp_scalars gaussian_diag_jvp_finish(const gaussian_diag_jvp_sums& sums,
-                                                                            bool split, double t, double eps_mean,
-                                                                            double eps_dot, double eps_mean_dot) {
+                                                                            bool split, double t, double gap,
+                                                                            double eps_mean, double eps_dot,
+                                                                            double eps_mean_dot) {
   gaussian_diag_jvp_scalars s;
   s.t = t;
+  s.s = gap;
   if (split) {
     const double m = 0.5 * sums.b2;
     s.kappa = split_mean_scale(m, eps_mean);
@@ -358,8 +372,8 @@ TROLL_HOST_DEVICE inline gaussian_diag_jvp_out gaussian_diag_jvp_coordinate_unit
     out.std_dev = d.std_dev;
     return out;
   }
-  const gaussian_diag_member m = gaussian_diag_member_at(e, t);
-  gaussian_diag_fixed_t f = gaussian_diag_fixed_t_tangent(e, m, d, split, t);
+  const gaussian_diag_member m = gaussian_diag_member_at(e, t, sc.s);
+  gaussian_diag_fixed_t f = gaussian_diag_fixed_t_tangent(e, m, d, split, t, sc.s);
   f.lam_t_dot += sc.t_dot * m.ps;
   if (!split) {
     const double h_gap = m.pn * (e.mean - e.old_mean) + m.ps * e.old_mean;  // h̃ − h°

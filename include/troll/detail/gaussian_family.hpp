@@ -197,11 +197,24 @@ TROLL_HOST_DEVICE inline double gaussian_gain(double excess) {
   return minimum(-excess / lambda, largest_finite<double>());
 }
 
+/// Whether a diagonal coordinate's g = γ − 1 = 1/r² − 1 (r = σ̃/σ°) is beyond the doubles: r
+/// below ~7.5e-155 (a new standard deviation that small against the old). gaussian_diag_coordinate
+/// takes the largest finite double there, which only kl corrects (gaussian_diag_beyond_kl2); the
+/// projections and their derivatives refuse such rows (gaussian_checks.hpp).
+TROLL_HOST_DEVICE inline bool gaussian_diag_beyond(double std_dev, double old_std) {
+  const double r = std_dev / old_std;
+  if (r > 1e150) return false;
+  if (!(r > 1e-300)) return true;
+  const double r_minus_one = (std_dev - old_std) / old_std;
+  return !(-(r_minus_one / r) * ((r + 1.0) / r) < largest_finite<double>());
+}
+
 /// One coordinate of a diagonal row pair in the basis: with r = σ̃/σ° and r − 1 = (σ̃ − σ°)/σ°
 /// (no digits lost for nearly equal scales), g = γ − 1 = 1/r² − 1 = −((r − 1)/r)((r + 1)/r),
-/// exact to a few ulps for every ratio (two quotients: r² never underflows; a ratio below ~1e-154,
-/// where g passes the doubles, gives the largest finite double; above ~1e8 g rounds to −1, as
-/// 1/r² is below half an ulp of 1). b = (μ̃ − μ°)/σ°. Shared by the CPU and device factorisations.
+/// exact to a few ulps for every ratio (two quotients: r² never underflows; a ratio below ~7.5e-155,
+/// where g passes the doubles (gaussian_diag_beyond), gives the largest finite double; above ~1e8
+/// g rounds to −1, as 1/r² is below half an ulp of 1). b = (μ̃ − μ°)/σ°. Shared by the CPU and
+/// device factorisations.
 TROLL_HOST_DEVICE inline void gaussian_diag_coordinate(double mean, double std_dev, double old_mean, double old_std,
                                                        double* g, double* b) {
   const double r = std_dev / old_std;
@@ -215,6 +228,33 @@ TROLL_HOST_DEVICE inline void gaussian_diag_coordinate(double mean, double std_d
   }
   *b = (mean - old_mean) / old_std;
 }
+
+/// Twice the KL(p̃ ‖ q) term of a diagonal coordinate beyond the doubles (gaussian_diag_beyond):
+/// ψ(log γ) + b² = r² − 1 + log γ + b² with log γ = 2(log σ° − log σ̃), which is finite (at most
+/// ~1490 from the logarithms) where γ itself overflows, and exact: r < 7.5e-155, so the two
+/// logarithms do not cancel. gaussian::kl_diag adds it in place of the clamped coordinate's term.
+TROLL_HOST_DEVICE inline double gaussian_diag_beyond_kl2(double mean, double std_dev, double old_mean,
+                                                         double old_std) {
+  const double r = std_dev / old_std;
+  const double b = (mean - old_mean) / old_std;
+  return ((r * r - 1.0) + 2.0 * (::log(old_std) - ::log(std_dev))) + b * b;
+}
+
+/// Whether `kl` of a full row takes its log-determinant from the factors' diagonals
+/// (gaussian_full_beyond_kl2) because of this coordinate's gain g = γ − 1: g ≥ 1e8, an eigenvalue
+/// λ = 1/γ of Σ°⁻¹Σ̃ below ~1e-8. The factorisation knows such a λ only to an absolute error
+/// (~u·λ_max on a factor that is not graded, a floor near 1e-68 measured on a d = 3 row, the
+/// gain's clamp below ~1e-308), so Σ log γ_i can be far off (KL 77.4 for 230.6 at a diagonal
+/// ratio of 1e-100), while the diagonals give log det exactly. The row's KL is then ≥ ~8.7, so
+/// the cancellation the eigenvalue form avoids costs at most ~u·(7 + 0.75 d) relative.
+TROLL_HOST_DEVICE inline bool gaussian_full_kl_from_determinant(double g) { return g >= 1e8; }
+
+/// One coordinate's part of twice KL(p̃ ‖ q) for a full row taken by its determinant
+/// (gaussian_full_kl_from_determinant), all but the log-determinant: (λ − 1) + b² with
+/// λ = 1/(1 + g). The caller adds 2 Σ_i (log L°_ii − log L̃_ii) = −log det(Σ°⁻¹Σ̃), exact from the
+/// factors' diagonals, in place of Σ log γ_i; the trace sees a small λ's absolute error only as
+/// that error.
+TROLL_HOST_DEVICE inline double gaussian_full_beyond_kl2(double g, double b) { return (1.0 / (1.0 + g) - 1.0) + b * b; }
 
 /// kl's result for a row whose operands are valid. A NaN there can only come from an
 /// intermediate that overflowed (∞ − ∞ or 0·∞ in the whitened mean step or covariance: means 1e300

@@ -104,12 +104,12 @@ TROLL_HOST_DEVICE void derived(const Team& tm, const full_scratch& w) {
 
 }  // namespace full_steps
 
-/// The VJP of one full-covariance row (validated inputs, a solved row, t = 1 when inactive), the
-/// factorisation already in `w` (header comment).
+/// The VJP of one full-covariance row (validated inputs, a solved row, t = 1 when inactive; `gap`
+/// = 1 − t exact, solved_gap), the factorisation already in `w` (header comment).
 template <class Team, class T>
 TROLL_HOST_DEVICE void gaussian_full_vjp_row(const Team& tm, bool split, const T* mean, const T* cov,
-                                             const T* old_mean, double eps_mean, double t, const gaussian_vjp_io<T>& io,
-                                             const full_scratch& w) {
+                                             const T* old_mean, double eps_mean, double t, double gap,
+                                             const gaussian_vjp_io<T>& io, const full_scratch& w) {
   namespace fs = full_steps;
   const int d = w.d, dd = d * d;
   double *lo = w.mat(0), *w_mat = w.mat(3), *p_old = w.mat(5), *p_step = w.mat(6), *sig = w.mat(7);
@@ -155,7 +155,7 @@ TROLL_HOST_DEVICE void gaussian_full_vjp_row(const Team& tm, bool split, const T
       fs::store_lower(tm, d, t1, 1.0, io.cov);
     }
   } else {
-    const double s = 1.0 - t;
+    const double s = gap;  // 1 − t, exact (solved_gap)
     for (int i = tm.lane(); i < d; i += tm.size()) {
       a[i] = 1.0 + t * g[i];
       cm[i] = (t * (1.0 + g[i]) / a[i]) * b[i];
@@ -235,8 +235,8 @@ TROLL_HOST_DEVICE void gaussian_full_vjp_row(const Team& tm, bool split, const T
 /// already in `w`.
 template <class Team, class T>
 TROLL_HOST_DEVICE void gaussian_full_jvp_row(const Team& tm, bool split, const T* mean, const T* cov,
-                                             const T* old_mean, double eps_mean, double t, const gaussian_jvp_io<T>& io,
-                                             const full_scratch& w) {
+                                             const T* old_mean, double eps_mean, double t, double gap,
+                                             const gaussian_jvp_io<T>& io, const full_scratch& w) {
   namespace fs = full_steps;
   const int d = w.d, dd = d * d;
   double *lo = w.mat(0), *w_mat = w.mat(3), *p_old = w.mat(5), *p_step = w.mat(6), *sig = w.mat(7);
@@ -283,7 +283,7 @@ TROLL_HOST_DEVICE void gaussian_full_jvp_row(const Team& tm, bool split, const T
     fs::store_lower(tm, d, t1, 1.0, io.out_cov_tangent);
     return;
   }
-  const double s = 1.0 - t;
+  const double s = gap;  // 1 − t, exact (solved_gap)
   steps::axpby(tm, dd, 1.0, p_old, 1.0, p_step, p_new);
   fs::load_lower(tm, d, cov, l_new);
   for (int i = tm.lane(); i < d; i += tm.size()) {

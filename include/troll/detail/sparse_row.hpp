@@ -109,17 +109,6 @@ struct row_log_sums {
   }
 };
 
-/// The row_log_sums of a row from its running log-sum states over all tokens and over the tail
-/// (the reference: the whole row's largest logit).
-TROLL_HOST_DEVICE inline row_log_sums relative_log_sums(const log_sum_state& all, const log_sum_state& tail) {
-  row_log_sums out;
-  if (all.m == neg_inf()) return out;
-  out.ref = all.m;
-  out.total = ::log(all.s);
-  if (tail.m > neg_inf()) out.tail_ref = tail.m, out.tail = ::log(tail.s);
-  return out;
-}
-
 /// A sum of non-negative terms kept as an unevaluated pair hi + lo (double-double, TwoSum).
 /// Summing n terms this way is within n²·eps² of the exact sum whatever their order, so the
 /// double it rounds to (value()) does not depend on how the terms were split or ordered — what
@@ -562,6 +551,30 @@ struct index_slot {
   sparse_index index;
   int position;
 };
+
+/// The upstream gradient of a gathered sparse row as its backward counts it: `sum` = Σ_U g_k +
+/// g_R as an exact_sum (so that G − g_k keeps its digits: sparse_scatter_row), g_R counted only
+/// where the row's tail holds mass (`tail_has_mass`: tail_ref > −inf). A massless bucket (the
+/// support covers every token of mass) is a masked output, whose upstream gradient the backward
+/// passes ignore (docs/api.md); before, its g_R moved every entry's gradient. `bucket` is the
+/// counted g_R. The entries are summed in `sorted` order (by index), the same in the whole row's
+/// backward and in every shard's (both backends: the CUDA scatters' thread 0 calls it on the block's
+/// shared slots).
+struct counted_grad {
+  exact_sum sum;
+  double bucket = 0.0;
+};
+
+template <class T>
+TROLL_HOST_DEVICE inline counted_grad count_grad(const T* g, const index_slot* sorted, int n, double g_remainder, bool tail_has_mass) {
+  counted_grad c;
+  for (int i = 0; i < n; ++i) exact_add(c.sum, static_cast<double>(g[sorted[i].position]));
+  if (tail_has_mass) {
+    c.bucket = g_remainder;
+    exact_add(c.sum, g_remainder);
+  }
+  return c;
+}
 
 /// Sorts slots[0..n) by index (heapsort).
 TROLL_HOST_DEVICE inline void sort_by_index(index_slot* a, int n) {

@@ -130,9 +130,9 @@ def sparsify(local_logits: torch.Tensor, vocab_offset: int, vocab_size: int, k: 
 
         sampled_i32 = _index_rows(sampled, rows, "sampled", "distributed.sparsify", torch.as_tensor(sampled).device,
                                   torch.int32)
-    params = dict(k=int(k), delta=float(delta), vocab=int(vocab_size), offset=int(vocab_offset), group=group,
-                  threads=threads)
+    params = dict(k=_core._integer(k, "k"), delta=float(delta), vocab=_core._integer(vocab_size, "vocab_size"),
+                  offset=_core._integer(vocab_offset, "vocab_offset"), group=group, threads=threads)
     info: Dict[str, Any] = {}
     out = _ShardedSparsify.apply(local_logits, sampled_i32, params, info)
-    result = SparseRows(*out, int(vocab_size))
+    result = SparseRows(*out, params["vocab"])
     return (result, info["log_sums"]) if return_log_sums else result

@@ -137,15 +137,15 @@ void gaussian_backward_full(bool split, std::size_t d, const T* mean, const T* c
 /// The VJP of one diagonal row: gaussian_diag_derivatives.hpp's two passes over the coordinates.
 template <class T>
 void gaussian_backward_diag(bool split, std::size_t d, const T* mean, const T* std_dev, const T* old_mean,
-                            const T* old_std, double eps_mean, double t, const gaussian_vjp_io<T>& io) {
+                            const T* old_std, double eps_mean, double t, double s, const gaussian_vjp_io<T>& io) {
   auto entry = [&](std::size_t i) { return diag_entry(mean, std_dev, old_mean, old_std, i); };
   auto upstream = [&](std::size_t i) {
     return gaussian_diag_upstream{static_cast<double>(io.grad_out_mean[i]), static_cast<double>(io.grad_out_cov[i]),
                                   static_cast<double>(io.out_cov[i])};
   };
   gaussian_diag_vjp_sums sums;
-  for (std::size_t i = 0; i < d; ++i) gaussian_diag_vjp_accumulate(entry(i), upstream(i), split, t, &sums);
-  const gaussian_diag_vjp_scalars sc = gaussian_diag_vjp_finish(sums, split, t, eps_mean);
+  for (std::size_t i = 0; i < d; ++i) gaussian_diag_vjp_accumulate(entry(i), upstream(i), split, t, s, &sums);
+  const gaussian_diag_vjp_scalars sc = gaussian_diag_vjp_finish(sums, split, t, s, eps_mean);
   for (std::size_t i = 0; i < d; ++i) {
     const gaussian_diag_vjp_out g = gaussian_diag_vjp_coordinate(entry(i), upstream(i), split, sc);
     if (io.mean != nullptr) io.mean[i] = static_cast<T>(g.mean);

@@ -28,23 +28,21 @@ void gaussian_derivative_rows(cpu_policy policy, const gaussian_call& call, batc
                               void (*full)(bool, std::size_t, const T*, const T*, const T*, const T*, double, double,
                                            double, const Io&, const double*),
                               void (*diag)(bool, std::size_t, const T*, const T*, const T*, const T*, double, double,
-                                           const Io&)) {
+                                           double, const Io&)) {
   validate_gaussian_rows(policy.threads, call, mean, cov, old_mean, old_cov);
   validate_gaussian_stats(call.function, stats, mean.rows, what);
   validate_finite_operands(policy.threads, call.function, mean.rows, operands);
   const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;
   parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
     const Io io = make_io(r);
-    const double t = solved_tilt(stats[r]);
+    // t and the exact s = 1 − t (solved_tilt, solved_gap: 1 − t from the stored t carries half
+    // an ulp of t, 5e-10 of s at 1 − t* = 1e-7, and the old mean's derivative moved by as much).
+    const double t = solved_tilt(stats[r]), s = solved_gap(stats[r]);
     if (call.full) {
-      // s = 1 − t from η = s/t (formed from the exact 1 − t*) where t > ½: 1 − t from the stored t
-      // carries half an ulp of t, 5e-10 of s at 1 − t* = 1e-7 (the old mean's derivative moved by
-      // as much)
-      const double s = t < 1.0 && t > 0.5 ? stats[r].eta * t : 1.0 - t;
       full(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), eps_mean, t, s, io,
            saved.data == nullptr ? nullptr : saved.row(r));
     } else {
-      diag(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), eps_mean, t, io);
+      diag(call.split, call.dim, mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), eps_mean, t, s, io);
     }
   });
 }

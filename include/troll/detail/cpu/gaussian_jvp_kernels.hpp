@@ -130,15 +130,16 @@ void gaussian_jvp_full(bool split, std::size_t d, const T* mean, const T* cov, c
 /// The JVP of one diagonal row: gaussian_diag_derivatives.hpp's two passes over the coordinates.
 template <class T>
 void gaussian_jvp_diag(bool split, std::size_t d, const T* mean, const T* std_dev, const T* old_mean,
-                       const T* old_std, double eps_mean, double t, const gaussian_jvp_io<T>& io) {
+                       const T* old_std, double eps_mean, double t, double s, const gaussian_jvp_io<T>& io) {
   auto entry = [&](std::size_t i) { return diag_entry(mean, std_dev, old_mean, old_std, i); };
   auto at = [](const T* x, std::size_t i) { return x == nullptr ? 0.0 : static_cast<double>(x[i]); };
   auto tangent = [&](std::size_t i) {
     return gaussian_diag_tangent{at(io.mean, i), at(io.cov, i), at(io.old_mean, i), at(io.old_cov, i)};
   };
   gaussian_diag_jvp_sums sums;
-  for (std::size_t i = 0; i < d; ++i) gaussian_diag_jvp_accumulate(entry(i), tangent(i), split, t, &sums);
-  const gaussian_diag_jvp_scalars sc = gaussian_diag_jvp_finish(sums, split, t, eps_mean, io.eps, io.eps_mean);
+  for (std::size_t i = 0; i < d; ++i) gaussian_diag_jvp_accumulate(entry(i), tangent(i), split, t, s, &sums);
+  const gaussian_diag_jvp_scalars sc =
+      gaussian_diag_jvp_finish(sums, split, t, s, eps_mean, io.eps, io.eps_mean);
   for (std::size_t i = 0; i < d; ++i) {
     const gaussian_diag_jvp_out o = gaussian_diag_jvp_coordinate(entry(i), tangent(i), split, sc);
     io.out_mean[i] = static_cast<T>(o.mean);

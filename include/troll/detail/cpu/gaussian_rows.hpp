@@ -2,6 +2,7 @@
 // solve, write one validated row pair), kept out of the public <troll/gaussian.hpp>. Host-only.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <string>
 
@@ -91,12 +92,32 @@ void gaussian_kl(cpu_policy policy, const gaussian_call& c, batch_view<const T> 
   const std::size_t work = c.full ? 40 * c.dim * c.dim * c.dim : 40 * c.dim;
   cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
     cpu::gaussian_basis basis;
+    double beyond_kl2 = 0.0;  // coordinates beyond the doubles, exactly (gaussian_diag_beyond_kl2)
     if (c.full) {
       cpu::factor_full(mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), c.dim, basis);
+      if (std::any_of(basis.g.data(), basis.g.data() + basis.g.size(), gaussian_full_kl_from_determinant)) {
+        // A tiny eigenvalue: the log-determinant from the diagonals (exact).
+        const T *l = cov.row(r), *lo = old_cov.row(r);
+        double kl2 = 0.0, log_det = 0.0;
+        for (std::size_t i = 0; i < c.dim; ++i) {
+          kl2 += gaussian_full_beyond_kl2(basis.g[static_cast<Eigen::Index>(i)], basis.b[static_cast<Eigen::Index>(i)]);
+          log_det += ::log(static_cast<double>(lo[i * c.dim + i])) - ::log(static_cast<double>(l[i * c.dim + i]));
+        }
+        out[r] = gaussian_kl_result(0.5 * (kl2 + 2.0 * log_det));
+        return;
+      }
     } else {
-      cpu::factor_diag(mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), c.dim, basis);
+      const T *m = mean.row(r), *sd = cov.row(r), *om = old_mean.row(r), *osd = old_cov.row(r);
+      cpu::factor_diag(m, sd, om, osd, c.dim, basis);
+      for (std::size_t i = 0; i < c.dim; ++i) {
+        const double s = static_cast<double>(sd[i]), so = static_cast<double>(osd[i]);
+        if (!gaussian_diag_beyond(s, so)) continue;
+        beyond_kl2 += gaussian_diag_beyond_kl2(static_cast<double>(m[i]), s, static_cast<double>(om[i]), so);
+        basis.g[static_cast<Eigen::Index>(i)] = basis.b[static_cast<Eigen::Index>(i)] = 0.0;  // adds 0 below
+      }
     }
-    out[r] = gaussian_kl_result(gaussian_member(basis.forward_spectrum(true), tilt_near_one(0.0)).kl);
+    const double kl = gaussian_member(basis.forward_spectrum(true), tilt_near_one(0.0)).kl;
+    out[r] = gaussian_kl_result(beyond_kl2 == 0.0 ? kl : kl + 0.5 * beyond_kl2);
   });
 }
 

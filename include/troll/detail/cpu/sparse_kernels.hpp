@@ -767,29 +767,6 @@ inline row_log_sums log_sums_outside(const T* z, std::size_t size, const index_s
   return exact_log_sums(support_logits{z, sorted}, n, m_tail, tail);
 }
 
-/// The upstream gradient of a gathered sparse row as its backward counts it: `sum` = Σ_U g_k +
-/// g_R as an exact_sum (so that G − g_k keeps its digits: sparse_scatter_row), g_R counted only
-/// where the row's tail holds mass (`tail_has_mass`: tail_ref > −inf). A massless bucket (the
-/// support covers every token of mass) is a masked output, whose upstream gradient the backward
-/// passes ignore (docs/api.md); before, its g_R moved every entry's gradient. `bucket` is the
-/// counted g_R. The entries are summed in `sorted` order (by index), the same in the whole row's
-/// backward and in every shard's.
-struct counted_grad {
-  exact_sum sum;
-  double bucket = 0.0;
-};
-
-template <class T>
-inline counted_grad count_grad(const T* g, const index_slot* sorted, int n, double g_remainder, bool tail_has_mass) {
-  counted_grad c;
-  for (int i = 0; i < n; ++i) exact_add(c.sum, static_cast<double>(g[sorted[i].position]));
-  if (tail_has_mass) {
-    c.bucket = g_remainder;
-    exact_add(c.sum, g_remainder);
-  }
-  return c;
-}
-
 /// Backward of gathering a sparse row from dense logits (math.md §4): with upstream g on the
 /// support U and g_R on the bucket log-mass log r = log Σ_{k∉U} p_k (counted as counted_grad
 /// says: G = Σ_U g_i + g_R over the counted ones),

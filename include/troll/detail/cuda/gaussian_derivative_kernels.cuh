@@ -64,9 +64,14 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_kl_diag_kernel(gaussia
     }
     double kl2 = 0.0, info = 0.0;
     for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp) {
+      const double m = static_cast<double>(mean[i]), s = static_cast<double>(sd[i]),
+                   om = static_cast<double>(old_mean[i]), so = static_cast<double>(old_sd[i]);
+      if (gaussian_diag_beyond(s, so)) {  // γ beyond the doubles: the exact term, as the CPU's
+        kl2 += gaussian_diag_beyond_kl2(m, s, om, so);
+        continue;
+      }
       double g = 0.0, b = 0.0;
-      gaussian_diag_coordinate(static_cast<double>(mean[i]), static_cast<double>(sd[i]),
-                               static_cast<double>(old_mean[i]), static_cast<double>(old_sd[i]), &g, &b);
+      gaussian_diag_coordinate(m, s, om, so, &g, &b);
       gaussian_coordinate(g, b, u.t, true, &kl2, &info);
     }
     const gaussian_point p = gaussian_point_at(u, warp_sum(kl2), warp_sum(info));
@@ -95,6 +100,18 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_kl_full_kernel(gaussia
       continue;
     }
     factor_full_row(mean, l_new, old_mean, l_old, d, lo, work, a, v, g, b, delta);
+    const int lane = static_cast<int>(threadIdx.x);
+    const bool by_determinant = __any_sync(0xffffffffu, lane < d && gaussian_full_kl_from_determinant(g[lane]));
+    if (by_determinant) {  // a tiny eigenvalue: the log-determinant from the diagonals, as the CPU's
+      double part = 0.0;
+      if (lane < d)
+        part = gaussian_full_beyond_kl2(g[lane], b[lane]) +
+               2.0 * (::log(static_cast<double>(l_old[lane * d + lane])) - ::log(static_cast<double>(l_new[lane * d + lane])));
+      const double kl2 = warp_sum(part);
+      if (lane == 0) k.out[r] = gaussian_kl_result(0.5 * kl2);
+      __syncwarp();
+      continue;
+    }
     const gaussian_point none;
     const gaussian_point p =
         gaussian_warp_family{gaussian_spectrum{g, b, d, true}}.evaluate(tilt_near_one(0.0), none, 0.0, 0.0);
@@ -122,7 +139,7 @@ struct diag_vjp_op {
     }
   }
   __device__ void row(std::size_t r, std::size_t d, const T* mean, const T* sd, const T* old_mean, const T* old_sd,
-                      double t) const {
+                      double t, double s) const {
     const T *out_sd = k.out_cov.row(r), *up_mean = k.grad_out_mean.row(r), *up_sd = k.grad_out_cov.row(r);
     T *g_mean = row_or_null(k.grads.mean, r), *g_sd = row_or_null(k.grads.cov, r);
     T *g_old_mean = row_or_null(k.grads.old_mean, r), *g_old_sd = row_or_null(k.grads.old_cov, r);
@@ -133,9 +150,9 @@ struct diag_vjp_op {
     };
     gaussian_diag_vjp_sums sums;
     for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp)
-      gaussian_diag_vjp_accumulate(entry(i), upstream(i), k.split, t, &sums);
+      gaussian_diag_vjp_accumulate(entry(i), upstream(i), k.split, t, s, &sums);
     sums.for_each_field([](double& x) { x = warp_sum(x); });
-    const gaussian_diag_vjp_scalars sc = gaussian_diag_vjp_finish(sums, k.split, t, k.eps_mean);
+    const gaussian_diag_vjp_scalars sc = gaussian_diag_vjp_finish(sums, k.split, t, s, k.eps_mean);
     for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp) {
       const gaussian_diag_vjp_out o = gaussian_diag_vjp_coordinate(entry(i), upstream(i), k.split, sc);
       if (g_mean != nullptr) g_mean[i] = static_cast<T>(o.mean);
@@ -162,7 +179,7 @@ struct diag_jvp_op {
     fill_row_nan(k.out_cov.row(r), d);
   }
   __device__ void row(std::size_t r, std::size_t d, const T* mean, const T* sd, const T* old_mean, const T* old_sd,
-                      double t) const {
+                      double t, double s) const {
     const T *d_mean = row_or_null(k.tangents.mean, r), *d_sd = row_or_null(k.tangents.cov, r);
     const T *d_old_mean = row_or_null(k.tangents.old_mean, r), *d_old_sd = row_or_null(k.tangents.old_cov, r);
     T *out_mean = k.out_mean.row(r), *out_sd = k.out_cov.row(r);
@@ -173,10 +190,10 @@ struct diag_jvp_op {
     };
     gaussian_diag_jvp_sums sums;
     for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp)
-      gaussian_diag_jvp_accumulate(entry(i), tangent(i), k.split, t, &sums);
+      gaussian_diag_jvp_accumulate(entry(i), tangent(i), k.split, t, s, &sums);
     sums.for_each_field([](double& x) { x = warp_sum(x); });
     const gaussian_diag_jvp_scalars sc =
-        gaussian_diag_jvp_finish(sums, k.split, t, k.eps_mean, k.tangents.eps, k.tangents.eps_mean);
+        gaussian_diag_jvp_finish(sums, k.split, t, s, k.eps_mean, k.tangents.eps, k.tangents.eps_mean);
     for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp) {
       const gaussian_diag_jvp_out o = gaussian_diag_jvp_coordinate(entry(i), tangent(i), k.split, sc);
       out_mean[i] = static_cast<T>(o.mean);
@@ -198,7 +215,7 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_derivative_diag_kernel
       op.reject(r, d);
       continue;
     }
-    op.row(r, d, mean, sd, old_mean, old_sd, solved_tilt(st));
+    op.row(r, d, mean, sd, old_mean, old_sd, solved_tilt(st), solved_gap(st));
   }
 }
 

@@ -59,10 +59,23 @@ struct full_kl_op {
                       const T* l_old, const full_scratch& w) const {
     const int d = w.d;
     factor_full_team(tm, mean, l_new, old_mean, l_old, w);
+    const double *g = w.vec(0), *b = w.vec(1);
+    bool tiny = false;
+    for (int i = tm.lane(); i < d; i += tm.size()) tiny |= gaussian_full_kl_from_determinant(g[i]);
+    if (tm.sum(tiny ? 1.0 : 0.0) != 0.0) {  // a tiny eigenvalue: log det from the diagonals, as the CPU's
+      double part = 0.0;
+      for (int i = tm.lane(); i < d; i += tm.size())
+        part += gaussian_full_beyond_kl2(g[i], b[i]) +
+                2.0 * (::log(static_cast<double>(l_old[i * d + i])) - ::log(static_cast<double>(l_new[i * d + i])));
+      const double kl2 = tm.sum(part);
+      if (threadIdx.x == 0) k.out[r] = gaussian_kl_result(0.5 * kl2);
+      tm.sync();
+      return;
+    }
     const gaussian_point none;
-    const gaussian_point p = gaussian_team_family<block_team>{tm, gaussian_spectrum{w.vec(0), w.vec(1), d, true}}
-                                 .evaluate(tilt_near_one(0.0), none, 0.0, 0.0);
-    if (threadIdx.x == 0) k.out[r] = p.kl;
+    const gaussian_point p =
+        gaussian_team_family<block_team>{tm, gaussian_spectrum{g, b, d, true}}.evaluate(tilt_near_one(0.0), none, 0.0, 0.0);
+    if (threadIdx.x == 0) k.out[r] = gaussian_kl_result(p.kl);
     tm.sync();
   }
 };

@@ -120,9 +120,9 @@ struct full_vjp_op {
       if (io.eps_mean != nullptr) *io.eps_mean = quiet_nan();
     }
   }
-  __device__ void row(const block_team& tm, const T* mean, const T* l_new, const T* old_mean, double t,
+  __device__ void row(const block_team& tm, const T* mean, const T* l_new, const T* old_mean, double t, double s,
                       const gaussian_vjp_io<T>& io, const full_scratch& w) const {
-    gaussian_full_vjp_row(tm, k.split, mean, l_new, old_mean, k.eps_mean, t, io, w);
+    gaussian_full_vjp_row(tm, k.split, mean, l_new, old_mean, k.eps_mean, t, s, io, w);
   }
 };
 
@@ -139,9 +139,9 @@ struct full_jvp_op {
     fill_row_nan<gaussian_full_threads>(io.out_mean, d);
     fill_row_nan<gaussian_full_threads>(io.out_cov_tangent, dd);
   }
-  __device__ void row(const block_team& tm, const T* mean, const T* l_new, const T* old_mean, double t,
+  __device__ void row(const block_team& tm, const T* mean, const T* l_new, const T* old_mean, double t, double s,
                       const gaussian_jvp_io<T>& io, const full_scratch& w) const {
-    gaussian_full_jvp_row(tm, k.split, mean, l_new, old_mean, k.eps_mean, t, io, w);
+    gaussian_full_jvp_row(tm, k.split, mean, l_new, old_mean, k.eps_mean, t, s, io, w);
   }
 };
 
@@ -170,9 +170,9 @@ __global__ void __launch_bounds__(gaussian_full_threads)
       op.reject(io, d, dd);
       continue;
     }
-    const double t = solved_tilt(st);
+    const double t = solved_tilt(st), s = solved_gap(st);
     load_or_factor(mean, l_new, old_mean, l_old, saved.data == nullptr ? nullptr : saved.row(r), w, tm);
-    op.row(tm, mean, l_new, old_mean, t, io, w);
+    op.row(tm, mean, l_new, old_mean, t, s, io, w);
   }
 }
 

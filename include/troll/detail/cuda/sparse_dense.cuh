@@ -106,21 +106,15 @@ __device__ void warp_support_and_grad(const sparse_batch_view<const T>& support,
   if (lane_id() == 0) sh.report.Alias() = report, sh.sum_g = sum_g, sh.count = report.error == cuda_row_error::none ? n : 0;
 }
 
-/// The upstream gradient as the backward counts it (the CPU's detail::cpu::count_grad): Σ g over
-/// the support (sh.sorted, in index order) and g_R where the tail holds mass, as an exact_sum into
-/// sh.sum_g / sh.sum_lo, and the counted g_R into sh.g_bucket. Formed by thread 0 (n ≤
-/// sparse_max_entries terms); every thread must reach it (it ends with a barrier).
+/// The upstream gradient as the backward counts it (count_grad, sparse_row.hpp, as on the CPU):
+/// Σ g over the support (sh.sorted, in index order) and g_R where the tail holds mass, as an
+/// exact_sum into sh.sum_g / sh.sum_lo, and the counted g_R into sh.g_bucket. Formed by thread 0
+/// (n ≤ sparse_max_entries terms); every thread must reach it (it ends with a barrier).
 template <class T>
 __device__ void block_count_grad(split_scan_storage& sh, int n, const T* g, double g_r, bool tail_has_mass) {
   if (threadIdx.x == 0) {
-    exact_sum sum;
-    for (int i = 0; i < n; ++i) exact_add(sum, static_cast<double>(g[sh.sorted[i].position]));
-    double bucket = 0.0;
-    if (tail_has_mass) {
-      bucket = g_r;
-      exact_add(sum, g_r);
-    }
-    sh.sum_g = sum.hi, sh.sum_lo = sum.lo, sh.g_bucket = bucket;
+    const counted_grad c = count_grad(g, sh.sorted, n, g_r, tail_has_mass);
+    sh.sum_g = c.sum.hi, sh.sum_lo = c.sum.lo, sh.g_bucket = c.bucket;
   }
   __syncthreads();
 }
@@ -170,8 +164,17 @@ __global__ void __launch_bounds__(block_threads)
     if (report.error == cuda_row_error::none) report = sh.report.Alias();
     if (record_or_reject(checks, range, r, report, grad_logits, size)) return;
     T* out = grad_logits.row(r);
-    // Relative to the row's largest logit (row_log_sums): p_k = e^{(z_k − ref) − total}.
-    const row_log_sums sums = relative_log_sums(merge(scan.tail, scan.support), scan.tail);
+    // Relative to the row's largest logit (row_log_sums): p_k = e^{(z_k − ref) − total}, with
+    // the canonical sums (detail::exact_log_sums, as the CPU's log_sums_outside and
+    // align_dense_kernel): log1p of the exact total, so that a support entry's 1 − p_k =
+    // −expm1(log p_k) keeps its digits on a near-deterministic row.
+    struct support_logits {
+      const L* z;
+      const index_slot* sorted;
+      __device__ double operator[](int i) const { return to_double(z[sorted[i].index]); }
+    };
+    const exact_sum tail_sum{scan.tail.m > neg_inf() ? scan.tail.s : 0.0, 0.0};
+    const row_log_sums sums = exact_log_sums(support_logits{z, sh.sorted}, n, scan.tail.m, tail_sum);
     const double log_total = sums.total;
     block_count_grad<T>(sh, n, g, g_r, sums.tail_ref > neg_inf());
     const double g_bucket = sh.g_bucket;
