@@ -511,6 +511,42 @@ TEST_CASE("project_jacobian: rows * V^2 entries past the address space are a sha
                        doctest::Contains("overflow"), troll::shape_error);
 }
 
+TEST_CASE("project_jacobian: an entry whose true value overflows float is a domain_error, not inf") {
+  // A finite −3e38 mask in the old row only: ∂log π*/∂ε of that token is ~6.7e39 (the audit's
+  // row). Before, jac_eps held +inf with no error, while project_backward and project_jvp threw.
+  // Row 0 is ordinary; row 1 carries the mask, and is named.
+  const std::size_t rows = 2, v = 3;
+  const std::vector<float> zn = {0.5f, 1.0f, -0.25f, 0.0f, 2.0f, 0.0f}, zo = {0.0f, 0.2f, 0.1f, 0.0f, 0.0f, -3e38f};
+  std::vector<float> out(rows * v);
+  std::vector<troll::projection_stats> st(rows);
+  const auto n = troll::make_batch(zn.data(), rows, v), o = troll::make_batch(zo.data(), rows, v);
+  troll::project(troll::cpu, n, o, 1e-3, troll::make_batch(out.data(), rows, v), st.data());
+  REQUIRE(st[1].status == troll::row_status::projected);
+  std::vector<float> jn(rows * v * v), jo(rows * v * v), je(rows * v);
+  const auto lp = troll::make_batch<const float>(out.data(), rows, v);
+  std::string what = "no error";
+  std::size_t row = 99;
+  try {
+    troll::project_jacobian(troll::cpu, n, o, lp, st.data(), jn.data(), jo.data(), je.data());
+  } catch (const troll::domain_error& e) {
+    what = e.what();
+    row = e.row();
+  }
+  CHECK(row == 1);
+  CHECK_MESSAGE(what.find("does not fit float") != std::string::npos, what);
+  // The same call without jac_eps fits (jac_old's entries are ~7e36), and in double everything fits.
+  CHECK_NOTHROW(troll::project_jacobian(troll::cpu, n, o, lp, st.data(), jn.data(), jo.data()));
+  const std::vector<double> zn2(zn.begin(), zn.end()), zo2(zo.begin(), zo.end());
+  std::vector<double> out2(rows * v), jn2(rows * v * v), je2(rows * v);
+  std::vector<troll::projection_stats> st2(rows);
+  const auto n2 = troll::make_batch(zn2.data(), rows, v), o2 = troll::make_batch(zo2.data(), rows, v);
+  troll::project(troll::cpu, n2, o2, 1e-3, troll::make_batch(out2.data(), rows, v), st2.data());
+  troll::project_jacobian(troll::cpu, n2, o2, troll::make_batch<const double>(out2.data(), rows, v), st2.data(),
+                          jn2.data(), static_cast<double*>(nullptr), je2.data());
+  CHECK(std::fabs(je2[v + 2]) > 1e39);
+  CHECK(std::isfinite(je2[v + 2]));
+}
+
 TEST_CASE_TEMPLATE("kl_backward of an infinite KL (p has mass where q is -inf)", T, float, double) {
   fixture<T> fx;
   set_value(fx, false, 2, 1, -inf_value);

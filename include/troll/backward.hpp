@@ -3,6 +3,7 @@
 // All take the forward's inputs, its output log π* and its per-row statistics.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <vector>
 #include <limits>
@@ -100,12 +101,20 @@ void project_jacobian(cpu_policy policy, input_view<T> new_logits, input_view<T>
   detail::validate_backward(fn, policy.threads, new_logits, old_logits, log_probs, stats,
                             input_view<T>{}, "", input_view<T>{});
   const std::size_t size = new_logits.cols;
+  std::atomic<std::size_t> first_overflow{new_logits.rows};
   detail::cpu::parallel_for(policy.threads, new_logits.rows, size * size, [&](std::size_t r) {
     const std::size_t block = size * size;
-    detail::cpu::jacobian_row(new_logits.row(r), old_logits.row(r), log_probs.row(r), size, stats[r],
-                              jac_new + r * block, jac_old ? jac_old + r * block : nullptr,
-                              jac_eps ? jac_eps + r * size : nullptr);
+    if (!detail::cpu::jacobian_row(new_logits.row(r), old_logits.row(r), log_probs.row(r), size, stats[r],
+                                   jac_new + r * block, jac_old ? jac_old + r * block : nullptr,
+                                   jac_eps ? jac_eps + r * size : nullptr)) {
+      std::size_t seen = first_overflow.load();
+      while (r < seen && !first_overflow.compare_exchange_weak(seen, r)) {
+      }
+    }
   });
+  // As project_backward and project_jvp: a row whose true Jacobian overflows T is reported after
+  // the pass (the buffers then hold unspecified values), not left as ±inf.
+  detail::throw_jacobian_overflowed<T>(fn, first_overflow.load(), new_logits.rows);
 }
 
 TROLL_END_NAMESPACE

@@ -122,6 +122,18 @@ void throw_overflowed(const char* fn, const unsigned char* overflowed, std::size
                          r);
 }
 
+/// throw_overflowed for project_jacobian, given its lowest row with an entry that does not fit
+/// (`rows`: none).
+template <class T>
+void throw_jacobian_overflowed(const char* fn, std::size_t bad, std::size_t rows) {
+  if (bad == rows) return;
+  throw domain_error(row_prefix(fn, bad) + "a Jacobian entry does not fit " +
+                         (sizeof(T) == sizeof(float) ? "float" : "double") +
+                         " (its true value overflows: d log pi / d eps ~ |d - mu| / (t sigma2) of a token "
+                         "the old row all but masks, e.g. a -3e38 mask in float)",
+                     bad);
+}
+
 /// Shared argument checks of the backward entry points; throws before anything is written.
 template <class T>
 void validate_backward(const char* fn, unsigned threads, batch_view<const T> new_logits,

@@ -517,9 +517,10 @@ inline bool jvp_row(const T* zn, const T* zo, const T* logp, const T* tn, const 
 }
 
 /// Full Jacobians of one row (row-major V×V): jac_new = ∂log π/∂z̃, jac_old = ∂log π/∂z° (may be
-/// null), jac_eps = ∂log π/∂ε (V entries, may be null). Direct formulas, O(V²).
+/// null), jac_eps = ∂log π/∂ε (V entries, may be null). Direct formulas, O(V²). Returns false
+/// when an entry does not fit T (written as ±inf).
 template <class T>
-inline void jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t size,
+inline bool jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t size,
                          const projection_stats& s, T* jac_new, T* jac_old, T* jac_eps) {
   const bool projected = s.status == row_status::projected;
   const double t = projected ? s.t : 1.0;
@@ -535,6 +536,14 @@ inline void jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t si
     const double q = zj > neg_inf() ? ::exp((zj - on.max) - on.log_sum) : 0.0;
     return detail::dt_dold(on_support(j), pi(j), centred(j), q, s);
   };
+  // Whether every entry written fits T (a finite mask in the old row only gives ∂log π*/∂ε ~
+  // |z°|/(tσ²): 6.7e39 with a −3e38 float mask; the caller reports such a row as the VJP does).
+  bool fits = true;
+  auto put = [&](T* at, double value) {
+    const T x = T(value);
+    fits &= x - x == T(0);
+    *at = x;
+  };
   for (std::size_t i = 0; i < size; ++i) {
     const bool row_on = on_support(i);
     for (std::size_t j = 0; j < size; ++j) {
@@ -548,11 +557,12 @@ inline void jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t si
         }
       }
       if (row_on && projected) jo += centred(i) * dt_dold(j);
-      jac_new[i * size + j] = T(jn);
-      if (jac_old) jac_old[i * size + j] = T(jo);
+      put(jac_new + i * size + j, jn);
+      if (jac_old) put(jac_old + i * size + j, jo);
     }
-    if (jac_eps) jac_eps[i] = T(row_on && projected ? centred(i) / (t * s.sigma2) : 0.0);
+    if (jac_eps) put(jac_eps + i, row_on && projected ? centred(i) / (t * s.sigma2) : 0.0);
   }
+  return fits;
 }
 
 }  // namespace cpu
