@@ -36,6 +36,21 @@ namespace {
 
 using troll::gaussian::gaussian_stats;
 
+/// The domain_error a call throws: its row and message (row 99 and "no error" when none).
+struct refusal {
+  std::size_t row = 99;
+  std::string what = "no error";
+};
+template <class Call>
+refusal refusal_of(Call&& call) {
+  try {
+    call();
+  } catch (const troll::domain_error& e) {
+    return refusal{e.row(), e.what()};
+  }
+  return refusal{};
+}
+
 /// A full row's projection: outputs and stats.
 struct projected_row {
   std::vector<double> mean, chol;
@@ -847,15 +862,9 @@ TEST_CASE("a mean step that overflows in the old Gaussian's coordinates is refus
           troll::gaussian::project_joint_diag(troll::cpu, m, in(cov, cols), in(old_mean, d), in(old_cov, cols), 0.1,
                                               om, oc, st.data());
       };
-      std::string what = "no error";
-      std::size_t row = 99;
-      try {
-        forward(in(mean, d));
-      } catch (const troll::domain_error& e) {
-        what = e.what();
-        row = e.row();
-      }
-      CHECK(row == 1);
+      const refusal got = refusal_of([&] { forward(in(mean, d)); });
+      const std::string& what = got.what;
+      CHECK(got.row == 1);
       CHECK_MESSAGE(what.find("mean step") != std::string::npos, what);
       CHECK_MESSAGE(what.find("overflows a double at entry 0") != std::string::npos, what);
       for (double x : out_m) CHECK(x == -7.0);
@@ -940,15 +949,9 @@ TEST_CASE("diagonal rows with a ratio beyond the doubles' gamma: exact kl, the p
     auto om = troll::make_batch(out_m.data(), 1, d);
     auto os = troll::make_batch(out_s.data(), 1, d);
     auto expect_refused = [&](auto&& call) {
-      std::string what = "no error";
-      std::size_t row = 99;
-      try {
-        call();
-      } catch (const troll::domain_error& e) {
-        what = e.what();
-        row = e.row();
-      }
-      CHECK(row == 0);
+      const refusal got = refusal_of(call);
+      const std::string& what = got.what;
+      CHECK(got.row == 0);
       CHECK_MESSAGE(what.find("std_dev / old_std_dev is") != std::string::npos, what);
       CHECK_MESSAGE(what.find("at entry 0") != std::string::npos, what);
       for (double x : out_m) CHECK(x == -7.0);
@@ -1045,9 +1048,7 @@ TEST_CASE("full rows with a factor ratio beyond the doubles' gamma: exact kl, th
     gaussian_stats st;
     for (const bool split : {false, true}) {
       CAPTURE(split);
-      std::string what = "no error";
-      std::size_t row = 99;
-      try {
+      const refusal got = refusal_of([&] {
         if (split)
           troll::gaussian::project_split(troll::cpu, in(mean, d), in(l, d * d), in(old_mean, d), in(lo, d * d), 0.1,
                                          0.1, troll::make_batch(out_m.data(), 1, d),
@@ -1056,11 +1057,9 @@ TEST_CASE("full rows with a factor ratio beyond the doubles' gamma: exact kl, th
           troll::gaussian::project_joint(troll::cpu, in(mean, d), in(l, d * d), in(old_mean, d), in(lo, d * d), 0.1,
                                          troll::make_batch(out_m.data(), 1, d),
                                          troll::make_batch(out_l.data(), 1, d * d), &st);
-      } catch (const troll::domain_error& e) {
-        what = e.what();
-        row = e.row();
-      }
-      CHECK(row == 0);
+      });
+      const std::string& what = got.what;
+      CHECK(got.row == 0);
       CHECK_MESSAGE(what.find("cov_chol[1][1] / old_cov_chol[1][1] is") != std::string::npos, what);
       for (double x : out_m) CHECK(x == -7.0);
       for (double x : out_l) CHECK(x == -7.0);

@@ -106,11 +106,8 @@ void project_jacobian(cpu_policy policy, input_view<T> new_logits, input_view<T>
     const std::size_t block = size * size;
     if (!detail::cpu::jacobian_row(new_logits.row(r), old_logits.row(r), log_probs.row(r), size, stats[r],
                                    jac_new + r * block, jac_old ? jac_old + r * block : nullptr,
-                                   jac_eps ? jac_eps + r * size : nullptr)) {
-      std::size_t seen = first_overflow.load();
-      while (r < seen && !first_overflow.compare_exchange_weak(seen, r)) {
-      }
-    }
+                                   jac_eps ? jac_eps + r * size : nullptr))
+      detail::cpu::lower_to(first_overflow, r);
   });
   // As project_backward and project_jvp: a row whose true Jacobian overflows T is reported after
   // the pass (the buffers then hold unspecified values), not left as ±inf.

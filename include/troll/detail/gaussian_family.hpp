@@ -197,35 +197,32 @@ TROLL_HOST_DEVICE inline double gaussian_gain(double excess) {
   return minimum(-excess / lambda, largest_finite<double>());
 }
 
-/// Whether a diagonal coordinate's g = γ − 1 = 1/r² − 1 (r = σ̃/σ°) is beyond the doubles: r
-/// below ~7.5e-155 (a new standard deviation that small against the old). gaussian_diag_coordinate
-/// takes the largest finite double there, which only kl corrects (gaussian_diag_beyond_kl2); the
-/// projections and their derivatives refuse such rows (gaussian_checks.hpp).
-TROLL_HOST_DEVICE inline bool gaussian_diag_beyond(double std_dev, double old_std) {
+/// A diagonal coordinate's g = γ − 1 = 1/r² − 1 (r = σ̃/σ°, r − 1 = (σ̃ − σ°)/σ°: no digits lost
+/// for nearly equal scales) as −((r − 1)/r)((r + 1)/r): exact to a few ulps for every ratio (two
+/// quotients: r² never underflows), +∞ where it passes the doubles (r below ~7.5e-155), −1 above
+/// r = 1e150 (from ~1e8 on 1/r² is below half an ulp of 1 anyway).
+TROLL_HOST_DEVICE inline double gaussian_diag_gain(double std_dev, double old_std) {
   const double r = std_dev / old_std;
-  if (r > 1e150) return false;
-  if (!(r > 1e-300)) return true;
+  if (r > 1e150) return -1.0;
+  if (!(r > 1e-300)) return inf();  // r underflowed (or nearly)
   const double r_minus_one = (std_dev - old_std) / old_std;
-  return !(-(r_minus_one / r) * ((r + 1.0) / r) < largest_finite<double>());
+  return -(r_minus_one / r) * ((r + 1.0) / r);
 }
 
-/// One coordinate of a diagonal row pair in the basis: with r = σ̃/σ° and r − 1 = (σ̃ − σ°)/σ°
-/// (no digits lost for nearly equal scales), g = γ − 1 = 1/r² − 1 = −((r − 1)/r)((r + 1)/r),
-/// exact to a few ulps for every ratio (two quotients: r² never underflows; a ratio below ~7.5e-155,
-/// where g passes the doubles (gaussian_diag_beyond), gives the largest finite double; above ~1e8
-/// g rounds to −1, as 1/r² is below half an ulp of 1). b = (μ̃ − μ°)/σ°. Shared by the CPU and
-/// device factorisations.
+/// Whether a diagonal coordinate's g = γ − 1 is beyond the doubles (gaussian_diag_gain: a new
+/// standard deviation below ~7.5e-155 of the old). gaussian_diag_coordinate takes the largest
+/// finite double there, which only kl corrects (gaussian_diag_beyond_kl2); the projections and
+/// their derivatives refuse such rows (gaussian_checks.hpp).
+TROLL_HOST_DEVICE inline bool gaussian_diag_beyond(double std_dev, double old_std) {
+  return !(gaussian_diag_gain(std_dev, old_std) < largest_finite<double>());
+}
+
+/// One coordinate of a diagonal row pair in the basis: g = γ − 1 (gaussian_diag_gain; the largest
+/// finite double where it passes the doubles, gaussian_diag_beyond) and b = (μ̃ − μ°)/σ°. Shared
+/// by the CPU and device factorisations.
 TROLL_HOST_DEVICE inline void gaussian_diag_coordinate(double mean, double std_dev, double old_mean, double old_std,
                                                        double* g, double* b) {
-  const double r = std_dev / old_std;
-  if (r > 1e150) {
-    *g = -1.0;
-  } else if (!(r > 1e-300)) {  // r underflowed (or nearly): g beyond the doubles
-    *g = largest_finite<double>();
-  } else {
-    const double r_minus_one = (std_dev - old_std) / old_std;
-    *g = minimum(-(r_minus_one / r) * ((r + 1.0) / r), largest_finite<double>());
-  }
+  *g = minimum(gaussian_diag_gain(std_dev, old_std), largest_finite<double>());
   *b = (mean - old_mean) / old_std;
 }
 
@@ -250,11 +247,13 @@ TROLL_HOST_DEVICE inline double gaussian_diag_beyond_kl2(double mean, double std
 TROLL_HOST_DEVICE inline bool gaussian_full_kl_from_determinant(double g) { return g >= 1e8; }
 
 /// One coordinate's part of twice KL(p̃ ‖ q) for a full row taken by its determinant
-/// (gaussian_full_kl_from_determinant), all but the log-determinant: (λ − 1) + b² with
-/// λ = 1/(1 + g). The caller adds 2 Σ_i (log L°_ii − log L̃_ii) = −log det(Σ°⁻¹Σ̃), exact from the
-/// factors' diagonals, in place of Σ log γ_i; the trace sees a small λ's absolute error only as
-/// that error.
-TROLL_HOST_DEVICE inline double gaussian_full_beyond_kl2(double g, double b) { return (1.0 / (1.0 + g) - 1.0) + b * b; }
+/// (gaussian_full_kl_from_determinant): (λ_i − 1) + b_i² with λ = 1/(1 + g), plus
+/// 2(log L°_ii − log L̃_ii) from the factors' diagonals (`new_diag` = L̃_ii, `old_diag` = L°_ii),
+/// whose sum is −log det(Σ°⁻¹Σ̃), exact, in place of Σ log γ_i; the trace sees a small λ's
+/// absolute error only as that error.
+TROLL_HOST_DEVICE inline double gaussian_full_beyond_kl2(double g, double b, double new_diag, double old_diag) {
+  return ((1.0 / (1.0 + g) - 1.0) + b * b) + 2.0 * (::log(old_diag) - ::log(new_diag));
+}
 
 /// kl's result for a row whose operands are valid. A NaN there can only come from an
 /// intermediate that overflowed (∞ − ∞ or 0·∞ in the whitened mean step or covariance: means 1e300

@@ -147,6 +147,13 @@ void parallel_for(unsigned threads, std::size_t n, std::size_t work_per_item, Bo
   if (failure) std::rethrow_exception(failure);
 }
 
+/// first = min(first, i), atomically: the lowest row a parallel pass found.
+inline void lower_to(std::atomic<std::size_t>& first, std::size_t i) {
+  std::size_t seen = first.load();
+  while (i < seen && !first.compare_exchange_weak(seen, i)) {
+  }
+}
+
 /// Runs check(i) → bool (true = row i is bad) over all rows in parallel and returns the smallest
 /// bad row, or n when every row is fine. Deterministic whatever the thread count.
 template <class Check>
@@ -154,11 +161,7 @@ std::size_t first_bad_row(unsigned threads, std::size_t n, std::size_t work_per_
   std::atomic<std::size_t> first{n};
   parallel_for(threads, n, work_per_item, [&](std::size_t i) {
     if (i >= first.load(std::memory_order_relaxed)) return;
-    if (check(i)) {
-      std::size_t seen = first.load();
-      while (i < seen && !first.compare_exchange_weak(seen, i)) {
-      }
-    }
+    if (check(i)) lower_to(first, i);
   });
   return first.load();
 }

@@ -208,9 +208,7 @@ std::size_t first_bad_row_with_ids(unsigned threads, std::size_t rows, std::size
     for (std::size_t r = b * run; r < end; ++r) {
       if (r >= first.load(std::memory_order_relaxed)) return;
       if (check(r, scratch)) {
-        std::size_t seen = first.load();
-        while (r < seen && !first.compare_exchange_weak(seen, r)) {
-        }
+        cpu::lower_to(first, r);
         return;
       }
     }
