@@ -522,3 +522,47 @@ def test_integer_like_vocab_and_k_are_accepted(gen):
     for vocab in (np.int32(8), torch.tensor(8)):
         got = troll.align(new, troll.SparseRows(*rows[:4], vocab))
         assert torch.equal(got.counts, want.counts) and torch.equal(got.new_log_probs, want.new_log_probs)
+
+
+# ---- bounds as one-element arrays of any framework; stats edited before the backward ----
+
+
+@pytest.mark.parametrize("make", [lambda v: np.array([v]), lambda v: np.array(v), lambda v: torch.tensor([v], dtype=D),
+                                  lambda v: v])
+def test_bounds_as_one_element_arrays_everywhere(gen, make):
+    # docs/python.md: eps is "a number or a one-element array of any framework"; troll.torch's
+    # projections took NumPy's shape-(1,) arrays through float(), which NumPy 2 refuses.
+    new, old = logits(gen, 3, 8), logits(gen, 3, 8)
+    want = troll.project(new, old, 0.05)[0]
+    assert torch.equal(tt.project(new, old, make(0.05)), want)
+    rows = tt.sparsify(old, k=3)
+    assert torch.equal(tt.project_sparse(new, rows, make(0.05)).log_probs,
+                       tt.project_sparse(new, rows, 0.05).log_probs)
+    mean, std = torch.zeros(2, 3, dtype=D), torch.ones(2, 3, dtype=D)
+    got = tg.project_joint_diag(mean + 1, std * 2, mean, std, make(0.01))
+    ref = tg.project_joint_diag(mean + 1, std * 2, mean, std, 0.01)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_bounds_with_more_elements_raise_shape_error(gen):
+    new, old = logits(gen, 3, 8), logits(gen, 3, 8)
+    for bad in (np.array([0.05, 0.05]), torch.tensor([0.05, 0.05])):
+        with pytest.raises(troll.ShapeError, match="eps"):
+            tt.project(new, old, bad)
+        with pytest.raises(troll.ShapeError, match="eps"):
+            tt.project_sparse(new, tt.sparsify(old, k=3), bad)
+
+
+def test_sparse_stats_edited_in_place_before_backward_raise(gen):
+    # The sparse projection kept its stats on ctx: scaling the returned t by 0.9 changed the
+    # gradient by 10% without an error. They are saved tensors now, as the dense projection's.
+    new, old = logits(gen, 3, 8), logits(gen, 3, 8)
+    for project in (lambda x: tt.project_sparse(x, tt.sparsify(old, k=3), 0.05, return_stats=True),
+                    lambda x: tt.project(x, old, 0.05, return_stats=True)):
+        x = new.clone().requires_grad_()
+        out, stats = project(x)
+        log_probs = out.log_probs if isinstance(out, troll.SparseRows) else out
+        loss = (log_probs.nan_to_num(neginf=0.0) * torch.arange(log_probs.shape[-1], dtype=D)).sum()
+        stats.t.mul_(0.9)
+        with pytest.raises(RuntimeError, match="inplace"):
+            loss.backward()

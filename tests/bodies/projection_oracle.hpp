@@ -393,3 +393,49 @@ TEST_CASE_TEMPLATE("p~ = q rows are inactive for every eps", T, float, double) {
   CHECK(seen > 0);
 }
 
+
+TEST_CASE_TEMPLATE("t* just above the feasibility floor -log q(J) is good to the floor's own rounding", T, float,
+                   double) {
+  // A token masked in the new row only (old mass q_J^c > 0) puts the floor K(0+) = −log q(J)
+  // under every admissible KL. With ε = floor·(1 + f), t* is fixed by K − floor = KL(π‖q_J) =
+  // ε − floor, so a tolerance on K itself (rtol·ε) spans ~rtol/f of that distance: t* was off by
+  // 4e-7 relative at f = 1e-5 and 5e-5 at f = 1e-7. Solved on the distance from the floor, t* is
+  // good to the floor's rounding, a few ulps of the floor against ε − floor, ~ulp/f relative.
+  constexpr std::size_t n = 12;
+  constexpr troll_test::tolerance guarantee = troll_test::projection_guarantee<T>();
+  const T ninf = -std::numeric_limits<T>::infinity();
+  std::size_t checked = 0;
+  for (int k = 0; k < 6; ++k) {
+    std::vector<T> zn(n), zo(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      zn[i] = T(2.0 * std::sin(1.7 * double(i) + 0.3 * k));
+      zo[i] = T(2.0 * std::cos(2.3 * double(i) + 0.7 * k));
+    }
+    zn[3] = ninf;
+    if (k % 2 == 1) zn[7] = ninf;
+    if (k % 3 == 0) zo[3] = T(double(zo[3]) + 3.0);  // a floor of ~0.5 rather than ~0.05
+    const oracle::tilted_row row(zn.data(), zo.data(), n);
+    const real floor = row.min_kl();
+    REQUIRE(floor > 0);
+    for (double f : {1e-5, 1e-7, 1e-9}) {
+      const double eps = static_cast<double>(floor * (1 + static_cast<real>(f)));
+      using backend = troll_test::oracle_backend;
+      typename backend::template buffer<T> da(zn), db(zo), dout(n);
+      typename backend::template buffer<troll::projection_stats> dstats(1);
+      troll::project(backend::policy(), troll::make_batch<const T>(da.get(), 1, n),
+                     troll::make_batch<const T>(db.get(), 1, n), eps, troll::make_batch(dout.get(), 1, n),
+                     dstats.get());
+      const troll::projection_stats s = dstats.download()[0];
+      const oracle::solution o = oracle::project(row, eps, std::ldexp(real(1), -60));
+      const double error = static_cast<double>(std::fabs(static_cast<real>(s.t) - o.t) / o.t);
+      const double bound = 16 * troll_test::unit_roundoff<double>() / f + 1e-10;
+      INFO("row ", k, " floor ", double(floor), " f ", f, " t ", s.t, " oracle ", double(o.t), " error ", error,
+           " bound ", bound);
+      REQUIRE(s.status == troll::row_status::projected);
+      CHECK(error <= bound);
+      CHECK(std::fabs(s.kl_after - eps) <= guarantee.bound(eps));
+      ++checked;
+    }
+  }
+  CHECK(checked == 18);
+}

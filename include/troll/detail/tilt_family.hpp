@@ -74,7 +74,9 @@ struct tilt_point {
   double kl_error = 0.0;  // a bound on the rounding error of `kl` as make_point computes it
   double a_error = 0.0;   // a bound on the rounding error of `a_c` (refine_a_c)
   double old_max = 0.0;      // M° = max z° the point was made with
-  double old_log_sum = 0.0;  // log Σ_i exp(z°_i − M°)
+  double old_log_sum = 0.0;  // log Σ_i exp(z°_i − M°), or over J alone where joint_old
+  bool joint_old = false;    // q is q_J, the old row restricted to J and renormalised: old-only
+                             // tokens carry no mass and `kl` is KL(π_t ‖ q_J) (solve_above_floor)
 };
 
 /// Turns a reduction at (u, ref) into a tilt_point. log q_i = z°_i − M° − old_log_sum, and
@@ -86,7 +88,7 @@ struct tilt_point {
 /// of t·E[x] (its weights' exponents are within a few units of 0 where they carry mass). Where that is too coarse the caller
 /// asks the evaluator for the cancellation-free sum (kl_term below).
 TROLL_HOST_DEVICE inline tilt_point make_point(const lse_state& st, const tilt_param& u, const tilt_ref& ref,
-                                               double old_max, double old_log_sum) {
+                                               double old_max, double old_log_sum, bool joint_old = false) {
   constexpr double ulp = 2.220446049250313e-16;
   tilt_point p;
   p.t = u.t;
@@ -95,6 +97,7 @@ TROLL_HOST_DEVICE inline tilt_point make_point(const lse_state& st, const tilt_p
   p.mode = tilt_ref{st.ref_new, st.ref_old};
   p.old_max = old_max;
   p.old_log_sum = old_log_sum;
+  p.joint_old = joint_old;
   const double log_s0 = ::log(st.s0);
   p.log_norm = st.m + log_s0;
   const double mu_c = st.mean();
@@ -235,12 +238,12 @@ TROLL_HOST_DEVICE inline double kl_centred(double zn, double zo, const tilt_ref&
 ///   on J:           q_i φ(σ_i), σ_i = log π_i − log q_i = t·x_i − a_c
 ///                   (a_c's rounding shifts every σ_i alike and moves KL only by that relative
 ///                   amount, to first order: the sum is exact where the closed form cancels);
-///   old-only (z̃ = −inf, z° finite): q_i (π puts nothing there);   elsewhere: 0.
+///   old-only (z̃ = −inf, z° finite): q_i (π puts nothing there; 0 against q_J);   elsewhere: 0.
 TROLL_HOST_DEVICE inline double kl_term(double zn, double zo, const tilt_point& p) {
   if (zo == neg_inf()) return 0.0;
   const double log_q = (zo - p.old_max) - p.old_log_sum;
   const double q = ::exp(log_q);
-  if (zn == neg_inf()) return q;
+  if (zn == neg_inf()) return p.joint_old ? 0.0 : q;
   const double x = tilt_centred(zn, zo, p.ref);
   const double sigma = p.t * kl_centred(zn, zo, p.ref) - p.a_c;
   const double log_pi = tilt_weight(zn, zo, x, p.ref, tilt_param{p.t, p.s}) - p.log_norm;
@@ -249,7 +252,7 @@ TROLL_HOST_DEVICE inline double kl_term(double zn, double zo, const tilt_point& 
 
 /// Token i's share of Σ_J q_i e^{σ_i} − 1 at the evaluated point p (σ_i = t·x_i − a_c as in
 /// kl_term): q_i·expm1(σ_i) on J (π_i − q_i from log π where |σ| ≥ 1/2, so nothing overflows),
-/// −q_i on an old-only token, 0 elsewhere. With a_c exact the shares sum to 0 (Σ_J π = 1); their
+/// −q_i on an old-only token (0 against q_J), 0 elsewhere. With a_c exact the shares sum to 0 (Σ_J π = 1); their
 /// sum s says a_c's own rounding: the exact value is a_c + log1p(s) (refine_a_c). Near t = 0
 /// every σ_i is tiny, so s is formed to an absolute ~1e-16·t·max|x|, far finer than a_c's
 /// rounding from the log-sums it is made of.
@@ -257,7 +260,7 @@ TROLL_HOST_DEVICE inline double ratio_term(double zn, double zo, const tilt_poin
   if (zo == neg_inf()) return 0.0;
   const double log_q = (zo - p.old_max) - p.old_log_sum;
   const double q = ::exp(log_q);
-  if (zn == neg_inf()) return -q;
+  if (zn == neg_inf()) return p.joint_old ? 0.0 : -q;
   const double sigma = p.t * kl_centred(zn, zo, p.ref) - p.a_c;
   if (::fabs(sigma) < 0.5) return q * ::expm1(sigma);
   const double x = tilt_centred(zn, zo, p.ref);

@@ -122,12 +122,12 @@ TROLL_HOST_DEVICE void refine_a_c(const Eval& eval, tilt_point& p, double slack)
 template <class Eval>
 TROLL_HOST_DEVICE tilt_point evaluate_from(const Eval& eval, lse_state st, const tilt_param& u, tilt_ref ref,
                                            double old_max, double old_log_sum, double eps, double tol,
-                                           bool cumulants = false) {
+                                           bool cumulants = false, bool joint_old = false) {
   if (st.m > 64.0) {
     ref = tilt_ref{st.ref_new, st.ref_old};
     st = reduce(eval, u, ref, cumulants);
   }
-  tilt_point p = make_point(st, u, ref, old_max, old_log_sum);
+  tilt_point p = make_point(st, u, ref, old_max, old_log_sum, joint_old);
   const bool fine = p.kl_error <= 2.0 * tol;  // then |KL − ε| ≤ 3 tol: inside the 1e-10 guarantee
   const bool decided = ::fabs(p.kl - eps) > tol + p.kl_error && p.kl > 1e3 * p.kl_error;
   if (!(fine || decided)) {
@@ -141,8 +141,10 @@ TROLL_HOST_DEVICE tilt_point evaluate_from(const Eval& eval, lse_state st, const
 /// evaluate_from of the reduction eval(u, ref).
 template <class Eval>
 TROLL_HOST_DEVICE tilt_point evaluate(const Eval& eval, const tilt_param& u, tilt_ref ref, double old_max,
-                                      double old_log_sum, double eps, double tol, bool cumulants = false) {
-  return evaluate_from(eval, reduce(eval, u, ref, cumulants), u, ref, old_max, old_log_sum, eps, tol, cumulants);
+                                      double old_log_sum, double eps, double tol, bool cumulants = false,
+                                      bool joint_old = false) {
+  return evaluate_from(eval, reduce(eval, u, ref, cumulants), u, ref, old_max, old_log_sum, eps, tol, cumulants,
+                       joint_old);
 }
 
 /// Replaces p.kl by the cancellation-free sum unless the closed form is good to 1e-11 relative.
@@ -203,6 +205,7 @@ struct categorical_family {
   double old_max;
   double old_log_sum;
   double x_range;  // row_setup::x_range (+inf: unknown, nothing is predicted)
+  bool joint_old = false;  // members against q_J, old_log_sum over J (solve_above_floor)
   /// The member at u. Where it lies within |Δt|·L ≤ 0.1 of the member evaluated before it (a
   /// Newton step that has nearly converged: the next one is likely small enough to predict), the
   /// reduction also forms the third and fourth cumulants that predict() needs.
@@ -212,7 +215,7 @@ struct categorical_family {
     // typically within ~1e-6 / L of t*: its cumulants let the next member be predicted.
     const bool from_end = (near.t == 0.0 || near.s == 0.0) && near.kappa3 - near.kappa3 == 0.0;
     const bool cumulants = ::fabs(step) * x_range <= 0.1 || from_end;
-    return detail::evaluate(eval, u, near.mode, old_max, old_log_sum, eps, tol, cumulants);
+    return detail::evaluate(eval, u, near.mode, old_max, old_log_sum, eps, tol, cumulants, joint_old);
   }
   /// The converged member at u from the last evaluated one without a pass (predict_member).
   TROLL_HOST_DEVICE bool predict(const tilt_point& last, const tilt_param& u, double eps, double tol,
@@ -254,6 +257,46 @@ TROLL_HOST_DEVICE void take_solution(const bracket_solution<Point>& solved, solv
   r.status = solved.converged ? row_status::projected : row_status::not_converged;
 }
 
+/// The bracketed solve of a row whose new logits mask old mass (setup.old_only), on the distance
+/// from its floor. There K(t) = KL(π_t ‖ q) = −log q(J) + KL(π_t ‖ q_J), q_J the old row
+/// restricted to J and renormalised (Σ_J π_t = 1), so the solve runs on the second term against
+/// ε_J = ε + log q(J), with every member formed relative to q_J (old_log_sum over J, no old-only
+/// terms in the cancellation-free sums). Its tolerance atol + rtol·ε_J is then relative to the
+/// distance from the floor: a tolerance on K itself spans most of K − floor where ε is close to
+/// the floor, and t* (and every derivative) was loose by as much (6.6e-2 at ε/floor − 1 = 1e-13,
+/// an audit of the twenty-fifth session). The floor is taken to a thousandth of that tolerance
+/// (the cancellation-free sum where the closed form is coarser), and the solution is handed back
+/// against q: a_c and the KL shift by the floor. False, with r untouched, where the bracket
+/// 0 < ε_J < KL(π_1 ‖ q_J) does not hold in floating point (ε a rounding away from the floor or
+/// from KL(π_1 ‖ q)); the caller then solves against q.
+template <class Eval>
+TROLL_HOST_DEVICE bool solve_above_floor(const Eval& eval, const row_setup& setup, const lse_state& zero_state,
+                                         const lse_state& one_state, tilt_point floor_point, double old_log_sum,
+                                         double eps, const projection_options& opt, solve_result& r) {
+  const double slack = 1e-3 * (opt.atol + opt.rtol * (eps - floor_point.kl));
+  if (!(floor_point.kl_error <= slack)) {
+    refine_a_c(eval, floor_point, slack);
+    floor_point.kl = eval.exact_kl(floor_point);
+  }
+  const double floor = floor_point.kl, eps_joint = eps - floor;
+  const double joint_log_sum = zero_state.log_sum() + (setup.old_top.zo - setup.old_max);
+  tilt_point zero = make_point(zero_state, tilt_at(0.0), setup.old_top, setup.old_max, joint_log_sum, true);
+  zero.kl = 0.0;
+  zero.kl_error = 0.0;
+  tilt_point one = make_point(one_state, tilt_at(1.0), setup.new_top, setup.old_max, joint_log_sum, true);
+  settle_kl(eval, one);
+  if (!(eps_joint > 0.0 && one.kl > eps_joint && floor > 0.0)) return false;
+  bracket_solution<tilt_point> solved = solve_bracketed(
+      categorical_family<Eval>{eval, setup.old_max, joint_log_sum, setup.x_range, true}, zero, one, eps_joint, opt);
+  tilt_point& p = solved.point;
+  p.joint_old = false;
+  p.old_log_sum = old_log_sum;
+  p.a_c = p.log_norm + (p.ref.zo - setup.old_max) - old_log_sum;
+  p.kl += floor;
+  take_solution(solved, r);
+  return true;
+}
+
 /// Solves one row. Never throws: an infeasible row (q's mass on J is at most e^{−ε}) comes back
 /// with status infeasible and the t → 0 end as its point; a row not brought within the
 /// tolerance |KL − ε| ≤ atol + rtol·ε comes back not_converged with its best feasible member
@@ -279,6 +322,8 @@ TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setu
   const tilt_point at_zero = zero_point(eval, setup, zero_state, old_log_sum);
   const tilt_point at_one = one_point(eval, setup, one_state, old_log_sum);
   if (!needs_solve(setup, at_zero, at_one, eps, r)) return r;
+  if (setup.old_only && solve_above_floor(eval, setup, zero_state, one_state, at_zero, old_log_sum, eps, opt, r))
+    return r;
   take_solution(
       solve_bracketed(categorical_family<Eval>{eval, setup.old_max, old_log_sum, setup.x_range}, at_zero, at_one,
                       eps, opt),

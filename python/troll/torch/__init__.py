@@ -29,12 +29,10 @@ __all__ = [
 ]
 
 
-def _eps_value(eps: Union[float, torch.Tensor]) -> float:
-    if isinstance(eps, torch.Tensor):
-        if eps.numel() != 1:
-            raise _core.ShapeError("troll: eps must be a number or a one-element tensor (one bound for all rows)")
-        return float(eps.detach().reshape(()).item())
-    return float(eps)
+def _eps_value(eps: Any) -> float:
+    """The bound as troll.project takes it (_core._bound): a number or a one-element array of any
+    framework (a torch tensor, a NumPy array of shape (1,), ...); more elements: ShapeError."""
+    return _core._bound(eps.detach() if isinstance(eps, torch.Tensor) else eps)
 
 
 def _tensor(x: Any, name: str, fn: str) -> torch.Tensor:
@@ -164,9 +162,11 @@ class _ProjectSparse(torch.autograd.Function):
         # The outputs go through save_for_backward, never onto ctx: an output held by ctx is a
         # reference cycle through the autograd graph that Python's collector cannot see (every
         # call leaked its graph, new logits included), and in-place edits would go unnoticed.
-        ctx.save_for_backward(new_logits, *out[:4])
+        # The stats too (as the dense projection's): a caller who edits the returned stats in
+        # place between forward and backward gets torch's in-place error, not another gradient.
+        ctx.save_for_backward(new_logits, *out[:4], stats.values, stats.counters)
         ctx.vocab = out.vocab
-        ctx.aligned, ctx.stats, ctx.threads = aligned, stats, threads
+        ctx.aligned, ctx.threads = aligned, threads
         ctx.eps_shape = eps.shape if isinstance(eps, torch.Tensor) else None
         ctx.eps = eps if isinstance(eps, torch.Tensor) else None
         ctx.mark_non_differentiable(out.indices, out.counts)
@@ -175,12 +175,12 @@ class _ProjectSparse(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _g_indices, g_log_probs, _g_counts, g_log_remainder):  # type: ignore[override]
-        new_logits, *out = ctx.saved_tensors
+        new_logits, *out, values, counters = ctx.saved_tensors
         out = SparseRows(*out, ctx.vocab)
         aligned: AlignedRows = ctx.aligned
         want_eps = ctx.eps_shape is not None and ctx.needs_input_grad[1]
         grad_aligned, _, grad_eps = _core.project_sparse_backward(
-            aligned, out, ctx.stats, (_grad_in(g_log_probs), _grad_in(g_log_remainder)), eps=want_eps,
+            aligned, out, ProjectionStats(values, counters), (_grad_in(g_log_probs), _grad_in(g_log_remainder)), eps=want_eps,
             threads=ctx.threads)
         grad_new = _core.sparsify_backward(new_logits, aligned.new_side(), grad_aligned, threads=ctx.threads)
         if grad_eps is not None:

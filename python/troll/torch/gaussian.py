@@ -11,6 +11,7 @@ from typing import Any, Dict, Union
 
 import torch
 
+from .. import _core
 from .. import gaussian as _g
 from ..gaussian import GaussianStats
 from ._autograd import guard
@@ -21,11 +22,9 @@ Bound = Union[float, torch.Tensor]
 
 
 def _bound_value(eps: Bound, name: str) -> float:
-    if isinstance(eps, torch.Tensor):
-        if eps.numel() != 1:
-            raise _g.ShapeError(f"troll: {name} must be a number or a one-element tensor (one bound for all rows)")
-        return float(eps.detach().reshape(()).item())
-    return float(eps)
+    """A bound as troll.gaussian takes it (_core._bound): a number or a one-element array of any
+    framework; more elements: ShapeError."""
+    return _core._bound(eps.detach() if isinstance(eps, torch.Tensor) else eps, name)
 
 
 class _Project(torch.autograd.Function):
