@@ -910,6 +910,35 @@ TEST_CASE("a mean step that overflows in the old Gaussian's coordinates is refus
   CHECK(kl[1] == std::numeric_limits<double>::infinity());
 }
 
+TEST_CASE("the mean-step refusal of full rows beyond d = 64 (the substitution's steps on the heap)") {
+  // d = 70, an old factor with a sub-diagonal (every step depends on the ones before it) and
+  // L°_69,69 = 1e-300: the step at entry 69 overflows in row 1 only; row 0 projects.
+  const std::size_t n = 2, d = 70;
+  std::vector<double> mean(n * d, 0.0), old_mean(n * d, 0.0), chol(n * d * d, 0.0), old_chol(n * d * d, 0.0);
+  for (std::size_t r = 0; r < n; ++r)
+    for (std::size_t i = 0; i < d; ++i) {
+      mean[r * d + i] = 0.01 * double(i % 7);
+      chol[r * d * d + i * d + i] = 1.5;
+      old_chol[r * d * d + i * d + i] = i + 1 == d ? 1e-300 : 1.0;
+      if (i > 0) old_chol[r * d * d + i * d + i - 1] = 0.5;
+    }
+  mean[d + d - 1] = 1e300;
+  mean[d - 1] = old_mean[d - 1] = 0.0;  // row 0: no step along the tiny axis
+  chol[(d - 1) * d + d - 1] = 1e-300;  // an equal variance there, not coupled to the others
+  old_chol[(d - 1) * d + d - 2] = 0.0;
+  std::vector<double> out_m(n * d, -7.0), out_c(n * d * d, -7.0);
+  std::vector<gaussian_stats> st(n);
+  auto in = [&](const std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), n, cols); };
+  const refusal got = refusal_of([&] {
+    troll::gaussian::project_joint(troll::cpu, in(mean, d), in(chol, d * d), in(old_mean, d), in(old_chol, d * d),
+                                   0.1, troll::make_batch(out_m.data(), n, d),
+                                   troll::make_batch(out_c.data(), n, d * d), st.data());
+  });
+  CHECK(got.row == 1);
+  CHECK_MESSAGE(got.what.find("overflows a double at entry 69") != std::string::npos, got.what);
+  for (double x : out_m) CHECK(x == -7.0);
+}
+
 namespace extreme_diag {
 
 /// KL(p̃ ‖ q) of a diagonal row in long double from the textbook per-axis terms

@@ -248,8 +248,12 @@ std::string gaussian_operand_problem(const gaussian_call& call, const T* mean, c
 template <class T>
 std::string gaussian_mean_step_problem(const gaussian_call& call, const T* mean, const T* old_mean, const T* old_cov) {
   const std::size_t d = call.dim;
-  // Forward substitution with the old factor (finite, positive diagonal: checked before).
-  std::vector<double> step(call.full ? d : 0);
+  // Forward substitution with the old factor (finite, positive diagonal: checked before), its
+  // steps on the stack up to d = 64 (no allocation per row on the common sizes).
+  constexpr std::size_t on_stack = 64;
+  double small[on_stack] = {};
+  std::vector<double> large(call.full && d > on_stack ? d : 0);
+  double* step = large.empty() ? small : large.data();
   double squares = 0.0;
   for (std::size_t i = 0; i < d; ++i) {
     double y = static_cast<double>(mean[i]) - static_cast<double>(old_mean[i]);
