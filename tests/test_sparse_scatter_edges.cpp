@@ -13,7 +13,9 @@
 
 #include <troll/sparse.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -76,14 +78,16 @@ TEST_CASE_TEMPLATE("sparsify_backward on near-deterministic rows keeps 1 - p of 
 }
 
 TEST_CASE("sparsify_backward: a massless bucket's gradient is ignored, masked inputs get 0") {
-  // A masked token in the support (logit −inf): a masked input, its gradient is 0 (it was its
-  // upstream g). Its g still enters Σ g (the other entries' −p_j Σ g): a shard's backward cannot
-  // tell a masked token of another shard from one whose log-probability underflows T.
+  // A masked token in the support (logit −inf, value −inf): a masked input, its gradient is 0
+  // (it was its upstream g), and a masked output, whose upstream g is ignored: it does not enter
+  // Σ g either (the other entries' −p_j Σ g moved by p_j·g before: −0.09 and −0.24 here). The
+  // rule reads the support's values, which every vocabulary shard holds whole.
   {
     const se::one_row<double> row({0.0, 1.0, se::NEG_INF, 2.0}, {3, 1, 2});
-    const std::vector<double> out = row.backward({0.0, 0.0, 1.0}, 0.0);
-    CHECK(out[2] == 0.0);
-    CHECK(out[0] < 0.0);
+    for (double v : row.backward({0.0, 0.0, 1.0}, 0.0)) CHECK(v == 0.0);
+    const std::vector<double> with = row.backward({0.25, -0.5, 1.0}, 0.5),
+                              without = row.backward({0.25, -0.5, 0.0}, 0.5);
+    CHECK(with == without);
   }
   // The support covers the vocabulary: the bucket is −inf and g_R does not count.
   {
@@ -98,6 +102,43 @@ TEST_CASE("sparsify_backward: a massless bucket's gradient is ignored, masked in
     const std::vector<double> with = row.backward({0.5, -1.0}, 7.0), without = row.backward({0.5, -1.0}, 0.0);
     CHECK(with == without);
   }
+}
+
+TEST_CASE_TEMPLATE("a masked sampled token's upstream gradient is ignored: sparsify and align(new_logits) backward",
+                   T, double, float) {
+  // sparsify keeps the sampled token even where its logit is −inf (value −inf): z = {0, 0, −inf},
+  // K = 1, δ = 0, sampled 2 → S = {0, 2}. An upstream g on that −inf entry moved the others'
+  // gradients by −p_j·g (−0.5, −0.5 for g = 1); it is a masked output and is ignored now.
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const std::vector<T> z = {T(0), T(0), ninf};
+  const troll::token_id sampled = 2;
+  std::vector<troll::sparse_index> ids(2), count(1);
+  std::vector<T> values(2), remainder(1);
+  troll::sparse_batch_view<T> rows{ids.data(), values.data(), count.data(), remainder.data(), 1, 2, 3};
+  troll::sparsify(troll::cpu, troll::make_batch<const T>(z.data(), 1, 3), &sampled, troll::sparsify_options{1, 0.0},
+                  rows);
+  REQUIRE(count[0] == 2);
+  REQUIRE(values[1] == ninf);
+  const troll::sparse_batch_view<const T> support{ids.data(), values.data(), count.data(), remainder.data(), 1, 2, 3};
+  const std::vector<T> g = {T(0), T(1)};
+  const T g_r = T(0);
+  std::vector<T> out(3, T(42));
+  troll::sparsify_backward(troll::cpu, troll::make_batch<const T>(z.data(), 1, 3), support,
+                           troll::sparse_grad_view<const T>{g.data(), &g_r, 1, 2}, troll::make_batch(out.data(), 1, 3));
+  for (T v : out) CHECK(v == T(0));
+  // The same gather as align's new side: the dense new logits against this support.
+  std::vector<troll::sparse_index> u(2), ucount(1);
+  std::vector<T> new_lp(2), old_lp(2), new_r(1), old_r(1);
+  troll::aligned_batch_view<T> aligned{u.data(), ucount.data(), new_lp.data(), old_lp.data(), new_r.data(),
+                                       old_r.data(), 1, 2, 3};
+  troll::align(troll::cpu, troll::make_batch<const T>(z.data(), 1, 3), troll::sparse_batch_view<const T>{}, support,
+               aligned);
+  std::fill(out.begin(), out.end(), T(42));
+  const std::vector<T> g_aligned = {u[0] == 2 ? T(1) : T(0), u[1] == 2 ? T(1) : T(0)};
+  troll::sparsify_backward(troll::cpu, troll::make_batch<const T>(z.data(), 1, 3), aligned.new_side(),
+                           troll::sparse_grad_view<const T>{g_aligned.data(), &g_r, 1, 2},
+                           troll::make_batch(out.data(), 1, 3));
+  for (T v : out) CHECK(v == T(0));
 }
 
 TEST_CASE("sparsify_shard_backward equals sparsify_backward on the edge rows, bit for bit") {

@@ -283,8 +283,13 @@ void sparsify_tail_sums(cpu_policy policy, batch_view<L> shard_logits, std::size
 
 /// Backward of sparsify (and of the new side of align(logits, ...)): scatters an upstream
 /// gradient on a sparse row gathered from `logits` — g on the support of `support` (its indices
-/// and counts are read, its values are not) and g_R on its bucket — to dense logits (math.md §4):
+/// and counts are read, and of its values only which are −inf) and g_R on its bucket — to dense
+/// logits (math.md §4):
 ///     ∂L/∂z_k = [k∈S] g_k + [k∉S] g_R p_k / r − p_k (Σ_S g_i + g_R),   O(V) per row.
+/// Masked outputs have their upstream gradients ignored (docs/api.md): g_i where support's value
+/// is −inf (a masked token: sparsify's masked sampled token, align's new side on a token the
+/// new logits mask), g_R where the bucket holds no mass; a support token whose logit is −inf
+/// gets 0.
 /// Throws before writing: shape_error, domain_error (bad logits, bad support, NaN / inf grads).
 template <class T>
 void sparsify_backward(cpu_policy policy, input_view<T> logits, sparse_input<T> support,
@@ -303,7 +308,7 @@ void sparsify_backward(cpu_policy policy, input_view<T> logits, sparse_input<T> 
     const int n = static_cast<int>(support.count(r));
     for (int i = 0; i < n; ++i) slots[i] = detail::index_slot{support.row_indices(r)[i], i};
     detail::sort_by_index(slots, n);
-    detail::cpu::sparsify_backward_row(logits.row(r), logits.cols, slots, n, grad.row(r),
+    detail::cpu::sparsify_backward_row(logits.row(r), logits.cols, slots, n, grad.row(r), support.row_log_probs(r),
                                        double(grad.log_remainder[r]), grad_logits.row(r));
   });
 }
@@ -355,10 +360,11 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
     const detail::row_log_sums sums{log_sums[sparsify_log_sums_width * r], log_sums[sparsify_log_sums_width * r + 1],
                                     log_sums[sparsify_log_sums_width * r + 2],
                                     log_sums[sparsify_log_sums_width * r + 3]};
+    const T* values = support.row_log_probs(r);
     const detail::counted_grad counted = detail::count_grad(
-        grad.row(r), all, count, double(grad.log_remainder[r]), sums.tail_ref > detail::neg_inf());
+        grad.row(r), values, all, count, double(grad.log_remainder[r]), sums.tail_ref > detail::neg_inf());
     detail::cpu::sparse_scatter_row(shard_logits.row(r), shard_logits.cols, vocab_offset, slots, n, grad.row(r),
-                                    counted, sums, grad_shard.row(r));
+                                    values, counted, sums, grad_shard.row(r));
   });
 }
 
@@ -499,14 +505,15 @@ void align_backward(cpu_policy policy, sparse_input<T> row, aligned_input<T> ali
 // KL, projection and its backward on aligned rows.
 
 /// kl_out[r] = KL(new ‖ old) of aligned rows: the KL of the lumped (|U|+1)-category rows, equal to
-/// the KL of the expanded V-vectors under uniform tails. +inf where new has mass that old lacks.
+/// the KL of the expanded V-vectors under uniform tails. +inf where new has mass that old lacks,
+/// disjoint supports included (as the dense kl).
 template <class T>
 void kl(cpu_policy policy, aligned_input<T> rows, T* kl_out) {
   detail::require_float_type<T>();
   constexpr const char* fn = "kl";
   detail::check_aligned_view(fn, "rows", rows);
   if (rows.rows != 0 && kl_out == nullptr) detail::throw_shape(fn, "kl_out is a null pointer");
-  detail::validate_aligned(fn, policy.threads, rows, 0.0);
+  detail::validate_aligned(fn, policy.threads, rows, -1.0);  // eps < 0: disjoint rows are +inf, not an error
   detail::cpu::parallel_for(policy.threads, rows.rows, 8 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
     int slot[sparse_max_entries + 1];

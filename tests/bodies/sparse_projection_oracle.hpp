@@ -93,3 +93,40 @@ TEST_CASE("sparse projection against a long-double bisection oracle, float and d
   }
 }
 
+
+TEST_CASE_TEMPLATE("sparse kl of disjoint supports is +inf (as the dense kl), not an error", T, float, double) {
+  // V = 2, U = {0, 1}: new = (1, 0), old = (0, 1), both buckets empty: KL(new ‖ old) = +inf. The
+  // projection refuses such a row (no admissible π); the KL used to refuse it too
+  // (infeasible_error). Row 1 is an ordinary pair, row 2 a disjoint one over a tail.
+  const T ninf = -std::numeric_limits<T>::infinity();
+  aligned_rows<T> al(3, 2, 2);
+  const T half = T(std::log(0.5));
+  const std::vector<std::vector<T>> new_lp = {{T(0), ninf}, {half, half}, {ninf, ninf}};
+  const std::vector<std::vector<T>> old_lp = {{ninf, T(0)}, {T(std::log(0.25)), T(std::log(0.75))}, {ninf, ninf}};
+  for (std::size_t r = 0; r < 3; ++r) {
+    al.counts[r] = r == 2 ? 1 : 2;
+    for (std::size_t i = 0; i < 2; ++i) {
+      al.indices[r * 2 + i] = troll::sparse_index(i);
+      al.new_log_probs[r * 2 + i] = new_lp[r][i];
+      al.old_log_probs[r * 2 + i] = old_lp[r][i];
+    }
+    al.new_log_remainder[r] = al.old_log_remainder[r] = ninf;
+  }
+  // Row 2: U = {0}, new has all its mass on token 0, old all on the tail (token 1).
+  al.new_log_probs[4] = T(0);
+  al.old_log_probs[4] = ninf;
+  al.old_log_remainder[2] = T(0);
+  using backend = troll_test::oracle_backend;
+  typename backend::template buffer<troll::sparse_index> indices(al.indices), counts(al.counts);
+  typename backend::template buffer<T> new_p(al.new_log_probs), old_p(al.old_log_probs),
+      new_r(al.new_log_remainder), old_r(al.old_log_remainder), out(std::vector<T>(3, T(7)));
+  const troll::aligned_batch_view<const T> rows{indices.get(), counts.get(), new_p.get(), old_p.get(),
+                                                new_r.get(),   old_r.get(),  3,           2,
+                                                2};
+  troll::kl(backend::policy(), rows, out.get());
+  const std::vector<T> kl = out.download();
+  CHECK(kl[0] == std::numeric_limits<T>::infinity());
+  CHECK(kl[2] == std::numeric_limits<T>::infinity());
+  const double want = 0.5 * std::log(0.5 / 0.25) + 0.5 * std::log(0.5 / 0.75);
+  CHECK(std::fabs(double(kl[1]) - want) <= (sizeof(T) == 4 ? 1e-6 : 1e-14) * want);
+}

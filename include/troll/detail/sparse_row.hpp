@@ -554,10 +554,11 @@ struct index_slot {
 
 /// The upstream gradient of a gathered sparse row as its backward counts it: `sum` = Σ_U g_k +
 /// g_R as an exact_sum (so that G − g_k keeps its digits: sparse_scatter_row), g_R counted only
-/// where the row's tail holds mass (`tail_has_mass`: tail_ref > −inf). A massless bucket (the
-/// support covers every token of mass) is a masked output, whose upstream gradient the backward
-/// passes ignore (docs/api.md); before, its g_R moved every entry's gradient. `bucket` is the
-/// counted g_R. The entries are summed in `sorted` order (by index), the same in the whole row's
+/// where the row's tail holds mass (`tail_has_mass`: tail_ref > −inf), g_k only where the
+/// gathered row's value is not −inf (counted_entry). A massless bucket (the support covers every
+/// token of mass) and a −inf entry (a masked token) are masked outputs, whose upstream gradients
+/// the backward passes ignore (docs/api.md); before, such a g moved every entry's gradient.
+/// `bucket` is the counted g_R. The entries are summed in `sorted` order (by index), the same in the whole row's
 /// backward and in every shard's (both backends: the CUDA scatters' thread 0 calls it on the block's
 /// shared slots).
 struct counted_grad {
@@ -565,10 +566,20 @@ struct counted_grad {
   double bucket = 0.0;
 };
 
+/// Support entry `position`'s upstream gradient as the backward counts it: 0 where the gathered
+/// row's value `values[position]` is −inf (a masked output), else g. The rule reads the values
+/// rather than the logits so that a vocabulary shard's backward, which holds the whole sparse
+/// row but only its own logits, counts the same entries as the whole row's.
 template <class T>
-TROLL_HOST_DEVICE inline counted_grad count_grad(const T* g, const index_slot* sorted, int n, double g_remainder, bool tail_has_mass) {
+TROLL_HOST_DEVICE inline double counted_entry(const T* g, const T* values, int position) {
+  return static_cast<double>(values[position]) > neg_inf() ? static_cast<double>(g[position]) : 0.0;
+}
+
+template <class T>
+TROLL_HOST_DEVICE inline counted_grad count_grad(const T* g, const T* values, const index_slot* sorted, int n,
+                                                 double g_remainder, bool tail_has_mass) {
   counted_grad c;
-  for (int i = 0; i < n; ++i) exact_add(c.sum, static_cast<double>(g[sorted[i].position]));
+  for (int i = 0; i < n; ++i) exact_add(c.sum, counted_entry(g, values, sorted[i].position));
   if (tail_has_mass) {
     c.bucket = g_remainder;
     exact_add(c.sum, g_remainder);

@@ -217,15 +217,18 @@ std::size_t first_bad_row_with_ids(unsigned threads, std::size_t rows, std::size
 }
 
 /// The checks the projection and the regression term need on the lumped pair of aligned row r:
-/// disjoint supports, infeasibility at eps (when eps > 0) and, with `regression`, new mass on a
-/// category the old row has none on (KL(p̃ ‖ π*) = +inf).
+/// disjoint supports (unless `disjoint_ok`: a KL, +inf there, as the dense kl's), infeasibility
+/// at eps (when eps > 0) and, with `regression`, new mass on a category the old row has none on
+/// (KL(p̃ ‖ π*) = +inf).
 template <class T>
-row_problem check_lumped(const aligned_batch_view<const T>& a, std::size_t r, double eps, bool regression) {
+row_problem check_lumped(const aligned_batch_view<const T>& a, std::size_t r, double eps, bool regression,
+                         bool disjoint_ok = false) {
   double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
   int slot[sparse_max_entries + 1];
   const int n = lumped_pair(a, r, zn, zo, slot);
   row_setup setup;
   row_problem p = cpu::scan_pair(zn, zo, std::size_t(n), setup, "new (lumped)", "old (lumped)");
+  if (disjoint_ok && p.kind == row_error::disjoint) p = row_problem{};
   if (!p && eps > 0.0 && setup.old_only) {
     const double floor = cpu::min_reachable_kl(zn, zo, std::size_t(n), setup);
     if (floor >= eps) {
@@ -247,7 +250,8 @@ struct no_prefetch {
 };
 
 /// Validates an aligned batch for KL / projection: both sides' sparse checks, then the dense
-/// row checks on the lumped rows (disjoint supports; with eps > 0, infeasibility). `extra_bad`
+/// row checks on the lumped rows (disjoint supports, except for a KL: eps < 0; with eps > 0,
+/// infeasibility). `extra_bad`
 /// is a caller's own yes/no check of row r (told whether every lumped category of the row is
 /// finite on both sides), run in the same fast pass while the row is in cache
 /// (project_backward's checks of its other operands); returns whether it passed every row, so
@@ -255,7 +259,7 @@ struct no_prefetch {
 template <class T, class Extra = no_extra_check, class Prefetch = no_prefetch>
 bool validate_aligned(const char* fn, unsigned threads, const aligned_batch_view<const T>& a, double eps,
                       Extra&& extra_bad = Extra{}, Prefetch&& prefetch_extra = Prefetch{}) {
-  auto problem = [&](std::size_t r) { return check_lumped(a, r, eps, false); };
+  auto problem = [&](std::size_t r) { return check_lumped(a, r, eps, false, eps < 0.0); };
   // One fast pass over both sides and the lumped rows; a batch with a bad row then runs the
   // checks in their documented order (every row's new side, then old, then the lumped rows).
   const sparse_batch_view<const T> new_side = a.new_side(), old_side = a.old_side();

@@ -776,12 +776,14 @@ inline row_log_sums log_sums_outside(const T* z, std::size_t size, const index_s
 /// e^{(z_k − tail_ref) − tail}). A support entry is formed as g_k (1 − p_k) − p_k (G − g_k), with
 /// 1 − p_k = −expm1(log p_k) and G − g_k from the exact sum: g_k − p_k G cancelled on a
 /// near-deterministic row (1 − p_k below the rounding of p_k G: 3.5e-5 relative at a gap of 30,
-/// 0 for 3.8e-17 at 40). A support entry whose logit is −inf (a masked input) gets 0.
+/// 0 for 3.8e-17 at 40). A support entry whose logit is −inf (a masked input) gets 0; one whose
+/// gathered value `values[position]` is −inf (a masked output) counts its g as 0 (counted_entry).
 /// `sorted` holds the slots of the support tokens inside that range, sorted by (global) index
 /// (position = entry in g). O(size), one pass.
 template <class T>
 inline void sparse_scatter_row(const T* z, std::size_t size, std::size_t first, const index_slot* sorted, int n,
-                               const T* g, const counted_grad& counted, const row_log_sums& sums, T* out) {
+                               const T* g, const T* values, const counted_grad& counted, const row_log_sums& sums,
+                               T* out) {
   const double ref = sums.ref, log_total = sums.total, sum_g = counted.sum.value();
   const double g_remainder = counted.bucket;
   const bool tail_term = sums.tail_ref > neg_inf() && g_remainder != 0.0;
@@ -813,7 +815,7 @@ inline void sparse_scatter_row(const T* z, std::size_t size, std::size_t first, 
       if (!(a[k] > neg_inf())) {
         value[k] = 0.0;
       } else {
-        const double gk = static_cast<double>(g[sorted[next].position]);
+        const double gk = counted_entry(g, values, sorted[next].position);
         const double rest = (counted.sum.hi - gk) + counted.sum.lo;  // G − g_k
         value[k] = gk * -std::expm1(log_p) - p[k] * rest;
       }
@@ -824,12 +826,13 @@ inline void sparse_scatter_row(const T* z, std::size_t size, std::size_t first, 
 }
 
 /// sparse_scatter_row over a whole row (first = 0), its log-sums taken in one pass first. O(V).
+/// `values`: the gathered row's values by position (their −inf entries are masked outputs).
 template <class T>
 inline void sparsify_backward_row(const T* z, std::size_t size, const index_slot* sorted, int n,
-                                  const T* g, double g_remainder, T* out) {
+                                  const T* g, const T* values, double g_remainder, T* out) {
   const row_log_sums sums = log_sums_outside(z, size, sorted, n);
-  const counted_grad counted = count_grad(g, sorted, n, g_remainder, sums.tail_ref > neg_inf());
-  sparse_scatter_row(z, size, 0, sorted, n, g, counted, sums, out);
+  const counted_grad counted = count_grad(g, values, sorted, n, g_remainder, sums.tail_ref > neg_inf());
+  sparse_scatter_row(z, size, 0, sorted, n, g, values, counted, sums, out);
 }
 
 /// The lumped (|U|+1)-category logits of one aligned side: the support's log-probs, then the

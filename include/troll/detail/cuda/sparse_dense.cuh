@@ -107,13 +107,15 @@ __device__ void warp_support_and_grad(const sparse_batch_view<const T>& support,
 }
 
 /// The upstream gradient as the backward counts it (count_grad, sparse_row.hpp, as on the CPU):
-/// Σ g over the support (sh.sorted, in index order) and g_R where the tail holds mass, as an
-/// exact_sum into sh.sum_g / sh.sum_lo, and the counted g_R into sh.g_bucket. Formed by thread 0
-/// (n ≤ sparse_max_entries terms); every thread must reach it (it ends with a barrier).
+/// Σ g over the support (sh.sorted, in index order; 0 for entries whose gathered value is −inf)
+/// and g_R where the tail holds mass, as an exact_sum into sh.sum_g / sh.sum_lo, and the counted
+/// g_R into sh.g_bucket. Formed by thread 0 (n ≤ sparse_max_entries terms); every thread must
+/// reach it (it ends with a barrier).
 template <class T>
-__device__ void block_count_grad(split_scan_storage& sh, int n, const T* g, double g_r, bool tail_has_mass) {
+__device__ void block_count_grad(split_scan_storage& sh, int n, const T* g, const T* values, double g_r,
+                                 bool tail_has_mass) {
   if (threadIdx.x == 0) {
-    const counted_grad c = count_grad(g, sh.sorted, n, g_r, tail_has_mass);
+    const counted_grad c = count_grad(g, values, sh.sorted, n, g_r, tail_has_mass);
     sh.sum_g = c.sum.hi, sh.sum_lo = c.sum.lo, sh.g_bucket = c.bucket;
   }
   __syncthreads();
@@ -176,7 +178,8 @@ __global__ void __launch_bounds__(block_threads)
     const exact_sum tail_sum{scan.tail.m > neg_inf() ? scan.tail.s : 0.0, 0.0};
     const row_log_sums sums = exact_log_sums(support_logits{z, sh.sorted}, n, scan.tail.m, tail_sum);
     const double log_total = sums.total;
-    block_count_grad<T>(sh, n, g, g_r, sums.tail_ref > neg_inf());
+    const T* values = support.row_log_probs(r);
+    block_count_grad<T>(sh, n, g, values, g_r, sums.tail_ref > neg_inf());
     const double g_bucket = sh.g_bucket;
     const bool tail_mass = sums.tail_ref > neg_inf() && g_bucket != 0.0;
     const double sum_g = sh.sum_g + sh.sum_lo;
@@ -187,7 +190,7 @@ __global__ void __launch_bounds__(block_threads)
       while (cursor < n && std::size_t(sh.sorted[cursor].index) < i) ++cursor;
       double value;
       if (cursor < n && std::size_t(sh.sorted[cursor].index) == i) {
-        value = support_scatter_value(static_cast<double>(g[sh.sorted[cursor].position]), x - log_total, p, sh);
+        value = support_scatter_value(counted_entry(g, values, sh.sorted[cursor].position), x - log_total, p, sh);
       } else {
         value = -sum_g * p + (tail_mass ? g_bucket * ::exp((zi - sums.tail_ref) - sums.tail) : 0.0);
       }
@@ -238,7 +241,8 @@ __global__ void __launch_bounds__(block_threads)
     // Relative to the row's and the tail's references (row_log_sums):
     // p_k = e^{(z_k − ref) − total},  p_k / r = e^{(z_k − tail_ref) − tail}.
     const row_log_sums sums{row_sums[0], row_sums[1], row_sums[2], row_sums[3]};
-    block_count_grad<T>(sh, n, g, g_r, sums.tail_ref > neg_inf());
+    const T* values = support.row_log_probs(r);
+    block_count_grad<T>(sh, n, g, values, g_r, sums.tail_ref > neg_inf());
     const double sum_g = sh.sum_g + sh.sum_lo, g_bucket = sh.g_bucket;
     const double ref = sums.ref, total = sums.total;
     const bool tail_term = sums.tail_ref > neg_inf() && g_bucket != 0.0;
@@ -255,7 +259,7 @@ __global__ void __launch_bounds__(block_threads)
       if (tail_term)
         value += scale_tail ? g_over_r * p : (x == neg_inf() ? 0.0 : g_bucket * ::exp((zi - sums.tail_ref) - sums.tail));
       if (cursor < n && std::size_t(sh.sorted[cursor].index) == token)
-        value = support_scatter_value(static_cast<double>(g[sh.sorted[cursor].position]), x - total, p, sh);
+        value = support_scatter_value(counted_entry(g, values, sh.sorted[cursor].position), x - total, p, sh);
       out[i] = static_cast<T>(value);
     }
   });

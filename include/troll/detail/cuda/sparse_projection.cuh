@@ -290,7 +290,8 @@ __global__ void sparse_kl_kernel(aligned_batch_view<const T> rows, T* kl_out, in
   const std::size_t end = range.begin + range.count;
   for (std::size_t r = warp_first_row(range); r < end; r += warp_row_stride()) {
     pair_scan scan;
-    const cuda_row_report report = check_aligned_row(rows, r, slots, slots_per_array, scan);
+    cuda_row_report report = check_aligned_row(rows, r, slots, slots_per_array, scan);
+    if (report.error == cuda_row_error::disjoint) report = cuda_row_report{};  // a KL of +inf (kl_pair_problem)
     if (lane_id() == 0) record_row(checks, range, r, report);
     if (checks.validate_only) continue;
     const double value = kl_row_value(scan, report, [&] {
