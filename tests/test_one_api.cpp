@@ -53,6 +53,11 @@ TEST_CASE("every entry point runs under troll::cpu from one function template") 
   for (double v : serial.gaussian_diag_std) CHECK(v > 0.0);
   for (double v : serial.gaussian_split_diag_std) CHECK(v > 0.0);
   REQUIRE(serial.gaussian_kl.size() == 2);
+  REQUIRE(serial.gaussian_kl_mutable_views.size() == 4);
+  for (std::size_t r = 0; r < 2; ++r) {
+    CHECK(serial.gaussian_kl_mutable_views[r] == serial.gaussian_kl[r]);
+    CHECK(serial.gaussian_kl_mutable_views[2 + r] == serial.gaussian_kl_diag[r]);
+  }
   for (double v : serial.gaussian_kl) CHECK(v > 0.0);
   for (double v : serial.gaussian_kl_diag) CHECK(v > 0.0);
   for (double v : serial.gaussian_diag_grad_mean) CHECK(std::isfinite(v));

@@ -46,6 +46,12 @@ template <class T>
 struct identity {
   using type = T;
 };
+
+/// Views of one element type, each const or not: the deducing overloads of entry points whose
+/// element type appears only in input views (gaussian::kl, gaussian::kl_diag).
+template <class A, class... Rest>
+using if_same_elements =
+    std::enable_if_t<std::conjunction<std::is_same<std::remove_const_t<A>, std::remove_const_t<Rest>>...>::value, int>;
 }  // namespace detail
 
 /// Read-only view whose element type is deduced from another (output) argument, so a mutable

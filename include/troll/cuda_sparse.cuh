@@ -172,6 +172,17 @@ void sparsify_tail_sums(cuda_policy policy, batch_view<L> shard_logits, std::siz
   detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower, launch(2));
 }
 
+/// sparsify_tail_sums with T deduced from the support view (as the CPU overload): the call
+/// troll::sparsify_tail_sums(policy, shard, offset, support, tail_max, sums) compiles under both
+/// policies. An explicit <T> still lands above (the shard then cannot be a view of T here).
+template <class L, class S>
+void sparsify_tail_sums(cuda_policy policy, batch_view<L> shard_logits, std::size_t vocab_offset,
+                        sparse_batch_view<S> support, const double* tail_max, double* sums) {
+  using T = std::remove_const_t<S>;
+  sparsify_tail_sums<T>(policy, batch_view<const std::remove_const_t<L>>(shard_logits), vocab_offset,
+                        sparse_input<T>(support), tail_max, sums);
+}
+
 /// Aligns sparse new and old device rows on U = S_new ∪ S_old into `out`, as
 /// troll::align(cpu_policy, new, old, out). Rejected rows (bad sparse rows, a union beyond
 /// out.k_max) get count 0 and NaN remainders.

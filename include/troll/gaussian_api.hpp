@@ -97,6 +97,28 @@ void kl_diag(Policy policy, batch_view<const T> mean, batch_view<const T> std_de
                               std_dev, old_mean, old_std_dev, out);
 }
 
+/// kl with views of non-const (or mixed) elements, as make_batch gives them for a std::vector's
+/// data(): the output is double, so nothing else names T (the projections deduce it from their
+/// outputs).
+template <class A, class B, class C, class D, class Policy, detail::if_execution_policy<Policy> = 0,
+          detail::if_same_elements<A, B, C, D> = 0>
+void kl(Policy policy, batch_view<A> mean, batch_view<B> cov_chol, batch_view<C> old_mean, batch_view<D> old_cov_chol,
+        double* out) {
+  using T = std::remove_const_t<A>;
+  kl<T>(policy, input_view<T>(mean), input_view<T>(cov_chol), input_view<T>(old_mean), input_view<T>(old_cov_chol),
+        out);
+}
+
+/// kl_diag with views of non-const (or mixed) elements (see kl).
+template <class A, class B, class C, class D, class Policy, detail::if_execution_policy<Policy> = 0,
+          detail::if_same_elements<A, B, C, D> = 0>
+void kl_diag(Policy policy, batch_view<A> mean, batch_view<B> std_dev, batch_view<C> old_mean,
+             batch_view<D> old_std_dev, double* out) {
+  using T = std::remove_const_t<A>;
+  kl_diag<T>(policy, input_view<T>(mean), input_view<T>(std_dev), input_view<T>(old_mean), input_view<T>(old_std_dev),
+             out);
+}
+
 /// The VJP of project_joint: given the forward's inputs, outputs and stats and the upstream
 /// gradients ∂L/∂μ* and ∂L/∂L* (lower triangle read), writes ∂L/∂ of every input named in
 /// `grads` (factor gradients lower-triangular) and ∂L/∂ε per row. Rows must be solved (inactive

@@ -161,9 +161,10 @@ constexpr std::size_t workspace_bytes(const cuda_policy&, Op, std::size_t rows, 
 /// sparse_trust_region_objective) on `rows` rows of `cols` tokens; `k_max` is aligned.k_max for
 /// the sparse objective. CUDA: (rows + 1) · 48 for the dense objectives, and for the sparse one
 /// (rows + 1) · 48 + rows · 24 + max(rows · (12 · new_k + 16), rows · (k_max + 1) · 8) with
-/// new_k = objective.new_support.k. CPU: per-row weights, results and flags, 97 bytes a row, and
-/// for dense TROLL one row of cols doubles more (detail/cpu/objective_scratch.hpp); the larger of
-/// forward and backward. One allocation serves both.
+/// new_k = objective.new_support.k. CPU: per-row weights, results and flags (today 89 bytes a row
+/// for PPO clip and DPPO, 97 for sparse TROLL; dense TROLL the larger of 97 a row plus one row of
+/// cols doubles, forward, and 161 a row, backward; detail/cpu/objective_scratch.hpp); the larger
+/// of forward and backward. One allocation serves both.
 template <class Policy, class Op, class Objective, std::enable_if_t<detail::is_objective_op<Op>::value, int> = 0>
 constexpr std::size_t workspace_bytes(const Policy& policy, Op, const Objective& objective, std::size_t rows,
                                       std::size_t cols = 0, std::size_t k_max = 0) {

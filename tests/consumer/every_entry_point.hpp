@@ -48,6 +48,7 @@ struct step_results {
   std::vector<double> gaussian_diag_mean, gaussian_diag_std, gaussian_split_diag_mean, gaussian_split_diag_std;
   std::vector<double> gaussian_kl_after;  ///< kl_after of every row of the four projections, in call order
   std::vector<double> gaussian_kl, gaussian_kl_diag;                 ///< kl / kl_diag of the new vs old rows
+  std::vector<double> gaussian_kl_mutable_views;  ///< kl then kl_diag again, from views of non-const elements
   std::vector<double> gaussian_diag_grad_mean, gaussian_diag_grad_eps;  ///< project_joint_diag_backward
   std::vector<double> gaussian_split_diag_jvp_std;                   ///< project_split_diag_jvp
   std::vector<double> gaussian_full_derivatives;  ///< the full rows' backward / JVP and the other diagonal ones
@@ -186,8 +187,9 @@ step_results run_every_entry_point(Policy policy) {
   const troll::sparse_input<T> support(finalized.view(rows, V));
   troll::sparsify_tail_sums<T>(policy, troll::make_batch<const T>(z_new.get(), rows, half, V), 0, support,
                                tail_max.get(), tail_sums.get());
-  troll::sparsify_tail_sums<T>(policy, troll::make_batch<const T>(z_new.get() + half, rows, V - half, V), half,
-                               support, tail_max.get(), tail_sums.get() + 2 * rows);
+  // The second shard in the deduced form: views of non-const elements, no <T> (both policies).
+  troll::sparsify_tail_sums(policy, troll::make_batch(z_new.get() + half, rows, V - half, V), half,
+                            finalized.view(rows, V), tail_max.get(), tail_sums.get() + 2 * rows);
   troll::sparsify_finalize(policy, states.get(), options, finalized.view(rows, V), log_sums.get(), tail_max.get(),
                            tail_sums.get(), 2);
 
@@ -298,6 +300,13 @@ step_results run_every_entry_point(Policy policy) {
     typename S::template array<T> g_mean(rows * d), t_std(rows * d), t_mean(rows * d);
     troll::gaussian::kl(policy, mu_in, chol_in, mu_old_in, chol_old_in, kl_full.get());
     troll::gaussian::kl_diag(policy, mu_in, sd_in, mu_old_in, sd_old_in, kl_diag.get());
+    // Views of non-const elements, as make_batch gives them (T named by nothing else: the
+    // deducing overloads), into a second array that must agree bit for bit.
+    typename S::template array<double> kl_mutable(2 * rows);
+    troll::gaussian::kl(policy, troll::make_batch(mu.get(), rows, d), troll::make_batch(chol.get(), rows, d * d),
+                        troll::make_batch(mu_old.get(), rows, d), chol_old_in, kl_mutable.get());
+    troll::gaussian::kl_diag(policy, troll::make_batch(mu.get(), rows, d), troll::make_batch(sd.get(), rows, d),
+                             mu_old_in, troll::make_batch(sd_old.get(), rows, d), kl_mutable.get() + rows);
     const auto m3_in = troll::make_batch<const T>(m3.get(), rows, d);
     const auto s3_in = troll::make_batch<const T>(s3.get(), rows, d);
     const auto m4_in = troll::make_batch<const T>(m4.get(), rows, d);
@@ -345,6 +354,7 @@ step_results run_every_entry_point(Policy policy) {
     S::sync(policy);
     out.gaussian_kl = kl_full.download();
     out.gaussian_kl_diag = kl_diag.download();
+    out.gaussian_kl_mutable_views = kl_mutable.download();
     out.gaussian_diag_grad_mean = as_double(g_mean.download());
     out.gaussian_diag_grad_eps = g_eps.download();
     out.gaussian_split_diag_jvp_std = as_double(t_std.download());

@@ -74,6 +74,7 @@ TEST_SUITE("device") {
     close(gpu.gaussian_split_diag_std, cpu.gaussian_split_diag_std);
     close(gpu.gaussian_kl, cpu.gaussian_kl);
     close(gpu.gaussian_kl_diag, cpu.gaussian_kl_diag);
+    close(gpu.gaussian_kl_mutable_views, cpu.gaussian_kl_mutable_views);
     close(gpu.gaussian_diag_grad_mean, cpu.gaussian_diag_grad_mean);
     close(gpu.gaussian_diag_grad_eps, cpu.gaussian_diag_grad_eps);
     close(gpu.gaussian_split_diag_jvp_std, cpu.gaussian_split_diag_jvp_std);
