@@ -558,9 +558,9 @@ struct index_slot {
 /// gathered row's value is not −inf (counted_entry). A massless bucket (the support covers every
 /// token of mass) and a −inf entry (a masked token) are masked outputs, whose upstream gradients
 /// the backward passes ignore (docs/api.md); before, such a g moved every entry's gradient.
-/// `bucket` is the counted g_R. The entries are summed in `sorted` order (by index), the same in the whole row's
-/// backward and in every shard's (both backends: the CUDA scatters' thread 0 calls it on the block's
-/// shared slots).
+/// `bucket` is the counted g_R. The entries are summed in `sorted` order (by index), the same in
+/// the whole row's backward and in every shard's (both backends: the CUDA scatters' thread 0
+/// calls it on the block's shared slots).
 struct counted_grad {
   exact_sum sum;
   double bucket = 0.0;

@@ -252,8 +252,8 @@ TROLL_HOST_DEVICE inline double kl_term(double zn, double zo, const tilt_point& 
 
 /// Token i's share of Σ_J q_i e^{σ_i} − 1 at the evaluated point p (σ_i = t·x_i − a_c as in
 /// kl_term): q_i·expm1(σ_i) on J (π_i − q_i from log π where |σ| ≥ 1/2, so nothing overflows),
-/// −q_i on an old-only token (0 against q_J), 0 elsewhere. With a_c exact the shares sum to 0 (Σ_J π = 1); their
-/// sum s says a_c's own rounding: the exact value is a_c + log1p(s) (refine_a_c). Near t = 0
+/// −q_i on an old-only token (0 against q_J), 0 elsewhere. With a_c exact the shares sum to 0
+/// (Σ_J π = 1); their sum s says a_c's own rounding: the exact value is a_c + log1p(s) (refine_a_c). Near t = 0
 /// every σ_i is tiny, so s is formed to an absolute ~1e-16·t·max|x|, far finer than a_c's
 /// rounding from the log-sums it is made of.
 TROLL_HOST_DEVICE inline double ratio_term(double zn, double zo, const tilt_point& p) {
