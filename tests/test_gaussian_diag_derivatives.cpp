@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "gaussian_narrow_axis_reference.hpp"
 
 namespace troll_test {
 using oracle_backend = backend<troll::cpu_policy>;

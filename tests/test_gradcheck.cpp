@@ -526,6 +526,35 @@ TEST_CASE("NaN outputs fail with a reason") {
   }
 }
 
+TEST_CASE("finite values whose difference overflows fail instead of skipping the entry") {
+  // y0 = 1.7e308·tanh(1e7·x0) at x0 = 0: finite at every point, but y0(h) − y0(−h) overflows. The
+  // full mode skipped that entry silently (checked 3 of 4, ok = true, a wrong J(0, 0) unnoticed).
+  auto f = [](const double* x, double* y) {
+    y[0] = 1.7e308 * std::tanh(1e7 * x[0]);
+    y[1] = x[1] * x[1];
+  };
+  auto jac = [](const double* x, double* jacobian) {
+    jacobian[0] = 12345.0;  // wrong (the exact value overflows a double)
+    jacobian[1] = 0.0;
+    jacobian[2] = 0.0;
+    jacobian[3] = 2.0 * x[1];
+  };
+  auto jvp = [](const double* x, const double* dx, double* dy) {
+    dy[0] = 12345.0 * dx[0];
+    dy[1] = 2.0 * x[1] * dx[1];
+  };
+  const troll::gradcheck_result full = troll::check_jacobian(f, jac, {0.0, 1.0}, 2);
+  const troll::gradcheck_result random = troll::check_jvp_random(f, jvp, {0.0, 1.0}, 2);
+  for (const troll::gradcheck_result* result : {&full, &random}) {
+    INFO(result->report());
+    CHECK_FALSE(result->ok);
+    CHECK(result->nonfinite > 0);
+    CHECK(contains(result->reason, "overflows"));
+  }
+  CHECK(full.worst_output == 0);
+  CHECK(full.worst_input == 0);
+}
+
 TEST_CASE("bad arguments throw troll::invalid_input") {
   auto jac = [](const double*, double* jacobian) { jacobian[0] = 0; };
   auto vjp = [](const double*, const double*, double* gx) { gx[0] = 0; };

@@ -6,8 +6,8 @@
 // nothing written). One body per backend: tests/test_gaussian_diag_derivatives.cpp includes it
 // with troll_test::oracle_backend = backend<cpu_policy>, tests/cuda/test_cuda_gaussian_derivatives.cu
 // with backend<cuda_policy> (checked policy) inside its "device" suite. Batches hold d > 32 so a
-// warp's lanes take several coordinates each. Include after "gaussian_oracle.hpp", "backend.hpp"
-// and the definition of troll_test::oracle_backend.
+// warp's lanes take several coordinates each. Include after "gaussian_oracle.hpp", "backend.hpp",
+// "gaussian_narrow_axis_reference.hpp" and the definition of troll_test::oracle_backend.
 
 namespace {
 
@@ -218,6 +218,64 @@ TEST_CASE("Gaussian diag JVP and VJP against central differences of the CPU forw
       CAPTURE(split);
       CAPTURE(d);
       check_derivatives(12, d, split, static_cast<unsigned>(7 * d + split));
+    }
+  }
+}
+
+TEST_CASE("Gaussian diag VJP and JVP with a new standard deviation 1e-6 ... 1e-8 of the old: against mpmath") {
+  // The narrow axis holds nearly all of dKL/dt: its σ̃ derivatives are written from the other
+  // coordinates' shares (gaussian_diag_derivatives.hpp, "The dominant coordinate"). The textbook
+  // form kept ~u/r² of their digits (3.9e-5 relative at r = 1e-6, the wrong sign at r = 1e-8).
+  // d = 40: the narrow axis sits at index 37 or 5 (another lane of the device's warp than lane 0),
+  // and the split row has a second narrow axis.
+  for (const troll_test::gaussian_narrow_axis_case& c : troll_test::gaussian_narrow_axis_cases()) {
+    const std::size_t d = c.mean.size();
+    diag_batch b;
+    b.n = 1;
+    b.d = d;
+    b.mean = c.mean;
+    b.sd = c.sd;
+    b.old_mean = c.old_mean;
+    b.old_sd = c.old_sd;
+    const double eps_mean = c.eps, eps_cov = c.eps_cov;
+    const diag_forward f = cpu_forward(b, c.split, eps_mean, eps_cov);
+    REQUIRE(f.stats[0].status == troll::row_status::projected);
+    CAPTURE(d);
+    CAPTURE(c.split);
+    auto unit = [&](std::size_t input) {
+      direction dir;
+      dir.v = b;
+      for (std::vector<double>* v : {&dir.v.mean, &dir.v.sd, &dir.v.old_mean, &dir.v.old_sd})
+        std::fill(v->begin(), v->end(), 0.0);
+      std::vector<double>* block[4] = {&dir.v.mean, &dir.v.sd, &dir.v.old_mean, &dir.v.old_sd};
+      (*block[input / d])[input % d] = 1.0;
+      return dir;
+    };
+    // Outputs the VJP is checked on: all of a small row, the narrow axes' of d = 40.
+    std::vector<std::size_t> outputs;
+    for (std::size_t r = 0; r < 2 * d; ++r) {
+      bool listed = d <= 3;
+      for (std::size_t col : c.cols) listed = listed || (col < d && r % d == col);
+      if (listed) outputs.push_back(r);
+    }
+    for (std::size_t j = 0; j < c.cols.size(); ++j) {
+      CAPTURE(c.cols[j]);
+      const std::vector<double>& want = c.jac[j];
+      double scale = 0.0;
+      for (double x : want) scale = std::max(scale, std::fabs(x));
+      const direction dir = unit(c.cols[j]);
+      const std::vector<double> jvp = backend_jvp(b, c.split, eps_mean, eps_cov, f, dir);
+      for (std::size_t r = 0; r < 2 * d; ++r) {
+        CAPTURE(r);
+        CHECK(close(jvp[r], want[r], 1e-12 * scale, 1e-9));
+      }
+      for (std::size_t r : outputs) {
+        CAPTURE(r);
+        std::vector<double> u(2 * d, 0.0);
+        u[r] = 1.0;
+        const double got = backend_vjp_dot(b, c.split, eps_mean, eps_cov, f, u, dir)[0];
+        CHECK(close(got, want[r], 1e-12 * scale, 1e-9));
+      }
     }
   }
 }

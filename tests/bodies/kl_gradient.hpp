@@ -107,6 +107,70 @@ TEST_CASE("kl matches a long-double reference, with masks, and is +inf where q m
   CHECK(k == std::numeric_limits<double>::infinity());
 }
 
+namespace {
+
+/// kl_backward of one row pair in T through the backend, against the long-double textbook
+/// gradients g(q − p) and g·p(log p − log q − KL): grad_q to 64 ulp of max(|g(q − p)|, q) +
+/// 1e-300, grad_p to 1e-12 (double) or 1e-5 (float) relative to the row's largest entry.
+template <class T>
+void check_kl_backward_row(const std::vector<T>& zp, const std::vector<T>& zq, double g) {
+  const std::size_t v = zp.size();
+  typename backend::template buffer<T> p(zp), q(zq), gp(v), gq(v);
+  typename backend::template buffer<T> up(std::vector<T>{static_cast<T>(g)});
+  troll::kl_backward(backend::policy(), troll::make_batch<const T>(p.get(), 1, v),
+                     troll::make_batch<const T>(q.get(), 1, v), static_cast<const T*>(up.get()),
+                     troll::make_batch(gp.get(), 1, v), troll::make_batch(gq.get(), 1, v));
+  const std::vector<T> got_p = gp.download(), got_q = gq.download();
+  auto log_softmax = [](const std::vector<T>& z) {
+    long double m = -INFINITY, s = 0.0L;
+    for (T x : z) m = std::max(m, static_cast<long double>(x));
+    for (T x : z) s += std::exp(static_cast<long double>(x) - m);
+    std::vector<long double> out;
+    for (T x : z) out.push_back(static_cast<long double>(x) - m - std::log(s));
+    return out;
+  };
+  const std::vector<long double> lp = log_softmax(zp), lq = log_softmax(zq);
+  long double kl = 0.0L;
+  for (std::size_t j = 0; j < v; ++j)
+    if (zp[j] > -INFINITY) kl += std::exp(lp[j]) * (lp[j] - lq[j]);
+  const double ulp = std::numeric_limits<T>::epsilon();
+  double scale_p = 0.0;
+  std::vector<double> want_p(v);
+  for (std::size_t j = 0; j < v; ++j) {
+    want_p[j] = zp[j] > -INFINITY ? static_cast<double>(g * std::exp(lp[j]) * (lp[j] - lq[j] - kl)) : 0.0;
+    scale_p = std::max(scale_p, std::fabs(want_p[j]));
+  }
+  for (std::size_t j = 0; j < v; ++j) {
+    CAPTURE(j);
+    const long double pj = std::exp(lp[j]), qj = std::exp(lq[j]);
+    const double want_q = static_cast<double>(g * (qj - pj));
+    const double tol_q = 64.0 * ulp * std::max<double>(std::fabs(want_q), static_cast<double>(qj + pj)) + 1e-300;
+    CHECK(std::fabs(static_cast<double>(got_q[j]) - want_q) <= tol_q);
+    CHECK(std::fabs(static_cast<double>(got_p[j]) - want_p[j]) <=
+          (sizeof(T) == sizeof(double) ? 1e-12 : 1e-5) * scale_p);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("kl_backward with a huge finite mask in the old row: grad_q keeps p at every token") {
+  // A finite −1e17 … −1e300 (float: −1e30 … −3e38) old logit beside O(1) ones: q_j e^{x_j} was
+  // formed as e^{log q_j + x_j}, a sum of two numbers of that size, wrong by their ulps, and the
+  // reference token's grad_q came out g·q_r instead of g(q_r − p_r).
+  for (double mask : {-3e16, -1e17, -1e30, -1e300}) {
+    CAPTURE(mask);
+    check_kl_backward_row<double>({2.0, -0.5, -0.2}, {-2.0, -0.2, mask}, 1.0);
+    check_kl_backward_row<double>({0.3, 1.7, -0.4, 0.9, -2.0}, {mask, 0.1, -0.3, 0.5, 1.1}, -0.7);
+    check_kl_backward_row<double>({0.3, mask, -0.4, 0.9}, {0.5, mask, mask, 0.2}, 2.0);
+  }
+  for (float mask : {-1e9f, -1e30f, -3e38f}) {
+    CAPTURE(mask);
+    check_kl_backward_row<float>({-0.28f, -0.67f, -1.06f, -INFINITY, 0.48f, -0.24f},
+                                 {0.1f, -0.3f, 0.2f, 0.0f, 0.4f, mask}, 1.0);
+    check_kl_backward_row<float>({2.0f, -0.5f, -0.2f}, {-2.0f, -0.2f, mask}, 1.0);
+  }
+}
+
 TEST_CASE("kl_backward: full Jacobian check of both gradients, masked tokens included") {
   rng g(10);
   for (std::size_t v : {std::size_t(6), std::size_t(11)}) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "gaussian_narrow_axis_reference.hpp"
 #include "troll/cuda_gaussian.cuh"
 #include "troll/gaussian.hpp"
 

@@ -91,6 +91,82 @@ TROLL_HOST_DEVICE inline gaussian_diag_member gaussian_diag_member_at(const gaus
   return m;
 }
 
+// ---- The dominant coordinate -------------------------------------------------------------------
+//
+// dKL/dt = t·I(t) is a sum of one term per coordinate. Where one coordinate holds nearly all of
+// it (a new standard deviation far below the old on that axis, r = σ̃/σ° ≲ 1e-4, so that γ = 1/r²
+// is huge), the total derivative of that coordinate's outputs with respect to its σ̃ is the
+// difference of a direct term and the implicit one through t*, each ~1/r² times the result: the
+// textbook form kept only ~u/r² of its digits (3.9e-5 relative at r = 1e-6, the wrong sign at
+// 1e-8). For that coordinate the derivative is written instead as
+//
+//   dF/dγ = (∂F/∂γ · K_rest − T_rest · ∂K/∂γ + ∂(F, K)/∂(γ, t)) / K_t,
+//
+// F the output functional (ū_μ μ_t + ū_σ σ_t), K its coordinate's KL term, K_rest and T_rest the
+// other coordinates' shares of dKL/dt and of ∂(ū·out)/∂t (exclusive sums, summed as such rather
+// than as totals less its own term), and the Jacobian determinant in closed form: F and K depend
+// on (γ, t) only through p = tγ and a = 1 − t + p, whose map has determinant −t, so
+// ∂(F, K)/∂(γ, t) = −t (F_p K_a − F_a K_p) = −t (ū_μ Δ·tg + ū_σ σ_t·p b²) / (2a³). Every term is
+// then of the size of the result. The coordinate is the one with the largest I(t) term (ties: the
+// lowest index); the other coordinates keep the textbook form, where the two terms do not cancel
+// (their ratio is that coordinate's share of dKL/dt, at most ½).
+
+/// The coordinate with the largest term of I(t) and the sums over the others. `term` is the
+/// coordinate's term of the tracked sum (VJP: t̄; JVP: KL'), `own` (JVP) that term without its
+/// σ̃ tangent; `rest` sums `term` over the other coordinates.
+struct gaussian_diag_top {
+  int index = -1;
+  double info = 0.0, term = 0.0, own = 0.0;
+  double rest_info = 0.0, rest = 0.0;
+
+  /// Whether this one's coordinate wins over o's (an empty one never wins; ties: the lower index).
+  TROLL_HOST_DEVICE bool beats(const gaussian_diag_top& o) const {
+    return index >= 0 && (o.index < 0 || info > o.info || (info == o.info && index < o.index));
+  }
+  /// Merges another partial (another lane's coordinates) into this one.
+  TROLL_HOST_DEVICE void merge(const gaussian_diag_top& o) {
+    const bool mine = beats(o);
+    const gaussian_diag_top& lost = mine ? o : *this;
+    const double lost_info = lost.index >= 0 ? lost.info : 0.0, lost_term = lost.index >= 0 ? lost.term : 0.0;
+    rest_info = rest_info + o.rest_info + lost_info;
+    rest = rest + o.rest + lost_term;
+    if (!mine) {
+      index = o.index;
+      info = o.info;
+      term = o.term;
+      own = o.own;
+    }
+  }
+  /// Adds coordinate i.
+  TROLL_HOST_DEVICE void add(int i, double info_i, double term_i, double own_i) {
+    gaussian_diag_top c;
+    c.index = i;
+    c.info = info_i;
+    c.term = term_i;
+    c.own = own_i;
+    merge(c);
+  }
+};
+
+/// d(ū_μ μ_t + ū_σ σ_t)/dσ̃ of the dominant coordinate (see above; split: ū_μ and b do not enter),
+/// total, with t moving to keep the KL: rest_info and rest_t_bar are the other coordinates' shares
+/// (rest_t_bar 0 in the JVP, which carries them in t'), info = I(t). Not finite where I(t)
+/// overflowed: the caller keeps the textbook form then.
+TROLL_HOST_DEVICE inline double gaussian_diag_top_std_bar(const gaussian_diag_entry& e, const gaussian_diag_member& m,
+                                                          bool split, double t, double s, double up_mean,
+                                                          double up_std, double rest_info, double rest_t_bar,
+                                                          double info) {
+  const double a = m.a, p = t * m.gamma, tg = t * m.g;
+  const double b = split ? 0.0 : m.b, um = split ? 0.0 : up_mean;
+  const double diff = e.mean - e.old_mean;
+  const double sigma_t = ::sqrt(m.sigma);
+  const double f_gamma = um * diff * s / (a * a) - 0.5 * up_std * sigma_t / a;  // ∂F/∂γ / t
+  const double k_gamma = (0.5 * tg + p * b * b * s / a) / (a * a);              // ∂K/∂γ / t
+  const double det = (um * diff * tg + up_std * sigma_t * p * b * b) / (2.0 * a * a * a);  // −∂(F, K)/∂(γ, t) / t
+  const double d_gamma = (f_gamma * t * rest_info - rest_t_bar * k_gamma - det) / info;
+  return (m.gamma * d_gamma) * (-2.0 / e.std_dev);  // dγ/dσ̃ = −2γ/σ̃
+}
+
 // ---- VJP -------------------------------------------------------------------------------------
 
 /// The upstream gradients of one coordinate and the forward's output standard deviation σ*.
@@ -104,6 +180,7 @@ struct gaussian_diag_vjp_sums {
   double kappa_bar = 0.0;  // split: Σ μ̄* (μ̃ − μ°)
   double t_bar = 0.0;      // ⟨θ̄_t, θ̃ − θ°⟩
   double info = 0.0;       // I(t)
+  gaussian_diag_top top;   // the dominant coordinate (term: its t̄ term); merged, not summed
 
   /// f(field) for each sum, in declaration order (a team's reduction of the lanes' sums).
   template <class F>
@@ -122,6 +199,8 @@ struct gaussian_diag_vjp_scalars {
   double cst = 0.0;
   double eps_bar = 0.0;
   double eps_mean_bar = 0.0;
+  int top = -1;  // the dominant coordinate, and the others' shares of I(t) and t̄
+  double rest_info = 0.0, rest_t_bar = 0.0, info = 0.0;
 };
 
 /// The gradients of one coordinate of the four inputs.
@@ -143,17 +222,21 @@ TROLL_HOST_DEVICE inline void gaussian_diag_output_bar(const gaussian_diag_entry
 
 TROLL_HOST_DEVICE inline void gaussian_diag_vjp_accumulate_units(const gaussian_diag_entry& e,
                                                                  const gaussian_diag_upstream& up, bool split,
-                                                                 double t, double s, gaussian_diag_vjp_sums* sums) {
+                                                                 double t, double s, int i,
+                                                                 gaussian_diag_vjp_sums* sums) {
   const gaussian_diag_member m = gaussian_diag_member_at(e, t, s);
   sums->b2 += m.b * m.b;
   if (split) sums->kappa_bar += up.mean * (e.mean - e.old_mean);
   if (t >= 1.0) return;
   double lambda_bar = 0.0, h_bar = 0.0;
   gaussian_diag_output_bar(e, m, up, split, &lambda_bar, &h_bar);
-  sums->t_bar += lambda_bar * m.ps;
-  if (!split) sums->t_bar += h_bar * (m.pn * (e.mean - e.old_mean) + m.ps * e.old_mean);
-  double kl2 = 0.0;
-  gaussian_coordinate_at(m.g, m.gamma, m.a, split ? 0.0 : m.b, t, !split, &kl2, &sums->info);
+  double t_bar = lambda_bar * m.ps;
+  if (!split) t_bar += h_bar * (m.pn * (e.mean - e.old_mean) + m.ps * e.old_mean);
+  sums->t_bar += t_bar;
+  double kl2 = 0.0, info = 0.0;
+  gaussian_coordinate_at(m.g, m.gamma, m.a, split ? 0.0 : m.b, t, !split, &kl2, &info);
+  sums->info += info;
+  sums->top.add(i, info, t_bar, 0.0);
 }
 
 /// The upstream of a coordinate in units of 2^k: the gradients times 2^k, σ* divided by it.
@@ -161,12 +244,13 @@ TROLL_HOST_DEVICE inline gaussian_diag_upstream gaussian_diag_scaled(const gauss
   return gaussian_diag_upstream{::ldexp(up.mean, k), ::ldexp(up.std_dev, k), ::ldexp(up.out_std, -k)};
 }
 
-/// The first pass of a VJP row, one coordinate (in its units: see "Units" above).
+/// The first pass of a VJP row, coordinate i (in its units: see "Units" above).
 TROLL_HOST_DEVICE inline void gaussian_diag_vjp_accumulate(const gaussian_diag_entry& e,
                                                            const gaussian_diag_upstream& up, bool split, double t,
-                                                           double s, gaussian_diag_vjp_sums* sums) {
+                                                           double s, std::size_t i, gaussian_diag_vjp_sums* sums) {
   const int k = gaussian_diag_unit(e);
-  gaussian_diag_vjp_accumulate_units(gaussian_diag_scaled(e, k), gaussian_diag_scaled(up, k), split, t, s, sums);
+  gaussian_diag_vjp_accumulate_units(gaussian_diag_scaled(e, k), gaussian_diag_scaled(up, k), split, t, s,
+                                     static_cast<int>(i), sums);
 }
 
 TROLL_HOST_DEVICE inline gaussian_diag_vjp_scalars gaussian_diag_vjp_finish(const gaussian_diag_vjp_sums& sums,
@@ -186,12 +270,17 @@ TROLL_HOST_DEVICE inline gaussian_diag_vjp_scalars gaussian_diag_vjp_finish(cons
   if (t < 1.0) {
     s.cst = sums.t_bar / (t * sums.info);
     s.eps_bar = s.cst;
+    s.top = sums.top.index;
+    s.rest_info = sums.top.rest_info;
+    s.rest_t_bar = sums.top.rest;
+    s.info = sums.info;
   }
   return s;
 }
 
 TROLL_HOST_DEVICE inline gaussian_diag_vjp_out gaussian_diag_vjp_coordinate_units(
-    const gaussian_diag_entry& e, const gaussian_diag_upstream& up, bool split, const gaussian_diag_vjp_scalars& sc) {
+    const gaussian_diag_entry& e, const gaussian_diag_upstream& up, bool split, const gaussian_diag_vjp_scalars& sc,
+    bool top) {
   const double t = sc.t;
   const gaussian_diag_member m = gaussian_diag_member_at(e, t, sc.s);
   double mean_new = 0.0, mean_old = 0.0, lam_new = 0.0, lam_old = 0.0, h_new = 0.0, h_old = 0.0;
@@ -236,20 +325,26 @@ TROLL_HOST_DEVICE inline gaussian_diag_vjp_out gaussian_diag_vjp_coordinate_unit
   } else {
     out.mean = mean_new + m.pn * h_new;
     out.std_dev = 2.0 * e.std_dev * (-(m.pn * m.pn) * (lam_new + h_new * e.mean));
+    if (top) {  // the dominant coordinate: from the exclusive sums (see "The dominant coordinate")
+      const double std_bar = gaussian_diag_top_std_bar(e, m, split, t, sc.s, up.mean, up.std_dev, sc.rest_info,
+                                                       sc.rest_t_bar, sc.info);
+      if (std_bar - std_bar == 0.0) out.std_dev = std_bar;
+    }
   }
   out.old_mean = mean_old + m.po * h_old;
   out.old_std = 2.0 * e.old_std * (-(m.po * m.po) * (lam_old + h_old * e.old_mean));
   return out;
 }
 
-/// The gradients of one coordinate of the four inputs (worked in its units: see "Units" above).
+/// The gradients of coordinate i of the four inputs (worked in its units: see "Units" above).
 TROLL_HOST_DEVICE inline gaussian_diag_vjp_out gaussian_diag_vjp_coordinate(const gaussian_diag_entry& e,
                                                                             const gaussian_diag_upstream& up,
                                                                             bool split,
-                                                                            const gaussian_diag_vjp_scalars& sc) {
+                                                                            const gaussian_diag_vjp_scalars& sc,
+                                                                            std::size_t i) {
   const int k = gaussian_diag_unit(e);
-  const gaussian_diag_vjp_out g =
-      gaussian_diag_vjp_coordinate_units(gaussian_diag_scaled(e, k), gaussian_diag_scaled(up, k), split, sc);
+  const gaussian_diag_vjp_out g = gaussian_diag_vjp_coordinate_units(
+      gaussian_diag_scaled(e, k), gaussian_diag_scaled(up, k), split, sc, static_cast<int>(i) == sc.top);
   return gaussian_diag_vjp_out{::ldexp(g.mean, -k), ::ldexp(g.std_dev, -k), ::ldexp(g.old_mean, -k),
                                ::ldexp(g.old_std, -k)};
 }
@@ -267,6 +362,7 @@ struct gaussian_diag_jvp_sums {
   double m_dot = 0.0;   // split: m'
   double kl_dot = 0.0;  // ∂KL(π_t ‖ q) at fixed t along the tangents
   double info = 0.0;    // I(t)
+  gaussian_diag_top top;  // the dominant coordinate (term: its KL' term, own: without its σ̃ tangent)
 
   /// f(field) for each sum, in declaration order (a team's reduction of the lanes' sums).
   template <class F>
@@ -282,6 +378,8 @@ struct gaussian_diag_jvp_scalars {
   double kappa = 1.0;
   double kappa_dot = 0.0;
   double t_dot = 0.0;
+  int top = -1;         // the dominant coordinate, the others' share of I(t), and t' without its σ̃ tangent
+  double rest_info = 0.0, info = 0.0, t_dot_top = 0.0;
 };
 
 struct gaussian_diag_jvp_out {
@@ -306,9 +404,30 @@ TROLL_HOST_DEVICE inline gaussian_diag_fixed_t gaussian_diag_fixed_t_tangent(con
   return f;
 }
 
+/// One coordinate's term of ∂KL(π_t ‖ q) at fixed t along the tangents.
+TROLL_HOST_DEVICE inline double gaussian_diag_kl_dot(const gaussian_diag_entry& e, const gaussian_diag_member& m,
+                                                     const gaussian_diag_tangent& d, bool split, double t, double s) {
+  const gaussian_diag_fixed_t f = gaussian_diag_fixed_t_tangent(e, m, d, split, t, s);
+  const double so2 = e.old_std * e.old_std;
+  const double sigma_gap = -so2 * t * m.g / m.a;  // Σ_t − Σ°
+  const double sigma_t_dot = -(m.sigma * m.sigma * f.lam_t_dot);
+  double kl_dot = 0.5 * (f.lam_old_dot * sigma_gap - t * m.ps * sigma_t_dot);
+  if (!split) {
+    const double mu_t_dot = m.sigma * (f.h_t_dot - f.lam_t_dot * (e.old_mean + m.delta));
+    kl_dot += m.delta * m.po * (mu_t_dot - d.old_mean) + 0.5 * m.delta * f.lam_old_dot * m.delta;
+  }
+  return kl_dot;
+}
+
+/// The tangents without the new standard deviation's.
+TROLL_HOST_DEVICE inline gaussian_diag_tangent gaussian_diag_without_std(gaussian_diag_tangent d) {
+  d.std_dev = 0.0;
+  return d;
+}
+
 TROLL_HOST_DEVICE inline void gaussian_diag_jvp_accumulate_units(const gaussian_diag_entry& e,
                                                                  const gaussian_diag_tangent& d, bool split, double t,
-                                                                 double s, gaussian_diag_jvp_sums* sums) {
+                                                                 double s, int i, gaussian_diag_jvp_sums* sums) {
   const gaussian_diag_member m = gaussian_diag_member_at(e, t, s);
   sums->b2 += m.b * m.b;
   if (split) {
@@ -317,17 +436,13 @@ TROLL_HOST_DEVICE inline void gaussian_diag_jvp_accumulate_units(const gaussian_
     sums->m_dot += diff * m.po * diff_dot + 0.5 * diff * lam_old_dot * diff;
   }
   if (t >= 1.0) return;
-  const gaussian_diag_fixed_t f = gaussian_diag_fixed_t_tangent(e, m, d, split, t, s);
-  const double so2 = e.old_std * e.old_std;
-  const double sigma_gap = -so2 * t * m.g / m.a;  // Σ_t − Σ°
-  const double sigma_t_dot = -(m.sigma * m.sigma * f.lam_t_dot);
-  sums->kl_dot += 0.5 * (f.lam_old_dot * sigma_gap - t * m.ps * sigma_t_dot);
-  if (!split) {
-    const double mu_t_dot = m.sigma * (f.h_t_dot - f.lam_t_dot * (e.old_mean + m.delta));
-    sums->kl_dot += m.delta * m.po * (mu_t_dot - d.old_mean) + 0.5 * m.delta * f.lam_old_dot * m.delta;
-  }
-  double kl2 = 0.0;
-  gaussian_coordinate_at(m.g, m.gamma, m.a, split ? 0.0 : m.b, t, !split, &kl2, &sums->info);
+  const double kl_dot = gaussian_diag_kl_dot(e, m, d, split, t, s);
+  const double own = d.std_dev == 0.0 ? kl_dot : gaussian_diag_kl_dot(e, m, gaussian_diag_without_std(d), split, t, s);
+  sums->kl_dot += kl_dot;
+  double kl2 = 0.0, info = 0.0;
+  gaussian_coordinate_at(m.g, m.gamma, m.a, split ? 0.0 : m.b, t, !split, &kl2, &info);
+  sums->info += info;
+  sums->top.add(i, info, kl_dot, own);
 }
 
 /// The input tangents of a coordinate in units of 2^k.
@@ -336,12 +451,13 @@ TROLL_HOST_DEVICE inline gaussian_diag_tangent gaussian_diag_scaled(const gaussi
                                ::ldexp(d.old_std, -k)};
 }
 
-/// The first pass of a JVP row, one coordinate (in its units: see "Units" above).
+/// The first pass of a JVP row, coordinate i (in its units: see "Units" above).
 TROLL_HOST_DEVICE inline void gaussian_diag_jvp_accumulate(const gaussian_diag_entry& e,
                                                            const gaussian_diag_tangent& d, bool split, double t,
-                                                           double s, gaussian_diag_jvp_sums* sums) {
+                                                           double s, std::size_t i, gaussian_diag_jvp_sums* sums) {
   const int k = gaussian_diag_unit(e);
-  gaussian_diag_jvp_accumulate_units(gaussian_diag_scaled(e, k), gaussian_diag_scaled(d, k), split, t, s, sums);
+  gaussian_diag_jvp_accumulate_units(gaussian_diag_scaled(e, k), gaussian_diag_scaled(d, k), split, t, s,
+                                     static_cast<int>(i), sums);
 }
 
 TROLL_HOST_DEVICE inline gaussian_diag_jvp_scalars gaussian_diag_jvp_finish(const gaussian_diag_jvp_sums& sums,
@@ -356,28 +472,27 @@ TROLL_HOST_DEVICE inline gaussian_diag_jvp_scalars gaussian_diag_jvp_finish(cons
     s.kappa = split_mean_scale(m, eps_mean);
     if (s.kappa < 1.0) s.kappa_dot = 0.5 * s.kappa * (eps_mean_dot / eps_mean - sums.m_dot / m);
   }
-  if (t < 1.0) s.t_dot = (eps_dot - sums.kl_dot) / (t * sums.info);
+  if (t < 1.0) {
+    s.t_dot = (eps_dot - sums.kl_dot) / (t * sums.info);
+    s.top = sums.top.index;
+    s.rest_info = sums.top.rest_info;
+    s.info = sums.info;
+    s.t_dot_top = (eps_dot - (sums.top.rest + sums.top.own)) / (t * sums.info);
+  }
   return s;
 }
 
-TROLL_HOST_DEVICE inline gaussian_diag_jvp_out gaussian_diag_jvp_coordinate_units(
-    const gaussian_diag_entry& e, const gaussian_diag_tangent& d, bool split, const gaussian_diag_jvp_scalars& sc) {
-  const double t = sc.t;
+/// The output tangents of a projected coordinate with t' = t_dot (the textbook form).
+TROLL_HOST_DEVICE inline gaussian_diag_jvp_out gaussian_diag_jvp_projected(const gaussian_diag_entry& e,
+                                                                           const gaussian_diag_member& m,
+                                                                           const gaussian_diag_tangent& d, bool split,
+                                                                           double t, double s, double t_dot) {
   gaussian_diag_jvp_out out;
-  if (split)
-    out.mean = sc.kappa < 1.0 ? d.old_mean + sc.kappa * (d.mean - d.old_mean) + sc.kappa_dot * (e.mean - e.old_mean)
-                              : d.mean;
-  if (t >= 1.0) {  // inactive: the output is the input
-    if (!split) out.mean = d.mean;
-    out.std_dev = d.std_dev;
-    return out;
-  }
-  const gaussian_diag_member m = gaussian_diag_member_at(e, t, sc.s);
-  gaussian_diag_fixed_t f = gaussian_diag_fixed_t_tangent(e, m, d, split, t, sc.s);
-  f.lam_t_dot += sc.t_dot * m.ps;
+  gaussian_diag_fixed_t f = gaussian_diag_fixed_t_tangent(e, m, d, split, t, s);
+  f.lam_t_dot += t_dot * m.ps;
   if (!split) {
     const double h_gap = m.pn * (e.mean - e.old_mean) + m.ps * e.old_mean;  // h̃ − h°
-    f.h_t_dot += sc.t_dot * h_gap;
+    f.h_t_dot += t_dot * h_gap;
     out.mean = m.sigma * (f.h_t_dot - f.lam_t_dot * (e.old_mean + m.delta));
   }
   // σ* = sqrt(Σ*): σ*' = Σ*'/(2σ*), Σ*' = −Σ*² Λ*'.
@@ -385,14 +500,45 @@ TROLL_HOST_DEVICE inline gaussian_diag_jvp_out gaussian_diag_jvp_coordinate_unit
   return out;
 }
 
-/// The output tangents of one coordinate (worked in its units: see "Units" above).
+TROLL_HOST_DEVICE inline gaussian_diag_jvp_out gaussian_diag_jvp_coordinate_units(
+    const gaussian_diag_entry& e, const gaussian_diag_tangent& d, bool split, const gaussian_diag_jvp_scalars& sc,
+    bool top) {
+  const double t = sc.t;
+  double split_mean = 0.0;
+  if (split)
+    split_mean = sc.kappa < 1.0 ? d.old_mean + sc.kappa * (d.mean - d.old_mean) + sc.kappa_dot * (e.mean - e.old_mean)
+                                : d.mean;
+  if (t >= 1.0) {  // inactive: the output is the input
+    gaussian_diag_jvp_out out;
+    out.mean = split ? split_mean : d.mean;
+    out.std_dev = d.std_dev;
+    return out;
+  }
+  const gaussian_diag_member m = gaussian_diag_member_at(e, t, sc.s);
+  gaussian_diag_jvp_out out = gaussian_diag_jvp_projected(e, m, d, split, t, sc.s, sc.t_dot);
+  if (top && d.std_dev != 0.0) {
+    // The dominant coordinate (see "The dominant coordinate"): the other tangents through t' less
+    // this σ̃ tangent's share, plus this σ̃ tangent's total effect from the exclusive sums.
+    gaussian_diag_jvp_out o =
+        gaussian_diag_jvp_projected(e, m, gaussian_diag_without_std(d), split, t, sc.s, sc.t_dot_top);
+    if (!split)
+      o.mean += gaussian_diag_top_std_bar(e, m, split, t, sc.s, 1.0, 0.0, sc.rest_info, 0.0, sc.info) * d.std_dev;
+    o.std_dev += gaussian_diag_top_std_bar(e, m, split, t, sc.s, 0.0, 1.0, sc.rest_info, 0.0, sc.info) * d.std_dev;
+    if (o.mean - o.mean == 0.0 && o.std_dev - o.std_dev == 0.0) out = o;
+  }
+  if (split) out.mean = split_mean;
+  return out;
+}
+
+/// The output tangents of coordinate i (worked in its units: see "Units" above).
 TROLL_HOST_DEVICE inline gaussian_diag_jvp_out gaussian_diag_jvp_coordinate(const gaussian_diag_entry& e,
                                                                             const gaussian_diag_tangent& d,
                                                                             bool split,
-                                                                            const gaussian_diag_jvp_scalars& sc) {
+                                                                            const gaussian_diag_jvp_scalars& sc,
+                                                                            std::size_t i) {
   const int k = gaussian_diag_unit(e);
-  const gaussian_diag_jvp_out o =
-      gaussian_diag_jvp_coordinate_units(gaussian_diag_scaled(e, k), gaussian_diag_scaled(d, k), split, sc);
+  const gaussian_diag_jvp_out o = gaussian_diag_jvp_coordinate_units(
+      gaussian_diag_scaled(e, k), gaussian_diag_scaled(d, k), split, sc, static_cast<int>(i) == sc.top);
   return gaussian_diag_jvp_out{::ldexp(o.mean, k), ::ldexp(o.std_dev, k)};
 }
 

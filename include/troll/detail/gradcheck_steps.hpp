@@ -309,7 +309,15 @@ gradcheck_result gradcheck_full(const char* mode, F& f, Fill&& fill, const std::
     for (std::size_t i = 0; i < m; ++i) {
       if (gradcheck_usable(values, points, i, state[i], y[i], along, j, gradcheck_result::npos,
                            tally)) {
-        numeric[i * n + j] = gradcheck_difference(values, points, i, offsets);
+        const double d = gradcheck_difference(values, points, i, offsets);
+        // Finite values whose difference overflows (or Richardson's inf − inf): nothing reported
+        // them, and skipping the entry would pass an unchecked one.
+        if (!std::isfinite(d))
+          tally.problem("numeric entry (output " + std::to_string(i) + ", input " + std::to_string(j) + ") is " +
+                            gradcheck_describe(d) + ": the finite difference of finite values overflows along " +
+                            along + " (a smaller step?)",
+                        i, j, gradcheck_result::npos, nan, d);
+        numeric[i * n + j] = d;
       }
     }
   }
@@ -322,7 +330,7 @@ gradcheck_result gradcheck_full(const char* mode, F& f, Fill&& fill, const std::
     for (std::size_t j = 0; j < n; ++j) {
       const double a = analytic[i * n + j];
       const double d = numeric[i * n + j];
-      if (!std::isfinite(d)) continue;  // already reported
+      if (!std::isfinite(d)) continue;  // reported above (here or by gradcheck_usable)
       if (!std::isfinite(a)) {
         tally.problem("analytic entry (output " + std::to_string(i) + ", input " +
                           std::to_string(j) + ") is " + gradcheck_describe(a) +
@@ -418,6 +426,13 @@ gradcheck_result gradcheck_random(const char* mode, const char* analytic_name, F
       }
     }
     if (!usable) continue;
+    if (!std::isfinite(numeric)) {  // finite values whose difference overflows
+      tally.problem("numeric derivative in direction " + std::to_string(k) + " is " + gradcheck_describe(numeric) +
+                        ": the finite difference of finite values overflows along " + along + " (a smaller step?)",
+                    gradcheck_result::npos, gradcheck_result::npos, direction, std::numeric_limits<double>::quiet_NaN(),
+                    numeric);
+      continue;
+    }
 
     const double analytic = inner(x.data(), u, taken, state);
     if (!std::isfinite(analytic)) {

@@ -629,16 +629,17 @@ inline void write_tilted(const T* zn, const T* zo, long count, const tilt_param&
   }
 }
 
-/// q·expm1(x) where |x| ≤ 1/2 and e^{log q + x} − q elsewhere, on one packet (q = e^{log q}):
+/// q·expm1(x) where |x| ≤ 1/2 and e^{log q + x} − q elsewhere, on one packet (q = e^{log q};
+/// log_far = log q + x, formed by the caller as (z_p − z_p,r) + log q_r, without z_q):
 /// centred_ratio_terms' term (row_kernels.hpp) without its masks, for kl's and kl_backward's
-/// packet passes. An overflow of e^{log q + x} gives +inf (exp_any), which the callers reject.
+/// packet passes. An overflow of e^{log_far} gives +inf (exp_any), which the callers reject.
 template <class Packet>
-inline Packet ratio_term_packet(const Packet& q, const Packet& log_q, const Packet& x) {
+inline Packet ratio_term_packet(const Packet& q, const Packet& log_far, const Packet& x) {
   using namespace Eigen::internal;
   const Packet half = pset1<Packet>(0.5);
   const Packet term = pmul(q, expm1_near_zero_packet(pmax(pmin(x, half), pnegate(half))));
   if (!any_lane(pcmp_lt(half, pabs(x)))) return term;  // every |x| ≤ 1/2
-  return pselect(pcmp_le(pabs(x), half), term, psub(exp_any(padd(log_q, x)), q));
+  return pselect(pcmp_le(pabs(x), half), term, psub(exp_any(log_far), q));
 }
 
 /// difference_error (tilt_family.hpp) on a packet: a − b = d + error exactly, d = fl(a − b).

@@ -144,10 +144,10 @@ void gaussian_backward_diag(bool split, std::size_t d, const T* mean, const T* s
                                   static_cast<double>(io.out_cov[i])};
   };
   gaussian_diag_vjp_sums sums;
-  for (std::size_t i = 0; i < d; ++i) gaussian_diag_vjp_accumulate(entry(i), upstream(i), split, t, s, &sums);
+  for (std::size_t i = 0; i < d; ++i) gaussian_diag_vjp_accumulate(entry(i), upstream(i), split, t, s, i, &sums);
   const gaussian_diag_vjp_scalars sc = gaussian_diag_vjp_finish(sums, split, t, s, eps_mean);
   for (std::size_t i = 0; i < d; ++i) {
-    const gaussian_diag_vjp_out g = gaussian_diag_vjp_coordinate(entry(i), upstream(i), split, sc);
+    const gaussian_diag_vjp_out g = gaussian_diag_vjp_coordinate(entry(i), upstream(i), split, sc, i);
     if (io.mean != nullptr) io.mean[i] = static_cast<T>(g.mean);
     if (io.cov != nullptr) io.cov[i] = static_cast<T>(g.std_dev);
     if (io.old_mean != nullptr) io.old_mean[i] = static_cast<T>(g.old_mean);

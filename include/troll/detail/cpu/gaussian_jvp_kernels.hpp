@@ -137,11 +137,11 @@ void gaussian_jvp_diag(bool split, std::size_t d, const T* mean, const T* std_de
     return gaussian_diag_tangent{at(io.mean, i), at(io.cov, i), at(io.old_mean, i), at(io.old_cov, i)};
   };
   gaussian_diag_jvp_sums sums;
-  for (std::size_t i = 0; i < d; ++i) gaussian_diag_jvp_accumulate(entry(i), tangent(i), split, t, s, &sums);
+  for (std::size_t i = 0; i < d; ++i) gaussian_diag_jvp_accumulate(entry(i), tangent(i), split, t, s, i, &sums);
   const gaussian_diag_jvp_scalars sc =
       gaussian_diag_jvp_finish(sums, split, t, s, eps_mean, io.eps, io.eps_mean);
   for (std::size_t i = 0; i < d; ++i) {
-    const gaussian_diag_jvp_out o = gaussian_diag_jvp_coordinate(entry(i), tangent(i), split, sc);
+    const gaussian_diag_jvp_out o = gaussian_diag_jvp_coordinate(entry(i), tangent(i), split, sc, i);
     io.out_mean[i] = static_cast<T>(o.mean);
     io.out_cov_tangent[i] = static_cast<T>(o.std_dev);
   }

@@ -83,6 +83,7 @@ inline bool kl_backward_row_finite(const T* zp, const T* zq, std::size_t size, c
   const centred_reference cr(ref);
   const packet rn = pset1<packet>(ref.zn), ro = pset1<packet>(ref.zo), rd = pset1<packet>(cr.rd);
   const packet abs_rd = pset1<packet>(cr.abs_rd), rd_error = pset1<packet>(cr.rd_error);
+  const packet ro_shift = pset1<packet>(ref.zo - q_max);  // log q_r + log Σ: the far terms' exponent less z_p − z_p,r
   auto centred = [&](const packet& a, const packet& b) {
     return kl_centred_packet(a, b, rn, ro, rd, abs_rd, rd_error);
   };
@@ -95,7 +96,7 @@ inline bool kl_backward_row_finite(const T* zp, const T* zq, std::size_t size, c
       read(k, a, b);
       const packet x = centred(a, b), uq = psub(b, qm);
       packet ep = exp_in_range(psub(a, pm)), eq = exp_in_range(uq);  // exponents in [−700, 0]
-      packet term = ratio_term_packet(eq, uq, x);  // relative to M_q: scaled by 1/Σ below
+      packet term = ratio_term_packet(eq, padd(psub(a, rn), ro_shift), x);  // relative to M_q: scaled by 1/Σ below
       if (k + lanes > n) {  // the padded packet: weight 0 on the padding
         double w[lanes];
         for (long j = 0; j < lanes; ++j) w[j] = k + j < n ? 1.0 : 0.0;
@@ -164,7 +165,7 @@ inline void kl_backward_row(const T* zp, const T* zq, std::size_t size, const ro
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     load_kl_block(zp, zq, begin, count, ref, p_max, p_log_sum, q_max, q_log_sum, b);
     mean_x += (b.p * b.x).sum();
-    sum += centred_ratio_terms(b.zp, b.x, b.q, b.log_q, term) ? term.sum() : inf();
+    sum += centred_ratio_terms(b.zp, b.x, b.q, ref.zn, (ref.zo - q_max) - q_log_sum, term) ? term.sum() : inf();
   });
   double a = 0.0;
   if (!(sum > -0.5 && sum < inf())) {  // the rows are far apart: the closed form is exact enough

@@ -544,15 +544,17 @@ inline void centred_block(const block_array& zp, const block_array& zq, const ti
   }
 }
 
-/// q_j e^{x_j} − q_j on a block (x from centred_block, q = exact_exp(log_q)): q·expm1(x) by its
-/// series where |x| ≤ 1/2, e^{log q + x} − q elsewhere (q may underflow where e^x overflows);
-/// −q_j where z_p masks the token (an old-only token), 0 where z_q does. Returns false where a
-/// term overflows.
-inline bool centred_ratio_terms(const block_array& zp, const block_array& x, const block_array& q,
-                                const block_array& log_q, block_array& term) {
+/// q_j e^{x_j} − q_j on a block (x from centred_block against the reference token r, q =
+/// exact_exp(log q)): q·expm1(x) by its series where |x| ≤ 1/2, e^{(z_p,j − z_p,r) + log q_r} − q
+/// elsewhere — log q_j + x_j without z_q,j, which cancels there: formed as log q + x, a huge
+/// finite old mask (z_q,j = −1e17 beside O(1) logits) left the sum of two ~1e17 numbers, wrong by
+/// their ulps (±16), and e^{±16} in place of p_j/p_r·q_r; −q_j where z_p masks the token (an
+/// old-only token), 0 where z_q does. Returns false where a term overflows.
+inline bool centred_ratio_terms(const block_array& zp, const block_array& x, const block_array& q, double zp_ref,
+                                double log_q_ref, block_array& term) {
   term = q * expm1_near_zero(x.max(-0.5).min(0.5));
   if (x.abs().maxCoeff() > 0.5) {
-    const block_array far = exact_exp(log_q + x) - q;
+    const block_array far = exact_exp((zp - zp_ref) + log_q_ref) - q;
     if (!(far.maxCoeff() < inf())) return false;
     const Eigen::Index n = x.size();
     const double* __restrict xs = x.data();
@@ -589,12 +591,12 @@ inline bool centred_log_ratio(const T* zp, const T* zq, std::size_t size, const 
     const centred_reference cr(ref);
     const packet rn = pset1<packet>(ref.zn), ro = pset1<packet>(ref.zo), rd = pset1<packet>(cr.rd);
     const packet abs_rd = pset1<packet>(cr.abs_rd), rd_error = pset1<packet>(cr.rd_error);
-    const packet shift = pset1<packet>(q_max + q_log_sum);
+    const packet shift = pset1<packet>(q_max + q_log_sum), log_q_ref = pset1<packet>((ref.zo - q_max) - q_log_sum);
     double total = 0.0;
     auto add = [&](const packet& zpk, const packet& zqk, const packet& live, packet& acc) {
       const packet x = kl_centred_packet(zpk, zqk, rn, ro, rd, abs_rd, rd_error);
-      const packet log_q = psub(zqk, shift);
-      acc = padd(acc, pmul(ratio_term_packet(exp_any(log_q), log_q, x), live));
+      const packet log_far = padd(psub(zpk, rn), log_q_ref);  // log q + x without z_q
+      acc = padd(acc, pmul(ratio_term_packet(exp_any(psub(zqk, shift)), log_far, x), live));
     };
     const packet one = pset1<packet>(1.0);
     for (long begin = 0; begin < whole; begin += 512) {
@@ -624,8 +626,8 @@ inline bool centred_log_ratio(const T* zp, const T* zq, std::size_t size, const 
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     const block_array zpb = load(zp, begin, count), zqb = load(zq, begin, count);
     centred_block(zpb, zqb, ref, x);
-    const block_array log_q = (zqb - q_max) - q_log_sum;
-    sum += centred_ratio_terms(zpb, x, exact_exp(log_q), log_q, term) ? term.sum() : inf();
+    const block_array q = exact_exp((zqb - q_max) - q_log_sum);
+    sum += centred_ratio_terms(zpb, x, q, ref.zn, (ref.zo - q_max) - q_log_sum, term) ? term.sum() : inf();
   });
   if (!(sum > -0.5 && sum < inf())) return false;
   a = ::log1p(sum);

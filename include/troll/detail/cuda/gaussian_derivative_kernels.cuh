@@ -120,6 +120,28 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_kl_full_kernel(gaussia
   }
 }
 
+/// The lanes' dominant coordinates merged (gaussian_diag_top::merge) down the lanes to lane 0 in
+/// one fixed order, as warp_sum, then broadcast: every lane gets the same bits.
+__device__ inline void warp_merge(gaussian_diag_top& top) {
+  const unsigned all = 0xffffffffu;
+  for (int offset = gaussian_warp / 2; offset > 0; offset /= 2) {
+    gaussian_diag_top o;
+    o.index = __shfl_down_sync(all, top.index, offset);
+    o.info = __shfl_down_sync(all, top.info, offset);
+    o.term = __shfl_down_sync(all, top.term, offset);
+    o.own = __shfl_down_sync(all, top.own, offset);
+    o.rest_info = __shfl_down_sync(all, top.rest_info, offset);
+    o.rest = __shfl_down_sync(all, top.rest, offset);
+    top.merge(o);
+  }
+  top.index = __shfl_sync(all, top.index, 0);
+  top.info = __shfl_sync(all, top.info, 0);
+  top.term = __shfl_sync(all, top.term, 0);
+  top.own = __shfl_sync(all, top.own, 0);
+  top.rest_info = __shfl_sync(all, top.rest_info, 0);
+  top.rest = __shfl_sync(all, top.rest, 0);
+}
+
 // ---- VJP of diagonal rows ------------------------------------------------------------------------
 
 /// The VJP's parts of a diagonal derivative row (gaussian_derivative_diag_kernel): the rejected
@@ -150,11 +172,12 @@ struct diag_vjp_op {
     };
     gaussian_diag_vjp_sums sums;
     for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp)
-      gaussian_diag_vjp_accumulate(entry(i), upstream(i), k.split, t, s, &sums);
+      gaussian_diag_vjp_accumulate(entry(i), upstream(i), k.split, t, s, i, &sums);
     sums.for_each_field([](double& x) { x = warp_sum(x); });
+    warp_merge(sums.top);
     const gaussian_diag_vjp_scalars sc = gaussian_diag_vjp_finish(sums, k.split, t, s, k.eps_mean);
     for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp) {
-      const gaussian_diag_vjp_out o = gaussian_diag_vjp_coordinate(entry(i), upstream(i), k.split, sc);
+      const gaussian_diag_vjp_out o = gaussian_diag_vjp_coordinate(entry(i), upstream(i), k.split, sc, i);
       if (g_mean != nullptr) g_mean[i] = static_cast<T>(o.mean);
       if (g_sd != nullptr) g_sd[i] = static_cast<T>(o.std_dev);
       if (g_old_mean != nullptr) g_old_mean[i] = static_cast<T>(o.old_mean);
@@ -190,12 +213,13 @@ struct diag_jvp_op {
     };
     gaussian_diag_jvp_sums sums;
     for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp)
-      gaussian_diag_jvp_accumulate(entry(i), tangent(i), k.split, t, s, &sums);
+      gaussian_diag_jvp_accumulate(entry(i), tangent(i), k.split, t, s, i, &sums);
     sums.for_each_field([](double& x) { x = warp_sum(x); });
+    warp_merge(sums.top);
     const gaussian_diag_jvp_scalars sc =
         gaussian_diag_jvp_finish(sums, k.split, t, s, k.eps_mean, k.tangents.eps, k.tangents.eps_mean);
     for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp) {
-      const gaussian_diag_jvp_out o = gaussian_diag_jvp_coordinate(entry(i), tangent(i), k.split, sc);
+      const gaussian_diag_jvp_out o = gaussian_diag_jvp_coordinate(entry(i), tangent(i), k.split, sc, i);
       out_mean[i] = static_cast<T>(o.mean);
       out_sd[i] = static_cast<T>(o.std_dev);
     }
