@@ -104,6 +104,64 @@ TEST_CASE("the backward and the JVP refuse non-finite upstream gradients and tan
   for (double x : t_out_mean) CHECK(std::isfinite(x));
 }
 
+// Found by an audit: the full rows' factor-shaped upstream gradient and tangents are read in their
+// lower triangle only (docs), but a NaN in the strict upper triangle was refused. It is ignored now
+// (the results bit-equal to a 0 there); a NaN in the lower triangle is named by (row, column).
+TEST_CASE("full rows: only the lower triangle of factor-shaped upstream gradients and tangents is checked") {
+  const std::size_t d = 2;
+  const std::vector<double> mean{0.3, -0.2}, chol{1.4, 0.0, 0.3, 0.6}, old_mean{0.0, 0.1}, old_chol{1.0, 0.0, -0.2, 1.1};
+  std::vector<double> out_mean(d), out_chol(d * d);
+  troll::gaussian::gaussian_stats st;
+  auto in = [](const std::vector<double>& v) { return troll::make_batch(v.data(), 1, v.size()); };
+  troll::gaussian::project_joint(troll::cpu, in(mean), in(chol), in(old_mean), in(old_chol), 0.05,
+                                 troll::make_batch(out_mean.data(), 1, d), troll::make_batch(out_chol.data(), 1, d * d),
+                                 &st);
+  REQUIRE(st.status == troll::row_status::projected);
+  const std::vector<double> up_mean{0.7, -0.4};
+  std::vector<double> up_chol{0.5, 0.0, -0.3, 0.9}, gm(d), gc(d * d), gm0(d), gc0(d * d);
+  auto backward = [&](std::vector<double>& m_out, std::vector<double>& c_out) {
+    const troll::gaussian::gaussian_grads<double> grads{troll::make_batch(m_out.data(), 1, d),
+                                                        troll::make_batch(c_out.data(), 1, d * d), {}, {}, nullptr,
+                                                        nullptr};
+    troll::gaussian::project_joint_backward(troll::cpu, in(mean), in(chol), in(old_mean), in(old_chol), 0.05,
+                                            in(out_mean), in(out_chol), &st, in(up_mean), in(up_chol), grads);
+  };
+  backward(gm0, gc0);
+  up_chol[1] = std::nan("");  // (0, 1): above the diagonal
+  backward(gm, gc);
+  CHECK(gm == gm0);
+  CHECK(gc == gc0);
+  up_chol[2] = std::numeric_limits<double>::infinity();  // (1, 0)
+  try {
+    backward(gm, gc);
+    FAIL("no exception");
+  } catch (const troll::domain_error& e) {
+    CHECK_MESSAGE(std::string(e.what()).find("grad_out_cov_chol is inf at entry (1, 0)") != std::string::npos, e.what());
+  }
+  // The JVP's factor tangents likewise.
+  std::vector<double> t_chol{0.1, std::nan(""), 0.2, -0.3}, t_old_chol{0.0, std::nan(""), 0.4, 0.1};
+  std::vector<double> t_chol0{0.1, 0.0, 0.2, -0.3}, t_old_chol0{0.0, 0.0, 0.4, 0.1};
+  auto jvp = [&](const std::vector<double>& tc, const std::vector<double>& toc) {
+    troll::gaussian::gaussian_tangents<double> tangents;
+    tangents.cov = in(tc);
+    tangents.old_cov = in(toc);
+    std::vector<double> om(d), oc(d * d);
+    troll::gaussian::project_joint_jvp(troll::cpu, in(mean), in(chol), in(old_mean), in(old_chol), 0.05, in(out_mean),
+                                       in(out_chol), &st, tangents, troll::make_batch(om.data(), 1, d),
+                                       troll::make_batch(oc.data(), 1, d * d));
+    om.insert(om.end(), oc.begin(), oc.end());
+    return om;
+  };
+  CHECK(jvp(t_chol, t_old_chol) == jvp(t_chol0, t_old_chol0));
+  t_old_chol[3] = std::nan("");  // (1, 1)
+  try {
+    jvp(t_chol, t_old_chol);
+    FAIL("no exception");
+  } catch (const troll::domain_error& e) {
+    CHECK_MESSAGE(std::string(e.what()).find("tangents.old_cov is nan at entry (1, 1)") != std::string::npos, e.what());
+  }
+}
+
 // Found by an adversarial audit: the diagonal VJP and JVP formed Σ_t², Λ̃², Λ°², which overflow
 // for standard deviations above ~1e77 and underflow below ~1e-77 (gradients inf or NaN, or 0.0205
 // for 0.0664 at 1e-100) while the forward was exact. A diagonal projection commutes with scaling

@@ -1043,6 +1043,53 @@ TEST_CASE("diagonal rows with a ratio beyond the doubles' gamma: exact kl, the p
   }
 }
 
+TEST_CASE("kl of full rows with a tiny and a huge eigenvalue: the huge one keeps its digits (CPU)") {
+  // A tiny eigenvalue sends kl to its log-determinant form, whose trace took λ = 1/(1 + g): for a
+  // much wider axis g ≈ −1 and λ = 1e10 lost ~1e-6 of itself (an audit: 5000005136.4 for
+  // 4999999999; 3.5e-5 on a rotated row with an old covariance of condition 1e12). The CPU now
+  // takes λ = 1/γ from its factorisation there. Against the long-double textbook formula
+  // ½(‖L°⁻¹L̃‖² − d + 2 Σ (log L°_ii − log L̃_ii) + ‖L°⁻¹(μ̃ − μ°)‖²).
+  struct row {
+    std::vector<double> mean, chol, old_mean, old_chol;
+  };
+  const std::vector<row> rows = {
+      {{0.0, 0.0}, {1e-5, 0.0, 0.0, 1e5}, {0.0, 0.0}, {1.0, 0.0, 0.0, 1.0}},
+      {{0.0, 0.0}, {932039.0859672967, 0.0, -362357.75447628397, 1.0728898029606186}, {0.0, 0.0}, {1.0, 0.0, 0.0, 1e6}},
+      {{0.3, -0.2, 0.1}, {2e4, 0.0, 0.0, 0.5, 3e-7, 0.0, -0.4, 0.2, 1.5}, {0.0, 0.1, 0.0}, {1.0, 0.0, 0.0, 0.1, 2.0, 0.0, 0.3, -0.2, 0.7}},
+  };
+  for (const row& x : rows) {
+    const std::size_t d = x.mean.size();
+    CAPTURE(d);
+    double got = 0.0;
+    troll::gaussian::kl(troll::cpu, troll::make_batch(x.mean.data(), 1, d), troll::make_batch(x.chol.data(), 1, d * d),
+                        troll::make_batch(x.old_mean.data(), 1, d), troll::make_batch(x.old_chol.data(), 1, d * d), &got);
+    // Forward substitution in long double: columns of L°⁻¹L̃ and L°⁻¹Δμ.
+    auto solve = [&](std::vector<long double> v) {
+      for (std::size_t i = 0; i < d; ++i) {
+        for (std::size_t j = 0; j < i; ++j) v[i] -= static_cast<long double>(x.old_chol[i * d + j]) * v[j];
+        v[i] /= static_cast<long double>(x.old_chol[i * d + i]);
+      }
+      return v;
+    };
+    long double two_kl = -static_cast<long double>(d);
+    for (std::size_t c = 0; c < d; ++c) {
+      std::vector<long double> col(d);
+      for (std::size_t i = 0; i < d; ++i) col[i] = x.chol[i * d + c];
+      for (long double e : solve(col)) two_kl += e * e;
+    }
+    std::vector<long double> step(d);
+    for (std::size_t i = 0; i < d; ++i) step[i] = static_cast<long double>(x.mean[i]) - x.old_mean[i];
+    for (long double e : solve(step)) two_kl += e * e;
+    for (std::size_t i = 0; i < d; ++i)
+      two_kl += 2.0L * (std::log(static_cast<long double>(x.old_chol[i * d + i])) -
+                        std::log(static_cast<long double>(x.chol[i * d + i])));
+    const double want = static_cast<double>(0.5L * two_kl);
+    CAPTURE(got);
+    CAPTURE(want);
+    CHECK(std::fabs(got - want) <= 1e-12 * want);
+  }
+}
+
 TEST_CASE("full rows with a factor ratio beyond the doubles' gamma: exact kl, the projections refuse") {
   // Full factors whose diagonal ratio L̃_ii / L°_ii is below ~7.5e-155: the eigenvalue λ = 1/γ of
   // Σ°⁻¹Σ̃ is below the smallest normal and its gain was clamped, so `kl` was 354.7 for 460.3 at

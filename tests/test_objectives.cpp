@@ -217,6 +217,32 @@ TEST_CASE("PPO clip: hand-computed values and gradients") {
   }
 }
 
+TEST_CASE("DPPO's binary KL of tiny probabilities against mpmath (50 digits)") {
+  // The tail (1−μ) log((1−μ)/(1−π)) was the log of the rounded quotient, ~1e-16 off: with μ and π
+  // near 1e-13 (KL ~1e-12) that moved the divergence by ~2e-5 relative (an audit, float DPPO); and
+  // at μ ≈ π the textbook difference of two ~|π − μ| terms kept ~KL/|π − μ| of its digits.
+  struct row {
+    double log_mu, log_pi, kl, rtol;
+  };
+  const row rows[] = {
+      {-28.696392070816856, -43.881505954932614, 4.8881903320663503839e-12, 1e-13},
+      {-1e-14, -3e-14, 9.0138771133188569542e-15, 1e-13},
+      {-30.0, -31.0, 3.4424771084701514031e-14, 1e-13},
+      {-0.7, -0.7000001, 4.9321688351755990078e-15, 1e-13},  // the textbook form: 1e-2
+      {-0.6931471805599453, -1e-17, 18.878826109889442523, 1e-14},   // 1 − π far below 1 − μ
+      {-1e-3, -2.0, 1.9902425376815011519, 1e-14},
+      {-5.0, -1e-9, 20.543228639719025473, 1e-14},
+      {-1e-300, -2.0, 2.0, 1e-14},  // 1 − μ = 1e-300
+  };
+  for (const row& r : rows) {
+    CAPTURE(r.log_mu);
+    const double got = troll::detail::binary_kl(r.log_mu, r.log_pi);
+    CHECK(std::fabs(got - r.kl) <= r.rtol * r.kl);
+  }
+  CHECK(troll::detail::binary_kl(-1.0, 0.0) == std::numeric_limits<double>::infinity());  // π = 1 > μ
+  CHECK(troll::detail::binary_kl(0.0, -1.0) == doctest::Approx(1.0));                       // μ = 1
+}
+
 TEST_CASE("DPPO: divergences and the directional mask by hand") {
   // q = (0.5, 0.3, 0.2), p̃ = (0.7, 0.2, 0.1), token 0: μ = 0.5, π = 0.7, r = 1.4.
   const double binary_kl = 0.5 * std::log(0.5 / 0.7) + 0.5 * std::log(0.5 / 0.3);
@@ -420,6 +446,33 @@ TEST_CASE("Masks and aggregation: token mean, sequence mean, zero-mask rows") {
   double expected = 0;
   for (std::size_t r = 0; r < c.rows(); ++r) expected += w[r] * run.token_loss[r];
   CHECK(run.metrics.loss == doctest::Approx(expected).epsilon(1e-13));
+  // A padding row (mask 0) whose new logits put mass on a token its old logits mask: with α > 0
+  // its KL(p̃‖π*) is +inf, which adds nothing there — accepted (it failed the batch before), the
+  // loss, metrics and other rows' gradients those of the batch with that row left as it was.
+  {
+    token_case padded = c, counted = c;
+    padded.logits.old_logits[4 * c.cols() + 3] = neg_inf;
+    counted.logits.old_logits[4 * c.cols() + 3] = neg_inf;
+    counted.mask[4] = 1.0;
+    counted.tokens[4] = 0;
+    counted.advantages[4] = 1.0;
+    const troll_run with = run_troll(padded, troll::trust_region_objective{}), without = run_troll(c, troll::trust_region_objective{});
+    CHECK(with.metrics.loss == without.metrics.loss);
+    CHECK(with.metrics.tokens == without.metrics.tokens);
+    CHECK(with.token_loss[4] == 0.0);
+    for (std::size_t k = 0; k < with.grad.size(); ++k) {
+      CAPTURE(k);
+      CHECK(with.grad[k] == (k / c.cols() == 4 ? 0.0 : without.grad[k]));
+    }
+    const std::size_t N = c.rows(), V = c.cols();
+    std::vector<double> lp(N * V), tl(N);
+    std::vector<troll::projection_stats> st(N);
+    CHECK_THROWS_AS(troll::objective_forward(troll::cpu, troll::trust_region_objective{},
+                                             troll::make_batch(counted.logits.new_logits.data(), N, V),
+                                             troll::make_batch(counted.logits.old_logits.data(), N, V),
+                                             counted.batch(), troll::make_batch(lp.data(), N, V), st.data(), tl.data()),
+                    troll::domain_error);
+  }
   // All masked: loss 0, gradient 0.
   for (double& m : c.mask) m = 0.0;
   const troll_run none = run_troll(c, troll::trust_region_objective{});

@@ -367,6 +367,20 @@ TEST_CASE("sparse TROLL forward rejects bad input before writing, naming the row
     expect_forward_rejected<troll::domain_error>(c, o, 4, "KL(p_new || pi*)");
     const sparse_run<double> run = run_sparse(c, objective(0.0));  // fine without the term
     CHECK(std::isfinite(run.metrics.loss));
+    // With mask 0 (a padding row) the term adds nothing: accepted, and the batch's loss, metrics
+    // and other rows' gradients are those of the batch with the row left as it was.
+    c.mask[4] = 0.0;
+    sparse_case plain = good;
+    plain.mask[4] = 0.0;
+    const sparse_run<double> padded = run_sparse(c, o), reference = run_sparse(plain, o);
+    CHECK(padded.metrics.loss == reference.metrics.loss);
+    CHECK(padded.metrics.kl_after_mean == reference.metrics.kl_after_mean);
+    CHECK(padded.metrics.tokens == reference.metrics.tokens);
+    CHECK(padded.token_loss[4] == 0.0);
+    for (std::size_t k = 0; k < padded.grad.size(); ++k) {
+      CAPTURE(k);
+      CHECK(padded.grad[k] == (k / c.vocab == 4 ? 0.0 : reference.grad[k]));
+    }
   }
   {
     // The new row masks the old row's top tokens: every admissible π is far from q.

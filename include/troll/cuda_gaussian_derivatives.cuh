@@ -121,7 +121,7 @@ struct gaussian_jvp_backend<cuda_policy> {
   static void rows(const cuda_policy& policy, const gaussian_call& call, const gaussian_jvp_launch<T>& k,
                    batch_view<const T> out_cov, gaussian::saved_factorisation<const double> saved) {
     cuda::launch_gaussian_derivative(policy, call, k.mean, k.cov, k.old_mean, k.old_cov, k.stats, "JVP",
-                                     tangent_operands(k.tangents), saved, cuda::diag_jvp_op<T>{k},
+                                     tangent_operands(call, k.tangents), saved, cuda::diag_jvp_op<T>{k},
                                      cuda::full_jvp_op<T>{k, out_cov});
   }
 };

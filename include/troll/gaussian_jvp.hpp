@@ -34,7 +34,7 @@ struct gaussian_jvp_backend<cpu_policy> {
                    batch_view<const T> out_cov, gaussian::saved_factorisation<const double> saved) {
     cpu::gaussian_derivative_rows(
         policy, call, k.mean, k.cov, k.old_mean, k.old_cov, k.eps_mean, k.stats, saved, "JVP",
-        tangent_operands(k.tangents),
+        tangent_operands(call, k.tangents),
         [&](std::size_t r) { return jvp_row_io(out_cov, k.tangents, k.out_mean, k.out_cov, r); },
         &cpu::gaussian_jvp_full<T>, &cpu::gaussian_jvp_diag<T>);
   }

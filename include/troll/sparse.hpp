@@ -513,7 +513,9 @@ void kl(cpu_policy policy, aligned_input<T> rows, T* kl_out) {
   constexpr const char* fn = "kl";
   detail::check_aligned_view(fn, "rows", rows);
   if (rows.rows != 0 && kl_out == nullptr) detail::throw_shape(fn, "kl_out is a null pointer");
-  detail::validate_aligned(fn, policy.threads, rows, -1.0);  // eps < 0: disjoint rows are +inf, not an error
+  detail::lumped_checks checks;
+  checks.disjoint_ok = true;  // disjoint rows are +inf, not an error
+  detail::validate_aligned(fn, policy.threads, rows, checks);
   detail::cpu::parallel_for(policy.threads, rows.rows, 8 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
     int slot[sparse_max_entries + 1];
@@ -536,7 +538,9 @@ void project(cpu_policy policy, aligned_input<T> rows, double eps, sparse_batch_
   detail::require_float_type<T>();
   constexpr const char* fn = "project";
   detail::check_sparse_project_arguments(fn, rows, eps, out, stats, options);
-  detail::validate_aligned(fn, policy.threads, rows, eps);
+  detail::lumped_checks checks;
+  checks.eps = eps;
+  detail::validate_aligned(fn, policy.threads, rows, checks);
   for (std::size_t r = 0; r < rows.rows; ++r) {
     if (std::size_t(rows.counts[r]) > out.k_max)
       detail::throw_row_problem(fn, r, detail::make_problem(row_error::sparse_capacity, "", (long long)out.k_max,
@@ -568,7 +572,7 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
   // One fast yes/no pass over the aligned rows and, while each row is in cache, the output and
   // upstream gradient of the same row; only a batch with a bad row runs the checks below, which
   // name it (after validate_aligned's own, in that order).
-  const bool all_fine = detail::validate_aligned(fn, policy.threads, rows, 0.0, [&](std::size_t r, bool finite) {
+  const bool all_fine = detail::validate_aligned(fn, policy.threads, rows, detail::lumped_checks{}, [&](std::size_t r, bool finite) {
         const sparse_index c = log_probs.counts[r];
         if (c < 0 || std::size_t(c) > log_probs.k_max || c != rows.counts[r]) return true;
         const bool tail = rows.vocab > std::size_t(c);

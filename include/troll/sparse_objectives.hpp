@@ -57,7 +57,8 @@ TROLL_BEGIN_NAMESPACE
 /// Throws before writing anything, naming the row: shape_error (shapes, null pointers, capacity,
 /// bad sparse old rows), domain_error (as the dense objective for the token batch and the new
 /// logits; a sampled token missing from S_old or with old log-prob −inf; new mass where the old
-/// row has none while α > 0; bad ε / α / options), infeasible_error (as project).
+/// row has none while α > 0, on a row whose mask is not 0; bad ε / α / options), infeasible_error
+/// (as project).
 template <class T>
 objective_metrics objective_forward(cpu_policy policy,
                                     const sparse_trust_region_objective& objective,
@@ -91,7 +92,9 @@ objective_metrics objective_forward(cpu_policy policy,
                                   double(std::min(aligned.k_max, log_probs.k_max)));
     const T* old_lp = old_rows.row_log_probs(r);
     bool may_overflow = false;
-    if ((in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0) {
+    // A row with mask 0 adds nothing: an infinite KL(p̃‖π*) there is no problem (padding).
+    const bool counted = (in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0;
+    if (counted) {
       const std::int64_t a = in.tokens[r];
       long long at = -1;
       for (long long i = 0; i < count; ++i)
@@ -114,7 +117,7 @@ objective_metrics objective_forward(cpu_policy policy,
       detail::aligned_row_buffer<T> buffer;
       const aligned_batch_view<const T> one = buffer.view(vocab);
       detail::gather_aligned_row(new_logits.row(r), vocab, old_rows, r, new_k, log_delta, buffer.view(vocab), 0);
-      const detail::row_problem lumped = detail::check_lumped(one, 0, objective.eps, regression);
+      const detail::row_problem lumped = detail::check_lumped(one, 0, detail::lumped_checks{objective.eps, false, regression && counted});
       if (lumped) return lumped;
       if (may_overflow) {
         double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1];
@@ -218,7 +221,9 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
       if (detail::is_masked(static_cast<double>(aligned.old_log_probs[r * aligned.k_max + std::size_t(at)])))
         return detail::make_problem(row_error::old_entry_masked, "", 0, double(a));
     }
-    const detail::row_problem lumped = detail::check_lumped(aligned, r, 0.0, regression);
+    // A row with mask 0 adds nothing: an infinite KL(p̃‖π*) there is no problem (padding).
+    const bool counted = (in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0;
+    const detail::row_problem lumped = detail::check_lumped(aligned, r, detail::lumped_checks{0.0, false, regression && counted});
     if (lumped) return lumped;
     return detail::check_stats(stats[r]);
   };

@@ -566,3 +566,44 @@ def test_sparse_stats_edited_in_place_before_backward_raise(gen):
         stats.t.mul_(0.9)
         with pytest.raises(RuntimeError, match="inplace"):
             loss.backward()
+
+
+# ---- integer options: the same error everywhere (the twenty-seventh session's Python audit) ----
+
+
+def test_loss_integer_options_raise_instead_of_truncating(gen):
+    """new_k / top_k of 2.9 or True ran as 2 / 1 in the losses, where sparsify and project_sparse
+    raise ShapeError for the same values."""
+    old = logits(gen, 4, 9)
+    new = logits(gen, 4, 9)
+    tokens = torch.randint(0, 9, (4,), generator=gen)
+    adv = torch.randn(4, generator=gen, dtype=D)
+    sparse_old = tt.sparsify(old, 4, sampled=tokens)
+    for bad in (2.9, True, 2.0):
+        with pytest.raises(troll.ShapeError, match="new_k must be an integer"):
+            tt.trust_region_loss(new, sparse_old, tokens, adv, new_k=bad)
+        with pytest.raises(troll.ShapeError, match="top_k must be an integer"):
+            tt.dppo_loss(new, old, tokens, adv, "topk_kl", top_k=bad)
+    # NumPy and 0-d tensor integers are integers.
+    a = tt.trust_region_loss(new, sparse_old, tokens, adv, new_k=np.int64(3))
+    b = tt.trust_region_loss(new, sparse_old, tokens, adv, new_k=torch.tensor(3))
+    assert torch.equal(a, b)
+
+
+def test_threads_must_be_a_non_negative_integer(gen):
+    """threads=-1 raised nanobind's TypeError with the whole signature; now a troll error naming it."""
+    z, o = logits(gen, 3, 6), logits(gen, 3, 6)
+    tokens = torch.randint(0, 6, (3,), generator=gen)
+    adv = torch.randn(3, generator=gen, dtype=D)
+    for call in (lambda t: troll.project(z.numpy(), o.numpy(), 0.05, threads=t),
+                 lambda t: tt.project(z, o, 0.05, threads=t),
+                 lambda t: tt.ppo_clip_loss(z, o, tokens, adv, threads=t),
+                 lambda t: troll.kl(z.numpy(), o.numpy(), threads=t)):
+        with pytest.raises(troll.DomainError, match="threads must be >= 0"):
+            call(-1)
+        with pytest.raises(troll.DomainError, match="threads must be >= 0"):
+            call(2**40)
+        with pytest.raises(troll.ShapeError, match="threads must be an integer"):
+            call(1.5)
+        call(1)
+        call(np.int32(2))

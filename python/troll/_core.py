@@ -11,7 +11,7 @@ import numpy as np
 
 from ._cpu import kernels as _troll  # troll._troll, or troll._troll_avx512 where the CPU has it
 from ._arrays import Framework, accepts_capsules, arg, leading_shape, require_shape, writable
-from ._errors import ShapeError
+from ._errors import DomainError, ShapeError
 
 try:  # the CUDA extension, built where nvcc was present (docs/python.md, CUDA)
     from . import _troll_cuda
@@ -163,7 +163,7 @@ def log_softmax(logits: Any, *, out: Any = None, threads: int = 0) -> Any:
         cuda, stream = _cuda_call(frame, logits, "log_softmax")
         cuda.log_softmax(arg(logits), y, stream, CUDA_CHECKED)
     else:
-        _troll.log_softmax(arg(logits), y, threads)
+        _troll.log_softmax(arg(logits), y, _threads(threads))
     return frame.result(y)
 
 
@@ -178,7 +178,7 @@ def kl(p_logits: Any, q_logits: Any, *, out: Any = None, threads: int = 0) -> An
         cuda, stream = _cuda_call(frame, p_logits, "kl")
         cuda.kl(arg(p_logits), arg(q_logits), y, stream, CUDA_CHECKED)
     else:
-        _troll.kl(arg(p_logits), arg(q_logits), y, threads)
+        _troll.kl(arg(p_logits), arg(q_logits), y, _threads(threads))
     return frame.result(y)
 
 
@@ -193,7 +193,7 @@ def kl_backward(p_logits: Any, q_logits: Any, grad_kl: Any, *, threads: int = 0)
         cuda, stream = _cuda_call(frame, p_logits, "kl_backward")
         cuda.kl_backward(arg(p_logits), arg(q_logits), arg(grad_kl), gp, gq, stream, CUDA_CHECKED)
     else:
-        _troll.kl_backward(arg(p_logits), arg(q_logits), arg(grad_kl), gp, gq, threads)
+        _troll.kl_backward(arg(p_logits), arg(q_logits), arg(grad_kl), gp, gq, _threads(threads))
     return frame.result(gp), frame.result(gq)
 
 
@@ -229,7 +229,7 @@ def project(
                      rtol, atol, max_iterations, stream, CUDA_CHECKED)
     else:
         _troll.project(arg(new_logits), arg(old_logits), _bound(eps), y, st.values, st.counters,
-                       rtol, atol, max_iterations, threads)
+                       rtol, atol, max_iterations, _threads(threads))
     return frame.result(y), ProjectionStats(frame.result(st.values), frame.result(st.counters))
 
 
@@ -259,7 +259,7 @@ def project_backward(
         cuda, stream = _cuda_call(frame, new_logits, "project_backward")
         cuda.project_backward(*args, stream, CUDA_CHECKED)
     else:
-        _troll.project_backward(*args, threads)
+        _troll.project_backward(*args, _threads(threads))
     return (frame.result(grad_new),
             None if grad_old is None else frame.result(grad_old),
             None if grad_eps is None else frame.result(grad_eps))
@@ -292,7 +292,7 @@ def sparsify(logits: Any, k: int = 64, delta: float = 1e-5, sampled: Any = None,
         cuda, stream = _cuda_call(frame, logits, "sparsify")
         cuda.sparsify(arg(logits), sampled_arg, _integer(k, "k"), float(delta), out, stream, CUDA_CHECKED)
     else:
-        _troll.sparsify(arg(logits), sampled_arg, _integer(k, "k"), float(delta), out, threads)
+        _troll.sparsify(arg(logits), sampled_arg, _integer(k, "k"), float(delta), out, _threads(threads))
     return SparseRows(*(frame.result(a) for a in out[:4]), vocab)
 
 
@@ -318,7 +318,7 @@ def align(new_logits: Any, old: SparseRows, new_support: Optional[SparseRows] = 
         cuda, stream = _cuda_call(frame, new_logits, "align")
         cuda.align(*args, stream, CUDA_CHECKED)
     else:
-        _troll.align(*args, threads)
+        _troll.align(*args, _threads(threads))
     return AlignedRows(*(frame.result(a) for a in out[:6]), vocab)
 
 
@@ -332,6 +332,16 @@ def _integer(value: Any, name: str) -> int:
         return operator.index(value)
     except TypeError:
         raise ShapeError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _threads(value: Any) -> int:
+    """``threads`` as the extension takes it: an integer in [0, 2**32) (0: every core of the pool,
+    1: serial). A negative or huge count is a DomainError naming it, a non-integer (1.5, True) a
+    ShapeError, where nanobind raised its own TypeError listing the whole signature."""
+    n = _integer(value, "threads")
+    if not 0 <= n < 2**32:
+        raise DomainError(f"threads must be >= 0 (0: every core, 1: serial), got {n}")
+    return n
 
 
 def _sparse_arg(rows: Any) -> tuple:
@@ -353,7 +363,7 @@ def project_sparse(rows: AlignedRows, eps: float, *, rtol: float = DEFAULT_RTOL,
         cuda, stream = _cuda_call(frame, rows.new_log_probs, "project_sparse")
         cuda.project_sparse(*args, stream, CUDA_CHECKED)
     else:
-        _troll.project_sparse(*args, threads)
+        _troll.project_sparse(*args, _threads(threads))
     return (SparseRows(*(frame.result(a) for a in out[:4]), rows.vocab),
             ProjectionStats(frame.result(st.values), frame.result(st.counters)))
 
@@ -368,7 +378,7 @@ def kl_sparse(rows: AlignedRows, *, threads: int = 0) -> Any:
         cuda, stream = _cuda_call(frame, rows.new_log_probs, "kl_sparse")
         cuda.kl_sparse(_sparse_arg(rows), y, stream, CUDA_CHECKED)
     else:
-        _troll.kl_sparse(_sparse_arg(rows), y, threads)
+        _troll.kl_sparse(_sparse_arg(rows), y, _threads(threads))
     return frame.result(y)
 
 
@@ -395,7 +405,7 @@ def project_sparse_backward(rows: AlignedRows, log_probs: SparseRows, stats: Pro
         cuda, stream = _cuda_call(frame, rows.new_log_probs, "project_sparse_backward")
         cuda.project_sparse_backward(*args, stream, CUDA_CHECKED)
     else:
-        _troll.project_sparse_backward(*args, threads)
+        _troll.project_sparse_backward(*args, _threads(threads))
     return (tuple(frame.result(a) for a in grad_new),
             None if grad_old is None else tuple(frame.result(a) for a in grad_old),
             None if grad_eps is None else frame.result(grad_eps))
@@ -414,7 +424,7 @@ def sparsify_backward(logits: Any, support: SparseRows, grad: Tuple[Any, Any], *
         cuda, stream = _cuda_call(frame, logits, "sparsify_backward")
         cuda.sparsify_backward(*args, stream, CUDA_CHECKED)
     else:
-        _troll.sparsify_backward(*args, threads)
+        _troll.sparsify_backward(*args, _threads(threads))
     return frame.result(out)
 
 
@@ -438,7 +448,7 @@ def objective_forward(name: str, new_logits: Any, args: tuple, *, threads: int =
         metrics = frame.empty((len(METRIC_FIELDS),), "float64")
         getattr(cuda, name)(*args, None, metrics, stream, CUDA_CHECKED)
         return metrics
-    return getattr(_troll, name)(*args, None, threads)
+    return getattr(_troll, name)(*args, None, _threads(threads))
 
 
 def objective_backward(name: str, new_logits: Any, args: tuple, *, threads: int = 0) -> None:
@@ -448,7 +458,7 @@ def objective_backward(name: str, new_logits: Any, args: tuple, *, threads: int 
         cuda, stream = _cuda_call(Framework(new_logits), new_logits, name)
         getattr(cuda, name)(*args, stream, CUDA_CHECKED)
     else:
-        getattr(_troll, name)(*args, threads)
+        getattr(_troll, name)(*args, _threads(threads))
 
 
 def metrics_dict(metrics: Any) -> dict:
@@ -506,7 +516,7 @@ def sparsify_shard(shard_logits: Any, vocab_offset: int, vocab: int, k: int = 64
         cuda, stream = _cuda_call(frame, shard_logits, "sparsify_shard")
         cuda.sparsify_shard(*args, stream, CUDA_CHECKED)
     else:
-        _troll.sparsify_shard(*args, threads)
+        _troll.sparsify_shard(*args, _threads(threads))
     return frame.result(states)
 
 
@@ -541,7 +551,7 @@ def sparsify_finalize(states: Any, vocab: int, k: int = 64, delta: float = 1e-5,
         cuda, stream = _cuda_call(frame, states, "sparsify_finalize")
         cuda.sparsify_finalize(*args, stream, CUDA_CHECKED)
     else:
-        _troll.sparsify_finalize(*args, threads)
+        _troll.sparsify_finalize(*args, _threads(threads))
     result = (SparseRows(*(frame.result(a) for a in out[:4]), _integer(vocab, "vocab")), frame.result(log_sums))
     return result + (frame.result(tail_max),) if return_tail_max else result
 
@@ -560,7 +570,7 @@ def sparsify_tail_sums(shard_logits: Any, vocab_offset: int, rows: SparseRows, t
         cuda, stream = _cuda_call(frame, shard_logits, "sparsify_tail_sums")
         cuda.sparsify_tail_sums(*args, stream, CUDA_CHECKED)
     else:
-        _troll.sparsify_tail_sums(*args, threads)
+        _troll.sparsify_tail_sums(*args, _threads(threads))
     return frame.result(out)
 
 
@@ -578,5 +588,5 @@ def sparsify_shard_backward(shard_logits: Any, vocab_offset: int, support: Spars
         cuda, stream = _cuda_call(frame, shard_logits, "sparsify_shard_backward")
         cuda.sparsify_shard_backward(*args, stream, CUDA_CHECKED)
     else:
-        _troll.sparsify_shard_backward(*args, threads)
+        _troll.sparsify_shard_backward(*args, _threads(threads))
     return frame.result(out)

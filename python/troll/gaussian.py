@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple
 from . import _core
 from ._cpu import kernels as _troll
 from ._arrays import Framework, accepts_capsules, arg, require_shape, writable
-from ._core import INACTIVE, PROJECTED, STATUS_NAMES
+from ._core import INACTIVE, PROJECTED, STATUS_NAMES, _threads
 from ._errors import ShapeError
 
 __all__ = [
@@ -116,7 +116,7 @@ def _project(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: float, 
     else:
         _troll.gaussian_project(arg(mean), arg(cov), arg(old_mean), arg(old_cov), eps_mean, eps_cov,
                                 full, split, out_mean, out_cov, stats.values, stats.counters, rtol, atol,
-                                max_iterations, threads, saved=saved)
+                                max_iterations, _threads(threads), saved=saved)
     return frame.result(out_mean), frame.result(out_cov), stats
 
 
@@ -131,7 +131,7 @@ def project_joint(mean: Any, cov_chol: Any, old_mean: Any, old_cov_chol: Any, ep
     stats)``; rows already inside the ball are copied bit for bit. ``saved``: an array from
     empty_saved(mean) to receive each row's factorisation for project_backward / project_jvp."""
     return _project(mean, cov_chol, old_mean, old_cov_chol, eps, eps, True, False, out, stats, rtol, atol,
-                    max_iterations, threads, saved)
+                    max_iterations, _threads(threads), saved)
 
 
 @accepts_capsules
@@ -143,7 +143,7 @@ def project_split(mean: Any, cov_chol: Any, old_mean: Any, old_cov_chol: Any, ep
     form in the old covariance's metric), the covariance against ``eps_cov``. Shapes and returns
     as project_joint."""
     return _project(mean, cov_chol, old_mean, old_cov_chol, eps_mean, eps_cov, True, True, out, stats, rtol,
-                    atol, max_iterations, threads, saved)
+                    atol, max_iterations, _threads(threads), saved)
 
 
 @accepts_capsules
@@ -154,7 +154,7 @@ def project_joint_diag(mean: Any, std: Any, old_mean: Any, old_std: Any, eps: fl
     """project_joint for diagonal covariances given as standard deviations (..., d), all > 0.
     Returns ``(mean*, std*, stats)``."""
     return _project(mean, std, old_mean, old_std, eps, eps, False, False, out, stats, rtol, atol,
-                    max_iterations, threads)
+                    max_iterations, _threads(threads))
 
 
 @accepts_capsules
@@ -164,7 +164,7 @@ def project_split_diag(mean: Any, std: Any, old_mean: Any, old_std: Any, eps_mea
                        threads: int = 0) -> Tuple[Any, Any, GaussianStats]:
     """project_split for diagonal covariances given as standard deviations."""
     return _project(mean, std, old_mean, old_std, eps_mean, eps_cov, False, True, out, stats, rtol, atol,
-                    max_iterations, threads)
+                    max_iterations, _threads(threads))
 
 
 @accepts_capsules
@@ -197,7 +197,7 @@ def project_backward(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean:
         cuda, stream = _core._cuda_call(frame, mean, "gaussian.project_backward")
         cuda.gaussian_project_backward(*args, stream, _core.CUDA_CHECKED, saved=sv)
     else:
-        _troll.gaussian_project_backward(*args, threads, saved=sv)
+        _troll.gaussian_project_backward(*args, _threads(threads), saved=sv)
     res = frame.result
     return (res(gm), res(gc), None if gom is None else res(gom), None if goc is None else res(goc),
             None if ge is None else res(ge), None if gem is None else res(gem))
@@ -227,7 +227,7 @@ def project_jvp(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: floa
         cuda, stream = _core._cuda_call(frame, mean, "gaussian.project_jvp")
         cuda.gaussian_project_jvp(*args, stream, _core.CUDA_CHECKED, saved=sv)
     else:
-        _troll.gaussian_project_jvp(*args, threads, saved=sv)
+        _troll.gaussian_project_jvp(*args, _threads(threads), saved=sv)
     return frame.result(tm), frame.result(tc)
 
 
@@ -239,7 +239,7 @@ def _kl(mean: Any, cov: Any, old_mean: Any, old_cov: Any, full: bool, threads: i
         cuda, stream = _core._cuda_call(frame, mean, "gaussian.kl")
         cuda.gaussian_kl(arg(mean), arg(cov), arg(old_mean), arg(old_cov), full, out, stream, _core.CUDA_CHECKED)
     else:
-        _troll.gaussian_kl(arg(mean), arg(cov), arg(old_mean), arg(old_cov), full, out, threads)
+        _troll.gaussian_kl(arg(mean), arg(cov), arg(old_mean), arg(old_cov), full, out, _threads(threads))
     return frame.result(out)
 
 

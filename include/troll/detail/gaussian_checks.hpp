@@ -335,13 +335,15 @@ void validate_gaussian_rows(unsigned threads, const gaussian_call& call, batch_v
   if (bad != mean.rows) throw domain_error(row_prefix(call.function, bad) + problem(bad), bad);
 }
 
-/// A derivative's operands whose every entry must be finite: the backward's upstream gradients,
-/// the JVP's input tangents (docs/api.md: "a non-finite upstream gradient or tangent" is a
-/// domain_error). An empty view (data null) is skipped.
+/// A derivative's operands whose every entry read must be finite: the backward's upstream
+/// gradients, the JVP's input tangents (docs/api.md: "a non-finite upstream gradient or tangent"
+/// is a domain_error). An empty view (data null) is skipped; an operand with a factor_dim d > 0 is
+/// a d×d factor of which only the lower triangle is read, and only that is checked.
 template <class T>
 struct finite_operands {
   const char* names[4] = {nullptr, nullptr, nullptr, nullptr};
   batch_view<const T> views[4] = {};
+  std::size_t factor_dim[4] = {0, 0, 0, 0};
 };
 
 /// The backward's upstream gradients as finite_operands.
@@ -351,17 +353,19 @@ finite_operands<T> upstream_operands(const gaussian_call& call, batch_view<const
   finite_operands<T> ops;
   ops.names[0] = "grad_out_mean", ops.views[0] = grad_out_mean;
   ops.names[1] = call.full ? "grad_out_cov_chol" : "grad_out_std_dev", ops.views[1] = grad_out_cov;
+  if (call.full) ops.factor_dim[1] = call.dim;
   return ops;
 }
 
 /// The JVP's input tangents as finite_operands.
 template <class T>
-finite_operands<T> tangent_operands(const gaussian::gaussian_tangents<T>& tangents) {
+finite_operands<T> tangent_operands(const gaussian_call& call, const gaussian::gaussian_tangents<T>& tangents) {
   finite_operands<T> ops;
   ops.names[0] = "tangents.mean", ops.views[0] = tangents.mean;
   ops.names[1] = "tangents.cov", ops.views[1] = tangents.cov;
   ops.names[2] = "tangents.old_mean", ops.views[2] = tangents.old_mean;
   ops.names[3] = "tangents.old_cov", ops.views[3] = tangents.old_cov;
+  if (call.full) ops.factor_dim[1] = ops.factor_dim[3] = call.dim;
   return ops;
 }
 
@@ -372,11 +376,18 @@ std::string finite_operand_problem(const finite_operands<T>& ops, std::size_t r)
     const batch_view<const T>& v = ops.views[o];
     if (ops.names[o] == nullptr || v.data == nullptr) continue;
     const T* row = v.row(r);
+    const std::size_t d = ops.factor_dim[o];
     for (std::size_t j = 0; j < v.cols; ++j) {
+      if (d > 0 && j % d > j / d) continue;  // a factor's strict upper triangle: not read
       const double x = static_cast<double>(row[j]);
       if (x - x == 0.0) continue;
       std::ostringstream msg;
-      msg << ops.names[o] << " is " << x << " at entry " << j << " (must be finite)";
+      msg << ops.names[o] << " is " << x;
+      if (d > 0)
+        msg << " at entry (" << j / d << ", " << j % d << ")";
+      else
+        msg << " at entry " << j;
+      msg << " (must be finite)";
       return msg.str();
     }
   }

@@ -247,12 +247,21 @@ TROLL_HOST_DEVICE inline double gaussian_diag_beyond_kl2(double mean, double std
 TROLL_HOST_DEVICE inline bool gaussian_full_kl_from_determinant(double g) { return g >= 1e8; }
 
 /// One coordinate's part of twice KL(p̃ ‖ q) for a full row taken by its determinant
-/// (gaussian_full_kl_from_determinant): (λ_i − 1) + b_i² with λ = 1/(1 + g), plus
-/// 2(log L°_ii − log L̃_ii) from the factors' diagonals (`new_diag` = L̃_ii, `old_diag` = L°_ii),
-/// whose sum is −log det(Σ°⁻¹Σ̃), exact, in place of Σ log γ_i; the trace sees a small λ's
-/// absolute error only as that error.
-TROLL_HOST_DEVICE inline double gaussian_full_beyond_kl2(double g, double b, double new_diag, double old_diag) {
-  return ((1.0 / (1.0 + g) - 1.0) + b * b) + 2.0 * (::log(old_diag) - ::log(new_diag));
+/// (gaussian_full_kl_from_determinant): (λ_i − 1) + b_i² with λ = 1/γ the eigenvalue of
+/// Σ°⁻¹Σ̃, plus 2(log L°_ii − log L̃_ii) from the factors' diagonals (`new_diag` = L̃_ii,
+/// `old_diag` = L°_ii), whose sum is −log det(Σ°⁻¹Σ̃), exact, in place of Σ log γ_i; the trace
+/// sees a small λ's absolute error only as that error. A large λ (a much wider new covariance)
+/// must come accurate relative to itself: 1/(1 + g) loses ~u/(1 + g) of it to the cancellation in
+/// 1 + g (λ = 1e10 beside a tiny one: the KL 1e-6 relative off), so the CPU passes 1/γ from the
+/// factorisation where g < −½ (gaussian_full_lambda).
+TROLL_HOST_DEVICE inline double gaussian_full_beyond_kl2(double lambda, double b, double new_diag, double old_diag) {
+  return ((lambda - 1.0) + b * b) + 2.0 * (::log(old_diag) - ::log(new_diag));
+}
+
+/// λ = 1/γ of a coordinate with gain g, from γ itself where g < −½ and it is given (accurate
+/// relative to itself: the CPU factorisation's), else 1/(1 + g).
+TROLL_HOST_DEVICE inline double gaussian_full_lambda(double g, const double* gamma, int i) {
+  return gamma != nullptr && g < -0.5 ? 1.0 / gamma[i] : 1.0 / (1.0 + g);
 }
 
 /// kl's result for a row whose operands are valid. A NaN there can only come from an

@@ -104,7 +104,7 @@ inline type write(std::ostringstream& msg, const row_problem& p) {
       msg << "forward statistics are unusable: " << p.operand;
       return type::domain;
     case e::infinite_kl:
-      msg << "forward statistics are unusable: KL(p||q) is +inf (p has mass where q is -inf): no gradient";
+      msg << "KL(p||q) is +inf (p has mass where q is -inf): no gradient";
       return type::domain;
     case e::above_zero:
       msg << p.operand << " is " << p.value << " > 0 at token " << p.entry << " (a probability above 1)";

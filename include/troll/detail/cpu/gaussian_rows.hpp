@@ -98,10 +98,12 @@ void gaussian_kl(cpu_policy policy, const gaussian_call& c, batch_view<const T> 
       if (std::any_of(basis.g.data(), basis.g.data() + basis.g.size(), gaussian_full_kl_from_determinant)) {
         // A tiny eigenvalue: the log-determinant from the diagonals (exact).
         const T *l = cov.row(r), *lo = old_cov.row(r);
+        const double* gamma = basis.gamma.size() == basis.g.size() ? basis.gamma.data() : nullptr;
         double kl2 = 0.0;
         for (std::size_t i = 0; i < c.dim; ++i) {
           const auto k = static_cast<Eigen::Index>(i);
-          kl2 += gaussian_full_beyond_kl2(basis.g[k], basis.b[k], static_cast<double>(l[i * c.dim + i]),
+          kl2 += gaussian_full_beyond_kl2(gaussian_full_lambda(basis.g[k], gamma, static_cast<int>(i)), basis.b[k],
+                                          static_cast<double>(l[i * c.dim + i]),
                                           static_cast<double>(lo[i * c.dim + i]));
         }
         out[r] = gaussian_kl_result(0.5 * kl2);

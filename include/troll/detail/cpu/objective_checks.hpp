@@ -113,7 +113,8 @@ void aggregation_weights(const token_batch<T>& in, std::size_t rows, double scal
 
 /// Validates an objective call row by row (in parallel, the lowest bad row reported). `pair_scan`
 /// checks rows as the projection does (values, supports, feasibility at `eps`, and, with
-/// `regression`, that KL(p̃‖π*) is finite); otherwise each row only needs values and some support.
+/// `regression`, that KL(p̃‖π*) is finite where the mask is not 0); otherwise each row only needs
+/// values and some support.
 template <class T>
 void validate_objective(const char* fn, unsigned threads, batch_view<const T> new_logits,
                         batch_view<const T> old_logits, const token_batch<T>& in, bool pair_scan,
@@ -133,7 +134,9 @@ void validate_objective(const char* fn, unsigned threads, batch_view<const T> ne
           p.value = floor;
         }
       }
-      if (!p && regression && setup.new_only) p.kind = row_error::regression_inf;
+      // A row with mask 0 adds nothing, so an infinite KL(p̃‖π*) there is no problem (padding).
+      const bool counted = (in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0;
+      if (!p && regression && counted && setup.new_only) p.kind = row_error::regression_inf;
     } else {
       const char* names[2] = {"new_logits", "old_logits"};
       const T* rows[2] = {new_logits.row(r), old_logits.row(r)};

@@ -216,27 +216,32 @@ std::size_t first_bad_row_with_ids(unsigned threads, std::size_t rows, std::size
   return first.load();
 }
 
-/// The checks the projection and the regression term need on the lumped pair of aligned row r:
-/// disjoint supports (unless `disjoint_ok`: a KL, +inf there, as the dense kl's), infeasibility
-/// at eps (when eps > 0) and, with `regression`, new mass on a category the old row has none on
-/// (KL(p̃ ‖ π*) = +inf).
+/// What check_lumped refuses on a lumped row pair besides NaN / +inf and all-masked sides.
+struct lumped_checks {
+  double eps = 0.0;         ///< > 0: a floor KL(π_0+ ‖ q) ≥ eps (infeasible at eps)
+  bool disjoint_ok = false;  ///< a KL: disjoint supports are +inf there (as the dense kl), not an error
+  bool regression = false;   ///< new mass on a category the old row has none on (KL(p̃ ‖ π*) = +inf)
+};
+
+/// The checks the projection, the KL and the regression term need on the lumped pair of aligned
+/// row r: disjoint supports (unless `disjoint_ok`), infeasibility at eps (when eps > 0) and, with
+/// `regression`, new mass where the old row has none.
 template <class T>
-row_problem check_lumped(const aligned_batch_view<const T>& a, std::size_t r, double eps, bool regression,
-                         bool disjoint_ok = false) {
+row_problem check_lumped(const aligned_batch_view<const T>& a, std::size_t r, const lumped_checks& checks) {
   double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
   int slot[sparse_max_entries + 1];
   const int n = lumped_pair(a, r, zn, zo, slot);
   row_setup setup;
   row_problem p = cpu::scan_pair(zn, zo, std::size_t(n), setup, "new (lumped)", "old (lumped)");
-  if (disjoint_ok && p.kind == row_error::disjoint) p = row_problem{};
-  if (!p && eps > 0.0 && setup.old_only) {
+  if (checks.disjoint_ok && p.kind == row_error::disjoint) p = row_problem{};
+  if (!p && checks.eps > 0.0 && setup.old_only) {
     const double floor = cpu::min_reachable_kl(zn, zo, std::size_t(n), setup);
-    if (floor >= eps) {
+    if (floor >= checks.eps) {
       p.kind = row_error::infeasible;
       p.value = floor;
     }
   }
-  if (!p && regression && setup.new_only) p.kind = row_error::regression_inf;
+  if (!p && checks.regression && setup.new_only) p.kind = row_error::regression_inf;
   return p;
 }
 
@@ -250,16 +255,15 @@ struct no_prefetch {
 };
 
 /// Validates an aligned batch for KL / projection: both sides' sparse checks, then the dense
-/// row checks on the lumped rows (disjoint supports, except for a KL: eps < 0; with eps > 0,
-/// infeasibility). `extra_bad`
+/// row checks on the lumped rows (check_lumped with `checks`). `extra_bad`
 /// is a caller's own yes/no check of row r (told whether every lumped category of the row is
 /// finite on both sides), run in the same fast pass while the row is in cache
 /// (project_backward's checks of its other operands); returns whether it passed every row, so
 /// that only a batch with a refused row runs the caller's full checks (after these).
 template <class T, class Extra = no_extra_check, class Prefetch = no_prefetch>
-bool validate_aligned(const char* fn, unsigned threads, const aligned_batch_view<const T>& a, double eps,
-                      Extra&& extra_bad = Extra{}, Prefetch&& prefetch_extra = Prefetch{}) {
-  auto problem = [&](std::size_t r) { return check_lumped(a, r, eps, false, eps < 0.0); };
+bool validate_aligned(const char* fn, unsigned threads, const aligned_batch_view<const T>& a,
+                      const lumped_checks& checks, Extra&& extra_bad = Extra{}, Prefetch&& prefetch_extra = Prefetch{}) {
+  auto problem = [&](std::size_t r) { return check_lumped(a, r, checks); };
   // One fast pass over both sides and the lumped rows; a batch with a bad row then runs the
   // checks in their documented order (every row's new side, then old, then the lumped rows).
   const sparse_batch_view<const T> new_side = a.new_side(), old_side = a.old_side();

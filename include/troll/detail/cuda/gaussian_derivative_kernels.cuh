@@ -105,7 +105,8 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_kl_full_kernel(gaussia
     if (by_determinant) {  // a tiny eigenvalue: the log-determinant from the diagonals, as the CPU's
       double part = 0.0;
       if (lane < d)
-        part = gaussian_full_beyond_kl2(g[lane], b[lane], static_cast<double>(l_new[lane * d + lane]),
+        part = gaussian_full_beyond_kl2(gaussian_full_lambda(g[lane], nullptr, lane), b[lane],
+                                        static_cast<double>(l_new[lane * d + lane]),
                                         static_cast<double>(l_old[lane * d + lane]));
       const double kl2 = warp_sum(part);
       if (lane == 0) k.out[r] = gaussian_kl_result(0.5 * kl2);

@@ -77,7 +77,8 @@ __device__ cuda_row_report objective_row_problem(const token_batch<T>& in, std::
   const row_setup setup = make_setup(scan);
   // Uniform across the block: every thread holds the same report and scan.
   if (with_floor) check_feasible(eval, setup, eval.old_log_sum(), eps, report);
-  if (report.error == cuda_row_error::none && alpha > 0.0 && setup.new_only)
+  // A row with mask 0 adds nothing: an infinite KL(p̃‖π*) there is no problem (padding).
+  if (report.error == cuda_row_error::none && alpha > 0.0 && mask_of(in, r) != 0.0 && setup.new_only)
     report.error = cuda_row_error::regression_inf;
   return report;
 }

@@ -240,7 +240,7 @@ __global__ void sparse_objective_rows_kernel(aligned_batch_view<T> aligned, toke
     cuda_row_report report = outcome[r];
     pair_scan scan;
     if (report.error == cuda_row_error::none) {
-      report = lumped_problem(rows, r, eps, alpha > 0.0, slots, slots_per_array, scan);
+      report = lumped_problem(rows, r, eps, alpha > 0.0 && mask_of(in, r) != 0.0, slots, slots_per_array, scan);
       if (!checks.validate_only && report.error == cuda_row_error::none) {
         const row_status status = stats[r].status;
         if (status != row_status::inactive && status != row_status::projected && status != row_status::restricted)
@@ -354,7 +354,8 @@ __global__ void __launch_bounds__(block_threads)
         }
       }
       pair_scan scan;
-      if (report.error == cuda_row_error::none) report = lumped_problem(aligned, r, 0.0, alpha > 0.0, sh.sorted, slots, scan);
+      if (report.error == cuda_row_error::none)
+        report = lumped_problem(aligned, r, 0.0, alpha > 0.0 && mask_of(in, r) != 0.0, sh.sorted, slots, scan);
       const projection_stats s = stats[r];
       if (report.error == cuda_row_error::none) {
         const int field = unusable_stats_field(s);
