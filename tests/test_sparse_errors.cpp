@@ -146,6 +146,38 @@ TEST_CASE("sparsify: bad options, sampled tokens and logits") {
   CHECK(out.counts == before.counts);
 }
 
+TEST_CASE("sparsify and sparsify_shard: a bad sampled id and bad logits in different rows name the lower row") {
+  // The sampled ids were all checked before any logit: a NaN in row 0 lost to a bad id in row 2
+  // (an audit). Rows are now checked one by one (its id, then its logits), as the device reports.
+  const std::size_t vocab = 40, rows = 4;
+  std::vector<double> z(rows * vocab);
+  for (std::size_t i = 0; i < z.size(); ++i) z[i] = std::cos(0.3 * double(i));
+  sparse_rows<double> out(rows, 6, vocab);
+  std::vector<troll::sparsify_state> states(rows);
+  auto whole = [&](const std::vector<troll::token_id>& sampled) {
+    troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), sampled.data(), {4, 1e-5}, out.view());
+  };
+  auto shard = [&](const std::vector<troll::token_id>& sampled) {
+    troll::sparsify_shard(troll::cpu, troll::make_batch<const double>(z.data(), rows, vocab), 0, vocab,
+                          sampled.data(), {4, 1e-5}, states.data());
+  };
+  z[0 * vocab + 5] = nan_value;
+  expect_row_error<troll::domain_error>([&] { whole({1, 2, 40, 3}); }, 0);
+  expect_row_error<troll::domain_error>([&] { shard({1, 2, 40, 3}); }, 0);
+  z[0 * vocab + 5] = 0.5;
+  z[3 * vocab + 5] = nan_value;
+  expect_row_error<troll::domain_error>([&] { whole({1, -1, 2, 3}); }, 1);
+  expect_row_error<troll::domain_error>([&] { shard({1, -1, 2, 3}); }, 1);
+  // One row with both: its id is named.
+  try {
+    whole({1, 2, 3, 40});
+    FAIL("no exception");
+  } catch (const troll::domain_error& e) {
+    CHECK(e.row() == 3);
+    CHECK(e.code() == troll::row_error::bad_sampled);
+  }
+}
+
 TEST_CASE("sparsify: a NaN or +inf late in a long row (the scan's own check) throws before any row is written") {
   // Rows of several scan blocks; sparsify validates inside its one pass over each row, so the
   // rows before the bad one are already scanned when it is found: nothing may reach `out`.

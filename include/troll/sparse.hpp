@@ -63,7 +63,6 @@ void sparsify(cpu_policy policy, input_view<T> logits, const token_id* sampled,
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify";
   detail::check_sparsify_arguments(fn, logits, sampled != nullptr, options, out);
-  detail::validate_sampled(fn, sampled, logits.rows, logits.cols);
   const double log_delta = options.delta > 0.0 ? std::log(options.delta) : detail::neg_inf();
   // One read of each row: the scan validates what it reads (NaN / +inf, an all −inf row) and the
   // row is finished — support, canonical tail sum, log-probs — while it is still in cache, into
@@ -82,6 +81,11 @@ void sparsify(cpu_policy policy, input_view<T> logits, const token_id* sampled,
   unsigned char* row_bad = base + rows * k_max * 12 + rows * 12;
   static_assert(sizeof(T) <= 8 && sizeof(sparse_index) == 4 && sizeof(int) == 4, "the scratch layout");
   detail::cpu::parallel_for(policy.threads, logits.rows, 2 * logits.cols, [&](std::size_t r) {
+    if (detail::sampled_problem(sampled, r, logits.cols)) {  // not read: reported below
+      row_bad[r] = 1;
+      scratch_counts[r] = 0;
+      return;
+    }
     const sparse_index sampled_r = sampled ? static_cast<sparse_index>(sampled[r]) : -1;
     int count = 0;
     row_bad[r] = !detail::cpu::sparsify_row(logits.row(r), logits.cols, options.k, sampled_r, log_delta,
@@ -90,11 +94,13 @@ void sparsify(cpu_policy policy, input_view<T> logits, const token_id* sampled,
                                             r + 1 < rows ? logits.row(r + 1) : nullptr);
     scratch_counts[r] = row_bad[r] ? 0 : count;
   });
+  // The lowest bad row, row by row as the device reports it: its sampled token, then its logits.
   for (std::size_t r = 0; r < rows; ++r) {
-    if (row_bad[r]) {
-      detail::validate_rows(fn, 1, logits, "logits");  // throws, naming the first bad row
-      break;
-    }
+    if (!row_bad[r]) continue;
+    detail::row_problem p = detail::sampled_problem(sampled, r, logits.cols);
+    if (!p) p = detail::cpu::find_bad_value(logits.row(r), logits.cols, "logits");
+    if (!p) p = detail::make_problem(row_error::all_masked, "logits");
+    detail::throw_row_problem(fn, r, p);
   }
   for (std::size_t r = 0; r < rows; ++r) {
     const int count = scratch_counts[r];
@@ -122,8 +128,7 @@ void sparsify_shard(cpu_policy policy, batch_view<const T> shard_logits, std::si
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_shard";
   detail::check_sparsify_shard_arguments(fn, shard_logits, vocab_offset, vocab, options, states);
-  detail::validate_sampled(fn, sampled, shard_logits.rows, vocab);
-  detail::validate_shard_values(fn, policy.threads, shard_logits);
+  detail::validate_shard_values(fn, policy.threads, shard_logits, sampled, vocab);
   detail::cpu::parallel_for(policy.threads, shard_logits.rows, 2 * shard_logits.cols, [&](std::size_t r) {
     const auto begin = static_cast<sparse_index>(vocab_offset);
     detail::reset(states[r], options.k, sampled ? static_cast<sparse_index>(sampled[r]) : -1, static_cast<sparse_index>(vocab), begin,
