@@ -31,7 +31,7 @@ namespace cpu {
 /// One block of a validated row pair: x_j (0 off the joint support), p_j and q_j (exactly 0
 /// where masked: exact_exp(−inf) = 0), log q_j.
 struct kl_block {
-  block_array zp, zq, x, p, q, log_q;
+  block_array zp, zq, x, p, q;
 };
 
 template <class T>
@@ -41,8 +41,7 @@ inline void load_kl_block(const T* zp, const T* zq, std::size_t begin, Eigen::In
   b.zq = load(zq, begin, count);
   centred_block(b.zp, b.zq, ref, b.x);
   b.p = exact_exp((b.zp - p_max) - p_log_sum);
-  b.log_q = (b.zq - q_max) - q_log_sum;
-  b.q = exact_exp(b.log_q);
+  b.q = exact_exp((b.zq - q_max) - q_log_sum);
 }
 
 /// kl_backward_row for a pair whose logits are all finite with a spread of at most 700 (no

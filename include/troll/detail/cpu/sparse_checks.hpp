@@ -98,6 +98,13 @@ row_problem check_grad_row(const sparse_grad_view<const T>& grad, std::size_t r,
   return p;
 }
 
+/// The problem of row r's sampled token (none where `sampled` is null or the id is in [0, vocab)).
+inline row_problem sampled_problem(const token_id* sampled, std::size_t r, std::size_t vocab) {
+  if (sampled != nullptr && (sampled[r] < 0 || std::size_t(sampled[r]) >= vocab))
+    return make_problem(row_error::bad_sampled, "", 0, double(sampled[r]), double(vocab));
+  return row_problem{};
+}
+
 /// A sampled token outside [0, vocab) (where `sampled` is given), then NaN / +inf anywhere in a
 /// shard's logits (an all −inf shard is fine: another shard may hold the mass), row by row; throws
 /// the lowest bad row's problem (as the device's per-row reports).
@@ -105,9 +112,8 @@ template <class T>
 void validate_shard_values(const char* fn, unsigned threads, batch_view<const T> shard_logits,
                            const token_id* sampled = nullptr, std::size_t vocab = 0) {
   auto problem = [&](std::size_t r) {
-    if (sampled != nullptr && (sampled[r] < 0 || std::size_t(sampled[r]) >= vocab))
-      return make_problem(row_error::bad_sampled, "", 0, double(sampled[r]), double(vocab));
-    return cpu::find_bad_value(shard_logits.row(r), shard_logits.cols, "shard_logits");
+    const row_problem p = sampled_problem(sampled, r, vocab);
+    return p ? p : cpu::find_bad_value(shard_logits.row(r), shard_logits.cols, "shard_logits");
   };
   const std::size_t bad = cpu::first_bad_row(threads, shard_logits.rows, shard_logits.cols,
                                              [&](std::size_t r) { return bool(problem(r)); });
@@ -136,12 +142,6 @@ void validate_sparse(const char* fn, unsigned threads, const sparse_batch_view<T
 }
 
 /// Sampled tokens must lie in [0, V).
-/// The problem of row r's sampled token (none where `sampled` is null or the id is in [0, vocab)).
-inline row_problem sampled_problem(const token_id* sampled, std::size_t r, std::size_t vocab) {
-  if (sampled != nullptr && (sampled[r] < 0 || std::size_t(sampled[r]) >= vocab))
-    return make_problem(row_error::bad_sampled, "", 0, double(sampled[r]), double(vocab));
-  return row_problem{};
-}
 
 /// The lumped (|U|+1)-category rows of aligned row r: new and old logits on the support entries
 /// and the bucket. Categories that are −inf on both sides carry no mass in any π_t and are left
