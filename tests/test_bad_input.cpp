@@ -310,27 +310,37 @@ TEST_CASE("non-finite tangent_eps: project_jvp rejects it") {
 }
 
 TEST_CASE_TEMPLATE("non-finite upstream gradients and tangents at row 2", T, float, double) {
+  // The message names the value as it is (an infinity is not called NaN).
   for (double bad : {nan_value, inf_value, -inf_value}) {
     INFO("value " << bad);
+    const std::string word = bad != bad ? "NaN" : bad > 0 ? "+inf" : "-inf";
     {
       fixture<T> fx;
       fx.up[2 * fx.v + 1] = T(bad);
-      expect_error<troll::domain_error>(entry::project_backward, fx, 2, {"grad_log_probs"});
+      expect_error<troll::domain_error>(entry::project_backward, fx, 2,
+                                        {"grad_log_probs is " + word + " at token 1"});
     }
     {
       fixture<T> fx;
       fx.tn[2 * fx.v + 3] = T(bad);
-      expect_error<troll::domain_error>(entry::project_jvp, fx, 2, {"tangent_new"});
+      expect_error<troll::domain_error>(entry::project_jvp, fx, 2, {"tangent_new is " + word + " at token 3"});
     }
     {
       fixture<T> fx;
       fx.to[2 * fx.v + 0] = T(bad);
-      expect_error<troll::domain_error>(entry::project_jvp, fx, 2, {"tangent_old"});
+      expect_error<troll::domain_error>(entry::project_jvp, fx, 2, {"tangent_old is " + word + " at token 0"});
     }
     {
       fixture<T> fx;
       fx.grad_kl[2] = T(bad);
-      expect_error<troll::domain_error>(entry::kl_backward, fx, 2, {"grad_kl"});
+      fx.fill_outputs();
+      try {
+        fx.call(entry::kl_backward);
+        FAIL("no exception");
+      } catch (const troll::domain_error& error) {  // one value per row: no token
+        CHECK(std::string(error.what()) == "troll::kl_backward: row 2: grad_kl is " + word);
+      }
+      CHECK(fx.outputs_intact());
     }
   }
 }

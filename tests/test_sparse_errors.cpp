@@ -324,3 +324,31 @@ TEST_CASE("fuzz: random malformed sparse rows never crash, leak NaN or write out
   CHECK(thrown > 50);
   CHECK(accepted > 50);
 }
+
+TEST_CASE("sparse upstream gradients: a NaN or an infinity is named as it is, with its entry") {
+  const std::size_t vocab = 40, rows = 3, k = 6;
+  std::vector<double> z(rows * vocab);
+  for (std::size_t i = 0; i < z.size(); ++i) z[i] = std::cos(0.7 * double(i));
+  sparse_rows<double> support(rows, k, vocab);
+  troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), nullptr, {4, 1e-5}, support.view());
+  for (double bad : {nan_value, std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity()}) {
+    for (long long entry : {-1LL, 2LL}) {
+      const std::string word = bad != bad ? "NaN" : bad > 0 ? "+inf" : "-inf";
+      CAPTURE(word);
+      CAPTURE(entry);
+      std::vector<double> g(rows * k, 0.25), g_r(rows, -0.5), out(rows * vocab, 7.0);
+      (entry < 0 ? g_r[1] : g[1 * k + std::size_t(entry)]) = bad;
+      const troll::sparse_grad_view<const double> grad{g.data(), g_r.data(), rows, k};
+      try {
+        troll::sparsify_backward(troll::cpu, troll::make_batch<const double>(z.data(), rows, vocab),
+                                 troll::sparse_batch_view<const double>(support.view()), grad,
+                                 troll::make_batch(out.data(), rows, vocab));
+        FAIL("no exception");
+      } catch (const troll::domain_error& error) {
+        const std::string where = entry < 0 ? "log_remainder" : "entry 2";
+        CHECK(std::string(error.what()) == "troll::sparsify_backward: row 1: grad " + where + " is " + word);
+      }
+      CHECK(out == std::vector<double>(rows * vocab, 7.0));
+    }
+  }
+}

@@ -77,7 +77,7 @@ void kl_backward(cuda_policy policy, input_view<T> p_logits, input_view<T> q_log
   detail::require_float_type<T>();
   constexpr const char* fn = "kl_backward";
   detail::check_kl_backward_arguments(fn, p_logits, q_logits, grad_kl, grad_p, grad_q);
-  static const char* const names[3] = {"p_logits", "q_logits", "grad_kl (NaN or infinite)"};
+  static const char* const names[3] = {"p_logits", "q_logits", "grad_kl"};
   auto launch = [&](bool pairs_only) {
     return detail::cuda::block_per_row(policy.stream, detail::cuda::kl_backward_kernel<T>, p_logits, q_logits,
                                        grad_kl, grad_p, grad_q, pairs_only);

@@ -234,7 +234,7 @@ void align_backward(cuda_policy policy, sparse_input<T> row, aligned_input<T> al
   constexpr const char* fn = "align_backward";
   detail::check_align_backward_arguments(fn, row, aligned, grad_aligned, grad_row);
   const detail::cuda::sparse_thrower thrower{
-      {"row", "aligned", nullptr, nullptr, nullptr, "grad_aligned (NaN or infinite)", nullptr, nullptr}, 0};
+      {"row", "aligned", nullptr, nullptr, nullptr, "grad_aligned", nullptr, nullptr}, 0};
   detail::cuda::run_sparse(fn, policy.stream, row.rows, checks, thrower,
                            detail::cuda::warp_per_row(policy.stream, detail::cuda::larger(row.k_max, aligned.k_max), 2,
                                                       detail::cuda::align_backward_kernel<T>, row, aligned,
@@ -284,7 +284,7 @@ void project_backward(cuda_policy policy, aligned_input<T> rows, sparse_input<T>
   constexpr const char* fn = "project_backward";
   detail::check_sparse_project_backward_arguments(fn, rows, log_probs, stats, grad, grad_new, grad_old);
   const detail::cuda::sparse_thrower thrower{
-      {"new", "old", "new (lumped)", "old (lumped)", "log_probs", "grad (NaN or infinite)"}, 0};
+      {"new", "old", "new (lumped)", "old (lumped)", "log_probs", "grad"}, 0};
   detail::cuda::run_sparse(fn, policy.stream, rows.rows, checks, thrower,
                            detail::cuda::warp_per_row(policy.stream, rows.k_max, 1,
                                                       detail::cuda::sparse_project_backward_kernel<T>, rows, log_probs,
@@ -305,7 +305,7 @@ void sparsify_backward(cuda_policy policy, batch_view<L> logits, sparse_input<T>
   const batch_view<const logit_type> in = detail::cuda::sparsify_logits(logits);
   detail::check_sparsify_backward_arguments(fn, in, support, grad, grad_logits);
   const detail::cuda::sparse_thrower thrower{
-      {"logits", nullptr, nullptr, nullptr, nullptr, "grad (NaN or infinite)", nullptr, "support"}, 0};
+      {"logits", nullptr, nullptr, nullptr, nullptr, "grad", nullptr, "support"}, 0};
   const int slots = detail::cuda::sort_slots(support.k_max);
   detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower,
                            detail::cuda::block_per_row(policy.stream,
@@ -330,7 +330,7 @@ void sparsify_shard_backward(cuda_policy policy, batch_view<L> shard_logits, std
   const batch_view<const logit_type> in = detail::cuda::sparsify_logits(shard_logits);
   detail::check_sparsify_shard_backward_arguments(fn, in, vocab_offset, support, grad, log_sums, grad_shard);
   const detail::cuda::sparse_thrower thrower{
-      {"shard_logits", nullptr, nullptr, nullptr, nullptr, "grad (NaN or infinite)", nullptr, "support"}, 0};
+      {"shard_logits", nullptr, nullptr, nullptr, nullptr, "grad", nullptr, "support"}, 0};
   const int slots = detail::cuda::sort_slots(support.k_max);
   auto launch = [&](int stage) {
     return detail::cuda::block_per_row(policy.stream, detail::cuda::sparsify_shard_backward_kernel<logit_type, T>,

@@ -94,7 +94,9 @@ void kl_backward(cpu_policy policy, input_view<T> p_logits, input_view<T> q_logi
     detail::row_problem pr;
     if (!(grad_kl[r] - grad_kl[r] == 0)) {
       pr.kind = row_error::nan_value;
-      pr.operand = "grad_kl (NaN or infinite)";
+      pr.operand = "grad_kl";
+      pr.entry = -1;  // one value per row: no token
+      pr.value = static_cast<double>(grad_kl[r]);
       return pr;
     }
     detail::row_setup setup;

@@ -65,7 +65,7 @@ objective_metrics objective_forward(cpu_policy policy, const trust_region_object
   // once into the scratch row first (one such row at a time, in row order), so that a ratio or
   // loss that overflows is reported before anything is written.
   detail::cpu::parallel_for(policy.threads, rows, size, [&](std::size_t r) {
-    if ((in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) == 0.0) return;
+    if (detail::mask_of(in, r) == 0.0) return;
     const T* zo = old_logits.row(r);
     const double bound = detail::cpu::row_max(zo, size) - static_cast<double>(zo[in.tokens[r]]) +
                          std::log(double(size));
@@ -84,7 +84,7 @@ objective_metrics objective_forward(cpu_policy policy, const trust_region_object
   detail::metrics_sum sum;
   detail::aggregation_weights(in, rows, 1.0, &sum.m.sequences, ws.weights);
   detail::cpu::parallel_for(policy.threads, rows, 12 * size, [&](std::size_t r) {
-    const double w = in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0;
+    const double w = detail::mask_of(in, r);
     const bool counted = w != 0.0;
     ws.records[r] = detail::cpu::troll_forward_row(
         new_logits.row(r), old_logits.row(r), size, objective.eps, objective.projection, counted,

@@ -15,18 +15,18 @@ TROLL_BEGIN_NAMESPACE
 enum class row_error : int {
   none = 0,
   // Dense rows (logits, log-probabilities, upstream gradients).
-  nan_value = 1,     ///< NaN in `operand` at token `entry`: domain_error
+  nan_value = 1,     ///< NaN in `operand` at token `entry` (an upstream gradient or tangent: `value`, NaN or ±inf; `entry` −1 for grad_kl): domain_error
   pos_inf = 2,       ///< +inf in `operand` at token `entry`: domain_error
   all_masked = 3,    ///< every entry of `operand` is −inf: domain_error
   disjoint = 4,      ///< new and old logits share no finite token: infeasible_error
   infeasible = 5,    ///< the trust region holds no reachable π; `value` is the least KL(π‖q): infeasible_error
   bad_stats = 6,     ///< projection_stats unusable in a backward pass (device: `operand` names the field): domain_error
-  not_finite = 7,    ///< (device) an upstream gradient is NaN or ±inf in `operand` at `entry`: domain_error
+  not_finite = 7,    ///< (device) an upstream gradient is `value` (NaN or ±inf) in `operand` at `entry` (−1: grad_kl): domain_error
   // Sparse rows: `entry` is the entry (device ~0, CPU −1: the log-remainder).
   sparse_count = 8,       ///< count negative or above k_max, V or sparse_max_entries (`value`): shape_error
   sparse_index = 9,       ///< entry `entry` holds token id `value` outside [0, V): shape_error
   sparse_duplicate = 10,  ///< entry `entry` repeats token id `value`: shape_error
-  sparse_nan = 11,        ///< entry `entry` is NaN (of a gradient: NaN or ±inf): domain_error
+  sparse_nan = 11,        ///< entry `entry` is NaN (of a gradient: `value`, NaN or ±inf): domain_error
   sparse_above_one = 12,  ///< entry `entry` is `value` > 0: domain_error
   sparse_no_tail = 13,    ///< the support covers V but the remainder is `value` > −inf: domain_error
   sparse_no_mass = 14,    ///< every entry and the remainder are −inf: domain_error

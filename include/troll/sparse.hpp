@@ -306,7 +306,7 @@ void sparsify_backward(cpu_policy policy, input_view<T> logits, sparse_input<T> 
   detail::first_sorted_row_problem(fn, policy.threads, logits.rows, [&](std::size_t r, detail::index_slot* scratch) {
     const detail::row_problem p =
         detail::check_support_row(support, r, "support", scratch);
-    return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad (NaN or infinite)");
+    return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad");
   });
   detail::cpu::parallel_for(policy.threads, logits.rows, 3 * logits.cols, [&](std::size_t r) {
     detail::index_slot slots[sparse_max_entries];
@@ -348,7 +348,7 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
   detail::first_sorted_row_problem(fn, policy.threads, shard_logits.rows, [&](std::size_t r, detail::index_slot* scratch) {
     const detail::row_problem p =
         detail::check_support_row(support, r, "support", scratch);
-    return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad (NaN or infinite)");
+    return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad");
   });
   const std::size_t end = vocab_offset + shard_logits.cols;
   detail::cpu::parallel_for(policy.threads, shard_logits.rows, 3 * shard_logits.cols, [&](std::size_t r) {
@@ -473,7 +473,7 @@ void align_backward(cpu_policy policy, sparse_input<T> row, aligned_input<T> ali
         return p;
       }
     }
-    return detail::check_grad_row(grad_aligned, r, u, "grad_aligned (NaN or infinite)");
+    return detail::check_grad_row(grad_aligned, r, u, "grad_aligned");
   });
   detail::cpu::parallel_for(policy.threads, row.rows, 8 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     detail::index_slot slots[sparse_max_entries];
@@ -649,8 +649,9 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
                                    }
                                    if (l > detail::neg_inf() && !(g - g == 0.0)) {
                                      p.kind = row_error::sparse_nan;
-                                     p.operand = "grad (NaN or infinite)";
+                                     p.operand = "grad";
                                      p.entry = i;
+                                     p.value = g;
                                      return p;
                                    }
                                  }

@@ -93,7 +93,7 @@ objective_metrics objective_forward(cpu_policy policy,
     const T* old_lp = old_rows.row_log_probs(r);
     bool may_overflow = false;
     // A row with mask 0 adds nothing: an infinite KL(p̃‖π*) there is no problem (padding).
-    const bool counted = (in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0;
+    const bool counted = detail::mask_of(in, r) != 0.0;
     if (counted) {
       const std::int64_t a = in.tokens[r];
       long long at = -1;
@@ -142,7 +142,7 @@ objective_metrics objective_forward(cpu_policy policy,
   detail::aggregation_weights(in, rows, 1.0, &sum.m.sequences, scratch.parts.weights);
   const aligned_batch_view<const T> aligned_in = aligned;
   detail::cpu::parallel_for(policy.threads, rows, 6 * vocab, [&](std::size_t r) {
-    const bool counted = (in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0;
+    const bool counted = detail::mask_of(in, r) != 0.0;
     detail::gather_aligned_row(new_logits.row(r), vocab, old_rows, r, new_k, log_delta, aligned, r);
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1];
     int slot[sparse_max_entries + 1];
@@ -212,7 +212,7 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
       if (index != want) return detail::make_problem(row_error::log_probs_mismatch, "", i, double(index), double(want));
     }
     if (log_probs_mass) return log_probs_mass;
-    if ((in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0) {
+    if (detail::mask_of(in, r) != 0.0) {
       const std::int64_t a = in.tokens[r];
       long long at = -1;
       for (long long i = 0; i < count; ++i)
@@ -222,7 +222,7 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
         return detail::make_problem(row_error::old_entry_masked, "", 0, double(a));
     }
     // A row with mask 0 adds nothing: an infinite KL(p̃‖π*) there is no problem (padding).
-    const bool counted = (in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0;
+    const bool counted = detail::mask_of(in, r) != 0.0;
     const detail::row_problem lumped = detail::check_lumped(aligned, r, detail::lumped_checks{0.0, false, regression && counted});
     if (lumped) return lumped;
     return detail::check_stats(stats[r]);

@@ -558,7 +558,7 @@ TEST_CASE("the derivatives' device reports become the CPU's exceptions, message 
   };
 
   SUBCASE("kl_backward: a non-finite grad_kl, an infinite KL, bad logits") {
-    const char* const names[3] = {"p_logits", "q_logits", "grad_kl (NaN or infinite)"};
+    const char* const names[3] = {"p_logits", "q_logits", "grad_kl"};
     kl_bad_batch<double> batch;
     const std::size_t cols = batch.cols;
     std::vector<double> gp(cols), gq(cols);
@@ -573,7 +573,7 @@ TEST_CASE("the derivatives' device reports become the CPU's exceptions, message 
       troll::cuda_row_report report{batch.expected[r], 0, 0, 0.0};
       if (r == 1) report.token = 2;
       if (r == 2) report.operand = 1;
-      if (r == 5 || r == 6) report.operand = 2;
+      if (r == 5 || r == 6) report.operand = 2, report.token = ~0ull, report.value = batch.g[r];  // one per row
       if (r == 7) report.token = 3;
       const thrown cuda = device_message("kl_backward", report, names);
       CHECK(!cpu.message.empty());
@@ -598,7 +598,8 @@ TEST_CASE("the derivatives' device reports become the CPU's exceptions, message 
       troll::cuda_row_report report{batch.expected[r], batch.operand[r], 0, 0.0};
       if (r == 2) report.token = 1;
       if (r == 3) report.token = 2;
-      if (r == 6) report.token = 3;
+      if (r == 6) report.token = 3, report.value = batch.tn[6 * cols + 3];  // -inf: the message names it
+      if (r == 7) report.value = batch.to[7 * cols];
       const thrown cuda = device_message("project_jvp", report, names);
       CHECK(!cpu.message.empty());
       CHECK(cuda.message == cpu.message);
@@ -683,6 +684,8 @@ TEST_SUITE("device") {
     CHECK(rep[1].token == 2);
     CHECK(rep[2].operand == 1);
     CHECK(rep[5].operand == 2);
+    CHECK(rep[5].token == ~0ull);  // grad_kl: one value per row, no token
+    CHECK(rep[6].value == std::numeric_limits<double>::infinity());
     CHECK(rep[7].token == 3);
   }
 

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 
 #include "../config.hpp"
@@ -27,6 +28,15 @@ namespace detail {
 /// outputs), so it must not turn every row's weight into NaN or shift them (a negative mask).
 TROLL_HOST_DEVICE inline double counted_weight(double mask) {
   return mask >= 0.0 && mask < inf() ? mask : 0.0;
+}
+
+/// Row r's loss-mask entry as a double: 1 where the batch has no mask (`loss_mask` null). Any
+/// batch type with a `loss_mask` pointer (token_batch, the sparse objectives' batches). A row
+/// counts when this is not 0; a bad entry (NaN, negative, infinite) counts too and is refused by
+/// the row's checks.
+template <class Batch>
+TROLL_HOST_DEVICE inline double mask_of(const Batch& in, std::size_t r) {
+  return in.loss_mask != nullptr ? static_cast<double>(in.loss_mask[r]) : 1.0;
 }
 
 /// The power of two s that brings the largest counted mask of a group (the batch for the token

@@ -71,6 +71,10 @@ inline std::string num(double x) {
   return number_text(x);
 }
 
+/// The word for a value a check refused as not finite: "+inf" or "-inf" for an infinity, else
+/// "NaN" (also where the check recorded no value: those checks refuse only NaN).
+inline const char* nonfinite(double x) { return x == inf() ? "+inf" : x == -inf() ? "-inf" : "NaN"; }
+
 /// Writes p's message (after the row prefix) to `msg`; returns the exception class.
 inline type write(std::ostringstream& msg, const row_problem& p) {
   using e = row_error;
@@ -83,7 +87,8 @@ inline type write(std::ostringstream& msg, const row_problem& p) {
     // ---- dense rows ----
     case e::nan_value:
     case e::not_finite:
-      msg << p.operand << " is NaN at token " << p.entry;
+      msg << p.operand << " is " << nonfinite(p.value);
+      if (p.entry >= 0) msg << " at token " << p.entry;
       return type::domain;
     case e::pos_inf:
       msg << p.operand << " is +inf at token " << p.entry << " (only -inf, a masked token, is allowed)";
@@ -132,7 +137,7 @@ inline type write(std::ostringstream& msg, const row_problem& p) {
           << " (support indices must be distinct)";
       return type::shape;
     case e::sparse_nan:
-      msg << p.operand << where() << " is NaN";
+      msg << p.operand << where() << " is " << nonfinite(p.value);
       return type::domain;
     case e::sparse_above_one:
       msg << p.operand << where() << " is " << p.value << " > 0 (a probability above 1)";

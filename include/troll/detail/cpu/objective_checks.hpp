@@ -43,7 +43,7 @@ row_problem check_token_row(const token_batch<T>& in, std::size_t r, std::size_t
     p.value = double(in.sequence_ids[r]);
     return p;
   }
-  const double w = in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0;
+  const double w = mask_of(in, r);
   if (!(w >= 0.0 && w < inf())) {
     p.kind = k::bad_mask;
     p.value = w;
@@ -77,7 +77,7 @@ void aggregation_weights(const token_batch<T>& in, std::size_t rows, double scal
                          double* c) {
   for (std::size_t r = 0; r < rows; ++r) c[r] = 0.0;
   auto mask = [&](std::size_t r) {  // counted_weight: as the CUDA backend (validated rows: the mask)
-    return in.loss_mask ? counted_weight(static_cast<double>(in.loss_mask[r])) : 1.0;
+    return counted_weight(mask_of(in, r));
   };
   // Σ s·w over [begin, end) with s = mask_scale(max w), through `s`.
   auto scaled_total = [&](std::size_t begin, std::size_t end, double& s) {
@@ -135,7 +135,7 @@ void validate_objective(const char* fn, unsigned threads, batch_view<const T> ne
         }
       }
       // A row with mask 0 adds nothing, so an infinite KL(p̃‖π*) there is no problem (padding).
-      const bool counted = (in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0;
+      const bool counted = mask_of(in, r) != 0.0;
       if (!p && regression && counted && setup.new_only) p.kind = row_error::regression_inf;
     } else {
       const char* names[2] = {"new_logits", "old_logits"};
@@ -189,7 +189,7 @@ template <class T, class Throw>
 objective_metrics finish_troll_forward(const token_batch<T>& in, std::size_t rows, const double* c,
                                        const cpu::troll_row_result* results, T* token_loss, metrics_sum sum,
                                        Throw throw_problem) {
-  auto counted = [&](std::size_t r) { return (in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0) != 0.0; };
+  auto counted = [&](std::size_t r) { return mask_of(in, r) != 0.0; };
   for (std::size_t r = 0; r < rows; ++r) {
     if (!counted(r)) continue;
     const row_problem p =
@@ -222,7 +222,7 @@ objective_metrics ratio_forward(const char* fn, cpu_policy policy, const cpu::ra
   metrics_sum sum;
   aggregation_weights(in, rows, 1.0, &sum.m.sequences, scratch.parts.weights);
   cpu::parallel_for(policy.threads, rows, 4 * size, [&](std::size_t r) {
-    const double w = in.loss_mask ? static_cast<double>(in.loss_mask[r]) : 1.0;
+    const double w = mask_of(in, r);
     if (w == 0.0) return;
     counted[r] = 1;
     results[r] = cpu::ratio_forward_row(new_logits.row(r), old_logits.row(r), size, spec,

@@ -92,6 +92,7 @@ row_problem check_grad_row(const sparse_grad_view<const T>& grad, std::size_t r,
       p.kind = row_error::sparse_nan;
       p.operand = operand;
       p.entry = i;
+      p.value = g;
       return p;
     }
   }

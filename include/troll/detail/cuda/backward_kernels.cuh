@@ -166,7 +166,8 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
 
     cuda_row_report report = derivative_problem(scan.pair, zn, zo, s, logp, scan.first_bad_log_prob);
     if (report.error == cuda_row_error::none && scan.first_bad_upstream != no_token)
-      report.error = cuda_row_error::not_finite, report.operand = 2, report.token = scan.first_bad_upstream;
+      report.error = cuda_row_error::not_finite, report.operand = 2, report.token = scan.first_bad_upstream,
+      report.value = static_cast<double>(g[scan.first_bad_upstream]);
     if (threadIdx.x == 0) record_row(checks, range, r, report);
     if (checks.validate_only) continue;
 

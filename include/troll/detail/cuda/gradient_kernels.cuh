@@ -55,7 +55,7 @@ struct throw_derivative_report {
                                const char* const operand_names[3]) const {
     if (report.error == cuda_row_error::not_finite && report.operand == operand_tangent_old)
       throw_row_problem(function, row,
-                        make_problem(row_error::nan_value, "tangent_old", static_cast<long long>(report.token)));
+                        make_problem(row_error::nan_value, "tangent_old", static_cast<long long>(report.token), report.value));
     throw_report(function, row, report, operand_names);
   }
 };
@@ -79,7 +79,8 @@ __global__ void __launch_bounds__(block_threads)
     const double g = static_cast<double>(grad_kl[r]);
     if (!pairs_only && report.error == cuda_row_error::none) {
       if (!(g - g == 0.0)) {
-        report.error = cuda_row_error::not_finite, report.operand = 2, report.token = 0;
+        // One value per row: no token (~0 reads as entry −1 on the host, as the CPU's).
+        report.error = cuda_row_error::not_finite, report.operand = 2, report.token = ~0ull, report.value = g;
       } else if (scan.new_only) {
         report.error = cuda_row_error::infinite_kl;
       }
@@ -186,10 +187,11 @@ __global__ void __launch_bounds__(block_threads)
 
     cuda_row_report report = derivative_problem(scan.pair, zn, zo, s, logp, scan.first_bad_log_prob);
     if (report.error == cuda_row_error::none && scan.first_bad_new != no_token)
-      report.error = cuda_row_error::not_finite, report.operand = 2, report.token = scan.first_bad_new;
+      report.error = cuda_row_error::not_finite, report.operand = 2, report.token = scan.first_bad_new,
+      report.value = static_cast<double>(tn[scan.first_bad_new]);
     if (report.error == cuda_row_error::none && scan.first_bad_old != no_token)
       report.error = cuda_row_error::not_finite, report.operand = operand_tangent_old,
-      report.token = scan.first_bad_old;
+      report.token = scan.first_bad_old, report.value = static_cast<double>(to[scan.first_bad_old]);
     if (record_or_reject(checks, range, r, report, tangent_out, size)) continue;
     T* out = tangent_out.row(r);
 

@@ -27,11 +27,6 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cuda {
 
-template <class T>
-__device__ inline double mask_of(const token_batch<T>& in, std::size_t r) {
-  return in.loss_mask != nullptr ? static_cast<double>(in.loss_mask[r]) : 1.0;
-}
-
 /// The device counterpart of check_token_row (same order of checks). `old_row` null: sparse old
 /// rows, which check the old entry at the sampled token themselves.
 template <class T>

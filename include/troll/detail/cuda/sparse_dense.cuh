@@ -97,6 +97,7 @@ __device__ void warp_support_and_grad(const sparse_batch_view<const T>& support,
       if (bad >= 0) {
         report.error = cuda_row_error::sparse_nan, report.operand = operand_grad;
         report.token = static_cast<unsigned long long>(static_cast<long long>(base + bad));
+        report.value = __shfl_sync(full_warp, gi, bad);  // bad is the warp's: every lane is here
         break;
       }
       sum_g += gi;

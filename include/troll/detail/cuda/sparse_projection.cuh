@@ -245,6 +245,7 @@ __global__ void align_backward_kernel(sparse_batch_view<const T> row, aligned_ba
       if (bad < 0) continue;
       report.error = cuda_row_error::sparse_nan, report.operand = operand_grad;
       report.token = static_cast<unsigned long long>(static_cast<long long>(base + bad));
+      report.value = __shfl_sync(full_warp, gi, bad);  // bad is the warp's: every lane is here
     }
     if (lane_id() == 0) record_row(checks, range, r, report);
     if (checks.validate_only) continue;
@@ -407,10 +408,10 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
       for (int base = -1; base < row.count; base += warp_lanes) {
         const int i = base + lane_id();
         int problem = 0;
-        double l = 0.0;
+        double l = 0.0, g = 0.0;
         if (i < row.count) {
           l = i < 0 ? lr : static_cast<double>(lp_row[i]);
-          const double g = i < 0 ? g_r : static_cast<double>(g_row[i]);
+          g = i < 0 ? g_r : static_cast<double>(g_row[i]);
           double side_new, side_old;  // the lumped category's (new, old) log-probs
           row.at(i < 0 ? row.count : i, side_new, side_old);
           if (i >= 0 && lp_indices[i] != aligned_indices[i]) problem = 3;
@@ -437,6 +438,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
         } else {
           report.error = cuda_row_error::sparse_nan;
           report.operand = kind == 1 ? operand_log_probs : operand_grad;
+          report.value = __shfl_sync(full_warp, kind == 1 ? l : g, bad);
         }
         break;
       }
