@@ -607,3 +607,22 @@ def test_threads_must_be_a_non_negative_integer(gen):
             call(1.5)
         call(1)
         call(np.int32(2))
+
+
+def test_negative_or_huge_sizes_and_counts_are_troll_errors():
+    """A negative vocab_offset / vocab raised nanobind's TypeError (sparsify_finalize: C++'s
+    std::bad_cast as a RuntimeError), a k beyond the C int a TypeError; now troll's classes."""
+    x = np.zeros((2, 10), np.float32)
+    for kw in (dict(vocab_offset=-1, vocab=10), dict(vocab_offset=0, vocab=-10), dict(vocab_offset=2**70, vocab=10)):
+        with pytest.raises(troll.ShapeError, match="must be an integer in"):
+            troll.sparsify_shard(x, k=4, **kw)
+    states = troll.sparsify_shard(x, 0, 10, k=4)
+    with pytest.raises(troll.ShapeError, match="vocab must be an integer in"):
+        troll.sparsify_finalize(states[None], -3, 4)
+    for k in (2**40, -2**40):
+        with pytest.raises(troll.DomainError, match=r"k must be in \[1, 256\]"):
+            troll.sparsify(x, k=k)
+        with pytest.raises(troll.DomainError, match=r"k must be in \[1, 256\]"):
+            troll.sparsify_shard(x, 0, 10, k=k)
+    with pytest.raises(troll.DomainError, match=r"k must be in \[1, 256\]"):
+        troll.sparsify(x, k=-4)  # in the int range: troll's own check, as before

@@ -7,6 +7,7 @@ and gradients are within one ulp (torch.nextafter) in float32 and float64."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 
@@ -126,3 +127,54 @@ def test_single_process_group_and_bad_slices(tmp_path):
             troll.torch.distributed.sparsify(z, 5, VOCAB, k=K, sampled=sampled)
     finally:
         dist.destroy_process_group()
+
+
+def _reject_worker(rank: int, world: int, init_file: str) -> None:
+    import troll
+    import troll.torch
+
+    # A short timeout: were a rank left waiting in a collective, the test fails instead of hanging.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        begin, end = _cuts(world)[rank]
+        z, sampled, _, _ = _case(torch.float64)
+        local = z[..., begin:end].clone()
+        sparsify = troll.torch.distributed.sparsify
+        # A NaN in rank 1's slice only: every rank raises DomainError; the others quote rank 1's.
+        bad = local.clone()
+        if rank == 1:
+            bad[1, 2, 3] = float("nan")
+        with pytest.raises(troll.DomainError) as info:
+            sparsify(bad, begin, VOCAB, k=K, sampled=sampled)
+        if rank != 1:
+            assert "rank 1" in str(info.value) and "NaN" in str(info.value), str(info.value)
+        # A check before troll's own (sampled's shape) failing on rank 0 only.
+        with pytest.raises(troll.ShapeError):
+            sparsify(local, begin, VOCAB, k=K, sampled=sampled[:1] if rank == 0 else sampled)
+        # A negative offset on the last rank only: ShapeError everywhere (not nanobind's TypeError).
+        with pytest.raises(troll.ShapeError):
+            sparsify(local, -1 if rank == world - 1 else begin, VOCAB, k=K, sampled=sampled)
+        # Parameters that differ between ranks: the same error on every rank, before any exchange
+        # (a different delta gave every rank different, wrong rows; a different k or row count
+        # aborted a process in gloo).
+        with pytest.raises(troll.InvalidInput, match="different delta"):
+            sparsify(local, begin, VOCAB, k=K, delta=1e-4 if rank == 0 else 0.5, sampled=sampled)
+        with pytest.raises(troll.InvalidInput, match="different k"):
+            sparsify(local, begin, VOCAB, k=K if rank == 0 else K // 2, sampled=sampled)
+        with pytest.raises(troll.ShapeError, match="different rows"):
+            sparsify(local[:2] if rank == 1 else local, begin, VOCAB, k=K, sampled=sampled[:2] if rank == 1 else sampled)
+        with pytest.raises(troll.InvalidInput, match="different sampled"):
+            sparsify(local, begin, VOCAB, k=K, sampled=sampled if rank == 0 else None)
+        # The ranks stayed in step: the next call gives the unsharded rows.
+        rows = sparsify(local, begin, VOCAB, k=K, delta=1e-4, sampled=sampled)
+        whole = troll.torch.sparsify(z, k=K, delta=1e-4, sampled=sampled)
+        assert torch.equal(rows.indices, whole.indices)
+        assert torch.equal(rows.counts, whole.counts)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_that_rejects_its_input_makes_every_rank_raise():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_reject_worker, args=(3, os.path.join(tmp, "init")), nprocs=3, join=True)

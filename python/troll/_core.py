@@ -270,7 +270,7 @@ def project_backward(
 
 def sparse_empty(frame: Framework, rows: tuple, k_max: int, vocab: int, dtype: str) -> SparseRows:
     return SparseRows(frame.empty(rows + (k_max,), "int32"), frame.empty(rows + (k_max,), dtype),
-                      frame.empty(rows, "int32"), frame.empty(rows, dtype), _integer(vocab, "vocab"))
+                      frame.empty(rows, "int32"), frame.empty(rows, dtype), _size(vocab, "vocab"))
 
 
 @accepts_capsules
@@ -285,14 +285,14 @@ def sparsify(logits: Any, k: int = 64, delta: float = 1e-5, sampled: Any = None,
     dtype = _rows_dtype(frame, logits)
     rows = leading_shape(logits, "logits")
     vocab = int(logits.shape[-1])
-    k_max = max(1, min(_integer(k, "k") + (sampled is not None), vocab))
+    k_max = max(1, min(_k(k) + (sampled is not None), vocab))
     out = sparse_empty(frame, rows, k_max, vocab, dtype)
     sampled_arg = None if sampled is None else arg(sampled)
     if on_cuda:
         cuda, stream = _cuda_call(frame, logits, "sparsify")
-        cuda.sparsify(arg(logits), sampled_arg, _integer(k, "k"), float(delta), out, stream, CUDA_CHECKED)
+        cuda.sparsify(arg(logits), sampled_arg, _k(k), float(delta), out, stream, CUDA_CHECKED)
     else:
-        _troll.sparsify(arg(logits), sampled_arg, _integer(k, "k"), float(delta), out, _threads(threads))
+        _troll.sparsify(arg(logits), sampled_arg, _k(k), float(delta), out, _threads(threads))
     return SparseRows(*(frame.result(a) for a in out[:4]), vocab)
 
 
@@ -334,6 +334,27 @@ def _integer(value: Any, name: str) -> int:
         raise ShapeError(f"{name} must be an integer, got {value!r}") from None
 
 
+def _size(value: Any, name: str) -> int:
+    """A vocabulary size or token offset (``vocab``, ``vocab_offset``) as the extension takes it:
+    an integer in [0, 2**63). A negative or huge one is a ShapeError naming it (troll's class for
+    an offset outside the vocabulary), where nanobind raised its own TypeError (or, inside a
+    SparseRows, C++'s bad_cast)."""
+    n = _integer(value, name)
+    if not 0 <= n < 2**63:
+        raise ShapeError(f"{name} must be an integer in [0, 2**63), got {n}")
+    return n
+
+
+def _k(value: Any, name: str = "k") -> int:
+    """A top-k count (``k``, ``new_k``, ``top_k``) as the extension takes it (a C int): one outside
+    the int range is a DomainError here, as troll's own check says of any k outside [1, 256]
+    (the extension's check names the entry point for the others)."""
+    n = _integer(value, name)
+    if not -2**31 <= n < 2**31:
+        raise DomainError(f"{name} must be in [1, 256], got {n}")
+    return n
+
+
 def _threads(value: Any) -> int:
     """``threads`` as the extension takes it: an integer in [0, 2**32) (0: every core of the pool,
     1: serial). A negative or huge count is a DomainError naming it, a non-integer (1.5, True) a
@@ -345,7 +366,7 @@ def _threads(value: Any) -> int:
 
 
 def _sparse_arg(rows: Any) -> tuple:
-    return tuple(arg(a) for a in rows[:-1]) + (_integer(rows[-1], "vocab"),)
+    return tuple(arg(a) for a in rows[:-1]) + (_size(rows[-1], "vocab"),)
 
 
 @accepts_capsules
@@ -488,7 +509,7 @@ def check_sparse_rows(rows: Any, name: str) -> SparseRows:
 
 def sparsify_state_bytes(k: int) -> int:
     """Bytes of one packed sparsify state (one row of one vocabulary shard) for top-``k``."""
-    return int(_troll.sparsify_state_bytes(_integer(k, "k")))
+    return int(_troll.sparsify_state_bytes(_k(k)))
 
 
 def _rows_dtype(frame: Framework, logits: Any) -> str:
@@ -510,8 +531,8 @@ def sparsify_shard(shard_logits: Any, vocab_offset: int, vocab: int, k: int = 64
     _rows_dtype(frame, shard_logits)
     rows = leading_shape(shard_logits, "shard_logits")
     states = frame.empty(rows + (sparsify_state_bytes(k),), "uint8")
-    args = (arg(shard_logits), _integer(vocab_offset, "vocab_offset"), _integer(vocab, "vocab"),
-            None if sampled is None else arg(sampled), _integer(k, "k"), float(delta), states)
+    args = (arg(shard_logits), _size(vocab_offset, "vocab_offset"), _size(vocab, "vocab"),
+            None if sampled is None else arg(sampled), _k(k), float(delta), states)
     if _on_cuda(shard_logits):
         cuda, stream = _cuda_call(frame, shard_logits, "sparsify_shard")
         cuda.sparsify_shard(*args, stream, CUDA_CHECKED)
@@ -541,18 +562,18 @@ def sparsify_finalize(states: Any, vocab: int, k: int = 64, delta: float = 1e-5,
     the canonical values."""
     frame = Framework(states)
     rows = tuple(states.shape[1:-1])
-    k_max = max(1, min(_integer(k, "k") + bool(sampled), _integer(vocab, "vocab")))
+    k_max = max(1, min(_k(k) + bool(sampled), _size(vocab, "vocab")))
     out = sparse_empty(frame, rows, k_max, vocab, dtype)
     log_sums = frame.empty(rows + (4,), "float64")
     tail_max = frame.empty(rows, "float64") if return_tail_max else None
-    args = (arg(states), _integer(k, "k"), float(delta), out, log_sums, tail_max,
+    args = (arg(states), _k(k), float(delta), out, log_sums, tail_max,
             None if tail_sums is None else arg(tail_sums))
     if _on_cuda(states):
         cuda, stream = _cuda_call(frame, states, "sparsify_finalize")
         cuda.sparsify_finalize(*args, stream, CUDA_CHECKED)
     else:
         _troll.sparsify_finalize(*args, _threads(threads))
-    result = (SparseRows(*(frame.result(a) for a in out[:4]), _integer(vocab, "vocab")), frame.result(log_sums))
+    result = (SparseRows(*(frame.result(a) for a in out[:4]), _size(vocab, "vocab")), frame.result(log_sums))
     return result + (frame.result(tail_max),) if return_tail_max else result
 
 
@@ -565,7 +586,7 @@ def sparsify_tail_sums(shard_logits: Any, vocab_offset: int, rows: SparseRows, t
     frame = Framework(shard_logits)
     _rows_dtype(frame, shard_logits)
     out = frame.empty(leading_shape(shard_logits, "shard_logits") + (2,), "float64")
-    args = (arg(shard_logits), _integer(vocab_offset, "vocab_offset"), _sparse_arg(rows), arg(tail_max), out)
+    args = (arg(shard_logits), _size(vocab_offset, "vocab_offset"), _sparse_arg(rows), arg(tail_max), out)
     if _on_cuda(shard_logits):
         cuda, stream = _cuda_call(frame, shard_logits, "sparsify_tail_sums")
         cuda.sparsify_tail_sums(*args, stream, CUDA_CHECKED)
@@ -582,7 +603,7 @@ def sparsify_shard_backward(shard_logits: Any, vocab_offset: int, support: Spars
     frame = Framework(shard_logits)
     dtype = _float_dtype(frame, shard_logits)
     out = frame.empty(tuple(shard_logits.shape), dtype)
-    args = (arg(shard_logits), _integer(vocab_offset, "vocab_offset"), _sparse_arg(support),
+    args = (arg(shard_logits), _size(vocab_offset, "vocab_offset"), _sparse_arg(support),
             (arg(grad[0]), arg(grad[1])), arg(log_sums), out)
     if _on_cuda(shard_logits):
         cuda, stream = _cuda_call(frame, shard_logits, "sparsify_shard_backward")

@@ -71,7 +71,10 @@ struct tilt_point {
   double kappa3 = 0.0;    // third cumulant of d under π_t (NaN where the reduction did not form it)
   double kappa4 = 0.0;    // fourth cumulant of d under π_t (likewise)
   double kl = 0.0;        // KL(π_t ‖ q)
-  double kl_error = 0.0;  // a bound on the rounding error of `kl` as make_point computes it
+  double kl_error = 0.0;  // a bound on the rounding error of `kl` as make_point computes it, for
+                          // sums that round like a random walk (the statistics' accuracy)
+  double sum_error = 0.0;  // what the sums' own rounding can add to that in the worst case (a long
+                           // row of equal terms): the solver's decisions read kl_error + sum_error
   double a_error = 0.0;   // a bound on the rounding error of `a_c` (refine_a_c)
   double old_max = 0.0;      // M° = max z° the point was made with
   double old_log_sum = 0.0;  // log Σ_i exp(z°_i − M°), or over J alone where joint_old
@@ -85,8 +88,14 @@ struct tilt_point {
 /// That difference cancels when KL is small against the log-sums it is formed from (tiny ε,
 /// rows with a large log V), so `kl_error` bounds its rounding error: 16 ulps of every term that
 /// enters (the two logarithms carry an ulp of their arguments, which are ≥ 1, hence the 4), and
-/// of t·E[x] (its weights' exponents are within a few units of 0 where they carry mass). Where that is too coarse the caller
-/// asks the evaluator for the cancellation-free sum (kl_term below).
+/// of t·E[x] (its weights' exponents are within a few units of 0 where they carry mass).
+/// `sum_error` adds the sums' own worst-case rounding: st.depth ulps of s0 (so of log s0,
+/// absolutely), as much of the old log-sum (a sum over the same row by the same kind of
+/// reduction) and of E[x] = s1/s0 (|s1| ≤ s0·spread term by term). It matters on long rows whose
+/// terms are alike: 150k equal logits round every addition the same way, and the closed form was
+/// 4.5e-14 off (KL 2.9e-5 relative at ε = 1e-9, V = 151,936) while kl_error allowed 1.6e-14, so
+/// the solver stopped on a wrong KL. Where the bound is too coarse the caller asks the evaluator
+/// for the cancellation-free sum (kl_term below), whose terms are non-negative.
 TROLL_HOST_DEVICE inline tilt_point make_point(const lse_state& st, const tilt_param& u, const tilt_ref& ref,
                                                double old_max, double old_log_sum, bool joint_old = false) {
   constexpr double ulp = 2.220446049250313e-16;
@@ -110,8 +119,11 @@ TROLL_HOST_DEVICE inline tilt_point make_point(const lse_state& st, const tilt_p
   p.a_c = p.log_norm + ref_offset - old_log_sum;
   p.kl = u.t * mu_c - p.a_c;
   const double spread = st.s2 > 0.0 ? ::sqrt(st.s2 / st.s0) : 0.0;
-  p.a_error = 16.0 * ulp * (4.0 + ::fabs(st.m) + ::fabs(log_s0) + ::fabs(ref_offset) + ::fabs(old_log_sum));
-  p.kl_error = p.a_error + 16.0 * ulp * u.t * spread * (4.0 + ::fabs(st.m));
+  const double summed = st.depth * ulp;  // the relative rounding of the reduction's sums
+  p.a_error = 16.0 * ulp * (4.0 + ::fabs(st.m) + ::fabs(log_s0) + ::fabs(ref_offset) + ::fabs(old_log_sum)) +
+              2.0 * summed;
+  p.kl_error = p.a_error - 2.0 * summed + 16.0 * ulp * u.t * spread * (4.0 + ::fabs(st.m));
+  p.sum_error = 2.0 * summed * (1.0 + u.t * spread);
   return p;
 }
 
@@ -152,7 +164,8 @@ TROLL_HOST_DEVICE inline bool predict_member(const tilt_point& p, const tilt_par
   const double v_error = ah3 * b5 / 6.0 + ah * e3 + 0.5 * h2 * e4;
   const double dkl = u.t * dmu - dk;
   const double kl_u = p.kl + dkl;
-  const double kl_error = u.t * mu_error + dk_error + p.kl_error + 4.0 * ulp * (::fabs(p.kl) + ::fabs(dkl));
+  const double kl_error =
+      u.t * mu_error + dk_error + p.kl_error + p.sum_error + 4.0 * ulp * (::fabs(p.kl) + ::fabs(dkl));
   if (!(::fabs(kl_u - eps) + kl_error <= tol)) return false;
   const double log_norm_u = p.log_norm + (h * mu + dk);
   const double mu_u = mu + dmu;
@@ -172,6 +185,7 @@ TROLL_HOST_DEVICE inline bool predict_member(const tilt_point& p, const tilt_par
   out.kappa4 = quiet_nan();
   out.kl = kl_u;
   out.kl_error = kl_error;
+  out.sum_error = 0.0;  // in kl_error
   return true;
 }
 

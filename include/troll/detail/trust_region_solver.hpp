@@ -109,6 +109,15 @@ TROLL_HOST_DEVICE void refine_a_c(const Eval& eval, tilt_point& p, double slack)
   }
 }
 
+/// Replaces p.kl by the cancellation-free sum (a_c refined first where `slack` asks for it).
+template <class Eval>
+TROLL_HOST_DEVICE void make_exact(const Eval& eval, tilt_point& p, double slack) {
+  refine_a_c(eval, p, slack);
+  p.kl = eval.exact_kl(p);
+  p.kl_error = 0.0;
+  p.sum_error = 0.0;
+}
+
 /// Evaluates the member at (u, ref) for the solve towards KL = ε within ±tol. The closed-form
 /// KL is kept where its rounding bound is well inside the tolerance, or where it is far enough
 /// from ε (and from 0) to decide the bracket side and to steer a Newton step; otherwise (tiny ε,
@@ -128,13 +137,10 @@ TROLL_HOST_DEVICE tilt_point evaluate_from(const Eval& eval, lse_state st, const
     st = reduce(eval, u, ref, cumulants);
   }
   tilt_point p = make_point(st, u, ref, old_max, old_log_sum, joint_old);
-  const bool fine = p.kl_error <= 2.0 * tol;  // then |KL − ε| ≤ 3 tol: inside the 1e-10 guarantee
-  const bool decided = ::fabs(p.kl - eps) > tol + p.kl_error && p.kl > 1e3 * p.kl_error;
-  if (!(fine || decided)) {
-    refine_a_c(eval, p, 1e-3 * tol);
-    p.kl = eval.exact_kl(p);
-    p.kl_error = 0.0;
-  }
+  const double error = p.kl_error + p.sum_error;  // every rounding the closed form can carry
+  const bool fine = error <= 2.0 * tol;  // then |KL − ε| ≤ 3 tol: inside the 1e-10 guarantee
+  const bool decided = ::fabs(p.kl - eps) > tol + error && p.kl > 1e3 * error;
+  if (!(fine || decided)) make_exact(eval, p, 1e-3 * tol);
   return p;
 }
 
@@ -147,14 +153,21 @@ TROLL_HOST_DEVICE tilt_point evaluate(const Eval& eval, const tilt_param& u, til
                        joint_old);
 }
 
-/// Replaces p.kl by the cancellation-free sum unless the closed form is good to 1e-11 relative.
+/// Replaces p.kl by the cancellation-free sum unless the closed form is good to 1e-11 relative
+/// (kl_error: sums that round like a random walk; the statistics kl_before and kl_after). A
+/// decision against ε reads the worst case too (decide_against).
 template <class Eval>
 TROLL_HOST_DEVICE void settle_kl(const Eval& eval, tilt_point& p) {
-  if (!(p.kl_error <= 1e-11 * p.kl)) {
-    refine_a_c(eval, p, 1e-13 * maximum(p.kl, 0.0));
-    p.kl = eval.exact_kl(p);
-    p.kl_error = 0.0;
-  }
+  if (!(p.kl_error <= 1e-11 * p.kl)) make_exact(eval, p, 1e-13 * maximum(p.kl, 0.0));
+  p.kl = maximum(p.kl, 0.0);
+}
+
+/// Makes p.kl exact where the closed form's worst case (kl_error + sum_error) leaves its side of
+/// ε open: which end of the bracket holds ε, whether a row is inactive or infeasible.
+template <class Eval>
+TROLL_HOST_DEVICE void decide_against(const Eval& eval, tilt_point& p, double eps) {
+  if (p.kl_error + p.sum_error == 0.0 || ::fabs(p.kl - eps) > p.kl_error + p.sum_error) return;
+  make_exact(eval, p, 1e-13 * maximum(p.kl, 0.0));
   p.kl = maximum(p.kl, 0.0);
 }
 
@@ -278,7 +291,7 @@ TROLL_HOST_DEVICE bool solve_above_floor(const Eval& eval, const row_setup& setu
                                          double eps, const projection_options& opt, solve_result& r) {
   const double slack = minimum(0.5 * (opt.atol + opt.rtol * (eps - floor_point.kl)),
                                opt.atol + opt.rtol * floor_point.kl);
-  if (!(floor_point.kl_error <= slack)) {
+  if (!(floor_point.kl_error + floor_point.sum_error <= slack)) {
     refine_a_c(eval, floor_point, slack);
     floor_point.kl = eval.exact_kl(floor_point);
   }
@@ -289,6 +302,7 @@ TROLL_HOST_DEVICE bool solve_above_floor(const Eval& eval, const row_setup& setu
   zero.kl_error = 0.0;
   tilt_point one = make_point(one_state, tilt_at(1.0), setup.new_top, setup.old_max, joint_log_sum, true);
   settle_kl(eval, one);
+  decide_against(eval, one, eps_joint);
   if (!(eps_joint > 0.0 && one.kl > eps_joint && floor > 0.0)) return false;
   bracket_solution<tilt_point> solved = solve_bracketed(
       categorical_family<Eval>{eval, setup.old_max, joint_log_sum, setup.x_range, true}, zero, one, eps_joint, opt);
@@ -323,8 +337,11 @@ TROLL_HOST_DEVICE solve_result solve_row(const Eval& eval, const row_setup& setu
   lse_state zero_state, one_state;
   reduce_ends(eval, setup, cumulants, zero_state, one_state);
   const double old_log_sum = ends_old_log_sum(eval, setup, zero_state);
-  const tilt_point at_zero = zero_point(eval, setup, zero_state, old_log_sum);
-  const tilt_point at_one = one_point(eval, setup, one_state, old_log_sum);
+  tilt_point at_zero = zero_point(eval, setup, zero_state, old_log_sum);
+  tilt_point at_one = one_point(eval, setup, one_state, old_log_sum);
+  // inactive (KL(p̃‖q) ≤ ε) and infeasible (the floor ≥ ε) against the closed forms' worst case
+  decide_against(eval, at_one, eps);
+  if (setup.old_only) decide_against(eval, at_zero, eps);
   if (!needs_solve(setup, at_zero, at_one, eps, r)) return r;
   if (setup.old_only && solve_above_floor(eval, setup, zero_state, one_state, at_zero, old_log_sum, eps, opt, r))
     return r;

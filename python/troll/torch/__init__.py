@@ -330,7 +330,7 @@ def trust_region_loss(new_logits: torch.Tensor, old: Union[torch.Tensor, SparseR
         old = _tensor(old, "old", "trust_region_loss")
     batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation, "trust_region_loss")
     params = dict(eps=_core._bound(eps), alpha=float(alpha), rtol=rtol, atol=atol, max_iterations=max_iterations,
-                  new_k=_core._integer(new_k, "new_k"), new_delta=float(new_delta), threads=threads)
+                  new_k=_core._k(new_k, "new_k"), new_delta=float(new_delta), threads=threads)
     info: Dict[str, Any] = {}
     loss = _TrustRegionLoss.apply(new_logits, old, batch, params, info)
     return (loss, _core.metrics_dict(info["metrics"])) if return_metrics else loss
@@ -390,7 +390,7 @@ def dppo_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: torch.
     old_logits = _tensor(old_logits, "old_logits", "dppo_loss")
     batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation, "dppo_loss")
     args = (str(divergence), float(default if delta_low is None else delta_low),
-            float(default if delta_high is None else delta_high), _core._integer(top_k, "top_k"))
+            float(default if delta_high is None else delta_high), _core._k(top_k, "top_k"))
     info: Dict[str, Any] = {}
     loss = _RatioLoss.apply(new_logits, old_logits, batch, "dppo", args, threads, info)
     return (loss, _core.metrics_dict(info["metrics"])) if return_metrics else loss

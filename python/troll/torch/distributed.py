@@ -18,12 +18,14 @@ docs/python.md."""
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
 
-from .. import _core
+from .. import _core, _errors
 from .._core import SparseRows
 from ._autograd import guard
 
@@ -32,11 +34,65 @@ __all__ = ["sparsify", "sparsify_state_bytes"]
 sparsify_state_bytes = _core.sparsify_state_bytes
 
 
-def _comm_device(group: Any, like: torch.Tensor) -> torch.device:
+def _comm_device(group: Any, like: Optional[torch.Tensor]) -> torch.device:
     """Where the states travel: NCCL moves CUDA tensors only; gloo and others take host ones."""
     if dist.get_backend(group) == "nccl":
-        return like.device if like.is_cuda else torch.device("cuda", torch.cuda.current_device())
+        return like.device if like is not None and like.is_cuda else torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# What a rank that rejects its input reports to the others (_agree): the exception's class, most
+# specific first (a DTypeError is also a ShapeError).
+_CLASSES = (_errors.DTypeError, _errors.ShapeError, _errors.InfeasibleError, _errors.DomainError,
+            _errors.InvalidInput, _errors.BackendError, TypeError, ValueError, RuntimeError)
+# The call's parameters every rank must pass alike (_agree), with the class a disagreement raises.
+_FIELDS = (("k", _errors.InvalidInput), ("delta", _errors.InvalidInput), ("vocab_size", _errors.ShapeError),
+           ("rows", _errors.ShapeError), ("sampled", _errors.InvalidInput))
+
+
+def _class_code(error: BaseException) -> int:
+    return next((i + 1 for i, c in enumerate(_CLASSES) if isinstance(error, c)), len(_CLASSES) + 1)
+
+
+def _agree(group: Any, comm: torch.device, failure: Optional[BaseException], fields: tuple) -> None:
+    """The collective check that precedes every exchange of data: each rank's outcome of its own
+    checks (0, or its exception's class) and the parameters that must match (``fields``: k,
+    delta's bits, vocab_size, the row count, whether sampled is given), gathered as one fixed-size
+    tensor. If any rank rejected its input, every rank raises — the rejecting rank its own
+    exception, the others one of the same class quoting it (one more collective, of the
+    messages) — instead of the others waiting in the next collective for a rank that left it (a
+    hang until the group's timeout, or a mismatched exchange). If the parameters differ, every
+    rank raises the same error naming them. So the ranks stay in step: a caller that catches the
+    error on every rank can go on to the next batch."""
+    header = torch.tensor([0 if failure is None else _class_code(failure), *fields], dtype=torch.int64)
+    headers = _gather(header, group, comm).cpu()
+    world = headers.shape[0]
+    failed = [r for r in range(world) if int(headers[r, 0]) != 0]
+    if failed:
+        texts = [None] * world
+        dist.all_gather_object(texts, None if failure is None else f"{type(failure).__name__}: {failure}", group=group)
+        if failure is not None:
+            raise failure
+        r = failed[0]
+        code = int(headers[r, 0])
+        cls = _CLASSES[code - 1] if code <= len(_CLASSES) else RuntimeError
+        raise cls(f"troll.torch.distributed.sparsify: rank {r} of the group rejected its input "
+                  f"({texts[r]}); every rank raises")
+    for j, (name, cls) in enumerate(_FIELDS):
+        values = [int(v) for v in headers[:, j + 1]]
+        if len(set(values)) > 1:
+            shown = [_delta_of(v) if name == "delta" else bool(v) if name == "sampled" else v for v in values]
+            raise cls(f"troll.torch.distributed.sparsify: the ranks pass different {name} ("
+                      + ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
+                      + "); every rank must pass the same k, delta, vocab_size, rows and sampled (given or not)")
+
+
+def _delta_bits(delta: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", delta))[0]
+
+
+def _delta_of(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
 def _work_device(local_logits: torch.Tensor) -> torch.device:
@@ -66,8 +122,13 @@ class _ShardedSparsify(torch.autograd.Function):
                                                    ("k", "delta", "vocab", "offset", "group", "threads"))
         if sampled is not None:
             sampled = sampled.to(work)
-        states = _core.sparsify_shard(x, offset, vocab, k, delta, sampled, threads=threads)
         comm = _comm_device(group, local_logits)
+        failure: Optional[BaseException] = None
+        try:
+            states = _core.sparsify_shard(x, offset, vocab, k, delta, sampled, threads=threads)
+        except Exception as error:  # reported to every rank by _agree, which raises it here
+            failure = error
+        _agree(group, comm, failure, params["fields"])
         stacked = _gather(states, group, comm)
         # 16-bit logits (CUDA) give float32 rows.
         dtype = "float32" if x.dtype in (torch.float16, torch.bfloat16) else str(x.dtype).replace("torch.", "")
@@ -120,18 +181,25 @@ def sparsify(local_logits: torch.Tensor, vocab_offset: int, vocab_size: int, k: 
     row's and tail_ref the tail's largest logit)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("troll.torch.distributed.sparsify: torch.distributed is not initialised")
-    from . import _tensor
+    from . import _index_rows, _tensor
 
-    local_logits = _tensor(local_logits, "local_logits", "distributed.sparsify")
-    rows = tuple(local_logits.shape[:-1])
-    sampled_i32 = None
-    if sampled is not None:
-        from . import _index_rows  # the checks of troll.torch.sparsify's sampled (dtype, shape, int32 range)
-
-        sampled_i32 = _index_rows(sampled, rows, "sampled", "distributed.sparsify", torch.as_tensor(sampled).device,
-                                  torch.int32)
-    params = dict(k=_core._integer(k, "k"), delta=float(delta), vocab=_core._integer(vocab_size, "vocab_size"),
-                  offset=_core._integer(vocab_offset, "vocab_offset"), group=group, threads=threads)
+    # This rank's own checks. A rank whose input they reject still takes part in the collective
+    # check (_agree) that every rank runs before any data moves, so that all ranks raise.
+    try:
+        local_logits = _tensor(local_logits, "local_logits", "distributed.sparsify")
+        rows = tuple(local_logits.shape[:-1])
+        sampled_i32 = None
+        if sampled is not None:  # the checks of troll.torch.sparsify's sampled (dtype, shape, int32 range)
+            sampled_i32 = _index_rows(sampled, rows, "sampled", "distributed.sparsify",
+                                      torch.as_tensor(sampled).device, torch.int32)
+        params = dict(k=_core._k(k), delta=float(delta), vocab=_core._size(vocab_size, "vocab_size"),
+                      offset=_core._size(vocab_offset, "vocab_offset"), group=group, threads=threads)
+    except Exception as error:
+        like = local_logits if isinstance(local_logits, torch.Tensor) else None
+        _agree(group, _comm_device(group, like), error, (0,) * len(_FIELDS))
+        raise  # not reached: _agree raises error itself
+    params["fields"] = (params["k"], _delta_bits(params["delta"]), min(params["vocab"], 2**63 - 1),
+                        math.prod(rows), int(sampled is not None))
     info: Dict[str, Any] = {}
     out = _ShardedSparsify.apply(local_logits, sampled_i32, params, info)
     result = SparseRows(*out, params["vocab"])

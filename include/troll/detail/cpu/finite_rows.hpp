@@ -151,6 +151,15 @@ inline void keep_first_max(double value, double at, double& most, double& most_a
   if (most < value) most = value, most_at = at;
 }
 
+/// lse_state::depth of a sum over `count` terms in packets of `lanes` accumulated over chunks of
+/// `chunk` terms, each chunk's packet reduced and added to the total (tilt_reduce_one_pass,
+/// tilt_reduce_ends): a lane's additions within a chunk, the reduction of the lanes (at most
+/// `lanes` deep), one addition per chunk into the total and the last partial packet's.
+inline double chunked_sum_depth(long count, long lanes, long chunk) {
+  const long within = (count < chunk ? count : chunk) / lanes;
+  return double(within + lanes + (count + chunk - 1) / chunk + 1);
+}
+
 /// tilt_reduce_finite in two passes: x, w and their maximum m, then e^{w − m} and the sums.
 inline lse_state tilt_reduce_two_pass(const double* zn, const double* zo, long count, const tilt_param& u,
                                       const tilt_ref& ref, double* x, double* w) {
@@ -210,6 +219,7 @@ inline lse_state tilt_reduce_two_pass(const double* zn, const double* zo, long c
   st.s0 = predux(s0);
   st.s1 = predux(s1);
   st.s2 = predux(s2);
+  st.depth = double(padded / lanes + lanes);  // each lane's additions, then the lanes'
   st.ref_new = zn[at];
   st.ref_old = zo[at];
   return st;
@@ -288,6 +298,7 @@ inline lse_state tilt_reduce_finite(const double* zn, const double* zo, long cou
     st.s1 *= scale;
     st.s2 *= scale;
   }
+  st.depth = double((count + lanes - 1) / lanes + lanes + 2);  // lane additions, the lanes', the scale
   st.ref_new = zn[at];
   st.ref_old = zo[at];
   return st;
@@ -408,6 +419,7 @@ inline bool tilt_reduce_one_pass(const T* zn, const T* zo, long count, const til
   st.s1 = t1 * scale;
   st.s2 = t2 * scale;
   if constexpr (Cumulants) st.s3 = t3 * scale, st.s4 = t4 * scale;
+  st.depth = chunked_sum_depth(count, lanes, chunk) + 2.0;  // and the scale's two roundings
   st.ref_new = double(zn[at]);
   st.ref_old = double(zo[at]);
   return true;
@@ -512,10 +524,11 @@ inline void tilt_reduce_ends(const T* zn, const T* zo, long count, const tilt_re
     total(u, a0, use);
     total(v, a1, use);
   }
-  auto state = [](const double* t, const tilt_ref& ref) {
+  auto state = [count](const double* t, const tilt_ref& ref) {
     lse_state st;
     st.m = 0.0;
     st.s0 = t[0], st.s1 = t[1], st.s2 = t[2];
+    st.depth = chunked_sum_depth(count, lanes, chunk);
     if constexpr (Cumulants) st.s3 = t[3], st.s4 = t[4];
     st.ref_new = ref.zn;
     st.ref_old = ref.zo;

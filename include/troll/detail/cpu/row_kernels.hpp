@@ -374,7 +374,9 @@ struct tilt_evaluator {
       if (m == neg_inf()) return;
       e = block_exp(w - m);
       // (e·x)·x: a zero weight never meets an x² that overflowed.
+      // depth: however Eigen orders the block's sum, at most one addition per term
       lse_state part{m, e.sum(), (e * x).sum(), ((e * x) * x).sum()};
+      part.depth = double(count);
       if (m > total.m) {  // this block holds the mode so far: record its token as the reference
         Eigen::Index k = 0;
         while (!(w[k] == m)) ++k;
