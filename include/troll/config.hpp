@@ -7,6 +7,15 @@
 #define TROLL_VERSION_PATCH 0
 #define TROLL_VERSION (TROLL_VERSION_MAJOR * 10000 + TROLL_VERSION_MINOR * 100 + TROLL_VERSION_PATCH)
 
+// troll's contract rests on IEEE infinities and NaNs: −inf is a masked token, and NaN or +inf input
+// must be detected and reported. -ffast-math and -ffinite-math-only let the compiler assume that
+// neither occurs, so the checks fold away and the masks break (a consumer built with them read
+// past a row on valid input). Such a translation unit is refused; compile the code that includes
+// troll without them (or define TROLL_ALLOW_FINITE_MATH, and with it give up every guarantee).
+#if defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__ && !defined(TROLL_ALLOW_FINITE_MATH)
+#  error "troll needs IEEE infinities and NaNs: compile this file without -ffast-math / -ffinite-math-only (masked tokens are -inf, and bad input is found by its NaN or inf)"
+#endif
+
 // Functions callable from host code and from CUDA kernels. Per-row maths is written once with
 // this marker, free of std containers, exceptions and allocation.
 #if defined(__CUDACC__) || defined(__HIPCC__)

@@ -125,7 +125,8 @@ inline bool finite_extremes(const T* zn, const T* zo, long count, pair_extremes&
   return odd == T(0);
 }
 
-/// The first k < count with z[k] == value, packet by packet (value must occur in z).
+/// The first k < count with z[k] == value, packet by packet (value occurs in z; were it not, 0:
+/// the search never reads past the row).
 template <class T>
 inline long first_index_of(const T* z, long count, T value) {
   using namespace Eigen::internal;
@@ -135,8 +136,8 @@ inline long first_index_of(const T* z, long count, T value) {
   const packet target = pset1<packet>(value);
   long k = 0;
   while (k < whole && !predux_any(pcmp_eq(ploadu<packet>(z + k), target))) k += lanes;
-  while (z[k] != value) ++k;
-  return k;
+  while (k < count && z[k] != value) ++k;
+  return k < count ? k : 0;
 }
 
 /// Lane by lane: where value > most, most ← value and most_at ← at (ties keep the earlier one).
