@@ -51,7 +51,7 @@ TROLL_BEGIN_NAMESPACE
 /// options); row problems (NaN / +inf logits, all −inf, a sampled token outside [0, V)) are
 /// reported through `checks` and give count 0 and a NaN log_remainder, or throw in checked mode.
 template <class L, class T>
-void sparsify(cuda_policy policy, batch_view<L> logits, const token_id* sampled, const sparsify_options& options,
+void sparsify(cuda_policy policy, batch_view<const L> logits, const token_id* sampled, const sparsify_options& options,
               sparse_batch_view<T> out) {
   const cuda_checks& checks = policy.checks;
   using logit_type = std::remove_const_t<L>;
@@ -66,6 +66,14 @@ void sparsify(cuda_policy policy, batch_view<L> logits, const token_id* sampled,
                                                        sampled, options.k, log_delta, out));
 }
 
+/// The same for a mutable view of the logits (forwards to the const one above, so that
+/// `f<T>(policy, batch_view<const T>, ...)` names the element type as on the CPU).
+template <class L, class T, std::enable_if_t<!std::is_const<L>::value, int> = 0>
+void sparsify(cuda_policy policy, batch_view<L> logits, const token_id* sampled, const sparsify_options& options,
+              sparse_batch_view<T> out) {
+  sparsify<L, T>(policy, batch_view<const L>(logits), sampled, options, out);
+}
+
 /// Vocabulary shards on the device, as troll::sparsify_shard(cpu_policy, ...): fills states[r]
 /// (device memory, rows entries) with the partial sparsify state of the tokens [vocab_offset,
 /// vocab_offset + shard_logits.cols) of a row of `vocab` tokens (logits float, double, __half or
@@ -75,7 +83,7 @@ void sparsify(cuda_policy policy, batch_view<L> logits, const token_id* sampled,
 /// invalid state (k = 0) that sparsify_merge and sparsify_finalize reject; an all −inf shard is
 /// fine (another shard may hold the mass).
 template <class L>
-void sparsify_shard(cuda_policy policy, batch_view<L> shard_logits, std::size_t vocab_offset, std::size_t vocab,
+void sparsify_shard(cuda_policy policy, batch_view<const L> shard_logits, std::size_t vocab_offset, std::size_t vocab,
                     const token_id* sampled, const sparsify_options& options, sparsify_state* states) {
   const cuda_checks& checks = policy.checks;
   using logit_type = std::remove_const_t<L>;
@@ -86,6 +94,14 @@ void sparsify_shard(cuda_policy policy, batch_view<L> shard_logits, std::size_t 
   detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower,
                            detail::cuda::block_per_row(policy.stream, detail::cuda::sparsify_shard_kernel<logit_type>,
                                                        in, vocab_offset, vocab, sampled, options.k, states));
+}
+
+/// The same for a mutable view of the logits (forwards to the const one above, so that
+/// `f<T>(policy, batch_view<const T>, ...)` names the element type as on the CPU).
+template <class L, std::enable_if_t<!std::is_const<L>::value, int> = 0>
+void sparsify_shard(cuda_policy policy, batch_view<L> shard_logits, std::size_t vocab_offset, std::size_t vocab,
+                    const token_id* sampled, const sparsify_options& options, sparsify_state* states) {
+  sparsify_shard<L>(policy, batch_view<const L>(shard_logits), vocab_offset, vocab, sampled, options, states);
 }
 
 /// into[r] ← merge(into[r], from[r]) for `rows` device states, as troll::sparsify_merge(cpu_policy,
@@ -204,7 +220,7 @@ void align(cuda_policy policy, sparse_input<T> new_rows, sparse_input<T> old_row
 /// of new_support, or empty when new_support.rows == 0), the new side gathered exactly and its
 /// bucket the exact tail mass over V∖U.
 template <class L, class T>
-void align(cuda_policy policy, batch_view<L> new_logits, sparse_input<T> new_support, sparse_input<T> old_rows,
+void align(cuda_policy policy, batch_view<const L> new_logits, sparse_input<T> new_support, sparse_input<T> old_rows,
            aligned_batch_view<T> out) {
   const cuda_checks& checks = policy.checks;
   using logit_type = std::remove_const_t<L>;
@@ -220,6 +236,14 @@ void align(cuda_policy policy, batch_view<L> new_logits, sparse_input<T> new_sup
   detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower,
                            detail::cuda::block_per_row(policy.stream, detail::cuda::align_dense_kernel<logit_type, T>,
                                                        in, new_support, old_rows, out, slots));
+}
+
+/// The same for a mutable view of the logits (forwards to the const one above, so that
+/// `f<T>(policy, batch_view<const T>, ...)` names the element type as on the CPU).
+template <class L, class T, std::enable_if_t<!std::is_const<L>::value, int> = 0>
+void align(cuda_policy policy, batch_view<L> new_logits, sparse_input<T> new_support, sparse_input<T> old_rows,
+           aligned_batch_view<T> out) {
+  align<L, T>(policy, batch_view<const L>(new_logits), new_support, old_rows, out);
 }
 
 /// Backward of align(new, old) for one side on the device, as troll::align_backward(cpu_policy,
@@ -296,7 +320,7 @@ void project_backward(cuda_policy policy, aligned_input<T> rows, sparse_input<T>
 /// support of `support` and g_R on its bucket to dense logit gradients (float or double; logits
 /// float, double, __half or __nv_bfloat16). O(V) per row, two passes. Rejected rows get NaN.
 template <class L, class T>
-void sparsify_backward(cuda_policy policy, batch_view<L> logits, sparse_input<T> support, sparse_grad_input<T> grad,
+void sparsify_backward(cuda_policy policy, batch_view<const L> logits, sparse_input<T> support, sparse_grad_input<T> grad,
                        batch_view<T> grad_logits) {
   const cuda_checks& checks = policy.checks;
   using logit_type = std::remove_const_t<L>;
@@ -313,6 +337,14 @@ void sparsify_backward(cuda_policy policy, batch_view<L> logits, sparse_input<T>
                                                        support, grad, grad_logits, slots));
 }
 
+/// The same for a mutable view of the logits (forwards to the const one above, so that
+/// `f<T>(policy, batch_view<const T>, ...)` names the element type as on the CPU).
+template <class L, class T, std::enable_if_t<!std::is_const<L>::value, int> = 0>
+void sparsify_backward(cuda_policy policy, batch_view<L> logits, sparse_input<T> support, sparse_grad_input<T> grad,
+                       batch_view<T> grad_logits) {
+  sparsify_backward<L, T>(policy, batch_view<const L>(logits), support, grad, grad_logits);
+}
+
 /// Backward of sparsify over vocabulary shards on the device, as
 /// troll::sparsify_shard_backward(cpu_policy, ...): grad_shard = the columns [vocab_offset,
 /// vocab_offset + cols) of sparsify_backward's gradient, from `log_sums` (device, rows × sparsify_log_sums_width, what
@@ -321,7 +353,7 @@ void sparsify_backward(cuda_policy policy, batch_view<L> logits, sparse_input<T>
 /// get NaN, or throw the CPU's exception in checked mode (three validation stages in one pass, in the CPU's
 /// order over all rows).
 template <class L, class T>
-void sparsify_shard_backward(cuda_policy policy, batch_view<L> shard_logits, std::size_t vocab_offset,
+void sparsify_shard_backward(cuda_policy policy, batch_view<const L> shard_logits, std::size_t vocab_offset,
                              sparse_input<T> support, sparse_grad_input<T> grad, const double* log_sums,
                              batch_view<T> grad_shard) {
   using logit_type = std::remove_const_t<L>;
@@ -343,6 +375,16 @@ void sparsify_shard_backward(cuda_policy policy, batch_view<L> shard_logits, std
     checks.checked = false;
   }
   detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower, launch(2));
+}
+
+/// The same for a mutable view of the logits (forwards to the const one above, so that
+/// `f<T>(policy, batch_view<const T>, ...)` names the element type as on the CPU).
+template <class L, class T, std::enable_if_t<!std::is_const<L>::value, int> = 0>
+void sparsify_shard_backward(cuda_policy policy, batch_view<L> shard_logits, std::size_t vocab_offset,
+                             sparse_input<T> support, sparse_grad_input<T> grad, const double* log_sums,
+                             batch_view<T> grad_shard) {
+  sparsify_shard_backward<L, T>(policy, batch_view<const L>(shard_logits), vocab_offset, support, grad, log_sums,
+                                grad_shard);
 }
 
 TROLL_END_NAMESPACE

@@ -18,6 +18,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cuda_sparse_batch.cuh"
@@ -73,6 +74,45 @@ void check_sparsify(std::size_t rows, std::size_t vocab, int k, double delta, bo
 }
 
 }  // namespace
+
+// One API shape: generic code may name the element type, `f<T>(policy, batch_view<const T>, ...)`,
+// as on the CPU, or let it be deduced from const or mutable views (fp16 / bf16 logits too). The
+// CUDA overloads whose logits type may differ from the rows' took only a deduced mutable form.
+namespace api_shape {
+template <class T> using cv = troll::batch_view<const T>;
+template <class T> using mv = troll::batch_view<T>;
+const troll::token_id* const no_ids = nullptr;
+#define TROLL_API_SHAPE_PROBE(name, expr)                                      \
+  template <class P, class L, class T, class = void>                           \
+  struct name : std::false_type {};                                            \
+  template <class P, class L, class T>                                         \
+  struct name<P, L, T, std::void_t<decltype(expr)>> : std::true_type {};
+TROLL_API_SHAPE_PROBE(sparsify_named, troll::sparsify<T>(P{}, cv<T>{}, no_ids, troll::sparsify_options{}, troll::sparse_batch_view<T>{}))
+TROLL_API_SHAPE_PROBE(sparsify_deduced, troll::sparsify(P{}, L{}, no_ids, troll::sparsify_options{}, troll::sparse_batch_view<T>{}))
+TROLL_API_SHAPE_PROBE(shard_named, troll::sparsify_shard<T>(P{}, cv<T>{}, 0, 0, no_ids, troll::sparsify_options{}, static_cast<troll::sparsify_state*>(nullptr)))
+TROLL_API_SHAPE_PROBE(shard_deduced, troll::sparsify_shard(P{}, L{}, 0, 0, no_ids, troll::sparsify_options{}, static_cast<troll::sparsify_state*>(nullptr)))
+TROLL_API_SHAPE_PROBE(align_named, troll::align<T>(P{}, cv<T>{}, troll::sparse_input<T>{}, troll::sparse_input<T>{}, troll::aligned_batch_view<T>{}))
+TROLL_API_SHAPE_PROBE(align_deduced, troll::align(P{}, L{}, troll::sparse_input<T>{}, troll::sparse_input<T>{}, troll::aligned_batch_view<T>{}))
+TROLL_API_SHAPE_PROBE(backward_named, troll::sparsify_backward<T>(P{}, cv<T>{}, troll::sparse_input<T>{}, troll::sparse_grad_input<T>{}, mv<T>{}))
+TROLL_API_SHAPE_PROBE(backward_deduced, troll::sparsify_backward(P{}, L{}, troll::sparse_input<T>{}, troll::sparse_grad_input<T>{}, mv<T>{}))
+TROLL_API_SHAPE_PROBE(shard_backward_named, troll::sparsify_shard_backward<T>(P{}, cv<T>{}, 0, troll::sparse_input<T>{}, troll::sparse_grad_input<T>{}, static_cast<const double*>(nullptr), mv<T>{}))
+TROLL_API_SHAPE_PROBE(shard_backward_deduced, troll::sparsify_shard_backward(P{}, L{}, 0, troll::sparse_input<T>{}, troll::sparse_grad_input<T>{}, static_cast<const double*>(nullptr), mv<T>{}))
+#undef TROLL_API_SHAPE_PROBE
+template <class P, class L, class T>
+constexpr bool all_forms() {
+  return sparsify_named<P, L, T>::value && sparsify_deduced<P, L, T>::value && shard_named<P, L, T>::value &&
+         shard_deduced<P, L, T>::value && align_named<P, L, T>::value && align_deduced<P, L, T>::value &&
+         backward_named<P, L, T>::value && backward_deduced<P, L, T>::value && shard_backward_named<P, L, T>::value &&
+         shard_backward_deduced<P, L, T>::value;
+}
+static_assert(all_forms<troll::cpu_policy, cv<float>, float>() && all_forms<troll::cpu_policy, mv<double>, double>());
+static_assert(all_forms<troll::cuda_policy, cv<float>, float>() && all_forms<troll::cuda_policy, mv<float>, float>());
+static_assert(all_forms<troll::cuda_policy, cv<double>, double>() && all_forms<troll::cuda_policy, mv<double>, double>());
+static_assert(sparsify_deduced<troll::cuda_policy, cv<__nv_bfloat16>, float>::value &&
+              sparsify_deduced<troll::cuda_policy, mv<__half>, float>::value &&
+              backward_deduced<troll::cuda_policy, mv<__nv_bfloat16>, float>::value &&
+              shard_backward_deduced<troll::cuda_policy, cv<__half>, float>::value);
+}  // namespace api_shape
 
 TEST_CASE("cuda sparse entry points check shapes and options on the host, before any CUDA call") {
   float* fake = reinterpret_cast<float*>(std::uintptr_t(256));

@@ -99,6 +99,9 @@ TROLL_HOST_DEVICE void reduce_ends(const Eval& eval, const row_setup& setup, boo
 /// (t* 25% off at ε = 1e-200, reported `projected`). Runs only where a_error²/2 exceeds `slack`:
 /// never on rows with ε ≥ 1e-12 at the default tolerance (a_error is ~1e-13 on rows of 151,936
 /// logits: a_error²/2 ≈ 7e-27 against a thousandth of 1e-11·ε).
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
 template <class Eval>
 TROLL_HOST_DEVICE void refine_a_c(const Eval& eval, tilt_point& p, double slack) {
   if (!(0.5 * p.a_error * p.a_error > slack)) return;
@@ -110,6 +113,9 @@ TROLL_HOST_DEVICE void refine_a_c(const Eval& eval, tilt_point& p, double slack)
 }
 
 /// Replaces p.kl by the cancellation-free sum (a_c refined first where `slack` asks for it).
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
 template <class Eval>
 TROLL_HOST_DEVICE void make_exact(const Eval& eval, tilt_point& p, double slack) {
   refine_a_c(eval, p, slack);
@@ -128,6 +134,9 @@ TROLL_HOST_DEVICE void make_exact(const Eval& eval, tilt_point& p, double slack)
 /// evaluation, as at the steep rise of a token one row masks with a huge finite value), w and
 /// the KL would be differences of huge numbers, so the member is evaluated again relative to
 /// the mode just found.
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
 template <class Eval>
 TROLL_HOST_DEVICE tilt_point evaluate_from(const Eval& eval, lse_state st, const tilt_param& u, tilt_ref ref,
                                            double old_max, double old_log_sum, double eps, double tol,
@@ -145,6 +154,9 @@ TROLL_HOST_DEVICE tilt_point evaluate_from(const Eval& eval, lse_state st, const
 }
 
 /// evaluate_from of the reduction eval(u, ref).
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
 template <class Eval>
 TROLL_HOST_DEVICE tilt_point evaluate(const Eval& eval, const tilt_param& u, tilt_ref ref, double old_max,
                                       double old_log_sum, double eps, double tol, bool cumulants = false,
@@ -156,6 +168,9 @@ TROLL_HOST_DEVICE tilt_point evaluate(const Eval& eval, const tilt_param& u, til
 /// Replaces p.kl by the cancellation-free sum unless the closed form is good to 1e-11 relative
 /// (kl_error: sums that round like a random walk; the statistics kl_before and kl_after). A
 /// decision against ε reads the worst case too (decide_against).
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
 template <class Eval>
 TROLL_HOST_DEVICE void settle_kl(const Eval& eval, tilt_point& p) {
   if (!(p.kl_error <= 1e-11 * p.kl)) make_exact(eval, p, 1e-13 * maximum(p.kl, 0.0));
@@ -164,6 +179,9 @@ TROLL_HOST_DEVICE void settle_kl(const Eval& eval, tilt_point& p) {
 
 /// Makes p.kl exact where the closed form's worst case (kl_error + sum_error) leaves its side of
 /// ε open: which end of the bracket holds ε, whether a row is inactive or infeasible.
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
 template <class Eval>
 TROLL_HOST_DEVICE void decide_against(const Eval& eval, tilt_point& p, double eps) {
   if (p.kl_error + p.sum_error == 0.0 || ::fabs(p.kl - eps) > p.kl_error + p.sum_error) return;
@@ -174,6 +192,9 @@ TROLL_HOST_DEVICE void decide_against(const Eval& eval, tilt_point& p, double ep
 /// KL(π_1 ‖ q) = KL(p̃ ‖ q) to 1e-11 relative (the t = 1 member; p̃ restricted to J when the
 /// old row masks some of its tokens).
 /// The t = 1 member from its reduction state = eval(tilt_at(1), setup.new_top).
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
 template <class Eval>
 TROLL_HOST_DEVICE tilt_point one_point(const Eval& eval, const row_setup& setup, const lse_state& state,
                                        double old_log_sum) {
@@ -182,6 +203,9 @@ TROLL_HOST_DEVICE tilt_point one_point(const Eval& eval, const row_setup& setup,
   return p;
 }
 
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
 template <class Eval>
 TROLL_HOST_DEVICE tilt_point evaluate_at_one(const Eval& eval, const row_setup& setup, double old_log_sum) {
   return one_point(eval, setup, eval(tilt_at(1.0), setup.new_top), old_log_sum);
@@ -190,6 +214,9 @@ TROLL_HOST_DEVICE tilt_point evaluate_at_one(const Eval& eval, const row_setup& 
 /// The t = 0 member (π_0 = q restricted to J) from its reduction, with KL(π_0+ ‖ q) = −log q(J),
 /// the least KL any admissible π reaches (0 unless the new row masks old mass), to 1e-11
 /// relative.
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
 template <class Eval>
 TROLL_HOST_DEVICE tilt_point zero_point(const Eval& eval, const row_setup& setup, const lse_state& state,
                                         double old_log_sum) {
@@ -202,6 +229,9 @@ TROLL_HOST_DEVICE tilt_point zero_point(const Eval& eval, const row_setup& setup
   return p;
 }
 
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
 template <class Eval>
 TROLL_HOST_DEVICE tilt_point evaluate_at_zero(const Eval& eval, const row_setup& setup, double old_log_sum) {
   return zero_point(eval, setup, eval(tilt_at(0.0), setup.old_top), old_log_sum);
@@ -239,6 +269,9 @@ struct categorical_family {
 
 /// log Σ_i exp(z°_i − M°) over every old token, from the t = 0 reduction: π_0 = q restricted
 /// to J, whose normaliser is log q's (relative to M°) whenever J covers supp q.
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
 template <class Eval>
 TROLL_HOST_DEVICE double ends_old_log_sum(const Eval& eval, const row_setup& setup, const lse_state& zero_state) {
   return setup.old_only ? eval.old_log_sum() : zero_state.log_sum() + (setup.old_top.zo - setup.old_max);
@@ -285,6 +318,9 @@ TROLL_HOST_DEVICE void take_solution(const bracket_solution<Point>& solved, solv
 /// KL shift by the floor. False, with r untouched, where the bracket
 /// 0 < ε_J < KL(π_1 ‖ q_J) does not hold in floating point (ε a rounding away from the floor or
 /// from KL(π_1 ‖ q)); the caller then solves against q.
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
 template <class Eval>
 TROLL_HOST_DEVICE bool solve_above_floor(const Eval& eval, const row_setup& setup, const lse_state& zero_state,
                                          const lse_state& one_state, tilt_point floor_point, double old_log_sum,

@@ -259,7 +259,7 @@ template <class Packet>
 inline Packet expm1_near_zero_packet(const Packet& x) {
   using namespace Eigen::internal;
   Packet p = pset1<Packet>(exp_taylor::inverse_factorial[17]);
-#if defined(__GNUC__)
+#if defined(__GNUC__) && !defined(__CUDACC__)  // nvcc's front end does not know the pragma
 #pragma GCC unroll 16
 #endif
   for (int k = 16; k >= 1; --k) p = pmadd(p, x, pset1<Packet>(exp_taylor::inverse_factorial[k]));
