@@ -213,7 +213,7 @@ void sparsify_finalize(cpu_policy policy, const sparsify_state* states, const sp
     }
     const std::size_t need = std::size_t(states[r].size) + (states[r].sampled >= 0 ? 1 : 0);
     if (out.k_max < need)
-      detail::throw_row_problem(fn, r, detail::make_problem(row_error::state_capacity, "", (long long)out.k_max, double(need)));
+      detail::throw_row_problem(fn, r, detail::make_problem(row_error::state_capacity, "", static_cast<long long>(out.k_max), double(need)));
     if (detail::state_has_no_support(states[r]))
       detail::throw_row_problem(fn, r, detail::make_problem(row_error::no_support, ""));
   }
@@ -462,7 +462,7 @@ void align_backward(cpu_policy policy, sparse_input<T> row, aligned_input<T> ali
     if (p) return p;
     const int u = int(aligned.counts[r]);
     for (int i = 0; i < u; ++i)
-      scratch[i] = detail::index_slot{aligned.indices[r * aligned.k_max + i], i};
+      scratch[i] = detail::index_slot{aligned.indices[r * aligned.k_max + std::size_t(i)], i};
     detail::sort_by_index(scratch, u);
     for (long long i = 0; i < row.count(r); ++i) {
       if (detail::find_slot(scratch, u, row.row_indices(r)[i]) < 0) {
@@ -493,7 +493,7 @@ void align_backward(cpu_policy policy, sparse_input<T> row, aligned_input<T> ali
     const T* values = row.row_log_probs(r);
     for (int i = 0; i < c; ++i) out[i] = T(0);
     for (int i = 0; i < u; ++i) {
-      const int slot = detail::find_slot(slots, c, aligned.indices[r * aligned.k_max + i]);
+      const int slot = detail::find_slot(slots, c, aligned.indices[r * aligned.k_max + std::size_t(i)]);
       if (slot >= 0) {
         const int at = slots[slot].position;
         out[at] = detail::masked_value<T>(double(values[at])) ? T(0) : g[i];
@@ -548,7 +548,7 @@ void project(cpu_policy policy, aligned_input<T> rows, double eps, sparse_batch_
   detail::validate_aligned(fn, policy.threads, rows, checks);
   for (std::size_t r = 0; r < rows.rows; ++r) {
     if (std::size_t(rows.counts[r]) > out.k_max)
-      detail::throw_row_problem(fn, r, detail::make_problem(row_error::sparse_capacity, "", (long long)out.k_max,
+      detail::throw_row_problem(fn, r, detail::make_problem(row_error::sparse_capacity, "", static_cast<long long>(out.k_max),
                                                             double(rows.counts[r])));
   }
   detail::cpu::parallel_for(policy.threads, rows.rows, 16 * std::size_t(sparse_max_entries), [&](std::size_t r) {

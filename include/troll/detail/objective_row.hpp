@@ -379,8 +379,8 @@ TROLL_HOST_DEVICE inline surrogate_token ratio_token(const ratio_objective_spec&
 /// template parameter so the state lives on the stack (or in registers / shared memory).
 template <int Capacity>
 struct running_top_k {
-  double value[Capacity];
-  std::int64_t index[Capacity];
+  double value[std::size_t(Capacity)];
+  std::int64_t index[std::size_t(Capacity)];
   int k = 0;     // wanted
   int size = 0;  // held
 

@@ -133,7 +133,7 @@ inline Packet load_partial(const double* p, long n, double fill) {
 #if defined(__AVX512F__)
   if constexpr (lanes == 8) return _mm512_mask_loadu_pd(_mm512_set1_pd(fill), __mmask8((1u << unsigned(n)) - 1u), p);
 #endif
-  double copy[lanes];
+  double copy[std::size_t(lanes)];
   for (long j = 0; j < lanes; ++j) copy[j] = j < n ? p[j] : fill;
   return ploadu<Packet>(copy);
 }

@@ -49,7 +49,7 @@ inline void packet_exp(const V* x, Eigen::Index count, V shift, V* out, V offset
     pstoreu(out + i, pexp(d));
   }
   if (i < count) {
-    V in[lanes], res[lanes];
+    V in[std::size_t(lanes)], res[std::size_t(lanes)];
     for (Eigen::Index j = 0; j < lanes; ++j) in[j] = i + j < count ? x[i + j] : shift;
     const packet d = psub(psub(ploadu<packet>(in), s), o);
     low = pmin(low, d);
@@ -114,7 +114,7 @@ inline void add_terms(sum_packet& hi0, sum_packet& lo0, sum_packet& hi1, sum_pac
       return;
     }
 #endif
-    V values[lanes];
+    V values[std::size_t(lanes)];
     pstoreu(values, e);
     for (int part = 0; part * wide < lanes; ++part) {
       double d[wide] = {};
@@ -425,7 +425,7 @@ inline exact_sum tail_exp_sum(const T* z, std::size_t size, std::size_t first, c
     }
     long padded = whole;
     if (whole < count) {  // a partial last packet: padded with the shift, whose terms are zeroed
-      T last[lanes];
+      T last[std::size_t(lanes)];
       for (long j = 0; j < lanes; ++j) last[j] = whole + j < count ? x[whole + j] : shift;
       const packet d = psub(ploadu<packet>(last), ps);
       low = pmin(low, d);

@@ -9,6 +9,7 @@
 
 #include "eigen.hpp"
 #include <cmath>
+#include <cstddef>
 #include <limits>
 #include <type_traits>
 
@@ -43,7 +44,7 @@ inline Packet load_as_double(const T* p) {
     }
 #endif
     constexpr int lanes = int(sizeof(Packet) / sizeof(double));
-    double wide[lanes];
+    double wide[std::size_t(lanes)];
     for (int k = 0; k < lanes; ++k) wide[k] = double(p[k]);
     return ploadu<Packet>(wide);
   }
@@ -70,7 +71,7 @@ inline void store_from_double(T* p, const Packet& v) {
     }
 #endif
     constexpr int lanes = int(sizeof(Packet) / sizeof(double));
-    double wide[lanes];
+    double wide[std::size_t(lanes)];
     pstoreu(wide, v);
     for (int k = 0; k < lanes; ++k) p[k] = T(wide[k]);
   }

@@ -8,6 +8,7 @@
 
 #include "eigen.hpp"
 #include <cmath>
+#include <cstddef>
 #include <type_traits>
 
 #include "../../config.hpp"
@@ -292,7 +293,7 @@ inline Packet exp_any(const Packet& x) {
   constexpr int lanes = int(sizeof(Packet) / sizeof(double));
   if (!any_lane(por(pcmp_lt(x, pset1<Packet>(-708.0)), pcmp_lt(pset1<Packet>(708.0), x))))
     return exp_in_range(x);
-  double v[lanes];
+  double v[std::size_t(lanes)];
   pstoreu(v, x);
   for (int j = 0; j < lanes; ++j) v[j] = std::exp(v[j]);
   return ploadu<Packet>(v);

@@ -183,7 +183,7 @@ inline Packet load_padded(const T* log_probs, int k, int n) {
     return Packet(_mm512_mask_loadu_pd(_mm512_set1_pd(lowest), m, log_probs + k));
   }
 #endif
-  T last[lanes];
+  T last[std::size_t(lanes)];
   for (int j = 0; j < lanes; ++j) last[j] = k + j < n ? log_probs[k + j] : lowest;
   return ploadu<Packet>(last);
 }

@@ -131,7 +131,7 @@ inline void packet_exp_sums(const T* p, Eigen::Index n, T m, T* lane_sums) {
   Eigen::Index k = 0;
   for (; k + lanes <= n; k += lanes) acc = padd(acc, pexp(psub(ploadu<packet>(p + k), pm)));
   if (k < n) {
-    T last[lanes];
+    T last[std::size_t(lanes)];
     for (Eigen::Index j = 0; j < lanes; ++j) last[j] = k + j < n ? p[k + j] : -std::numeric_limits<T>::infinity();
     acc = padd(acc, pexp(psub(ploadu<packet>(last), pm)));
   }
@@ -160,7 +160,7 @@ inline void sparsify_scan(const T* z, std::size_t size, std::size_t offset, spar
   static_assert(chunk % lanes == 0 && block_size % chunk == 0, "chunks hold whole packets");
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
   T copy[block_size];                             // the walked chunks, candidates blanked
-  T lane_sums[chunks_per_block * lanes];          // packet_exp_sums of each chunk
+  T lane_sums[std::size_t(chunks_per_block * lanes)];          // packet_exp_sums of each chunk
   bool walked[chunks_per_block];
   T chunk_max[chunks_per_block];
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
