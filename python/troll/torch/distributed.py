@@ -54,17 +54,18 @@ def _class_code(error: BaseException) -> int:
     return next((i + 1 for i, c in enumerate(_CLASSES) if isinstance(error, c)), len(_CLASSES) + 1)
 
 
-def _agree(group: Any, comm: torch.device, failure: Optional[BaseException], fields: tuple) -> None:
+def _agree(group: Any, comm: torch.device, failure: Optional[BaseException], fields: tuple,
+           offset: int = 0) -> torch.Tensor:
     """The collective check that precedes every exchange of data: each rank's outcome of its own
-    checks (0, or its exception's class) and the parameters that must match (``fields``: k,
-    delta's bits, vocab_size, the row count, whether sampled is given), gathered as one fixed-size
-    tensor. If any rank rejected its input, every rank raises — the rejecting rank its own
+    checks (0, or its exception's class), the parameters that must match (``fields``: k, delta's
+    bits, vocab_size, the row count, whether sampled is given) and its ``offset``, gathered as one
+    fixed-size tensor; returns the ranks' offsets (int64, rank order). If any rank rejected its input, every rank raises — the rejecting rank its own
     exception, the others one of the same class quoting it (one more collective, of the
     messages) — instead of the others waiting in the next collective for a rank that left it (a
     hang until the group's timeout, or a mismatched exchange). If the parameters differ, every
     rank raises the same error naming them. So the ranks stay in step: a caller that catches the
     error on every rank can go on to the next batch."""
-    header = torch.tensor([0 if failure is None else _class_code(failure), *fields], dtype=torch.int64)
+    header = torch.tensor([0 if failure is None else _class_code(failure), *fields, offset], dtype=torch.int64)
     headers = _gather(header, group, comm).cpu()
     world = headers.shape[0]
     failed = [r for r in range(world) if int(headers[r, 0]) != 0]
@@ -85,6 +86,7 @@ def _agree(group: Any, comm: torch.device, failure: Optional[BaseException], fie
             raise cls(f"troll.torch.distributed.sparsify: the ranks pass different {name} ("
                       + ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
                       + "); every rank must pass the same k, delta, vocab_size, rows and sampled (given or not)")
+    return headers[:, -1]
 
 
 def _delta_bits(delta: float) -> int:
@@ -128,8 +130,13 @@ class _ShardedSparsify(torch.autograd.Function):
             states = _core.sparsify_shard(x, offset, vocab, k, delta, sampled, threads=threads)
         except Exception as error:  # reported to every rank by _agree, which raises it here
             failure = error
-        _agree(group, comm, failure, params["fields"])
-        stacked = _gather(states, group, comm)
+        offsets = _agree(group, comm, failure, params["fields"], offset)
+        # The states merge in offset order, whatever the ranks' order: each merge then extends one
+        # contiguous token range (a merge keeps at most 32 disjoint ranges a row, so 33 or more
+        # ranks holding interleaved slices failed in rank order). The values do not depend on
+        # the order (exact, canonical sums); the tail sums below are stacked the same way.
+        order = torch.argsort(offsets, stable=True).tolist()
+        stacked = _gather(states, group, comm)[order]
         # 16-bit logits (CUDA) give float32 rows.
         dtype = "float32" if x.dtype in (torch.float16, torch.bfloat16) else str(x.dtype).replace("torch.", "")
         has_sampled = sampled is not None
@@ -139,7 +146,7 @@ class _ShardedSparsify(torch.autograd.Function):
         # Stage 2: every rank's exact share of the tail sums, gathered; the canonical values (the
         # bits of troll.torch.sparsify on the whole rows on the same backend, and the
         # normalisers of its backward).
-        parts = _gather(_core.sparsify_tail_sums(x, offset, rows, tail_max, threads=threads), group, comm)
+        parts = _gather(_core.sparsify_tail_sums(x, offset, rows, tail_max, threads=threads), group, comm)[order]
         rows, log_sums = _core.sparsify_finalize(stacked, vocab, k, delta, sampled=has_sampled, dtype=dtype,
                                                  tail_sums=parts, threads=threads)
         ctx.save_for_backward(x, rows.indices, rows.log_probs, rows.counts, rows.log_remainder, log_sums,
