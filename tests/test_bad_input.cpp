@@ -557,6 +557,20 @@ TEST_CASE("project_jacobian: an entry whose true value overflows float is a doma
   CHECK(std::isfinite(je2[v + 2]));
 }
 
+TEST_CASE_TEMPLATE("kl_backward: the lowest bad row, whatever its problem", T, float, double) {
+  // Row by row (logits, then grad_kl, then the KL): a NaN grad_kl in row 1 is reported before a NaN
+  // logit in row 2 (the checks ran in two stages before and named row 2), and an infinite KL in
+  // row 0 before both.
+  for (unsigned threads : {1u, 3u}) {
+    fixture<T> fx;
+    fx.grad_kl[1] = T(nan_value);
+    set_value(fx, true, 2, 3, nan_value);
+    expect_error<troll::domain_error>(entry::kl_backward, fx, 1, {"grad_kl is NaN"}, troll::cpu.with_threads(threads));
+    set_value(fx, false, 0, 1, -inf_value);  // p has mass where q is -inf
+    expect_error<troll::domain_error>(entry::kl_backward, fx, 0, {"+inf"}, troll::cpu.with_threads(threads));
+  }
+}
+
 TEST_CASE_TEMPLATE("kl_backward of an infinite KL (p has mass where q is -inf)", T, float, double) {
   fixture<T> fx;
   set_value(fx, false, 2, 1, -inf_value);

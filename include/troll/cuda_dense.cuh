@@ -78,19 +78,11 @@ void kl_backward(cuda_policy policy, input_view<T> p_logits, input_view<T> q_log
   constexpr const char* fn = "kl_backward";
   detail::check_kl_backward_arguments(fn, p_logits, q_logits, grad_kl, grad_p, grad_q);
   static const char* const names[3] = {"p_logits", "q_logits", "grad_kl"};
-  auto launch = [&](bool pairs_only) {
-    return detail::cuda::block_per_row(policy.stream, detail::cuda::kl_backward_kernel<T>, p_logits, q_logits,
-                                       grad_kl, grad_p, grad_q, pairs_only);
-  };
+  const auto launch = detail::cuda::block_per_row(policy.stream, detail::cuda::kl_backward_kernel<T>, p_logits,
+                                                  q_logits, grad_kl, grad_p, grad_q);
   const detail::cuda::throw_derivative_report thrower;
-  cuda_checks unchecked = checks;
-  if (checks.checked && p_logits.rows != 0) {
-    // The CPU validates every row's logits before any row's g and KL: two stages, one pass.
-    detail::cuda::validate_stages_or_throw(
-        fn, policy.stream, p_logits.rows, names, 2, [&](int stage) { return launch(stage == 0); }, thrower);
-    unchecked.checked = false;
-  }
-  detail::cuda::run(fn, policy.stream, p_logits.rows, unchecked, names, launch(false), thrower);
+  // Checked: the lowest row with any problem (its logits, then g, then the KL), as the CPU.
+  detail::cuda::run(fn, policy.stream, p_logits.rows, checks, names, launch, thrower);
 }
 
 /// The trust-region projection of troll::project(cpu_policy, ...) on the device: log π* to

@@ -88,10 +88,14 @@ void kl_backward(cpu_policy policy, input_view<T> p_logits, input_view<T> q_logi
   constexpr const char* fn = "kl_backward";
   detail::check_kl_backward_arguments(fn, p_logits, q_logits, grad_kl, grad_p, grad_q);
   const bool want_p = grad_p.rows != 0, want_q = grad_q.rows != 0;
-  detail::validate_pairs(fn, policy.threads, p_logits, q_logits, "p_logits", "q_logits");
   const std::size_t size = p_logits.cols;
+  // Row by row (its logits, then grad_kl, then the KL's finiteness), one pass: the lowest bad row
+  // whatever its problem, as the device's checked mode.
   auto problem = [&](std::size_t r) {
-    detail::row_problem pr;
+    detail::row_setup setup;
+    detail::row_problem pr = detail::cpu::scan_pair(p_logits.row(r), q_logits.row(r), size, setup, "p_logits", "q_logits");
+    if (pr.kind == row_error::disjoint) pr = detail::row_problem{};  // KL = +inf: infinite_kl below
+    if (pr) return pr;
     if (!(grad_kl[r] - grad_kl[r] == 0)) {
       pr.kind = row_error::nan_value;
       pr.operand = "grad_kl";
@@ -99,8 +103,6 @@ void kl_backward(cpu_policy policy, input_view<T> p_logits, input_view<T> q_logi
       pr.value = static_cast<double>(grad_kl[r]);
       return pr;
     }
-    detail::row_setup setup;
-    detail::cpu::scan_pair(p_logits.row(r), q_logits.row(r), size, setup, "", "");
     if (setup.new_only) pr.kind = row_error::infinite_kl;
     return pr;
   };

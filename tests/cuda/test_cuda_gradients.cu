@@ -693,8 +693,9 @@ TEST_SUITE("device") {
     test_stream s;
     kl_bad_batch<T> batch;
     const std::size_t cols = batch.cols;
-    // Row 0 plus rows first..end, then the CPU's two-stage order: a bad grad_kl in row 1 loses
-    // against bad logits in row 2.
+    // Row 0 plus rows first..end, then rows in other orders: the lowest bad row wins, whatever its
+    // problem, on both backends (a bad grad_kl in row 1 against bad logits in row 2 names row 1;
+    // the checks ran in two stages before, and named row 2).
     std::vector<std::vector<std::size_t>> selections;
     for (std::size_t first = 1; first < batch.rows; ++first) {
       std::vector<std::size_t> pick = {0};

@@ -63,13 +63,12 @@ struct throw_derivative_report {
 // ---- kl_backward ----
 
 /// Rows of `range`: grad_p and grad_q (each skipped when its view has no rows) from the upstream
-/// g = grad_kl[r]. With `pairs_only`, only the logits are validated (the CPU's first pass): the
-/// checked mode runs it first so that the lowest row with bad logits wins, as on the CPU.
-/// Disjoint supports are no logits problem here (KL = +inf): they become infinite_kl.
+/// g = grad_kl[r]. A row's checks in the CPU's order: its logits, then g, then the KL's
+/// finiteness (disjoint supports are no logits problem here: KL = +inf, so infinite_kl).
 template <class T>
 __global__ void __launch_bounds__(block_threads)
     kl_backward_kernel(batch_view<const T> p_logits, batch_view<const T> q_logits, const T* grad_kl,
-                       batch_view<T> grad_p, batch_view<T> grad_q, bool pairs_only, row_range range,
+                       batch_view<T> grad_p, batch_view<T> grad_q, row_range range,
                        device_checks checks) {
   __shared__ reduce_storage<lse_state> lse_storage;
   const std::size_t size = p_logits.cols;
@@ -77,7 +76,7 @@ __global__ void __launch_bounds__(block_threads)
                     [&](std::size_t r, const T* zp, const T* zq, const pair_scan& scan) {
     cuda_row_report report = kl_pair_problem(scan, zp, zq);
     const double g = static_cast<double>(grad_kl[r]);
-    if (!pairs_only && report.error == cuda_row_error::none) {
+    if (report.error == cuda_row_error::none) {
       if (!(g - g == 0.0)) {
         // One value per row: no token (~0 reads as entry −1 on the host, as the CPU's).
         report.error = cuda_row_error::not_finite, report.operand = 2, report.token = ~0ull, report.value = g;
