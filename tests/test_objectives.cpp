@@ -641,6 +641,33 @@ TEST_CASE("Bad input is rejected before anything is written, naming the row") {
                     troll::domain_error);
     for (double v : grad) CHECK(v == 42.0);
   }
+  {
+    // Row by row: a bad log-prob in row 4 and unusable stats in row 2 name row 2 (log_probs were
+    // checked over every row before any row's stats, and named row 4); in one row, log_probs
+    // before stats. The device's checked mode reports the same.
+    const troll_run run = run_troll(good, troll::trust_region_objective{});
+    for (int both_in_row : {0, 1}) {
+      std::vector<troll::projection_stats> stats = run.stats;
+      std::vector<double> lp = run.log_probs;
+      const std::size_t stats_row = 2, lp_row = both_in_row ? 2 : 4;
+      stats[stats_row].status = troll::row_status::not_converged;
+      lp[lp_row * 8 + 3] = nan_value;
+      std::vector<double> grad(6 * 8, 42.0);
+      bool thrown = false;
+      try {
+        troll::objective_backward(troll::cpu.with_threads(both_in_row ? 1u : 3u), troll::trust_region_objective{},
+                                  troll::make_batch(good.logits.new_logits.data(), 6, 8),
+                                  troll::make_batch(good.logits.old_logits.data(), 6, 8), good.batch(),
+                                  troll::make_batch(lp.data(), 6, 8), stats.data(), troll::make_batch(grad.data(), 6, 8));
+      } catch (const troll::domain_error& e) {
+        thrown = true;
+        CHECK(e.row() == 2);
+        CHECK(e.code() == (both_in_row ? troll::row_error::nan_value : troll::row_error::bad_stats));
+      }
+      CHECK(thrown);
+      for (double v : grad) CHECK(v == 42.0);
+    }
+  }
 }
 
 namespace {

@@ -352,3 +352,166 @@ TEST_CASE("sparse upstream gradients: a NaN or an infinity is named as it is, wi
     }
   }
 }
+
+namespace {
+
+/// Runs `call`; expects a troll::invalid_input naming `row` with code `code`.
+template <class Call>
+void expect_row_code(Call&& call, std::size_t row, troll::row_error code) {
+  bool thrown = false;
+  try {
+    call();
+  } catch (const troll::invalid_input& e) {
+    thrown = true;
+    CHECK_MESSAGE(e.row() == row, std::string(e.what()));
+    CHECK_MESSAGE(e.code() == code, std::string(e.what()));
+  }
+  CHECK(thrown);
+}
+
+/// Four hand-made aligned rows over V = 50: row r holds counts[r] entries (ids 0, 1, …) of
+/// probability 0.1 on both sides, the rest in the bucket.
+aligned_rows<double> small_aligned(const std::vector<int>& counts, std::size_t k_max) {
+  aligned_rows<double> a(counts.size(), k_max, 50);
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    const int c = counts[r];
+    a.counts[r] = c;
+    for (std::size_t i = 0; i < k_max; ++i) {
+      const bool used = int(i) < c;
+      a.indices[r * k_max + i] = used ? troll::sparse_index(i) : -1;
+      a.new_log_probs[r * k_max + i] = a.old_log_probs[r * k_max + i] =
+          used ? std::log(0.1) : -std::numeric_limits<double>::infinity();
+    }
+    a.new_log_remainder[r] = a.old_log_remainder[r] = std::log(1.0 - 0.1 * c);
+  }
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("every sparse entry point: the lowest bad row, whatever its problem (as the device)") {
+  // Each batch has a problem of an early check (new side, logits, the row itself) in row 3 and
+  // one of a later check (old side, capacity, stats, tail_max, log-sums, gradient) in row 1. The
+  // checks ran in stages over all rows before and named row 3; they now run row by row.
+  using troll::row_error;
+  const std::size_t rows = 4, vocab = 40, k = 8;
+  const double nan = nan_value;
+  std::vector<double> z(rows * vocab), z2(rows * vocab);
+  for (std::size_t i = 0; i < z.size(); ++i) z[i] = std::cos(0.3 * double(i)), z2[i] = std::sin(0.7 * double(i));
+  sparse_rows<double> sn(rows, k, vocab), so(rows, k, vocab);
+  troll::sparsify(troll::cpu, troll::make_batch<const double>(z.data(), rows, vocab), nullptr, {4, 1e-5}, sn.view());
+  troll::sparsify(troll::cpu, troll::make_batch<const double>(z2.data(), rows, vocab), nullptr, {4, 1e-5}, so.view());
+  aligned_rows<double> al(rows, 2 * k, vocab);
+  troll::align(troll::cpu, sn.view(), so.view(), al.view());
+  sparse_grads<double> grad(rows, k), grad_out(rows, k), grad_al(rows, 2 * k);
+  std::vector<double> grad_logits(rows * vocab);
+  for (unsigned threads : {1u, 3u}) {
+    const troll::cpu_policy cpu = troll::cpu.with_threads(threads);
+    {  // align(sparse, sparse): the new rows, the old rows
+      auto n = sn, o = so;
+      n.log_probs[3 * k] = nan;
+      o.log_probs[1 * k] = nan;
+      aligned_rows<double> out(rows, 2 * k, vocab);
+      expect_row_code([&] { troll::align(cpu, n.view(), o.view(), out.view()); }, 1, row_error::sparse_nan);
+    }
+    {  // align(logits, support, old): the new logits, the old rows
+      auto zz = z;
+      auto o = so;
+      zz[3 * vocab + 2] = nan;
+      o.log_probs[1 * k] = nan;
+      aligned_rows<double> out(rows, 2 * k, vocab);
+      expect_row_code([&] {
+        troll::align(cpu, troll::make_batch<const double>(zz.data(), rows, vocab),
+                     troll::sparse_batch_view<const double>(sn.view()), o.view(), out.view());
+      }, 1, row_error::sparse_nan);
+    }
+    {  // align_backward: the row, then the aligned side
+      auto n = sn;
+      auto a = al;
+      n.log_probs[3 * k] = nan;
+      a.new_log_probs[1 * a.k_max] = nan;
+      expect_row_code([&] {
+        troll::align_backward(cpu, troll::sparse_batch_view<const double>(n.view()), a.const_view(),
+                              troll::sparse_grad_view<const double>(grad_al.view()), grad_out.view());
+      }, 1, row_error::sparse_nan);
+    }
+    {  // kl: the new side (validated over every row first before), the old side
+      auto a = al;
+      a.new_log_probs[3 * a.k_max] = nan;
+      a.old_log_probs[1 * a.k_max] = nan;
+      std::vector<double> kl_out(rows);
+      expect_row_code([&] { troll::kl(cpu, a.const_view(), kl_out.data()); }, 1, row_error::sparse_nan);
+    }
+    {  // project: the aligned rows, then the output's capacity; and in one row, capacity before
+       // infeasibility (the device's order)
+      auto a = small_aligned({3, 5, 3, 3}, 6);
+      a.new_log_probs[3 * 6] = nan;
+      sparse_rows<double> out(rows, 4, 50);
+      std::vector<troll::projection_stats> st(rows);
+      expect_row_code([&] { troll::project(cpu, a.const_view(), 0.05, out.view(), st.data()); }, 1,
+                      row_error::sparse_capacity);
+      a.new_log_probs[3 * 6] = std::log(0.1);
+      a.new_log_probs[1 * 6] = -std::numeric_limits<double>::infinity();  // row 1 masks its first token…
+      a.new_log_remainder[1] = std::log(0.6);
+      a.old_log_probs[1 * 6] = std::log(0.9);  // …where the old row has 0.9: −log q(J) = 2.3 ≥ ε
+      for (int i = 1; i < 5; ++i) a.old_log_probs[1 * 6 + std::size_t(i)] = std::log(0.01);
+      a.old_log_remainder[1] = std::log(0.06);
+      expect_row_code([&] { troll::project(cpu, a.const_view(), 0.05, out.view(), st.data()); }, 1,
+                      row_error::sparse_capacity);
+      sparse_rows<double> wide(rows, 6, 50);
+      expect_row_code([&] { troll::project(cpu, a.const_view(), 0.05, wide.view(), st.data()); }, 1,
+                      row_error::infeasible);
+    }
+    {  // project_backward: the aligned rows, then the stats
+      auto a = small_aligned({3, 5, 3, 3}, 6);
+      sparse_rows<double> out(rows, 6, 50);
+      std::vector<troll::projection_stats> st(rows);
+      troll::project(cpu, a.const_view(), 0.05, out.view(), st.data());
+      sparse_grads<double> g(rows, 6), gn(rows, 6);
+      a.old_log_probs[3 * 6] = nan;
+      st[1].status = troll::row_status::not_converged;  // stats the backward refuses
+      expect_row_code([&] {
+        troll::project_backward(cpu, a.const_view(), troll::sparse_batch_view<const double>(out.view()), st.data(),
+                                troll::sparse_grad_view<const double>(g.view()), gn.view());
+      }, 1, row_error::bad_stats);
+    }
+    {  // sparsify_backward: the logits, then the gradient
+      auto zz = z;
+      auto g = grad;
+      zz[3 * vocab + 2] = nan;
+      g.log_probs[1 * k] = nan;
+      expect_row_code([&] {
+        troll::sparsify_backward(cpu, troll::make_batch<const double>(zz.data(), rows, vocab),
+                                 troll::sparse_batch_view<const double>(sn.view()),
+                                 troll::sparse_grad_view<const double>(g.view()),
+                                 troll::make_batch(grad_logits.data(), rows, vocab));
+      }, 1, row_error::sparse_nan);
+    }
+    {  // sparsify_tail_sums: the shard's logits, then tail_max
+      auto zz = z;
+      zz[3 * vocab + 2] = nan;
+      std::vector<double> tail_max(rows, 0.0), sums(2 * rows);
+      tail_max[1] = nan;
+      expect_row_code([&] {
+        troll::sparsify_tail_sums(cpu, troll::make_batch<const double>(zz.data(), rows, vocab), 0,
+                                  troll::sparse_batch_view<const double>(sn.view()), tail_max.data(), sums.data());
+      }, 1, row_error::bad_tail_max);
+    }
+    {  // sparsify_shard_backward: the shard's logits, then the log-sums
+      auto zz = z;
+      zz[3 * vocab + 2] = nan;
+      std::vector<double> log_sums(rows * troll::sparsify_log_sums_width);
+      for (std::size_t r = 0; r < rows; ++r) {
+        double* s = log_sums.data() + r * troll::sparsify_log_sums_width;
+        s[0] = 0.0, s[1] = 3.0, s[2] = -1.0, s[3] = 2.0;
+      }
+      log_sums[1 * troll::sparsify_log_sums_width] = nan;
+      expect_row_code([&] {
+        troll::sparsify_shard_backward(cpu, troll::make_batch<const double>(zz.data(), rows, vocab), 0,
+                                       troll::sparse_batch_view<const double>(sn.view()),
+                                       troll::sparse_grad_view<const double>(grad.view()), log_sums.data(),
+                                       troll::make_batch(grad_logits.data(), rows, vocab));
+      }, 1, row_error::bad_log_sums);
+    }
+  }
+}

@@ -90,22 +90,13 @@ void objective_backward(cuda_policy policy, const trust_region_objective& object
   static const char* const names[3] = {"new_logits", "old_logits", ""};
   // The weights come first: the checked mode's validation launches do not read them.
   detail::cuda::enqueue_aggregation_weights(fn, policy.stream, in, new_logits.rows, header);
-  auto launch = [&](const projection_stats* row_stats) {
-    return detail::cuda::block_per_row(policy.stream, detail::cuda::troll_backward_kernel<T>, new_logits, old_logits,
-                                       in, objective.eps, objective.alpha, log_probs, row_stats, grad_new, grad_loss,
-                                       header, records);
-  };
-  const detail::cuda::throw_objective_report thrower;
-  cuda_checks unchecked = checks;
-  if (checks.checked) {
-    // The CPU checks every row's logits and token data before any row's stats: two validation
-    // stages (one pass, one synchronisation), so that the same row is thrown.
-    detail::cuda::validate_stages_or_throw(
-        fn, policy.stream, new_logits.rows, names, 2,
-        [&](int stage) { return launch(stage == 0 ? nullptr : stats); }, thrower);
-    unchecked.checked = false;
-  }
-  detail::cuda::run(fn, policy.stream, new_logits.rows, unchecked, names, launch(stats), thrower);
+  // Checked mode validates every row in one pass (token data, logits, log_probs, stats: the
+  // CPU's order within a row) and throws the lowest bad row's problem, as the CPU does.
+  detail::cuda::run(fn, policy.stream, new_logits.rows, checks, names,
+                    detail::cuda::block_per_row(policy.stream, detail::cuda::troll_backward_kernel<T>, new_logits,
+                                                old_logits, in, objective.eps, objective.alpha, log_probs, stats,
+                                                grad_new, grad_loss, header, records),
+                    detail::cuda::throw_objective_report{});
 }
 
 // ---- The baselines, PPO clip and DPPO (no projection; the ratio is p̃_a / q_a) ----

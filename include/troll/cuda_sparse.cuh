@@ -160,8 +160,8 @@ void sparsify_finalize(cuda_policy policy, const sparsify_state* states, const s
 /// precision). `shard_logits` float, double, __half or __nv_bfloat16; every pointer device
 /// memory. Only the support's indices and counts are read. Host checks as on the CPU; rejected
 /// rows (NaN / +inf shard logits, a NaN or +inf tail_max, bad support indices) get NaN sums, or
-/// throw the CPU's exception in checked mode (three validation passes, in the CPU's order over
-/// all rows). T (the support's element type) is named as for the CPU overload:
+/// throw the CPU's exception in checked mode (one validation pass; the lowest bad row, checked in
+/// the CPU's order: logits, tail_max, support). T (the support's element type) is named as for the CPU overload:
 /// troll::sparsify_tail_sums<float>(troll::cuda.on(s), bf16_shard, offset, support, tail_max, sums).
 template <class T, class L>
 void sparsify_tail_sums(cuda_policy policy, batch_view<L> shard_logits, std::size_t vocab_offset,
@@ -174,18 +174,10 @@ void sparsify_tail_sums(cuda_policy policy, batch_view<L> shard_logits, std::siz
   const detail::cuda::sparse_thrower thrower{
       {"shard_logits", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, "support"}, 0};
   const int slots = detail::cuda::sort_slots(support.k_max);
-  auto launch = [&](int stage) {
-    return detail::cuda::block_per_row(policy.stream, detail::cuda::sparsify_tail_sums_kernel<logit_type, T>, in,
-                                       vocab_offset, support, tail_max, sums, slots, stage);
-  };
-  cuda_checks checks = policy.checks;
-  if (checks.checked && in.rows != 0) {
-    static const char* const unused[3] = {"", "", ""};
-    for (int stage = 0; stage < 3; ++stage)
-      detail::cuda::validate_or_throw(fn, policy.stream, in.rows, unused, launch(stage), thrower);
-    checks.checked = false;
-  }
-  detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower, launch(2));
+  detail::cuda::run_sparse(fn, policy.stream, in.rows, policy.checks, thrower,
+                           detail::cuda::block_per_row(policy.stream,
+                                                       detail::cuda::sparsify_tail_sums_kernel<logit_type, T>, in,
+                                                       vocab_offset, support, tail_max, sums, slots));
 }
 
 /// sparsify_tail_sums with T deduced from the support view (as the CPU overload): the call
@@ -350,8 +342,8 @@ void sparsify_backward(cuda_policy policy, batch_view<L> logits, sparse_input<T>
 /// vocab_offset + cols) of sparsify_backward's gradient, from `log_sums` (device, rows × sparsify_log_sums_width, what
 /// sparsify_finalize wrote). One pass per row, no communication. Host checks as on the CPU; rejected
 /// rows (NaN / +inf shard logits, unusable log_sums, a bad support row, a NaN / infinite gradient)
-/// get NaN, or throw the CPU's exception in checked mode (three validation stages in one pass, in the CPU's
-/// order over all rows).
+/// get NaN, or throw the CPU's exception in checked mode (one validation pass; the lowest bad row,
+/// checked in the CPU's order: logits, log_sums, support, gradient).
 template <class L, class T>
 void sparsify_shard_backward(cuda_policy policy, batch_view<const L> shard_logits, std::size_t vocab_offset,
                              sparse_input<T> support, sparse_grad_input<T> grad, const double* log_sums,
@@ -364,17 +356,10 @@ void sparsify_shard_backward(cuda_policy policy, batch_view<const L> shard_logit
   const detail::cuda::sparse_thrower thrower{
       {"shard_logits", nullptr, nullptr, nullptr, nullptr, "grad", nullptr, "support"}, 0};
   const int slots = detail::cuda::sort_slots(support.k_max);
-  auto launch = [&](int stage) {
-    return detail::cuda::block_per_row(policy.stream, detail::cuda::sparsify_shard_backward_kernel<logit_type, T>,
-                                       in, vocab_offset, support, grad, log_sums, grad_shard, slots, stage);
-  };
-  cuda_checks checks = policy.checks;
-  if (checks.checked && in.rows != 0) {
-    static const char* const unused[3] = {"", "", ""};
-    detail::cuda::validate_stages_or_throw(fn, policy.stream, in.rows, unused, 3, launch, thrower);
-    checks.checked = false;
-  }
-  detail::cuda::run_sparse(fn, policy.stream, in.rows, checks, thrower, launch(2));
+  detail::cuda::run_sparse(fn, policy.stream, in.rows, policy.checks, thrower,
+                           detail::cuda::block_per_row(policy.stream,
+                                                       detail::cuda::sparsify_shard_backward_kernel<logit_type, T>,
+                                                       in, vocab_offset, support, grad, log_sums, grad_shard, slots));
 }
 
 /// The same for a mutable view of the logits (forwards to the const one above, so that

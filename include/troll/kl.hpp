@@ -32,18 +32,10 @@ void validate_pairs(const char* function, unsigned threads, batch_view<const T> 
 
 template <class T>
 void validate_rows(const char* function, unsigned threads, batch_view<const T> a, const char* name) {
-  auto problem = [&](std::size_t r) {
-    row_problem p = cpu::find_bad_value(a.row(r), a.cols, name);
-    if (!p && cpu::row_max(a.row(r), a.cols) == neg_inf()) {
-      p.kind = row_error::all_masked;
-      p.operand = name;
-    }
-    return p;
-  };
-  // One fused pass per row; problem() names what is wrong with the first bad row.
+  // One fused pass per row; logits_row_problem names what is wrong with the first bad row.
   const std::size_t bad =
       cpu::first_bad_row(threads, a.rows, a.cols, [&](std::size_t r) { return !cpu::row_values_fine(a.row(r), a.cols); });
-  if (bad != a.rows) throw_row_problem(function, bad, problem(bad));
+  if (bad != a.rows) throw_row_problem(function, bad, cpu::logits_row_problem(a.row(bad), a.cols, name));
 }
 }  // namespace detail
 

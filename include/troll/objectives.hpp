@@ -126,21 +126,13 @@ void objective_backward(cpu_policy policy, const trust_region_objective& objecti
   constexpr const char* fn = "objective_backward";
   detail::check_troll_backward_arguments<T>(fn, objective, new_logits, old_logits, in, log_probs, stats,
                                             grad_new, grad_loss);
+  // Row by row: the token data and logits (as the forward), then log_probs, then the stats.
   detail::validate_objective(fn, policy.threads, new_logits, old_logits, in, true, objective.eps,
-                             objective.alpha > 0.0);
-  const std::size_t bad_log_probs =
-      detail::cpu::first_bad_row(policy.threads, log_probs.rows, log_probs.cols, [&](std::size_t r) {
-        return bool(detail::find_bad_log_prob(log_probs.row(r), new_logits.row(r), old_logits.row(r), log_probs.cols,
-                                              "log_probs"));
-      });
-  if (bad_log_probs != log_probs.rows)
-    detail::throw_row_problem(fn, bad_log_probs,
-                          detail::find_bad_log_prob(log_probs.row(bad_log_probs), new_logits.row(bad_log_probs),
-                                                    old_logits.row(bad_log_probs), log_probs.cols, "log_probs"));
-  for (std::size_t r = 0; r < new_logits.rows; ++r) {
-    const detail::row_problem p = detail::check_stats(stats[r]);
-    if (p) detail::throw_row_problem(fn, r, p);
-  }
+                             objective.alpha > 0.0, [&](std::size_t r) {
+                               const detail::row_problem p = detail::find_bad_log_prob(
+                                   log_probs.row(r), new_logits.row(r), old_logits.row(r), log_probs.cols, "log_probs");
+                               return p ? p : detail::check_stats(stats[r]);
+                             });
   const std::size_t rows = new_logits.rows, size = new_logits.cols;
   const detail::cpu::carved_scratch<detail::cpu::troll_backward_scratch> scratch(fn, policy.workspace, rows, rows);
   const double* c = scratch.parts.weights;

@@ -98,8 +98,7 @@ void sparsify(cpu_policy policy, input_view<T> logits, const token_id* sampled,
   for (std::size_t r = 0; r < rows; ++r) {
     if (!row_bad[r]) continue;
     detail::row_problem p = detail::sampled_problem(sampled, r, logits.cols);
-    if (!p) p = detail::cpu::find_bad_value(logits.row(r), logits.cols, "logits");
-    if (!p) p = detail::make_problem(row_error::all_masked, "logits");
+    if (!p) p = detail::cpu::logits_row_problem(logits.row(r), logits.cols, "logits");
     detail::throw_row_problem(fn, r, p);
   }
   for (std::size_t r = 0; r < rows; ++r) {
@@ -249,14 +248,13 @@ void sparsify_tail_sums(cpu_policy policy, input_view<T> shard_logits, std::size
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_tail_sums";
   detail::check_sparsify_tail_sums_arguments(fn, shard_logits, vocab_offset, support, tail_max, sums);
-  detail::validate_shard_values(fn, policy.threads, shard_logits);
-  for (std::size_t r = 0; r < shard_logits.rows; ++r) {
-    if (!(tail_max[r] < detail::inf()))
-      detail::throw_row_problem(fn, r, detail::make_problem(row_error::bad_tail_max, ""));
-  }
+  // Row by row: the shard's logits, tail_max, the support's indices.
   detail::first_sorted_row_problem(fn, policy.threads, shard_logits.rows, [&](std::size_t r, detail::index_slot* scratch) {
+    const detail::row_problem p = detail::cpu::find_bad_value(shard_logits.row(r), shard_logits.cols, "shard_logits");
+    if (p) return p;
+    if (!(tail_max[r] < detail::inf())) return detail::make_problem(row_error::bad_tail_max, "");
     return detail::check_support_row(support, r, "support", scratch, true);
-  });
+  }, 0, shard_logits.cols + 4 * std::size_t(sparse_max_entries));
   const std::size_t end = vocab_offset + shard_logits.cols;
   detail::cpu::parallel_for(policy.threads, shard_logits.rows, 2 * shard_logits.cols, [&](std::size_t r) {
     detail::index_slot slots[sparse_max_entries];
@@ -302,12 +300,12 @@ void sparsify_backward(cpu_policy policy, input_view<T> logits, sparse_input<T> 
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_backward";
   detail::check_sparsify_backward_arguments(fn, logits, support, grad, grad_logits);
-  detail::validate_rows(fn, policy.threads, logits, "logits");
+  // Row by row: the logits, the support, the upstream gradient.
   detail::first_sorted_row_problem(fn, policy.threads, logits.rows, [&](std::size_t r, detail::index_slot* scratch) {
-    const detail::row_problem p =
-        detail::check_support_row(support, r, "support", scratch);
+    detail::row_problem p = detail::cpu::logits_row_problem(logits.row(r), logits.cols, "logits");
+    if (!p) p = detail::check_support_row(support, r, "support", scratch);
     return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad");
-  });
+  }, 0, logits.cols + 4 * std::size_t(sparse_max_entries));
   detail::cpu::parallel_for(policy.threads, logits.rows, 3 * logits.cols, [&](std::size_t r) {
     detail::index_slot slots[sparse_max_entries];
     const int n = static_cast<int>(support.count(r));
@@ -339,17 +337,16 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
   constexpr const char* fn = "sparsify_shard_backward";
   detail::check_sparsify_shard_backward_arguments(fn, shard_logits, vocab_offset, support, grad, log_sums,
                                                   grad_shard);
-  detail::validate_shard_values(fn, policy.threads, shard_logits);
-  for (std::size_t r = 0; r < shard_logits.rows; ++r) {
+  // Row by row: the shard's logits, the log-sums, the support, the upstream gradient.
+  detail::first_sorted_row_problem(fn, policy.threads, shard_logits.rows, [&](std::size_t r, detail::index_slot* scratch) {
+    detail::row_problem p = detail::cpu::find_bad_value(shard_logits.row(r), shard_logits.cols, "shard_logits");
+    if (p) return p;
     const double* row_sums = log_sums + sparsify_log_sums_width * r;
     const int entry = detail::log_sums_problem(row_sums);
-    if (entry >= 0) detail::throw_row_problem(fn, r, detail::make_problem(row_error::bad_log_sums, "", entry, row_sums[entry]));
-  }
-  detail::first_sorted_row_problem(fn, policy.threads, shard_logits.rows, [&](std::size_t r, detail::index_slot* scratch) {
-    const detail::row_problem p =
-        detail::check_support_row(support, r, "support", scratch);
+    if (entry >= 0) return detail::make_problem(row_error::bad_log_sums, "", entry, row_sums[entry]);
+    p = detail::check_support_row(support, r, "support", scratch);
     return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad");
-  });
+  }, 0, shard_logits.cols + 4 * std::size_t(sparse_max_entries));
   const std::size_t end = vocab_offset + shard_logits.cols;
   detail::cpu::parallel_for(policy.threads, shard_logits.rows, 3 * shard_logits.cols, [&](std::size_t r) {
     detail::index_slot slots[sparse_max_entries], all[sparse_max_entries];
@@ -388,10 +385,12 @@ void align(cpu_policy policy, sparse_input<T> new_rows, sparse_input<T> old_rows
   detail::require_float_type<T>();
   constexpr const char* fn = "align";
   detail::check_sparse_align_arguments(fn, new_rows, old_rows, out);
-  detail::validate_sparse(fn, policy.threads, new_rows, "new");
-  detail::validate_sparse(fn, policy.threads, old_rows, "old");
+  // Row by row: the new row, the old row, the union's size.
   detail::check_union_capacity(fn, policy.threads, new_rows, old_rows, out.k_max,
-                               [](std::size_t, detail::index_slot*) { return detail::row_problem{}; });
+                               [&](std::size_t r, detail::index_slot* scratch) {
+                                 const detail::row_problem p = detail::sparse_row_problem(new_rows, r, "new", scratch);
+                                 return p ? p : detail::sparse_row_problem(old_rows, r, "old", scratch);
+                               });
   detail::cpu::parallel_for(policy.threads, out.rows, 8 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     const int cn = int(new_rows.count(r));
     detail::align_row(out, r, new_rows.row_indices(r), cn, old_rows,
@@ -419,13 +418,15 @@ void align(cpu_policy policy, input_view<T> new_logits, sparse_input<T> new_supp
   constexpr const char* fn = "align";
   detail::check_align_arguments(fn, new_logits, new_support, old_rows, out);
   const bool with_support = new_support.rows != 0;
-  detail::validate_rows(fn, policy.threads, new_logits, "new_logits");
-  detail::validate_sparse(fn, policy.threads, old_rows, "old");
+  // Row by row: the new logits, the old row, the support, the union's size.
   detail::check_union_capacity(fn, policy.threads, new_support, old_rows, out.k_max,
                                [&](std::size_t r, detail::index_slot* scratch) {
-                                 return with_support ? detail::check_support_row(new_support, r, "new_support", scratch)
-                                                     : detail::row_problem{};
-                               });
+                                 detail::row_problem p =
+                                     detail::cpu::logits_row_problem(new_logits.row(r), new_logits.cols, "new_logits");
+                                 if (!p) p = detail::sparse_row_problem(old_rows, r, "old", scratch);
+                                 if (!p && with_support) p = detail::check_support_row(new_support, r, "new_support", scratch);
+                                 return p;
+                               }, new_logits.cols);
   detail::cpu::parallel_for(policy.threads, out.rows, 2 * new_logits.cols, [&](std::size_t r) {
     const int cn = with_support ? int(new_support.count(r)) : 0;
     detail::align_row(out, r, with_support ? new_support.row_indices(r) : nullptr, cn, old_rows,
@@ -455,10 +456,10 @@ void align_backward(cpu_policy policy, sparse_input<T> row, aligned_input<T> ali
   detail::require_float_type<T>();
   constexpr const char* fn = "align_backward";
   detail::check_align_backward_arguments(fn, row, aligned, grad_aligned, grad_row);
-  detail::validate_sparse(fn, policy.threads, row, "row");
+  // Row by row: the sparse row, the aligned side, every entry of the row in U, the gradient.
   detail::first_sorted_row_problem(fn, policy.threads, row.rows, [&](std::size_t r, detail::index_slot* scratch) {
-    detail::row_problem p = detail::check_sparse_row_of(
-        aligned.new_side(), r, "aligned", scratch);
+    detail::row_problem p = detail::sparse_row_problem(row, r, "row", scratch);
+    if (!p) p = detail::check_sparse_row_of(aligned.new_side(), r, "aligned", scratch);
     if (p) return p;
     const int u = int(aligned.counts[r]);
     for (int i = 0; i < u; ++i)
@@ -545,12 +546,8 @@ void project(cpu_policy policy, aligned_input<T> rows, double eps, sparse_batch_
   detail::check_sparse_project_arguments(fn, rows, eps, out, stats, options);
   detail::lumped_checks checks;
   checks.eps = eps;
+  checks.capacity = out.k_max;  // after the lumped scan, before infeasibility (the device's order)
   detail::validate_aligned(fn, policy.threads, rows, checks);
-  for (std::size_t r = 0; r < rows.rows; ++r) {
-    if (std::size_t(rows.counts[r]) > out.k_max)
-      detail::throw_row_problem(fn, r, detail::make_problem(row_error::sparse_capacity, "", static_cast<long long>(out.k_max),
-                                                            double(rows.counts[r])));
-  }
   detail::cpu::parallel_for(policy.threads, rows.rows, 16 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1], lp[sparse_max_entries + 1];
     int slot[sparse_max_entries + 1];
@@ -574,92 +571,87 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
   constexpr const char* fn = "project_backward";
   detail::check_sparse_project_backward_arguments(fn, rows, log_probs, stats, grad, grad_new, grad_old);
   const bool want_old = !grad_old.empty();
-  // One fast yes/no pass over the aligned rows and, while each row is in cache, the output and
-  // upstream gradient of the same row; only a batch with a bad row runs the checks below, which
-  // name it (after validate_aligned's own, in that order).
-  const bool all_fine = detail::validate_aligned(fn, policy.threads, rows, detail::lumped_checks{}, [&](std::size_t r, bool finite) {
+  // Row by row (the lowest row with any problem): the aligned row (validate_aligned), then
+  // log_probs, the upstream gradient and the stats (below). One fast yes/no pass over the aligned
+  // rows and, while each row is in cache, the output, upstream gradient and stats of the same row;
+  // only a batch with a refused row runs the full checks, which name it.
+  auto own_problem = [&](std::size_t r) {
+    detail::row_problem p;
+    p.operand = "log_probs";
+    // Its own capacity first: the entries below are read up to count.
+    if (log_probs.counts[r] < 0 || std::size_t(log_probs.counts[r]) > log_probs.k_max) {
+      p.kind = row_error::sparse_count;
+      p.value = double(log_probs.counts[r]);
+      return p;
+    }
+    if (log_probs.counts[r] != rows.counts[r]) {
+      p.kind = row_error::sparse_not_aligned;
+      p.value = double(log_probs.counts[r]);
+      return p;
+    }
+    for (long long i = -1; i < log_probs.count(r); ++i) {
+      const double g = i < 0 ? double(grad.log_remainder[r]) : double(grad.row(r)[i]);
+      const double l = i < 0 ? double(log_probs.log_remainder[r]) : double(log_probs.row_log_probs(r)[i]);
+      // project() writes the aligned support in its order: any other id (permuted, negative, out
+      // of range) is not its output.
+      if (i >= 0 && log_probs.row_indices(r)[i] != rows.indices[r * rows.k_max + std::size_t(i)]) {
+        p.kind = row_error::sparse_wrong_token;
+        p.entry = i;
+        p.value = double(log_probs.row_indices(r)[i]);
+        p.other = double(rows.indices[r * rows.k_max + std::size_t(i)]);
+        return p;
+      }
+      if (l != l) {
+        p.kind = row_error::sparse_nan;
+        p.entry = i;
+        return p;
+      }
+      if (l > 0.0) {  // +inf included
+        p.kind = row_error::sparse_above_one;
+        p.entry = i;
+        p.value = l;
+        return p;
+      }
+      const bool tail = rows.vocab > std::size_t(rows.counts[r]);
+      const std::size_t at = r * rows.k_max + std::size_t(i < 0 ? 0 : i);
+      const double new_side = i < 0 ? (tail ? double(rows.new_log_remainder[r]) : detail::neg_inf())
+                                    : double(rows.new_log_probs[at]);
+      const double old_side = i < 0 ? (tail ? double(rows.old_log_remainder[r]) : detail::neg_inf())
+                                    : double(rows.old_log_probs[at]);
+      // π* ≪ p̃ and π* ≪ q for every status.
+      if (l > detail::neg_inf() && (new_side == detail::neg_inf() || old_side == detail::neg_inf())) {
+        p.kind = row_error::sparse_masked_mass;
+        p.entry = i;
+        p.value = l;
+        return p;
+      }
+      if (l > detail::neg_inf() && !(g - g == 0.0)) {
+        p.kind = row_error::sparse_nan;
+        p.operand = "grad";
+        p.entry = i;
+        p.value = g;
+        return p;
+      }
+    }
+    return detail::check_stats(stats[r]);
+  };
+  detail::validate_aligned(fn, policy.threads, rows, detail::lumped_checks{}, [&](std::size_t r, bool finite) {
         const sparse_index c = log_probs.counts[r];
         if (c < 0 || std::size_t(c) > log_probs.k_max || c != rows.counts[r]) return true;
         const bool tail = rows.vocab > std::size_t(c);
         const T masked = T(detail::neg_inf());
         const std::size_t at = r * rows.k_max;
         return !detail::cpu::backward_row_fine(
-            log_probs.row_indices(r), rows.indices + at, log_probs.row_log_probs(r), rows.new_log_probs + at,
-            rows.old_log_probs + at, grad.row(r), int(c), log_probs.log_remainder[r],
-            tail ? rows.new_log_remainder[r] : masked, tail ? rows.old_log_remainder[r] : masked,
-            grad.log_remainder[r], finite);
+                   log_probs.row_indices(r), rows.indices + at, log_probs.row_log_probs(r), rows.new_log_probs + at,
+                   rows.old_log_probs + at, grad.row(r), int(c), log_probs.log_remainder[r],
+                   tail ? rows.new_log_remainder[r] : masked, tail ? rows.old_log_remainder[r] : masked,
+                   grad.log_remainder[r], finite) ||
+               bool(detail::check_stats(stats[r]));
       }, [&](std::size_t r, long long c) {  // the same row's output and upstream gradient
         detail::cpu::prefetch_entries(log_probs.row_indices(r), c);
         detail::cpu::prefetch_entries(log_probs.row_log_probs(r), c);
         detail::cpu::prefetch_entries(grad.row(r), c);
-      });
-  detail::first_row_problem(fn, policy.threads, all_fine ? 0 : rows.rows,
-                               4 * std::size_t(sparse_max_entries),
-                               [&](std::size_t r) {
-                                 detail::row_problem p;
-                                 p.operand = "log_probs";
-                                 // Its own capacity first: the entries below are read up to count.
-                                 if (log_probs.counts[r] < 0 || std::size_t(log_probs.counts[r]) > log_probs.k_max) {
-                                   p.kind = row_error::sparse_count;
-                                   p.value = double(log_probs.counts[r]);
-                                   return p;
-                                 }
-                                 if (log_probs.counts[r] != rows.counts[r]) {
-                                   p.kind = row_error::sparse_not_aligned;
-                                   p.value = double(log_probs.counts[r]);
-                                   return p;
-                                 }
-                                 for (long long i = -1; i < log_probs.count(r); ++i) {
-                                   const double g = i < 0 ? double(grad.log_remainder[r])
-                                                          : double(grad.row(r)[i]);
-                                   const double l = i < 0 ? double(log_probs.log_remainder[r])
-                                                          : double(log_probs.row_log_probs(r)[i]);
-                                   // project() writes the aligned support in its order: any other
-                                   // id (permuted, negative, out of range) is not its output.
-                                   if (i >= 0 && log_probs.row_indices(r)[i] != rows.indices[r * rows.k_max + std::size_t(i)]) {
-                                     p.kind = row_error::sparse_wrong_token;
-                                     p.entry = i;
-                                     p.value = double(log_probs.row_indices(r)[i]);
-                                     p.other = double(rows.indices[r * rows.k_max + std::size_t(i)]);
-                                     return p;
-                                   }
-                                   if (l != l) {
-                                     p.kind = row_error::sparse_nan;
-                                     p.entry = i;
-                                     return p;
-                                   }
-                                   if (l > 0.0) {  // +inf included
-                                     p.kind = row_error::sparse_above_one;
-                                     p.entry = i;
-                                     p.value = l;
-                                     return p;
-                                   }
-                                   const bool tail = rows.vocab > std::size_t(rows.counts[r]);
-                                   const std::size_t at = r * rows.k_max + std::size_t(i < 0 ? 0 : i);
-                                   const double new_side = i < 0 ? (tail ? double(rows.new_log_remainder[r]) : detail::neg_inf())
-                                                                 : double(rows.new_log_probs[at]);
-                                   const double old_side = i < 0 ? (tail ? double(rows.old_log_remainder[r]) : detail::neg_inf())
-                                                                 : double(rows.old_log_probs[at]);
-                                   // π* ≪ p̃ and π* ≪ q for every status.
-                                   if (l > detail::neg_inf() && (new_side == detail::neg_inf() || old_side == detail::neg_inf())) {
-                                     p.kind = row_error::sparse_masked_mass;
-                                     p.entry = i;
-                                     p.value = l;
-                                     return p;
-                                   }
-                                   if (l > detail::neg_inf() && !(g - g == 0.0)) {
-                                     p.kind = row_error::sparse_nan;
-                                     p.operand = "grad";
-                                     p.entry = i;
-                                     p.value = g;
-                                     return p;
-                                   }
-                                 }
-                                 return p;
-                               });
-  for (std::size_t r = 0; r < rows.rows; ++r) {
-    if (const detail::row_problem p = detail::check_stats(stats[r])) detail::throw_row_problem(fn, r, p);
-  }
+      }, own_problem);
   const detail::host_scratch scratch(fn, policy.workspace, workspace_bytes(policy, op::project_backward{}, rows.rows));
   unsigned char* overflowed = scratch.data();
   detail::cpu::parallel_for(policy.threads, rows.rows, 16 * std::size_t(sparse_max_entries), [&](std::size_t r) {

@@ -138,14 +138,6 @@ std::string gaussian_stats_problem(const Stats& stats, const char* what) {
          ", t = " + number_text(stats.t) + " (the " + what + " needs a solved row: inactive or projected)";
 }
 
-/// Throws domain_error naming the first row whose statistics gaussian_stats_problem rejects.
-template <class Stats>
-void validate_gaussian_stats(const char* function, const Stats* stats, std::size_t rows, const char* what) {
-  for (std::size_t r = 0; r < rows; ++r) {
-    const std::string p = gaussian_stats_problem(stats[r], what);
-    if (!p.empty()) throw domain_error(row_prefix(function, r) + p, r);
-  }
-}
 
 /// A saved factorisation (gaussian_types.hpp) is empty, or full rows of this batch's shape.
 template <class D>
@@ -316,20 +308,29 @@ std::string gaussian_ratio_problem(const gaussian_call& call, const T* cov, cons
   return std::string();
 }
 
-/// Throws domain_error naming the first bad row (the smallest index, whatever the threads): its
-/// operands (gaussian_operand_problem), then, for a projection or its derivatives (not kl), the
-/// mean step (gaussian_mean_step_problem) and a diagonal row's ratios (gaussian_ratio_problem).
-template <class T>
+/// Finds nothing: validate_gaussian_rows' default for a caller's own checks.
+struct no_gaussian_extra {
+  std::string operator()(std::size_t) const { return std::string(); }
+};
+
+/// Throws domain_error naming the first bad row (the smallest index, whatever the threads,
+/// whatever its problem), checked row by row: its operands (gaussian_operand_problem), then, for a
+/// projection or its derivatives (not kl), the mean step (gaussian_mean_step_problem) and a
+/// diagonal row's ratios (gaussian_ratio_problem), then the caller's `extra(r)` (a derivative's
+/// statistics and upstream operands: gaussian_derivative_extra).
+template <class T, class Extra = no_gaussian_extra>
 void validate_gaussian_rows(unsigned threads, const gaussian_call& call, batch_view<const T> mean,
-                            batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov) {
+                            batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
+                            Extra&& extra = Extra{}) {
   auto problem = [&](std::size_t r) {
     std::string p = gaussian_operand_problem(call, mean.row(r), cov.row(r), false);
     if (p.empty()) p = gaussian_operand_problem(call, old_mean.row(r), old_cov.row(r), true);
     if (p.empty() && !call.kl_only) p = gaussian_mean_step_problem(call, mean.row(r), old_mean.row(r), old_cov.row(r));
     if (p.empty() && !call.kl_only) p = gaussian_ratio_problem(call, cov.row(r), old_cov.row(r));
+    if (p.empty()) p = extra(r);
     return p;
   };
-  const std::size_t work = 2 * (call.full ? call.dim * call.dim : call.dim);
+  const std::size_t work = 4 * (call.full ? call.dim * call.dim : call.dim);
   const std::size_t bad =
       cpu::first_bad_row(threads, mean.rows, work, [&](std::size_t r) { return !problem(r).empty(); });
   if (bad != mean.rows) throw domain_error(row_prefix(call.function, bad) + problem(bad), bad);
@@ -394,16 +395,22 @@ std::string finite_operand_problem(const finite_operands<T>& ops, std::size_t r)
   return std::string();
 }
 
-/// Throws domain_error naming the lowest row of `rows` with a non-finite entry in `ops`.
-template <class T>
-void validate_finite_operands(unsigned threads, const char* fn, std::size_t rows, const finite_operands<T>& ops) {
-  std::size_t work = 0;
-  for (const batch_view<const T>& v : ops.views) work += v.data == nullptr ? 0 : v.cols;
-  if (work == 0) return;
-  const std::size_t bad =
-      cpu::first_bad_row(threads, rows, work, [&](std::size_t r) { return !finite_operand_problem(ops, r).empty(); });
-  if (bad != rows) throw domain_error(row_prefix(fn, bad) + finite_operand_problem(ops, bad), bad);
-}
+/// A derivative's own checks of row r, after validate_gaussian_rows' checks of the same row: its
+/// forward statistics (gaussian_stats_problem; `what` names the derivative), then its upstream
+/// gradients or input tangents (finite_operand_problem). Either pointer may be null (not checked).
+template <class T, class Stats>
+struct gaussian_derivative_extra {
+  const Stats* stats = nullptr;
+  const char* what = "";
+  const finite_operands<T>* operands = nullptr;
+  std::string operator()(std::size_t r) const {
+    if (stats != nullptr) {
+      std::string p = gaussian_stats_problem(stats[r], what);
+      if (!p.empty()) return p;
+    }
+    return operands != nullptr ? finite_operand_problem(*operands, r) : std::string();
+  }
+};
 
 }  // namespace detail
 TROLL_END_NAMESPACE

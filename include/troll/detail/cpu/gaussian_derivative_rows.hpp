@@ -16,8 +16,9 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cpu {
 
-/// After validate_gaussian_rows, validate_gaussian_stats (`what`: "backward" or "JVP" in the
-/// message) and validate_finite_operands (the upstream gradients or input tangents), runs `full` (full covariance; with the saved factorisation's row, or null) or `diag`
+/// After validate_gaussian_rows with a derivative's own checks, row by row (the statistics, `what`:
+/// "backward" or "JVP" in the message; then the upstream gradients or input tangents), runs `full`
+/// (full covariance; with the saved factorisation's row, or null) or `diag`
 /// on every row with t = 1 for an inactive row and the io that `make_io(r)` returns.
 template <class T, class Io, class MakeIo>
 void gaussian_derivative_rows(cpu_policy policy, const gaussian_call& call, batch_view<const T> mean,
@@ -29,9 +30,8 @@ void gaussian_derivative_rows(cpu_policy policy, const gaussian_call& call, batc
                                            double, const Io&, const double*),
                               void (*diag)(bool, std::size_t, const T*, const T*, const T*, const T*, double, double,
                                            double, const Io&)) {
-  validate_gaussian_rows(policy.threads, call, mean, cov, old_mean, old_cov);
-  validate_gaussian_stats(call.function, stats, mean.rows, what);
-  validate_finite_operands(policy.threads, call.function, mean.rows, operands);
+  validate_gaussian_rows(policy.threads, call, mean, cov, old_mean, old_cov,
+                         gaussian_derivative_extra<T, gaussian::gaussian_stats>{stats, what, &operands});
   const std::size_t work = call.full ? 200 * call.dim * call.dim * call.dim : 200 * call.dim;
   parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
     const Io io = make_io(r);

@@ -111,14 +111,20 @@ void aggregation_weights(const token_batch<T>& in, std::size_t rows, double scal
   if (sequences) *sequences = counted;
 }
 
+/// Finds nothing: validate_objective's default extra check.
+struct no_row_check {
+  row_problem operator()(std::size_t) const { return row_problem{}; }
+};
+
 /// Validates an objective call row by row (in parallel, the lowest bad row reported). `pair_scan`
 /// checks rows as the projection does (values, supports, feasibility at `eps`, and, with
 /// `regression`, that KL(p̃‖π*) is finite where the mask is not 0); otherwise each row only needs
-/// values and some support.
-template <class T>
+/// values and some support. `extra(r)`, the caller's own checks of row r's other operands
+/// (objective_backward's log_probs and stats), runs after those, in the same row.
+template <class T, class Extra = no_row_check>
 void validate_objective(const char* fn, unsigned threads, batch_view<const T> new_logits,
                         batch_view<const T> old_logits, const token_batch<T>& in, bool pair_scan,
-                        double eps, bool regression) {
+                        double eps, bool regression, Extra&& extra = Extra{}) {
   const std::size_t size = new_logits.cols;
   auto problem = [&](std::size_t r) {
     row_problem p = check_token_row(in, r, size, old_logits.row(r));
@@ -140,15 +146,9 @@ void validate_objective(const char* fn, unsigned threads, batch_view<const T> ne
     } else {
       const char* names[2] = {"new_logits", "old_logits"};
       const T* rows[2] = {new_logits.row(r), old_logits.row(r)};
-      for (int side = 0; side < 2 && !p; ++side) {
-        p = cpu::find_bad_value(rows[side], size, names[side]);
-        if (!p && cpu::row_max(rows[side], size) == neg_inf()) {
-          p.kind = row_error::all_masked;
-          p.operand = names[side];
-        }
-      }
+      for (int side = 0; side < 2 && !p; ++side) p = cpu::logits_row_problem(rows[side], size, names[side]);
     }
-    return p;
+    return p ? p : extra(r);
   };
   cpu::throw_first_problem(fn, threads, new_logits.rows, 2 * size, problem, &throw_row_problem);
 }

@@ -265,6 +265,20 @@ inline double row_max(const T* z, std::size_t size) {
   return static_cast<double>(row_map<T>(z, Eigen::Index(size)).maxCoeff());
 }
 
+/// The problem of a row of logits, if any: its first NaN or +inf entry, else no entry above −inf
+/// (all_masked). A row that row_values_fine passes costs that one vectorised pass.
+template <class T>
+inline row_problem logits_row_problem(const T* z, std::size_t size, const char* operand) {
+  row_problem p;
+  if (row_values_fine(z, size)) return p;
+  p = find_bad_value(z, size, operand);
+  if (!p && row_max(z, size) == neg_inf()) {
+    p.kind = row_error::all_masked;
+    p.operand = operand;
+  }
+  return p;
+}
+
 /// log Σ_i exp(z_i − shift) over the row (masked entries add nothing).
 template <class T>
 inline double log_sum_exp_shifted(const T* z, std::size_t size, double shift) {

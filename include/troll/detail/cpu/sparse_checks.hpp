@@ -39,23 +39,28 @@ TROLL_BEGIN_NAMESPACE
 
 namespace detail {
 
-/// Runs check(r) → row_problem over all rows and throws the problem of the lowest bad row.
+/// Runs check(r) → row_problem over the rows [from, rows) and throws the problem of the lowest
+/// bad row. Every entry point's checks run this way, row by row: check(r) runs every check of row
+/// r in the documented order, so the row reported is the lowest row with any problem (as the
+/// device's per-row reports), whatever its problem.
 template <class Check>
 void first_row_problem(const char* fn, unsigned threads, std::size_t rows, std::size_t work,
-                          Check&& check) {
+                          Check&& check, std::size_t from = 0) {
+  if (from >= rows) return;
   const std::size_t bad =
-      cpu::first_bad_row(threads, rows, work, [&](std::size_t r) { return bool(check(r)); });
-  if (bad != rows) throw_row_problem(fn, bad, check(bad));
+      cpu::first_bad_row(threads, rows - from, work, [&](std::size_t i) { return bool(check(from + i)); });
+  if (bad != rows - from) throw_row_problem(fn, from + bad, check(from + bad));
 }
 
 /// first_row_problem over checks that sort a row: check(r, scratch), `scratch` holding
 /// sparse_max_entries slots on the checking thread's stack (4·sparse_max_entries work a row).
 template <class Check>
-void first_sorted_row_problem(const char* fn, unsigned threads, std::size_t rows, Check&& check) {
-  first_row_problem(fn, threads, rows, 4 * std::size_t(sparse_max_entries), [&](std::size_t r) {
+void first_sorted_row_problem(const char* fn, unsigned threads, std::size_t rows, Check&& check,
+                              std::size_t from = 0, std::size_t work = 4 * std::size_t(sparse_max_entries)) {
+  first_row_problem(fn, threads, rows, work, [&](std::size_t r) {
     index_slot scratch[sparse_max_entries];
     return check(r, scratch);
-  });
+  }, from);
 }
 
 template <class T>
@@ -128,18 +133,12 @@ bool sparse_row_fine(const sparse_batch_view<T>& v, std::size_t r, sparse_index*
          cpu::sparse_values_fine(v.row_log_probs(r), v.count(r), v.log_remainder[r], v.vocab);
 }
 
-/// Validates every row of a sparse batch (parallel); throws the lowest bad row's problem. One
-/// fast pass; only a batch with a bad row runs the full checks, which name it.
+/// The problem of row r of a sparse batch, if any (check_sparse_row): the fast yes/no checks
+/// first (sparse_row_fine), the full ones, which name the problem, only for a row they refuse.
 template <class T>
-void validate_sparse(const char* fn, unsigned threads, const sparse_batch_view<T>& v, const char* name) {
-  const std::size_t bad = cpu::first_bad_row(threads, v.rows, 4 * std::size_t(v.k_max) + 64, [&](std::size_t r) {
-    sparse_index table[cpu::distinct_table_slots];
-    return !sparse_row_fine(v, r, table);
-  });
-  if (bad == v.rows) return;
-  first_sorted_row_problem(fn, threads, v.rows, [&](std::size_t r, index_slot* scratch) {
-    return check_sparse_row_of(v, r, name, scratch);
-  });
+row_problem sparse_row_problem(const sparse_batch_view<T>& v, std::size_t r, const char* name, index_slot* scratch) {
+  sparse_index table[cpu::distinct_table_slots];
+  return sparse_row_fine(v, r, table) ? row_problem{} : check_sparse_row_of(v, r, name, scratch);
 }
 
 /// Sampled tokens must lie in [0, V).
@@ -224,11 +223,14 @@ struct lumped_checks {
   double eps = 0.0;         ///< > 0: a floor KL(π_0+ ‖ q) ≥ eps (infeasible at eps)
   bool disjoint_ok = false;  ///< a KL: disjoint supports are +inf there (as the dense kl), not an error
   bool regression = false;   ///< new mass on a category the old row has none on (KL(p̃ ‖ π*) = +inf)
+  /// The output's capacity (the projection's out.k_max): a row with more entries is refused after
+  /// the lumped scan and before infeasibility, the device's order.
+  std::size_t capacity = std::numeric_limits<std::size_t>::max();
 };
 
 /// The checks the projection, the KL and the regression term need on the lumped pair of aligned
-/// row r: disjoint supports (unless `disjoint_ok`), infeasibility at eps (when eps > 0) and, with
-/// `regression`, new mass where the old row has none.
+/// row r: disjoint supports (unless `disjoint_ok`), more entries than `capacity`, infeasibility at
+/// eps (when eps > 0) and, with `regression`, new mass where the old row has none.
 template <class T>
 row_problem check_lumped(const aligned_batch_view<const T>& a, std::size_t r, const lumped_checks& checks) {
   double zn[sparse_max_entries + 1], zo[sparse_max_entries + 1];
@@ -237,6 +239,8 @@ row_problem check_lumped(const aligned_batch_view<const T>& a, std::size_t r, co
   row_setup setup;
   row_problem p = cpu::scan_pair(zn, zo, std::size_t(n), setup, "new (lumped)", "old (lumped)");
   if (checks.disjoint_ok && p.kind == row_error::disjoint) p = row_problem{};
+  if (!p && std::size_t(a.counts[r]) > checks.capacity)
+    return make_problem(row_error::sparse_capacity, "", static_cast<long long>(checks.capacity), double(a.counts[r]));
   if (!p && checks.eps > 0.0 && setup.old_only) {
     const double floor = cpu::min_reachable_kl(zn, zo, std::size_t(n), setup);
     if (floor >= checks.eps) {
@@ -256,19 +260,22 @@ struct no_extra_check {
 struct no_prefetch {
   void operator()(std::size_t, long long) const {}
 };
+/// Finds nothing: validate_aligned's default for the caller's own full checks.
+struct no_extra_problem {
+  row_problem operator()(std::size_t) const { return row_problem{}; }
+};
 
-/// Validates an aligned batch for KL / projection: both sides' sparse checks, then the dense
-/// row checks on the lumped rows (check_lumped with `checks`). `extra_bad`
-/// is a caller's own yes/no check of row r (told whether every lumped category of the row is
-/// finite on both sides), run in the same fast pass while the row is in cache
-/// (project_backward's checks of its other operands); returns whether it passed every row, so
-/// that only a batch with a refused row runs the caller's full checks (after these).
-template <class T, class Extra = no_extra_check, class Prefetch = no_prefetch>
-bool validate_aligned(const char* fn, unsigned threads, const aligned_batch_view<const T>& a,
-                      const lumped_checks& checks, Extra&& extra_bad = Extra{}, Prefetch&& prefetch_extra = Prefetch{}) {
-  auto problem = [&](std::size_t r) { return check_lumped(a, r, checks); };
-  // One fast pass over both sides and the lumped rows; a batch with a bad row then runs the
-  // checks in their documented order (every row's new side, then old, then the lumped rows).
+/// Validates an aligned batch for KL / projection, row by row (the lowest row with any problem is
+/// thrown): its new side's sparse checks, its old side's, the dense row checks on the lumped rows
+/// (check_lumped with `checks`), then the caller's own, `extra_problem(r)` (project_backward's
+/// other operands). One fast yes/no pass first, over both sides and, while the row is in cache,
+/// the caller's `extra_bad(r, finite)` (told whether every lumped category of the row is finite
+/// on both sides; it must say yes wherever extra_problem finds a problem); only a batch with a
+/// refused row runs the full checks, from that row on.
+template <class T, class Extra = no_extra_check, class Prefetch = no_prefetch, class ExtraProblem = no_extra_problem>
+void validate_aligned(const char* fn, unsigned threads, const aligned_batch_view<const T>& a,
+                      const lumped_checks& checks, Extra&& extra_bad = Extra{}, Prefetch&& prefetch_extra = Prefetch{},
+                      ExtraProblem&& extra_problem = ExtraProblem{}) {
   const sparse_batch_view<const T> new_side = a.new_side(), old_side = a.old_side();
   const std::size_t any_bad =
       first_bad_row_with_ids(threads, a.rows, 16 * std::size_t(a.k_max) + 64,
@@ -288,20 +295,20 @@ bool validate_aligned(const char* fn, unsigned threads, const aligned_batch_view
                                       old_side.row_log_probs(r), old_side.log_remainder[r], new_side.count(r),
                                       new_side.vocab, &new_finite, &old_finite))
           return true;
+        if (std::size_t(a.counts[r]) > checks.capacity) return true;
         // Every lumped category finite on both sides (values ≤ 0, a non-empty tail): the lumped
         // checks cannot fail (no NaN or +inf, nothing masked, so nothing disjoint or infeasible).
         const bool all_finite = new_finite && old_finite && a.vocab > std::size_t(a.counts[r]);
         if (extra_bad(r, all_finite)) return true;
         if (all_finite) return false;
-        return bool(problem(r));
+        return bool(check_lumped(a, r, checks));
       });
-  if (any_bad == a.rows) return true;
-  validate_sparse(fn, threads, new_side, "new");
-  validate_sparse(fn, threads, old_side, "old");
-  const std::size_t bad = cpu::first_bad_row(threads, a.rows, 4 * std::size_t(sparse_max_entries),
-                                             [&](std::size_t r) { return bool(problem(r)); });
-  if (bad != a.rows) throw_row_problem(fn, bad, problem(bad));
-  return false;
+  first_sorted_row_problem(fn, threads, a.rows, [&](std::size_t r, index_slot* scratch) {
+    row_problem p = check_sparse_row_of(new_side, r, "new", scratch);
+    if (!p) p = check_sparse_row_of(old_side, r, "old", scratch);
+    if (!p) p = check_lumped(a, r, checks);
+    return p ? p : extra_problem(r);
+  }, any_bad, 16 * std::size_t(sparse_max_entries));
 }
 
 template <class T>
@@ -327,21 +334,26 @@ inline row_problem union_capacity_problem(int u, std::size_t cap) {
   return p;
 }
 
-/// Throws (naming the lowest row) where `new_problem(r, scratch)` reports a problem of the new
-/// side's row r or where U = S_new ∪ S_old is larger than align's output capacity; S_new is
-/// new_side's support, empty when new_side.rows = 0. `scratch` holds sparse_max_entries slots.
-template <class T, class NewProblem>
+/// Align's checks, row by row (naming the lowest row with any problem): `row_problem_of(r,
+/// scratch)`, the caller's checks of row r's operands in their order, then whether U = S_new ∪
+/// S_old is larger than the output's capacity; S_new is new_side's support, empty when
+/// new_side.rows = 0. `scratch` holds sparse_max_entries slots; `work` is the caller's per-row
+/// cost beyond the sort.
+template <class T, class RowProblem>
 void check_union_capacity(const char* fn, unsigned threads, const sparse_batch_view<const T>& new_side,
-                          const sparse_batch_view<const T>& old_rows, std::size_t k_max, NewProblem new_problem) {
+                          const sparse_batch_view<const T>& old_rows, std::size_t k_max, RowProblem row_problem_of,
+                          std::size_t work = 0) {
   const std::size_t cap = k_max < std::size_t(sparse_max_entries) ? k_max : sparse_max_entries;
   first_sorted_row_problem(fn, threads, old_rows.rows, [&](std::size_t r, index_slot* scratch) {
-    const row_problem p = new_problem(r, scratch);
+    const row_problem p = row_problem_of(r, scratch);
     if (p) return p;
-    const int u = new_side.rows != 0 ? union_size(new_side.row_indices(r), int(new_side.count(r)),
-                                                  old_rows.row_indices(r), int(old_rows.count(r)), scratch)
-                                     : int(old_rows.count(r));
+    const long long cn = new_side.rows != 0 ? new_side.count(r) : 0, co = old_rows.count(r);
+    if (std::size_t(cn + co) <= cap) return row_problem{};  // |U| ≤ |S_new| + |S_old|: no sort needed
+    const int u = new_side.rows != 0 ? union_size(new_side.row_indices(r), int(cn), old_rows.row_indices(r),
+                                                  int(co), scratch)
+                                     : int(co);
     return union_capacity_problem(u, cap);
-  });
+  }, 0, work + 4 * std::size_t(sparse_max_entries));
 }
 
 /// The old side of align's output row r, U (u tokens) already in out.indices and old_pos[i] the

@@ -31,9 +31,9 @@ void enqueue_download(batch_view<const T> v, std::vector<T>& host, cudaStream_t 
         function, "copy to the host (checked mode)");
 }
 
-/// In checked mode: the CPU's value checks of every row (and, when `stats` is given, of the
-/// forward's stats for `what`, "backward" or "JVP", then of `operands`: the upstream gradients or
-/// input tangents). Nothing happens otherwise.
+/// In checked mode: the CPU's checks, row by row (each row's values, then, when given, the
+/// forward's stats for `what`, "backward" or "JVP", then `operands`: the upstream gradients or
+/// input tangents), on host copies. Nothing happens otherwise.
 template <class T>
 void check_gaussian_rows_on_host(const cuda_policy& policy, const gaussian_call& call, batch_view<const T> mean,
                                  batch_view<const T> cov, batch_view<const T> old_mean, batch_view<const T> old_cov,
@@ -59,14 +59,17 @@ void check_gaussian_rows_on_host(const cuda_policy& policy, const gaussian_call&
   auto dense = [](const std::vector<T>& h, batch_view<const T> like) {
     return batch_view<const T>{h.data(), like.rows, like.cols, like.cols};
   };
-  validate_gaussian_rows(1, call, dense(m, mean), dense(c, cov), dense(om, old_mean), dense(oc, old_cov));
-  if (stats != nullptr) validate_gaussian_stats(fn, s.data(), mean.rows, what);
+  finite_operands<T> host;
   if (operands != nullptr) {
-    finite_operands<T> host = *operands;
+    host = *operands;
     for (int o = 0; o < 4; ++o)
       if (host.views[o].data != nullptr) host.views[o] = dense(extra[o], operands->views[o]);
-    validate_finite_operands(1, fn, mean.rows, host);
   }
+  // Row by row, as the CPU: the rows' operands, the statistics, the upstream operands.
+  validate_gaussian_rows(1, call, dense(m, mean), dense(c, cov), dense(om, old_mean), dense(oc, old_cov),
+                         gaussian_derivative_extra<T, gaussian::gaussian_stats>{stats != nullptr ? s.data() : nullptr,
+                                                                                what,
+                                                                                operands != nullptr ? &host : nullptr});
 }
 
 }  // namespace cuda

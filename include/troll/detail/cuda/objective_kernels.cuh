@@ -362,18 +362,16 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
                                        &lse_storage};
     cuda_row_report report =
         objective_row_problem(in, r, size, zn, zo, scan, eval, eps, alpha, checks.validate_only);
-    // stats null: a checked-mode pass over the logits and token data alone (the CPU validates
-    // those for every row before any row's stats); never in a computing launch.
-    projection_stats s;
-    if (stats != nullptr) s = stats[r];
-    if (report.error == cuda_row_error::none && stats != nullptr) {  // block-uniform
+    // Row by row, the CPU's order: the token data and logits, then log_probs, then the stats.
+    const projection_stats s = stats[r];
+    if (report.error == cuda_row_error::none) {  // block-uniform
       const std::size_t bad = block_first_bad_log_prob(log_pi, zn, zo, size, token_storage);
       if (bad != no_token) {
         report.error = cuda_row_error::bad_log_probs, report.token = bad;
         report.value = static_cast<double>(log_pi[bad]);
       }
     }
-    if (report.error == cuda_row_error::none && stats != nullptr) {
+    if (report.error == cuda_row_error::none) {
       const int field = unusable_stats_field(s);
       if (field >= 0) report.error = cuda_row_error::bad_stats, report.operand = field;
     }

@@ -26,9 +26,6 @@ struct device_checks {
   cuda_row_report* reports = nullptr;  // indexed by (row − first row of the launch)
   unsigned long long* first_bad_row = nullptr;
   bool validate_only = false;
-  /// Or-ed into the row before the atomicMin: checked mode's stage in the high bits (0 otherwise),
-  /// so that a bad row of an earlier stage wins over any row of a later one (stage_key_of).
-  unsigned long long stage_key = 0;
 };
 
 /// Rows [begin, begin + count) of a batch: one launch covers one range.
@@ -39,10 +36,6 @@ struct row_range {
 
 constexpr unsigned long long no_bad_row = ~0ull;
 
-/// Checked mode's keys: stage s in the top 8 bits, the row below.
-constexpr int stage_shift = 56;
-constexpr unsigned long long row_of_key = (1ull << stage_shift) - 1;
-constexpr unsigned long long stage_key_of(int stage) { return static_cast<unsigned long long>(stage) << stage_shift; }
 
 #ifdef __CUDACC__
 /// Records one row's outcome (called by thread 0 of the row's block).
@@ -50,7 +43,7 @@ __device__ inline void record_row(const device_checks& checks, const row_range& 
                                   const cuda_row_report& report) {
   if (checks.reports != nullptr) checks.reports[row - range.begin] = report;
   if (report.error != cuda_row_error::none && checks.first_bad_row != nullptr)
-    atomicMin(checks.first_bad_row, checks.stage_key | static_cast<unsigned long long>(row));
+    atomicMin(checks.first_bad_row, static_cast<unsigned long long>(row));
 }
 
 /// The report of a counted token whose importance ratio, loss or gradient overflows

@@ -205,25 +205,19 @@ __global__ void __launch_bounds__(block_threads)
 /// tail_ref}} (sparsify_finalize's log_sums, row_log_sums):
 ///     ∂L/∂z_k = [k∈S] g_k + [k∉S] g_R p_k / r − p_k (Σ_S g_i + g_R),
 ///     p_k = e^{(z_k − ref) − total},  p_k / r = e^{(z_k − tail_ref) − tail}.
-/// `stage` limits the checks, in the CPU's order: 0 the shard logits (NaN / +inf), 1 and the
-/// log-sums, 2 and the support and the gradient (checked mode runs 0, 1, 2 over all rows).
+/// Row checks in the CPU's order: the shard logits (NaN / +inf), the log-sums, the support, the
+/// gradient. A rejected row gets NaN gradients.
 template <class L, class T>
 __global__ void __launch_bounds__(block_threads)
     sparsify_shard_backward_kernel(batch_view<const L> shard_logits, std::size_t offset,
                                    sparse_batch_view<const T> support, sparse_grad_view<const T> grad,
-                                   const double* log_sums, batch_view<T> grad_shard, int slots, int stage,
-                                   row_range range, device_checks checks) {
+                                   const double* log_sums, batch_view<T> grad_shard, int slots, row_range range,
+                                   device_checks checks) {
   const std::size_t size = shard_logits.cols;
   for_each_grad_row(shard_logits, grad, range,
                     [&](std::size_t r, const L* z, const T* g, double g_r, split_scan_storage& sh,
                         reduce_storage<split_scan>& scan_storage) {
-    if (threadIdx.x < warp_lanes) {
-      if (stage >= 2) {
-        warp_support_and_grad(support, r, g, g_r, slots, sh);
-      } else if (lane_id() == 0) {
-        sh.report.Alias() = cuda_row_report{}, sh.sum_g = 0.0, sh.count = 0;
-      }
-    }
+    if (threadIdx.x < warp_lanes) warp_support_and_grad(support, r, g, g_r, slots, sh);
     __syncthreads();
     const int n = sh.count;
     const split_scan scan = scan_split(z, size, sh.sorted, 0, scan_storage);
@@ -231,7 +225,7 @@ __global__ void __launch_bounds__(block_threads)
     if (scan.first_bad != no_token) report = bad_value_report(0, scan.first_bad, to_double(z[scan.first_bad]));
     const double* row_sums = log_sums + sparsify_log_sums_width * r;
     const int bad_entry = log_sums_problem(row_sums);
-    if (report.error == cuda_row_error::none && stage >= 1 && bad_entry >= 0) {
+    if (report.error == cuda_row_error::none && bad_entry >= 0) {
       report.error = cuda_row_error::bad_log_sums;
       report.operand = bad_entry;
       report.value = row_sums[bad_entry];
@@ -277,14 +271,13 @@ struct tail_sums_storage {
 /// sums[2r], sums[2r + 1] = Σ e^{z_j − tail_max[r]} over the shard's tokens (global ids offset +
 /// j) outside row r's support, the terms tail_exp_sum adds in the whole-row sparsify_kernel, so
 /// the exact_add of every shard's pair rounds to the whole row's tail sum. Only the support's
-/// indices and counts are read. `stage` limits the checks, in the CPU's order: 0 the shard logits
-/// (NaN / +inf), 1 and tail_max, 2 and the support's indices (checked mode runs 0, 1, 2 over all
-/// rows). A rejected row gets NaN sums.
+/// indices and counts are read. Row checks in the CPU's order: the shard logits (NaN / +inf),
+/// tail_max, the support's indices. A rejected row gets NaN sums.
 template <class L, class T>
 __global__ void __launch_bounds__(block_threads)
     sparsify_tail_sums_kernel(batch_view<const L> shard_logits, std::size_t offset,
                               sparse_batch_view<const T> support, const double* tail_max, double* sums, int slots,
-                              int stage, row_range range, device_checks checks) {
+                              row_range range, device_checks checks) {
   using Keys = sparsify_keys<L>;
   using value_type = typename Keys::value_type;
   __shared__ tail_sums_storage sh;
@@ -295,15 +288,14 @@ __global__ void __launch_bounds__(block_threads)
     const L* z = shard_logits.row(r);
     __syncthreads();  // the previous row is done with the shared scratch
     if (threadIdx.x < warp_lanes) {
-      cuda_row_report report;
-      if (stage >= 2)
-        report = warp_check_sparse_row(support.row_indices(r), static_cast<const T*>(nullptr), support.counts[r],
-                                       0.0, support.k_max, support.vocab, operand_support, false, sh.sorted, slots);
+      const cuda_row_report report =
+          warp_check_sparse_row(support.row_indices(r), static_cast<const T*>(nullptr), support.counts[r], 0.0,
+                                support.k_max, support.vocab, operand_support, false, sh.sorted, slots);
       __syncwarp();  // the sorted slots are visible to lane 0
       if (lane_id() == 0) {
         // The support's tokens inside the shard, still sorted by index, at the front.
         int n = 0;
-        if (stage >= 2 && report.error == cuda_row_error::none) {
+        if (report.error == cuda_row_error::none) {
           const int count = static_cast<int>(support.counts[r]);
           for (int i = 0; i < count; ++i) {
             const std::size_t token = std::size_t(sh.sorted[i].index);
@@ -321,7 +313,7 @@ __global__ void __launch_bounds__(block_threads)
     const double m_tail = tail_max[r];
     if (bad != no_token) {
       report = bad_value_report(0, bad, to_double(z[bad]));
-    } else if (stage >= 1 && !(m_tail < inf())) {
+    } else if (!(m_tail < inf())) {
       report.error = cuda_row_error::bad_tail_max, report.value = m_tail;
     } else {
       report = sh.report.Alias();
