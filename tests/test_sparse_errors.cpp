@@ -515,3 +515,55 @@ TEST_CASE("every sparse entry point: the lowest bad row, whatever its problem (a
     }
   }
 }
+
+TEST_CASE("supports whose values are not read: every id checked (a full support's duplicates; ids after a NaN value)") {
+  // A support covering the whole vocabulary (count = V) was checked for its tail rule first,
+  // whose refusal was then dropped with the duplicate check behind it: ids {0, 1, 1, 2} at V = 4
+  // passed into sparsify_backward and align(logits, ...). sparsify_tail_sums, which reads only
+  // the ids, stopped at a NaN value and never saw a bad id behind it. Both now follow the
+  // device's rules (warp_check_sparse_row with remainder_rules = false).
+  using troll::row_error;
+  const std::size_t rows = 2, vocab = 4;
+  std::vector<double> z{0.1, -0.3, 0.7, 0.2, 0.5, 0.5, -1.0, 0.0};
+  sparse_rows<double> support(rows, vocab, vocab);
+  for (std::size_t r = 0; r < rows; ++r) {
+    support.counts[r] = 4;
+    support.log_remainder[r] = -std::numeric_limits<double>::infinity();
+    for (std::size_t i = 0; i < vocab; ++i) {
+      support.indices[r * vocab + i] = troll::sparse_index(i);
+      support.log_probs[r * vocab + i] = std::log(0.25);
+    }
+  }
+  support.indices[1 * vocab + 2] = 1;  // row 1: ids {0, 1, 1, 3}
+  sparse_grads<double> grad(rows, vocab);
+  std::vector<double> grad_logits(rows * vocab, 42.0);
+  expect_row_code([&] {
+    troll::sparsify_backward(troll::cpu, troll::make_batch<const double>(z.data(), rows, vocab),
+                             troll::sparse_batch_view<const double>(support.view()),
+                             troll::sparse_grad_view<const double>(grad.view()),
+                             troll::make_batch(grad_logits.data(), rows, vocab));
+  }, 1, row_error::sparse_duplicate);
+  CHECK(grad_logits == std::vector<double>(rows * vocab, 42.0));
+  sparse_rows<double> old = support;
+  old.indices[1 * vocab + 2] = 2;
+  aligned_rows<double> out(rows, vocab, vocab);
+  expect_row_code([&] {
+    troll::align(troll::cpu, troll::make_batch<const double>(z.data(), rows, vocab),
+                 troll::sparse_batch_view<const double>(support.view()), old.view(), out.view());
+  }, 1, row_error::sparse_duplicate);
+
+  // sparsify_tail_sums reads the ids only: a NaN value is no problem, a bad id behind it is.
+  sparse_rows<double> ids = old;
+  ids.counts[0] = 2;
+  ids.log_probs[0] = nan_value;
+  ids.indices[1] = -5;
+  std::vector<double> tail_max(rows, 0.0), sums(2 * rows, 42.0);
+  expect_row_code([&] {
+    troll::sparsify_tail_sums(troll::cpu, troll::make_batch<const double>(z.data(), rows, vocab), 0,
+                              troll::sparse_batch_view<const double>(ids.view()), tail_max.data(), sums.data());
+  }, 0, row_error::sparse_index);
+  ids.indices[1] = 3;
+  CHECK_NOTHROW(troll::sparsify_tail_sums(troll::cpu, troll::make_batch<const double>(z.data(), rows, vocab), 0,
+                                          troll::sparse_batch_view<const double>(ids.view()), tail_max.data(),
+                                          sums.data()));
+}

@@ -199,10 +199,12 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
     if (p) return p;
     p = detail::check_sparse_row_of(aligned.new_side(), r, "aligned (new side)", scratch);
     if (!p) p = detail::check_sparse_row_of(aligned.old_side(), r, "aligned (old side)", scratch);
-    detail::row_problem log_probs_mass;  // reported after the support match below
-    if (!p) p = detail::check_sparse_row_of(log_probs, r, "log_probs", scratch);
-    if (p.kind == row_error::sparse_mass) std::swap(p, log_probs_mass);
     if (p) return p;
+    // log_probs' own checks, its mass (the last of them) held back until after the support match:
+    // log_probs of another forward (other ids, another count) is named as such (the device's order).
+    p = detail::check_sparse_row_of(log_probs, r, "log_probs", scratch);
+    if (p && p.kind != row_error::sparse_mass) return p;
+    const detail::row_problem log_probs_mass = p;
     const long long count = aligned.counts[r];
     if (log_probs.count(r) != count)
       return detail::make_problem(row_error::log_probs_mismatch, "", -1, double(log_probs.count(r)), double(count));

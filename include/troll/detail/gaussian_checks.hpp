@@ -138,7 +138,6 @@ std::string gaussian_stats_problem(const Stats& stats, const char* what) {
          ", t = " + number_text(stats.t) + " (the " + what + " needs a solved row: inactive or projected)";
 }
 
-
 /// A saved factorisation (gaussian_types.hpp) is empty, or full rows of this batch's shape.
 template <class D>
 void check_saved_factorisation(const gaussian_call& call, std::size_t rows,
@@ -187,7 +186,6 @@ gaussian_call check_jvp_arguments(gaussian_call call, batch_view<const T> mean, 
   check_saved_factorisation(call, mean.rows, saved);
   return call;
 }
-
 
 /// The first problem of one row's operand, as a message ("" when fine): a non-finite entry, a
 /// standard deviation or factor diagonal ≤ 0, a non-zero entry above a factor's diagonal.

@@ -71,18 +71,14 @@ row_problem check_sparse_row_of(const sparse_batch_view<T>& v, std::size_t r,
 }
 
 /// Row r of a support whose values are not read (sparsify_backward's and align's `support`): its
-/// indices and counts checked as check_sparse_row does, the mass checks skipped (and with
-/// `any_values`, the value checks too).
+/// count, indices (in [0, V), distinct) and values (not NaN, ≤ 0) checked as check_sparse_row
+/// does without the remainder and mass rules; with `indices_only` its values are not read at all
+/// (sparsify_tail_sums). The device's warp_check_sparse_row with remainder_rules = false.
 template <class T>
 row_problem check_support_row(const sparse_batch_view<T>& support, std::size_t r, const char* name,
-                                      index_slot* scratch, bool any_values = false) {
-  row_problem p = cpu::check_sparse_row(support.row_indices(r), support.row_log_probs(r),
-                                                support.count(r), T(0), support.k_max, support.vocab, name,
-                                                scratch);
-  using kind = row_error;
-  const bool skipped = p.kind == kind::sparse_no_mass || p.kind == kind::sparse_no_tail || p.kind == kind::sparse_mass ||
-                       (any_values && (p.kind == kind::sparse_nan || p.kind == kind::sparse_above_one));
-  return skipped ? row_problem{} : p;
+                              index_slot* scratch, bool indices_only = false) {
+  return cpu::check_sparse_row(support.row_indices(r), indices_only ? nullptr : support.row_log_probs(r),
+                               support.count(r), T(0), support.k_max, support.vocab, name, scratch, false);
 }
 
 /// The first NaN or infinite entry of an upstream sparse gradient's row r (entries −1 = the

@@ -672,15 +672,17 @@ inline bool sparsify_row(const T* z, std::size_t size, int k, sparse_index sampl
   return true;
 }
 
-/// Checks one sparse row: count within [0, min(capacity, V, sparse_max_entries)], indices in
-/// [0, V) and distinct, log-probs and log-remainder not NaN and ≤ 0, no remainder mass when the
-/// support covers the vocabulary, some mass somewhere, and last a total mass Σ_S p_i + r within
-/// sparse_mass_tolerance<T>() of 1 (callers that read only the support drop the value problems).
-/// `scratch` holds sparse_max_entries slots.
+/// Checks one sparse row: count within [0, min(capacity, V, sparse_max_entries)], then entry by
+/// entry (index in [0, V), log-prob not NaN and ≤ 0), the log-remainder not NaN and ≤ 0, no
+/// remainder mass when the support covers the vocabulary, some mass somewhere, distinct indices,
+/// and last a total mass Σ_S p_i + r within sparse_mass_tolerance<T>() of 1. As the device's
+/// warp_check_sparse_row: `remainder_rules` = false skips the remainder and mass rules (a support
+/// whose values are not read), and a null `log_probs` skips the entry value rules too (only the
+/// indices are read). `scratch` holds sparse_max_entries slots.
 template <class T>
 inline row_problem check_sparse_row(const sparse_index* indices, const T* log_probs, long long count,
                                        T log_remainder, std::size_t capacity, std::size_t vocab,
-                                       const char* operand, index_slot* scratch) {
+                                       const char* operand, index_slot* scratch, bool remainder_rules = true) {
   row_problem p;
   p.operand = operand;
   if (!sparse_count_fits(count, capacity, vocab)) {
@@ -698,7 +700,7 @@ inline row_problem check_sparse_row(const sparse_index* indices, const T* log_pr
       p.value = double(index);
       return p;
     }
-    const double l = static_cast<double>(log_probs[i]);
+    const double l = log_probs != nullptr ? static_cast<double>(log_probs[i]) : neg_inf();
     if (l != l) {
       p.kind = row_error::sparse_nan;
       p.entry = i;
@@ -714,18 +716,18 @@ inline row_problem check_sparse_row(const sparse_index* indices, const T* log_pr
     scratch[i] = index_slot{indices[i], i};
   }
   const double r = static_cast<double>(log_remainder);
-  if (r != r || r > 0.0) {
+  if (remainder_rules && (r != r || r > 0.0)) {
     p.kind = r != r ? row_error::sparse_nan : row_error::sparse_above_one;
     p.entry = -1;
     p.value = r;
     return p;
   }
-  if (static_cast<std::size_t>(n) == vocab && r > neg_inf()) {
+  if (remainder_rules && static_cast<std::size_t>(n) == vocab && r > neg_inf()) {
     p.kind = row_error::sparse_no_tail;
     p.value = r;
     return p;
   }
-  if (!any_mass && !(r > neg_inf())) {
+  if (remainder_rules && !any_mass && !(r > neg_inf())) {
     p.kind = row_error::sparse_no_mass;
     return p;
   }
@@ -740,6 +742,7 @@ inline row_problem check_sparse_row(const sparse_index* indices, const T* log_pr
       return p;
     }
   }
+  if (!remainder_rules) return row_problem{};
   const double mass = sparse_row_mass(log_probs, n, r);
   if (!(mass >= 1.0 - sparse_mass_tolerance<T>() && mass <= 1.0 + sparse_mass_tolerance<T>())) {
     p.kind = row_error::sparse_mass;

@@ -36,7 +36,6 @@ struct row_range {
 
 constexpr unsigned long long no_bad_row = ~0ull;
 
-
 #ifdef __CUDACC__
 /// Records one row's outcome (called by thread 0 of the row's block).
 __device__ inline void record_row(const device_checks& checks, const row_range& range, std::size_t row,

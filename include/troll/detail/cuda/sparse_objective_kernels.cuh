@@ -324,10 +324,15 @@ __global__ void __launch_bounds__(block_threads)
         report = warp_check_sparse_row(indices, aligned.old_log_probs + r * aligned.k_max, count,
                                        static_cast<double>(aligned.old_log_remainder[r]), aligned.k_max,
                                        aligned.vocab, operand_old, true, sh.sorted, slots);
-      if (report.error == cuda_row_error::none)
+      // log_probs' mass (the last of its checks) is held back until after the support match, as
+      // the CPU: log_probs of another forward (other ids, another count) is named as such.
+      cuda_row_report log_probs_mass;
+      if (report.error == cuda_row_error::none) {
         report = warp_check_sparse_row(log_probs.row_indices(r), log_probs.row_log_probs(r), log_probs.counts[r],
                                        static_cast<double>(log_probs.log_remainder[r]), log_probs.k_max,
                                        log_probs.vocab, operand_log_probs, true, sh.sorted, slots);
+        if (report.error == cuda_row_error::sparse_mass) log_probs_mass = report, report = cuda_row_report{};
+      }
       if (report.error == cuda_row_error::none && log_probs.counts[r] != count) {
         report.error = cuda_row_error::log_probs_mismatch, report.token = ~0ull;
         report.value = double(log_probs.counts[r]), report.operand = int(count);
@@ -344,6 +349,7 @@ __global__ void __launch_bounds__(block_threads)
           break;
         }
       }
+      if (report.error == cuda_row_error::none) report = log_probs_mass;
       if (report.error == cuda_row_error::none && mask_of(in, r) != 0.0) {
         const std::int64_t a = in.tokens[r];
         const int at = warp_find_entry(indices, int(count), a);
