@@ -69,7 +69,7 @@ void kl(cuda_policy policy, input_view<T> p_logits, input_view<T> q_logits, T* k
 /// Either gradient view may be empty (rows == 0) to skip it. Rows with bad logits (NaN / +inf,
 /// all −inf), a non-finite g (report not_finite, operand 2) or an infinite KL (p has mass where q
 /// is −inf, disjoint supports included: report infinite_kl) get NaN gradients, or throw
-/// domain_error in checked mode — bad logits first over all rows, as on the CPU.
+/// domain_error in checked mode — the lowest bad row, its logits checked first, as on the CPU.
 template <class T>
 void kl_backward(cuda_policy policy, input_view<T> p_logits, input_view<T> q_logits, const T* grad_kl,
                  batch_view<T> grad_p, batch_view<T> grad_q) {

@@ -15,7 +15,7 @@ using cuda_row_error = row_error;
 /// One row's validation outcome, written by every CUDA entry point that is given a report array.
 /// `operand` indexes the entry point's arguments: 0 the first logits argument (logits, p_logits
 /// or new_logits), 1 the second (q_logits or old_logits), 2 the upstream gradient. For bad_stats
-/// it names the field instead: 0 t, 1 sigma2, 2 mu, 3 status, 4 kl_after.
+/// it names the field instead: 0 t, 1 sigma2, 2 mu, 3 status (the status in `value`), 4 kl_after.
 struct cuda_row_report {
   cuda_row_error error = cuda_row_error::none;
   int operand = 0;

@@ -315,7 +315,7 @@ void check_backward_block(const troll_test::corpus_block& block, double eps, cud
 
 template <class T>
 struct bad_batch {
-  static constexpr std::size_t rows = 7, cols = 4;
+  static constexpr std::size_t rows = 8, cols = 4;
   std::vector<T> fresh, old;
   // Expected device code of each row for project.
   std::vector<troll::cuda_row_error> expected;
@@ -330,6 +330,7 @@ struct bad_batch {
         -inf,   -inf,    -inf,   -inf,    // 4: new row all masked
         T(0.0), -inf,    T(1.0), -inf,    // 5: disjoint supports
         T(0.0), T(0.0),  inf,    T(0.0),  // 6: +inf in new_logits at token 2
+        T(0.0), T(0.0),  nan,    T(0.0),  // 7: NaN in new_logits at token 2, +inf in old_logits at token 1
     };
     old = {
         T(2.0), T(0.0), T(-1.0), T(0.5),  //
@@ -339,9 +340,10 @@ struct bad_batch {
         T(0.0), T(0.0), T(0.0),  T(0.0),  //
         -inf,   T(0.0), -inf,    T(0.0),  //
         T(0.0), T(0.0), T(0.0),  T(0.0),  //
+        T(0.0), inf,    T(0.0),  T(0.0),  // 7: the lower token of either row is named (the CPU's scan_pair)
     };
     using e = troll::cuda_row_error;
-    expected = {e::none, e::none, e::nan_value, e::infeasible, e::all_masked, e::disjoint, e::pos_inf};
+    expected = {e::none, e::none, e::nan_value, e::infeasible, e::all_masked, e::disjoint, e::pos_inf, e::pos_inf};
   }
 };
 
@@ -407,7 +409,7 @@ TEST_CASE("device row reports become the CPU's exceptions, message for message")
   const std::vector<probe> probes = {
       {2, {e::nan_value, 0, 3, 0.0}},  {3, {e::infeasible, 0, 0, std::log(4.0)}},
       {4, {e::all_masked, 0, 0, 0.0}}, {5, {e::disjoint, 0, 0, 0.0}},
-      {6, {e::pos_inf, 0, 2, 0.0}}};
+      {6, {e::pos_inf, 0, 2, 0.0}},    {7, {e::pos_inf, 1, 1, 0.0}}};
   for (const probe& p : probes) {
     CAPTURE(p.row);
     std::string cpu_message, cuda_message;
@@ -454,6 +456,36 @@ TEST_CASE("device row reports become the CPU's exceptions, message for message")
     }
     CHECK(!cpu_message.empty());
     CHECK(cuda_message == cpu_message);
+  }
+  {
+    // Stats of a row whose forward solve stopped short: the device reports field 3 (status) with
+    // the status in `value`, and the host words it as the CPU does.
+    troll::projection_stats st;
+    troll::project(troll::cpu, troll::make_batch<const double>(batch.fresh.data(), 1, batch.cols),
+                   troll::make_batch<const double>(batch.old.data(), 1, batch.cols), 0.05,
+                   troll::make_batch(out.data(), 1, batch.cols), &st);
+    std::vector<double> g(batch.cols, 0.5), grad(batch.cols);
+    for (const troll::row_status status : {troll::row_status::not_converged, troll::row_status::rejected}) {
+      st.status = status;
+      std::string cpu_message, cuda_message;
+      try {
+        troll::project_backward(troll::cpu, troll::make_batch<const double>(batch.fresh.data(), 1, batch.cols),
+                                troll::make_batch<const double>(batch.old.data(), 1, batch.cols),
+                                troll::make_batch<const double>(out.data(), 1, batch.cols), &st,
+                                troll::make_batch<const double>(g.data(), 1, batch.cols),
+                                troll::make_batch(grad.data(), 1, batch.cols));
+      } catch (const troll::domain_error& ex) {
+        cpu_message = ex.what();
+      }
+      try {
+        troll::detail::cuda::throw_report("project_backward", 0,
+                                          {e::bad_stats, 3, 0, double(static_cast<int>(status))}, names);
+      } catch (const troll::domain_error& ex) {
+        cuda_message = ex.what();
+      }
+      CHECK(!cpu_message.empty());
+      CHECK(cuda_message == cpu_message);
+    }
   }
   CHECK_THROWS_AS(troll::detail::cuda::throw_report("project", 1, {e::disjoint, 0, 0, 0.0}, names),
                   troll::infeasible_error);
@@ -574,6 +606,8 @@ TEST_SUITE("device") {
     }
     CHECK(rep[2].token == 3);
     CHECK(rep[6].token == 2);
+    CHECK(rep[7].token == 1);
+    CHECK(rep[7].operand == 1);
     CHECK(rep[3].value == doctest::Approx(std::log(4.0)).epsilon(1e-12));
     // Good rows are the CPU's.
     std::vector<T> want(2 * cols);

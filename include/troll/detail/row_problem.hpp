@@ -33,6 +33,11 @@ struct row_problem {
   explicit operator bool() const { return kind != row_error::none; }
 };
 
+/// What bad_stats says of a row whose forward solve stopped short (status not_converged), on
+/// both backends.
+inline constexpr const char* not_converged_stats =
+    "status is not_converged (the forward solve stopped before the tolerance; see projection_options)";
+
 /// A problem of kind `kind` naming `operand`, entry `entry`, with `value` and `other`.
 inline row_problem make_problem(row_error kind, const char* operand, long long entry = 0, double value = 0.0,
                                 double other = 0.0) {

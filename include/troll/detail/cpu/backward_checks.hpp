@@ -97,8 +97,7 @@ inline row_problem check_stats(const projection_stats& s) {
       }
       return p;
     case row_status::not_converged:
-      p.operand = "status is not_converged (the forward solve stopped before the tolerance; see "
-                  "projection_options)";
+      p.operand = not_converged_stats;
       return p;
     default:
       p.operand = "status is not inactive, projected or restricted";

@@ -86,6 +86,16 @@ __device__ inline int unusable_stats_field(const projection_stats& s) {
   }
 }
 
+/// Makes `report` bad_stats naming the field of `s` a backward pass cannot use
+/// (unusable_stats_field), with the status in `value` when the field is the status (3), so that
+/// the host words it as the CPU's check_stats does (not_converged apart). Leaves it otherwise.
+__device__ inline void report_unusable_stats(const projection_stats& s, cuda_row_report& report) {
+  const int field = unusable_stats_field(s);
+  if (field < 0) return;
+  report.error = cuda_row_error::bad_stats, report.operand = field;
+  if (field == 3) report.value = static_cast<double>(static_cast<int>(s.status));
+}
+
 /// The problem of a row a derivative of project() reads, in the order of the CPU's
 /// validate_backward: the logits pair, log_probs (find_bad_log_prob's rules, first failing at
 /// `first_bad_log_prob`; no_token
@@ -101,8 +111,7 @@ __device__ cuda_row_report derivative_problem(const pair_scan& scan, const T* zn
     report.value = static_cast<double>(log_probs[first_bad_log_prob]);
     return report;
   }
-  const int field = unusable_stats_field(s);
-  if (field >= 0) report.error = cuda_row_error::bad_stats, report.operand = field;
+  report_unusable_stats(s, report);
   return report;
 }
 

@@ -371,10 +371,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
         report.value = static_cast<double>(log_pi[bad]);
       }
     }
-    if (report.error == cuda_row_error::none) {
-      const int field = unusable_stats_field(s);
-      if (field >= 0) report.error = cuda_row_error::bad_stats, report.operand = field;
-    }
+    if (report.error == cuda_row_error::none) report_unusable_stats(s, report);
     if (record_or_reject(checks, range, r, report, grad_new, size)) return;
     const double weight = backward_row_weight(grad_loss, *header, records[r]);
     if (weight == 0.0) {

@@ -12,6 +12,7 @@
 #include "../../config.hpp"
 #include "../../cuda_report.hpp"
 #include "../../errors.hpp"
+#include "../../projection_types.hpp"
 #include "../numeric.hpp"
 #include "../row_problem.hpp"
 #include "error_check.cuh"
@@ -100,6 +101,9 @@ inline row_problem dense_problem(const cuda_row_report& report, const char* cons
       break;
     case row_error::bad_stats:
       p.operand = stats_fields[report.operand >= 0 && report.operand < 5 ? report.operand : 3];
+      if (report.operand == 3 && report.value == double(static_cast<int>(row_status::not_converged)))
+        p.operand = not_converged_stats;  // the status rides in `value` (report_unusable_stats)
+      p.value = 0.0;
       break;
     case row_error::not_finite: p.kind = row_error::nan_value; break;
     case row_error::bad_log_probs:

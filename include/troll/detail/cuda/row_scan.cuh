@@ -110,14 +110,16 @@ __device__ cuda_row_report single_problem(const row_scan& s, const T* z) {
   return r;
 }
 
-/// The problem of a row pair, in the order the CPU's scan_pair reports them.
+/// The problem of a row pair, in the order the CPU's scan_pair reports them: the first token at
+/// which either row holds a NaN / +inf (the new row's on a tie: scan_pair walks both rows
+/// together), then an all −inf new row, old row, disjoint supports.
 template <class T>
 __device__ cuda_row_report pair_problem(const pair_scan& s, const T* zn, const T* zo) {
   cuda_row_report r;
-  if (s.fresh.first_bad != no_token)
-    return bad_value_report(0, s.fresh.first_bad, static_cast<double>(zn[s.fresh.first_bad]));
-  if (s.old.first_bad != no_token)
-    return bad_value_report(1, s.old.first_bad, static_cast<double>(zo[s.old.first_bad]));
+  const std::size_t bad_new = s.fresh.first_bad, bad_old = s.old.first_bad;
+  if (bad_new != no_token && (bad_old == no_token || bad_new <= bad_old))
+    return bad_value_report(0, bad_new, static_cast<double>(zn[bad_new]));
+  if (bad_old != no_token) return bad_value_report(1, bad_old, static_cast<double>(zo[bad_old]));
   if (s.fresh.lse.empty()) {
     r.error = cuda_row_error::all_masked;
   } else if (s.old.lse.empty()) {

@@ -363,10 +363,7 @@ __global__ void __launch_bounds__(block_threads)
       if (report.error == cuda_row_error::none)
         report = lumped_problem(aligned, r, 0.0, alpha > 0.0 && mask_of(in, r) != 0.0, sh.sorted, slots, scan);
       const projection_stats s = stats[r];
-      if (report.error == cuda_row_error::none) {
-        const int field = unusable_stats_field(s);
-        if (field >= 0) report.error = cuda_row_error::bad_stats, report.operand = field;
-      }
+      if (report.error == cuda_row_error::none) report_unusable_stats(s, report);
       if (lane_id() == 0) record_row(checks, range, r, report);
       if (!checks.validate_only) {
         T* g = upstream.row(r);

@@ -444,10 +444,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
       }
     }
     const projection_stats s = stats[r];
-    if (report.error == cuda_row_error::none) {
-      const int field = unusable_stats_field(s);  // kl_after included, as check_stats
-      if (field >= 0) report.error = cuda_row_error::bad_stats, report.operand = field;
-    }
+    if (report.error == cuda_row_error::none) report_unusable_stats(s, report);  // kl_after included, as check_stats
     if (lane_id() == 0) record_row(checks, range, r, report);
     if (checks.validate_only) continue;
     T* out_new = grad_new.row(r);
