@@ -16,11 +16,14 @@
 // d = 32 every full entry point keeps its rows' scratch in the caller's workspace
 // (policy.with_workspace(p, troll::workspace_bytes(troll::cuda, troll::op::gaussian_X{}, rows, d));
 // undersized, null or misaligned: shape_error before anything is written). Larger d: shape_error.
-// The host checks shapes and bounds as the CPU does. By default the values are checked on the
-// device: a row the CPU would reject (bad values, forward stats not solved with t in (0, 1]) gets
-// NaN in every requested output. With troll::cuda.on(s).checked() the rows are checked on the
-// host first (gaussian_checked.cuh) and the first bad one throws the CPU's exception, naming it,
-// before anything is written.
+// The host checks shapes and bounds as the CPU does. By default some values are checked on the
+// device: a row with bad operands (NaN / inf means, factors or standard deviations the CPU
+// rejects) or forward stats not solved with t in (0, 1] gets NaN in every requested output; the
+// CPU's other refusals (a mean step beyond the doubles, a diagonal ratio below ~7.5e-155, a
+// non-finite upstream gradient or tangent) are checked only in checked mode (docs/gaussian.md).
+// With troll::cuda.on(s).checked() the rows are checked on the host first (gaussian_checked.cuh),
+// row by row as on the CPU, and the lowest bad one throws the CPU's exception, naming it, before
+// anything is written.
 #pragma once
 
 #include <cuda_runtime.h>
