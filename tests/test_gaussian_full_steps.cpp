@@ -352,3 +352,59 @@ TEST_CASE("the shared full-row forward (team steps) matches the CPU backend") {
     }
   }
 }
+
+TEST_CASE("the shared full-row forward refuses what the CPU throws for (the device's default mode rejects it)") {
+  // gaussian_row_refused, the yes/no form of gaussian_ratio_problem and gaussian_mean_step_problem:
+  // a factor diagonal ratio below ~7.5e-155, a whitened mean step beyond the doubles, and under a
+  // split bound ½|step|² beyond them (a step of 1e160: refused when split only). The CPU entry
+  // point throws for each; the shared row returns false and writes nothing.
+  namespace gg = troll::gaussian;
+  for (std::size_t d : {std::size_t(3), std::size_t(34)}) {
+    for (bool split : {false, true}) {
+      CAPTURE(d);
+      CAPTURE(split);
+      const batch base = make_batch(d, split, static_cast<unsigned>(5 * d + split));
+      const std::size_t dd = d * d;
+      for (int kind = 0; kind < 4; ++kind) {
+        CAPTURE(kind);
+        std::vector<double> m(base.m.begin(), base.m.begin() + static_cast<std::ptrdiff_t>(d));
+        std::vector<double> om(base.om.begin(), base.om.begin() + static_cast<std::ptrdiff_t>(d));
+        std::vector<double> l(base.l.begin(), base.l.begin() + static_cast<std::ptrdiff_t>(dd));
+        std::vector<double> ol(base.ol.begin(), base.ol.begin() + static_cast<std::ptrdiff_t>(dd));
+        if (kind == 1) l[1 * d + 1] = 1e-200 * ol[1 * d + 1];
+        if (kind == 2) m[d - 1] = 1.7e308, om[d - 1] = -1.7e308;
+        if (kind == 3) m[0] = om[0] + 1e160 * ol[0];
+        const bool refused = kind == 1 || kind == 2 || (kind == 3 && split);
+        std::vector<double> ws(troll::detail::full_scratch::doubles(d));
+        const troll::detail::full_scratch w{ws.data(), static_cast<int>(d), troll::detail::forward_matrices};
+        std::vector<double> ym(d, 42.0), yl(dd, 42.0);
+        gg::gaussian_stats st;
+        st.t = 42.0;
+        const bool written = troll::detail::gaussian_full_forward_row(
+            troll::detail::host_team{}, split, m.data(), l.data(), om.data(), ol.data(), 0.05, 0.03,
+            troll::projection_options{}, ym.data(), yl.data(), &st, nullptr, w);
+        CHECK(written == !refused);
+        if (refused) {
+          CHECK(st.t == 42.0);
+          CHECK(ym == std::vector<double>(d, 42.0));
+        }
+        // The CPU entry point throws for exactly these rows.
+        std::vector<double> out_m(d), out_l(dd);
+        auto in = [](const std::vector<double>& v, std::size_t cols) { return troll::make_batch(v.data(), 1, cols); };
+        auto call = [&] {
+          if (split)
+            gg::project_split(troll::cpu, in(m, d), in(l, dd), in(om, d), in(ol, dd), 0.05, 0.03,
+                              troll::make_batch(out_m.data(), 1, d), troll::make_batch(out_l.data(), 1, dd), &st);
+          else
+            gg::project_joint(troll::cpu, in(m, d), in(l, dd), in(om, d), in(ol, dd), 0.05,
+                              troll::make_batch(out_m.data(), 1, d), troll::make_batch(out_l.data(), 1, dd), &st);
+        };
+        if (refused) {
+          CHECK_THROWS_AS(call(), troll::domain_error);
+        } else {
+          CHECK_NOTHROW(call());
+        }
+      }
+    }
+  }
+}

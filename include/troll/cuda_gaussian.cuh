@@ -13,9 +13,11 @@
 // (0 up to d = 32; an undersized, null or misaligned workspace: shape_error before anything is
 // written). Larger d: shape_error. The host checks shapes, bounds and options and throws as the
 // CPU does; the values are checked on the device, where a row the CPU would reject (non-finite
-// entries, a standard deviation or factor diagonal ≤ 0, a non-zero above a factor's diagonal) is
-// written as NaN with stats.status = row_status::rejected; with troll::cuda.on(s).checked() the
-// rows are checked on the host first and the first bad one throws the CPU's exception, naming it,
+// entries, a standard deviation or factor diagonal ≤ 0, a non-zero above a factor's diagonal, a
+// mean step beyond the doubles, a ratio σ̃/σ° or factor diagonal ratio below ~7.5e-155, and under
+// a split bound ½|step|² beyond the doubles) is written as NaN with stats.status =
+// row_status::rejected; with troll::cuda.on(s).checked() the rows are checked on the host first,
+// row by row, and the lowest bad one throws the CPU's exception, naming it,
 // before anything is written (detail/cuda/gaussian_checked.cuh). The KL and the diagonal rows'
 // VJP and JVP are in cuda_gaussian_derivatives.cuh (included here). Compiled in CI.
 #pragma once

@@ -18,9 +18,10 @@
 // undersized, null or misaligned: shape_error before anything is written). Larger d: shape_error.
 // The host checks shapes and bounds as the CPU does. By default some values are checked on the
 // device: a row with bad operands (NaN / inf means, factors or standard deviations the CPU
-// rejects) or forward stats not solved with t in (0, 1] gets NaN in every requested output; the
-// CPU's other refusals (a mean step beyond the doubles, a diagonal ratio below ~7.5e-155, a
-// non-finite upstream gradient or tangent) are checked only in checked mode (docs/gaussian.md).
+// rejects) or forward stats not solved with t in (0, 1] gets NaN in every requested output (the
+// device forward gives a row with a mean step beyond the doubles or a ratio below ~7.5e-155
+// status rejected, so its stats are refused here); a non-finite upstream gradient or tangent is
+// refused only in checked mode (in the default mode it reaches the outputs as NaN or inf).
 // With troll::cuda.on(s).checked() the rows are checked on the host first (gaussian_checked.cuh),
 // row by row as on the CPU, and the lowest bad one throws the CPU's exception, naming it, before
 // anything is written.

@@ -177,6 +177,34 @@ TEST_SUITE("device") {
       CHECK(gpu.stats[2].solved());
     }
   }
+
+  TEST_CASE("rows the projection refuses beyond their operands are rejected in the default mode too") {
+    // The CPU (and checked mode) throws for a ratio σ̃/σ° below ~7.5e-155 and a mean step beyond
+    // the doubles, and under a split bound for ½|step|² beyond them; the default mode computed
+    // such rows (a wrong t reported `projected` for the ratio). Row 1: a ratio of 1e-200 on
+    // coordinate 1 (a factor's diagonal entry on full rows); row 2: μ̃ − μ° overflows; row 3: a
+    // step of ~1e160 (finite, but its square is not): refused under a split bound only.
+    for (const bool full : {true, false}) {
+      for (const bool split : {false, true}) {
+        CAPTURE(full);
+        CAPTURE(split);
+        batch b = make_batch(5, 4, full, 29);
+        const std::size_t cc = b.cov_cols(), at = full ? 1 * 4 + 1 : 1;
+        b.cov[1 * cc + at] = 1e-200 * b.old_cov[1 * cc + at];
+        b.mean[2 * 4 + 3] = 1.7e308;
+        b.old_mean[2 * 4 + 3] = -1.7e308;
+        b.mean[3 * 4 + 0] = 1e160;
+        const result gpu = on_device<double>(b, split, 0.1, 0.1);
+        for (const std::size_t r : {std::size_t(1), std::size_t(2)}) {
+          CHECK(gpu.stats[r].status == troll::row_status::rejected);
+          CHECK(std::isnan(gpu.mean[r * 4]));
+        }
+        CHECK((gpu.stats[3].status == troll::row_status::rejected) == split);
+        CHECK(gpu.stats[0].solved());
+        CHECK(gpu.stats[4].solved());
+      }
+    }
+  }
 }
 
 TEST_CASE("host-side checks, as the CPU's (no device needed)") {

@@ -217,6 +217,29 @@ TROLL_HOST_DEVICE inline bool gaussian_diag_beyond(double std_dev, double old_st
   return !(gaussian_diag_gain(std_dev, old_std) < largest_finite<double>());
 }
 
+/// Whether a projection refuses a row pair whose operands are fine: the CPU's
+/// gaussian_ratio_problem and gaussian_mean_step_problem (gaussian_checks.hpp) as one yes/no, by a
+/// team (host_team, a warp, a block; every lane gets the answer), for the device's default mode,
+/// which rejects the rows the CPU throws for. Coordinate i is refused for its ratio
+/// std_dev[i·stride] / old_std[i·stride] (σ̃/σ°; a factor's diagonal entries with stride d + 1)
+/// beyond the doubles (gaussian_diag_beyond) or its whitened mean step `step[i]` ((μ̃ − μ°)/σ°;
+/// L°⁻¹(μ̃ − μ°) on full rows) not finite; a split bound also refuses ½|step|² beyond the doubles.
+template <class Team, class T>
+TROLL_HOST_DEVICE bool gaussian_row_refused(const Team& tm, bool split, const T* std_dev, const T* old_std,
+                                            int stride, const double* step, int d) {
+  double refused = 0.0, squares = 0.0;
+  for (int i = tm.lane(); i < d; i += tm.size()) {
+    const double y = step[i];
+    if (gaussian_diag_beyond(static_cast<double>(std_dev[i * stride]), static_cast<double>(old_std[i * stride])) ||
+        !(y - y == 0.0))
+      refused = 1.0;
+    squares += y * y;
+  }
+  const bool any = tm.sum(refused) != 0.0;  // every lane takes part in both sums
+  const double total = tm.sum(squares);
+  return any || (split && !(total < inf()));
+}
+
 /// One coordinate of a diagonal row pair in the basis: g = γ − 1 (gaussian_diag_gain; the largest
 /// finite double where it passes the doubles, gaussian_diag_beyond) and b = (μ̃ − μ°)/σ°. Shared
 /// by the CPU and device factorisations.

@@ -91,16 +91,20 @@ TROLL_HOST_DEVICE void cholesky_in_place(const Team& tm, int d, double* a) {
   tm.sync();
 }
 
-/// The forward projection of one validated full row (the team's scratch `w`, forward_matrices /
-/// forward_vectors). Writes μ*, L* and the stats (lane 0); `saved` (may be null) gets V, g, b.
+/// The forward projection of one full row whose operands passed their checks (the team's scratch
+/// `w`, forward_matrices / forward_vectors). Writes μ*, L* and the stats (lane 0); `saved` (may be
+/// null) gets V, g, b. Returns false, having written nothing, for a row the projection refuses
+/// (gaussian_row_refused: the CPU throws for it; the device rejects it).
 template <class Team, class T>
-TROLL_HOST_DEVICE void gaussian_full_forward_row(const Team& tm, bool split, const T* mean, const T* l_new,
+TROLL_HOST_DEVICE bool gaussian_full_forward_row(const Team& tm, bool split, const T* mean, const T* l_new,
                                                  const T* old_mean, const T* l_old, double eps_mean, double eps_cov,
                                                  const projection_options& opt, T* out_mean, T* out_l,
                                                  gaussian::gaussian_stats* stats, double* saved,
                                                  const full_scratch& w) {
   const int d = w.d, dd = d * d;
   factor_full_team(tm, mean, l_new, old_mean, l_old, w);
+  // The CPU's refusals beyond bad operands (w.vec(2) holds δ = L°⁻¹(μ̃ − μ°) until the solve).
+  if (gaussian_row_refused(tm, split, l_new, l_old, d + 1, w.vec(2), d)) return false;
   double *lo = w.mat(0), *v = w.mat(1), *inner = w.mat(2), *product = w.mat(3);
   double *g = w.vec(0), *b = w.vec(1), *a = w.vec(2), *m = w.vec(3), *x = w.vec(4), *y = w.vec(5);
   if (saved != nullptr) {
@@ -160,6 +164,7 @@ TROLL_HOST_DEVICE void gaussian_full_forward_row(const Team& tm, bool split, con
   }
   if (tm.lane() == 0) *stats = st;
   tm.sync();
+  return true;
 }
 
 }  // namespace detail

@@ -5,7 +5,8 @@
 // against the CPU backend. Each block's row scratch is its slice of the caller's workspace
 // (gaussian_full_blocks blocks; workspace_layout.hpp), the grid striding over the rows.
 //
-// Rows that fail the CPU's value checks are written as NaN (forward: status rejected).
+// Rows that fail the CPU's value checks (the forward: and its ratio and mean-step refusals) are
+// written as NaN (forward: status rejected).
 #pragma once
 
 #include <cstddef>
@@ -40,9 +41,11 @@ struct full_forward_op {
   }
   __device__ void row(const block_team& tm, std::size_t r, const T* mean, const T* l_new, const T* old_mean,
                       const T* l_old, const full_scratch& w) const {
-    gaussian_full_forward_row(tm, k.split, mean, l_new, old_mean, l_old, k.eps_mean, k.eps_cov, k.options,
-                              k.out_mean.row(r), k.out_cov.row(r), k.stats + r,
-                              k.saved.data == nullptr ? nullptr : k.saved.row(r), w);
+    const bool written =
+        gaussian_full_forward_row(tm, k.split, mean, l_new, old_mean, l_old, k.eps_mean, k.eps_cov, k.options,
+                                  k.out_mean.row(r), k.out_cov.row(r), k.stats + r,
+                                  k.saved.data == nullptr ? nullptr : k.saved.row(r), w);
+    if (!written) reject(r);  // a row the CPU refuses (a ratio or mean step beyond the doubles)
   }
 };
 

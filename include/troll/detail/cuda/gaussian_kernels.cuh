@@ -89,6 +89,26 @@ __device__ bool bad_operand(const T* mean, const T* cov, std::size_t d, bool ful
   return __any_sync(0xffffffffu, bad);
 }
 
+/// One warp as a team of gaussian_row_refused (the kernels below run one warp per row).
+struct warp_team {
+  // Host-and-device so that the shared steps' host instantiations type-check; device only.
+  TROLL_HOST_DEVICE int lane() const {
+#ifdef __CUDA_ARCH__
+    return static_cast<int>(threadIdx.x);
+#else
+    return 0;
+#endif
+  }
+  TROLL_HOST_DEVICE int size() const { return gaussian_warp; }
+  TROLL_HOST_DEVICE double sum(double x) const {
+#ifdef __CUDA_ARCH__
+    return warp_sum(x);
+#else
+    return x;
+#endif
+  }
+};
+
 /// The stats of a rejected row: every number NaN, status rejected.
 __device__ inline gaussian::gaussian_stats rejected_gaussian_stats() {
   gaussian::gaussian_stats s;
@@ -163,6 +183,10 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_diag_kernel(gaussian_l
       gaussian_diag_coordinate(static_cast<double>(mean[i]), static_cast<double>(sd[i]),
                                static_cast<double>(old_mean[i]), static_cast<double>(old_sd[i]), &g[i], &b[i]);
     __syncwarp();
+    if (gaussian_row_refused(warp_team{}, k.split, sd, old_sd, 1, b, static_cast<int>(d))) {  // b: (μ̃ − μ°)/σ°
+      reject_row(k, r, d);
+      continue;
+    }
     gaussian::gaussian_stats stats;
     const gaussian_solve_result s = solve_row(k, r, g, b, static_cast<int>(d), &stats);
     T* out_mean = k.out_mean.row(r);
@@ -290,6 +314,10 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_full_kernel(gaussian_l
       continue;
     }
     factor_full_row(mean, l_new, old_mean, l_old, d, lo, work, a, v, g, b, delta);
+    if (gaussian_row_refused(warp_team{}, k.split, l_new, l_old, d + 1, delta, d)) {  // delta: L°⁻¹(μ̃ − μ°)
+      reject_row(k, r, static_cast<std::size_t>(dd));
+      continue;
+    }
     if (k.saved.data != nullptr) {  // the layout of cpu::save_basis: V row-major, then g, b
       double* out = k.saved.row(r);
       for (int i = lane; i < dd; i += gaussian_warp) out[i] = v[i];
