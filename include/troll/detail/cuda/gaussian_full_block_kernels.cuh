@@ -5,8 +5,11 @@
 // against the CPU backend. Each block's row scratch is its slice of the caller's workspace
 // (gaussian_full_blocks blocks; workspace_layout.hpp), the grid striding over the rows.
 //
-// Rows that fail the CPU's value checks (the forward: and its ratio and mean-step refusals) are
-// written as NaN (forward: status rejected).
+// Rows that fail the CPU's value checks are written as NaN; the forward also rejects the rows the
+// projection refuses (gaussian_row_refused), status rejected. The full rows' whitened step here is
+// L°⁻¹ (from its explicit inverse) times μ̃ − μ°, where the CPU's check substitutes forward: for
+// old factors so ill-conditioned that one of the two overflows and the other does not, the
+// verdicts can differ.
 #pragma once
 
 #include <cstddef>

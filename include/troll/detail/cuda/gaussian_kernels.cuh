@@ -7,7 +7,9 @@
 // (d ≤ 32: one lane per column), then L* = L°·chol(V diag(1/a) Vᵀ) as on the CPU.
 //
 // Rows that fail the CPU's value checks (non-finite entries, standard deviations or factor
-// diagonals ≤ 0, non-zeros above a factor's diagonal) are written as NaN with status rejected.
+// diagonals ≤ 0, non-zeros above a factor's diagonal) or that the projection refuses
+// (gaussian_row_refused: a ratio or a whitened mean step beyond the doubles) are written as NaN
+// with status rejected.
 #pragma once
 
 #include <cstddef>
