@@ -49,19 +49,38 @@ TEST_CASE("the backward rejects unsolved rows") {
                   troll::domain_error);
 }
 
+namespace {
+
+/// Three diagonal rows (d = 2) and their joint projection at ε = 0.05 on the CPU: the forward of
+/// the derivatives' input checks below.
+struct three_diag_rows {
+  static constexpr std::size_t rows = 3, d = 2;
+  std::vector<double> mean{0.1, -0.2, 0.3, 0.0, -0.5, 0.4}, sd{1.5, 0.7, 1.0, 1.2, 0.8, 0.9};
+  std::vector<double> old_mean{0.0, 0.0, 0.1, 0.2, 0.0, 0.0}, old_sd{1.0, 1.0, 1.1, 1.0, 1.0, 1.3};
+  std::vector<double> out_mean = std::vector<double>(rows * d), out_sd = std::vector<double>(rows * d);
+  std::vector<troll::gaussian::gaussian_stats> stats = std::vector<troll::gaussian::gaussian_stats>(rows);
+  three_diag_rows() {
+    troll::gaussian::project_joint_diag(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 0.05,
+                                        troll::make_batch(out_mean.data(), rows, d),
+                                        troll::make_batch(out_sd.data(), rows, d), stats.data());
+  }
+  static troll::batch_view<const double> in(const std::vector<double>& v) {
+    return troll::make_batch(v.data(), rows, d);
+  }
+};
+
+}  // namespace
+
 // Found by an adversarial audit: a NaN upstream gradient gave a NaN gradient and an infinite
 // tangent a NaN JVP, without a word, where docs/api.md promises domain_error for "a non-finite
 // upstream gradient or tangent". Both now name the row, the operand and the entry, before writing.
 TEST_CASE("the backward and the JVP refuse non-finite upstream gradients and tangents, naming the row") {
-  const std::size_t rows = 3, d = 2;
-  const std::vector<double> mean{0.1, -0.2, 0.3, 0.0, -0.5, 0.4}, sd{1.5, 0.7, 1.0, 1.2, 0.8, 0.9};
-  const std::vector<double> old_mean{0.0, 0.0, 0.1, 0.2, 0.0, 0.0}, old_sd{1.0, 1.0, 1.1, 1.0, 1.0, 1.3};
-  std::vector<double> out_mean(rows * d), out_sd(rows * d);
-  std::vector<troll::gaussian::gaussian_stats> stats(rows);
-  auto in = [&](const std::vector<double>& v) { return troll::make_batch(v.data(), rows, d); };
-  troll::gaussian::project_joint_diag(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 0.05,
-                                      troll::make_batch(out_mean.data(), rows, d), troll::make_batch(out_sd.data(), rows, d),
-                                      stats.data());
+  const three_diag_rows f;
+  const std::size_t rows = f.rows, d = f.d;
+  const std::vector<double>&mean = f.mean, &sd = f.sd, &old_mean = f.old_mean, &old_sd = f.old_sd;
+  const std::vector<double>&out_mean = f.out_mean, &out_sd = f.out_sd;
+  const std::vector<troll::gaussian::gaussian_stats>& stats = f.stats;
+  auto in = [](const std::vector<double>& v) { return three_diag_rows::in(v); };
   std::vector<double> up_mean(rows * d, 1.0), up_sd(rows * d, -0.5);
   up_sd[1 * d + 1] = std::nan("");
   std::vector<double> gm(rows * d, 42.0), gs(rows * d, 42.0), gom(rows * d, 42.0), gos(rows * d, 42.0), ge(rows, 42.0);
@@ -108,16 +127,13 @@ TEST_CASE("the derivatives' checks run row by row: the lowest bad row, whatever 
   // Row 1's upstream gradient is NaN, row 2's statistics are unusable and row 0 is fine: row 1 is
   // named (the stats were checked over every row first and named row 2); a NaN mean in row 2
   // with unusable stats in row 1 names row 1 too (every row's values came first).
-  const std::size_t rows = 3, d = 2;
-  std::vector<double> mean{0.1, -0.2, 0.3, 0.0, -0.5, 0.4};
-  const std::vector<double> sd{1.5, 0.7, 1.0, 1.2, 0.8, 0.9};
-  const std::vector<double> old_mean{0.0, 0.0, 0.1, 0.2, 0.0, 0.0}, old_sd{1.0, 1.0, 1.1, 1.0, 1.0, 1.3};
-  std::vector<double> out_mean(rows * d), out_sd(rows * d);
-  std::vector<troll::gaussian::gaussian_stats> stats(rows);
-  auto in = [&](const std::vector<double>& v) { return troll::make_batch(v.data(), rows, d); };
-  troll::gaussian::project_joint_diag(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 0.05,
-                                      troll::make_batch(out_mean.data(), rows, d), troll::make_batch(out_sd.data(), rows, d),
-                                      stats.data());
+  const three_diag_rows f;
+  const std::size_t rows = f.rows, d = f.d;
+  std::vector<double> mean = f.mean;
+  const std::vector<double>&sd = f.sd, &old_mean = f.old_mean, &old_sd = f.old_sd;
+  const std::vector<double>&out_mean = f.out_mean, &out_sd = f.out_sd;
+  const std::vector<troll::gaussian::gaussian_stats>& stats = f.stats;
+  auto in = [](const std::vector<double>& v) { return three_diag_rows::in(v); };
   std::vector<double> gm(rows * d), gs(rows * d);
   const troll::gaussian::gaussian_grads<double> grads{troll::make_batch(gm.data(), rows, d),
                                                       troll::make_batch(gs.data(), rows, d), {}, {}, nullptr, nullptr};

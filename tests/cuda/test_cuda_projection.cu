@@ -431,14 +431,15 @@ TEST_CASE("device row reports become the CPU's exceptions, message for message")
     CHECK(!cpu_message.empty());
     CHECK(cuda_message == cpu_message);
   }
-  {
-    // A NaN upstream gradient in the backward.
-    troll::projection_stats st;
-    troll::project(troll::cpu, troll::make_batch<const double>(batch.fresh.data(), 1, batch.cols),
-                   troll::make_batch<const double>(batch.old.data(), 1, batch.cols), 0.05,
-                   troll::make_batch(out.data(), 1, batch.cols), &st);
-    std::vector<double> g(batch.cols, 0.5), grad(batch.cols);
-    g[1] = nan_value;
+  // Row 0's backward on the CPU with stats `st` and upstream `g`, against the host's wording of
+  // the device's `report`: the same message.
+  troll::projection_stats solved;
+  troll::project(troll::cpu, troll::make_batch<const double>(batch.fresh.data(), 1, batch.cols),
+                 troll::make_batch<const double>(batch.old.data(), 1, batch.cols), 0.05,
+                 troll::make_batch(out.data(), 1, batch.cols), &solved);
+  auto same_backward_message = [&](const troll::projection_stats& st, const std::vector<double>& g,
+                                   const troll::cuda_row_report& report) {
+    std::vector<double> grad(batch.cols);
     std::string cpu_message, cuda_message;
     try {
       troll::project_backward(troll::cpu, troll::make_batch<const double>(batch.fresh.data(), 1, batch.cols),
@@ -450,42 +451,26 @@ TEST_CASE("device row reports become the CPU's exceptions, message for message")
       cpu_message = ex.what();
     }
     try {
-      troll::detail::cuda::throw_report("project_backward", 0, {e::not_finite, 2, 1, 0.0}, names);
+      troll::detail::cuda::throw_report("project_backward", 0, report, names);
     } catch (const troll::domain_error& ex) {
       cuda_message = ex.what();
     }
     CHECK(!cpu_message.empty());
     CHECK(cuda_message == cpu_message);
-  }
+  };
   {
-    // Stats of a row whose forward solve stopped short: the device reports field 3 (status) with
-    // the status in `value`, and the host words it as the CPU does.
-    troll::projection_stats st;
-    troll::project(troll::cpu, troll::make_batch<const double>(batch.fresh.data(), 1, batch.cols),
-                   troll::make_batch<const double>(batch.old.data(), 1, batch.cols), 0.05,
-                   troll::make_batch(out.data(), 1, batch.cols), &st);
-    std::vector<double> g(batch.cols, 0.5), grad(batch.cols);
-    for (const troll::row_status status : {troll::row_status::not_converged, troll::row_status::rejected}) {
-      st.status = status;
-      std::string cpu_message, cuda_message;
-      try {
-        troll::project_backward(troll::cpu, troll::make_batch<const double>(batch.fresh.data(), 1, batch.cols),
-                                troll::make_batch<const double>(batch.old.data(), 1, batch.cols),
-                                troll::make_batch<const double>(out.data(), 1, batch.cols), &st,
-                                troll::make_batch<const double>(g.data(), 1, batch.cols),
-                                troll::make_batch(grad.data(), 1, batch.cols));
-      } catch (const troll::domain_error& ex) {
-        cpu_message = ex.what();
-      }
-      try {
-        troll::detail::cuda::throw_report("project_backward", 0,
-                                          {e::bad_stats, 3, 0, double(static_cast<int>(status))}, names);
-      } catch (const troll::domain_error& ex) {
-        cuda_message = ex.what();
-      }
-      CHECK(!cpu_message.empty());
-      CHECK(cuda_message == cpu_message);
-    }
+    // A NaN upstream gradient in the backward.
+    std::vector<double> g(batch.cols, 0.5);
+    g[1] = nan_value;
+    same_backward_message(solved, g, {e::not_finite, 2, 1, 0.0});
+  }
+  // Stats of a row whose forward solve stopped short (or was rejected): the device reports field 3
+  // (status) with the status in `value`, and the host words it as the CPU does.
+  for (const troll::row_status status : {troll::row_status::not_converged, troll::row_status::rejected}) {
+    troll::projection_stats st = solved;
+    st.status = status;
+    same_backward_message(st, std::vector<double>(batch.cols, 0.5),
+                          {e::bad_stats, 3, 0, double(static_cast<int>(status))});
   }
   CHECK_THROWS_AS(troll::detail::cuda::throw_report("project", 1, {e::disjoint, 0, 0, 0.0}, names),
                   troll::infeasible_error);

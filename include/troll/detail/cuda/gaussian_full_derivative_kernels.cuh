@@ -32,14 +32,7 @@ constexpr int gaussian_full_threads = 128;
 /// `partial` is gaussian_full_threads / 32 doubles of shared memory.
 struct block_team {
   double* partial;
-  // Host-and-device so that the shared steps' host instantiations type-check; device only.
-  TROLL_HOST_DEVICE int lane() const {
-#ifdef __CUDA_ARCH__
-    return static_cast<int>(threadIdx.x);
-#else
-    return 0;
-#endif
-  }
+  TROLL_HOST_DEVICE int lane() const { return team_lane(); }
   TROLL_HOST_DEVICE int size() const { return gaussian_full_threads; }
   TROLL_HOST_DEVICE void sync() const {
 #ifdef __CUDA_ARCH__

@@ -91,16 +91,19 @@ __device__ bool bad_operand(const T* mean, const T* cov, std::size_t d, bool ful
   return __any_sync(0xffffffffu, bad);
 }
 
+/// The calling thread's index in its block, as a team's lane (0 in the host instantiations, which
+/// only type-check the shared steps: the teams run on the device).
+TROLL_HOST_DEVICE inline int team_lane() {
+#ifdef __CUDA_ARCH__
+  return static_cast<int>(threadIdx.x);
+#else
+  return 0;
+#endif
+}
+
 /// One warp as a team of gaussian_row_refused (the kernels below run one warp per row).
 struct warp_team {
-  // Host-and-device so that the shared steps' host instantiations type-check; device only.
-  TROLL_HOST_DEVICE int lane() const {
-#ifdef __CUDA_ARCH__
-    return static_cast<int>(threadIdx.x);
-#else
-    return 0;
-#endif
-  }
+  TROLL_HOST_DEVICE int lane() const { return team_lane(); }
   TROLL_HOST_DEVICE int size() const { return gaussian_warp; }
   TROLL_HOST_DEVICE double sum(double x) const {
 #ifdef __CUDA_ARCH__
