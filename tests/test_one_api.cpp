@@ -120,7 +120,7 @@ TEST_CASE("cpu workspace: undersized, misaligned or null memory throws shape_err
   std::vector<troll::projection_stats> stats(rows);
   troll::project(troll::cpu, troll::make_batch(zn.data(), rows, V), troll::make_batch(zo.data(), rows, V), 0.05,
                  troll::make_batch(lp.data(), rows, V), stats.data());
-  const std::vector<double> g(rows * V, 0.25);
+  std::vector<double> g(rows * V, 0.25);
   const double sentinel = 1234.5;
   std::vector<double> grad(rows * V, sentinel);
   const std::size_t need = troll::workspace_bytes(troll::cpu, troll::op::project_backward{}, rows, V);
@@ -137,6 +137,22 @@ TEST_CASE("cpu workspace: undersized, misaligned or null memory throws shape_err
   for (double v : grad) CHECK(v == sentinel);
   CHECK_THROWS_WITH(call(troll::cpu.with_workspace(memory, need - 1)),
                     "troll::project_backward: workspace holds 1 bytes but the call needs 2 (troll::workspace_bytes)");
+  // The caller's workspace is an argument: checked before the rows, so a bad row with a short
+  // workspace is a shape_error (as on the device), and a domain_error once the workspace fits.
+  g[V + 3] = std::nan("");
+  CHECK_THROWS_AS(call(troll::cpu.with_workspace(memory, need - 1)), troll::shape_error);
+  CHECK_THROWS_AS(call(troll::cpu.with_workspace(memory, need)), troll::domain_error);
+  std::vector<double> tangent_out(rows * V, sentinel);
+  auto jvp = [&](troll::cpu_policy p) {
+    troll::project_jvp(p, troll::make_batch(zn.data(), rows, V), troll::make_batch(zo.data(), rows, V),
+                       troll::make_batch(lp.data(), rows, V), stats.data(), troll::make_batch(g.data(), rows, V),
+                       troll::batch_view<const double>{}, 0.0, troll::make_batch(tangent_out.data(), rows, V));
+  };
+  CHECK_THROWS_AS(jvp(troll::cpu.with_workspace(memory, need - 1)), troll::shape_error);
+  CHECK_THROWS_AS(jvp(troll::cpu.with_workspace(memory, need)), troll::domain_error);
+  for (double v : grad) CHECK(v == sentinel);
+  for (double v : tangent_out) CHECK(v == sentinel);
+  g[V + 3] = 0.25;
   call(troll::cpu.with_workspace(memory, need));
   std::vector<double> own(grad);
   call(troll::cpu);  // no workspace: the thread's arena
@@ -147,11 +163,13 @@ TEST_CASE("cpu workspace: undersized, misaligned or null memory throws shape_err
 namespace {
 
 /// Calls `call(policy)` with the policy's workspace too short (8 bytes: not even the weights of
-/// the rows), misaligned and null (each must throw shape_error and leave `out` as it was), then
-/// with `need` bytes, the query's answer (the results must equal those of the call that
-/// takes its scratch from the thread's arena).
+/// the rows), misaligned and null (each must throw shape_error and leave `out` as it was), the
+/// same with a NaN in `spoil` (an input of a counted row: the workspace is checked first, so
+/// still shape_error; domain_error once the workspace fits), then with `need` bytes, the query's
+/// answer (the results must equal those of the call that takes its scratch from the thread's
+/// arena).
 template <class Call, class Out>
-void check_objective_workspace(std::size_t need, Call call, const Out& out) {
+void check_objective_workspace(std::size_t need, Call call, const Out& out, double& spoil) {
   REQUIRE(need > 0);
   std::vector<double> memory(need / sizeof(double) + 2);
   auto* bytes = reinterpret_cast<unsigned char*>(memory.data());
@@ -159,6 +177,11 @@ void check_objective_workspace(std::size_t need, Call call, const Out& out) {
   CHECK_THROWS_AS(call(troll::cpu.with_workspace(bytes, 8)), troll::shape_error);
   CHECK_THROWS_AS(call(troll::cpu.with_workspace(bytes + 1, need)), troll::shape_error);
   CHECK_THROWS_AS(call(troll::cpu.with_workspace(nullptr, need)), troll::shape_error);
+  const double kept = spoil;
+  spoil = std::nan("");
+  CHECK_THROWS_AS(call(troll::cpu.with_workspace(bytes, 8)), troll::shape_error);
+  CHECK_THROWS_AS(call(troll::cpu.with_workspace(bytes, need)), troll::domain_error);
+  spoil = kept;
   CHECK(out == before);
   call(troll::cpu.with_workspace(bytes, need));
   const Out with_workspace = out;
@@ -176,7 +199,8 @@ TEST_CASE("cpu objectives draw their scratch from the policy's workspace (sized,
   const auto new_in = make_batch(zn.data(), rows, V);
   const auto old_in = make_batch(zo.data(), rows, V);
   const std::vector<troll::token_id> tokens{2, 5, 0, 11, 7};
-  const std::vector<double> advantages{1.0, -0.5, 0.25, 2.0, -1.0}, mask{1, 1, 0, 1, 1};
+  std::vector<double> advantages{1.0, -0.5, 0.25, 2.0, -1.0};
+  const std::vector<double> mask{1, 1, 0, 1, 1};
   troll::token_batch<double> batch;
   batch.tokens = tokens.data();
   batch.advantages = advantages.data();
@@ -193,7 +217,7 @@ TEST_CASE("cpu objectives draw their scratch from the policy's workspace (sized,
         troll::objective_forward(p, troll_objective, new_in, old_in, batch, make_batch(log_probs.data(), rows, V),
                                  stats.data(), token_loss.data(), &metrics);
       },
-      log_probs);
+      log_probs, advantages[3]);
   std::vector<double> grad(rows * V, sentinel);
   check_objective_workspace(
       troll::workspace_bytes(troll::cpu, troll::op::objective_backward{}, troll_objective, rows, V),
@@ -201,7 +225,7 @@ TEST_CASE("cpu objectives draw their scratch from the policy's workspace (sized,
         troll::objective_backward(p, troll_objective, new_in, old_in, batch, make_batch<const double>(log_probs.data(), rows, V),
                                   stats.data(), make_batch(grad.data(), rows, V), 1.0);
       },
-      grad);
+      grad, advantages[3]);
 
   troll::dppo_objective dppo;
   dppo.divergence = troll::dppo_divergence::topk_kl;
@@ -211,19 +235,19 @@ TEST_CASE("cpu objectives draw their scratch from the policy's workspace (sized,
   check_objective_workspace(
       troll::workspace_bytes(troll::cpu, troll::op::objective_forward{}, ppo, rows, V),
       [&](troll::cpu_policy p) { troll::objective_forward(p, ppo, new_in, old_in, batch, ppo_loss.data(), &metrics); },
-      ppo_loss);
+      ppo_loss, advantages[3]);
   check_objective_workspace(
       troll::workspace_bytes(troll::cpu, troll::op::objective_backward{}, ppo, rows, V),
       [&](troll::cpu_policy p) {
         troll::objective_backward(p, ppo, new_in, old_in, batch, make_batch(ppo_grad.data(), rows, V), 1.0);
       },
-      ppo_grad);
+      ppo_grad, advantages[3]);
   check_objective_workspace(
       troll::workspace_bytes(troll::cpu, troll::op::objective_backward{}, dppo, rows, V),
       [&](troll::cpu_policy p) {
         troll::objective_backward(p, dppo, new_in, old_in, batch, make_batch(dppo_grad.data(), rows, V), 1.0);
       },
-      dppo_grad);
+      dppo_grad, advantages[3]);
 
   // The sparse objective on old rows from sparsify (k = 3 and the sampled token).
   troll::sparsify_options options;
@@ -249,7 +273,7 @@ TEST_CASE("cpu objectives draw their scratch from the policy's workspace (sized,
         troll::objective_forward(p, sparse, new_in, troll::sparse_input<double>(old_rows), batch, aligned, sparse_lp,
                                  stats.data(), token_loss.data(), &metrics);
       },
-      l_values);
+      l_values, advantages[3]);
   std::vector<double> sparse_grad(rows * V, sentinel);
   check_objective_workspace(
       troll::workspace_bytes(troll::cpu, troll::op::objective_backward{}, sparse, rows, V, k_max),
@@ -258,7 +282,27 @@ TEST_CASE("cpu objectives draw their scratch from the policy's workspace (sized,
                                   troll::sparse_input<double>(sparse_lp), stats.data(),
                                   make_batch(sparse_grad.data(), rows, V), 1.0);
       },
-      sparse_grad);
+      sparse_grad, advantages[3]);
+
+  // The sparse project_backward on the forward's aligned rows and log π*: its workspace too is
+  // checked before the rows (a NaN upstream entry in row 1).
+  std::vector<double> up(rows * k_max, 0.125), up_r(rows, 0.0), gn(rows * k_max, sentinel), gn_r(rows, sentinel);
+  auto sparse_backward = [&](troll::cpu_policy p) {
+    troll::project_backward(p, troll::aligned_input<double>(aligned), troll::sparse_input<double>(sparse_lp),
+                            stats.data(),
+                            troll::sparse_grad_input<double>(troll::sparse_grad_view<double>{up.data(), up_r.data(), rows, k_max}),
+                            troll::sparse_grad_view<double>{gn.data(), gn_r.data(), rows, k_max});
+  };
+  const std::size_t sparse_need = troll::workspace_bytes(troll::cpu, troll::op::project_backward{}, rows);
+  REQUIRE(sparse_need == rows);
+  alignas(16) unsigned char short_memory[16] = {};
+  up[k_max + 0] = std::nan("");
+  CHECK_THROWS_AS(sparse_backward(troll::cpu.with_workspace(short_memory, sparse_need - 1)), troll::shape_error);
+  CHECK_THROWS_AS(sparse_backward(troll::cpu.with_workspace(short_memory, sparse_need)), troll::domain_error);
+  for (double v : gn) CHECK(v == sentinel);
+  up[k_max + 0] = 0.125;
+  sparse_backward(troll::cpu.with_workspace(short_memory, sparse_need));
+  CHECK(gn[0] != sentinel);
 }
 
 // ---- The CPU's scratch without a workspace: a per-thread arena, grown once, then reused ----

@@ -40,6 +40,7 @@ void project_backward(cpu_policy policy, input_view<T> new_logits, input_view<T>
   detail::check_output(fn, "grad_new", new_logits, grad_new);
   if (grad_old.rows != 0) detail::check_output(fn, "grad_old", new_logits, grad_old);
   const bool want_old = grad_old.rows != 0;
+  const detail::host_scratch scratch(fn, policy.workspace, workspace_bytes(policy, op::project_backward{}, new_logits.rows));
   // The validation of the first rows is the VJP's first pass: their sums are kept (on the stack).
   constexpr std::size_t kept_rows = 64;
   detail::cpu::vjp_sums kept[kept_rows];
@@ -47,7 +48,6 @@ void project_backward(cpu_policy policy, input_view<T> new_logits, input_view<T>
                             grad_log_probs, "grad_log_probs", input_view<T>{}, kept,
                             want_old ? std::size_t(0) : kept_rows);
   const std::size_t size = new_logits.cols;
-  const detail::host_scratch scratch(fn, policy.workspace, workspace_bytes(policy, op::project_backward{}, new_logits.rows));
   unsigned char* overflowed = scratch.data();
   detail::cpu::parallel_for(policy.threads, new_logits.rows, 6 * size, [&](std::size_t r) {
     double row_grad_eps = 0.0;
@@ -72,11 +72,11 @@ void project_jvp(cpu_policy policy, input_view<T> new_logits, input_view<T> old_
   detail::check_output(fn, "tangent_out", new_logits, tangent_out);
   if (!(tangent_eps - tangent_eps == 0.0))
     throw domain_error("troll::project_jvp: tangent_eps is not finite");
+  const detail::host_scratch scratch(fn, policy.workspace, workspace_bytes(policy, op::project_jvp{}, new_logits.rows));
   detail::validate_backward(fn, policy.threads, new_logits, old_logits, log_probs, stats,
                             tangent_new, "tangent_new", tangent_old);
   const std::size_t size = new_logits.cols;
   const bool with_old = tangent_old.rows != 0;
-  const detail::host_scratch scratch(fn, policy.workspace, workspace_bytes(policy, op::project_jvp{}, new_logits.rows));
   unsigned char* overflowed = scratch.data();
   detail::cpu::parallel_for(policy.threads, new_logits.rows, 6 * size, [&](std::size_t r) {
     overflowed[r] = !detail::cpu::jvp_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),

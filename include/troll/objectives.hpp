@@ -55,11 +55,11 @@ objective_metrics objective_forward(cpu_policy policy, const trust_region_object
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_forward";
   detail::check_troll_forward_arguments<T>(fn, objective, new_logits, old_logits, in, log_probs, stats);
-  detail::validate_objective(fn, policy.threads, new_logits, old_logits, in, true, objective.eps,
-                             objective.alpha > 0.0);
   const std::size_t rows = new_logits.rows, size = new_logits.cols;
   const detail::cpu::carved_scratch<detail::cpu::troll_forward_scratch<T>> scratch(fn, policy.workspace, rows,
                                                                                     size);
+  detail::validate_objective(fn, policy.threads, new_logits, old_logits, in, true, objective.eps,
+                             objective.alpha > 0.0);
   const detail::cpu::troll_forward_scratch<T>& ws = scratch.parts;
   // A counted token far in the old row's tail (−log q_a ≤ max z° − z°_a + log V) is projected
   // once into the scratch row first (one such row at a time, in row order), so that a ratio or
@@ -126,6 +126,8 @@ void objective_backward(cpu_policy policy, const trust_region_objective& objecti
   constexpr const char* fn = "objective_backward";
   detail::check_troll_backward_arguments<T>(fn, objective, new_logits, old_logits, in, log_probs, stats,
                                             grad_new, grad_loss);
+  const std::size_t rows = new_logits.rows, size = new_logits.cols;
+  const detail::cpu::carved_scratch<detail::cpu::troll_backward_scratch> scratch(fn, policy.workspace, rows, rows);
   // Row by row: the token data and logits (as the forward), then log_probs, then the stats.
   detail::validate_objective(fn, policy.threads, new_logits, old_logits, in, true, objective.eps,
                              objective.alpha > 0.0, [&](std::size_t r) {
@@ -133,8 +135,6 @@ void objective_backward(cpu_policy policy, const trust_region_objective& objecti
                                    log_probs.row(r), new_logits.row(r), old_logits.row(r), log_probs.cols, "log_probs");
                                return p ? p : detail::check_stats(stats[r]);
                              });
-  const std::size_t rows = new_logits.rows, size = new_logits.cols;
-  const detail::cpu::carved_scratch<detail::cpu::troll_backward_scratch> scratch(fn, policy.workspace, rows, rows);
   const double* c = scratch.parts.weights;
   detail::cpu::troll_backward_plan* plans = scratch.parts.records;
   detail::row_problem* problems = scratch.parts.extra;

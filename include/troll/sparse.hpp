@@ -570,6 +570,7 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
   detail::require_float_type<T>();
   constexpr const char* fn = "project_backward";
   detail::check_sparse_project_backward_arguments(fn, rows, log_probs, stats, grad, grad_new, grad_old);
+  const detail::host_scratch scratch(fn, policy.workspace, workspace_bytes(policy, op::project_backward{}, rows.rows));
   const bool want_old = !grad_old.empty();
   // Row by row (the lowest row with any problem): the aligned row (validate_aligned), then
   // log_probs, the upstream gradient and the stats (below). One fast yes/no pass over the aligned
@@ -652,7 +653,6 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
         detail::cpu::prefetch_entries(log_probs.row_log_probs(r), c);
         detail::cpu::prefetch_entries(grad.row(r), c);
       }, own_problem);
-  const detail::host_scratch scratch(fn, policy.workspace, workspace_bytes(policy, op::project_backward{}, rows.rows));
   unsigned char* overflowed = scratch.data();
   detail::cpu::parallel_for(policy.threads, rows.rows, 16 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     const int count = static_cast<int>(rows.counts[r]);

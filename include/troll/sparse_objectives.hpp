@@ -71,6 +71,7 @@ objective_metrics objective_forward(cpu_policy policy,
   detail::check_sparse_forward_arguments<T>(fn, objective, new_logits, old_rows, in, aligned,
                                             log_probs, stats);
   const std::size_t rows = new_logits.rows, vocab = new_logits.cols;
+  const detail::cpu::carved_scratch<detail::cpu::sparse_forward_scratch> scratch(fn, policy.workspace, rows, 0);
   const int new_k = objective.new_support.k;
   const double log_delta =
       objective.new_support.delta > 0.0 ? std::log(objective.new_support.delta) : detail::neg_inf();
@@ -136,7 +137,6 @@ objective_metrics objective_forward(cpu_policy policy,
   };
   detail::cpu::throw_first_problem(fn, policy.threads, rows, 2 * vocab, problem, &detail::throw_row_problem);
 
-  const detail::cpu::carved_scratch<detail::cpu::sparse_forward_scratch> scratch(fn, policy.workspace, rows, 0);
   detail::cpu::troll_row_result* results = scratch.parts.records;
   detail::metrics_sum sum;
   detail::aggregation_weights(in, rows, 1.0, &sum.m.sequences, scratch.parts.weights);
@@ -191,6 +191,7 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
   detail::check_sparse_backward_arguments<T>(fn, objective, new_logits, aligned, in, log_probs,
                                              stats, grad_new, grad_loss);
   const std::size_t rows = new_logits.rows, vocab = new_logits.cols;
+  const detail::cpu::carved_scratch<detail::cpu::sparse_backward_scratch> scratch(fn, policy.workspace, rows, 0);
   const bool regression = objective.alpha > 0.0;
 
   auto problem = [&](std::size_t r) -> detail::row_problem {
@@ -231,7 +232,6 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
   };
   detail::cpu::throw_first_problem(fn, policy.threads, rows, vocab, problem, &detail::throw_row_problem);
 
-  const detail::cpu::carved_scratch<detail::cpu::sparse_backward_scratch> scratch(fn, policy.workspace, rows, 0);
   const double* c = scratch.parts.weights;
   detail::row_problem* problems = scratch.parts.records;
   unsigned char* overflowed = scratch.parts.flags;

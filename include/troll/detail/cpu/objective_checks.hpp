@@ -213,9 +213,9 @@ objective_metrics ratio_forward(const char* fn, cpu_policy policy, const cpu::ra
                                 batch_view<const T> new_logits, batch_view<const T> old_logits,
                                 const token_batch<T>& in, T* token_loss) {
   check_objective_shapes(fn, new_logits, old_logits, in);
-  validate_objective(fn, policy.threads, new_logits, old_logits, in, false, 0.0, false);
   const std::size_t rows = new_logits.rows, size = new_logits.cols;
   const cpu::carved_scratch<cpu::ratio_forward_scratch> scratch(fn, policy.workspace, rows, 0);
+  validate_objective(fn, policy.threads, new_logits, old_logits, in, false, 0.0, false);
   const double* c = scratch.parts.weights;
   cpu::ratio_row_result* results = scratch.parts.records;
   unsigned char* counted = scratch.parts.flags;
@@ -250,9 +250,9 @@ void ratio_backward(const char* fn, cpu_policy policy, cpu::ratio_objective_spec
                     batch_view<const T> new_logits, batch_view<const T> old_logits,
                     const token_batch<T>& in, batch_view<T> grad_new, double grad_loss) {
   check_ratio_backward_arguments<T>(fn, new_logits, old_logits, in, grad_new, grad_loss);
-  validate_objective(fn, policy.threads, new_logits, old_logits, in, false, 0.0, false);
   const std::size_t rows = new_logits.rows, size = new_logits.cols;
   const cpu::carved_scratch<cpu::ratio_backward_scratch> scratch(fn, policy.workspace, rows, 3 * rows);
+  validate_objective(fn, policy.threads, new_logits, old_logits, in, false, 0.0, false);
   const double* c = scratch.parts.weights;
   double* coef = scratch.parts.extra;
   double* norm_max = scratch.parts.extra + rows;  // the new rows' log-normalisers, in two parts
