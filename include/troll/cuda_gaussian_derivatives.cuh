@@ -18,11 +18,11 @@
 // undersized, null or misaligned: shape_error before anything is written). Larger d: shape_error.
 // The host checks shapes and bounds as the CPU does. By default some values are checked on the
 // device: a row with bad operands (NaN / inf means, factors or standard deviations the CPU
-// rejects) or forward stats not solved with t in (0, 1] gets NaN in every requested output. The
-// derivatives do not test the ratio and mean-step refusals themselves: the device forward gives
-// such a row status rejected, whose stats are refused here, but stats from elsewhere pass (checked
-// mode refuses the row). A non-finite upstream gradient or tangent is refused only in checked
-// mode (in the default mode it reaches the outputs as NaN or inf).
+// rejects), forward stats not solved with t in (0, 1], or a non-finite entry in an upstream
+// gradient or input tangent the row reads (factors: the lower triangle) gets NaN in every
+// requested output. The derivatives do not test the ratio and mean-step refusals themselves: the
+// device forward gives such a row status rejected, whose stats are refused here, but stats from
+// elsewhere pass (checked mode refuses the row).
 // With troll::cuda.on(s).checked() the rows are checked on the host first (gaussian_checked.cuh),
 // row by row as on the CPU, and the lowest bad one throws the CPU's exception, naming it, before
 // anything is written.

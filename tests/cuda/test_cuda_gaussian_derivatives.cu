@@ -62,6 +62,64 @@ TEST_CASE("unchecked: a bad row gets NaN gradients, the others match the CPU") {
     for (std::size_t i = r * d; i < (r + 1) * d; ++i) CHECK(close(hm[i], cm[i], 1e-13, 1e-10));
   }
 }
+
+TEST_CASE("unchecked: a non-finite upstream gradient or tangent gives the row NaN, the others match the CPU") {
+  const std::size_t n = 5, d = 70;
+  const double eps = 0.05;
+  const diag_batch b = make_diag(n, d, 12);
+  const diag_forward f = cpu_forward(b, false, eps, eps);
+  std::vector<double> up_m(n * d, 0.5), up_s(n * d, -0.25), tan_m(n * d, 0.125);
+  for (std::size_t i = 0; i < n * d; ++i) up_m[i] += 1e-3 * double(i % 17), tan_m[i] -= 1e-3 * double(i % 13);
+  // The CPU on the clean operands.
+  const troll::gaussian::gaussian_tangents<double> cpu_tangents{view(tan_m, n, d), {}, {}, {}, 0.01, 0.0};
+  std::vector<double> cm(n * d), ce(n), ctm(n * d), cts(n * d);
+  const troll::gaussian::gaussian_grads<double> cg{troll::make_batch(cm.data(), n, d), {}, {}, {}, ce.data(), nullptr};
+  troll::gaussian::project_joint_diag_backward(troll::cpu, view(b.mean, n, d), view(b.sd, n, d),
+                                               view(b.old_mean, n, d), view(b.old_sd, n, d), eps, view(f.mean, n, d),
+                                               view(f.sd, n, d), f.stats.data(), view(up_m, n, d), view(up_s, n, d),
+                                               cg);
+  troll::gaussian::project_joint_diag_jvp(troll::cpu, view(b.mean, n, d), view(b.sd, n, d), view(b.old_mean, n, d),
+                                          view(b.old_sd, n, d), eps, view(f.mean, n, d), view(f.sd, n, d),
+                                          f.stats.data(), cpu_tangents, troll::make_batch(ctm.data(), n, d),
+                                          troll::make_batch(cts.data(), n, d));
+  up_s[2 * d + 69] = std::numeric_limits<double>::infinity();  // the VJP's row 2 (last lane's share)
+  tan_m[4 * d + 40] = std::nan("");                             // the JVP's row 4
+  using troll_test::device_array;
+  device_array<double> m(b.mean), s(b.sd), om(b.old_mean), os(b.old_sd), ym(f.mean), ys(f.sd), um(up_m), us(up_s),
+      tm(tan_m);
+  device_array<double> gm(n * d), ge(n), om_t(n * d), os_t(n * d);
+  device_array<stats_t> st(f.stats);
+  auto in = [&](const device_array<double>& x) { return troll::make_batch(static_cast<const double*>(x.get()), n, d); };
+  const troll::gaussian::gaussian_grads<double> grads{troll::make_batch(gm.get(), n, d), {}, {}, {}, ge.get(), nullptr};
+  const troll::gaussian::gaussian_tangents<double> device_tangents{in(tm), {}, {}, {}, 0.01, 0.0};
+  const troll_test::test_stream stream;
+  troll::gaussian::project_joint_diag_backward(troll::cuda.on(stream.stream), in(m), in(s), in(om), in(os), eps,
+                                               in(ym), in(ys), st.get(), in(um), in(us), grads);
+  troll::gaussian::project_joint_diag_jvp(troll::cuda.on(stream.stream), in(m), in(s), in(om), in(os), eps, in(ym),
+                                          in(ys), st.get(), device_tangents,
+                                          troll::make_batch(om_t.get(), n, d), troll::make_batch(os_t.get(), n, d));
+  stream.sync();
+  const std::vector<double> hm = gm.download(), he = ge.download(), htm = om_t.download(), hts = os_t.download();
+  CHECK(std::isnan(he[2]));
+  for (std::size_t r = 0; r < n; ++r)
+    for (std::size_t i = r * d; i < (r + 1) * d; ++i) {
+      CAPTURE(r);
+      if (r == 2) {
+        CHECK(std::isnan(hm[i]));
+      } else {
+        CHECK(close(hm[i], cm[i], 1e-13, 1e-10));
+      }
+      if (r == 4) {
+        CHECK(std::isnan(htm[i]));
+        CHECK(std::isnan(hts[i]));
+      } else {
+        CHECK(close(htm[i], ctm[i], 1e-13, 1e-10));
+        CHECK(close(hts[i], cts[i], 1e-13, 1e-10));
+      }
+    }
+  for (std::size_t r = 0; r < n; ++r)
+    if (r != 2) CHECK(close(he[r], ce[r], 1e-13, 1e-10));
+}
 }
 
 TEST_CASE("host-side checks of the CUDA Gaussian derivatives (no device needed)") {

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstddef>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -289,6 +290,37 @@ TEST_CASE("full-covariance VJP on the device: a bad row gets NaN unchecked, the 
   for (const std::vector<double>* v : {&kept.m, &kept.l, &kept.om, &kept.ol, &kept.e, &kept.em})
     CHECK(std::all_of(v->begin(), v->end(), [](double x) { return x == 7.0; }));
 }
+TEST_CASE("full-covariance VJP and JVP on the device: a non-finite upstream entry the row reads gives NaN unchecked") {
+  // d = 6: the row in shared memory; d = 40: in the workspace. Factor gradients and tangents are
+  // read on their lower triangle only: a NaN above it changes nothing (as on the CPU).
+  for (std::size_t d : {std::size_t(6), std::size_t(40)}) {
+    CAPTURE(d);
+    const std::size_t dd = d * d;
+    full_batch b = make_full(d, false, static_cast<unsigned>(5 + d));
+    b.up_l[2 * dd + 1] = std::nan("");  // row 2, above the diagonal: not read
+    b.tl[2 * dd + 1] = std::nan("");
+    const vjp_out ref = vjp_cpu(b);
+    const std::vector<double> jref = jvp_cpu(b);
+    b.up_l[3 * dd + 2 * d + 1] = std::numeric_limits<double>::infinity();  // row 3 of the VJP, below it
+    b.tl[1 * dd + d] = std::nan("");                                        // row 1 of the JVP
+    const vjp_out got = vjp_device(b, false);
+    for (std::size_t i = 3 * d; i < 4 * d; ++i) CHECK(std::isnan(got.m[i]));
+    for (std::size_t i = 3 * dd; i < 4 * dd; ++i) CHECK(std::isnan(got.l[i]));
+    CHECK(std::isnan(got.e[3]));
+    check_rows(got.m, ref.m, d, 1e-9, 3);
+    check_rows(got.l, ref.l, dd, 1e-9, 3);
+    check_rows(got.e, ref.e, 1, 1e-9, 3);
+    const std::vector<double> jg = jvp_device(b, false);
+    const std::size_t nd = b.n * d;
+    for (std::size_t i = d; i < 2 * d; ++i) CHECK(std::isnan(jg[i]));
+    for (std::size_t i = nd + dd; i < nd + 2 * dd; ++i) CHECK(std::isnan(jg[i]));
+    check_rows(std::vector<double>(jg.begin(), jg.begin() + static_cast<std::ptrdiff_t>(nd)),
+               std::vector<double>(jref.begin(), jref.begin() + static_cast<std::ptrdiff_t>(nd)), d, 1e-9, 1);
+    check_rows(std::vector<double>(jg.begin() + static_cast<std::ptrdiff_t>(nd), jg.end()),
+               std::vector<double>(jref.begin() + static_cast<std::ptrdiff_t>(nd), jref.end()), dd, 1e-9, 1);
+  }
+}
+
 TEST_CASE("full-covariance forward and KL above d = 32 (one block per row, workspace) match the CPU") {
   for (bool split : {false, true}) {
     for (std::size_t d : {std::size_t(33), std::size_t(64), std::size_t(256)}) {

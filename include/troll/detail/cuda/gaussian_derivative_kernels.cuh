@@ -4,8 +4,9 @@
 // every 32nd coordinate through the first pass, the sums meet in warp_sum (one fixed order, the
 // same bits in every lane), and the second pass writes each coordinate.
 //
-// A row the CPU would reject (bad values, or forward stats that are not solved with t in (0, 1])
-// is written as NaN: every requested output of the row, and its bound gradients.
+// A row the CPU would reject for its values (bad operands, forward stats that are not solved with
+// t in (0, 1], a non-finite upstream gradient or input tangent) is written as NaN: every
+// requested output of the row, and its bound gradients.
 #pragma once
 
 #include <cstddef>
@@ -41,6 +42,19 @@ template <int Lanes = gaussian_warp, class T>
 __device__ inline void fill_row_nan(T* out, std::size_t n) {
   if (out == nullptr) return;
   for (std::size_t i = threadIdx.x; i < n; i += Lanes) out[i] = static_cast<T>(quiet_nan());
+}
+
+/// Whether the calling thread, lane `lane` of `lanes`, finds a non-finite entry among those of
+/// `row`'s n it reads (none when null); with factor_dim d > 0 the row is a d×d factor of which only
+/// the lower triangle is read, and only that is tested (the CPU's finite_operands). The caller
+/// reduces the verdict over its team.
+template <class T>
+__device__ inline bool nonfinite_part(const T* row, std::size_t n, std::size_t factor_dim, int lane, int lanes) {
+  bool bad = false;
+  if (row == nullptr) return bad;
+  for (std::size_t e = static_cast<std::size_t>(lane); e < n; e += static_cast<std::size_t>(lanes))
+    bad |= (factor_dim == 0 || e % factor_dim <= e / factor_dim) && !finite_value(static_cast<double>(row[e]));
+  return bad;
 }
 
 // ---- KL ----------------------------------------------------------------------------------------
@@ -161,6 +175,13 @@ struct diag_vjp_op {
       if (k.grads.eps_mean != nullptr) k.grads.eps_mean[r] = quiet_nan();
     }
   }
+  /// Whether the row's upstream gradients hold a non-finite entry (the same verdict in every lane).
+  __device__ bool bad_upstream(std::size_t r, std::size_t d) const {
+    const int lane = static_cast<int>(threadIdx.x);
+    const bool bad = nonfinite_part(k.grad_out_mean.row(r), d, 0, lane, gaussian_warp) ||
+                     nonfinite_part(k.grad_out_cov.row(r), d, 0, lane, gaussian_warp);
+    return __any_sync(0xffffffffu, bad);
+  }
   __device__ void row(std::size_t r, std::size_t d, const T* mean, const T* sd, const T* old_mean, const T* old_sd,
                       double t, double s) const {
     const T *out_sd = k.out_cov.row(r), *up_mean = k.grad_out_mean.row(r), *up_sd = k.grad_out_cov.row(r);
@@ -202,6 +223,15 @@ struct diag_jvp_op {
     fill_row_nan(k.out_mean.row(r), d);
     fill_row_nan(k.out_cov.row(r), d);
   }
+  /// Whether the row's input tangents (those given) hold a non-finite entry (every lane's verdict).
+  __device__ bool bad_upstream(std::size_t r, std::size_t d) const {
+    const int lane = static_cast<int>(threadIdx.x);
+    const bool bad = nonfinite_part(row_or_null(k.tangents.mean, r), d, 0, lane, gaussian_warp) ||
+                     nonfinite_part(row_or_null(k.tangents.cov, r), d, 0, lane, gaussian_warp) ||
+                     nonfinite_part(row_or_null(k.tangents.old_mean, r), d, 0, lane, gaussian_warp) ||
+                     nonfinite_part(row_or_null(k.tangents.old_cov, r), d, 0, lane, gaussian_warp);
+    return __any_sync(0xffffffffu, bad);
+  }
   __device__ void row(std::size_t r, std::size_t d, const T* mean, const T* sd, const T* old_mean, const T* old_sd,
                       double t, double s) const {
     const T *d_mean = row_or_null(k.tangents.mean, r), *d_sd = row_or_null(k.tangents.cov, r);
@@ -228,7 +258,9 @@ struct diag_jvp_op {
 };
 
 /// Diagonal derivative rows, one warp a row (diag_vjp_op or diag_jvp_op): a row with a bad
-/// operand pair or unusable stats is rejected, the others differentiated at their solved tilt.
+/// operand pair, unusable stats or a non-finite upstream gradient (tangent) is rejected, the
+/// others differentiated at their solved tilt. Each test's verdict is the warp's, so the
+/// short-circuit is the same in every lane.
 template <class T, class Op>
 __global__ void __launch_bounds__(gaussian_warp) gaussian_derivative_diag_kernel(Op op) {
   const std::size_t d = op.k.mean.cols;
@@ -236,7 +268,8 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_derivative_diag_kernel
     const T *mean = op.k.mean.row(r), *sd = op.k.cov.row(r), *old_mean = op.k.old_mean.row(r),
             *old_sd = op.k.old_cov.row(r);
     const gaussian::gaussian_stats st = op.k.stats[r];
-    if (bad_operand(mean, sd, d, false) || bad_operand(old_mean, old_sd, d, false) || !usable_stats(st)) {
+    if (bad_operand(mean, sd, d, false) || bad_operand(old_mean, old_sd, d, false) || !usable_stats(st) ||
+        op.bad_upstream(r, d)) {
       op.reject(r, d);
       continue;
     }

@@ -6,8 +6,9 @@
 // The row scratch (full_scratch::doubles(d) doubles) is in dynamic shared memory up to d = 32,
 // above (to d = 256) in the block's slice of the caller's workspace (workspace_layout.hpp).
 //
-// A row the CPU would reject (bad values, or forward stats that are not solved with t in (0, 1])
-// is written as NaN: every requested output of the row, and its bound gradients.
+// A row the CPU would reject for its values (bad operands, forward stats that are not solved with
+// t in (0, 1], a non-finite upstream gradient or input tangent) is written as NaN: every
+// requested output of the row, and its bound gradients.
 #pragma once
 
 #include <cstddef>
@@ -113,6 +114,13 @@ struct full_vjp_op {
       if (io.eps_mean != nullptr) *io.eps_mean = quiet_nan();
     }
   }
+  /// Whether the row's upstream gradients hold a non-finite entry (∂L/∂L*: its lower triangle);
+  /// reached by every thread, the same verdict in each.
+  __device__ static bool bad_upstream(const gaussian_vjp_io<T>& io, int d, std::size_t dd, const block_team& tm) {
+    const bool bad = nonfinite_part(io.grad_out_mean, std::size_t(d), 0, tm.lane(), tm.size()) ||
+                     nonfinite_part(io.grad_out_cov, dd, std::size_t(d), tm.lane(), tm.size());
+    return tm.sum(bad ? 1.0 : 0.0) != 0.0;
+  }
   __device__ void row(const block_team& tm, const T* mean, const T* l_new, const T* old_mean, double t, double s,
                       const gaussian_vjp_io<T>& io, const full_scratch& w) const {
     gaussian_full_vjp_row(tm, k.split, mean, l_new, old_mean, k.eps_mean, t, s, io, w);
@@ -132,6 +140,16 @@ struct full_jvp_op {
     fill_row_nan<gaussian_full_threads>(io.out_mean, d);
     fill_row_nan<gaussian_full_threads>(io.out_cov_tangent, dd);
   }
+  /// Whether the row's input tangents (those given; factors: their lower triangles) hold a
+  /// non-finite entry; reached by every thread, the same verdict in each.
+  __device__ static bool bad_upstream(const gaussian_jvp_io<T>& io, int d, std::size_t dd, const block_team& tm) {
+    const std::size_t n = std::size_t(d);
+    const bool bad = nonfinite_part(io.mean, n, 0, tm.lane(), tm.size()) ||
+                     nonfinite_part(io.cov, dd, n, tm.lane(), tm.size()) ||
+                     nonfinite_part(io.old_mean, n, 0, tm.lane(), tm.size()) ||
+                     nonfinite_part(io.old_cov, dd, n, tm.lane(), tm.size());
+    return tm.sum(bad ? 1.0 : 0.0) != 0.0;
+  }
   __device__ void row(const block_team& tm, const T* mean, const T* l_new, const T* old_mean, double t, double s,
                       const gaussian_jvp_io<T>& io, const full_scratch& w) const {
     gaussian_full_jvp_row(tm, k.split, mean, l_new, old_mean, k.eps_mean, t, s, io, w);
@@ -139,7 +157,7 @@ struct full_jvp_op {
 };
 
 /// Full-covariance derivative rows, one block a row (full_vjp_op or full_jvp_op): a row with a
-/// bad operand pair or unusable stats is rejected (the same verdict in every thread), the others
+/// bad operand pair, unusable stats or a non-finite upstream gradient (tangent) is rejected (the same verdict in every thread), the others
 /// factorised (or loaded from `saved`) and differentiated.
 template <class T, class Op>
 __global__ void __launch_bounds__(gaussian_full_threads)
@@ -158,7 +176,8 @@ __global__ void __launch_bounds__(gaussian_full_threads)
     const auto io = op.io(r);
     const bool bad_new = bad_full_operand(mean, l_new, d, tm);  // both reached by every thread
     const bool bad_old = bad_full_operand(old_mean, l_old, d, tm);
-    const bool bad = bad_new || bad_old || !usable_stats(st);
+    const bool bad_up = Op::bad_upstream(io, d, dd, tm);
+    const bool bad = bad_new || bad_old || !usable_stats(st) || bad_up;
     if (bad) {  // the same verdict in every thread
       op.reject(io, d, dd);
       continue;
