@@ -15,6 +15,10 @@
 // The Gaussian entry points, written once over the policy (troll/gaussian_api.hpp), take troll's
 // policies as a caller writes them (value, const reference, builder result) and nothing else.
 namespace {
+template <class X>
+struct troll_test_type {
+  using type = X;
+};
 template <class P, class = void>
 struct gaussian_kl_takes : std::false_type {};
 template <class P>
@@ -303,6 +307,37 @@ TEST_CASE("cpu objectives draw their scratch from the policy's workspace (sized,
   up[k_max + 0] = 0.125;
   sparse_backward(troll::cpu.with_workspace(short_memory, sparse_need));
   CHECK(gn[0] != sentinel);
+}
+
+TEST_CASE("cpu objectives' scratch: the size query's constant formula is where the carving ends") {
+  namespace cpu = troll::detail::cpu;
+  // Each layout carved from a block (the arena's aligned takes) ends exactly at the bytes the
+  // query's formula gives, for several row counts and extras (ASan also guards the carving).
+  auto check = [](auto tag, std::size_t rows, std::size_t extra) {
+    using layout = typename decltype(tag)::type;
+    const std::size_t bytes = cpu::scratch_bytes<layout>(rows, extra);
+    std::vector<double> block(bytes / sizeof(double) + 1);
+    cpu::scratch_arena arena(reinterpret_cast<unsigned char*>(block.data()));
+    const layout parts(arena, rows, extra);
+    static_cast<void>(parts);
+    CHECK(arena.used() == bytes);
+  };
+  for (std::size_t rows : {std::size_t(0), std::size_t(1), std::size_t(3), std::size_t(17)}) {
+    for (std::size_t extra : {std::size_t(0), std::size_t(5), std::size_t(64)}) {
+      CAPTURE(rows);
+      CAPTURE(extra);
+      check(troll_test_type<cpu::troll_forward_scratch<float>>{}, rows, extra);
+      check(troll_test_type<cpu::troll_forward_scratch<double>>{}, rows, extra);
+      check(troll_test_type<cpu::troll_backward_scratch>{}, rows, extra);
+      check(troll_test_type<cpu::ratio_forward_scratch>{}, rows, extra);
+      check(troll_test_type<cpu::ratio_backward_scratch>{}, rows, extra);
+      check(troll_test_type<cpu::sparse_forward_scratch>{}, rows, extra);
+      check(troll_test_type<cpu::sparse_backward_scratch>{}, rows, extra);
+    }
+  }
+  static_assert(troll::workspace_bytes(troll::cpu, troll::op::objective_forward{}, troll::trust_region_objective{},
+                                       4, 100) >= 100 * sizeof(double),
+                "a constant expression on the CPU too");
 }
 
 // ---- The CPU's scratch without a workspace: a per-thread arena, grown once, then reused ----

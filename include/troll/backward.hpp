@@ -34,7 +34,8 @@ template <class T>
 void project_backward(cpu_policy policy, input_view<T> new_logits, input_view<T> old_logits,
                       input_view<T> log_probs, const projection_stats* stats,
                       input_view<T> grad_log_probs, batch_view<T> grad_new,
-                      batch_view<T> grad_old = {}, T* grad_eps = nullptr) {
+                      batch_view<T> grad_old = {},
+                      typename detail::identity<T>::type* grad_eps = nullptr) {
   detail::require_float_type<T>();
   constexpr const char* fn = "project_backward";
   detail::check_output(fn, "grad_new", new_logits, grad_new);
@@ -93,7 +94,8 @@ void project_jvp(cpu_policy policy, input_view<T> new_logits, input_view<T> old_
 template <class T>
 void project_jacobian(cpu_policy policy, input_view<T> new_logits, input_view<T> old_logits,
                       input_view<T> log_probs, const projection_stats* stats, T* jac_new,
-                      T* jac_old = nullptr, T* jac_eps = nullptr) {
+                      typename detail::identity<T>::type* jac_old = nullptr,
+                      typename detail::identity<T>::type* jac_eps = nullptr) {
   detail::require_float_type<T>();
   constexpr const char* fn = "project_jacobian";
   if (new_logits.rows != 0 && jac_new == nullptr) detail::throw_shape(fn, "jac_new is a null pointer");

@@ -112,7 +112,8 @@ void project(cuda_policy policy, input_view<T> new_logits, input_view<T> old_log
 template <class T>
 void project_backward(cuda_policy policy, input_view<T> new_logits, input_view<T> old_logits,
                       input_view<T> log_probs, const projection_stats* stats, input_view<T> grad_log_probs,
-                      batch_view<T> grad_new, batch_view<T> grad_old = {}, T* grad_eps = nullptr) {
+                      batch_view<T> grad_new, batch_view<T> grad_old = {},
+                      typename detail::identity<T>::type* grad_eps = nullptr) {
   const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "project_backward";
@@ -155,17 +156,18 @@ void project_jvp(cuda_policy policy, input_view<T> new_logits, input_view<T> old
                     detail::cuda::throw_derivative_report{});
 }
 
-/// Full Jacobians of project() on the device, as troll::project_jacobian(cpu_policy, ...): per row
-/// a row-major V×V block of jac_new (∂log π*_i/∂z̃_j), of jac_old (∂log π*_i/∂z°_j; null to skip)
-/// and V entries of jac_eps (∂log π*_i/∂ε; null to skip). Memory is rows·V² elements: meant for
-/// V in the hundreds. `workspace` (device memory, project_jacobian_workspace_bytes(rows, V),
-/// 8-byte aligned) holds per-row terms; the entries are written by one thrust::for_each_n on
-/// policy.stream (par_nosync: nothing allocates, nothing synchronises). Rows with bad logits or
-/// unusable stats get NaN blocks, or throw the CPU's exception in checked mode.
+/// Full Jacobians of project() on the device, as troll::project_jacobian(cpu_policy, ...): per row a
+/// row-major V×V block of jac_new (∂log π*_i/∂z̃_j), of jac_old (∂log π*_i/∂z°_j; null to skip) and V
+/// entries of jac_eps (∂log π*_i/∂ε; null to skip). Memory is rows·V² elements: meant for V in the
+/// hundreds. `workspace` (device memory, 8-byte aligned, workspace_bytes(policy, op::project_jacobian{},
+/// rows, V)) holds per-row terms; the entries are written by one thrust::for_each_n on policy.stream
+/// (par_nosync: nothing allocates, nothing synchronises). Rows with bad logits or unusable stats get NaN
+/// blocks, or throw the CPU's exception in checked mode.
 template <class T>
 void project_jacobian(cuda_policy policy, input_view<T> new_logits, input_view<T> old_logits,
                       input_view<T> log_probs, const projection_stats* stats, T* jac_new,
-                      T* jac_old = nullptr, T* jac_eps = nullptr) {
+                      typename detail::identity<T>::type* jac_old = nullptr,
+                      typename detail::identity<T>::type* jac_eps = nullptr) {
   const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "project_jacobian";

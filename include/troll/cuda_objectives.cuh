@@ -35,9 +35,10 @@ TROLL_BEGIN_NAMESPACE
 /// `log_probs`, one projection_stats per row to `stats`, ℓ_r to `token_loss` (optional, rows
 /// entries, 0 on rows with mask 0), and the aggregated loss with the batch metrics to `*metrics`
 /// (one device objective_metrics, written by a one-block kernel after the rows). Every pointer,
-/// token_batch's included, is device memory; `workspace` holds objective_workspace_bytes(rows).
-/// Nothing allocates or synchronises by default. Shape and parameter errors throw on the host
-/// before anything is enqueued. Bad rows are reported through `checks` and get NaN outputs (so a
+/// token_batch's included, is device memory; `workspace` holds
+/// workspace_bytes(policy, op::objective_forward{}, objective, rows, cols). Nothing allocates or
+/// synchronises by default. Shape and parameter errors throw on the host before anything is
+/// enqueued. Bad rows are reported through `checks` and get NaN outputs (so a
 /// counted bad row makes the loss NaN); with checks.checked the CPU's exceptions are thrown, naming
 /// the row, before anything is written.
 template <class T>
@@ -67,9 +68,10 @@ void objective_forward(cuda_policy policy, const trust_region_objective& objecti
 
 /// TROLL's fused backward on the device (troll::objective_backward(cpu_policy, ...)): grad_new =
 /// grad_loss · ∂L/∂z̃ from the forward's `log_probs` and `stats` (device memory). `workspace`
-/// (objective_workspace_bytes(rows)) is scratch for the aggregation weights: it need not hold the
-/// forward's records. Rows with mask 0 get zeros; bad rows (bad logits or token data, unusable
-/// stats) get NaN and a report, or throw in checked mode. grad_loss must be finite (host check).
+/// (workspace_bytes(policy, op::objective_backward{}, objective, rows, cols)) is scratch for the
+/// aggregation weights: it need not hold the forward's records. Rows with mask 0 get zeros; bad rows (bad
+/// logits or token data, unusable stats) get NaN and a report, or throw in checked mode. grad_loss must
+/// be finite (host check).
 template <class T>
 void objective_backward(cuda_policy policy, const trust_region_objective& objective,
                         input_view<T> new_logits, input_view<T> old_logits,

@@ -131,7 +131,7 @@ inline void sparsify_merge(cuda_policy policy, sparsify_state* into, const spars
 /// checks as on the CPU, in its order: the state's k is options.k (invalid_input), out.k_max holds
 /// the row (shape_error), some shard held the sampled token, some logit is finite (domain_error);
 /// a rejected row gets count 0, padding and a NaN log_remainder (NaN log_sums and tail_max).
-/// `log_sums` (device, rows × sparsify_log_sums_width doubles {ref, total, tail}, may be null)
+/// `log_sums` (device, rows × sparsify_log_sums_width doubles {ref, total, tail_ref, tail}, may be null)
 /// receives what the CPU overload writes there.
 template <class T>
 void sparsify_finalize(cuda_policy policy, const sparsify_state* states, const sparsify_options& options,
@@ -294,7 +294,8 @@ void project(cuda_policy policy, aligned_input<T> rows, double eps, sparse_batch
 template <class T>
 void project_backward(cuda_policy policy, aligned_input<T> rows, sparse_input<T> log_probs,
                       const projection_stats* stats, sparse_grad_input<T> grad, sparse_grad_view<T> grad_new,
-                      sparse_grad_view<T> grad_old = {}, T* grad_eps = nullptr) {
+                      sparse_grad_view<T> grad_old = {},
+                      typename detail::identity<T>::type* grad_eps = nullptr) {
   const cuda_checks& checks = policy.checks;
   detail::require_float_type<T>();
   constexpr const char* fn = "project_backward";

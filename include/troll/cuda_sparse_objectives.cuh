@@ -53,8 +53,8 @@ TROLL_BEGIN_NAMESPACE
 /// log π* on U and its bucket to `log_probs`, one projection_stats per row to `stats`, ℓ_r to
 /// `token_loss` (optional, 0 on rows with mask 0), the aggregated loss and the batch metrics to
 /// `*metrics` (one device objective_metrics). Every pointer, token_batch's included, is device
-/// memory; `workspace` holds sparse_objective_workspace_bytes(rows, aligned.k_max, new_k).
-/// Nothing allocates or synchronises by default. Shape and parameter errors throw on the host
+/// memory; `workspace` holds workspace_bytes(policy, op::objective_forward{}, objective, rows, cols,
+/// aligned.k_max). Nothing allocates or synchronises by default. Shape and parameter errors throw on the host
 /// before anything is enqueued. Bad rows are reported through `checks` (the CPU's order of
 /// checks) and get count 0 with NaN remainders in `aligned` and `log_probs`, stats with NaN
 /// fields, a NaN token loss (so a counted bad row makes the loss NaN). With checks.checked the
@@ -130,13 +130,13 @@ void objective_forward(cuda_policy policy, const sparse_trust_region_objective& 
 }
 
 /// The sparse TROLL fused backward on the device (troll::objective_backward(cpu_policy,
-/// sparse_trust_region_objective, ...)): grad_new (rows × V) = grad_loss · ∂L/∂z̃ from the
-/// forward's `aligned`, `log_probs` and `stats` (device memory): the upstream gradient on the
-/// lumped categories (the dense objective's per-token formula), then the scatter of math.md §4
-/// to every dense logit (sparsify_backward's kernel). `workspace`
-/// (sparse_objective_workspace_bytes(rows, aligned.k_max, new_k)) is scratch: it need not hold
-/// the forward's. Rows with mask 0 get zeros; bad rows (the CPU's row checks) get NaN and a
-/// report, or throw in checked mode before grad_new is written. grad_loss must be finite (host).
+/// sparse_trust_region_objective, ...)): grad_new (rows × V) = grad_loss · ∂L/∂z̃ from the forward's
+/// `aligned`, `log_probs` and `stats` (device memory): the upstream gradient on the lumped categories
+/// (the dense objective's per-token formula), then the scatter of math.md §4 to every dense logit
+/// (sparsify_backward's kernel). `workspace` (workspace_bytes(policy, op::objective_backward{},
+/// objective, rows, cols, aligned.k_max)) is scratch: it need not hold the forward's. Rows with mask 0
+/// get zeros; bad rows (the CPU's row checks) get NaN and a report, or throw in checked mode before
+/// grad_new is written. grad_loss must be finite (host).
 template <class T>
 void objective_backward(cuda_policy policy, const sparse_trust_region_objective& objective,
                         input_view<T> new_logits, aligned_input<T> aligned, const token_batch<T>& in,

@@ -51,7 +51,8 @@ template <class T>
 objective_metrics objective_forward(cpu_policy policy, const trust_region_objective& objective,
                                     input_view<T> new_logits, input_view<T> old_logits,
                                     const token_batch<T>& in, batch_view<T> log_probs,
-                                    projection_stats* stats, T* token_loss = nullptr) {
+                                    projection_stats* stats,
+                                    typename detail::identity<T>::type* token_loss = nullptr) {
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_forward";
   detail::check_troll_forward_arguments<T>(fn, objective, new_logits, old_logits, in, log_probs, stats);
@@ -178,7 +179,8 @@ void objective_backward(cpu_policy policy, const trust_region_objective& objecti
 template <class T, class Objective, detail::if_ratio_objective<Objective> = 0>
 objective_metrics objective_forward(cpu_policy policy, const Objective& objective,
                                     input_view<T> new_logits, input_view<T> old_logits,
-                                    const token_batch<T>& in, T* token_loss = nullptr) {
+                                    const token_batch<T>& in,
+                                    typename detail::identity<T>::type* token_loss = nullptr) {
   detail::require_float_type<T>();
   const auto spec = detail::make_spec("objective_forward", objective);
   return detail::ratio_forward("objective_forward", policy, spec, new_logits, old_logits, in, token_loss);

@@ -566,7 +566,7 @@ template <class T>
 void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> log_probs,
                       const projection_stats* stats, sparse_grad_input<T> grad,
                       sparse_grad_view<T> grad_new, sparse_grad_view<T> grad_old = {},
-                      T* grad_eps = nullptr) {
+                      typename detail::identity<T>::type* grad_eps = nullptr) {
   detail::require_float_type<T>();
   constexpr const char* fn = "project_backward";
   detail::check_sparse_project_backward_arguments(fn, rows, log_probs, stats, grad, grad_new, grad_old);

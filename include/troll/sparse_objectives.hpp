@@ -65,7 +65,7 @@ objective_metrics objective_forward(cpu_policy policy,
                                     input_view<T> new_logits, sparse_input<T> old_rows,
                                     const token_batch<T>& in, aligned_batch_view<T> aligned,
                                     sparse_batch_view<T> log_probs, projection_stats* stats,
-                                    T* token_loss = nullptr) {
+                                    typename detail::identity<T>::type* token_loss = nullptr) {
   detail::require_float_type<T>();
   constexpr const char* fn = "objective_forward";
   detail::check_sparse_forward_arguments<T>(fn, objective, new_logits, old_rows, in, aligned,

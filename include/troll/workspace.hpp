@@ -69,16 +69,17 @@ template <class Op>
 struct is_objective_op : std::integral_constant<bool, std::is_same<Op, op::objective_forward>::value ||
                                                           std::is_same<Op, op::objective_backward>::value> {};
 
-inline std::size_t objective_scratch(const cpu_policy&, const trust_region_objective&, std::size_t rows,
-                                     std::size_t cols, std::size_t) {
+constexpr std::size_t objective_scratch(const cpu_policy&, const trust_region_objective&, std::size_t rows,
+                                        std::size_t cols, std::size_t) {
   return cpu::dense_troll_bytes(rows, cols);
 }
 template <class Objective, if_ratio_objective<Objective> = 0>
-std::size_t objective_scratch(const cpu_policy&, const Objective&, std::size_t rows, std::size_t, std::size_t) {
+constexpr std::size_t objective_scratch(const cpu_policy&, const Objective&, std::size_t rows, std::size_t,
+                                        std::size_t) {
   return cpu::ratio_bytes(rows);
 }
-inline std::size_t objective_scratch(const cpu_policy&, const sparse_trust_region_objective&, std::size_t rows,
-                                     std::size_t, std::size_t) {
+constexpr std::size_t objective_scratch(const cpu_policy&, const sparse_trust_region_objective&, std::size_t rows,
+                                        std::size_t, std::size_t) {
   return cpu::sparse_troll_bytes(rows);
 }
 constexpr std::size_t objective_scratch(const cuda_policy&, const trust_region_objective&, std::size_t rows,

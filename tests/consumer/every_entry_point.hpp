@@ -101,6 +101,9 @@ step_results run_every_entry_point(Policy policy) {
     troll::project_backward(policy.with_workspace(scratch.get(), bytes), new_in, old_in, lp_in, stats.get(),
                             upstream_in, troll::make_batch(grad_new.get(), rows, V),
                             troll::make_batch(grad_old.get(), rows, V), grad_eps.get());
+    // The optional outputs spelled as their defaults are: an empty grad_old, a literal nullptr.
+    troll::project_backward(policy.with_workspace(scratch.get(), bytes), new_in, old_in, lp_in, stats.get(),
+                            upstream_in, troll::make_batch(grad_new.get(), rows, V), {}, nullptr);
   }
   typename S::template array<T> tangent_out(rows * V);
   troll::project_jvp(policy, new_in, old_in, lp_in, stats.get(), upstream_in, upstream_in, 0.5,
@@ -111,7 +114,15 @@ step_results run_every_entry_point(Policy policy) {
     typename S::template array<double> scratch(bytes / sizeof(double) + 1);
     troll::project_jacobian(policy.with_workspace(scratch.get(), bytes), new_in, old_in, lp_in, stats.get(),
                             jac_new.get(), jac_old.get(), jac_eps.get());
+    troll::project_jacobian(policy.with_workspace(scratch.get(), bytes), new_in, old_in, lp_in, stats.get(),
+                            jac_new.get(), nullptr, nullptr);
   }
+  // The objectives' size query is a constant expression under both policies.
+  static_assert(troll::workspace_bytes(Policy{}, troll::op::objective_forward{}, troll::ppo_clip_objective{}, 2, 8) > 0,
+                "the objectives take scratch under both policies");
+  static_assert(troll::workspace_bytes(Policy{}, troll::op::objective_backward{}, troll::trust_region_objective{}, 2,
+                                       8) > 0,
+                "the objectives take scratch under both policies");
 
   // ---- Objectives on dense rows ----
   typename S::template array<troll::token_id> tokens(std::vector<troll::token_id>{2, 5});
@@ -242,6 +253,10 @@ step_results run_every_entry_point(Policy policy) {
                           troll::sparse_grad_view<T>{gn_values.get(), gn_remainder.get(), rows, k_max},
                           troll::sparse_grad_view<T>{go_values.get(), go_remainder.get(), rows, k_max},
                           sparse_grad_eps.get());
+  troll::project_backward(policy.with_workspace(sparse_scratch.get(), sparse_bytes), aligned_in,
+                          troll::sparse_input<T>(projected.view(rows, V)), sparse_stats.get(),
+                          troll::sparse_grad_input<T>(troll::sparse_grad_view<T>{ga_values.get(), ga_remainder.get(), rows, k_max}),
+                          troll::sparse_grad_view<T>{gn_values.get(), gn_remainder.get(), rows, k_max}, {}, nullptr);
 
   // ---- The sparse objective ----
   {

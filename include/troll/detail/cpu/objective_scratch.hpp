@@ -18,18 +18,23 @@ TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cpu {
 
-/// Hands out consecutive, aligned, value-initialised arrays of a block of bytes; with no block it
-/// only counts the bytes the same requests take (the size query).
+/// Where an array of `X` starts after `used` bytes of a block (aligned for X).
+template <class X>
+constexpr std::size_t scratch_offset(std::size_t used) {
+  return (used + alignof(X) - 1) / alignof(X) * alignof(X);
+}
+
+/// Hands out consecutive, aligned, value-initialised arrays of a block of bytes.
 class scratch_arena {
  public:
-  explicit scratch_arena(unsigned char* base = nullptr) : base_(base) {}
+  explicit scratch_arena(unsigned char* base) : base_(base) {}
   template <class X>
   X* take(std::size_t n) {
     static_assert(alignof(X) <= workspace_alignment && std::is_trivially_destructible<X>::value,
                   "scratch holds plain records");
-    used_ = (used_ + alignof(X) - 1) / alignof(X) * alignof(X);
-    X* p = base_ ? reinterpret_cast<X*>(base_ + used_) : nullptr;
-    if (p) std::uninitialized_value_construct_n(p, n);
+    used_ = scratch_offset<X>(used_);
+    X* p = reinterpret_cast<X*>(base_ + used_);
+    std::uninitialized_value_construct_n(p, n);
     used_ += n * sizeof(X);
     return p;
   }
@@ -46,6 +51,14 @@ class scratch_arena {
 /// baselines' backward: c·(∂ℓ/∂r)·r and the new rows' log-normalisers in two parts, 3 × rows doubles).
 template <class Record, class Extra = unsigned char>
 struct row_scratch {
+  /// Bytes of the layout for `rows` rows and `extra` further elements: the offsets the
+  /// constructor's takes reach, in the same order (a constant expression, for the size query).
+  static constexpr std::size_t bytes(std::size_t rows, std::size_t extra_count) {
+    std::size_t used = scratch_offset<double>(0) + rows * sizeof(double);
+    used = scratch_offset<Record>(used) + rows * sizeof(Record);
+    used = scratch_offset<unsigned char>(used) + rows;
+    return scratch_offset<Extra>(used) + extra_count * sizeof(Extra);
+  }
   double* weights;
   Record* records;
   unsigned char* flags;
@@ -67,11 +80,8 @@ using sparse_backward_scratch = row_scratch<row_problem>;                      /
 
 /// Bytes one layout takes for `rows` rows and `extra` further elements.
 template <class Scratch>
-std::size_t scratch_bytes(std::size_t rows, std::size_t extra) {
-  scratch_arena counter;
-  const Scratch layout(counter, rows, extra);
-  static_cast<void>(layout);
-  return counter.used();
+constexpr std::size_t scratch_bytes(std::size_t rows, std::size_t extra) {
+  return Scratch::bytes(rows, extra);
 }
 
 /// One layout carved from the policy's workspace (checked: shape_error when it is null,
@@ -93,15 +103,16 @@ class carved_scratch {
   const Scratch parts;
 };
 
-/// The bytes the CPU objectives need, forward and backward alike (one allocation serves both).
-inline std::size_t dense_troll_bytes(std::size_t rows, std::size_t cols) {
+/// The bytes the CPU objectives need, forward and backward alike (one allocation serves both;
+/// constant expressions, as the CUDA sizes are).
+constexpr std::size_t dense_troll_bytes(std::size_t rows, std::size_t cols) {
   return std::max(scratch_bytes<troll_forward_scratch<double>>(rows, cols),
                   scratch_bytes<troll_backward_scratch>(rows, rows));
 }
-inline std::size_t ratio_bytes(std::size_t rows) {
+constexpr std::size_t ratio_bytes(std::size_t rows) {
   return std::max(scratch_bytes<ratio_forward_scratch>(rows, 0), scratch_bytes<ratio_backward_scratch>(rows, 3 * rows));
 }
-inline std::size_t sparse_troll_bytes(std::size_t rows) {
+constexpr std::size_t sparse_troll_bytes(std::size_t rows) {
   return std::max(scratch_bytes<sparse_forward_scratch>(rows, 0), scratch_bytes<sparse_backward_scratch>(rows, 0));
 }
 
