@@ -83,8 +83,8 @@ objective_metrics objective_forward(cpu_policy policy,
     detail::logit_scan scan;
     detail::row_problem p = detail::check_token_and_logits(in, r, new_logits, scan);
     if (p) return p;
-    detail::index_slot scratch[sparse_max_entries];
-    p = detail::check_sparse_row_of(old_rows, r, "old", scratch);
+    detail::index_slot slots[sparse_max_entries];
+    p = detail::check_sparse_row_of(old_rows, r, "old", slots);
     if (p) return p;
     const long long count = old_rows.count(r);
     const long long need = std::min<long long>(static_cast<long long>(vocab), count + new_k);
@@ -195,15 +195,15 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
   const bool regression = objective.alpha > 0.0;
 
   auto problem = [&](std::size_t r) -> detail::row_problem {
-    detail::index_slot scratch[sparse_max_entries];
+    detail::index_slot slots[sparse_max_entries];
     detail::row_problem p = detail::check_token_and_logits(in, r, new_logits);
     if (p) return p;
-    p = detail::check_sparse_row_of(aligned.new_side(), r, "aligned (new side)", scratch);
-    if (!p) p = detail::check_sparse_row_of(aligned.old_side(), r, "aligned (old side)", scratch);
+    p = detail::check_sparse_row_of(aligned.new_side(), r, "aligned (new side)", slots);
+    if (!p) p = detail::check_sparse_row_of(aligned.old_side(), r, "aligned (old side)", slots);
     if (p) return p;
     // log_probs' own checks, its mass (the last of them) held back until after the support match:
     // log_probs of another forward (other ids, another count) is named as such (the device's order).
-    p = detail::check_sparse_row_of(log_probs, r, "log_probs", scratch);
+    p = detail::check_sparse_row_of(log_probs, r, "log_probs", slots);
     if (p && p.kind != row_error::sparse_mass) return p;
     const detail::row_problem log_probs_mass = p;
     const long long count = aligned.counts[r];
