@@ -4,6 +4,7 @@
 // row, before anything is written; then a randomised fuzz over malformed sparse rows (no crash,
 // no NaN in outputs, no write outside the outputs — run it under ASan).
 
+#include <troll/projection.hpp>
 #include <troll/sparse.hpp>
 
 #include <algorithm>
@@ -566,4 +567,89 @@ TEST_CASE("supports whose values are not read: every id checked (a full support'
   CHECK_NOTHROW(troll::sparsify_tail_sums(troll::cpu, troll::make_batch<const double>(z.data(), rows, vocab), 0,
                                           troll::sparse_batch_view<const double>(ids.view()), tail_max.data(),
                                           sums.data()));
+}
+
+// ---- Found by an adversarial audit (thirtieth session) ----
+
+TEST_CASE("sparse project_backward in float: a derivative beyond float throws, as the dense one does") {
+  // Finite upstream entries near FLT_MAX: the lumped VJP is formed and checked in double, where it
+  // fits; grad_eps (~3.3e39) and the old side's entries do not fit float. Before, they were
+  // written as ±inf without an error.
+  const std::size_t V = 3;
+  const float big = std::numeric_limits<float>::max();
+  std::vector<troll::sparse_index> ids{0, 1}, counts{1 + 1};
+  std::vector<float> new_lp{std::log(0.6f), std::log(0.3f)}, old_lp{std::log(0.2f), std::log(0.3f)};
+  std::vector<float> new_r{std::log(0.1f)}, old_r{std::log(0.5f)};
+  const troll::aligned_batch_view<const float> rows{ids.data(),   counts.data(), new_lp.data(), old_lp.data(),
+                                                    new_r.data(), old_r.data(),  1,             2,
+                                                    V};
+  std::vector<troll::sparse_index> out_ids(2), out_counts(1);
+  std::vector<float> out_lp(2), out_r(1);
+  const troll::sparse_batch_view<float> out{out_ids.data(), out_lp.data(), out_counts.data(), out_r.data(), 1, 2, V};
+  troll::projection_stats stats;
+  troll::project(troll::cpu, rows, 0.01, out, &stats);
+  REQUIRE(stats.status == troll::row_status::projected);
+  for (const std::vector<float>& up : {std::vector<float>{big, 0.f, 0.f}, std::vector<float>{-big, 0.f, big}}) {
+    std::vector<float> g{up[0], up[1]}, g_r{up[2]}, gn(2, 7.f), gn_r(1, 7.f), go(2, 7.f), go_r(1, 7.f), ge(1, 7.f);
+    const troll::sparse_grad_view<const float> grad{g.data(), g_r.data(), 1, 2};
+    // With every output requested, and with grad_eps alone beside grad_new (the short path).
+    CHECK_THROWS_AS(troll::project_backward(troll::cpu, rows, troll::sparse_input<float>(out), &stats, grad,
+                                            troll::sparse_grad_view<float>{gn.data(), gn_r.data(), 1, 2},
+                                            troll::sparse_grad_view<float>{go.data(), go_r.data(), 1, 2}, ge.data()),
+                    troll::domain_error);
+    CHECK_THROWS_WITH_AS(troll::project_backward(troll::cpu, rows, troll::sparse_input<float>(out), &stats, grad,
+                                                 troll::sparse_grad_view<float>{gn.data(), gn_r.data(), 1, 2}, {},
+                                                 ge.data()),
+                         doctest::Contains("row 0: a derivative does not fit float"), troll::domain_error);
+  }
+  // The same rows in double fit: no error, every output finite.
+  std::vector<double> dn(new_lp.begin(), new_lp.end()), dd(old_lp.begin(), old_lp.end());
+  std::vector<double> dnr(new_r.begin(), new_r.end()), dor(old_r.begin(), old_r.end());
+  const troll::aligned_batch_view<const double> drows{ids.data(), counts.data(), dn.data(), dd.data(),
+                                                      dnr.data(), dor.data(),    1,         2,
+                                                      V};
+  std::vector<double> dlp(2), dr(1);
+  const troll::sparse_batch_view<double> dout{out_ids.data(), dlp.data(), out_counts.data(), dr.data(), 1, 2, V};
+  troll::projection_stats dstats;
+  troll::project(troll::cpu, drows, 0.01, dout, &dstats);
+  std::vector<double> g{double(big), 0.0}, g_r{0.0}, gn(2), gn_r(1), go(2), go_r(1), ge(1);
+  troll::project_backward(troll::cpu, drows, troll::sparse_input<double>(dout), &dstats,
+                          troll::sparse_grad_view<const double>{g.data(), g_r.data(), 1, 2},
+                          troll::sparse_grad_view<double>{gn.data(), gn_r.data(), 1, 2},
+                          troll::sparse_grad_view<double>{go.data(), go_r.data(), 1, 2}, ge.data());
+  CHECK(std::fabs(ge[0]) > double(big));
+  for (double v : {gn[0], gn[1], gn_r[0], go[0], go[1], go_r[0], ge[0]}) CHECK(std::isfinite(v));
+}
+
+TEST_CASE("project at a subnormal eps: every log-probability written is at most 0, and its backward accepts it") {
+  // A member with t ~ 3e-145: the dominant old token's log π* rounded to +6e-179 (a probability
+  // above 1), which project_backward then refused as not the forward's output.
+  std::vector<troll::sparse_index> ids{0, 5}, counts{2};
+  std::vector<double> new_lp{-6.951843382763392e-29, -66.627720306717265};
+  std::vector<double> old_lp{-89.101789664873976, -1.2070789355679935e-38};
+  std::vector<double> new_r{-65.018282394283162}, old_r{-87.492351752439873};
+  const std::size_t V = 7;
+  const troll::aligned_batch_view<const double> rows{ids.data(),   counts.data(), new_lp.data(), old_lp.data(),
+                                                     new_r.data(), old_r.data(),  1,             2,
+                                                     V};
+  for (double eps : {5e-324, 1e-320, 1e-310, 1e-300}) {
+    CAPTURE(eps);
+    std::vector<troll::sparse_index> out_ids(2), out_counts(1);
+    std::vector<double> out_lp(2), out_r(1);
+    const troll::sparse_batch_view<double> out{out_ids.data(), out_lp.data(), out_counts.data(), out_r.data(), 1, 2, V};
+    troll::projection_stats stats;
+    troll::project(troll::cpu, rows, eps, out, &stats);
+    for (double lp : {out_lp[0], out_lp[1], out_r[0]}) CHECK(lp <= 0.0);
+    std::vector<double> g{1.0, 1.0}, g_r{1.0}, gn(2), gn_r(1);
+    CHECK_NOTHROW(troll::project_backward(troll::cpu, rows, troll::sparse_input<double>(out), &stats,
+                                          troll::sparse_grad_view<const double>{g.data(), g_r.data(), 1, 2},
+                                          troll::sparse_grad_view<double>{gn.data(), gn_r.data(), 1, 2}));
+    // The same lumped row dense (three categories: the two tokens and the bucket's mass on one).
+    const std::vector<double> zn{new_lp[0], new_lp[1], new_r[0]}, zo{old_lp[0], old_lp[1], old_r[0]};
+    std::vector<double> dense(3);
+    troll::projection_stats dense_stats;
+    troll::project(troll::cpu, troll::make_batch(zn.data(), 1, 3), troll::make_batch(zo.data(), 1, 3), eps,
+                   troll::make_batch(dense.data(), 1, 3), &dense_stats);
+    for (double lp : dense) CHECK(lp <= 0.0);
+  }
 }

@@ -654,6 +654,17 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
         detail::cpu::prefetch_entries(grad.row(r), c);
       }, own_problem);
   unsigned char* overflowed = scratch.data();
+  // Whether a written gradient row (count entries and its bucket) is finite: its values were formed
+  // and checked in double, so only a narrower T can overflow here.
+  auto lumped_row_fits = [](const T* row, int count, T bucket) {
+    if constexpr (std::is_same<T, double>::value) {
+      return true;
+    } else {
+      bool fine = bucket - bucket == T(0);
+      for (int j = 0; j < count; ++j) fine &= row[j] - row[j] == T(0);
+      return fine;
+    }
+  };
   detail::cpu::parallel_for(policy.threads, rows.rows, 16 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     const int count = static_cast<int>(rows.counts[r]);
     if (r + detail::cpu::prefetch_rows_ahead < rows.rows) {
@@ -681,7 +692,9 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
       const int done = detail::cpu::sparse_vjp_row_short(v, stats[r], grad_new.row(r), grad_new.k_max,
                                                          grad_new.log_remainder + r, &row_grad_eps);
       if (done >= 0) {
-        overflowed[r] = done == 0;
+        // Formed in double; a float output can still overflow where the double fits.
+        overflowed[r] = done == 0 || !detail::fits_in<T>(row_grad_eps) ||
+                        !lumped_row_fits(grad_new.row(r), count, grad_new.log_remainder[r]);
         if (grad_eps) grad_eps[r] = T(row_grad_eps);
         return;
       }
@@ -725,6 +738,10 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
     scatter(gn, grad_new);
     if (want_old) scatter(go, grad_old);
     if (grad_eps) grad_eps[r] = T(row_grad_eps);
+    // vjp_row checked the lumped values in double; the outputs must fit T too.
+    if (!detail::fits_in<T>(row_grad_eps) || !lumped_row_fits(grad_new.row(r), count, grad_new.log_remainder[r]) ||
+        (want_old && !lumped_row_fits(grad_old.row(r), count, grad_old.log_remainder[r])))
+      overflowed[r] = 1;
   });
   detail::throw_overflowed<T>(fn, overflowed, rows.rows);
 }

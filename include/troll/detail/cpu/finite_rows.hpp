@@ -619,7 +619,9 @@ inline double exp_sum_below_top(const T* z, long count, double top) {
 /// out_i = log π_t,i = w_i − log_norm (tilt_family.hpp) of a row pair whose logits are all
 /// finite with a spread of at most 700 (no difference can overflow, so nothing is clamped): one
 /// packet pass reading the T rows directly (float widened in registers) and writing T, with w
-/// formed by the same fused multiply-add as tilt_reduce_one_pass.
+/// formed by the same fused multiply-add as tilt_reduce_one_pass. Each value is at most 0 (a
+/// log-probability; the rounding of w − log_norm can otherwise leave ~1e-179 above 0 on the
+/// dominant token of a member with a tiny t).
 template <class T>
 inline void write_tilted(const T* zn, const T* zo, long count, const tilt_param& u, const tilt_ref& ref,
                          double log_norm, T* out) {
@@ -629,18 +631,18 @@ inline void write_tilted(const T* zn, const T* zo, long count, const tilt_param&
   const bool low = u.t <= 0.5;
   const double slope = low ? u.t : -u.s;
   const packet rn = pset1<packet>(ref.zn), ro = pset1<packet>(ref.zo), ps = pset1<packet>(slope);
-  const packet norm = pset1<packet>(log_norm);
+  const packet norm = pset1<packet>(log_norm), zero = pset1<packet>(0.0);
   const long whole = count - count % lanes;
   for (long k = 0; k < whole; k += lanes) {
     const packet dn = psub(load_as_double<packet>(zn + k), rn), dold = psub(load_as_double<packet>(zo + k), ro);
     const packet wk = pmadd(ps, psub(dn, dold), low ? dold : dn);
-    store_from_double(out + k, psub(wk, norm));
+    store_from_double(out + k, pmin(psub(wk, norm), zero));
   }
   for (long k = whole; k < count; ++k) {
     const double dn = double(zn[k]) - ref.zn, dold = double(zo[k]) - ref.zo;
     // Eigen's scalar pmadd: std::fma where the packets' pmadd is fused (FMA builds), a·b + c
     // where it is not (SSE2) — the packets' arithmetic, and tilt_reduce_one_pass's, in every build
-    out[k] = T(pmadd(slope, dn - dold, low ? dold : dn) - log_norm);
+    out[k] = T(minimum(pmadd(slope, dn - dold, low ? dold : dn) - log_norm, 0.0));
   }
 }
 

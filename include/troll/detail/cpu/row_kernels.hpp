@@ -448,7 +448,7 @@ struct tilt_evaluator {
     block_array a, b, x, w;
     for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
       block(begin, count, tilt_param{p.t, p.s}, p.ref, a, b, x, w);
-      store(out, begin, count, w - p.log_norm);
+      store(out, begin, count, (w - p.log_norm).min(0.0));  // a log-probability: at most 0
     });
   }
 };

@@ -108,7 +108,8 @@ struct block_tilt_evaluator {
       const double a = static_cast<double>(new_logits[i]);
       const double b = static_cast<double>(old_logits[i]);
       double value = neg_inf();
-      if (a > neg_inf() && b > neg_inf()) value = tilt_weight(a, b, tilt_centred(a, b, p.ref), p.ref, u) - p.log_norm;
+      if (a > neg_inf() && b > neg_inf())  // a log-probability: at most 0, as on the CPU
+        value = minimum(tilt_weight(a, b, tilt_centred(a, b, p.ref), p.ref, u) - p.log_norm, 0.0);
       out[i] = static_cast<T>(value);
     }
   }

@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
       if (inactive) {
         if (a > neg_inf()) value = (a - new_max) - new_log_sum;
       } else if (a > neg_inf() && b > neg_inf()) {
-        value = tilt_weight(a, b, tilt_centred(a, b, p.ref), p.ref, tilt_param{p.t, p.s}) - p.log_norm;
+        value = minimum(tilt_weight(a, b, tilt_centred(a, b, p.ref), p.ref, tilt_param{p.t, p.s}) - p.log_norm, 0.0);
       }
       if (i < row.count) {
         indices[i] = rows.indices[r * rows.k_max + std::size_t(i)];
