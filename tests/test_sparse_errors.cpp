@@ -491,7 +491,7 @@ TEST_CASE("every sparse entry point: the lowest bad row, whatever its problem (a
     {  // sparsify_tail_sums: the shard's logits, then tail_max
       auto zz = z;
       zz[3 * vocab + 2] = nan;
-      std::vector<double> tail_max(rows, 0.0), sums(2 * rows);
+      std::vector<double> tail_max(rows, 100.0), sums(2 * rows);  // above every logit
       tail_max[1] = nan;
       expect_row_code([&] {
         troll::sparsify_tail_sums(cpu, troll::make_batch<const double>(zz.data(), rows, vocab), 0,
@@ -558,7 +558,7 @@ TEST_CASE("supports whose values are not read: every id checked (a full support'
   ids.counts[0] = 2;
   ids.log_probs[0] = nan_value;
   ids.indices[1] = -5;
-  std::vector<double> tail_max(rows, 0.0), sums(2 * rows, 42.0);
+  std::vector<double> tail_max(rows, 100.0), sums(2 * rows, 42.0);  // above every logit
   expect_row_code([&] {
     troll::sparsify_tail_sums(troll::cpu, troll::make_batch<const double>(z.data(), rows, vocab), 0,
                               troll::sparse_batch_view<const double>(ids.view()), tail_max.data(), sums.data());
@@ -652,4 +652,52 @@ TEST_CASE("project at a subnormal eps: every log-probability written is at most 
                    troll::make_batch(dense.data(), 1, 3), &dense_stats);
     for (double lp : dense) CHECK(lp <= 0.0);
   }
+}
+
+TEST_CASE("sparsify_tail_sums: a tail logit above tail_max is refused, naming the row and the shard token") {
+  // A tail_max from other rows (or another support) is below some tail logit: the terms
+  // e^{z - tail_max} exceed 1 and the exact sum came out NaN (a -inf tail_max: silently 0).
+  const std::size_t rows = 3, offset = 4, shard = 5;  // tokens 4 .. 8 of a 9-token row
+  std::vector<double> z(rows * shard);
+  for (std::size_t i = 0; i < z.size(); ++i) z[i] = 0.25 * double(i % 7) - 1.0;
+  // Support: token 6 (shard token 2) in every row, one entry.
+  std::vector<troll::sparse_index> ids(rows, 6), counts(rows, 1);
+  std::vector<double> lp(rows, -0.5), rem(rows, -1.0);
+  const troll::sparse_batch_view<const double> support{ids.data(), lp.data(), counts.data(), rem.data(), rows, 1,
+                                                       offset + shard};
+  std::vector<double> tail_max(rows), sums(2 * rows, 42.0);
+  for (std::size_t r = 0; r < rows; ++r) {
+    double m = -std::numeric_limits<double>::infinity();
+    for (std::size_t j = 0; j < shard; ++j)
+      if (j != 2) m = std::max(m, z[r * shard + j]);
+    tail_max[r] = m;
+  }
+  auto call = [&](troll::cpu_policy p) {
+    troll::sparsify_tail_sums(p, troll::make_batch<const double>(z.data(), rows, shard), offset, support,
+                              tail_max.data(), sums.data());
+  };
+  CHECK_NOTHROW(call(troll::cpu));
+  for (double s : sums) CHECK(std::isfinite(s));
+  std::fill(sums.begin(), sums.end(), 42.0);
+  // The support's own token may lie above tail_max; a tail token may not.
+  z[1 * shard + 2] = tail_max[1] + 5.0;
+  CHECK_NOTHROW(call(troll::cpu));
+  std::fill(sums.begin(), sums.end(), 42.0);
+  z[2 * shard + 4] = tail_max[2] + 1.0;  // row 2, shard token 4
+  z[1 * shard + 3] = tail_max[1] + 0.5;  // row 1, shard token 3: the lowest bad row
+  for (unsigned threads : {1u, 3u}) {
+    CAPTURE(threads);
+    expect_row_code([&] { call(troll::cpu.with_threads(threads)); }, 1, troll::row_error::tail_above_max);
+    CHECK_THROWS_WITH_AS(call(troll::cpu.with_threads(threads)), doctest::Contains("row 1: shard token 3"),
+                         troll::domain_error);
+    CHECK(sums == std::vector<double>(2 * rows, 42.0));
+  }
+  // A -inf tail_max with a finite tail logit: refused too (it had summed to 0).
+  z[1 * shard + 3] = 0.0;
+  tail_max[1] = std::max(tail_max[1], 0.0);
+  tail_max[2] = -std::numeric_limits<double>::infinity();
+  expect_row_code([&] { call(troll::cpu); }, 2, troll::row_error::tail_above_max);
+  // A tail_max above the tail (from a larger row) is valid: the same shares in a shifted unit.
+  tail_max[2] = 1e3;
+  CHECK_NOTHROW(call(troll::cpu));
 }

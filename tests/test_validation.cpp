@@ -777,6 +777,7 @@ TEST_CASE("the message table: every row code throws its documented class, names 
       {e::state_sampled_mismatch, c::invalid}, {e::state_vocab_mismatch, c::shape},
       {e::state_overlap, c::invalid},      {e::state_too_many_ranges, c::invalid},
       {e::state_incomplete, c::invalid},   {e::log_prob_underflow, c::domain},
+      {e::tail_above_max, c::domain},
   };
   for (const documented_code& d : codes) {
     CAPTURE(static_cast<int>(d.code));

@@ -88,6 +88,7 @@ enum class row_error : int {
   state_incomplete = 68,       ///< finalize: token `value` is not covered (`entry` = tokens covered): invalid_input
   // Dense derivatives (after the state codes: codes keep their numbers across releases).
   log_prob_underflow = 69,  ///< `operand` is −inf at token `entry` where both logits are finite: its true log-probability is below the type's range: domain_error
+  tail_above_max = 70,      ///< sparsify_tail_sums: shard token `entry`, outside the support, has logit `value` above tail_max: domain_error
 };
 
 TROLL_END_NAMESPACE

@@ -241,19 +241,29 @@ void sparsify_finalize(cpu_policy policy, const sparsify_state* states, const sp
 /// tokens) outside row r's support, as an unevaluated pair hi + lo (detail::exact_sum: the same
 /// whatever the split of the row). Only the support's indices and counts are read. O(cols) a row.
 /// Throws before writing: shape_error (shapes, a shard that does not fit in [0, V), bad support
-/// indices), domain_error (NaN / +inf logits, a NaN or +inf tail_max).
+/// indices), domain_error (NaN / +inf logits, a NaN or +inf tail_max, a logit outside the support
+/// above tail_max: code tail_above_max, naming the shard token).
 template <class T>
 void sparsify_tail_sums(cpu_policy policy, input_view<T> shard_logits, std::size_t vocab_offset,
                         sparse_input<T> support, const double* tail_max, double* sums) {
   detail::require_float_type<T>();
   constexpr const char* fn = "sparsify_tail_sums";
   detail::check_sparsify_tail_sums_arguments(fn, shard_logits, vocab_offset, support, tail_max, sums);
-  // Row by row: the shard's logits, tail_max, the support's indices.
+  // Row by row: the shard's logits, tail_max, the support's indices, then every tail logit at or
+  // below tail_max (a tail_max from other rows or another support would make the terms exceed 1:
+  // NaN sums, or 0 for a −inf tail_max).
   detail::first_sorted_row_problem(fn, policy.threads, shard_logits.rows, [&](std::size_t r, detail::index_slot* scratch) {
-    const detail::row_problem p = detail::cpu::find_bad_value(shard_logits.row(r), shard_logits.cols, "shard_logits");
+    const T* z = shard_logits.row(r);
+    detail::row_problem p = detail::cpu::find_bad_value(z, shard_logits.cols, "shard_logits");
     if (p) return p;
     if (!(tail_max[r] < detail::inf())) return detail::make_problem(row_error::bad_tail_max, "");
-    return detail::check_support_row(support, r, "support", scratch, true);
+    p = detail::check_support_row(support, r, "support", scratch, true);
+    if (p) return p;
+    const long long above = detail::cpu::first_tail_above(z, shard_logits.cols, vocab_offset, support.row_indices(r),
+                                                          support.count(r), tail_max[r]);
+    if (above >= 0)
+      return detail::make_problem(row_error::tail_above_max, "", above, double(z[std::size_t(above)]));
+    return p;
   }, 0, shard_logits.cols + 4 * std::size_t(sparse_max_entries));
   const std::size_t end = vocab_offset + shard_logits.cols;
   detail::cpu::parallel_for(policy.threads, shard_logits.rows, 2 * shard_logits.cols, [&](std::size_t r) {

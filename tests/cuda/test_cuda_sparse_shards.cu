@@ -818,6 +818,46 @@ TEST_SUITE("device") {
     CHECK_THROWS_WITH_AS(troll::sparsify_finalize(troll::cuda.on(s.stream).checked(), states.get(), options, out.device()),
                          cpu_final.c_str(), troll::invalid_input);
   }
+
+  TEST_CASE("cuda sparsify_tail_sums: a tail logit above tail_max gives NaN sums, or the CPU's error when checked") {
+    test_stream s;
+    const std::size_t rows = 3, offset = 4, shard = 5;  // tokens 4 .. 8 of a 9-token row
+    std::vector<double> z(rows * shard);
+    for (std::size_t i = 0; i < z.size(); ++i) z[i] = 0.25 * double(i % 7) - 1.0;
+    std::vector<troll::sparse_index> ids(rows, 6), counts(rows, 1);  // shard token 2 in every row
+    std::vector<double> lp(rows, -0.5), rem(rows, -1.0), tail_max(rows);
+    for (std::size_t r = 0; r < rows; ++r) {
+      double m = -std::numeric_limits<double>::infinity();
+      for (std::size_t j = 0; j < shard; ++j)
+        if (j != 2) m = std::max(m, z[r * shard + j]);
+      tail_max[r] = m;
+    }
+    z[1 * shard + 2] = tail_max[1] + 5.0;  // the support's own token may lie above tail_max
+    z[2 * shard + 4] = tail_max[2] + 1.0;  // row 2, shard token 4: refused
+    const troll::sparse_batch_view<const double> host_support{ids.data(), lp.data(), counts.data(), rem.data(),
+                                                              rows, 1, offset + shard};
+    std::vector<double> host_sums(2 * rows);
+    const std::string cpu_error = message_of<troll::invalid_input>([&] {
+      troll::sparsify_tail_sums(troll::cpu, troll::make_batch<const double>(z.data(), rows, shard), offset, host_support,
+                                tail_max.data(), host_sums.data());
+    });
+    REQUIRE(cpu_error.find("row 2: shard token 4") != std::string::npos);
+    device_array<double> d_z(z), d_lp(lp), d_rem(rem), d_tail_max(tail_max), d_sums(2 * rows);
+    device_array<troll::sparse_index> d_ids(ids), d_counts(counts);
+    const troll::sparse_batch_view<const double> support{d_ids.get(), d_lp.get(), d_counts.get(), d_rem.get(),
+                                                         rows, 1, offset + shard};
+    const auto d_shard = troll::make_batch<const double>(d_z.get(), rows, shard);
+    troll::sparsify_tail_sums(troll::cuda.on(s.stream), d_shard, offset, support, d_tail_max.get(), d_sums.get());
+    s.sync();
+    const std::vector<double> sums = d_sums.download();
+    CHECK(std::isfinite(sums[0]));
+    CHECK(std::isfinite(sums[2]));
+    CHECK(std::isnan(sums[4]));
+    CHECK(std::isnan(sums[5]));
+    CHECK_THROWS_WITH_AS(troll::sparsify_tail_sums(troll::cuda.on(s.stream).checked(), d_shard, offset, support,
+                                                   d_tail_max.get(), d_sums.get()),
+                         cpu_error.c_str(), troll::domain_error);
+  }
 }
 
 #ifndef TROLL_TEST_GROUP  // grouped, the generated translation unit supplies main

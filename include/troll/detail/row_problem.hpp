@@ -207,6 +207,11 @@ inline type write(std::ostringstream& msg, const row_problem& p) {
     case e::bad_tail_max:
       msg << "tail_max is NaN or +inf (sparsify_finalize's tail_max)";
       return type::domain;
+    case e::tail_above_max:
+      msg << "shard token " << p.entry << " (outside the support) has logit " << p.value
+          << ", above tail_max: tail_max must be at least every tail logit of the row (sparsify_finalize's "
+             "tail_max for these rows and this support)";
+      return type::domain;
     case e::state_bad_k:
       msg << state << "the state has k = " << num(p.value) << " outside [1, " << sparsify_max_k
           << "] (a row sparsify_shard rejected, or not a sparsify_state)";

@@ -193,6 +193,32 @@ int lumped_pair_setup(const aligned_batch_view<const T>& a, std::size_t r, doubl
   return n;
 }
 
+namespace cpu {
+/// The lowest index j of a shard row z (global token offset + j) whose logit is above `tail_max`
+/// and whose token is not among ids[0..count), or −1: sparsify_tail_sums' check that tail_max
+/// bounds the row's tail. Blocks of 64 logits are compared in one vectorised pass; only a block
+/// with a logit above tail_max (mostly the support's own tokens) is walked, its hits looked up in
+/// the ids.
+template <class T>
+long long first_tail_above(const T* z, std::size_t size, std::size_t offset, const sparse_index* ids,
+                           long long count, double tail_max) {
+  constexpr std::size_t block = 64;
+  for (std::size_t begin = 0; begin < size; begin += block) {
+    const std::size_t end = begin + block < size ? begin + block : size;
+    int any = 0;
+    for (std::size_t j = begin; j < end; ++j) any |= int(static_cast<double>(z[j]) > tail_max);
+    if (!any) continue;
+    for (std::size_t j = begin; j < end; ++j) {
+      if (!(static_cast<double>(z[j]) > tail_max)) continue;
+      bool held = false;
+      for (long long i = 0; i < count && !held; ++i) held = static_cast<std::size_t>(ids[i]) == offset + j;
+      if (!held) return static_cast<long long>(j);
+    }
+  }
+  return -1;
+}
+}  // namespace cpu
+
 /// cpu::first_bad_row for checks that test distinct ids: the rows in runs of 256, each run on one
 /// thread with one distinct_ids_scratch (on its stack, cleared once per run); check(r, scratch)
 /// says whether row r is bad. Returns the lowest bad row, or rows.

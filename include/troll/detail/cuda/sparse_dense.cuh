@@ -272,7 +272,8 @@ struct tail_sums_storage {
 /// j) outside row r's support, the terms tail_exp_sum adds in the whole-row sparsify_kernel, so
 /// the exact_add of every shard's pair rounds to the whole row's tail sum. Only the support's
 /// indices and counts are read. Row checks in the CPU's order: the shard logits (NaN / +inf),
-/// tail_max, the support's indices. A rejected row gets NaN sums.
+/// tail_max, the support's indices, every tail logit at or below tail_max. A rejected row gets
+/// NaN sums.
 template <class L, class T>
 __global__ void __launch_bounds__(block_threads)
     sparsify_tail_sums_kernel(batch_view<const L> shard_logits, std::size_t offset,
@@ -317,6 +318,24 @@ __global__ void __launch_bounds__(block_threads)
       report.error = cuda_row_error::bad_tail_max, report.value = m_tail;
     } else {
       report = sh.report.Alias();
+    }
+    if (report.error == cuda_row_error::none) {  // the same verdict in every thread
+      // Then every tail logit at or below tail_max: the lowest shard token above it that the
+      // support does not hold (sh.sorted[0, count): its shard tokens, sorted by index).
+      const int n = sh.count;
+      std::size_t above = no_token;
+      for (std::size_t i = threadIdx.x; i < size && above == no_token; i += block_threads) {
+        if (!(to_double(z[i]) > m_tail)) continue;
+        int lo = 0, hi = n;
+        while (lo < hi) {
+          const int mid = (lo + hi) / 2;
+          if (std::size_t(sh.sorted[mid].index) < offset + i) lo = mid + 1; else hi = mid;
+        }
+        if (!(lo < n && std::size_t(sh.sorted[lo].index) == offset + i)) above = i;
+      }
+      above = block_all_reduce(bad_storage, above, min_token{});
+      if (above != no_token)
+        report.error = cuda_row_error::tail_above_max, report.token = above, report.value = to_double(z[above]);
     }
     if (threadIdx.x == 0) record_row(checks, range, r, report);
     if (checks.validate_only) continue;

@@ -52,6 +52,7 @@ inline row_problem sparse_report_problem(const cuda_row_report& report, const ch
     case row_error::no_support:
     case row_error::bad_state:
     case row_error::bad_tail_max:
+    case row_error::tail_above_max:
       return p;
     case row_error::sparse_not_aligned:
       if (p.entry < 0) p.entry = 0;
