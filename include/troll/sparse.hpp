@@ -675,6 +675,11 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
       return fine;
     }
   };
+  // Whether row r's written outputs (grad_new, grad_old when asked, and ∂L/∂ε) fit T.
+  auto outputs_fit = [&](std::size_t r, int count, double row_grad_eps, bool with_old) {
+    return detail::fits_in<T>(row_grad_eps) && lumped_row_fits(grad_new.row(r), count, grad_new.log_remainder[r]) &&
+           (!with_old || lumped_row_fits(grad_old.row(r), count, grad_old.log_remainder[r]));
+  };
   detail::cpu::parallel_for(policy.threads, rows.rows, 16 * std::size_t(sparse_max_entries), [&](std::size_t r) {
     const int count = static_cast<int>(rows.counts[r]);
     if (r + detail::cpu::prefetch_rows_ahead < rows.rows) {
@@ -703,8 +708,7 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
                                                          grad_new.log_remainder + r, &row_grad_eps);
       if (done >= 0) {
         // Formed in double; a float output can still overflow where the double fits.
-        overflowed[r] = done == 0 || !detail::fits_in<T>(row_grad_eps) ||
-                        !lumped_row_fits(grad_new.row(r), count, grad_new.log_remainder[r]);
+        overflowed[r] = done == 0 || !outputs_fit(r, count, row_grad_eps, false);
         if (grad_eps) grad_eps[r] = T(row_grad_eps);
         return;
       }
@@ -749,9 +753,7 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
     if (want_old) scatter(go, grad_old);
     if (grad_eps) grad_eps[r] = T(row_grad_eps);
     // vjp_row checked the lumped values in double; the outputs must fit T too.
-    if (!detail::fits_in<T>(row_grad_eps) || !lumped_row_fits(grad_new.row(r), count, grad_new.log_remainder[r]) ||
-        (want_old && !lumped_row_fits(grad_old.row(r), count, grad_old.log_remainder[r])))
-      overflowed[r] = 1;
+    if (!outputs_fit(r, count, row_grad_eps, want_old)) overflowed[r] = 1;
   });
   detail::throw_overflowed<T>(fn, overflowed, rows.rows);
 }
