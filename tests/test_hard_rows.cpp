@@ -284,6 +284,58 @@ TEST_CASE("double lowest() masks: solved to the tolerance, or reported not_conve
   MESSAGE(solved << " solved, " << unsolved << " not_converged");
 }
 
+TEST_CASE("logit differences near DBL_MAX: the statistics are right or say they cannot be (never a wrong sign)") {
+  // Rows whose differences d = z̃ − z° reach ~1e160 .. DBL_MAX on some tokens: t* ~ 1e-309, η =
+  // 1/t − 1 beyond double, σ² = Var_π[d] beyond double. The statistics had reported σ² = 0 (inf −
+  // inf, clamped) and, where Σ e^w·x overflowed, μ = −inf for a true μ of +7e307. Now: η is
+  // right or +inf where its true value overflows, σ² is right or +inf where it overflows, μ is
+  // right or NaN (the reduction could not hold it).
+  const double big_values[] = {-std::numeric_limits<double>::max(), -1e308, -1e160,
+                               1e160, 1e308, std::numeric_limits<double>::max()};
+  int mu_nan = 0, sigma_inf = 0;
+  for (double big : big_values) {
+    for (int count = 1; count <= 3; ++count) {
+      for (double old_last : {0.0, 2.0}) {
+        std::vector<double> zn{0.0, 0.5, -0.25, 0.0}, zo{0.0, 0.0, 0.0, old_last};
+        for (int i = 0; i < count; ++i) zn[std::size_t(3 - i)] = big;
+        INFO("big=", big, " count=", count, " old_last=", old_last);
+        const projected_row r = run(zn, zo, 0.05);
+        REQUIRE(!r.threw);
+        REQUIRE(r.stats.status == troll::row_status::projected);
+        const precise::row oracle(zn.data(), zo.data(), zn.size());
+        const std::vector<real> lp = oracle.log_pi(r.stats.t, 1 - real(r.stats.t));
+        real mu = 0, m2 = 0;
+        for (std::size_t i = 0; i < zn.size(); ++i) mu += std::exp(lp[i]) * (oracle.zn[i] - oracle.zo[i]);
+        for (std::size_t i = 0; i < zn.size(); ++i) {
+          const real c = oracle.zn[i] - oracle.zo[i] - mu;
+          m2 += std::exp(lp[i]) * c * c;
+        }
+        const real eta = 1 / real(r.stats.t) - 1;
+        INFO("t=", r.stats.t, " eta=", r.stats.eta, " mu=", r.stats.mu, " sigma2=", r.stats.sigma2,
+             " true mu=", double(mu), " true sigma2=", double(m2));
+        if (eta > real(std::numeric_limits<double>::max())) {
+          CHECK(r.stats.eta == std::numeric_limits<double>::infinity());
+        } else {
+          CHECK(std::fabs(real(r.stats.eta) - eta) <= 1e-9L * eta);
+        }
+        if (m2 > real(std::numeric_limits<double>::max())) {
+          CHECK(r.stats.sigma2 == std::numeric_limits<double>::infinity());
+          ++sigma_inf;
+        } else {
+          CHECK(std::fabs(real(r.stats.sigma2) - m2) <= 1e-6L * m2);
+        }
+        if (std::isnan(r.stats.mu)) {
+          ++mu_nan;
+        } else {
+          CHECK(std::fabs(real(r.stats.mu) - mu) <= 1e-6L * std::fabs(mu));
+        }
+      }
+    }
+  }
+  CHECK(sigma_inf > 0);
+  MESSAGE(sigma_inf << " rows with sigma2 = +inf, " << mu_nan << " with mu = NaN");
+}
+
 TEST_CASE("TROLL objective: a sampled token masked in the new logits has a zero ratio gradient, never NaN") {
   // π*_a ≡ 0 when z̃_a = −inf: the ratio term is 0 and stays 0 under any finite perturbation, so
   // with α = 0 the whole gradient is 0; with α = 1 it is the regression term's alone, which does

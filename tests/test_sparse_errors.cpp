@@ -701,3 +701,45 @@ TEST_CASE("sparsify_tail_sums: a tail logit above tail_max is refused, naming th
   tail_max[2] = 1e3;
   CHECK_NOTHROW(call(troll::cpu));
 }
+
+TEST_CASE("sparsify_backward near the largest double: g_R / r overflowing alone is no reason for inf; a true overflow throws") {
+  // V = 4 equal logits, support {0}: p = 1/4 everywhere, r = 3/4. With g = 0 on the support and
+  // g_R = 1.5e308 the tail entries are g_R (p/r - p) = 1.25e307 and the support entry -p g_R =
+  // -3.75e307, all finite, although g_R / r = 2e308 is not (it had been formed first: +inf).
+  const double big = 1.5e308;
+  std::vector<double> z(4, 0.0), out(4, 7.0), shard_out(4, 7.0);
+  std::vector<troll::sparse_index> ids{0}, counts{1};
+  std::vector<double> lp{std::log(0.25)}, rem{std::log(0.75)}, g{0.0}, g_r{big};
+  const troll::sparse_batch_view<const double> support{ids.data(), lp.data(), counts.data(), rem.data(), 1, 1, 4};
+  const troll::sparse_grad_view<const double> grad{g.data(), g_r.data(), 1, 1};
+  troll::sparsify_backward(troll::cpu, troll::make_batch<const double>(z.data(), 1, 4), support, grad,
+                           troll::make_batch(out.data(), 1, 4));
+  CHECK(out[0] == doctest::Approx(-0.25 * big).epsilon(1e-14));
+  for (std::size_t k = 1; k < 4; ++k) CHECK(out[k] == doctest::Approx(big / 12.0).epsilon(1e-14));
+  // The same row as one shard, its log-sums {ref, total, tail_ref, tail} = {0, log 4, 0, log 3}.
+  const double log_sums[4] = {0.0, std::log(4.0), 0.0, std::log(3.0)};
+  troll::sparsify_shard_backward(troll::cpu, troll::make_batch<const double>(z.data(), 1, 4), 0, support, grad,
+                                 log_sums, troll::make_batch(shard_out.data(), 1, 4));
+  for (std::size_t k = 0; k < 4; ++k) CHECK(shard_out[k] == doctest::Approx(out[k]).epsilon(1e-14));
+
+  // A true overflow: rows 1 and 2 of three over V = 3, z = (0, -40, 0), support {0, 1}: g_0 =
+  // 1.7e308, g_1 = g_R = -1.7e308, so G = -1.7e308 and the entry of token 0 is g_0 (1 - p_0) -
+  // p_0 (G - g_0) ~ 2.55e308. Row 0 has ordinary gradients. The lowest such row is named.
+  const std::size_t rows = 3;
+  std::vector<double> z3{0.0, -40.0, 0.0, 0.0, -40.0, 0.0, 0.0, -40.0, 0.0};
+  std::vector<troll::sparse_index> ids3{0, 1, 0, 1, 0, 1}, counts3{2, 2, 2};
+  const double p0 = 1.0 / (2.0 + std::exp(-40.0)), p1 = std::exp(-40.0) * p0;
+  std::vector<double> lp3, rem3(rows, std::log(p0)), g3{0.5, -0.25, 1.7e308, -1.7e308, 1.7e308, -1.7e308},
+      gr3{0.125, -1.7e308, -1.7e308}, out3(rows * 3, 7.0);
+  for (std::size_t r = 0; r < rows; ++r) lp3.insert(lp3.end(), {std::log(p0), std::log(p1)});
+  const troll::sparse_batch_view<const double> support3{ids3.data(), lp3.data(), counts3.data(), rem3.data(),
+                                                        rows, 2, 3};
+  const troll::sparse_grad_view<const double> grad3{g3.data(), gr3.data(), rows, 2};
+  for (unsigned threads : {1u, 3u}) {
+    CAPTURE(threads);
+    CHECK_THROWS_WITH_AS(troll::sparsify_backward(troll::cpu.with_threads(threads),
+                                                  troll::make_batch<const double>(z3.data(), rows, 3), support3,
+                                                  grad3, troll::make_batch(out3.data(), rows, 3)),
+                         doctest::Contains("row 1: a gradient entry does not fit double"), troll::domain_error);
+  }
+}

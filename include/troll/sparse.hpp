@@ -316,14 +316,18 @@ void sparsify_backward(cpu_policy policy, input_view<T> logits, sparse_input<T> 
     if (!p) p = detail::check_support_row(support, r, "support", scratch);
     return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad");
   }, 0, logits.cols + 4 * std::size_t(sparse_max_entries));
+  std::atomic<std::size_t> overflowed{logits.rows};  // the lowest row with an entry beyond T
   detail::cpu::parallel_for(policy.threads, logits.rows, 3 * logits.cols, [&](std::size_t r) {
     detail::index_slot slots[sparse_max_entries];
     const int n = static_cast<int>(support.count(r));
     for (int i = 0; i < n; ++i) slots[i] = detail::index_slot{support.row_indices(r)[i], i};
     detail::sort_by_index(slots, n);
-    detail::cpu::sparsify_backward_row(logits.row(r), logits.cols, slots, n, grad.row(r), support.row_log_probs(r),
-                                       double(grad.log_remainder[r]), grad_logits.row(r));
+    if (!detail::cpu::sparsify_backward_row(logits.row(r), logits.cols, slots, n, grad.row(r),
+                                            support.row_log_probs(r), double(grad.log_remainder[r]),
+                                            grad_logits.row(r)))
+      detail::cpu::lower_to(overflowed, r);
   });
+  detail::throw_scatter_overflowed<T>(fn, overflowed.load(), logits.rows);
 }
 
 /// Backward of sparsify over vocabulary shards: the rows of `support` were finalised from the
@@ -358,6 +362,7 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
     return p ? p : detail::check_grad_row(grad, r, support.count(r), "grad");
   }, 0, shard_logits.cols + 4 * std::size_t(sparse_max_entries));
   const std::size_t end = vocab_offset + shard_logits.cols;
+  std::atomic<std::size_t> overflowed{shard_logits.rows};  // the lowest row with an entry beyond T
   detail::cpu::parallel_for(policy.threads, shard_logits.rows, 3 * shard_logits.cols, [&](std::size_t r) {
     detail::index_slot slots[sparse_max_entries], all[sparse_max_entries];
     const int count = static_cast<int>(support.count(r));
@@ -375,9 +380,11 @@ void sparsify_shard_backward(cpu_policy policy, input_view<T> shard_logits, std:
     const T* values = support.row_log_probs(r);
     const detail::counted_grad counted = detail::count_grad(
         grad.row(r), values, all, count, double(grad.log_remainder[r]), sums.tail_ref > detail::neg_inf());
-    detail::cpu::sparse_scatter_row(shard_logits.row(r), shard_logits.cols, vocab_offset, slots, n, grad.row(r),
-                                    values, counted, sums, grad_shard.row(r));
+    if (!detail::cpu::sparse_scatter_row(shard_logits.row(r), shard_logits.cols, vocab_offset, slots, n,
+                                         grad.row(r), values, counted, sums, grad_shard.row(r)))
+      detail::cpu::lower_to(overflowed, r);
   });
+  detail::throw_scatter_overflowed<T>(fn, overflowed.load(), shard_logits.rows);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -294,8 +294,9 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
     for (int i = 0; i < count; ++i)
       sorted[i] = detail::index_slot{aligned.indices[r * aligned.k_max + std::size_t(i)], i};
     detail::sort_by_index(sorted, count);
-    detail::cpu::sparsify_backward_row(new_logits.row(r), vocab, sorted, count, g_support,
-                                       aligned.new_log_probs + r * aligned.k_max, g_remainder, out);
+    if (!detail::cpu::sparsify_backward_row(new_logits.row(r), vocab, sorted, count, g_support,
+                                            aligned.new_log_probs + r * aligned.k_max, g_remainder, out))
+      overflowed[r] = 1;
   });
   // A last guard (an entry beyond the sampled token's overflows): grad_new is then unspecified.
   for (std::size_t r = 0; r < rows; ++r)

@@ -858,6 +858,39 @@ TEST_SUITE("device") {
                                                    d_tail_max.get(), d_sums.get()),
                          cpu_error.c_str(), troll::domain_error);
   }
+
+  TEST_CASE("cuda sparsify_backward and sparsify_shard_backward near the largest double match the CPU (g_R / r overflows alone)") {
+    // V = 4 equal logits, support {0}: p = 1/4, r = 3/4, g = 0, g_R = 1.5e308. The entries
+    // (1.25e307 on the tail, -3.75e307 on the support) fit, although g_R / r does not.
+    test_stream s;
+    const double big = 1.5e308;
+    std::vector<double> z(4, 0.0), want(4);
+    std::vector<troll::sparse_index> ids{0}, counts{1};
+    std::vector<double> lp{std::log(0.25)}, rem{std::log(0.75)}, g{0.0}, g_r{big};
+    const double log_sums[4] = {0.0, std::log(4.0), 0.0, std::log(3.0)};
+    troll::sparsify_backward(troll::cpu, troll::make_batch<const double>(z.data(), 1, 4),
+                             troll::sparse_batch_view<const double>{ids.data(), lp.data(), counts.data(), rem.data(),
+                                                                    1, 1, 4},
+                             troll::sparse_grad_view<const double>{g.data(), g_r.data(), 1, 1},
+                             troll::make_batch(want.data(), 1, 4));
+    for (double w : want) REQUIRE(std::isfinite(w));
+    device_array<double> d_z(z), d_lp(lp), d_rem(rem), d_g(g), d_gr(g_r),
+        d_sums(std::vector<double>(log_sums, log_sums + 4)), d_out(4), d_shard_out(4);
+    device_array<troll::sparse_index> d_ids(ids), d_counts(counts);
+    const troll::sparse_batch_view<const double> support{d_ids.get(), d_lp.get(), d_counts.get(), d_rem.get(), 1, 1, 4};
+    const troll::sparse_grad_view<const double> grad{d_g.get(), d_gr.get(), 1, 1};
+    const auto d_logits = troll::make_batch<const double>(d_z.get(), 1, 4);
+    troll::sparsify_backward(troll::cuda.on(s.stream).checked(), d_logits, support, grad,
+                             troll::make_batch(d_out.get(), 1, 4));
+    troll::sparsify_shard_backward(troll::cuda.on(s.stream).checked(), d_logits, 0, support, grad, d_sums.get(),
+                                   troll::make_batch(d_shard_out.get(), 1, 4));
+    s.sync();
+    const std::vector<double> got = d_out.download(), got_shard = d_shard_out.download();
+    for (std::size_t k = 0; k < 4; ++k) {
+      CHECK(got[k] == doctest::Approx(want[k]).epsilon(1e-14));
+      CHECK(got_shard[k] == doctest::Approx(want[k]).epsilon(1e-14));
+    }
+  }
 }
 
 #ifndef TROLL_TEST_GROUP  // grouped, the generated translation unit supplies main

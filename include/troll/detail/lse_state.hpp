@@ -38,10 +38,13 @@ struct lse_state {
   TROLL_HOST_DEVICE double log_sum() const { return empty() ? neg_inf() : m + ::log(s0); }
   /// Weighted mean Σ e^{w_i} x_i / Σ e^{w_i}.
   TROLL_HOST_DEVICE double mean() const { return s1 / s0; }
-  /// Weighted variance, clamped at zero against round-off.
+  /// Weighted variance, clamped at zero against round-off; +inf where the second moment s2
+  /// overflowed (an x beyond ~1e154: a logit difference the row's others cannot balance), which
+  /// had given inf − inf and then the clamp's 0.
   TROLL_HOST_DEVICE double variance() const {
-    const double mu = s1 / s0;
-    const double v = s2 / s0 - mu * mu;
+    const double mu = s1 / s0, m2 = s2 / s0;
+    if (m2 == -neg_inf()) return m2;
+    const double v = m2 - mu * mu;
     return v > 0.0 ? v : 0.0;
   }
   /// Weighted third central moment (the third cumulant of x); NaN where s3 is unknown.

@@ -110,7 +110,9 @@ TROLL_HOST_DEVICE inline tilt_point make_point(const lse_state& st, const tilt_p
   const double log_s0 = ::log(st.s0);
   p.log_norm = st.m + log_s0;
   const double mu_c = st.mean();
-  p.mu = mu_c + ref.d();
+  // NaN where Σ e^w·x overflowed (|x| near DBL_MAX on several tokens: its mean, though finite,
+  // came out ±inf, and then even of the wrong sign once ref.d() is added); σ² is +inf there too.
+  p.mu = mu_c - mu_c == 0.0 ? mu_c + ref.d() : quiet_nan();
   p.sigma2 = st.variance();
   p.mean_x = mu_c;
   p.kappa3 = st.third_cumulant();

@@ -121,6 +121,18 @@ void throw_overflowed(const char* fn, const unsigned char* overflowed, std::size
                          r);
 }
 
+/// The last guard of sparsify_backward and sparsify_shard_backward, given their lowest row with a
+/// gradient entry beyond T (`rows`: none). Only an upstream gradient near the type's largest value
+/// gets there (the entries are ~g·p, ~g_R·p/r and ~p·(Σ g + g_R)).
+template <class T>
+void throw_scatter_overflowed(const char* fn, std::size_t bad, std::size_t rows) {
+  if (bad == rows) return;
+  throw domain_error(row_prefix(fn, bad) + "a gradient entry does not fit " +
+                         (sizeof(T) == sizeof(float) ? "float" : "double") +
+                         " (its true value overflows: an upstream gradient near the type's largest value)",
+                     bad);
+}
+
 /// throw_overflowed for project_jacobian, given its lowest row with an entry that does not fit
 /// (`rows`: none).
 template <class T>

@@ -782,19 +782,24 @@ inline row_log_sums log_sums_outside(const T* z, std::size_t size, const index_s
 /// 0 for 3.8e-17 at 40). A support entry whose logit is −inf (a masked input) gets 0; one whose
 /// gathered value `values[position]` is −inf (a masked output) counts its g as 0 (counted_entry).
 /// `sorted` holds the slots of the support tokens inside that range, sorted by (global) index
-/// (position = entry in g). O(size), one pass.
+/// (position = entry in g). O(size), one pass. Returns whether every written entry fits T (false
+/// when a true entry overflows: an upstream gradient near the type's largest value; the caller
+/// throws, as the other derivatives' last guard does).
 template <class T>
-inline void sparse_scatter_row(const T* z, std::size_t size, std::size_t first, const index_slot* sorted, int n,
+inline bool sparse_scatter_row(const T* z, std::size_t size, std::size_t first, const index_slot* sorted, int n,
                                const T* g, const T* values, const counted_grad& counted, const row_log_sums& sums,
                                T* out) {
   const double ref = sums.ref, log_total = sums.total, sum_g = counted.sum.value();
   const double g_remainder = counted.bucket;
   const bool tail_term = sums.tail_ref > neg_inf() && g_remainder != 0.0;
-  // p_k / r = p_k · e^{−log r}: one exponential per logit unless r is so small that the factor
-  // would overflow (then e^{(z_k − tail_ref) − tail} directly, relative to the tail's own max).
+  // p_k / r = p_k · e^{−log r}: one exponential per logit unless g_R / r overflows (a small r,
+  // or g_R within 1/r of the type's largest value; then g_R · e^{(z_k − tail_ref) − tail}, whose
+  // factor p_k / r ≤ 1, relative to the tail's own max).
   const double log_inv_r = -sums.log_remainder();
-  const bool scale_tail = log_inv_r < 600.0;
-  const double g_over_r = scale_tail ? g_remainder * std::exp(log_inv_r) : 0.0;
+  const double g_over_r = log_inv_r < 600.0 ? g_remainder * std::exp(log_inv_r) : 0.0;
+  const bool scale_tail = log_inv_r < 600.0 && fits_in<double>(g_over_r);
+  constexpr double limit = largest_finite<T>();
+  bool fits = true;
   int next = 0;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     const block_array a = load(z, begin, count);
@@ -824,18 +829,21 @@ inline void sparse_scatter_row(const T* z, std::size_t size, std::size_t first, 
       }
       ++next;
     }
+    fits = fits && (value.abs() <= limit).all();
     store(out, begin, count, value);
   });
+  return fits;
 }
 
 /// sparse_scatter_row over a whole row (first = 0), its log-sums taken in one pass first. O(V).
 /// `values`: the gathered row's values by position (their −inf entries are masked outputs).
+/// Returns whether every entry fits T.
 template <class T>
-inline void sparsify_backward_row(const T* z, std::size_t size, const index_slot* sorted, int n,
+inline bool sparsify_backward_row(const T* z, std::size_t size, const index_slot* sorted, int n,
                                   const T* g, const T* values, double g_remainder, T* out) {
   const row_log_sums sums = log_sums_outside(z, size, sorted, n);
   const counted_grad counted = count_grad(g, values, sorted, n, g_remainder, sums.tail_ref > neg_inf());
-  sparse_scatter_row(z, size, 0, sorted, n, g, values, counted, sums, out);
+  return sparse_scatter_row(z, size, 0, sorted, n, g, values, counted, sums, out);
 }
 
 /// The lumped (|U|+1)-category logits of one aligned side: the support's log-probs, then the
