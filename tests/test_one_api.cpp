@@ -35,7 +35,30 @@ static_assert(gaussian_kl_takes<const troll::cuda_policy&>::value);
 static_assert(!gaussian_kl_takes<int>::value);
 static_assert(!gaussian_kl_takes<const double*>::value);
 static_assert(troll::is_execution_policy_v<const troll::cuda_policy&> && !troll::is_execution_policy_v<int>);
+// A caller's type derived from a policy: accepted by project (a cpu_policy parameter) and so by
+// the Gaussian entry points too, which run it as its base.
+struct user_policy : troll::cpu_policy {};
+struct user_device_policy : troll::cuda_policy {};
+static_assert(gaussian_kl_takes<user_policy>::value && gaussian_kl_takes<const user_device_policy&>::value);
+static_assert(std::is_same<troll::execution_policy_base_t<const user_policy&>, troll::cpu_policy>::value);
+static_assert(std::is_same<troll::execution_policy_base_t<user_device_policy>, troll::cuda_policy>::value);
 }  // namespace
+
+TEST_CASE("a policy type derived from troll::cpu_policy runs the Gaussian entry points as troll::cpu") {
+  const std::vector<double> mean{0.1, -0.2}, std_dev{1.0, 0.5}, old_mean{0.0, 0.0}, old_std{0.9, 0.6};
+  std::vector<double> kl_user(1), kl_cpu(1), out_mean(2), out_std(2);
+  const auto view = [](const std::vector<double>& v) { return troll::make_batch<const double>(v.data(), 1, 2); };
+  user_policy policy;
+  policy.threads = 2;
+  troll::gaussian::kl_diag(policy, view(mean), view(std_dev), view(old_mean), view(old_std), kl_user.data());
+  troll::gaussian::kl_diag(troll::cpu, view(mean), view(std_dev), view(old_mean), view(old_std), kl_cpu.data());
+  CHECK(kl_user == kl_cpu);
+  troll::gaussian::gaussian_stats stats[1];
+  troll::gaussian::project_joint_diag(policy, view(mean), view(std_dev), view(old_mean), view(old_std), 0.01,
+                                      troll::make_batch(out_mean.data(), 1, 2), troll::make_batch(out_std.data(), 1, 2),
+                                      stats);
+  CHECK(stats[0].kl_after <= 0.01 * (1 + 1e-9));
+}
 
 TEST_CASE("every entry point runs under troll::cpu from one function template") {
   const consumer::step_results serial = consumer::run_every_entry_point(troll::cpu.with_threads(1));

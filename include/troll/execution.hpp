@@ -91,13 +91,20 @@ struct cuda_policy {
 inline constexpr cpu_policy cpu{};
 inline constexpr cuda_policy cuda{};
 
-/// True for troll's execution policies (cpu_policy, cuda_policy); is_execution_policy_v ignores
+/// True for troll's execution policies (cpu_policy, cuda_policy) and types derived from them, as
+/// the overloads taking cpu_policy / cuda_policy accept them; is_execution_policy_v ignores
 /// cv-qualifiers and references. The entry points written once for both backends
-/// (gaussian_api.hpp) accept exactly these first arguments.
+/// (gaussian_api.hpp) accept these first arguments and run under execution_policy_base_t.
 template <class T>
 struct is_execution_policy
-    : std::bool_constant<std::is_same<T, cpu_policy>::value || std::is_same<T, cuda_policy>::value> {};
+    : std::bool_constant<std::is_base_of<cpu_policy, T>::value || std::is_base_of<cuda_policy, T>::value> {};
 template <class T>
 inline constexpr bool is_execution_policy_v = is_execution_policy<std::remove_cv_t<std::remove_reference_t<T>>>::value;
+
+/// The troll policy a policy type is (or derives from): cpu_policy or cuda_policy.
+template <class T>
+using execution_policy_base_t =
+    std::conditional_t<std::is_base_of<cuda_policy, std::remove_cv_t<std::remove_reference_t<T>>>::value,
+                       cuda_policy, cpu_policy>;
 
 TROLL_END_NAMESPACE

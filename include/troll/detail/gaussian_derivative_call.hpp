@@ -48,7 +48,8 @@ void project_gaussian_backward(Policy policy, gaussian_call call, batch_view<con
                                   stats, eps_mean, eps_cov, grads, saved);
   const gaussian_vjp_launch<T> k{mean,          cov,   old_mean, old_cov, out_mean, out_cov, grad_out_mean,
                                  grad_out_cov,  stats, grads,    eps_mean, call.split};
-  gaussian_vjp_backend<Policy>::rows(policy, call, k, saved);
+  using base = execution_policy_base_t<Policy>;
+  gaussian_vjp_backend<base>::rows(base(policy), call, k, saved);
 }
 
 /// The JVP of the four Gaussian projections under `policy`, diagonal or full rows (call.full).
@@ -64,7 +65,8 @@ void project_gaussian_jvp(Policy policy, gaussian_call call, batch_view<const T>
                              tangent_out_cov, stats, eps_mean, eps_cov, tangents, saved);
   const gaussian_jvp_launch<T> k{mean,     cov,           old_mean,        old_cov, stats, tangents,
                                  tangent_out_mean, tangent_out_cov, eps_mean, call.split};
-  gaussian_jvp_backend<Policy>::rows(policy, call, k, out_cov, saved);
+  using base = execution_policy_base_t<Policy>;
+  gaussian_jvp_backend<base>::rows(base(policy), call, k, out_cov, saved);
 }
 
 }  // namespace detail

@@ -38,11 +38,12 @@ void project_gaussian_forward(Policy policy, const gaussian_call& call, batch_vi
   require_float_type<T>();
   const gaussian_call c = check_projection_arguments(call, mean, cov, old_mean, old_cov, out_mean, out_cov, stats,
                                                      eps_mean, eps_cov, opt);
-  gaussian_backend<Policy>::check_dim(c);
+  using base = execution_policy_base_t<Policy>;
+  gaussian_backend<base>::check_dim(c);
   check_saved_factorisation(c, mean.rows, saved);
   const gaussian_forward_launch<T> k{mean, cov, old_mean, old_cov, out_mean, out_cov, stats, eps_mean, eps_cov, opt,
                                     c.split, saved};
-  gaussian_backend<Policy>::project(policy, c, k);
+  gaussian_backend<base>::project(base(policy), c, k);
 }
 
 /// gaussian::kl / kl_diag under `policy`.
@@ -51,8 +52,9 @@ void gaussian_kl_forward(Policy policy, const gaussian_call& call, batch_view<co
                          batch_view<const T> old_mean, batch_view<const T> old_cov, double* out) {
   require_float_type<T>();
   const gaussian_call c = check_kl_arguments(call, mean, cov, old_mean, old_cov, out);
-  gaussian_backend<Policy>::check_dim(c);
-  gaussian_backend<Policy>::kl(policy, c, mean, cov, old_mean, old_cov, out);
+  using base = execution_policy_base_t<Policy>;
+  gaussian_backend<base>::check_dim(c);
+  gaussian_backend<base>::kl(base(policy), c, mean, cov, old_mean, old_cov, out);
 }
 
 }  // namespace detail
