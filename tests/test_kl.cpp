@@ -79,3 +79,26 @@ TEST_CASE_TEMPLATE("kl honours row strides and gives the same bits for any threa
 }
 
 }  // TEST_SUITE("cpu")
+
+TEST_CASE("kl in float: a finite KL beyond float's range throws (not a +inf that reads as a masked token)") {
+  // p = (F, 0, 0), q = (-F, F, 0) with F = FLT_MAX: KL = log p_0 - log q_0 ~ 2F ~ 6.8e38 > FLT_MAX.
+  const float F = std::numeric_limits<float>::max();
+  std::vector<float> p{0.f, 0.f, 0.f, F, 0.f, 0.f, 0.f, 0.f, 0.f}, q{0.f, 1.f, 0.f, -F, F, 0.f, 0.f, 0.f, 0.f};
+  std::vector<float> out(3, 7.f);
+  for (unsigned threads : {1u, 3u}) {
+    CAPTURE(threads);
+    CHECK_THROWS_WITH_AS(troll::kl(troll::cpu.with_threads(threads), troll::make_batch<const float>(p.data(), 3, 3),
+                                   troll::make_batch<const float>(q.data(), 3, 3), out.data()),
+                         doctest::Contains("row 1: the KL does not fit float"), troll::domain_error);
+  }
+  // The same rows in double fit; a masked token in q with mass in p is +inf, as documented.
+  const std::vector<double> pd(p.begin(), p.end());
+  std::vector<double> qd(q.begin(), q.end()), outd(3);
+  troll::kl(troll::cpu, troll::make_batch<const double>(pd.data(), 3, 3),
+            troll::make_batch<const double>(qd.data(), 3, 3), outd.data());
+  CHECK(outd[1] == doctest::Approx(2.0 * double(F)).epsilon(1e-12));
+  qd[0] = -std::numeric_limits<double>::infinity();
+  troll::kl(troll::cpu, troll::make_batch<const double>(pd.data(), 3, 3),
+            troll::make_batch<const double>(qd.data(), 3, 3), outd.data());
+  CHECK(outd[0] == std::numeric_limits<double>::infinity());
+}

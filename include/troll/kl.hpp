@@ -2,7 +2,9 @@
 // gradient of KL w.r.t. both logit rows (math.md §1). −inf logits mark impossible tokens.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
+#include <string>
 
 #include "batch.hpp"
 #include "config.hpp"
@@ -55,18 +57,31 @@ void log_softmax(cpu_policy policy, input_view<T> logits, batch_view<T> out) {
 
 /// kl_out[r] = KL(softmax(p[r]) ‖ softmax(q[r])) ≥ 0, exactly +inf when p puts mass on a token
 /// that q masks. kl_out holds p.rows entries. Accurate to a few ulps of the row's log-probability
-/// scale (every reduction in double).
+/// scale (every reduction in double). A finite KL beyond T's range (float logits of opposite
+/// extremes, p = (3e38, 0), q = (−3e38, 3e38): KL ≈ 6.8e38) throws domain_error naming the lowest
+/// such row after the pass (kl_out then holds unspecified values), rather than a +inf that would
+/// read as a masked token.
 template <class T>
 void kl(cpu_policy policy, input_view<T> p_logits, input_view<T> q_logits, T* kl_out) {
   detail::require_float_type<T>();
   constexpr const char* fn = "kl";
   detail::check_kl_arguments<T>(fn, p_logits, q_logits, kl_out);
   detail::validate_pairs(fn, policy.threads, p_logits, q_logits, "p_logits", "q_logits");
+  std::atomic<std::size_t> overflowed{p_logits.rows};
   detail::cpu::parallel_for(policy.threads, p_logits.rows, 4 * p_logits.cols, [&](std::size_t r) {
     detail::row_setup setup;
     detail::cpu::scan_pair(p_logits.row(r), q_logits.row(r), p_logits.cols, setup, "", "");
-    kl_out[r] = T(detail::cpu::kl_row(p_logits.row(r), q_logits.row(r), p_logits.cols, setup));
+    const double value = detail::cpu::kl_row(p_logits.row(r), q_logits.row(r), p_logits.cols, setup);
+    if (!setup.new_only && !detail::fits_in<T>(value)) detail::cpu::lower_to(overflowed, r);
+    kl_out[r] = T(value);
   });
+  const std::size_t bad = overflowed.load();
+  if (bad != p_logits.rows)
+    throw domain_error(detail::row_prefix(fn, bad) + "the KL does not fit " +
+                           (sizeof(T) == sizeof(float) ? "float" : "double") +
+                           " (its true value is finite and overflows: logits of opposite extremes, "
+                           "such as a token near the type's largest value in p and its lowest in q)",
+                       bad);
 }
 
 /// Backward of kl: given upstream g[r] = ∂L/∂KL_r, writes

@@ -120,6 +120,8 @@ struct gaussian_project_args {
         counters.cols != gs_counters)
       fail(fn, "the stats buffers must be (rows, 8) float64 and (rows, 2) int32 for " +
                    std::to_string(in.mean.rows) + " rows");
+    require_rows_apart(fn, "stats.values", values);
+    require_rows_apart(fn, "stats.counters", counters);
     // The stats are written after the outputs: a buffer overlapping an input or an output would
     // overwrite it silently.
     require_disjoint(fn, "stats.values", values, "stats.counters", counters);

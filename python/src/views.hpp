@@ -205,6 +205,16 @@ void require_disjoint(const char* fn, const char* out_name, const troll::batch_v
                  " (troll does not compute in place; pass a separate out= buffer)");
 }
 
+/// An output the binding writes itself (the packed statistics): rows that overlap one another (a
+/// row stride below the row's width: an expanded or as_strided buffer) would take every row's
+/// values in the same memory, the last row's winning, silently.
+template <class T>
+void require_rows_apart(const char* fn, const char* name, const troll::batch_view<T>& v) {
+  if (v.rows > 1 && v.stride < v.cols)
+    fail(fn, std::string(name) + " has row stride " + std::to_string(v.stride) + ", smaller than its " +
+                 std::to_string(v.cols) + " columns: its rows overlap (pass a fresh buffer)");
+}
+
 /// project()'s statistics buffers (a caller's stats=) must overlap neither the call's arrays nor
 /// each other: troll writes them while (CUDA) or after (host) it reads the logits.
 template <class T>
@@ -286,6 +296,8 @@ struct stats_out {
     if (values.rows != rows || values.cols != st_values || counters.rows != rows ||
         counters.cols != st_counters)
       fail(fn, stats_buffers_text(rows));
+    require_rows_apart(fn, "stats.values", values);
+    require_rows_apart(fn, "stats.counters", counters);
   }
 
   void write(const std::vector<troll::projection_stats>& s) const {

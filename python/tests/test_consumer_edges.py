@@ -626,3 +626,67 @@ def test_negative_or_huge_sizes_and_counts_are_troll_errors():
             troll.sparsify_shard(x, 0, 10, k=k)
     with pytest.raises(troll.DomainError, match=r"k must be in \[1, 256\]"):
         troll.sparsify(x, k=-4)  # in the int range: troll's own check, as before
+
+
+# ---- the thirty-first session's Python audit ----
+
+
+def test_stats_buffers_whose_rows_overlap_raise_shape_error(gen):
+    """An expanded (row stride 0) or as_strided stats= buffer was accepted: every row's stats
+    landed in the same memory (the last row's winning) and a backward from them was wrong."""
+    import troll.gaussian as gauss
+    n, o = logits(gen, 4, 8), logits(gen, 4, 8)
+    expanded = troll.ProjectionStats(torch.zeros(6, dtype=D).expand(4, 6),
+                                     torch.zeros(2, dtype=torch.int32).expand(4, 2))
+    with pytest.raises(troll.ShapeError, match="stats.values has row stride 0"):
+        troll.project(n, o, 0.05, stats=expanded)
+    strided = troll.ProjectionStats(torch.zeros(30, dtype=D).as_strided((4, 6), (3, 1)),
+                                    torch.zeros(4, 2, dtype=torch.int32))
+    with pytest.raises(troll.ShapeError, match="stats.values has row stride 3"):
+        troll.project(n, o, 0.05, stats=strided)
+    counters = troll.ProjectionStats(torch.zeros(4, 6, dtype=D), torch.zeros(2, dtype=torch.int32).expand(4, 2))
+    with pytest.raises(troll.ShapeError, match="stats.counters has row stride 0"):
+        troll.project(n, o, 0.05, stats=counters)
+    # Padded rows are fine (stride above the width).
+    padded = troll.ProjectionStats(torch.zeros(4, 9, dtype=D)[:, :6], torch.zeros(4, 3, dtype=torch.int32)[:, :2])
+    _, st = troll.project(n, o, 0.05, stats=padded)
+    _, want = troll.project(n, o, 0.05)
+    assert np.array_equal(np.asarray(st.t), np.asarray(want.t))
+    rows, d = 3, 4
+    mean, old_mean = torch.randn(rows, d, dtype=D), torch.randn(rows, d, dtype=D)
+    std, old_std = torch.rand(rows, d, dtype=D) + 0.5, torch.rand(rows, d, dtype=D) + 0.5
+    values = torch.zeros(8, dtype=D).expand(rows, 8)
+    with pytest.raises(troll.ShapeError, match="stats.values has row stride 0"):
+        gauss.project_joint_diag(mean, std, old_mean, old_std, 0.01,
+                                 stats=gauss.GaussianStats(values, torch.zeros(rows, 2, dtype=torch.int32)))
+
+
+def test_negative_new_k_is_a_domain_error(gen):
+    """new_k = -5 reached torch as a negative buffer dimension (RuntimeError) in the sparse loss,
+    and project_sparse ran it as 0 silently."""
+    old, new = logits(gen, 2, 3, 10), logits(gen, 2, 3, 10)
+    tokens = torch.randint(0, 10, (2, 3), generator=gen)
+    adv = torch.randn(2, 3, generator=gen, dtype=D)
+    sparse_old = tt.sparsify(old, 1, sampled=tokens)
+    for bad in (-1, -5):
+        with pytest.raises(troll.DomainError, match=r"new_k must be in \[0, 256\]"):
+            tt.trust_region_loss(new, sparse_old, tokens, adv, new_k=bad)
+        with pytest.raises(troll.DomainError, match=r"new_k must be in \[0, 256\]"):
+            tt.project_sparse(new, sparse_old, 0.05, new_k=bad)
+    tt.project_sparse(new, sparse_old, 0.05, new_k=0)  # U = S_old: valid
+
+
+def test_out_buffers_written_by_troll_are_seen_by_autograd(gen):
+    """troll writing into a tensor autograd saved (through a .detach() view) changed the saved
+    values behind its back: x.grad came out wrong without an error. troll now bumps the buffer's
+    version as an in-place op would, so that backward raises."""
+    n, o = logits(gen, 3, 6), logits(gen, 3, 6)
+    x = torch.randn(3, 6, dtype=D, requires_grad=True)
+    y = x.exp()  # exp saves its output for the backward
+    troll.project(n, o, 0.05, out=y.detach())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    with torch.inference_mode():  # inference tensors have no version counter: still written
+        buf = torch.empty(3, 6, dtype=D)
+        troll.project(n, o, 0.05, out=buf)
+    assert torch.isfinite(buf).all()

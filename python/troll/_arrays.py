@@ -108,7 +108,21 @@ def writable(x: Any, name: str) -> Any:
     if module == "torch" and getattr(x, "requires_grad", False):
         raise TypeError(f"troll: {name} requires grad; troll writes it outside autograd (pass a tensor that "
                         "does not, or detach it)")
+    if module == "torch":
+        _mark_written(x)
     return x
+
+
+def _mark_written(x: Any) -> None:
+    """Tells autograd that troll writes into the torch tensor ``x`` (as an in-place op would): a
+    buffer that autograd saved for a backward (``y = a.exp(); troll.project(..., out=y.detach())``)
+    then raises at that backward instead of giving a wrong gradient silently."""
+    import torch  # loaded already: x is a torch tensor
+    if x.is_inference():
+        return  # no version counter (and no autograd) in inference mode
+    bump = getattr(getattr(torch.autograd, "graph", None), "increment_version", None)
+    if bump is not None:
+        bump(x)
 
 
 def leading_shape(x: Any, name: str) -> tuple:

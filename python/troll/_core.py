@@ -355,6 +355,16 @@ def _k(value: Any, name: str = "k") -> int:
     return n
 
 
+def _new_k(value: Any, name: str = "new_k") -> int:
+    """The losses' and project_sparse's ``new_k``: a top-k count that may be 0 (no prefix of the
+    new row's own). A negative one is a DomainError here, before any buffer is sized from it
+    (a negative capacity had reached torch as a negative dimension)."""
+    n = _k(value, name)
+    if n < 0:
+        raise DomainError(f"{name} must be in [0, 256], got {n}")
+    return n
+
+
 def _threads(value: Any) -> int:
     """``threads`` as the extension takes it: an integer in [0, 2**32) (0: every core of the pool,
     1: serial). A negative or huge count is a DomainError naming it, a non-integer (1.5, True) a

@@ -202,6 +202,7 @@ def project_sparse(new_logits: torch.Tensor, old_sparse: SparseRows, eps: Union[
     old_sparse = _core.check_sparse_rows(old_sparse, "old_sparse")
     new_logits = _tensor(new_logits, "new_logits", "project_sparse")
     support = None
+    new_k = _core._new_k(new_k)
     if new_k > 0:
         support = _core.sparsify(new_logits.detach(), new_k, new_delta,
                                  _sampled_index(sampled, new_logits, "project_sparse"), threads=threads)
@@ -330,7 +331,7 @@ def trust_region_loss(new_logits: torch.Tensor, old: Union[torch.Tensor, SparseR
         old = _tensor(old, "old", "trust_region_loss")
     batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation, "trust_region_loss")
     params = dict(eps=_core._bound(eps), alpha=float(alpha), rtol=rtol, atol=atol, max_iterations=max_iterations,
-                  new_k=_core._k(new_k, "new_k"), new_delta=float(new_delta), threads=threads)
+                  new_k=_core._new_k(new_k), new_delta=float(new_delta), threads=threads)
     info: Dict[str, Any] = {}
     loss = _TrustRegionLoss.apply(new_logits, old, batch, params, info)
     return (loss, _core.metrics_dict(info["metrics"])) if return_metrics else loss
