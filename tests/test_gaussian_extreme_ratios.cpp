@@ -1246,3 +1246,87 @@ TEST_CASE("derivatives of rows projected with t* within an ulp of 1 (a much wide
     }
   }
 }
+
+TEST_CASE("full rows the factorisation cannot form: the projections and derivatives refuse, kl takes the closed form") {
+  // Found by the thirty-first session's audit: a factor ratio L_new / L_old near or above ~1e154
+  // (E E^T overflows in E + E^T + E E^T), or a subnormal old diagonal (the triangular solve
+  // multiplies by its reciprocal, inf), gave NaN or inf outputs without an exception: t = 0 and
+  // not_converged, or `projected` with an inf factor, and kl = +inf for new == old.
+  struct pair_case {
+    std::vector<double> l, lo, mean, old_mean;
+    const char* message;  // what the projections' refusal names
+    double kl;            // the closed form, long double (+inf: beyond the doubles)
+  };
+  const double sub = 1e-310, inf = std::numeric_limits<double>::infinity();
+  const std::vector<pair_case> cases = {
+      {{1e300}, {1e-300}, {0.0}, {0.0}, "has entry (0, 0)", inf},
+      {{1e308}, {1.0}, {0.0}, {0.0}, "has entry (0, 0)", inf},
+      {{3e307}, {1.0}, {0.0}, {0.0}, "has entry (0, 0)", inf},
+      {{1e154, 0, 0, 1}, {1e-154, 0, 0, 1}, {0.0, 0.0}, {0.0, 0.0}, "has entry (0, 0)", inf},
+      {{1.0, 0, 1e160, 1}, {1, 0, 0, 1}, {0.0, 0.0}, {0.0, 0.0}, "has entry (1, 0)", inf},
+      {{sub}, {sub}, {1.0}, {1.0}, "old_cov_chol[0][0] is", 0.0},
+      {{2 * sub}, {sub}, {1.0 + sub}, {1.0}, "old_cov_chol[0][0] is", 0.0},
+      {{1.0, 0, 0.5, 2 * sub}, {1.0, 0, 0.5, sub}, {0.0, 0.0}, {0.0, 0.0}, "old_cov_chol[1][1] is", 0.0},
+  };
+  for (std::size_t c = 0; c < cases.size(); ++c) {
+    CAPTURE(c);
+    const pair_case& k = cases[c];
+    const std::size_t d = k.mean.size();
+    auto in = [](const std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), 1, cols); };
+    // The closed form in long double: 1/2 [|M|_F^2 - d - 2 sum log M_ii + |L_old^-1 (mean - old_mean)|^2].
+    long double want = -static_cast<long double>(d);
+    std::vector<long double> m(d * d, 0.0L), y(d);
+    for (std::size_t j = 0; j < d; ++j)
+      for (std::size_t i = j; i < d; ++i) {
+        long double v = k.l[i * d + j];
+        for (std::size_t q = j; q < i; ++q) v -= static_cast<long double>(k.lo[i * d + q]) * m[q * d + j];
+        m[i * d + j] = v / k.lo[i * d + i];
+        want += m[i * d + j] * m[i * d + j];
+      }
+    for (std::size_t i = 0; i < d; ++i) {
+      want -= 2.0L * (std::log(static_cast<long double>(k.l[i * d + i])) - std::log(static_cast<long double>(k.lo[i * d + i])));
+      long double v = static_cast<long double>(k.mean[i]) - k.old_mean[i];
+      for (std::size_t q = 0; q < i; ++q) v -= static_cast<long double>(k.lo[i * d + q]) * y[q];
+      y[i] = v / k.lo[i * d + i];
+      want += y[i] * y[i];
+    }
+    want *= 0.5L;
+    double kl = -7.0;
+    troll::gaussian::kl(troll::cpu, in(k.mean, d), in(k.l, d * d), in(k.old_mean, d), in(k.lo, d * d), &kl);
+    if (want > static_cast<long double>(std::numeric_limits<double>::max())) {
+      CHECK(kl == inf);
+    } else {
+      CHECK(std::fabs(static_cast<long double>(kl) - want) <= 1e-14L * want + 1e-300L);
+      if (k.kl == 0.0) CHECK(kl < 10.0);  // the subnormal rows: ordinary KLs (0 for new == old)
+    }
+    std::vector<double> out_m(d, -7.0), out_l(d * d, -7.0);
+    gaussian_stats st;
+    for (const bool split : {false, true}) {
+      CAPTURE(split);
+      const refusal got = refusal_of([&] {
+        if (split)
+          troll::gaussian::project_split(troll::cpu, in(k.mean, d), in(k.l, d * d), in(k.old_mean, d), in(k.lo, d * d),
+                                         0.1, 0.1, troll::make_batch(out_m.data(), 1, d),
+                                         troll::make_batch(out_l.data(), 1, d * d), &st);
+        else
+          troll::gaussian::project_joint(troll::cpu, in(k.mean, d), in(k.l, d * d), in(k.old_mean, d), in(k.lo, d * d),
+                                         0.1, troll::make_batch(out_m.data(), 1, d),
+                                         troll::make_batch(out_l.data(), 1, d * d), &st);
+      });
+      CHECK(got.row == 0);
+      CHECK_MESSAGE(got.what.find(k.message) != std::string::npos, got.what);
+      for (double x : out_m) CHECK(x == -7.0);
+      for (double x : out_l) CHECK(x == -7.0);
+    }
+  }
+  // The edge: ratios of 1e153 (below sqrt(DBL_MAX / 2) ~ 9.5e153 at d = 1) still project.
+  const std::vector<double> l{1e153}, lo{1.0}, mean{0.0}, old_mean{0.0};
+  std::vector<double> out_m(1), out_l(1);
+  gaussian_stats st;
+  troll::gaussian::project_joint(troll::cpu, troll::make_batch(mean.data(), 1, 1), troll::make_batch(l.data(), 1, 1),
+                                 troll::make_batch(old_mean.data(), 1, 1), troll::make_batch(lo.data(), 1, 1), 0.1,
+                                 troll::make_batch(out_m.data(), 1, 1), troll::make_batch(out_l.data(), 1, 1), &st);
+  CHECK(st.solved());
+  CHECK(std::isfinite(out_l[0]));
+  CHECK(out_l[0] > 1.0);
+}

@@ -2,6 +2,7 @@
 // the views and their shapes, then every row's values, before anything is written.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <sstream>
 #include <string>
@@ -306,6 +307,75 @@ std::string gaussian_ratio_problem(const gaussian_call& call, const T* cov, cons
   return std::string();
 }
 
+/// What the full-covariance factorisation (cpu::factor_full) can form of a row pair: it solves
+/// with the old factor, whose triangular solve multiplies by 1/L°_ii, and forms E + Eᵀ + EEᵀ with
+/// E = L°⁻¹(L̃ − L°), so it needs every 1/L°_ii finite (no subnormal old diagonal below ~5.6e-309)
+/// and every |E_ij| at most sqrt(DBL_MAX / (2d)) (~9.5e153/√d). Beyond either, it had written NaN
+/// or inf silently (t = 0 and `not_converged`, or a `projected` row with an inf factor).
+struct gaussian_full_reach {
+  long long old_diag = -1;  ///< the first i whose 1/L°_ii overflows, or −1
+  long long row = -1, col = -1;  ///< the first E entry beyond the bound (or not finite), or −1
+  double value = 0.0;            ///< that entry (or L°_ii)
+  bool fine() const { return old_diag < 0 && row < 0; }
+};
+
+/// gaussian_full_reach of a full row pair: M = L°⁻¹L̃ column by column by forward substitution with
+/// divisions (exact where the reciprocal would overflow), E = M − I. O(d³/6), d doubles of
+/// scratch. `m` (d² doubles, row-major, optional) receives M for the caller.
+template <class T>
+gaussian_full_reach gaussian_full_factor_reach(const T* chol, const T* old_chol, std::size_t d, double* m = nullptr) {
+  gaussian_full_reach reach;
+  for (std::size_t i = 0; i < d && reach.old_diag < 0; ++i) {
+    const double lo = static_cast<double>(old_chol[i * d + i]);
+    if (!(1.0 / lo < inf())) {
+      reach.old_diag = static_cast<long long>(i);
+      reach.value = lo;
+      if (m == nullptr) return reach;
+    }
+  }
+  const double bound = std::sqrt(largest_finite<double>() / (2.0 * static_cast<double>(d)));
+  constexpr std::size_t on_stack = 64;
+  double small[on_stack] = {};
+  std::vector<double> large(d > on_stack ? d : 0);
+  double* x = large.empty() ? small : large.data();
+  for (std::size_t j = 0; j < d; ++j) {
+    for (std::size_t i = j; i < d; ++i) {
+      double v = static_cast<double>(chol[i * d + j]);
+      for (std::size_t k = j; k < i; ++k) v -= static_cast<double>(old_chol[i * d + k]) * x[k];
+      v /= static_cast<double>(old_chol[i * d + i]);
+      x[i] = v;
+      const double e = i == j ? v - 1.0 : v;
+      if (!(std::fabs(e) <= bound) && reach.row < 0 && reach.old_diag < 0) {
+        reach.row = static_cast<long long>(i);
+        reach.col = static_cast<long long>(j);
+        reach.value = e;
+        if (m == nullptr) return reach;
+      }
+    }
+    if (m != nullptr)
+      for (std::size_t i = 0; i < d; ++i) m[i * d + j] = i >= j ? x[i] : 0.0;
+  }
+  return reach;
+}
+
+/// The message of a full row pair the factorisation cannot form (gaussian_full_factor_reach), or "".
+inline std::string gaussian_full_reach_problem(const gaussian_full_reach& reach) {
+  if (reach.fine()) return std::string();
+  std::ostringstream msg;
+  msg.precision(17);
+  if (reach.old_diag >= 0) {
+    msg << "old_cov_chol[" << reach.old_diag << "][" << reach.old_diag << "] is " << reach.value
+        << ": its reciprocal overflows a double (a subnormal diagonal), which the full-covariance path does not "
+           "support";
+  } else {
+    msg << "L_old^-1 (cov_chol - old_cov_chol) has entry (" << reach.row << ", " << reach.col << ") = "
+        << reach.value
+        << ", beyond ~sqrt(DBL_MAX / 2d): Sigma_old^-1 Sigma_new overflows a double, which the full-covariance "
+           "projection does not support";
+  }
+  return msg.str();
+}
+
 /// Finds nothing: validate_gaussian_rows' default for a caller's own checks.
 struct no_gaussian_extra {
   std::string operator()(std::size_t) const { return std::string(); }
@@ -325,6 +395,9 @@ void validate_gaussian_rows(unsigned threads, const gaussian_call& call, batch_v
     if (p.empty()) p = gaussian_operand_problem(call, old_mean.row(r), old_cov.row(r), true);
     if (p.empty() && !call.kl_only) p = gaussian_mean_step_problem(call, mean.row(r), old_mean.row(r), old_cov.row(r));
     if (p.empty() && !call.kl_only) p = gaussian_ratio_problem(call, cov.row(r), old_cov.row(r));
+    // kl takes the rows the factorisation cannot form by its closed form instead (gaussian_kl).
+    if (p.empty() && !call.kl_only && call.full)
+      p = gaussian_full_reach_problem(gaussian_full_factor_reach(cov.row(r), old_cov.row(r), call.dim));
     if (p.empty()) p = extra(r);
     return p;
   };

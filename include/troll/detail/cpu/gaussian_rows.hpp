@@ -3,8 +3,10 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include "../../batch.hpp"
 #include "../../config.hpp"
@@ -84,6 +86,35 @@ void project_gaussian(cpu_policy policy, const gaussian_call& c, const gaussian_
   });
 }
 
+/// KL(p̃ ‖ q) of a full row pair that cpu::factor_full cannot form (gaussian_full_factor_reach:
+/// a subnormal old diagonal, or Σ°⁻¹Σ̃ beyond the doubles), by the closed form
+///     ½ [‖M‖²_F − d − 2 Σ log M_ii + ‖L°⁻¹(μ̃ − μ°)‖²],   M = L°⁻¹L̃,
+/// in long double (no overflow before the result, which rounds to +inf only where it is beyond
+/// the doubles); NaN for a row the factorisation can form (the caller's usual route, accurate
+/// also where this sum cancels: M near I).
+template <class T>
+double gaussian_full_kl_direct(const T* mean, const T* chol, const T* old_mean, const T* old_chol, std::size_t d) {
+  if (gaussian_full_factor_reach(chol, old_chol, d).fine()) return quiet_nan();  // no allocation up to d = 64
+  std::vector<double> m(d * d);
+  gaussian_full_factor_reach(chol, old_chol, d, m.data());
+  long double sum = -static_cast<long double>(d);
+  for (std::size_t i = 0; i < d; ++i) {
+    for (std::size_t j = 0; j <= i; ++j) sum += static_cast<long double>(m[i * d + j]) * m[i * d + j];
+    // log M_ii = log L̃_ii − log L°_ii: no overflow of the ratio
+    sum -= 2.0L * (std::log(static_cast<long double>(chol[i * d + i])) -
+                   std::log(static_cast<long double>(old_chol[i * d + i])));
+  }
+  std::vector<long double> y(d);
+  for (std::size_t i = 0; i < d; ++i) {
+    long double v = static_cast<long double>(mean[i]) - static_cast<long double>(old_mean[i]);
+    for (std::size_t k = 0; k < i; ++k) v -= static_cast<long double>(old_chol[i * d + k]) * y[k];
+    y[i] = v / static_cast<long double>(old_chol[i * d + i]);
+    sum += y[i] * y[i];
+  }
+  const long double kl = 0.5L * sum;
+  return kl > static_cast<long double>(largest_finite<double>()) ? inf() : static_cast<double>(kl < 0.0L ? 0.0L : kl);
+}
+
 /// The rows of gaussian::kl / kl_diag after their argument checks.
 template <class T>
 void gaussian_kl(cpu_policy policy, const gaussian_call& c, batch_view<const T> mean, batch_view<const T> cov,
@@ -94,6 +125,11 @@ void gaussian_kl(cpu_policy policy, const gaussian_call& c, batch_view<const T> 
     cpu::gaussian_basis basis;
     double beyond_kl2 = 0.0;  // coordinates beyond the doubles, exactly (gaussian_diag_beyond_kl2)
     if (c.full) {
+      const double direct = gaussian_full_kl_direct(mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), c.dim);
+      if (direct == direct) {  // a row the factorisation cannot form: its closed form
+        out[r] = direct;
+        return;
+      }
       cpu::factor_full(mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), c.dim, basis);
       if (std::any_of(basis.g.data(), basis.g.data() + basis.g.size(), gaussian_full_kl_from_determinant)) {
         // A tiny eigenvalue: the log-determinant from the diagonals (exact).
