@@ -690,3 +690,17 @@ def test_out_buffers_written_by_troll_are_seen_by_autograd(gen):
         buf = torch.empty(3, 6, dtype=D)
         troll.project(n, o, 0.05, out=buf)
     assert torch.isfinite(buf).all()
+
+
+def test_bounds_must_be_real_numbers(gen):
+    """eps=True ran as 1.0 and eps='0.05' as 0.05 (float() of anything); a bound is a real number
+    (a Python, NumPy or one-element array's) or a tensor for its gradient."""
+    n, o = logits(gen, 2, 5), logits(gen, 2, 5)
+    for bad in (True, "0.05", b"0.05", 0.05j, np.bool_(True), torch.tensor(True)):
+        with pytest.raises(troll.ShapeError, match="eps must be a real number"):
+            troll.project(n, o, bad)
+    want = troll.project(n, o, 0.05)[0]
+    for good in (0.05, np.float32(0.05), np.float64(0.05), torch.tensor(0.05, dtype=D), np.array([0.05])):
+        got = troll.project(n, o, good)[0]
+        assert torch.allclose(torch.as_tensor(np.asarray(got)), torch.as_tensor(np.asarray(want)), rtol=1e-6, atol=0)
+    assert troll.project(n, o, 1)[0] is not None  # an integer bound is a real number

@@ -4,6 +4,7 @@ points with the GIL released. No maths here: see include/troll/ and docs/python.
 
 from __future__ import annotations
 
+import numbers
 import operator
 from typing import Any, NamedTuple, Optional, Tuple
 
@@ -142,8 +143,13 @@ def _bound(eps: Any, name: str = "eps") -> float:
         if size != 1:
             raise ShapeError(f"troll: {name} must be a number or a one-element array (one bound for all rows), "
                              f"got shape {tuple(shape)}")
-        return float(eps.item())
-    return float(eps)
+        value = eps.item()
+    else:
+        value = eps
+    # float() would take True as 1.0 and the string '0.05' as 0.05: a bound must be a real number.
+    if isinstance(value, (bool, np.bool_, str, bytes)) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
+        raise ShapeError(f"troll: {name} must be a real number or a one-element array of one, got {eps!r}")
+    return float(value)
 
 
 def _float_dtype(frame: Framework, x: Any) -> str:
