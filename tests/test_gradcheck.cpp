@@ -817,3 +817,64 @@ TEST_CASE("random mode differences along the direction actually taken (large inp
   CHECK_FALSE(troll::check_vjp_random(f, make_vjp(0.5), x, 1, options).ok);
   CHECK_FALSE(troll::check_vjp(f, make_vjp(0.01), x, 1, options).ok);
 }
+
+TEST_CASE("full VJP / JVP modes: a product right on unit vectors but not linear fails (one random vector more)") {
+  // Found by the thirty-first session's audit: check_vjp calls the VJP with each e_i, so a VJP
+  // that forgets the factor Σ gy (exact whenever Σ gy = 1) passed; check_vjp_random caught it.
+  auto forgets_sum = [](const double* x, const double* gy, double* gx) {
+    const std::vector<double> p = softmax(x, n5);
+    for (std::size_t j = 0; j < n5; ++j) gx[j] = gy[j] - p[j];
+  };
+  auto reads_abs = [](const double* x, const double* gy, double* gx) {
+    std::vector<double> a(gy, gy + n5);
+    for (double& v : a) v = std::fabs(v);
+    log_softmax_vjp(x, a.data(), gx);
+  };
+  auto quadratic_jvp = [](const double* x, const double* dx, double* dy) {
+    std::vector<double> q(dx, dx + n5);
+    for (double& v : q) v = v * std::fabs(v);
+    log_softmax_jvp(x, q.data(), dy);
+  };
+  for (const troll::gradcheck_result& r : {troll::check_vjp(log_softmax, forgets_sum, x5, n5),
+                                           troll::check_vjp(log_softmax, reads_abs, x5, n5),
+                                           troll::check_jvp(log_softmax, quadratic_jvp, x5, n5)}) {
+    INFO(r.report());
+    CHECK_FALSE(r.ok);
+    CHECK(r.failed == 0);  // every unit-vector entry matched the numeric Jacobian
+    CHECK(r.reason.find("is not linear") != std::string::npos);
+  }
+  // The right products pass, and the linearity call adds nothing to the entries compared.
+  const troll::gradcheck_result vjp = troll::check_vjp(log_softmax, log_softmax_vjp, x5, n5);
+  const troll::gradcheck_result jvp = troll::check_jvp(log_softmax, log_softmax_jvp, x5, n5);
+  CHECK(vjp.ok);
+  CHECK(jvp.ok);
+  CHECK(vjp.checked == n5 * n5);
+  CHECK(jvp.checked == n5 * n5);
+}
+
+TEST_CASE("random mode: a direction the step cannot move x along fails instead of comparing 0 with 0") {
+  // n = 8192 logits at 1e10 with step = 4 DBL_EPSILON: h·v_j ~ 1e-7 is below ulp(1e10) ~ 1.9e-6,
+  // so x + h·v rounded back to x and every direction compared 0 with 0: a VJP scaled by -3 passed.
+  const std::size_t n = 8192;
+  std::vector<double> x(n);
+  for (std::size_t j = 0; j < n; ++j) x[j] = 1e10 + std::sin(0.37 * double(j));
+  auto f = [&](const double* z, double* y) {
+    double largest = minus_inf, sum = 0;
+    for (std::size_t j = 0; j < n; ++j) largest = std::max(largest, z[j]);
+    for (std::size_t j = 0; j < n; ++j) sum += std::exp(z[j] - largest);
+    y[0] = largest + std::log(sum);
+  };
+  auto vjp = [&](const double* z, const double* gy, double* gx) {
+    double largest = minus_inf, sum = 0;
+    for (std::size_t j = 0; j < n; ++j) largest = std::max(largest, z[j]);
+    for (std::size_t j = 0; j < n; ++j) sum += std::exp(z[j] - largest);
+    for (std::size_t j = 0; j < n; ++j) gx[j] = -3.0 * gy[0] * std::exp(z[j] - largest) / sum;
+  };
+  troll::gradcheck_options options;
+  options.step = 4 * std::numeric_limits<double>::epsilon();
+  options.directions = 4;
+  const troll::gradcheck_result r = troll::check_vjp_random(f, vjp, x, 1, options);
+  INFO(r.report());
+  CHECK_FALSE(r.ok);
+  CHECK(r.reason.find("raise `step`") != std::string::npos);
+}

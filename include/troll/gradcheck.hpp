@@ -11,7 +11,8 @@
 // Any callable works (lambda, functor, function pointer). Callables overwrite every entry of
 // their output: buffers are pre-filled with NaN, so an entry left unwritten (or accumulated into
 // with +=) fails the check instead of passing silently. Bad arguments (x empty, m == 0, x not
-// finite, step ≤ 0, negative tolerances, directions < 1 in random mode) throw troll::invalid_input.
+// finite, step below 4·DBL_EPSILON, negative tolerances, directions < 1 in random mode) throw
+// troll::invalid_input.
 //
 // Numeric derivative. Central differences with a per-input step h_k = step · max(1, |x_k|):
 //   D(h) = (f(x + h e_k) − f(x − h e_k)) / 2h,   error ≈ h² |f'''| / 6  +  u |f| / h,
@@ -34,13 +35,18 @@
 // Full-Jacobian modes (check_jacobian, check_vjp, check_jvp) build the numeric Jacobian column by
 // column (2n evaluations of f, 4n with Richardson) and compare every entry (i, j):
 //   pass  iff  |analytic − numeric| ≤ atol + rtol · |numeric|.
+// check_vjp / check_jvp read the analytic Jacobian off unit vectors, so they also call the
+// product once with a random unit vector w and require Σ_i w_i J[i, :] (J w) of it, entry by
+// entry to atol + rtol · Σ|w_i J_ij|: a product right on the e_i only ("not linear") fails.
 // Random-direction mode (check_vjp_random, check_jvp_random; JAX check_grads style) costs
 // 2 or 4 evaluations of f per direction whatever n and m are. For each direction it draws
 // independent Gaussian u ∈ ℝᵐ and v ∈ ℝⁿ, normalised to unit length, and compares the scalar
 // numeric ⟨u, J v⟩ (a central difference of f along v, step h = step · max(1, ‖x‖∞)) with the
 // analytic ⟨vjp(u), v'⟩ or ⟨u, jvp(v')⟩, v' the direction the difference actually took (x + h·v
 // rounded to the ulps of x, Richardson-combined as the differences are; v' = v where x is small):
-//   pass  iff  |a − b| ≤ atol · ‖u‖‖v‖ + rtol · max(|a|, |b|)      (‖u‖ = ‖v‖ = 1).
+//   pass  iff  |a − b| ≤ atol · ‖u‖‖v'‖ + rtol · max(|a|, |b|)      (‖u‖ = 1, ‖v'‖ ≈ 1).
+// A direction the step moves x by less than ‖v'‖ = ½ (x + h·v rounding back to x: large |x|, a
+// small step, a long v) fails the check instead of comparing 0 with 0.
 // An error E in the Jacobian shows up as ⟨u, E v⟩, of typical size ‖E‖_F / √(mn); the random
 // mode is a cheap screen for large problems, the full modes are the exact test for small ones.
 // The directions come from splitmix64 + Box–Muller seeded by `seed`, so a run is reproducible.
@@ -95,7 +101,12 @@ gradcheck_result check_vjp(F&& f, Vjp&& vjp, const std::vector<double>& x, std::
         [&](const double* gy, double* gx) { vjp(at, gy, gx); },
         [&](std::size_t i, const double* gx) { std::copy(gx, gx + n, jacobian + i * n); });
   };
-  return detail::gradcheck_full("check_vjp", f, fill, x, m, options);
+  auto linear = [&](const std::vector<double>& jacobian, const std::vector<detail::gradcheck_output>& state,
+                    detail::gradcheck_tally& tally) {
+    detail::gradcheck_linearity("vjp", [&](const double* at, const double* gy, double* gx) { vjp(at, gy, gx); },
+                                x.data(), jacobian, m, n, true, state, options, tally);
+  };
+  return detail::gradcheck_full("check_vjp", f, fill, x, m, options, linear);
 }
 
 /// Checks a Jacobian–vector product jvp(x, dx, dy), dy = J dx, by calling it with each unit
@@ -113,7 +124,12 @@ gradcheck_result check_jvp(F&& f, Jvp&& jvp, const std::vector<double>& x, std::
           for (std::size_t i = 0; i < m; ++i) jacobian[i * n + j] = dy[i];
         });
   };
-  return detail::gradcheck_full("check_jvp", f, fill, x, m, options);
+  auto linear = [&](const std::vector<double>& jacobian, const std::vector<detail::gradcheck_output>& state,
+                    detail::gradcheck_tally& tally) {
+    detail::gradcheck_linearity("jvp", [&](const double* at, const double* dx, double* dy) { jvp(at, dx, dy); },
+                                x.data(), jacobian, m, n, false, state, options, tally);
+  };
+  return detail::gradcheck_full("check_jvp", f, fill, x, m, options, linear);
 }
 
 /// Random-direction check of a VJP: for `options.directions` random unit u (m) and v (n),

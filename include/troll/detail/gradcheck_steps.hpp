@@ -149,6 +149,17 @@ class gradcheck_tally {
     }
   }
 
+  /// A finite defect that is not a comparison of analytic with numeric: a direction the step
+  /// could not move x along, a derivative that is not linear in its vector. It fails the check
+  /// with its own reason (the first one; `failed` counts only comparisons).
+  void defect(const std::string& reason, std::size_t output, std::size_t input, std::size_t direction,
+              double analytic, double expected, double tolerance) {
+    if (defects_++ > 0) return;
+    defect_ = reason;
+    if (result_.nonfinite == 0 && result_.failed == 0)
+      set_worst(output, input, direction, analytic, expected, tolerance);
+  }
+
   void finish() {
     gradcheck_result& r = result_;
     const char* unit = r.random_directions ? "directions" : "entries";
@@ -157,13 +168,19 @@ class gradcheck_tally {
         r.reason += " (and " + std::to_string(r.nonfinite - 1) + " more non-finite problem" +
                     (r.nonfinite > 2 ? "s)" : ")");
       }
-    } else if (r.failed > 0) {
-      r.reason = std::to_string(r.failed) + " of " + std::to_string(r.checked) + " compared " +
-                 unit + " exceed the tolerance";
+    } else if (r.failed > 0 || defects_ > 0) {
+      if (r.failed > 0)
+        r.reason = std::to_string(r.failed) + " of " + std::to_string(r.checked) + " compared " + unit +
+                   " exceed the tolerance";
+      if (defects_ > 0) {
+        r.reason += (r.reason.empty() ? "" : "; ") + defect_;
+        if (defects_ > 1)
+          r.reason += " (and " + std::to_string(defects_ - 1) + " more like it)";
+      }
     } else if (r.checked == 0) {
       r.reason = "nothing was compared: every output is -inf at x";
     }
-    r.ok = r.nonfinite == 0 && r.failed == 0 && r.checked > 0;
+    r.ok = r.nonfinite == 0 && r.failed == 0 && defects_ == 0 && r.checked > 0;
   }
 
  private:
@@ -178,6 +195,8 @@ class gradcheck_tally {
   }
 
   gradcheck_result& result_;
+  std::size_t defects_ = 0;
+  std::string defect_;
 };
 
 inline gradcheck_result gradcheck_start(const char* mode, bool random_directions, std::size_t m,
@@ -276,11 +295,19 @@ void for_each_unit(std::size_t count, std::size_t width, Skip&& skip, Product&& 
   }
 }
 
+/// No check beyond the entries: gradcheck_full's default for `linear`.
+struct gradcheck_no_linearity {
+  template <class... Args>
+  void operator()(Args&&...) const {}
+};
+
 /// Full-Jacobian driver: numeric Jacobian column by column, analytic Jacobian from `fill`
-/// (called as fill(x, J, state) on a NaN-filled m*n row-major J), then entry-wise comparison.
-template <class F, class Fill>
+/// (called as fill(x, J, state) on a NaN-filled m*n row-major J), then entry-wise comparison,
+/// then linear(J, state, tally): the VJP / JVP modes' check that the product they built J from
+/// with unit vectors is linear (gradcheck_linearity).
+template <class F, class Fill, class Linear = gradcheck_no_linearity>
 gradcheck_result gradcheck_full(const char* mode, F& f, Fill&& fill, const std::vector<double>& x,
-                                std::size_t m, const gradcheck_options& options) {
+                                std::size_t m, const gradcheck_options& options, Linear&& linear = Linear{}) {
   gradcheck_validate(mode, x, m, options, false);
   const std::size_t n = x.size();
   const double nan = std::numeric_limits<double>::quiet_NaN();
@@ -341,6 +368,7 @@ gradcheck_result gradcheck_full(const char* mode, F& f, Fill&& fill, const std::
       tally.compare(a, d, options.atol + options.rtol * std::fabs(d), i, j, gradcheck_result::npos);
     }
   }
+  linear(analytic, state, tally);
   tally.finish();
   return result;
 }
@@ -365,6 +393,44 @@ inline bool gradcheck_unit_vector(gradcheck_normal_generator& generator, std::ve
 
 /// Random-direction driver: for each direction compares the numeric ⟨u, J v⟩ with
 /// inner(x, u, v, state), the analytic one.
+/// The linearity check of the full VJP / JVP modes, which build J from unit vectors only (a
+/// product wrong for every other vector — a VJP that forgets the factor Σ gy, or reads |gy| —
+/// would pass them): one more call with a random unit vector w (over the compared outputs for a
+/// VJP), product(x, w, out), whose result must be J's combination of w: Σ_i w_i J[i, :] (VJP,
+/// `rows` = true) or J w (JVP), entry by entry to atol + rtol·max(|out|, Σ |w J|), the scale
+/// of the terms summed (rounding in the combination cannot fail it).
+template <class Product>
+void gradcheck_linearity(const char* name, Product&& product, const double* x, const std::vector<double>& jacobian,
+                         std::size_t m, std::size_t n, bool rows, const std::vector<gradcheck_output>& state,
+                         const gradcheck_options& options, gradcheck_tally& tally) {
+  const std::size_t in = rows ? m : n, out_size = rows ? n : m;
+  gradcheck_normal_generator generator(options.seed ^ 0x6c696e656172ull);  // "linear"
+  std::vector<double> w(in), out(out_size, std::numeric_limits<double>::quiet_NaN());
+  if (!gradcheck_unit_vector(generator, w, rows ? &state : nullptr)) return;
+  product(x, w.data(), out.data());
+  for (std::size_t o = 0; o < out_size; ++o) {
+    if (!rows && state[o] != gradcheck_output::compared) continue;  // a JVP's skipped outputs are not read
+    double expected = 0, scale = 0;
+    for (std::size_t k = 0; k < in; ++k) {
+      const double entry = rows ? jacobian[k * n + o] : jacobian[o * n + k];
+      if (w[k] == 0.0) continue;  // a skipped output's NaN row
+      expected += w[k] * entry;
+      scale += std::fabs(w[k] * entry);
+    }
+    if (!std::isfinite(expected)) return;  // a non-finite J entry: reported by the comparison
+    const double got = out[o];
+    const double tolerance = options.atol + options.rtol * std::max(std::fabs(got), scale);
+    if (std::isfinite(got) && std::fabs(got - expected) <= tolerance) continue;
+    const std::string where = rows ? "input " + std::to_string(o) : "output " + std::to_string(o);
+    tally.defect(std::string(name) + " is not linear: for a random unit " + (rows ? "gy" : "dx") + " it gives " +
+                     gradcheck_number(got, 12) + " at " + where + ", the same combination of its unit-vector " +
+                     (rows ? "rows " : "columns ") + gradcheck_number(expected, 12),
+                 rows ? gradcheck_result::npos : o, rows ? o : gradcheck_result::npos, gradcheck_result::npos, got,
+                 expected, tolerance);
+    return;
+  }
+}
+
 template <class F, class Inner>
 gradcheck_result gradcheck_random(const char* mode, const char* analytic_name, F& f, Inner&& inner,
                                   const std::vector<double>& x, std::size_t m,
@@ -434,6 +500,19 @@ gradcheck_result gradcheck_random(const char* mode, const char* analytic_name, F
       continue;
     }
 
+    // A direction the step could not move x along (x + h·v rounds back to x: h·v below the
+    // spacing of large |x|, most entries of a long v) compares 0 with 0 and proves nothing.
+    double taken_norm2 = 0;
+    for (double t : taken) taken_norm2 += t * t;
+    const double taken_norm = std::sqrt(taken_norm2);
+    if (!(taken_norm >= 0.5)) {
+      tally.defect("direction " + std::to_string(k) + " moved x by only " + gradcheck_number(taken_norm, 3) +
+                       " of the unit step along " + along +
+                       ": x + h v rounds to x's doubles (|x| large against h): raise `step`",
+                   gradcheck_result::npos, gradcheck_result::npos, direction, std::numeric_limits<double>::quiet_NaN(),
+                   numeric, std::numeric_limits<double>::quiet_NaN());
+      continue;
+    }
     const double analytic = inner(x.data(), u, taken, state);
     if (!std::isfinite(analytic)) {
       tally.problem(std::string("analytic ") + analytic_name + " is " +
@@ -443,7 +522,7 @@ gradcheck_result gradcheck_random(const char* mode, const char* analytic_name, F
       continue;
     }
     const double scale = std::max(std::fabs(analytic), std::fabs(numeric));
-    tally.compare(analytic, numeric, options.atol + options.rtol * scale, gradcheck_result::npos,
+    tally.compare(analytic, numeric, options.atol * taken_norm + options.rtol * scale, gradcheck_result::npos,
                   gradcheck_result::npos, direction);
   }
   tally.finish();
