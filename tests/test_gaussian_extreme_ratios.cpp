@@ -51,6 +51,25 @@ refusal refusal_of(Call&& call) {
   return refusal{};
 }
 
+/// project_split (eps_mean = eps_cov = 0.1) or project_joint (0.1) of one full row of dimension d
+/// into out_m / out_l: the domain_error it throws (refusal_of).
+inline refusal full_projection_refusal(bool split, const std::vector<double>& mean, const std::vector<double>& l,
+                                       const std::vector<double>& old_mean, const std::vector<double>& lo,
+                                       std::size_t d, std::vector<double>& out_m, std::vector<double>& out_l) {
+  auto in = [](const std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), 1, cols); };
+  gaussian_stats st;
+  return refusal_of([&] {
+    if (split)
+      troll::gaussian::project_split(troll::cpu, in(mean, d), in(l, d * d), in(old_mean, d), in(lo, d * d), 0.1, 0.1,
+                                     troll::make_batch(out_m.data(), 1, d), troll::make_batch(out_l.data(), 1, d * d),
+                                     &st);
+    else
+      troll::gaussian::project_joint(troll::cpu, in(mean, d), in(l, d * d), in(old_mean, d), in(lo, d * d), 0.1,
+                                     troll::make_batch(out_m.data(), 1, d), troll::make_batch(out_l.data(), 1, d * d),
+                                     &st);
+  });
+}
+
 /// A full row's projection: outputs and stats.
 struct projected_row {
   std::vector<double> mean, chol;
@@ -1121,19 +1140,9 @@ TEST_CASE("full rows with a factor ratio beyond the doubles' gamma: exact kl, th
     const long double want = kl_want(mean, l, old_mean, d);
     CHECK(std::fabs(kl - static_cast<double>(want)) <= 1e-14 * static_cast<double>(want));
     std::vector<double> out_m(d, -7.0), out_l(d * d, -7.0);
-    gaussian_stats st;
     for (const bool split : {false, true}) {
       CAPTURE(split);
-      const refusal got = refusal_of([&] {
-        if (split)
-          troll::gaussian::project_split(troll::cpu, in(mean, d), in(l, d * d), in(old_mean, d), in(lo, d * d), 0.1,
-                                         0.1, troll::make_batch(out_m.data(), 1, d),
-                                         troll::make_batch(out_l.data(), 1, d * d), &st);
-        else
-          troll::gaussian::project_joint(troll::cpu, in(mean, d), in(l, d * d), in(old_mean, d), in(lo, d * d), 0.1,
-                                         troll::make_batch(out_m.data(), 1, d),
-                                         troll::make_batch(out_l.data(), 1, d * d), &st);
-      });
+      const refusal got = full_projection_refusal(split, mean, l, old_mean, lo, d, out_m, out_l);
       const std::string& what = got.what;
       CHECK(got.row == 0);
       CHECK_MESSAGE(what.find("cov_chol[1][1] / old_cov_chol[1][1] is") != std::string::npos, what);
@@ -1300,19 +1309,9 @@ TEST_CASE("full rows the factorisation cannot form: the projections and derivati
       if (k.kl == 0.0) CHECK(kl < 10.0);  // the subnormal rows: ordinary KLs (0 for new == old)
     }
     std::vector<double> out_m(d, -7.0), out_l(d * d, -7.0);
-    gaussian_stats st;
     for (const bool split : {false, true}) {
       CAPTURE(split);
-      const refusal got = refusal_of([&] {
-        if (split)
-          troll::gaussian::project_split(troll::cpu, in(k.mean, d), in(k.l, d * d), in(k.old_mean, d), in(k.lo, d * d),
-                                         0.1, 0.1, troll::make_batch(out_m.data(), 1, d),
-                                         troll::make_batch(out_l.data(), 1, d * d), &st);
-        else
-          troll::gaussian::project_joint(troll::cpu, in(k.mean, d), in(k.l, d * d), in(k.old_mean, d), in(k.lo, d * d),
-                                         0.1, troll::make_batch(out_m.data(), 1, d),
-                                         troll::make_batch(out_l.data(), 1, d * d), &st);
-      });
+      const refusal got = full_projection_refusal(split, k.mean, k.l, k.old_mean, k.lo, d, out_m, out_l);
       CHECK(got.row == 0);
       CHECK_MESSAGE(got.what.find(k.message) != std::string::npos, got.what);
       for (double x : out_m) CHECK(x == -7.0);
