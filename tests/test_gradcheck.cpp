@@ -878,3 +878,47 @@ TEST_CASE("random mode: a direction the step cannot move x along fails instead o
   CHECK_FALSE(r.ok);
   CHECK(r.reason.find("raise `step`") != std::string::npos);
 }
+
+TEST_CASE("an evaluation point beyond the doubles fails instead of dividing by an infinite step") {
+  // f(x) = atan(x_0 − 1.79e308) at x_0 = 1.79e308: f' = 1 there. With step = 0.1, x_0 + h overflows
+  // to +inf, where f is a finite π/2: the step taken was inf and the difference π / inf = 0, so a
+  // gradient of 0 (wrong) passed and a right one failed as a mismatch.
+  const std::vector<double> x = {1.79e308, 0.5};
+  auto loss = [](const double* z) { return std::atan(z[0] - 1.79e308) + z[1]; };
+  auto wrong = [](const double*, double* g) {
+    g[0] = 0.0;
+    g[1] = 1.0;
+  };
+  auto right = [](const double* z, double* g) {
+    const double d = z[0] - 1.79e308;
+    g[0] = 1.0 / (1.0 + d * d);
+    g[1] = 1.0;
+  };
+  troll::gradcheck_options options;
+  options.step = 0.1;
+  for (const bool correct : {false, true}) {
+    const troll::gradcheck_result r =
+        correct ? troll::check_gradient(loss, right, x, options) : troll::check_gradient(loss, wrong, x, options);
+    INFO(r.report());
+    CHECK_FALSE(r.ok);
+    CHECK(r.reason.find("overflows the doubles") != std::string::npos);
+    CHECK(r.worst_input == 0);
+  }
+  // Random mode, one input (every direction is ±e_0 and overflows).
+  auto f = [](const double* z, double* y) { y[0] = std::atan(z[0] - 1.79e308); };
+  auto vjp = [](const double*, const double*, double* gx) { gx[0] = 0.0; };
+  options.directions = 3;
+  const troll::gradcheck_result r = troll::check_vjp_random(f, vjp, std::vector<double>{1.79e308}, 1, options);
+  INFO(r.report());
+  CHECK_FALSE(r.ok);
+  CHECK(r.reason.find("overflows the doubles") != std::string::npos);
+  // A step that fits is checked as before.
+  options.step = 1e-6;
+  const std::vector<double> small = {0.25, 0.5};
+  auto near = [](const double* z) { return std::atan(z[0]) + z[1]; };
+  auto near_grad = [](const double* z, double* g) {
+    g[0] = 1.0 / (1.0 + z[0] * z[0]);
+    g[1] = 1.0;
+  };
+  CHECK(troll::check_gradient(near, near_grad, small, options).ok);
+}

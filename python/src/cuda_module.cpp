@@ -181,7 +181,7 @@ void sparsify(const in_array& logits, const std::optional<in_array>& sampled, in
     const sparse_rows<T> o(fn, "out", out);
     if (o.view.rows != x.rows)
       fail(fn, "out has " + std::to_string(o.view.rows) + " rows but logits have " + std::to_string(x.rows));
-    const sparse_index* s = sampled ? as_rows<const sparse_index>(fn, "sampled", *sampled, x.rows) : nullptr;
+    const sparse_index* s = sampled ? as_rows<const sparse_index>(fn, "sampled", *sampled, rows_of("logits", logits)) : nullptr;
     use_device_of(fn, logits, o.indices, o.log_probs);
     const troll::sparsify_options options = sparsify_settings(k, delta);
     nb::gil_scoped_release release;
@@ -197,7 +197,7 @@ void sparsify_shard(const in_array& shard_logits, std::size_t vocab_offset, std:
   constexpr const char* fn = "sparsify_shard";
   const std::size_t bytes = packed_state_bytes(k);
   const cuda_entry::any_logits x = any_logits_of(fn, "shard_logits", shard_logits);
-  const sparse_index* s = sampled ? as_rows<const sparse_index>(fn, "sampled", *sampled, x.rows) : nullptr;
+  const sparse_index* s = sampled ? as_rows<const sparse_index>(fn, "sampled", *sampled, rows_of("shard_logits", shard_logits)) : nullptr;
   std::uint8_t* out = shard_states_out(fn, states, x.rows, k);
   use_device_of(fn, shard_logits, states);
   if (sampled) use_device_of(fn, shard_logits, *sampled);
@@ -334,7 +334,7 @@ static_assert(sizeof(troll::objective_metrics) == metrics_entries * sizeof(doubl
               "objective_metrics is 13 eight-byte fields");
 
 troll::objective_metrics* metrics_out(const char* fn, const out_array& metrics) {
-  return reinterpret_cast<troll::objective_metrics*>(as_rows<double>(fn, "metrics", metrics, metrics_entries));
+  return reinterpret_cast<troll::objective_metrics*>(as_entries<double>(fn, "metrics", metrics, metrics_entries));
 }
 
 void trust_region_forward(const in_array& n, const in_array& o, nb::handle batch, double eps, double alpha,

@@ -35,7 +35,7 @@ struct kl_args {
     require_same_shape(fn, "q_logits", qa, "p_logits", pa);
     p = as_batch<const T>(fn, "p_logits", pa);
     q = as_batch<const T>(fn, "q_logits", qa);
-    out = as_rows<T>(fn, "out", y, p.rows);
+    out = as_rows<T>(fn, "out", y, rows_of("p_logits", pa));
     const auto column = troll::make_batch(out, p.rows == 0 ? 0 : 1, p.rows);
     require_disjoint(fn, "out", column, "p_logits", p);
     require_disjoint(fn, "out", column, "q_logits", q);
@@ -55,7 +55,7 @@ struct kl_backward_args {
     require_same_shape(fn, "q_logits", qa, "p_logits", pa);
     p = as_batch<const T>(fn, "p_logits", pa);
     q = as_batch<const T>(fn, "q_logits", qa);
-    grad_kl = as_rows<const T>(fn, "grad_kl", g, p.rows);
+    grad_kl = as_rows<const T>(fn, "grad_kl", g, rows_of("p_logits", pa));
     if (gp) {
       require_same_shape(fn, "grad_p", *gp, "p_logits", pa);
       grad_p = as_batch<T>(fn, "grad_p", *gp);
@@ -120,7 +120,7 @@ struct project_backward_args {
       require_same_shape(fn, "grad_old", *go, "new_logits", n);
       grad_old = as_batch<T>(fn, "grad_old", *go);
     }
-    if (ge) grad_eps = as_rows<T>(fn, "grad_eps", *ge, new_logits.rows);
+    if (ge) grad_eps = as_rows<T>(fn, "grad_eps", *ge, rows_of("new_logits", n));
     for (const troll::batch_view<T>* out : {&grad_new, &grad_old}) {
       require_disjoint(fn, "a gradient", *out, "new_logits", new_logits);
       require_disjoint(fn, "a gradient", *out, "old_logits", old_logits);

@@ -192,10 +192,10 @@ struct gaussian_backward_args {
       grads.old_cov = as_cov<T>(fn, "grad_old_cov", *grad_old_cov, mean, full);
       written.push_back(&grads.old_cov);
     }
-    if (grad_eps) grads.eps = as_rows<double>(fn, "grad_eps", *grad_eps, in.mean.rows);
+    if (grad_eps) grads.eps = as_rows<double>(fn, "grad_eps", *grad_eps, rows_of("mean", mean));
     if (grad_eps_mean) {
       if (!split) fail(fn, "grad_eps_mean is for the split projections only");
-      grads.eps_mean = as_rows<double>(fn, "grad_eps_mean", *grad_eps_mean, in.mean.rows);
+      grads.eps_mean = as_rows<double>(fn, "grad_eps_mean", *grad_eps_mean, rows_of("mean", mean));
     }
     for (std::size_t i = 0; i < written.size(); ++i) {
       const troll::batch_view<T>& w = *written[i];
@@ -279,7 +279,7 @@ struct gaussian_kl_args {
   double* out;
   gaussian_kl_args(const char* fn, bool full, const in_array& mean, const in_array& cov, const in_array& old_mean,
                    const in_array& old_cov, const out_array& y)
-      : in(fn, full, mean, cov, old_mean, old_cov), out(as_rows<double>(fn, "out", y, in.mean.rows)) {}
+      : in(fn, full, mean, cov, old_mean, old_cov), out(as_rows<double>(fn, "out", y, rows_of("mean", mean))) {}
 };
 
 inline const char* gaussian_project_name(bool full, bool split) {

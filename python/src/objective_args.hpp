@@ -26,7 +26,7 @@ struct token_rows {
   in_array tokens, advantages, mask, sequence_ids;
   troll::token_batch<T> batch;
 
-  token_rows(const char* fn, nb::handle h, std::size_t rows) {
+  token_rows(const char* fn, nb::handle h, const rows_shape& rows) {
     const nb::tuple t = as_tuple(fn, "batch", h, 5);
     tokens = item<in_array>(fn, "batch", t, 0);
     advantages = item<in_array>(fn, "batch", t, 1);
@@ -129,7 +129,7 @@ troll::batch_view<T> grad_output(const char* fn, const out_array& g, const in_ar
 
 /// The optional per-token loss output (None: not wanted), one entry a row.
 template <class T>
-T* token_loss_out(const char* fn, const std::optional<out_array>& token_loss, std::size_t rows) {
+T* token_loss_out(const char* fn, const std::optional<out_array>& token_loss, const rows_shape& rows) {
   return token_loss ? as_rows<T>(fn, "token_loss", *token_loss, rows) : nullptr;
 }
 
@@ -151,7 +151,7 @@ struct trust_region_forward_args {
                             const out_array& lp, const out_array& values, const out_array& counters,
                             const std::optional<out_array>& tl)
       : logits(fn, n, o),
-        in(fn, batch, logits.new_logits.rows),
+        in(fn, batch, rows_of("new_logits", n)),
         log_probs(disjoint_from(fn, "log_probs",
                                 disjoint_from(fn, "log_probs",
                                               (require_same_shape(fn, "log_probs", lp, "new_logits", n),
@@ -159,7 +159,7 @@ struct trust_region_forward_args {
                                               "new_logits", logits.new_logits),
                                 "old_logits", logits.old_logits)),
         stats(fn, values, counters, logits.new_logits.rows),
-        token_loss(token_loss_out<T>(fn, tl, logits.new_logits.rows)) {}
+        token_loss(token_loss_out<T>(fn, tl, rows_of("new_logits", n))) {}
 };
 
 /// trust_region_backward: as the forward, log_probs an input, grad_new disjoint from every input.
@@ -175,7 +175,7 @@ struct trust_region_backward_args {
                              const in_array& lp, const in_array& values, const in_array& counters,
                              const out_array& g)
       : logits(fn, n, o),
-        in(fn, batch, logits.new_logits.rows),
+        in(fn, batch, rows_of("new_logits", n)),
         log_probs((require_same_shape(fn, "log_probs", lp, "new_logits", n), as_batch<const T>(fn, "log_probs", lp))),
         grad_new(disjoint_from(
             fn, "grad_new",
@@ -193,8 +193,8 @@ struct ratio_forward_args {
 
   ratio_forward_args(const char* fn, const in_array& n, const in_array& o, nb::handle batch,
                      const std::optional<out_array>& tl)
-      : logits(fn, n, o), in(fn, batch, logits.new_logits.rows),
-        token_loss(token_loss_out<T>(fn, tl, logits.new_logits.rows)) {}
+      : logits(fn, n, o), in(fn, batch, rows_of("new_logits", n)),
+        token_loss(token_loss_out<T>(fn, tl, rows_of("new_logits", n))) {}
 };
 
 /// Their backward: grad_new disjoint from both logits.
@@ -206,7 +206,7 @@ struct ratio_backward_args {
 
   ratio_backward_args(const char* fn, const in_array& n, const in_array& o, nb::handle batch, const out_array& g)
       : logits(fn, n, o),
-        in(fn, batch, logits.new_logits.rows),
+        in(fn, batch, rows_of("new_logits", n)),
         grad_new(disjoint_from(fn, "grad_new", grad_output<T>(fn, g, n, logits.new_logits), "old_logits",
                                logits.old_logits)) {}
 };
@@ -228,11 +228,11 @@ struct sparse_trust_region_forward_args {
                                    const out_array& counters, const std::optional<out_array>& tl)
       : new_logits(as_batch<const T>(fn, "new_logits", n)),
         old(fn, "old", old_rows),
-        in(fn, batch, new_logits.rows),
+        in(fn, batch, rows_of("new_logits", n)),
         aligned(fn, "aligned", al),
         log_probs(fn, "log_probs", lp),
         stats(fn, values, counters, new_logits.rows),
-        token_loss(token_loss_out<T>(fn, tl, new_logits.rows)) {}
+        token_loss(token_loss_out<T>(fn, tl, rows_of("new_logits", n))) {}
 };
 
 /// sparse_trust_region_backward: the forward's aligned rows and log_probs (inputs), grad_new.
@@ -250,7 +250,7 @@ struct sparse_trust_region_backward_args {
                                     const out_array& g)
       : new_logits(as_batch<const T>(fn, "new_logits", n)),
         aligned(fn, "aligned", al),
-        in(fn, batch, new_logits.rows),
+        in(fn, batch, rows_of("new_logits", n)),
         log_probs(fn, "log_probs", lp),
         grad_new(grad_output<T>(fn, g, n, new_logits)),
         stats(fn, values, counters, new_logits.rows) {}

@@ -81,7 +81,7 @@ struct finalize_args {
         fail(fn, "log_sums must have shape (..., 4), {ref, total, tail_ref, tail} a row");
       log_sums = ls.data;
     }
-    if (max) tail_max = as_rows<double>(fn, "tail_max", *max, rows);
+    if (max) tail_max = as_rows<double>(fn, "tail_max", *max, rows_of("out.indices", out.indices));
     if (tails) {
       const auto ts = as_packed<const double>(fn, "tail_sums", *tails);
       if (tails->ndim() < 2 || ts.cols != 2 || ts.rows % (rows == 0 ? 1 : rows) != 0 ||
@@ -104,7 +104,7 @@ struct tail_sums_args {
   tail_sums_args(const char* fn, std::size_t rows, nb::handle support_rows, const in_array& max,
                  const out_array& out)
       : support(fn, "support", support_rows) {
-    tail_max = as_rows<const double>(fn, "tail_max", max, rows);
+    tail_max = as_rows<const double>(fn, "tail_max", max, rows_of("support.indices", support.indices));
     const auto o = as_packed<double>(fn, "sums", out);
     if (o.rows != rows || o.cols != 2) fail(fn, "sums must have shape (..., 2), one pair a row");
     sums = o.data;

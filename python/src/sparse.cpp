@@ -24,10 +24,11 @@ namespace {
 troll::cpu_policy policy(unsigned threads) { return troll::cpu.with_threads(threads); }
 
 /// The sampled tokens (int32 from Python) as troll::token_id, the API's token type.
-std::vector<troll::token_id> sampled_ids(const char* fn, const std::optional<in_array>& sampled, std::size_t rows) {
+std::vector<troll::token_id> sampled_ids(const char* fn, const std::optional<in_array>& sampled,
+                                        const rows_shape& rows) {
   if (!sampled) return {};
   const sparse_index* s = as_rows<const sparse_index>(fn, "sampled", *sampled, rows);
-  return std::vector<troll::token_id>(s, s + rows);
+  return std::vector<troll::token_id>(s, s + rows.count());
 }
 
 void sparsify(const in_array& logits, const std::optional<in_array>& sampled, int k, double delta,
@@ -36,7 +37,7 @@ void sparsify(const in_array& logits, const std::optional<in_array>& sampled, in
   dispatch_float(fn, "logits", logits, [&](auto tag) {
     using T = decltype(tag);
     const auto x = as_batch<const T>(fn, "logits", logits);
-    const std::vector<troll::token_id> ids = sampled_ids(fn, sampled, x.rows);
+    const std::vector<troll::token_id> ids = sampled_ids(fn, sampled, rows_of("logits", logits));
     const troll::token_id* s = sampled ? ids.data() : nullptr;
     const sparse_rows<T> o(fn, "out", out);
     const troll::sparsify_options options = sparsify_settings(k, delta);
@@ -124,7 +125,7 @@ void sparsify_shard(const in_array& shard_logits, std::size_t vocab_offset, std:
   dispatch_float(fn, "shard_logits", shard_logits, [&](auto tag) {
     using T = decltype(tag);
     const auto x = as_batch<const T>(fn, "shard_logits", shard_logits);
-    const std::vector<troll::token_id> ids = sampled_ids(fn, sampled, x.rows);
+    const std::vector<troll::token_id> ids = sampled_ids(fn, sampled, rows_of("shard_logits", shard_logits));
     const troll::token_id* s = sampled ? ids.data() : nullptr;
     std::uint8_t* out = shard_states_out(fn, states, x.rows, k);
     const troll::sparsify_options options = sparsify_settings(k, delta);

@@ -83,7 +83,7 @@ struct kl_aligned_args {
   T* out;
 
   kl_aligned_args(const char* fn, nb::handle r, const out_array& o)
-      : rows(fn, "rows", r), out(as_rows<T>(fn, "out", o, rows.view.rows)) {}
+      : rows(fn, "rows", r), out(as_rows<T>(fn, "out", o, rows_of("rows.indices", rows.indices))) {}
 };
 
 /// project_sparse: aligned rows, the sparse output, the statistics' output (`StatsOut`).
@@ -120,7 +120,7 @@ struct project_aligned_backward_args {
         grad_new(fn, "grad_new", gn),
         grad_old_rows(go.is_none() ? std::nullopt : std::make_optional<sparse_grad<T>>(fn, "grad_old", go)),
         grad_old(grad_old_rows ? grad_old_rows->view : troll::sparse_grad_view<T>{}),
-        grad_eps(ge ? as_rows<T>(fn, "grad_eps", *ge, rows.view.rows) : nullptr),
+        grad_eps(ge ? as_rows<T>(fn, "grad_eps", *ge, rows_of("rows.indices", rows.indices)) : nullptr),
         stats(fn, values, counters, rows.view.rows) {}
 };
 

@@ -56,8 +56,8 @@ struct sparse_rows {
     const auto lv = as_packed<T>(fn, (n + ".log_probs").c_str(), log_probs);
     view.indices = iv.data;
     view.log_probs = lv.data;
-    view.counts = as_rows<I>(fn, (n + ".counts").c_str(), counts, iv.rows);
-    view.log_remainder = as_rows<T>(fn, (n + ".log_remainder").c_str(), log_remainder, iv.rows);
+    view.counts = as_rows<I>(fn, (n + ".counts").c_str(), counts, rows_of(n + ".indices", indices));
+    view.log_remainder = as_rows<T>(fn, (n + ".log_remainder").c_str(), log_remainder, rows_of(n + ".indices", indices));
     view.rows = iv.rows;
     view.k_max = iv.cols;
     view.vocab = nb::cast<std::size_t>(t[4]);
@@ -85,11 +85,11 @@ struct aligned_rows {
     require_same_shape(fn, (n + ".old_log_probs").c_str(), old_lp, (n + ".indices").c_str(), indices);
     const auto iv = as_packed<I>(fn, (n + ".indices").c_str(), indices);
     view.indices = iv.data;
-    view.counts = as_rows<I>(fn, (n + ".counts").c_str(), counts, iv.rows);
+    view.counts = as_rows<I>(fn, (n + ".counts").c_str(), counts, rows_of(n + ".indices", indices));
     view.new_log_probs = as_packed<T>(fn, (n + ".new_log_probs").c_str(), new_lp).data;
     view.old_log_probs = as_packed<T>(fn, (n + ".old_log_probs").c_str(), old_lp).data;
-    view.new_log_remainder = as_rows<T>(fn, (n + ".new_log_remainder").c_str(), new_lr, iv.rows);
-    view.old_log_remainder = as_rows<T>(fn, (n + ".old_log_remainder").c_str(), old_lr, iv.rows);
+    view.new_log_remainder = as_rows<T>(fn, (n + ".new_log_remainder").c_str(), new_lr, rows_of(n + ".indices", indices));
+    view.old_log_remainder = as_rows<T>(fn, (n + ".old_log_remainder").c_str(), old_lr, rows_of(n + ".indices", indices));
     view.rows = iv.rows;
     view.k_max = iv.cols;
     view.vocab = nb::cast<std::size_t>(t[6]);
@@ -110,7 +110,7 @@ struct sparse_grad {
     const std::string n(name);
     const auto lv = as_packed<T>(fn, (n + ".log_probs").c_str(), log_probs);
     view.log_probs = lv.data;
-    view.log_remainder = as_rows<T>(fn, (n + ".log_remainder").c_str(), log_remainder, lv.rows);
+    view.log_remainder = as_rows<T>(fn, (n + ".log_remainder").c_str(), log_remainder, rows_of(n + ".log_probs", log_probs));
     view.rows = lv.rows;
     view.k_max = lv.cols;
   }

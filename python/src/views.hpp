@@ -7,6 +7,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -163,17 +164,55 @@ troll::batch_view<T> as_packed(const char* fn, const char* name, const A& a) {
   return v;
 }
 
-/// A per-row array (shape = the rows' leading shape, any layout that flattens to unit stride) as a
-/// pointer to `rows` elements of T.
+/// The shape every per-row array of a call must have: the leading shape of the array that holds the
+/// rows (`of`, for messages). Per-row arrays pair with the rows in flattened order, so the count
+/// alone is not enough: a (3, 2) array for rows of shape (2, 3) would pair them wrongly.
+struct rows_shape {
+  std::string of;
+  std::vector<std::size_t> dims;
+
+  std::size_t count() const {
+    std::size_t n = 1;
+    for (std::size_t d : dims) n *= d;
+    return n;
+  }
+  std::string text() const {
+    std::string s = "(";
+    for (std::size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+    return s + (dims.size() == 1 ? ",)" : ")");
+  }
+};
+
+/// The rows of `a`, a (..., X) array named `name`: its shape without the last dimension.
+template <class A>
+rows_shape rows_of(const std::string& name, const A& a) {
+  return {name, leading_shape(a)};
+}
+
+/// `entries` elements of T stored contiguously in `a` (any layout that flattens to unit stride),
+/// whatever its shape: for arrays that are not one entry per row of a batch (the metrics).
 template <class T, class A>
-T* as_rows(const char* fn, const char* name, const A& a, std::size_t rows) {
+T* as_entries(const char* fn, const char* name, const A& a, std::size_t entries) {
   require_host_dtype<std::remove_const_t<T>>(fn, name, a);
-  if (a.size() != rows)
+  if (a.size() != entries)
     fail(fn, std::string(name) + " has shape " + shape_text(a) + " (" + std::to_string(a.size()) +
-                 " entries) but one entry per row is needed (" + std::to_string(rows) + " rows)");
-  if (rows > 1 && flat_stride(fn, name, a, a.ndim(), 1) != 1)
+                 " entries) but " + std::to_string(entries) + " entries are needed");
+  if (entries > 1 && flat_stride(fn, name, a, a.ndim(), 1) != 1)
     fail(fn, std::string(name) + " must be contiguous");
   return static_cast<T*>(a.data());
+}
+
+/// A per-row array: its shape must be the rows' (`rows.dims`, exactly), its layout must flatten to
+/// unit stride. A pointer to its rows.count() elements of T.
+template <class T, class A>
+T* as_rows(const char* fn, const char* name, const A& a, const rows_shape& rows) {
+  require_host_dtype<std::remove_const_t<T>>(fn, name, a);
+  bool same = a.ndim() == rows.dims.size();
+  for (std::size_t i = 0; same && i < a.ndim(); ++i) same = a.shape(i) == rows.dims[i];
+  if (!same)
+    fail(fn, std::string(name) + " has shape " + shape_text(a) + " but one entry per row of " + rows.of +
+                 " is needed: shape " + rows.text());
+  return as_entries<T>(fn, name, a, rows.count());
 }
 
 /// Throws unless `a` has exactly the shape of `ref` (not just the same number of rows).
@@ -195,12 +234,44 @@ std::pair<const char*, const char*> byte_span(const troll::batch_view<T>& v) {
   return {begin, begin + ((v.rows - 1) * v.stride + v.cols) * sizeof(T)};
 }
 
+/// Whether two batch views share a byte. Their spans are compared first; where those meet, row by
+/// row: row i of `a` meets row j of `b` exactly when j lies in the range solved below, so the
+/// interleaved halves of one buffer (big[:, :V] and big[:, V:]) are told apart from views that
+/// really share elements. O(a.rows) and only for spans that meet.
+template <class T, class U>
+bool views_overlap(const troll::batch_view<T>& a, const troll::batch_view<U>& b) {
+  const auto sa = byte_span(a), sb = byte_span(b);
+  if (!sa.first || !sb.first || !(sa.first < sb.second && sb.first < sa.second)) return false;
+  const std::uintptr_t base = std::min(reinterpret_cast<std::uintptr_t>(sa.first),
+                                       reinterpret_cast<std::uintptr_t>(sb.first));
+  const std::uintptr_t a0 = reinterpret_cast<std::uintptr_t>(sa.first) - base;
+  const std::uintptr_t b0 = reinterpret_cast<std::uintptr_t>(sb.first) - base;
+  const std::uintptr_t a_step = a.stride * sizeof(T), a_len = a.cols * sizeof(T);
+  const std::uintptr_t b_step = b.stride * sizeof(U), b_len = b.cols * sizeof(U);
+  if (b.rows == 1 || b_step == 0) {  // b is one byte range, possibly repeated
+    for (std::size_t i = 0; i < a.rows; ++i) {
+      const std::uintptr_t x = a0 + i * a_step;
+      if (x < b0 + b_len && b0 < x + a_len) return true;
+    }
+    return false;
+  }
+  for (std::size_t i = 0; i < a.rows; ++i) {
+    const std::uintptr_t x = a0 + i * a_step;  // row i of a: [x, x + a_len)
+    // Row j of b, [b0 + j b_step, b0 + j b_step + b_len), meets it iff
+    //   b0 + j b_step < x + a_len  and  x < b0 + j b_step + b_len.
+    if (x + a_len <= b0) continue;
+    const std::uintptr_t j_hi = (x + a_len - 1 - b0) / b_step;  // largest j with a start below x + a_len
+    const std::uintptr_t j = std::min<std::uintptr_t>(j_hi, b.rows - 1);
+    if (x < b0 + j * b_step + b_len) return true;  // the latest row starting in time ends past x
+  }
+  return false;
+}
+
 /// Throws when an output overlaps an input: troll reads its inputs while it writes.
 template <class T, class U>
 void require_disjoint(const char* fn, const char* out_name, const troll::batch_view<T>& out,
                       const char* in_name, const troll::batch_view<U>& in) {
-  const auto a = byte_span(out), b = byte_span(in);
-  if (a.first && b.first && a.first < b.second && b.first < a.second)
+  if (views_overlap(out, in))
     fail(fn, std::string(out_name) + " overlaps " + in_name +
                  " (troll does not compute in place; pass a separate out= buffer)");
 }

@@ -704,3 +704,107 @@ def test_bounds_must_be_real_numbers(gen):
         got = troll.project(n, o, good)[0]
         assert torch.allclose(torch.as_tensor(np.asarray(got)), torch.as_tensor(np.asarray(want)), rtol=1e-6, atol=0)
     assert troll.project(n, o, 1)[0] is not None  # an integer bound is a real number
+
+
+# ---- the thirty-second session: the rest of the thirty-first session's Python audit ----
+
+
+def test_per_row_arrays_must_have_the_rows_shape(gen):
+    """Per-row arrays pair with the rows in flattened order; they were checked by count alone, so a
+    (3, 2) grad_kl for rows of shape (2, 3), or flattened sampled tokens, ran paired wrongly."""
+    p, q = logits(gen, 2, 3, 7), logits(gen, 2, 3, 7)
+    g = torch.randn(2, 3, generator=gen, dtype=D)
+    for bad in (g.reshape(3, 2), g.reshape(6), g.reshape(2, 3, 1)):
+        with pytest.raises(troll.ShapeError, match=r"grad_kl has shape .* one entry per row of p_logits"):
+            troll.kl_backward(p, q, bad)
+    troll.kl_backward(p, q, g)  # the rows' own shape
+    ids = torch.randint(0, 7, (2, 3), generator=gen, dtype=torch.int32)
+    with pytest.raises(troll.ShapeError, match="sampled has shape"):
+        troll.sparsify(p, 2, sampled=ids.reshape(6))
+    rows = troll.sparsify(p, 2, sampled=ids)
+    flat_counts = troll.SparseRows(rows.indices, rows.log_probs, rows.counts.reshape(3, 2), rows.log_remainder,
+                                   rows.vocab)
+    with pytest.raises(troll.ShapeError, match=r"old.counts has shape \(3, 2\)"):
+        troll.align(q, flat_counts)
+    aligned = troll.align(q, rows)
+    with pytest.raises(troll.ShapeError, match="rows.new_log_remainder has shape"):
+        troll.kl_sparse(aligned._replace(new_log_remainder=aligned.new_log_remainder.reshape(6)))
+    # One row: a 0-d per-row array, as the rows' shape () says.
+    one = troll.kl_backward(p[0, 0], q[0, 0], torch.tensor(1.0, dtype=D))
+    assert one[0].shape == (7,)
+    with pytest.raises(troll.ShapeError, match="grad_kl has shape"):
+        troll.kl_backward(p[0, 0], q[0, 0], torch.ones(1, dtype=D))
+
+
+def test_solver_settings_must_be_numbers_of_their_kind(gen):
+    """max_iterations=True ran as 1 iteration and rtol=True as 1.0 (nanobind converts bools), and
+    max_iterations=2.5 was a TypeError listing the whole signature."""
+    import troll.gaussian as gauss
+    n, o = logits(gen, 2, 5), logits(gen, 2, 5)
+    for kwargs, name in (({"max_iterations": True}, "max_iterations"), ({"max_iterations": 2.5}, "max_iterations"),
+                         ({"rtol": True}, "rtol"), ({"atol": "0"}, "atol"), ({"rtol": np.bool_(False)}, "rtol")):
+        with pytest.raises(troll.ShapeError, match=name):
+            troll.project(n, o, 0.05, **kwargs)
+        with pytest.raises(troll.ShapeError, match=name):
+            tt.project(n, o, 0.05, **kwargs)
+    with pytest.raises(troll.DomainError, match="max_iterations"):
+        troll.project(n, o, 0.05, max_iterations=2**40)
+    with pytest.raises(troll.DomainError, match="max_iterations >= 1"):
+        troll.project(n, o, 0.05, max_iterations=0)  # troll's own range check, as before
+    got = troll.project(n, o, 0.05, max_iterations=np.int64(50), rtol=np.float64(1e-11), atol=0)[0]
+    assert torch.equal(torch.as_tensor(np.asarray(got)), torch.as_tensor(np.asarray(troll.project(n, o, 0.05)[0])))
+    with pytest.raises(troll.ShapeError, match="delta"):
+        troll.sparsify(n, 2, delta=True)
+    mean, std = torch.randn(2, 3, dtype=D), torch.rand(2, 3, dtype=D) + 0.5
+    with pytest.raises(troll.ShapeError, match="max_iterations"):
+        gauss.project_joint_diag(mean, std, mean, std, 0.01, max_iterations=True)
+
+
+def test_project_sparse_checks_new_delta_without_a_new_prefix(gen):
+    """new_k = 0 skipped the sparsify of the new row, and with it the only check of new_delta:
+    new_delta = 1.5 (or True) ran without a word, where the sparse losses refuse it."""
+    old, new = logits(gen, 2, 10), logits(gen, 2, 10)
+    sparse_old = tt.sparsify(old, 3)
+    for bad in (1.5, -0.1, float("nan")):
+        with pytest.raises(troll.DomainError, match=r"new_delta must be in \[0, 1\)"):
+            tt.project_sparse(new, sparse_old, 0.05, new_k=0, new_delta=bad)
+    with pytest.raises(troll.ShapeError, match="new_delta"):
+        tt.project_sparse(new, sparse_old, 0.05, new_k=0, new_delta=True)
+    tt.project_sparse(new, sparse_old, 0.05, new_k=0, new_delta=0.0)
+
+
+def test_loss_inputs_that_do_not_fit_the_logits_dtype_are_named(gen):
+    """A float64 advantage of 1e39 with float32 logits became inf in the cast to the logits' dtype
+    and was then refused as an infinite input, or ran; the cast is now checked and named."""
+    new, old = logits(gen, 2, 3, 8).float(), logits(gen, 2, 3, 8).float()
+    tokens = torch.randint(0, 8, (2, 3), generator=gen)
+    adv = torch.randn(2, 3, generator=gen, dtype=D)
+    adv[1, 2] = 1e39
+    with pytest.raises(troll.DomainError, match=r"advantages entry 5 \(= 1e\+39\) does not fit"):
+        tt.ppo_clip_loss(new, old, tokens, adv)
+    with pytest.raises(troll.DomainError, match="advantages entry 5"):
+        tt.trust_region_loss(new, tt.sparsify(old, 4, sampled=tokens), tokens, adv)
+    with pytest.raises(TypeError, match="a real dtype"):
+        tt.ppo_clip_loss(new, old, tokens, adv.to(torch.complex128))
+    adv[1, 2] = 1.0
+    tt.ppo_clip_loss(new, old, tokens, adv)  # float64 advantages that fit: converted, as before
+
+
+def test_out_may_interleave_with_an_input_that_it_does_not_share_elements_with(gen):
+    """out= and the logits as the two halves of one (rows, 2V) buffer share no element, but their
+    byte spans interleave: the overlap check compared spans and refused them."""
+    V = 9
+    big = torch.empty(4, 2 * V, dtype=D)
+    big[:, V:] = logits(gen, 4, V)
+    old = logits(gen, 4, V)
+    x = big[:, V:]
+    want = troll.project(x.clone(), old, 0.05)[0]
+    got = troll.project(x, old, 0.05, out=big[:, :V])[0]
+    assert torch.equal(torch.as_tensor(np.asarray(got)), torch.as_tensor(np.asarray(want)))
+    troll.log_softmax(x, out=big[:, :V])
+    assert torch.allclose(big[:, :V], torch.log_softmax(x, -1), rtol=1e-14, atol=1e-15)
+    # A real overlap is still refused, however it interleaves.
+    with pytest.raises(troll.ShapeError, match="overlaps"):
+        troll.project(x, old, 0.05, out=big[:, 1:V + 1])
+    with pytest.raises(troll.ShapeError, match="overlaps"):
+        troll.log_softmax(x, out=big.view(-1)[:4 * V].view(4, V))  # packed rows across x's strided ones

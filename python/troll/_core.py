@@ -132,24 +132,42 @@ def _out(frame: Framework, out: Any, shape: tuple, dtype: str, name: str) -> Any
     return out
 
 
-def _bound(eps: Any, name: str = "eps") -> float:
-    """A bound given as a number or a one-element array (torch, NumPy, ...): one bound for every
-    row; anything with more elements raises ShapeError (per-row bounds are not supported)."""
-    shape = getattr(eps, "shape", None)
+def _real(value: Any, name: str) -> float:
+    """A real setting (``eps``, ``delta``, ``rtol``, ``alpha``, ...) given as a number or a
+    one-element array (torch, NumPy, ...). float() would take True as 1.0 and the string '0.05' as
+    0.05, and nanobind converts a bool too: anything but a real number is a ShapeError naming it.
+    Its range is troll's to check (the extension names the entry point)."""
+    shape = getattr(value, "shape", None)
+    item = value
     if shape is not None:
         size = 1
         for extent in tuple(shape):
             size *= int(extent)
         if size != 1:
-            raise ShapeError(f"troll: {name} must be a number or a one-element array (one bound for all rows), "
-                             f"got shape {tuple(shape)}")
-        value = eps.item()
-    else:
-        value = eps
-    # float() would take True as 1.0 and the string '0.05' as 0.05: a bound must be a real number.
-    if isinstance(value, (bool, np.bool_, str, bytes)) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
-        raise ShapeError(f"troll: {name} must be a real number or a one-element array of one, got {eps!r}")
-    return float(value)
+            raise ShapeError(f"troll: {name} must be a number or a one-element array, got shape {tuple(shape)}")
+        item = value.item()
+    if isinstance(item, (bool, np.bool_, str, bytes)) or not isinstance(item, (numbers.Real, np.floating, np.integer)):
+        raise ShapeError(f"troll: {name} must be a real number or a one-element array of one, got {value!r}")
+    return float(item)
+
+
+def _bound(eps: Any, name: str = "eps") -> float:
+    """A bound: one for every row (per-row bounds are not supported), as ``_real`` takes it."""
+    shape = getattr(eps, "shape", None)
+    if shape is not None and int(np.prod(tuple(int(e) for e in shape))) != 1:
+        raise ShapeError(f"troll: {name} must be a number or a one-element array (one bound for all rows), "
+                         f"got shape {tuple(shape)}")
+    return _real(eps, name)
+
+
+def _solver(rtol: Any, atol: Any, max_iterations: Any) -> Tuple[float, float, int]:
+    """The solver settings as the extension takes them (real, real, C int), each checked for its
+    type here (``max_iterations=True`` had run as 1, ``rtol=True`` as 1.0); their ranges are
+    troll's check (a DomainError naming the entry point)."""
+    n = _integer(max_iterations, "max_iterations")
+    if not -2**31 <= n < 2**31:
+        raise DomainError(f"max_iterations must be >= 1 and fit a C int, got {n}")
+    return _real(rtol, "rtol"), _real(atol, "atol"), n
 
 
 def _float_dtype(frame: Framework, x: Any) -> str:
@@ -232,10 +250,10 @@ def project(
     if _on_cuda(new_logits):
         cuda, stream = _cuda_call(frame, new_logits, "project")
         cuda.project(arg(new_logits), arg(old_logits), _bound(eps), y, st.values, st.counters,
-                     rtol, atol, max_iterations, stream, CUDA_CHECKED)
+                     *_solver(rtol, atol, max_iterations), stream, CUDA_CHECKED)
     else:
         _troll.project(arg(new_logits), arg(old_logits), _bound(eps), y, st.values, st.counters,
-                       rtol, atol, max_iterations, _threads(threads))
+                       *_solver(rtol, atol, max_iterations), _threads(threads))
     return frame.result(y), ProjectionStats(frame.result(st.values), frame.result(st.counters))
 
 
@@ -296,9 +314,9 @@ def sparsify(logits: Any, k: int = 64, delta: float = 1e-5, sampled: Any = None,
     sampled_arg = None if sampled is None else arg(sampled)
     if on_cuda:
         cuda, stream = _cuda_call(frame, logits, "sparsify")
-        cuda.sparsify(arg(logits), sampled_arg, _k(k), float(delta), out, stream, CUDA_CHECKED)
+        cuda.sparsify(arg(logits), sampled_arg, _k(k), _real(delta, "delta"), out, stream, CUDA_CHECKED)
     else:
-        _troll.sparsify(arg(logits), sampled_arg, _k(k), float(delta), out, _threads(threads))
+        _troll.sparsify(arg(logits), sampled_arg, _k(k), _real(delta, "delta"), out, _threads(threads))
     return SparseRows(*(frame.result(a) for a in out[:4]), vocab)
 
 
@@ -395,7 +413,7 @@ def project_sparse(rows: AlignedRows, eps: float, *, rtol: float = DEFAULT_RTOL,
     lead = tuple(rows.counts.shape)
     out = sparse_empty(frame, lead, int(rows.indices.shape[-1]), rows.vocab, dtype)
     st = ProjectionStats.empty(frame, lead)
-    args = (_sparse_arg(rows), _bound(eps), out, st.values, st.counters, rtol, atol, max_iterations)
+    args = (_sparse_arg(rows), _bound(eps), out, st.values, st.counters, *_solver(rtol, atol, max_iterations))
     if _on_cuda(rows.new_log_probs):
         cuda, stream = _cuda_call(frame, rows.new_log_probs, "project_sparse")
         cuda.project_sparse(*args, stream, CUDA_CHECKED)
@@ -548,7 +566,7 @@ def sparsify_shard(shard_logits: Any, vocab_offset: int, vocab: int, k: int = 64
     rows = leading_shape(shard_logits, "shard_logits")
     states = frame.empty(rows + (sparsify_state_bytes(k),), "uint8")
     args = (arg(shard_logits), _size(vocab_offset, "vocab_offset"), _size(vocab, "vocab"),
-            None if sampled is None else arg(sampled), _k(k), float(delta), states)
+            None if sampled is None else arg(sampled), _k(k), _real(delta, "delta"), states)
     if _on_cuda(shard_logits):
         cuda, stream = _cuda_call(frame, shard_logits, "sparsify_shard")
         cuda.sparsify_shard(*args, stream, CUDA_CHECKED)
@@ -582,7 +600,7 @@ def sparsify_finalize(states: Any, vocab: int, k: int = 64, delta: float = 1e-5,
     out = sparse_empty(frame, rows, k_max, vocab, dtype)
     log_sums = frame.empty(rows + (4,), "float64")
     tail_max = frame.empty(rows, "float64") if return_tail_max else None
-    args = (arg(states), _k(k), float(delta), out, log_sums, tail_max,
+    args = (arg(states), _k(k), _real(delta, "delta"), out, log_sums, tail_max,
             None if tail_sums is None else arg(tail_sums))
     if _on_cuda(states):
         cuda, stream = _cuda_call(frame, states, "sparsify_finalize")

@@ -108,6 +108,7 @@ def _project(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: float, 
     if saved is not None:
         writable(saved, "saved")
     eps_mean, eps_cov = _core._bound(eps_mean, "eps_mean"), _core._bound(eps_cov, "eps_cov")
+    rtol, atol, max_iterations = _core._solver(rtol, atol, max_iterations)
     if _core._on_cuda(mean):
         cuda, stream = _core._cuda_call(frame, mean, "gaussian.project")
         cuda.gaussian_project(arg(mean), arg(cov), arg(old_mean), arg(old_cov), eps_mean, eps_cov,

@@ -238,6 +238,18 @@ inline const char* gradcheck_point_name(int point) {
   return names[point];
 }
 
+/// Whether x + offset and x − offset are finite doubles (the largest offset of a central
+/// difference; the Richardson half steps then fit too).
+inline bool gradcheck_shift_fits(double x, double offset) {
+  return std::isfinite(x + offset) && std::isfinite(x - offset);
+}
+
+/// The report of an evaluation point beyond the doubles.
+inline std::string gradcheck_overflow_text(const std::string& along) {
+  return "x + h*" + along + " overflows the doubles (|x| near DBL_MAX against the step): f is not evaluated "
+         "there; lower `step` or check a smaller x";
+}
+
 /// Checks the values of output i at the evaluation points. Returns true when they can be
 /// differenced (a compared output, finite everywhere); reports what is wrong otherwise.
 inline bool gradcheck_usable(const std::vector<std::vector<double>>& values, int points,
@@ -326,13 +338,19 @@ gradcheck_result gradcheck_full(const char* mode, F& f, Fill&& fill, const std::
     const double h = options.step * std::max(1.0, std::fabs(x[j]));
     const double wanted[4] = {h, -h, h / 2, -h / 2};
     double offsets[4] = {0, 0, 0, 0};
+    const std::string along = "e_" + std::to_string(j) + ", h = " + gradcheck_number(h);
+    // x_j + h overflows where |x_j| is near DBL_MAX: the offset taken is then inf and every
+    // difference divided by it 0, which would compare 0 with the analytic entry (or pass 0 = 0).
+    if (!gradcheck_shift_fits(x[j], h)) {
+      tally.problem(gradcheck_overflow_text(along), gradcheck_result::npos, j, gradcheck_result::npos, nan, nan);
+      continue;
+    }
     for (int p = 0; p < points; ++p) {
       shifted[j] = x[j] + wanted[p];
       offsets[p] = shifted[j] - x[j];
       gradcheck_evaluate(f, shifted.data(), values[static_cast<std::size_t>(p)].data(), m);
     }
     shifted[j] = x[j];
-    const std::string along = "e_" + std::to_string(j) + ", h = " + gradcheck_number(h);
     for (std::size_t i = 0; i < m; ++i) {
       if (gradcheck_usable(values, points, i, state[i], y[i], along, j, gradcheck_result::npos,
                            tally)) {
@@ -457,6 +475,15 @@ gradcheck_result gradcheck_random(const char* mode, const char* analytic_name, F
     const std::size_t direction = static_cast<std::size_t>(k);
     gradcheck_unit_vector(generator, v, nullptr);
     if (!gradcheck_unit_vector(generator, u, &state)) break;  // no compared output
+    const std::string along =
+        "v (direction " + std::to_string(k) + ", h = " + gradcheck_number(h) + ")";
+    bool fits = true;
+    for (std::size_t j = 0; j < n && fits; ++j) fits = gradcheck_shift_fits(x[j], h * v[j]);
+    if (!fits) {  // x + h·v overflows (|x| near DBL_MAX): f is not evaluated there
+      tally.problem(gradcheck_overflow_text(along), gradcheck_result::npos, gradcheck_result::npos, direction,
+                    std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::quiet_NaN());
+      continue;
+    }
 
     for (int p = 0; p < points; ++p) {
       std::vector<double>& offset = moved[static_cast<std::size_t>(p)];
@@ -479,8 +506,6 @@ gradcheck_result gradcheck_random(const char* mode, const char* analytic_name, F
         taken[j] = fine + (fine - coarse) / 3.0;
       }
     }
-    const std::string along =
-        "v (direction " + std::to_string(k) + ", h = " + gradcheck_number(h) + ")";
     bool usable = true;
     double numeric = 0;
     for (std::size_t i = 0; i < m; ++i) {

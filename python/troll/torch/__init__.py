@@ -203,6 +203,9 @@ def project_sparse(new_logits: torch.Tensor, old_sparse: SparseRows, eps: Union[
     new_logits = _tensor(new_logits, "new_logits", "project_sparse")
     support = None
     new_k = _core._new_k(new_k)
+    new_delta = _core._real(new_delta, "new_delta")
+    if not 0.0 <= new_delta < 1.0:  # checked for new_k = 0 too, as the sparse losses check it
+        raise DomainError(f"troll.project_sparse: new_delta must be in [0, 1), got {new_delta!r}")
     if new_k > 0:
         support = _core.sparsify(new_logits.detach(), new_k, new_delta,
                                  _sampled_index(sampled, new_logits, "project_sparse"), threads=threads)
@@ -232,7 +235,20 @@ def _token_batch(new_logits: torch.Tensor, tokens, advantages, mask, sequence_id
         x = torch.as_tensor(x)
         if tuple(x.shape) != rows:
             raise _core.ShapeError(f"troll: {name} has shape {tuple(x.shape)} but the logits' rows are {rows}")
-        return private(x.detach().to(device=device, dtype=kind).contiguous(), x)
+        if x.is_complex():
+            raise TypeError(f"troll.{fn}: {name} has dtype {x.dtype}; a real dtype is needed")
+        converted = x.detach().to(device=device, dtype=kind).contiguous()
+        if x.is_floating_point() and torch.finfo(x.dtype).max > torch.finfo(kind).max:
+            # A narrowing cast (float64 advantages, float32 logits) turns a finite value beyond the
+            # logits' dtype into inf: name it here rather than as an infinite input. (Checked where
+            # it costs no device synchronisation; troll's own check still refuses the inf on CUDA.)
+            if converted.device.type == "cpu":
+                lost = torch.isinf(converted) & torch.isfinite(x.detach().cpu())
+                if bool(lost.any()):
+                    i = int(lost.reshape(-1).nonzero()[0])
+                    raise DomainError(f"troll.{fn}: {name} entry {i} (= {float(x.detach().reshape(-1)[i])!r}) "
+                                      f"does not fit the logits' dtype {kind}")
+        return private(converted, x)
 
     if aggregation is None:
         aggregation = "token_mean" if sequence_ids is None else "sequence_mean"
@@ -330,8 +346,10 @@ def trust_region_loss(new_logits: torch.Tensor, old: Union[torch.Tensor, SparseR
     else:
         old = _tensor(old, "old", "trust_region_loss")
     batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation, "trust_region_loss")
-    params = dict(eps=_core._bound(eps), alpha=float(alpha), rtol=rtol, atol=atol, max_iterations=max_iterations,
-                  new_k=_core._new_k(new_k), new_delta=float(new_delta), threads=threads)
+    rtol, atol, max_iterations = _core._solver(rtol, atol, max_iterations)
+    params = dict(eps=_core._bound(eps), alpha=_core._real(alpha, "alpha"), rtol=rtol, atol=atol,
+                  max_iterations=max_iterations, new_k=_core._new_k(new_k), new_delta=_core._real(new_delta, "new_delta"),
+                  threads=threads)
     info: Dict[str, Any] = {}
     loss = _TrustRegionLoss.apply(new_logits, old, batch, params, info)
     return (loss, _core.metrics_dict(info["metrics"])) if return_metrics else loss
@@ -371,7 +389,7 @@ def ppo_clip_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: to
     new_logits = _tensor(new_logits, "new_logits", "ppo_clip_loss")
     old_logits = _tensor(old_logits, "old_logits", "ppo_clip_loss")
     batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation, "ppo_clip_loss")
-    args = (float(clip_low), float(clip_high), float(dual_clip))
+    args = (_core._real(clip_low, "clip_low"), _core._real(clip_high, "clip_high"), _core._real(dual_clip, "dual_clip"))
     info: Dict[str, Any] = {}
     loss = _RatioLoss.apply(new_logits, old_logits, batch, "ppo_clip", args, threads, info)
     return (loss, _core.metrics_dict(info["metrics"])) if return_metrics else loss
@@ -390,8 +408,8 @@ def dppo_loss(new_logits: torch.Tensor, old_logits: torch.Tensor, tokens: torch.
     new_logits = _tensor(new_logits, "new_logits", "dppo_loss")
     old_logits = _tensor(old_logits, "old_logits", "dppo_loss")
     batch = _token_batch(new_logits, tokens, advantages, mask, sequence_ids, aggregation, "dppo_loss")
-    args = (str(divergence), float(default if delta_low is None else delta_low),
-            float(default if delta_high is None else delta_high), _core._k(top_k, "top_k"))
+    args = (str(divergence), _core._real(default if delta_low is None else delta_low, "delta_low"),
+            _core._real(default if delta_high is None else delta_high, "delta_high"), _core._k(top_k, "top_k"))
     info: Dict[str, Any] = {}
     loss = _RatioLoss.apply(new_logits, old_logits, batch, "dppo", args, threads, info)
     return (loss, _core.metrics_dict(info["metrics"])) if return_metrics else loss

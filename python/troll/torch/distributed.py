@@ -199,7 +199,7 @@ def sparsify(local_logits: torch.Tensor, vocab_offset: int, vocab_size: int, k: 
         if sampled is not None:  # the checks of troll.torch.sparsify's sampled (dtype, shape, int32 range)
             sampled_i32 = _index_rows(sampled, rows, "sampled", "distributed.sparsify",
                                       torch.as_tensor(sampled).device, torch.int32)
-        params = dict(k=_core._k(k), delta=float(delta), vocab=_core._size(vocab_size, "vocab_size"),
+        params = dict(k=_core._k(k), delta=_core._real(delta, "delta"), vocab=_core._size(vocab_size, "vocab_size"),
                       offset=_core._size(vocab_offset, "vocab_offset"), group=group, threads=threads)
     except Exception as error:
         like = local_logits if isinstance(local_logits, torch.Tensor) else None
