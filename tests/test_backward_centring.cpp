@@ -96,3 +96,137 @@ TEST_CASE("float VJP: the centring sums are skipped only where they could not be
   CHECK(applied > 0);
   CHECK(cpu::centring_negligible<double>(0.0, 1.0, 1.0, 100) == false);
 }
+
+namespace {
+
+/// The projection's derivatives of one row (VJP with grad_old and ε, JVP along (e_0, ε' = 1),
+/// the three Jacobian blocks), in double for comparison.
+struct row_derivatives {
+  std::vector<double> grad_new, grad_old, jvp, jac_new, jac_old, jac_eps;
+  double grad_eps = 0.0;
+  troll::row_status status{};
+};
+
+template <class T>
+row_derivatives derivatives_of(const std::vector<T>& zn, const std::vector<T>& zo, double eps) {
+  const std::size_t v = zn.size();
+  const auto n = troll::make_batch(zn.data(), 1, v), o = troll::make_batch(zo.data(), 1, v);
+  std::vector<T> lp(v), g(v), gn(v), go(v), tangent(v, T(0)), jvp(v), jn(v * v), jo(v * v), je(v);
+  for (std::size_t j = 0; j < v; ++j) g[j] = T(0.5 * std::sin(1.7 * double(j + 1)));
+  tangent[0] = T(1);
+  troll::projection_stats st;
+  troll::project(troll::cpu, n, o, eps, troll::make_batch(lp.data(), 1, v), &st);
+  const auto lpv = troll::make_batch<const T>(lp.data(), 1, v);
+  T ge = 0;
+  troll::project_backward(troll::cpu, n, o, lpv, &st, troll::make_batch<const T>(g.data(), 1, v),
+                          troll::make_batch(gn.data(), 1, v), troll::make_batch(go.data(), 1, v), &ge);
+  troll::project_jvp(troll::cpu, n, o, lpv, &st, troll::make_batch<const T>(tangent.data(), 1, v),
+                     troll::make_batch<const T>(tangent.data(), 1, v), 1.0, troll::make_batch(jvp.data(), 1, v));
+  troll::project_jacobian(troll::cpu, n, o, lpv, &st, jn.data(), jo.data(), je.data());
+  row_derivatives r;
+  r.grad_new.assign(gn.begin(), gn.end());
+  r.grad_old.assign(go.begin(), go.end());
+  r.jvp.assign(jvp.begin(), jvp.end());
+  r.jac_new.assign(jn.begin(), jn.end());
+  r.jac_old.assign(jo.begin(), jo.end());
+  r.jac_eps.assign(je.begin(), je.end());
+  r.grad_eps = double(ge);
+  r.status = st.status;
+  return r;
+}
+
+void check_same(const std::vector<double>& got, const std::vector<double>& want, double tol) {
+  REQUIRE(got.size() == want.size());
+  double scale = 0.0;
+  for (double w : want) scale = std::max(scale, std::abs(w));
+  for (std::size_t j = 0; j < got.size(); ++j) {
+    INFO("entry " << j << ": got " << got[j] << ", want " << want[j]);
+    CHECK(std::abs(got[j] - want[j]) <= tol * (scale + std::abs(want[j])));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("derivatives of rows shifted far from the origin equal the unshifted row's (softmax invariance)") {
+  // softmax(z° + c) = softmax(z°): a row whose old logits carry a constant c has the same π*,
+  // statistics (but μ) and derivatives as c = 0, an exact oracle. The kernels formed d_j − μ from
+  // d_j = z̃_j − z°_j rounded to ulp(c) on each token (16384 at c = 1e20): ∂/∂ε had the wrong sign
+  // at c = 1e16 and was 0 beyond 1e20, in float and double (the forward was right). Such rows are
+  // now differentiated against a reference token (detail/cpu/offset_rows.hpp).
+  const std::vector<double> base_new = {0.0, 1.0, 2.0, -0.75, 0.5};
+  for (double c : {1e8, 1e12, 1e16, 1e20, -1e25, 1e30, 3e38}) {
+    for (double eps : {0.05, 1e-6}) {
+      INFO("c = " << c << ", eps = " << eps);
+      {  // float: the old row a constant c (exactly representable), the new row small
+        std::vector<float> zn(base_new.begin(), base_new.end()), zo(zn.size(), 0.0f), zc(zn.size(), float(c));
+        const row_derivatives want = derivatives_of(zn, zo, eps), got = derivatives_of(zn, zc, eps);
+        REQUIRE(got.status == troll::row_status::projected);
+        check_same(got.grad_new, want.grad_new, 2e-6);
+        check_same(got.grad_old, want.grad_old, 2e-6);
+        check_same({got.grad_eps}, {want.grad_eps}, 2e-6);
+        check_same(got.jvp, want.jvp, 2e-6);
+        check_same(got.jac_new, want.jac_new, 2e-6);
+        check_same(got.jac_old, want.jac_old, 2e-6);
+        check_same(got.jac_eps, want.jac_eps, 2e-6);
+      }
+      if (std::abs(c) <= 1e300) {  // double: the same, and the new row shifted by c instead
+        std::vector<double> zn = base_new, zo(zn.size(), 0.0), zc(zn.size(), c);
+        const row_derivatives want = derivatives_of(zn, zo, eps), got = derivatives_of(zn, zc, eps);
+        check_same(got.grad_new, want.grad_new, 1e-9);
+        check_same(got.grad_old, want.grad_old, 1e-9);
+        check_same({got.grad_eps}, {want.grad_eps}, 1e-9);
+        check_same(got.jvp, want.jvp, 1e-9);
+        check_same(got.jac_new, want.jac_new, 1e-9);
+        check_same(got.jac_old, want.jac_old, 1e-9);
+        check_same(got.jac_eps, want.jac_eps, 1e-9);
+        // z̃ + c with z̃ on multiples of ulp(c): exactly the shifted row.
+        const double unit = std::abs(c) * 0x1p-52 * 2.0;
+        std::vector<double> wide(zn.size()), shifted(zn.size());
+        for (std::size_t j = 0; j < zn.size(); ++j) {
+          wide[j] = std::max(unit, 1.0) * std::round(zn[j] * 4.0) / 4.0;
+          shifted[j] = wide[j] + c;
+        }
+        if (unit <= 1.0) {  // otherwise `wide` is far from a moderate row: left to the float case
+          const row_derivatives w2 = derivatives_of(wide, zo, eps), g2 = derivatives_of(shifted, zo, eps);
+          check_same(g2.grad_new, w2.grad_new, 1e-9);
+          check_same({g2.grad_eps}, {w2.grad_eps}, 1e-9);
+          check_same(g2.jvp, w2.jvp, 1e-9);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("the TROLL objective's gradient on rows shifted far from the origin equals the unshifted row's") {
+  // The fused objective backward formed d − μ as the projection's derivatives did (the cross term
+  // of the sampled token's ratio): the same invariance oracle, dense old rows shifted by c.
+  const std::size_t rows = 2, v = 5;
+  auto gradient = [&](const std::vector<double>& zn, const std::vector<double>& zo) {
+    const auto n = troll::make_batch(zn.data(), rows, v), o = troll::make_batch(zo.data(), rows, v);
+    std::vector<double> lp(rows * v), grad(rows * v), token_loss(rows);
+    std::vector<troll::projection_stats> st(rows);
+    const std::vector<troll::token_id> tokens = {1, 3};
+    const std::vector<double> advantages = {1.0, -0.7};
+    troll::token_batch<double> batch;
+    batch.tokens = tokens.data();
+    batch.advantages = advantages.data();
+    troll::trust_region_objective objective;
+    objective.eps = 0.05;
+    objective.alpha = 0.1;
+    troll::objective_metrics metrics;
+    troll::objective_forward(troll::cpu, objective, n, o, batch, troll::make_batch(lp.data(), rows, v), st.data(),
+                             token_loss.data(), &metrics);
+    for (const troll::projection_stats& s : st) REQUIRE(s.status == troll::row_status::projected);
+    troll::objective_backward(troll::cpu, objective, n, o, batch, troll::make_batch<const double>(lp.data(), rows, v),
+                              st.data(), troll::make_batch(grad.data(), rows, v), 1.0);
+    return grad;
+  };
+  const std::vector<double> zn = {0.0, 1.0, 2.0, -0.75, 0.5, 1.5, -1.0, 0.25, 0.0, 2.5};
+  const std::vector<double> zo(rows * v, 0.0);
+  const std::vector<double> want = gradient(zn, zo);
+  for (double c : {1e16, 1e20, -3e30}) {
+    INFO("c = " << c);
+    const std::vector<double> shifted(rows * v, c);
+    check_same(gradient(zn, shifted), want, 1e-9);
+  }
+}

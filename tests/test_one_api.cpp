@@ -106,6 +106,40 @@ TEST_CASE("every entry point runs under troll::cpu from one function template") 
     }
 }
 
+TEST_CASE("every entry point runs in float from the same function template, close to double") {
+  // The float instantiation of every entry point a consumer can name (the step above in T = float):
+  // finite results within float's tolerances of the double step (inputs rounded to float first,
+  // so the comparison measures the float computation, not the inputs' rounding: loose 1e-4).
+  const consumer::step_results f = consumer::run_every_entry_point<troll::cpu_policy, float>(troll::cpu);
+  const consumer::step_results d = consumer::run_every_entry_point<troll::cpu_policy, double>(troll::cpu);
+  auto close = [](const std::vector<double>& a, const std::vector<double>& b, double atol, double rtol) {
+    REQUIRE(a.size() == b.size());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      INFO("entry " << i << ": float " << a[i] << ", double " << b[i]);
+      CHECK(std::isfinite(a[i]) == std::isfinite(b[i]));
+      if (std::isfinite(b[i])) CHECK(std::abs(a[i] - b[i]) <= atol + rtol * std::abs(b[i]));
+    }
+  };
+  close(f.log_softmax, d.log_softmax, 1e-5, 1e-4);
+  close(f.kl, d.kl, 1e-5, 1e-3);
+  close(f.project, d.project, 1e-4, 1e-3);
+  close(f.grad_new, d.grad_new, 1e-4, 1e-3);
+  close(f.jvp, d.jvp, 1e-4, 1e-3);
+  close(f.sparse_log_probs, d.sparse_log_probs, 1e-4, 1e-3);
+  close(f.sparse_grad, d.sparse_grad, 1e-4, 1e-3);
+  close(f.gaussian_mean, d.gaussian_mean, 1e-4, 1e-3);
+  close(f.gaussian_chol, d.gaussian_chol, 1e-4, 1e-3);
+  close(f.gaussian_diag_std, d.gaussian_diag_std, 1e-4, 1e-3);
+  close(f.gaussian_full_derivatives, d.gaussian_full_derivatives, 1e-3, 1e-2);
+  for (double kl_after : f.project_stats_kl) CHECK(kl_after <= 0.05 * (1 + 1e-4));
+  for (double kl_after : f.gaussian_kl_after) CHECK(kl_after <= 0.05 * (1 + 1e-4));
+  CHECK(f.sparse_counts == d.sparse_counts);
+  CHECK(f.shard_rows == f.whole_rows);  // canonical tail sums in float too
+  for (double loss : {f.troll_loss, f.ppo_loss, f.dppo_loss, f.sparse_troll_loss}) CHECK(std::isfinite(loss));
+  CHECK(std::abs(f.troll_loss - d.troll_loss) <= 1e-4 + 1e-3 * std::abs(d.troll_loss));
+  CHECK(std::abs(f.sparse_troll_loss - d.sparse_troll_loss) <= 1e-4 + 1e-3 * std::abs(d.sparse_troll_loss));
+}
+
 TEST_CASE("workspace_bytes: defined for every entry point and both policies") {
   using namespace troll;
   static_assert(workspace_bytes(cpu, op::project{}, 10, 100) == 0, "the projection needs no scratch");
@@ -142,7 +176,7 @@ TEST_CASE("workspace_bytes: defined for every entry point and both policies") {
 
 TEST_CASE("cpu workspace: undersized, misaligned or null memory throws shape_error before writing") {
   const std::size_t rows = 2, V = 8;
-  const std::vector<double> zn = consumer::logits(rows, V, 0.7), zo = consumer::logits(rows, V, 1.3);
+  const std::vector<double> zn = consumer::logits<double>(rows, V, 0.7), zo = consumer::logits<double>(rows, V, 1.3);
   std::vector<double> lp(rows * V);
   std::vector<troll::projection_stats> stats(rows);
   troll::project(troll::cpu, troll::make_batch(zn.data(), rows, V), troll::make_batch(zo.data(), rows, V), 0.05,
@@ -222,7 +256,7 @@ void check_objective_workspace(std::size_t need, Call call, const Out& out, doub
 TEST_CASE("cpu objectives draw their scratch from the policy's workspace (sized, checked)") {
   using troll::make_batch;
   const std::size_t rows = 5, V = 12;
-  const std::vector<double> zn = consumer::logits(rows, V, 0.7), zo = consumer::logits(rows, V, 1.3);
+  const std::vector<double> zn = consumer::logits<double>(rows, V, 0.7), zo = consumer::logits<double>(rows, V, 1.3);
   const auto new_in = make_batch(zn.data(), rows, V);
   const auto old_in = make_batch(zo.data(), rows, V);
   const std::vector<troll::token_id> tokens{2, 5, 0, 11, 7};
@@ -409,7 +443,7 @@ TEST_CASE("every entry point with scratch, called again without a workspace: sam
   using troll::make_batch;
   using T = double;
   const std::size_t rows = 3, V = 10;
-  const std::vector<T> zn = consumer::logits(rows, V, 0.7), zo = consumer::logits(rows, V, 1.3);
+  const std::vector<T> zn = consumer::logits<double>(rows, V, 0.7), zo = consumer::logits<double>(rows, V, 1.3);
   const auto new_in = make_batch(zn.data(), rows, V);
   const auto old_in = make_batch(zo.data(), rows, V);
   const auto policy = troll::cpu.with_threads(1);

@@ -13,6 +13,7 @@
 #include "config.hpp"
 #include "detail/arguments.hpp"
 #include "detail/cpu/backward_kernels.hpp"
+#include "detail/cpu/offset_rows.hpp"
 #include "detail/cpu/parallel.hpp"
 #include "detail/cpu/row_kernels.hpp"
 #include "errors.hpp"
@@ -52,10 +53,17 @@ void project_backward(cpu_policy policy, input_view<T> new_logits, input_view<T>
   unsigned char* overflowed = scratch.data();
   detail::cpu::parallel_for(policy.threads, new_logits.rows, 6 * size, [&](std::size_t r) {
     double row_grad_eps = 0.0;
-    overflowed[r] = !detail::cpu::vjp_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
-                                          grad_log_probs.row(r), size, stats[r], grad_new.row(r),
-                                          want_old ? grad_old.row(r) : static_cast<T*>(nullptr), &row_grad_eps,
-                                          !want_old && r < kept_rows && kept[r].fine ? &kept[r] : nullptr);
+    T* const row_grad_old = want_old ? grad_old.row(r) : static_cast<T*>(nullptr);
+    if (detail::cpu::offset_row(stats[r])) {  // |μ| ≫ σ: against a reference token (offset_rows.hpp)
+      overflowed[r] = !detail::cpu::vjp_offset_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
+                                                   grad_log_probs.row(r), size, stats[r], grad_new.row(r),
+                                                   row_grad_old, &row_grad_eps);
+    } else {
+      overflowed[r] = !detail::cpu::vjp_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
+                                            grad_log_probs.row(r), size, stats[r], grad_new.row(r), row_grad_old,
+                                            &row_grad_eps,
+                                            !want_old && r < kept_rows && kept[r].fine ? &kept[r] : nullptr);
+    }
     if (grad_eps) grad_eps[r] = T(row_grad_eps);
   });
   detail::throw_overflowed<T>(fn, overflowed, new_logits.rows);
@@ -80,9 +88,14 @@ void project_jvp(cpu_policy policy, input_view<T> new_logits, input_view<T> old_
   const bool with_old = tangent_old.rows != 0;
   unsigned char* overflowed = scratch.data();
   detail::cpu::parallel_for(policy.threads, new_logits.rows, 6 * size, [&](std::size_t r) {
-    overflowed[r] = !detail::cpu::jvp_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
-                         tangent_new.row(r), with_old ? tangent_old.row(r) : static_cast<const T*>(nullptr),
-                         tangent_eps, size, stats[r], tangent_out.row(r));
+    const T* const row_old = with_old ? tangent_old.row(r) : static_cast<const T*>(nullptr);
+    overflowed[r] = detail::cpu::offset_row(stats[r])
+                        ? !detail::cpu::jvp_offset_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
+                                                       tangent_new.row(r), row_old, tangent_eps, size, stats[r],
+                                                       tangent_out.row(r))
+                        : !detail::cpu::jvp_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
+                                                tangent_new.row(r), row_old, tangent_eps, size, stats[r],
+                                                tangent_out.row(r));
   });
   detail::throw_overflowed<T>(fn, overflowed, new_logits.rows);
 }
@@ -106,10 +119,14 @@ void project_jacobian(cpu_policy policy, input_view<T> new_logits, input_view<T>
   std::atomic<std::size_t> first_overflow{new_logits.rows};
   detail::cpu::parallel_for(policy.threads, new_logits.rows, size * size, [&](std::size_t r) {
     const std::size_t block = size * size;
-    if (!detail::cpu::jacobian_row(new_logits.row(r), old_logits.row(r), log_probs.row(r), size, stats[r],
-                                   jac_new + r * block, jac_old ? jac_old + r * block : nullptr,
-                                   jac_eps ? jac_eps + r * size : nullptr))
-      detail::cpu::lower_to(first_overflow, r);
+    T* const row_old = jac_old ? jac_old + r * block : nullptr;
+    T* const row_eps = jac_eps ? jac_eps + r * size : nullptr;
+    const bool fits = detail::cpu::offset_row(stats[r])
+                          ? detail::cpu::jacobian_offset_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
+                                                             size, stats[r], jac_new + r * block, row_old, row_eps)
+                          : detail::cpu::jacobian_row(new_logits.row(r), old_logits.row(r), log_probs.row(r), size,
+                                                      stats[r], jac_new + r * block, row_old, row_eps);
+    if (!fits) detail::cpu::lower_to(first_overflow, r);
   });
   // As project_backward and project_jvp: a row whose true Jacobian overflows T is reported after
   // the pass (the buffers then hold unspecified values), not left as ±inf.

@@ -158,7 +158,7 @@ void objective_backward(cpu_policy policy, const trust_region_objective& objecti
   detail::cpu::parallel_for(policy.threads, rows, 4 * size, [&](std::size_t r) {
     const bool counted = c[r] != 0.0;
     overflowed[r] = !detail::cpu::troll_backward_write(new_logits.row(r), old_logits.row(r),
-                                                       log_probs.row(r), size, stats[r],
+                                                       log_probs.row(r), size,
                                                        counted ? &plans[r] : nullptr,
                                                        counted ? in.tokens[r] : 0, grad_new.row(r));
   });

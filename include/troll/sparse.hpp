@@ -21,6 +21,7 @@
 #include "batch.hpp"
 #include "config.hpp"
 #include "detail/cpu/backward_kernels.hpp"
+#include "detail/cpu/offset_rows.hpp"
 #include "detail/cpu/parallel.hpp"
 #include "detail/cpu/row_kernels.hpp"
 #include "detail/cpu/sparse_backward_rows.hpp"
@@ -742,8 +743,11 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
       }
     }
     double row_grad_eps = 0.0;
-    overflowed[r] = !detail::cpu::vjp_row(zn, zo, lp, g, std::size_t(n), stats[r], gn,
-                                          want_old ? go : nullptr, &row_grad_eps);
+    overflowed[r] = detail::cpu::offset_row(stats[r])  // |μ| ≫ σ: against a reference (offset_rows.hpp)
+                        ? !detail::cpu::vjp_offset_row(zn, zo, lp, g, std::size_t(n), stats[r], gn,
+                                                       want_old ? go : nullptr, &row_grad_eps)
+                        : !detail::cpu::vjp_row(zn, zo, lp, g, std::size_t(n), stats[r], gn,
+                                                want_old ? go : nullptr, &row_grad_eps);
     auto scatter = [&](const double* lumped, sparse_grad_view<T> to) {
       T* row = to.row(r);
       if (identity) {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 #include <troll/gaussian.hpp>
@@ -55,11 +56,26 @@ struct step_results {
   double troll_loss = 0.0, ppo_loss = 0.0, dppo_loss = 0.0, sparse_troll_loss = 0.0;
 };
 
-/// rows × cols logits with one −inf-free, deterministic pattern per seed.
-inline std::vector<double> logits(std::size_t rows, std::size_t cols, double seed) {
-  std::vector<double> z(rows * cols);
-  for (std::size_t i = 0; i < z.size(); ++i) z[i] = std::sin(seed * double(i + 1)) * 2.0;
+/// rows × cols logits with one −inf-free, deterministic pattern per seed, in T.
+template <class T>
+std::vector<T> logits(std::size_t rows, std::size_t cols, double seed) {
+  std::vector<T> z(rows * cols);
+  for (std::size_t i = 0; i < z.size(); ++i) z[i] = static_cast<T>(std::sin(seed * double(i + 1)) * 2.0);
   return z;
+}
+
+/// Literal values in T (written as doubles; rounded once, explicitly).
+template <class T>
+std::vector<T> values(std::initializer_list<double> list) {
+  std::vector<T> v;
+  for (double x : list) v.push_back(static_cast<T>(x));
+  return v;
+}
+
+/// n copies of x in T.
+template <class T>
+std::vector<T> filled(std::size_t n, double x) {
+  return std::vector<T>(n, static_cast<T>(x));
 }
 
 template <class E>
@@ -67,24 +83,24 @@ std::vector<double> as_double(const std::vector<E>& v) {
   return std::vector<double>(v.begin(), v.end());
 }
 
-/// One training step's worth of calls: every entry point, the same argument lists on every policy.
-template <class Policy>
+/// One training step's worth of calls: every entry point, the same argument lists on every policy,
+/// in the element type T (double or float; the statistics and bound gradients are double in both).
+template <class Policy, class T = double>
 step_results run_every_entry_point(Policy policy) {
-  using T = double;
   using S = space<Policy>;
   constexpr std::size_t rows = 2, V = 8, k_max = V;
   const double eps = 0.05;
   step_results out;
 
   // ---- Dense rows ----
-  typename S::template array<T> z_new(logits(rows, V, 0.7)), z_old(logits(rows, V, 1.3));
+  typename S::template array<T> z_new(logits<T>(rows, V, 0.7)), z_old(logits<T>(rows, V, 1.3));
   const auto new_in = troll::make_batch<const T>(z_new.get(), rows, V);
   const auto old_in = troll::make_batch<const T>(z_old.get(), rows, V);
   typename S::template array<T> lsm(rows * V), kl_out(rows), log_probs(rows * V);
   typename S::template array<troll::projection_stats> stats(rows);
   troll::log_softmax(policy, new_in, troll::make_batch(lsm.get(), rows, V));
   troll::kl(policy, new_in, old_in, kl_out.get());
-  typename S::template array<T> grad_kl(std::vector<T>(rows, 1.0)), grad_p(rows * V), grad_q(rows * V);
+  typename S::template array<T> grad_kl(filled<T>(rows, 1.0)), grad_p(rows * V), grad_q(rows * V);
   troll::kl_backward(policy, new_in, old_in, grad_kl.get(), troll::make_batch(grad_p.get(), rows, V),
                      troll::make_batch(grad_q.get(), rows, V));
   troll::project(policy, new_in, old_in, eps, troll::make_batch(log_probs.get(), rows, V), stats.get(),
@@ -92,7 +108,7 @@ step_results run_every_entry_point(Policy policy) {
   const auto lp_in = troll::make_batch<const T>(log_probs.get(), rows, V);
 
   std::vector<T> upstream_host(rows * V);
-  for (std::size_t i = 0; i < upstream_host.size(); ++i) upstream_host[i] = 0.1 * double(i % 5) - 0.2;
+  for (std::size_t i = 0; i < upstream_host.size(); ++i) upstream_host[i] = static_cast<T>(0.1 * double(i % 5) - 0.2);
   typename S::template array<T> upstream(upstream_host), grad_new(rows * V), grad_old(rows * V), grad_eps(rows);
   const auto upstream_in = troll::make_batch<const T>(upstream.get(), rows, V);
   {
@@ -126,7 +142,7 @@ step_results run_every_entry_point(Policy policy) {
 
   // ---- Objectives on dense rows ----
   typename S::template array<troll::token_id> tokens(std::vector<troll::token_id>{2, 5});
-  typename S::template array<T> advantages(std::vector<T>{1.0, -0.5}), token_loss(rows);
+  typename S::template array<T> advantages(values<T>({1.0, -0.5})), token_loss(rows);
   typename S::template array<troll::objective_metrics> metrics(1);
   troll::token_batch<T> batch;
   batch.tokens = tokens.get();
@@ -204,7 +220,7 @@ step_results run_every_entry_point(Policy policy) {
   troll::sparsify_finalize(policy, states.get(), options, finalized.view(rows, V), log_sums.get(), tail_max.get(),
                            tail_sums.get(), 2);
 
-  typename S::template array<T> g_values(std::vector<T>(rows * sparse_k, 0.05)), g_remainder(std::vector<T>(rows, 0.01)), grad_logits(rows * V);
+  typename S::template array<T> g_values(filled<T>(rows * sparse_k, 0.05)), g_remainder(filled<T>(rows, 0.01)), grad_logits(rows * V);
   const troll::sparse_grad_view<T> g{g_values.get(), g_remainder.get(), rows, sparse_k};
   troll::sparsify_backward(policy, new_in, troll::sparse_input<T>(new_rows.view(rows, V)), troll::sparse_grad_input<T>(g),
                            troll::make_batch(grad_logits.get(), rows, V));
@@ -232,7 +248,7 @@ step_results run_every_entry_point(Policy policy) {
                troll::sparse_input<T>(old_rows.view(rows, V)), aligned_dense.view(rows, V));
   const troll::aligned_input<T> aligned_in = aligned.view(rows, V);
 
-  typename S::template array<T> ga_values(std::vector<T>(rows * k_max, 0.02)), ga_remainder(std::vector<T>(rows, 0.03));
+  typename S::template array<T> ga_values(filled<T>(rows * k_max, 0.02)), ga_remainder(filled<T>(rows, 0.03));
   typename S::template array<T> gr_values(rows * sparse_k), gr_remainder(rows);
   troll::align_backward(policy, troll::sparse_input<T>(new_rows.view(rows, V)), aligned_in,
                         troll::sparse_grad_input<T>(troll::sparse_grad_view<T>{ga_values.get(), ga_remainder.get(), rows, k_max}),
@@ -281,10 +297,10 @@ step_results run_every_entry_point(Policy policy) {
   // ---- Gaussian rows (d = 2): Cholesky factors and standard deviations ----
   {
     constexpr std::size_t d = 2;
-    typename S::template array<T> mu(std::vector<T>{0.4, -0.3, -0.2, 0.5}), mu_old(std::vector<T>{0.0, 0.1, 0.1, 0.0});
-    typename S::template array<T> chol(std::vector<T>{1.5, 0.0, 0.3, 0.6, 0.7, 0.0, -0.2, 1.4});
-    typename S::template array<T> chol_old(std::vector<T>{1.0, 0.0, 0.1, 0.9, 1.1, 0.0, 0.0, 1.0});
-    typename S::template array<T> sd(std::vector<T>{1.6, 0.5, 0.7, 1.3}), sd_old(std::vector<T>{1.0, 0.9, 1.1, 1.0});
+    typename S::template array<T> mu(values<T>({0.4, -0.3, -0.2, 0.5})), mu_old(values<T>({0.0, 0.1, 0.1, 0.0}));
+    typename S::template array<T> chol(values<T>({1.5, 0.0, 0.3, 0.6, 0.7, 0.0, -0.2, 1.4}));
+    typename S::template array<T> chol_old(values<T>({1.0, 0.0, 0.1, 0.9, 1.1, 0.0, 0.0, 1.0}));
+    typename S::template array<T> sd(values<T>({1.6, 0.5, 0.7, 1.3})), sd_old(values<T>({1.0, 0.9, 1.1, 1.0}));
     const auto mu_in = troll::make_batch<const T>(mu.get(), rows, d);
     const auto mu_old_in = troll::make_batch<const T>(mu_old.get(), rows, d);
     const auto chol_in = troll::make_batch<const T>(chol.get(), rows, d * d);

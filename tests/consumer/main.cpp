@@ -1,7 +1,8 @@
 // A consumer of the installed (or vendored) troll: it includes the public header, names a
 // policy, prints the version and runs one projection. With TROLL_CONSUMER_EVERY_ENTRY_POINT
 // (the find_package mode, i.e. the installed headers) it runs instead a training step written
-// once over the policy (every_entry_point.hpp) under troll::cpu; tests/test_one_api.cpp runs the
+// once over the policy and the element type (every_entry_point.hpp) under troll::cpu, in double
+// and float; tests/test_one_api.cpp runs the
 // same step from the source tree, so the other modes only check that the package is found and
 // links. With find_package, the package version must match the header.
 #include <cmath>
@@ -31,6 +32,11 @@ int main() {
   std::printf("one step over every entry point: TROLL loss %.6f, sparse TROLL loss %.6f\n", step.troll_loss,
               step.sparse_troll_loss);
   if (!std::isfinite(step.troll_loss) || !std::isfinite(step.sparse_troll_loss)) return 1;
+  // The same step in float: every entry point instantiated for both element types.
+  const consumer::step_results single = consumer::run_every_entry_point<troll::cpu_policy, float>(policy);
+  std::printf("the same step in float: TROLL loss %.6f, sparse TROLL loss %.6f\n", single.troll_loss,
+              single.sparse_troll_loss);
+  if (!std::isfinite(single.troll_loss) || !std::isfinite(single.sparse_troll_loss)) return 1;
 #else
   // One row of four tokens moved away from the old one, projected onto KL <= 0.01.
   const float new_logits[4] = {2.0f, 0.0f, -1.0f, 0.5f};

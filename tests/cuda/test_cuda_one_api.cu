@@ -36,8 +36,9 @@ struct space<troll::cuda_policy> {
 
 }  // namespace consumer
 
-/// The instantiation is the compile check; a no-device build still names it.
+/// The instantiations are the compile check (double and float); a no-device build still names them.
 template consumer::step_results consumer::run_every_entry_point<troll::cuda_policy>(troll::cuda_policy);
+template consumer::step_results consumer::run_every_entry_point<troll::cuda_policy, float>(troll::cuda_policy);
 
 TEST_SUITE("device") {
   TEST_CASE("every entry point runs under troll::cuda from the CPU's function template") {
@@ -81,6 +82,34 @@ TEST_SUITE("device") {
     close(gpu.gaussian_full_derivatives, cpu.gaussian_full_derivatives);
     CHECK(std::abs(gpu.troll_loss - cpu.troll_loss) <= 1e-8 + 1e-8 * std::abs(cpu.troll_loss));
     CHECK(std::abs(gpu.sparse_troll_loss - cpu.sparse_troll_loss) <= 1e-8 + 1e-8 * std::abs(cpu.sparse_troll_loss));
+  }
+
+  TEST_CASE("every entry point runs in float under troll::cuda, close to the CPU's float step") {
+    troll_test::test_stream s;
+    const consumer::step_results gpu =
+        consumer::run_every_entry_point<troll::cuda_policy, float>(troll::cuda.on(s.stream).checked());
+    const consumer::step_results cpu = consumer::run_every_entry_point<troll::cpu_policy, float>(troll::cpu);
+    auto close = [](const std::vector<double>& a, const std::vector<double>& b) {
+      REQUIRE(a.size() == b.size());
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        if (std::isinf(a[i]) || std::isinf(b[i])) {
+          CHECK(a[i] == b[i]);
+          continue;
+        }
+        CHECK(std::abs(a[i] - b[i]) <= 1e-5 + 1e-4 * std::abs(b[i]));
+      }
+    };
+    close(gpu.log_softmax, cpu.log_softmax);
+    close(gpu.kl, cpu.kl);
+    close(gpu.project, cpu.project);
+    close(gpu.grad_new, cpu.grad_new);
+    close(gpu.sparse_log_probs, cpu.sparse_log_probs);
+    close(gpu.sparse_grad, cpu.sparse_grad);
+    CHECK(gpu.sparse_counts == cpu.sparse_counts);
+    close(gpu.gaussian_mean, cpu.gaussian_mean);
+    close(gpu.gaussian_chol, cpu.gaussian_chol);
+    close(gpu.gaussian_diag_std, cpu.gaussian_diag_std);
+    CHECK(std::abs(gpu.troll_loss - cpu.troll_loss) <= 1e-5 + 1e-4 * std::abs(cpu.troll_loss));
   }
 }
 

@@ -14,6 +14,7 @@
 #include "../numeric.hpp"
 #include "../objective_row.hpp"
 #include "backward_kernels.hpp"
+#include "offset_rows.hpp"
 #include "objective_records.hpp"
 #include "row_kernels.hpp"
 
@@ -96,9 +97,17 @@ inline troll_backward_plan troll_backward_prepare(const T* zn, const T* zo, cons
   plan.ratio = ::exp(plan.log_ratio);
   plan.with_reg = alpha != 0.0 && s.status != row_status::inactive;
   const double kl_reg = plan.with_reg ? kl_logits_to_log_probs(zn, plan.log_norm_new, log_pi, size) : 0.0;
-  const double d_a = static_cast<double>(zn[token]) - static_cast<double>(zo[token]);
-  if (s.status == row_status::projected) plan.centring = centring_correction(zn, zo, log_pi, s.mu, size);
-  plan.k = troll_coefficients(weight, advantage, plan.ratio, plan.with_reg ? alpha : 0.0, kl_reg, d_a, s,
+  // d − μ against a reference token on rows far from the origin (offset_rows.hpp), else as given.
+  const centring_reference ref = reference_of(zn, zo, log_pi, size, s);
+  plan.new_ref = ref.new_ref;
+  plan.old_ref = ref.old_ref;
+  plan.mu = ref.mu;
+  const double d_a = (static_cast<double>(zn[token]) - ref.new_ref) - (static_cast<double>(zo[token]) - ref.old_ref);
+  if (s.status == row_status::projected && !ref.offset)
+    plan.centring = centring_correction(zn, zo, log_pi, s.mu, size);
+  projection_stats shifted = s;
+  shifted.mu = ref.mu;
+  plan.k = troll_coefficients(weight, advantage, plan.ratio, plan.with_reg ? alpha : 0.0, kl_reg, d_a, shifted,
                               plan.centring);
   return plan;
 }
@@ -107,7 +116,7 @@ inline troll_backward_plan troll_backward_prepare(const T* zn, const T* zo, cons
 /// 0) writes zeros. Returns false when an entry does not fit T (the row's gradient overflows).
 template <class T>
 inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std::size_t size,
-                                 const projection_stats& s, const troll_backward_plan* plan,
+                                 const troll_backward_plan* plan,
                                  std::int64_t token, T* grad) {
   if (plan == nullptr) {
     for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
@@ -126,7 +135,7 @@ inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std:
     const block_array pi = block_exp(lp);
     block_array g = -ratio_scale * pi;
     if (cross != 0.0) {
-      block_array centred = (a - load(zo, begin, count) - s.mu) - plan->centring;
+      block_array centred = ((a - plan->new_ref) - (load(zo, begin, count) - plan->old_ref) - plan->mu) - plan->centring;
       zero_where_masked(lp, centred);
       g -= ratio_scale * cross * pi * centred;
     }
@@ -151,10 +160,10 @@ template <class T>
 inline bool troll_backward_row(const T* zn, const T* zo, const T* log_pi, std::size_t size,
                                const projection_stats& s, double weight, std::int64_t token,
                                double advantage, double alpha, T* grad) {
-  if (weight == 0.0) return troll_backward_write(zn, zo, log_pi, size, s, nullptr, token, grad);
+  if (weight == 0.0) return troll_backward_write(zn, zo, log_pi, size, nullptr, token, grad);
   const troll_backward_plan plan =
       troll_backward_prepare(zn, zo, log_pi, size, s, weight, token, advantage, alpha);
-  return troll_backward_write(zn, zo, log_pi, size, s, &plan, token, grad);
+  return troll_backward_write(zn, zo, log_pi, size, &plan, token, grad);
 }
 
 

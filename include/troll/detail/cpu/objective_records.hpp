@@ -41,6 +41,8 @@ struct troll_backward_plan {
   /// m = Σ π* (d − μ) where it is significant, subtracted from every d − μ (the centring of
   /// detail/cpu/backward_kernels.hpp: μ in absolute units loses the dominant token's d − μ).
   double centring = 0.0;
+  /// Where d − μ is formed from (detail/cpu/offset_rows.hpp: rows far from the origin).
+  double new_ref = 0.0, old_ref = 0.0, mu = 0.0;
   /// The size of the sampled token's ratio term, |c·A·ρ·t|: what must fit the output type.
   double ratio_scale() const { return k.ratio_coef * k.t; }
 };
