@@ -40,21 +40,28 @@ struct space<troll::cuda_policy> {
 template consumer::step_results consumer::run_every_entry_point<troll::cuda_policy>(troll::cuda_policy);
 template consumer::step_results consumer::run_every_entry_point<troll::cuda_policy, float>(troll::cuda_policy);
 
+namespace {
+
+/// Entry by entry: equal infinities, else within atol + rtol |b|.
+void close_within(const std::vector<double>& a, const std::vector<double>& b, double atol, double rtol) {
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (std::isinf(a[i]) || std::isinf(b[i])) {
+      CHECK(a[i] == b[i]);
+      continue;
+    }
+    CHECK(std::abs(a[i] - b[i]) <= atol + rtol * std::abs(b[i]));
+  }
+}
+
+}  // namespace
+
 TEST_SUITE("device") {
   TEST_CASE("every entry point runs under troll::cuda from the CPU's function template") {
     troll_test::test_stream s;
     const consumer::step_results gpu = consumer::run_every_entry_point(troll::cuda.on(s.stream).checked());
     const consumer::step_results cpu = consumer::run_every_entry_point(troll::cpu);
-    auto close = [](const std::vector<double>& a, const std::vector<double>& b) {
-      REQUIRE(a.size() == b.size());
-      for (std::size_t i = 0; i < a.size(); ++i) {
-        if (std::isinf(a[i]) || std::isinf(b[i])) {
-          CHECK(a[i] == b[i]);
-          continue;
-        }
-        CHECK(std::abs(a[i] - b[i]) <= 1e-8 + 1e-8 * std::abs(b[i]));
-      }
-    };
+    auto close = [](const std::vector<double>& a, const std::vector<double>& b) { close_within(a, b, 1e-8, 1e-8); };
     close(gpu.log_softmax, cpu.log_softmax);
     close(gpu.kl, cpu.kl);
     close(gpu.project, cpu.project);
@@ -89,16 +96,7 @@ TEST_SUITE("device") {
     const consumer::step_results gpu =
         consumer::run_every_entry_point<troll::cuda_policy, float>(troll::cuda.on(s.stream).checked());
     const consumer::step_results cpu = consumer::run_every_entry_point<troll::cpu_policy, float>(troll::cpu);
-    auto close = [](const std::vector<double>& a, const std::vector<double>& b) {
-      REQUIRE(a.size() == b.size());
-      for (std::size_t i = 0; i < a.size(); ++i) {
-        if (std::isinf(a[i]) || std::isinf(b[i])) {
-          CHECK(a[i] == b[i]);
-          continue;
-        }
-        CHECK(std::abs(a[i] - b[i]) <= 1e-5 + 1e-4 * std::abs(b[i]));
-      }
-    };
+    auto close = [](const std::vector<double>& a, const std::vector<double>& b) { close_within(a, b, 1e-5, 1e-4); };
     close(gpu.log_softmax, cpu.log_softmax);
     close(gpu.kl, cpu.kl);
     close(gpu.project, cpu.project);
