@@ -744,3 +744,36 @@ TEST_CASE("Logits with a huge common offset: every objective as accurate as on t
     }
   }
 }
+
+TEST_CASE_TEMPLATE("DPPO binary KL of a token whose probability only rounds to 1 is finite (CPU)", T, double, float) {
+  // log p̃_a = (z_a − max) − log Σ is exactly 0 once 1 − p̃_a < 1.1e-16 (a top-logit gap of ~37);
+  // binary_kl took that for π = 1 and returned +inf: the token was dropped (A > 0, π > μ) and
+  // divergence_mean was +inf. Oracle in long double with 1 − p summed over the other tokens.
+  const std::vector<T> zo = {T(0), T(-35), T(-35)}, zn = {T(0), T(-40), T(-40)};
+  const std::vector<troll::token_id> tokens = {0};
+  const std::vector<T> advantages = {T(1)};
+  troll::token_batch<T> in;
+  in.tokens = tokens.data();
+  in.advantages = advantages.data();
+  std::vector<T> token_loss(1), grad(3);
+  const auto objective = troll::dppo_objective::defaults(troll::dppo_divergence::binary_kl);
+  const troll::objective_metrics m = troll::objective_forward(
+      troll::cpu, objective, troll::make_batch<const T>(zn.data(), 1, 3), troll::make_batch<const T>(zo.data(), 1, 3),
+      in, token_loss.data());
+  const long double rest_mu = 2 * std::exp(-35.0L) / (1 + 2 * std::exp(-35.0L));
+  const long double rest_pi = 2 * std::exp(-40.0L) / (1 + 2 * std::exp(-40.0L));
+  const long double mu = 1 - rest_mu, pi = 1 - rest_pi;
+  const long double kl = mu * std::log(mu / pi) + rest_mu * std::log(rest_mu / rest_pi);
+  INFO("divergence_mean " << m.divergence_mean << ", oracle " << double(kl));
+  CHECK(std::isfinite(m.divergence_mean));
+  // 1 − μ = 1.3e-15 comes from log Σ = log(1 + 2.5e-15) in double (~4% off): the divergence is
+  // right to that, absolutely ~1e-16 — far below any δ, which is what the mask compares.
+  CHECK(std::abs(m.divergence_mean - double(kl)) <= 0.1 * double(kl));
+  CHECK(m.limited_fraction == 0.0);  // 5e-15 is far below δ = 0.05: kept
+  CHECK(std::abs(m.loss - double(-pi / mu)) <= 1e-6);
+  troll::objective_backward(troll::cpu, objective, troll::make_batch<const T>(zn.data(), 1, 3),
+                            troll::make_batch<const T>(zo.data(), 1, 3), in, troll::make_batch(grad.data(), 1, 3));
+  // Kept, so the gradient is the surrogate's −A r (δ_ja − p̃_j): A r p̃_j > 0 at j = 1, 2 (it was 0).
+  CHECK(grad[1] > T(0));
+  CHECK(grad[2] > T(0));
+}

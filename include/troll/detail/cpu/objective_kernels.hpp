@@ -6,6 +6,7 @@
 
 #include "eigen.hpp"
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -206,6 +207,23 @@ inline topk_sums gather_topk_sums(const T* zn, const T* zo, std::size_t size,
   return sums;
 }
 
+/// log p_a of a token whose log-probability rounded to 0 (p_a within 1.1e-16 of 1: a top-logit
+/// gap of ~37), as −log1p(Σ_{j≠a} e^{z_j − z_a}): the other tokens' mass summed on its own, so
+/// that 1 − p_a = −expm1(log p_a) keeps its digits. DPPO's binary KL reads 1 − π from it: with
+/// log π = 0 it took π = 1 and returned +inf for a finite divergence (5e-15), which dropped the
+/// token and made divergence_mean +inf (an audit). Other values are returned as they are.
+template <class T>
+inline double refined_log_prob(const T* z, std::size_t size, std::int64_t token, double log_prob) {
+  if (log_prob != 0.0) return log_prob;
+  const double za = static_cast<double>(z[token]);
+  double rest = 0.0;
+  for (std::size_t j = 0; j < size; ++j) {
+    const double x = static_cast<double>(z[j]);
+    if (std::int64_t(j) != token && x > neg_inf()) rest += ::exp(x - za);
+  }
+  return -::log1p(rest);
+}
+
 /// Forward of PPO clip or DPPO on one validated row (`counted`: mask > 0).
 template <class T>
 inline ratio_row_result ratio_forward_row(const T* zn, const T* zo, std::size_t size,
@@ -225,7 +243,12 @@ inline ratio_row_result ratio_forward_row(const T* zn, const T* zo, std::size_t 
   const topk_sums sums = spec.needs_top_k()
                              ? gather_topk_sums(zn, zo, size, norm_new, norm_old, spec.top_k)
                              : topk_sums{};
-  r.token = ratio_token(spec, r.ratio, advantage, log_p_a, log_q_a, sums, r.divergence);
+  if (spec.which == ratio_objective_spec::kind::dppo_binary_kl) {  // 1 − π and 1 − μ from the other tokens
+    r.token = ratio_token(spec, r.ratio, advantage, refined_log_prob(zn, size, token, log_p_a),
+                          refined_log_prob(zo, size, token, log_q_a), sums, r.divergence);
+  } else {
+    r.token = ratio_token(spec, r.ratio, advantage, log_p_a, log_q_a, sums, r.divergence);
+  }
   return r;
 }
 
