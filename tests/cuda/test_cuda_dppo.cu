@@ -277,6 +277,30 @@ TEST_SUITE("device") {
     }
   }
 
+  TEST_CASE_TEMPLATE("DPPO binary KL: tokens whose probability only rounds to 1 are kept, as on the CPU", T,
+                     float, double) {
+    // log p̃_a rounds to 0 at a top-logit gap of ~37; binary_kl took π = 1 and gave +inf (token
+    // dropped, divergence_mean +inf) until both backends refined it from the other tokens' mass.
+    host_batch<T> h(8, 300, 43u);
+    for (std::size_t r = 0; r < h.rows; ++r) {
+      const std::size_t a = std::size_t(h.tokens[r]);
+      for (std::size_t j = 0; j < h.cols; ++j) {
+        const double spread = 0.01 * double((j * 7 + r) % 13);
+        h.fresh[r * h.cols + j] = j == a ? T(0) : T(-46.0 - spread);  // 1 − π ~ 3e-18: log π = 0
+        h.old[r * h.cols + j] = j == a ? T(0) : T(-20.0 - spread);    // 1 − μ ~ 6e-7
+      }
+      h.advantages[r] = T(r % 2 ? 1.0 : -1.0);
+    }
+    const troll::dppo_objective o = troll::dppo_objective::defaults(troll::dppo_divergence::binary_kl);
+    std::vector<T> loss(h.rows);
+    const troll::objective_metrics cpu =
+        troll::objective_forward(troll::cpu, o, h.new_view(), h.old_view(),
+                                 h.tokens_view(troll::loss_aggregation::token_mean), loss.data());
+    REQUIRE(std::isfinite(cpu.divergence_mean));  // the CPU's own result first
+    CHECK(cpu.limited_fraction == 0.0);
+    compare_dppo_with_cpu<T>(h, o, troll::loss_aggregation::token_mean);
+  }
+
   TEST_CASE_TEMPLATE("DPPO top-K: K above the finite entries, K = 1, K = 256 over a wide row", T,
                      float, double) {
     for (const troll::dppo_divergence d :

@@ -568,6 +568,23 @@ __device__ cuda_row_report ratio_row_problem(const token_batch<T>& in, std::size
   return report;
 }
 
+/// cpu::refined_log_prob over the block: a log-probability that rounded to 0 recomputed as
+/// −log1p(Σ_{j≠a} e^{z_j − z_a}), so that DPPO's binary KL reads 1 − π with its digits (it
+/// took π = 1 and gave +inf). `log_prob` is the same in every thread, so either the whole block
+/// reduces or none of it. Reached by the whole block.
+template <class T>
+__device__ double block_refined_log_prob(const T* z, std::size_t size, std::int64_t a, double log_prob,
+                                         reduce_storage<topk_sums>& storage) {
+  if (log_prob != 0.0) return log_prob;
+  const double za = static_cast<double>(z[a]);
+  topk_sums local{};
+  for (std::size_t j = threadIdx.x; j < size; j += block_threads) {
+    const double x = static_cast<double>(z[j]);
+    if (static_cast<std::int64_t>(j) != a && x > neg_inf()) local.rest_p += ::exp(x - za);
+  }
+  return -::log1p(block_all_reduce(storage, local, add_topk_sums{}).rest_p);
+}
+
 /// The ratio r = p̃_a / q_a, the surrogate at the sampled token of a scanned row and DPPO's
 /// divergence (cpu::ratio_forward_row). Reached by the whole block (top-K divergences reduce).
 template <class T>
@@ -583,6 +600,11 @@ __device__ surrogate_token ratio_row_token(const T* zn, const T* zo, std::size_t
                              ? block_topk_sums(zn, zo, size, scan.fresh.lse.m, ls_new,
                                                scan.old.lse.m, ls_old, spec.top_k, topk)
                              : topk_sums{};
+  if (spec.which == ratio_objective_spec::kind::dppo_binary_kl) {  // uniform across the block
+    const double refined_p = block_refined_log_prob(zn, size, a, log_p_a, topk.sums);
+    const double refined_q = block_refined_log_prob(zo, size, a, log_q_a, topk.sums);
+    return ratio_token(spec, ratio, advantage, refined_p, refined_q, sums, divergence);
+  }
   return ratio_token(spec, ratio, advantage, log_p_a, log_q_a, sums, divergence);
 }
 
