@@ -31,14 +31,18 @@ using out_array = nb::ndarray<>;
 
 
 /// "(2, 3, 5)" for error messages.
+inline std::string dims_text(const std::vector<std::size_t>& dims) {
+  std::string s = "(";
+  for (std::size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + (dims.size() == 1 ? ",)" : ")");
+}
+
+/// The shape of an array as dims_text writes it.
 template <class A>
 std::string shape_text(const A& a) {
-  std::string s = "(";
-  for (std::size_t i = 0; i < a.ndim(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(a.shape(i));
-  }
-  return s + (a.ndim() == 1 ? ",)" : ")");
+  std::vector<std::size_t> dims;
+  for (std::size_t i = 0; i < a.ndim(); ++i) dims.push_back(a.shape(i));
+  return dims_text(dims);
 }
 
 template <class T>
@@ -176,11 +180,6 @@ struct rows_shape {
     for (std::size_t d : dims) n *= d;
     return n;
   }
-  std::string text() const {
-    std::string s = "(";
-    for (std::size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-    return s + (dims.size() == 1 ? ",)" : ")");
-  }
 };
 
 /// The rows of `a`, a (..., X) array named `name`: its shape without the last dimension.
@@ -211,7 +210,7 @@ T* as_rows(const char* fn, const char* name, const A& a, const rows_shape& rows)
   for (std::size_t i = 0; same && i < a.ndim(); ++i) same = a.shape(i) == rows.dims[i];
   if (!same)
     fail(fn, std::string(name) + " has shape " + shape_text(a) + " but one entry per row of " + rows.of +
-                 " is needed: shape " + rows.text());
+                 " is needed: shape " + dims_text(rows.dims));
   return as_entries<T>(fn, name, a, rows.count());
 }
 
@@ -248,20 +247,16 @@ bool views_overlap(const troll::batch_view<T>& a, const troll::batch_view<U>& b)
   const std::uintptr_t b0 = reinterpret_cast<std::uintptr_t>(sb.first) - base;
   const std::uintptr_t a_step = a.stride * sizeof(T), a_len = a.cols * sizeof(T);
   const std::uintptr_t b_step = b.stride * sizeof(U), b_len = b.cols * sizeof(U);
-  if (b.rows == 1 || b_step == 0) {  // b is one byte range, possibly repeated
-    for (std::size_t i = 0; i < a.rows; ++i) {
-      const std::uintptr_t x = a0 + i * a_step;
-      if (x < b0 + b_len && b0 < x + a_len) return true;
-    }
-    return false;
-  }
+  // Rows of b with stride 0 (an expanded input) are all one byte range: take it once.
+  const std::uintptr_t b_rows = b_step == 0 ? 1 : b.rows;
   for (std::size_t i = 0; i < a.rows; ++i) {
     const std::uintptr_t x = a0 + i * a_step;  // row i of a: [x, x + a_len)
     // Row j of b, [b0 + j b_step, b0 + j b_step + b_len), meets it iff
     //   b0 + j b_step < x + a_len  and  x < b0 + j b_step + b_len.
     if (x + a_len <= b0) continue;
-    const std::uintptr_t j_hi = (x + a_len - 1 - b0) / b_step;  // largest j with a start below x + a_len
-    const std::uintptr_t j = std::min<std::uintptr_t>(j_hi, b.rows - 1);
+    // the largest j whose row starts below x + a_len (every one when b_step = 0)
+    const std::uintptr_t j_hi = b_step == 0 ? 0 : (x + a_len - 1 - b0) / b_step;
+    const std::uintptr_t j = std::min<std::uintptr_t>(j_hi, b_rows - 1);
     if (x < b0 + j * b_step + b_len) return true;  // the latest row starting in time ends past x
   }
   return false;

@@ -132,11 +132,12 @@ def _out(frame: Framework, out: Any, shape: tuple, dtype: str, name: str) -> Any
     return out
 
 
-def _real(value: Any, name: str) -> float:
+def _real(value: Any, name: str, shape_note: str = "") -> float:
     """A real setting (``eps``, ``delta``, ``rtol``, ``alpha``, ...) given as a number or a
     one-element array (torch, NumPy, ...). float() would take True as 1.0 and the string '0.05' as
     0.05, and nanobind converts a bool too: anything but a real number is a ShapeError naming it.
-    Its range is troll's to check (the extension names the entry point)."""
+    Its range is troll's to check (the extension names the entry point). ``shape_note`` is added
+    to the error for an array of more than one element."""
     shape = getattr(value, "shape", None)
     item = value
     if shape is not None:
@@ -144,7 +145,8 @@ def _real(value: Any, name: str) -> float:
         for extent in tuple(shape):
             size *= int(extent)
         if size != 1:
-            raise ShapeError(f"troll: {name} must be a number or a one-element array, got shape {tuple(shape)}")
+            raise ShapeError(f"troll: {name} must be a number or a one-element array{shape_note}, "
+                             f"got shape {tuple(shape)}")
         item = value.item()
     if isinstance(item, (bool, np.bool_, str, bytes)) or not isinstance(item, (numbers.Real, np.floating, np.integer)):
         raise ShapeError(f"troll: {name} must be a real number or a one-element array of one, got {value!r}")
@@ -153,11 +155,7 @@ def _real(value: Any, name: str) -> float:
 
 def _bound(eps: Any, name: str = "eps") -> float:
     """A bound: one for every row (per-row bounds are not supported), as ``_real`` takes it."""
-    shape = getattr(eps, "shape", None)
-    if shape is not None and int(np.prod(tuple(int(e) for e in shape))) != 1:
-        raise ShapeError(f"troll: {name} must be a number or a one-element array (one bound for all rows), "
-                         f"got shape {tuple(shape)}")
-    return _real(eps, name)
+    return _real(eps, name, " (one bound for all rows)")
 
 
 def _solver(rtol: Any, atol: Any, max_iterations: Any) -> Tuple[float, float, int]:

@@ -54,6 +54,39 @@ void close_within(const std::vector<double>& a, const std::vector<double>& b, do
   }
 }
 
+/// The device step against the CPU's, every result entry by entry within atol + rtol |cpu|.
+void compare_steps(const consumer::step_results& gpu, const consumer::step_results& cpu, double atol, double rtol) {
+  auto close = [&](const std::vector<double>& a, const std::vector<double>& b) { close_within(a, b, atol, rtol); };
+  close(gpu.log_softmax, cpu.log_softmax);
+  close(gpu.kl, cpu.kl);
+  close(gpu.project, cpu.project);
+  close(gpu.grad_new, cpu.grad_new);
+  close(gpu.jacobian, cpu.jacobian);
+  close(gpu.sparse_kl, cpu.sparse_kl);
+  close(gpu.sparse_log_probs, cpu.sparse_log_probs);
+  close(gpu.sparse_grad, cpu.sparse_grad);
+  close(gpu.sparse_shard_grad, cpu.sparse_shard_grad);
+  CHECK(gpu.sparse_counts == cpu.sparse_counts);
+  CHECK(gpu.shard_rows == gpu.whole_rows);  // two shards, two-stage finalize: bit for bit the whole row's
+  close(gpu.gaussian_mean, cpu.gaussian_mean);
+  close(gpu.gaussian_chol, cpu.gaussian_chol);
+  close(gpu.gaussian_split_mean, cpu.gaussian_split_mean);
+  close(gpu.gaussian_split_chol, cpu.gaussian_split_chol);
+  close(gpu.gaussian_diag_mean, cpu.gaussian_diag_mean);
+  close(gpu.gaussian_diag_std, cpu.gaussian_diag_std);
+  close(gpu.gaussian_split_diag_mean, cpu.gaussian_split_diag_mean);
+  close(gpu.gaussian_split_diag_std, cpu.gaussian_split_diag_std);
+  close(gpu.gaussian_kl, cpu.gaussian_kl);
+  close(gpu.gaussian_kl_diag, cpu.gaussian_kl_diag);
+  close(gpu.gaussian_kl_mutable_views, cpu.gaussian_kl_mutable_views);
+  close(gpu.gaussian_diag_grad_mean, cpu.gaussian_diag_grad_mean);
+  close(gpu.gaussian_diag_grad_eps, cpu.gaussian_diag_grad_eps);
+  close(gpu.gaussian_split_diag_jvp_std, cpu.gaussian_split_diag_jvp_std);
+  close(gpu.gaussian_full_derivatives, cpu.gaussian_full_derivatives);
+  CHECK(std::abs(gpu.troll_loss - cpu.troll_loss) <= atol + rtol * std::abs(cpu.troll_loss));
+  CHECK(std::abs(gpu.sparse_troll_loss - cpu.sparse_troll_loss) <= atol + rtol * std::abs(cpu.sparse_troll_loss));
+}
+
 }  // namespace
 
 TEST_SUITE("device") {
@@ -61,34 +94,7 @@ TEST_SUITE("device") {
     troll_test::test_stream s;
     const consumer::step_results gpu = consumer::run_every_entry_point(troll::cuda.on(s.stream).checked());
     const consumer::step_results cpu = consumer::run_every_entry_point(troll::cpu);
-    auto close = [](const std::vector<double>& a, const std::vector<double>& b) { close_within(a, b, 1e-8, 1e-8); };
-    close(gpu.log_softmax, cpu.log_softmax);
-    close(gpu.kl, cpu.kl);
-    close(gpu.project, cpu.project);
-    close(gpu.grad_new, cpu.grad_new);
-    close(gpu.jacobian, cpu.jacobian);
-    close(gpu.sparse_kl, cpu.sparse_kl);
-    close(gpu.sparse_grad, cpu.sparse_grad);
-    close(gpu.sparse_shard_grad, cpu.sparse_shard_grad);
-    CHECK(gpu.sparse_counts == cpu.sparse_counts);
-    CHECK(gpu.shard_rows == gpu.whole_rows);  // two shards, two-stage finalize: bit for bit the whole row's
-    close(gpu.gaussian_mean, cpu.gaussian_mean);
-    close(gpu.gaussian_chol, cpu.gaussian_chol);
-    close(gpu.gaussian_split_mean, cpu.gaussian_split_mean);
-    close(gpu.gaussian_split_chol, cpu.gaussian_split_chol);
-    close(gpu.gaussian_diag_mean, cpu.gaussian_diag_mean);
-    close(gpu.gaussian_diag_std, cpu.gaussian_diag_std);
-    close(gpu.gaussian_split_diag_mean, cpu.gaussian_split_diag_mean);
-    close(gpu.gaussian_split_diag_std, cpu.gaussian_split_diag_std);
-    close(gpu.gaussian_kl, cpu.gaussian_kl);
-    close(gpu.gaussian_kl_diag, cpu.gaussian_kl_diag);
-    close(gpu.gaussian_kl_mutable_views, cpu.gaussian_kl_mutable_views);
-    close(gpu.gaussian_diag_grad_mean, cpu.gaussian_diag_grad_mean);
-    close(gpu.gaussian_diag_grad_eps, cpu.gaussian_diag_grad_eps);
-    close(gpu.gaussian_split_diag_jvp_std, cpu.gaussian_split_diag_jvp_std);
-    close(gpu.gaussian_full_derivatives, cpu.gaussian_full_derivatives);
-    CHECK(std::abs(gpu.troll_loss - cpu.troll_loss) <= 1e-8 + 1e-8 * std::abs(cpu.troll_loss));
-    CHECK(std::abs(gpu.sparse_troll_loss - cpu.sparse_troll_loss) <= 1e-8 + 1e-8 * std::abs(cpu.sparse_troll_loss));
+    compare_steps(gpu, cpu, 1e-8, 1e-8);
   }
 
   TEST_CASE("every entry point runs in float under troll::cuda, close to the CPU's float step") {
@@ -96,18 +102,7 @@ TEST_SUITE("device") {
     const consumer::step_results gpu =
         consumer::run_every_entry_point<troll::cuda_policy, float>(troll::cuda.on(s.stream).checked());
     const consumer::step_results cpu = consumer::run_every_entry_point<troll::cpu_policy, float>(troll::cpu);
-    auto close = [](const std::vector<double>& a, const std::vector<double>& b) { close_within(a, b, 1e-5, 1e-4); };
-    close(gpu.log_softmax, cpu.log_softmax);
-    close(gpu.kl, cpu.kl);
-    close(gpu.project, cpu.project);
-    close(gpu.grad_new, cpu.grad_new);
-    close(gpu.sparse_log_probs, cpu.sparse_log_probs);
-    close(gpu.sparse_grad, cpu.sparse_grad);
-    CHECK(gpu.sparse_counts == cpu.sparse_counts);
-    close(gpu.gaussian_mean, cpu.gaussian_mean);
-    close(gpu.gaussian_chol, cpu.gaussian_chol);
-    close(gpu.gaussian_diag_std, cpu.gaussian_diag_std);
-    CHECK(std::abs(gpu.troll_loss - cpu.troll_loss) <= 1e-5 + 1e-4 * std::abs(cpu.troll_loss));
+    compare_steps(gpu, cpu, 1e-5, 1e-4);  // every result, at float tolerances
   }
 }
 
