@@ -221,3 +221,32 @@ TEST_CASE("The lowest overflowing row is named, and nothing of the losses is wri
   CHECK(std::isfinite(m.loss));
   CHECK(token_loss[2] == 0.0);
 }
+
+TEST_CASE("An overflow from a huge grad_loss blames grad_loss, not the token") {
+  // gap 0: the sampled token is ordinary (ρ near 1); the float gradient overflows only because
+  // grad_loss is near float's largest value. The message must not call the token implausible.
+  const tail_case<float> c({0.0}, 1.0);
+  std::vector<float> grad(c.V, 42.0f);
+  bool thrown = false;
+  try {
+    troll::objective_backward(troll::cpu, troll::ppo_clip_objective{}, c.news(), c.olds(), c.batch(),
+                              troll::make_batch(grad.data(), 1, c.V), 1e300);
+  } catch (const troll::domain_error& err) {
+    thrown = true;
+    const std::string what = err.what();
+    CHECK(err.row() == 0);
+    CHECK_MESSAGE(what.find("grad_loss") != std::string::npos, what);
+    CHECK_MESSAGE(what.find("not sampled from") == std::string::npos, what);
+  }
+  CHECK(thrown);
+  for (float g : grad) CHECK(g == 42.0f);
+  // A ratio beyond half of double's log range still points at the token.
+  const tail_case<double> far({760.0}, 1.0);
+  troll_test::expect_rejected<troll::domain_error>(
+      [&] {
+        std::vector<double> token_loss(1);
+        troll::objective_forward(troll::cpu, troll::ppo_clip_objective{}, far.news(), far.olds(), far.batch(),
+                                 token_loss.data());
+      },
+      0, "not sampled from");
+}

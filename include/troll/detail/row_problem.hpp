@@ -296,10 +296,19 @@ inline type write(std::ostringstream& msg, const row_problem& p) {
       return type::domain;
     case e::objective_overflow:
       msg << "the " << p.quantity << " at sampled token " << p.entry << " overflows " << p.type_name;
-      if (p.value == p.value)
-        msg << ": its importance ratio is exp(" << p.value
-            << ") (log pi_new - log q_old); a token this unlikely under the old policy was not "
-               "sampled from it (check the tokens and the old logits)";
+      if (p.value == p.value) {
+        msg << ": its importance ratio is exp(" << p.value << ") (log pi_new - log q_old)";
+        // Half the type's log range: a ratio above it is itself the problem; below it, the other
+        // factors (the advantage, the loss weight, the upstream grad_loss) must be near the top
+        // of the range for the product to overflow.
+        const double half_range = p.type_name[0] == 'f' ? 44.0 : 354.0;
+        if (p.value > half_range)
+          msg << "; a token this unlikely under the old policy was not sampled from it (check the tokens "
+                 "and the old logits)";
+        else
+          msg << ", which fits; the overflow comes from the size of the advantage, the loss weight (mask) or "
+                 "the upstream gradient grad_loss it is multiplied by";
+      }
       return type::domain;
     case e::regression_inf:
       msg << "new_logits put mass on tokens the old logits mask (-inf), so KL(p_new || pi*) is "
