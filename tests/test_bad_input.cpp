@@ -279,9 +279,15 @@ TEST_CASE("eps <= 0, NaN or infinite: project rejects it") {
     ff.a.eps = eps;
     expect_error<troll::domain_error>(entry::project, ff, npos, {"eps"});
   }
-  // the smallest positive double is a legal (if extreme) bound
+  // A subnormal bound is refused (its KL cannot be resolved: detail::check_eps); the smallest
+  // normal double is a legal (if extreme) bound.
+  for (double eps : {std::numeric_limits<double>::denorm_min(), 1e-320, 1e-310}) {
+    fixture<double> fx;
+    fx.a.eps = eps;
+    expect_error<troll::domain_error>(entry::project, fx, npos, {"eps", "subnormal"});
+  }
   fixture<double> fx;
-  fx.a.eps = std::numeric_limits<double>::denorm_min();
+  fx.a.eps = std::numeric_limits<double>::min();
   CHECK_NOTHROW(fx.call(entry::project));
 }
 

@@ -54,7 +54,7 @@ void project_backward(cpu_policy policy, input_view<T> new_logits, input_view<T>
   detail::cpu::parallel_for(policy.threads, new_logits.rows, 6 * size, [&](std::size_t r) {
     double row_grad_eps = 0.0;
     T* const row_grad_old = want_old ? grad_old.row(r) : static_cast<T*>(nullptr);
-    if (detail::cpu::offset_row(stats[r])) {  // |μ| ≫ σ: against a reference token (offset_rows.hpp)
+    if (detail::offset_row(stats[r])) {  // |μ| ≫ σ: against a reference token (offset_rows.hpp)
       overflowed[r] = !detail::cpu::vjp_offset_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
                                                    grad_log_probs.row(r), size, stats[r], grad_new.row(r),
                                                    row_grad_old, &row_grad_eps);
@@ -89,7 +89,7 @@ void project_jvp(cpu_policy policy, input_view<T> new_logits, input_view<T> old_
   unsigned char* overflowed = scratch.data();
   detail::cpu::parallel_for(policy.threads, new_logits.rows, 6 * size, [&](std::size_t r) {
     const T* const row_old = with_old ? tangent_old.row(r) : static_cast<const T*>(nullptr);
-    overflowed[r] = detail::cpu::offset_row(stats[r])
+    overflowed[r] = detail::offset_row(stats[r])
                         ? !detail::cpu::jvp_offset_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
                                                        tangent_new.row(r), row_old, tangent_eps, size, stats[r],
                                                        tangent_out.row(r))
@@ -121,7 +121,7 @@ void project_jacobian(cpu_policy policy, input_view<T> new_logits, input_view<T>
     const std::size_t block = size * size;
     T* const row_old = jac_old ? jac_old + r * block : nullptr;
     T* const row_eps = jac_eps ? jac_eps + r * size : nullptr;
-    const bool fits = detail::cpu::offset_row(stats[r])
+    const bool fits = detail::offset_row(stats[r])
                           ? detail::cpu::jacobian_offset_row(new_logits.row(r), old_logits.row(r), log_probs.row(r),
                                                              size, stats[r], jac_new + r * block, row_old, row_eps)
                           : detail::cpu::jacobian_row(new_logits.row(r), old_logits.row(r), log_probs.row(r), size,

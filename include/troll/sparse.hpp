@@ -743,7 +743,7 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
       }
     }
     double row_grad_eps = 0.0;
-    overflowed[r] = detail::cpu::offset_row(stats[r])  // |μ| ≫ σ: against a reference (offset_rows.hpp)
+    overflowed[r] = detail::offset_row(stats[r])  // |μ| ≫ σ: against a reference (offset_rows.hpp)
                         ? !detail::cpu::vjp_offset_row(zn, zo, lp, g, std::size_t(n), stats[r], gn,
                                                        want_old ? go : nullptr, &row_grad_eps)
                         : !detail::cpu::vjp_row(zn, zo, lp, g, std::size_t(n), stats[r], gn,

@@ -179,8 +179,7 @@ void sparsify(const in_array& logits, const std::optional<in_array>& sampled, in
   dispatch_sparse_out(fn, out, [&](auto tag) {
     using T = decltype(tag);
     const sparse_rows<T> o(fn, "out", out);
-    if (o.view.rows != x.rows)
-      fail(fn, "out has " + std::to_string(o.view.rows) + " rows but logits have " + std::to_string(x.rows));
+    require_same_rows(fn, o.rows, rows_of("logits", logits));
     const sparse_index* s = sampled ? as_rows<const sparse_index>(fn, "sampled", *sampled, rows_of("logits", logits)) : nullptr;
     use_device_of(fn, logits, o.indices, o.log_probs);
     const troll::sparsify_options options = sparsify_settings(k, delta);

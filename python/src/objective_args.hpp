@@ -232,7 +232,12 @@ struct sparse_trust_region_forward_args {
         aligned(fn, "aligned", al),
         log_probs(fn, "log_probs", lp),
         stats(fn, values, counters, new_logits.rows),
-        token_loss(token_loss_out<T>(fn, tl, rows_of("new_logits", n))) {}
+        token_loss(token_loss_out<T>(fn, tl, rows_of("new_logits", n))) {
+    const rows_shape rows = rows_of("new_logits", n);
+    require_same_rows(fn, old.rows, rows);
+    require_same_rows(fn, aligned.rows, rows);
+    require_same_rows(fn, log_probs.rows, rows);
+  }
 };
 
 /// sparse_trust_region_backward: the forward's aligned rows and log_probs (inputs), grad_new.
@@ -253,7 +258,11 @@ struct sparse_trust_region_backward_args {
         in(fn, batch, rows_of("new_logits", n)),
         log_probs(fn, "log_probs", lp),
         grad_new(grad_output<T>(fn, g, n, new_logits)),
-        stats(fn, values, counters, new_logits.rows) {}
+        stats(fn, values, counters, new_logits.rows) {
+    const rows_shape rows = rows_of("new_logits", n);
+    require_same_rows(fn, aligned.rows, rows);
+    require_same_rows(fn, log_probs.rows, rows);
+  }
 };
 
 }  // namespace troll_py

@@ -125,6 +125,8 @@ struct shard_backward_args {
                       const in_array& sums, const out_array& gx)
       : support(fn, "support", support_rows), grad(fn, "grad", g) {
     require_same_shape(fn, "grad_shard", gx, "shard_logits", x);
+    require_same_rows(fn, support.rows, rows_of("shard_logits", x));
+    require_same_rows(fn, grad.rows, support.rows);
     logits = as_batch<const T>(fn, "shard_logits", x);
     grad_shard = as_batch<T>(fn, "grad_shard", gx);
     require_disjoint(fn, "grad_shard", grad_shard, "shard_logits", logits);

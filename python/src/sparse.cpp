@@ -40,6 +40,7 @@ void sparsify(const in_array& logits, const std::optional<in_array>& sampled, in
     const std::vector<troll::token_id> ids = sampled_ids(fn, sampled, rows_of("logits", logits));
     const troll::token_id* s = sampled ? ids.data() : nullptr;
     const sparse_rows<T> o(fn, "out", out);
+    require_same_rows(fn, o.rows, rows_of("logits", logits));
     const troll::sparsify_options options = sparsify_settings(k, delta);
     nb::gil_scoped_release release;
     troll::sparsify(policy(threads), x, s, options, o.view);

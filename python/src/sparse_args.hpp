@@ -55,7 +55,10 @@ struct sparsify_backward_args {
       : logits((require_same_shape(fn, "grad_logits", gx, "logits", x), as_batch<const T>(fn, "logits", x))),
         grad_logits(disjoint_from(fn, "grad_logits", as_batch<T>(fn, "grad_logits", gx), "logits", logits)),
         support(fn, "support", s),
-        grad(fn, "grad", g) {}
+        grad(fn, "grad", g) {
+    require_same_rows(fn, support.rows, rows_of("logits", x));
+    require_same_rows(fn, grad.rows, support.rows);
+  }
 };
 
 /// align: dense new logits, their own support (None: empty), sparse old rows, the aligned output.
@@ -73,7 +76,12 @@ struct align_args {
                                            : std::make_optional<sparse_rows<const T>>(fn, "new_support", new_support)),
         support(support_rows ? support_rows->view : troll::sparse_batch_view<const T>{}),
         old(fn, "old", old_rows),
-        out(fn, "out", o) {}
+        out(fn, "out", o) {
+    const rows_shape rows = rows_of("new_logits", n);
+    if (support_rows) require_same_rows(fn, support_rows->rows, rows);
+    require_same_rows(fn, old.rows, rows);
+    require_same_rows(fn, out.rows, rows);
+  }
 };
 
 /// kl_sparse: aligned rows and one output entry a row.
@@ -95,7 +103,9 @@ struct project_aligned_args {
 
   project_aligned_args(const char* fn, nb::handle r, nb::handle o, const out_array& values,
                        const out_array& counters)
-      : rows(fn, "rows", r), out(fn, "out", o), stats(fn, values, counters, rows.view.rows) {}
+      : rows(fn, "rows", r), out(fn, "out", o), stats(fn, values, counters, rows.view.rows) {
+    require_same_rows(fn, out.rows, rows.rows);
+  }
 };
 
 /// project_sparse_backward: aligned rows, the forward's log_probs, the upstream gradient, the
@@ -121,7 +131,12 @@ struct project_aligned_backward_args {
         grad_old_rows(go.is_none() ? std::nullopt : std::make_optional<sparse_grad<T>>(fn, "grad_old", go)),
         grad_old(grad_old_rows ? grad_old_rows->view : troll::sparse_grad_view<T>{}),
         grad_eps(ge ? as_rows<T>(fn, "grad_eps", *ge, rows_of("rows.indices", rows.indices)) : nullptr),
-        stats(fn, values, counters, rows.view.rows) {}
+        stats(fn, values, counters, rows.view.rows) {
+    require_same_rows(fn, log_probs.rows, rows.rows);
+    require_same_rows(fn, grad.rows, rows.rows);
+    require_same_rows(fn, grad_new.rows, rows.rows);
+    if (grad_old_rows) require_same_rows(fn, grad_old_rows->rows, rows.rows);
+  }
 };
 
 }  // namespace troll_py

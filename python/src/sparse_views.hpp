@@ -42,6 +42,7 @@ struct sparse_rows {
   using A = array_for<T>;
   A indices, log_probs, counts, log_remainder;
   troll::sparse_batch_view<T> view;
+  rows_shape rows;  ///< the leading shape of `indices` (require_same_rows)
 
   sparse_rows(const char* fn, const char* name, nb::handle h) {
     const nb::tuple t = as_tuple(fn, name, h, 5);
@@ -56,8 +57,9 @@ struct sparse_rows {
     const auto lv = as_packed<T>(fn, (n + ".log_probs").c_str(), log_probs);
     view.indices = iv.data;
     view.log_probs = lv.data;
-    view.counts = as_rows<I>(fn, (n + ".counts").c_str(), counts, rows_of(n + ".indices", indices));
-    view.log_remainder = as_rows<T>(fn, (n + ".log_remainder").c_str(), log_remainder, rows_of(n + ".indices", indices));
+    rows = rows_of(n + ".indices", indices);
+    view.counts = as_rows<I>(fn, (n + ".counts").c_str(), counts, rows);
+    view.log_remainder = as_rows<T>(fn, (n + ".log_remainder").c_str(), log_remainder, rows);
     view.rows = iv.rows;
     view.k_max = iv.cols;
     view.vocab = nb::cast<std::size_t>(t[4]);
@@ -70,6 +72,7 @@ struct aligned_rows {
   using A = array_for<T>;
   A indices, counts, new_lp, old_lp, new_lr, old_lr;
   troll::aligned_batch_view<T> view;
+  rows_shape rows;  ///< the leading shape of `indices` (require_same_rows)
 
   aligned_rows(const char* fn, const char* name, nb::handle h) {
     const nb::tuple t = as_tuple(fn, name, h, 7);
@@ -84,12 +87,13 @@ struct aligned_rows {
     require_same_shape(fn, (n + ".new_log_probs").c_str(), new_lp, (n + ".indices").c_str(), indices);
     require_same_shape(fn, (n + ".old_log_probs").c_str(), old_lp, (n + ".indices").c_str(), indices);
     const auto iv = as_packed<I>(fn, (n + ".indices").c_str(), indices);
+    rows = rows_of(n + ".indices", indices);
     view.indices = iv.data;
-    view.counts = as_rows<I>(fn, (n + ".counts").c_str(), counts, rows_of(n + ".indices", indices));
+    view.counts = as_rows<I>(fn, (n + ".counts").c_str(), counts, rows);
     view.new_log_probs = as_packed<T>(fn, (n + ".new_log_probs").c_str(), new_lp).data;
     view.old_log_probs = as_packed<T>(fn, (n + ".old_log_probs").c_str(), old_lp).data;
-    view.new_log_remainder = as_rows<T>(fn, (n + ".new_log_remainder").c_str(), new_lr, rows_of(n + ".indices", indices));
-    view.old_log_remainder = as_rows<T>(fn, (n + ".old_log_remainder").c_str(), old_lr, rows_of(n + ".indices", indices));
+    view.new_log_remainder = as_rows<T>(fn, (n + ".new_log_remainder").c_str(), new_lr, rows);
+    view.old_log_remainder = as_rows<T>(fn, (n + ".old_log_remainder").c_str(), old_lr, rows);
     view.rows = iv.rows;
     view.k_max = iv.cols;
     view.vocab = nb::cast<std::size_t>(t[6]);
@@ -102,6 +106,7 @@ struct sparse_grad {
   using A = array_for<T>;
   A log_probs, log_remainder;
   troll::sparse_grad_view<T> view;
+  rows_shape rows;  ///< the leading shape of `log_probs` (require_same_rows)
 
   sparse_grad(const char* fn, const char* name, nb::handle h) {
     const nb::tuple t = as_tuple(fn, name, h, 2);
@@ -109,8 +114,9 @@ struct sparse_grad {
     log_remainder = item<A>(fn, name, t, 1);
     const std::string n(name);
     const auto lv = as_packed<T>(fn, (n + ".log_probs").c_str(), log_probs);
+    rows = rows_of(n + ".log_probs", log_probs);
     view.log_probs = lv.data;
-    view.log_remainder = as_rows<T>(fn, (n + ".log_remainder").c_str(), log_remainder, rows_of(n + ".log_probs", log_probs));
+    view.log_remainder = as_rows<T>(fn, (n + ".log_remainder").c_str(), log_remainder, rows);
     view.rows = lv.rows;
     view.k_max = lv.cols;
   }

@@ -188,6 +188,15 @@ rows_shape rows_of(const std::string& name, const A& a) {
   return {name, leading_shape(a)};
 }
 
+/// Throws unless two arrays of rows that pair row by row (dense logits and sparse rows, aligned
+/// rows and their outputs) have the same leading shape: the pairing is in flattened order, so a
+/// (3, 2) batch against a (2, 3) one, or a flattened (6,) one, would pair rows wrongly or by luck.
+inline void require_same_rows(const char* fn, const rows_shape& a, const rows_shape& b) {
+  if (a.dims != b.dims)
+    fail(fn, a.of + " holds rows of shape " + dims_text(a.dims) + " but " + b.of + " holds rows of shape " +
+                 dims_text(b.dims) + " (rows pair in flattened order: the leading shapes must agree)");
+}
+
 /// `entries` elements of T stored contiguously in `a` (any layout that flattens to unit stride),
 /// whatever its shape: for arrays that are not one entry per row of a batch (the metrics).
 template <class T, class A>

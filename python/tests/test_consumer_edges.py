@@ -808,3 +808,43 @@ def test_out_may_interleave_with_an_input_that_it_does_not_share_elements_with(g
         troll.project(x, old, 0.05, out=big[:, 1:V + 1])
     with pytest.raises(troll.ShapeError, match="overlaps"):
         troll.log_softmax(x, out=big.view(-1)[:4 * V].view(4, V))  # packed rows across x's strided ones
+
+
+def test_sparse_rows_must_have_the_dense_rows_shape(gen):
+    """Sparse old rows of shape (3, 2) against new logits of shape (2, 3, V) paired in flattened
+    order without an error (trust_region_loss gave another loss, project_sparse other rows); the
+    binding now compares the sparse rows' leading shape with the dense rows' everywhere they pair."""
+    V = 10
+    new, old = logits(gen, 2, 3, V), logits(gen, 2, 3, V)
+    tokens = torch.randint(0, V, (2, 3), generator=gen)
+    adv = torch.randn(2, 3, generator=gen, dtype=D)
+    time_major = tt.sparsify(old.transpose(0, 1).contiguous(), 4, sampled=tokens.t().contiguous())
+    flat = tt.sparsify(old.reshape(6, V), 4, sampled=tokens.reshape(6))
+    for bad in (time_major, flat):
+        with pytest.raises(troll.ShapeError, match="leading shapes must agree"):
+            tt.trust_region_loss(new, bad, tokens, adv)
+        with pytest.raises(troll.ShapeError, match="leading shapes must agree"):
+            tt.project_sparse(new, bad, 0.05)
+    good = tt.sparsify(old, 4, sampled=tokens)
+    tt.trust_region_loss(new, good, tokens, adv)
+    tt.project_sparse(new, good, 0.05)
+    with pytest.raises(troll.ShapeError, match="leading shapes must agree"):  # the module level too
+        troll.sparsify_backward(new.reshape(6, V).numpy(), troll.sparsify(new.numpy(), 2),
+                                (np.zeros((2, 3, 2)), np.zeros((2, 3))))
+
+
+def test_a_mask_that_underflows_in_the_logits_dtype_is_named(gen):
+    """A float64 mask of 1e-50 with float32 logits became 0 in the cast and silently dropped its
+    tokens (a whole sequence under sequence_mean); only the mask's ratios matter, so it is refused
+    with that advice rather than changed."""
+    new, old = logits(gen, 2, 3, 8).float(), logits(gen, 2, 3, 8).float()
+    tokens = torch.randint(0, 8, (2, 3), generator=gen)
+    adv = torch.randn(2, 3, generator=gen, dtype=D)
+    mask = torch.ones(2, 3, dtype=D)
+    mask[1] = 1e-50
+    with pytest.raises(troll.DomainError, match=r"mask entry 3 \(= 1e-50\) does not fit.*scale the mask"):
+        tt.ppo_clip_loss(new, old, tokens, adv, mask=mask)
+    with pytest.raises(troll.DomainError, match="mask entry 3"):
+        tt.trust_region_loss(new, old, tokens, adv, mask=mask)
+    tt.ppo_clip_loss(new, old, tokens, adv, mask=mask * 1e40)  # 1e-10 fits float32
+    tt.ppo_clip_loss(new.double(), old.double(), tokens, adv, mask=mask)  # float64 logits: as given

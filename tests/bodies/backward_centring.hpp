@@ -5,6 +5,9 @@
 // large. Every backend re-centres d − μ (detail::centring_sums, troll/detail/tilt_derivatives.hpp);
 // without it the double VJP of the first row here is off by 1.6e-3 relative. Reference: math.md §3
 // in long double at the forward's t, with d − μ formed as Σ_i π_i (d_j − d_i) (no absolute mean).
+// Also rows far from the origin (an old row shifted by up to 3e38), whose derivatives every
+// backend forms against a reference token (detail/centring_reference.hpp): softmax invariance makes
+// the unshifted row's derivatives, on the same backend, the exact reference.
 //
 // One body compiled per backend: tests/test_backward_centring.cpp includes it with
 // troll_test::oracle_backend = backend<cpu_policy>, tests/cuda/test_cuda_gradients.cu with
@@ -183,6 +186,145 @@ TEST_CASE("TROLL objective backward on a near-one-hot row with large logits: d -
       CAPTURE(j);
       CHECK(std::fabs(double(got[j] - want)) <= 1e-10 * double(size) + 1e-300);
     }
+  }
+}
+
+/// The projection's derivatives of one row (VJP with grad_old and ε, JVP along (e_0, ε' = 1),
+/// the three Jacobian blocks), in double for comparison.
+struct row_derivatives {
+  std::vector<double> grad_new, grad_old, jvp, jac_new, jac_old, jac_eps;
+  double grad_eps = 0.0;
+  troll::row_status status{};
+};
+
+template <class T>
+row_derivatives derivatives_of(const std::vector<T>& zn_host, const std::vector<T>& zo_host, double eps) {
+  const std::size_t v = zn_host.size();
+  std::vector<T> g_host(v), tangent_host(v, T(0));
+  for (std::size_t j = 0; j < v; ++j) g_host[j] = T(0.5 * std::sin(1.7 * double(j + 1)));
+  tangent_host[0] = T(1);
+  buffer<T> zn(zn_host), zo(zo_host), g(g_host), tangent(tangent_host), lp(v), gn(v), go(v), jvp(v), jn(v * v),
+      jo(v * v), je(v), ge(1);
+  buffer<troll::projection_stats> stats(1);
+  const auto n = row_view(zn, v), o = row_view(zo, v);
+  troll::project(backend::policy(), n, o, eps, troll::make_batch(lp.get(), 1, v), stats.get());
+  const auto lpv = row_view(lp, v);
+  const troll::projection_stats* st = stats.get();
+  troll::project_backward(backend::policy(), n, o, lpv, st, row_view(g, v), troll::make_batch(gn.get(), 1, v),
+                          troll::make_batch(go.get(), 1, v), ge.get());
+  troll::project_jvp(backend::policy(), n, o, lpv, st, row_view(tangent, v), row_view(tangent, v), 1.0,
+                     troll::make_batch(jvp.get(), 1, v));
+  troll_test::workspace_policy<backend, troll::op::project_jacobian> scratch(1, v);
+  troll::project_jacobian(scratch.get(), n, o, lpv, st, jn.get(), jo.get(), je.get());
+  const auto as_double = [](const std::vector<T>& x) { return std::vector<double>(x.begin(), x.end()); };
+  row_derivatives r;
+  r.grad_new = as_double(gn.download());
+  r.grad_old = as_double(go.download());
+  r.jvp = as_double(jvp.download());
+  r.jac_new = as_double(jn.download());
+  r.jac_old = as_double(jo.download());
+  r.jac_eps = as_double(je.download());
+  r.grad_eps = double(ge.download()[0]);
+  r.status = stats.download()[0].status;
+  return r;
+}
+
+void check_same(const std::vector<double>& got, const std::vector<double>& want, double tol) {
+  REQUIRE(got.size() == want.size());
+  double scale = 0.0;
+  for (double w : want) scale = std::max(scale, std::abs(w));
+  for (std::size_t j = 0; j < got.size(); ++j) {
+    INFO("entry " << j << ": got " << got[j] << ", want " << want[j]);
+    CHECK(std::abs(got[j] - want[j]) <= tol * (scale + std::abs(want[j])));
+  }
+}
+
+/// Every derivative of `got` against `want`.
+void check_all(const row_derivatives& got, const row_derivatives& want, double tol) {
+  check_same(got.grad_new, want.grad_new, tol);
+  check_same(got.grad_old, want.grad_old, tol);
+  check_same({got.grad_eps}, {want.grad_eps}, tol);
+  check_same(got.jvp, want.jvp, tol);
+  check_same(got.jac_new, want.jac_new, tol);
+  check_same(got.jac_old, want.jac_old, tol);
+  check_same(got.jac_eps, want.jac_eps, tol);
+}
+
+TEST_CASE("derivatives of rows shifted far from the origin equal the unshifted row's (softmax invariance)") {
+  // softmax(z° + c) = softmax(z°): a row whose old logits carry a constant c has the same π*,
+  // statistics (but μ) and derivatives as c = 0, an exact oracle. The kernels formed d_j − μ from
+  // d_j = z̃_j − z°_j rounded to ulp(c) on each token (16384 at c = 1e20): ∂/∂ε had the wrong sign
+  // at c = 1e16 and was 0 beyond 1e20, in float and double (the forward was right). Such rows are
+  // now differentiated against a reference token (detail/centring_reference.hpp).
+  const std::vector<double> base_new = {0.0, 1.0, 2.0, -0.75, 0.5};
+  for (double c : {1e8, 1e12, 1e16, 1e20, -1e25, 1e30, 3e38}) {
+    for (double eps : {0.05, 1e-6}) {
+      INFO("c = " << c << ", eps = " << eps);
+      {  // float: the old row a constant c (exactly representable), the new row small
+        std::vector<float> zn(base_new.begin(), base_new.end()), zo(zn.size(), 0.0f), zc(zn.size(), float(c));
+        const row_derivatives want = derivatives_of(zn, zo, eps), got = derivatives_of(zn, zc, eps);
+        REQUIRE(got.status == troll::row_status::projected);
+        check_all(got, want, 2e-6);
+      }
+      if (std::abs(c) <= 1e300) {  // double: the same, and the new row shifted by c instead
+        std::vector<double> zn = base_new, zo(zn.size(), 0.0), zc(zn.size(), c);
+        const row_derivatives want = derivatives_of(zn, zo, eps), got = derivatives_of(zn, zc, eps);
+        check_all(got, want, 1e-9);
+        // z̃ + c with z̃ on multiples of ulp(c): exactly the shifted row.
+        const double unit = std::abs(c) * 0x1p-52 * 2.0;
+        std::vector<double> wide(zn.size()), shifted(zn.size());
+        for (std::size_t j = 0; j < zn.size(); ++j) {
+          wide[j] = std::max(unit, 1.0) * std::round(zn[j] * 4.0) / 4.0;
+          shifted[j] = wide[j] + c;
+        }
+        if (unit <= 1.0) {  // otherwise `wide` is far from a moderate row: left to the float case
+          const row_derivatives w2 = derivatives_of(wide, zo, eps), g2 = derivatives_of(shifted, zo, eps);
+          check_same(g2.grad_new, w2.grad_new, 1e-9);
+          check_same({g2.grad_eps}, {w2.grad_eps}, 1e-9);
+          check_same(g2.jvp, w2.jvp, 1e-9);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("the TROLL objective's gradient on rows shifted far from the origin equals the unshifted row's") {
+  // The fused objective backward formed d − μ as the projection's derivatives did (the cross term
+  // of the sampled token's ratio): the same invariance oracle, dense old rows shifted by c.
+  const std::size_t rows = 2, v = 5;
+  auto gradient = [&](const std::vector<double>& zn_host, const std::vector<double>& zo_host) {
+    buffer<double> zn(zn_host), zo(zo_host), lp(rows * v), grad(rows * v), token_loss(rows);
+    buffer<double> advantages(std::vector<double>{1.0, -0.7});
+    buffer<troll::token_id> tokens(std::vector<troll::token_id>{1, 3});
+    buffer<troll::projection_stats> st(rows);
+    buffer<troll::objective_metrics> metrics(1);
+    const auto n = troll::make_batch<const double>(zn.get(), rows, v);
+    const auto o = troll::make_batch<const double>(zo.get(), rows, v);
+    troll::token_batch<double> batch;
+    batch.tokens = tokens.get();
+    batch.advantages = advantages.get();
+    troll::trust_region_objective objective;
+    objective.eps = 0.05;
+    objective.alpha = 0.1;
+    const std::size_t bytes =
+        troll::workspace_bytes(backend::policy(), troll::op::objective_forward{}, objective, rows, v);
+    buffer<double> scratch(bytes / sizeof(double) + 1);
+    const auto policy = backend::policy().with_workspace(scratch.get(), bytes);
+    troll::objective_forward(policy, objective, n, o, batch, troll::make_batch(lp.get(), rows, v), st.get(),
+                             token_loss.get(), metrics.get());
+    for (const troll::projection_stats& s : st.download()) REQUIRE(s.status == troll::row_status::projected);
+    troll::objective_backward(policy, objective, n, o, batch, troll::make_batch<const double>(lp.get(), rows, v),
+                              static_cast<const troll::projection_stats*>(st.get()),
+                              troll::make_batch(grad.get(), rows, v), 1.0);
+    return grad.download();
+  };
+  const std::vector<double> zn = {0.0, 1.0, 2.0, -0.75, 0.5, 1.5, -1.0, 0.25, 0.0, 2.5};
+  const std::vector<double> zo(rows * v, 0.0);
+  const std::vector<double> want = gradient(zn, zo);
+  for (double c : {1e16, 1e20, -3e30}) {
+    INFO("c = " << c);
+    const std::vector<double> shifted(rows * v, c);
+    check_same(gradient(zn, shifted), want, 1e-9);
   }
 }
 

@@ -69,9 +69,7 @@ void check_objective_shapes(const char* fn, batch_view<const T> new_logits,
 }
 
 inline void check_trust_region(const char* fn, const trust_region_objective& obj) {
-  if (!(obj.eps > 0.0) || !(obj.eps < inf()))
-    throw domain_error(std::string("troll::") + fn + ": eps must be finite and > 0, got " +
-                       number_text(obj.eps));
+  check_eps(fn, obj.eps);
   if (!(obj.alpha >= 0.0) || !(obj.alpha < inf()))
     throw domain_error(std::string("troll::") + fn + ": alpha must be finite and >= 0, got " +
                        number_text(obj.alpha));

@@ -102,9 +102,7 @@ void check_sparsify_tail_sums_arguments(const char* fn, const batch_view<const L
 }
 
 inline void check_sparse_eps(const char* fn, double eps, const projection_options& opt) {
-  if (!(eps > 0.0) || !(eps < inf()))
-    throw domain_error(std::string("troll::") + fn + ": the bound eps must be finite and > 0, got " +
-                       number_text(eps));
+  check_eps(fn, eps);
   check_options(fn, opt);
 }
 

@@ -6,6 +6,7 @@
 #include <cstddef>
 
 #include "../config.hpp"
+#include "centring_reference.hpp"
 #include "../cuda_report.hpp"
 #include "../sparsify_state.hpp"
 
@@ -38,13 +39,14 @@ TROLL_HOST_DEVICE constexpr std::size_t objective_workspace_bytes(std::size_t ro
 }
 
 
-/// What the Jacobian's entries need of one row beyond its stats: the old normaliser, and
-/// whether the row was rejected. One per row in the caller's workspace.
+/// What the Jacobian's entries need of one row beyond its stats: the old normaliser, where
+/// d − μ is formed from, and whether the row was rejected. One per row in the caller's workspace.
 struct jacobian_row_terms {
   double old_max;
   double old_log_sum;
-  double centring;  // the re-centring m of d − μ (detail::centring_sums; 0 unless projected)
+  double centring;          // the re-centring m of d − μ (detail::centring_sums; 0 unless projected)
   int rejected;
+  centring_reference ref;  // (0, 0, μ), or an offset row's reference token and μ' (centring_reference.hpp)
 };
 
 TROLL_HOST_DEVICE constexpr std::size_t jacobian_workspace_bytes(std::size_t rows) { return rows * sizeof(jacobian_row_terms); }

@@ -242,12 +242,19 @@ def _token_batch(new_logits: torch.Tensor, tokens, advantages, mask, sequence_id
             # A narrowing cast (float64 advantages, float32 logits) turns a finite value beyond the
             # logits' dtype into inf: name it here rather than as an infinite input. (Checked where
             # it costs no device synchronisation; troll's own check still refuses the inf on CUDA.)
+            # A mask entry that underflows to 0 would drop its token (or a whole sequence) from the
+            # loss's weights: only the mask's ratios matter, so the caller can scale it instead.
             if converted.device.type == "cpu":
-                lost = torch.isinf(converted) & torch.isfinite(x.detach().cpu())
+                given = x.detach().cpu()
+                lost = torch.isinf(converted) & torch.isfinite(given)
+                if name == "mask":
+                    lost = lost | ((converted == 0) & (given != 0))
                 if bool(lost.any()):
                     i = int(lost.reshape(-1).nonzero()[0])
-                    raise DomainError(f"troll.{fn}: {name} entry {i} (= {float(x.detach().reshape(-1)[i])!r}) "
-                                      f"does not fit the logits' dtype {kind}")
+                    raise DomainError(f"troll.{fn}: {name} entry {i} (= {float(given.reshape(-1)[i])!r}) "
+                                      f"does not fit the logits' dtype {kind}"
+                                      + (" (it would become 0; scale the mask: only its ratios matter)"
+                                         if name == "mask" and float(converted.reshape(-1)[i]) == 0.0 else ""))
         return private(converted, x)
 
     if aggregation is None:

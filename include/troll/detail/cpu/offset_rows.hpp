@@ -22,17 +22,13 @@
 
 #include "../../config.hpp"
 #include "../../projection_types.hpp"
+#include "../centring_reference.hpp"
 #include "../numeric.hpp"
 #include "backward_kernels.hpp"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 namespace cpu {
-
-/// Whether a row's derivatives go through the reference-token copies (top of this file).
-inline bool offset_row(const projection_stats& s) {
-  return s.status == row_status::projected && std::fabs(s.mu) > 0x1p20 * std::sqrt(s.sigma2);
-}
 
 /// One thread's copies of an offset row (reused from row to row: no allocation once grown).
 struct offset_row_copies {
@@ -63,19 +59,12 @@ inline bool store_fitting(const std::vector<double>& values, T* out) {
   return fits;
 }
 
-/// Where a row's d_j − μ is formed from: ((z̃_j − new_ref) − (z°_j − old_ref)) − mu. The plain
-/// form (0, 0, μ) for every row but the offset ones, whose references are the logits of the
-/// token k with the largest log π* and mu = μ' = Σ_J π_j d'_j / Σ_J π_j (top of this file).
-struct centring_reference {
-  double new_ref = 0.0, old_ref = 0.0, mu = 0.0;
-  bool offset = false;
-};
-
+/// The reference of a row (centring_reference.hpp): plain, or the token with the largest log π*
+/// and μ' for an offset row.
 template <class T>
 inline centring_reference reference_of(const T* zn, const T* zo, const T* logp, std::size_t size,
                                        const projection_stats& s) {
-  centring_reference r;
-  r.mu = s.mu;
+  centring_reference r = plain_reference(s);
   if (!offset_row(s)) return r;
   std::size_t k = 0;
   double best = neg_inf();
@@ -95,7 +84,7 @@ inline centring_reference reference_of(const T* zn, const T* zo, const T* logp, 
     const double v = static_cast<double>(logp[j]);
     if (!(v > neg_inf())) continue;
     const double p = std::exp(v);
-    weighted += p * ((static_cast<double>(zn[j]) - r.new_ref) - (static_cast<double>(zo[j]) - r.old_ref));
+    weighted += p * r.difference(static_cast<double>(zn[j]), static_cast<double>(zo[j]));
     mass += p;
   }
   r.mu = weighted / mass;

@@ -19,6 +19,7 @@
 #include "../numeric.hpp"
 #include "../tilt_derivatives.hpp"
 #include "block_reduce.cuh"
+#include "offset_reference.cuh"
 #include "row_report.cuh"
 #include "row_scan.cuh"
 
@@ -54,16 +55,16 @@ struct merge_centring {
   __device__ centring_sums operator()(const centring_sums& a, const centring_sums& b) const { return a + b; }
 };
 
-/// The re-centring m of a projected row (detail::centring_sums over J = {log π* > −inf}), by the
-/// whole block (all threads call it; the result in every thread).
+/// The re-centring m of a projected row (detail::centring_sums over J = {log π* > −inf}) with
+/// d − μ formed against `ref` (offset_reference.cuh), by the whole block (all threads call it;
+/// the result in every thread).
 template <class T>
-__device__ double block_centring(const T* zn, const T* zo, const T* log_probs, std::size_t size, double mu,
-                                 reduce_storage<centring_sums>& storage) {
+__device__ double block_centring(const T* zn, const T* zo, const T* log_probs, std::size_t size,
+                                 const centring_reference& ref, reduce_storage<centring_sums>& storage) {
   centring_sums local;
   for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
     const double lp = static_cast<double>(log_probs[i]);
-    if (lp > neg_inf())
-      local.add(::exp(lp), (static_cast<double>(zn[i]) - static_cast<double>(zo[i])) - mu, lp);
+    if (lp > neg_inf()) local.add(::exp(lp), ref.centred(static_cast<double>(zn[i]), static_cast<double>(zo[i])), lp);
   }
   return block_all_reduce(storage, local, merge_centring{}).template step<T>();
 }
@@ -144,6 +145,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
                             batch_view<const T> grad_log_probs, batch_view<T> grad_new,
                             batch_view<T> grad_old, T* grad_eps, row_range range, device_checks checks) {
   __shared__ reduce_storage<backward_scan> scan_storage;
+  __shared__ reference_storage ref_storage;
   const std::size_t size = new_logits.cols, end = range.begin + range.count;
   const bool want_old = grad_old.rows != 0;
   for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
@@ -152,7 +154,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
     const T* logp = log_probs.row(r);
     const T* g = grad_log_probs.row(r);
     const projection_stats s = stats[r];
-    const double mu = s.mu;
+    const centring_reference ref = block_reference(zn, zo, logp, size, s, ref_storage);  // d − μ from here
     const bool projected = s.status == row_status::projected;
 
     backward_scan local;
@@ -165,7 +167,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
       if (!log_prob_fits(lp, a > neg_inf() && b > neg_inf()) && i < local.first_bad_log_prob)
         local.first_bad_log_prob = i;
       if (lp > neg_inf()) {
-        const double c = (a - b) - mu;
+        const double c = ref.centred(a, b);
         local.sum_g += gi;
         local.sum_gc += gi * c;
         if (projected) local.centring.add(::exp(lp), c, lp);
@@ -199,7 +201,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
       const bool on_support = lp > neg_inf();
       const double pi = ::exp(lp);
       const double a = static_cast<double>(zn[i]), b = static_cast<double>(zo[i]);
-      const double centred = on_support ? ((a - b) - mu) - m : 0.0;
+      const double centred = on_support ? ref.centred(a, b) - m : 0.0;
       const double gb = on_support ? static_cast<double>(g[i]) : 0.0;
       const double explicit_part = gb - pi * scan.sum_g;
       out_new[i] = static_cast<T>(t * (explicit_part - pi * centred * h_over_var));

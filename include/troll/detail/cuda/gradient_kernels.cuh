@@ -33,6 +33,7 @@
 #include "../workspace_layout.hpp"
 #include "backward_kernels.cuh"
 #include "block_reduce.cuh"
+#include "offset_reference.cuh"
 #include "forward_kernels.cuh"
 #include "row_report.cuh"
 #include "row_scan.cuh"
@@ -152,6 +153,7 @@ __global__ void __launch_bounds__(block_threads)
                        batch_view<T> tangent_out, row_range range, device_checks checks) {
   __shared__ reduce_storage<jvp_scan> scan_storage;
   __shared__ reduce_storage<double> sum_storage;
+  __shared__ reference_storage ref_storage;
   const std::size_t size = new_logits.cols, end = range.begin + range.count;
   const bool with_old = tangent_old.rows != 0;
   for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
@@ -161,7 +163,7 @@ __global__ void __launch_bounds__(block_threads)
     const T* tn = tangent_new.row(r);
     const T* to = with_old ? tangent_old.row(r) : nullptr;
     const projection_stats s = stats[r];
-    const double mu = s.mu;
+    const centring_reference ref = block_reference(zn, zo, logp, size, s, ref_storage);  // d − μ from here
 
     jvp_scan local;
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
@@ -175,7 +177,7 @@ __global__ void __launch_bounds__(block_threads)
       if (!log_prob_fits(lp, a > neg_inf() && b > neg_inf()) && i < local.first_bad_log_prob)
         local.first_bad_log_prob = i;
       if (lp > neg_inf()) {
-        const double pi = ::exp(lp), c = (a - b) - mu;
+        const double pi = ::exp(lp), c = ref.centred(a, b);
         local.pi_tn += pi * u;
         local.pi_centred_tn += pi * c * u;
         local.pi_to += pi * v;
@@ -210,7 +212,7 @@ __global__ void __launch_bounds__(block_threads)
           const double lp = static_cast<double>(logp[i]);
           const bool on_support = lp > neg_inf();
           const double pi = on_support ? ::exp(lp) : 0.0;
-          const double centred = on_support ? ((static_cast<double>(zn[i]) - b) - mu) - m : 0.0;
+          const double centred = on_support ? ref.centred(static_cast<double>(zn[i]), b) - m : 0.0;
           const double q = old_probability(b, old_max, log_sum_old);
           partial += dt_dold(on_support, pi, centred, q, s) * static_cast<double>(to[i]);
         }
@@ -222,7 +224,7 @@ __global__ void __launch_bounds__(block_threads)
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       double value = 0.0;
       if (static_cast<double>(logp[i]) > neg_inf()) {
-        const double centred = ((static_cast<double>(zn[i]) - static_cast<double>(zo[i])) - mu) - m;
+        const double centred = ref.centred(static_cast<double>(zn[i]), static_cast<double>(zo[i])) - m;
         value = t * (static_cast<double>(tn[i]) - scan.pi_tn) + centred * t_dot;
         if (old_term) value += (1.0 - t) * (static_cast<double>(to[i]) - scan.pi_to);
       }
@@ -242,6 +244,7 @@ __global__ void __launch_bounds__(block_threads)
                          jacobian_row_terms* terms, row_range range, device_checks checks) {
   __shared__ reduce_storage<std::size_t> token_storage;
   __shared__ reduce_storage<centring_sums> centring_storage;
+  __shared__ reference_storage ref_storage;
   const std::size_t size = new_logits.cols;
   for_each_pair_row(new_logits, old_logits, range,
                     [&](std::size_t r, const T* zn, const T* zo, const pair_scan& scan) {
@@ -257,14 +260,15 @@ __global__ void __launch_bounds__(block_threads)
       }
     }
     const bool rejected = report.error != cuda_row_error::none;  // block-uniform
-    const double m = !checks.validate_only && !rejected && s.status == row_status::projected
-                         ? block_centring(zn, zo, log_probs.row(r), size, s.mu, centring_storage)
-                         : 0.0;
+    const bool differentiated = !checks.validate_only && !rejected && s.status == row_status::projected;
+    const centring_reference ref =
+        differentiated ? block_reference(zn, zo, log_probs.row(r), size, s, ref_storage) : plain_reference(s);
+    const double m = differentiated ? block_centring(zn, zo, log_probs.row(r), size, ref, centring_storage) : 0.0;
     if (threadIdx.x == 0) {  // no early return: a barrier added below must still see every thread
       record_row(checks, range, r, report);
       if (!checks.validate_only)
         terms[r] = jacobian_row_terms{rejected ? 0.0 : scan.old.lse.m, rejected ? 0.0 : old_log_sum(scan), m,
-                                      rejected ? 1 : 0};
+                                      rejected ? 1 : 0, ref};
     }
   });
 }
@@ -304,9 +308,9 @@ struct jacobian_entry {
     const bool on_i = lp_i > neg_inf(), on_j = lp_j > neg_inf();
     const double pi_j = on_j ? ::exp(lp_j) : 0.0;
     const double centred_i =
-        on_i ? ((static_cast<double>(zn[i]) - static_cast<double>(zo[i])) - s.mu) - row.centring : 0.0;
+        on_i ? row.ref.centred(static_cast<double>(zn[i]), static_cast<double>(zo[i])) - row.centring : 0.0;
     const double centred_j =
-        on_j ? ((static_cast<double>(zn[j]) - static_cast<double>(zo[j])) - s.mu) - row.centring : 0.0;
+        on_j ? row.ref.centred(static_cast<double>(zn[j]), static_cast<double>(zo[j])) - row.centring : 0.0;
     const double delta = i == j ? 1.0 : 0.0;
     double jn = 0.0, jo = 0.0;
     if (on_i && on_j) {

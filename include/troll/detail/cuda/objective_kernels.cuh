@@ -19,6 +19,7 @@
 #include "../workspace_layout.hpp"
 #include "backward_kernels.cuh"
 #include "block_reduce.cuh"
+#include "offset_reference.cuh"
 #include "forward_kernels.cuh"
 #include "row_report.cuh"
 #include "row_scan.cuh"
@@ -353,6 +354,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
   __shared__ reduce_storage<double_pair> kl_storage;
   __shared__ reduce_storage<std::size_t> token_storage;
   __shared__ reduce_storage<centring_sums> centring_storage;
+  __shared__ reference_storage ref_storage;
   const std::size_t size = new_logits.cols;
   for_each_pair_row(new_logits, old_logits, range,
                     [&](std::size_t r, const T* zn, const T* zo, const pair_scan& scan) {
@@ -385,13 +387,18 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
     const bool with_reg = alpha != 0.0 && s.status != row_status::inactive;
     const double kl_reg =
         with_reg ? block_kl_to_log_probs(zn, log_norm_new, log_pi, size, kl_storage) : 0.0;
-    const double d_a = static_cast<double>(zn[a]) - static_cast<double>(zo[a]);
     const bool projected = s.status == row_status::projected;  // block-uniform
-    // The re-centring of d − μ, as the CPU's troll_backward_prepare (detail::centring_sums).
-    const double m = projected ? block_centring(zn, zo, log_pi, size, s.mu, centring_storage) : 0.0;
+    // d − μ against a reference token on offset rows (centring_reference.hpp), else as given; the
+    // re-centring on the other projected rows, as the CPU's troll_backward_prepare.
+    const centring_reference ref = block_reference(zn, zo, log_pi, size, s, ref_storage);
+    const double d_a = ref.difference(static_cast<double>(zn[a]), static_cast<double>(zo[a]));
+    const double m =
+        projected && !ref.offset ? block_centring(zn, zo, log_pi, size, ref, centring_storage) : 0.0;
+    projection_stats shifted = s;
+    shifted.mu = ref.mu;
     const troll_row_coefficients k =
         troll_coefficients(weight, static_cast<double>(in.advantages[r]), ratio,
-                           with_reg ? alpha : 0.0, kl_reg, d_a, s, m);
+                           with_reg ? alpha : 0.0, kl_reg, d_a, shifted, m);
     const int overflow = backward_overflow<T>(ratio, k.ratio_coef * k.t);
     if (overflow >= 0) {  // uniform across the block
       if (threadIdx.x == 0)
@@ -403,7 +410,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
       const double lp = static_cast<double>(log_pi[i]);
       const double zn_i = static_cast<double>(zn[i]);
       const bool on_support = lp > neg_inf();
-      const double centred = on_support && projected ? ((zn_i - static_cast<double>(zo[i])) - s.mu) - m : 0.0;
+      const double centred = on_support && projected ? ref.centred(zn_i, static_cast<double>(zo[i])) - m : 0.0;
       const double lp_new = zn_i - log_norm_new;
       grad[i] = static_cast<T>(troll_gradient_entry(k, std::int64_t(i) == a, on_support,
                                                     lp_new > neg_inf(), lp, lp_new, centred));

@@ -21,6 +21,7 @@
 #include "../workspace_layout.hpp"
 #include "backward_kernels.cuh"
 #include "block_reduce.cuh"
+#include "offset_reference.cuh"
 #include "forward_kernels.cuh"
 #include "objective_kernels.cuh"
 #include "row_report.cuh"
@@ -385,23 +386,32 @@ __global__ void __launch_bounds__(block_threads)
           const double log_norm_new = scan.fresh.lse.log_sum();
           const bool with_reg = alpha != 0.0 && s.status != row_status::inactive;
           const double kl_reg = with_reg ? warp_lumped_kl(row, lp_row, lp_bucket, log_norm_new) : 0.0;
-          const double d_a = static_cast<double>(row.fresh[at]) - static_cast<double>(row.old[at]);
           const bool projected = s.status == row_status::projected;
-          // The re-centring of d − μ (detail::centring_sums) over the lumped row, as the CPU's
-          // troll_backward_prepare on its double lumped rows.
+          // d − μ against a reference category on offset rows (centring_reference.hpp), else as
+          // given; the re-centring (detail::centring_sums) over the other projected lumped rows, as
+          // the CPU's troll_backward_prepare on its double lumped rows.
+          const auto entry = [&](std::size_t i) {
+            double x, y;
+            row.at(static_cast<int>(i), x, y);
+            return reference_entry{x, y, static_cast<int>(i) < row.count ? static_cast<double>(lp_row[i]) : lp_bucket};
+          };
+          const centring_reference ref = warp_reference(static_cast<std::size_t>(row.count) + 1, s, entry);
+          const double d_a = ref.difference(static_cast<double>(row.fresh[at]), static_cast<double>(row.old[at]));
           double m = 0.0;
-          if (projected) {
+          if (projected && !ref.offset) {
             centring_sums centring;
             for (int i = lane_id(); i <= row.count; i += warp_lanes) {
               double x, y;
               row.at(i, x, y);
               const double lp = i < row.count ? static_cast<double>(lp_row[i]) : lp_bucket;
-              if (lp > neg_inf() && !(x == neg_inf() && y == neg_inf())) centring.add(::exp(lp), (x - y) - s.mu, lp);
+              if (lp > neg_inf() && !(x == neg_inf() && y == neg_inf())) centring.add(::exp(lp), ref.centred(x, y), lp);
             }
             m = warp_all_reduce(centring, merge_centring{}).step<double>();
           }
+          projection_stats shifted = s;
+          shifted.mu = ref.mu;
           const troll_row_coefficients k = troll_coefficients(weight, static_cast<double>(in.advantages[r]), ratio,
-                                                              with_reg ? alpha : 0.0, kl_reg, d_a, s, m);
+                                                              with_reg ? alpha : 0.0, kl_reg, d_a, shifted, m);
           const int overflow = backward_overflow<T>(ratio, k.ratio_coef * k.t);
           if (overflow >= 0 && lane_id() == 0)  // uniform across the warp: NaN upstream below
             record_row(checks, range, r,
@@ -413,7 +423,7 @@ __global__ void __launch_bounds__(block_threads)
             if (!(x == neg_inf() && y == neg_inf())) {
               const double lp = i < row.count ? static_cast<double>(lp_row[i]) : lp_bucket;
               const bool on_support = lp > neg_inf();
-              const double centred = on_support && projected ? ((x - y) - s.mu) - m : 0.0;
+              const double centred = on_support && projected ? ref.centred(x, y) - m : 0.0;
               const double lp_new = x - log_norm_new;
               value = troll_gradient_entry(k, i == at, on_support, lp_new > neg_inf(), lp, lp_new, centred);
             }

@@ -19,6 +19,7 @@
 #include "../trust_region_solver.hpp"
 #include "backward_kernels.cuh"
 #include "block_reduce.cuh"
+#include "offset_reference.cuh"
 #include "forward_kernels.cuh"
 #include "row_report.cuh"
 #include "row_scan.cuh"
@@ -462,7 +463,13 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
       continue;
     }
     const bool projected = s.status == row_status::projected;
-    const double mu = s.mu;
+    // d − μ against a reference category on offset rows (centring_reference.hpp), else as given.
+    const auto entry = [&](std::size_t i) {
+      double a, b;
+      row.at(static_cast<int>(i), a, b);
+      return reference_entry{a, b, static_cast<int>(i) < row.count ? static_cast<double>(lp_row[i]) : lr};
+    };
+    const centring_reference ref = warp_reference(static_cast<std::size_t>(row.count) + 1, s, entry);
     double_pair sums;
     centring_sums centring;  // the re-centring of d − μ (detail::centring_sums), as the CPU's lumped VJP
     for (int i = lane_id(); i <= row.count; i += warp_lanes) {
@@ -471,7 +478,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
       const double l = i < row.count ? static_cast<double>(lp_row[i]) : lr;
       if (!(l > neg_inf()) || (a == neg_inf() && b == neg_inf())) continue;
       const double g = i < row.count ? static_cast<double>(g_row[i]) : g_r;
-      const double c = (a - b) - mu;
+      const double c = ref.centred(a, b);
       sums.first += g;
       sums.second += g * c;
       if (projected) centring.add(::exp(l), c, l);
@@ -491,7 +498,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
         const double l = i < row.count ? static_cast<double>(lp_row[i]) : lr;
         const bool on_support = l > neg_inf();
         const double pi = on_support ? ::exp(l) : 0.0;
-        const double centred = on_support ? ((a - b) - mu) - m : 0.0;
+        const double centred = on_support ? ref.centred(a, b) - m : 0.0;
         const double gb = on_support ? (i < row.count ? static_cast<double>(g_row[i]) : g_r) : 0.0;
         const double explicit_part = gb - pi * sums.first;
         gn = t * (explicit_part - pi * centred * h_over_var);
