@@ -846,5 +846,5 @@ def test_a_mask_that_underflows_in_the_logits_dtype_is_named(gen):
         tt.ppo_clip_loss(new, old, tokens, adv, mask=mask)
     with pytest.raises(troll.DomainError, match="mask entry 3"):
         tt.trust_region_loss(new, old, tokens, adv, mask=mask)
-    tt.ppo_clip_loss(new, old, tokens, adv, mask=mask * 1e40)  # 1e-10 fits float32
+    tt.ppo_clip_loss(new, old, tokens, adv, mask=mask * 1e30)  # scaled: 1e30 and 1e-20 fit float32
     tt.ppo_clip_loss(new.double(), old.double(), tokens, adv, mask=mask)  # float64 logits: as given
