@@ -166,6 +166,13 @@ def _reject_worker(rank: int, world: int, init_file: str) -> None:
             sparsify(local[:2] if rank == 1 else local, begin, VOCAB, k=K, sampled=sampled[:2] if rank == 1 else sampled)
         with pytest.raises(troll.InvalidInput, match="different sampled"):
             sparsify(local, begin, VOCAB, k=K, sampled=sampled if rank == 0 else None)
+        # The same row count in another leading shape, or another dtype, on one rank: both ran, the
+        # first pairing the ranks' rows wrongly, the second giving each rank other values.
+        with pytest.raises(troll.ShapeError, match=r"different leading shape \(rank 0: \(3, 5\), rank 1: \(5, 3\)"):
+            sparsify(local.reshape(5, 3, -1) if rank == 1 else local, begin, VOCAB, k=K,
+                     sampled=sampled.reshape(5, 3) if rank == 1 else sampled)
+        with pytest.raises(troll.DTypeError, match="different dtype"):
+            sparsify(local.float() if rank == 0 else local, begin, VOCAB, k=K, sampled=sampled)
         # The ranks stayed in step: the next call gives the unsharded rows.
         rows = sparsify(local, begin, VOCAB, k=K, delta=1e-4, sampled=sampled)
         whole = troll.torch.sparsify(z, k=K, delta=1e-4, sampled=sampled)

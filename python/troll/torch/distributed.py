@@ -47,7 +47,24 @@ _CLASSES = (_errors.DTypeError, _errors.ShapeError, _errors.InfeasibleError, _er
             _errors.InvalidInput, _errors.BackendError, TypeError, ValueError, RuntimeError)
 # The call's parameters every rank must pass alike (_agree), with the class a disagreement raises.
 _FIELDS = (("k", _errors.InvalidInput), ("delta", _errors.InvalidInput), ("vocab_size", _errors.ShapeError),
-           ("rows", _errors.ShapeError), ("sampled", _errors.InvalidInput))
+           ("rows", _errors.ShapeError), ("sampled", _errors.InvalidInput), ("dtype", _errors.DTypeError),
+           ("leading shape", _errors.ShapeError))
+# The logits' dtypes as a field code (others are refused by each rank's own checks).
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) + 1 if dtype in _DTYPES else 0
+
+
+def _shape_code(shape: tuple) -> int:
+    """The leading shape as one int64 field (a polynomial hash below 2**61; the shapes themselves
+    are gathered only to word an error). Same row count but another shape, (2, 3) against (3, 2),
+    would pair the rows of the ranks wrongly."""
+    h = len(shape)
+    for d in shape:
+        h = (h * 1_000_003 + int(d) + 1) % (2**61 - 1)
+    return h
 
 
 def _class_code(error: BaseException) -> int:
@@ -55,10 +72,11 @@ def _class_code(error: BaseException) -> int:
 
 
 def _agree(group: Any, comm: torch.device, failure: Optional[BaseException], fields: tuple,
-           offset: int = 0) -> torch.Tensor:
+           offset: int = 0, shown: Optional[Dict[str, Any]] = None) -> torch.Tensor:
     """The collective check that precedes every exchange of data: each rank's outcome of its own
     checks (0, or its exception's class), the parameters that must match (``fields``: k, delta's
-    bits, vocab_size, the row count, whether sampled is given) and its ``offset``, gathered as one
+    bits, vocab_size, the row count, whether sampled is given, the logits' dtype and leading shape;
+    ``shown``: how this rank words the last two in an error) and its ``offset``, gathered as one
     fixed-size tensor; returns the ranks' offsets (int64, rank order). If any rank rejected its input, every rank raises — the rejecting rank its own
     exception, the others one of the same class quoting it (one more collective, of the
     messages) — instead of the others waiting in the next collective for a rank that left it (a
@@ -82,10 +100,15 @@ def _agree(group: Any, comm: torch.device, failure: Optional[BaseException], fie
     for j, (name, cls) in enumerate(_FIELDS):
         values = [int(v) for v in headers[:, j + 1]]
         if len(set(values)) > 1:
-            shown = [_delta_of(v) if name == "delta" else bool(v) if name == "sampled" else v for v in values]
+            if shown is not None and name in shown:  # every rank sees the same headers: all gather
+                words: list = [None] * len(values)
+                dist.all_gather_object(words, shown[name], group=group)
+            else:
+                words = [_delta_of(v) if name == "delta" else bool(v) if name == "sampled" else v for v in values]
             raise cls(f"troll.torch.distributed.sparsify: the ranks pass different {name} ("
-                      + ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
-                      + "); every rank must pass the same k, delta, vocab_size, rows and sampled (given or not)")
+                      + ", ".join(f"rank {r}: {v}" for r, v in enumerate(words))
+                      + "); every rank must pass the same k, delta, vocab_size, rows (the same leading shape), "
+                        "logits dtype and sampled (given or not)")
     return headers[:, -1]
 
 
@@ -130,7 +153,7 @@ class _ShardedSparsify(torch.autograd.Function):
             states = _core.sparsify_shard(x, offset, vocab, k, delta, sampled, threads=threads)
         except Exception as error:  # reported to every rank by _agree, which raises it here
             failure = error
-        offsets = _agree(group, comm, failure, params["fields"], offset)
+        offsets = _agree(group, comm, failure, params["fields"], offset, params["shown"])
         # The states merge in offset order, whatever the ranks' order: each merge then extends one
         # contiguous token range (a merge keeps at most 32 disjoint ranges a row, so 33 or more
         # ranks holding interleaved slices failed in rank order). The values do not depend on
@@ -206,7 +229,9 @@ def sparsify(local_logits: torch.Tensor, vocab_offset: int, vocab_size: int, k: 
         _agree(group, _comm_device(group, like), error, (0,) * len(_FIELDS))
         raise  # not reached: _agree raises error itself
     params["fields"] = (params["k"], _delta_bits(params["delta"]), min(params["vocab"], 2**63 - 1),
-                        math.prod(rows), int(sampled is not None))
+                        math.prod(rows), int(sampled is not None), _dtype_code(local_logits.dtype),
+                        _shape_code(rows))
+    params["shown"] = {"dtype": str(local_logits.dtype), "leading shape": rows}
     info: Dict[str, Any] = {}
     out = _ShardedSparsify.apply(local_logits, sampled_i32, params, info)
     result = SparseRows(*out, params["vocab"])
