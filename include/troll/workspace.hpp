@@ -125,7 +125,7 @@ template <> struct gaussian_full_scratch<op::gaussian_project_split_jvp> : gauss
 ///   cpu  project_backward, project_jvp: rows (one overflow flag per row)
 ///   cpu  sparsify: rows · (12 · k_max + 13) (each row finished before any is written: its
 ///        indices, log-probs, remainder, count and a flag), k_max = out.k_max
-///   cuda project_jacobian: rows · 32 (per-row terms)
+///   cuda project_jacobian: rows · 64 (per-row terms)
 ///   cuda Gaussian full-covariance rows above d = 32 (below)
 template <class Policy, class Op, std::enable_if_t<!detail::is_objective_op<Op>::value, int> = 0>
 constexpr std::size_t workspace_bytes(const Policy&, Op, std::size_t = 0, std::size_t = 0, std::size_t = 0) {
