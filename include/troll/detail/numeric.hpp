@@ -20,6 +20,15 @@ TROLL_HOST_DEVICE constexpr bool is_masked(double x) { return x == neg_inf(); }
 TROLL_HOST_DEVICE inline double maximum(double a, double b) { return a < b ? b : a; }
 TROLL_HOST_DEVICE inline double minimum(double a, double b) { return b < a ? b : a; }
 
+/// e^δ − 1 − δ (≥ 0) without cancellation: its series δ²/2! + δ³/3! + … where |δ| < ½, else
+/// expm1(δ) − δ.
+TROLL_HOST_DEVICE inline double expm1_minus_x(double d) {
+  if (!(::fabs(d) < 0.5)) return ::expm1(d) - d;
+  double term = 0.0;
+  for (int k = 18; k >= 2; --k) term = (1.0 + term) * d / double(k);  // d/2·(1 + d/3·(1 + …))
+  return term * d;
+}
+
 /// The largest finite value of an output element type (float or double), as a double.
 template <class T>
 TROLL_HOST_DEVICE constexpr double largest_finite() {

@@ -225,15 +225,6 @@ TROLL_HOST_DEVICE inline double log1m_exp(double l) {
   return l > -0.6931471805599453 ? ::log(-::expm1(l)) : ::log1p(-::exp(l));
 }
 
-/// e^δ − 1 − δ (≥ 0) without cancellation: its series δ²/2! + δ³/3! + … where |δ| < ½, else
-/// expm1(δ) − δ.
-TROLL_HOST_DEVICE inline double expm1_minus_x(double d) {
-  if (!(::fabs(d) < 0.5)) return ::expm1(d) - d;
-  double term = 0.0;
-  for (int k = 18; k >= 2; --k) term = (1.0 + term) * d / double(k);  // d/2·(1 + d/3·(1 + …))
-  return term * d;
-}
-
 /// −log(1 − x) − x for |x| < ¼ by its series x²/2 + x³/3 + … (no cancellation).
 TROLL_HOST_DEVICE inline double neg_log1m_minus_x(double x) {
   double sum = 0.0;

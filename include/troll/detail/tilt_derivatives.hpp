@@ -5,16 +5,25 @@
 //   ∂t/∂z°_j = −[(1 − t) t π_j (d_j − μ) − (π_j − q_j)] / (t σ²),   d = z̃ − z°, at t = t*.
 //
 // At small ε the bracket nearly cancels: π_j − q_j ≈ t π_j (d_j − μ), and the bracket is O(t²)
-// of π_j. Where π ≈ q (|log π_j/q_j| < 1/2) both π_j − q_j and π_j are therefore formed from the
-// log-ratio log(π_j/q_j) = t(d_j − μ) + KL(π‖q), known in double from the statistics, as
-// q_j·expm1(·) and q_j + that — never from a π read back from a (float) log π*, whose relative
-// error of ~6e-8 would become ~6e-8/t of the derivative.
+// of π_j while its two terms are O(t). Where π ≈ q (|log π_j/q_j| < 1/2) the bracket is therefore
+// formed from the log-ratio x = log(π_j/q_j) = t c_j + KL(π‖q) (c_j = d_j − μ), known in double
+// from the statistics — never from a π read back from a (float) log π*, whose relative error of
+// ~6e-8 would become ~6e-8/t of the derivative — and with its O(t) parts cancelled by hand: with
+// y = (1 − t) t c_j, π_j = q_j e^x and e^x = 1 + x + φ(x), φ(x) = expm1(x) − x,
+//
+//   bracket / q_j = y e^x − expm1(x) = −(t·t c_j + KL) + y (x + φ(x)) − φ(x),
+//
+// every term O(t²). (Forming q_j e^x and q_j expm1(x) and subtracting, as before the thirty-fourth
+// session, left ~ulp·t c_j of noise in an O(t² c_j) result: relative error ~1e-16/t, which a
+// large Σ g (d − μ) — a row whose far tokens carry little mass but large d − μ — turned into
+// O(1) errors of grad_old at ε ≤ 1e-100.)
 #pragma once
 
 #include <cmath>
 
 #include "../config.hpp"
 #include "../projection_types.hpp"
+#include "numeric.hpp"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
@@ -25,13 +34,14 @@ TROLL_HOST_DEVICE inline double dt_dold(bool on_support, double pi, double centr
                                         const projection_stats& s) {
   const double t = s.t;
   if (!on_support) return -q / (t * s.sigma2);  // π_j = 0: the bracket is q_j
-  const double log_ratio = t * centred + s.kl_after;  // log(π_j / q_j)
-  double pi_minus_q = pi - q;
+  const double tc = t * centred;
+  const double log_ratio = tc + s.kl_after;  // x = log(π_j / q_j)
   if (::fabs(log_ratio) < 0.5) {
-    pi_minus_q = q * ::expm1(log_ratio);
-    pi = q + pi_minus_q;
+    const double phi = expm1_minus_x(log_ratio);
+    const double bracket = q * (((1.0 - t) * tc * (log_ratio + phi) - phi) - (t * tc + s.kl_after));
+    return -bracket / (t * s.sigma2);
   }
-  return -((1.0 - t) * t * pi * centred - pi_minus_q) / (t * s.sigma2);
+  return -((1.0 - t) * t * pi * centred - (pi - q)) / (t * s.sigma2);
 }
 
 /// The unit of the last place at 1 (machine epsilon) of the type a row's log π* is stored in:

@@ -113,15 +113,18 @@ inline block_array dt_dold_block(const T* zo, const backward_block& b, const pro
   block_array q = exact_exp((old_logits - on.max) - on.log_sum);
   zero_where_masked(old_logits, q);
   // detail::dt_dold in block form (troll/detail/tilt_derivatives.hpp says why): where
-  // |log π_j/q_j| < 1/2, π_j − q_j and π_j come from the log-ratio t(d_j − μ) + KL(π‖q); elsewhere
-  // there is no cancellation (and q may underflow while the ratio overflows).
-  const block_array log_ratio = t * b.centred + s.kl_after;
-  const block_array near = q * expm1_near_zero(log_ratio.max(-0.5).min(0.5));  // used where |ratio| < 1/2
+  // |log π_j/q_j| < 1/2, the bracket comes from the log-ratio x = t(d_j − μ) + KL(π‖q) with its
+  // O(t) parts cancelled by hand; elsewhere there is no cancellation (and q may underflow while the
+  // ratio overflows). Off J the bracket is q_j.
+  const block_array tc = t * b.centred;
+  const block_array log_ratio = tc + s.kl_after;
+  const block_array x = log_ratio.max(-0.5).min(0.5);  // used where |ratio| < 1/2
+  const block_array phi = expm1_minus_x_near_zero(x);
+  const block_array near = q * (((1.0 - t) * tc * (x + phi) - phi) - (t * tc + s.kl_after));
   const block_mask support = b.support(count);
   const block_mask close = support && (log_ratio.abs() < 0.5);
-  const block_array pi_minus_q = close.select(near, support.select(b.pi - q, -q));
-  const block_array pi = close.select(q + near, b.pi);
-  return -((1.0 - t) * t * pi * b.centred - pi_minus_q) / (t * s.sigma2);
+  const block_array bracket = close.select(near, support.select((1.0 - t) * t * b.pi * b.centred - (b.pi - q), q));
+  return -bracket / (t * s.sigma2);
 }
 
 /// A packet of doubles from p[0..n), n < lanes, the other lanes `fill`: a masked load with AVX-512

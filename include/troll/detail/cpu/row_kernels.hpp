@@ -293,13 +293,22 @@ inline double log_sum_exp_shifted(const T* z, std::size_t size, double shift) {
 /// x·(1 + x/2·(1 + x/3·(…))) in vectorised block arithmetic: within 1.5 ulp of the exact value
 /// (checked against long double over 10^6 points), where Eigen 3.4's double expm1 is a scalar
 /// call per coefficient. Inputs outside [−1/2, 1/2] must be clamped by the caller.
+inline constexpr double expm1_series_inverse[18] = {0.0,      1.0,      1.0 / 2,  1.0 / 3,  1.0 / 4,  1.0 / 5,
+                                                  1.0 / 6,  1.0 / 7,  1.0 / 8,  1.0 / 9,  1.0 / 10, 1.0 / 11,
+                                                  1.0 / 12, 1.0 / 13, 1.0 / 14, 1.0 / 15, 1.0 / 16, 1.0 / 17};
 inline block_array expm1_near_zero(const block_array& x) {
-  static constexpr double inverse[18] = {0.0,        1.0,        1.0 / 2,  1.0 / 3,  1.0 / 4,  1.0 / 5,
-                                         1.0 / 6,    1.0 / 7,    1.0 / 8,  1.0 / 9,  1.0 / 10, 1.0 / 11,
-                                         1.0 / 12,   1.0 / 13,   1.0 / 14, 1.0 / 15, 1.0 / 16, 1.0 / 17};
   block_array p = block_array::Ones(x.size());
-  for (int k = 17; k >= 2; --k) p = 1.0 + (x * inverse[k]) * p;
+  for (int k = 17; k >= 2; --k) p = 1.0 + (x * expm1_series_inverse[k]) * p;
   return x * p;
+}
+
+/// φ(x) = expm1(x) − x for |x| ≤ 1/2 without cancellation: x²/2·(1 + x/3·(1 + …)), the same
+/// series as expm1_near_zero from its second term (detail::expm1_minus_x in block form). Inputs
+/// outside [−1/2, 1/2] must be clamped by the caller.
+inline block_array expm1_minus_x_near_zero(const block_array& x) {
+  block_array p = block_array::Ones(x.size());
+  for (int k = 17; k >= 3; --k) p = 1.0 + (x * expm1_series_inverse[k]) * p;
+  return (0.5 * x * x) * p;
 }
 
 /// The tilted-family reduction of trust_region_solver.hpp over one row (tilt_family.hpp).
