@@ -342,6 +342,52 @@ TEST_CASE("grad_old at tiny eps on a row whose far tokens carry a large d - mu")
   }
 }
 
+TEST_CASE("nearly equal double rows: mu, sigma2 and the VJP keep their digits") {
+  // d = z̃ − z° of size 1e-7 … 1e-12 beside logits of size ~3: the solver's x = (z̃ − z̃_r) −
+  // (z° − z°_r) carries ~ulp(3) of absolute error, and before the thirty-fourth session μ and σ²
+  // (hence every derivative) kept only ~ulp/|d| of their digits (σ² 2e-6 off at KL(p̃‖q) = 1e-20).
+  // refine_moments (row_kernels.hpp) forms them again from compensated differences. Oracle: long
+  // double, d exact, π_t ∝ q e^{t d} at the reported t.
+  for (const double kl : {1e-14, 1e-20, 1e-24}) {
+    CAPTURE(kl);
+    rng g(41);
+    const std::size_t v = 24;
+    std::vector<double> zo = g.normals(v, 3.0), zn(v), lp(v), up = g.normals(v, 1.0), gn(v), ge(1);
+    for (std::size_t j = 0; j < v; ++j) zn[j] = zo[j] + std::sqrt(2.0 * kl) * g.normal();
+    long double omax = -INFINITY, sq = 0, m0 = 0, var0 = 0;
+    std::vector<long double> q(v), d(v), pi(v);
+    for (std::size_t j = 0; j < v; ++j) omax = std::max(omax, (long double)zo[j]);
+    for (std::size_t j = 0; j < v; ++j) q[j] = std::exp((long double)zo[j] - omax), sq += q[j];
+    for (std::size_t j = 0; j < v; ++j) q[j] /= sq, d[j] = (long double)zn[j] - (long double)zo[j], m0 += q[j] * d[j];
+    for (std::size_t j = 0; j < v; ++j) var0 += q[j] * (d[j] - m0) * (d[j] - m0);
+    const double eps = double(var0 / 4);  // KL(p̃‖q) ≈ var0/2: t* ≈ 1/√2
+    troll::projection_stats st;
+    troll::project(troll::cpu, troll::make_batch(zn.data(), 1, v), troll::make_batch(zo.data(), 1, v), eps,
+                   troll::make_batch(lp.data(), 1, v), &st);
+    REQUIRE(st.status == troll::row_status::projected);
+    const long double t = st.t;
+    long double sp = 0, mu = 0, var = 0, sum_g = 0, sum_gc = 0;
+    for (std::size_t j = 0; j < v; ++j) pi[j] = q[j] * std::exp(t * (d[j] - m0)), sp += pi[j];
+    for (std::size_t j = 0; j < v; ++j) pi[j] /= sp, mu += pi[j] * d[j];
+    for (std::size_t j = 0; j < v; ++j) var += pi[j] * (d[j] - mu) * (d[j] - mu);
+    for (std::size_t j = 0; j < v; ++j) sum_g += up[j], sum_gc += up[j] * (d[j] - mu);
+    CHECK(std::fabs(double((long double)st.sigma2 / var - 1)) < 1e-12);
+    CHECK(std::fabs(double((long double)st.mu - mu)) < 1e-12 * double(std::sqrt(var)));
+    troll::project_backward(troll::cpu, troll::make_batch(zn.data(), 1, v), troll::make_batch(zo.data(), 1, v),
+                            troll::make_batch(lp.data(), 1, v), &st, troll::make_batch(up.data(), 1, v),
+                            troll::make_batch(gn.data(), 1, v), troll::batch_view<double>{}, ge.data());
+    double worst = 0, scale = 0;
+    for (std::size_t j = 0; j < v; ++j) {
+      const long double want = t * (up[j] - pi[j] * sum_g - pi[j] * (d[j] - mu) * sum_gc / var);
+      scale = std::max(scale, double(std::fabs(want)));
+      worst = std::max(worst, double(std::fabs(want - gn[j])));
+    }
+    CHECK(worst <= 1e-12 * scale);
+    const long double want_eps = sum_gc / (t * var);
+    CHECK(std::fabs(double(ge[0] - want_eps)) <= 1e-12 * std::fabs(double(want_eps)));
+  }
+}
+
 TEST_CASE("inactive and restricted rows: plain log-softmax backward, no old or eps gradient") {
   rng g(31);
   const std::size_t v = 11;

@@ -524,12 +524,59 @@ inline projection_stats write_solution(const tilt_evaluator<T>& eval, const solv
   return make_stats(r);
 }
 
+/// Whether a solved row's μ and σ² need refine_moments: a double pair, all finite, whose
+/// differences d = z̃ − z° span less than 2⁻²⁰ of the logits' spread. The solver's
+/// x = (z̃ − z̃_r) − (z° − z°_r) carries ~ulp(spread) of absolute error, so there its moments kept
+/// only ~ulp(spread)/|d| of their digits (docs/math.md, "Rows nearly equal to the old ones"); a
+/// float pair's differences are exact in double. Only rows the derivatives read σ² of.
+template <class T>
+inline bool moments_need_refining(const row_setup& setup, const solve_result& r) {
+  return std::is_same<T, double>::value && !setup.any_masked && setup.spread < inf() &&
+         setup.x_range < 0x1p-20 * setup.spread &&
+         (r.status == row_status::projected || r.status == row_status::not_converged);
+}
+
+inline void centred_block(const block_array& zp, const block_array& zq, const tilt_ref& ref, block_array& x);
+
+/// μ = E_π[d] and σ² = Var_π[d] of the member `p` again, with x_j = d_j − d_r formed by
+/// centred_block (both differences' rounding errors compensated, as the cancellation-free KL
+/// does): two passes over the row, for the rare rows of moments_need_refining.
+template <class T>
+inline void refine_moments(const tilt_evaluator<T>& eval, tilt_point& p) {
+  const tilt_param u{p.t, p.s};
+  double sum_pi = 0.0, sum_px = 0.0;
+  block_array a, b, x, w, pi, c;
+  auto weights = [&](std::size_t begin, Eigen::Index count) {
+    eval.block(begin, count, u, p.ref, a, b, x, w);
+    pi = block_exp(w - p.log_norm);
+    centred_block(load(eval.new_logits, begin, count), load(eval.old_logits, begin, count), p.ref, c);
+  };
+  for_each_block(eval.size, [&](std::size_t begin, Eigen::Index count) {
+    weights(begin, count);
+    sum_pi += pi.sum();
+    sum_px += (pi * c).sum();
+  });
+  const double mean = sum_px / sum_pi;
+  double var = 0.0;
+  for_each_block(eval.size, [&](std::size_t begin, Eigen::Index count) {
+    weights(begin, count);
+    var += (pi * (c - mean).square()).sum();
+  });
+  var /= sum_pi;
+  if (!(var > 0.0 && var < inf() && mean - mean == 0.0)) return;  // keep the solver's where this fails
+  p.mean_x = mean;
+  p.mu = (p.ref.zn - p.ref.zo) + mean;
+  p.sigma2 = var;
+}
+
 /// The projection of one validated row: solve, write log π*, return the statistics.
 template <class T>
 inline projection_stats project_row(const T* zn, const T* zo, std::size_t size, const row_setup& setup,
                                     double eps, const projection_options& opt, T* out) {
   const tilt_evaluator<T> eval = make_evaluator(zn, zo, size, setup);
-  return write_solution(eval, solve_row(eval, setup, eps, opt), out);
+  solve_result r = solve_row(eval, setup, eps, opt);
+  if (moments_need_refining<T>(setup, r)) refine_moments(eval, r.point);
+  return write_solution(eval, r, out);
 }
 
 /// KL(π_0+ ‖ q) = −log q(J): the smallest KL any admissible π reaches (old-only tokens only).
