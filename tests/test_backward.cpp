@@ -179,23 +179,36 @@ struct tilt_oracle {
   }
 };
 
+/// One row projected at eps in type T, and ∂t/∂z° from the internal block the VJP, JVP and
+/// Jacobian all use (`got`; `blk` holds π and c = d − μ as the block saw them).
+template <class T>
+struct projected_dt_dold {
+  std::vector<T> n, o, lp;
+  troll::projection_stats st;
+  troll::detail::cpu::backward_block blk;
+  troll::detail::cpu::block_array got;
+  projected_dt_dold(const std::vector<double>& zn, const std::vector<double>& zo, double eps)
+      : n(zn.begin(), zn.end()), o(zo.begin(), zo.end()), lp(zn.size()) {
+    const std::size_t v = zn.size();
+    troll::project(troll::cpu, troll::make_batch(n.data(), 1, v), troll::make_batch(o.data(), 1, v), eps,
+                   troll::make_batch(lp.data(), 1, v), &st);
+    REQUIRE(st.status == troll::row_status::projected);
+    namespace dc = troll::detail::cpu;
+    const dc::old_normaliser on = dc::normalise_old(o.data(), v);
+    dc::load_backward_block(n.data(), o.data(), lp.data(), st.mu, 0, Eigen::Index(v), blk);
+    got = dc::dt_dold_block(o.data(), blk, st, on, 0, Eigen::Index(v));
+  }
+};
+
 /// max_j |∂t/∂z°_j − oracle| / max_j |oracle| for one row projected at eps in type T: the
-/// internal block the VJP, JVP and Jacobian all use, against tilt_oracle.
+/// internal block against tilt_oracle.
 template <class T>
 double dt_dold_error(const std::vector<double>& zn, const std::vector<double>& zo, double eps) {
   const std::size_t v = zn.size();
-  const std::vector<T> n(zn.begin(), zn.end()), o(zo.begin(), zo.end());
-  std::vector<T> lp(v);
-  troll::projection_stats st;
-  troll::project(troll::cpu, troll::make_batch(n.data(), 1, v), troll::make_batch(o.data(), 1, v), eps,
-                 troll::make_batch(lp.data(), 1, v), &st);
-  REQUIRE(st.status == troll::row_status::projected);
-  const tilt_oracle oracle(std::vector<double>(n.begin(), n.end()), std::vector<double>(o.begin(), o.end()), st.t);
-  namespace dc = troll::detail::cpu;
-  const dc::old_normaliser on = dc::normalise_old(o.data(), v);
-  dc::backward_block blk;
-  dc::load_backward_block(n.data(), o.data(), lp.data(), st.mu, 0, Eigen::Index(v), blk);
-  const dc::block_array got = dc::dt_dold_block(o.data(), blk, st, on, 0, Eigen::Index(v));
+  const projected_dt_dold<T> p(zn, zo, eps);
+  const tilt_oracle oracle(std::vector<double>(p.n.begin(), p.n.end()), std::vector<double>(p.o.begin(), p.o.end()),
+                           p.st.t);
+  const auto& got = p.got;
   double worst = 0, scale = 0;
   for (std::size_t j = 0; j < v; ++j) scale = std::max(scale, double(std::fabs(oracle.dt_dold(j))));
   for (std::size_t j = 0; j < v; ++j)
@@ -254,12 +267,10 @@ TEST_CASE("grad_old and dt/dz-old at small eps against a long-double oracle") {
 template <class T>
 double dt_dold_small_t_error(const std::vector<double>& zn, const std::vector<double>& zo, double eps) {
   const std::size_t v = zn.size();
-  const std::vector<T> n(zn.begin(), zn.end()), o(zo.begin(), zo.end());
-  std::vector<T> lp(v);
-  troll::projection_stats st;
-  troll::project(troll::cpu, troll::make_batch(n.data(), 1, v), troll::make_batch(o.data(), 1, v), eps,
-                 troll::make_batch(lp.data(), 1, v), &st);
-  REQUIRE(st.status == troll::row_status::projected);
+  const projected_dt_dold<T> p(zn, zo, eps);
+  const std::vector<T>& n = p.n;
+  const std::vector<T>& o = p.o;
+  const troll::projection_stats& st = p.st;
   REQUIRE(st.t < 1e-20);
   std::vector<long double> q(v), d(v);
   long double omax = -INFINITY, sum = 0, mu = 0, var = 0;
@@ -267,11 +278,8 @@ double dt_dold_small_t_error(const std::vector<double>& zn, const std::vector<do
   for (std::size_t j = 0; j < v; ++j) q[j] = std::exp((long double)o[j] - omax), sum += q[j];
   for (std::size_t j = 0; j < v; ++j) q[j] /= sum, d[j] = (long double)n[j] - (long double)o[j], mu += q[j] * d[j];
   for (std::size_t j = 0; j < v; ++j) var += q[j] * (d[j] - mu) * (d[j] - mu);
-  namespace dc = troll::detail::cpu;
-  const dc::old_normaliser on = dc::normalise_old(o.data(), v);
-  dc::backward_block blk;
-  dc::load_backward_block(n.data(), o.data(), lp.data(), st.mu, 0, Eigen::Index(v), blk);
-  const dc::block_array got = dc::dt_dold_block(o.data(), blk, st, on, 0, Eigen::Index(v));
+  const auto& got = p.got;
+  const auto& blk = p.blk;
   double worst = 0, scale = 0;
   std::vector<long double> want(v);
   for (std::size_t j = 0; j < v; ++j) {
