@@ -77,6 +77,47 @@ TEST_CASE_TEMPLATE("sparsify_backward on near-deterministic rows keeps 1 - p of 
   }
 }
 
+TEST_CASE("sparsify_backward: a light bucket's term keeps its digits") {
+  // One token 100 … 650 above the others, the rest in the bucket (log r ≈ −gap), g_R = 1000: the
+  // bucket term g_R·p_k/r was formed as g_R·e^{−log r}·p_k while log r > −600, carrying log r's
+  // rounding times |log r| (140 … 280·2⁻⁵³ of max |∂L/∂z| here before the thirty-fourth session;
+  // docs/sparse.md promised 253). Now e^{(z_k − tail_ref) − tail} below log r = −32
+  // (light_bucket_log). Oracle: long double, p_k/r from the tail's own log-sum.
+  std::uint64_t state = 88172645463325252ull;
+  auto uniform = [&state] {
+    state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+    return double(state >> 11) * 0x1p-53;
+  };
+  for (const double gap : {100.0, 300.0, 450.0, 590.0, 650.0}) {
+    for (int rep = 0; rep < 20; ++rep) {
+      CAPTURE(gap);
+      CAPTURE(rep);
+      std::vector<double> z(12);
+      for (double& x : z) x = 4.0 * uniform() - 2.0;
+      z[0] += gap;
+      const se::one_row<double> row(z, {0});
+      const double g0 = 2e-3 * uniform() - 1e-3, g_r = 1000.0;
+      const std::vector<double> got = row.backward({g0}, g_r);
+      se::ld m = -INFINITY, all = 0, tail = 0;
+      for (double x : z) m = std::max(m, se::ld(x));
+      for (std::size_t j = 0; j < z.size(); ++j) {
+        all += std::exp(se::ld(z[j]) - m);
+        if (j != 0) tail += std::exp(se::ld(z[j]) - m);
+      }
+      const se::ld log_all = m + std::log(all), log_tail = m + std::log(tail), sum_g = se::ld(g0) + g_r;
+      double worst = 0, scale = 0;
+      for (std::size_t j = 0; j < z.size(); ++j) {
+        const se::ld p = std::exp(se::ld(z[j]) - log_all);
+        const se::ld want = j == 0 ? g0 * -std::expm1(se::ld(z[0]) - log_all) - p * g_r
+                                   : g_r * std::exp(se::ld(z[j]) - log_tail) - p * sum_g;
+        scale = std::max(scale, double(std::fabs(want)));
+        worst = std::max(worst, double(std::fabs(want - got[j])));
+      }
+      CHECK(worst <= 4 * 0x1p-53 * scale);
+    }
+  }
+}
+
 TEST_CASE("sparsify_backward: a massless bucket's gradient is ignored, masked inputs get 0") {
   // A masked token in the support (logit −inf, value −inf): a masked input, its gradient is 0
   // (it was its upstream g), and a masked output, whose upstream g is ignored: it does not enter

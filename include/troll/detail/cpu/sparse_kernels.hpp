@@ -792,12 +792,12 @@ inline bool sparse_scatter_row(const T* z, std::size_t size, std::size_t first, 
   const double ref = sums.ref, log_total = sums.total, sum_g = counted.sum.value();
   const double g_remainder = counted.bucket;
   const bool tail_term = sums.tail_ref > neg_inf() && g_remainder != 0.0;
-  // p_k / r = p_k · e^{−log r}: one exponential per logit unless g_R / r overflows (a small r,
-  // or g_R within 1/r of the type's largest value; then g_R · e^{(z_k − tail_ref) − tail}, whose
-  // factor p_k / r ≤ 1, relative to the tail's own max).
+  // p_k / r = p_k · e^{−log r}: one exponential per logit while the bucket is not light
+  // (light_bucket_log, sparse_row.hpp) and g_R / r fits; else g_R · e^{(z_k − tail_ref) − tail}, a
+  // second exponential, relative to the tail's own max, whose factor p_k / r ≤ 1.
   const double log_inv_r = -sums.log_remainder();
-  const double g_over_r = log_inv_r < 600.0 ? g_remainder * std::exp(log_inv_r) : 0.0;
-  const bool scale_tail = log_inv_r < 600.0 && fits_in<double>(g_over_r);
+  const double g_over_r = log_inv_r < light_bucket_log ? g_remainder * std::exp(log_inv_r) : 0.0;
+  const bool scale_tail = log_inv_r < light_bucket_log && fits_in<double>(g_over_r);
   constexpr double limit = largest_finite<T>();
   bool fits = true;
   int next = 0;

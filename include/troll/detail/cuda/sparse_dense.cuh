@@ -241,11 +241,12 @@ __global__ void __launch_bounds__(block_threads)
     const double sum_g = sh.sum_g + sh.sum_lo, g_bucket = sh.g_bucket;
     const double ref = sums.ref, total = sums.total;
     const bool tail_term = sums.tail_ref > neg_inf() && g_bucket != 0.0;
-    // g_R / r once per row unless it overflows (a tiny r, or g_R within 1/r of the largest
-    // double): then g_R · p_k / r with p_k / r ≤ 1 from the tail's own sums (the CPU's choice).
+    // g_R / r once per row unless the bucket is light (light_bucket_log, sparse_row.hpp) or it
+    // overflows (g_R within 1/r of the largest double): then g_R · p_k / r with p_k / r ≤ 1 from
+    // the tail's own sums (the CPU's choice).
     const double log_inv_r = -sums.log_remainder();
-    const double g_over_r = log_inv_r < 600.0 ? g_bucket * ::exp(log_inv_r) : 0.0;
-    const bool scale_tail = log_inv_r < 600.0 && fits_in<double>(g_over_r);
+    const double g_over_r = log_inv_r < light_bucket_log ? g_bucket * ::exp(log_inv_r) : 0.0;
+    const bool scale_tail = log_inv_r < light_bucket_log && fits_in<double>(g_over_r);
     int cursor = 0;
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       const double zi = to_double(z[i]), x = zi - ref;
