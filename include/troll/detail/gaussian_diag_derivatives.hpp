@@ -86,6 +86,17 @@ TROLL_HOST_DEVICE inline gaussian_diag_entry gaussian_diag_scaled(const gaussian
                              ::ldexp(e.old_std, -k)};
 }
 
+/// A coordinate as every derivative works it: relative to its old mean, in units of 2^k.
+struct gaussian_diag_units {
+  gaussian_diag_entry entry;
+  int k = 0;
+};
+TROLL_HOST_DEVICE inline gaussian_diag_units gaussian_diag_in_units(const gaussian_diag_entry& e) {
+  const gaussian_diag_entry r = gaussian_diag_relative(e);
+  const int k = gaussian_diag_unit(r);
+  return gaussian_diag_units{gaussian_diag_scaled(r, k), k};
+}
+
 /// The member at (t, s), s = 1 − t exact (solved_gap): a new variance above twice the old (g <
 /// −½) takes γ from the ratio and a = s + tγ, as the forward does (gaussian_precision_ratio), so
 /// that a near t = 1 keeps the digits of a small γ (1 + tg kept only ~u/γ of them: the derivatives
@@ -263,9 +274,9 @@ TROLL_HOST_DEVICE inline gaussian_diag_upstream gaussian_diag_scaled(const gauss
 TROLL_HOST_DEVICE inline void gaussian_diag_vjp_accumulate(const gaussian_diag_entry& e,
                                                            const gaussian_diag_upstream& up, bool split, double t,
                                                            double s, std::size_t i, gaussian_diag_vjp_sums* sums) {
-  const gaussian_diag_entry r = gaussian_diag_relative(e);
-  const int k = gaussian_diag_unit(r);
-  gaussian_diag_vjp_accumulate_units(gaussian_diag_scaled(r, k), gaussian_diag_scaled(up, k), split, t, s,
+  const gaussian_diag_units u = gaussian_diag_in_units(e);
+  const int k = u.k;
+  gaussian_diag_vjp_accumulate_units(u.entry, gaussian_diag_scaled(up, k), split, t, s,
                                      static_cast<int>(i), sums);
 }
 
@@ -358,10 +369,10 @@ TROLL_HOST_DEVICE inline gaussian_diag_vjp_out gaussian_diag_vjp_coordinate(cons
                                                                             bool split,
                                                                             const gaussian_diag_vjp_scalars& sc,
                                                                             std::size_t i) {
-  const gaussian_diag_entry r = gaussian_diag_relative(e);
-  const int k = gaussian_diag_unit(r);
+  const gaussian_diag_units u = gaussian_diag_in_units(e);
+  const int k = u.k;
   const gaussian_diag_vjp_out g = gaussian_diag_vjp_coordinate_units(
-      gaussian_diag_scaled(r, k), gaussian_diag_scaled(up, k), split, sc, static_cast<int>(i) == sc.top);
+      u.entry, gaussian_diag_scaled(up, k), split, sc, static_cast<int>(i) == sc.top);
   return gaussian_diag_vjp_out{::ldexp(g.mean, -k), ::ldexp(g.std_dev, -k), ::ldexp(g.old_mean, -k),
                                ::ldexp(g.old_std, -k)};
 }
@@ -472,9 +483,9 @@ TROLL_HOST_DEVICE inline gaussian_diag_tangent gaussian_diag_scaled(const gaussi
 TROLL_HOST_DEVICE inline void gaussian_diag_jvp_accumulate(const gaussian_diag_entry& e,
                                                            const gaussian_diag_tangent& d, bool split, double t,
                                                            double s, std::size_t i, gaussian_diag_jvp_sums* sums) {
-  const gaussian_diag_entry r = gaussian_diag_relative(e);
-  const int k = gaussian_diag_unit(r);
-  gaussian_diag_jvp_accumulate_units(gaussian_diag_scaled(r, k), gaussian_diag_scaled(d, k), split, t, s,
+  const gaussian_diag_units u = gaussian_diag_in_units(e);
+  const int k = u.k;
+  gaussian_diag_jvp_accumulate_units(u.entry, gaussian_diag_scaled(d, k), split, t, s,
                                      static_cast<int>(i), sums);
 }
 
@@ -554,10 +565,10 @@ TROLL_HOST_DEVICE inline gaussian_diag_jvp_out gaussian_diag_jvp_coordinate(cons
                                                                             bool split,
                                                                             const gaussian_diag_jvp_scalars& sc,
                                                                             std::size_t i) {
-  const gaussian_diag_entry r = gaussian_diag_relative(e);
-  const int k = gaussian_diag_unit(r);
+  const gaussian_diag_units u = gaussian_diag_in_units(e);
+  const int k = u.k;
   const gaussian_diag_jvp_out o = gaussian_diag_jvp_coordinate_units(
-      gaussian_diag_scaled(r, k), gaussian_diag_scaled(d, k), split, sc, static_cast<int>(i) == sc.top);
+      u.entry, gaussian_diag_scaled(d, k), split, sc, static_cast<int>(i) == sc.top);
   return gaussian_diag_jvp_out{::ldexp(o.mean, k), ::ldexp(o.std_dev, k)};
 }
 

@@ -69,6 +69,13 @@ TROLL_HOST_DEVICE inline double log_sum_relative(const log_sum_state& st, double
   return st.m == neg_inf() ? neg_inf() : (st.m - ref) + ::log(st.s);
 }
 
+/// The bucket weight in sparsify_backward, g_R·p_k/r: as g_R·e^{−log r}·p_k (one exponential
+/// per logit) while −log r stays below this, else as g_R·e^{(z_k − tail_ref) − tail} (a second
+/// one). e^{−log r} carries log r's rounding times |log r|: at r = e^{−590} that left 381·2⁻⁵³ of
+/// max |∂L/∂z| (the limit was 600 before the thirty-fourth session); below 32 it is a few ulps.
+/// CPU and CUDA take the same choice.
+inline constexpr double light_bucket_log = 32.0;
+
 /// The normalisers of a sparse row gathered from dense logits z, each held relative to its own
 /// reference (the largest logit it sums over) so that no absolute log-sum is ever formed:
 ///     total = log Σ_j e^{z_j − ref},          ref = max_j z_j,
@@ -80,13 +87,6 @@ TROLL_HOST_DEVICE inline double log_sum_relative(const log_sum_state& st, double
 /// tail sum relative to a distant row maximum none of the tail's shape). sparsify_finalize
 /// exports it per row as sparsify_log_sums_width doubles {ref, total, tail_ref, tail};
 /// sparsify_shard_backward takes them back.
-/// The bucket weight in sparsify_backward, g_R·p_k/r: as g_R·e^{−log r}·p_k (one exponential
-/// per logit) while −log r stays below this, else as g_R·e^{(z_k − tail_ref) − tail} (a second
-/// one). e^{−log r} carries log r's rounding times |log r|: at r = e^{−590} that left 381·2⁻⁵³ of
-/// max |∂L/∂z| (the limit was 600 before the thirty-fourth session); below 32 it is a few ulps.
-/// CPU and CUDA take the same choice.
-inline constexpr double light_bucket_log = 32.0;
-
 struct row_log_sums {
   double ref = 0.0;
   double total = neg_inf();
