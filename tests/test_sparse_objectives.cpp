@@ -507,3 +507,45 @@ TEST_CASE("sparse TROLL: a sampled token far in the old row's tail overflows wit
   CHECK(std::isfinite(run.metrics.loss));
   for (double g : run.grad) CHECK(std::isfinite(g));
 }
+
+TEST_CASE("sparse TROLL: rows the solver stops early on keep a feasible member and a finite loss") {
+  // One Newton member per row: projected rows end not_converged (docs/api.md: a feasible member,
+  // KL < ε). The forward keeps them with their loss (the CUDA backend must too); the backward
+  // refuses them, naming the first.
+  sparse_case c = make_sparse_case(12, 48, 5);
+  troll::sparse_trust_region_objective o = objective(0.7);
+  o.projection.max_iterations = 1;
+  const std::size_t cap = c.old.k_max + std::size_t(o.new_support.k);
+  aligned_rows<double> aligned(c.rows, cap, c.vocab);
+  sparse_rows<double> log_probs(c.rows, cap, c.vocab);
+  std::vector<troll::projection_stats> stats(c.rows);
+  std::vector<double> token_loss(c.rows, -7.0);
+  const troll::objective_metrics m =
+      troll::objective_forward(cpu, o, troll::make_batch(c.new_logits.data(), c.rows, c.vocab), c.old.view(),
+                               c.batch(), aligned.view(), log_probs.view(), stats.data(), token_loss.data());
+  CHECK(std::isfinite(m.loss));
+  std::size_t stopped = 0, first_stopped = c.rows;
+  for (std::size_t r = 0; r < c.rows; ++r) {
+    CAPTURE(r);
+    if (stats[r].status != troll::row_status::not_converged) continue;
+    ++stopped;
+    first_stopped = std::min(first_stopped, r);
+    CHECK(std::isfinite(token_loss[r]));
+    CHECK(stats[r].kl_after < o.eps);
+    CHECK(stats[r].t >= 0.0);  // t = 0 (π = q) where the one member was above ε
+    CHECK(stats[r].t < 1.0);
+    CHECK(aligned.counts[r] > 0);
+    CHECK(log_probs.counts[r] == aligned.counts[r]);
+  }
+  REQUIRE(stopped > 0);
+  std::vector<double> grad(c.rows * c.vocab, -7.0);
+  try {
+    troll::objective_backward(cpu, o, troll::make_batch(c.new_logits.data(), c.rows, c.vocab), aligned.view(),
+                              c.batch(), log_probs.view(), stats.data(),
+                              troll::make_batch(grad.data(), c.rows, c.vocab), 1.0);
+    FAIL("objective_backward accepted a not_converged row");
+  } catch (const troll::domain_error& e) {
+    CHECK(e.row() == first_stopped);
+  }
+  for (double g : grad) CHECK(g == -7.0);
+}

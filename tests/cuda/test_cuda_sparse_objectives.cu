@@ -501,6 +501,58 @@ TEST_SUITE("device") {
     CHECK(std::isnan(got.metrics.loss));  // counted bad rows make the loss NaN
   }
 
+  TEST_CASE_TEMPLATE("rows the solver stops early on are kept with their loss, as on the CPU", T, float, double) {
+    // One Newton member per row: most projected rows end not_converged, holding a feasible member
+    // (docs/api.md). The forward keeps them on both backends; only their backward refuses them.
+    sparse_batch<T> b(17, 300, 31u, 5);
+    troll::sparse_trust_region_objective o = objective_with(5);
+    o.projection.max_iterations = 1;
+    const auto how = troll::loss_aggregation::token_mean;
+    const troll::token_batch<T> host_in = b.host.tokens_view(how);
+    aligned_pair<T> want_aligned(b.rows, b.k_max, b.vocab);
+    sparse_pair<T> want_lp(b.rows, b.k_max, b.vocab);
+    std::vector<troll::projection_stats> want_stats(b.rows);
+    std::vector<T> want_loss(b.rows, T(-7));
+    const troll::objective_metrics want_metrics =
+        troll::objective_forward(troll::cpu, o, b.host.new_view(), troll::sparse_input<T>(b.old.host()), host_in,
+                                 want_aligned.host(), want_lp.host(), want_stats.data(), want_loss.data());
+    test_stream s;
+    device_batch<T> d(b.host);
+    aligned_pair<T> aligned(b.rows, b.k_max, b.vocab);
+    sparse_pair<T> lp(b.rows, b.k_max, b.vocab);
+    device_array<troll::projection_stats> stats(b.rows);
+    device_array<T> token_loss(b.rows);
+    device_array<troll::objective_metrics> metrics(1);
+    const std::size_t bytes = troll::sparse_objective_workspace_bytes(b.rows, b.k_max, o.new_support.k);
+    device_array<double> workspace((bytes + sizeof(double) - 1) / sizeof(double));
+    troll::objective_forward(troll::cuda.on(s.stream).with_workspace(workspace.get(), workspace.bytes()), o,
+                             d.new_view(), troll::sparse_input<T>(b.old.device()), d.tokens_view(how),
+                             aligned.device(), lp.device(), stats.get(), token_loss.get(), metrics.get());
+    s.sync();
+    CUDA_REQUIRE(cudaGetLastError());
+    aligned.download();
+    lp.download();
+    const std::vector<troll::projection_stats> got_stats = stats.download();
+    const std::vector<T> got_loss = token_loss.download();
+    const troll::objective_metrics got_metrics = metrics.download()[0];
+    std::size_t stopped = 0;
+    for (std::size_t r = 0; r < b.rows; ++r) {
+      CAPTURE(r);
+      CHECK(got_stats[r].status == want_stats[r].status);
+      CHECK(aligned.counts[r] == want_aligned.counts[r]);
+      CHECK(lp.counts[r] == want_lp.counts[r]);
+      if (want_stats[r].status != troll::row_status::not_converged) continue;
+      ++stopped;
+      CHECK(std::isfinite(double(got_loss[r])));
+      CHECK(got_stats[r].kl_after < o.eps);
+      CHECK(between_backends<T>().accepts(got_loss[r], want_loss[r]));
+      CHECK(between_backends<T>().accepts(got_stats[r].t, want_stats[r].t));
+    }
+    CHECK(stopped > 0);
+    CHECK(std::isfinite(got_metrics.loss));
+    CHECK(between_backends<T>().accepts(got_metrics.loss, want_metrics.loss));
+  }
+
   TEST_CASE_TEMPLATE("checked mode throws the CPU's exception for the lowest bad row", T, float, double) {
     const std::size_t rows = 10;
     const troll::sparse_trust_region_objective o = objective_with(3);

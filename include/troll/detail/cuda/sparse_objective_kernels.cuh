@@ -243,9 +243,11 @@ __global__ void sparse_objective_rows_kernel(aligned_batch_view<T> aligned, toke
     if (report.error == cuda_row_error::none) {
       report = lumped_problem(rows, r, eps, alpha > 0.0 && mask_of(in, r) != 0.0, slots, slots_per_array, scan);
       if (!checks.validate_only && report.error == cuda_row_error::none) {
+        // The projection refused the row. A not_converged row holds a feasible member and is kept
+        // with its loss, as on the CPU; its backward refuses it.
         const row_status status = stats[r].status;
-        if (status != row_status::inactive && status != row_status::projected && status != row_status::restricted)
-          report.error = cuda_row_error::infeasible, report.value = quiet_nan();  // the solver gave up
+        if (status == row_status::infeasible || status == row_status::rejected)
+          report.error = cuda_row_error::infeasible, report.value = quiet_nan();
       }
       if (lane_id() == 0) record_row(checks, range, r, report);
     }
