@@ -208,3 +208,59 @@ def test_device_route_keeps_the_logits_in_place_and_equals_the_host_path(tmp_pat
     assert forward[objective] in stand_in.calls and forward[objective].replace("forward", "backward") in stand_in.calls
     if objective == "troll":
         assert "sparsify" in stand_in.calls
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_reference_kl_term_equals_trls_own(tmp_path, bias_correction, num_iterations):
+    """With beta != 0 the adapter's loss is TRL's: the policy term through objective="ppo_clip"
+    (TRL's bnpo loss, the same clip) and the k3 KL to the reference model, weighted by the
+    importance ratio exactly when GRPOConfig.use_bias_correction_kl is set. Value and every
+    parameter gradient, with the policy moved away from the one that sampled."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(len(tokenizer), seed=3)
+    args = GRPOConfig(output_dir=str(tmp_path / "kl"), use_cpu=True, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=5, max_steps=1, report_to="none",
+                      save_strategy="no", seed=0, num_iterations=num_iterations, loss_type="bnpo", beta=0.0,
+                      temperature=0.7, use_bias_correction_kl=bias_correction, bf16=False, fp16=False)
+    trainer = TrollGRPOTrainer(model=model, reward_funcs=reward_digits, args=args,
+                               train_dataset=Dataset.from_dict({"prompt": ["1+2=", "3+3="]}),
+                               processing_class=tokenizer, troll=TrollConfig(objective="ppo_clip"))
+    trainer.current_gradient_accumulation_steps = 1
+    model.train()
+    batch = trainer._generate_and_score_completions([{"prompt": "1+2="}, {"prompt": "3+3="}] * 2)
+    # beta is set after generation: with beta != 0 at construction TRL would load a reference model.
+    trainer.beta = 0.1
+    keep = batch["completion_ids"].size(1)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        sampled = [p.detach().clone() for p in model.parameters()]
+        for p in model.parameters():  # the reference policy: a perturbed copy
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+        ref = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits[:, -keep - 1:-1] / 0.7, -1)
+        batch["ref_per_token_logps"] = ref.gather(-1, batch["completion_ids"][..., None]).squeeze(-1)
+        for p, s in zip(model.parameters(), sampled):
+            p.copy_(s)
+            # With num_iterations = 1 TRL takes the policy that sampled as the current one (its old
+            # log-probs are the current ones, detached); otherwise move it away.
+            if num_iterations > 1:
+                p.add_(0.05 * torch.randn(p.shape, generator=generator))
+
+    def loss_and_grads(compute):
+        model.zero_grad()
+        loss = compute(model, batch)
+        loss.backward()
+        return float(loss.detach()), [p.grad.detach().clone() for p in model.parameters()]
+
+    ours, our_grads = loss_and_grads(trainer._compute_loss)
+    theirs, their_grads = loss_and_grads(lambda m, b: GRPOTrainer._compute_loss(trainer, m, b))
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
+    scale = max(float(g.abs().max()) for g in their_grads)
+    assert scale > 0
+    for a, b in zip(our_grads, their_grads):
+        assert float((a - b).abs().max()) <= 1e-5 * scale

@@ -21,7 +21,8 @@ GRPOTrainer methods and nothing else:
     dppo:     troll.torch.dppo_loss(..., divergence, delta_low, delta_high)
   averaged over the micro-batch's completion tokens (TRL's "bnpo" normalisation) and divided by the
   gradient-accumulation steps as TRL does; TRL's k3 KL to the reference model is added when
-  ``beta`` != 0. troll's metrics (kl_before_max, kl_after_max, projected_fraction, ...) are logged
+  ``beta`` != 0, weighted by TRL's importance ratio when ``use_bias_correction_kl`` is set (TRL's
+  default), as TRL weights it. troll's metrics (kl_before_max, kl_after_max, projected_fraction, ...) are logged
   under ``troll/``.
 
 Turning it on in a GRPO script::
@@ -187,6 +188,8 @@ class TrollGRPOTrainer(GRPOTrainer):
             logps = torch.log_softmax(logits, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
             ref = _on(inputs["ref_per_token_logps"], dev, logps.dtype)
             per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
+            if getattr(self.args, "use_bias_correction_kl", False):
+                per_token_kl = per_token_kl * self._kl_importance_weights(inputs, logps, mask_f)
             kl = (per_token_kl * mask_f).sum() / mask_f.sum().clamp(min=1.0)
             loss = loss + self.beta * kl
             self._metrics[mode]["kl"].append(float(kl.detach()))
@@ -194,6 +197,19 @@ class TrollGRPOTrainer(GRPOTrainer):
         self._log_troll_metrics(mode, metrics)
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         return loss / normalizer
+
+    def _kl_importance_weights(self, inputs, logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """TRL's importance weights of the k3 KL term (GRPOConfig.use_bias_correction_kl): pi_theta /
+        pi_old of the sampled tokens, per token or, with importance_sampling_level="sequence", the
+        exponential of the sequence's masked mean log-ratio; pi_old is TRL's stored
+        old_per_token_logps, or logps.detach() where TRL stores none (weight 1, gradient that of
+        log pi_theta), as TRL computes it."""
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None else _on(old, logps.device, logps.dtype)
+        log_ratio = logps - old
+        if getattr(self, "importance_sampling_level", "token") == "sequence":
+            log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        return torch.exp(log_ratio)
 
     def _log_troll_metrics(self, mode: str, metrics: Dict[str, float]) -> None:
         for name in ("kl_before_mean", "kl_before_max", "kl_after_mean", "kl_after_max", "projected_fraction",
