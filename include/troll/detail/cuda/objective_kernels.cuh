@@ -362,8 +362,9 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
     T* grad = grad_new.row(r);
     const block_tilt_evaluator<T> eval{zn,          zo, size, scan.old.lse.m, old_log_sum(scan),
                                        &lse_storage};
-    cuda_row_report report =
-        objective_row_problem(in, r, size, zn, zo, scan, eval, eps, alpha, checks.validate_only);
+    // The floor in every mode (one evaluation, on rows whose new logits mask old mass only): an
+    // infeasible row is reported `infeasible`, as the CPU throws it, not as its forward's stats.
+    cuda_row_report report = objective_row_problem(in, r, size, zn, zo, scan, eval, eps, alpha, true);
     // Row by row, the CPU's order: the token data and logits, then log_probs, then the stats.
     const projection_stats s = stats[r];
     if (report.error == cuda_row_error::none) {  // block-uniform

@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(block_threads)
             if (slot < 0) {
               report.error = cuda_row_error::not_in_support, report.value = double(a);
             } else if (is_masked(static_cast<double>(old_lp[sh.sorted[slot].position]))) {
-              report.error = cuda_row_error::old_token_masked, report.value = double(a);
+              report.error = cuda_row_error::old_entry_masked, report.value = double(a);
             }
           }
         }
@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(block_threads)
         if (at < 0) {
           report.error = cuda_row_error::not_in_aligned, report.value = double(a);
         } else if (is_masked(static_cast<double>(aligned.old_log_probs[r * aligned.k_max + std::size_t(at)]))) {
-          report.error = cuda_row_error::old_token_masked, report.value = double(a);
+          report.error = cuda_row_error::old_entry_masked, report.value = double(a);
         }
       }
       pair_scan scan;

@@ -35,7 +35,8 @@ inline row_problem sparse_objective_report_problem(const cuda_row_report& report
       return make_problem(report.error, names[report.operand >= 0 && report.operand < 4 ? report.operand : 0],
                           static_cast<long long>(report.token), report.value);
     }
-    case row_error::old_token_masked: return make_problem(row_error::old_entry_masked, "", 0, report.value);
+    case row_error::old_token_masked:  // the dense objective's code, as the device reported it before
+    case row_error::old_entry_masked: return make_problem(row_error::old_entry_masked, "", 0, report.value);
     case row_error::objective_capacity:
       return make_problem(row_error::objective_capacity, "", 0, report.value, static_cast<double>(capacity));
     case row_error::not_in_support:
