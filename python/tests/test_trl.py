@@ -264,3 +264,34 @@ def test_reference_kl_term_equals_trls_own(tmp_path, bias_correction, num_iterat
     assert scale > 0
     for a, b in zip(our_grads, their_grads):
         assert float((a - b).abs().max()) <= 1e-5 * scale
+
+
+def test_settings_of_trls_policy_loss_that_the_adapter_does_not_apply_are_named():
+    from types import SimpleNamespace
+
+    from troll.integrations.trl import ignored_grpo_settings
+
+    defaults = SimpleNamespace(importance_sampling_level="token", delta=None, top_entropy_quantile=1.0,
+                               off_policy_mask_threshold=None, use_vllm=False,
+                               vllm_importance_sampling_correction=True)
+    assert ignored_grpo_settings(defaults) == []
+    changed = SimpleNamespace(importance_sampling_level="sequence", delta=2.0, top_entropy_quantile=0.2,
+                              off_policy_mask_threshold=0.5, use_vllm=True,
+                              vllm_importance_sampling_correction=True)
+    named = " ".join(ignored_grpo_settings(changed, aux_loss_enabled=True))
+    for setting in ("importance_sampling_level", "delta", "top_entropy_quantile", "off_policy_mask_threshold",
+                    "vllm_importance_sampling_correction", "auxiliary loss"):
+        assert setting in named
+
+
+def test_the_trainer_warns_about_settings_it_does_not_apply(tmp_path):
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    tokenizer = tiny_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path / "warn"), use_cpu=True, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=4, max_steps=1, report_to="none",
+                      save_strategy="no", importance_sampling_level="sequence", bf16=False, fp16=False)
+    with pytest.warns(UserWarning, match="importance_sampling_level"):
+        TrollGRPOTrainer(model=tiny_model(len(tokenizer)), reward_funcs=reward_digits, args=args,
+                         train_dataset=Dataset.from_dict({"prompt": ["1+2="]}), processing_class=tokenizer)

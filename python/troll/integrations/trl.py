@@ -39,8 +39,9 @@ adapter moves what troll reads to the host, as ``troll_device`` says."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from trl import GRPOTrainer
@@ -49,7 +50,7 @@ from .. import _core
 from .. import torch as troll_torch
 from .._core import SparseRows
 
-__all__ = ["TrollConfig", "TrollGRPOTrainer", "troll_device"]
+__all__ = ["TrollConfig", "TrollGRPOTrainer", "ignored_grpo_settings", "troll_device"]
 
 _OLD_SPARSE = ("troll_old_indices", "troll_old_log_probs", "troll_old_counts", "troll_old_log_remainder")
 _OLD_DENSE = "troll_old_logits"
@@ -73,6 +74,26 @@ def _on(x: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = No
     if dtype is not None and x.dtype != dtype:
         return x.to(dtype)
     return x
+
+
+def ignored_grpo_settings(args: Any, aux_loss_enabled: bool = False) -> List[str]:
+    """The settings of ``args`` (a GRPOConfig) that shape TRL's own policy loss, set away from
+    their defaults, which TrollGRPOTrainer's loss does not apply (``loss_type`` is documented as
+    replaced by the bnpo mean and not listed)."""
+    found = []
+    if getattr(args, "importance_sampling_level", "token") != "token":
+        found.append(f"importance_sampling_level={args.importance_sampling_level!r} (the policy term)")
+    if getattr(args, "delta", None) is not None:
+        found.append(f"delta={args.delta!r}")
+    if getattr(args, "top_entropy_quantile", 1.0) < 1.0:
+        found.append(f"top_entropy_quantile={args.top_entropy_quantile!r}")
+    if getattr(args, "off_policy_mask_threshold", None) is not None:
+        found.append(f"off_policy_mask_threshold={args.off_policy_mask_threshold!r}")
+    if getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False):
+        found.append("vllm_importance_sampling_correction=True")
+    if aux_loss_enabled:
+        found.append("the MoE router's auxiliary loss")
+    return found
 
 
 @dataclass
@@ -111,6 +132,10 @@ class TrollGRPOTrainer(GRPOTrainer):
     def __init__(self, *args: Any, troll: Optional[TrollConfig] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.troll = troll if troll is not None else TrollConfig()
+        ignored = ignored_grpo_settings(self.args, getattr(self, "aux_loss_enabled", False))
+        if ignored:
+            warnings.warn("TrollGRPOTrainer computes its own policy loss and does not apply these GRPOConfig "
+                          "settings of TRL's: " + ", ".join(ignored) + " (docs/python.md)", UserWarning, stacklevel=2)
 
     # ---- the model's completion logits ----
 

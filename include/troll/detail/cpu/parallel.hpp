@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -25,7 +26,8 @@ namespace cpu {
 /// call job() while the caller calls it too, and returns when all have returned. One caller at a
 /// time: a second caller (another thread, or a job that itself calls parallel_for) gets false
 /// from try_run and runs its loop alone, as does a process forked from the one that made the
-/// pool. Workers are added on demand and joined at exit.
+/// pool, and a call whose first worker cannot be started. Workers are added on demand and joined
+/// at exit; a forked child leaves the parent's (which it does not have) alone at its exit.
 class worker_pool {
  public:
   static worker_pool& instance() {
@@ -37,26 +39,42 @@ class worker_pool {
   worker_pool(const worker_pool&) = delete;
   worker_pool& operator=(const worker_pool&) = delete;
   ~worker_pool() {
+    if (forked()) {
+      // A child inherits the parent's mutex, condition variables and thread handles but not its
+      // threads: destroying a condition variable that still counts their waits blocks for ever,
+      // and a joinable std::thread terminates. Left as they are; the process is ending.
+      sync_.release();
+      return;
+    }
     {
-      std::lock_guard<std::mutex> lock(mutex_);
+      std::lock_guard<std::mutex> lock(sync_->mutex);
       stopping_ = true;
     }
-    wake_.notify_all();
-    for (auto& w : workers_) w.join();
+    sync_->wake.notify_all();
+    for (auto& w : sync_->workers) w.join();
   }
 
-  /// Runs job() on the caller and on `helpers` workers; false (nothing run) when the pool is busy.
-  /// job must not throw.
+  /// Runs job() on the caller and on up to `helpers` workers; false (nothing run) when the pool
+  /// is busy or no worker could be started. job must not throw.
   template <class Job>
   bool try_run(unsigned helpers, Job& job) {
     if (forked()) return false;  // a child process has none of the parent's threads
     bool idle = false;
     if (!busy_.compare_exchange_strong(idle, true)) return false;
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      while (workers_.size() < helpers) {
-        const unsigned id = static_cast<unsigned>(workers_.size());
-        workers_.emplace_back([this, id] { work(id); });
+      std::lock_guard<std::mutex> lock(sync_->mutex);
+      std::vector<std::thread>& workers = sync_->workers;
+      try {
+        while (workers.size() < helpers) {
+          const unsigned id = static_cast<unsigned>(workers.size());
+          workers.emplace_back([this, id] { work(id); });
+        }
+      } catch (...) {  // no more threads (a resource limit): run with the workers there are
+        if (workers.empty()) {
+          busy_.store(false);
+          return false;
+        }
+        helpers = static_cast<unsigned>(workers.size());
       }
       job_ = &job;
       call_ = [](void* j) { (*static_cast<Job*>(j))(); };
@@ -64,10 +82,10 @@ class worker_pool {
       pending_ = helpers;
       ++generation_;
     }
-    wake_.notify_all();
+    sync_->wake.notify_all();
     job();
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [&] { return pending_ == 0; });
+    std::unique_lock<std::mutex> lock(sync_->mutex);
+    sync_->done.wait(lock, [&] { return pending_ == 0; });
     job_ = nullptr;
     busy_.store(false);
     return true;
@@ -76,9 +94,9 @@ class worker_pool {
  private:
   void work(unsigned id) {
     unsigned long long seen = 0;
-    std::unique_lock<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(sync_->mutex);
     for (;;) {
-      wake_.wait(lock, [&] { return stopping_ || generation_ != seen; });
+      sync_->wake.wait(lock, [&] { return stopping_ || generation_ != seen; });
       if (stopping_) return;
       seen = generation_;
       if (id >= helpers_) continue;  // not needed for this job
@@ -87,7 +105,7 @@ class worker_pool {
       lock.unlock();
       call(job);
       lock.lock();
-      if (--pending_ == 0) done_.notify_one();
+      if (--pending_ == 0) sync_->done.notify_one();
     }
   }
 
@@ -97,10 +115,14 @@ class worker_pool {
 #else
   bool forked() const { return false; }
 #endif
+  /// What the threads share, on the heap so that a forked child can leave it undestroyed.
+  struct synchronised {
+    std::mutex mutex;  // guards the members of worker_pool below busy_
+    std::condition_variable wake, done;
+    std::vector<std::thread> workers;
+  };
   std::atomic<bool> busy_{false};  // set while one caller's job runs
-  std::mutex mutex_;  // guards everything below
-  std::condition_variable wake_, done_;
-  std::vector<std::thread> workers_;
+  std::unique_ptr<synchronised> sync_ = std::make_unique<synchronised>();
   void* job_ = nullptr;
   void (*call_)(void*) = nullptr;
   unsigned helpers_ = 0;
