@@ -848,3 +848,55 @@ def test_a_mask_that_underflows_in_the_logits_dtype_is_named(gen):
         tt.trust_region_loss(new, old, tokens, adv, mask=mask)
     tt.ppo_clip_loss(new, old, tokens, adv, mask=mask * 1e30)  # scaled: 1e30 and 1e-20 fit float32
     tt.ppo_clip_loss(new.double(), old.double(), tokens, adv, mask=mask)  # float64 logits: as given
+
+
+# ---- a forked child (a DataLoader worker, a process pool) ----
+
+
+_FORK_SCRIPT = r"""
+import os, sys, time
+import numpy as np
+import troll
+
+z = np.sin(0.37 * np.arange(64 * 4096, dtype=np.float64)).reshape(64, 4096)
+want = np.asarray(troll.log_softmax(z, threads=2))  # starts the worker threads
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:  # the child: compute on one thread, report, leave through the interpreter's exit
+    os.close(read)
+    same = np.array_equal(np.asarray(troll.log_softmax(z, threads=2)), want)
+    os.write(write, b"1" if same else b"0")
+    os.close(write)
+    sys.exit(0)
+os.close(write)
+deadline = time.monotonic() + 20.0
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done == pid:
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    print("child hung")
+    sys.exit(2)
+print("answer", os.read(read, 1).decode(), "status", os.WEXITSTATUS(status) if os.WIFEXITED(status) else -1)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_child_forked_after_troll_started_its_threads_computes_and_exits(tmp_path):
+    """The CPU backend's worker threads are started once per process; a child forked afterwards
+    (a DataLoader worker, a process pool) has none of them. It must still compute (on one thread,
+    the same values) and exit through the interpreter's shutdown, which runs the extension's static
+    destructors (before the thirty-fifth session the pool's waited for the parent's threads for
+    ever). In a fresh interpreter with troll and NumPy only, so that no other library's threads
+    are forked."""
+    import subprocess
+    import sys
+
+    # cwd away from python/, whose troll/ is the source tree, not the installed package
+    run = subprocess.run([sys.executable, "-c", _FORK_SCRIPT], capture_output=True, text=True, timeout=120,
+                         cwd=str(tmp_path))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "answer 1 status 0" in run.stdout, run.stdout + run.stderr
