@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -655,4 +656,106 @@ TEST_CASE("float rows on the packet VJP: inactive rows against long double, proj
   for (std::size_t j = 0; j < v; ++j) worst = std::max(worst, std::fabs(double(gn[2 * v + j]) - dgn[j]));
   CHECK(worst <= 1e-4 * largest);
   CHECK(double(ge[2]) == doctest::Approx(dge).epsilon(1e-4));
+}
+
+namespace {
+
+/// ∂L/∂z° of a two-token row whose old row all but masks token 1 (z°_1 ≈ −1e30): the projected
+/// row's t* lies within a rounding of 1, so every term is formed from s = 1 − t*, found here by
+/// bisection in long double, and from the forms that do not cancel on such a row (π₀ − q₀ = −π₁,
+/// c₀ = π₁(d₀ − d₁), c₁ = π₀(d₁ − d₀), σ² = π₀π₁(d₁ − d₀)²; q₁ underflows to 0).
+std::vector<long double> near_one_grad_old(const std::vector<double>& zn, const std::vector<double>& zo, double eps,
+                                           const std::vector<double>& g) {
+  using ld = long double;
+  const ld d0 = ld(zn[0]) - ld(zo[0]), d1 = ld(zn[1]) - ld(zo[1]);
+  const ld old_lse = ld(zo[0]) + std::log1p(std::exp(ld(zo[1]) - ld(zo[0])));
+  struct member {
+    ld s, pi0, pi1, kl;
+  };
+  auto at = [&](ld s) {
+    const ld w0 = ld(zn[0]) - s * d0, w1 = ld(zn[1]) - s * d1;
+    const ld top = std::max(w0, w1), lse = top + std::log(std::exp(w0 - top) + std::exp(w1 - top));
+    member m{s, std::exp(w0 - lse), std::exp(w1 - lse), 0};
+    // log π_i − log q_i = (1 − s) d_i − lse + old_lse
+    m.kl = m.pi0 * ((1 - s) * d0 - lse + old_lse) + m.pi1 * ((1 - s) * d1 - lse + old_lse);
+    return m;
+  };
+  ld lo = std::log(ld(1e-60)), hi = std::log(ld(1e-12));  // log s; KL falls as s grows
+  for (int k = 0; k < 200; ++k) {
+    const ld mid = 0.5L * (lo + hi);
+    (at(std::exp(mid)).kl > ld(eps) ? lo : hi) = mid;
+  }
+  const member m = at(std::exp(0.5L * (lo + hi)));
+  const ld t = 1 - m.s, c0 = m.pi1 * (d0 - d1), c1 = m.pi0 * (d1 - d0);
+  const ld sigma2 = m.pi0 * m.pi1 * (d1 - d0) * (d1 - d0);
+  const ld sum_gc = ld(g[0]) * c0 + ld(g[1]) * c1;
+  const ld dt0 = -(m.s * t * m.pi0 * c0 - (-m.pi1)) / (t * sigma2);
+  const ld dt1 = -(m.s * t * m.pi1 * c1 - m.pi1) / (t * sigma2);
+  // g_j − π_j Σg without 1 − π₀ (which rounds to 0): g₀π₁ − π₀g₁ and g₁π₀ − π₁g₀
+  const ld explicit0 = ld(g[0]) * m.pi1 - m.pi0 * ld(g[1]), explicit1 = ld(g[1]) * m.pi0 - m.pi1 * ld(g[0]);
+  return {m.s * explicit0 + sum_gc * dt0, m.s * explicit1 + sum_gc * dt1};
+}
+
+}  // namespace
+
+TEST_CASE("grad_old where t* is within a rounding of 1: 1 − t* from the statistics' eta") {
+  // z° = (0.034, −1e30): the old row gives token 1 a mass of e^{-1e30}, so at ε = 10 the member
+  // sits at 1 − t* ≈ 7e-29 and s.t is exactly 1. Before the thirty-fifth session the (1 − t)
+  // factors of ∂L/∂z° came from 1 − s.t = 0, and token 0's ∂t/∂z° (π₀ ≈ 1) from quantities of
+  // size 10 whose rounding is ~1e-15 against a true 1e-29: grad_old's entries did not sum to 0
+  // and token 0's was off by 100% … 1e16 of the largest. Now 1 − t* comes from η and the
+  // dominant token's entry from the others' (Σ_j ∂L/∂z°_j = 0).
+  const std::vector<double> zn = {-0.7145797210329641, 0.4695680987474934};
+  for (const double shift : {0.03392818243710029, 2.5}) {
+    const std::vector<double> zo = {shift, -1e30};
+    for (const std::vector<double>& g : {std::vector<double>{0.7, -1.3}, std::vector<double>{1.0, 0.0}}) {
+      CAPTURE(shift);
+      const std::vector<long double> want = near_one_grad_old(zn, zo, 10.0, g);
+      const double scale = double(std::max(std::fabs(want[0]), std::fabs(want[1])));
+      REQUIRE(scale > 0.0);
+      auto run = [&](auto zero) {
+        using T = decltype(zero);
+        std::vector<T> n(zn.begin(), zn.end()), o(zo.begin(), zo.end()), lp(2), up(g.begin(), g.end()), gn(2),
+            go(2);
+        troll::projection_stats st;
+        troll::project(troll::cpu, troll::make_batch(n.data(), 1, 2), troll::make_batch(o.data(), 1, 2), 10.0,
+                       troll::make_batch(lp.data(), 1, 2), &st);
+        REQUIRE(st.status == troll::row_status::projected);
+        CHECK(st.t == 1.0);  // the case: 1 − t* is below half an ulp of 1
+        CHECK(st.eta > 0.0);
+        troll::project_backward(troll::cpu, troll::make_batch(n.data(), 1, 2), troll::make_batch(o.data(), 1, 2),
+                                troll::make_batch(lp.data(), 1, 2), &st, troll::make_batch(up.data(), 1, 2),
+                                troll::make_batch(gn.data(), 1, 2), troll::make_batch(go.data(), 1, 2));
+        // relative to the larger entry, with T's smallest normal as the floor (1e-59 is 0 in float)
+        double worst = 0;
+        const double floor = double(std::numeric_limits<T>::min());
+        for (int j = 0; j < 2; ++j)
+          worst = std::max(worst, std::max(0.0, std::fabs(double(go[j]) - double(want[j])) - floor) / scale);
+        return worst;
+      };
+      CHECK(run(0.0) < 1e-9);
+      // The JVP with tangent_old = e_j and the Jacobian's column j agree with the VJP: gᵀ J° e_j.
+      std::vector<double> n(zn), o(zo), lp(2), jn(4), jo(4), tn(2, 0.0), out(2);
+      troll::projection_stats st;
+      troll::project(troll::cpu, troll::make_batch(n.data(), 1, 2), troll::make_batch(o.data(), 1, 2), 10.0,
+                     troll::make_batch(lp.data(), 1, 2), &st);
+      troll::project_jacobian(troll::cpu, troll::make_batch(n.data(), 1, 2), troll::make_batch(o.data(), 1, 2),
+                              troll::make_batch(lp.data(), 1, 2), &st, jn.data(), jo.data());
+      for (std::size_t j = 0; j < 2; ++j) {
+        CAPTURE(j);
+        std::vector<double> to(2, 0.0);
+        to[j] = 1.0;
+        troll::project_jvp(troll::cpu, troll::make_batch(n.data(), 1, 2), troll::make_batch(o.data(), 1, 2),
+                           troll::make_batch(lp.data(), 1, 2), &st, troll::make_batch(tn.data(), 1, 2),
+                           troll::make_batch(to.data(), 1, 2), 0.0, troll::make_batch(out.data(), 1, 2));
+        const double by_jacobian = g[0] * jo[0 * 2 + j] + g[1] * jo[1 * 2 + j];
+        const double by_jvp = g[0] * out[0] + g[1] * out[1];
+        CHECK(std::fabs(by_jacobian - double(want[j])) <= 1e-9 * scale);
+        CHECK(std::fabs(by_jvp - double(want[j])) <= 1e-9 * scale);
+      }
+      // π₁ = e^{-66.8} read back from float log π* carries ~ulp(66.8) = 8e-6 of itself, and the
+      // two terms of ∂L/∂z° cancel by ~70 here (docs/api.md: the float limit of π read back)
+      CHECK(run(0.0f) < 2e-3);
+    }
+  }
 }

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 
 #include "../config.hpp"
 #include "../projection_types.hpp"
@@ -28,20 +29,60 @@
 TROLL_BEGIN_NAMESPACE
 namespace detail {
 
+/// 1 − t* of a row's statistics: η·t where t > 1/2 and η agrees with t (the forward forms η from
+/// the exact 1 − t*, so this stays accurate where t* is within a rounding of 1 and s.t itself is
+/// 1; an old row that all but masks a token with a huge finite logit), else 1 − t (no
+/// cancellation below 1/2; statistics made by hand without η).
+TROLL_HOST_DEVICE inline double one_minus_t(const projection_stats& s) {
+  const double rest = 1.0 - s.t;
+  if (!(s.t > 0.5)) return rest;
+  const double from_eta = s.eta * s.t;
+  return ::fabs(from_eta - rest) <= 0x1p-52 ? from_eta : rest;
+}
+
+/// The sum of a projected row's old-side derivative entries and its dominant token's entry (π ≥
+/// 1/2: the largest log π*, the lowest index on ties). That token's own ∂t/∂z° is a difference of
+/// O(1) quantities of the row (d_k − μ and log(π_k/q_k) both vanish with the other tokens' mass)
+/// whose rounding, ~1e-16, can exceed its true size where the other tokens carry tiny masses,
+/// while the entries of ∂L/∂z° (and of each row of ∂log π/∂z°) sum to exactly 0: a shift of every
+/// old logit leaves π* alone. So its entry is taken as minus the others' sum (top_entry()).
+struct old_side_sums {
+  double sum = 0.0;
+  double top_log_pi = -0.6931471805599453;  // log(1/2): no token below it is dominant
+  std::size_t top = ~std::size_t(0);
+  double top_value = 0.0;
+
+  /// Token i with log π* = log_pi and old-side entry `value`.
+  TROLL_HOST_DEVICE void add(std::size_t i, double log_pi, double value) {
+    sum += value;
+    if (log_pi > top_log_pi || (log_pi == top_log_pi && i < top)) top_log_pi = log_pi, top = i, top_value = value;
+  }
+  /// The sums of two disjoint parts of the row.
+  TROLL_HOST_DEVICE friend old_side_sums operator+(old_side_sums a, const old_side_sums& b) {
+    const bool take_b = b.top_log_pi > a.top_log_pi || (b.top_log_pi == a.top_log_pi && b.top < a.top);
+    a.sum += b.sum;
+    if (take_b) a.top_log_pi = b.top_log_pi, a.top = b.top, a.top_value = b.top_value;
+    return a;
+  }
+  TROLL_HOST_DEVICE bool found() const { return top != ~std::size_t(0); }
+  /// The dominant token's entry: minus the sum of the others'.
+  TROLL_HOST_DEVICE double top_entry() const { return top_value - sum; }
+};
+
 /// ∂t/∂z°_j of a projected row. `pi` = π_j as read from log π* and `centred` = d_j − μ, both 0
 /// off the support J of π; `q` = q_j (0 where z°_j = −inf).
 TROLL_HOST_DEVICE inline double dt_dold(bool on_support, double pi, double centred, double q,
                                         const projection_stats& s) {
-  const double t = s.t;
+  const double t = s.t, rest = one_minus_t(s);
   if (!on_support) return -q / (t * s.sigma2);  // π_j = 0: the bracket is q_j
   const double tc = t * centred;
   const double log_ratio = tc + s.kl_after;  // x = log(π_j / q_j)
   if (::fabs(log_ratio) < 0.5) {
     const double phi = expm1_minus_x(log_ratio);
-    const double bracket = q * (((1.0 - t) * tc * (log_ratio + phi) - phi) - (t * tc + s.kl_after));
+    const double bracket = q * ((rest * tc * (log_ratio + phi) - phi) - (t * tc + s.kl_after));
     return -bracket / (t * s.sigma2);
   }
-  return -((1.0 - t) * t * pi * centred - (pi - q)) / (t * s.sigma2);
+  return -(rest * t * pi * centred - (pi - q)) / (t * s.sigma2);
 }
 
 /// The unit of the last place at 1 (machine epsilon) of the type a row's log π* is stored in:

@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "../../config.hpp"
 #include "../../projection_types.hpp"
@@ -104,11 +105,49 @@ inline void load_backward_block(const T* zn, const T* zo, const T* logp, double 
 
 // expm1_near_zero (the block expm1 for |x| ≤ 1/2) lives in row_kernels.hpp.
 
+/// The token of a projected row with π ≥ 1/2 (at most one; none on most rows) and a value of the
+/// caller's at it. Its own ∂t/∂z° is a difference of O(1) quantities of the row (c_k = d_k − μ
+/// and log(π_k/q_k) = t c_k + KL both vanish with the other tokens' mass) whose rounding, ~1e-16,
+/// can exceed its true size on a row whose other tokens carry tiny masses, while
+/// Σ_j ∂t/∂z°_j = 0 exactly (a shift of every old logit leaves π* alone). So the old-side
+/// derivatives take its entry as minus the sum of the others'.
+struct dominant_token {
+  std::size_t index = 0;
+  double pi = 0.0, value = 0.0;
+  bool found = false;
+
+  /// A block starting at `begin`: π on it and the caller's values.
+  void consider(std::size_t begin, const block_array& pi_block, const block_array& values) {
+    if (pi_block.size() == 0) return;
+    Eigen::Index at = 0;
+    const double top = pi_block.maxCoeff(&at);
+    if (top >= 0.5 && (!found || top > pi)) {
+      found = true;
+      pi = top;
+      index = begin + std::size_t(at);
+      value = values[at];
+    }
+  }
+};
+
+/// The token of dominant_token (π ≥ 1/2, the largest log π*), found by a scan of the row, or
+/// `size` where there is none.
+template <class T>
+inline std::size_t dominant_index(const T* logp, std::size_t size) {
+  std::size_t top = size;
+  double best = -0.6931471805599453;  // log(1/2)
+  for (std::size_t j = 0; j < size; ++j) {
+    const double l = static_cast<double>(logp[j]);
+    if (l >= best && (top == size || l > best)) best = l, top = j;
+  }
+  return top;
+}
+
 /// ∂t/∂z°_j on a block (math at the top of this file); 0 where z° = −inf.
 template <class T>
 inline block_array dt_dold_block(const T* zo, const backward_block& b, const projection_stats& s,
                                  const old_normaliser& on, std::size_t begin, Eigen::Index count) {
-  const double t = s.t;
+  const double t = s.t, rest = one_minus_t(s);
   const block_array old_logits = load(zo, begin, count);
   block_array q = exact_exp((old_logits - on.max) - on.log_sum);
   zero_where_masked(old_logits, q);
@@ -120,10 +159,10 @@ inline block_array dt_dold_block(const T* zo, const backward_block& b, const pro
   const block_array log_ratio = tc + s.kl_after;
   const block_array x = log_ratio.max(-0.5).min(0.5);  // used where |ratio| < 1/2
   const block_array phi = expm1_minus_x_near_zero(x);
-  const block_array near = q * (((1.0 - t) * tc * (x + phi) - phi) - (t * tc + s.kl_after));
+  const block_array near = q * ((rest * tc * (x + phi) - phi) - (t * tc + s.kl_after));
   const block_mask support = b.support(count);
   const block_mask close = support && (log_ratio.abs() < 0.5);
-  const block_array bracket = close.select(near, support.select((1.0 - t) * t * b.pi * b.centred - (b.pi - q), q));
+  const block_array bracket = close.select(near, support.select(rest * t * b.pi * b.centred - (b.pi - q), q));
   return -bracket / (t * s.sigma2);
 }
 
@@ -442,10 +481,11 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
   });
   const double m = cs.step<T>();  // the centring correction (top of this file)
   sum_gc -= m * sum_g;
-  const double t = projected ? s.t : 1.0;
+  const double t = projected ? s.t : 1.0, rest = projected ? one_minus_t(s) : 0.0;
   const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
   const old_normaliser on = (projected && grad_old) ? normalise_old(zo, size) : old_normaliser{};
-  double largest = 0.0;
+  double largest = 0.0, sum_old = 0.0;
+  dominant_token top;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     load_backward_block(zn, zo, logp, mu, begin, count, b);
     b.recentre(m);
@@ -460,10 +500,17 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
       store(grad_old, begin, count, block_array::Zero(count));
       return;
     }
-    const block_array go = (1.0 - t) * explicit_part + sum_gc * dt_dold_block(zo, b, s, on, begin, count);
+    const block_array go = rest * explicit_part + sum_gc * dt_dold_block(zo, b, s, on, begin, count);
     largest = maximum(largest, go.abs().template maxCoeff<Eigen::PropagateNaN>());
+    sum_old += go.sum();
+    top.consider(begin, b.pi, go);
     store(grad_old, begin, count, go);
   });
+  if (grad_old && projected && top.found) {  // Σ_j ∂L/∂z°_j = 0: the dominant token's from the others
+    const double own = top.value - sum_old;
+    largest = maximum(largest, ::fabs(own));
+    grad_old[top.index] = T(own);
+  }
   *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
   return fits_in<T>(largest) && fits_in<T>(*grad_eps);
 }
@@ -487,10 +534,14 @@ template <class T>
 inline bool jvp_row(const T* zn, const T* zo, const T* logp, const T* tn, const T* to, double eps_dot,
                     std::size_t size, const projection_stats& s, T* out) {
   const bool projected = s.status == row_status::projected;
-  const double mu = s.mu, t = projected ? s.t : 1.0;
+  const double mu = s.mu, t = projected ? s.t : 1.0, rest = projected ? one_minus_t(s) : 0.0;
   const old_normaliser on = (projected && to) ? normalise_old(zo, size) : old_normaliser{};
   backward_block b;
   const double m = projected ? centring_correction(zn, zo, logp, mu, size) : 0.0;
+  // The old tangent less its value at the dominant token (dominant_token): the JVP does not change
+  // when every old logit moves alike, and the dominant token's own terms then drop out.
+  const std::size_t top = (projected && to) ? dominant_index(logp, size) : size;
+  const double shift = top < size ? static_cast<double>(to[top]) : 0.0;
   double pi_tn = 0.0, pi_to = 0.0, t_dot = 0.0;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     load_backward_block(zn, zo, logp, mu, begin, count, b);
@@ -501,7 +552,7 @@ inline bool jvp_row(const T* zn, const T* zo, const T* logp, const T* tn, const 
     if (!projected) return;
     t_dot -= t / s.sigma2 * (b.pi * b.centred * un).sum();
     if (!to) return;
-    const block_array uo = (load(zo, begin, count) > neg_inf()).select(load(to, begin, count), 0.0);
+    const block_array uo = (load(zo, begin, count) > neg_inf()).select(load(to, begin, count) - shift, 0.0);
     pi_to += (b.pi * uo).sum();
     t_dot += (dt_dold_block(zo, b, s, on, begin, count) * uo).sum();
   });
@@ -511,7 +562,7 @@ inline bool jvp_row(const T* zn, const T* zo, const T* logp, const T* tn, const 
     load_backward_block(zn, zo, logp, mu, begin, count, b);
     b.recentre(m);
     block_array value = t * (load(tn, begin, count) - pi_tn) + b.centred * t_dot;
-    if (projected && to) value += (1.0 - t) * (load(to, begin, count) - pi_to);
+    if (projected && to) value += rest * ((load(to, begin, count) - shift) - pi_to);
     b.restrict(value);
     largest = maximum(largest, value.abs().template maxCoeff<Eigen::PropagateNaN>());
     store(out, begin, count, value);
@@ -526,7 +577,7 @@ template <class T>
 inline bool jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t size,
                          const projection_stats& s, T* jac_new, T* jac_old, T* jac_eps) {
   const bool projected = s.status == row_status::projected;
-  const double t = projected ? s.t : 1.0;
+  const double t = projected ? s.t : 1.0, rest = projected ? one_minus_t(s) : 0.0;
   const old_normaliser on = projected ? normalise_old(zo, size) : old_normaliser{};
   auto on_support = [&](std::size_t i) { return static_cast<double>(logp[i]) > neg_inf(); };
   auto pi = [&](std::size_t i) { return on_support(i) ? ::exp(static_cast<double>(logp[i])) : 0.0; };
@@ -534,11 +585,16 @@ inline bool jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t si
   auto centred = [&](std::size_t i) {
     return on_support(i) ? (static_cast<double>(zn[i]) - static_cast<double>(zo[i]) - s.mu) - m : 0.0;
   };
-  auto dt_dold = [&](std::size_t j) {
+  // ∂t/∂z°_j once per token; each row of jac_old sums to 0 (every old logit moved alike), and its
+  // entry at the dominant token (dominant_token) is taken as minus the others' sum.
+  std::vector<double> dt(projected && jac_old ? size : 0);
+  for (std::size_t j = 0; j < dt.size(); ++j) {
     const double zj = static_cast<double>(zo[j]);
     const double q = zj > neg_inf() ? ::exp((zj - on.max) - on.log_sum) : 0.0;
-    return detail::dt_dold(on_support(j), pi(j), centred(j), q, s);
-  };
+    dt[j] = detail::dt_dold(on_support(j), pi(j), centred(j), q, s);
+  }
+  const std::size_t top = dt.empty() ? size : dominant_index(logp, size);
+  auto dt_dold = [&](std::size_t j) { return dt[j]; };
   // Whether every entry written fits T (a finite mask in the old row only gives ∂log π*/∂ε ~
   // |z°|/(tσ²): 6.7e39 with a −3e38 float mask; the caller reports such a row as the VJP does).
   bool fits = true;
@@ -549,6 +605,7 @@ inline bool jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t si
   };
   for (std::size_t i = 0; i < size; ++i) {
     const bool row_on = on_support(i);
+    double row_sum = 0.0;
     for (std::size_t j = 0; j < size; ++j) {
       const double delta = i == j ? 1.0 : 0.0;
       double jn = 0.0, jo = 0.0;
@@ -556,13 +613,15 @@ inline bool jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t si
         jn = t * (delta - pi(j));
         if (projected) {
           jn -= t * centred(i) * centred(j) * pi(j) / s.sigma2;
-          jo = (1.0 - t) * (delta - pi(j));
+          jo = rest * (delta - pi(j));
         }
       }
-      if (row_on && projected) jo += centred(i) * dt_dold(j);
+      if (row_on && projected && jac_old) jo += centred(i) * dt_dold(j);
       put(jac_new + i * size + j, jn);
+      if (jac_old && j != top) row_sum += jo;
       if (jac_old) put(jac_old + i * size + j, jo);
     }
+    if (jac_old && top < size && row_on) put(jac_old + i * size + top, -row_sum);
     if (jac_eps) put(jac_eps + i, row_on && projected ? centred(i) / (t * s.sigma2) : 0.0);
   }
   return fits;

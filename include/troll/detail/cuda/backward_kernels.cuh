@@ -69,6 +69,11 @@ __device__ double block_centring(const T* zn, const T* zo, const T* log_probs, s
   return block_all_reduce(storage, local, merge_centring{}).template step<T>();
 }
 
+/// old_side_sums as a block reduction operator.
+struct merge_old_side {
+  __device__ old_side_sums operator()(const old_side_sums& a, const old_side_sums& b) const { return a + b; }
+};
+
 /// The field of `s` a backward pass cannot use (cuda_row_report::operand for bad_stats: 0 t,
 /// 1 sigma2, 2 mu, 3 status, 4 kl_after), or −1. Mirrors check_stats of troll/backward.hpp.
 __device__ inline int unusable_stats_field(const projection_stats& s) {
@@ -145,6 +150,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
                             batch_view<const T> grad_log_probs, batch_view<T> grad_new,
                             batch_view<T> grad_old, T* grad_eps, row_range range, device_checks checks) {
   __shared__ reduce_storage<backward_scan> scan_storage;
+  __shared__ reduce_storage<old_side_sums> old_storage;
   __shared__ reference_storage ref_storage;
   const std::size_t size = new_logits.cols, end = range.begin + range.count;
   const bool want_old = grad_old.rows != 0;
@@ -193,9 +199,10 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
 
     const double m = projected ? scan.centring.step<T>() : 0.0;  // the re-centring (top of this file)
     const double sum_gc = scan.sum_gc - m * scan.sum_g;
-    const double t = projected ? s.t : 1.0;
+    const double t = projected ? s.t : 1.0, rest = projected ? one_minus_t(s) : 0.0;
     const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
     const double old_max = scan.pair.old.lse.m, log_sum_old = old_log_sum(scan.pair);
+    old_side_sums old_sums;
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       const double lp = static_cast<double>(logp[i]);
       const bool on_support = lp > neg_inf();
@@ -211,7 +218,13 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
         continue;
       }
       const double q = old_probability(b, old_max, log_sum_old);
-      out_old[i] = static_cast<T>((1.0 - t) * explicit_part + sum_gc * dt_dold(on_support, pi, centred, q, s));
+      const double value = rest * explicit_part + sum_gc * dt_dold(on_support, pi, centred, q, s);
+      old_sums.add(i, lp, value);
+      out_old[i] = static_cast<T>(value);
+    }
+    if (out_old != nullptr && projected) {  // block-uniform; the dominant token's from the others'
+      const old_side_sums total = block_all_reduce(old_storage, old_sums, merge_old_side{});
+      if (threadIdx.x == 0 && total.found()) out_old[total.top] = static_cast<T>(total.top_entry());
     }
     if (threadIdx.x == 0 && grad_eps != nullptr)
       grad_eps[r] = static_cast<T>(projected ? sum_gc / (s.t * s.sigma2) : 0.0);

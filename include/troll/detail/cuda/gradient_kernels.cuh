@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(block_threads)
     T* out = tangent_out.row(r);
 
     const bool projected = s.status == row_status::projected;
-    const double t = projected ? s.t : 1.0;
+    const double t = projected ? s.t : 1.0, rest = projected ? one_minus_t(s) : 0.0;
     const double m = projected ? scan.centring.step<T>() : 0.0;  // the re-centring (top of this file)
     double t_dot = 0.0;
     if (projected) {
@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(block_threads)
       if (static_cast<double>(logp[i]) > neg_inf()) {
         const double centred = ref.centred(static_cast<double>(zn[i]), static_cast<double>(zo[i])) - m;
         value = t * (static_cast<double>(tn[i]) - scan.pi_tn) + centred * t_dot;
-        if (old_term) value += (1.0 - t) * (static_cast<double>(to[i]) - scan.pi_to);
+        if (old_term) value += rest * (static_cast<double>(to[i]) - scan.pi_to);
       }
       out[i] = static_cast<T>(value);
     }
@@ -300,7 +300,7 @@ struct jacobian_entry {
     }
     const projection_stats s = stats[r];
     const bool projected = s.status == row_status::projected;
-    const double t = projected ? s.t : 1.0;
+    const double t = projected ? s.t : 1.0, rest = projected ? one_minus_t(s) : 0.0;
     const T* zn = new_logits.row(r);
     const T* zo = old_logits.row(r);
     const T* logp = log_probs.row(r);
@@ -317,7 +317,7 @@ struct jacobian_entry {
       jn = t * (delta - pi_j);
       if (projected) {
         jn -= t * centred_i * centred_j * pi_j / s.sigma2;
-        jo = (1.0 - t) * (delta - pi_j);
+        jo = rest * (delta - pi_j);
       }
     }
     if (on_i && projected && jac_old != nullptr) {

@@ -487,9 +487,10 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
     // The lumped rows are double on the CPU: its noise estimate is double's.
     const double m = projected ? warp_all_reduce(centring, merge_centring{}).step<double>() : 0.0;
     sums.second -= m * sums.first;
-    const double t = projected ? s.t : 1.0;
+    const double t = projected ? s.t : 1.0, rest = projected ? one_minus_t(s) : 0.0;
     const double h_over_var = projected ? sums.second / s.sigma2 : 0.0;
     const double old_max = scan.old.lse.m, log_sum_old = old_log_sum(scan);
+    old_side_sums old_sums;
     for (int i = lane_id(); i <= row.count; i += warp_lanes) {
       double a, b;
       row.at(i, a, b);
@@ -504,7 +505,8 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
         gn = t * (explicit_part - pi * centred * h_over_var);
         if (projected) {
           const double q = b > neg_inf() ? ::exp((b - old_max) - log_sum_old) : 0.0;
-          go = (1.0 - t) * explicit_part + sums.second * dt_dold(on_support, pi, centred, q, s);
+          go = rest * explicit_part + sums.second * dt_dold(on_support, pi, centred, q, s);
+          old_sums.add(std::size_t(i), l, go);
         }
       }
       if (i < row.count) {
@@ -513,6 +515,17 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
       } else {
         grad_new.log_remainder[r] = static_cast<T>(gn);
         if (want_old) grad_old.log_remainder[r] = static_cast<T>(go);
+      }
+    }
+    if (want_old && projected) {  // warp-uniform; the dominant entry from the others' (old_side_sums)
+      const old_side_sums total = warp_all_reduce(old_sums, merge_old_side{});
+      if (lane_id() == 0 && total.found()) {
+        const T value = static_cast<T>(total.top_entry());
+        if (total.top < std::size_t(row.count)) {
+          out_old[total.top] = value;
+        } else {
+          grad_old.log_remainder[r] = value;
+        }
       }
     }
     for (std::size_t i = std::size_t(row.count) + std::size_t(lane_id()); i < grad_new.k_max; i += warp_lanes)
