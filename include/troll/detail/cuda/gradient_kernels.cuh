@@ -126,6 +126,7 @@ struct jvp_scan {
   double pi_centred_tn = 0.0;            // Σ_J π (d − μ) u
   double pi_to = 0.0;                    // Σ_J π v
   centring_sums centring;                // Σ_J π (d − μ) and its noise
+  old_side_sums dominant;                // the token of π ≥ 1/2, if any (its sum is unused)
 };
 
 struct merge_jvp_scan {
@@ -139,6 +140,7 @@ struct merge_jvp_scan {
     s.pi_centred_tn = a.pi_centred_tn + b.pi_centred_tn;
     s.pi_to = a.pi_to + b.pi_to;
     s.centring = a.centring + b.centring;
+    s.dominant = a.dominant + b.dominant;
     return s;
   }
 };
@@ -152,7 +154,7 @@ __global__ void __launch_bounds__(block_threads)
                        batch_view<const T> tangent_new, batch_view<const T> tangent_old, double eps_dot,
                        batch_view<T> tangent_out, row_range range, device_checks checks) {
   __shared__ reduce_storage<jvp_scan> scan_storage;
-  __shared__ reduce_storage<double> sum_storage;
+  __shared__ reduce_storage<double_pair> sum_storage;
   __shared__ reference_storage ref_storage;
   const std::size_t size = new_logits.cols, end = range.begin + range.count;
   const bool with_old = tangent_old.rows != 0;
@@ -182,6 +184,7 @@ __global__ void __launch_bounds__(block_threads)
         local.pi_centred_tn += pi * c * u;
         local.pi_to += pi * v;
         local.centring.add(pi, c, lp);
+        local.dominant.add(i, lp, 0.0);
       }
     }
     const jvp_scan scan = block_all_reduce(scan_storage, local, merge_jvp_scan{});
@@ -200,12 +203,18 @@ __global__ void __launch_bounds__(block_threads)
     const double t = projected ? s.t : 1.0, rest = projected ? one_minus_t(s) : 0.0;
     const double m = projected ? scan.centring.step<T>() : 0.0;  // the re-centring (top of this file)
     double t_dot = 0.0;
+    // The old tangent less its value at the dominant token (detail::old_side_sums): the JVP does
+    // not change when every old logit moves alike, and that token's own terms then drop out.
+    const double shift = projected && to != nullptr && scan.dominant.found()
+                             ? static_cast<double>(to[scan.dominant.top]) : 0.0;
+    double pi_to = scan.pi_to;
     if (projected) {
       t_dot = -t / s.sigma2 * (scan.pi_centred_tn - m * scan.pi_tn);
       if (to != nullptr) {
-        // Σ_j ∂t/∂z°_j v_j over every token z° gives mass to (off J too: there π_j − q_j = −q_j).
+        // Σ_j ∂t/∂z°_j (v_j − shift) over every token z° gives mass to (off J too: there
+        // π_j − q_j = −q_j), and Σ_J π (v − shift).
         const double old_max = scan.pair.old.lse.m, log_sum_old = old_log_sum(scan.pair);
-        double partial = 0.0;
+        double_pair partial;
         for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
           const double b = static_cast<double>(zo[i]);
           if (!(b > neg_inf())) continue;
@@ -214,9 +223,13 @@ __global__ void __launch_bounds__(block_threads)
           const double pi = on_support ? ::exp(lp) : 0.0;
           const double centred = on_support ? ref.centred(static_cast<double>(zn[i]), b) - m : 0.0;
           const double q = old_probability(b, old_max, log_sum_old);
-          partial += dt_dold(on_support, pi, centred, q, s) * static_cast<double>(to[i]);
+          const double v = static_cast<double>(to[i]) - shift;
+          partial.first += dt_dold(on_support, pi, centred, q, s) * v;
+          partial.second += pi * v;
         }
-        t_dot += block_all_reduce(sum_storage, partial, ::cuda::std::plus<double>{});
+        const double_pair total = block_all_reduce(sum_storage, partial, add_pair{});
+        t_dot += total.first;
+        pi_to = total.second;
       }
       t_dot += eps_dot / (t * s.sigma2);
     }
@@ -226,7 +239,7 @@ __global__ void __launch_bounds__(block_threads)
       if (static_cast<double>(logp[i]) > neg_inf()) {
         const double centred = ref.centred(static_cast<double>(zn[i]), static_cast<double>(zo[i])) - m;
         value = t * (static_cast<double>(tn[i]) - scan.pi_tn) + centred * t_dot;
-        if (old_term) value += rest * (static_cast<double>(to[i]) - scan.pi_to);
+        if (old_term) value += rest * ((static_cast<double>(to[i]) - shift) - pi_to);
       }
       out[i] = static_cast<T>(value);
     }
