@@ -40,33 +40,43 @@ TROLL_HOST_DEVICE inline double one_minus_t(const projection_stats& s) {
   return ::fabs(from_eta - rest) <= 0x1p-52 ? from_eta : rest;
 }
 
-/// The sum of a projected row's old-side derivative entries and its dominant token's entry (π ≥
-/// 1/2: the largest log π*, the lowest index on ties). That token's own ∂t/∂z° is a difference of
-/// O(1) quantities of the row (d_k − μ and log(π_k/q_k) both vanish with the other tokens' mass)
-/// whose rounding, ~1e-16, can exceed its true size where the other tokens carry tiny masses,
-/// while the entries of ∂L/∂z° (and of each row of ∂log π/∂z°) sum to exactly 0: a shift of every
-/// old logit leaves π* alone. So its entry is taken as minus the others' sum (top_entry()).
+/// The dominant token of a projected row (π ≥ 1/2: the largest log π*, the lowest index on ties)
+/// and the sum of the row's other old-side derivative entries. That token's own ∂t/∂z° is a
+/// difference of O(1) quantities of the row (d_k − μ and log(π_k/q_k) both vanish with the other
+/// tokens' mass) whose rounding, ~1e-16, can exceed its true size where the other tokens carry
+/// tiny masses, while the entries of ∂L/∂z° (and of each row of ∂log π*/∂z°) sum to exactly 0: a
+/// shift of every old logit leaves π* alone. So its entry is taken as minus the others' sum
+/// (top_entry()), which never adds the dominant token's own value.
 struct old_side_sums {
-  double sum = 0.0;
+  double others = 0.0;  // the sum of every entry but the dominant token's
   double top_log_pi = -0.6931471805599453;  // log(1/2): no token below it is dominant
   std::size_t top = ~std::size_t(0);
   double top_value = 0.0;
 
   /// Token i with log π* = log_pi and old-side entry `value`.
   TROLL_HOST_DEVICE void add(std::size_t i, double log_pi, double value) {
-    sum += value;
-    if (log_pi > top_log_pi || (log_pi == top_log_pi && i < top)) top_log_pi = log_pi, top = i, top_value = value;
+    if (log_pi > top_log_pi || (log_pi == top_log_pi && i < top)) {
+      if (found()) others += top_value;
+      top_log_pi = log_pi, top = i, top_value = value;
+    } else {
+      others += value;
+    }
   }
   /// The sums of two disjoint parts of the row.
   TROLL_HOST_DEVICE friend old_side_sums operator+(old_side_sums a, const old_side_sums& b) {
     const bool take_b = b.top_log_pi > a.top_log_pi || (b.top_log_pi == a.top_log_pi && b.top < a.top);
-    a.sum += b.sum;
-    if (take_b) a.top_log_pi = b.top_log_pi, a.top = b.top, a.top_value = b.top_value;
+    a.others += b.others;
+    if (take_b) {
+      if (a.found()) a.others += a.top_value;
+      a.top_log_pi = b.top_log_pi, a.top = b.top, a.top_value = b.top_value;
+    } else if (b.found()) {
+      a.others += b.top_value;
+    }
     return a;
   }
   TROLL_HOST_DEVICE bool found() const { return top != ~std::size_t(0); }
   /// The dominant token's entry: minus the sum of the others'.
-  TROLL_HOST_DEVICE double top_entry() const { return top_value - sum; }
+  TROLL_HOST_DEVICE double top_entry() const { return -others; }
 };
 
 /// ∂t/∂z°_j of a projected row. `pi` = π_j as read from log π* and `centred` = d_j − μ, both 0

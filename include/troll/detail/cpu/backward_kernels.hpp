@@ -105,33 +105,8 @@ inline void load_backward_block(const T* zn, const T* zo, const T* logp, double 
 
 // expm1_near_zero (the block expm1 for |x| ≤ 1/2) lives in row_kernels.hpp.
 
-/// The token of a projected row with π ≥ 1/2 (at most one; none on most rows) and a value of the
-/// caller's at it. Its own ∂t/∂z° is a difference of O(1) quantities of the row (c_k = d_k − μ
-/// and log(π_k/q_k) = t c_k + KL both vanish with the other tokens' mass) whose rounding, ~1e-16,
-/// can exceed its true size on a row whose other tokens carry tiny masses, while
-/// Σ_j ∂t/∂z°_j = 0 exactly (a shift of every old logit leaves π* alone). So the old-side
-/// derivatives take its entry as minus the sum of the others'.
-struct dominant_token {
-  std::size_t index = 0;
-  double pi = 0.0, value = 0.0;
-  bool found = false;
-
-  /// A block starting at `begin`: π on it and the caller's values.
-  void consider(std::size_t begin, const block_array& pi_block, const block_array& values) {
-    if (pi_block.size() == 0) return;
-    Eigen::Index at = 0;
-    const double top = pi_block.maxCoeff(&at);
-    if (top >= 0.5 && (!found || top > pi)) {
-      found = true;
-      pi = top;
-      index = begin + std::size_t(at);
-      value = values[at];
-    }
-  }
-};
-
-/// The token of dominant_token (π ≥ 1/2, the largest log π*), found by a scan of the row, or
-/// `size` where there is none.
+/// The dominant token of a row (detail::old_side_sums: π ≥ 1/2, the largest log π*, the lowest
+/// index on ties), found by a scan of log π*, or `size` where there is none.
 template <class T>
 inline std::size_t dominant_index(const T* logp, std::size_t size) {
   std::size_t top = size;
@@ -484,8 +459,8 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
   const double t = projected ? s.t : 1.0, rest = projected ? one_minus_t(s) : 0.0;
   const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
   const old_normaliser on = (projected && grad_old) ? normalise_old(zo, size) : old_normaliser{};
-  double largest = 0.0, sum_old = 0.0;
-  dominant_token top;
+  double largest = 0.0, others = 0.0;  // Σ of grad_old but at the dominant token (old_side_sums)
+  const std::size_t top = (grad_old && projected) ? dominant_index(logp, size) : size;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     load_backward_block(zn, zo, logp, mu, begin, count, b);
     b.recentre(m);
@@ -502,14 +477,18 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
     }
     const block_array go = rest * explicit_part + sum_gc * dt_dold_block(zo, b, s, on, begin, count);
     largest = maximum(largest, go.abs().template maxCoeff<Eigen::PropagateNaN>());
-    sum_old += go.sum();
-    top.consider(begin, b.pi, go);
+    if (top >= begin && top < begin + std::size_t(count)) {
+      block_array rest_of_block = go;
+      rest_of_block[Eigen::Index(top - begin)] = 0.0;
+      others += rest_of_block.sum();
+    } else {
+      others += go.sum();
+    }
     store(grad_old, begin, count, go);
   });
-  if (grad_old && projected && top.found) {  // Σ_j ∂L/∂z°_j = 0: the dominant token's from the others
-    const double own = top.value - sum_old;
-    largest = maximum(largest, ::fabs(own));
-    grad_old[top.index] = T(own);
+  if (top < size) {  // Σ_j ∂L/∂z°_j = 0: the dominant token's entry from the others'
+    largest = maximum(largest, ::fabs(others));
+    grad_old[top] = T(-others);
   }
   *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
   return fits_in<T>(largest) && fits_in<T>(*grad_eps);
@@ -538,8 +517,8 @@ inline bool jvp_row(const T* zn, const T* zo, const T* logp, const T* tn, const 
   const old_normaliser on = (projected && to) ? normalise_old(zo, size) : old_normaliser{};
   backward_block b;
   const double m = projected ? centring_correction(zn, zo, logp, mu, size) : 0.0;
-  // The old tangent less its value at the dominant token (dominant_token): the JVP does not change
-  // when every old logit moves alike, and the dominant token's own terms then drop out.
+  // The old tangent less its value at the dominant token (detail::old_side_sums): the JVP does not
+  // change when every old logit moves alike, and the dominant token's own terms then drop out.
   const std::size_t top = (projected && to) ? dominant_index(logp, size) : size;
   const double shift = top < size ? static_cast<double>(to[top]) : 0.0;
   double pi_tn = 0.0, pi_to = 0.0, t_dot = 0.0;
@@ -586,7 +565,7 @@ inline bool jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t si
     return on_support(i) ? (static_cast<double>(zn[i]) - static_cast<double>(zo[i]) - s.mu) - m : 0.0;
   };
   // ∂t/∂z°_j once per token; each row of jac_old sums to 0 (every old logit moved alike), and its
-  // entry at the dominant token (dominant_token) is taken as minus the others' sum.
+  // entry at the dominant token (detail::old_side_sums) is taken as minus the others' sum.
   std::vector<double> dt(projected && jac_old ? size : 0);
   for (std::size_t j = 0; j < dt.size(); ++j) {
     const double zj = static_cast<double>(zo[j]);
