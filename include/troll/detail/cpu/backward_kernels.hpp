@@ -109,13 +109,9 @@ inline void load_backward_block(const T* zn, const T* zo, const T* logp, double 
 /// index on ties), found by a scan of log π*, or `size` where there is none.
 template <class T>
 inline std::size_t dominant_index(const T* logp, std::size_t size) {
-  std::size_t top = size;
-  double best = -0.6931471805599453;  // log(1/2)
-  for (std::size_t j = 0; j < size; ++j) {
-    const double l = static_cast<double>(logp[j]);
-    if (l >= best && (top == size || l > best)) best = l, top = j;
-  }
-  return top;
+  old_side_sums scan;
+  for (std::size_t j = 0; j < size; ++j) scan.add(j, static_cast<double>(logp[j]), 0.0);
+  return scan.found() ? scan.top : size;
 }
 
 /// ∂t/∂z°_j on a block (math at the top of this file); 0 where z° = −inf.
@@ -597,10 +593,12 @@ inline bool jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t si
       }
       if (row_on && projected && jac_old) jo += centred(i) * dt_dold(j);
       put(jac_new + i * size + j, jn);
-      if (jac_old && j != top) row_sum += jo;
-      if (jac_old) put(jac_old + i * size + j, jo);
+      if (jac_old && j != top) {
+        row_sum += jo;
+        put(jac_old + i * size + j, jo);
+      }
     }
-    if (jac_old && top < size && row_on) put(jac_old + i * size + top, -row_sum);
+    if (jac_old && top < size) put(jac_old + i * size + top, row_on ? -row_sum : 0.0);
     if (jac_eps) put(jac_eps + i, row_on && projected ? centred(i) / (t * s.sigma2) : 0.0);
   }
   return fits;
