@@ -780,6 +780,58 @@ TEST_SUITE("device") {
     }
   }
 
+  TEST_CASE("old-side derivatives where t* is within a rounding of 1 match the CPU's") {
+    // tests/test_backward.cpp holds the CPU to a long-double oracle on these rows: z° = (a, −1e30)
+    // at ε = 10 puts 1 − t* near 7e-29, so the dominant token's own ∂t/∂z° is rounding noise and
+    // its entry must come from the others' (detail::old_side_sums) on every path: the VJP, the
+    // JVP along e_j and the Jacobian's column j (jacobian_entry's dominant column).
+    test_stream s;
+    const std::size_t v = 2;
+    const std::vector<double> zn = {-0.7145797210329641, 0.4695680987474934}, g = {0.7, -1.3};
+    for (const double shift : {0.03392818243710029, 2.5}) {
+      CAPTURE(shift);
+      const std::vector<double> zo = {shift, -1e30};
+      std::vector<double> lp(v), go(v), gn(v), jn(v * v), jo(v * v);
+      troll::projection_stats st;
+      const auto host = [&](const std::vector<double>& a) { return troll::make_batch<const double>(a.data(), 1, v); };
+      troll::project(troll::cpu, host(zn), host(zo), 10.0, troll::make_batch(lp.data(), 1, v), &st);
+      REQUIRE(st.status == troll::row_status::projected);
+      REQUIRE(st.t == 1.0);
+      troll::project_backward(troll::cpu, host(zn), host(zo), host(lp), &st, host(g),
+                              troll::make_batch(gn.data(), 1, v), troll::make_batch(go.data(), 1, v));
+      troll::project_jacobian(troll::cpu, host(zn), host(zo), host(lp), &st, jn.data(), jo.data());
+      const double scale = std::max(std::fabs(go[0]), std::fabs(go[1]));
+      REQUIRE(scale > 0.0);
+
+      device_array<double> d_zn(zn), d_zo(zo), d_lp(lp), d_g(g), d_gn(v), d_go(v), d_jn(v * v), d_jo(v * v),
+          d_tn(std::vector<double>(v, 0.0)), d_out(v);
+      device_array<troll::projection_stats> d_st(std::vector<troll::projection_stats>{st});
+      device_array<unsigned char> workspace(troll::project_jacobian_workspace_bytes(1, v));
+      const auto dev = [&](const device_array<double>& a) { return troll::make_batch<const double>(a.get(), 1, v); };
+      const auto out = [&](device_array<double>& a) { return troll::make_batch(a.get(), 1, v); };
+      troll::project_backward(troll::cuda.on(s.stream), dev(d_zn), dev(d_zo), dev(d_lp), d_st.get(), dev(d_g),
+                              out(d_gn), out(d_go));
+      troll::project_jacobian(troll::cuda.on(s.stream).with_workspace(workspace.get(), workspace.bytes()), dev(d_zn),
+                              dev(d_zo), dev(d_lp), d_st.get(), d_jn.get(), d_jo.get());
+      const std::vector<double> got_go = d_go.download(), got_jo = d_jo.download();
+      for (std::size_t j = 0; j < v; ++j) {
+        CAPTURE(j);
+        CHECK(std::fabs(got_go[j] - go[j]) <= 1e-12 * scale);
+        // gᵀ J° e_j, by the device's Jacobian and by its JVP along e_j
+        const double by_jacobian = g[0] * got_jo[0 * v + j] + g[1] * got_jo[1 * v + j];
+        CHECK(std::fabs(by_jacobian - go[j]) <= 1e-12 * scale);
+        for (std::size_t i = 0; i < v; ++i) CHECK(std::fabs(got_jo[i * v + j] - jo[i * v + j]) <= 1e-12 * scale);
+        std::vector<double> to(v, 0.0);
+        to[j] = 1.0;
+        device_array<double> d_to(to);
+        troll::project_jvp(troll::cuda.on(s.stream), dev(d_zn), dev(d_zo), dev(d_lp), d_st.get(), dev(d_tn), dev(d_to),
+                           0.0, out(d_out));
+        const std::vector<double> jvp = d_out.download();
+        CHECK(std::fabs(g[0] * jvp[0] + g[1] * jvp[1] - go[j]) <= 1e-12 * scale);
+      }
+    }
+  }
+
   TEST_CASE_TEMPLATE("project_jvp and project_jacobian: reports and NaN outputs of rejected rows", T, float, double) {
     test_stream s;
     derivative_bad_batch<T> batch;

@@ -40,14 +40,22 @@ TROLL_HOST_DEVICE constexpr std::size_t objective_workspace_bytes(std::size_t ro
 
 
 /// What the Jacobian's entries need of one row beyond its stats: the old normaliser, where
-/// d − μ is formed from, and whether the row was rejected. One per row in the caller's workspace.
+/// d − μ is formed from, whether the row was rejected, and its dominant token. One per row in the
+/// caller's workspace (64 bytes: `dominant` sits in what was the padding after `rejected`).
 struct jacobian_row_terms {
   double old_max;
   double old_log_sum;
   double centring;          // the re-centring m of d − μ (detail::centring_sums; 0 unless projected)
   int rejected;
+  /// The token of π ≥ 1/2 of a projected row (detail::old_side_sums), whose column of ∂log π*/∂z°
+  /// is minus the sum of the others; no_dominant where there is none or the row is not projected.
+  /// 32 bits suffice: project_jacobian's V² entries per row bound V below 2^32.
+  unsigned dominant;
   centring_reference ref;  // (0, 0, μ), or an offset row's reference token and μ' (centring_reference.hpp)
+
+  static constexpr unsigned no_dominant = ~0u;
 };
+static_assert(sizeof(jacobian_row_terms) == 64, "docs/cuda.md and docs/api.md promise rows · 64 bytes");
 
 TROLL_HOST_DEVICE constexpr std::size_t jacobian_workspace_bytes(std::size_t rows) { return rows * sizeof(jacobian_row_terms); }
 

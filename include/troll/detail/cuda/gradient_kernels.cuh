@@ -257,6 +257,7 @@ __global__ void __launch_bounds__(block_threads)
                          jacobian_row_terms* terms, row_range range, device_checks checks) {
   __shared__ reduce_storage<std::size_t> token_storage;
   __shared__ reduce_storage<centring_sums> centring_storage;
+  __shared__ reduce_storage<old_side_sums> dominant_storage;
   __shared__ reference_storage ref_storage;
   const std::size_t size = new_logits.cols;
   for_each_pair_row(new_logits, old_logits, range,
@@ -277,18 +278,30 @@ __global__ void __launch_bounds__(block_threads)
     const centring_reference ref =
         differentiated ? block_reference(zn, zo, log_probs.row(r), size, s, ref_storage) : plain_reference(s);
     const double m = differentiated ? block_centring(zn, zo, log_probs.row(r), size, ref, centring_storage) : 0.0;
+    // The dominant token (π ≥ 1/2), as cpu::jacobian_row's dominant_index finds it (block-uniform).
+    unsigned dominant = jacobian_row_terms::no_dominant;
+    if (differentiated) {
+      old_side_sums local;
+      const T* logp = log_probs.row(r);
+      for (std::size_t i = threadIdx.x; i < size; i += block_threads) local.add(i, static_cast<double>(logp[i]), 0.0);
+      const old_side_sums found = block_all_reduce(dominant_storage, local, merge_old_side{});
+      if (found.found()) dominant = static_cast<unsigned>(found.top);
+    }
     if (threadIdx.x == 0) {  // no early return: a barrier added below must still see every thread
       record_row(checks, range, r, report);
       if (!checks.validate_only)
         terms[r] = jacobian_row_terms{rejected ? 0.0 : scan.old.lse.m, rejected ? 0.0 : old_log_sum(scan), m,
-                                      rejected ? 1 : 0, ref};
+                                      rejected ? 1 : 0, dominant, ref};
     }
   });
 }
 
 /// One entry (row r, output i, input j) of the Jacobians, as cpu::jacobian_row computes it; the
 /// entry with j = 0 also writes jac_eps[r·V + i]. Applied by thrust::for_each_n over the
-/// flattened index k = (r·V + i)·V + j. Rejected rows get NaN everywhere.
+/// flattened index k = (r·V + i)·V + j. Rejected rows get NaN everywhere. The entry of jac_old
+/// at a projected row's dominant token j = top is minus the sum of the row's other entries, in
+/// the CPU's order (detail::old_side_sums: its own ∂t/∂z° is rounding noise on rows whose other
+/// tokens carry tiny masses); the thread that writes it forms those V − 1 entries again.
 template <class T>
 struct jacobian_entry {
   batch_view<const T> new_logits;
@@ -299,6 +312,32 @@ struct jacobian_entry {
   T* jac_new;
   T* jac_old;  // may be null
   T* jac_eps;  // may be null
+
+  /// The parts of entry (i, j) of a row that depend on j alone: π_j, whether j is on J, d_j − μ.
+  struct column {
+    bool on = false;
+    double pi = 0.0, centred = 0.0;
+  };
+  __device__ column column_of(const jacobian_row_terms& row, const T* zn, const T* zo, const T* logp,
+                              std::size_t j) const {
+    column c;
+    const double lp = static_cast<double>(logp[j]);
+    c.on = lp > neg_inf();
+    if (c.on) {
+      c.pi = ::exp(lp);
+      c.centred = row.ref.centred(static_cast<double>(zn[j]), static_cast<double>(zo[j])) - row.centring;
+    }
+    return c;
+  }
+  /// ∂log π*_i/∂z°_j of a projected row, for an output i on J with d_i − μ = centred_i.
+  __device__ double old_entry(const jacobian_row_terms& row, const projection_stats& s, double rest,
+                              const T* zo, std::size_t i, double centred_i, std::size_t j, const column& c) const {
+    const double delta = i == j ? 1.0 : 0.0;
+    double jo = c.on ? rest * (delta - c.pi) : 0.0;
+    const double q_j = old_probability(static_cast<double>(zo[j]), row.old_max, row.old_log_sum);
+    jo += centred_i * dt_dold(c.on, c.pi, c.centred, q_j, s);
+    return jo;
+  }
 
   __device__ void operator()(std::size_t k) const {
     const std::size_t size = new_logits.cols;
@@ -317,30 +356,30 @@ struct jacobian_entry {
     const T* zn = new_logits.row(r);
     const T* zo = old_logits.row(r);
     const T* logp = log_probs.row(r);
-    const double lp_i = static_cast<double>(logp[i]), lp_j = static_cast<double>(logp[j]);
-    const bool on_i = lp_i > neg_inf(), on_j = lp_j > neg_inf();
-    const double pi_j = on_j ? ::exp(lp_j) : 0.0;
-    const double centred_i =
-        on_i ? row.ref.centred(static_cast<double>(zn[i]), static_cast<double>(zo[i])) - row.centring : 0.0;
-    const double centred_j =
-        on_j ? row.ref.centred(static_cast<double>(zn[j]), static_cast<double>(zo[j])) - row.centring : 0.0;
+    const column ci = column_of(row, zn, zo, logp, i), cj = column_of(row, zn, zo, logp, j);
     const double delta = i == j ? 1.0 : 0.0;
-    double jn = 0.0, jo = 0.0;
-    if (on_i && on_j) {
-      jn = t * (delta - pi_j);
-      if (projected) {
-        jn -= t * centred_i * centred_j * pi_j / s.sigma2;
-        jo = rest * (delta - pi_j);
-      }
-    }
-    if (on_i && projected && jac_old != nullptr) {
-      const double q_j = old_probability(static_cast<double>(zo[j]), row.old_max, row.old_log_sum);
-      jo += centred_i * dt_dold(on_j, pi_j, centred_j, q_j, s);
+    double jn = 0.0;
+    if (ci.on && cj.on) {
+      jn = t * (delta - cj.pi);
+      if (projected) jn -= t * ci.centred * cj.centred * cj.pi / s.sigma2;
     }
     jac_new[k] = static_cast<T>(jn);
-    if (jac_old != nullptr) jac_old[k] = static_cast<T>(jo);
+    if (jac_old != nullptr) {
+      double jo = 0.0;
+      if (ci.on && projected) {
+        if (row.dominant != jacobian_row_terms::no_dominant && j == row.dominant) {
+          double others = 0.0;
+          for (std::size_t l = 0; l < size; ++l)
+            if (l != j) others += old_entry(row, s, rest, zo, i, ci.centred, l, column_of(row, zn, zo, logp, l));
+          jo = -others;
+        } else {
+          jo = old_entry(row, s, rest, zo, i, ci.centred, j, cj);
+        }
+      }
+      jac_old[k] = static_cast<T>(jo);
+    }
     if (jac_eps != nullptr && j == 0)
-      jac_eps[ri] = static_cast<T>(on_i && projected ? centred_i / (t * s.sigma2) : 0.0);
+      jac_eps[ri] = static_cast<T>(ci.on && projected ? ci.centred / (t * s.sigma2) : 0.0);
   }
 };
 
