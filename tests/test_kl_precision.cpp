@@ -205,6 +205,48 @@ TEST_CASE_TEMPLATE("kl_backward on nearly equal rows and near one-hot rows, agai
   }
 }
 
+TEST_CASE_TEMPLATE("kl_backward where q all but masks p's top token with a huge finite logit", T, double, float) {
+  // The audit's row (thirty-sixth session): z_q at p's top token is M = −1e3 … −1e300 instead of
+  // −inf. troll centres the differences on that token (x_j = d_j − d_r), so every x_j and the
+  // log-ratio a are ~M, and σ_j = x_j − a lost log p_j − log q_j: grad_q came out 0 at −1e300
+  // (100% off), 1.4e-8 off at −1e9, 2.6e-12 at −1e5. The reference is the textbook form in long
+  // double, which has nothing to cancel on these rows (p and q are far apart).
+  const double tol = std::is_same<T, double>::value ? 1e-14 : 1e-6;  // measured ~1e-16; float: its output rounding
+  for (const double m : {-720.0, -1e3, -1e5, -1e9, -1e15, -1e30, -3e38, -1e300}) {
+    if (!std::is_same<T, double>::value && m < -3.4e38) continue;  // −inf in float: a real mask
+    const std::vector<T> zp = {T(-0.24399113844610634), T(-1.3363066455702657), T(0.7939515825067062)};
+    const std::vector<T> zq = {T(1.1861321424029596), T(-1.5144343046061002), T(m)};
+    std::vector<T> gp(3), gq(3);
+    const T g = T(1.5);
+    troll::kl_backward(troll::cpu, troll::make_batch(zp.data(), 1, 3), troll::make_batch(zq.data(), 1, 3), &g,
+                       troll::make_batch(gp.data(), 1, 3), troll::make_batch(gq.data(), 1, 3));
+    using ld = long double;
+    auto log_probs = [](const std::vector<T>& z) {
+      ld top = -INFINITY, sum = 0;
+      for (T v : z) top = std::max(top, ld(v));
+      for (T v : z) sum += std::exp(ld(v) - top);
+      std::vector<ld> out;
+      for (T v : z) out.push_back((ld(v) - top) - std::log(sum));
+      return out;
+    };
+    const std::vector<ld> lp = log_probs(zp), lq = log_probs(zq);
+    ld kl = 0;
+    for (int j = 0; j < 3; ++j) kl += std::exp(lp[j]) * (lp[j] - lq[j]);
+    double worst_p = 0, worst_q = 0;
+    ld scale_p = 0, scale_q = 0;
+    for (int j = 0; j < 3; ++j) {
+      const ld want_p = ld(1.5) * std::exp(lp[j]) * (lp[j] - lq[j] - kl);
+      const ld want_q = ld(1.5) * (std::exp(lq[j]) - std::exp(lp[j]));
+      scale_p = std::max(scale_p, std::fabs(want_p)), scale_q = std::max(scale_q, std::fabs(want_q));
+      worst_p = std::max(worst_p, double(std::fabs(ld(gp[j]) - want_p)));
+      worst_q = std::max(worst_q, double(std::fabs(ld(gq[j]) - want_q)));
+    }
+    CAPTURE(m);
+    CHECK(worst_q / double(scale_q) <= tol);
+    CHECK(worst_p / double(scale_p) <= tol);
+  }
+}
+
 #if defined(__SIZEOF_FLOAT128__)
 namespace {
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 from typing import Any, Callable, Sequence, Tuple, TypeVar
 
 import numpy as np
@@ -14,6 +15,14 @@ from ._errors import ShapeError
 
 
 def _module_of(x: Any) -> str:
+    """The framework of an array: "torch" for every torch.Tensor (subclasses a user defines
+    included, whose module is their own), "numpy" for every ndarray, else the top-level module of
+    its type ("jax", "cupy", ...)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch"
+    if isinstance(x, np.ndarray):
+        return "numpy"
     return type(x).__module__.split(".")[0]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numbers
 import operator
+import sys
 from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -41,7 +42,11 @@ def cuda_available() -> bool:
 
 
 def _on_cuda(x: Any) -> bool:
-    """Whether an array lives in CUDA device memory (DLPack's device type)."""
+    """Whether an array lives in CUDA device memory (DLPack's device type; a torch tensor's own
+    device, which torch.compile can trace where it cannot trace __dlpack_device__)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x.device.type == "cuda"
     device = getattr(x, "__dlpack_device__", None)
     return device is not None and int(device()[0]) == _DLPACK_CUDA
 
@@ -307,7 +312,12 @@ def sparsify(logits: Any, k: int = 64, delta: float = 1e-5, sampled: Any = None,
     dtype = _rows_dtype(frame, logits)
     rows = leading_shape(logits, "logits")
     vocab = int(logits.shape[-1])
-    k_max = max(1, min(_k(k) + (sampled is not None), vocab))
+    top = _k(k)
+    if not 1 <= top <= _troll.SPARSIFY_MAX_K:
+        # troll's own words, before the rows are allocated: a mistyped huge k must not first
+        # reserve rows · k entries (on a GPU, an out-of-memory error instead of this one)
+        raise DomainError(f"troll::sparsify: sparsify_options.k must be in [1, {_troll.SPARSIFY_MAX_K}], got {top}")
+    k_max = max(1, min(top + (sampled is not None), vocab))
     out = sparse_empty(frame, rows, k_max, vocab, dtype)
     sampled_arg = None if sampled is None else arg(sampled)
     if on_cuda:

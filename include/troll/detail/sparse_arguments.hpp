@@ -33,6 +33,11 @@ void check_sparse_view(const char* fn, const char* name, const sparse_batch_view
   if (v.vocab > std::size_t(INT32_MAX))
     throw_shape(fn, std::string(name) + " has a vocabulary larger than 2^31 - 1 tokens");
   if (v.k_max == 0) throw_shape(fn, std::string(name) + " has capacity k_max = 0");
+  // No real buffer holds 2^59 entries; a view claiming more would wrap the sizes of the scratch
+  // troll derives from it (rows · (12 · k_max + 13) bytes for sparsify) and be written past.
+  if (v.k_max > (~std::size_t(0) / 32) / v.rows)
+    throw_shape(fn, std::string(name) + " has rows * k_max = " + std::to_string(v.rows) + " * " +
+                        std::to_string(v.k_max) + " entries, beyond the address space");
 }
 
 template <class T>

@@ -15,7 +15,7 @@ from .. import _core
 from .._core import AlignedRows, ProjectionStats, SparseRows
 from .._arrays import is_capsule
 from .._errors import DomainError
-from ._autograd import guard
+from ._autograd import guard, not_batched
 
 __all__ = [
     "project",
@@ -52,7 +52,16 @@ def _tensor(x: Any, name: str, fn: str) -> torch.Tensor:
     raise TypeError(f"troll.torch.{fn}: {name} is a {type(x).__name__}; a torch tensor (or a DLPack array) is needed")
 
 
+def _as_tensor(x: Any, device: torch.device) -> torch.Tensor:
+    """A tensor as given; anything else (a list, a NumPy array) as a tensor on ``device``, through
+    NumPy so that Python floats stay double (torch.as_tensor of a list takes the default dtype,
+    float32). Not torch.as_tensor of a tensor: under torch.set_default_device that copies it to the
+    default device (a meta default even fails)."""
+    return x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x), device=device)
+
+
 def _grad_in(g: torch.Tensor) -> torch.Tensor:
+    not_batched(g)
     # Upstream gradients often arrive expanded (stride 0, e.g. from .sum()); troll reads rows.
     return g.contiguous()
 
@@ -109,7 +118,7 @@ def _index_rows(x: Any, rows: tuple, name: str, fn: str, device: torch.device, d
     ``device``: its shape must be the logits' rows (ShapeError), its dtype an integer one
     (TypeError: a float or bool id would be truncated silently), and narrowing to int32 must not
     wrap a value around (DomainError naming the row: 2**32 + 1 would become token 1)."""
-    x = torch.as_tensor(x).detach()
+    x = _as_tensor(x, device).detach()
     if tuple(x.shape) != rows:
         raise _core.ShapeError(f"troll: {name} has shape {tuple(x.shape)} but the logits' rows are {rows}")
     if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
@@ -229,10 +238,10 @@ def _token_batch(new_logits: torch.Tensor, tokens, advantages, mask, sequence_id
     dtype, device = new_logits.dtype, new_logits.device
 
     def private(converted, given):
-        return converted.clone() if converted.data_ptr() == torch.as_tensor(given).data_ptr() else converted
+        return converted.clone() if converted.data_ptr() == _as_tensor(given, device).data_ptr() else converted
 
     def per_row(x, name, kind):
-        x = torch.as_tensor(x)
+        x = _as_tensor(x, device)
         if tuple(x.shape) != rows:
             raise _core.ShapeError(f"troll: {name} has shape {tuple(x.shape)} but the logits' rows are {rows}")
         if x.is_complex():
@@ -270,7 +279,7 @@ def _token_batch(new_logits: torch.Tensor, tokens, advantages, mask, sequence_id
 def _loss_value(metrics: Any, like: torch.Tensor) -> torch.Tensor:
     """The aggregated loss as a 0-d tensor on the logits' device (no synchronisation on CUDA)."""
     if isinstance(metrics, dict):
-        return torch.tensor(metrics["loss"], dtype=like.dtype)
+        return torch.tensor(metrics["loss"], dtype=like.dtype, device=like.device)
     return metrics[0].to(like.dtype, copy=True)
 
 

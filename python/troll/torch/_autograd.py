@@ -33,3 +33,22 @@ def guard(name: str, grads: Sequence[Optional[torch.Tensor]], sources: Sequence[
     if not linked:
         return tuple(grads)
     return tuple(g if not isinstance(g, torch.Tensor) else _NotTwice.apply(name, g, *linked) for g in grads)
+
+
+def not_batched(*grads: Optional[torch.Tensor]) -> None:
+    """Raises a clear error for an upstream gradient without storage: a batched one (torch.func /
+    vmap over a backward: ``torch.autograd.grad(is_grads_batched=True)``,
+    ``jacobian(vectorize=True)``), which reaches a Function's backward as a plain-looking tensor,
+    or a fake one. troll's backward reads rows of memory; the binding would otherwise fail with
+    its signature dump."""
+    for g in grads:
+        if not isinstance(g, torch.Tensor):
+            continue
+        try:
+            g.data_ptr()
+        except RuntimeError:
+            raise RuntimeError("troll.torch: the upstream gradient has no storage: batched gradients "
+                               "(torch.autograd.grad(is_grads_batched=True), "
+                               "torch.autograd.functional.jacobian(vectorize=True), vmap) and fake tensors are not "
+                               "supported by troll's analytic backward; use jacobian(vectorize=False) or a loop over "
+                               "the cotangents") from None

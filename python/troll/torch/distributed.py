@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .. import _core, _errors
 from .._core import SparseRows
-from ._autograd import guard
+from ._autograd import guard, not_batched
 
 __all__ = ["sparsify", "sparsify_state_bytes"]
 
@@ -83,7 +83,8 @@ def _agree(group: Any, comm: torch.device, failure: Optional[BaseException], fie
     hang until the group's timeout, or a mismatched exchange). If the parameters differ, every
     rank raises the same error naming them. So the ranks stay in step: a caller that catches the
     error on every rank can go on to the next batch."""
-    header = torch.tensor([0 if failure is None else _class_code(failure), *fields, offset], dtype=torch.int64)
+    header = torch.tensor([0 if failure is None else _class_code(failure), *fields, offset], dtype=torch.int64,
+                          device="cpu")
     headers = _gather(header, group, comm).cpu()
     world = headers.shape[0]
     failed = [r for r in range(world) if int(headers[r, 0]) != 0]
@@ -184,6 +185,7 @@ class _ShardedSparsify(torch.autograd.Function):
     def backward(ctx, _g_indices, g_log_probs, _g_counts, g_log_remainder):  # type: ignore[override]
         x, indices, log_probs, counts, log_remainder, log_sums, given = ctx.saved_tensors
         support = SparseRows(indices, log_probs, counts, log_remainder, ctx.vocab)
+        not_batched(g_log_probs, g_log_remainder)
         work = x.device
         g = (g_log_probs.to(work, log_probs.dtype).contiguous(), g_log_remainder.to(work, log_probs.dtype).contiguous())
         # 16-bit logits: the gradient of their exact float32 values, rounded back.
@@ -221,7 +223,8 @@ def sparsify(local_logits: torch.Tensor, vocab_offset: int, vocab_size: int, k: 
         sampled_i32 = None
         if sampled is not None:  # the checks of troll.torch.sparsify's sampled (dtype, shape, int32 range)
             sampled_i32 = _index_rows(sampled, rows, "sampled", "distributed.sparsify",
-                                      torch.as_tensor(sampled).device, torch.int32)
+                                      sampled.device if isinstance(sampled, torch.Tensor) else torch.device("cpu"),
+                                      torch.int32)
         params = dict(k=_core._k(k), delta=_core._real(delta, "delta"), vocab=_core._size(vocab_size, "vocab_size"),
                       offset=_core._size(vocab_offset, "vocab_offset"), group=group, threads=threads)
     except Exception as error:

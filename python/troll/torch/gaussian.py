@@ -14,7 +14,7 @@ import torch
 from .. import _core
 from .. import gaussian as _g
 from ..gaussian import GaussianStats
-from ._autograd import guard
+from ._autograd import guard, not_batched
 
 __all__ = ["project_joint", "project_split", "project_joint_diag", "project_split_diag", "GaussianStats"]
 
@@ -54,6 +54,7 @@ class _Project(torch.autograd.Function):
         cfg, needs = ctx.cfg, ctx.needs_input_grad
         want_old = needs[2] or needs[3]
         want_eps = (ctx.eps_shapes[0] is not None and needs[4]) or (ctx.eps_shapes[1] is not None and needs[5])
+        not_batched(grad_mean, grad_cov)
         gm = torch.zeros_like(out_mean) if grad_mean is None else grad_mean.contiguous()
         gc = torch.zeros_like(out_cov) if grad_cov is None else grad_cov.contiguous()
         g = _g.project_backward(mean, cov, old_mean, old_cov, ctx.eps[0], ctx.eps[1], out_mean, out_cov,

@@ -1,0 +1,122 @@
+"""Ordinary but less common ways of calling troll.torch (the thirty-sixth session's audit):
+torch.compile around a call, a user's torch.Tensor subclass, batched (vectorised) gradients and
+torch.set_default_device. Each case failed before its fix: compile with an AssertionError from
+Dynamo tracing __dlpack_device__, a subclass with NumPy outputs and a TypeError at backward,
+batched gradients with the binding's signature dump, a meta default device with "Cannot copy out of
+meta tensor"."""
+
+import pytest
+import torch
+
+import troll.torch as tt
+import troll.torch.gaussian as tg
+
+import oracle
+
+D = torch.float64
+
+
+@pytest.fixture
+def batch():
+    gen = torch.Generator().manual_seed(3)
+    new, old = oracle.make_logits(gen, 6, 40), oracle.make_logits(gen, 6, 40)
+    tokens = torch.randint(0, 40, (6,), generator=gen)
+    advantages = torch.randn(6, generator=gen, dtype=D)
+    return new, old, tokens, advantages
+
+
+def _calls(old, tokens, advantages):
+    sparse_old = tt.sparsify(old, 8, 1e-5, tokens)
+    return {
+        "project": lambda x: tt.project(x, old, 0.05) * 2,
+        "sparsify": lambda x: tt.sparsify(x.detach(), 8).log_probs.sum() * 2 + x,
+        "project_sparse": lambda x: tt.project_sparse(x, sparse_old, 0.05, tokens).log_probs * 2,
+        "trust_region_loss": lambda x: tt.trust_region_loss(x, old, tokens, advantages) * 2,
+        "trust_region_loss_sparse": lambda x: tt.trust_region_loss(x, sparse_old, tokens, advantages) * 2,
+        "ppo_clip_loss": lambda x: tt.ppo_clip_loss(x, old, tokens, advantages) * 2,
+        "dppo_loss": lambda x: tt.dppo_loss(x, old, tokens, advantages) * 2,
+    }
+
+
+@pytest.mark.parametrize("name", ["project", "sparsify", "project_sparse", "trust_region_loss",
+                                  "trust_region_loss_sparse", "ppo_clip_loss", "dppo_loss"])
+def test_torch_compile_gives_eager_values_and_gradients(batch, name):
+    new, old, tokens, advantages = batch
+    fn = _calls(old, tokens, advantages)[name]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="eager")  # Dynamo's tracing is what failed; no C++ compile
+    x_eager, x_compiled = new.clone().requires_grad_(), new.clone().requires_grad_()
+    want, got = fn(x_eager), compiled(x_compiled)
+    assert torch.equal(want, got)
+    up = torch.randn(want.shape, generator=torch.Generator().manual_seed(5), dtype=D)
+    want.backward(up)
+    got.backward(up)
+    assert torch.equal(x_eager.grad, x_compiled.grad)
+
+
+def test_torch_compile_gaussian():
+    gen = torch.Generator().manual_seed(4)
+    mean, old_mean = torch.randn(5, 3, generator=gen, dtype=D), torch.randn(5, 3, generator=gen, dtype=D)
+    std, old_std = torch.rand(5, 3, generator=gen, dtype=D) + 0.5, torch.rand(5, 3, generator=gen, dtype=D) + 0.5
+
+    def fn(m):
+        return tg.project_joint_diag(m, std, old_mean, old_std, 0.01)[0] * 2
+
+    torch._dynamo.reset()
+    x_eager, x_compiled = mean.clone().requires_grad_(), mean.clone().requires_grad_()
+    want, got = fn(x_eager), torch.compile(fn, backend="eager")(x_compiled)
+    assert torch.equal(want, got)
+    want.sum().backward()
+    got.sum().backward()
+    assert torch.equal(x_eager.grad, x_compiled.grad)
+
+
+class Logits(torch.Tensor):
+    """A user's own tensor type (its module is not torch's)."""
+
+
+def test_tensor_subclass_is_a_torch_tensor(batch):
+    new, old, tokens, _ = batch
+    out = tt.project(new.as_subclass(Logits), old, 0.05)
+    assert isinstance(out, torch.Tensor)
+    assert torch.equal(out.as_subclass(torch.Tensor), tt.project(new, old, 0.05))
+    rows = tt.sparsify(new.as_subclass(Logits), 4, 1e-5, tokens)
+    assert isinstance(rows.log_probs, torch.Tensor)
+    x = new.clone().as_subclass(Logits).requires_grad_()
+    tt.project(x, old, 0.05).sum().backward()
+    y = new.clone().requires_grad_()
+    tt.project(y, old, 0.05).sum().backward()
+    assert torch.equal(x.grad.as_subclass(torch.Tensor), y.grad)
+
+
+def test_batched_gradients_are_refused_clearly(batch):
+    new, old, _, _ = batch
+    x = new[:2, :5].clone().requires_grad_()
+    o = old[:2, :5]
+    with pytest.raises(RuntimeError, match="batched gradients"):
+        torch.autograd.functional.jacobian(lambda z: tt.project(z, o, 0.05), x, vectorize=True)
+    # the plain form works, and agrees with rows of vector-Jacobian products
+    jac = torch.autograd.functional.jacobian(lambda z: tt.project(z, o, 0.05), x)
+    assert jac.shape == (2, 5, 2, 5)
+    mean = torch.randn(3, 2, dtype=D, requires_grad=True)
+    std = torch.ones(3, 2, dtype=D)
+    with pytest.raises(RuntimeError, match="batched gradients"):
+        torch.autograd.functional.jacobian(
+            lambda m: tg.project_joint_diag(m, std, mean.detach() + 0.3, std * 1.2, 0.01)[0], mean, vectorize=True)
+
+
+def test_losses_under_a_meta_default_device(batch):
+    new, old, tokens, advantages = batch
+    want = tt.trust_region_loss(new, old, tokens, advantages)
+    want_ppo = tt.ppo_clip_loss(new, old, tokens, advantages)
+    x = new.clone().requires_grad_()
+    torch.set_default_device("meta")
+    try:
+        got = tt.trust_region_loss(x, old, tokens.tolist(), advantages)
+        got_ppo = tt.ppo_clip_loss(new, old, tokens, advantages.tolist())
+        got.backward()
+    finally:
+        torch.set_default_device(None)
+    assert got.device.type == "cpu" and got_ppo.device.type == "cpu"
+    assert torch.equal(got.detach(), want) and torch.equal(got_ppo, want_ppo)
+    assert x.grad is not None and x.grad.device.type == "cpu"
