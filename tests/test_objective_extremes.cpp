@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -176,4 +177,42 @@ TEST_CASE("DPPO top-K KL: an old probability that underflows to 0 adds 0, not Na
     CHECK(m.divergence_mean == doctest::Approx(expect).epsilon(1e-15));
     CHECK(std::isfinite(m.loss));
   }
+}
+
+TEST_CASE_TEMPLATE("Ratio losses: the sampled token's gradient where p̃_a rounds to 1 and the ratio is huge", T,
+                   double, float) {
+  // The thirty-sixth session's audit row: p̃_a = 1 − 2.6e-18 and q_a = 1.6e-19, so c = −A·ρ ≈
+  // 2.9e18 and the gradient c·(δ_ja − p̃_j) is (+7.47, −7.47): entry a is c·(1 − p̃_a), which was
+  // formed as c − c·p̃_a and came out 0 (the row's entries must sum to 0). It is now c times the
+  // other tokens' mass (detail::ratio_sampled_entry). Checked for PPO clip (unclipped: A < 0,
+  // ρ > 1 + ε) and DPPO (binary TV, a drop bound beyond the divergence keeps the token).
+  const std::vector<double> zn_d = {37.93256159712966, -2.569795519014507}, zo_d = {0.295021767249682,
+                                                                                   43.572481144786586};
+  const double advantage = -0.46599421569978794;
+  std::vector<T> zn(zn_d.begin(), zn_d.end()), zo(zo_d.begin(), zo_d.end()), adv = {T(advantage)}, grad(2);
+  std::vector<std::int64_t> tok = {0};
+  troll::token_batch<T> b;
+  b.tokens = tok.data();
+  b.advantages = adv.data();
+  // The reference in long double from the logits as T holds them: ρ = p̃_0/q_0, g = −A·ρ·(δ − p̃).
+  const ld n0 = ld(zn[0]), n1 = ld(zn[1]), o0 = ld(zo[0]), o1 = ld(zo[1]);
+  const ld p1 = 1 / (1 + std::exp(n0 - n1)), p0 = 1 / (1 + std::exp(n1 - n0));
+  const ld log_q0 = -(o1 - o0) - std::log1p(std::exp(o0 - o1));
+  const ld rho = std::exp(std::log(p0) - log_q0);
+  const ld want0 = -ld(adv[0]) * rho * p1, want1 = -want0;
+  auto check = [&](const std::string& what) {
+    CAPTURE(what);
+    const double scale = double(std::fabs(want0));
+    const double tol = std::is_same<T, double>::value ? 1e-12 : 1e-5;
+    CHECK(std::fabs(double(grad[0]) - double(want0)) <= tol * scale);
+    CHECK(std::fabs(double(grad[1]) - double(want1)) <= tol * scale);
+  };
+  troll::objective_backward(troll::cpu, troll::ppo_clip_objective{}, troll::make_batch<const T>(zn.data(), 1, 2),
+                            troll::make_batch<const T>(zo.data(), 1, 2), b, troll::make_batch(grad.data(), 1, 2));
+  check("ppo_clip");
+  auto o = troll::dppo_objective::defaults(troll::dppo_divergence::binary_tv);
+  o.delta_low = o.delta_high = 2.0;  // TV ≤ 1: never dropped
+  troll::objective_backward(troll::cpu, o, troll::make_batch<const T>(zn.data(), 1, 2),
+                            troll::make_batch<const T>(zo.data(), 1, 2), b, troll::make_batch(grad.data(), 1, 2));
+  check("dppo binary_tv");
 }

@@ -171,6 +171,14 @@ TROLL_HOST_DEVICE inline double troll_gradient_entry(const troll_row_coefficient
   return g;
 }
 
+/// The sampled token's entry c·(1 − p̃_a) of a ratio loss's gradient c·(δ_ja − p̃_j). Where
+/// p̃_a > 1/2, 1 − p̃_a is formed from `others` = Σ_{j≠a} p̃_j (the row's entries sum to 0): read
+/// from p̃_a it rounds to 0 once the other tokens' mass falls below an ulp of 1, while c = (∂ℓ/∂r)·r
+/// can be large enough (a tiny q_a) to make that mass count; the entry was then 100% off.
+TROLL_HOST_DEVICE inline double ratio_sampled_entry(double coef, double p_a, double others) {
+  return p_a > 0.5 ? coef * others : coef * (1.0 - p_a);
+}
+
 // ---- PPO clip: J = min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A), dual clip max(J, c·A) for A < 0 ----
 
 /// One token's value of a ratio-based surrogate and the derivative of its loss w.r.t. r.

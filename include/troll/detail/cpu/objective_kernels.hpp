@@ -256,14 +256,23 @@ inline ratio_row_result ratio_forward_row(const T* zn, const T* zo, std::size_t 
 template <class T>
 inline void ratio_backward_row(const T* zn, std::size_t size, const log_normaliser_parts& norm_new, double coef,
                                std::int64_t token, T* grad) {
+  double others = 0.0, p_a = 0.0;  // Σ_{j≠a} p̃_j and p̃_a (ratio_sampled_entry)
+  const std::size_t a = static_cast<std::size_t>(token);
+  block_array p;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     if (coef == 0.0) {
       store(grad, begin, count, block_array::Zero(count));
       return;
     }
-    store(grad, begin, count, -coef * block_exp((load(zn, begin, count) - norm_new.max) - norm_new.log_sum));
+    p = block_exp((load(zn, begin, count) - norm_new.max) - norm_new.log_sum);
+    store(grad, begin, count, -coef * p);
+    if (a >= begin && a < begin + std::size_t(count)) {
+      p_a = p[Eigen::Index(a - begin)];
+      p[Eigen::Index(a - begin)] = 0.0;  // never in the sum: its rounding would swamp the others
+    }
+    others += p.sum();
   });
-  grad[token] = T(static_cast<double>(grad[token]) + coef);
+  if (coef != 0.0) grad[token] = T(ratio_sampled_entry(coef, p_a, others));
 }
 
 }  // namespace cpu

@@ -674,6 +674,7 @@ __global__ void __launch_bounds__(block_threads)
                           const objective_row_record* records, row_range range,
                           device_checks checks) {
   __shared__ topk_storage topk;
+  __shared__ reduce_storage<double_pair> others_storage;
   const std::size_t size = new_logits.cols;
   for_each_pair_row(new_logits, old_logits, range,
                     [&](std::size_t r, const T* zn, const T* zo, const pair_scan& scan) {
@@ -698,9 +699,21 @@ __global__ void __launch_bounds__(block_threads)
       }
     }
     const double log_norm_new = scan.fresh.lse.log_sum();
+    // p̃_a and Σ_{j≠a} p̃_j for the sampled token's entry (ratio_sampled_entry); coef is uniform
+    // across the block, so every thread reaches the reduction or none does.
+    double_pair sampled;  // (Σ_{j≠a} p̃_j, p̃_a)
+    if (coef != 0.0) {
+      double_pair local;
+      for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
+        const double p = ::exp(static_cast<double>(zn[i]) - log_norm_new);
+        (std::int64_t(i) == a ? local.second : local.first) += p;
+      }
+      sampled = block_all_reduce(others_storage, local, add_pair{});
+    }
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       const double p = coef != 0.0 ? ::exp(static_cast<double>(zn[i]) - log_norm_new) : 0.0;
-      grad[i] = static_cast<T>(coef * ((std::int64_t(i) == a ? 1.0 : 0.0) - p));
+      grad[i] = static_cast<T>(std::int64_t(i) == a ? ratio_sampled_entry(coef, sampled.second, sampled.first)
+                                                    : -coef * p);
     }
   });
 }
