@@ -216,3 +216,116 @@ TEST_CASE_TEMPLATE("Ratio losses: the sampled token's gradient where p̃_a round
                             troll::make_batch<const T>(zo.data(), 1, 2), b, troll::make_batch(grad.data(), 1, 2));
   check("dppo binary_tv");
 }
+
+namespace {
+
+/// ∂ℓ/∂z̃ of TROLL's objective (token_mean over one row, mask 1) in long double, given the
+/// forward's t* (stats.t; 1 on inactive rows): the member π_t, its moments and the formula of
+/// docs/objectives.md, with the sampled token's 1 − π_a and every d − μ formed without
+/// cancellation (π_t from log-space, 1 − π_a as the others' sum, μ and σ² as weighted sums of
+/// differences to the dominant token). Independent of troll's code paths.
+std::vector<ld> troll_gradient_given_t(const std::vector<double>& zn, const std::vector<double>& zo, double t_star,
+                                       bool projected, std::size_t a, double advantage, double alpha) {
+  const std::size_t n = zn.size();
+  const ld t = projected ? ld(t_star) : ld(1);
+  auto log_softmax = [](const std::vector<ld>& z) {
+    const ld top = *std::max_element(z.begin(), z.end());
+    ld sum = 0;
+    for (ld v : z) sum += std::exp(v - top);
+    std::vector<ld> out;
+    for (ld v : z) out.push_back((v - top) - std::log(sum));
+    return out;
+  };
+  std::vector<ld> w(n), zq(n), zp(n), d(n);
+  for (std::size_t j = 0; j < n; ++j) {
+    zp[j] = ld(zn[j]), zq[j] = ld(zo[j]), d[j] = zp[j] - zq[j];
+    w[j] = zq[j] + t * d[j];
+  }
+  const std::vector<ld> lpi = log_softmax(w), lq = log_softmax(zq), lp = log_softmax(zp);
+  std::size_t k = 0;
+  for (std::size_t j = 1; j < n; ++j)
+    if (lpi[j] > lpi[k]) k = j;
+  ld mu_k = 0, others = 0;  // μ − d_k = Σ π_j (d_j − d_k); 1 − π_k = Σ_{j≠k} π_j
+  for (std::size_t j = 0; j < n; ++j)
+    if (j != k) mu_k += std::exp(lpi[j]) * (d[j] - d[k]), others += std::exp(lpi[j]);
+  ld var = 0;
+  for (std::size_t j = 0; j < n; ++j) {
+    const ld c = (d[j] - d[k]) - mu_k;
+    var += std::exp(lpi[j]) * c * c;
+  }
+  const ld rho = std::exp(lpi[a] - lq[a]), coef = -ld(advantage) * rho;
+  ld kl_reg = 0;
+  for (std::size_t j = 0; j < n; ++j) kl_reg += std::exp(lp[j]) * (lp[j] - lpi[j]);
+  const ld c_a = (d[a] - d[k]) - mu_k;
+  std::vector<ld> g(n);
+  for (std::size_t j = 0; j < n; ++j) {
+    const ld pi = std::exp(lpi[j]), c = (d[j] - d[k]) - mu_k;
+    const ld delta_minus_pi = j == a ? (a == k ? others : 1 - pi) : -pi;
+    g[j] = coef * t * (delta_minus_pi - (projected ? pi * c * c_a / var : ld(0)));
+    if (projected && alpha != 0) g[j] += ld(alpha) * std::exp(lp[j]) * ((lp[j] - lpi[j]) - kl_reg);
+  }
+  return g;
+}
+
+}  // namespace
+
+TEST_CASE("TROLL objective: the dominant token's gradient entry on near one-hot rows") {
+  // The thirty-sixth session's differential audit: an inactive row sampled at its dominant token
+  // (p̃_3 = 1 − 3.5e-135) had that entry written as c·(1 − p̃_3) = 0 instead of c times the other
+  // tokens' mass, so the gradient did not sum to 0 and was 100% off relative to itself. The entry
+  // of the dominant token is now minus the others' sum. Also a projected near one-hot row (a
+  // logit gap of 40 against the old row's), held to the long-double gradient given t*.
+  struct row_case {
+    std::vector<double> zn, zo;
+    std::int64_t token;
+    double eps, advantage;
+  };
+  const std::vector<row_case> cases = {
+      {{0.85628676220478528, 1.6595079310927789, -0.23469957593696841, 311.91325000725573, -1.228563896856355,
+        0.41671610732941278, 0.26311804451127285, -2.3823859683752153},
+       {1.1275662150887551, 2.8622119622156199, -1.8050688560718902, 148.42430902085141, -0.66725579786105949,
+        0.41713620671365104, -0.46723612477328846, -2.2974142667247093},
+       3, 5.3442873218253979e-06, 0.87636609357581741},
+      // projected (KL(p̃‖q) ~ 1e-17 against ε = 1e-18), sampled at the dominant token and not
+      {{0.3, -0.2, 40.0, 0.1, -1.0}, {0.1, 0.4, 38.5, -0.3, 0.2}, 2, 1e-18, -0.7},
+      {{0.3, -0.2, 40.0, 0.1, -1.0}, {0.1, 0.4, 38.5, -0.3, 0.2}, 0, 1e-18, 1.3},
+      // projected with a large step (ε = 0.05 against KL(p̃‖q) ~ 1.6)
+      {{0.3, -0.2, 12.0, 0.1, -1.0}, {0.1, 0.4, 9.5, -0.3, 0.2}, 2, 0.05, -0.7},
+  };
+  for (const row_case& c : cases) {
+    for (const double alpha : {0.0, 1.0}) {
+      CAPTURE(c.token);
+      CAPTURE(alpha);
+      const std::size_t v = c.zn.size();
+      std::vector<double> lp(v), grad(v);
+      troll::projection_stats st;
+      std::vector<std::int64_t> tok = {c.token};
+      std::vector<double> adv = {c.advantage};
+      troll::token_batch<double> b;
+      b.tokens = tok.data();
+      b.advantages = adv.data();
+      troll::trust_region_objective o;
+      o.eps = c.eps;
+      o.alpha = alpha;
+      troll::objective_forward(troll::cpu, o, troll::make_batch<const double>(c.zn.data(), 1, v),
+                               troll::make_batch<const double>(c.zo.data(), 1, v), b,
+                               troll::make_batch(lp.data(), 1, v), &st);
+      troll::objective_backward(troll::cpu, o, troll::make_batch<const double>(c.zn.data(), 1, v),
+                                troll::make_batch<const double>(c.zo.data(), 1, v), b,
+                                troll::make_batch<const double>(lp.data(), 1, v), &st,
+                                troll::make_batch(grad.data(), 1, v));
+      const std::vector<ld> want = troll_gradient_given_t(c.zn, c.zo, st.t, st.status == troll::row_status::projected,
+                                                          std::size_t(c.token), c.advantage, alpha);
+      ld scale = 0, worst = 0, sum = 0;
+      for (std::size_t j = 0; j < v; ++j) {
+        scale = std::max(scale, std::fabs(want[j]));
+        worst = std::max(worst, std::fabs(ld(grad[j]) - want[j]));
+        sum += ld(grad[j]);
+      }
+      REQUIRE(scale > 0);
+      CAPTURE(int(st.status));
+      CHECK(double(worst / scale) <= 1e-9);  // t* to the solver's 1e-11, π_t's sensitivity to it
+      CHECK(double(std::fabs(sum) / scale) <= 1e-12);
+    }
+  }
+}

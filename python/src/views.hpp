@@ -147,6 +147,12 @@ troll::batch_view<T> as_layout(const char* fn, const char* name, const A& a) {
     fail(fn, std::string(name) + " of shape " + shape_text(a) +
                  " is strided along its last dimension, which must be contiguous (make it .contiguous())");
   const std::size_t stride = rows == 0 ? cols : flat_stride(fn, name, a, last, cols);
+  // troll's views need rows apart (stride ≥ V); say what such an array is and what to do, where
+  // troll's own check would only state the stride (the usual case: a broadcast std or old row)
+  if (rows > 1 && stride < cols)
+    fail(fn, std::string(name) + " has row stride " + std::to_string(stride) + ", smaller than its " +
+                 std::to_string(cols) + " columns: its rows overlap (an expanded/broadcast or as_strided array; "
+                 "make it .contiguous())");
   return troll::batch_view<T>{static_cast<T*>(a.data()), rows, cols, stride};
 }
 

@@ -120,3 +120,18 @@ def test_losses_under_a_meta_default_device(batch):
     assert got.device.type == "cpu" and got_ppo.device.type == "cpu"
     assert torch.equal(got.detach(), want) and torch.equal(got_ppo, want_ppo)
     assert x.grad is not None and x.grad.device.type == "cpu"
+
+
+def test_expanded_inputs_are_refused_with_the_fix():
+    # A state-independent std broadcast over the batch (log_std.exp().expand_as(mean)) has row
+    # stride 0: troll's views need rows apart, and the message says what to do.
+    mean = torch.randn(4, 3, dtype=D)
+    std = torch.rand(1, 3, dtype=D).add(0.5).expand(4, 3)
+    import troll
+    with pytest.raises(troll.ShapeError, match=r"row stride 0.*\.contiguous\(\)"):
+        tg.project_joint_diag(mean, std, mean + 0.1, std.contiguous(), 0.01)
+    old = torch.randn(1, 6, dtype=D).expand(4, 6)
+    with pytest.raises(troll.ShapeError, match=r"row stride 0.*\.contiguous\(\)"):
+        tt.project(torch.randn(4, 6, dtype=D), old, 0.05)
+    out, _ = tg.project_joint_diag(mean, std.contiguous(), mean + 0.1, std.contiguous(), 0.01)
+    assert out.shape == mean.shape

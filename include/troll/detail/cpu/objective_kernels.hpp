@@ -128,7 +128,14 @@ inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std:
   const troll_row_coefficients& k = plan->k;
   const double ratio_scale = plan->ratio_scale();
   const double cross = k.centred_a * k.inv_sigma2;
+  const std::size_t sampled = static_cast<std::size_t>(token);
   double largest = 0.0;
+  // The entries sum to 0 (moving every new logit alike changes neither p̃ nor π*), and at the
+  // dominant token k of π* (π_k ≥ 1/2) the terms cancel: δ_ka − π_k, the centring term and the
+  // regression term's log-ratio are each O(1) where the other tokens' mass is tiny. So its entry
+  // is minus the others' sum (detail::old_side_sums' rule, here on the new side), which never
+  // adds its own value (an inactive row sampled at its dominant token gave 0 for −3.5e-135).
+  old_side_sums dominant;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     // Every exp is evaluated on its own, outside the selects of zero_where_masked.
     const block_array lp = load(log_pi, begin, count);
@@ -147,12 +154,22 @@ inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std:
       zero_where_masked(lp_new, reg);
       g += reg;
     }
+    if (sampled >= begin && sampled < begin + std::size_t(count)) g[Eigen::Index(sampled - begin)] += ratio_scale;
     largest = maximum(largest, g.abs().template maxCoeff<Eigen::PropagateNaN>());
     store(grad, begin, count, g);
+    // the block's sum without a dominant token in it (one such block a row at most)
+    if (lp.maxCoeff() >= dominant.top_log_pi) {
+      for (Eigen::Index j = 0; j < count; ++j) dominant.add(begin + std::size_t(j), lp[j], g[j]);
+    } else {
+      dominant.others += g.sum();
+    }
   });
-  const double at_token = static_cast<double>(grad[token]) + ratio_scale;
-  grad[token] = T(at_token);
-  return fits_in<T>(largest) && fits_in<T>(at_token);
+  if (dominant.found()) {
+    const double top = dominant.top_entry();
+    largest = maximum(largest, ::fabs(top));
+    grad[dominant.top] = T(top);
+  }
+  return fits_in<T>(largest);
 }
 
 /// TROLL's fused backward on one row (prepare, then write); `weight` = c (0 writes zeros).

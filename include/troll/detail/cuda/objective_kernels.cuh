@@ -354,6 +354,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
   __shared__ reduce_storage<double_pair> kl_storage;
   __shared__ reduce_storage<std::size_t> token_storage;
   __shared__ reduce_storage<centring_sums> centring_storage;
+  __shared__ reduce_storage<old_side_sums> dominant_storage;
   __shared__ reference_storage ref_storage;
   const std::size_t size = new_logits.cols;
   for_each_pair_row(new_logits, old_logits, range,
@@ -407,15 +408,24 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
       fill_nan(grad, size);
       return;
     }
+    // The dominant token's entry (π ≥ 1/2) is minus the others' sum, as on the CPU
+    // (troll_backward_write): the entries sum to 0 and its own terms cancel.
+    old_side_sums dominant;
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       const double lp = static_cast<double>(log_pi[i]);
       const double zn_i = static_cast<double>(zn[i]);
       const bool on_support = lp > neg_inf();
       const double centred = on_support && projected ? ref.centred(zn_i, static_cast<double>(zo[i])) - m : 0.0;
       const double lp_new = zn_i - log_norm_new;
-      grad[i] = static_cast<T>(troll_gradient_entry(k, std::int64_t(i) == a, on_support,
-                                                    lp_new > neg_inf(), lp, lp_new, centred));
+      const double g = troll_gradient_entry(k, std::int64_t(i) == a, on_support, lp_new > neg_inf(), lp, lp_new,
+                                            centred);
+      grad[i] = static_cast<T>(g);
+      dominant.add(i, lp, g);
     }
+    // every thread reaches this (no early return after the overflow check above); its barriers
+    // also order the writes above before thread 0's overwrite below
+    const old_side_sums total = block_all_reduce(dominant_storage, dominant, merge_old_side{});
+    if (threadIdx.x == 0 && total.found()) grad[total.top] = static_cast<T>(total.top_entry());
   });
 }
 
