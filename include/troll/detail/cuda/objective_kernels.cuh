@@ -722,8 +722,9 @@ __global__ void __launch_bounds__(block_threads)
     }
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       const double p = coef != 0.0 ? ::exp(static_cast<double>(zn[i]) - log_norm_new) : 0.0;
-      grad[i] = static_cast<T>(std::int64_t(i) == a ? ratio_sampled_entry(coef, sampled.second, sampled.first)
-                                                    : -coef * p);
+      grad[i] = static_cast<T>(coef == 0.0                ? 0.0
+                               : std::int64_t(i) == a ? ratio_sampled_entry(coef, sampled.second, sampled.first)
+                                                      : -coef * p);
     }
   });
 }
