@@ -329,3 +329,29 @@ TEST_CASE("TROLL objective: the dominant token's gradient entry on near one-hot 
     }
   }
 }
+
+TEST_CASE_TEMPLATE("DPPO binary KL: 1 − π of a sampled token with p̃_a just short of rounding to 1", T, double,
+                   float) {
+  // The thirty-sixth session's ratio audit: new logits (36.5, 0), so 1 − p̃_0 = 1.4e-16 while
+  // log p̃_0 is not yet 0. The refinement −log1p(Σ_{j≠a} e^{z_j − z_a}) ran only where log p̃_a
+  // was exactly 0, so 1 − π kept less than a digit: divergence 0.04951 for 0.05030, and the
+  // token, beyond δ = 0.05, was kept. Now every p > 1/2 is refined (detail::refines_log_prob).
+  const std::vector<T> zn = {T(36.5), T(0)}, zo = {T(6.360101178210273), T(0)};
+  std::vector<T> adv = {T(1)};
+  std::vector<std::int64_t> tok = {0};
+  troll::token_batch<T> b;
+  b.tokens = tok.data();
+  b.advantages = adv.data();
+  // μ log(μ/π) + (1 − μ) log((1 − μ)/(1 − π)) in long double from the logits as T holds them
+  const ld g_new = ld(zn[0]) - ld(zn[1]), g_old = ld(zo[0]) - ld(zo[1]);
+  const ld one_minus_pi = 1 / (1 + std::exp(g_new)), pi = 1 / (1 + std::exp(-g_new));
+  const ld one_minus_mu = 1 / (1 + std::exp(g_old)), mu = 1 / (1 + std::exp(-g_old));
+  const ld want = mu * std::log(mu / pi) + one_minus_mu * std::log(one_minus_mu / one_minus_pi);
+  REQUIRE(want > 0.05L);  // beyond δ_high: the token (A > 0, π > μ) is masked
+  const troll::objective_metrics m = troll::objective_forward(
+      troll::cpu, troll::dppo_objective::defaults(troll::dppo_divergence::binary_kl),
+      troll::make_batch<const T>(zn.data(), 1, 2), troll::make_batch<const T>(zo.data(), 1, 2), b);
+  CHECK(m.divergence_mean == doctest::Approx(double(want)).epsilon(1e-12));
+  CHECK(m.limited_fraction == 1.0);
+  CHECK(m.loss == 0.0);
+}

@@ -463,7 +463,8 @@ NB_MODULE(_troll_cuda, m) {
         "grad_q"_a.none(), "stream"_a = 0, "checked"_a = true,
         "Gradients of the per-row KL w.r.t. both logits, scaled by grad_kl, enqueued on `stream`.");
   m.def("project", &troll_py::project, "new_logits"_a, "old_logits"_a, "eps"_a, "out"_a, "stats_values"_a,
-        "stats_counters"_a, "rtol"_a = 1e-12, "atol"_a = 1e-15, "max_iterations"_a = 50, "stream"_a = 0,
+        "stats_counters"_a, "rtol"_a = troll::projection_options{}.rtol, "atol"_a = troll::projection_options{}.atol,
+        "max_iterations"_a = troll::projection_options{}.max_iterations, "stream"_a = 0,
         "checked"_a = true, "The KL trust-region projection on the device, enqueued on `stream`.");
   m.def("project_backward", &troll_py::project_backward, "new_logits"_a, "old_logits"_a, "log_probs"_a,
         "stats_values"_a, "stats_counters"_a, "grad_log_probs"_a, "grad_new"_a, "grad_old"_a.none(),
@@ -494,7 +495,8 @@ NB_MODULE(_troll_cuda, m) {
   m.def("kl_sparse", &troll_py::kl_aligned, "rows"_a, "out"_a, "stream"_a = 0, "checked"_a = true,
         "KL(new || old) of aligned device rows (the lumped categories).");
   m.def("project_sparse", &troll_py::project_aligned, "rows"_a, "eps"_a, "out"_a, "stats_values"_a,
-        "stats_counters"_a, "rtol"_a = 1e-12, "atol"_a = 1e-15, "max_iterations"_a = 50, "stream"_a = 0,
+        "stats_counters"_a, "rtol"_a = troll::projection_options{}.rtol, "atol"_a = troll::projection_options{}.atol,
+        "max_iterations"_a = troll::projection_options{}.max_iterations, "stream"_a = 0,
         "checked"_a = true, "The trust-region projection of aligned device rows.");
   m.def("project_sparse_backward", &troll_py::project_aligned_backward, "rows"_a, "log_probs"_a, "stats_values"_a,
         "stats_counters"_a, "grad"_a, "grad_new"_a, "grad_old"_a.none(), "grad_eps"_a.none(), "stream"_a = 0,

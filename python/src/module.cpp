@@ -96,7 +96,8 @@ void bind_dense(nb::module_& m) {
         "grad_p"_a.none(), "grad_q"_a.none(), "threads"_a = 0,
         "Gradients of the per-row KL w.r.t. both logits, scaled by grad_kl.");
   m.def("project", &project, "new_logits"_a, "old_logits"_a, "eps"_a, "out"_a, "stats_values"_a,
-        "stats_counters"_a, "rtol"_a = 1e-12, "atol"_a = 1e-15, "max_iterations"_a = 50,
+        "stats_counters"_a, "rtol"_a = troll::projection_options{}.rtol, "atol"_a = troll::projection_options{}.atol,
+        "max_iterations"_a = troll::projection_options{}.max_iterations,
         "threads"_a = 0,
         "The KL trust-region projection: log pi* to out, the statistics to the packed buffers.");
   m.def("project_backward", &project_backward, "new_logits"_a, "old_logits"_a, "log_probs"_a,

@@ -200,7 +200,8 @@ void bind_sparse(nb::module_& m) {
   m.def("kl_sparse", &kl_aligned, "rows"_a, "out"_a, "threads"_a = 0,
         "KL(new || old) of aligned rows (the lumped categories).");
   m.def("project_sparse", &project_aligned, "rows"_a, "eps"_a, "out"_a, "stats_values"_a,
-        "stats_counters"_a, "rtol"_a = 1e-12, "atol"_a = 1e-15, "max_iterations"_a = 50,
+        "stats_counters"_a, "rtol"_a = troll::projection_options{}.rtol, "atol"_a = troll::projection_options{}.atol,
+        "max_iterations"_a = troll::projection_options{}.max_iterations,
         "threads"_a = 0, "The trust-region projection of aligned rows.");
   m.def("project_sparse_backward", &project_aligned_backward, "rows"_a, "log_probs"_a,
         "stats_values"_a, "stats_counters"_a, "grad"_a, "grad_new"_a, "grad_old"_a.none(),

@@ -135,3 +135,57 @@ def test_expanded_inputs_are_refused_with_the_fix():
         tt.project(torch.randn(4, 6, dtype=D), old, 0.05)
     out, _ = tg.project_joint_diag(mean, std.contiguous(), mean + 0.1, std.contiguous(), 0.01)
     assert out.shape == mean.shape
+
+
+def test_loss_input_narrowing_names_row_and_code():
+    gen = torch.Generator().manual_seed(9)
+    new, old = oracle.make_logits(gen, 2, 3, 10, dtype=torch.float32), oracle.make_logits(gen, 2, 3, 10,
+                                                                                         dtype=torch.float32)
+    tokens = torch.randint(0, 10, (2, 3), generator=gen)
+    adv = torch.randn(2, 3, dtype=D)
+    adv[1, 1] = 1e300
+    import troll
+    with pytest.raises(troll.DomainError) as info:
+        tt.trust_region_loss(new, old, tokens, adv)
+    assert info.value.row == 4 and info.value.code == 19  # as troll's own check of an inf advantage
+    mask = torch.ones(2, 3, dtype=D)
+    mask[0, 2] = 1e-50
+    with pytest.raises(troll.DomainError) as info:
+        tt.ppo_clip_loss(new, old, tokens, torch.zeros(2, 3), mask=mask)
+    assert info.value.row == 2 and info.value.code == 18
+
+
+def test_stats_pair_with_rows_by_shape():
+    import numpy as np
+    import troll
+    gen = np.random.default_rng(2)
+    n, o = gen.normal(size=(2, 3, 6)), gen.normal(size=(2, 3, 6))
+    wrong = troll.ProjectionStats(np.empty((3, 2, 6)), np.empty((3, 2, 2), np.int32))
+    with pytest.raises(troll.ShapeError, match="stats.values has rows of shape"):
+        troll.project(n, o, 0.05, stats=wrong)
+    lp, st = troll.project(n, o, 0.05)
+    flat = troll.ProjectionStats(st.values.reshape(6, 6), st.counters.reshape(6, 2))
+    with pytest.raises(troll.ShapeError, match="stats.values has rows of shape"):
+        troll.project_backward(n, o, lp, flat, np.ones_like(n))
+    troll.project_backward(n, o, lp, st, np.ones_like(n))
+
+
+def test_jax_without_x64_keeps_64_bit_outputs(tmp_path):
+    # jax_enable_x64 is process-wide (test_frameworks.py turns it on): a fresh interpreter
+    pytest.importorskip("jax")
+    import subprocess
+    import sys
+    script = tmp_path / "nox64.py"
+    script.write_text(
+        "import numpy as np, jax, jax.numpy as jnp, troll\n"
+        "assert not jax.config.jax_enable_x64\n"
+        "n = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 8)).astype(np.float32) * 3)\n"
+        "o = jnp.zeros((2, 3, 8), jnp.float32)\n"
+        "lp, st = troll.project(n, o, 0.05)\n"
+        "assert str(st.values.dtype) == 'float64', st.values.dtype\n"
+        "g, _, _ = troll.project_backward(n, o, lp, st, jnp.ones_like(n))\n"
+        "assert isinstance(g, jax.Array) and str(g.dtype) == 'float32'\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("ok")

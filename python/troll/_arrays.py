@@ -75,8 +75,14 @@ class Framework:
         if self.name in ("torch", "numpy", "cupy"):
             return x
         if self.name in ("jax", "jaxlib"):
+            import jax
             import jax.numpy as jnp
 
+            if str(x.dtype) in ("float64", "int64") and not jax.config.jax_enable_x64:
+                # JAX without 64-bit types would round a float64 output (the stats, Gaussian
+                # KLs, shard tail maxima) to float32 silently, and the next troll call refuses
+                # it: such outputs stay troll's own arrays (NumPy on the host), as documented.
+                return x
             return jnp.from_dlpack(x)
         return x
 

@@ -99,6 +99,16 @@ class ProjectionStats:
         return f"ProjectionStats(rows={tuple(self.values.shape[:-1])})"
 
 
+def check_stats_rows(stats: Any, rows: tuple, fn: str) -> None:
+    """ShapeError unless stats.values and stats.counters have the leading shape ``rows``
+    (ProjectionStats and troll.gaussian.GaussianStats alike): stats pair with rows by shape, as
+    every per-row array does (docs/python.md), not by count."""
+    for name in ("values", "counters"):
+        got = tuple(getattr(getattr(stats, name), "shape", ()))[:-1]
+        if got != tuple(rows):
+            raise ShapeError(f"troll.{fn}: stats.{name} has rows of shape {got} but the rows are {tuple(rows)}")
+
+
 class SparseRows(NamedTuple):
     """Sparse rows (docs/sparse.md): ``indices`` (..., k_max) int32 token ids, ``log_probs``
     (..., k_max) their log-probabilities over the whole vocabulary, ``counts`` (...) int32 entries
@@ -248,6 +258,7 @@ def project(
     y = _out(frame, out, tuple(new_logits.shape), dtype, "out")
     st = stats if stats is not None else ProjectionStats.empty(frame, rows)
     if stats is not None:
+        check_stats_rows(st, rows, "project")
         writable(st.values, "stats.values")
         writable(st.counters, "stats.counters")
     if _on_cuda(new_logits):
@@ -280,6 +291,7 @@ def project_backward(
     grad_new = frame.empty(shape, dtype)
     grad_old = frame.empty(shape, dtype) if old else None
     grad_eps = frame.empty(shape[:-1], dtype) if eps else None
+    check_stats_rows(stats, shape[:-1], "project_backward")
     args = (arg(new_logits), arg(old_logits), arg(log_probs), arg(stats.values), arg(stats.counters),
             arg(grad_log_probs), grad_new, grad_old, grad_eps)
     if _on_cuda(new_logits):
@@ -462,6 +474,7 @@ def project_sparse_backward(rows: AlignedRows, log_probs: SparseRows, stats: Pro
     grad_new = pair()
     grad_old = pair() if old else None
     grad_eps = frame.empty(lead, dtype) if eps else None
+    check_stats_rows(stats, lead, "project_sparse_backward")
     args = (_sparse_arg(rows), _sparse_arg(log_probs), arg(stats.values), arg(stats.counters),
             (arg(grad[0]), arg(grad[1])), grad_new, grad_old, grad_eps)
     if _on_cuda(rows.new_log_probs):

@@ -103,6 +103,7 @@ def _project(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: float, 
     if stats is None:
         stats = GaussianStats.empty(frame, rows)
     else:
+        _core.check_stats_rows(stats, rows, "gaussian.project")
         writable(stats.values, "stats.values")
         writable(stats.counters, "stats.counters")
     if saved is not None:
@@ -189,6 +190,7 @@ def project_backward(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean:
     goc = frame.empty(tuple(cov.shape), dtype) if old else None
     ge = frame.empty(rows, "float64") if eps else None
     gem = frame.empty(rows, "float64") if eps and split else None
+    _core.check_stats_rows(stats, rows, "gaussian.project_backward")
     eps_mean, eps_cov = _core._bound(eps_mean, "eps_mean"), _core._bound(eps_cov, "eps_cov")
     args = (arg(mean), arg(cov), arg(old_mean), arg(old_cov), eps_mean, eps_cov, full, split,
             arg(out_mean), arg(out_cov), arg(stats.values), arg(stats.counters), arg(grad_out_mean),
@@ -218,6 +220,7 @@ def project_jvp(mean: Any, cov: Any, old_mean: Any, old_cov: Any, eps_mean: floa
     frame = Framework(mean)
     dtype = _dtype(frame, mean)
     tm, tc = frame.empty(tuple(mean.shape), dtype), frame.empty(tuple(cov.shape), dtype)
+    _core.check_stats_rows(stats, _rows(mean), "gaussian.project_jvp")
     opt = [None if x is None else arg(x) for x in (tangent_mean, tangent_cov, tangent_old_mean, tangent_old_cov)]
     eps_mean, eps_cov = _core._bound(eps_mean, "eps_mean"), _core._bound(eps_cov, "eps_cov")
     args = (arg(mean), arg(cov), arg(old_mean), arg(old_cov), eps_mean, eps_cov, full, split,

@@ -171,6 +171,14 @@ TROLL_HOST_DEVICE inline double troll_gradient_entry(const troll_row_coefficient
   return g;
 }
 
+/// Whether DPPO's binary KL takes a sampled token's log-probability again from the other
+/// tokens' mass (cpu::refined_log_prob, cuda::block_refined_log_prob): where p_a > 1/2. Read from
+/// (z_a − max) − log Σ, log p_a carries an absolute error of ~2e-16, so 1 − p_a = −expm1(log p_a)
+/// keeps only ~2e-16/(1 − p_a) of its digits: none at 1 − p_a = 1.4e-16, where log p_a is not yet
+/// 0 (a token then sat on the wrong side of δ: divergence 0.04951 for 0.05030, an audit). Refined,
+/// 1 − p_a is the others' sum to an ulp.
+TROLL_HOST_DEVICE inline bool refines_log_prob(double log_prob) { return log_prob > -0.6931471805599453; }
+
 /// The sampled token's entry c·(1 − p̃_a) of a ratio loss's gradient c·(δ_ja − p̃_j). Where
 /// p̃_a > 1/2, 1 − p̃_a is formed from `others` = Σ_{j≠a} p̃_j (the row's entries sum to 0): read
 /// from p̃_a it rounds to 0 once the other tokens' mass falls below an ulp of 1, while c = (∂ℓ/∂r)·r

@@ -260,10 +260,13 @@ def _token_batch(new_logits: torch.Tensor, tokens, advantages, mask, sequence_id
                     lost = lost | ((converted == 0) & (given != 0))
                 if bool(lost.any()):
                     i = int(lost.reshape(-1).nonzero()[0])
-                    raise DomainError(f"troll.{fn}: {name} entry {i} (= {float(given.reshape(-1)[i])!r}) "
+                    # the row and code troll's own check gives an infinite entry (bad_mask 18,
+                    # bad_advantage 19), with the row flattened as everywhere
+                    raise DomainError(f"troll.{fn}: row {i}: {name} entry {i} (= {float(given.reshape(-1)[i])!r}) "
                                       f"does not fit the logits' dtype {kind}"
                                       + (" (it would become 0; scale the mask: only its ratios matter)"
-                                         if name == "mask" and float(converted.reshape(-1)[i]) == 0.0 else ""))
+                                         if name == "mask" and float(converted.reshape(-1)[i]) == 0.0 else ""),
+                                      row=i, code=18 if name == "mask" else 19)
         return private(converted, x)
 
     if aggregation is None:

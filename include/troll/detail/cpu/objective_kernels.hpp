@@ -224,14 +224,14 @@ inline topk_sums gather_topk_sums(const T* zn, const T* zo, std::size_t size,
   return sums;
 }
 
-/// log p_a of a token whose log-probability rounded to 0 (p_a within 1.1e-16 of 1: a top-logit
-/// gap of ~37), as −log1p(Σ_{j≠a} e^{z_j − z_a}): the other tokens' mass summed on its own, so
-/// that 1 − p_a = −expm1(log p_a) keeps its digits. DPPO's binary KL reads 1 − π from it: with
-/// log π = 0 it took π = 1 and returned +inf for a finite divergence (5e-15), which dropped the
-/// token and made divergence_mean +inf (an audit). Other values are returned as they are.
+/// log p_a of a token with p_a > 1/2 (refines_log_prob), as −log1p(Σ_{j≠a} e^{z_j − z_a}): the
+/// other tokens' mass summed on its own, so that 1 − p_a = −expm1(log p_a) keeps its digits.
+/// DPPO's binary KL reads 1 − π from it: with log π rounded to 0 (a top-logit gap of ~37) it took
+/// π = 1 and returned +inf for a finite divergence (5e-15), and just short of that it kept less
+/// than a digit of 1 − π (audits). Other values are returned as they are.
 template <class T>
 inline double refined_log_prob(const T* z, std::size_t size, std::int64_t token, double log_prob) {
-  if (log_prob != 0.0) return log_prob;
+  if (!refines_log_prob(log_prob)) return log_prob;
   const double za = static_cast<double>(z[token]);
   double rest = 0.0;
   for (std::size_t j = 0; j < size; ++j) {

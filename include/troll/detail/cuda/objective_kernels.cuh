@@ -586,14 +586,14 @@ __device__ cuda_row_report ratio_row_problem(const token_batch<T>& in, std::size
   return report;
 }
 
-/// cpu::refined_log_prob over the block: a log-probability that rounded to 0 recomputed as
-/// −log1p(Σ_{j≠a} e^{z_j − z_a}), so that DPPO's binary KL reads 1 − π with its digits (it
-/// took π = 1 and gave +inf). `log_prob` is the same in every thread, so either the whole block
+/// cpu::refined_log_prob over the block: the log-probability of a token with p > 1/2
+/// (refines_log_prob) recomputed as −log1p(Σ_{j≠a} e^{z_j − z_a}), so that DPPO's binary KL
+/// reads 1 − π with its digits. `log_prob` is the same in every thread, so either the whole block
 /// reduces or none of it. Reached by the whole block.
 template <class T>
 __device__ double block_refined_log_prob(const T* z, std::size_t size, std::int64_t a, double log_prob,
                                          reduce_storage<topk_sums>& storage) {
-  if (log_prob != 0.0) return log_prob;
+  if (!refines_log_prob(log_prob)) return log_prob;
   const double za = static_cast<double>(z[a]);
   topk_sums local{};
   for (std::size_t j = threadIdx.x; j < size; j += block_threads) {
