@@ -189,3 +189,16 @@ def test_jax_without_x64_keeps_64_bit_outputs(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("ok")
+
+
+def test_sparsify_takes_a_python_int_sampled_token():
+    import numpy as np
+    import troll
+    x = np.random.default_rng(4).normal(size=10)
+    low = int(np.argsort(x)[0])  # never in the top 4
+    rows = troll.sparsify(x, 4, sampled=low)
+    assert low in rows.indices.tolist()
+    assert rows.indices.tolist() == troll.sparsify(x, 4, sampled=np.int32(low)).indices.tolist()
+    with pytest.raises(troll.DomainError) as info:
+        troll.sparsify(x, 4, sampled=2**40)
+    assert info.value.row == 0 and info.value.code == 17

@@ -331,6 +331,12 @@ def sparsify(logits: Any, k: int = 64, delta: float = 1e-5, sampled: Any = None,
         raise DomainError(f"troll::sparsify: sparsify_options.k must be in [1, {_troll.SPARSIFY_MAX_K}], got {top}")
     k_max = max(1, min(top + (sampled is not None), vocab))
     out = sparse_empty(frame, rows, k_max, vocab, dtype)
+    if isinstance(sampled, numbers.Integral) and not hasattr(sampled, "dtype"):
+        # a Python int: the one row of 1-D logits (typed arrays keep the int32 rule)
+        if not -2**31 <= int(sampled) < 2**31:
+            raise DomainError(f"troll::sparsify: row 0: sampled token {int(sampled)} is outside the vocabulary",
+                              row=0, code=17)
+        sampled = np.asarray(int(sampled), dtype=np.int32)
     sampled_arg = None if sampled is None else arg(sampled)
     if on_cuda:
         cuda, stream = _cuda_call(frame, logits, "sparsify")
