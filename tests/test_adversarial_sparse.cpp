@@ -695,6 +695,38 @@ TEST_CASE("huge logits: sparsify_backward on a row at 1e12 matches central diffe
   }
 }
 
+TEST_CASE_TEMPLATE("sparsify_backward: tail entries where the bucket holds nearly all the mass", T, double, float) {
+  // The thirty-sixth session's sparse-derivative audit: logits (−gap, 0, −gap − 1) with the
+  // support {0} and only the bucket's upstream g_R = 1, so G = g_R and a tail token's entry is
+  // p_k (g_R / r − G) = p_k p_0 / r with r = 1 − p_0. Formed as p_k (e^{−log r} − 1) it came out 0
+  // for 4.2e-18 at a gap of 40 (5.6% off at 35); now p_k (g_R expm1(−log r) − (G − g_R)).
+  for (const double gap : {30.0, 35.0, 40.0}) {
+    if (!std::is_same<T, double>::value && gap > 35.0) continue;  // float: p_0 ~ 1e-18 is fine, but keep to its range
+    CAPTURE(gap);
+    const std::vector<T> z = {T(-gap), T(0), T(-gap - 1)};
+    const ld lse = std::log(std::exp(ld(z[0])) + 1 + std::exp(ld(z[2])));
+    const ld p0 = std::exp(ld(z[0]) - lse), p1 = std::exp(ld(z[1]) - lse), p2 = std::exp(ld(z[2]) - lse);
+    const ld r = p1 + p2;
+    sparse_rows<T> sp(1, 1, 3);
+    sp.indices[0] = 0;
+    sp.counts[0] = 1;
+    sp.log_probs[0] = T(std::log(p0));
+    sp.log_remainder[0] = T(std::log(r));
+    sparse_grads<T> up(1, 1);
+    up.log_remainder[0] = T(1);
+    std::vector<T> gz(3);
+    troll::sparsify_backward(troll::cpu, troll::make_batch<const T>(z.data(), 1, 3),
+                             troll::sparse_input<T>(static_cast<const sparse_rows<T>&>(sp).view()),
+                             troll::sparse_grad_input<T>(up.view()), troll::make_batch(gz.data(), 1, 3));
+    const std::vector<ld> want = {-p0, p1 * p0 / r, p2 * p0 / r};
+    const double tol = std::is_same<T, double>::value ? 1e-13 : 1e-6;
+    for (std::size_t j = 0; j < 3; ++j) {
+      CAPTURE(j);
+      CHECK(std::fabs(ld(gz[j]) - want[j]) <= ld(tol) * std::fabs(want[j]));
+    }
+  }
+}
+
 // The objectives on adversarial batches (oracle loss, gradients by central differences, zero
 // masks), one body for every backend (also compiled for troll::cuda by
 // tests/cuda/test_cuda_objectives.cu).

@@ -759,3 +759,46 @@ TEST_CASE("grad_old where t* is within a rounding of 1: 1 − t* from the statis
     }
   }
 }
+
+TEST_CASE_TEMPLATE("grad_new at the dominant token of a near one-hot row, upstream on that token", T, double, float) {
+  // The thirty-sixth session's sparse-derivative audit: upstream g = e_0 on a row whose token 0
+  // holds 1 − 4e-18 of the mass. ∂L/∂z̃_0 = t(1 − π_0) − … was formed as g_0 − π_0 Σg: 0 for
+  // 5.8e-18 (100% off relative to the gradient itself). Every VJP path (the short and packet
+  // paths, the general one with grad_old or masked tokens) now writes the entry at a token of
+  // π > 1/2 as minus the others' sum (new_side_dominant). Inactive rows: the reference is
+  // δ_j0 − p_j in long double.
+  for (const std::size_t v : {3u, 9u, 5000u}) {
+    for (const bool masked : {false, true}) {
+      for (const bool with_old : {false, true}) {
+        CAPTURE(v);
+        CAPTURE(masked);
+        CAPTURE(with_old);
+        std::vector<T> zn(v), lp(v), g(v, T(0)), gn(v), go(v);
+        for (std::size_t j = 0; j < v; ++j) zn[j] = j == 0 ? T(0) : T(-40.0 - double(j % 7));
+        if (masked) zn[1] = -std::numeric_limits<T>::infinity();
+        g[0] = T(1);
+        const std::vector<T> zo = zn;  // KL 0: inactive, π* = p̃
+        troll::projection_stats st;
+        troll::project(troll::cpu, troll::make_batch<const T>(zn.data(), 1, v), troll::make_batch<const T>(zo.data(), 1, v),
+                       0.05, troll::make_batch(lp.data(), 1, v), &st);
+        REQUIRE(st.status == troll::row_status::inactive);
+        troll::project_backward(troll::cpu, troll::make_batch<const T>(zn.data(), 1, v),
+                                troll::make_batch<const T>(zo.data(), 1, v), troll::make_batch<const T>(lp.data(), 1, v),
+                                &st, troll::make_batch<const T>(g.data(), 1, v), troll::make_batch(gn.data(), 1, v),
+                                with_old ? troll::make_batch(go.data(), 1, v) : troll::batch_view<T>{});
+        long double total = 0;
+        std::vector<long double> p(v);
+        for (std::size_t j = 0; j < v; ++j) p[j] = std::exp((long double)zn[j]), total += p[j];
+        long double rest = 0, worst = 0, scale = 0;
+        for (std::size_t j = 1; j < v; ++j) rest += p[j] / total;
+        for (std::size_t j = 0; j < v; ++j) {
+          const long double want = j == 0 ? rest : -p[j] / total;
+          scale = std::max(scale, std::fabs(want));
+          worst = std::max(worst, std::fabs((long double)gn[j] - want));
+        }
+        REQUIRE(scale > 0);
+        CHECK(double(worst / scale) <= (std::is_same<T, double>::value ? 1e-13 : 1e-6));
+      }
+    }
+  }
+}

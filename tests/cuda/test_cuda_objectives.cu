@@ -407,6 +407,99 @@ TEST_SUITE("device") {
   }
 }
 
+namespace {
+
+/// One near one-hot row (the thirty-sixth session's audits) through both backends, double: the
+/// device's gradient against the CPU's (held to long-double references in
+/// tests/test_objective_extremes.cpp) relative to the gradient's own largest entry, where
+/// objective_between_backends' absolute part would accept a 0 for an entry of 1e-18.
+template <class Objective>
+void near_one_hot_row(const Objective& objective, const std::vector<double>& zn, const std::vector<double>& zo,
+                      std::int64_t token, double advantage) {
+  const std::size_t v = zn.size();
+  std::vector<std::int64_t> tok = {token};
+  std::vector<double> adv = {advantage}, want(v);
+  troll::token_batch<double> h;
+  h.tokens = tok.data();
+  h.advantages = adv.data();
+  device_array<double> d_zn(zn), d_zo(zo), d_adv(adv), d_grad(v);
+  device_array<std::int64_t> d_tok(tok);
+  troll::token_batch<double> d;
+  d.tokens = d_tok.get();
+  d.advantages = d_adv.get();
+  device_array<unsigned char> workspace(troll::objective_workspace_bytes(1));
+  device_array<troll::objective_metrics> metrics(1);
+  test_stream stream;
+  const auto policy = troll::cuda.on(stream.stream).with_workspace(workspace.get(), workspace.bytes());
+  troll::objective_metrics cpu_metrics;
+  if constexpr (std::is_same<Objective, troll::trust_region_objective>::value) {
+    std::vector<double> lp(v);
+    troll::projection_stats st;
+    cpu_metrics = troll::objective_forward(troll::cpu, objective, troll::make_batch<const double>(zn.data(), 1, v),
+                                           troll::make_batch<const double>(zo.data(), 1, v), h,
+                                           troll::make_batch(lp.data(), 1, v), &st);
+    troll::objective_backward(troll::cpu, objective, troll::make_batch<const double>(zn.data(), 1, v),
+                              troll::make_batch<const double>(zo.data(), 1, v), h,
+                              troll::make_batch<const double>(lp.data(), 1, v), &st,
+                              troll::make_batch(want.data(), 1, v));
+    device_array<double> d_lp(v);
+    device_array<troll::projection_stats> d_st(1);
+    troll::objective_forward(policy, objective, troll::make_batch<const double>(d_zn.get(), 1, v),
+                             troll::make_batch<const double>(d_zo.get(), 1, v), d, troll::make_batch(d_lp.get(), 1, v),
+                             d_st.get(), nullptr, metrics.get());
+    troll::objective_backward(policy, objective, troll::make_batch<const double>(d_zn.get(), 1, v),
+                              troll::make_batch<const double>(d_zo.get(), 1, v), d,
+                              troll::make_batch<const double>(d_lp.get(), 1, v), d_st.get(),
+                              troll::make_batch(d_grad.get(), 1, v));
+  } else {
+    cpu_metrics = troll::objective_forward(troll::cpu, objective, troll::make_batch<const double>(zn.data(), 1, v),
+                                           troll::make_batch<const double>(zo.data(), 1, v), h);
+    troll::objective_backward(troll::cpu, objective, troll::make_batch<const double>(zn.data(), 1, v),
+                              troll::make_batch<const double>(zo.data(), 1, v), h, troll::make_batch(want.data(), 1, v));
+    troll::objective_forward(policy, objective, troll::make_batch<const double>(d_zn.get(), 1, v),
+                             troll::make_batch<const double>(d_zo.get(), 1, v), d, nullptr, metrics.get());
+    troll::objective_backward(policy, objective, troll::make_batch<const double>(d_zn.get(), 1, v),
+                              troll::make_batch<const double>(d_zo.get(), 1, v), d, troll::make_batch(d_grad.get(), 1, v));
+  }
+  stream.sync();
+  const std::vector<double> got = d_grad.download();
+  double scale = 0.0;
+  for (double w : want) scale = std::max(scale, std::fabs(w));
+  for (std::size_t j = 0; j < v; ++j) {
+    CAPTURE(j);
+    CHECK(std::fabs(got[j] - want[j]) <= 1e-12 * scale);
+  }
+  const troll::objective_metrics m = metrics.download()[0];
+  CHECK(m.limited_fraction == cpu_metrics.limited_fraction);
+  CHECK(m.divergence_mean == doctest::Approx(cpu_metrics.divergence_mean).epsilon(1e-12));
+}
+
+}  // namespace
+
+TEST_SUITE("device") {
+  TEST_CASE("near one-hot rows: the device's objective gradients match the CPU's, relative to themselves") {
+    troll::trust_region_objective troll_objective;
+    // an inactive row sampled at its dominant token (the entry was 0 for −3.5e-135)
+    troll_objective.eps = 5.3442873218253979e-06;
+    near_one_hot_row(troll_objective,
+                     {0.85628676220478528, 1.6595079310927789, -0.23469957593696841, 311.91325000725573,
+                      -1.228563896856355, 0.41671610732941278, 0.26311804451127285, -2.3823859683752153},
+                     {1.1275662150887551, 2.8622119622156199, -1.8050688560718902, 148.42430902085141,
+                      -0.66725579786105949, 0.41713620671365104, -0.46723612477328846, -2.2974142667247093},
+                     3, 0.87636609357581741);
+    // the regression term at p̃'s dominant token, π*'s another (A = 0)
+    troll_objective.eps = 0.05;
+    near_one_hot_row(troll_objective, {-40.0, 0.0, -41.0, -42.0},
+                     {-3.0983564697167347e-09, -20.000000003098357, -21.000000003098357, -22.000000003098357}, 0, 0.0);
+    // PPO clip, unclipped at a huge ratio: the sampled token's entry (was 0 for 7.47)
+    const std::vector<double> zn = {37.93256159712966, -2.569795519014507}, zo = {0.295021767249682, 43.572481144786586};
+    near_one_hot_row(troll::ppo_clip_objective{}, zn, zo, 0, -0.46599421569978794);
+    // DPPO binary KL just short of log p̃_a = 0: the token is masked (divergence 0.0503 > 0.05)
+    near_one_hot_row(troll::dppo_objective::defaults(troll::dppo_divergence::binary_kl), {36.5, 0.0},
+                     {6.360101178210273, 0.0}, 0, 1.0);
+  }
+}
+
 TEST_SUITE("device") {
 #include "../bodies/objective_gradients.hpp"
 #include "../bodies/adversarial_objectives.hpp"

@@ -16,6 +16,7 @@
 #include "../config.hpp"
 #include "../projection_types.hpp"
 #include "numeric.hpp"
+#include "tilt_derivatives.hpp"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
@@ -153,22 +154,73 @@ TROLL_HOST_DEVICE inline troll_row_coefficients troll_coefficients(
   return k;
 }
 
-/// ∂(cℓ)/∂z̃_j for one token j of the row (formula at troll_row_coefficients). `on_support`:
-/// log π*_j > −inf; `on_new`: log p̃_j > −inf; `centred` = d_j − μ (any value off the support).
-TROLL_HOST_DEVICE inline double troll_gradient_entry(const troll_row_coefficients& k, bool is_sampled,
-                                                     bool on_support, bool on_new, double log_pi,
-                                                     double log_p_new, double centred) {
-  double g = 0.0;
+/// The two parts of ∂(cℓ)/∂z̃_j for one token j of the row (formula at troll_row_coefficients):
+/// the ratio term's and the regression term's. Each sums to 0 over the row (moving every new
+/// logit alike changes neither p̃ nor π*), and each cancels at its own dominant token
+/// (troll_dominant_sums). `on_support`: log π*_j > −inf; `on_new`: log p̃_j > −inf; `centred` =
+/// d_j − μ (any value off the support).
+struct troll_gradient_parts {
+  double ratio = 0.0;
+  double reg = 0.0;
+};
+TROLL_HOST_DEVICE inline troll_gradient_parts troll_gradient_split(const troll_row_coefficients& k, bool is_sampled,
+                                                                   bool on_support, bool on_new, double log_pi,
+                                                                   double log_p_new, double centred) {
+  troll_gradient_parts g;
   if (on_support) {
     const double pi = ::exp(log_pi);
-    g = k.ratio_coef * k.t *
-        ((is_sampled ? 1.0 : 0.0) - pi - pi * centred * k.centred_a * k.inv_sigma2);
+    g.ratio = k.ratio_coef * k.t * ((is_sampled ? 1.0 : 0.0) - pi - pi * centred * k.centred_a * k.inv_sigma2);
   }
   if (on_new && k.reg_coef != 0.0) {
     const double p = ::exp(log_p_new);
-    g += k.reg_coef * p * (log_p_new - log_pi - k.kl_reg);
+    g.reg = k.reg_coef * p * (log_p_new - log_pi - k.kl_reg);
   }
   return g;
+}
+
+/// The dominant-token rule of TROLL's objective gradient, part by part (old_side_sums' rule on
+/// the new side). The ratio part cancels at π*'s dominant token (π_k ≥ 1/2: δ_ka − π_k and the
+/// centring term are O(1) where the other tokens' mass is tiny), the regression part at p̃'s
+/// (p̃_h ≥ 1/2: log p̃_h − log π*_h − KL), and the two can differ. Each part's entry there is minus
+/// the sum of the part's other entries; the other part's value at that token is kept as it was
+/// formed (it does not cancel there). Fed token by token (add) or merged (operator+).
+struct troll_dominant_sums {
+  old_side_sums ratio;              // over (j, log π*_j, ratio part)
+  old_side_sums reg;                // over (j, log p̃_j, regression part)
+  double reg_at_ratio_top = 0.0;    // the regression part at ratio.top
+  double ratio_at_reg_top = 0.0;    // the ratio part at reg.top
+
+  TROLL_HOST_DEVICE void add(std::size_t j, double log_pi, double log_p_new, const troll_gradient_parts& g) {
+    const std::size_t ratio_top = ratio.top, reg_top = reg.top;
+    ratio.add(j, log_pi, g.ratio);
+    reg.add(j, log_p_new, g.reg);
+    if (ratio.top != ratio_top) reg_at_ratio_top = g.reg;
+    if (reg.top != reg_top) ratio_at_reg_top = g.ratio;
+  }
+  TROLL_HOST_DEVICE friend troll_dominant_sums operator+(const troll_dominant_sums& a, const troll_dominant_sums& b) {
+    troll_dominant_sums m;
+    m.ratio = a.ratio + b.ratio;
+    m.reg = a.reg + b.reg;
+    m.reg_at_ratio_top = b.ratio.found() && m.ratio.top == b.ratio.top ? b.reg_at_ratio_top : a.reg_at_ratio_top;
+    m.ratio_at_reg_top = b.reg.found() && m.reg.top == b.reg.top ? b.ratio_at_reg_top : a.ratio_at_reg_top;
+    return m;
+  }
+  /// The entry written at ratio.top (when found()) and at reg.top (when found()); one value
+  /// where they are the same token.
+  TROLL_HOST_DEVICE double at_ratio_top() const {
+    return ratio.top_entry() + (reg.found() && reg.top == ratio.top ? reg.top_entry() : reg_at_ratio_top);
+  }
+  TROLL_HOST_DEVICE double at_reg_top() const {
+    return (ratio.found() && ratio.top == reg.top ? ratio.top_entry() : ratio_at_reg_top) + reg.top_entry();
+  }
+};
+
+/// ∂(cℓ)/∂z̃_j as one number (troll_gradient_split's parts added).
+TROLL_HOST_DEVICE inline double troll_gradient_entry(const troll_row_coefficients& k, bool is_sampled,
+                                                     bool on_support, bool on_new, double log_pi,
+                                                     double log_p_new, double centred) {
+  const troll_gradient_parts g = troll_gradient_split(k, is_sampled, on_support, on_new, log_pi, log_p_new, centred);
+  return g.ratio + g.reg;
 }
 
 /// Whether DPPO's binary KL takes a sampled token's log-probability again from the other

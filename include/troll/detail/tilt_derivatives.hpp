@@ -76,7 +76,7 @@ struct old_side_sums {
   }
   TROLL_HOST_DEVICE bool found() const { return top != ~std::size_t(0); }
   /// The dominant token's entry: minus the sum of the others'.
-  TROLL_HOST_DEVICE double top_entry() const { return -others; }
+  TROLL_HOST_DEVICE double top_entry() const { return 0.0 - others; }  // +0, not −0, when the others are
 };
 
 /// ∂t/∂z°_j of a projected row. `pi` = π_j as read from log π* and `centred` = d_j − μ, both 0

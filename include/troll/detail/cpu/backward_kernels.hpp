@@ -105,6 +105,13 @@ inline void load_backward_block(const T* zn, const T* zo, const T* logp, double 
 
 // expm1_near_zero (the block expm1 for |x| ≤ 1/2) lives in row_kernels.hpp.
 
+// new_side_dominant: ∂L/∂z̃ sums to 0 over a row (moving every new logit alike leaves π* alone),
+// and at a token k of π_k > 1/2 its entry t((g_k − π_k Σg) − π_k c_k h/σ²) is a difference of
+// O(|g|) terms that cancel where the other tokens' mass is tiny (upstream on k alone: 0 for
+// 5.8e-18 at a logit gap of 40, an audit of the sparse derivatives). So every VJP path writes
+// that entry as minus the sum of the others (as old_side_sums does on the old side; π > 1/2
+// strictly, so at most one token qualifies).
+
 /// The dominant token of a row (detail::old_side_sums: π ≥ 1/2, the largest log π*, the lowest
 /// index on ties), found by a scan of log π*, or `size` where there is none.
 template <class T>
@@ -201,11 +208,17 @@ inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s,
   const double t = projected ? s.t : 1.0;
   const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
   int overflow = 0;  // an OR-reduction the compiler vectorises with the loop
+  double others = 0.0;  // Σ grad_new but at a token of π > 1/2 (new_side_dominant)
+  long top = -1;
   for (long k = 0; k < size; ++k) {
     const double gn = t * ((gd[k] - pi[k] * sum_g) - pi[k] * (centred[k] - m) * h_over_var);
     overflow |= !(gn - gn == 0.0);
     grad_new[k] = gn;
+    const bool dominant = pi[k] > 0.5;
+    others += dominant ? 0.0 : gn;
+    top = dominant ? k : top;
   }
+  if (top >= 0) grad_new[top] = 0.0 - others;  // new_side_dominant
   *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
   return overflow == 0 && fits_in<double>(*grad_eps) ? 1 : 0;
 }
@@ -375,41 +388,54 @@ inline int vjp_row_packets(const T* zn, const T* zo, const T* logp, const T* g, 
   const double t = projected ? s.t : 1.0;
   const packet pt = pset1<packet>(t), psum_g = pset1<packet>(sum_g);
   const packet ph = pset1<packet>(projected ? sum_gc / s.sigma2 : 0.0);
-  packet largest = pset1<packet>(0.0), bad = largest;
+  packet largest = pset1<packet>(0.0), bad = largest, others = largest;
+  const packet log_half = pset1<packet>(-0.6931471805599453), zero = largest;
+  long top = -1;  // a token of π > 1/2 (new_side_dominant), found in the packet that holds it
   // gn = t·((g − π·Σg) − π·(d − μ)·h/σ²), written in T; the largest |gn| and a NaN unless every
-  // gn is finite, for the check that they fit T.
-  auto second = [&](const packet& lp, const packet& c, const packet& gk) {
-    const packet pi = exp_in_range(lp);  // lp ∈ [−700, 0]: the row is `fine`
-    const packet gn = pmul(pt, psub(psub(gk, pmul(pi, psum_g)), pmul(pmul(pi, c), ph)));
+  // gn is finite, for the check that they fit T; Σ gn but at a token of π > 1/2.
+  auto account = [&](long k, const packet& lp, const packet& gn) {
     largest = pmax(largest, pabs(gn));
     bad = padd(bad, psub(gn, gn));
+    const packet dominant = pcmp_lt(log_half, lp);
+    others = padd(others, pselect(dominant, zero, gn));
+    if (any_lane(dominant)) {
+      double lps[lanes];
+      pstoreu(lps, lp);
+      for (long j = 0; j < lanes; ++j)
+        if (lps[j] > -0.6931471805599453) top = k + j;
+    }
+  };
+  auto second = [&](long k, const packet& lp, const packet& c, const packet& gk) {
+    const packet pi = exp_in_range(lp);  // lp ∈ [−700, 0]: the row is `fine`
+    const packet gn = pmul(pt, psub(psub(gk, pmul(pi, psum_g)), pmul(pmul(pi, c), ph)));
+    account(k, lp, gn);
     return gn;
   };
   // A row that is not projected has h = 0 and t = 1: gn = g − π·Σg, which reads neither logit
   // row (both passed the first pass's checks).
-  auto second_unprojected = [&](const packet& lp, const packet& gk) {
+  auto second_unprojected = [&](long k, const packet& lp, const packet& gk) {
     const packet gn = psub(gk, pmul(exp_in_range(lp), psum_g));
-    largest = pmax(largest, pabs(gn));
-    bad = padd(bad, psub(gn, gn));
+    account(k, lp, gn);
     return gn;
   };
   if (projected) {
     for (long k = 0; k < whole; k += lanes) {
       const packet c = psub(psub(psub(load_as_double<packet>(zn + k), load_as_double<packet>(zo + k)), mu), pm);
-      store_from_double(grad_new + k, second(load_as_double<packet>(logp + k), c, load_as_double<packet>(g + k)));
+      store_from_double(grad_new + k, second(k, load_as_double<packet>(logp + k), c, load_as_double<packet>(g + k)));
     }
   } else {
     for (long k = 0; k < whole; k += lanes)
       store_from_double(grad_new + k,
-                        second_unprojected(load_as_double<packet>(logp + k), load_as_double<packet>(g + k)));
+                        second_unprojected(k, load_as_double<packet>(logp + k), load_as_double<packet>(g + k)));
   }
-  if (whole < size) {
+  if (whole < size) {  // the padding's log π = −700: never dominant, and its gn is 0
     const packet c = psub(psub(psub(ploadu<packet>(tail_zn), ploadu<packet>(tail_zo)), mu), pm);
     double out[lanes];
-    pstoreu(out, projected ? second(ploadu<packet>(tail_lp), c, ploadu<packet>(tail_g))
-                           : second_unprojected(ploadu<packet>(tail_lp), ploadu<packet>(tail_g)));
+    pstoreu(out, projected ? second(whole, ploadu<packet>(tail_lp), c, ploadu<packet>(tail_g))
+                           : second_unprojected(whole, ploadu<packet>(tail_lp), ploadu<packet>(tail_g)));
     for (long k = whole; k < size; ++k) grad_new[k] = T(out[k - whole]);
   }
+  if (top >= 0) grad_new[top] = T(0.0 - predux(others));  // new_side_dominant
   const double most = predux_max(largest);
   *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
   return predux(bad) == 0.0 && fits_in<T>(most) && fits_in<T>(*grad_eps) ? 1 : 0;
@@ -456,6 +482,8 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
   const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
   const old_normaliser on = (projected && grad_old) ? normalise_old(zo, size) : old_normaliser{};
   double largest = 0.0, others = 0.0;  // Σ of grad_old but at the dominant token (old_side_sums)
+  double others_new = 0.0;             // Σ of grad_new but at a token of π > 1/2 (new_side_dominant)
+  std::size_t top_new = size;
   const std::size_t top = (grad_old && projected) ? dominant_index(logp, size) : size;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     load_backward_block(zn, zo, logp, mu, begin, count, b);
@@ -466,6 +494,18 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
     const block_array gn = t * (explicit_part - b.pi * b.centred * h_over_var);
     largest = maximum(largest, gn.abs().template maxCoeff<Eigen::PropagateNaN>());
     store(grad_new, begin, count, gn);
+    const block_array lp = load(logp, begin, count);  // (b.log_pi is 0 off J)
+    if (lp.maxCoeff() > -0.6931471805599453) {
+      for (Eigen::Index j = 0; j < count; ++j) {
+        if (lp[j] > -0.6931471805599453) {
+          top_new = begin + std::size_t(j);
+        } else {
+          others_new += gn[j];
+        }
+      }
+    } else {
+      others_new += gn.sum();
+    }
     if (!grad_old) return;
     if (!projected) {
       store(grad_old, begin, count, block_array::Zero(count));
@@ -484,7 +524,11 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
   });
   if (top < size) {  // Σ_j ∂L/∂z°_j = 0: the dominant token's entry from the others'
     largest = maximum(largest, ::fabs(others));
-    grad_old[top] = T(-others);
+    grad_old[top] = T(0.0 - others);
+  }
+  if (top_new < size) {  // new_side_dominant
+    largest = maximum(largest, ::fabs(others_new));
+    grad_new[top_new] = T(0.0 - others_new);
   }
   *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
   return fits_in<T>(largest) && fits_in<T>(*grad_eps);
@@ -598,7 +642,7 @@ inline bool jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t si
         put(jac_old + i * size + j, jo);
       }
     }
-    if (jac_old && top < size) put(jac_old + i * size + top, row_on ? -row_sum : 0.0);
+    if (jac_old && top < size) put(jac_old + i * size + top, row_on ? 0.0 - row_sum : 0.0);
     if (jac_eps) put(jac_eps + i, row_on && projected ? centred(i) / (t * s.sigma2) : 0.0);
   }
   return fits;

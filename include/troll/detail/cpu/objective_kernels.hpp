@@ -130,12 +130,13 @@ inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std:
   const double cross = k.centred_a * k.inv_sigma2;
   const std::size_t sampled = static_cast<std::size_t>(token);
   double largest = 0.0;
-  // The entries sum to 0 (moving every new logit alike changes neither p̃ nor π*), and at the
-  // dominant token k of π* (π_k ≥ 1/2) the terms cancel: δ_ka − π_k, the centring term and the
-  // regression term's log-ratio are each O(1) where the other tokens' mass is tiny. So its entry
-  // is minus the others' sum (detail::old_side_sums' rule, here on the new side), which never
-  // adds its own value (an inactive row sampled at its dominant token gave 0 for −3.5e-135).
-  old_side_sums dominant;
+  // Both parts of the gradient sum to 0 and each cancels at its dominant token (π*'s for the
+  // ratio part, p̃'s for the regression part: troll_dominant_sums), whose entry is then minus the
+  // part's other entries: an inactive row sampled at its dominant token gave 0 for −3.5e-135, a
+  // regression term at p̃'s dominant token 100% off where π*'s was another.
+  troll_dominant_sums dominant;
+  const double log_half = dominant.ratio.top_log_pi;  // below it no token is dominant
+  block_array lp_new;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     // Every exp is evaluated on its own, outside the selects of zero_where_masked.
     const block_array lp = load(log_pi, begin, count);
@@ -147,27 +148,38 @@ inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std:
       zero_where_masked(lp, centred);
       g -= ratio_scale * cross * pi * centred;
     }
+    if (sampled >= begin && sampled < begin + std::size_t(count)) g[Eigen::Index(sampled - begin)] += ratio_scale;
+    block_array reg = block_array::Zero(count);
     if (plan->with_reg) {
-      const block_array lp_new = (a - plan->log_norm_new.max) - plan->log_norm_new.log_sum;
-      block_array reg = block_exp(lp_new);
+      lp_new = (a - plan->log_norm_new.max) - plan->log_norm_new.log_sum;
+      reg = block_exp(lp_new);
       reg = k.reg_coef * reg * (lp_new - lp - k.kl_reg);
       zero_where_masked(lp_new, reg);
-      g += reg;
     }
-    if (sampled >= begin && sampled < begin + std::size_t(count)) g[Eigen::Index(sampled - begin)] += ratio_scale;
-    largest = maximum(largest, g.abs().template maxCoeff<Eigen::PropagateNaN>());
-    store(grad, begin, count, g);
-    // the block's sum without a dominant token in it (one such block a row at most)
-    if (lp.maxCoeff() >= dominant.top_log_pi) {
-      for (Eigen::Index j = 0; j < count; ++j) dominant.add(begin + std::size_t(j), lp[j], g[j]);
+    const block_array total = g + reg;
+    largest = maximum(largest, total.abs().template maxCoeff<Eigen::PropagateNaN>());
+    store(grad, begin, count, total);
+    // the parts' sums without a dominant token in them (one such block a row at most, per part)
+    const bool ratio_candidate = lp.maxCoeff() >= log_half;
+    const bool reg_candidate = plan->with_reg && lp_new.maxCoeff() >= log_half;
+    if (ratio_candidate || reg_candidate) {
+      for (Eigen::Index j = 0; j < count; ++j)
+        dominant.add(begin + std::size_t(j), lp[j], plan->with_reg ? lp_new[j] : neg_inf(),
+                     troll_gradient_parts{g[j], reg[j]});
     } else {
-      dominant.others += g.sum();
+      dominant.ratio.others += g.sum();
+      dominant.reg.others += reg.sum();
     }
   });
-  if (dominant.found()) {
-    const double top = dominant.top_entry();
-    largest = maximum(largest, ::fabs(top));
-    grad[dominant.top] = T(top);
+  if (dominant.ratio.found()) {
+    const double value = dominant.at_ratio_top();
+    largest = maximum(largest, ::fabs(value));
+    grad[dominant.ratio.top] = T(value);
+  }
+  if (dominant.reg.found()) {
+    const double value = dominant.at_reg_top();
+    largest = maximum(largest, ::fabs(value));
+    grad[dominant.reg.top] = T(value);
   }
   return fits_in<T>(largest);
 }

@@ -798,6 +798,11 @@ inline bool sparse_scatter_row(const T* z, std::size_t size, std::size_t first, 
   const double log_inv_r = -sums.log_remainder();
   const double g_over_r = log_inv_r < light_bucket_log ? g_remainder * std::exp(log_inv_r) : 0.0;
   const bool scale_tail = log_inv_r < light_bucket_log && fits_in<double>(g_over_r);
+  // A tail entry's factor g_R / r − G, formed as g_R (1/r − 1) − (G − g_R): with the bucket
+  // holding nearly all the mass, 1/r − 1 = expm1(−log r) keeps its digits where e^{−log r} − 1
+  // did not (0 for 4.2e-18 at a logit gap of 40, 1.3e-4 off at 30), and G − g_R is the exact sum's.
+  const double tail_factor =
+      g_remainder * std::expm1(log_inv_r) - ((counted.sum.hi - g_remainder) + counted.sum.lo);
   constexpr double limit = largest_finite<T>();
   bool fits = true;
   int next = 0;
@@ -810,7 +815,7 @@ inline bool sparse_scatter_row(const T* z, std::size_t size, std::size_t first, 
     block_array value = -sum_g * p;
     if (tail_term) {
       if (scale_tail) {
-        value += g_over_r * p;
+        value = tail_factor * p;
       } else {
         block_array scaled(count);
         packet_exp(a.data(), count, sums.tail_ref, scaled.data(), sums.tail);

@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
     const double t = projected ? s.t : 1.0, rest = projected ? one_minus_t(s) : 0.0;
     const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
     const double old_max = scan.pair.old.lse.m, log_sum_old = old_log_sum(scan.pair);
-    old_side_sums old_sums;
+    old_side_sums old_sums, new_sums;
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       const double lp = static_cast<double>(logp[i]);
       const bool on_support = lp > neg_inf();
@@ -211,7 +211,9 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
       const double centred = on_support ? ref.centred(a, b) - m : 0.0;
       const double gb = on_support ? static_cast<double>(g[i]) : 0.0;
       const double explicit_part = gb - pi * scan.sum_g;
-      out_new[i] = static_cast<T>(t * (explicit_part - pi * centred * h_over_var));
+      const double gn = t * (explicit_part - pi * centred * h_over_var);
+      new_sums.add(i, lp, gn);
+      out_new[i] = static_cast<T>(gn);
       if (out_old == nullptr) continue;
       if (!projected) {
         out_old[i] = T(0);
@@ -225,6 +227,11 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
     if (out_old != nullptr && projected) {  // block-uniform; the dominant token's from the others'
       const old_side_sums total = block_all_reduce(old_storage, old_sums, merge_old_side{});
       if (threadIdx.x == 0 && total.found()) out_old[total.top] = static_cast<T>(total.top_entry());
+    }
+    {  // ∂L/∂z̃ sums to 0 too: its dominant token's entry from the others' (the CPU's
+       // new_side_dominant; every thread reaches this, its barriers order the writes above)
+      const old_side_sums total = block_all_reduce(old_storage, new_sums, merge_old_side{});
+      if (threadIdx.x == 0 && total.found()) out_new[total.top] = static_cast<T>(total.top_entry());
     }
     if (threadIdx.x == 0 && grad_eps != nullptr)
       grad_eps[r] = static_cast<T>(projected ? sum_gc / (s.t * s.sigma2) : 0.0);

@@ -371,7 +371,7 @@ struct jacobian_entry {
           double others = 0.0;
           for (std::size_t l = 0; l < size; ++l)
             if (l != j) others += old_entry(row, s, rest, zo, i, ci.centred, l, column_of(row, zn, zo, logp, l));
-          jo = -others;
+          jo = 0.0 - others;
         } else {
           jo = old_entry(row, s, rest, zo, i, ci.centred, j, cj);
         }

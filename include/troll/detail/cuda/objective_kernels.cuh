@@ -340,6 +340,13 @@ void enqueue_aggregation_weights(const char* fn, cudaStream_t stream, const toke
   check_launch(fn);
 }
 
+/// troll_dominant_sums as a reduction operator (block and warp).
+struct merge_troll_dominant {
+  __device__ troll_dominant_sums operator()(const troll_dominant_sums& a, const troll_dominant_sums& b) const {
+    return a + b;
+  }
+};
+
 /// Rows of `range`: TROLL's fused backward (troll::objective_backward), c_r = grad_loss ·
 /// weight_r / normaliser from aggregation_weights_kernel. Rejected rows get NaN gradients.
 template <class T>
@@ -354,7 +361,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
   __shared__ reduce_storage<double_pair> kl_storage;
   __shared__ reduce_storage<std::size_t> token_storage;
   __shared__ reduce_storage<centring_sums> centring_storage;
-  __shared__ reduce_storage<old_side_sums> dominant_storage;
+  __shared__ reduce_storage<troll_dominant_sums> dominant_storage;
   __shared__ reference_storage ref_storage;
   const std::size_t size = new_logits.cols;
   for_each_pair_row(new_logits, old_logits, range,
@@ -408,24 +415,28 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
       fill_nan(grad, size);
       return;
     }
-    // The dominant token's entry (π ≥ 1/2) is minus the others' sum, as on the CPU
-    // (troll_backward_write): the entries sum to 0 and its own terms cancel.
-    old_side_sums dominant;
+    // Each part's entry at its dominant token (π*'s for the ratio part, p̃'s for the regression
+    // part) is minus the part's other entries, as on the CPU (troll_backward_write,
+    // troll_dominant_sums): the parts sum to 0 and cancel there.
+    troll_dominant_sums dominant;
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       const double lp = static_cast<double>(log_pi[i]);
       const double zn_i = static_cast<double>(zn[i]);
       const bool on_support = lp > neg_inf();
       const double centred = on_support && projected ? ref.centred(zn_i, static_cast<double>(zo[i])) - m : 0.0;
       const double lp_new = zn_i - log_norm_new;
-      const double g = troll_gradient_entry(k, std::int64_t(i) == a, on_support, lp_new > neg_inf(), lp, lp_new,
-                                            centred);
-      grad[i] = static_cast<T>(g);
-      dominant.add(i, lp, g);
+      const troll_gradient_parts g =
+          troll_gradient_split(k, std::int64_t(i) == a, on_support, lp_new > neg_inf(), lp, lp_new, centred);
+      grad[i] = static_cast<T>(g.ratio + g.reg);
+      dominant.add(i, lp, with_reg ? lp_new : neg_inf(), g);
     }
     // every thread reaches this (no early return after the overflow check above); its barriers
-    // also order the writes above before thread 0's overwrite below
-    const old_side_sums total = block_all_reduce(dominant_storage, dominant, merge_old_side{});
-    if (threadIdx.x == 0 && total.found()) grad[total.top] = static_cast<T>(total.top_entry());
+    // also order the writes above before thread 0's overwrites below
+    const troll_dominant_sums total = block_all_reduce(dominant_storage, dominant, merge_troll_dominant{});
+    if (threadIdx.x == 0) {
+      if (total.ratio.found()) grad[total.ratio.top] = static_cast<T>(total.at_ratio_top());
+      if (total.reg.found()) grad[total.reg.top] = static_cast<T>(total.at_reg_top());
+    }
   });
 }
 

@@ -418,19 +418,36 @@ __global__ void __launch_bounds__(block_threads)
           if (overflow >= 0 && lane_id() == 0)  // uniform across the warp: NaN upstream below
             record_row(checks, range, r,
                        overflow_report(overflow, static_cast<double>(lp_row[at]) - log_q_a, in.tokens[r]));
+          // Each part's entry at its dominant category (π*'s for the ratio part, p̃'s for the
+          // regression part) is minus the part's other entries, as on the CPU
+          // (troll_backward_write on the lumped rows, troll_dominant_sums).
+          troll_dominant_sums dominant;
           for (int i = lane_id(); i <= row.count; i += warp_lanes) {
             double x, y;
             row.at(i, x, y);
-            double value = 0.0;
+            troll_gradient_parts parts;
+            double lp = neg_inf(), lp_new = neg_inf();
             if (!(x == neg_inf() && y == neg_inf())) {
-              const double lp = i < row.count ? static_cast<double>(lp_row[i]) : lp_bucket;
+              lp = i < row.count ? static_cast<double>(lp_row[i]) : lp_bucket;
               const bool on_support = lp > neg_inf();
               const double centred = on_support && projected ? ref.centred(x, y) - m : 0.0;
-              const double lp_new = x - log_norm_new;
-              value = troll_gradient_entry(k, i == at, on_support, lp_new > neg_inf(), lp, lp_new, centred);
+              lp_new = x - log_norm_new;
+              parts = troll_gradient_split(k, i == at, on_support, lp_new > neg_inf(), lp, lp_new, centred);
             }
-            if (overflow >= 0) value = quiet_nan();
+            dominant.add(static_cast<std::size_t>(i), lp, with_reg ? lp_new : neg_inf(), parts);
+            const double value = overflow >= 0 ? quiet_nan() : parts.ratio + parts.reg;
             (i < row.count ? g[i] : upstream.log_remainder[r]) = static_cast<T>(value);
+          }
+          // every lane reaches the reduction (the branch above is uniform across the warp), and
+          // __syncwarp orders the lanes' writes before lane 0's overwrites (shuffles are no fence)
+          const troll_dominant_sums total = warp_all_reduce(dominant, merge_troll_dominant{});
+          __syncwarp();
+          if (overflow < 0 && lane_id() == 0) {
+            const auto put = [&](std::size_t top, double value) {
+              (int(top) < row.count ? g[top] : upstream.log_remainder[r]) = static_cast<T>(value);
+            };
+            if (total.ratio.found()) put(total.ratio.top, total.at_ratio_top());
+            if (total.reg.found()) put(total.reg.top, total.at_reg_top());
           }
         }
       }

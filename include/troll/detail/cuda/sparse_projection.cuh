@@ -490,7 +490,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
     const double t = projected ? s.t : 1.0, rest = projected ? one_minus_t(s) : 0.0;
     const double h_over_var = projected ? sums.second / s.sigma2 : 0.0;
     const double old_max = scan.old.lse.m, log_sum_old = old_log_sum(scan);
-    old_side_sums old_sums;
+    old_side_sums old_sums, new_sums;
     for (int i = lane_id(); i <= row.count; i += warp_lanes) {
       double a, b;
       row.at(i, a, b);
@@ -503,6 +503,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
         const double gb = on_support ? (i < row.count ? static_cast<double>(g_row[i]) : g_r) : 0.0;
         const double explicit_part = gb - pi * sums.first;
         gn = t * (explicit_part - pi * centred * h_over_var);
+        new_sums.add(std::size_t(i), l, gn);
         if (projected) {
           const double q = b > neg_inf() ? ::exp((b - old_max) - log_sum_old) : 0.0;
           go = rest * explicit_part + sums.second * dt_dold(on_support, pi, centred, q, s);
@@ -517,8 +518,22 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
         if (want_old) grad_old.log_remainder[r] = static_cast<T>(go);
       }
     }
+    {  // ∂L/∂z̃ sums to 0 too: the dominant category's entry from the others' (the CPU's
+       // new_side_dominant); every lane reaches this
+      const old_side_sums total = warp_all_reduce(new_sums, merge_old_side{});
+      __syncwarp();  // the lanes' writes above before lane 0's overwrite (shuffles are no fence)
+      if (lane_id() == 0 && total.found()) {
+        const T value = static_cast<T>(total.top_entry());
+        if (total.top < std::size_t(row.count)) {
+          out_new[total.top] = value;
+        } else {
+          grad_new.log_remainder[r] = value;
+        }
+      }
+    }
     if (want_old && projected) {  // warp-uniform; the dominant entry from the others' (old_side_sums)
       const old_side_sums total = warp_all_reduce(old_sums, merge_old_side{});
+      __syncwarp();  // the lanes' writes above before lane 0's overwrite (shuffles are no fence)
       if (lane_id() == 0 && total.found()) {
         const T value = static_cast<T>(total.top_entry());
         if (total.top < std::size_t(row.count)) {
