@@ -208,17 +208,20 @@ inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s,
   const double t = projected ? s.t : 1.0;
   const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
   int overflow = 0;  // an OR-reduction the compiler vectorises with the loop
-  double others = 0.0;  // Σ grad_new but at a token of π > 1/2 (new_side_dominant)
-  long top = -1;
+  double most = 0.0;  // the largest π (a max-reduction it vectorises too; an FP sum it would not)
   for (long k = 0; k < size; ++k) {
     const double gn = t * ((gd[k] - pi[k] * sum_g) - pi[k] * (centred[k] - m) * h_over_var);
     overflow |= !(gn - gn == 0.0);
     grad_new[k] = gn;
-    const bool dominant = pi[k] > 0.5;
-    others += dominant ? 0.0 : gn;
-    top = dominant ? k : top;
+    most = most < pi[k] ? pi[k] : most;
   }
-  if (top >= 0) grad_new[top] = 0.0 - others;  // new_side_dominant
+  if (most > 0.5) {  // new_side_dominant: the token of π > 1/2 from the others' sum
+    long top = 0;
+    while (!(pi[top] > 0.5)) ++top;
+    using row = Eigen::Map<const Eigen::Array<double, Eigen::Dynamic, 1>>;
+    const double others = row(grad_new, top).sum() + row(grad_new + top + 1, size - top - 1).sum();
+    grad_new[top] = 0.0 - others;
+  }
   *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
   return overflow == 0 && fits_in<double>(*grad_eps) ? 1 : 0;
 }

@@ -120,18 +120,15 @@ inline bool kl_backward_row_finite(const T* zp, const T* zq, std::size_t size, c
   // Second pass: the gradients.
   const packet pls = pset1<packet>(p_log_sum), qls = pset1<packet>(q_log_sum);
   const packet mx = pset1<packet>(mean_x), pa = pset1<packet>(a_log), pg = pset1<packet>(g);
-  const packet abs_a = pset1<packet>(::fabs(a_log)), one = pset1<packet>(1.0);
   for (long k = 0; k < padded; k += lanes) {
     packet a, b;
     read(k, a, b);
     const packet x = centred(a, b);
-    const packet log_p = psub(psub(a, pm), pls), log_q = psub(psub(b, qm), qls);
-    const packet p = exp_any(log_p), q = exp_any(log_q);
+    const packet p = exp_any(psub(psub(a, pm), pls)), q = exp_any(psub(psub(b, qm), qls));
     const packet gp = pmul(pg, pmul(p, psub(x, mx)));
-    // σ = x − a, or log p − log q where that is the better conditioned (the general path says why;
-    // here |x| and |a| stay below ~1400, so the gain is from ~1e-14 to an ulp).
-    const packet direct_scale = pmax(pmax(pabs(log_p), pabs(log_q)), one);
-    const packet sigma = pselect(pcmp_lt(direct_scale, pmax(pabs(x), abs_a)), psub(log_p, log_q), psub(x, pa));
+    // σ = x − a alone: here |x| and |a| stay below ~1400, so it errs by ~1e-14 at most (within
+    // the documented 2.6e-14); the general path's per-token choice (below) cost 8% in float.
+    const packet sigma = psub(x, pa);
     packet gq = pnegate(pmul(q, expm1_near_zero_packet(pmax(pmin(sigma, half), pnegate(half)))));
     if (any_lane(pcmp_lt(half, pabs(sigma))))  // some |σ| > 1/2: q − p there
       gq = pselect(pcmp_le(pabs(sigma), half), gq, psub(q, p));
