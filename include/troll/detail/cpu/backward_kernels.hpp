@@ -105,6 +105,17 @@ inline void load_backward_block(const T* zn, const T* zo, const T* logp, double 
 
 // expm1_near_zero (the block expm1 for |x| ≤ 1/2) lives in row_kernels.hpp.
 
+/// log(1/2): a token whose log π* exceeds it is the row's new_side_dominant token.
+inline constexpr double dominant_log_pi = -0.6931471805599453;
+
+/// Σ_{i≠skip} x_i in four interleaved partial sums (i mod 4), added pairwise: the same bits
+/// wherever it is called on the same values, and about four times faster than one chain.
+inline double sum_except(const double* x, long n, long skip) {
+  double s[4] = {0.0, 0.0, 0.0, 0.0};
+  for (long i = 0; i < n; ++i) s[i & 3] += i == skip ? 0.0 : x[i];
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
 // new_side_dominant: ∂L/∂z̃ sums to 0 over a row (moving every new logit alike leaves π* alone),
 // and at a token k of π_k > 1/2 its entry t((g_k − π_k Σg) − π_k c_k h/σ²) is a difference of
 // O(|g|) terms that cancel where the other tokens' mass is tiny (upstream on k alone: 0 for
@@ -176,7 +187,7 @@ inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s,
   if (size > long(block_size) || size == 0) return -1;
   const long padded = (size + lanes - 1) / lanes * lanes;
   const bool projected = s.status == row_status::projected;
-  double pi[block_size], centred[block_size], gd[block_size];
+  double pi[block_size], centred[block_size], gd[block_size], lps[block_size];
   const packet mu = pset1<packet>(s.mu), one = pset1<packet>(1.0), zero = pset1<packet>(0.0);
   packet lowest = zero, odd = zero, sg = zero, sgc = zero, spc = zero, spread = zero;
   // lane j of the packet at k holds entry k + j: the padding's π c (e^{−700}·(−μ)) is kept out
@@ -190,6 +201,7 @@ inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s,
     odd = padd(odd, padd(psub(c, c), psub(lp, lp)));  // NaN unless every d − μ and log π is finite
     const packet p = exp_bounded(lp);
     pstoreu(pi + k, p);
+    pstoreu(lps + k, lp);
     pstoreu(centred + k, c);
     pstoreu(gd + k, gk);
     sg = padd(sg, gk);
@@ -208,19 +220,17 @@ inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s,
   const double t = projected ? s.t : 1.0;
   const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
   int overflow = 0;  // an OR-reduction the compiler vectorises with the loop
-  double most = 0.0;  // the largest π (a max-reduction it vectorises too; an FP sum it would not)
+  double most = -700.0;  // the largest log π (a max-reduction it vectorises; an FP sum it would not)
   for (long k = 0; k < size; ++k) {
     const double gn = t * ((gd[k] - pi[k] * sum_g) - pi[k] * (centred[k] - m) * h_over_var);
     overflow |= !(gn - gn == 0.0);
     grad_new[k] = gn;
-    most = most < pi[k] ? pi[k] : most;
+    most = most < lps[k] ? lps[k] : most;
   }
-  if (most > 0.5) {  // new_side_dominant: the token of π > 1/2 from the others' sum
+  if (most > dominant_log_pi) {  // new_side_dominant: the token of π > 1/2 from the others' sum
     long top = 0;
-    while (!(pi[top] > 0.5)) ++top;
-    using row = Eigen::Map<const Eigen::Array<double, Eigen::Dynamic, 1>>;
-    const double others = row(grad_new, top).sum() + row(grad_new + top + 1, size - top - 1).sum();
-    grad_new[top] = 0.0 - others;
+    while (!(lps[top] > dominant_log_pi)) ++top;
+    grad_new[top] = 0.0 - sum_except(grad_new, size, top);  // vjp_row's bits on such a row
   }
   *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
   return overflow == 0 && fits_in<double>(*grad_eps) ? 1 : 0;
@@ -392,7 +402,7 @@ inline int vjp_row_packets(const T* zn, const T* zo, const T* logp, const T* g, 
   const packet pt = pset1<packet>(t), psum_g = pset1<packet>(sum_g);
   const packet ph = pset1<packet>(projected ? sum_gc / s.sigma2 : 0.0);
   packet largest = pset1<packet>(0.0), bad = largest, others = largest;
-  const packet log_half = pset1<packet>(-0.6931471805599453), zero = largest;
+  const packet log_half = pset1<packet>(dominant_log_pi), zero = largest;
   long top = -1;  // a token of π > 1/2 (new_side_dominant), found in the packet that holds it
   // gn = t·((g − π·Σg) − π·(d − μ)·h/σ²), written in T; the largest |gn| and a NaN unless every
   // gn is finite, for the check that they fit T; Σ gn but at a token of π > 1/2.
@@ -405,7 +415,7 @@ inline int vjp_row_packets(const T* zn, const T* zo, const T* logp, const T* g, 
       double lps[lanes];
       pstoreu(lps, lp);
       for (long j = 0; j < lanes; ++j)
-        if (lps[j] > -0.6931471805599453) top = k + j;
+        if (lps[j] > dominant_log_pi) top = k + j;
     }
   };
   auto second = [&](long k, const packet& lp, const packet& c, const packet& gk) {
@@ -498,14 +508,11 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
     largest = maximum(largest, gn.abs().template maxCoeff<Eigen::PropagateNaN>());
     store(grad_new, begin, count, gn);
     const block_array lp = load(logp, begin, count);  // (b.log_pi is 0 off J)
-    if (lp.maxCoeff() > -0.6931471805599453) {
-      for (Eigen::Index j = 0; j < count; ++j) {
-        if (lp[j] > -0.6931471805599453) {
-          top_new = begin + std::size_t(j);
-        } else {
-          others_new += gn[j];
-        }
-      }
+    if (lp.maxCoeff() > dominant_log_pi) {  // the block of the dominant token: the short path's sum
+      Eigen::Index j = 0;
+      while (!(lp[j] > dominant_log_pi)) ++j;
+      top_new = begin + std::size_t(j);
+      others_new += sum_except(gn.data(), long(count), long(j));
     } else {
       others_new += gn.sum();
     }
