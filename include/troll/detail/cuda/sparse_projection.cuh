@@ -518,31 +518,18 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
         if (want_old) grad_old.log_remainder[r] = static_cast<T>(go);
       }
     }
-    {  // ∂L/∂z̃ sums to 0 too: the dominant category's entry from the others' (the CPU's
-       // new_side_dominant); every lane reaches this
-      const old_side_sums total = warp_all_reduce(new_sums, merge_old_side{});
-      __syncwarp();  // the lanes' writes above before lane 0's overwrite (shuffles are no fence)
-      if (lane_id() == 0 && total.found()) {
-        const T value = static_cast<T>(total.top_entry());
-        if (total.top < std::size_t(row.count)) {
-          out_new[total.top] = value;
-        } else {
-          grad_new.log_remainder[r] = value;
-        }
-      }
-    }
-    if (want_old && projected) {  // warp-uniform; the dominant entry from the others' (old_side_sums)
-      const old_side_sums total = warp_all_reduce(old_sums, merge_old_side{});
-      __syncwarp();  // the lanes' writes above before lane 0's overwrite (shuffles are no fence)
-      if (lane_id() == 0 && total.found()) {
-        const T value = static_cast<T>(total.top_entry());
-        if (total.top < std::size_t(row.count)) {
-          out_old[total.top] = value;
-        } else {
-          grad_old.log_remainder[r] = value;
-        }
-      }
-    }
+    // Each side's entries sum to 0: the dominant category's entry from the others' (old_side_sums,
+    // the CPU's new_side_dominant on the new side). Every lane reaches the reduction (the old
+    // side's condition is warp-uniform); __syncwarp orders the lanes' writes above before lane 0's
+    // overwrite (shuffles are no fence).
+    const auto put_dominant = [&](const old_side_sums& sums, T* out, T* bucket) {
+      const old_side_sums total = warp_all_reduce(sums, merge_old_side{});
+      __syncwarp();
+      if (lane_id() == 0 && total.found())
+        (total.top < std::size_t(row.count) ? out[total.top] : *bucket) = static_cast<T>(total.top_entry());
+    };
+    put_dominant(new_sums, out_new, grad_new.log_remainder + r);
+    if (want_old && projected) put_dominant(old_sums, out_old, grad_old.log_remainder + r);
     for (std::size_t i = std::size_t(row.count) + std::size_t(lane_id()); i < grad_new.k_max; i += warp_lanes)
       out_new[i] = T(0);
     for (std::size_t i = std::size_t(row.count) + std::size_t(lane_id()); want_old && i < grad_old.k_max;
