@@ -1368,3 +1368,35 @@ TEST_CASE("full rows the factorisation cannot form: the projections and derivati
   CHECK(std::isfinite(out_l[0]));
   CHECK(out_l[0] > 1.0);
 }
+
+TEST_CASE("a projected row whose Fisher information overflows: exact forward, derivatives refused") {
+  // σ̃/σ° = 1e-100 on one axis (d = 1, ε = 0.1): I(t*) ~ ½(γ t/a)² overflows a double, and the
+  // derivatives' term through t* (t̄ / (t I)) was 0: ∂μ*/∂ε came out 0 for 1.2765 (an mpmath
+  // audit). The backward and the JVP now refuse the row by name, writing nothing; the row before
+  // it (ordinary) would have been fine.
+  const std::size_t rows = 2, d = 1;
+  const std::vector<double> mean{0.3, 1.0}, sd{0.7, 1e-100}, old_mean{0.0, 0.0}, old_sd{1.0, 1.0};
+  std::vector<double> out_mean(rows * d), out_sd(rows * d);
+  std::vector<gaussian_stats> st(rows);
+  auto in = [](const std::vector<double>& x) { return troll::make_batch(x.data(), 2, 1); };
+  auto out = [](std::vector<double>& x) { return troll::make_batch(x.data(), 2, 1); };
+  troll::gaussian::project_joint_diag(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 0.1, out(out_mean),
+                                      out(out_sd), st.data());
+  REQUIRE(st[1].status == troll::row_status::projected);
+  CHECK(std::isfinite(out_mean[1]));
+  CHECK(std::isfinite(out_sd[1]));
+  CHECK(!(st[1].fisher < std::numeric_limits<double>::infinity()));
+  std::vector<double> up(rows * d, 1.0), gm(rows * d, 42.0), gs(rows * d, 42.0), ge(rows, 42.0);
+  const troll::gaussian::gaussian_grads<double> grads{troll::make_batch(gm.data(), rows, d),
+                                                      troll::make_batch(gs.data(), rows, d),
+                                                      troll::batch_view<double>{}, troll::batch_view<double>{},
+                                                      ge.data(), nullptr};
+  const refusal r = refusal_of([&] {
+    troll::gaussian::project_joint_diag_backward(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 0.1,
+                                                 in(out_mean), in(out_sd), st.data(), in(up), in(up), grads);
+  });
+  CHECK(r.row == 1);
+  CHECK_MESSAGE(r.what.find("Fisher information") != std::string::npos, r.what);
+  for (const std::vector<double>* v : {&gm, &gs, &ge})
+    for (double x : *v) CHECK(x == 42.0);
+}

@@ -7,11 +7,14 @@
 // NaN. The expectations come from long double: ρ, PPO's and DPPO's losses in closed form.
 
 #include <troll/objectives.hpp>
+#include <troll/sparse.hpp>
+#include <troll/sparse_objectives.hpp>
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "expect_error.hpp"
@@ -249,4 +252,88 @@ TEST_CASE("An overflow from a huge grad_loss blames grad_loss, not the token") {
                                  token_loss.data());
       },
       0, "not sampled from");
+}
+
+TEST_CASE_TEMPLATE("A regression term alpha*KL that overflows is reported before anything is written", T, float,
+                   double) {
+  // α passes its own check (finite, ≥ 0), but α·KL(p̃‖π*) does not fit T: the forward used to
+  // find it only after log_probs and stats were written (an audit: float α = 1e39). Two rows far
+  // from each other (KL(p̃‖π*) of tens at ε = 1e-3), advantage 0 (the ratio term is 0).
+  const std::size_t rows = 2, V = 6;
+  std::vector<T> zn(rows * V), zo(rows * V), adv(rows, T(0));
+  for (std::size_t i = 0; i < rows * V; ++i) zn[i] = T(10.0 * std::cos(double(i))), zo[i] = T(-10.0 * std::cos(double(i)));
+  std::vector<std::int64_t> tok{1, 2};
+  troll::token_batch<T> b;
+  b.tokens = tok.data();
+  b.advantages = adv.data();
+  const auto nv = troll::make_batch<const T>(zn.data(), rows, V), ov = troll::make_batch<const T>(zo.data(), rows, V);
+  troll::trust_region_objective o;
+  o.eps = 1e-3;
+  o.alpha = std::is_same<T, float>::value ? 1e300 : std::numeric_limits<double>::max() / 2;
+  std::vector<T> token_loss(rows, T(42)), log_probs(rows * V, T(42));
+  std::vector<troll::projection_stats> stats(rows);
+  stats[0].t = stats[1].t = 0.125;
+  troll_test::expect_rejected<troll::domain_error>(
+      [&] {
+        troll::objective_forward(troll::cpu, o, nv, ov, b, troll::make_batch(log_probs.data(), rows, V), stats.data(),
+                                 token_loss.data());
+      },
+      0, "overflows");
+  for (T v : log_probs) CHECK(v == T(42));
+  for (T v : token_loss) CHECK(v == T(42));
+  CHECK(stats[0].t == 0.125);
+  CHECK(stats[1].t == 0.125);
+  // The sparse objective on the same rows (every token kept).
+  troll::sparse_trust_region_objective so;
+  so.eps = o.eps;
+  so.alpha = o.alpha;
+  const std::size_t k = V;
+  std::vector<troll::sparse_index> idx(rows * k), cnt(rows), aidx(rows * k, -7), acnt(rows, -7), lidx(rows * k, -7),
+      lcnt(rows, -7);
+  std::vector<T> olp(rows * k), orem(rows), anew(rows * k, T(42)), aold(rows * k, T(42)), anrem(rows, T(42)),
+      aorem(rows, T(42)), llp(rows * k, T(42)), lrem(rows, T(42));
+  troll::sparsify(troll::cpu, ov, nullptr, {int(k), 0.0},
+                  troll::sparse_batch_view<T>{idx.data(), olp.data(), cnt.data(), orem.data(), rows, k, V});
+  troll_test::expect_rejected<troll::domain_error>(
+      [&] {
+        troll::objective_forward(
+            troll::cpu, so, nv, troll::sparse_batch_view<const T>{idx.data(), olp.data(), cnt.data(), orem.data(), rows, k, V},
+            b,
+            troll::aligned_batch_view<T>{aidx.data(), acnt.data(), anew.data(), aold.data(), anrem.data(), aorem.data(),
+                                         rows, k, V},
+            troll::sparse_batch_view<T>{lidx.data(), llp.data(), lcnt.data(), lrem.data(), rows, k, V}, stats.data(),
+            token_loss.data());
+      },
+      0, "overflows");
+  for (T v : anew) CHECK(v == T(42));
+  for (T v : llp) CHECK(v == T(42));
+  for (T v : token_loss) CHECK(v == T(42));
+  CHECK(stats[0].t == 0.125);
+  // An ordinary α on the same rows is accepted.
+  o.alpha = 1.0;
+  troll::objective_forward(troll::cpu, o, nv, ov, b, troll::make_batch(log_probs.data(), rows, V), stats.data(),
+                           token_loss.data());
+  CHECK(std::isfinite(double(token_loss[0])));
+  CHECK(double(token_loss[0]) > 1.0);  // KL(p̃‖π*) of these rows
+}
+
+TEST_CASE("TROLL's forward ignores rows with mask 0 whatever a caller's workspace held before") {
+  // The forward's per-row flags live in the workspace; a row with mask 0 (token −100: an ignore
+  // index) must not be taken for a flagged row because of the bytes left there.
+  const tail_case<double> c({0.0, 1.0}, 1.0);
+  std::vector<std::int64_t> tokens{-100, 5};
+  std::vector<double> mask{0.0, 1.0};
+  troll::token_batch<double> b = c.batch();
+  b.tokens = tokens.data();
+  b.loss_mask = mask.data();
+  const troll::trust_region_objective o;
+  const std::size_t bytes = troll::workspace_bytes(troll::cpu, troll::op::objective_forward{}, o, c.rows, c.V);
+  std::vector<unsigned char> workspace(bytes + 64, 0xFF);
+  std::vector<double> token_loss(c.rows), log_probs(c.rows * c.V);
+  std::vector<troll::projection_stats> stats(c.rows);
+  const troll::objective_metrics m = troll::objective_forward(
+      troll::cpu.with_workspace(workspace.data(), bytes), o, c.news(), c.olds(), b,
+      troll::make_batch(log_probs.data(), c.rows, c.V), stats.data(), token_loss.data());
+  CHECK(std::isfinite(m.loss));
+  CHECK(token_loss[0] == 0.0);
 }

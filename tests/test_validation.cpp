@@ -8,6 +8,7 @@
 #include <troll/objectives.hpp>
 #include <troll/projection.hpp>
 #include <troll/sparse.hpp>
+#include <troll/sparse_objectives.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -882,4 +883,59 @@ TEST_CASE("argument messages print numbers as the shortest text that reads back,
     troll::sparsify(troll::cpu, troll::make_batch(z.data(), rows, vocab), nullptr, {4, 1.25}, out.view());
   }).second;
   CHECK(delta_message.find("1.25") != std::string::npos);
+}
+
+TEST_CASE("an aggregation value outside the enum is a domain_error before anything is written") {
+  // A loss_aggregation cast from an out-of-range integer took the sequence path without its ids:
+  // a null read (segfault) without sequence_ids, and a silent sequence mean with them (an audit).
+  const std::size_t rows = 2, v = 4;
+  std::vector<double> zn{0.1, 0.5, -0.3, 0.2, 1.0, -1.0, 0.0, 0.3}, zo{0.0, 0.4, -0.2, 0.1, 0.8, -0.9, 0.1, 0.2};
+  std::vector<std::int64_t> tokens{1, 2}, ids{0, 0};
+  std::vector<double> adv{1.0, -0.5}, lp(rows * v, 7.0), grad(rows * v, 7.0), token_loss(rows, 7.0);
+  std::vector<troll::projection_stats> stats(rows);
+  stats[0].t = stats[1].t = 0.25;
+  for (const std::int64_t* seq : {static_cast<const std::int64_t*>(nullptr), static_cast<const std::int64_t*>(ids.data())}) {
+    troll::token_batch<double> in;
+    in.tokens = tokens.data();
+    in.advantages = adv.data();
+    in.sequence_ids = seq;
+    in.aggregation = static_cast<troll::loss_aggregation>(7);
+    const auto nv = troll::make_batch<const double>(zn.data(), rows, v), ov = troll::make_batch<const double>(zo.data(), rows, v);
+    auto unknown = [](auto&& call) {
+      CHECK_THROWS_WITH_AS(call(), doctest::Contains("unknown loss aggregation 7"), troll::domain_error);
+    };
+    unknown([&] {
+      troll::objective_forward(troll::cpu, troll::trust_region_objective{}, nv, ov, in,
+                               troll::make_batch(lp.data(), rows, v), stats.data(), token_loss.data());
+    });
+    unknown([&] {
+      troll::objective_backward(troll::cpu, troll::trust_region_objective{}, nv, ov, in,
+                                troll::make_batch<const double>(lp.data(), rows, v), stats.data(),
+                                troll::make_batch(grad.data(), rows, v));
+    });
+    unknown([&] { troll::objective_forward(troll::cpu, troll::ppo_clip_objective{}, nv, ov, in, token_loss.data()); });
+    unknown([&] {
+      troll::objective_backward(troll::cpu, troll::dppo_objective{}, nv, ov, in, troll::make_batch(grad.data(), rows, v));
+    });
+    sparse_rows<double> old_rows(rows, v, v);
+    aligned_rows<double> aligned(rows, v, v);
+    sparse_rows<double> out(rows, v, v);
+    troll::sparsify(troll::cpu, ov, nullptr, {int(v), 0.0}, old_rows.view());
+    unknown([&] {
+      troll::objective_forward(troll::cpu, troll::sparse_trust_region_objective{}, nv, old_rows.view(), in,
+                               aligned.view(), out.view(), stats.data(), token_loss.data());
+    });
+    for (double x : lp) CHECK(x == 7.0);
+    for (double x : grad) CHECK(x == 7.0);
+    for (double x : token_loss) CHECK(x == 7.0);
+    CHECK(stats[0].t == 0.25);
+  }
+}
+
+TEST_CASE("sequence_ids_from_lengths checks every length before it writes") {
+  const std::int64_t lengths[3] = {2, 3, -1};
+  std::vector<std::int64_t> ids(5, -7);
+  CHECK_THROWS_WITH_AS(troll::sequence_ids_from_lengths(lengths, 3, ids.data()),
+                       doctest::Contains("sequence 2 has negative length -1"), troll::domain_error);
+  for (std::int64_t x : ids) CHECK(x == -7);
 }

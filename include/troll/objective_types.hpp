@@ -93,16 +93,16 @@ struct objective_metrics {
 
 /// ids[r] = index of the sequence row r belongs to, for `count` sequences of the given lengths
 /// laid out one after the other (Σ lengths entries are written). Throws domain_error for a
-/// negative length.
+/// negative length, before writing anything.
 inline void sequence_ids_from_lengths(const std::int64_t* lengths, std::size_t count,
                                       std::int64_t* ids) {
-  std::size_t at = 0;
-  for (std::size_t s = 0; s < count; ++s) {
+  for (std::size_t s = 0; s < count; ++s)  // every length first: nothing is written on a throw
     if (lengths[s] < 0)
       throw domain_error("troll::sequence_ids_from_lengths: sequence " + std::to_string(s) +
                          " has negative length " + std::to_string(lengths[s]));
+  std::size_t at = 0;
+  for (std::size_t s = 0; s < count; ++s)
     for (std::int64_t k = 0; k < lengths[s]; ++k) ids[at++] = std::int64_t(s);
-  }
 }
 
 TROLL_END_NAMESPACE

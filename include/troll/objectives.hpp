@@ -62,15 +62,22 @@ objective_metrics objective_forward(cpu_policy policy, const trust_region_object
   detail::validate_objective(fn, policy.threads, new_logits, old_logits, in, true, objective.eps,
                              objective.alpha > 0.0);
   const detail::cpu::troll_forward_scratch<T>& ws = scratch.parts;
-  // A counted token far in the old row's tail (−log q_a ≤ max z° − z°_a + log V) is projected
-  // once into the scratch row first (one such row at a time, in row order), so that a ratio or
-  // loss that overflows is reported before anything is written.
-  detail::cpu::parallel_for(policy.threads, rows, size, [&](std::size_t r) {
+  // A counted token far in the old row's tail (−log q_a ≤ max z° − z°_a + log V), or whose
+  // regression term α·KL(p̃‖π*) might not fit T (a huge α or huge logits), is projected once into
+  // the scratch row first (one such row at a time, in row order), so that a ratio or loss that
+  // overflows is reported before anything is written.
+  detail::cpu::parallel_for(policy.threads, rows, 2 * size, [&](std::size_t r) {
+    ws.flags[r] = 0;
     if (detail::mask_of(in, r) == 0.0) return;
     const T* zo = old_logits.row(r);
-    const double bound = detail::cpu::row_max(zo, size) - static_cast<double>(zo[in.tokens[r]]) +
-                         std::log(double(size));
-    ws.flags[r] = detail::ratio_may_overflow<T>(bound, static_cast<double>(in.advantages[r]));
+    detail::cpu::pair_extent e;
+    if (objective.alpha > 0.0)
+      e = detail::cpu::pair_extents(new_logits.row(r), zo, size);
+    else
+      e.old_max = detail::cpu::row_max(zo, size);
+    const double bound = e.old_max - static_cast<double>(zo[in.tokens[r]]) + std::log(double(size));
+    ws.flags[r] = detail::ratio_may_overflow<T>(bound, static_cast<double>(in.advantages[r])) ||
+                  detail::regression_may_overflow<T>(objective.alpha, e.difference_range);
   });
   for (std::size_t r = 0; r < rows; ++r) {
     if (!ws.flags[r]) continue;

@@ -745,9 +745,11 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
     double row_grad_eps = 0.0;
     overflowed[r] = detail::offset_row(stats[r])  // |μ| ≫ σ: against a reference (offset_rows.hpp)
                         ? !detail::cpu::vjp_offset_row(zn, zo, lp, g, std::size_t(n), stats[r], gn,
-                                                       want_old ? go : nullptr, &row_grad_eps)
+                                                       want_old ? go : nullptr, &row_grad_eps,
+                                                       detail::two_point_pi_ulps<T>())
                         : !detail::cpu::vjp_row(zn, zo, lp, g, std::size_t(n), stats[r], gn,
-                                                want_old ? go : nullptr, &row_grad_eps);
+                                                want_old ? go : nullptr, &row_grad_eps, nullptr,
+                                                detail::two_point_pi_ulps<T>());
     auto scatter = [&](const double* lumped, sparse_grad_view<T> to) {
       T* row = to.row(r);
       if (identity) {

@@ -57,6 +57,7 @@ inline void check_sparse_objective(const char* fn, const sparse_trust_region_obj
 /// The token batch's pointers every sparse objective call needs when rows > 0.
 template <class T>
 void check_sparse_token_batch(const char* fn, const token_batch<T>& in, const void* stats) {
+  check_aggregation(fn, in.aggregation);
   if (in.tokens == nullptr) throw_shape(fn, "tokens is a null pointer");
   if (in.advantages == nullptr) throw_shape(fn, "advantages is a null pointer");
   if (in.aggregation == loss_aggregation::sequence_mean && in.sequence_ids == nullptr)

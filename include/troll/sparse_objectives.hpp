@@ -107,6 +107,18 @@ objective_metrics objective_forward(cpu_policy policy,
       // memory (below), must fit before anything is written.
       may_overflow = detail::ratio_may_overflow<T>(-static_cast<double>(old_lp[at]),
                                                    static_cast<double>(in.advantages[r]));
+      if (regression && !may_overflow) {
+        // KL(p̃‖π*) ≤ the range of d over the lumped categories (cpu::pair_extents): the new
+        // side's log-probs span at most the finite logits' range + log V (the bucket's sum), the
+        // old side's its own finite entries.
+        double old_high = detail::neg_inf(), old_low = detail::inf();
+        for (long long i = 0; i <= count; ++i) {
+          const double x = static_cast<double>(i < count ? old_lp[i] : old_rows.log_remainder[r]);
+          if (x > detail::neg_inf()) old_high = detail::maximum(old_high, x), old_low = detail::minimum(old_low, x);
+        }
+        const double bound = (scan.highest - scan.lowest) + std::log(double(vocab)) + (old_high - old_low);
+        may_overflow = detail::regression_may_overflow<T>(objective.alpha, bound);
+      }
     }
     // Every lumped category is finite on both sides unless something is −inf: then the rows the
     // projection will see are built (without writing) and checked as project checks them.
@@ -276,7 +288,7 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
     const int* slot = row.slot;
     bool fits = detail::cpu::troll_backward_row(row.zn, row.zo, row.lpi, std::size_t(n), stats[r], c[r],
                                                 row.token, static_cast<double>(in.advantages[r]),
-                                                objective.alpha, g);
+                                                objective.alpha, g, detail::two_point_pi_ulps<T>());
     for (int j = 0; j < n; ++j) fits = fits && detail::fits_in<T>(g[j]);
     overflowed[r] = !fits;
     // Upstream of the gather: g on U (0 on categories dropped as −inf on both sides) and g_R.

@@ -165,4 +165,40 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("TROLL backward: an entry beyond the sampled token's that overflows is reported for its row") {
+  // Row 1 (V = 3, sampled token 2, t* ≈ 0.82, ρ ≈ 1.9e3) has a gradient whose largest entry, at
+  // another token, is ~9 times the sampled token's scale c·A·ρ·t. With A chosen so that this
+  // scale is max/4 (the forward's loss ρ·A ≈ 0.6·max and the backward's first check fit) the
+  // largest entry is about 2·max: the backward's last check must name row 1 (never ±inf written
+  // silently).
+  const std::size_t vocab = 3;
+  const std::vector<double> zn{0.5, -1.0, 2.0, 6.0, 8.0, 1.0}, zo{0.0, 0.0, 1.0, 13.0, 14.0, -2.0};
+  const std::vector<troll::token_id> tok{0, 2};
+  troll::trust_region_objective tr;
+  tr.alpha = 0;
+  tr.eps = 0.05;
+  // ρ and t* of row 1 alone (A = 1).
+  staged_tokens alone(std::vector<double>(zo.begin() + 3, zo.end()), {2}, {1.0}, {1.0}, vocab);
+  objective_on<troll::trust_region_objective> probe(tr, alone, zn.data() + 3);
+  const double rho = probe.forward().ratio_mean;
+  const troll::projection_stats st = probe.stats.download()[0];
+  REQUIRE(st.status == troll::row_status::projected);
+  REQUIRE(st.t > 0.7);
+  REQUIRE(rho > 1.0);
+  const double c = 0.5;  // the token mean over two tokens
+  const double advantage = std::numeric_limits<double>::max() / 4 / (c * rho * st.t);
+  staged_tokens staged(zo, tok, {1.0, advantage}, {1.0, 1.0}, vocab);
+  objective_on<troll::trust_region_objective> both(tr, staged, zn.data());
+  std::vector<double> gx(2 * vocab);
+  try {
+    both.backward(gx.data());
+    FAIL("no exception: the gradient overflows a double");
+  } catch (const troll::domain_error& err) {
+    CHECK(err.row() == 1);
+    const std::string message = err.what();
+    CHECK_MESSAGE(message.find("gradient") != std::string::npos, message);
+    CHECK_MESSAGE(message.find("overflows") != std::string::npos, message);
+  }
+}
+
 }  // namespace adversarial_objectives

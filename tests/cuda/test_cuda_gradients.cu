@@ -20,6 +20,7 @@
 
 #include "backend.hpp"
 #include "corpus.hpp"
+#include "oracle.hpp"
 #include "tolerance.hpp"
 #include "troll/cuda.cuh"
 #include "troll/objectives.hpp"
@@ -949,6 +950,13 @@ using oracle_backend = backend<troll::cuda_policy>;
 
 TEST_SUITE("device") {
 #include "../bodies/backward_centring.hpp"
+}
+
+// Nearly two-point rows (tests/bodies/two_point_rows.hpp, also run on the CPU by
+// tests/test_two_point.cpp): the VJP and TROLL's objective backward against long double, relative
+// to the gradient itself (the two-point rule); the device Jacobian keeps normwise accuracy only.
+TEST_SUITE("device") {
+#include "../bodies/two_point_rows.hpp"
 }
 
 #ifndef TROLL_TEST_GROUP  // grouped, the generated translation unit supplies main

@@ -134,9 +134,17 @@ void check_jvp_tangents(const char* fn, const Tangents& tangents, batch_view<con
 /// (0, 1]). `what` names the derivative ("backward" or "JVP").
 template <class Stats>
 std::string gaussian_stats_problem(const Stats& stats, const char* what) {
-  if (stats.solved() && stats.t > 0.0 && stats.t <= 1.0) return std::string();
-  return std::string("forward statistics are unusable: status ") + status_name(stats.status) +
-         ", t = " + number_text(stats.t) + " (the " + what + " needs a solved row: inactive or projected)";
+  if (!(stats.solved() && stats.t > 0.0 && stats.t <= 1.0))
+    return std::string("forward statistics are unusable: status ") + status_name(stats.status) +
+           ", t = " + number_text(stats.t) + " (the " + what + " needs a solved row: inactive or projected)";
+  // I(t*) is summed in double; where it overflows (a standard-deviation ratio below ~1e-77, a
+  // whitened mean step above ~1e154) the derivatives' implicit term through t* would be lost
+  // (an audit: ∂μ*/∂ε = 0 for 1.28), so they are refused; the forward itself stays exact.
+  if (stats.status == row_status::projected && !(stats.fisher < inf()))
+    return std::string("the Fisher information I(t*) of the projection (stats.fisher) is ") +
+           number_text(stats.fisher) + ": it overflows a double, which the " + what +
+           " does not support (a standard-deviation ratio below ~1e-77 or a whitened mean step above ~1e154)";
+  return std::string();
 }
 
 /// A saved factorisation (gaussian_types.hpp) is empty, or full rows of this batch's shape.

@@ -54,6 +54,23 @@ bool ratio_may_overflow(double neg_log_q, double advantage) {
   return !(neg_log_q + std::log(a > 1.0 ? a : 1.0) < headroom);
 }
 
+/// token_batch::aggregation is one of the enum's values (a value cast from an out-of-range integer
+/// would take the sequence path without its ids).
+inline void check_aggregation(const char* fn, loss_aggregation aggregation) {
+  if (aggregation != loss_aggregation::token_mean && aggregation != loss_aggregation::sequence_mean)
+    throw domain_error(std::string("troll::") + fn + ": unknown loss aggregation " +
+                       std::to_string(static_cast<int>(aggregation)) + " (token_mean or sequence_mean)");
+}
+
+/// Whether a counted token's regression term α·KL(p̃‖π*) might not fit T: KL(p̃‖π*) is at most
+/// `kl_bound` (the range of z̃ − z° over the row's joint support, cpu::pair_extents); such rows
+/// (huge α or logits) are computed once more, without writing, as ratio_may_overflow's. The
+/// margin keeps the loss −ρA + α·KL within T where both checks pass.
+template <class T>
+bool regression_may_overflow(double alpha, double kl_bound) {
+  return alpha > 0.0 && !(alpha * kl_bound < largest_finite<T>() / 8.0);
+}
+
 /// Shape checks of an objective call (before any row is read).
 template <class T>
 void check_objective_shapes(const char* fn, batch_view<const T> new_logits,
@@ -61,6 +78,7 @@ void check_objective_shapes(const char* fn, batch_view<const T> new_logits,
   check_view(fn, "new_logits", new_logits);
   check_view(fn, "old_logits", old_logits);
   check_same_shape(fn, "new_logits", new_logits, "old_logits", old_logits);
+  check_aggregation(fn, in.aggregation);
   if (new_logits.rows == 0) return;
   if (in.tokens == nullptr) throw_shape(fn, "tokens is a null pointer");
   if (in.advantages == nullptr) throw_shape(fn, "advantages is a null pointer");

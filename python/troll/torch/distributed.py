@@ -202,8 +202,8 @@ def sparsify(local_logits: torch.Tensor, vocab_offset: int, vocab_size: int, k: 
 
     ``local_logits`` (..., V_r) are this rank's tokens [vocab_offset, vocab_offset + V_r) of rows
     of ``vocab_size`` tokens; the ranks' slices must be disjoint and cover the vocabulary (any
-    widths, any order of offsets over ranks), and every rank passes the same leading shape, ``k``,
-    ``delta`` and ``sampled`` (global token ids, one a row, or None). Collective: every rank of
+    widths of at least one token, any order of offsets over ranks), and every rank passes the same
+    leading shape, ``k``, ``delta`` and ``sampled`` (global token ids, one a row, or None). Collective: every rank of
     ``group`` must call it. Returns the same ``SparseRows`` on every rank — the rows
     ``troll.torch.sparsify`` gives for the gathered logits (supports and values identical, bit for
     bit: both use troll's canonical exact sums) — differentiable w.r.t.

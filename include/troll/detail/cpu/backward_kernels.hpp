@@ -37,6 +37,7 @@
 #include "../tilt_derivatives.hpp"
 #include "finite_rows.hpp"
 #include "row_kernels.hpp"
+#include "two_point_rows.hpp"
 
 #include "eigen_warnings_push.inc"
 
@@ -178,9 +179,10 @@ inline Packet load_partial(const double* p, long n, double fill) {
 /// ≥ −700 here); else writes grad_new[0..size) (doubles) and *grad_eps and returns 1, or 0 when
 /// an output does not fit double. π = e^{log π*} by exp_bounded (within 1.5 ulp, as
 /// vjp_row_packets), about half the multiply-adds of exp_nonpositive.
+/// `pi_ulps`: two_point_frame::pi_ulps of the type log π* was stored in.
 template <class Read>
 inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s, double* grad_new,
-                              double* grad_eps) {
+                              double* grad_eps, double pi_ulps = 1.0) {
   using namespace Eigen::internal;
   using packet = packet_traits<double>::type;
   constexpr long lanes = long(sizeof(packet) / sizeof(double));
@@ -221,16 +223,36 @@ inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s,
   const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
   int overflow = 0;  // an OR-reduction the compiler vectorises with the loop
   double most = -700.0;  // the largest log π (a max-reduction it vectorises; an FP sum it would not)
+  double largest = 0.0, widest_g = 0.0;  // max |gn| and max |g|, for two_point_suspect
   for (long k = 0; k < size; ++k) {
     const double gn = t * ((gd[k] - pi[k] * sum_g) - pi[k] * (centred[k] - m) * h_over_var);
     overflow |= !(gn - gn == 0.0);
     grad_new[k] = gn;
     most = most < lps[k] ? lps[k] : most;
+    const double size_gn = ::fabs(gn), size_g = ::fabs(gd[k]);
+    largest = largest < size_gn ? size_gn : largest;
+    widest_g = widest_g < size_g ? size_g : widest_g;
   }
   if (most > dominant_log_pi) {  // new_side_dominant: the token of π > 1/2 from the others' sum
     long top = 0;
     while (!(lps[top] > dominant_log_pi)) ++top;
     grad_new[top] = 0.0 - sum_except(grad_new, size, top);  // vjp_row's bits on such a row
+  }
+  if (projected && two_point_suspect(largest, t, widest_g)) {
+    // The row's entries again as doubles (a rare row), for the two-point rule on vjp_row's terms.
+    double row_zn[block_size], row_zo[block_size];
+    for (long k = 0; k < padded; k += lanes) {
+      packet zn, zo, lp, gk;
+      read(k, zn, zo, lp, gk);
+      pstoreu(row_zn + k, zn);
+      pstoreu(row_zo + k, zo);
+    }
+    const two_point_frame f{t, sum_g, h_over_var, pi_ulps};
+    heavy_pair h;
+    const two_point_values tp = two_point_entries(
+        row_zn, row_zo, lps, std::size_t(size), f, largest, widest_g, [&](std::size_t j) { return gd[j]; },
+        [&](std::size_t j) { return ((row_zn[j] - row_zo[j]) - s.mu) - m; }, h);
+    if (tp.take) grad_new[h.first] = tp.v1, grad_new[h.second] = tp.v2;
   }
   *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
   return overflow == 0 && fits_in<double>(*grad_eps) ? 1 : 0;
@@ -242,7 +264,7 @@ inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s,
 /// −1, writing nothing, for any other row (the caller takes the general path), else what vjp_row
 /// returns (0 or 1).
 inline int vjp_row_short(const double* zn, const double* zo, const double* logp, const double* g, long size,
-                         const projection_stats& s, double* grad_new, double* grad_eps) {
+                         const projection_stats& s, double* grad_new, double* grad_eps, double pi_ulps) {
   using namespace Eigen::internal;
   using packet = packet_traits<double>::type;
   constexpr long lanes = long(sizeof(packet) / sizeof(double));
@@ -258,7 +280,7 @@ inline int vjp_row_short(const double* zn, const double* zo, const double* logp,
         lp = read(logp, k, -700.0);
         gk = read(g, k, 0.0);
       },
-      s, grad_new, grad_eps);
+      s, grad_new, grad_eps, pi_ulps);
 }
 
 /// The first pass of vjp_row_packets: Σg and Σg(d − μ) of a row (chunk sums added up, as the
@@ -271,6 +293,7 @@ struct vjp_sums {
   double sum_g = 0.0, sum_gc = 0.0;
   centring_sums centring;  ///< Σ π (d − μ), the centring correction (top of this file)
   double widest = 0.0;     ///< max |d − μ| over the row
+  double widest_g = 0.0;   ///< max |g| over the row
   bool fine = false;
 };
 
@@ -285,11 +308,12 @@ inline vjp_sums vjp_first_pass_of(const T* zn, const T* zo, const T* logp, const
   const long whole = size - size % lanes;
   const packet mu = pset1<packet>(mu_value);
   packet lowest = pset1<packet>(0.0), highest = pset1<packet>(-1.0), odd = pset1<packet>(0.0);
-  packet widest = pset1<packet>(0.0);
+  packet widest = pset1<packet>(0.0), widest_g = widest;
   const packet one = pset1<packet>(1.0);
   auto first = [&](const packet& lp, const packet& c, const packet& gk, packet& sg, packet& sgc, packet& spc,
                    packet& spread) {
     widest = pmax(widest, pabs(c));
+    widest_g = pmax(widest_g, pabs(gk));
     if constexpr (Centring) {
       const packet pc = pmul(exp_in_range(lp), c);  // meaningful only when the row is `fine`
       spc = padd(spc, pc);
@@ -329,6 +353,7 @@ inline vjp_sums vjp_first_pass_of(const T* zn, const T* zo, const T* logp, const
   }
   r.fine = predux_min(lowest) >= -700.0 && predux_max(highest) <= 0.0 && predux(odd) == 0.0;
   r.widest = predux_max(widest);
+  r.widest_g = predux_max(widest_g);
   return r;
 }
 
@@ -376,7 +401,8 @@ inline vjp_sums vjp_first_pass(const T* zn, const T* zo, const T* logp, const T*
 /// `pre`: its first pass already taken (by the validation), else null.
 template <class T>
 inline int vjp_row_packets(const T* zn, const T* zo, const T* logp, const T* g, long size,
-                           const projection_stats& s, T* grad_new, double* grad_eps, const vjp_sums* pre = nullptr) {
+                           const projection_stats& s, T* grad_new, double* grad_eps, const vjp_sums* pre = nullptr,
+                           double pi_ulps = two_point_pi_ulps<T>()) {
   using namespace Eigen::internal;
   using packet = packet_traits<double>::type;
   constexpr long lanes = long(sizeof(packet) / sizeof(double));
@@ -449,40 +475,55 @@ inline int vjp_row_packets(const T* zn, const T* zo, const T* logp, const T* g, 
     for (long k = whole; k < size; ++k) grad_new[k] = T(out[k - whole]);
   }
   if (top >= 0) grad_new[top] = T(0.0 - predux(others));  // new_side_dominant
-  const double most = predux_max(largest);
+  double most = predux_max(largest);
+  if (projected) {
+    const two_point_frame f{t, sum_g, sum_gc / s.sigma2, pi_ulps};
+    heavy_pair h;
+    const two_point_values tp = two_point_entries(
+        zn, zo, logp, std::size_t(size), f, most, sums.widest_g, [&](std::size_t j) { return double(g[j]); },
+        [&](std::size_t j) { return ((double(zn[j]) - double(zo[j])) - s.mu) - m; }, h);
+    if (tp.take) {
+      grad_new[h.first] = T(tp.v1), grad_new[h.second] = T(tp.v2);
+      most = maximum(most, maximum(::fabs(tp.v1), ::fabs(tp.v2)));
+    }
+  }
   *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
   return predux(bad) == 0.0 && fits_in<T>(most) && fits_in<T>(*grad_eps) ? 1 : 0;
 }
 
 /// VJP of one row. grad_old may be null; grad_eps receives ∂L/∂ε of this row. Returns false when
 /// an output does not fit T (an upstream gradient on a token the row all but masks, with a tiny
-/// σ², can make the true derivative overflow): the caller reports the row.
+/// σ², can make the true derivative overflow): the caller reports the row. `pi_ulps`:
+/// two_point_frame::pi_ulps of the type log π* was stored in (the lumped sparse rows and offset
+/// rows are double copies of T rows).
 template <class T>
 inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::size_t size,
                     const projection_stats& s, T* grad_new, T* grad_old, double* grad_eps,
-                    const vjp_sums* pre = nullptr) {
+                    const vjp_sums* pre = nullptr, double pi_ulps = two_point_pi_ulps<T>()) {
   if constexpr (std::is_same<T, double>::value) {  // the lumped sparse rows
     if (!grad_old) {
-      const int done = vjp_row_short(zn, zo, logp, g, static_cast<long>(size), s, grad_new, grad_eps);
+      const int done = vjp_row_short(zn, zo, logp, g, static_cast<long>(size), s, grad_new, grad_eps, pi_ulps);
       if (done >= 0) return done == 1;
     }
   }
   if constexpr (std::is_same<T, double>::value || std::is_same<T, float>::value) {  // long rows
     if (!grad_old) {
-      const int done = vjp_row_packets(zn, zo, logp, g, static_cast<long>(size), s, grad_new, grad_eps, pre);
+      const int done =
+          vjp_row_packets(zn, zo, logp, g, static_cast<long>(size), s, grad_new, grad_eps, pre, pi_ulps);
       if (done >= 0) return done == 1;
     }
   }
   const bool projected = s.status == row_status::projected;
   const double mu = s.mu;
   backward_block b;
-  double sum_g = 0.0, sum_gc = 0.0;
+  double sum_g = 0.0, sum_gc = 0.0, widest_g = 0.0;
   centring_sums cs;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     load_backward_block(zn, zo, logp, mu, begin, count, b);
     block_array gb = load(g, begin, count);
     b.restrict(gb);
     sum_g += gb.sum();
+    widest_g = maximum(widest_g, gb.abs().maxCoeff());
     if (projected) {
       sum_gc += (gb * b.centred).sum();
       cs.m += (b.pi * b.centred).sum();
@@ -495,6 +536,7 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
   const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
   const old_normaliser on = (projected && grad_old) ? normalise_old(zo, size) : old_normaliser{};
   double largest = 0.0, others = 0.0;  // Σ of grad_old but at the dominant token (old_side_sums)
+  double largest_new = 0.0;            // max |grad_new| before the dominant rules (two_point_suspect)
   double others_new = 0.0;             // Σ of grad_new but at a token of π > 1/2 (new_side_dominant)
   std::size_t top_new = size;
   const std::size_t top = (grad_old && projected) ? dominant_index(logp, size) : size;
@@ -505,7 +547,7 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
     b.restrict(gb);
     const block_array explicit_part = gb - b.pi * sum_g;  // 0 off J since g, π are 0 there
     const block_array gn = t * (explicit_part - b.pi * b.centred * h_over_var);
-    largest = maximum(largest, gn.abs().template maxCoeff<Eigen::PropagateNaN>());
+    largest_new = maximum(largest_new, gn.abs().template maxCoeff<Eigen::PropagateNaN>());
     store(grad_new, begin, count, gn);
     const block_array lp = load(logp, begin, count);  // (b.log_pi is 0 off J)
     if (lp.maxCoeff() > dominant_log_pi) {  // the block of the dominant token: the short path's sum
@@ -536,9 +578,21 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
     largest = maximum(largest, ::fabs(others));
     grad_old[top] = T(0.0 - others);
   }
+  largest = maximum(largest, largest_new);
   if (top_new < size) {  // new_side_dominant
     largest = maximum(largest, ::fabs(others_new));
     grad_new[top_new] = T(0.0 - others_new);
+  }
+  if (projected) {  // the two-point rule (detail/two_point.hpp)
+    const two_point_frame f{t, sum_g, h_over_var, pi_ulps};
+    heavy_pair h;
+    const two_point_values tp = two_point_entries(
+        zn, zo, logp, size, f, largest_new, widest_g, [&](std::size_t j) { return double(g[j]); },
+        [&](std::size_t j) { return ((double(zn[j]) - double(zo[j])) - mu) - m; }, h);
+    if (tp.take) {
+      grad_new[h.first] = T(tp.v1), grad_new[h.second] = T(tp.v2);
+      largest = maximum(largest, maximum(::fabs(tp.v1), ::fabs(tp.v2)));
+    }
   }
   *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
   return fits_in<T>(largest) && fits_in<T>(*grad_eps);
@@ -634,7 +688,7 @@ inline bool jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t si
   };
   for (std::size_t i = 0; i < size; ++i) {
     const bool row_on = on_support(i);
-    double row_sum = 0.0;
+    double row_sum = 0.0, row_largest = 0.0;
     for (std::size_t j = 0; j < size; ++j) {
       const double delta = i == j ? 1.0 : 0.0;
       double jn = 0.0, jo = 0.0;
@@ -646,6 +700,7 @@ inline bool jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t si
         }
       }
       if (row_on && projected && jac_old) jo += centred(i) * dt_dold(j);
+      row_largest = maximum(row_largest, ::fabs(jn));
       put(jac_new + i * size + j, jn);
       if (jac_old && j != top) {
         row_sum += jo;
@@ -653,6 +708,13 @@ inline bool jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t si
       }
     }
     if (jac_old && top < size) put(jac_old + i * size + top, row_on ? 0.0 - row_sum : 0.0);
+    if (row_on && projected) {  // row i of ∂log π*/∂z̃ is the VJP of e_i: the two-point rule
+      const two_point_frame f{t, 1.0, centred(i) / s.sigma2, two_point_pi_ulps<T>()};
+      heavy_pair h;
+      const two_point_values tp = two_point_entries(
+          zn, zo, logp, size, f, row_largest, 1.0, [&](std::size_t j) { return j == i ? 1.0 : 0.0; }, centred, h);
+      if (tp.take) put(jac_new + i * size + h.first, tp.v1), put(jac_new + i * size + h.second, tp.v2);
+    }
     if (jac_eps) put(jac_eps + i, row_on && projected ? centred(i) / (t * s.sigma2) : 0.0);
   }
   return fits;

@@ -118,7 +118,7 @@ inline troll_backward_plan troll_backward_prepare(const T* zn, const T* zo, cons
 template <class T>
 inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std::size_t size,
                                  const troll_backward_plan* plan,
-                                 std::int64_t token, T* grad) {
+                                 std::int64_t token, T* grad, double pi_ulps = two_point_pi_ulps<T>()) {
   if (plan == nullptr) {
     for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
       store(grad, begin, count, block_array::Zero(count));
@@ -136,6 +136,7 @@ inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std:
   // regression term at p̃'s dominant token 100% off where π*'s was another.
   troll_dominant_sums dominant;
   const double log_half = dominant.ratio.top_log_pi;  // below it no token is dominant
+  double largest_ratio = 0.0;  // the ratio part's largest |entry| (two_point_suspect)
   block_array lp_new;
   for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
     // Every exp is evaluated on its own, outside the selects of zero_where_masked.
@@ -158,6 +159,7 @@ inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std:
     }
     const block_array total = g + reg;
     largest = maximum(largest, total.abs().template maxCoeff<Eigen::PropagateNaN>());
+    largest_ratio = maximum(largest_ratio, g.abs().template maxCoeff<Eigen::PropagateNaN>());
     store(grad, begin, count, total);
     // the parts' sums without a dominant token in them (one such block a row at most, per part)
     const bool ratio_candidate = lp.maxCoeff() >= log_half;
@@ -181,6 +183,32 @@ inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std:
     largest = maximum(largest, ::fabs(value));
     grad[dominant.reg.top] = T(value);
   }
+  if (k.inv_sigma2 != 0.0) {
+    // The ratio part is the projection's VJP of ratio_scale·e_a: where π* is nearly two-point its
+    // entries at the two heaviest tokens come from the others' (detail/two_point.hpp); the
+    // regression part is added as written (at p̃'s dominant token, its rule's value).
+    const two_point_frame f{ratio_scale, 1.0, cross, pi_ulps};
+    auto centred = [&](std::size_t j) {
+      return ((static_cast<double>(zn[j]) - plan->new_ref) - (static_cast<double>(zo[j]) - plan->old_ref) -
+              plan->mu) - plan->centring;
+    };
+    heavy_pair h;
+    const two_point_values tp = two_point_entries(
+        zn, zo, log_pi, size, f, largest_ratio, 1.0, [&](std::size_t j) { return j == sampled ? 1.0 : 0.0; },
+        centred, h);
+    if (tp.take) {
+      auto reg_at = [&](std::size_t j) {
+        if (!plan->with_reg) return 0.0;
+        if (dominant.reg.found() && dominant.reg.top == j) return dominant.reg.top_entry();
+        const double lp = static_cast<double>(log_pi[j]);
+        const double ln = (static_cast<double>(zn[j]) - plan->log_norm_new.max) - plan->log_norm_new.log_sum;
+        return troll_gradient_split(k, j == sampled, lp > neg_inf(), ln > neg_inf(), lp, ln, 0.0).reg;
+      };
+      const double v1 = tp.v1 + reg_at(h.first), v2 = tp.v2 + reg_at(h.second);
+      grad[h.first] = T(v1), grad[h.second] = T(v2);
+      largest = maximum(largest, maximum(::fabs(v1), ::fabs(v2)));
+    }
+  }
   return fits_in<T>(largest);
 }
 
@@ -189,11 +217,11 @@ inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std:
 template <class T>
 inline bool troll_backward_row(const T* zn, const T* zo, const T* log_pi, std::size_t size,
                                const projection_stats& s, double weight, std::int64_t token,
-                               double advantage, double alpha, T* grad) {
+                               double advantage, double alpha, T* grad, double pi_ulps = two_point_pi_ulps<T>()) {
   if (weight == 0.0) return troll_backward_write(zn, zo, log_pi, size, nullptr, token, grad);
   const troll_backward_plan plan =
       troll_backward_prepare(zn, zo, log_pi, size, s, weight, token, advantage, alpha);
-  return troll_backward_write(zn, zo, log_pi, size, &plan, token, grad);
+  return troll_backward_write(zn, zo, log_pi, size, &plan, token, grad, pi_ulps);
 }
 
 

@@ -111,14 +111,16 @@ inline void load_offset_row(const T* zn, const T* zo, const T* logp, std::size_t
 /// vjp_row of an offset row (same contract).
 template <class T>
 inline bool vjp_offset_row(const T* zn, const T* zo, const T* logp, const T* g, std::size_t size,
-                           const projection_stats& s, T* grad_new, T* grad_old, double* grad_eps) {
+                           const projection_stats& s, T* grad_new, T* grad_old, double* grad_eps,
+                           double pi_ulps = two_point_pi_ulps<T>()) {
   offset_row_copies& c = offset_copies();
   load_offset_row(zn, zo, logp, size, s, c);
   copy_to_double(g, size, c.first);
   c.out_first.resize(size);
   c.out_second.resize(grad_old ? size : 0);
   const bool done = vjp_row<double>(c.zn.data(), c.zo.data(), c.logp.data(), c.first.data(), size, c.stats,
-                                    c.out_first.data(), grad_old ? c.out_second.data() : nullptr, grad_eps);
+                                    c.out_first.data(), grad_old ? c.out_second.data() : nullptr, grad_eps,
+                                    nullptr, pi_ulps);
   bool fits = store_fitting(c.out_first, grad_new);
   if (grad_old) fits &= store_fitting(c.out_second, grad_old);
   return done && fits && fits_in<T>(*grad_eps);

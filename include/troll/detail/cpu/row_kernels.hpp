@@ -265,6 +265,38 @@ inline double row_max(const T* z, std::size_t size) {
   return static_cast<double>(row_map<T>(z, Eigen::Index(size)).maxCoeff());
 }
 
+/// The largest old logit and the range max − min of z̃ − z° over the tokens where both are finite
+/// (−inf where there is none), in one vectorised pass over both rows (validated rows: no NaN, no
+/// +inf). The range bounds KL(p̃‖π*) on a row whose p̃ has no mass outside q's support:
+/// log(p̃_j/π*_j) = (1 − t)d_j − (A(1) − A(t)) and A(1) − A(t) ≥ (1 − t)·min d, so
+/// KL(p̃‖π*) ≤ (1 − t)(max d − min d).
+struct pair_extent {
+  double old_max = neg_inf();
+  double difference_range = neg_inf();
+};
+template <class T>
+inline pair_extent pair_extents(const T* zn, const T* zo, std::size_t size) {
+  double highest = neg_inf(), lowest = inf(), old_max = neg_inf();
+  for_each_block(size, [&](std::size_t begin, Eigen::Index count) {
+    const block_array a = load(zn, begin, count), b = load(zo, begin, count);
+    old_max = maximum(old_max, b.maxCoeff());
+    if (a.minCoeff() > neg_inf() && b.minCoeff() > neg_inf()) {
+      const block_array d = a - b;
+      highest = maximum(highest, d.maxCoeff());
+      lowest = minimum(lowest, d.minCoeff());
+      return;
+    }
+    const block_mask joint = (a > neg_inf()) && (b > neg_inf());
+    if (!joint.any()) return;
+    highest = maximum(highest, joint.select(a - b, neg_inf()).maxCoeff());
+    lowest = minimum(lowest, joint.select(a - b, inf()).minCoeff());
+  });
+  pair_extent e;
+  e.old_max = old_max;
+  e.difference_range = highest > neg_inf() ? highest - lowest : neg_inf();
+  return e;
+}
+
 /// The problem of a row of logits, if any: its first NaN or +inf entry, else no entry above −inf
 /// (all_masked). A row that row_values_fine passes costs that one vectorised pass.
 template <class T>

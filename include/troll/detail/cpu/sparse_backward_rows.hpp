@@ -92,7 +92,7 @@ inline int sparse_vjp_row_short(const sparse_vjp_row_view<T>& v, const projectio
     gk = ploadu<packet>(h);
   };
   double gn[block_size];
-  const int done = vjp_row_short_core(count + 1, read, s, gn, grad_eps);
+  const int done = vjp_row_short_core(count + 1, read, s, gn, grad_eps, two_point_pi_ulps<T>());
   if (done < 0) return done;
   for (long j = 0; j < count; ++j) grad[j] = T(gn[j]);
   for (std::size_t i = std::size_t(count); i < k_max; ++i) grad[i] = T(0);

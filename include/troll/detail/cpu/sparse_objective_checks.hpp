@@ -40,6 +40,7 @@ namespace detail {
 struct logit_scan {
   row_problem problem;
   bool any_masked = false;
+  double highest = neg_inf(), lowest = inf();  // over the finite logits
 };
 
 template <class T>
@@ -56,7 +57,10 @@ logit_scan scan_logits(const T* z, std::size_t size, const char* operand) {
       return;
     }
     any_finite = any_finite || top > neg_inf();
-    s.any_masked = s.any_masked || a.minCoeff() == neg_inf();
+    const double bottom = a.minCoeff();
+    s.any_masked = s.any_masked || bottom == neg_inf();
+    s.highest = maximum(s.highest, top);
+    s.lowest = minimum(s.lowest, bottom > neg_inf() ? bottom : (a > neg_inf()).select(a, inf()).minCoeff());
   });
   if (!s.problem && !any_finite) {
     s.problem.kind = row_error::all_masked;

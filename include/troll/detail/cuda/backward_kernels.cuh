@@ -22,6 +22,7 @@
 #include "offset_reference.cuh"
 #include "row_report.cuh"
 #include "row_scan.cuh"
+#include "two_point_block.cuh"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
@@ -152,6 +153,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
   __shared__ reduce_storage<backward_scan> scan_storage;
   __shared__ reduce_storage<old_side_sums> old_storage;
   __shared__ reference_storage ref_storage;
+  __shared__ two_point_storage pair_storage;
   const std::size_t size = new_logits.cols, end = range.begin + range.count;
   const bool want_old = grad_old.rows != 0;
   for (std::size_t r = range.begin + blockIdx.x; r < end; r += gridDim.x) {
@@ -203,6 +205,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
     const double h_over_var = projected ? sum_gc / s.sigma2 : 0.0;
     const double old_max = scan.pair.old.lse.m, log_sum_old = old_log_sum(scan.pair);
     old_side_sums old_sums, new_sums;
+    double largest = 0.0, widest_g = 0.0;  // this thread's max |gn| and |g| (two_point_suspect)
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       const double lp = static_cast<double>(logp[i]);
       const bool on_support = lp > neg_inf();
@@ -214,6 +217,8 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
       const double gn = t * (explicit_part - pi * centred * h_over_var);
       new_sums.add(i, lp, gn);
       out_new[i] = static_cast<T>(gn);
+      largest = larger_of{}(largest, ::fabs(gn));
+      widest_g = larger_of{}(widest_g, ::fabs(gb));
       if (out_old == nullptr) continue;
       if (!projected) {
         out_old[i] = T(0);
@@ -232,6 +237,18 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
        // new_side_dominant; every thread reaches this, its barriers order the writes above)
       const old_side_sums total = block_all_reduce(old_storage, new_sums, merge_old_side{});
       if (threadIdx.x == 0 && total.found()) out_new[total.top] = static_cast<T>(total.top_entry());
+    }
+    if (projected) {  // block-uniform: the two-point rule (troll/detail/two_point.hpp), as the CPU
+      const two_point_frame f{t, scan.sum_g, h_over_var, two_point_pi_ulps<T>()};
+      heavy_pair h;
+      const two_point_values tp = group_two_point(
+          two_point_block{pair_storage}, size, f, largest, widest_g,
+          [&](std::size_t j) { return static_cast<double>(logp[j]); },
+          [&](std::size_t j, double& a, double& b) { a = static_cast<double>(zn[j]), b = static_cast<double>(zo[j]); },
+          [&](std::size_t j) { return static_cast<double>(g[j]); },
+          [&](std::size_t j) { return ref.centred(static_cast<double>(zn[j]), static_cast<double>(zo[j])) - m; }, h);
+      if (threadIdx.x == 0 && tp.take)
+        out_new[h.first] = static_cast<T>(tp.v1), out_new[h.second] = static_cast<T>(tp.v2);
     }
     if (threadIdx.x == 0 && grad_eps != nullptr)
       grad_eps[r] = static_cast<T>(projected ? sum_gc / (s.t * s.sigma2) : 0.0);

@@ -28,7 +28,7 @@ namespace cuda {
 
 /// Whether the forward's stats of a row are usable by a derivative (gaussian_stats_problem).
 __device__ inline bool usable_stats(const gaussian::gaussian_stats& s) {
-  return s.solved() && s.t > 0.0 && s.t <= 1.0;
+  return s.solved() && s.t > 0.0 && s.t <= 1.0 && !(s.status == row_status::projected && !(s.fisher < inf()));
 }
 
 template <class T>

@@ -23,6 +23,7 @@
 #include "forward_kernels.cuh"
 #include "row_report.cuh"
 #include "row_scan.cuh"
+#include "two_point_block.cuh"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
@@ -362,6 +363,8 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
   __shared__ reduce_storage<std::size_t> token_storage;
   __shared__ reduce_storage<centring_sums> centring_storage;
   __shared__ reduce_storage<troll_dominant_sums> dominant_storage;
+  __shared__ reduce_storage<double> largest_storage;
+  __shared__ two_point_storage pair_storage;
   __shared__ reference_storage ref_storage;
   const std::size_t size = new_logits.cols;
   for_each_pair_row(new_logits, old_logits, range,
@@ -419,6 +422,8 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
     // part) is minus the part's other entries, as on the CPU (troll_backward_write,
     // troll_dominant_sums): the parts sum to 0 and cancel there.
     troll_dominant_sums dominant;
+    double largest = 0.0;  // the largest |entry|: an entry beyond the sampled token's may overflow T
+    double largest_ratio = 0.0;  // the ratio part's (two_point_suspect)
     for (std::size_t i = threadIdx.x; i < size; i += block_threads) {
       const double lp = static_cast<double>(log_pi[i]);
       const double zn_i = static_cast<double>(zn[i]);
@@ -428,14 +433,55 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
       const troll_gradient_parts g =
           troll_gradient_split(k, std::int64_t(i) == a, on_support, lp_new > neg_inf(), lp, lp_new, centred);
       grad[i] = static_cast<T>(g.ratio + g.reg);
+      largest = larger_of{}(largest, ::fabs(g.ratio + g.reg));
+      largest_ratio = larger_of{}(largest_ratio, ::fabs(g.ratio));
       dominant.add(i, lp, with_reg ? lp_new : neg_inf(), g);
     }
     // every thread reaches this (no early return after the overflow check above); its barriers
     // also order the writes above before thread 0's overwrites below
     const troll_dominant_sums total = block_all_reduce(dominant_storage, dominant, merge_troll_dominant{});
+    largest = block_all_reduce(largest_storage, largest, larger_of{});
+    // The ratio part is the projection's VJP of ratio_coef·t·e_a: on a nearly two-point π* its
+    // entries at the two heaviest tokens from the others' (troll/detail/two_point.hpp), as the CPU.
+    two_point_values tp;
+    heavy_pair h;
+    if (projected && k.inv_sigma2 != 0.0) {  // block-uniform
+      const two_point_frame f{k.ratio_coef * k.t, 1.0, k.centred_a * k.inv_sigma2, two_point_pi_ulps<T>()};
+      tp = group_two_point(
+          two_point_block{pair_storage}, size, f, largest_ratio, 1.0,
+          [&](std::size_t j) { return static_cast<double>(log_pi[j]); },
+          [&](std::size_t j, double& x, double& y) { x = static_cast<double>(zn[j]), y = static_cast<double>(zo[j]); },
+          [&](std::size_t j) { return std::int64_t(j) == a ? 1.0 : 0.0; },
+          [&](std::size_t j) { return ref.centred(static_cast<double>(zn[j]), static_cast<double>(zo[j])) - m; }, h);
+    }
     if (threadIdx.x == 0) {
-      if (total.ratio.found()) grad[total.ratio.top] = static_cast<T>(total.at_ratio_top());
-      if (total.reg.found()) grad[total.reg.top] = static_cast<T>(total.at_reg_top());
+      if (total.ratio.found()) {
+        const double value = total.at_ratio_top();
+        largest = larger_of{}(largest, ::fabs(value));
+        grad[total.ratio.top] = static_cast<T>(value);
+      }
+      if (total.reg.found()) {
+        const double value = total.at_reg_top();
+        largest = larger_of{}(largest, ::fabs(value));
+        grad[total.reg.top] = static_cast<T>(value);
+      }
+      if (tp.take) {  // the regression part added as written (its rule's value at p̃'s dominant token)
+        const auto reg_at = [&](std::size_t j) {
+          if (!with_reg) return 0.0;
+          if (total.reg.found() && total.reg.top == j) return total.reg.top_entry();
+          const double lp = static_cast<double>(log_pi[j]), ln = static_cast<double>(zn[j]) - log_norm_new;
+          return troll_gradient_split(k, std::int64_t(j) == a, lp > neg_inf(), ln > neg_inf(), lp, ln, 0.0).reg;
+        };
+        const double v1 = tp.v1 + reg_at(h.first), v2 = tp.v2 + reg_at(h.second);
+        largest = larger_of{}(largest, larger_of{}(::fabs(v1), ::fabs(v2)));
+        grad[h.first] = static_cast<T>(v1), grad[h.second] = static_cast<T>(v2);
+      }
+      // The CPU's last guard (objective_backward): the row is reported after its pass, and its
+      // gradient then holds unspecified values.
+      if (!fits_in<T>(largest))
+        record_row(checks, range, r,
+                   overflow_report(overflow_operand<T>(overflow_quantity::gradient),
+                                   static_cast<double>(log_pi[a]) - log_q_a, a));
     }
   });
 }

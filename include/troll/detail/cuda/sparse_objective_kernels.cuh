@@ -29,6 +29,7 @@
 #include "sparse_dense.cuh"
 #include "sparse_projection.cuh"
 #include "sparse_warp.cuh"
+#include "two_point_block.cuh"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
@@ -422,6 +423,8 @@ __global__ void __launch_bounds__(block_threads)
           // regression part) is minus the part's other entries, as on the CPU
           // (troll_backward_write on the lumped rows, troll_dominant_sums).
           troll_dominant_sums dominant;
+          double largest = 0.0;        // the largest |entry|
+          double largest_ratio = 0.0;  // the ratio part's (two_point_suspect)
           for (int i = lane_id(); i <= row.count; i += warp_lanes) {
             double x, y;
             row.at(i, x, y);
@@ -436,18 +439,63 @@ __global__ void __launch_bounds__(block_threads)
             }
             dominant.add(static_cast<std::size_t>(i), lp, with_reg ? lp_new : neg_inf(), parts);
             const double value = overflow >= 0 ? quiet_nan() : parts.ratio + parts.reg;
+            if (overflow < 0) largest = larger_of{}(largest, ::fabs(value));
+            largest_ratio = larger_of{}(largest_ratio, ::fabs(parts.ratio));
             (i < row.count ? g[i] : upstream.log_remainder[r]) = static_cast<T>(value);
           }
           // every lane reaches the reduction (the branch above is uniform across the warp), and
           // __syncwarp orders the lanes' writes before lane 0's overwrites (shuffles are no fence)
           const troll_dominant_sums total = warp_all_reduce(dominant, merge_troll_dominant{});
+          largest = warp_all_reduce(largest, larger_of{});
+          // The ratio part on a nearly two-point π*: its entries at the two heaviest categories from
+          // the others' (troll/detail/two_point.hpp), as the CPU's troll_backward_write.
+          two_point_values tp;
+          heavy_pair h;
+          if (projected && overflow < 0 && k.inv_sigma2 != 0.0) {  // warp-uniform
+            const auto log_pi = [&](std::size_t i) {
+              double x, y;
+              row.at(static_cast<int>(i), x, y);
+              if (x == neg_inf() && y == neg_inf()) return neg_inf();
+              return static_cast<int>(i) < row.count ? static_cast<double>(lp_row[i]) : lp_bucket;
+            };
+            const auto logits = [&](std::size_t i, double& x, double& y) { row.at(static_cast<int>(i), x, y); };
+            const auto centred = [&](std::size_t i) {
+              double x, y;
+              row.at(static_cast<int>(i), x, y);
+              return ref.centred(x, y) - m;
+            };
+            const two_point_frame f{k.ratio_coef * k.t, 1.0, k.centred_a * k.inv_sigma2, two_point_pi_ulps<T>()};
+            tp = group_two_point(two_point_warp{}, static_cast<std::size_t>(row.count) + 1, f, largest_ratio, 1.0,
+                                 log_pi, logits, [&](std::size_t i) { return static_cast<int>(i) == at ? 1.0 : 0.0; },
+                                 centred, h);
+          }
           __syncwarp();
           if (overflow < 0 && lane_id() == 0) {
             const auto put = [&](std::size_t top, double value) {
+              largest = larger_of{}(largest, ::fabs(value));
               (int(top) < row.count ? g[top] : upstream.log_remainder[r]) = static_cast<T>(value);
             };
             if (total.ratio.found()) put(total.ratio.top, total.at_ratio_top());
             if (total.reg.found()) put(total.reg.top, total.at_reg_top());
+            if (tp.take) {  // the regression part added as written (its rule's value at p̃'s dominant)
+              const auto reg_at = [&](std::size_t i) {
+                if (!with_reg) return 0.0;
+                if (total.reg.found() && total.reg.top == i) return total.reg.top_entry();
+                double x, y;
+                row.at(static_cast<int>(i), x, y);
+                const double lp = static_cast<int>(i) < row.count ? static_cast<double>(lp_row[i]) : lp_bucket;
+                const double ln = x - log_norm_new;
+                return troll_gradient_split(k, static_cast<int>(i) == at, lp > neg_inf(), ln > neg_inf(), lp, ln, 0.0).reg;
+              };
+              put(h.first, tp.v1 + reg_at(h.first));
+              put(h.second, tp.v2 + reg_at(h.second));
+            }
+            // The CPU's last guard: an entry beyond the sampled token's that overflows T (a huge
+            // regression or cross term) is reported after the pass.
+            if (!fits_in<T>(largest))
+              record_row(checks, range, r,
+                         overflow_report(overflow_operand<T>(overflow_quantity::gradient), quiet_nan(),
+                                         in.tokens[r]));  // the CPU's report (no ratio)
           }
         }
       }

@@ -24,6 +24,7 @@
 #include "row_report.cuh"
 #include "row_scan.cuh"
 #include "sparse_warp.cuh"
+#include "two_point_block.cuh"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
@@ -491,6 +492,7 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
     const double h_over_var = projected ? sums.second / s.sigma2 : 0.0;
     const double old_max = scan.old.lse.m, log_sum_old = old_log_sum(scan);
     old_side_sums old_sums, new_sums;
+    double largest = 0.0, widest_g = 0.0;  // this lane's max |gn| and |g| (two_point_suspect)
     for (int i = lane_id(); i <= row.count; i += warp_lanes) {
       double a, b;
       row.at(i, a, b);
@@ -504,6 +506,8 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
         const double explicit_part = gb - pi * sums.first;
         gn = t * (explicit_part - pi * centred * h_over_var);
         new_sums.add(std::size_t(i), l, gn);
+        largest = larger_of{}(largest, ::fabs(gn));
+        widest_g = larger_of{}(widest_g, ::fabs(gb));
         if (projected) {
           const double q = b > neg_inf() ? ::exp((b - old_max) - log_sum_old) : 0.0;
           go = rest * explicit_part + sums.second * dt_dold(on_support, pi, centred, q, s);
@@ -530,6 +534,33 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
     };
     put_dominant(new_sums, out_new, grad_new.log_remainder + r);
     if (want_old && projected) put_dominant(old_sums, out_old, grad_old.log_remainder + r);
+    if (projected) {  // warp-uniform: the two-point rule (troll/detail/two_point.hpp), as the CPU
+      const auto log_pi = [&](std::size_t i) {
+        double a, b;
+        row.at(static_cast<int>(i), a, b);
+        if (a == neg_inf() && b == neg_inf()) return neg_inf();
+        return static_cast<int>(i) < row.count ? static_cast<double>(lp_row[i]) : lr;
+      };
+      const auto logits = [&](std::size_t i, double& a, double& b) { row.at(static_cast<int>(i), a, b); };
+      const auto upstream = [&](std::size_t i) {
+        return static_cast<int>(i) < row.count ? static_cast<double>(g_row[i]) : g_r;
+      };
+      const auto centred = [&](std::size_t i) {
+        double a, b;
+        row.at(static_cast<int>(i), a, b);
+        return ref.centred(a, b) - m;
+      };
+      const two_point_frame f{t, sums.first, h_over_var, two_point_pi_ulps<T>()};
+      heavy_pair h;
+      const two_point_values tp = group_two_point(two_point_warp{}, static_cast<std::size_t>(row.count) + 1, f,
+                                                  largest, widest_g, log_pi, logits, upstream, centred, h);
+      __syncwarp();  // the lanes' writes above before lane 0's overwrites
+      if (lane_id() == 0 && tp.take) {
+        T* bucket = grad_new.log_remainder + r;
+        (h.first < std::size_t(row.count) ? out_new[h.first] : *bucket) = static_cast<T>(tp.v1);
+        (h.second < std::size_t(row.count) ? out_new[h.second] : *bucket) = static_cast<T>(tp.v2);
+      }
+    }
     for (std::size_t i = std::size_t(row.count) + std::size_t(lane_id()); i < grad_new.k_max; i += warp_lanes)
       out_new[i] = T(0);
     for (std::size_t i = std::size_t(row.count) + std::size_t(lane_id()); want_old && i < grad_old.k_max;
