@@ -4,15 +4,16 @@
 // rule (troll/detail/two_point.hpp) the VJP was 4e-8 off (double) and 1.9× off (float) normwise at
 // S_o = 1e-6, by an mpmath audit. Reference: math.md §3 in long double at the forward's t, whose own
 // cancellation (~5e-20/S_o) stays far below the tolerances. Entry points: the VJP (its short, packet
-// and general paths: V = 3, 10 and 700 rows, with and without grad_old), TROLL's objective
-// backward (α = 0, the sampled token at either heavy token) and the Jacobian's rows.
+// and general paths: V = 3, 10 and 700 rows, with and without grad_old), the sparse projection's
+// VJP (aligned rows, V = 3, 10, 60), TROLL's objective backward (α = 0, the sampled token at either
+// heavy token) and the Jacobian's rows.
 //
 // One body compiled per backend: tests/test_two_point.cpp includes it with
 // troll_test::oracle_backend = backend<cpu_policy>, tests/cuda/test_cuda_gradients.cu with
 // backend<cuda_policy> inside its "device" suite (the Jacobian's rows are checked on the CPU only:
 // the device Jacobian keeps normwise accuracy, docs/cuda.md). Its names live in namespace
 // two_point_rows. Include after <troll/projection.hpp>, <troll/objectives.hpp>, "backend.hpp",
-// "oracle.hpp" and the definition of troll_test::oracle_backend.
+// "oracle.hpp", "sparse_staging.hpp" and the definition of troll_test::oracle_backend.
 
 namespace two_point_rows {
 
@@ -197,6 +198,47 @@ void check_row(const row& rw, const char* name) {
   }
 }
 
+/// The sparse projection's VJP on the same rows held as aligned sparse rows (every token on the
+/// support, an empty bucket), with and without grad_old: on the CPU its lumped rows take the
+/// VJP's short path (which re-reads the row for the rule) and the general one.
+template <class T>
+void check_sparse_row(const row& rw) {
+  const std::size_t n = rw.zn.size();
+  const std::vector<T> zn(rw.zn.begin(), rw.zn.end()), zo(rw.zo.begin(), rw.zo.end());
+  sparse_test::aligned_rows<T> al(1, n, n);
+  al.counts[0] = troll::sparse_index(n);
+  auto log_softmax = [](const std::vector<T>& z, std::size_t j) {
+    ld top = -INFINITY, sum = 0;
+    for (T x : z) top = std::max(top, static_cast<ld>(x));
+    for (T x : z) sum += std::exp(static_cast<ld>(x) - top);
+    return static_cast<ld>(z[j]) - top - std::log(sum);
+  };
+  for (std::size_t j = 0; j < n; ++j) {
+    al.indices[j] = troll::sparse_index(j);
+    al.new_log_probs[j] = T(log_softmax(zn, j));
+    al.old_log_probs[j] = T(log_softmax(zo, j));
+  }
+  al.new_log_remainder[0] = al.old_log_remainder[0] = -std::numeric_limits<T>::infinity();
+  sparse_test::sparse_rows<T> out(1, n, n);
+  std::vector<troll::projection_stats> st(1);
+  troll_test::project_on<backend>(al, rw.eps, out, st);
+  REQUIRE(st[0].status == troll::row_status::projected);
+  // The reference at t on the aligned (normalised) rows as stored.
+  const reference r = at_t(al.new_log_probs, al.old_log_probs, st[0].t);
+  for (std::size_t kind = 0; kind < 2; ++kind) {
+    sparse_test::sparse_grads<T> g(1, n), gn(1, n), gn_general(1, n), go(1, n);
+    g.log_probs[kind] = T(1);
+    std::vector<ld> e(n, 0);
+    e[kind] = 1;
+    troll_test::project_backward_on<backend>(al, out, st, g, gn);
+    troll_test::project_backward_on<backend>(al, out, st, g, gn_general, &go);
+    const std::vector<ld> want = vjp(r, st[0].t, e);
+    CAPTURE(kind);
+    CHECK(normwise(gn.log_probs, want) <= tolerance<T>());
+    CHECK(normwise(gn_general.log_probs, want) <= tolerance<T>());
+  }
+}
+
 TEST_CASE_TEMPLATE("nearly two-point rows: the new-side derivatives are accurate relative to themselves", T, double,
                    float) {
   for (double so : {1e-5, 1e-6}) {
@@ -208,6 +250,10 @@ TEST_CASE_TEMPLATE("nearly two-point rows: the new-side derivatives are accurate
         check_row<T>(make_row(3, so, ra, far), "V = 3");
         check_row<T>(make_row(10, so, ra, far), "V = 10");
         check_row<T>(make_row(700, so, ra, far), "V = 700");
+        for (std::size_t n : {std::size_t(3), std::size_t(10), std::size_t(60)}) {
+          CAPTURE(n);
+          check_sparse_row<T>(make_row(n, so, ra, far));
+        }
       }
     }
   }

@@ -21,6 +21,7 @@
 #include "backend.hpp"
 #include "corpus.hpp"
 #include "oracle.hpp"
+#include "sparse_staging.hpp"
 #include "tolerance.hpp"
 #include "troll/cuda.cuh"
 #include "troll/objectives.hpp"
