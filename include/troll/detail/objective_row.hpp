@@ -215,6 +215,16 @@ struct troll_dominant_sums {
   }
 };
 
+/// The regression part as written at token j (its dominant-token rule's value at p̃'s dominant
+/// token, else the part itself): what the two-point rule adds to the ratio part it rewrites.
+TROLL_HOST_DEVICE inline double troll_regression_written(const troll_row_coefficients& k, const troll_dominant_sums& d,
+                                                         std::size_t j, bool is_sampled, double log_pi,
+                                                         double log_p_new) {
+  if (k.reg_coef == 0.0) return 0.0;
+  if (d.reg.found() && d.reg.top == j) return d.reg.top_entry();
+  return troll_gradient_split(k, is_sampled, log_pi > neg_inf(), log_p_new > neg_inf(), log_pi, log_p_new, 0.0).reg;
+}
+
 /// ∂(cℓ)/∂z̃_j as one number (troll_gradient_split's parts added).
 TROLL_HOST_DEVICE inline double troll_gradient_entry(const troll_row_coefficients& k, bool is_sampled,
                                                      bool on_support, bool on_new, double log_pi,

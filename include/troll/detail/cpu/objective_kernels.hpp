@@ -198,11 +198,8 @@ inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std:
         centred, h);
     if (tp.take) {
       auto reg_at = [&](std::size_t j) {
-        if (!plan->with_reg) return 0.0;
-        if (dominant.reg.found() && dominant.reg.top == j) return dominant.reg.top_entry();
-        const double lp = static_cast<double>(log_pi[j]);
         const double ln = (static_cast<double>(zn[j]) - plan->log_norm_new.max) - plan->log_norm_new.log_sum;
-        return troll_gradient_split(k, j == sampled, lp > neg_inf(), ln > neg_inf(), lp, ln, 0.0).reg;
+        return troll_regression_written(k, dominant, j, j == sampled, static_cast<double>(log_pi[j]), ln);
       };
       const double v1 = tp.v1 + reg_at(h.first), v2 = tp.v2 + reg_at(h.second);
       grad[h.first] = T(v1), grad[h.second] = T(v2);

@@ -467,10 +467,8 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
       }
       if (tp.take) {  // the regression part added as written (its rule's value at p̃'s dominant token)
         const auto reg_at = [&](std::size_t j) {
-          if (!with_reg) return 0.0;
-          if (total.reg.found() && total.reg.top == j) return total.reg.top_entry();
-          const double lp = static_cast<double>(log_pi[j]), ln = static_cast<double>(zn[j]) - log_norm_new;
-          return troll_gradient_split(k, std::int64_t(j) == a, lp > neg_inf(), ln > neg_inf(), lp, ln, 0.0).reg;
+          return troll_regression_written(k, total, j, std::int64_t(j) == a, static_cast<double>(log_pi[j]),
+                                          static_cast<double>(zn[j]) - log_norm_new);
         };
         const double v1 = tp.v1 + reg_at(h.first), v2 = tp.v2 + reg_at(h.second);
         largest = larger_of{}(largest, larger_of{}(::fabs(v1), ::fabs(v2)));

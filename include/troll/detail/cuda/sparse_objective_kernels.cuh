@@ -452,22 +452,9 @@ __global__ void __launch_bounds__(block_threads)
           two_point_values tp;
           heavy_pair h;
           if (projected && overflow < 0 && k.inv_sigma2 != 0.0) {  // warp-uniform
-            const auto log_pi = [&](std::size_t i) {
-              double x, y;
-              row.at(static_cast<int>(i), x, y);
-              if (x == neg_inf() && y == neg_inf()) return neg_inf();
-              return static_cast<int>(i) < row.count ? static_cast<double>(lp_row[i]) : lp_bucket;
-            };
-            const auto logits = [&](std::size_t i, double& x, double& y) { row.at(static_cast<int>(i), x, y); };
-            const auto centred = [&](std::size_t i) {
-              double x, y;
-              row.at(static_cast<int>(i), x, y);
-              return ref.centred(x, y) - m;
-            };
             const two_point_frame f{k.ratio_coef * k.t, 1.0, k.centred_a * k.inv_sigma2, two_point_pi_ulps<T>()};
-            tp = group_two_point(two_point_warp{}, static_cast<std::size_t>(row.count) + 1, f, largest_ratio, 1.0,
-                                 log_pi, logits, [&](std::size_t i) { return static_cast<int>(i) == at ? 1.0 : 0.0; },
-                                 centred, h);
+            tp = warp_lumped_two_point(row, lp_row, lp_bucket, ref, m, f, largest_ratio, 1.0,
+                                       [&](std::size_t i) { return static_cast<int>(i) == at ? 1.0 : 0.0; }, h);
           }
           __syncwarp();
           if (overflow < 0 && lane_id() == 0) {
@@ -479,13 +466,10 @@ __global__ void __launch_bounds__(block_threads)
             if (total.reg.found()) put(total.reg.top, total.at_reg_top());
             if (tp.take) {  // the regression part added as written (its rule's value at p̃'s dominant)
               const auto reg_at = [&](std::size_t i) {
-                if (!with_reg) return 0.0;
-                if (total.reg.found() && total.reg.top == i) return total.reg.top_entry();
                 double x, y;
                 row.at(static_cast<int>(i), x, y);
                 const double lp = static_cast<int>(i) < row.count ? static_cast<double>(lp_row[i]) : lp_bucket;
-                const double ln = x - log_norm_new;
-                return troll_gradient_split(k, static_cast<int>(i) == at, lp > neg_inf(), ln > neg_inf(), lp, ln, 0.0).reg;
+                return troll_regression_written(k, total, i, static_cast<int>(i) == at, lp, x - log_norm_new);
               };
               put(h.first, tp.v1 + reg_at(h.first));
               put(h.second, tp.v2 + reg_at(h.second));

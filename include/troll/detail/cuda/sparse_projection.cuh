@@ -535,25 +535,12 @@ __global__ void __launch_bounds__(block_threads, solver_blocks_per_sm)
     put_dominant(new_sums, out_new, grad_new.log_remainder + r);
     if (want_old && projected) put_dominant(old_sums, out_old, grad_old.log_remainder + r);
     if (projected) {  // warp-uniform: the two-point rule (troll/detail/two_point.hpp), as the CPU
-      const auto log_pi = [&](std::size_t i) {
-        double a, b;
-        row.at(static_cast<int>(i), a, b);
-        if (a == neg_inf() && b == neg_inf()) return neg_inf();
-        return static_cast<int>(i) < row.count ? static_cast<double>(lp_row[i]) : lr;
-      };
-      const auto logits = [&](std::size_t i, double& a, double& b) { row.at(static_cast<int>(i), a, b); };
       const auto upstream = [&](std::size_t i) {
         return static_cast<int>(i) < row.count ? static_cast<double>(g_row[i]) : g_r;
       };
-      const auto centred = [&](std::size_t i) {
-        double a, b;
-        row.at(static_cast<int>(i), a, b);
-        return ref.centred(a, b) - m;
-      };
       const two_point_frame f{t, sums.first, h_over_var, two_point_pi_ulps<T>()};
       heavy_pair h;
-      const two_point_values tp = group_two_point(two_point_warp{}, static_cast<std::size_t>(row.count) + 1, f,
-                                                  largest, widest_g, log_pi, logits, upstream, centred, h);
+      const two_point_values tp = warp_lumped_two_point(row, lp_row, lr, ref, m, f, largest, widest_g, upstream, h);
       __syncwarp();  // the lanes' writes above before lane 0's overwrites
       if (lane_id() == 0 && tp.take) {
         T* bucket = grad_new.log_remainder + r;

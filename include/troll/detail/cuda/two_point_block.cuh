@@ -87,6 +87,31 @@ __device__ two_point_values group_two_point(const Reducer& reduce, std::size_t s
   return two_point_resolve(total, zn1 - zn2, zo1 - zo2, direct);
 }
 
+/// group_two_point by one warp on a lumped sparse row (`row.count` categories and the bucket last;
+/// a category −inf on both sides is off the support): `lp_row` / `lp_bucket` its log π*, `ref` and
+/// `m` its centring, `upstream(i)` the upstream of category i. Shared by the sparse VJP and the
+/// sparse TROLL objective.
+template <class Row, class L, class Reference, class Upstream>
+__device__ two_point_values warp_lumped_two_point(const Row& row, const L* lp_row, double lp_bucket,
+                                                  const Reference& ref, double m, const two_point_frame& f,
+                                                  double largest, double widest_g, Upstream&& upstream,
+                                                  heavy_pair& h) {
+  const auto log_pi = [&](std::size_t i) {
+    double x, y;
+    row.at(static_cast<int>(i), x, y);
+    if (x == neg_inf() && y == neg_inf()) return neg_inf();
+    return static_cast<int>(i) < row.count ? static_cast<double>(lp_row[i]) : lp_bucket;
+  };
+  const auto logits = [&](std::size_t i, double& x, double& y) { row.at(static_cast<int>(i), x, y); };
+  const auto centred = [&](std::size_t i) {
+    double x, y;
+    row.at(static_cast<int>(i), x, y);
+    return ref.centred(x, y) - m;
+  };
+  return group_two_point(two_point_warp{}, static_cast<std::size_t>(row.count) + 1, f, largest, widest_g, log_pi,
+                         logits, upstream, centred, h);
+}
+
 #endif  // __CUDACC__
 
 }  // namespace cuda
