@@ -621,6 +621,42 @@ TEST_CASE("sparse project_backward in float: a derivative beyond float throws, a
   for (double v : {gn[0], gn[1], gn_r[0], go[0], go[1], go_r[0], ge[0]}) CHECK(std::isfinite(v));
 }
 
+TEST_CASE("sparse project_backward in float: one gradient entry beyond float throws where dL/deps fits") {
+  // The short path writes its entries in T and checks them only where its bound on |grad| passes
+  // T's largest value. Rows inside the ball (dL/deps = 0, t = 1) and a projected row, with
+  // upstream g = (−F, F, F) for F = FLT_MAX: the first entry is −F − π_0·Σg ≈ −1.6·F in double.
+  const std::size_t V = 3;
+  const float big = std::numeric_limits<float>::max();
+  std::vector<troll::sparse_index> ids{0, 1}, counts{2};
+  std::vector<float> new_lp{std::log(0.6f), std::log(0.3f)}, old_lp{std::log(0.2f), std::log(0.3f)};
+  std::vector<float> new_r{std::log(0.1f)}, old_r{std::log(0.5f)};
+  const troll::aligned_batch_view<const float> rows{ids.data(),   counts.data(), new_lp.data(), old_lp.data(),
+                                                    new_r.data(), old_r.data(),  1,             2,
+                                                    V};
+  for (double eps : {10.0, 0.3}) {  // KL(new‖old) ≈ 0.498: inside the ball, then projected
+    CAPTURE(eps);
+    std::vector<troll::sparse_index> out_ids(2), out_counts(1);
+    std::vector<float> out_lp(2), out_r(1);
+    const troll::sparse_batch_view<float> out{out_ids.data(), out_lp.data(), out_counts.data(), out_r.data(),
+                                              1, 2, V};
+    troll::projection_stats stats;
+    troll::project(troll::cpu, rows, eps, out, &stats);
+    CHECK((stats.status == troll::row_status::projected) == (eps < 1.0));
+    std::vector<float> g{-big, big}, g_r{big}, gn(2, 7.f), gn_r(1, 7.f), ge(1, 7.f);
+    const troll::sparse_grad_view<const float> grad{g.data(), g_r.data(), 1, 2};
+    CHECK_THROWS_WITH_AS(troll::project_backward(troll::cpu, rows, troll::sparse_input<float>(out), &stats, grad,
+                                                 troll::sparse_grad_view<float>{gn.data(), gn_r.data(), 1, 2}, {},
+                                                 ge.data()),
+                         doctest::Contains("row 0"), troll::domain_error);
+    // A smaller upstream (1e30) fits: every output finite, no error.
+    std::vector<float> h{-1e30f, 1e30f}, h_r{1e30f};
+    troll::project_backward(troll::cpu, rows, troll::sparse_input<float>(out), &stats,
+                            troll::sparse_grad_view<const float>{h.data(), h_r.data(), 1, 2},
+                            troll::sparse_grad_view<float>{gn.data(), gn_r.data(), 1, 2}, {}, ge.data());
+    for (float v : {gn[0], gn[1], gn_r[0], ge[0]}) CHECK(std::isfinite(v));
+  }
+}
+
 TEST_CASE("project at a subnormal eps: every log-probability written is at most 0, and its backward accepts it") {
   // A member with t ~ 3e-145: the dominant old token's log π* rounded to +6e-179 (a probability
   // above 1), which project_backward then refused as not the forward's output.

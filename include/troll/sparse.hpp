@@ -715,8 +715,7 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
       const int done = detail::cpu::sparse_vjp_row_short(v, stats[r], grad_new.row(r), grad_new.k_max,
                                                          grad_new.log_remainder + r, &row_grad_eps);
       if (done >= 0) {
-        // Formed in double; a float output can still overflow where the double fits.
-        overflowed[r] = done == 0 || !outputs_fit(r, count, row_grad_eps, false);
+        overflowed[r] = done == 0;  // 0 also where a written output does not fit T
         if (grad_eps) grad_eps[r] = T(row_grad_eps);
         return;
       }

@@ -170,6 +170,12 @@ inline Packet load_partial(const double* p, long n, double fill) {
   return ploadu<Packet>(copy);
 }
 
+/// max(bound, |x|), NaN where x is NaN (so a bound that takes a NaN entry never reads as small).
+inline double larger_bound(double bound, double x) {
+  const double size = ::fabs(x);
+  return size == size ? (size > bound ? size : bound) : x;
+}
+
 /// The arithmetic of vjp_row_short on a row of `size` ≤ block_size entries whose packets come
 /// from read(k, zn, zo, logp, g) (the lanes from entry k on; lanes past `size` read as g = 0,
 /// log π = −700 and z̃ = z° = 0, which add nothing to the sums and whose π is never read).
@@ -179,10 +185,12 @@ inline Packet load_partial(const double* p, long n, double fill) {
 /// ≥ −700 here); else writes grad_new[0..size) (doubles) and *grad_eps and returns 1, or 0 when
 /// an output does not fit double. π = e^{log π*} by exp_bounded (within 1.5 ulp, as
 /// vjp_row_packets), about half the multiply-adds of exp_nonpositive.
-/// `pi_ulps`: two_point_frame::pi_ulps of the type log π* was stored in.
+/// `pi_ulps`: two_point_frame::pi_ulps of the type log π* was stored in. `magnitude` (optional):
+/// receives a bound on max |grad_new| (at least it; NaN or +inf where an entry is not finite), so a
+/// caller storing a narrower type checks its entries only where the bound says they may not fit.
 template <class Read>
 inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s, double* grad_new,
-                              double* grad_eps, double pi_ulps = 1.0) {
+                              double* grad_eps, double pi_ulps = 1.0, double* magnitude = nullptr) {
   using namespace Eigen::internal;
   using packet = packet_traits<double>::type;
   constexpr long lanes = long(sizeof(packet) / sizeof(double));
@@ -247,10 +255,12 @@ inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s,
   const int overflow = predux(bad) == 0.0 ? 0 : 1;
   const double most = predux_max(most_p);  // the largest log π
   const double largest = predux_max(largest_p), widest_g = predux_max(widest_p);  // for two_point_suspect
+  double bound = overflow == 0 ? largest : inf();  // max |grad_new|, with the entries replaced below
   if (most > dominant_log_pi) {  // new_side_dominant: the token of π > 1/2 from the others' sum
     long top = 0;
     while (!(lps[top] > dominant_log_pi)) ++top;
     grad_new[top] = 0.0 - sum_except(grad_new, size, top);  // vjp_row's bits on such a row
+    bound = larger_bound(bound, grad_new[top]);
   }
   if (projected && two_point_suspect(largest, t, widest_g)) {
     // The row's entries again as doubles (a rare row), for the two-point rule on vjp_row's terms.
@@ -266,10 +276,15 @@ inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s,
     const two_point_values tp = two_point_entries(
         row_zn, row_zo, lps, std::size_t(size), f, largest, widest_g, [&](std::size_t j) { return gd[j]; },
         [&](std::size_t j) { return ((row_zn[j] - row_zo[j]) - s.mu) - m; }, h);
-    if (tp.take) grad_new[h.first] = tp.v1, grad_new[h.second] = tp.v2;
+    if (tp.take) {
+      grad_new[h.first] = tp.v1, grad_new[h.second] = tp.v2;
+      bound = larger_bound(larger_bound(bound, tp.v1), tp.v2);
+    }
   }
+  if (magnitude) *magnitude = bound;
   *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
-  return overflow == 0 && fits_in<double>(*grad_eps) ? 1 : 0;
+  // `bound` also covers the entries replaced above (a sum of finite entries can still overflow)
+  return overflow == 0 && bound <= std::numeric_limits<double>::max() && fits_in<double>(*grad_eps) ? 1 : 0;
 }
 
 /// vjp_row without grad_old for a double row of at most block_size tokens whose logits are finite

@@ -7,6 +7,7 @@
 
 #include "eigen.hpp"
 #include <cstddef>
+#include <limits>
 #include <type_traits>
 
 #include "../../config.hpp"
@@ -38,7 +39,8 @@ struct sparse_vjp_row_view {
 /// category −inf on both sides) and finite on both sides, whose log π* all lie in [−700, 0]:
 /// grad[0..count) and *grad_bucket written in T, grad[count..k_max) zeroed, *grad_eps the row's
 /// ∂L/∂ε. Returns −1, writing nothing, for any other row (the caller takes the lumped path, which
-/// handles it), else 1, or 0 when an output does not fit double (what the lumped path reports).
+/// handles it), else 1, or 0 when an output (an entry, the bucket, ∂L/∂ε) does not fit T (what the
+/// lumped path reports).
 template <class T>
 inline int sparse_vjp_row_short(const sparse_vjp_row_view<T>& v, const projection_stats& s, T* grad,
                                 std::size_t k_max, T* grad_bucket, double* grad_eps) {
@@ -92,11 +94,22 @@ inline int sparse_vjp_row_short(const sparse_vjp_row_view<T>& v, const projectio
     gk = ploadu<packet>(h);
   };
   double gn[block_size];
-  const int done = vjp_row_short_core(count + 1, read, s, gn, grad_eps, two_point_pi_ulps<T>());
+  double magnitude = 0.0;
+  const int done = vjp_row_short_core(count + 1, read, s, gn, grad_eps, two_point_pi_ulps<T>(), &magnitude);
   if (done < 0) return done;
   for (long j = 0; j < count; ++j) grad[j] = T(gn[j]);
   for (std::size_t i = std::size_t(count); i < k_max; ++i) grad[i] = T(0);
   *grad_bucket = T(gn[count]);
+  if constexpr (!std::is_same<T, double>::value) {
+    // Formed in double, a T entry can still overflow: the written entries are checked only where
+    // the core's bound on |grad| passes T's largest value (a rare row).
+    if (done == 1 && !(magnitude <= double(std::numeric_limits<T>::max()))) {
+      bool fine = *grad_bucket - *grad_bucket == T(0);
+      for (long j = 0; j < count; ++j) fine &= grad[j] - grad[j] == T(0);
+      if (!fine) return 0;
+    }
+    if (!fits_in<T>(*grad_eps)) return 0;
+  }
   return done;
 }
 
