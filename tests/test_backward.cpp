@@ -802,3 +802,21 @@ TEST_CASE_TEMPLATE("grad_new at the dominant token of a near one-hot row, upstre
     }
   }
 }
+
+TEST_CASE("bound_max: the running bound the overflow checks read keeps a NaN from either operand") {
+  // The VJP, JVP and objective kernels bound |entry| over what they wrote and then test the bound
+  // with fits_in; with `maximum` (a < b ? b : a) a NaN entry as the second operand was dropped, so
+  // a row whose only bad entry was NaN would have passed the check.
+  using troll::detail::bound_max;
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  CHECK(std::isnan(bound_max(1.0, nan)));
+  CHECK(std::isnan(bound_max(nan, 1.0)));
+  CHECK(std::isnan(bound_max(nan, nan)));
+  CHECK(std::isnan(bound_max(inf, nan)));
+  CHECK(bound_max(1.0, 2.0) == 2.0);
+  CHECK(bound_max(2.0, 1.0) == 2.0);
+  CHECK(bound_max(0.0, inf) == inf);
+  CHECK_FALSE(troll::detail::fits_in<float>(bound_max(0.5, nan)));
+  CHECK(std::isnan(troll::detail::maximum(nan, 1.0)));  // `maximum` keeps a NaN only first
+  CHECK(troll::detail::maximum(1.0, nan) == 1.0);
+}

@@ -19,6 +19,10 @@ TROLL_HOST_DEVICE constexpr bool is_masked(double x) { return x == neg_inf(); }
 
 TROLL_HOST_DEVICE inline double maximum(double a, double b) { return a < b ? b : a; }
 TROLL_HOST_DEVICE inline double minimum(double a, double b) { return b < a ? b : a; }
+/// The larger of a and b, NaN where either is NaN (`maximum` keeps a NaN only as its first
+/// operand): for a running bound on the |entries| written, which an overflow check then reads, so
+/// that a NaN entry never reads as small.
+TROLL_HOST_DEVICE inline double bound_max(double a, double b) { return (a < b || b != b) ? b : a; }
 
 /// e^δ − 1 − δ (≥ 0) without cancellation: its series δ²/2! + δ³/3! + … where |δ| < ½, else
 /// expm1(δ) − δ.

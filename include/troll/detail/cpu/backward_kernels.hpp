@@ -170,12 +170,6 @@ inline Packet load_partial(const double* p, long n, double fill) {
   return ploadu<Packet>(copy);
 }
 
-/// max(bound, |x|), NaN where x is NaN (so a bound that takes a NaN entry never reads as small).
-inline double larger_bound(double bound, double x) {
-  const double size = ::fabs(x);
-  return size == size ? (size > bound ? size : bound) : x;
-}
-
 /// The arithmetic of vjp_row_short on a row of `size` ≤ block_size entries whose packets come
 /// from read(k, zn, zo, logp, g) (the lanes from entry k on; lanes past `size` read as g = 0,
 /// log π = −700 and z̃ = z° = 0, which add nothing to the sums and whose π is never read).
@@ -260,7 +254,7 @@ inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s,
     long top = 0;
     while (!(lps[top] > dominant_log_pi)) ++top;
     grad_new[top] = 0.0 - sum_except(grad_new, size, top);  // vjp_row's bits on such a row
-    bound = larger_bound(bound, grad_new[top]);
+    bound = bound_max(bound, ::fabs(grad_new[top]));
   }
   if (projected && two_point_suspect(largest, t, widest_g)) {
     // The row's entries again as doubles (a rare row), for the two-point rule on vjp_row's terms.
@@ -278,7 +272,7 @@ inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s,
         [&](std::size_t j) { return ((row_zn[j] - row_zo[j]) - s.mu) - m; }, h);
     if (tp.take) {
       grad_new[h.first] = tp.v1, grad_new[h.second] = tp.v2;
-      bound = larger_bound(larger_bound(bound, tp.v1), tp.v2);
+      bound = bound_max(bound, bound_max(::fabs(tp.v1), ::fabs(tp.v2)));
     }
   }
   if (magnitude) *magnitude = bound;
@@ -576,7 +570,7 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
     b.restrict(gb);
     const block_array explicit_part = gb - b.pi * sum_g;  // 0 off J since g, π are 0 there
     const block_array gn = t * (explicit_part - b.pi * b.centred * h_over_var);
-    largest_new = maximum(largest_new, gn.abs().template maxCoeff<Eigen::PropagateNaN>());
+    largest_new = bound_max(largest_new, gn.abs().template maxCoeff<Eigen::PropagateNaN>());
     store(grad_new, begin, count, gn);
     const block_array lp = load(logp, begin, count);  // (b.log_pi is 0 off J)
     if (lp.maxCoeff() > dominant_log_pi) {  // the block of the dominant token: the short path's sum
@@ -593,7 +587,7 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
       return;
     }
     const block_array go = rest * explicit_part + sum_gc * dt_dold_block(zo, b, s, on, begin, count);
-    largest = maximum(largest, go.abs().template maxCoeff<Eigen::PropagateNaN>());
+    largest = bound_max(largest, go.abs().template maxCoeff<Eigen::PropagateNaN>());
     if (top >= begin && top < begin + std::size_t(count)) {
       block_array rest_of_block = go;
       rest_of_block[Eigen::Index(top - begin)] = 0.0;
@@ -604,12 +598,12 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
     store(grad_old, begin, count, go);
   });
   if (top < size) {  // Σ_j ∂L/∂z°_j = 0: the dominant token's entry from the others'
-    largest = maximum(largest, ::fabs(others));
+    largest = bound_max(largest, ::fabs(others));
     grad_old[top] = T(0.0 - others);
   }
-  largest = maximum(largest, largest_new);
+  largest = bound_max(largest, largest_new);
   if (top_new < size) {  // new_side_dominant
-    largest = maximum(largest, ::fabs(others_new));
+    largest = bound_max(largest, ::fabs(others_new));
     grad_new[top_new] = T(0.0 - others_new);
   }
   if (projected) {  // the two-point rule (detail/two_point.hpp)
@@ -620,7 +614,7 @@ inline bool vjp_row(const T* zn, const T* zo, const T* logp, const T* g, std::si
         [&](std::size_t j) { return ((double(zn[j]) - double(zo[j])) - mu) - m; }, h);
     if (tp.take) {
       grad_new[h.first] = T(tp.v1), grad_new[h.second] = T(tp.v2);
-      largest = maximum(largest, maximum(::fabs(tp.v1), ::fabs(tp.v2)));
+      largest = bound_max(largest, bound_max(::fabs(tp.v1), ::fabs(tp.v2)));
     }
   }
   *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
@@ -676,7 +670,7 @@ inline bool jvp_row(const T* zn, const T* zo, const T* logp, const T* tn, const 
     block_array value = t * (load(tn, begin, count) - pi_tn) + b.centred * t_dot;
     if (projected && to) value += rest * ((load(to, begin, count) - shift) - pi_to);
     b.restrict(value);
-    largest = maximum(largest, value.abs().template maxCoeff<Eigen::PropagateNaN>());
+    largest = bound_max(largest, value.abs().template maxCoeff<Eigen::PropagateNaN>());
     store(out, begin, count, value);
   });
   return fits_in<T>(largest);
@@ -729,7 +723,7 @@ inline bool jacobian_row(const T* zn, const T* zo, const T* logp, std::size_t si
         }
       }
       if (row_on && projected && jac_old) jo += centred(i) * dt_dold(j);
-      row_largest = maximum(row_largest, ::fabs(jn));
+      row_largest = bound_max(row_largest, ::fabs(jn));
       put(jac_new + i * size + j, jn);
       if (jac_old && j != top) {
         row_sum += jo;

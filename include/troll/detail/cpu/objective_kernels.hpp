@@ -158,7 +158,7 @@ inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std:
       zero_where_masked(lp_new, reg);
     }
     const block_array total = g + reg;
-    largest = maximum(largest, total.abs().template maxCoeff<Eigen::PropagateNaN>());
+    largest = bound_max(largest, total.abs().template maxCoeff<Eigen::PropagateNaN>());
     largest_ratio = maximum(largest_ratio, g.abs().template maxCoeff<Eigen::PropagateNaN>());
     store(grad, begin, count, total);
     // the parts' sums without a dominant token in them (one such block a row at most, per part)
@@ -175,12 +175,12 @@ inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std:
   });
   if (dominant.ratio.found()) {
     const double value = dominant.at_ratio_top();
-    largest = maximum(largest, ::fabs(value));
+    largest = bound_max(largest, ::fabs(value));
     grad[dominant.ratio.top] = T(value);
   }
   if (dominant.reg.found()) {
     const double value = dominant.at_reg_top();
-    largest = maximum(largest, ::fabs(value));
+    largest = bound_max(largest, ::fabs(value));
     grad[dominant.reg.top] = T(value);
   }
   if (k.inv_sigma2 != 0.0) {
@@ -203,7 +203,7 @@ inline bool troll_backward_write(const T* zn, const T* zo, const T* log_pi, std:
       };
       const double v1 = tp.v1 + reg_at(h.first), v2 = tp.v2 + reg_at(h.second);
       grad[h.first] = T(v1), grad[h.second] = T(v2);
-      largest = maximum(largest, maximum(::fabs(v1), ::fabs(v2)));
+      largest = bound_max(largest, bound_max(::fabs(v1), ::fabs(v2)));
     }
   }
   return fits_in<T>(largest);

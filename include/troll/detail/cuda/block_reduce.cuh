@@ -46,9 +46,11 @@ struct min_token {
   __device__ std::size_t operator()(std::size_t a, std::size_t b) const { return a < b ? a : b; }
 };
 
-/// The larger of two doubles (NaN-free operands) as a CUB reduction operator.
+/// The larger of two doubles as a CUB reduction operator, NaN where either is NaN (bound_max: a
+/// block's bound on the |entries| it wrote, read by an overflow check, never drops a NaN entry
+/// whatever the order of the reduction).
 struct larger_of {
-  __device__ double operator()(double a, double b) const { return a < b ? b : a; }
+  __device__ double operator()(double a, double b) const { return bound_max(a, b); }
 };
 
 /// Sum of two doubles (the backward's Σ g and Σ g·(d − μ)).
