@@ -278,7 +278,7 @@ inline int vjp_row_short_core(long size, Read&& read, const projection_stats& s,
   if (magnitude) *magnitude = bound;
   *grad_eps = projected ? sum_gc / (s.t * s.sigma2) : 0.0;
   // `bound` also covers the entries replaced above (a sum of finite entries can still overflow)
-  return overflow == 0 && bound <= std::numeric_limits<double>::max() && fits_in<double>(*grad_eps) ? 1 : 0;
+  return overflow == 0 && fits_in<double>(bound) && fits_in<double>(*grad_eps) ? 1 : 0;
 }
 
 /// vjp_row without grad_old for a double row of at most block_size tokens whose logits are finite

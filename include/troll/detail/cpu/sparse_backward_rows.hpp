@@ -7,7 +7,6 @@
 
 #include "eigen.hpp"
 #include <cstddef>
-#include <limits>
 #include <type_traits>
 
 #include "../../config.hpp"
@@ -103,7 +102,7 @@ inline int sparse_vjp_row_short(const sparse_vjp_row_view<T>& v, const projectio
   if constexpr (!std::is_same<T, double>::value) {
     // Formed in double, a T entry can still overflow: the written entries are checked only where
     // the core's bound on |grad| passes T's largest value (a rare row).
-    if (done == 1 && !(magnitude <= double(std::numeric_limits<T>::max()))) {
+    if (done == 1 && !fits_in<T>(magnitude)) {
       bool fine = *grad_bucket - *grad_bucket == T(0);
       for (long j = 0; j < count; ++j) fine &= grad[j] - grad[j] == T(0);
       if (!fine) return 0;
