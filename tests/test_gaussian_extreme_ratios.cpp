@@ -1400,3 +1400,59 @@ TEST_CASE("a projected row whose Fisher information overflows: exact forward, de
   for (const std::vector<double>* v : {&gm, &gs, &ge})
     for (double x : *v) CHECK(x == 42.0);
 }
+
+TEST_CASE("kl of rows whose KL lies between DBL_MAX/2 and DBL_MAX: finite and exact (every path), +inf beyond") {
+  // The KL terms are halved before they are summed: before, twice the KL was summed and halved at
+  // the end, so a KL of 1.2e308 read +inf (2.4e308 passes the doubles). Paths: diagonal rows (the
+  // member sums), a diagonal axis narrower than ~7.5e-155 of the old one (its exact term), full
+  // rows by the factorisation and full rows by the determinant (an eigenvalue below 1e-8).
+  const double inf = std::numeric_limits<double>::infinity();
+  struct row {
+    std::vector<double> mean, sd, old_sd;
+  };
+  const std::vector<row> rows = {
+      {{1.5e154}, {1.0}, {1.0}},                   // ½b² = 1.125e308 (b² itself overflows)
+      {{1.2e154, 1.0e154}, {0.5, 2.0}, {1.0, 1.0}},  // two terms of 0.72e308 and 0.5e308
+      {{1.5e154, 0.5}, {1e-160, 1.0}, {1.0, 1.0}},   // the axis beyond γ: its exact term
+      {{0.5, 1.5e154}, {1e-5, 1.0}, {1.0, 1.0}},     // full rows: by the determinant (λ = 1e-10)
+      {{1.5e154, 1.5e154}, {1.0, 1.0}, {1.0, 1.0}},  // 2.25e308: past the doubles, +inf
+  };
+  for (std::size_t k = 0; k < rows.size(); ++k) {
+    CAPTURE(k);
+    const row& x = rows[k];
+    const std::size_t d = x.mean.size();
+    const std::vector<double> old_mean(d, 0.0);
+    const long double want = extreme_diag::kl_before(x.mean, x.sd, old_mean, x.old_sd);
+    CAPTURE(static_cast<double>(want));
+    const bool beyond = want > static_cast<long double>(std::numeric_limits<double>::max());
+    CHECK((k == rows.size() - 1) == beyond);
+    auto close = [&](double kl) {
+      if (beyond) return kl == inf;
+      return std::isfinite(kl) && std::fabs(kl - static_cast<double>(want)) <= 4e-16 * static_cast<double>(want);
+    };
+    auto in = [&](const std::vector<double>& v, std::size_t cols) { return troll::make_batch(v.data(), 1, cols); };
+    double kl = -7.0;
+    troll::gaussian::kl_diag(troll::cpu, in(x.mean, d), in(x.sd, d), in(old_mean, d), in(x.old_sd, d), &kl);
+    CHECK_MESSAGE(close(kl), kl);
+    std::vector<double> chol(d * d, 0.0), old_chol(d * d, 0.0);
+    for (std::size_t i = 0; i < d; ++i) {
+      chol[i * d + i] = x.sd[i];
+      old_chol[i * d + i] = x.old_sd[i];
+    }
+    kl = -7.0;
+    troll::gaussian::kl(troll::cpu, in(x.mean, d), in(chol, d * d), in(old_mean, d), in(old_chol, d * d), &kl);
+    CHECK_MESSAGE(close(kl), kl);
+  }
+  // The joint projection's kl_before of such a row is that KL (it was +inf), and the row projects
+  // onto the bound.
+  const std::vector<double> mean = {1.2e154, 1.0e154}, sd = {0.5, 2.0}, old_mean = {0.0, 0.0}, old_sd = {1.0, 1.0};
+  auto in = [](const std::vector<double>& v) { return troll::make_batch(v.data(), 1, 2); };
+  std::vector<double> out_m(2), out_s(2);
+  gaussian_stats st;
+  troll::gaussian::project_joint_diag(troll::cpu, in(mean), in(sd), in(old_mean), in(old_sd), 0.1,
+                                      troll::make_batch(out_m.data(), 1, 2), troll::make_batch(out_s.data(), 1, 2), &st);
+  const double want = static_cast<double>(extreme_diag::kl_before(mean, sd, old_mean, old_sd));
+  CHECK(std::fabs(st.kl_before - want) <= 4e-16 * want);
+  CHECK(st.status == troll::row_status::projected);
+  CHECK(st.kl_after == doctest::Approx(0.1).epsilon(1e-9));
+}

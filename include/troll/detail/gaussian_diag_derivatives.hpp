@@ -259,8 +259,8 @@ TROLL_HOST_DEVICE inline void gaussian_diag_vjp_accumulate_units(const gaussian_
   double t_bar = lambda_bar * m.ps;
   if (!split) t_bar += h_bar * (m.pn * (e.mean - e.old_mean) + m.ps * e.old_mean);
   sums->t_bar += t_bar;
-  double kl2 = 0.0, info = 0.0;
-  gaussian_coordinate_at(m.g, m.gamma, m.a, split ? 0.0 : m.b, t, !split, &kl2, &info);
+  double kl_sum = 0.0, info = 0.0;
+  gaussian_coordinate_at(m.g, m.gamma, m.a, split ? 0.0 : m.b, t, !split, &kl_sum, &info);
   sums->info += info;
   sums->top.add(i, info, t_bar, 0.0);
 }
@@ -467,8 +467,8 @@ TROLL_HOST_DEVICE inline void gaussian_diag_jvp_accumulate_units(const gaussian_
   const double kl_dot = gaussian_diag_kl_dot(e, m, d, split, t, s);
   const double own = d.std_dev == 0.0 ? kl_dot : gaussian_diag_kl_dot(e, m, gaussian_diag_without_std(d), split, t, s);
   sums->kl_dot += kl_dot;
-  double kl2 = 0.0, info = 0.0;
-  gaussian_coordinate_at(m.g, m.gamma, m.a, split ? 0.0 : m.b, t, !split, &kl2, &info);
+  double kl_sum = 0.0, info = 0.0;
+  gaussian_coordinate_at(m.g, m.gamma, m.a, split ? 0.0 : m.b, t, !split, &kl_sum, &info);
   sums->info += info;
   sums->top.add(i, info, kl_dot, own);
 }

@@ -86,33 +86,35 @@ struct gaussian_point {
   double sigma2 = 0.0;
 };
 
-/// One coordinate's terms of the member at t: adds ψ(log a) (+ m² with the mean) to *kl2 (twice
-/// the KL) and ½ g²/a² (+ γ²b²/a³) to *info. Shared by the host loop below and the device's
+/// One coordinate's terms of the member at t: adds ½ψ(log a) (+ ½m² with the mean) to *kl_sum
+/// (the KL) and ½ g²/a² (+ γ²b²/a³) to *info. Each KL term is halved before it is added (½m² as
+/// (½m)·m): the same bits as halving the sum, except that a KL between DBL_MAX/2 and DBL_MAX
+/// stays finite where twice it would not. Shared by the host loop below and the device's
 /// warp-parallel sums.
 TROLL_HOST_DEVICE inline void gaussian_coordinate_at(double g, double gamma, double a, double b, double t,
-                                                     bool with_mean, double* kl2, double* info) {
+                                                     bool with_mean, double* kl_sum, double* info) {
   if (!(a > 0.0)) {  // γ rounded to 0 (g = −1: a new variance above ~1e16 of the old) at t = 1
-    *kl2 += inf();
+    *kl_sum += inf();
     *info += inf();
     return;
   }
   const double ratio = g / a;
-  *kl2 += gaussian_psi(a < 0.5 ? ::log(a) : ::log1p(t * g));
+  *kl_sum += 0.5 * gaussian_psi(a < 0.5 ? ::log(a) : ::log1p(t * g));
   *info += 0.5 * ratio * ratio;
   if (with_mean) {
     // m = (tγ/a) b and γb/a, ordered so that a huge γ (a near-singular new covariance) with t = 0
     // gives m = 0 and a large b no overflow in γb: tγ/a ≤ max(1, t).
     const double m = (t * gamma / a) * b;
     const double gamma_b_a = (gamma / a) * b;
-    *kl2 += m * m;
+    *kl_sum += (0.5 * m) * m;
     *info += gamma_b_a * gamma_b_a / a;
   }
 }
 
 /// gaussian_coordinate_at with γ = 1 + g and a = 1 + tg.
-TROLL_HOST_DEVICE inline void gaussian_coordinate(double g, double b, double t, bool with_mean, double* kl2,
+TROLL_HOST_DEVICE inline void gaussian_coordinate(double g, double b, double t, bool with_mean, double* kl_sum,
                                                   double* info) {
-  gaussian_coordinate_at(g, 1.0 + g, 1.0 + t * g, b, t, with_mean, kl2, info);
+  gaussian_coordinate_at(g, 1.0 + g, 1.0 + t * g, b, t, with_mean, kl_sum, info);
 }
 
 /// a = 1 + tg, or s + tγ where γ is given and below ½ (gaussian_spectrum::gamma).
@@ -121,28 +123,28 @@ TROLL_HOST_DEVICE inline double gaussian_precision_ratio(double g, const double*
 }
 
 /// The point of the sums of gaussian_coordinate at u.
-TROLL_HOST_DEVICE inline gaussian_point gaussian_point_at(const tilt_param& u, double kl2, double info) {
+TROLL_HOST_DEVICE inline gaussian_point gaussian_point_at(const tilt_param& u, double kl_sum, double info) {
   gaussian_point p;
   p.t = u.t;
   p.s = u.s;
-  p.kl = 0.5 * kl2;
+  p.kl = kl_sum;
   p.sigma2 = info;
   return p;
 }
 
 /// The member at u: KL(π_u ‖ q) and I(t), one pass over the coordinates.
 TROLL_HOST_DEVICE inline gaussian_point gaussian_member(const gaussian_spectrum& r, const tilt_param& u) {
-  double kl2 = 0.0, info = 0.0;
+  double kl_sum = 0.0, info = 0.0;
   if (r.gamma == nullptr) {
-    for (int i = 0; i < r.dim; ++i) gaussian_coordinate(r.g[i], r.with_mean ? r.b[i] : 0.0, u.t, r.with_mean, &kl2, &info);
+    for (int i = 0; i < r.dim; ++i) gaussian_coordinate(r.g[i], r.with_mean ? r.b[i] : 0.0, u.t, r.with_mean, &kl_sum, &info);
   } else {
     for (int i = 0; i < r.dim; ++i) {
       const double gamma = r.g[i] < -0.5 ? r.gamma[i] : 1.0 + r.g[i];
       gaussian_coordinate_at(r.g[i], gamma, gaussian_precision_ratio(r.g[i], r.gamma, i, u.t, u.s),
-                             r.with_mean ? r.b[i] : 0.0, u.t, r.with_mean, &kl2, &info);
+                             r.with_mean ? r.b[i] : 0.0, u.t, r.with_mean, &kl_sum, &info);
     }
   }
-  return gaussian_point_at(u, kl2, info);
+  return gaussian_point_at(u, kl_sum, info);
 }
 
 /// A Gaussian row as a family of solve_bracketed (every member exact to a few ulps: no
@@ -211,7 +213,7 @@ TROLL_HOST_DEVICE inline double gaussian_diag_gain(double std_dev, double old_st
 
 /// Whether a diagonal coordinate's g = γ − 1 is beyond the doubles (gaussian_diag_gain: a new
 /// standard deviation below ~7.5e-155 of the old). gaussian_diag_coordinate takes the largest
-/// finite double there, which only kl corrects (gaussian_diag_beyond_kl2); the projections and
+/// finite double there, which only kl corrects (gaussian_diag_beyond_kl); the projections and
 /// their derivatives refuse such rows (gaussian_checks.hpp).
 TROLL_HOST_DEVICE inline bool gaussian_diag_beyond(double std_dev, double old_std) {
   return !(gaussian_diag_gain(std_dev, old_std) < largest_finite<double>());
@@ -249,19 +251,20 @@ TROLL_HOST_DEVICE inline void gaussian_diag_coordinate(double mean, double std_d
   *b = (mean - old_mean) / old_std;
 }
 
-/// Twice the KL(p̃ ‖ q) term of a diagonal coordinate beyond the doubles (gaussian_diag_beyond):
-/// ψ(log γ) + b² = r² − 1 + log γ + b² with log γ = 2(log σ° − log σ̃), which is finite (at most
-/// ~1490 from the logarithms) where γ itself overflows, and exact: r < 7.5e-155, so the two
-/// logarithms do not cancel. gaussian::kl_diag adds it in place of the clamped coordinate's term.
-TROLL_HOST_DEVICE inline double gaussian_diag_beyond_kl2(double mean, double std_dev, double old_mean,
-                                                         double old_std) {
+/// The KL(p̃ ‖ q) term of a diagonal coordinate beyond the doubles (gaussian_diag_beyond):
+/// ½(ψ(log γ) + b²) = ½(r² − 1) + ½ log γ + ½b² with ½ log γ = log σ° − log σ̃, which is finite
+/// (at most ~745 from the logarithms) where γ itself overflows, and exact: r < 7.5e-155, so the
+/// two logarithms do not cancel. Halved term by term (½b² as (½b)·b), as gaussian_coordinate_at.
+/// gaussian::kl_diag adds it in place of the clamped coordinate's term.
+TROLL_HOST_DEVICE inline double gaussian_diag_beyond_kl(double mean, double std_dev, double old_mean,
+                                                        double old_std) {
   const double r = std_dev / old_std;
   const double b = (mean - old_mean) / old_std;
-  return ((r * r - 1.0) + 2.0 * (::log(old_std) - ::log(std_dev))) + b * b;
+  return ((r * r - 1.0) * 0.5 + (::log(old_std) - ::log(std_dev))) + (0.5 * b) * b;
 }
 
 /// Whether `kl` of a full row takes its log-determinant from the factors' diagonals
-/// (gaussian_full_beyond_kl2) because of this coordinate's gain g = γ − 1: g ≥ 1e8, an eigenvalue
+/// (gaussian_full_beyond_kl) because of this coordinate's gain g = γ − 1: g ≥ 1e8, an eigenvalue
 /// λ = 1/γ of Σ°⁻¹Σ̃ below ~1e-8. The factorisation knows such a λ only to an absolute error
 /// (~u·λ_max on a factor that is not graded, a floor near 1e-68 measured on a d = 3 row, the
 /// gain's clamp below ~1e-308), so Σ log γ_i can be far off (KL 77.4 for 230.6 at a diagonal
@@ -269,16 +272,17 @@ TROLL_HOST_DEVICE inline double gaussian_diag_beyond_kl2(double mean, double std
 /// the cancellation the eigenvalue form avoids costs at most ~u·(7 + 0.75 d) relative.
 TROLL_HOST_DEVICE inline bool gaussian_full_kl_from_determinant(double g) { return g >= 1e8; }
 
-/// One coordinate's part of twice KL(p̃ ‖ q) for a full row taken by its determinant
-/// (gaussian_full_kl_from_determinant): (λ_i − 1) + b_i² with λ = 1/γ the eigenvalue of
-/// Σ°⁻¹Σ̃, plus 2(log L°_ii − log L̃_ii) from the factors' diagonals (`new_diag` = L̃_ii,
-/// `old_diag` = L°_ii), whose sum is −log det(Σ°⁻¹Σ̃), exact, in place of Σ log γ_i; the trace
+/// One coordinate's part of KL(p̃ ‖ q) for a full row taken by its determinant
+/// (gaussian_full_kl_from_determinant): ½(λ_i − 1) + ½b_i² with λ = 1/γ the eigenvalue of
+/// Σ°⁻¹Σ̃ (halved term by term, as gaussian_coordinate_at), plus log L°_ii − log L̃_ii from the
+/// factors' diagonals (`new_diag` = L̃_ii, `old_diag` = L°_ii), whose sum is −½ log det(Σ°⁻¹Σ̃),
+/// exact, in place of ½ Σ log γ_i; the trace
 /// sees a small λ's absolute error only as that error. A large λ (a much wider new covariance)
 /// must come accurate relative to itself: 1/(1 + g) loses ~u/(1 + g) of it to the cancellation in
 /// 1 + g (λ = 1e10 beside a tiny one: the KL 1e-6 relative off), so the CPU passes 1/γ from the
 /// factorisation where g < −½ (gaussian_full_lambda).
-TROLL_HOST_DEVICE inline double gaussian_full_beyond_kl2(double lambda, double b, double new_diag, double old_diag) {
-  return ((lambda - 1.0) + b * b) + 2.0 * (::log(old_diag) - ::log(new_diag));
+TROLL_HOST_DEVICE inline double gaussian_full_beyond_kl(double lambda, double b, double new_diag, double old_diag) {
+  return ((lambda - 1.0) * 0.5 + (0.5 * b) * b) + (::log(old_diag) - ::log(new_diag));
 }
 
 /// λ = 1/γ of a coordinate with gain g, from γ itself where g < −½ and it is given (accurate

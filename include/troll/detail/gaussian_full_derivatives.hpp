@@ -65,8 +65,8 @@ TROLL_HOST_DEVICE void store_vec(const Team& tm, int d, const double* x, T* out)
 /// I(t) of the row's spectrum (gaussian_member's sums, split over the team).
 template <class Team>
 TROLL_HOST_DEVICE double fisher(const Team& tm, int d, const double* g, const double* b, double t, bool with_mean) {
-  double kl2 = 0.0, info = 0.0;
-  for (int i = tm.lane(); i < d; i += tm.size()) gaussian_coordinate(g[i], with_mean ? b[i] : 0.0, t, with_mean, &kl2, &info);
+  double kl_sum = 0.0, info = 0.0;
+  for (int i = tm.lane(); i < d; i += tm.size()) gaussian_coordinate(g[i], with_mean ? b[i] : 0.0, t, with_mean, &kl_sum, &info);
   return tm.sum(info);
 }
 

@@ -36,10 +36,10 @@ struct gaussian_team_family {
   Team tm;
   gaussian_spectrum row;
   TROLL_HOST_DEVICE gaussian_point evaluate(const tilt_param& u, const gaussian_point&, double, double) const {
-    double kl2 = 0.0, info = 0.0;
+    double kl_sum = 0.0, info = 0.0;
     for (int i = tm.lane(); i < row.dim; i += tm.size())
-      gaussian_coordinate(row.g[i], row.with_mean ? row.b[i] : 0.0, u.t, row.with_mean, &kl2, &info);
-    return gaussian_point_at(u, tm.sum(kl2), tm.sum(info));
+      gaussian_coordinate(row.g[i], row.with_mean ? row.b[i] : 0.0, u.t, row.with_mean, &kl_sum, &info);
+    return gaussian_point_at(u, tm.sum(kl_sum), tm.sum(info));
   }
 };
 

@@ -123,7 +123,7 @@ void gaussian_kl(cpu_policy policy, const gaussian_call& c, batch_view<const T> 
   const std::size_t work = c.full ? 40 * c.dim * c.dim * c.dim : 40 * c.dim;
   cpu::parallel_for(policy.threads, mean.rows, work, [&](std::size_t r) {
     cpu::gaussian_basis basis;
-    double beyond_kl2 = 0.0;  // coordinates beyond the doubles, exactly (gaussian_diag_beyond_kl2)
+    double beyond_kl = 0.0;  // coordinates beyond the doubles, exactly (gaussian_diag_beyond_kl)
     if (c.full) {
       const double direct = gaussian_full_kl_direct(mean.row(r), cov.row(r), old_mean.row(r), old_cov.row(r), c.dim);
       if (direct == direct) {  // a row the factorisation cannot form: its closed form
@@ -135,14 +135,14 @@ void gaussian_kl(cpu_policy policy, const gaussian_call& c, batch_view<const T> 
         // A tiny eigenvalue: the log-determinant from the diagonals (exact).
         const T *l = cov.row(r), *lo = old_cov.row(r);
         const double* gamma = basis.gamma.size() == basis.g.size() ? basis.gamma.data() : nullptr;
-        double kl2 = 0.0;
+        double kl_sum = 0.0;
         for (std::size_t i = 0; i < c.dim; ++i) {
           const auto k = static_cast<Eigen::Index>(i);
-          kl2 += gaussian_full_beyond_kl2(gaussian_full_lambda(basis.g[k], gamma, static_cast<int>(i)), basis.b[k],
-                                          static_cast<double>(l[i * c.dim + i]),
-                                          static_cast<double>(lo[i * c.dim + i]));
+          kl_sum += gaussian_full_beyond_kl(gaussian_full_lambda(basis.g[k], gamma, static_cast<int>(i)), basis.b[k],
+                                            static_cast<double>(l[i * c.dim + i]),
+                                            static_cast<double>(lo[i * c.dim + i]));
         }
-        out[r] = gaussian_kl_result(0.5 * kl2);
+        out[r] = gaussian_kl_result(kl_sum);
         return;
       }
     } else {
@@ -151,12 +151,12 @@ void gaussian_kl(cpu_policy policy, const gaussian_call& c, batch_view<const T> 
       for (std::size_t i = 0; i < c.dim; ++i) {
         const double s = static_cast<double>(sd[i]), so = static_cast<double>(osd[i]);
         if (!gaussian_diag_beyond(s, so)) continue;
-        beyond_kl2 += gaussian_diag_beyond_kl2(static_cast<double>(m[i]), s, static_cast<double>(om[i]), so);
+        beyond_kl += gaussian_diag_beyond_kl(static_cast<double>(m[i]), s, static_cast<double>(om[i]), so);
         basis.g[static_cast<Eigen::Index>(i)] = basis.b[static_cast<Eigen::Index>(i)] = 0.0;  // adds 0 below
       }
     }
     const double kl = gaussian_member(basis.forward_spectrum(true), tilt_near_one(0.0)).kl;
-    out[r] = gaussian_kl_result(beyond_kl2 == 0.0 ? kl : kl + 0.5 * beyond_kl2);
+    out[r] = gaussian_kl_result(beyond_kl == 0.0 ? kl : kl + beyond_kl);
   });
 }
 

@@ -76,19 +76,19 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_kl_diag_kernel(gaussia
       if (threadIdx.x == 0) k.out[r] = quiet_nan();
       continue;
     }
-    double kl2 = 0.0, info = 0.0;
+    double kl_sum = 0.0, info = 0.0;
     for (std::size_t i = threadIdx.x; i < d; i += gaussian_warp) {
       const double m = static_cast<double>(mean[i]), s = static_cast<double>(sd[i]),
                    om = static_cast<double>(old_mean[i]), so = static_cast<double>(old_sd[i]);
       if (gaussian_diag_beyond(s, so)) {  // γ beyond the doubles: the exact term, as the CPU's
-        kl2 += gaussian_diag_beyond_kl2(m, s, om, so);
+        kl_sum += gaussian_diag_beyond_kl(m, s, om, so);
         continue;
       }
       double g = 0.0, b = 0.0;
       gaussian_diag_coordinate(m, s, om, so, &g, &b);
-      gaussian_coordinate(g, b, u.t, true, &kl2, &info);
+      gaussian_coordinate(g, b, u.t, true, &kl_sum, &info);
     }
-    const gaussian_point p = gaussian_point_at(u, warp_sum(kl2), warp_sum(info));
+    const gaussian_point p = gaussian_point_at(u, warp_sum(kl_sum), warp_sum(info));
     if (threadIdx.x == 0) k.out[r] = gaussian_kl_result(p.kl);
   }
 }
@@ -119,11 +119,11 @@ __global__ void __launch_bounds__(gaussian_warp) gaussian_kl_full_kernel(gaussia
     if (by_determinant) {  // a tiny eigenvalue: the log-determinant from the diagonals, as the CPU's
       double part = 0.0;
       if (lane < d)
-        part = gaussian_full_beyond_kl2(gaussian_full_lambda(g[lane], nullptr, lane), b[lane],
-                                        static_cast<double>(l_new[lane * d + lane]),
-                                        static_cast<double>(l_old[lane * d + lane]));
-      const double kl2 = warp_sum(part);
-      if (lane == 0) k.out[r] = gaussian_kl_result(0.5 * kl2);
+        part = gaussian_full_beyond_kl(gaussian_full_lambda(g[lane], nullptr, lane), b[lane],
+                                       static_cast<double>(l_new[lane * d + lane]),
+                                       static_cast<double>(l_old[lane * d + lane]));
+      const double kl_sum = warp_sum(part);
+      if (lane == 0) k.out[r] = gaussian_kl_result(kl_sum);
       __syncwarp();
       continue;
     }

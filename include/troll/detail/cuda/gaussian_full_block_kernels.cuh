@@ -71,10 +71,10 @@ struct full_kl_op {
     if (tm.sum(tiny ? 1.0 : 0.0) != 0.0) {  // a tiny eigenvalue: log det from the diagonals, as the CPU's
       double part = 0.0;
       for (int i = tm.lane(); i < d; i += tm.size())
-        part += gaussian_full_beyond_kl2(gaussian_full_lambda(g[i], nullptr, i), b[i],
-                                         static_cast<double>(l_new[i * d + i]), static_cast<double>(l_old[i * d + i]));
-      const double kl2 = tm.sum(part);
-      if (threadIdx.x == 0) k.out[r] = gaussian_kl_result(0.5 * kl2);
+        part += gaussian_full_beyond_kl(gaussian_full_lambda(g[i], nullptr, i), b[i],
+                                        static_cast<double>(l_new[i * d + i]), static_cast<double>(l_old[i * d + i]));
+      const double kl_sum = tm.sum(part);
+      if (threadIdx.x == 0) k.out[r] = gaussian_kl_result(kl_sum);
       tm.sync();
       return;
     }

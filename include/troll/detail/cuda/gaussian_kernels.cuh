@@ -52,10 +52,10 @@ struct gaussian_warp_family {
   // Host-and-device so that the solve's host instantiation type-checks; only called on the device.
   TROLL_HOST_DEVICE gaussian_point evaluate(const tilt_param& u, const gaussian_point&, double, double) const {
 #ifdef __CUDA_ARCH__
-    double kl2 = 0.0, info = 0.0;
+    double kl_sum = 0.0, info = 0.0;
     for (int i = static_cast<int>(threadIdx.x); i < row.dim; i += gaussian_warp)
-      gaussian_coordinate(row.g[i], row.with_mean ? row.b[i] : 0.0, u.t, row.with_mean, &kl2, &info);
-    return gaussian_point_at(u, warp_sum(kl2), warp_sum(info));
+      gaussian_coordinate(row.g[i], row.with_mean ? row.b[i] : 0.0, u.t, row.with_mean, &kl_sum, &info);
+    return gaussian_point_at(u, warp_sum(kl_sum), warp_sum(info));
 #else
     return gaussian_member(row, u);
 #endif
