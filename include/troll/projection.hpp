@@ -82,6 +82,7 @@ void project(cpu_policy policy, input_view<T> new_logits, input_view<T> old_logi
     }
     stats[r] = detail::cpu::project_row(new_logits.row(r), old_logits.row(r), size, setup, eps,
                                         options, out_log_probs.row(r));
+    stats[r].row_fingerprint = detail::cpu::dense_row_fingerprint(new_logits.row(r), old_logits.row(r), size);
   });
 }
 

@@ -13,6 +13,7 @@
 #include "../arguments.hpp"
 #include "backward_kernels.hpp"
 #include "parallel.hpp"
+#include "row_fingerprint.hpp"
 #include "row_kernels.hpp"
 #include "../../errors.hpp"
 #include "../../execution.hpp"
@@ -155,23 +156,29 @@ void validate_backward(const char* fn, unsigned threads, batch_view<const T> new
   check_backward_views(fn, new_logits, old_logits, log_probs, stats, upstream, upstream_name, upstream_old);
   const std::size_t size = new_logits.cols;
   const bool four = upstream.data != nullptr && upstream_old.rows == 0;
+  // The statistics' own fields, then that they are project()'s of these rows (row_fingerprint).
+  auto stats_problem = [&](std::size_t r) {
+    const row_problem p = check_stats(stats[r]);
+    if (p || stats[r].row_fingerprint == 0) return p;
+    return check_stats_fingerprint(stats[r], cpu::dense_row_fingerprint(new_logits.row(r), old_logits.row(r), size));
+  };
   auto problem = [&](std::size_t r) {
     // The common row, every logit and upstream entry finite and every log π* ≤ 0, passes in one
     // vectorised read of the four rows; any other row is walked by the checks below, which name
     // its first problem.
-    if (four && r < kept_rows && !check_stats(stats[r])) {  // the VJP's first pass is the check; sums kept
+    if (four && r < kept_rows && !stats_problem(r)) {  // the VJP's first pass is the check; sums kept
       kept[r] = cpu::vjp_first_pass(new_logits.row(r), old_logits.row(r), log_probs.row(r), upstream.row(r),
                                     static_cast<long>(size), stats[r]);
       if (kept[r].fine) return row_problem{};
     } else if (four && cpu::backward_row_fine(new_logits.row(r), old_logits.row(r), log_probs.row(r),
                                               upstream.row(r), size)) {
-      return check_stats(stats[r]);
+      return stats_problem(r);
     }
     row_setup setup;
     row_problem p = cpu::scan_pair(new_logits.row(r), old_logits.row(r), size, setup,
                                    "new_logits", "old_logits");
     if (!p) p = find_bad_log_prob(log_probs.row(r), new_logits.row(r), old_logits.row(r), size, "log_probs");
-    if (!p) p = check_stats(stats[r]);
+    if (!p) p = stats_problem(r);
     if (!p && upstream.data != nullptr) p = find_nonfinite(upstream.row(r), size, upstream_name);
     if (!p && upstream_old.rows != 0) p = find_nonfinite(upstream_old.row(r), size, "tangent_old");
     return p;
