@@ -217,3 +217,70 @@ TEST_CASE_TEMPLATE("sparse: statistics of another row or call are refused, unkno
   edited.old_lp[1 * 3 + 2] = T(double(edited.old_lp[1 * 3 + 2]) + 1e-6);
   expect_other_rows([&] { edited.backward(a.stats); }, 1);
 }
+
+TEST_CASE_TEMPLATE("TROLL's objective: its backward refuses the statistics of other rows", T, float, double) {
+  const dense_rows d = make_dense(6);
+  const std::vector<T> z_new = as<T>(d.z_new), z_old = as<T>(d.z_old);
+  const std::vector<troll::token_id> tokens = {3, 17, 0, 36};
+  const std::vector<T> advantages = {T(1), T(-0.5), T(2), T(0.25)};
+  troll::token_batch<T> in;
+  in.tokens = tokens.data();
+  in.advantages = advantages.data();
+  const troll::trust_region_objective objective{0.05, 1.0, {}};
+  auto view = [](const std::vector<T>& v) { return troll::make_batch(v.data(), rows, vocab); };
+  std::vector<T> log_probs(rows * vocab);
+  std::vector<troll::projection_stats> stats(rows);
+  troll::objective_forward(troll::cpu, objective, view(z_new), view(z_old), in,
+                           troll::make_batch(log_probs.data(), rows, vocab), stats.data());
+  for (const troll::projection_stats& s : stats) CHECK(s.row_fingerprint != 0);
+  auto backward = [&](const std::vector<troll::projection_stats>& s) {
+    std::vector<T> grad(rows * vocab, T(7));
+    troll::objective_backward(troll::cpu, objective, view(z_new), view(z_old), in, view(log_probs), s.data(),
+                              troll::make_batch(grad.data(), rows, vocab));
+    return grad;
+  };
+  const std::vector<T> want = backward(stats);
+  CHECK(backward(unknown(stats)) == want);
+  expect_other_rows([&] { backward(swapped(stats, 0, 3)); }, 0);
+}
+
+TEST_CASE("the sparse TROLL objective: its backward refuses the statistics of other rows") {
+  using T = float;
+  const dense_rows d = make_dense(7);
+  const std::vector<T> z_new = as<T>(d.z_new), z_old = as<T>(d.z_old);
+  const std::vector<troll::token_id> tokens = {3, 17, 0, 36};
+  const std::vector<T> advantages = {T(1), T(-0.5), T(2), T(0.25)};
+  // The old rows as the trainer keeps them: top-8 plus the sampled token and a bucket.
+  const std::size_t k_old = 10, k_aligned = 16;
+  std::vector<troll::sparse_index> old_ids(rows * k_old), old_counts(rows);
+  std::vector<T> old_lp(rows * k_old), old_r(rows);
+  const troll::sparse_batch_view<T> old_rows{old_ids.data(), old_lp.data(), old_counts.data(), old_r.data(),
+                                             rows, k_old, vocab};
+  troll::sparsify(troll::cpu, troll::make_batch(z_old.data(), rows, vocab), tokens.data(), {8, 1e-5}, old_rows);
+  troll::token_batch<T> in;
+  in.tokens = tokens.data();
+  in.advantages = advantages.data();
+  troll::sparse_trust_region_objective objective;
+  objective.new_support.k = 4;
+  std::vector<troll::sparse_index> a_ids(rows * k_aligned), a_counts(rows), lp_ids(rows * k_aligned), lp_counts(rows);
+  std::vector<T> a_new(rows * k_aligned), a_old(rows * k_aligned), a_new_r(rows), a_old_r(rows);
+  std::vector<T> lp(rows * k_aligned), lp_r(rows);
+  const troll::aligned_batch_view<T> aligned{a_ids.data(), a_counts.data(), a_new.data(), a_old.data(),
+                                             a_new_r.data(), a_old_r.data(), rows, k_aligned, vocab};
+  const troll::sparse_batch_view<T> log_probs{lp_ids.data(), lp.data(), lp_counts.data(), lp_r.data(),
+                                              rows, k_aligned, vocab};
+  std::vector<troll::projection_stats> stats(rows);
+  troll::objective_forward(troll::cpu, objective, troll::make_batch(z_new.data(), rows, vocab),
+                           troll::sparse_input<T>(old_rows), in, aligned, log_probs, stats.data());
+  for (const troll::projection_stats& s : stats) CHECK(s.row_fingerprint != 0);
+  auto backward = [&](const std::vector<troll::projection_stats>& s) {
+    std::vector<T> grad(rows * vocab, T(7));
+    troll::objective_backward(troll::cpu, objective, troll::make_batch(z_new.data(), rows, vocab),
+                              troll::aligned_input<T>(aligned), in, troll::sparse_input<T>(log_probs), s.data(),
+                              troll::make_batch(grad.data(), rows, vocab));
+    return grad;
+  };
+  const std::vector<T> want = backward(stats);
+  CHECK(backward(unknown(stats)) == want);
+  expect_other_rows([&] { backward(swapped(stats, 1, 2)); }, 1);
+}

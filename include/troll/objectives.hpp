@@ -24,6 +24,7 @@
 #include "detail/cpu/objective_kernels.hpp"
 #include "detail/cpu/objective_scratch.hpp"
 #include "detail/cpu/parallel.hpp"
+#include "detail/cpu/row_fingerprint.hpp"
 #include "detail/cpu/row_kernels.hpp"
 #include "detail/objective_arguments.hpp"
 #include "detail/objective_row.hpp"
@@ -99,6 +100,7 @@ objective_metrics objective_forward(cpu_policy policy, const trust_region_object
         counted ? in.tokens[r] : 0, counted ? static_cast<double>(in.advantages[r]) : 0.0,
         objective.alpha, log_probs.row(r));
     stats[r] = ws.records[r].stats;
+    stats[r].row_fingerprint = detail::cpu::dense_row_fingerprint(new_logits.row(r), old_logits.row(r), size);
   });
   return detail::finish_troll_forward(in, rows, ws.weights, ws.records, token_loss, sum,
                                       [&](std::size_t r, const detail::row_problem& p) {
@@ -141,7 +143,11 @@ void objective_backward(cpu_policy policy, const trust_region_objective& objecti
                              objective.alpha > 0.0, [&](std::size_t r) {
                                const detail::row_problem p = detail::find_bad_log_prob(
                                    log_probs.row(r), new_logits.row(r), old_logits.row(r), log_probs.cols, "log_probs");
-                               return p ? p : detail::check_stats(stats[r]);
+                               if (p) return p;
+                               const detail::row_problem s = detail::check_stats(stats[r]);
+                               if (s || stats[r].row_fingerprint == 0) return s;
+                               return detail::check_stats_fingerprint(
+                                   stats[r], detail::cpu::dense_row_fingerprint(new_logits.row(r), old_logits.row(r), size));
                              });
   const double* c = scratch.parts.weights;
   detail::cpu::troll_backward_plan* plans = scratch.parts.records;

@@ -65,11 +65,12 @@ struct projection_stats {
   int iterations = 0;
   row_status status = row_status::inactive;
   /// A fingerprint of the row pair these statistics were computed from: the CPU backend's
-  /// project() (dense and sparse) writes it, never 0; 0 means "not known" (the device, the Python
-  /// package's round trip, statistics made by hand). The CPU derivatives recompute it from the rows
-  /// they are given and refuse statistics whose fingerprint differs (domain_error, bad_stats:
-  /// statistics of another row or call). It reads V, the buckets and a few entries, each rounded
-  /// to float, so a row and its float or double copy agree; it finds mix-ups, not every edit.
+  /// project() and TROLL objective_forward() (dense and sparse) write it, never 0; 0 means "not
+  /// known" (the device, the Python package's round trip, statistics made by hand). The CPU
+  /// derivatives recompute it from the rows they are given and refuse statistics whose
+  /// fingerprint differs (domain_error, bad_stats: statistics of another row or call). It reads
+  /// V, the buckets and a few entries, each rounded to float, so a row and its float or double
+  /// copy agree; it finds mix-ups, not every edit.
   std::uint64_t row_fingerprint = 0;
 
   TROLL_HOST_DEVICE bool active() const { return status != row_status::inactive; }

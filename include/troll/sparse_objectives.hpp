@@ -23,6 +23,7 @@
 #include "detail/cpu/objective_kernels.hpp"
 #include "detail/cpu/objective_scratch.hpp"
 #include "detail/cpu/parallel.hpp"
+#include "detail/cpu/row_fingerprint.hpp"
 #include "detail/cpu/row_kernels.hpp"
 #include "detail/cpu/sparse_kernels.hpp"
 #include "detail/objective_arguments.hpp"
@@ -165,6 +166,7 @@ objective_metrics objective_forward(cpu_policy policy,
         zn, zo, std::size_t(n), objective.eps, objective.projection, counted, token,
         counted ? static_cast<double>(in.advantages[r]) : 0.0, objective.alpha, lp);
     stats[r] = results[r].stats;
+    stats[r].row_fingerprint = detail::cpu::aligned_row_fingerprint(aligned_in, r);
     detail::write_lumped_row(aligned_in, r, slot, n, lp, log_probs);
   });
   return detail::finish_troll_forward(in, rows, scratch.parts.weights, results, token_loss, sum,
@@ -240,7 +242,8 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
     const bool counted = detail::mask_of(in, r) != 0.0;
     const detail::row_problem lumped = detail::check_lumped(aligned, r, detail::lumped_checks{0.0, false, regression && counted});
     if (lumped) return lumped;
-    return detail::check_stats(stats[r]);
+    const detail::row_problem s = detail::check_stats(stats[r]);
+    return s ? s : detail::check_stats_fingerprint(stats[r], detail::cpu::aligned_row_fingerprint(aligned, r));
   };
   detail::cpu::throw_first_problem(fn, policy.threads, rows, vocab, problem, &detail::throw_row_problem);
 
