@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "gaussian_oracle.hpp"
 #include "troll/gaussian.hpp"
 #include "troll/gaussian_jvp.hpp"
 #include "troll/detail/cpu/gaussian_whitened.hpp"
@@ -889,12 +890,8 @@ TEST_CASE("a mean step that overflows in the old Gaussian's coordinates is refus
                             old_sd = {1.5, 1.0, 1e-300, 1e-300, 1.0, 1.0};
   auto in = [&](const std::vector<double>& x, std::size_t cols) { return troll::make_batch(x.data(), n, cols); };
   // Full rows: the diagonal factors as Cholesky factors (row-major d × d).
-  std::vector<double> chol(n * d * d, 0.0), old_chol(n * d * d, 0.0);
-  for (std::size_t r = 0; r < n; ++r)
-    for (std::size_t i = 0; i < d; ++i) {
-      chol[r * d * d + i * d + i] = sd[r * d + i];
-      old_chol[r * d * d + i * d + i] = old_sd[r * d + i];
-    }
+  const std::vector<double> chol = troll_test::gauss::diagonal_factors(sd, n, d),
+                            old_chol = troll_test::gauss::diagonal_factors(old_sd, n, d);
   for (const bool full : {false, true}) {
     for (const bool split : {false, true}) {
       CAPTURE(full);
@@ -1434,11 +1431,8 @@ TEST_CASE("kl of rows whose KL lies between DBL_MAX/2 and DBL_MAX: finite and ex
     double kl = -7.0;
     troll::gaussian::kl_diag(troll::cpu, in(x.mean, d), in(x.sd, d), in(old_mean, d), in(x.old_sd, d), &kl);
     CHECK_MESSAGE(close(kl), kl);
-    std::vector<double> chol(d * d, 0.0), old_chol(d * d, 0.0);
-    for (std::size_t i = 0; i < d; ++i) {
-      chol[i * d + i] = x.sd[i];
-      old_chol[i * d + i] = x.old_sd[i];
-    }
+    const std::vector<double> chol = troll_test::gauss::diagonal_factors(x.sd, 1, d),
+                              old_chol = troll_test::gauss::diagonal_factors(x.old_sd, 1, d);
     kl = -7.0;
     troll::gaussian::kl(troll::cpu, in(x.mean, d), in(chol, d * d), in(old_mean, d), in(old_chol, d * d), &kl);
     CHECK_MESSAGE(close(kl), kl);

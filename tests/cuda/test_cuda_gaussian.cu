@@ -214,12 +214,8 @@ TEST_SUITE("device") {
     const std::vector<double> mean = {1.2e154, 1.0e154, 1.5e154, 0.5, 0.5, 1.5e154, 1.5e154, 1.5e154};
     const std::vector<double> sd = {0.5, 2.0, 1e-160, 1.0, 1e-5, 1.0, 1.0, 1.0};
     const std::vector<double> old_mean(n * d, 0.0), old_sd(n * d, 1.0);
-    std::vector<double> chol(n * d * d, 0.0), old_chol(n * d * d, 0.0);
-    for (std::size_t r = 0; r < n; ++r)
-      for (std::size_t i = 0; i < d; ++i) {
-        chol[r * d * d + i * d + i] = sd[r * d + i];
-        old_chol[r * d * d + i * d + i] = old_sd[r * d + i];
-      }
+    const std::vector<double> chol = troll_test::gauss::diagonal_factors(sd, n, d),
+                              old_chol = troll_test::gauss::diagonal_factors(old_sd, n, d);
     for (const bool full : {false, true}) {
       CAPTURE(full);
       const std::size_t cc = full ? d * d : d;

@@ -118,5 +118,14 @@ struct generator {
   }
 };
 
+/// Diagonal rows as full ones: n rows of d standard deviations → n row-major d × d Cholesky
+/// factors with those diagonals.
+inline std::vector<double> diagonal_factors(const std::vector<double>& sd, std::size_t n, std::size_t d) {
+  std::vector<double> chol(n * d * d, 0.0);
+  for (std::size_t r = 0; r < n; ++r)
+    for (std::size_t i = 0; i < d; ++i) chol[r * d * d + i * d + i] = sd[r * d + i];
+  return chol;
+}
+
 }  // namespace gauss
 }  // namespace troll_test
