@@ -143,11 +143,9 @@ void objective_backward(cpu_policy policy, const trust_region_objective& objecti
                              objective.alpha > 0.0, [&](std::size_t r) {
                                const detail::row_problem p = detail::find_bad_log_prob(
                                    log_probs.row(r), new_logits.row(r), old_logits.row(r), log_probs.cols, "log_probs");
-                               if (p) return p;
-                               const detail::row_problem s = detail::check_stats(stats[r]);
-                               if (s || stats[r].row_fingerprint == 0) return s;
-                               return detail::check_stats_fingerprint(
-                                   stats[r], detail::cpu::dense_row_fingerprint(new_logits.row(r), old_logits.row(r), size));
+                               return p ? p : detail::check_stats_for(stats[r], [&] {
+                                 return detail::cpu::dense_row_fingerprint(new_logits.row(r), old_logits.row(r), size);
+                               });
                              });
   const double* c = scratch.parts.weights;
   detail::cpu::troll_backward_plan* plans = scratch.parts.records;

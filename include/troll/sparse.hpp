@@ -654,13 +654,7 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
         return p;
       }
     }
-    p = detail::check_stats(stats[r]);
-    return p ? p : detail::check_stats_fingerprint(stats[r], detail::cpu::aligned_row_fingerprint(rows, r));
-  };
-  // Statistics made by project() for another row pair than row r (row_fingerprint; 0: not known).
-  auto other_rows = [&](std::size_t r) {
-    return stats[r].row_fingerprint != 0 &&
-           stats[r].row_fingerprint != detail::cpu::aligned_row_fingerprint(rows, r);
+    return detail::check_stats_for(stats[r], [&] { return detail::cpu::aligned_row_fingerprint(rows, r); });
   };
   detail::validate_aligned(fn, policy.threads, rows, detail::lumped_checks{}, [&](std::size_t r, bool finite) {
         const sparse_index c = log_probs.counts[r];
@@ -673,7 +667,7 @@ void project_backward(cpu_policy policy, aligned_input<T> rows, sparse_input<T> 
                    rows.old_log_probs + at, grad.row(r), int(c), log_probs.log_remainder[r],
                    tail ? rows.new_log_remainder[r] : masked, tail ? rows.old_log_remainder[r] : masked,
                    grad.log_remainder[r], finite) ||
-               bool(detail::check_stats(stats[r])) || other_rows(r);
+               bool(detail::check_stats_for(stats[r], [&] { return detail::cpu::aligned_row_fingerprint(rows, r); }));
       }, [&](std::size_t r, long long c) {  // the same row's output and upstream gradient
         detail::cpu::prefetch_entries(log_probs.row_indices(r), c);
         detail::cpu::prefetch_entries(log_probs.row_log_probs(r), c);

@@ -242,8 +242,7 @@ void objective_backward(cpu_policy policy, const sparse_trust_region_objective& 
     const bool counted = detail::mask_of(in, r) != 0.0;
     const detail::row_problem lumped = detail::check_lumped(aligned, r, detail::lumped_checks{0.0, false, regression && counted});
     if (lumped) return lumped;
-    const detail::row_problem s = detail::check_stats(stats[r]);
-    return s ? s : detail::check_stats_fingerprint(stats[r], detail::cpu::aligned_row_fingerprint(aligned, r));
+    return detail::check_stats_for(stats[r], [&] { return detail::cpu::aligned_row_fingerprint(aligned, r); });
   };
   detail::cpu::throw_first_problem(fn, policy.threads, rows, vocab, problem, &detail::throw_row_problem);
 

@@ -106,6 +106,20 @@ inline row_problem check_stats(const projection_stats& s) {
   }
 }
 
+/// check_stats, then that the statistics are project()'s of the rows the derivative was given:
+/// a row_fingerprint (not 0) other than `fingerprint()` (the given rows', formed only when
+/// needed) is statistics of another row or call.
+template <class Fingerprint>
+row_problem check_stats_for(const projection_stats& s, Fingerprint&& fingerprint) {
+  row_problem p = check_stats(s);
+  if (!p && s.row_fingerprint != 0 && s.row_fingerprint != fingerprint()) {
+    p.kind = row_error::bad_stats;
+    p.operand = "row_fingerprint differs from the given rows': these are project()'s statistics of other rows "
+                "(another row of the batch, or another call)";
+  }
+  return p;
+}
+
 /// The last guard of a derivative pass: the lowest row whose outputs do not fit T (the true
 /// derivative overflows, as with a sizeable upstream gradient on a token the row all but masks)
 /// throws domain_error. The outputs are then unspecified; every other problem is found before
@@ -156,11 +170,8 @@ void validate_backward(const char* fn, unsigned threads, batch_view<const T> new
   check_backward_views(fn, new_logits, old_logits, log_probs, stats, upstream, upstream_name, upstream_old);
   const std::size_t size = new_logits.cols;
   const bool four = upstream.data != nullptr && upstream_old.rows == 0;
-  // The statistics' own fields, then that they are project()'s of these rows (row_fingerprint).
   auto stats_problem = [&](std::size_t r) {
-    const row_problem p = check_stats(stats[r]);
-    if (p || stats[r].row_fingerprint == 0) return p;
-    return check_stats_fingerprint(stats[r], cpu::dense_row_fingerprint(new_logits.row(r), old_logits.row(r), size));
+    return check_stats_for(stats[r], [&] { return cpu::dense_row_fingerprint(new_logits.row(r), old_logits.row(r), size); });
   };
   auto problem = [&](std::size_t r) {
     // The common row, every logit and upstream entry finite and every log π* ≤ 0, passes in one

@@ -10,9 +10,7 @@
 #include <limits>
 
 #include "../../config.hpp"
-#include "../../projection_types.hpp"
 #include "../../sparse_types.hpp"
-#include "../row_problem.hpp"
 
 TROLL_BEGIN_NAMESPACE
 namespace detail {
@@ -72,18 +70,5 @@ std::uint64_t aligned_row_fingerprint(const aligned_batch_view<const T>& a, std:
 }
 
 }  // namespace cpu
-
-/// The derivatives' refusal of statistics whose row_fingerprint (not 0) differs from `fingerprint`,
-/// the one of the rows they were given; nothing where it agrees or is not known.
-inline row_problem check_stats_fingerprint(const projection_stats& s, std::uint64_t fingerprint) {
-  row_problem p;
-  if (s.row_fingerprint != 0 && s.row_fingerprint != fingerprint) {
-    p.kind = row_error::bad_stats;
-    p.operand = "row_fingerprint differs from the given rows': these are project()'s statistics of other rows "
-                "(another row of the batch, or another call)";
-  }
-  return p;
-}
-
 }  // namespace detail
 TROLL_END_NAMESPACE
