@@ -97,7 +97,7 @@ void project_backward(const in_array& mean, const in_array& cov, const in_array&
                       const std::optional<out_array>& grad_old_mean, const std::optional<out_array>& grad_old_cov,
                       const std::optional<out_array>& grad_eps, const std::optional<out_array>& grad_eps_mean,
                       unsigned threads, const std::optional<in_array>& saved) {
-  const char* fn = gaussian_project_name(full, split);
+  const char* fn = "gaussian.project_backward";  // the entry point the caller named
   dispatch_float(fn, "mean", mean, [&](auto tag) {
     using T = decltype(tag);
     const gaussian_backward_args<T> a(fn, full, split, mean, cov, old_mean, old_cov, out_mean, out_cov, stats_values,
@@ -131,7 +131,7 @@ void project_jvp(const in_array& mean, const in_array& cov, const in_array& old_
                  const std::optional<in_array>& tangent_old_mean, const std::optional<in_array>& tangent_old_cov,
                  double tangent_eps, double tangent_eps_mean, const out_array& tangent_out_mean,
                  const out_array& tangent_out_cov, unsigned threads, const std::optional<in_array>& saved) {
-  const char* fn = gaussian_project_name(full, split);
+  const char* fn = "gaussian.project_jvp";
   dispatch_float(fn, "mean", mean, [&](auto tag) {
     using T = decltype(tag);
     const gaussian_jvp_args<T> a(fn, full, mean, cov, old_mean, old_cov, out_mean, out_cov, stats_values,

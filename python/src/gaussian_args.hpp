@@ -165,8 +165,10 @@ struct gaussian_backward_args {
                          const std::optional<out_array>& grad_old_cov, const std::optional<out_array>& grad_eps,
                          const std::optional<out_array>& grad_eps_mean, const std::optional<in_array>& saved_array)
       : in(fn, full, mean, cov, old_mean, old_cov) {
-    for (const in_array* a : {&om, &gom}) require_same_shape(fn, "an output", *a, "mean", mean);
-    for (const in_array* a : {&oc, &goc}) require_same_shape(fn, "an output", *a, "cov", cov);
+    require_same_shape(fn, "out_mean", om, "mean", mean);
+    require_same_shape(fn, "grad_out_mean", gom, "mean", mean);
+    require_same_shape(fn, "out_cov", oc, "cov", cov);
+    require_same_shape(fn, "grad_out_cov", goc, "cov", cov);
     out_mean = as_batch<const T>(fn, "out_mean", om);
     out_cov = as_cov<const T>(fn, "out_cov", oc, mean, full);
     grad_out_mean = as_batch<const T>(fn, "grad_out_mean", gom);

@@ -326,10 +326,17 @@ def test_saved_factorisation_gives_the_same_derivatives(name, split, gen):
     jb = g.project_jvp(mean, chol, old_mean, old_chol, em, ec, m1, l1, stats, up_m, torch.tril(up_l), None, None,
                        0.01, 0.0, full=True, split=split)
     assert torch.equal(ja[0], jb[0]) and torch.equal(ja[1], jb[1])
-    # A wrong shape is a ShapeError; diagonal projections take none.
-    with pytest.raises(troll.ShapeError):
+    # A wrong shape is a ShapeError naming the entry point called; diagonal projections take none.
+    with pytest.raises(troll.ShapeError, match="gaussian.project_backward"):
         g.project_backward(mean, chol, old_mean, old_chol, em, ec, m1, l1, stats, up_m, up_l, saved=saved[:3],
                            **common)
+    with pytest.raises(troll.ShapeError, match="gaussian.project_backward: out_mean"):
+        g.project_backward(mean, chol, old_mean, old_chol, em, ec, m1[:, :-1], l1, stats, up_m, up_l, **common)
+    with pytest.raises(troll.ShapeError, match="gaussian.project_backward: grad_out_cov"):
+        g.project_backward(mean, chol, old_mean, old_chol, em, ec, m1, l1, stats, up_m, up_l[:, :-1], **common)
+    with pytest.raises(troll.ShapeError, match="gaussian.project_jvp: out_mean"):
+        g.project_jvp(mean, chol, old_mean, old_chol, em, ec, m1[:, :-1], l1, stats, up_m, None, None, None,
+                      0.0, 0.0, full=True, split=split)
     with pytest.raises(troll.ShapeError):
         g._project(mean, torch.ones_like(mean), old_mean, torch.ones_like(mean), 0.05, 0.05, False, False, None, None,
                    1e-11, 0.0, 100, 0, saved)
