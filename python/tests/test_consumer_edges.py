@@ -900,3 +900,28 @@ def test_a_child_forked_after_troll_started_its_threads_computes_and_exits(tmp_p
                          cwd=str(tmp_path))
     assert run.returncode == 0, run.stdout + run.stderr
     assert "answer 1 status 0" in run.stdout, run.stdout + run.stderr
+
+
+def test_sliced_sparse_rows_are_refused_by_name_and_read_once_packed(gen):
+    """Dense rows may be sliced (x[::2], x[:, :V]); the arrays of SparseRows are read through
+    troll's packed sparse layout, so a slice of them raises ShapeError naming the array and its
+    row stride (docs/python.md "No copies"), never reads the skipped rows; packed copies of the
+    same slices give the rows' own results."""
+    z, new = logits(gen, 8, 9), logits(gen, 4, 9)
+    old = tt.sparsify(z, 4)
+    every_other = troll.SparseRows(old.indices[::2], old.log_probs[::2], old.counts[::2], old.log_remainder[::2],
+                                   old.vocab)
+    with pytest.raises(troll.ShapeError, match=r"old\.indices must be packed \(row stride 8 != 4\)"):
+        troll.align(new, every_other)
+    with pytest.raises(troll.ShapeError, match=r"indices must be packed"):
+        tt.project_sparse(new, every_other, 0.05)
+    narrower = troll.SparseRows(old.indices[:4, :3], old.log_probs[:4, :3], old.counts[:4].clamp(max=3),
+                                old.log_remainder[:4], old.vocab)
+    with pytest.raises(troll.ShapeError, match=r"old\.indices must be packed \(row stride 4 != 3\)"):
+        troll.align(new, narrower)
+    packed = troll.SparseRows(*(a.contiguous() for a in every_other[:4]), old.vocab)
+    got = troll.align(new, packed)
+    want = troll.align(new, troll.SparseRows(*(a[::2].contiguous() for a in tt.sparsify(z, 4)[:4]), old.vocab))
+    assert got.vocab == want.vocab
+    for a, b in zip(got[:6], want[:6]):  # every array of the aligned rows, bit for bit
+        assert torch.equal(a, b)
