@@ -817,3 +817,63 @@ TEST_CASE("bad input: the lowest bad row is named and no output is touched (spar
   aligned_rows<double> empty(0, 4, vocab);
   troll::kl(troll::cpu, troll::aligned_input<double>(empty.view()), static_cast<double*>(nullptr));
 }
+
+TEST_CASE_TEMPLATE("align(logits, new_support, old) reads new_support's ids and counts only; sparsify_backward refuses a NaN support value", T, float, double) {
+  // docs/sparse.md "Mass tolerance": new_support's values are never read, so any values (NaN,
+  // +inf, above 0, unset) give the same aligned rows bit for bit, while its ids are checked.
+  // sparsify_backward reads which support values are −inf, so NaN or above 0 there is refused.
+  const std::size_t vocab = 23, rows = 3;
+  std::vector<T> z(rows * vocab);
+  for (std::size_t i = 0; i < z.size(); ++i) z[i] = T(0.37 * double((i * 7) % 11) - 1.1);
+  const auto logits = troll::make_batch<const T>(z.data(), rows, vocab);
+  sparse_rows<T> support(rows, 6, vocab), old(rows, 6, vocab);
+  troll::sparsify(troll::cpu, logits, nullptr, {4, 0.0}, support.view());
+  for (std::size_t r = 0; r < rows; ++r) {
+    std::vector<double> row(z.begin() + std::ptrdiff_t(r * vocab), z.begin() + std::ptrdiff_t((r + 1) * vocab));
+    for (double& x : row) x = -x;
+    put_row(old, r, gather(row, {int(r), int(r + 5), int(r + 9)}));
+  }
+  aligned_rows<T> want(rows, 12, vocab);
+  troll::align(troll::cpu, logits, troll::sparse_input<T>(support.view()), troll::sparse_input<T>(old.view()), want.view());
+  for (const double value : {std::nan(""), inf, 0.5, -inf, 3e38}) {
+    CAPTURE(value);
+    sparse_rows<T> odd = support;
+    for (T& x : odd.log_probs) x = T(value);
+    for (T& x : odd.log_remainder) x = T(value);
+    aligned_rows<T> got(rows, 12, vocab);
+    troll::align(troll::cpu, logits, troll::sparse_input<T>(odd.view()), troll::sparse_input<T>(old.view()), got.view());
+    CHECK(got.indices == want.indices);
+    CHECK(got.counts == want.counts);
+    CHECK(std::memcmp(got.new_log_probs.data(), want.new_log_probs.data(), got.new_log_probs.size() * sizeof(T)) == 0);
+    CHECK(std::memcmp(got.old_log_probs.data(), want.old_log_probs.data(), got.old_log_probs.size() * sizeof(T)) == 0);
+    CHECK(std::memcmp(got.new_log_remainder.data(), want.new_log_remainder.data(), rows * sizeof(T)) == 0);
+    CHECK(std::memcmp(got.old_log_remainder.data(), want.old_log_remainder.data(), rows * sizeof(T)) == 0);
+  }
+  // Its ids are still checked: a repeated id in row 1 is named, nothing written.
+  sparse_rows<T> repeated = support;
+  repeated.indices[1 * repeated.k_max + 1] = repeated.indices[1 * repeated.k_max];
+  aligned_rows<T> untouched(rows, 12, vocab);
+  const aligned_rows<T> fresh = untouched;
+  troll_test::expect_row_error<troll::shape_error>(
+      [&] {
+        troll::align(troll::cpu, logits, troll::sparse_input<T>(repeated.view()), troll::sparse_input<T>(old.view()),
+                     untouched.view());
+      },
+      1);
+  CHECK(untouched.indices == fresh.indices);
+  CHECK(untouched.new_log_probs == fresh.new_log_probs);
+  // sparsify_backward: a NaN value at row 2's support entry 0 is refused, nothing written.
+  sparse_rows<T> nan_value = support;
+  nan_value.log_probs[2 * nan_value.k_max] = T(std::nan(""));
+  sparse_grads<T> up(rows, 6);
+  for (T& x : up.log_probs) x = T(0.25);
+  for (T& x : up.log_remainder) x = T(-0.5);
+  std::vector<T> grad(rows * vocab, T(7));
+  troll_test::expect_rejected<troll::domain_error>(
+      [&] {
+        troll::sparsify_backward(troll::cpu, logits, troll::sparse_input<T>(nan_value.view()),
+                                 troll::sparse_grad_input<T>(up.view()), troll::make_batch(grad.data(), rows, vocab));
+      },
+      2, "support");
+  for (T x : grad) CHECK(x == T(7));
+}

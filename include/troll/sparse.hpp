@@ -443,7 +443,7 @@ void align(cpu_policy policy, input_view<T> new_logits, sparse_input<T> new_supp
                                  detail::row_problem p =
                                      detail::cpu::logits_row_problem(new_logits.row(r), new_logits.cols, "new_logits");
                                  if (!p) p = detail::sparse_row_problem(old_rows, r, "old", scratch);
-                                 if (!p && with_support) p = detail::check_support_row(new_support, r, "new_support", scratch);
+                                 if (!p && with_support) p = detail::check_support_row(new_support, r, "new_support", scratch, true);
                                  return p;
                                }, new_logits.cols);
   detail::cpu::parallel_for(policy.threads, out.rows, 2 * new_logits.cols, [&](std::size_t r) {

@@ -222,6 +222,20 @@ TEST_SUITE("device") {
       for (std::size_t i = 0; i < ln.size(); ++i) CHECK(close(ln[i], want_dense.ln[i], 1e-12, 1e-12));
       for (std::size_t r = 0; r < rows; ++r) CHECK(close(rnd[r], want_dense.rn[r], 1e-12, 1e-12));
     }
+    {  // new_support's values are never read (ids and counts only), as on the CPU: NaN values
+       // give the same aligned rows bit for bit, in checked mode
+      const auto first_ln = a_ln.download(), first_rn = a_rn.download();
+      sparse_pair<double> ids_only(rows, k_max, vocab);
+      ids_only.indices = sn.indices, ids_only.counts = sn.counts;
+      std::fill(ids_only.log_probs.begin(), ids_only.log_probs.end(), std::nan(""));
+      std::fill(ids_only.log_remainder.begin(), ids_only.log_remainder.end(), std::nan(""));
+      ids_only.upload();
+      troll::align(troll::cuda.on(s.stream).checked(), troll::make_batch<const double>(d_zn.get(), rows, vocab),
+                   ids_only.device(), so.device(), got_view);
+      CHECK(a_idx.download() == want_dense.indices);
+      CHECK(a_ln.download() == first_ln);
+      CHECK(a_rn.download() == first_rn);
+    }
 
     // kl and project of the (CPU-aligned) rows, uploaded as they are
     device_array<troll::sparse_index> w_idx(want.indices), w_cnt(want.counts);

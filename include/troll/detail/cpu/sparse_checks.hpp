@@ -70,10 +70,12 @@ row_problem check_sparse_row_of(const sparse_batch_view<T>& v, std::size_t r,
                                v.k_max, v.vocab, name, scratch);
 }
 
-/// Row r of a support whose values are not read (sparsify_backward's and align's `support`): its
-/// count, indices (in [0, V), distinct) and values (not NaN, ≤ 0) checked as check_sparse_row
+/// Row r of a support used for its ids (sparsify_backward's, which reads of its values only which
+/// are −inf, and align's new_support): its count, indices (in [0, V), distinct) and values (not
+/// NaN, ≤ 0) checked as check_sparse_row
 /// does without the remainder and mass rules; with `indices_only` its values are not read at all
-/// (sparsify_tail_sums). The device's warp_check_sparse_row with remainder_rules = false.
+/// (sparsify_tail_sums, align's new_support). The device's warp_check_sparse_row with
+/// remainder_rules = false.
 template <class T>
 row_problem check_support_row(const sparse_batch_view<T>& support, std::size_t r, const char* name,
                               index_slot* scratch, bool indices_only = false) {

@@ -390,7 +390,8 @@ __global__ void __launch_bounds__(block_threads)
       const sparse_index* ni = with_support ? new_support.row_indices(r) : nullptr;
       const int cn = with_support && report.error == cuda_row_error::none ? static_cast<int>(new_support.counts[r]) : 0;
       if (report.error == cuda_row_error::none && with_support)
-        report = warp_check_sparse_row(ni, new_support.row_log_probs(r), new_support.counts[r], 0.0,
+        // indices and counts only: the support's values are never read (troll::align)
+        report = warp_check_sparse_row(ni, static_cast<const T*>(nullptr), new_support.counts[r], 0.0,
                                        new_support.k_max, new_support.vocab, operand_support, false, sh.sorted, slots);
       int u = 0;
       if (report.error == cuda_row_error::none) {
