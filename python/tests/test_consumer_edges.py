@@ -925,3 +925,24 @@ def test_sliced_sparse_rows_are_refused_by_name_and_read_once_packed(gen):
     assert got.vocab == want.vocab
     for a, b in zip(got[:6], want[:6]):  # every array of the aligned rows, bit for bit
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_align_reads_only_the_ids_and_counts_of_new_support(gen, dtype):
+    """align(new_logits, old, new_support): the support gives U's ids; its values are never read
+    (docs/sparse.md), so NaN or positive values give the same aligned rows bit for bit, while a
+    repeated id is still refused."""
+    z, zo = logits(gen, 3, 11).to(dtype), logits(gen, 3, 11).to(dtype)
+    old, support = troll.sparsify(zo, 3), troll.sparsify(z, 4)
+    want = troll.align(z, old, new_support=support)
+    for value in (float("nan"), 0.5, float("inf")):
+        odd = troll.SparseRows(support.indices, torch.full_like(support.log_probs, value), support.counts,
+                               torch.full_like(support.log_remainder, value), support.vocab)
+        got = troll.align(z, old, new_support=odd)
+        for a, b in zip(got[:6], want[:6]):
+            assert torch.equal(a, b)
+    repeated = support.indices.clone()
+    repeated[1, 1] = repeated[1, 0]
+    with pytest.raises(troll.ShapeError, match="row 1"):
+        troll.align(z, old, new_support=troll.SparseRows(repeated, support.log_probs, support.counts,
+                                                         support.log_remainder, support.vocab))
